@@ -1,0 +1,172 @@
+// CPU backend: stands in for pinned memory, a copy stream and events where no
+// GPU exists. The "slab" is aligned host memory, one worker thread performs
+// copies in order (like a CUDA stream), and per-slot tickets guarded by a
+// condition variable play the role of copy events. The compute side is the
+// calling thread, which reads slots synchronously, so read events are
+// implicit: Store never issues a copy into a slot that is still held.
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <thread>
+
+#include "../alloc_error.h"
+#include "../store.h"
+
+namespace psr {
+namespace {
+
+constexpr size_t kAlign = 4096;
+
+void* aligned(size_t bytes, const char* what) {
+  const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+  void* p = rounded >= bytes ? std::aligned_alloc(kAlign, rounded) : nullptr;
+  if (!p)
+    throw AllocError(std::string("cannot allocate ") + std::to_string(bytes) + " bytes of " +
+                     what + " memory");
+  return p;
+}
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(uint32_t max_delay_us, uint64_t seed) { set_copy_delay(max_delay_us, seed); }
+
+  ~CpuBackend() override {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  std::string name() const override { return "cpu"; }
+  int dlpack_device_type() const override { return 1; }
+  int device_index() const override { return 0; }
+  void* alloc_host(size_t bytes) override { return aligned(bytes, "host"); }
+  void free_host(void* p) noexcept override { std::free(p); }
+  void* alloc_slab(size_t bytes) override { return aligned(bytes, "slab"); }
+  void free_slab(void* p) noexcept override { std::free(p); }
+
+  void init_slots(size_t n) override {
+    std::lock_guard<std::mutex> g(mu_);
+    slots_.assign(n, SlotState{});
+    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+  }
+
+  void copy_async(size_t g, void* dst, const void* src, size_t bytes,
+                  const std::string& what) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      Job j{g, dst, src, bytes, ++slots_[g].issued, what, false};
+      if (fail_next_ > 0) {
+        --fail_next_;
+        j.fail = true;
+      }
+      queue_.push_back(std::move(j));
+    }
+    cv_.notify_all();
+  }
+
+  std::vector<std::string> wait_copies(const std::vector<size_t>& gs, uintptr_t,
+                                       Counters& c) override {
+    std::vector<std::string> errs(gs.size());
+    std::unique_lock<std::mutex> lk(mu_);
+    for (size_t i = 0; i < gs.size(); ++i) {
+      SlotState& s = slots_[gs[i]];
+      c.waits += 1;
+      if (s.done < s.issued) {
+        c.stalled_waits += 1;
+        const auto t0 = std::chrono::steady_clock::now();
+        cv_.wait(lk, [&] { return s.done >= s.issued; });
+        c.stall_ns += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                std::chrono::steady_clock::now() - t0)
+                                                .count());
+      }
+      errs[i] = s.error;
+    }
+    return errs;
+  }
+
+  void record_read(const std::vector<size_t>&, uintptr_t) override {}
+
+  void synchronize() override {
+    std::unique_lock<std::mutex> lk(mu_);
+    cv_.wait(lk, [&] { return queue_.empty() && !busy_; });
+  }
+
+  bool equal(const void* slot, const void* host, size_t bytes) override {
+    return std::memcmp(slot, host, bytes) == 0;
+  }
+
+  void set_copy_delay(uint32_t max_delay_us, uint64_t seed) override {
+    std::lock_guard<std::mutex> g(mu_);
+    max_delay_us_ = max_delay_us;
+    rng_.seed(seed);
+  }
+
+  void fail_next_copies(int64_t n) override {
+    if (n < 0) throw std::invalid_argument("fail_next_copies: n must be >= 0");
+    std::lock_guard<std::mutex> g(mu_);
+    fail_next_ = n;
+  }
+
+ private:
+  struct SlotState {
+    uint64_t issued = 0;  // tickets of copies into this slot
+    uint64_t done = 0;
+    std::string error;    // of the last finished copy
+  };
+  struct Job {
+    size_t g;
+    void* dst;
+    const void* src;
+    size_t bytes;
+    uint64_t ticket;
+    std::string what;
+    bool fail;
+  };
+
+  void run() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stop_ and drained
+      Job j = std::move(queue_.front());
+      queue_.pop_front();
+      busy_ = true;
+      const uint32_t delay =
+          max_delay_us_ ? static_cast<uint32_t>(rng_() % (uint64_t(max_delay_us_) + 1)) : 0;
+      lk.unlock();
+      if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+      if (!j.fail) std::memcpy(j.dst, j.src, j.bytes);
+      lk.lock();
+      SlotState& s = slots_[j.g];
+      s.done = j.ticket;
+      s.error = j.fail ? "injected copy failure (" + j.what + ")" : "";
+      busy_ = false;
+      cv_.notify_all();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Job> queue_;
+  std::vector<SlotState> slots_;
+  std::thread worker_;
+  bool stop_ = false;
+  bool busy_ = false;
+  uint32_t max_delay_us_ = 0;
+  int64_t fail_next_ = 0;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(uint32_t max_delay_us, uint64_t seed) {
+  return std::make_unique<CpuBackend>(max_delay_us, seed);
+}
+
+}  // namespace psr

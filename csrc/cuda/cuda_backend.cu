@@ -1,0 +1,253 @@
+// CUDA backend: pinned host memory (cudaHostAlloc), one cudaMalloc slab per
+// layer, cudaMemcpyAsync on a dedicated non-blocking copy stream, and per-slot
+// events: `copy` (recorded after the last copy into the slot; the compute
+// stream waits on it) and `read` (recorded on the compute stream after the
+// last kernel that read the slot; the copy stream waits on it before
+// overwriting: write-after-read).
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <sstream>
+#include <vector>
+
+#include "../alloc_error.h"
+#include "../store.h"
+
+namespace psr {
+namespace {
+
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear a non-sticky error
+    throw StoreError(std::string(what) + ": " + cudaGetErrorString(err));
+  }
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&prev_);
+    if (prev_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(prev_); }
+
+ private:
+  int prev_ = 0;
+};
+
+// Counts bytes that differ between a slot (device) and its host copy (pinned,
+// read through unified addressing).
+__global__ void count_mismatch(const unsigned char* a, const unsigned char* b, size_t n,
+                               unsigned long long* out) {
+  unsigned long long local = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
+    local += a[i] != b[i];
+  if (local) atomicAdd(out, local);
+}
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {
+    const int n = cuda_device_count();
+    if (device < 0 || device >= n) {
+      std::ostringstream s;
+      s << "CUDA device " << device << " not available (" << n << " device(s) visible)";
+      throw StoreError(s.str());
+    }
+    DeviceGuard g(device_);
+    check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+
+  ~CudaBackend() override {
+    DeviceGuard g(device_);
+    cudaStreamSynchronize(copy_stream_);
+    for (auto* v : {&copy_ev_, &read_ev_})
+      for (cudaEvent_t e : *v) cudaEventDestroy(e);
+    for (auto& p : stalls_) {
+      cudaEventDestroy(p.first);
+      cudaEventDestroy(p.second);
+    }
+    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+    cudaStreamDestroy(copy_stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  int dlpack_device_type() const override { return 2; }
+  int device_index() const override { return device_; }
+
+  void* alloc_host(size_t bytes) override {
+    DeviceGuard g(device_);
+    void* p = nullptr;
+    cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw AllocError("cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory: " +
+                       cudaGetErrorString(err));
+    }
+    return p;
+  }
+  void free_host(void* p) noexcept override {
+    if (p) cudaFreeHost(p);
+  }
+  void* alloc_slab(size_t bytes) override {
+    DeviceGuard g(device_);
+    void* p = nullptr;
+    cudaError_t err = cudaMalloc(&p, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw AllocError("cannot allocate " + std::to_string(bytes) + " bytes of device memory: " +
+                       cudaGetErrorString(err));
+    }
+    return p;
+  }
+  void free_slab(void* p) noexcept override {
+    if (p) {
+      DeviceGuard g(device_);
+      cudaFree(p);
+    }
+  }
+
+  void init_slots(size_t n) override {
+    DeviceGuard g(device_);
+    copy_ev_.resize(n);
+    read_ev_.resize(n);
+    has_read_.assign(n, false);
+    for (size_t i = 0; i < n; ++i) {
+      check(cudaEventCreateWithFlags(&copy_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(&read_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
+    }
+  }
+
+  void copy_async(size_t g, void* dst, const void* src, size_t bytes,
+                  const std::string& what) override {
+    DeviceGuard dg(device_);
+    if (has_read_[g]) check(cudaStreamWaitEvent(copy_stream_, read_ev_[g], 0), "cudaStreamWaitEvent");
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, copy_stream_),
+          ("cudaMemcpyAsync (" + what + ")").c_str());
+    check(cudaEventRecord(copy_ev_[g], copy_stream_), "cudaEventRecord");
+  }
+
+  std::vector<std::string> wait_copies(const std::vector<size_t>& gs, uintptr_t stream,
+                                       Counters& c) override {
+    DeviceGuard dg(device_);
+    auto s = reinterpret_cast<cudaStream_t>(stream);
+    std::vector<std::string> errs(gs.size());
+    std::vector<size_t> pending;
+    for (size_t i = 0; i < gs.size(); ++i) {
+      c.waits += 1;
+      cudaError_t q = cudaEventQuery(copy_ev_[gs[i]]);
+      if (q == cudaErrorNotReady) {
+        pending.push_back(gs[i]);
+      } else if (q != cudaSuccess) {
+        cudaGetLastError();
+        errs[i] = cudaGetErrorString(q);
+      }
+    }
+    if (pending.empty()) return errs;
+    // Bracket the waits with timing events: their distance on the compute
+    // stream is the stall, read lazily by drain_stall_ns().
+    cudaEvent_t begin = event(), end = event();
+    check(cudaEventRecord(begin, s), "cudaEventRecord");
+    for (size_t g : pending) check(cudaStreamWaitEvent(s, copy_ev_[g], 0), "cudaStreamWaitEvent");
+    check(cudaEventRecord(end, s), "cudaEventRecord");
+    stalls_.emplace_back(begin, end);
+    c.stalled_waits += pending.size();
+    return errs;
+  }
+
+  void record_read(const std::vector<size_t>& gs, uintptr_t stream) override {
+    DeviceGuard dg(device_);
+    auto s = reinterpret_cast<cudaStream_t>(stream);
+    for (size_t g : gs) {
+      check(cudaEventRecord(read_ev_[g], s), "cudaEventRecord");
+      has_read_[g] = true;
+    }
+  }
+
+  void synchronize() override {
+    DeviceGuard dg(device_);
+    check(cudaStreamSynchronize(copy_stream_), "cudaStreamSynchronize");
+  }
+
+  uint64_t drain_stall_ns() override {
+    DeviceGuard dg(device_);
+    uint64_t ns = 0;
+    std::vector<std::pair<cudaEvent_t, cudaEvent_t>> keep;
+    for (auto& p : stalls_) {
+      if (cudaEventQuery(p.second) != cudaSuccess) {
+        cudaGetLastError();
+        keep.push_back(p);
+        continue;
+      }
+      float ms = 0.f;
+      if (cudaEventElapsedTime(&ms, p.first, p.second) == cudaSuccess && ms > 0)
+        ns += static_cast<uint64_t>(ms * 1e6);
+      pool_.push_back(p.first);
+      pool_.push_back(p.second);
+    }
+    stalls_.swap(keep);
+    return ns;
+  }
+
+  bool equal(const void* slot, const void* host, size_t bytes) override {
+    DeviceGuard dg(device_);
+    void* dev_host = nullptr;
+    check(cudaHostGetDevicePointer(&dev_host, const_cast<void*>(host), 0), "cudaHostGetDevicePointer");
+    unsigned long long* d = nullptr;
+    unsigned long long h = 0;
+    check(cudaMalloc(&d, sizeof(h)), "cudaMalloc");
+    cudaMemsetAsync(d, 0, sizeof(h), copy_stream_);
+    count_mismatch<<<256, 256, 0, copy_stream_>>>(static_cast<const unsigned char*>(slot),
+                                                  static_cast<const unsigned char*>(dev_host),
+                                                  bytes, d);
+    cudaError_t err = cudaMemcpyAsync(&h, d, sizeof(h), cudaMemcpyDeviceToHost, copy_stream_);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(copy_stream_);
+    cudaFree(d);
+    check(err, "verify");
+    return h == 0;
+  }
+
+ private:
+  cudaEvent_t event() {
+    if (!pool_.empty()) {
+      cudaEvent_t e = pool_.back();
+      pool_.pop_back();
+      return e;
+    }
+    cudaEvent_t e;
+    check(cudaEventCreate(&e), "cudaEventCreate");
+    return e;
+  }
+
+  int device_;
+  cudaStream_t copy_stream_ = nullptr;
+  std::vector<cudaEvent_t> copy_ev_, read_ev_, pool_;
+  std::vector<bool> has_read_;
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> stalls_;
+};
+
+}  // namespace
+
+bool cuda_compiled() { return true; }
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+int cuda_runtime_version() {
+  int v = 0;
+  cudaRuntimeGetVersion(&v);
+  return v;
+}
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  return std::make_unique<CudaBackend>(device);
+}
+
+}  // namespace psr
