@@ -1,0 +1,53 @@
+"""Shared checks and launch helpers for psr_kernels (torch + triton only)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_launchable(op: str, *tensors: torch.Tensor | None) -> torch.device:
+    """All tensors on one device that Triton can run on (CUDA, or CPU when interpreting)."""
+    devs = {t.device for t in tensors if t is not None}
+    if len(devs) != 1:
+        raise ValueError(f"{op}: tensors must be on one device, got {sorted(map(str, devs))}")
+    dev = devs.pop()
+    if dev.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"{op}: Triton kernels need CUDA tensors (got {dev}); set TRITON_INTERPRET=1 to run "
+            f"them on the CPU, or call {op}_ref / the torch.ops.psr op, which falls back to torch"
+        )
+    return dev
+
+
+def check_float(op: str, name: str, t: torch.Tensor, ndim: int | tuple[int, ...]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    dims = (ndim,) if isinstance(ndim, int) else ndim
+    if t.dim() not in dims:
+        raise ValueError(
+            f"{op}: {name} must have {' or '.join(map(str, dims))} dims, got shape {tuple(t.shape)}"
+        )
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: {name} dtype must be float32, bfloat16 or float16, got {t.dtype}")
+
+
+def check_finite(op: str, name: str, t: torch.Tensor) -> None:
+    """NaN/inf router scores would route silently to garbage: refuse them."""
+    if not bool(torch.isfinite(t).all()):
+        bad = "NaN" if bool(torch.isnan(t).any()) else "inf"
+        raise ValueError(
+            f"{op}: {name} contains {bad} (pass check_finite=False to skip this check)"
+        )
+
+
+def pow2(n: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(int(n)))

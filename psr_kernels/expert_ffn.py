@@ -1,0 +1,259 @@
+"""Batch-1 MoE expert FFN that reads expert weights straight from slab slots.
+
+    y[t] = sum_j w[t, j] * down_j( silu(gate_j x[t]) * up_j x[t] ),  expert j in slot slots[t, j]
+
+Each slab row holds one expert packed as `[gate (F x H), up (F x H), down (H x F)]`
+(the layout psr's store registers; HF's fused `gate_up_proj[e]` is gate then up).
+Two kernels, both accumulating in fp32 with a fixed reduction order (no atomics), so
+results are bit-reproducible run to run:
+  1. `_gate_up_kernel`, grid (T*k, F/BLOCK_F): h[t, j] = silu(gate_j x) * (up_j x);
+  2. `_down_kernel`, grid (T, H/BLOCK_H): y[t] = sum_j w[t, j] * (down_j h[t, j]).
+At batch 1 this is a grouped GEMV: each weight byte is read once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from psr_kernels._common import check_float, check_launchable, pow2
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr,
+    s_xt,
+    slab_ptr,
+    s_slot,
+    slots_ptr,
+    h_ptr,
+    T,
+    H,
+    F,
+    C,
+    K: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    tk = tl.program_id(0)
+    t = tk // K
+    fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fm = fs < F
+    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    ok = (slot >= 0) & (slot < C)  # out-of-range slots read nothing (the wrapper checks)
+    base = slab_ptr + slot * s_slot
+    acc_g = tl.zeros([BLOCK_F], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        hm = hs < H
+        x = tl.load(x_ptr + t * s_xt + hs, mask=hm, other=0.0).to(tl.float32)
+        wm = ok & fm[:, None] & hm[None, :]
+        offs = fs[:, None].to(tl.int64) * H + hs[None, :]
+        g = tl.load(base + offs, mask=wm, other=0.0).to(tl.float32)
+        u = tl.load(base + F * H + offs, mask=wm, other=0.0).to(tl.float32)
+        acc_g += tl.sum(g * x[None, :], axis=1)
+        acc_u += tl.sum(u * x[None, :], axis=1)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + tk * F + fs, h, mask=fm)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr,
+    slab_ptr,
+    s_slot,
+    slots_ptr,
+    w_ptr,
+    y_ptr,
+    s_yt,
+    T,
+    H,
+    F,
+    C,
+    K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = hs < H
+    y = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(K):
+        slot = tl.load(slots_ptr + t * K + j).to(tl.int64)
+        ok = (slot >= 0) & (slot < C)
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        base = slab_ptr + slot * s_slot + 2 * F * H
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            fs = f0 + tl.arange(0, BLOCK_F)
+            fm = fs < F
+            hv = tl.load(h_ptr + (t * K + j) * F + fs, mask=fm, other=0.0)
+            d = tl.load(
+                base + hs[:, None].to(tl.int64) * F + fs[None, :],
+                mask=ok & hm[:, None] & fm[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += tl.sum(d * hv[None, :], axis=1)
+        y += wj * acc
+    tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+
+
+def _check_ffn(
+    op: str,
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+) -> None:
+    check_float(op, "x", x, 2)
+    check_float(op, "slab", slab, 2)
+    check_float(op, "weights", weights, 2)
+    T, H = x.shape
+    if H != hidden_size:
+        raise ValueError(f"{op}: x has hidden size {H}, expected {hidden_size}")
+    if ffn_size < 1:
+        raise ValueError(f"{op}: ffn_size must be positive, got {ffn_size}")
+    if slab.shape[1] != 3 * hidden_size * ffn_size:
+        raise ValueError(
+            f"{op}: slab rows hold {slab.shape[1]} elements, expected "
+            f"3 * H * F = {3 * hidden_size * ffn_size}"
+        )
+    if slab.stride(1) != 1:
+        raise ValueError(f"{op}: slab rows must be contiguous (stride(1) == 1)")
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: slots must be an int32/int64 tensor")
+    if slots.dim() != 2 or slots.shape[0] != T:
+        raise ValueError(f"{op}: slots must be [T={T}, k], got {list(slots.shape)}")
+    if weights.shape != slots.shape:
+        raise ValueError(
+            f"{op}: weights {list(weights.shape)} and slots {list(slots.shape)} differ"
+        )
+
+
+def _check_slot_range(op: str, slots: torch.Tensor, C: int) -> None:
+    if slots.numel() and not bool(((slots >= 0) & (slots < C)).all()):
+        raise IndexError(f"{op}: slot ids must be in [0, {C}), got {slots.tolist()}")
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    *,
+    out_dtype: torch.dtype | None = None,
+    check_slots: bool = True,
+) -> torch.Tensor:
+    """Routed SwiGLU experts of `x [T, H]` read from `slab [C, 3*H*F]` slots.
+
+    Args:
+        slots: `[T, k]` int slot of each routed expert; weights: `[T, k]` gate weights.
+        out_dtype: output dtype (default x.dtype); accumulation is always fp32.
+        check_slots: validate slot ids on the host (a sync); out-of-range slots are
+            otherwise read as zeros rather than faulting.
+    Returns `[T, H]`.
+    """
+    op = "expert_ffn"
+    _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size)
+    check_launchable(op, x, slab, slots, weights)
+    T, H = x.shape
+    K = slots.shape[1]
+    C = slab.shape[0]
+    F = ffn_size
+    if check_slots:
+        _check_slot_range(op, slots, C)
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(T, H, dtype=out_dtype, device=x.device)
+    if T == 0 or K == 0:
+        return y.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    slots = slots.contiguous()
+    weights = weights.float().contiguous()
+    h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
+    BF1 = min(pow2(F, 16), 64)
+    BH1 = min(pow2(H, 16), 128)
+    _gate_up_kernel[(T * K, triton.cdiv(F, BF1))](
+        x,
+        x.stride(0),
+        slab,
+        slab.stride(0),
+        slots,
+        h,
+        T,
+        H,
+        F,
+        C,
+        K=K,
+        BLOCK_F=BF1,
+        BLOCK_H=BH1,
+        num_warps=4,
+    )
+    # Enough output tiles to fill the GPU at T = 1.
+    BH2 = max(16, min(64, pow2(triton.cdiv(H * T, 128))))
+    BF2 = min(pow2(F, 16), 128)
+    _down_kernel[(T, triton.cdiv(H, BH2))](
+        h,
+        slab,
+        slab.stride(0),
+        slots,
+        weights,
+        y,
+        y.stride(0),
+        T,
+        H,
+        F,
+        C,
+        K=K,
+        BLOCK_H=BH2,
+        BLOCK_F=BF2,
+        num_warps=4,
+    )
+    return y
+
+
+def expert_ffn_ref(
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    *,
+    out_dtype: torch.dtype | None = None,
+    check_slots: bool = True,
+) -> torch.Tensor:
+    """Plain-torch reference of `expert_ffn` (fp32 math on the stored weights)."""
+    op = "expert_ffn_ref"
+    _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size)
+    if check_slots:
+        _check_slot_range(op, slots, slab.shape[0])
+    T, H = x.shape
+    F = ffn_size
+    w = slab[slots.long()].float()  # [T, k, 3HF]
+    gate = w[..., : F * H].view(T, -1, F, H)
+    up = w[..., F * H : 2 * F * H].view(T, -1, F, H)
+    down = w[..., 2 * F * H :].view(T, -1, H, F)
+    xf = x.float()[:, None, :, None]  # [T, 1, H, 1]
+    g = (gate @ xf).squeeze(-1)  # [T, k, F]
+    u = (up @ xf).squeeze(-1)
+    h = torch.nn.functional.silu(g) * u
+    out = (down @ h[..., None]).squeeze(-1)  # [T, k, H]
+    y = (out * weights.float()[..., None]).sum(1)
+    return y.to(out_dtype or x.dtype)
+
+
+def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One slab row from an expert's `gate [F, H]`, `up [F, H]`, `down [H, F]`."""
+    F, H = gate.shape
+    if up.shape != (F, H) or down.shape != (H, F):
+        raise ValueError(
+            f"pack_expert: expected gate/up [F, H] and down [H, F], got "
+            f"{list(gate.shape)}, {list(up.shape)}, {list(down.shape)}"
+        )
+    return torch.cat([gate.reshape(-1), up.reshape(-1), down.reshape(-1)])
