@@ -148,6 +148,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
       .def("slot_experts", &psr::Store::slot_experts)
       .def("readers", &psr::Store::readers)
+      .def("ready", &psr::Store::ready)
       .def("verify", &psr::Store::verify, py::call_guard<py::gil_scoped_release>())
       .def("synchronize", &psr::Store::synchronize, py::call_guard<py::gil_scoped_release>())
       .def("counters", [](psr::Store& s) { return counters_dict(s.counters()); })

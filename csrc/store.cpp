@@ -276,6 +276,17 @@ std::vector<int64_t> Store::readers(int64_t layer) const {
   return out;
 }
 
+std::vector<bool> Store::ready(int64_t layer) {
+  std::lock_guard<std::mutex> g(mu_);
+  const Layer& L = layer_at(layer);
+  std::vector<bool> out;
+  for (size_t i = 0; i < L.slots.size(); ++i) {
+    const Slot& s = L.slots[i];
+    out.push_back(s.loaded && !s.deferred && backend_->copy_done(L.first_slot + i));
+  }
+  return out;
+}
+
 bool Store::verify(int64_t layer, int64_t slot) {
   std::lock_guard<std::mutex> g(mu_);
   Layer& L = layer_at(layer);

@@ -69,6 +69,8 @@ class Backend {
                                                Counters& c) = 0;
   // The compute enqueued so far on `stream` is the last reader of these slots.
   virtual void record_read(const std::vector<size_t>& gs, uintptr_t stream) = 0;
+  // Non-blocking: has the last copy into slot g finished (successfully or not)?
+  virtual bool copy_done(size_t g) = 0;
   virtual void synchronize() = 0;
   // Stall time still in flight (CUDA measures it with events, lazily).
   virtual uint64_t drain_stall_ns() { return 0; }
@@ -112,6 +114,8 @@ class Store {
 
   std::vector<int64_t> slot_experts(int64_t layer) const;  // -1 = empty
   std::vector<int64_t> readers(int64_t layer) const;
+  // Per slot: loaded and its copy has finished, right now (physical, timing-dependent).
+  std::vector<bool> ready(int64_t layer);
   bool verify(int64_t layer, int64_t slot);  // slot bytes == its expert's host bytes
   void synchronize();
   Counters counters();

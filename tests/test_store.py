@@ -417,3 +417,13 @@ def test_store_is_clean_under_address_sanitizer(tmp_path: Path) -> None:
     )
     assert r.returncode == 0 and "asan-ok" in r.stdout, r.stderr[-4000:]
     assert "ERROR: AddressSanitizer" not in r.stderr
+
+
+def test_ready_reports_finished_copies_without_blocking() -> None:
+    store = make_store(copy_delay_us=50000, seed=0)
+    assert store.ready(0) == [False] * 4
+    store.load(0, [0, 1], [2, 3])
+    assert store.ready(0)[:2] != [True, True]  # 50 ms copies cannot both be done yet
+    store.acquire(0, [0, 1])
+    store.release(0, [0, 1])
+    assert store.ready(0) == [True, True, False, False]

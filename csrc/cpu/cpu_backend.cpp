@@ -92,6 +92,11 @@ class CpuBackend final : public Backend {
 
   void record_read(const std::vector<size_t>&, uintptr_t) override {}
 
+  bool copy_done(size_t g) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return slots_[g].done >= slots_[g].issued;
+  }
+
   void synchronize() override {
     std::unique_lock<std::mutex> lk(mu_);
     cv_.wait(lk, [&] { return queue_.empty() && !busy_; });

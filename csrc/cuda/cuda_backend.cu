@@ -165,6 +165,13 @@ class CudaBackend final : public Backend {
     }
   }
 
+  bool copy_done(size_t g) override {
+    DeviceGuard dg(device_);
+    cudaError_t q = cudaEventQuery(copy_ev_[g]);
+    if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();
+    return q != cudaErrorNotReady;
+  }
+
   void synchronize() override {
     DeviceGuard dg(device_);
     check(cudaStreamSynchronize(copy_stream_), "cudaStreamSynchronize");

@@ -182,6 +182,11 @@ class ExpertStore:
     def readers(self, layer: int) -> list[int]:
         return self._store.readers(layer)
 
+    def ready(self, layer: int) -> list[bool]:
+        """Per slot: loaded and its copy already finished (a non-blocking, timing-dependent
+        query of physical state; psr's routing never reads it)."""
+        return self._store.ready(layer)
+
     def verify(self, layer: int, slot: int) -> bool:
         """Slot bytes equal its expert's host copy (synchronizes)."""
         return self._store.verify(layer, slot)

@@ -1,0 +1,128 @@
+"""The deterministic logical expert cache (spec: ../shared/PSR.md, "Logical cache").
+
+Pure bookkeeping over expert ids: it never looks at the physical store, so the
+routing it steers is a function of the tokens alone. The physical side mirrors
+each insertion/eviction it reports.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Insertion:
+    """One logical insertion: `expert` enters, `evicted` (or None: a free place) leaves."""
+
+    expert: int
+    evicted: int | None
+
+
+@dataclass
+class UseResult:
+    hits: int
+    misses: list[Insertion]
+    prefetch_used: int
+
+
+@dataclass
+class LogicalCache:
+    """Ordered set of at most `capacity` expert ids, least recent first."""
+
+    capacity: int
+    num_experts: int
+    _order: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # Prefetched experts not yet routed (for "prefetches used before eviction").
+    _pending_prefetch: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.capacity <= self.num_experts:
+            raise ValueError(
+                f"cache capacity {self.capacity} must be in [1, num_experts={self.num_experts}]"
+            )
+
+    # --- queries ---------------------------------------------------------------
+    def __contains__(self, expert: int) -> bool:
+        return expert in self._order
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def order(self) -> list[int]:
+        """Ids from least to most recent."""
+        return list(self._order)
+
+    def mask(self) -> list[bool]:
+        m = [False] * self.num_experts
+        for e in self._order:
+            m[e] = True
+        return m
+
+    # --- updates ---------------------------------------------------------------
+    def _evict_lru(self, protected: set[int]) -> int | None:
+        if len(self._order) < self.capacity:
+            return None
+        for e in self._order:  # least recent first
+            if e not in protected:
+                del self._order[e]
+                self._pending_prefetch.discard(e)
+                return e
+        raise RuntimeError("logical cache: every resident id is protected")  # k <= C forbids
+
+    def use(self, routed: Sequence[int]) -> UseResult:
+        """Spec `use`: insert missing ids (ascending), evicting the least recent id not
+        routed now; then routed ids become most recent, a lower id more recent."""
+        routed_set = set(routed)
+        if len(routed_set) != len(routed):
+            raise ValueError(f"routed ids must be distinct, got {list(routed)}")
+        if len(routed_set) > self.capacity:
+            raise ValueError(f"{len(routed_set)} routed ids exceed the capacity {self.capacity}")
+        hits = sum(e in self._order for e in routed_set)
+        used = len(routed_set & self._pending_prefetch)
+        self._pending_prefetch -= routed_set
+        misses = []
+        for e in sorted(routed_set - self._order.keys()):
+            misses.append(Insertion(e, self._evict_lru(routed_set)))
+            self._order[e] = None
+        for e in sorted(routed_set, reverse=True):  # lowest id ends most recent
+            self._order.move_to_end(e)
+        return UseResult(hits, misses, used)
+
+    def prefetch(self, predicted: Sequence[int], n: int) -> list[Insertion]:
+        """Spec `prefetch`: the first n predicted ids, in order, become most recent;
+        those not present are inserted (a copy each), evicting the least recent id."""
+        out = []
+        for e in list(predicted)[:n]:
+            if e in self._order:
+                self._order.move_to_end(e)
+                continue
+            out.append(Insertion(e, self._evict_lru(set())))
+            self._order[e] = None
+            self._pending_prefetch.add(e)
+        return out
+
+    def reset(self, order: Iterable[int] = ()) -> None:
+        """Set the contents, least recent first."""
+        order = list(order)
+        if len(order) > self.capacity or len(set(order)) != len(order):
+            raise ValueError(f"invalid cache contents {order} for capacity {self.capacity}")
+        self._order = OrderedDict((e, None) for e in order)
+        self._pending_prefetch = set()
+
+
+def prefill_state(routed_per_token: Sequence[Sequence[int]], capacity: int) -> list[int]:
+    """Initial cache after an exactly-routed prefill, least recent first.
+
+    The `capacity` ids prefill used most recently, ties (same last token) broken by
+    higher use count, then by lower id; most recent is last.
+    """
+    last: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for t, ids in enumerate(routed_per_token):
+        for e in ids:
+            last[e] = t
+            count[e] = count.get(e, 0) + 1
+    ranked = sorted(last, key=lambda e: (-last[e], -count[e], e))[:capacity]  # most recent first
+    return ranked[::-1]
