@@ -42,17 +42,26 @@ def _read_header(path: Path) -> dict:
     return header
 
 
+def read_config(path: str | Path) -> dict:
+    """config.json of a checkpoint folder."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint folder {path} does not exist")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"no config.json in {path}")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt config.json in {path}: {e}") from None
+
+
 class Checkpoint:
     """Tensor names -> shard files of a checkpoint folder; tensors load lazily (mmap)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        if not self.path.is_dir():
-            raise CheckpointError(f"checkpoint folder {self.path} does not exist")
-        cfg = self.path / "config.json"
-        if not cfg.is_file():
-            raise CheckpointError(f"no config.json in {self.path}")
-        self.config_dict = json.loads(cfg.read_text())
+        self.config_dict = read_config(self.path)
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]

@@ -20,6 +20,57 @@ def _bench_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import psr
+
+    model = psr.load(
+        args.model,
+        policy=args.policy,
+        residency=args.residency,
+        slots=args.slots,
+        lam=args.lam,
+        n=args.n,
+        device=args.device,
+        dtype=args.dtype,
+        compute=args.compute,
+        progress=not args.quiet,
+    )
+    tok = model.tokenizer
+    if args.prompt_ids is not None:
+        ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
+    elif args.prompt is not None:
+        if tok is None:
+            raise SystemExit(f"psr: {args.model} has no tokenizer; pass --prompt-ids instead")
+        ids = tok(args.prompt)["input_ids"]
+    else:
+        raise SystemExit("psr: give --prompt TEXT or --prompt-ids IDS")
+    out = model.generate(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=getattr(tok, "eos_token_id", None),
+        progress=not args.quiet,
+    )
+    new = out[0, len(ids) :].tolist()
+    print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
+    print()
+    print(
+        f"policy {model.policy.describe()}, {model.runtime.capacity} of "
+        f"{model.runtime.cfg.num_experts} experts resident per layer, "
+        f"backend {model.runtime.store.backend}, compute {model.runtime.ops.path}"
+    )
+    print(model.stats.table())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(
+            json.dumps({"tokens": out[0].tolist(), "stats": model.stats.summary()}, indent=2)
+        )
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     import psr
 
@@ -32,6 +83,29 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="what the extension was built with and can use")
     info.set_defaults(fn=_info)
+    from psr.policy import POLICIES
+
+    g = sub.add_parser("generate", help="decode a prompt with an offloaded checkpoint")
+    g.add_argument("--model", required=True, help="local HF checkpoint folder")
+    g.add_argument("--prompt", default=None)
+    g.add_argument("--prompt-ids", default=None, help="token ids instead of text: '1,2,3'")
+    g.add_argument("--policy", choices=POLICIES, default="psr")
+    g.add_argument("--residency", type=float, default=0.5)
+    g.add_argument("--slots", type=int, default=None, help="slots per layer (overrides residency)")
+    g.add_argument("--lam", type=float, default=None)
+    g.add_argument("--n", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--compute", choices=["auto", "triton", "torch"], default="auto")
+    g.add_argument("--sample", action="store_true")
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--json", default=None, help="also write tokens and stats as JSON here")
+    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.set_defaults(fn=_generate)
+
     bc = sub.add_parser("bench-copy", help="copy engine bandwidth and copy/compute overlap")
     bc.add_argument("--shape", default="3x2048x1024", help="expert shape (default: OLMoE FFN)")
     bc.add_argument("--experts", type=int, default=8)

@@ -26,7 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from psr._backend import current_backend
-from psr.checkpoint import Checkpoint, CheckpointError
+from psr.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.families import (
     SUPPORTED,
     MoEConfig,
@@ -451,10 +451,10 @@ def load(
     """
     import transformers
 
-    ckpt = Checkpoint(path)
-    mt = ckpt.config_dict.get("model_type")
+    mt = read_config(path).get("model_type")
     if mt not in SUPPORTED:
         raise unsupported(str(mt))
+    ckpt = Checkpoint(path)
     config = transformers.AutoConfig.from_pretrained(str(path))
     mcfg = moe_config(config)
     pol = make_policy(policy, lam, n)

@@ -1,0 +1,136 @@
+"""Tiny random checkpoints of every supported family, written by transformers itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+COMMON = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    eos_token_id=None,
+    bos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
+
+
+def tiny_config(family: str):
+    import transformers
+
+    if family == "olmoe":
+        return transformers.OlmoeConfig(
+            **COMMON,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+        )
+    if family == "qwen2_moe":  # layer 1 dense: "the next MoE layer" skips it
+        return transformers.Qwen2MoeConfig(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_hidden_layers=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        )
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            head_dim=8,
+        )
+    if family == "mixtral":
+        return transformers.MixtralConfig(
+            **COMMON,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        )
+    if family == "deepseek_v3":  # layer 0 dense, group-limited sigmoid router, shared expert
+        cfg = dict(COMMON, num_key_value_heads=4)
+        return transformers.DeepseekV3Config(
+            **cfg,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=4,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            routed_scaling_factor=2.0,
+            norm_topk_prob=True,
+            rope_interleave=False,
+        )
+    raise KeyError(family)
+
+
+FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+
+
+def tiny_model(family: str, seed: int = 0):
+    """A random model whose routers are sharp enough for routing choices to matter."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+            elif "experts" in name or "embed" in name or "lm_head" in name:
+                p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
+    return model
+
+
+def write_checkpoint(model, path: Path, layout: str = "per_expert", **save_kw) -> Path:
+    """`per_expert`: transformers' save_pretrained (original per-expert names);
+    `fused`: the live state dict (experts.gate_up_proj / down_proj) as one safetensors file."""
+    path.mkdir(parents=True, exist_ok=True)
+    if layout == "per_expert":
+        model.save_pretrained(path, **save_kw)
+    else:
+        model.config.save_pretrained(path)
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def write_tokenizer(path: Path, vocab_size: int = 64) -> None:
+    """A character-level tokenizer (letters, digits, punctuation), saved beside the checkpoint."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(" " + string.ascii_lowercase + string.ascii_uppercase + ".,!?")[: vocab_size - 1]
+    vocab = {"<unk>": 0} | {c: i + 1 for i, c in enumerate(chars)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
