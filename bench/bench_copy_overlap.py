@@ -38,4 +38,4 @@ def test_copy_beside_compute(benchmark, bench: CopyOverlapBench) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(["bench-copy", *sys.argv[1:]]))
+    sys.exit(main(["bench", "copy", *sys.argv[1:]]))

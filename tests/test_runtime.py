@@ -291,3 +291,47 @@ def test_bf16_load_runs(ckpts) -> None:
     model = load(ckpts["deepseek_v3", "fused"], "psr", dtype="bfloat16")
     assert model.runtime.store.dtype == torch.bfloat16
     assert model.generate(PROMPT, 4).shape[1] == PROMPT.shape[1] + 4
+
+
+def test_sequences_are_independent_of_what_ran_before(ckpts) -> None:
+    """Physical leftovers of earlier sequences (duplicates, stale slots) change nothing."""
+    path = ckpts["olmoe", "per_expert"]
+    prompts = [PROMPT[0].tolist(), [3, 1, 4, 1, 5, 9, 2, 6], [7], [60, 61, 62, 63, 0, 1, 2], [9, 8]]
+    shared = load(path, "psr", lam=0.5, n=2, residency=0.5)
+    for p in prompts * 2:
+        fresh = load(path, "psr", lam=0.5, n=2, residency=0.5)
+        assert shared.generate(p, 10).tolist() == fresh.generate(p, 10).tolist()
+        for L in shared.runtime.layers:  # the slab still mirrors the logical cache
+            for e, s in L.slot_of.items():
+                assert shared.runtime.store.verify(L.index, s)
+                assert shared.runtime.store.slot_experts(L.index)[s] == e
+
+
+def test_configure_switches_policy_and_residency_without_reloading(ckpts) -> None:
+    path = ckpts["olmoe", "per_expert"]
+    model = load(path, "exact", residency=0.5)
+    for policy, rho, kw in [
+        ("psr", 0.25, {"lam": 0.5, "n": 1}),
+        ("cache-prior", 0.5, {"lam": 0.3}),
+    ]:
+        model.configure(policy, rho, **kw)
+        model.reset_stats()
+        fresh = load(path, policy, residency=rho, **kw)
+        assert model.generate(PROMPT, NEW).tolist() == fresh.generate(PROMPT, NEW).tolist()
+        assert model.stats["misses"] == fresh.stats["misses"]
+        assert model.runtime.capacity == fresh.runtime.capacity
+    with pytest.raises(ValueError, match=r"capacity 6 must be in \[top_k=2, 4\]"):
+        model.configure("exact", 0.75)
+
+
+def test_stall_time_is_counted_per_token_and_in_total(ckpts, monkeypatch) -> None:
+    monkeypatch.setenv("PSR_COPY_DELAY_US", "3000")
+    model = load(ckpts["olmoe", "per_expert"], "exact", residency=0.25)
+    model.generate(PROMPT, NEW)
+    per_token = [t["stall_s"] for t in model.stats.per_token]
+    assert len(per_token) == NEW - 1
+    assert model.stats["stall_s"] == pytest.approx(sum(per_token))
+    assert model.stats["stall_s"] > 0 and model.stats["tokens_per_s"] > 0
+    assert [t["misses"] for t in model.stats.per_token] and sum(
+        t["misses"] for t in model.stats.per_token
+    ) == model.stats["misses"]

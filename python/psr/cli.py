@@ -71,6 +71,56 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from psr.demo import demo
+
+    demo(args.out, progress=not args.quiet, quick=args.quick)
+    return 0
+
+
+def _residencies(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from psr.demo import evaluate, parse_policies
+
+    evaluate(
+        args.model,
+        parse_policies(args.policies, _residencies(args.residency)),
+        args.out,
+        windows=args.windows,
+        cloze=args.cloze,
+        prompts=args.prompts,
+        gen_tokens=args.gen_tokens,
+        progress=not args.quiet,
+    )
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from psr.demo import sweep
+
+    sweep(
+        args.model,
+        args.out,
+        _residencies(args.residency),
+        [float(x) for x in args.lams.split(",")],
+        [int(x) for x in args.ns.split(",")],
+        tolerance=args.tolerance,
+        windows=args.windows,
+        write_points=args.write_operating_points,
+        progress=not args.quiet,
+    )
+    return 0
+
+
+def _lm_eval(args: argparse.Namespace) -> int:
+    from psr.lm_eval_adapter import main as lm_eval_main
+
+    return lm_eval_main(args.rest)
+
+
 def _info(args: argparse.Namespace) -> int:
     import psr
 
@@ -106,7 +156,33 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.set_defaults(fn=_generate)
 
-    bc = sub.add_parser("bench-copy", help="copy engine bandwidth and copy/compute overlap")
+    from psr.demo import DEFAULT_MODEL
+
+    d = sub.add_parser("demo", help="the embedded model under four policies at 50%%/25%% residency")
+    d.add_argument("--out", default="bench/results/demo")
+    d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
+    d.add_argument("--quiet", action="store_true")
+    d.set_defaults(fn=_demo)
+
+    ev = sub.add_parser("eval", help="quality suite (perplexity, cloze, greedy) vs exact")
+    ev.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint with heldout.txt")
+    ev.add_argument(
+        "--policies",
+        default="cache-prior:lam=0.3;psr:lam=0.3,n=1",
+        help="';'-separated name[:lam=..,n=..] (exact is always added)",
+    )
+    ev.add_argument("--residency", default="0.5,0.25")
+    ev.add_argument("--windows", type=int, default=24, help="perplexity windows")
+    ev.add_argument("--cloze", type=int, default=24, help="cloze multiple-choice items")
+    ev.add_argument("--prompts", type=int, default=4)
+    ev.add_argument("--gen-tokens", type=int, default=48)
+    ev.add_argument("--out", default="bench/results/eval")
+    ev.add_argument("--quiet", action="store_true")
+    ev.set_defaults(fn=_eval)
+
+    bench = sub.add_parser("bench", help="benchmarks: copy engine, lam x n sweep")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    bc = bsub.add_parser("copy", help="copy engine bandwidth and copy/compute overlap")
     bc.add_argument("--shape", default="3x2048x1024", help="expert shape (default: OLMoE FFN)")
     bc.add_argument("--experts", type=int, default=8)
     bc.add_argument("--slots", type=int, default=4)
@@ -114,6 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--backend", choices=["cpu", "cuda"], default=None)
     bc.add_argument("--json", default=None, help="also write the result as JSON here")
     bc.set_defaults(fn=_bench_copy)
+    sw = bsub.add_parser("sweep", help="lam x n: Pareto front of modeled latency vs quality")
+    sw.add_argument("--model", default=DEFAULT_MODEL)
+    sw.add_argument("--residency", default="0.5,0.25")
+    sw.add_argument("--lams", default="0.1,0.2,0.3,0.5,0.8")
+    sw.add_argument("--ns", default="0,1,2")
+    sw.add_argument("--tolerance", type=float, default=0.01, help="Δ nats/token allowed")
+    sw.add_argument("--windows", type=int, default=16)
+    sw.add_argument("--out", default="bench/results/sweep")
+    sw.add_argument(
+        "--write-operating-points",
+        action="store_true",
+        help="store the chosen points beside the model (the demo reads them)",
+    )
+    sw.add_argument("--quiet", action="store_true")
+    sw.set_defaults(fn=_sweep)
+
+    le = sub.add_parser(
+        "lm-eval", help="lm_eval's CLI with the 'psr' model registered", add_help=False
+    )
+    le.add_argument("rest", nargs=argparse.REMAINDER)
+    le.set_defaults(fn=_lm_eval)
     return p
 
 

@@ -39,6 +39,7 @@ from psr.families import (
 from psr.policy import Policy, make_policy
 from psr.runtime import OffloadedExperts, OffloadRuntime, PSRRouter, Stats
 from psr.store import ExpertStore, LayerSpec
+from psr.trace import TraceRecorder
 
 DTYPES = {
     "float32": torch.float32,
@@ -150,6 +151,34 @@ class OffloadedModel(nn.Module):
 
     def reset_stats(self) -> None:
         self.runtime.stats.reset()
+
+    def configure(
+        self,
+        policy: str | Policy = "psr",
+        residency: float | None = 0.5,
+        *,
+        slots: int | None = None,
+        lam: float | None = None,
+        n: int | None = None,
+    ) -> None:
+        """Switch policy and residency without reloading: slots per layer may not exceed
+        what the store was built with. Stats are kept (call reset_stats())."""
+        pol = make_policy(policy, lam, n)
+        C = resolve_capacity(self.runtime.cfg, pol, residency, slots)
+        self.runtime.configure(pol, C)
+
+    def record_trace(self) -> TraceRecorder:
+        """Start recording decode steps; the recorder's `.trace` feeds psr.latency."""
+        rt = self.runtime
+        rec = TraceRecorder(
+            len(_decoder_layers(self.hf)),
+            [L.decoder_index for L in rt.layers],
+            rt.cfg.top_k,
+            rt.expert_bytes,
+            rt.policy.describe(),
+        )
+        rt.recorder = rec
+        return rec
 
     def _ids(self, input_ids: torch.Tensor | Iterable[int], extra: int = 0) -> torch.Tensor:
         ids = torch.as_tensor(
@@ -293,6 +322,7 @@ def _install(
             if store.backend == "cuda":
                 torch.cuda.synchronize(store.device)
             runtime.stats.totals["decode_s"] += time.perf_counter() - state["t0"]
+            runtime.end_step()
         else:
             runtime.stats.totals["prefill_tokens"] += state.get("tokens", 0)
 
@@ -363,6 +393,16 @@ def offload(
     bar.close()
     runtime = _install(hf_model, mcfg, store, pol, C, compute, moe_idx)
     return OffloadedModel(hf_model, runtime)
+
+
+def materialize_rotary(model: nn.Module, device: torch.device | str) -> None:
+    """Rebuild rotary-embedding modules on `device`: their frequencies are non-persistent
+    buffers, never materialised when a model is built on the meta device."""
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, attr, type(mod)(config=model.config).to(device))
 
 
 def _set_tensor(model: nn.Module, name: str, t: torch.Tensor) -> None:
@@ -492,19 +532,12 @@ def load(
         )
         if list(t.shape) != want:
             raise CheckpointError(f"tensor {src!r} has shape {list(t.shape)}, expected {want}")
-        tdt = torch.float32 if _keep_fp32(model, name) or not t.is_floating_point() else dt
-        _set_tensor(model, name, t.to(device=dev, dtype=tdt if t.is_floating_point() else t.dtype))
+        if t.is_floating_point():
+            t = t.to(torch.float32 if _keep_fp32(model, name) else dt)
+        _set_tensor(model, name, t.to(dev))
     if tied:
         model.lm_head.weight = model.get_input_embeddings().weight
-    # Non-persistent buffers (rotary frequencies) were never materialised on meta.
-    for mname, mod in list(model.named_modules()):
-        if type(mod).__name__.endswith("RotaryEmbedding"):
-            parent, _, attr = mname.rpartition(".")
-            setattr(
-                model.get_submodule(parent) if parent else model,
-                attr,
-                type(mod)(config=model.config).to(dev),
-            )
+    materialize_rotary(model, dev)
 
     store = ExpertStore(
         [LayerSpec(mcfg.num_experts, C, 3 * mcfg.hidden_size * mcfg.ffn_size)] * len(moe_idx),

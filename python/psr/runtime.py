@@ -29,6 +29,7 @@ from psr.cache import LogicalCache, prefill_state
 from psr.families import MoEConfig
 from psr.policy import Policy
 from psr.store import ExpertStore
+from psr.trace import TraceRecorder
 
 COUNT_KEYS = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
 
@@ -157,10 +158,29 @@ class OffloadRuntime:
             for i, (d, router, norm) in enumerate(layers)
         ]
         self.expert_bytes = store.expert_bytes[0]
+        self.max_capacity = store.layers[0].num_slots
         self.stats = Stats()
         self._tok: dict[str, float] | None = None
         self._stall_mark = 0.0
         self._prefill_mark: dict[str, float] | None = None
+        self.recorder: TraceRecorder | None = None  # set to record decode traces
+
+    def configure(self, policy: Policy, capacity: int) -> None:
+        """Switch policy and slots per layer (at most the store's); the next forward starts
+        a new sequence. Slot contents carry over physically, never logically."""
+        if not self.cfg.top_k <= capacity <= self.max_capacity:
+            raise ValueError(
+                f"capacity {capacity} must be in [top_k={self.cfg.top_k}, "
+                f"{self.max_capacity}] (the store's slots per layer)"
+            )
+        if policy.n > capacity:
+            raise ValueError(f"n={policy.n} prefetches exceed the {capacity} slots per layer")
+        self.store.synchronize()
+        for L in self.layers:
+            L.cache = LogicalCache(capacity, self.cfg.num_experts)
+            L.slot_expert = self.store.slot_experts(L.index)[:capacity]
+            L.slot_of, L.history, L.seeded, L.pending = {}, [], False, None
+        self.policy, self.capacity = policy, capacity
 
     # --- sequence / token boundaries --------------------------------------------
     def begin_sequence(self) -> None:
@@ -174,6 +194,11 @@ class OffloadRuntime:
     @property
     def decoding(self) -> bool:
         return bool(self.layers) and all(L.seeded for L in self.layers)
+
+    def end_step(self) -> None:
+        """After a model forward: closes the decode token's record (its stall time)."""
+        if self._tok is not None:
+            self._close_token()
 
     def _close_token(self) -> None:
         stall = self.store.counters()["stall_s"]
@@ -245,6 +270,8 @@ class OffloadRuntime:
             if L.index == 0:
                 self._close_token()
                 self._tok = self.stats.new_token()
+                if self.recorder is not None:
+                    self.recorder.new_token()
             lam = self.policy.lam
             w, ids = self._route(L, logits, self._mask(L, x.device) if lam > 0 else None, lam)
             self._use(L, ids[0].tolist())
@@ -253,27 +280,32 @@ class OffloadRuntime:
             w = w.to(logits.dtype)
         return logits, w, ids
 
-    def _load(self, L: MoELayer, inserts) -> int:
+    def _load(self, L: MoELayer, inserts, kind: str) -> int:
         """Physical mirror of logical insertions: copy into the evicted expert's slot."""
         slots, experts = [], []
         for ins in inserts:
             if ins.evicted is not None:
                 slot = L.slot_of.pop(ins.evicted)
             else:
-                # A free place: a slot holding no logical member (empty or a prefill leftover).
-                slot = next(s for s in range(self.capacity) if L.slot_expert[s] not in L.slot_of)
-                L.slot_of.pop(L.slot_expert[slot], None)
+                # A free place: a slot no logical member maps to (empty, or a leftover).
+                slot = next(
+                    s for s in range(self.capacity) if L.slot_of.get(L.slot_expert[s]) != s
+                )
             L.slot_expert[slot] = ins.expert
             L.slot_of[ins.expert] = slot
             slots.append(slot)
             experts.append(ins.expert)
+            if self.recorder is not None:
+                self.recorder.copy(L.index, slot, ins.expert, kind)
         if slots:
             self.store.load(L.index, slots, experts)
         return len(slots)
 
     def _use(self, L: MoELayer, routed: list[int]) -> None:
         r = L.cache.use(routed)
-        n = self._load(L, r.misses)
+        if self.recorder is not None:
+            self.recorder.routed(L.index, routed, r.hits)
+        n = self._load(L, r.misses, "miss")
         s, t = self.stats, self._tok
         s.add(t, "routed", len(routed))
         s.add(t, "hits", r.hits)
@@ -303,7 +335,7 @@ class OffloadRuntime:
             topk_group=c.topk_group,
         )
         inserts = nxt.cache.prefetch(ids[0].tolist(), n)
-        k = self._load(nxt, inserts)
+        k = self._load(nxt, inserts, "prefetch")
         s, t = self.stats, self._tok
         s.add(t, "prefetches", k)
         s.add(t, "copies", k)
@@ -321,6 +353,8 @@ class OffloadRuntime:
             raise RuntimeError(f"MoE layer {L.index}: experts called without a matching route")
         L.pending = None
         slots = [L.slot_of[e] for e in routed]
+        if self.recorder is not None:
+            self.recorder.read(L.index, slots)
         c = self.cfg
         with self.store.reading(L.index, slots, routed) as slab:
             st = torch.tensor([slots], device=x.device)
@@ -342,11 +376,16 @@ class OffloadRuntime:
         down = slab_row[2 * Fd * H :].view(H, Fd)
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
-    def _stage_slot(self, L: MoELayer, keep: set[int]) -> int:
-        """A slot to load a prefill expert into: empty, else not holding a `keep` expert."""
-        for pred in (lambda e: e < 0, lambda e: e not in keep, lambda e: True):
+    def _stage_slot(self, L: MoELayer, keep: set[int], here: dict[int, int]) -> int:
+        """A slot to load a prefill expert into: empty, else not holding a `keep` expert
+        (a duplicate copy of one counts as free), else any."""
+        for pred in (
+            lambda s, e: e < 0,
+            lambda s, e: e not in keep or here.get(e) != s,
+            lambda s, e: True,
+        ):
             for s in range(self.capacity):
-                if pred(L.slot_expert[s]):
+                if pred(s, L.slot_expert[s]):
                     return s
         raise AssertionError("unreachable")
 
@@ -363,8 +402,9 @@ class OffloadRuntime:
         out = torch.zeros_like(x)
         for e in order:
             if e not in here:
-                s = self._stage_slot(L, keep)
-                here.pop(L.slot_expert[s], None)
+                s = self._stage_slot(L, keep, here)
+                if here.get(L.slot_expert[s]) == s:
+                    del here[L.slot_expert[s]]
                 L.slot_expert[s] = e
                 here[e] = s
                 self.store.load(L.index, [s], [e])
@@ -374,8 +414,9 @@ class OffloadRuntime:
             out.index_add_(0, tok, y.to(out.dtype))
         missing = [e for e in init if e not in here]
         for e in missing:
-            s = self._stage_slot(L, keep)
-            here.pop(L.slot_expert[s], None)
+            s = self._stage_slot(L, keep, here)
+            if here.get(L.slot_expert[s]) == s:
+                del here[L.slot_expert[s]]
             L.slot_expert[s] = e
             here[e] = s
         if missing:

@@ -1,0 +1,271 @@
+"""Evaluation runs: policies x residencies on held-out text -> counts, modeled latency,
+quality vs exact (with paired-bootstrap intervals) -> JSON, markdown and PNG plots.
+
+Used by `psr demo`, `psr eval` and `psr bench sweep`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from psr.latency import simulate
+from psr.policy import make_policy
+from psr.quality import (
+    chunks,
+    cloze_items,
+    cloze_scores,
+    greedy_agreement,
+    paired_bootstrap,
+    perplexity_items,
+)
+
+DEFAULT_PROFILES = ("rtx4090", "h200")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    policy: str
+    residency: float
+    lam: float | None = None
+    n: int | None = None
+
+    @property
+    def label(self) -> str:
+        return make_policy(self.policy, self.lam, self.n).describe()
+
+
+@dataclass
+class EvalData:
+    """Token-level benchmark material cut from held-out text."""
+
+    prompts: list[list[int]]
+    gen_tokens: int
+    windows: list[list[int]] = field(default_factory=list)
+    prompt_len: int = 32
+    cloze: list = field(default_factory=list)
+
+    @classmethod
+    def from_text(
+        cls,
+        tokenizer: Any,
+        text: str,
+        *,
+        prompts: int = 4,
+        prompt_tokens: int = 32,
+        gen_tokens: int = 48,
+        windows: int = 16,
+        window_tokens: int = 96,
+        cloze: int = 0,
+        seed: int = 0,
+    ) -> EvalData:
+        ids = tokenizer(text)["input_ids"]
+        half = len(ids) // 2  # prompts/windows from the first half, cloze from the second
+        return cls(
+            prompts=chunks(ids[:half], prompt_tokens, prompts, seed + 1),
+            gen_tokens=gen_tokens,
+            windows=chunks(ids[:half], window_tokens, windows, seed) if windows else [],
+            prompt_len=prompt_tokens,
+            cloze=cloze_items(ids[half:], cloze, seed=seed) if cloze else [],
+        )
+
+
+def run_config(
+    path: str,
+    rc: RunConfig,
+    data: EvalData,
+    profiles: Sequence[str] = DEFAULT_PROFILES,
+    *,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Decode the prompts (traced), then score the likelihood items, under one config."""
+    import psr
+
+    model = psr.load(
+        path, rc.policy, rc.residency, lam=rc.lam, n=rc.n, dtype="float32", progress=False
+    )
+    rec = model.record_trace()
+    gens = []
+    for p in data.prompts:
+        out = model.generate(p, data.gen_tokens)
+        gens.append(out[0, len(p) :].tolist())
+    stats = model.stats.summary()
+    model.runtime.recorder = None
+    total = len(data.windows) + len(data.cloze)
+    bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
+    nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
+    cz = cloze_scores(model, data.cloze, bar) if data.cloze else []
+    bar.close()
+    return {
+        "config": asdict(rc),
+        "label": rc.label,
+        "stats": {
+            k: stats[k]
+            for k in (
+                "tokens",
+                "routed",
+                "hits",
+                "misses",
+                "prefetches",
+                "prefetch_used",
+                "hit_rate",
+                "misses_per_token",
+                "prefetch_used_frac",
+                "bytes_copied",
+            )
+        },
+        "latency": {p: simulate(rec.trace, p).as_dict() for p in profiles},
+        "generated": gens,
+        "nll_items": nll,
+        "cloze_items": cz,
+        "trace": rec.trace.to_json(),
+    }
+
+
+def compare(results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES) -> None:
+    """Add speedup, greedy agreement and quality deltas vs `exact` at the same residency."""
+    exact = {r["config"]["residency"]: r for r in results if r["config"]["policy"] == "exact"}
+    any_exact = next(iter(exact.values()), None)
+    for r in results:
+        ref = exact.get(r["config"]["residency"], any_exact)
+        if ref is None:
+            continue
+        r["speedup"] = {
+            p: ref["latency"][p]["ms_per_token"] / r["latency"][p]["ms_per_token"] for p in profiles
+        }
+        agree = [
+            greedy_agreement(a, b) for a, b in zip(r["generated"], ref["generated"], strict=True)
+        ]
+        r["greedy_agreement"] = sum(a for a, _ in agree) / len(agree)
+        r["first_divergence"] = [f for _, f in agree]
+        if r["nll_items"]:
+            r["nll"] = sum(r["nll_items"]) / len(r["nll_items"])
+            r["delta_nll"] = paired_bootstrap(r["nll_items"], ref["nll_items"]).as_dict()
+        if r["cloze_items"]:
+            r["cloze_acc"] = sum(r["cloze_items"]) / len(r["cloze_items"])
+            pts = [100 * x for x in r["cloze_items"]]
+            r["delta_cloze_pts"] = paired_bootstrap(
+                pts, [100 * x for x in ref["cloze_items"]]
+            ).as_dict()
+
+
+def markdown_table(
+    results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES
+) -> str:
+    cols = ["residency", "policy", "misses/tok", "hit rate", "prefetch used"]
+    cols += [f"{p} ms/tok" for p in profiles] + [f"speedup ({profiles[0]})", "greedy agree"]
+    has_nll = any("delta_nll" in r for r in results)
+    has_cloze = any("delta_cloze_pts" in r for r in results)
+    if has_nll:
+        cols.append("Δ nats/tok [95% CI]")
+    if has_cloze:
+        cols.append("Δ cloze pts [95% CI]")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in results:
+        s = r["stats"]
+        used = f"{s['prefetch_used_frac']:.2f}" if s["prefetches"] else "-"
+        row = [
+            f"{r['config']['residency']:.0%}",
+            r["label"],
+            f"{s['misses_per_token']:.2f}",
+            f"{s['hit_rate']:.2f}",
+            used,
+        ]
+        row += [f"{r['latency'][p]['ms_per_token']:.2f}" for p in profiles]
+        row += [
+            f"{r.get('speedup', {}).get(profiles[0], float('nan')):.2f}x",
+            f"{r.get('greedy_agreement', float('nan')):.2f}",
+        ]
+        for key, on in (("delta_nll", has_nll), ("delta_cloze_pts", has_cloze)):
+            if on:
+                d = r.get(key)
+                row.append(f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def save(
+    results: list[dict[str, Any]],
+    out: str | Path,
+    name: str,
+    extra: dict | None = None,
+    profiles: Sequence[str] = DEFAULT_PROFILES,
+    traces: bool = False,
+) -> dict[str, Path]:
+    """Write `name.json` (+ traces optionally), `name.md` and `name.png` under `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k != "trace" or traces} for r in results]
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
+    paths["json"].write_text(json.dumps({"results": slim, **(extra or {})}, indent=1))
+    paths["md"].write_text(markdown_table(results, profiles) + "\n")
+    plot(results, paths["png"], profiles)
+    return paths
+
+
+def plot(results: list[dict[str, Any]], path: Path, profiles: Sequence[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = sorted({r["config"]["residency"] for r in results}, reverse=True)
+    has_q = any("delta_nll" in r for r in results)
+    fig, axes = plt.subplots(1, 2 if has_q else 1, figsize=(12 if has_q else 7, 4.2), squeeze=False)
+    ax = axes[0][0]
+    labels = list(dict.fromkeys(r["label"] for r in results))
+    width = 0.8 / max(len(res), 1)
+    for i, rho in enumerate(res):
+        ys = []
+        for lab in labels:
+            m = [r for r in results if r["label"] == lab and r["config"]["residency"] == rho]
+            ys.append(m[0]["latency"][profiles[0]]["ms_per_token"] if m else 0)
+        ax.bar([j + i * width for j in range(len(labels))], ys, width, label=f"{rho:.0%} resident")
+    ax.set_xticks(
+        [j + width * (len(res) - 1) / 2 for j in range(len(labels))],
+        labels,
+        rotation=20,
+        ha="right",
+        fontsize=8,
+    )
+    ax.set_ylabel(f"modeled ms / token ({profiles[0]})")
+    ax.set_title("decode latency")
+    ax.legend()
+    if has_q:
+        ax = axes[0][1]
+        for rho in res:
+            pts = [r for r in results if r["config"]["residency"] == rho and "delta_nll" in r]
+            ax.scatter(
+                [r["latency"][profiles[0]]["ms_per_token"] for r in pts],
+                [r["delta_nll"]["mean"] for r in pts],
+                label=f"{rho:.0%} resident",
+            )
+            for r in pts:
+                ax.annotate(
+                    r["label"],
+                    (r["latency"][profiles[0]]["ms_per_token"], r["delta_nll"]["mean"]),
+                    fontsize=6,
+                )
+        ax.axhline(0, color="gray", lw=0.5)
+        ax.set_xlabel(f"modeled ms / token ({profiles[0]})")
+        ax.set_ylabel("Δ nats / token vs exact")
+        ax.set_title("latency vs quality")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def pareto(points: list[tuple[float, float, Any]]) -> list[Any]:
+    """Items of (latency, loss, item) not dominated (lower is better on both)."""
+    front, best = [], float("inf")
+    for _lat, loss, item in sorted(points, key=lambda p: (p[0], p[1])):
+        if loss < best:
+            front.append(item)
+            best = loss
+    return front
