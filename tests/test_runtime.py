@@ -332,6 +332,8 @@ def test_stall_time_is_counted_per_token_and_in_total(ckpts, monkeypatch) -> Non
     assert len(per_token) == NEW - 1
     assert model.stats["stall_s"] == pytest.approx(sum(per_token))
     assert model.stats["stall_s"] > 0 and model.stats["tokens_per_s"] > 0
+    assert model.stats["decode_s"] == pytest.approx(sum(t["time_s"] for t in model.stats.per_token))
+    assert all(t["time_s"] >= t["stall_s"] for t in model.stats.per_token)
     assert [t["misses"] for t in model.stats.per_token] and sum(
         t["misses"] for t in model.stats.per_token
     ) == model.stats["misses"]

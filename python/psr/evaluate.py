@@ -245,6 +245,18 @@ def plot(results: list[dict[str, Any]], path: Path, profiles: Sequence[str]) -> 
                 [r["delta_nll"]["mean"] for r in pts],
                 label=f"{rho:.0%} resident",
             )
+            front = pareto(
+                [
+                    (r["latency"][profiles[0]]["ms_per_token"], r["delta_nll"]["mean"], r)
+                    for r in pts
+                ]
+            )
+            ax.plot(
+                [r["latency"][profiles[0]]["ms_per_token"] for r in front],
+                [r["delta_nll"]["mean"] for r in front],
+                lw=0.8,
+                alpha=0.6,
+            )
             for r in pts:
                 ax.annotate(
                     r["label"],
@@ -254,7 +266,7 @@ def plot(results: list[dict[str, Any]], path: Path, profiles: Sequence[str]) -> 
         ax.axhline(0, color="gray", lw=0.5)
         ax.set_xlabel(f"modeled ms / token ({profiles[0]})")
         ax.set_ylabel("Δ nats / token vs exact")
-        ax.set_title("latency vs quality")
+        ax.set_title("latency vs quality (lines: Pareto fronts)")
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

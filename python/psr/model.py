@@ -321,8 +321,7 @@ def _install(
         if state.get("decoding"):
             if store.backend == "cuda":
                 torch.cuda.synchronize(store.device)
-            runtime.stats.totals["decode_s"] += time.perf_counter() - state["t0"]
-            runtime.end_step()
+            runtime.end_step(time.perf_counter() - state["t0"])
         else:
             runtime.stats.totals["prefill_tokens"] += state.get("tokens", 0)
 

@@ -53,7 +53,7 @@ class Stats(Mapping):
         self.per_token: list[dict[str, float]] = []
 
     def new_token(self) -> dict[str, float]:
-        rec = {k: 0 for k in COUNT_KEYS} | {"stall_s": 0.0}
+        rec = {k: 0 for k in COUNT_KEYS} | {"stall_s": 0.0, "time_s": 0.0}
         self.per_token.append(rec)
         self.totals["tokens"] += 1
         return rec
@@ -195,9 +195,11 @@ class OffloadRuntime:
     def decoding(self) -> bool:
         return bool(self.layers) and all(L.seeded for L in self.layers)
 
-    def end_step(self) -> None:
-        """After a model forward: closes the decode token's record (its stall time)."""
+    def end_step(self, seconds: float) -> None:
+        """After a decode forward of `seconds`: closes the token's record."""
+        self.stats.totals["decode_s"] += seconds
         if self._tok is not None:
+            self._tok["time_s"] = seconds
             self._close_token()
 
     def _close_token(self) -> None:
@@ -288,9 +290,7 @@ class OffloadRuntime:
                 slot = L.slot_of.pop(ins.evicted)
             else:
                 # A free place: a slot no logical member maps to (empty, or a leftover).
-                slot = next(
-                    s for s in range(self.capacity) if L.slot_of.get(L.slot_expert[s]) != s
-                )
+                slot = next(s for s in range(self.capacity) if L.slot_of.get(L.slot_expert[s]) != s)
             L.slot_expert[slot] = ins.expert
             L.slot_of[ins.expert] = slot
             slots.append(slot)

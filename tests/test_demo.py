@@ -1,0 +1,41 @@
+"""The embedded default model and `psr demo` (the README's main job)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import psr
+from psr.cli import main
+
+
+def test_default_model_is_an_ordinary_checkpoint() -> None:
+    path = Path(psr.DEFAULT_MODEL)
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "heldout.txt"):
+        assert (path / f).is_file(), f
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["model_type"] == "olmoe" and cfg["num_experts"] == 32
+    info = json.loads((path / "train_info.json").read_text())
+    assert info["heldout_loss"] < 4.5  # trained, not random (ln 2048 = 7.6)
+    model = psr.load(psr.DEFAULT_MODEL, "psr", residency=0.5, dtype="float32", progress=False)
+    ids = model.tokenizer("ROMEO. Good morrow, father.")["input_ids"]
+    out = model.generate(ids, 8)
+    assert out.shape[1] == len(ids) + 8
+
+
+@pytest.mark.slow
+def test_demo_quick_prints_the_table_and_writes_results(tmp_path, capsys) -> None:
+    assert main(["demo", "--quick", "--quiet", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for label in ("exact", "exact-prefetch(n=1)", "cache-prior(lam=", "psr(lam="):
+        assert label in out
+    res = json.loads((tmp_path / "demo.json").read_text())["results"]
+    assert len(res) == 8 and (tmp_path / "demo.png").stat().st_size > 1000
+    by = {(r["config"]["residency"], r["config"]["policy"]): r for r in res}
+    for rho in (0.5, 0.25):
+        exact, steer = by[rho, "exact"], by[rho, "psr"]
+        assert steer["stats"]["misses"] < exact["stats"]["misses"]
+        assert steer["speedup"]["rtx4090"] > 1.0
+        assert by[rho, "exact-prefetch"]["greedy_agreement"] == 1.0
