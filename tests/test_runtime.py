@@ -337,3 +337,12 @@ def test_stall_time_is_counted_per_token_and_in_total(ckpts, monkeypatch) -> Non
     assert [t["misses"] for t in model.stats.per_token] and sum(
         t["misses"] for t in model.stats.per_token
     ) == model.stats["misses"]
+
+
+def test_experts_without_their_route_is_an_error(ckpts) -> None:
+    model = load(ckpts["olmoe", "per_expert"], "psr")
+    model.generate(PROMPT, 2)  # seeded: decode mode
+    L = model.runtime.layers[0]
+    x = torch.zeros(1, 32)
+    with pytest.raises(RuntimeError, match="experts called without a matching route"):
+        model.runtime.experts(L, x, torch.tensor([[0, 1]]), torch.ones(1, 2))

@@ -112,7 +112,8 @@ class MoELayer:
     slot_of: dict[int, int] = field(default_factory=dict)
     history: list[list[int]] = field(default_factory=list)
     seeded: bool = False
-    pending: list[int] | None = None
+    pending: list[int] | None = None  # routed ids of the current decode step
+    pending_ids: torch.Tensor | None = None  # the same, as the tensor the router returned
     residual: torch.Tensor | None = None
 
 
@@ -277,6 +278,7 @@ class OffloadRuntime:
             lam = self.policy.lam
             w, ids = self._route(L, logits, self._mask(L, x.device) if lam > 0 else None, lam)
             self._use(L, ids[0].tolist())
+            L.pending_ids = ids
             self._prefetch_next(L)
         if self.cfg.weights_in_logits_dtype:
             w = w.to(logits.dtype)
@@ -349,9 +351,10 @@ class OffloadRuntime:
         if not L.seeded:
             return self._prefill_experts(L, x, ids, weights)
         routed = L.pending
-        if routed is None or ids.shape[0] != 1 or ids[0].tolist() != routed:
+        # The model hands the router's ids tensor straight to its experts: identity, no sync.
+        if routed is None or ids is not L.pending_ids:
             raise RuntimeError(f"MoE layer {L.index}: experts called without a matching route")
-        L.pending = None
+        L.pending, L.pending_ids = None, None
         slots = [L.slot_of[e] for e in routed]
         if self.recorder is not None:
             self.recorder.read(L.index, slots)
