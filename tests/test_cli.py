@@ -75,6 +75,16 @@ def test_generate_with_ids_and_bad_args(ckpt, capsys) -> None:
         main(["generate", "--model", str(ckpt), "--prompt", "a", "--residency", "0.1", "--quiet"])
 
 
+def test_lm_eval_subcommand_hands_its_arguments_to_lm_eval(monkeypatch) -> None:
+    pytest.importorskip("lm_eval")
+    import psr.lm_eval_adapter as adapter
+
+    seen = {}
+    monkeypatch.setattr(adapter, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    main(["lm-eval", "--model", "psr", "--model_args", "residency=0.5", "--tasks", "x"])
+    assert seen["argv"] == ["--model", "psr", "--model_args", "residency=0.5", "--tasks", "x"]
+
+
 def test_info(capsys) -> None:
     assert main(["info"]) == 0
     assert '"cuda_compiled"' in capsys.readouterr().out

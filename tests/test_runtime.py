@@ -278,6 +278,11 @@ def test_wrong_dtype_context_and_batch(ckpts) -> None:
     path = ckpts["olmoe", "per_expert"]
     with pytest.raises(ValueError, match="unsupported dtype 'int8'"):
         load(path, dtype="int8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device is available"):
+            load(path, device="cuda")
+    with pytest.raises(ValueError, match="unsupported device 'mps'"):
+        load(path, device="mps")
     model = load(path)
     with pytest.raises(ValueError, match="exceeds the model's context of 128"):
         model.generate(torch.zeros(1, 120, dtype=torch.long), max_new_tokens=10)

@@ -115,12 +115,6 @@ def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lm_eval(args: argparse.Namespace) -> int:
-    from psr.lm_eval_adapter import main as lm_eval_main
-
-    return lm_eval_main(args.rest)
-
-
 def _info(args: argparse.Namespace) -> int:
     import psr
 
@@ -206,15 +200,17 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--quiet", action="store_true")
     sw.set_defaults(fn=_sweep)
 
-    le = sub.add_parser(
-        "lm-eval", help="lm_eval's CLI with the 'psr' model registered", add_help=False
-    )
-    le.add_argument("rest", nargs=argparse.REMAINDER)
-    le.set_defaults(fn=_lm_eval)
+    # Handled in main(): the rest of the line goes to lm_eval's parser untouched.
+    sub.add_parser("lm-eval", help="lm_eval's CLI with the 'psr' model registered")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm_eval's own parser
+        from psr.lm_eval_adapter import main as lm_eval_main
+
+        return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     return args.fn(args)
 

@@ -12,6 +12,7 @@ decode steps under the policy, as the harness's likelihood tasks require.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -40,6 +41,11 @@ class PSRLM(LM):
         **_: Any,
     ) -> None:
         super().__init__()
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm_eval's CLI defaults to --device cuda; on a machine without one, say so and
+            # run where psr can.
+            logging.getLogger(__name__).warning("no CUDA device: psr model runs on the CPU")
+            device = "cpu"
         self.model = psr.load(
             pretrained or DEFAULT_MODEL,
             policy=policy,

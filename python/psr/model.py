@@ -505,6 +505,10 @@ def load(
     if device is None:
         device = "cuda" if current_backend() == "cuda" else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested, but no CUDA device is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}: psr runs on 'cpu' or 'cuda'")
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if compute not in ("auto", "triton", "torch"):
