@@ -94,6 +94,7 @@ def _eval(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         gen_tokens=args.gen_tokens,
         progress=not args.quiet,
+        traces=args.traces,
     )
     return 0
 
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--prompts", type=int, default=4)
     ev.add_argument("--gen-tokens", type=int, default=48)
     ev.add_argument("--out", default="bench/results/eval")
+    ev.add_argument("--traces", action="store_true", help="keep routing traces in the JSON")
     ev.add_argument("--quiet", action="store_true")
     ev.set_defaults(fn=_eval)
 

@@ -135,6 +135,7 @@ def evaluate(
     prompts: int = 4,
     gen_tokens: int = 48,
     progress: bool = True,
+    traces: bool = False,
 ) -> list[dict]:
     """Quality suite: perplexity, cloze multiple choice, greedy agreement, modeled latency."""
     data = EvalData.from_text(
@@ -146,7 +147,7 @@ def evaluate(
         cloze=cloze,
     )
     results = run_all(path, configs, data, "psr eval", progress=progress)
-    paths = save(results, out, "eval", {"model": path}, traces=True)
+    paths = save(results, out, "eval", {"model": path}, traces=traces)
     print(markdown_table(results))
     print(f"\nwrote {paths['md']}, {paths['json']}, {paths['png']}")
     return results
