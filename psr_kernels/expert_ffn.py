@@ -100,6 +100,18 @@ def _down_kernel(
     tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
 
 
+def ffn_launch_config(T: int, H: int, F: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Block sizes of the gate/up and down kernels (no autotuning)."""
+    gate_up = dict(BLOCK_F=min(pow2(F, 16), 64), BLOCK_H=min(pow2(H, 16), 128), num_warps=4)
+    # Enough output tiles to fill the GPU at T = 1.
+    down = dict(
+        BLOCK_H=max(16, min(64, pow2(triton.cdiv(H * T, 128)))),
+        BLOCK_F=min(pow2(F, 16), 128),
+        num_warps=4,
+    )
+    return gate_up, down
+
+
 def _check_ffn(
     op: str,
     x: torch.Tensor,
@@ -176,9 +188,8 @@ def expert_ffn(
     slots = slots.contiguous()
     weights = weights.float().contiguous()
     h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
-    BF1 = min(pow2(F, 16), 64)
-    BH1 = min(pow2(H, 16), 128)
-    _gate_up_kernel[(T * K, triton.cdiv(F, BF1))](
+    c1, c2 = ffn_launch_config(T, H, F)
+    _gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
         x,
         x.stride(0),
         slab,
@@ -190,14 +201,9 @@ def expert_ffn(
         F,
         C,
         K=K,
-        BLOCK_F=BF1,
-        BLOCK_H=BH1,
-        num_warps=4,
+        **c1,
     )
-    # Enough output tiles to fill the GPU at T = 1.
-    BH2 = max(16, min(64, pow2(triton.cdiv(H * T, 128))))
-    BF2 = min(pow2(F, 16), 128)
-    _down_kernel[(T, triton.cdiv(H, BH2))](
+    _down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
         h,
         slab,
         slab.stride(0),
@@ -210,9 +216,7 @@ def expert_ffn(
         F,
         C,
         K=K,
-        BLOCK_H=BH2,
-        BLOCK_F=BF2,
-        num_warps=4,
+        **c2,
     )
     return y
 

@@ -303,6 +303,25 @@ def _mask_2d(mask: torch.Tensor | None) -> torch.Tensor | None:
 # --------------------------------------------------------------------------- launch
 
 
+def route_launch_config(mode: int, T: int, E: int, H: int, top_k: int) -> dict[str, int]:
+    """Block sizes and warps of `_route_kernel` for a problem (no autotuning: the same
+    choice under the interpreter and on a GPU)."""
+    BLOCK_E = pow2(E, 16)
+    BLOCK_T = min(pow2(T), 16)
+    BLOCK_H = 0
+    if mode:
+        # Keep the [BLOCK_T, BLOCK_E, BLOCK_H] product tile near 8K elements.
+        BLOCK_T = min(BLOCK_T, 4)
+        BLOCK_H = max(16, min(pow2(H), 8192 // (BLOCK_T * BLOCK_E)))
+    return dict(
+        BLOCK_T=BLOCK_T,
+        BLOCK_E=BLOCK_E,
+        BLOCK_H=BLOCK_H,
+        BLOCK_K=pow2(top_k, 2),
+        num_warps=4 if BLOCK_E * BLOCK_T <= 1024 else 8,
+    )
+
+
 def _launch(
     mode: int,
     inp: torch.Tensor,
@@ -335,17 +354,10 @@ def _launch(
     mu8 = m.view(torch.uint8) if m is not None else None
     # A broadcast [1, E] mask uses row stride 0.
     s_mt = 0 if m is None or m.shape[0] == 1 else m.stride(0)
-    BLOCK_E = pow2(E, 16)
-    BLOCK_K = pow2(top_k, 2)
-    BLOCK_T = min(pow2(T), 16)
-    BLOCK_H = 0
-    if mode:
-        # Keep the [BLOCK_T, BLOCK_E, BLOCK_H] product tile near 8K elements.
-        BLOCK_T = min(BLOCK_T, 4)
-        BLOCK_H = max(16, min(pow2(H), 8192 // (BLOCK_T * BLOCK_E)))
+    cfg = route_launch_config(mode, T, E, H, top_k)
     n_group = max(1, n_group)
     dummy = weights
-    _route_kernel[(triton.cdiv(T, BLOCK_T),)](
+    _route_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
         inp,
         inp.stride(0),
         inp.stride(1),
@@ -377,11 +389,7 @@ def _launch(
         N_GROUP=n_group,
         TOPK_GROUP=topk_group if n_group > 1 else 1,
         NG_P2=pow2(n_group, 2),
-        BLOCK_T=BLOCK_T,
-        BLOCK_E=BLOCK_E,
-        BLOCK_H=BLOCK_H,
-        BLOCK_K=BLOCK_K,
-        num_warps=4 if BLOCK_E * BLOCK_T <= 1024 else 8,
+        **cfg,
     )
     return weights, ids, logits, incache.bool()
 
