@@ -515,6 +515,43 @@ def route_hidden(
     return w, ids, logits
 
 
+def _check_predict(
+    op: str,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_weight: torch.Tensor,
+    n: int,
+    mask: torch.Tensor | None,
+    scoring: str,
+    bias: torch.Tensor | None,
+    n_group: int,
+    topk_group: int,
+    check_finite: bool,
+) -> tuple[int, int]:
+    """Shared argument checks of predict_next and its reference; returns (T, E)."""
+    T, H, E = _check_gemv(op, residual, gate_weight)
+    check_float(op, "norm_weight", norm_weight, 1)
+    if norm_weight.shape[0] != H:
+        raise ValueError(
+            f"{op}: norm_weight has {norm_weight.shape[0]} elements, hidden size is {H}"
+        )
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
+    _check_routing_args(op, E, T, max(n, 1), mask, 0.0, scoring, bias, n_group, topk_group, "n")
+    if check_finite and n > 0:
+        _require_finite(op, "residual", residual)
+    return T, E
+
+
+def _no_prediction(
+    T: int, ids_dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.empty(T, 0, dtype=ids_dtype, device=device),
+        torch.empty(T, 0, dtype=torch.bool, device=device),
+    )
+
+
 def predict_next(
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
@@ -541,24 +578,22 @@ def predict_next(
     Returns `(ids [T, n], in_cache [T, n] bool)`; in_cache is all False without a mask.
     """
     op = "predict_next"
-    T, H, E = _check_gemv(op, residual, gate_weight)
-    check_float(op, "norm_weight", norm_weight, 1)
-    if norm_weight.shape[0] != H:
-        raise ValueError(
-            f"{op}: norm_weight has {norm_weight.shape[0]} elements, hidden size is {H}"
-        )
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
+    T, E = _check_predict(
+        op,
+        residual,
+        norm_weight,
+        gate_weight,
+        n,
+        mask,
+        scoring,
+        bias,
+        n_group,
+        topk_group,
+        check_finite,
+    )
     dev = check_launchable(op, residual, norm_weight, gate_weight, mask, bias)
     if n == 0:
-        _check_routing_args(op, E, T, 1, mask, 0.0, scoring, bias, n_group, topk_group, "n")
-        return (
-            torch.empty(T, 0, dtype=ids_dtype, device=dev),
-            torch.empty(T, 0, dtype=torch.bool, device=dev),
-        )
-    _check_routing_args(op, E, T, n, mask, 0.0, scoring, bias, n_group, topk_group, "n")
-    if check_finite:
-        _require_finite(op, "residual", residual)
+        return _no_prediction(T, ids_dtype, dev)
     _, ids, _, incache = _launch(
         2,
         residual,
@@ -688,22 +723,21 @@ def predict_next_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `predict_next`."""
     op = "predict_next_ref"
-    T, H, E = _check_gemv(op, residual, gate_weight)
-    if norm_weight.shape != (H,):
-        raise ValueError(
-            f"{op}: norm_weight has {norm_weight.shape[0]} elements, hidden size is {H}"
-        )
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
+    T, E = _check_predict(
+        op,
+        residual,
+        norm_weight,
+        gate_weight,
+        n,
+        mask,
+        scoring,
+        bias,
+        n_group,
+        topk_group,
+        check_finite,
+    )
     if n == 0:
-        _check_routing_args(op, E, T, 1, mask, 0.0, scoring, bias, n_group, topk_group, "n")
-        return (
-            torch.empty(T, 0, dtype=ids_dtype, device=residual.device),
-            torch.empty(T, 0, dtype=torch.bool, device=residual.device),
-        )
-    _check_routing_args(op, E, T, n, mask, 0.0, scoring, bias, n_group, topk_group, "n")
-    if check_finite:
-        _require_finite(op, "residual", residual)
+        return _no_prediction(T, ids_dtype, residual.device)
     logits = rms_norm_ref(residual, norm_weight, eps) @ gate_weight.float().t()
     z, _ = _scores_ref(logits, scoring, bias)
     ids = _topk_ref(_group_limit_ref(z, n_group, topk_group), n)
