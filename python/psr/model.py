@@ -331,6 +331,19 @@ def _install(
     return runtime
 
 
+def _make_store(
+    mcfg: MoEConfig, capacity: int, num_layers: int, dtype: torch.dtype, device: torch.device
+) -> ExpertStore:
+    """One store layer per MoE layer; its backend follows the compute device."""
+    cuda = device.type == "cuda"
+    return ExpertStore(
+        [LayerSpec(mcfg.num_experts, capacity, 3 * mcfg.hidden_size * mcfg.ffn_size)] * num_layers,
+        dtype,
+        backend="cuda" if cuda else "cpu",
+        device=device.index if cuda else None,
+    )
+
+
 def _expert_parts_from_module(experts: nn.Module, e: int) -> list[torch.Tensor]:
     if hasattr(experts, "gate_up_proj"):
         return [experts.gate_up_proj[e], experts.down_proj[e]]
@@ -366,14 +379,7 @@ def offload(
     first = _expert_parts_from_module(layers[moe_idx[0]].mlp.experts, 0)
     dtype = first[0].dtype
     device = layers[moe_idx[0]].mlp.gate.weight.device
-    backend = "cuda" if device.type == "cuda" else "cpu"
-    numel = 3 * mcfg.hidden_size * mcfg.ffn_size
-    store = ExpertStore(
-        [LayerSpec(mcfg.num_experts, C, numel)] * len(moe_idx),
-        dtype,
-        backend=backend,
-        device=device.index if backend == "cuda" else None,
-    )
+    store = _make_store(mcfg, C, len(moe_idx), dtype, device)
     bar = tqdm(
         total=len(moe_idx) * mcfg.num_experts,
         desc="experts -> host store",
@@ -542,12 +548,7 @@ def load(
         model.lm_head.weight = model.get_input_embeddings().weight
     materialize_rotary(model, dev)
 
-    store = ExpertStore(
-        [LayerSpec(mcfg.num_experts, C, 3 * mcfg.hidden_size * mcfg.ffn_size)] * len(moe_idx),
-        dt,
-        backend="cuda" if dev.type == "cuda" else "cpu",
-        device=dev.index if dev.type == "cuda" else None,
-    )
+    store = _make_store(mcfg, C, len(moe_idx), dt, dev)
     _load_experts(ckpt, store, mcfg, moe_idx, dt, progress)
     ckpt.close()
     runtime = _install(model, mcfg, store, pol, C, compute, moe_idx)
