@@ -271,7 +271,8 @@ class OffloadRuntime:
             if x.shape[0] != 1:
                 raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
             if L.index == 0:
-                self._close_token()
+                if self._tok is not None:  # normally closed by end_step already
+                    self._close_token()
                 self._tok = self.stats.new_token()
                 if self.recorder is not None:
                     self.recorder.new_token()
