@@ -131,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     from psr.policy import POLICIES
 
     g = sub.add_parser("generate", help="decode a prompt with an offloaded checkpoint")
-    g.add_argument("--model", default=None,
-                   help="local HF checkpoint folder (default: the embedded model)")
+    g.add_argument(
+        "--model", default=None, help="local HF checkpoint folder (default: the embedded model)"
+    )
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="token ids instead of text: '1,2,3'")
     g.add_argument("--policy", choices=POLICIES, default="psr")
