@@ -4,8 +4,12 @@ Environment:
   PSR_SKIP_CUDA_BUILD=1   CPU backend only, even if nvcc exists.
   PSR_FORCE_CUDA=1        fail unless the CUDA backend can be built.
   TORCH_CUDA_ARCH_LIST    e.g. "8.0;9.0+PTX" (default archs: 80;89;90).
-  PSR_SANITIZE=address    AddressSanitizer build (for tests).
-  CMAKE_BUILD_PARALLEL_LEVEL, PSR_BUILD_TYPE (Release).
+  PSR_SANITIZE=address,undefined
+                          ASan + UBSan build of the C++ sources (any -fsanitize= list; the
+                          CUDA sources are not instrumented); see scripts/sanitize.sh for how
+                          to run it (LD_PRELOAD, ASAN_OPTIONS).
+  CMAKE_BUILD_PARALLEL_LEVEL, PSR_BUILD_TYPE (Release; RelWithDebInfo with PSR_SANITIZE, so
+                          the module keeps its symbols for the sanitizer's reports).
 The build never imports torch.
 """
 
@@ -74,19 +78,24 @@ class CMakeBuild(build_ext):
             )
         import pybind11  # build requirement
 
+        sanitize = os.environ.get("PSR_SANITIZE", "").strip()
+        default_type = "RelWithDebInfo" if sanitize else "Release"
+        build_type = os.environ.get("PSR_BUILD_TYPE") or default_type
         args = [
             f"-DPython_EXECUTABLE={sys.executable}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPSR_OUTPUT_DIR={out_dir}",
-            f"-DCMAKE_BUILD_TYPE={os.environ.get('PSR_BUILD_TYPE', 'Release')}",
+            f"-DCMAKE_BUILD_TYPE={build_type}",
             f"-DPSR_WITH_CUDA={'ON' if nvcc else 'OFF'}",
-            f"-DPSR_SANITIZE={os.environ.get('PSR_SANITIZE', '')}",
+            f"-DPSR_SANITIZE={sanitize}",
         ]
         if nvcc:
             args += [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_archs()}"]
         if shutil.which("ninja") or _has_module("ninja"):
             args.append("-GNinja")
         print(f"psr: CUDA backend {'ON with ' + nvcc if nvcc else 'OFF'}", flush=True)
+        if sanitize:
+            print(f"psr: -fsanitize={sanitize} ({build_type}); run as scripts/sanitize.sh does")
         subprocess.check_call(["cmake", "-S", str(ROOT), "-B", str(build_temp), *args])
         subprocess.check_call(["cmake", "--build", str(build_temp), "--parallel"])
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from psr.cli import main
-from psr.microbench import CopyOverlapBench
+from psr.eval.microbench import CopyOverlapBench
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ PSR_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
 $PY -c "import psr, json; print(json.dumps(psr.backend_info()))" | tee -a "$OUT/summary.txt"
 
 step "gpu tests"
-$PY -m pytest -q -m gpu tests/test_gpu.py tests/test_store.py 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+$PY -m pytest -q -m gpu tests/store 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
 
 step "copy engine vs pinned copy_, overlap"
 $PY -m psr.cli bench copy --backend cuda --json "$OUT/copy.json" 2>&1 | tee "$OUT/copy.txt"

@@ -1,6 +1,8 @@
 // Thin pybind11 bindings for psr::Store. Memory is exported as DLPack
 // capsules (uint8, [rows, bytes]) that torch.from_dlpack views without a
-// copy; each capsule keeps the store alive. The module never links torch.
+// copy; each capsule keeps its buffer (not the store) alive, so a view stays
+// valid after Store.close(). Every method that locks releases the GIL. The
+// module never links torch.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -37,7 +39,7 @@ struct DLManagedTensor {
 };
 
 struct Export {
-  std::shared_ptr<psr::Store> owner;
+  std::shared_ptr<void> buffer;
   int64_t shape[2];
   int64_t strides[2];
   DLManagedTensor t;
@@ -45,13 +47,12 @@ struct Export {
 
 void export_deleter(DLManagedTensor* t) { delete static_cast<Export*>(t->manager_ctx); }
 
-py::capsule to_dlpack(std::shared_ptr<psr::Store> store, void* data, int64_t rows, int64_t cols,
-                      bool device_memory) {
-  auto* e = new Export{std::move(store), {rows, cols}, {cols, 1}, {}};
-  psr::Backend& b = e->owner->backend();
-  e->t.dl_tensor.data = data;
-  e->t.dl_tensor.device = {device_memory ? b.dlpack_device_type() : 1,
-                           device_memory ? b.device_index() : 0};
+py::capsule to_dlpack(const psr::Store& store, std::shared_ptr<void> buffer, int64_t rows,
+                      int64_t cols, bool device_memory) {
+  auto* e = new Export{std::move(buffer), {rows, cols}, {cols, 1}, {}};
+  e->t.dl_tensor.data = e->buffer.get();
+  e->t.dl_tensor.device = {device_memory ? store.dlpack_device_type() : 1,
+                           device_memory ? store.device_index() : 0};
   e->t.dl_tensor.ndim = 2;
   e->t.dl_tensor.dtype = {1 /* kDLUInt */, 8, 1};
   e->t.dl_tensor.shape = e->shape;
@@ -72,6 +73,7 @@ py::dict counters_dict(const psr::Counters& c) {
   py::dict d;
   d["copies"] = c.copies;
   d["bytes_copied"] = c.bytes_copied;
+  d["retried_copies"] = c.retried_copies;
   d["failed_copies"] = c.failed_copies;
   d["waits"] = c.waits;
   d["stalled_waits"] = c.stalled_waits;
@@ -95,6 +97,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
 
+  m.attr("max_copy_retries") = psr::Store::kMaxCopyRetries;
   m.def("cuda_compiled", &psr::cuda_compiled, "True if the CUDA backend was built");
   m.def("cuda_device_count", &psr::cuda_device_count, "CUDA devices usable at run time");
   m.def("cuda_runtime_version", &psr::cuda_runtime_version);
@@ -104,10 +107,11 @@ PYBIND11_MODULE(_C, m) {
   m.attr("cuda_archs") = "";
 #endif
 
+  using release_gil = py::call_guard<py::gil_scoped_release>;
   py::class_<psr::Store, std::shared_ptr<psr::Store>>(m, "Store")
       .def(py::init([](const std::vector<std::tuple<int64_t, int64_t, int64_t>>& layers,
                        const std::string& dtype, int64_t itemsize, const std::string& backend,
-                       int device, uint32_t copy_delay_us, uint64_t seed) {
+                       int device, uint32_t copy_delay_us, uint64_t seed, int copy_retries) {
              std::vector<psr::LayerSpec> specs;
              for (const auto& l : layers)
                specs.push_back({std::get<0>(l), std::get<1>(l), std::get<2>(l)});
@@ -116,55 +120,93 @@ PYBIND11_MODULE(_C, m) {
                b = psr::make_cpu_backend(copy_delay_us, seed);
              } else if (backend == "cuda") {
                if (copy_delay_us)
-                 throw psr::StoreError("copy-delay fault injection is only available on the CPU backend");
+                 throw psr::StoreError(
+                     "copy-delay fault injection is only available on the CPU backend");
                b = psr::make_cuda_backend(device);
              } else {
-               throw std::invalid_argument("unknown backend '" + backend + "' (expected 'cpu' or 'cuda')");
+               throw std::invalid_argument("unknown backend '" + backend +
+                                           "' (expected 'cpu' or 'cuda')");
              }
-             return std::make_shared<psr::Store>(std::move(specs), dtype, itemsize, std::move(b));
+             return std::make_shared<psr::Store>(std::move(specs), dtype, itemsize, std::move(b),
+                                                 copy_retries);
            }),
            py::arg("layers"), py::arg("dtype"), py::arg("itemsize"), py::arg("backend") = "cpu",
            py::arg("device") = 0, py::arg("copy_delay_us") = 0, py::arg("seed") = 0,
+           py::arg("copy_retries") = 2,
            "layers: [(num_experts, num_slots, expert_bytes)] per MoE layer")
-      .def_property_readonly("backend", [](psr::Store& s) { return s.backend().name(); })
-      .def_property_readonly("device_index", [](psr::Store& s) { return s.backend().device_index(); })
+      .def_property_readonly("backend", &psr::Store::backend_name)
+      .def_property_readonly("device_index", &psr::Store::device_index)
       .def_property_readonly("num_layers", &psr::Store::num_layers)
       .def_property_readonly("dtype", &psr::Store::dtype)
-      .def("spec",
-           [](const psr::Store& s, int64_t l) {
-             const auto& p = s.spec(l);
-             return py::make_tuple(p.num_experts, p.num_slots, p.expert_bytes);
-           })
+      .def_property_readonly("copy_retries", &psr::Store::copy_retries)
+      .def_property_readonly("closed", py::cpp_function(&psr::Store::closed, release_gil()))
+      .def(
+          "spec",
+          [](const psr::Store& s, int64_t l) {
+            psr::LayerSpec p;
+            {
+              py::gil_scoped_release r;
+              p = s.spec(l);
+            }
+            return py::make_tuple(p.num_experts, p.num_slots, p.expert_bytes);
+          },
+          py::arg("layer"))
       .def("register_expert", &psr::Store::register_expert, py::arg("layer"), py::arg("expert"),
-           py::arg("dtype"), py::arg("parts"), py::call_guard<py::gil_scoped_release>(),
+           py::arg("dtype"), py::arg("parts"), release_gil(),
            "parts: [(address, nbytes)] copied back to back into the expert's host buffer")
-      .def("is_registered", &psr::Store::is_registered)
-      .def("load", &psr::Store::load, py::arg("layer"), py::arg("slots"), py::arg("experts"),
-           py::call_guard<py::gil_scoped_release>())
+      .def("is_registered", &psr::Store::is_registered, py::arg("layer"), py::arg("expert"),
+           release_gil())
+      .def("enqueue_copies", &psr::Store::enqueue_copies, py::arg("layer"), py::arg("slots"),
+           py::arg("experts"), release_gil())
       .def("acquire", &psr::Store::acquire, py::arg("layer"), py::arg("slots"),
-           py::arg("experts") = std::vector<int64_t>{}, py::arg("stream") = 0,
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("experts") = std::vector<int64_t>{}, py::arg("stream") = 0, release_gil())
       .def("release", &psr::Store::release, py::arg("layer"), py::arg("slots"),
-           py::arg("stream") = 0, py::call_guard<py::gil_scoped_release>())
-      .def("slot_experts", &psr::Store::slot_experts)
-      .def("readers", &psr::Store::readers)
-      .def("ready", &psr::Store::ready)
-      .def("verify", &psr::Store::verify, py::call_guard<py::gil_scoped_release>())
-      .def("synchronize", &psr::Store::synchronize, py::call_guard<py::gil_scoped_release>())
-      .def("counters", [](psr::Store& s) { return counters_dict(s.counters()); })
-      .def("reset_counters", &psr::Store::reset_counters)
-      .def("set_copy_delay",
-           [](psr::Store& s, uint32_t us, uint64_t seed) { s.backend().set_copy_delay(us, seed); })
-      .def("fail_next_copies", [](psr::Store& s, int64_t n) { s.backend().fail_next_copies(n); })
-      .def("slab_dlpack",
-           [](std::shared_ptr<psr::Store> s, int64_t l) {
-             const auto& p = s->spec(l);
-             void* ptr = s->slab_ptr(l);
-             return to_dlpack(std::move(s), ptr, p.num_slots, p.expert_bytes, true);
+           py::arg("stream") = 0, release_gil())
+      .def("slot_experts", &psr::Store::slot_experts, py::arg("layer"), release_gil())
+      .def("readers", &psr::Store::readers, py::arg("layer"), release_gil())
+      .def("ready", &psr::Store::ready, py::arg("layer"), release_gil())
+      .def("verify", &psr::Store::verify, py::arg("layer"), py::arg("slot"), release_gil())
+      .def("synchronize", &psr::Store::synchronize, release_gil())
+      .def("counters",
+           [](psr::Store& s) {
+             psr::Counters c;
+             {
+               py::gil_scoped_release r;
+               c = s.counters();
+             }
+             return counters_dict(c);
            })
-      .def("host_dlpack", [](std::shared_ptr<psr::Store> s, int64_t l) {
-        const auto& p = s->spec(l);
-        void* ptr = s->host_ptr(l);
-        return to_dlpack(std::move(s), ptr, p.num_experts, p.expert_bytes, false);
-      });
+      .def("reset_counters", &psr::Store::reset_counters, release_gil())
+      .def("set_copy_delay", &psr::Store::set_copy_delay, py::arg("max_delay_us"),
+           py::arg("seed") = 0, release_gil())
+      .def("fail_next_copies", &psr::Store::fail_next_copies, py::arg("n"), release_gil())
+      .def("close", &psr::Store::close, release_gil(),
+           "Finish queued copies, stop the copy engine, drop the store's memory (views keep "
+           "theirs). Idempotent.")
+      .def(
+          "slab_dlpack",
+          [](const psr::Store& s, int64_t l) {
+            std::shared_ptr<void> buf;
+            psr::LayerSpec p;
+            {
+              py::gil_scoped_release r;
+              p = s.spec(l);
+              buf = s.slab_buffer(l);
+            }
+            return to_dlpack(s, std::move(buf), p.num_slots, p.expert_bytes, true);
+          },
+          py::arg("layer"))
+      .def(
+          "host_dlpack",
+          [](const psr::Store& s, int64_t l) {
+            std::shared_ptr<void> buf;
+            psr::LayerSpec p;
+            {
+              py::gil_scoped_release r;
+              p = s.spec(l);
+              buf = s.host_buffer(l);
+            }
+            return to_dlpack(s, std::move(buf), p.num_experts, p.expert_bytes, false);
+          },
+          py::arg("layer"));
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -35,16 +36,25 @@ struct LayerSpec {
   int64_t expert_bytes = 0;  // all of one expert's matrices, packed
 };
 
+// Counting rule: every copy put on the copy stream counts once in `copies`
+// and `bytes_copied`, retries included (a deferred copy once it is issued).
+// A copy that reports an error at wait time counts in `failed_copies`; if
+// acquire re-issues it, the re-issue counts in `retried_copies` (and in
+// `copies`). So failed_copies - retried_copies = failures raised as CopyError.
 struct Counters {
-  uint64_t copies = 0;         // copies issued (deferred ones once issued)
-  uint64_t bytes_copied = 0;
-  uint64_t failed_copies = 0;  // copies that reported an error at wait time
-  uint64_t waits = 0;          // slots the compute side waited for
-  uint64_t stalled_waits = 0;  // of those, slots whose copy was still running
-  uint64_t stall_ns = 0;       // time the compute side stalled on copies
+  uint64_t copies = 0;          // copies issued, retries included
+  uint64_t bytes_copied = 0;    // bytes of those copies
+  uint64_t retried_copies = 0;  // of `copies`, re-issues of a failed copy by acquire
+  uint64_t failed_copies = 0;   // copies that reported an error at wait time
+  uint64_t waits = 0;           // slots the compute side waited for (again after a retry)
+  uint64_t stalled_waits = 0;   // of those, slots whose copy was still running
+  uint64_t stall_ns = 0;        // time the compute side stalled on copies
 };
 
 // Memory, copy stream and events. Slots are addressed by a global index g.
+// Thread-safe: Store calls wait_copies, synchronize and drain_stall_ns
+// without its own lock. Memory may outlive shutdown(): free_host/free_slab
+// keep working until the backend is destroyed (after the last buffer).
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -60,11 +70,13 @@ class Backend {
 
   // Enqueue dst <- src on the copy stream, ordered after slot g's last
   // recorded read (write-after-read) and after earlier copies (in order).
+  // A copy that cannot be issued or fails is reported by wait_copies (so the
+  // store can re-issue it); throws only if the stream itself is unusable.
   virtual void copy_async(size_t g, void* dst, const void* src, size_t bytes,
                           const std::string& what) = 0;
   // Make the compute side (`stream`; the calling thread on the CPU) wait for
   // the last copy into each slot. Returns one message per slot, "" if it
-  // succeeded. Adds stalls to the counters.
+  // succeeded (or, on CUDA, is still running). Adds stalls to the counters.
   virtual std::vector<std::string> wait_copies(const std::vector<size_t>& gs, uintptr_t stream,
                                                Counters& c) = 0;
   // The compute enqueued so far on `stream` is the last reader of these slots.
@@ -76,8 +88,13 @@ class Backend {
   virtual uint64_t drain_stall_ns() { return 0; }
   // Bytes of a slot equal to bytes on the host (after synchronize()).
   virtual bool equal(const void* slot, const void* host, size_t bytes) = 0;
+  // Finish the queued copies and stop the copy engine (CPU: join the worker
+  // thread; CUDA: destroy the stream and events). Idempotent; nothing but
+  // free_host/free_slab may be called afterwards.
+  virtual void shutdown() noexcept = 0;
 
-  // Fault injection (CPU backend only).
+  // Fault injection: seeded copy delays (CPU backend only); the next n copies
+  // fail, reported at wait time (both backends).
   virtual void set_copy_delay(uint32_t max_delay_us, uint64_t seed);
   virtual void fail_next_copies(int64_t n);
 };
@@ -88,11 +105,16 @@ int cuda_device_count();  // 0 without a driver or device
 int cuda_runtime_version();
 std::unique_ptr<Backend> make_cuda_backend(int device);
 
+// Thread-safe: every public method may be called from several threads (one
+// mutex for the bookkeeping, released while acquire waits for copies). After
+// close() every method but the metadata getters throws StoreError.
 class Store {
  public:
+  static constexpr int kMaxCopyRetries = 100;
+
   Store(std::vector<LayerSpec> layers, std::string dtype, int64_t itemsize,
-        std::unique_ptr<Backend> backend);
-  ~Store();
+        std::unique_ptr<Backend> backend, int copy_retries = 2);
+  ~Store();  // close()
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
@@ -103,10 +125,13 @@ class Store {
 
   // Start async copies of experts[i] into slots[i]. A slot still held by a
   // reader is written once its last reader releases it.
-  void load(int64_t layer, const std::vector<int64_t>& slots, const std::vector<int64_t>& experts);
+  void enqueue_copies(int64_t layer, const std::vector<int64_t>& slots,
+                      const std::vector<int64_t>& experts);
   // Compute side waits for these slots' copies and holds them for reading;
-  // `experts`, if not empty, must be what the slots hold. All or nothing:
-  // on error no slot stays held, and failed slots are left empty.
+  // `experts`, if not empty, must be what the slots hold. A failed copy is
+  // re-issued (same slot, same expert) up to copy_retries() times, then
+  // raised as CopyError. All or nothing: on error no slot stays held, and
+  // slots whose copy failed for good are left empty (and loadable).
   void acquire(int64_t layer, const std::vector<int64_t>& slots,
                const std::vector<int64_t>& experts, uintptr_t stream);
   // The compute reading these slots has been enqueued on `stream`.
@@ -120,41 +145,66 @@ class Store {
   void synchronize();
   Counters counters();
   void reset_counters();
+  void set_copy_delay(uint32_t max_delay_us, uint64_t seed);
+  void fail_next_copies(int64_t n);
 
+  // Finish the queued copies, stop the copy engine and drop the store's
+  // references to its memory. Idempotent; waits for calls in flight in other
+  // threads. Buffers handed out by slab_buffer/host_buffer stay valid until
+  // their last holder drops them.
+  void close();
+  bool closed() const;
+
+  LayerSpec spec(int64_t layer) const;
+  // The layer's memory; the returned reference keeps it alive (DLPack views).
+  std::shared_ptr<void> slab_buffer(int64_t layer) const;
+  std::shared_ptr<void> host_buffer(int64_t layer) const;
+
+  // Metadata, readable after close().
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-  const LayerSpec& spec(int64_t layer) const;
   const std::string& dtype() const { return dtype_; }
   int64_t itemsize() const { return itemsize_; }
-  void* slab_ptr(int64_t layer) const;
-  void* host_ptr(int64_t layer) const;
-  Backend& backend() { return *backend_; }
+  int copy_retries() const { return copy_retries_; }
+  const std::string& backend_name() const { return backend_name_; }
+  int dlpack_device_type() const { return dlpack_device_type_; }
+  int device_index() const { return device_index_; }
 
  private:
   struct Slot {
-    int64_t expert = -1;       // what the slot holds (or will, once copied)
-    bool loaded = false;       // a copy into it was ever issued or deferred
-    bool deferred = false;     // copy waits for the readers to release
+    int64_t expert = -1;    // what the slot holds (or will, once copied)
+    bool loaded = false;    // a copy into it was issued or deferred
+    bool deferred = false;  // copy waits for the readers to release
     int64_t readers = 0;
+    uint64_t gen = 0;  // bumped by every change of the above but readers
   };
   struct Layer {
     LayerSpec spec;
-    size_t first_slot = 0;  // global index of slot 0
-    void* host = nullptr;   // num_experts * expert_bytes
-    void* slab = nullptr;   // num_slots * expert_bytes
+    size_t first_slot = 0;       // global index of slot 0
+    std::shared_ptr<void> host;  // num_experts * expert_bytes
+    std::shared_ptr<void> slab;  // num_slots * expert_bytes
     std::vector<bool> registered;
     std::vector<Slot> slots;
   };
 
+  // Shared hold on the store's lifetime: close() waits for it.
+  std::shared_lock<std::shared_mutex> hold_open(const char* what) const;
   Layer& layer_at(int64_t layer);
   const Layer& layer_at(int64_t layer) const;
   void check_slot(const Layer& L, int64_t layer, int64_t slot) const;
   void issue_copy(Layer& L, int64_t layer, int64_t slot);
+  static void empty_slot(Slot& s);
 
+  mutable std::shared_mutex life_;  // then mu_
+  bool closed_ = false;
   mutable std::mutex mu_;
   std::vector<Layer> layers_;
   std::string dtype_;
   int64_t itemsize_;
-  std::unique_ptr<Backend> backend_;
+  int copy_retries_;
+  std::shared_ptr<Backend> backend_;
+  std::string backend_name_;
+  int dlpack_device_type_;
+  int device_index_;
   Counters counters_;
 };
 

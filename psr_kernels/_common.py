@@ -11,6 +11,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def interpreting() -> bool:
+    """TRITON_INTERPRET=1 (read now; Triton itself reads it when the kernels are defined)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -22,8 +23,9 @@ def check_launchable(op: str, *tensors: torch.Tensor | None) -> torch.device:
     dev = devs.pop()
     if dev.type != "cuda" and not interpreting():
         raise RuntimeError(
-            f"{op}: Triton kernels need CUDA tensors (got {dev}); set TRITON_INTERPRET=1 to run "
-            f"them on the CPU, or call {op}_ref / the torch.ops.psr op, which falls back to torch"
+            f"{op}: Triton kernels need CUDA tensors (got {dev}); set TRITON_INTERPRET=1 before "
+            f"importing psr_kernels to run them on the CPU, or take the torch path: {op}_ref, "
+            f"kernel_ops('auto' or 'torch', device), or the torch.ops.psr op"
         )
     return dev
 

@@ -2,8 +2,11 @@
 
     y[t] = sum_j w[t, j] * down_j( silu(gate_j x[t]) * up_j x[t] ),  expert j in slot slots[t, j]
 
-Each slab row holds one expert packed as `[gate (F x H), up (F x H), down (H x F)]`
-(the layout psr's store registers; HF's fused `gate_up_proj[e]` is gate then up).
+Each slab row holds one expert packed as `[gate (F x H), up (F x H), down (H x F)]`,
+row-major (the layout psr's store registers; HF's fused `gate_up_proj[e]` is gate then
+up). `pack_expert` writes a row, `unpack_expert` views one (or a batch `[..., 3HF]`)
+as its three matrices, and `_layout` gives the offsets the kernels read at: the only
+places that know the layout.
 Two kernels, both accumulating in fp32 with a fixed reduction order (no atomics), so
 results are bit-reproducible run to run:
   1. `_gate_up_kernel`, grid (T*k, F/BLOCK_F): h[t, j] = silu(gate_j x) * (up_j x);
@@ -12,6 +15,8 @@ At batch 1 this is a grouped GEMV: each weight byte is read once.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -32,6 +37,7 @@ def _gate_up_kernel(
     H,
     F,
     C,
+    up_offset,  # element offsets of `up` and `down` in a slab row (`_layout`)
     K: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -52,7 +58,7 @@ def _gate_up_kernel(
         wm = ok & fm[:, None] & hm[None, :]
         offs = fs[:, None].to(tl.int64) * H + hs[None, :]
         g = tl.load(base + offs, mask=wm, other=0.0).to(tl.float32)
-        u = tl.load(base + F * H + offs, mask=wm, other=0.0).to(tl.float32)
+        u = tl.load(base + up_offset + offs, mask=wm, other=0.0).to(tl.float32)
         acc_g += tl.sum(g * x[None, :], axis=1)
         acc_u += tl.sum(u * x[None, :], axis=1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -72,6 +78,7 @@ def _down_kernel(
     H,
     F,
     C,
+    down_offset,
     K: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -84,7 +91,7 @@ def _down_kernel(
         slot = tl.load(slots_ptr + t * K + j).to(tl.int64)
         ok = (slot >= 0) & (slot < C)
         wj = tl.load(w_ptr + t * K + j).to(tl.float32)
-        base = slab_ptr + slot * s_slot + 2 * F * H
+        base = slab_ptr + slot * s_slot + down_offset
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for f0 in range(0, F, BLOCK_F):
             fs = f0 + tl.arange(0, BLOCK_F)
@@ -98,6 +105,60 @@ def _down_kernel(
             acc += tl.sum(d * hv[None, :], axis=1)
         y += wj * acc
     tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+
+
+# --------------------------------------------------------------------------- slab layout
+
+
+class _Layout(NamedTuple):
+    gate: int  # element offset of gate [F, H] in a slab row
+    up: int  # of up [F, H]
+    down: int  # of down [H, F]
+    row: int  # elements in a row: 3 * H * F
+
+
+def _layout(hidden_size: int, ffn_size: int) -> _Layout:
+    fh = hidden_size * ffn_size
+    return _Layout(gate=0, up=fh, down=2 * fh, row=3 * fh)
+
+
+def unpack_expert(
+    row: torch.Tensor, hidden_size: int, ffn_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of one packed expert's `(gate [F, H], up [F, H], down [H, F])`.
+
+    `row` is a slab row `[3*H*F]`, or any batch of them `[..., 3*H*F]` (e.g. `slab`
+    itself, or `slab[slots]`); the views then have the batch dims in front:
+    `[..., F, H]`, `[..., F, H]`, `[..., H, F]`. No copies. The inverse of `pack_expert`.
+    """
+    H, F = hidden_size, ffn_size
+    if not isinstance(row, torch.Tensor) or row.dim() < 1:
+        raise ValueError("unpack_expert: row must be a tensor with at least 1 dim")
+    lay = _layout(H, F)
+    if H < 1 or F < 1 or row.shape[-1] != lay.row:
+        raise ValueError(
+            f"unpack_expert: rows hold {row.shape[-1]} elements, expected "
+            f"3 * H * F = {lay.row} (H={H}, F={F})"
+        )
+    batch = row.shape[:-1]
+    gate = row[..., lay.gate : lay.up].view(*batch, F, H)
+    up = row[..., lay.up : lay.down].view(*batch, F, H)
+    down = row[..., lay.down :].view(*batch, H, F)
+    return gate, up, down
+
+
+def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One slab row `[3*H*F]` from an expert's `gate [F, H]`, `up [F, H]`, `down [H, F]`."""
+    F, H = gate.shape
+    if up.shape != (F, H) or down.shape != (H, F):
+        raise ValueError(
+            f"pack_expert: expected gate/up [F, H] and down [H, F], got "
+            f"{list(gate.shape)}, {list(up.shape)}, {list(down.shape)}"
+        )
+    return torch.cat([gate.reshape(-1), up.reshape(-1), down.reshape(-1)])
+
+
+# --------------------------------------------------------------------------- ops
 
 
 def ffn_launch_config(T: int, H: int, F: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -129,10 +190,10 @@ def _check_ffn(
         raise ValueError(f"{op}: x has hidden size {H}, expected {hidden_size}")
     if ffn_size < 1:
         raise ValueError(f"{op}: ffn_size must be positive, got {ffn_size}")
-    if slab.shape[1] != 3 * hidden_size * ffn_size:
+    row = _layout(hidden_size, ffn_size).row
+    if slab.shape[1] != row:
         raise ValueError(
-            f"{op}: slab rows hold {slab.shape[1]} elements, expected "
-            f"3 * H * F = {3 * hidden_size * ffn_size}"
+            f"{op}: slab rows hold {slab.shape[1]} elements, expected 3 * H * F = {row}"
         )
     if slab.stride(1) != 1:
         raise ValueError(f"{op}: slab rows must be contiguous (stride(1) == 1)")
@@ -169,7 +230,7 @@ def expert_ffn(
         out_dtype: output dtype (default x.dtype); accumulation is always fp32.
         check_slots: validate slot ids on the host (a sync); out-of-range slots are
             otherwise read as zeros rather than faulting.
-    Returns `[T, H]`.
+    Returns `[T, H]`, contiguous.
     """
     op = "expert_ffn"
     _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size)
@@ -188,33 +249,36 @@ def expert_ffn(
     slots = slots.contiguous()
     weights = weights.float().contiguous()
     h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
+    lay = _layout(H, F)
     c1, c2 = ffn_launch_config(T, H, F)
     _gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
-        x,
-        x.stride(0),
-        slab,
-        slab.stride(0),
-        slots,
-        h,
-        T,
-        H,
-        F,
-        C,
+        x_ptr=x,
+        s_xt=x.stride(0),
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        h_ptr=h,
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        up_offset=lay.up,
         K=K,
         **c1,
     )
     _down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
-        h,
-        slab,
-        slab.stride(0),
-        slots,
-        weights,
-        y,
-        y.stride(0),
-        T,
-        H,
-        F,
-        C,
+        h_ptr=h,
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        w_ptr=weights,
+        y_ptr=y,
+        s_yt=y.stride(0),
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        down_offset=lay.down,
         K=K,
         **c2,
     )
@@ -237,27 +301,11 @@ def expert_ffn_ref(
     _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size)
     if check_slots:
         _check_slot_range(op, slots, slab.shape[0])
-    T, H = x.shape
-    F = ffn_size
-    w = slab[slots.long()].float()  # [T, k, 3HF]
-    gate = w[..., : F * H].view(T, -1, F, H)
-    up = w[..., F * H : 2 * F * H].view(T, -1, F, H)
-    down = w[..., 2 * F * H :].view(T, -1, H, F)
-    xf = x.float()[:, None, :, None]  # [T, 1, H, 1]
+    gate, up, down = unpack_expert(slab[slots.long()].float(), hidden_size, ffn_size)
+    xf = x.float()[:, None, :, None]  # [T, 1, H, 1]; gate/up [T, k, F, H], down [T, k, H, F]
     g = (gate @ xf).squeeze(-1)  # [T, k, F]
     u = (up @ xf).squeeze(-1)
     h = torch.nn.functional.silu(g) * u
     out = (down @ h[..., None]).squeeze(-1)  # [T, k, H]
     y = (out * weights.float()[..., None]).sum(1)
-    return y.to(out_dtype or x.dtype)
-
-
-def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One slab row from an expert's `gate [F, H]`, `up [F, H]`, `down [H, F]`."""
-    F, H = gate.shape
-    if up.shape != (F, H) or down.shape != (H, F):
-        raise ValueError(
-            f"pack_expert: expected gate/up [F, H] and down [H, F], got "
-            f"{list(gate.shape)}, {list(up.shape)}, {list(down.shape)}"
-        )
-    return torch.cat([gate.reshape(-1), up.reshape(-1), down.reshape(-1)])
+    return y.to(out_dtype or x.dtype).contiguous()

@@ -1,10 +1,15 @@
 """torch.library registrations of the psr kernels, and a vLLM routing hook.
 
-`torch.ops.psr.route`, `route_hidden`, `predict_next` and `expert_ffn` run the
-Triton kernel on CUDA tensors (or anywhere under TRITON_INTERPRET=1) and the
-torch reference otherwise, so one call site serves GPU and CPU. Each has a fake
-(meta) implementation, so they trace under `torch.compile`. The ops skip the
-NaN check (a host sync); validate inputs upstream if they may be non-finite.
+`torch.ops.psr.route`, `route_hidden`, `predict_next` and `expert_ffn` dispatch
+through `psr_kernels.dispatch.kernel_ops("auto", device)`: the Triton kernel on CUDA
+tensors, the torch reference elsewhere, unless the process default `PSR_COMPUTE`
+(auto|triton|torch) says otherwise (`PSR_COMPUTE=triton` runs the kernels on CPU
+tensors under TRITON_INTERPRET=1). One call site serves GPU and CPU.
+
+Each op has a fake (meta) implementation whose outputs match the real ones in shape,
+dtype and strides (all outputs are fresh contiguous tensors), so they trace under
+`torch.compile` (inductor included) and pass `torch.library.opcheck`. The ops skip
+the NaN check (a host sync); validate inputs upstream if they may be non-finite.
 """
 
 from __future__ import annotations
@@ -14,20 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from psr_kernels._common import interpreting
-from psr_kernels.expert_ffn import expert_ffn, expert_ffn_ref
-from psr_kernels.routing import (
-    predict_next,
-    predict_next_ref,
-    route,
-    route_hidden,
-    route_hidden_ref,
-    route_ref,
-)
-
-
-def _use_triton(t: Tensor) -> bool:
-    return t.is_cuda or interpreting()
+from psr_kernels.dispatch import kernel_ops
+from psr_kernels.routing import SCORINGS
 
 
 @torch.library.custom_op("psr::route", mutates_args=())
@@ -43,8 +36,7 @@ def route_op(
     topk_group: int = 1,
     scaling: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    fn = route if _use_triton(logits) else route_ref
-    return fn(
+    return kernel_ops("auto", logits.device).route(
         logits,
         top_k,
         mask=mask,
@@ -93,8 +85,7 @@ def route_hidden_op(
     topk_group: int = 1,
     scaling: float = 1.0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    fn = route_hidden if _use_triton(hidden) else route_hidden_ref
-    return fn(
+    return kernel_ops("auto", hidden.device).route_hidden(
         hidden,
         gate_weight,
         top_k,
@@ -145,8 +136,7 @@ def predict_next_op(
     n_group: int = 1,
     topk_group: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    fn = predict_next if _use_triton(residual) else predict_next_ref
-    return fn(
+    return kernel_ops("auto", residual.device).predict_next(
         residual,
         norm_weight,
         gate_weight,
@@ -188,8 +178,7 @@ def expert_ffn_op(
     ffn_size: int,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    fn = expert_ffn if _use_triton(x) else expert_ffn_ref
-    return fn(
+    return kernel_ops("auto", x.device).expert_ffn(
         x, slab, slots, weights, hidden_size, ffn_size, out_dtype=out_dtype, check_slots=False
     )
 
@@ -200,6 +189,8 @@ def _(x, slab, slots, weights, hidden_size, ffn_size, out_dtype=None):
 
 
 MaskSource = Tensor | Callable[[], Tensor | None] | None
+VllmRoutingFunction = Callable[..., tuple[Tensor, Tensor]]
+_VLLM_SCORINGS = ("softmax", "topk_softmax")
 
 
 def make_vllm_routing_function(
@@ -208,20 +199,53 @@ def make_vllm_routing_function(
     *,
     scoring: str = "softmax",
     scaling: float = 1.0,
-) -> Callable[[Tensor, Tensor, int, bool], tuple[Tensor, Tensor]]:
-    """A `custom_routing_function` for vLLM's FusedMoE.
+    n_group: int = 1,
+    topk_group: int = 1,
+) -> VllmRoutingFunction:
+    """A cache-biased `custom_routing_function` for vLLM's FusedMoE (softmax routers).
 
-    vLLM calls `fn(hidden_states, gating_output, topk, renormalize)` and expects
-    `(topk_weights fp32 [T, k], topk_ids int32 [T, k])`. `mask` is the layer's
-    cache mask, or a callable returning it at call time (e.g. the current logical
-    cache of this layer), or None for exact routing.
+    vLLM calls it by keyword, `fn(hidden_states=..., gating_output=..., topk=...,
+    renormalize=...)`, and expects `(topk_weights float32 [T, k], topk_ids int32
+    [T, k])`; both are returned contiguous. `mask` is the layer's cache mask (bool
+    `[E]` or `[T, E]`), a callable returning it at call time (e.g. the layer's current
+    logical cache), or None for exact routing; `lam` is the bias strength.
+
+    Softmax routers only (`scoring` 'softmax' or 'topk_softmax': OLMoE, Qwen-MoE,
+    Mixtral). vLLM does not let a custom routing function serve grouped top-k:
+    FusedMoE takes its own grouped path when `use_grouped_topk` is set (DeepSeek-V3,
+    Moonlight: sigmoid scores, `n_group` / `topk_group`, e_score_correction_bias)
+    and never calls the hook. Asking for grouped or sigmoid routing here raises
+    ValueError rather than building a hook vLLM would silently bypass.
     """
+    if n_group != 1 or topk_group != 1:
+        raise ValueError(
+            "make_vllm_routing_function: vLLM does not use a custom routing function with "
+            f"grouped top-k (use_grouped_topk; got n_group={n_group}, "
+            f"topk_group={topk_group}): its FusedMoE routes DeepSeek-V3-style models "
+            "itself, so this hook supports softmax routers only"
+        )
+    if scoring not in _VLLM_SCORINGS:
+        known = scoring in SCORINGS
+        raise ValueError(
+            f"make_vllm_routing_function: scoring {scoring!r} is "
+            f"{'not supported' if known else 'unknown'}; the hook supports softmax "
+            f"routers only ({', '.join(map(repr, _VLLM_SCORINGS))}), since vLLM routes "
+            "sigmoid/grouped (DeepSeek-V3) models with its own grouped top-k"
+        )
 
     def routing(
         hidden_states: Tensor, gating_output: Tensor, topk: int, renormalize: bool
     ) -> tuple[Tensor, Tensor]:
         m = mask() if callable(mask) else mask
-        w, ids = route_op(gating_output, topk, m, lam, scoring, renormalize, None, 1, 1, scaling)
-        return w, ids.to(torch.int32)
+        w, ids = torch.ops.psr.route(
+            gating_output,
+            topk,
+            mask=m,
+            lam=lam,
+            scoring=scoring,
+            renormalize=renormalize,
+            scaling=scaling,
+        )
+        return w.contiguous(), ids.to(torch.int32).contiguous()
 
     return routing

@@ -24,8 +24,8 @@ void* aligned(size_t bytes, const char* what) {
   const size_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
   void* p = rounded >= bytes ? std::aligned_alloc(kAlign, rounded) : nullptr;
   if (!p)
-    throw AllocError(std::string("cannot allocate ") + std::to_string(bytes) + " bytes of " +
-                     what + " memory");
+    throw AllocError(std::string("cannot allocate ") + std::to_string(bytes) + " bytes of " + what +
+                     " memory");
   return p;
 }
 
@@ -33,14 +33,7 @@ class CpuBackend final : public Backend {
  public:
   CpuBackend(uint32_t max_delay_us, uint64_t seed) { set_copy_delay(max_delay_us, seed); }
 
-  ~CpuBackend() override {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    if (worker_.joinable()) worker_.join();
-  }
+  ~CpuBackend() override { shutdown(); }
 
   std::string name() const override { return "cpu"; }
   int dlpack_device_type() const override { return 1; }
@@ -106,6 +99,16 @@ class CpuBackend final : public Backend {
     return std::memcmp(slot, host, bytes) == 0;
   }
 
+  // The worker drains the queue, then exits; memory stays with its owners.
+  void shutdown() noexcept override {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
   void set_copy_delay(uint32_t max_delay_us, uint64_t seed) override {
     std::lock_guard<std::mutex> g(mu_);
     max_delay_us_ = max_delay_us;
@@ -122,7 +125,7 @@ class CpuBackend final : public Backend {
   struct SlotState {
     uint64_t issued = 0;  // tickets of copies into this slot
     uint64_t done = 0;
-    std::string error;    // of the last finished copy
+    std::string error;  // of the last finished copy
   };
   struct Job {
     size_t g;

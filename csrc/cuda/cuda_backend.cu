@@ -3,11 +3,15 @@
 // events: `copy` (recorded after the last copy into the slot; the compute
 // stream waits on it) and `read` (recorded on the compute stream after the
 // last kernel that read the slot; the copy stream waits on it before
-// overwriting: write-after-read).
+// overwriting: write-after-read). A copy that cannot be enqueued (or an
+// injected failure) is remembered per slot and reported by wait_copies, where
+// the store re-issues it. One mutex makes the backend safe across threads.
 #include <cuda_runtime.h>
 
 #include <cstring>
+#include <mutex>
 #include <sstream>
+#include <stdexcept>
 #include <vector>
 
 #include "../alloc_error.h"
@@ -59,17 +63,30 @@ class CudaBackend final : public Backend {
     check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   }
 
-  ~CudaBackend() override {
-    DeviceGuard g(device_);
+  ~CudaBackend() override { shutdown(); }
+
+  // Memory (freed by free_host/free_slab) may outlive this.
+  void shutdown() noexcept override {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!copy_stream_) return;
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(device_);
     cudaStreamSynchronize(copy_stream_);
-    for (auto* v : {&copy_ev_, &read_ev_})
+    for (auto* v : {&copy_ev_, &read_ev_, &pool_})
       for (cudaEvent_t e : *v) cudaEventDestroy(e);
     for (auto& p : stalls_) {
       cudaEventDestroy(p.first);
       cudaEventDestroy(p.second);
     }
-    for (cudaEvent_t e : pool_) cudaEventDestroy(e);
+    copy_ev_.clear();
+    read_ev_.clear();
+    pool_.clear();
+    stalls_.clear();
     cudaStreamDestroy(copy_stream_);
+    copy_stream_ = nullptr;
+    cudaGetLastError();
+    cudaSetDevice(prev);
   }
 
   std::string name() const override { return "cuda"; }
@@ -82,8 +99,8 @@ class CudaBackend final : public Backend {
     cudaError_t err = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      throw AllocError("cannot allocate " + std::to_string(bytes) + " bytes of pinned host memory: " +
-                       cudaGetErrorString(err));
+      throw AllocError("cannot allocate " + std::to_string(bytes) +
+                       " bytes of pinned host memory: " + cudaGetErrorString(err));
     }
     return p;
   }
@@ -96,8 +113,8 @@ class CudaBackend final : public Backend {
     cudaError_t err = cudaMalloc(&p, bytes);
     if (err != cudaSuccess) {
       cudaGetLastError();
-      throw AllocError("cannot allocate " + std::to_string(bytes) + " bytes of device memory: " +
-                       cudaGetErrorString(err));
+      throw AllocError("cannot allocate " + std::to_string(bytes) +
+                       " bytes of device memory: " + cudaGetErrorString(err));
     }
     return p;
   }
@@ -109,10 +126,12 @@ class CudaBackend final : public Backend {
   }
 
   void init_slots(size_t n) override {
+    std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard g(device_);
-    copy_ev_.resize(n);
-    read_ev_.resize(n);
+    copy_ev_.assign(n, nullptr);
+    read_ev_.assign(n, nullptr);
     has_read_.assign(n, false);
+    error_.assign(n, std::string());
     for (size_t i = 0; i < n; ++i) {
       check(cudaEventCreateWithFlags(&copy_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
       check(cudaEventCreateWithFlags(&read_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
@@ -121,21 +140,39 @@ class CudaBackend final : public Backend {
 
   void copy_async(size_t g, void* dst, const void* src, size_t bytes,
                   const std::string& what) override {
+    std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
-    if (has_read_[g]) check(cudaStreamWaitEvent(copy_stream_, read_ev_[g], 0), "cudaStreamWaitEvent");
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, copy_stream_),
-          ("cudaMemcpyAsync (" + what + ")").c_str());
+    error_[g].clear();
+    cudaError_t err = cudaSuccess;
+    if (fail_next_ > 0) {
+      --fail_next_;
+      error_[g] = "injected copy failure (" + what + ")";
+    } else {
+      if (has_read_[g]) err = cudaStreamWaitEvent(copy_stream_, read_ev_[g], 0);
+      if (err == cudaSuccess)
+        err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, copy_stream_);
+      if (err != cudaSuccess) {
+        cudaGetLastError();  // clear a non-sticky error; wait_copies reports it
+        error_[g] = "cudaMemcpyAsync (" + what + "): " + cudaGetErrorString(err);
+      }
+    }
+    // Recorded even after a failure: later waits stay ordered behind this point.
     check(cudaEventRecord(copy_ev_[g], copy_stream_), "cudaEventRecord");
   }
 
   std::vector<std::string> wait_copies(const std::vector<size_t>& gs, uintptr_t stream,
                                        Counters& c) override {
+    std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     std::vector<std::string> errs(gs.size());
     std::vector<size_t> pending;
     for (size_t i = 0; i < gs.size(); ++i) {
       c.waits += 1;
+      if (!error_[gs[i]].empty()) {
+        errs[i] = error_[gs[i]];
+        continue;
+      }
       cudaError_t q = cudaEventQuery(copy_ev_[gs[i]]);
       if (q == cudaErrorNotReady) {
         pending.push_back(gs[i]);
@@ -157,6 +194,7 @@ class CudaBackend final : public Backend {
   }
 
   void record_read(const std::vector<size_t>& gs, uintptr_t stream) override {
+    std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     auto s = reinterpret_cast<cudaStream_t>(stream);
     for (size_t g : gs) {
@@ -166,18 +204,21 @@ class CudaBackend final : public Backend {
   }
 
   bool copy_done(size_t g) override {
+    std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     cudaError_t q = cudaEventQuery(copy_ev_[g]);
     if (q != cudaSuccess && q != cudaErrorNotReady) cudaGetLastError();
     return q != cudaErrorNotReady;
   }
 
+  // Not under mu_: other threads keep enqueueing while this one waits.
   void synchronize() override {
     DeviceGuard dg(device_);
     check(cudaStreamSynchronize(copy_stream_), "cudaStreamSynchronize");
   }
 
   uint64_t drain_stall_ns() override {
+    std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     uint64_t ns = 0;
     std::vector<std::pair<cudaEvent_t, cudaEvent_t>> keep;
@@ -198,9 +239,11 @@ class CudaBackend final : public Backend {
   }
 
   bool equal(const void* slot, const void* host, size_t bytes) override {
+    std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     void* dev_host = nullptr;
-    check(cudaHostGetDevicePointer(&dev_host, const_cast<void*>(host), 0), "cudaHostGetDevicePointer");
+    check(cudaHostGetDevicePointer(&dev_host, const_cast<void*>(host), 0),
+          "cudaHostGetDevicePointer");
     unsigned long long* d = nullptr;
     unsigned long long h = 0;
     check(cudaMalloc(&d, sizeof(h)), "cudaMalloc");
@@ -215,6 +258,12 @@ class CudaBackend final : public Backend {
     return h == 0;
   }
 
+  void fail_next_copies(int64_t n) override {
+    if (n < 0) throw std::invalid_argument("fail_next_copies: n must be >= 0");
+    std::lock_guard<std::mutex> lk(mu_);
+    fail_next_ = n;
+  }
+
  private:
   cudaEvent_t event() {
     if (!pool_.empty()) {
@@ -227,10 +276,13 @@ class CudaBackend final : public Backend {
     return e;
   }
 
+  std::mutex mu_;  // guards the slot state, events and pools below (device_ is const)
   int device_;
   cudaStream_t copy_stream_ = nullptr;
   std::vector<cudaEvent_t> copy_ev_, read_ev_, pool_;
   std::vector<bool> has_read_;
+  std::vector<std::string> error_;  // per slot: why its last copy was not issued
+  int64_t fail_next_ = 0;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> stalls_;
 };
 

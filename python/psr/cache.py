@@ -1,4 +1,4 @@
-"""The deterministic logical expert cache (spec: ../shared/PSR.md, "Logical cache").
+"""The deterministic logical expert cache (spec: docs/PSR.md, "Logical cache").
 
 Pure bookkeeping over expert ids: it never looks at the physical store, so the
 routing it steers is a function of the tokens alone. The physical side mirrors

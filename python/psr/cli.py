@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def _bench_copy(args: argparse.Namespace) -> int:
-    from psr.microbench import run_copy_overlap
+    from psr.eval.microbench import run_copy_overlap
 
     shape = tuple(int(x) for x in args.shape.split("x"))
     r = run_copy_overlap(shape, args.experts, args.slots, args.repeats, backend=args.backend)
@@ -21,10 +21,10 @@ def _bench_copy(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import psr
+    from psr.models import DEFAULT_MODEL, load
 
-    model = psr.load(
-        args.model or psr.DEFAULT_MODEL,
+    model = load(
+        args.model or DEFAULT_MODEL,
         policy=args.policy,
         residency=args.residency,
         slots=args.slots,
@@ -59,7 +59,7 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     print(
         f"policy {model.policy.describe()}, {model.runtime.capacity} of "
-        f"{model.runtime.cfg.num_experts} experts resident per layer, "
+        f"{model.runtime.spec.num_experts} experts resident per layer, "
         f"backend {model.runtime.store.backend}, compute {model.runtime.ops.path}"
     )
     print(model.stats.table())
@@ -72,7 +72,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from psr.demo import demo
+    from psr.eval.runs import demo
 
     demo(args.out, progress=not args.quiet, quick=args.quick)
     return 0
@@ -83,11 +83,12 @@ def _residencies(s: str) -> list[float]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from psr.demo import evaluate, parse_policies
+    from psr.eval.runs import evaluate, grid
+    from psr.policy import parse_policies
 
     evaluate(
         args.model,
-        parse_policies(args.policies, _residencies(args.residency)),
+        grid(parse_policies(args.policies), _residencies(args.residency)),
         args.out,
         windows=args.windows,
         cloze=args.cloze,
@@ -100,7 +101,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from psr.demo import sweep
+    from psr.eval.runs import sweep
 
     sweep(
         args.model,
@@ -117,9 +118,9 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    import psr
+    from psr.store import backend_info
 
-    print(json.dumps(psr.backend_info(), indent=2))
+    print(json.dumps(backend_info(), indent=2))
     return 0
 
 
@@ -128,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     info = sub.add_parser("info", help="what the extension was built with and can use")
     info.set_defaults(fn=_info)
-    from psr.policy import POLICIES
+    from psr.models.embedded import DEFAULT_MODEL
+    from psr.policy import DEFAULT_RESIDENCY, POLICIES, default_policy_specs
 
     g = sub.add_parser("generate", help="decode a prompt with an offloaded checkpoint")
     g.add_argument(
@@ -137,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-ids", default=None, help="token ids instead of text: '1,2,3'")
     g.add_argument("--policy", choices=POLICIES, default="psr")
-    g.add_argument("--residency", type=float, default=0.5)
+    g.add_argument("--residency", type=float, default=DEFAULT_RESIDENCY)
     g.add_argument("--slots", type=int, default=None, help="slots per layer (overrides residency)")
     g.add_argument("--lam", type=float, default=None)
     g.add_argument("--n", type=int, default=None)
@@ -153,8 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.set_defaults(fn=_generate)
 
-    from psr.demo import DEFAULT_MODEL
-
     d = sub.add_parser("demo", help="the embedded model under four policies at 50%%/25%% residency")
     d.add_argument("--out", default="bench/results/demo")
     d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint with heldout.txt")
     ev.add_argument(
         "--policies",
-        default="cache-prior:lam=0.3;psr:lam=0.3,n=1",
+        default=default_policy_specs(),
         help="';'-separated name[:lam=..,n=..] (exact is always added)",
     )
     ev.add_argument("--residency", default="0.5,0.25")
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm_eval's own parser
-        from psr.lm_eval_adapter import main as lm_eval_main
+        from psr.eval.lm_eval_adapter import main as lm_eval_main
 
         return lm_eval_main(argv[1:])
     args = build_parser().parse_args(argv)

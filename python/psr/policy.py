@@ -1,13 +1,29 @@
-"""Routing policies: exact + LRU, exact + prefetch, Cache-Prior, PSR, and the async strawman."""
+"""Routing policies and every policy default: exact + LRU, exact + prefetch, Cache-Prior,
+PSR, and the timing-dependent strawman; the one parser of policy specs; operating points.
+
+Pure bookkeeping: nothing here touches the store or the kernels. The CLI, the
+evaluation harness and the benchmarks all build policies through this module, so a
+default changed here changes everywhere.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 POLICIES = ("exact", "exact-prefetch", "cache-prior", "psr", "cache-prior-async")
+DEFAULT_POLICY = "psr"
 DEFAULT_LAM = 0.2
 DEFAULT_N = 1
+DEFAULT_RESIDENCY = 0.5
+# What `parse_policies` adds when a spec omits a policy that a comparison needs.
+BASELINE = "exact"
+OPERATING_POINTS_FILE = "operating_points.json"
+_HAS_LAM = ("cache-prior", "psr", "cache-prior-async")
+_HAS_N = ("exact-prefetch", "psr", "cache-prior-async")
 
 
 @dataclass(frozen=True)
@@ -21,11 +37,8 @@ class Policy:
     n: int = 0
     mask: str = "logical"
 
-    @property
-    def biased(self) -> bool:
-        return self.lam > 0
-
     def describe(self) -> str:
+        """Human label, e.g. `psr(lam=0.2, n=1)`."""
         if self.name == "exact":
             return "exact"
         if self.name == "exact-prefetch":
@@ -34,21 +47,49 @@ class Policy:
             return f"cache-prior(lam={self.lam:g})"
         return f"{self.name}(lam={self.lam:g}, n={self.n})"
 
+    def spec(self) -> str:
+        """The parseable form, e.g. `psr:lam=0.2,n=1` (inverse of `parse_policy`)."""
+        p = self.params()
+        args = [f"lam={p['lam']:g}"] if p["lam"] is not None else []
+        args += [f"n={p['n']}"] if p["n"] is not None else []
+        return self.name + (":" + ",".join(args) if args else "")
+
+    def params(self) -> dict[str, Any]:
+        """`{"policy", "lam", "n"}` with None where the policy has no such parameter."""
+        return {
+            "policy": self.name,
+            "lam": self.lam if self.name in _HAS_LAM else None,
+            "n": self.n if self.name in _HAS_N else None,
+        }
+
+
+def _check_lam(lam: Any) -> None:
+    if isinstance(lam, bool) or not (
+        isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0
+    ):
+        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
+
+
+def _check_n(n: Any) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be an int >= 0, got {n!r}")
+
 
 def make_policy(name: str | Policy, lam: float | None = None, n: int | None = None) -> Policy:
-    """Policy by name. Unused parameters must be left unset (or at the policy's value)."""
+    """Policy by name; unset parameters take this module's defaults. A parameter the
+    policy does not have must be left unset (or at the policy's fixed value)."""
     if isinstance(name, Policy):
         if lam is not None or n is not None:
             raise ValueError("pass lam/n with a policy name, not with a Policy object")
         return name
-    if name not in POLICIES:
+    if not isinstance(name, str) or name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; expected one of {', '.join(POLICIES)}")
-    if lam is not None and not (isinstance(lam, (int, float)) and math.isfinite(lam) and lam >= 0):
-        raise ValueError(f"lam must be a finite number >= 0, got {lam!r}")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-        raise ValueError(f"n must be an int >= 0, got {n!r}")
+    if lam is not None:
+        _check_lam(lam)
+    if n is not None:
+        _check_n(n)
 
-    def fixed(param: str, value, want) -> None:
+    def fixed(param: str, value: Any, want: Any) -> None:
         if value is not None and value != want:
             raise ValueError(f"policy {name!r} has {param}={want}; got {param}={value}")
 
@@ -65,3 +106,85 @@ def make_policy(name: str | Policy, lam: float | None = None, n: int | None = No
     lam_ = DEFAULT_LAM if lam is None else float(lam)
     n_ = DEFAULT_N if n is None else n
     return Policy(name, lam_, n_, "physical" if name == "cache-prior-async" else "logical")
+
+
+def parse_policy_args(args: str) -> dict[str, Any]:
+    """`'lam=0.3,n=1'` -> `{'lam': 0.3, 'n': 1}` (only lam and n exist)."""
+    kw: dict[str, Any] = {}
+    for a in filter(None, (s.strip() for s in args.split(","))):
+        k, eq, v = a.partition("=")
+        k, v = k.strip(), v.strip()
+        if not eq or k not in ("lam", "n"):
+            raise ValueError(f"policy parameter {a!r}: expected lam=<float> or n=<int>")
+        if k in kw:
+            raise ValueError(f"policy parameter {k!r} given twice")
+        try:
+            kw[k] = float(v) if k == "lam" else int(v)
+        except ValueError:
+            want = "a number" if k == "lam" else "an integer"
+            raise ValueError(f"policy parameter {k}={v!r}: expected {want}") from None
+    return kw
+
+
+def parse_policy(spec: str) -> Policy:
+    """`'psr:lam=0.3,n=1'`, `'cache-prior:lam=0.1'`, `'exact'` -> Policy."""
+    name, _, args = spec.strip().partition(":")
+    kw = parse_policy_args(args)
+    return make_policy(name.strip(), kw.get("lam"), kw.get("n"))
+
+
+def parse_policies(spec: str, *, with_baseline: bool = True) -> list[Policy]:
+    """`';'`-separated policy specs, in order, without duplicates; `exact` is put first
+    when missing (every comparison is against it) unless `with_baseline=False`."""
+    out: list[Policy] = []
+    for item in (s for s in spec.split(";") if s.strip()):
+        p = parse_policy(item)
+        if p not in out:
+            out.append(p)
+    if not out:
+        raise ValueError(f"no policy in {spec!r}")
+    if with_baseline and not any(p.name == BASELINE for p in out):
+        out.insert(0, make_policy(BASELINE))
+    return out
+
+
+def default_policy_specs() -> str:
+    """The CLI's default comparison: Cache-Prior and PSR at the default lam / n."""
+    return ";".join(p.spec() for p in (make_policy("cache-prior"), make_policy("psr")))
+
+
+# ------------------------------------------------------------------ operating points
+
+
+def operating_points(model_dir: str | Path, residency: float) -> dict[str, Policy]:
+    """The tuned `cache-prior` and `psr` policies for a model at a residency, read from
+    `operating_points.json` beside it (written by `psr bench sweep`); the defaults of this
+    module where the file or the residency is absent. `source` says which."""
+    points, _ = operating_points_with_source(model_dir, residency)
+    return points
+
+
+def operating_points_with_source(
+    model_dir: str | Path, residency: float
+) -> tuple[dict[str, Policy], str]:
+    f = Path(model_dir) / OPERATING_POINTS_FILE
+    if f.is_file():
+        pts = json.loads(f.read_text()).get("points", {})
+        at = pts.get(f"{residency:g}")
+        if at is not None:
+            return {
+                "cache-prior": make_policy("cache-prior", at["cache-prior"]["lam"]),
+                "psr": make_policy("psr", at["psr"]["lam"], int(at["psr"]["n"])),
+            }, str(f)
+    return {"cache-prior": make_policy("cache-prior"), "psr": make_policy("psr")}, "defaults"
+
+
+def standard_policies(points: dict[str, Policy]) -> list[Policy]:
+    """The four policies every comparison shows: exact, exact + prefetch (n = DEFAULT_N),
+    and the given Cache-Prior and PSR points."""
+    return [
+        make_policy("exact"),
+        make_policy("exact-prefetch", n=DEFAULT_N),
+        points["cache-prior"],
+        points["psr"],
+    ]

@@ -1,27 +1,182 @@
-"""ExpertStore: torch-facing wrapper of the C++ store (psr._C.Store).
+"""ExpertStore: torch-facing wrapper of the C++ store (psr._C.Store), and the backend choice.
+
+This is the only Python module that touches the extension `psr._C`.
 
 Every expert of every MoE layer is registered once into (pinned) host memory,
 its matrices packed back to back. Each layer has a slab of `num_slots` device
 slots; `slab(layer)` is a `[num_slots, expert_numel]` tensor view of it that
-kernels read directly. Copies run asynchronously on the store's copy stream;
-`acquire` makes the compute side wait only for the slots it is about to read,
-`release` marks the end of that read (slots are rewritten only after it).
+kernels read directly. Copies run asynchronously on the store's copy stream
+(`enqueue_copies`); `acquire` makes the compute side wait only for the slots it
+is about to read, `release` marks the end of that read (slots are rewritten
+only after it).
+
+Lifetime. `close()` (idempotent; also `with ExpertStore(...) as store:`)
+finishes the queued copies, joins the CPU backend's copy thread (CUDA: destroys
+its stream and events) and drops the store's host and device memory. After it
+every method, and `expert_bytes`, raises `StoreError` ("the store is closed");
+the plain attributes (`layers`, `dtype`, `backend`, `device`, `copy_retries`)
+stay readable. Views already handed out by `slab()`/`host()` stay valid: each
+holds a reference to its own buffer, so a buffer is freed when the store is
+closed *and* its last view is gone (close never waits for views, never
+invalidates them). The wrapper holds no reference cycle: dropping the last
+reference to a store closes it at once, without the garbage collector; a
+`weakref.finalize` closes it too, at the latest at interpreter exit.
+
+Failures and retries. A copy that fails is found by `acquire`, which re-issues
+it (same slot, same expert) up to `copy_retries` times (default 2, or
+$PSR_COPY_RETRIES) before raising `CopyError`. The acquire is all or nothing:
+on error no slot is held, and a slot whose copy failed for good is left empty
+and can be loaded again.
+
+Counters (`counters()`): every copy put on the copy stream counts once in
+`copies` and its bytes in `bytes_copied`, *retries included*; `retried_copies`
+counts the re-issues (a subset of `copies`); `failed_copies` counts every copy
+that reported an error, whether it was retried or not. So
+`failed_copies - retried_copies` is the number of copies given up on (raised as
+CopyError). `waits` counts slots waited for, again after each retry; `stall_s`
+includes the time spent waiting for retries.
+
+Threads. All methods may be called from several threads; the C++ store locks
+its bookkeeping and releases the GIL while it waits. Concurrent calls on the
+same slots are the caller's business: an acquire whose slot another thread
+re-targets while it waits raises StoreError.
 """
 
 from __future__ import annotations
 
+import operator
 import os
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from psr import _C
-from psr._backend import _check_backend, current_backend
+import psr._C as _C
 
 StoreError = _C.StoreError
 CopyError = _C.CopyError
+
+MAX_COPY_RETRIES: int = int(_C.max_copy_retries)
+_U32 = (1 << 32) - 1
+_U64 = (1 << 64) - 1
+_I64 = 1 << 63
+
+# --- backends ----------------------------------------------------------------
+
+_BACKENDS = ("cpu", "cuda")
+_forced: str | None = None
+
+
+def cuda_available() -> bool:
+    """A CUDA device usable by both the extension and torch."""
+    if not _C.cuda_compiled() or _C.cuda_device_count() == 0:
+        return False
+    return torch.cuda.is_available()
+
+
+def set_backend(name: str | None) -> None:
+    """Force the store backend ('cpu' or 'cuda'); None restores automatic choice."""
+    global _forced
+    if name is not None:
+        _check_backend(name, where="set_backend")
+    _forced = name
+
+
+def _check_backend(name: str, where: str) -> None:
+    if name not in _BACKENDS:
+        raise ValueError(f"{where}: unknown backend {name!r}; expected one of {_BACKENDS}")
+    if name == "cuda" and not _C.cuda_compiled():
+        raise RuntimeError(
+            f"{where}: the CUDA backend was not built into psr._C "
+            "(reinstall with nvcc on PATH, or PSR_FORCE_CUDA=1 to make that an error)"
+        )
+    if name == "cuda" and not cuda_available():
+        raise RuntimeError(f"{where}: the CUDA backend is built but no CUDA device is available")
+
+
+def current_backend() -> str:
+    """The backend new stores use: set_backend(), else $PSR_BACKEND, else cuda if usable."""
+    if _forced is not None:
+        return _forced
+    env = os.environ.get("PSR_BACKEND", "").strip().lower()
+    if env:
+        _check_backend(env, where="PSR_BACKEND")
+        return env
+    return "cuda" if cuda_available() else "cpu"
+
+
+def backend_info() -> dict[str, Any]:
+    """Build and run-time facts: cuda_compiled, cuda_available, backend, ..."""
+    return {
+        "cuda_compiled": bool(_C.cuda_compiled()),
+        "cuda_available": cuda_available(),
+        "cuda_device_count": int(_C.cuda_device_count()),
+        "cuda_runtime_version": int(_C.cuda_runtime_version()),
+        "cuda_archs": [a for a in str(_C.cuda_archs).split(",") if a],
+        "backend": current_backend(),
+        "extension": _C.__file__,
+    }
+
+
+# --- argument checks ---------------------------------------------------------
+
+
+def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
+    """An int in [lo, hi]: TypeError for bools, floats and non-integers, ValueError outside."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(
+            f"{name} must be an int in [{lo}, {hi}], got {type(value).__name__} {value!r}"
+        )
+    value = operator.index(value)  # type: ignore[call-overload]
+    if not lo <= value <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """$name as an int in [lo, hi] (ValueError naming the variable and the range), else default."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise ValueError(f"${name} must be an integer in [{lo}, {hi}], got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"${name} must be an integer in [{lo}, {hi}], got {raw!r}")
+    return value
+
+
+def _index(method: str, name: str, value: object) -> int:
+    """One int index (a layer, slot or expert id); bools, floats and strings are a TypeError."""
+    if type(value) is not int:
+        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+            raise TypeError(
+                f"{method}: {name} must be an int, got {type(value).__name__} {value!r}"
+            )
+        try:
+            value = operator.index(value)  # type: ignore[call-overload]
+        except TypeError:
+            raise TypeError(
+                f"{method}: {name} must be an int, got {type(value).__name__} {value!r}"
+            ) from None
+    if not -_I64 <= value < _I64:  # type: ignore[operator]
+        raise IndexError(f"{method}: {name} {value} out of range")
+    return value  # type: ignore[return-value]
+
+
+def _indices(method: str, name: str, values: object) -> list[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(
+            f"{method}: {name} must be a sequence of ints, got {type(values).__name__} {values!r}"
+        )
+    return [_index(method, f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+# --- the store ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -31,19 +186,6 @@ class LayerSpec:
     num_experts: int
     num_slots: int
     expert_numel: int
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a non-negative integer, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {raw!r}")
-    return value
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -59,8 +201,17 @@ class ExpertStore:
         backend: 'cpu' or 'cuda'; default: psr's current backend.
         device: CUDA device index (cuda backend).
         copy_delay_us, seed: CPU backend fault injection: each copy sleeps a
-            seeded random 0..copy_delay_us microseconds. Default from
+            seeded random 0..copy_delay_us microseconds (copy_delay_us in
+            [0, 2**32-1], seed in [0, 2**64-1]). Default from
             $PSR_COPY_DELAY_US and $PSR_COPY_DELAY_SEED.
+        copy_retries: how many times acquire re-issues a failed copy before
+            raising CopyError, in [0, MAX_COPY_RETRIES]. Default from
+            $PSR_COPY_RETRIES, else 2.
+
+    Integer arguments that are bools, floats or other non-integers raise
+    TypeError; integers out of range (and bad environment values) raise
+    ValueError naming the argument (variable) and the accepted range. See the
+    module docstring for close(), views, retries, counters and threads.
     """
 
     def __init__(
@@ -72,23 +223,29 @@ class ExpertStore:
         device: int | None = None,
         copy_delay_us: int | None = None,
         seed: int | None = None,
+        copy_retries: int | None = None,
     ) -> None:
+        self._store: Any = None  # set last: a failed __init__ leaves nothing to close
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         backend = current_backend() if backend is None else backend
         _check_backend(backend, where="ExpertStore")
+        env_delay = _env_int("PSR_COPY_DELAY_US", 0, 0, _U32)
         if copy_delay_us is None:
-            copy_delay_us = _env_int("PSR_COPY_DELAY_US", 0) if backend == "cpu" else 0
+            copy_delay_us = env_delay if backend == "cpu" else 0
+        copy_delay_us = _int_arg("copy_delay_us", copy_delay_us, 0, _U32)
         if seed is None:
-            seed = _env_int("PSR_COPY_DELAY_SEED", 0)
-        if copy_delay_us < 0 or seed < 0:
-            raise ValueError("copy_delay_us and seed must be non-negative")
+            seed = _env_int("PSR_COPY_DELAY_SEED", 0, 0, _U64)
+        seed = _int_arg("seed", seed, 0, _U64)
+        if copy_retries is None:
+            copy_retries = _env_int("PSR_COPY_RETRIES", 2, 0, MAX_COPY_RETRIES)
+        self.copy_retries = _int_arg("copy_retries", copy_retries, 0, MAX_COPY_RETRIES)
         if device is None:
             device = torch.cuda.current_device() if backend == "cuda" else 0
         self.layers = [s if isinstance(s, LayerSpec) else LayerSpec(*s) for s in layers]
         self.dtype = dtype
         itemsize = torch.empty((), dtype=dtype).element_size()
-        self._store = _C.Store(
+        store = _C.Store(
             [(s.num_experts, s.num_slots, s.expert_numel * itemsize) for s in self.layers],
             _dtype_name(dtype),
             itemsize,
@@ -96,25 +253,69 @@ class ExpertStore:
             device,
             copy_delay_us,
             seed,
+            self.copy_retries,
         )
+        # The finalizer holds the native store, never self: no cycle, and the
+        # store closes when the wrapper's last reference goes (or at exit).
+        self._finalizer = weakref.finalize(self, _C.Store.close, store)
         self.backend = backend
         self.device = torch.device("cuda", device) if backend == "cuda" else torch.device("cpu")
-        self._slabs = [self._view(self._store.slab_dlpack(i)) for i in range(len(self.layers))]
-        self._hosts = [self._view(self._store.host_dlpack(i)) for i in range(len(self.layers))]
+        n = len(self.layers)
+        self._slabs: list[torch.Tensor] | None = [
+            self._view(store.slab_dlpack(i)) for i in range(n)
+        ]
+        self._hosts: list[torch.Tensor] | None = [
+            self._view(store.host_dlpack(i)) for i in range(n)
+        ]
+        self._store = store
 
     def _view(self, capsule: object) -> torch.Tensor:
         return torch.from_dlpack(capsule).view(self.dtype)
 
+    # --- lifetime -------------------------------------------------------------
+    def close(self) -> None:
+        """Finish queued copies, stop the copy engine, free the store's memory. Idempotent.
+
+        Views from slab()/host() stay valid (each keeps its buffer alive until it is
+        dropped); every other use of the store raises StoreError afterwards."""
+        self._store = None
+        self._slabs = self._hosts = None
+        self._finalizer()  # closes the native store once, then drops it
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def __enter__(self) -> ExpertStore:
+        self._live("__enter__")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._store is None else f"{len(self.layers)} layers"
+        return f"<psr.ExpertStore {self.backend} {_dtype_name(self.dtype)} {state}>"
+
+    def _live(self, method: str) -> Any:
+        store = self._store
+        if store is None:
+            raise StoreError(f"ExpertStore.{method}: the store is closed")
+        return store
+
     # --- memory -------------------------------------------------------------
     def slab(self, layer: int) -> torch.Tensor:
         """`[num_slots, expert_numel]` view of layer's device slots (no copy)."""
-        return self._slabs[self._layer(layer)]
+        self._live("slab")
+        return self._slabs[self._layer("slab", layer)]  # type: ignore[index]
 
     def host(self, layer: int) -> torch.Tensor:
         """`[num_experts, expert_numel]` view of layer's host copies (read-only by contract)."""
-        return self._hosts[self._layer(layer)]
+        self._live("host")
+        return self._hosts[self._layer("host", layer)]  # type: ignore[index]
 
-    def _layer(self, layer: int) -> int:
+    def _layer(self, method: str, layer: object) -> int:
+        layer = _index(method, "layer", layer)
         if not 0 <= layer < len(self.layers):
             raise IndexError(f"layer {layer} out of range [0, {len(self.layers)})")
         return layer
@@ -123,6 +324,9 @@ class ExpertStore:
         self, layer: int, expert: int, parts: torch.Tensor | Sequence[torch.Tensor]
     ) -> None:
         """Copy one expert's matrices, packed in the given order, into host memory."""
+        store = self._live("register")
+        layer = self._layer("register", layer)
+        expert = _index("register", "expert", expert)
         if isinstance(parts, torch.Tensor):
             parts = [parts]
         ptrs = []
@@ -141,15 +345,25 @@ class ExpertStore:
             if not t.is_contiguous():
                 t = t.contiguous()
             ptrs.append((t.data_ptr(), t.numel() * t.element_size(), t))
-        self._store.register_expert(layer, expert, _dtype_name(self.dtype), [p[:2] for p in ptrs])
+        store.register_expert(layer, expert, _dtype_name(self.dtype), [p[:2] for p in ptrs])
 
     def is_registered(self, layer: int, expert: int) -> bool:
-        return self._store.is_registered(layer, expert)
+        store = self._live("is_registered")
+        return store.is_registered(
+            self._layer("is_registered", layer), _index("is_registered", "expert", expert)
+        )
 
     # --- copies -------------------------------------------------------------
-    def load(self, layer: int, slots: Sequence[int], experts: Sequence[int]) -> None:
-        """Start async copies experts[i] -> slots[i] of `layer` (one batch)."""
-        self._store.load(layer, list(slots), list(experts))
+    def enqueue_copies(self, layer: int, slots: Sequence[int], experts: Sequence[int]) -> None:
+        """Start async copies experts[i] -> slots[i] of `layer` (one batch, validated whole).
+
+        A slot still held by a reader is written once its last reader releases it."""
+        store = self._live("enqueue_copies")
+        store.enqueue_copies(
+            self._layer("enqueue_copies", layer),
+            _indices("enqueue_copies", "slots", slots),
+            _indices("enqueue_copies", "experts", experts),
+        )
 
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream if self.backend == "cuda" else 0
@@ -157,12 +371,24 @@ class ExpertStore:
     def acquire(
         self, layer: int, slots: Sequence[int], experts: Sequence[int] | None = None
     ) -> None:
-        """Compute waits for these slots' copies (CopyError if one failed) and holds them."""
-        self._store.acquire(layer, list(slots), list(experts or []), self._stream())
+        """Compute waits for these slots' copies and holds them (all or nothing).
+
+        A failed copy is re-issued up to `copy_retries` times, then raised as CopyError
+        (that slot is left empty). `experts`, if given, must be what the slots hold."""
+        store = self._live("acquire")
+        store.acquire(
+            self._layer("acquire", layer),
+            _indices("acquire", "slots", slots),
+            [] if experts is None else _indices("acquire", "experts", experts),
+            self._stream(),
+        )
 
     def release(self, layer: int, slots: Sequence[int]) -> None:
         """The compute that read these slots is enqueued; they may be rewritten after it."""
-        self._store.release(layer, list(slots), self._stream())
+        store = self._live("release")
+        store.release(
+            self._layer("release", layer), _indices("release", "slots", slots), self._stream()
+        )
 
     @contextmanager
     def reading(
@@ -177,39 +403,46 @@ class ExpertStore:
 
     def slot_experts(self, layer: int) -> list[int]:
         """Expert each slot holds or is loading (-1: empty)."""
-        return self._store.slot_experts(layer)
+        return self._live("slot_experts").slot_experts(self._layer("slot_experts", layer))
 
     def readers(self, layer: int) -> list[int]:
-        return self._store.readers(layer)
+        return self._live("readers").readers(self._layer("readers", layer))
 
     def ready(self, layer: int) -> list[bool]:
         """Per slot: loaded and its copy already finished (a non-blocking, timing-dependent
         query of physical state; psr's routing never reads it)."""
-        return self._store.ready(layer)
+        return self._live("ready").ready(self._layer("ready", layer))
 
     def verify(self, layer: int, slot: int) -> bool:
         """Slot bytes equal its expert's host copy (synchronizes)."""
-        return self._store.verify(layer, slot)
+        store = self._live("verify")
+        return store.verify(self._layer("verify", layer), _index("verify", "slot", slot))
 
     def synchronize(self) -> None:
-        self._store.synchronize()
+        self._live("synchronize").synchronize()
 
     # --- counters and fault injection ----------------------------------------
     def counters(self) -> dict[str, float]:
-        """copies, bytes_copied, failed_copies, waits, stalled_waits, stall_s."""
-        return self._store.counters()
+        """copies, bytes_copied, retried_copies, failed_copies, waits, stalled_waits, stall_s
+        (counting rule in the module docstring: retries count as copies and bytes)."""
+        return self._live("counters").counters()
 
     def reset_counters(self) -> None:
-        self._store.reset_counters()
+        self._live("reset_counters").reset_counters()
 
     def set_copy_delay(self, max_delay_us: int, seed: int = 0) -> None:
         """CPU backend: seeded random delay per copy."""
-        self._store.set_copy_delay(max_delay_us, seed)
+        store = self._live("set_copy_delay")
+        store.set_copy_delay(
+            _int_arg("max_delay_us", max_delay_us, 0, _U32), _int_arg("seed", seed, 0, _U64)
+        )
 
     def fail_next_copies(self, n: int = 1) -> None:
-        """CPU backend: the next n copies fail; CopyError surfaces at acquire."""
-        self._store.fail_next_copies(n)
+        """The next n copies fail (both backends); acquire retries them, then raises CopyError."""
+        store = self._live("fail_next_copies")
+        store.fail_next_copies(_int_arg("n", n, 0, _I64 - 1))
 
     @property
     def expert_bytes(self) -> list[int]:
-        return [self._store.spec(i)[2] for i in range(len(self.layers))]
+        store = self._live("expert_bytes")
+        return [store.spec(i)[2] for i in range(len(self.layers))]

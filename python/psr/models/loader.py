@@ -1,0 +1,267 @@
+"""`psr.load` (a checkpoint folder) and `psr.offload` (a built transformers model).
+
+    model = psr.load("path/to/checkpoint", policy="psr", residency=0.5, lam=0.2, n=1)
+    psr.offload(hf_model, policy="psr", residency=0.5)   # swap MoE blocks in place
+
+The model's routers and experts modules are replaced by psr modules; attention, norms,
+KV cache and generation stay transformers' own. Expert weights stream from safetensors
+(memory-mapped) into the store's host memory; everything else goes to the device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
+from psr.models.families import (
+    SUPPORTED,
+    disk_names,
+    expert_parts,
+    expert_tensor_names,
+    fused_expert_names,
+    moe_spec,
+    unsupported,
+)
+from psr.models.hf import (
+    decoder_layers,
+    install,
+    keep_fp32,
+    materialize_rotary,
+    moe_layer_indices,
+    set_tensor,
+)
+from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
+from psr.runtime.model import OffloadedModel
+from psr.runtime.spec import MoESpec, resolve_capacity
+from psr.store import ExpertStore, LayerSpec, current_backend
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+COMPUTE = ("auto", "triton", "torch")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return default
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+
+
+def make_store(
+    spec: MoESpec, capacity: int, num_layers: int, dtype: torch.dtype, device: torch.device
+) -> ExpertStore:
+    """One store layer per MoE layer; its backend follows the compute device."""
+    cuda = device.type == "cuda"
+    return ExpertStore(
+        [LayerSpec(spec.num_experts, capacity, spec.expert_numel)] * num_layers,
+        dtype,
+        backend="cuda" if cuda else "cpu",
+        device=device.index if cuda else None,
+    )
+
+
+def _check_compute(compute: str) -> None:
+    if compute not in COMPUTE:
+        raise ValueError(f"compute must be one of {', '.join(COMPUTE)}; got {compute!r}")
+
+
+@torch.no_grad()
+def offload(
+    hf_model: nn.Module,
+    policy: str | Policy = DEFAULT_POLICY,
+    residency: float | None = DEFAULT_RESIDENCY,
+    *,
+    slots: int | None = None,
+    lam: float | None = None,
+    n: int | None = None,
+    compute: str = "auto",
+    progress: bool = True,
+) -> OffloadedModel:
+    """Move an already-built transformers MoE model's experts into a psr store, in place.
+
+    The model's router and experts modules are swapped for psr's; `hf_model.generate`
+    and other transformers tooling keep working (batch 1). Returns an OffloadedModel
+    wrapping the same model (for `.stats`, `.generate`, ...).
+    """
+    spec = moe_spec(hf_model.config)
+    pol = make_policy(policy, lam, n)
+    C = resolve_capacity(spec, pol, residency, slots)
+    _check_compute(compute)
+    moe_idx = moe_layer_indices(hf_model)
+    layers = decoder_layers(hf_model)
+    first = expert_parts(layers[moe_idx[0]].mlp.experts, 0)
+    dtype = first[0].dtype
+    device = layers[moe_idx[0]].mlp.gate.weight.device
+    store = make_store(spec, C, len(moe_idx), dtype, device)
+    bar = tqdm(
+        total=len(moe_idx) * spec.num_experts,
+        desc="experts -> host store",
+        disable=not progress,
+        unit="expert",
+    )
+    for i, d in enumerate(moe_idx):
+        experts = layers[d].mlp.experts
+        for e in range(spec.num_experts):
+            parts = [t.detach().to("cpu").contiguous() for t in expert_parts(experts, e)]
+            store.register(i, e, parts)
+            bar.update()
+    bar.close()
+    runtime = install(hf_model, spec, store, pol, C, compute, moe_idx)
+    return OffloadedModel(hf_model, runtime)
+
+
+def _load_experts(
+    ckpt: Checkpoint,
+    store: ExpertStore,
+    spec: MoESpec,
+    moe_idx: list[int],
+    dtype: torch.dtype,
+    progress: bool,
+) -> None:
+    """Stream every expert of every MoE layer from the checkpoint into the host store."""
+    E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
+    want = {"gate": [Fd, H], "up": [Fd, H], "down": [H, Fd]}
+    bar = tqdm(
+        total=len(moe_idx) * E, desc="experts -> host store", disable=not progress, unit="expert"
+    )
+    for i, d in enumerate(moe_idx):
+        gu_name, dn_name = fused_expert_names(d)
+        fused = gu_name in ckpt and dn_name in ckpt
+        if fused:
+            for name, shape in ((gu_name, [E, 2 * Fd, H]), (dn_name, [E, H, Fd])):
+                if ckpt.shape(name) != shape:
+                    raise CheckpointError(
+                        f"tensor {name!r} has shape {ckpt.shape(name)}, expected {shape}"
+                    )
+        for e in range(E):
+            if fused:
+                parts = [ckpt.get_row(gu_name, e), ckpt.get_row(dn_name, e)]
+            else:
+                cands = expert_tensor_names(spec.family, d, e)
+                names = next((c for c in cands if all(n in ckpt for n in c)), None)
+                if names is None:
+                    missing = next(n for n in cands[-1] if n not in ckpt)
+                    raise CheckpointError(
+                        f"tensor {missing!r} not found in checkpoint "
+                        f"{ckpt.path} (nor the fused {gu_name!r})"
+                    )
+                for name, key in zip(names, ("gate", "up", "down"), strict=True):
+                    if ckpt.shape(name) != want[key]:
+                        raise CheckpointError(
+                            f"tensor {name!r} has shape {ckpt.shape(name)}, expected {want[key]}"
+                        )
+                parts = [ckpt.get(n) for n in names]
+            store.register(i, e, [p.to(dtype).contiguous() for p in parts])
+            bar.update()
+    bar.close()
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if current_backend() == "cuda" else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested, but no CUDA device is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}: psr runs on 'cpu' or 'cuda'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+@torch.no_grad()
+def load(
+    path: str | Path,
+    policy: str | Policy = DEFAULT_POLICY,
+    residency: float | None = DEFAULT_RESIDENCY,
+    *,
+    slots: int | None = None,
+    lam: float | None = None,
+    n: int | None = None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    compute: str = "auto",
+    progress: bool = True,
+) -> OffloadedModel:
+    """Load a local HF checkpoint folder with its experts offloaded to a psr store.
+
+    Args:
+        policy: 'exact', 'exact-prefetch', 'cache-prior', 'psr' or 'cache-prior-async'.
+        residency: fraction of each layer's experts with a device slot (or `slots`).
+        lam, n: bias strength and predicted experts per layer and token (per policy;
+            defaults in psr.policy).
+        device: compute device (default: cuda if available); the store's backend follows.
+        dtype: float32 / bfloat16 / float16 (default: the checkpoint's).
+        compute: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'.
+    """
+    import transformers
+
+    mt = read_config(path).get("model_type")
+    if mt not in SUPPORTED:
+        raise unsupported(str(mt))
+    ckpt = Checkpoint(path)
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    spec = moe_spec(config)
+    pol = make_policy(policy, lam, n)
+    C = resolve_capacity(spec, pol, residency, slots)
+    cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(cfg_dtype, str):
+        cfg_dtype = DTYPES.get(cfg_dtype, torch.float32)
+    dt = resolve_dtype(dtype, cfg_dtype if cfg_dtype in DTYPES.values() else torch.float32)
+    dev = _resolve_device(device)
+    _check_compute(compute)
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
+    model.eval()
+    moe_idx = moe_layer_indices(model)
+    expert_prefixes = tuple(f"model.layers.{d}.mlp.experts." for d in moe_idx)
+    state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for name in state_names:
+        src = next((c for c in disk_names(spec.family, name) if c in ckpt), None)
+        if src is None:
+            if name == "lm_head.weight" and tied:
+                continue
+            raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
+        t = ckpt.get(src)
+        want = list(
+            model.get_parameter(name).shape
+            if name in dict(model.named_parameters())
+            else model.get_buffer(name).shape
+        )
+        if list(t.shape) != want:
+            raise CheckpointError(f"tensor {src!r} has shape {list(t.shape)}, expected {want}")
+        if t.is_floating_point():
+            t = t.to(torch.float32 if keep_fp32(model, name) else dt)
+        set_tensor(model, name, t.to(dev))
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+    materialize_rotary(model, dev)
+
+    store = make_store(spec, C, len(moe_idx), dt, dev)
+    _load_experts(ckpt, store, spec, moe_idx, dt, progress)
+    ckpt.close()
+    runtime = install(model, spec, store, pol, C, compute, moe_idx)
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"tensors not loaded: {leftover[:5]}")
+    tokenizer = None
+    if any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    return OffloadedModel(model, runtime, tokenizer, str(path))

@@ -1,0 +1,320 @@
+"""The offloaded MoE engine: routing policies over the logical caches, and the physical
+side that mirrors them through the expert store.
+
+Per MoE layer and decode token (batch 1):
+  route   biased top-k of the layer's router toward its logical cache (lam = 0: exact);
+  use     logical `use`; each miss starts a copy into the evicted expert's slot;
+  predict (n > 0) the next MoE layer's router on this layer's MoE input, normed as that
+          layer norms it: logical `prefetch` into its cache, a copy per insertion;
+  compute wait for this layer's routed slots only, run the experts from the slab, release.
+Routing reads only the logical cache, never the store, so outputs do not depend on copy
+timing; the store's copies affect latency alone. The `cache-prior-async` policy is the
+exception by design: it biases toward slots whose copies have finished.
+
+Prefill routes exactly and seeds each layer's cache with the experts it used most
+recently (spec: docs/PSR.md); its copies are counted separately (`prefill.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import psr_kernels as pk
+from psr.cache import Insertion, LogicalCache
+from psr.policy import Policy
+from psr.runtime.prefill import prefill_experts
+from psr.runtime.slots import SlotMap
+from psr.runtime.spec import MoESpec, resolve_capacity
+from psr.runtime.stats import Stats
+from psr.runtime.trace import TraceRecorder
+from psr.store import ExpertStore
+
+
+@dataclass
+class MoELayer:
+    """Runtime state of one MoE layer."""
+
+    decoder_index: int  # index among the model's decoder layers
+    index: int  # index among MoE layers (= store layer)
+    router: nn.Module  # the model's router (weight, e_score_correction_bias)
+    norm: nn.Module  # this layer's post-attention RMSNorm (for predictions into it)
+    cache: LogicalCache
+    slots: SlotMap
+    history: list[list[int]] = field(default_factory=list)  # prefill's routed ids per token
+    seeded: bool = False
+    pending: list[int] | None = None  # routed ids of the current decode step
+    pending_ids: torch.Tensor | None = None  # the same, as the tensor the router returned
+    residual: torch.Tensor | None = None
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.router, "e_score_correction_bias", None)
+
+
+def norm_eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise TypeError(f"cannot find the epsilon of {type(norm).__name__}")
+
+
+class OffloadRuntime:
+    """Logical caches, policy and store for all MoE layers of one model.
+
+    Args:
+        spec: the model's MoE routing semantics and expert shapes.
+        layers: per MoE layer, `(decoder index, router module, post-attention norm)`.
+        store: holds every expert; its slab has at least `capacity` slots per layer.
+        compute: 'auto' | 'triton' | 'torch' (psr_kernels.kernel_ops).
+        num_decoder_layers: all decoder layers, dense ones included (for traces).
+    """
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        layers: Sequence[tuple[int, nn.Module, nn.Module]],
+        store: ExpertStore,
+        policy: Policy,
+        capacity: int,
+        compute: str,
+        num_decoder_layers: int,
+    ) -> None:
+        self.spec = spec
+        self.store = store
+        self.policy = policy
+        self.capacity = capacity
+        self.ops = pk.kernel_ops(compute, store.device)
+        self.num_decoder_layers = num_decoder_layers
+        self.layers = [
+            MoELayer(d, i, router, norm, LogicalCache(capacity, spec.num_experts), SlotMap([]))
+            for i, (d, router, norm) in enumerate(layers)
+        ]
+        for L in self.layers:
+            L.slots.reset(store.slot_experts(L.index)[:capacity])
+        self.expert_bytes = store.expert_bytes[0]
+        self.max_capacity = store.layers[0].num_slots
+        self.stats = Stats()
+        self._tok: dict[str, float] | None = None
+        self._stall_mark = 0.0
+        self._prefill_mark: dict[str, float] | None = None
+        self.recorder: TraceRecorder | None = None  # set to record decode traces
+
+    def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
+        """Switch policy and slots per layer (at most the store's); the next forward starts
+        a new sequence. Slot contents carry over physically, never logically."""
+        capacity = resolve_capacity(self.spec, policy, residency, slots, self.max_capacity)
+        self.store.synchronize()
+        self.policy, self.capacity = policy, capacity
+        for L in self.layers:
+            L.cache = LogicalCache(capacity, self.spec.num_experts)
+        self._forget_sequence()
+
+    def new_recorder(self, policy_label: str | None = None) -> TraceRecorder:
+        """Start recording decode steps; the recorder's `.trace` feeds psr.eval.latency."""
+        self.recorder = TraceRecorder(
+            self.num_decoder_layers,
+            [L.decoder_index for L in self.layers],
+            self.spec.top_k,
+            self.expert_bytes,
+            policy_label or self.policy.describe(),
+        )
+        return self.recorder
+
+    # --- sequence / token boundaries --------------------------------------------
+    def _forget_sequence(self) -> None:
+        """Logical state emptied; the slot maps re-read from the store (the store is the
+        truth about what each slot holds, also after a failed copy)."""
+        for L in self.layers:
+            L.cache.reset()
+            L.slots.reset(self.store.slot_experts(L.index)[: self.capacity])
+            L.history, L.seeded, L.pending, L.pending_ids, L.residual = [], False, None, None, None
+
+    def begin_sequence(self) -> None:
+        """A new sequence: caches empty until its prefill seeds them."""
+        self._close_token()
+        self._forget_sequence()
+        self._prefill_mark = self.store.counters()
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.layers) and all(L.seeded for L in self.layers)
+
+    def end_step(self, seconds: float) -> None:
+        """After a decode forward of `seconds`: closes the token's record."""
+        self.stats.totals["decode_s"] += seconds
+        if self._tok is not None:
+            self._tok["time_s"] = seconds
+            self._close_token()
+
+    def _close_token(self) -> None:
+        stall = self.store.counters()["stall_s"]
+        if self._tok is not None:
+            self.stats.add(self._tok, "stall_s", stall - self._stall_mark)
+        self._stall_mark = stall
+        self._tok = None
+
+    def _open_token(self) -> None:
+        if self._tok is not None:  # normally closed by end_step already
+            self._close_token()
+        self._tok = self.stats.new_token()
+        if self.recorder is not None:
+            self.recorder.new_token()
+
+    def _end_prefill(self) -> None:
+        c, m = self.store.counters(), self._prefill_mark or {}
+        self.stats.totals["prefill_copies"] += c["copies"] - m.get("copies", 0)
+        self.stats.totals["prefill_bytes"] += c["bytes_copied"] - m.get("bytes_copied", 0)
+        self.stats.totals["prefill_stall_s"] += c["stall_s"] - m.get("stall_s", 0.0)
+        self._stall_mark = c["stall_s"]
+
+    def capture_residual(self, L: MoELayer, h: torch.Tensor) -> None:
+        """Input of the layer's post-attention norm: the state entering its MoE block."""
+        if h.dim() == 3 and h.shape[0] != 1:
+            raise ValueError(
+                f"psr decodes one sequence at a time (batch 1); got batch {h.shape[0]}"
+            )
+        L.residual = h.reshape(-1, h.shape[-1])
+
+    # --- routing ---------------------------------------------------------------------
+    def _logits(self, L: MoELayer, x: torch.Tensor) -> torch.Tensor:
+        w = L.router.weight
+        if self.spec.logits_fp32:
+            return F.linear(x.float(), w.float())
+        return F.linear(x, w)
+
+    def _mask(self, L: MoELayer, device: torch.device) -> torch.Tensor:
+        if self.policy.mask == "physical":  # timing-dependent by design (the strawman)
+            m = [False] * self.spec.num_experts
+            for slot, ok in enumerate(self.store.ready(L.index)):
+                e = L.slots.slot_expert[slot]
+                if ok and e >= 0:
+                    m[e] = True
+        else:
+            m = L.cache.mask()
+        return torch.tensor(m, dtype=torch.bool, device=device)
+
+    def route(
+        self, L: MoELayer, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The router's forward: (logits, top-k weights, top-k ids), as the model's router."""
+        logits = self._logits(L, x)
+        c = self.spec
+        kw = dict(bias=L.bias, **c.route_kwargs())
+        if not L.seeded:  # prefill: exact routing
+            w, ids = self.ops.route(logits, c.top_k, **kw)
+            L.history.extend(ids.tolist())
+        else:
+            if x.shape[0] != 1:
+                raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
+            if L.index == 0:
+                self._open_token()
+            lam = self.policy.lam
+            mask = self._mask(L, x.device) if lam > 0 else None
+            w, ids = self.ops.route(logits, c.top_k, mask=mask, lam=lam, **kw)
+            self._use(L, ids[0].tolist())
+            L.pending_ids = ids
+            self._prefetch_next(L)
+        if c.weights_in_logits_dtype:
+            w = w.to(logits.dtype)
+        return logits, w, ids
+
+    def _copy(self, L: MoELayer, inserts: list[Insertion], kind: str) -> int:
+        """Physical mirror of logical insertions: one batch of copies into their slots."""
+        slots, experts = L.slots.place(inserts)
+        if self.recorder is not None:
+            for s, e in zip(slots, experts, strict=True):
+                self.recorder.copy(L.index, s, e, kind)
+        if slots:
+            self.store.enqueue_copies(L.index, slots, experts)
+        return len(slots)
+
+    def _count(self, **counts: int) -> None:
+        for key, value in counts.items():
+            self.stats.add(self._tok, key, value)
+
+    def _use(self, L: MoELayer, routed: list[int]) -> None:
+        r = L.cache.use(routed)
+        if self.recorder is not None:
+            self.recorder.routed(L.index, routed, r.hits)
+        n = self._copy(L, r.misses, "miss")
+        self._count(
+            routed=len(routed),
+            hits=r.hits,
+            misses=len(r.misses),
+            prefetch_used=r.prefetch_used,
+            copies=n,
+            bytes_copied=n * self.expert_bytes,
+        )
+        L.pending = routed
+
+    def _prefetch_next(self, L: MoELayer) -> None:
+        n = self.policy.n
+        if n == 0 or L.index + 1 >= len(self.layers):
+            return
+        nxt = self.layers[L.index + 1]
+        if L.residual is None:
+            raise RuntimeError(f"no residual captured for MoE layer {L.index}")
+        c = self.spec
+        ids, _ = self.ops.predict_next(
+            L.residual,
+            nxt.norm.weight,
+            nxt.router.weight,
+            n,
+            eps=norm_eps(nxt.norm),
+            scoring=c.scoring,
+            bias=nxt.bias,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+        )
+        k = self._copy(nxt, nxt.cache.prefetch(ids[0].tolist(), n), "prefetch")
+        self._count(prefetches=k, copies=k, bytes_copied=k * self.expert_bytes)
+
+    # --- experts --------------------------------------------------------------------------
+    def experts(
+        self, L: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts' forward: sum of routed experts' outputs, read from slab slots."""
+        if not L.seeded:
+            return self._prefill(L, x, ids, weights)
+        routed = L.pending
+        # The model hands the router's ids tensor straight to its experts: identity, no sync.
+        if routed is None or ids is not L.pending_ids:
+            raise RuntimeError(f"MoE layer {L.index}: experts called without a matching route")
+        L.pending, L.pending_ids = None, None
+        slots = L.slots.slots(routed)
+        if self.recorder is not None:
+            self.recorder.read(L.index, slots)
+        c = self.spec
+        with self.store.reading(L.index, slots, routed) as slab:
+            st = torch.tensor([slots], device=x.device)
+            return self.ops.expert_ffn(
+                x,
+                slab,
+                st,
+                weights.float(),
+                c.hidden_size,
+                c.ffn_size,
+                out_dtype=x.dtype,
+                check_slots=False,
+            )
+
+    def _row_ffn(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = pk.unpack_expert(row, self.spec.hidden_size, self.spec.ffn_size)
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+    def _prefill(
+        self, L: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        out, init = prefill_experts(
+            self.store, L.index, L.slots, L.history, x, ids, weights, self._row_ffn
+        )
+        L.cache.reset(init)
+        L.seeded = True
+        if self.decoding:
+            self._end_prefill()
+        return out

@@ -1,0 +1,98 @@
+"""What the runtime needs to know about a model's MoE layers, and the slot-count rule.
+
+Family-agnostic: `psr.models.families` maps each supported architecture onto a
+`MoESpec`; the runtime never looks at a model family.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Real
+
+from psr.policy import Policy
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Routing semantics and expert shapes of a model's MoE layers (all layers alike)."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    ffn_size: int
+    scoring: str = "softmax"  # 'softmax' | 'topk_softmax' | 'sigmoid' (psr_kernels.SCORINGS)
+    renormalize: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+    # Router GEMV in fp32 (DeepSeek-V3 casts hidden and weight to fp32).
+    logits_fp32: bool = False
+    # OLMoE / Qwen cast the top-k weights back to the logits dtype.
+    weights_in_logits_dtype: bool = True
+    family: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k", "hidden_size", "ffn_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{self.family or 'model'}: {name} must be an int >= 1, got {v!r}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"{self.family or 'model'}: top_k={self.top_k} experts per token exceeds "
+                f"num_experts={self.num_experts}"
+            )
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements of one packed expert: gate [F, H], up [F, H], down [H, F]."""
+        return 3 * self.hidden_size * self.ffn_size
+
+    def route_kwargs(self) -> dict[str, object]:
+        """Keyword arguments of psr_kernels' route ops that describe this router."""
+        return dict(
+            scoring=self.scoring,
+            renormalize=self.renormalize,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            scaling=self.scaling,
+        )
+
+
+def resolve_capacity(
+    spec: MoESpec,
+    policy: Policy,
+    residency: float | None,
+    slots: int | None,
+    max_slots: int | None = None,
+) -> int:
+    """Slots per layer: C = floor(residency * E + 0.5), or `slots`; k <= C <= E (and at
+    most `max_slots`, a store's size) and n <= C, else a ValueError naming the rule."""
+    E, k = spec.num_experts, spec.top_k
+    if slots is not None:
+        if isinstance(slots, bool) or not isinstance(slots, int):
+            raise TypeError(f"slots must be an int, got {slots!r}")
+        C, how = slots, f"slots={slots}"
+    else:
+        if (
+            isinstance(residency, bool)
+            or not isinstance(residency, Real)
+            or not (0 < residency <= 1)
+        ):
+            raise ValueError(f"residency must be a number in (0, 1], got {residency!r}")
+        C, how = math.floor(residency * E + 0.5), f"residency {residency:g} of {E} experts"
+    if C < k:
+        raise ValueError(
+            f"{how} gives {C} expert slots per layer, fewer than top_k={k}: "
+            f"need residency >= {k / E:.4g} (or slots >= {k})"
+        )
+    if C > E:
+        raise ValueError(f"{how} gives {C} slots, more than the {E} experts per layer")
+    if max_slots is not None and C > max_slots:
+        raise ValueError(
+            f"{how} gives {C} slots per layer, more than the store's {max_slots} "
+            "(reload with a higher residency to use more)"
+        )
+    if policy.n > C:
+        raise ValueError(f"n={policy.n} prefetches exceed the {C} slots per layer")
+    return C

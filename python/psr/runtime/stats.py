@@ -1,0 +1,92 @@
+"""Decode statistics: totals over decode steps, per-token records, prefill counts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+COUNT_KEYS = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
+# The deterministic counts and rates that results files keep (Stats.report()) ...
+REPORT_KEYS = (
+    "tokens",
+    "routed",
+    "hits",
+    "misses",
+    "prefetches",
+    "prefetch_used",
+    "hit_rate",
+    "misses_per_token",
+    "prefetch_used_frac",
+    "bytes_copied",
+)
+# ... and the measured times that timing benchmarks add to them.
+TIMING_KEYS = ("stall_s", "decode_s", "tokens_per_s")
+
+
+class Stats(Mapping[str, float]):
+    """Totals over decode steps (dict-like), plus per-token records and prefill counts."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.totals: dict[str, float] = {k: 0 for k in ("tokens", *COUNT_KEYS)}
+        self.totals |= {
+            "stall_s": 0.0,
+            "decode_s": 0.0,
+            "prefill_tokens": 0,
+            "prefill_copies": 0,
+            "prefill_bytes": 0,
+            "prefill_stall_s": 0.0,
+        }
+        self.per_token: list[dict[str, float]] = []
+
+    def new_token(self) -> dict[str, float]:
+        rec = {k: 0 for k in COUNT_KEYS} | {"stall_s": 0.0, "time_s": 0.0}
+        self.per_token.append(rec)
+        self.totals["tokens"] += 1
+        return rec
+
+    def add(self, rec: dict[str, float] | None, key: str, value: float) -> None:
+        self.totals[key] += value
+        if rec is not None:
+            rec[key] += value
+
+    def summary(self) -> dict[str, float]:
+        t = dict(self.totals)
+        n = max(t["tokens"], 1)
+        t["hit_rate"] = t["hits"] / t["routed"] if t["routed"] else 0.0
+        t["misses_per_token"] = t["misses"] / n
+        t["prefetch_used_frac"] = t["prefetch_used"] / t["prefetches"] if t["prefetches"] else 0.0
+        t["tokens_per_s"] = t["tokens"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
+        return t
+
+    def report(self, keys: tuple[str, ...] = REPORT_KEYS) -> dict[str, float]:
+        """The summary restricted to `keys` (what results files keep)."""
+        s = self.summary()
+        return {k: s[k] for k in keys}
+
+    def __getitem__(self, key: str) -> float:
+        return self.summary()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.summary())
+
+    def __len__(self) -> int:
+        return len(self.summary())
+
+    def table(self) -> str:
+        s = self.summary()
+        rows = [
+            ("decode tokens", f"{s['tokens']:.0f}"),
+            ("routed experts", f"{s['routed']:.0f}"),
+            ("hits / misses", f"{s['hits']:.0f} / {s['misses']:.0f}"),
+            ("hit rate", f"{s['hit_rate']:.3f}"),
+            ("misses per token", f"{s['misses_per_token']:.2f}"),
+            ("prefetch copies (used)", f"{s['prefetches']:.0f} ({s['prefetch_used']:.0f})"),
+            ("bytes copied", f"{s['bytes_copied'] / 2**20:.1f} MiB"),
+            ("stall time", f"{s['stall_s'] * 1e3:.1f} ms"),
+            ("tokens / s", f"{s['tokens_per_s']:.1f}"),
+            ("prefill copies", f"{s['prefill_copies']:.0f} ({s['prefill_bytes'] / 2**20:.1f} MiB)"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

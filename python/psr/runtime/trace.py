@@ -1,0 +1,105 @@
+"""Per-token routing traces of decoding, for the latency model.
+
+A trace lists, for every decode token and MoE layer, the slots the layer's experts
+read and the copies issued when it routed (its misses, then prefetches into the next
+MoE layer). It is what the runtime did logically, so it is deterministic for PSR.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Copy:
+    layer: int  # MoE layer index the copy writes
+    slot: int
+    expert: int
+    kind: str  # "miss" | "prefetch"
+
+
+@dataclass
+class LayerStep:
+    layer: int  # MoE layer index
+    experts: list[int]
+    slots: list[int]
+    hits: int
+    copies: list[Copy] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    num_decoder_layers: int
+    moe_layers: list[int]  # decoder index of each MoE layer
+    top_k: int
+    expert_bytes: int
+    policy: str = ""
+    tokens: list[list[LayerStep]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Trace:
+        toks = [
+            [LayerStep(**{**s, "copies": [Copy(**c) for c in s["copies"]]}) for s in tok]
+            for tok in d["tokens"]
+        ]
+        return cls(
+            d["num_decoder_layers"],
+            d["moe_layers"],
+            d["top_k"],
+            d["expert_bytes"],
+            d.get("policy", ""),
+            toks,
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json()))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    def counts(self) -> dict[str, int]:
+        c = {"tokens": len(self.tokens), "routed": 0, "hits": 0, "misses": 0, "prefetches": 0}
+        for tok in self.tokens:
+            for s in tok:
+                c["routed"] += len(s.experts)
+                c["hits"] += s.hits
+                c["misses"] += sum(x.kind == "miss" for x in s.copies)
+                c["prefetches"] += sum(x.kind == "prefetch" for x in s.copies)
+        return c
+
+
+class TraceRecorder:
+    """Attached to an OffloadRuntime (`runtime.recorder`), collects decode steps."""
+
+    def __init__(
+        self,
+        num_decoder_layers: int,
+        moe_layers: list[int],
+        top_k: int,
+        expert_bytes: int,
+        policy: str = "",
+    ) -> None:
+        self.trace = Trace(num_decoder_layers, moe_layers, top_k, expert_bytes, policy)
+        self._step: LayerStep | None = None
+
+    def new_token(self) -> None:
+        self.trace.tokens.append([])
+
+    def routed(self, layer: int, experts: list[int], hits: int) -> None:
+        self._step = LayerStep(layer, list(experts), [], hits)
+        self.trace.tokens[-1].append(self._step)
+
+    def copy(self, layer: int, slot: int, expert: int, kind: str) -> None:
+        if self._step is not None:
+            self._step.copies.append(Copy(layer, slot, expert, kind))
+
+    def read(self, layer: int, slots: list[int]) -> None:
+        if self._step is not None and self._step.layer == layer:
+            self._step.slots = list(slots)

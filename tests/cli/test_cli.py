@@ -1,0 +1,90 @@
+"""The psr command line on a checkpoint the test creates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny_models import tiny_model, write_checkpoint, write_tokenizer
+
+from psr.cli import main
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("cli") / "olmoe")
+    write_tokenizer(path)
+    return path
+
+
+def test_generate_prints_text_then_stats(ckpt, capsys, tmp_path) -> None:
+    out_json = tmp_path / "g.json"
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(ckpt),
+            "--prompt",
+            "To be, or not",
+            "--policy",
+            "psr",
+            "--residency",
+            "0.5",
+            "--lam",
+            "0.3",
+            "--n",
+            "1",
+            "--max-new-tokens",
+            "6",
+            "--quiet",
+            "--json",
+            str(out_json),
+        ]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.startswith("To be, or not")
+    assert "policy psr(lam=0.3, n=1), 4 of 8 experts resident per layer" in out
+    assert "hit rate" in out and "prefetch copies" in out
+    data = json.loads(out_json.read_text())
+    assert len(data["tokens"]) == len("To be, or not") + 6
+    assert data["stats"]["tokens"] == 5
+
+
+def test_generate_with_ids_and_bad_args(ckpt, capsys) -> None:
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(ckpt),
+                "--prompt-ids",
+                "1,2,3",
+                "--policy",
+                "exact",
+                "--max-new-tokens",
+                "2",
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    with pytest.raises(SystemExit, match="give --prompt"):
+        main(["generate", "--model", str(ckpt), "--quiet"])
+    with pytest.raises(ValueError, match="fewer than top_k"):
+        main(["generate", "--model", str(ckpt), "--prompt", "a", "--residency", "0.1", "--quiet"])
+
+
+def test_lm_eval_subcommand_hands_its_arguments_to_lm_eval(monkeypatch) -> None:
+    pytest.importorskip("lm_eval")
+    import psr.eval.lm_eval_adapter as adapter
+
+    seen = {}
+    monkeypatch.setattr(adapter, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    main(["lm-eval", "--model", "psr", "--model_args", "residency=0.5", "--tasks", "x"])
+    assert seen["argv"] == ["--model", "psr", "--model_args", "residency=0.5", "--tasks", "x"]
+
+
+def test_info(capsys) -> None:
+    assert main(["info"]) == 0
+    assert '"cuda_compiled"' in capsys.readouterr().out

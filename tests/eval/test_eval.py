@@ -1,0 +1,173 @@
+"""Quality harness pieces, evaluation runs on a tiny checkpoint, and the lm_eval adapter."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from tiny_models import tiny_model, write_checkpoint, write_tokenizer
+
+from psr.eval.harness import EvalData, RunConfig, compare, run_config
+from psr.eval.quality import chunks, cloze_items, greedy_agreement, paired_bootstrap
+from psr.eval.report import pareto, save
+from psr.eval.runs import sweep
+from psr.policy import make_policy
+
+TEXT = (
+    "Now is the winter of our discontent made glorious summer by this sun of York. "
+    "And all the clouds that lowr'd upon our house in the deep bosom of the ocean buried. "
+) * 12
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("ev") / "olmoe")
+    write_tokenizer(path)
+    (path / "heldout.txt").write_text(TEXT)
+    return path
+
+
+def test_paired_bootstrap_against_known_differences() -> None:
+    ref = [0.0] * 50
+    assert paired_bootstrap([1.0] * 50, ref).as_dict() == {
+        "mean": 1.0,
+        "lo": 1.0,
+        "hi": 1.0,
+        "n": 50,
+    }
+    pol = [float(i % 2) for i in range(50)]  # differences 0/1: mean 0.5
+    c = paired_bootstrap(pol, ref, iters=4000, seed=1)
+    assert c.mean == pytest.approx(0.5)
+    assert 0.3 < c.lo < 0.5 < c.hi < 0.7  # normal approx: 0.5 +- 1.96 * 0.5 / sqrt(50)
+    # Pairing: a constant offset on noisy items has a tight interval.
+    noisy = [float(i * 37 % 11) for i in range(40)]
+    c = paired_bootstrap([x + 0.1 for x in noisy], noisy)
+    assert c.lo == pytest.approx(0.1) and c.hi == pytest.approx(0.1)
+    with pytest.raises(ValueError, match="equal, non-empty"):
+        paired_bootstrap([1.0], [1.0, 2.0])
+
+
+def test_greedy_agreement_and_first_divergence() -> None:
+    assert greedy_agreement([1, 2, 3, 4], [1, 2, 9, 4]) == (0.75, 2)
+    assert greedy_agreement([1, 2], [1, 2]) == (1.0, 2)
+
+
+def test_chunks_and_cloze_items() -> None:
+    ids = list(range(1000))
+    w = chunks(ids, 100, 5)
+    assert len(w) == 5 and all(len(x) == 100 for x in w)
+    assert len({x[0] for x in w}) == 5  # non-overlapping
+    items = cloze_items(ids, 3, context=20, cont=5, distractors=3)
+    assert len(items) == 3
+    for it in items:
+        true = it.choices[it.answer]
+        assert true[0] == it.context[-1] + 1  # the real continuation
+        assert sum(c[0] == it.context[-1] + 1 for c in it.choices) == 1
+    with pytest.raises(ValueError, match="shorter than one chunk"):
+        chunks(ids[:10], 20, 1)
+
+
+def test_pareto_front() -> None:
+    pts = [(1.0, 0.5, "a"), (2.0, 0.1, "b"), (1.5, 0.6, "c"), (3.0, 0.0, "d"), (2.5, 0.2, "e")]
+    assert pareto(pts) == ["a", "b", "d"]
+
+
+def test_runs_compare_and_save(ckpt, tmp_path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    data = EvalData.from_text(
+        tok, TEXT, prompts=2, prompt_tokens=16, gen_tokens=8, windows=3, window_tokens=40, cloze=2
+    )
+    res = [
+        run_config(str(ckpt), RunConfig(make_policy("exact"), 0.5), data),
+        run_config(str(ckpt), RunConfig(make_policy("psr", 0.8, 1), 0.5), data),
+    ]
+    compare(res)
+    ex, ps = res
+    assert ex["greedy_agreement"] == 1.0 and ex["speedup"]["rtx4090"] == 1.0
+    assert ex["delta_nll"]["mean"] == 0.0
+    assert len(ps["nll_items"]) == 3 and len(ps["cloze_items"]) == 2
+    assert ps["stats"]["misses"] <= ex["stats"]["misses"]
+    # Speedup is the ratio of the two modeled latencies.
+    assert ps["speedup"]["h200"] == pytest.approx(
+        ex["latency"]["h200"]["ms_per_token"] / ps["latency"]["h200"]["ms_per_token"]
+    )
+    paths = save(res, tmp_path, "t")
+    assert paths["png"].stat().st_size > 1000
+    md = paths["md"].read_text()
+    assert "psr(lam=0.8, n=1)" in md and "Δ nats/tok" in md
+    assert json.loads(paths["json"].read_text())["results"][1]["label"] == "psr(lam=0.8, n=1)"
+
+
+def test_sweep_writes_front_and_operating_points(ckpt, tmp_path) -> None:
+    extra = sweep(
+        str(ckpt),
+        str(tmp_path),
+        residencies=[0.5],
+        lams=[0.3, 1.0],
+        ns=[0, 1],
+        windows=2,
+        tolerance=10.0,
+        write_points=True,
+        progress=False,
+    )
+    assert set(extra["points"]["0.5"]) == {"cache-prior", "psr"}
+    assert extra["points"]["0.5"]["psr"]["n"] == 1
+    saved = json.loads((ckpt / "operating_points.json").read_text())
+    assert saved["points"] == extra["points"]
+    assert extra["pareto"]["0.5"]  # non-empty front
+    (ckpt / "operating_points.json").unlink()
+
+
+def test_lm_eval_adapter_on_a_local_task(ckpt, tmp_path, monkeypatch) -> None:
+    lm_eval = pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from lm_eval.tasks import TaskManager
+
+    import psr.eval.lm_eval_adapter  # noqa: F401  (registers "psr")
+
+    rows = [
+        {"context": "Now is the winter of our", "choices": [" discontent", " bosom"], "label": 0},
+        {"context": "in the deep bosom of the", "choices": [" ocean", " winter"], "label": 0},
+        {"context": "made glorious summer by this", "choices": [" sun", " house"], "label": 0},
+    ]
+    data = tmp_path / "items.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    (tmp_path / "task.yaml").write_text(
+        "task: psr_local_cloze\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: '{{context}}'\n"
+        "doc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{label}}'\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    out = lm_eval.simple_evaluate(
+        model="psr",
+        model_args=f"pretrained={ckpt},policy=psr,residency=0.5,lam=0.3,n=1",
+        tasks=["psr_local_cloze"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        bootstrap_iters=0,
+        log_samples=False,
+    )
+    acc = out["results"]["psr_local_cloze"]["acc,none"]
+    assert 0.0 <= acc <= 1.0
+    # The adapter's scores are the runtime's decode-step log-likelihoods.
+    from psr.eval.lm_eval_adapter import PSRLM
+
+    lm = PSRLM(pretrained=str(ckpt), policy="exact", residency=0.5)
+    ctx = lm._encode("Now is the winter of our")
+    ll, _ = lm._score(ctx, lm._encode(" discontent"))
+    logits = lm.model.hf(torch.tensor([ctx + lm._encode(" discontent")])).logits[0]
+    ids = ctx + lm._encode(" discontent")
+    want = sum(
+        torch.log_softmax(logits[i - 1], -1)[ids[i]].item() for i in range(len(ctx), len(ids))
+    )
+    assert ll == pytest.approx(want, abs=1e-4)
+    assert os.environ["HF_DATASETS_OFFLINE"] == "1"
