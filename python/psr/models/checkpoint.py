@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -19,21 +20,54 @@ class CheckpointError(ValueError):
     """A checkpoint folder, file or tensor is missing or corrupt."""
 
 
+FLOAT_DTYPES = ("F64", "F32", "BF16", "F16", "F8_E4M3", "F8_E5M2")
+
+
+def _tensor_info(path: Path, name: str, info: Any) -> dict[str, Any]:
+    """A header entry checked for what psr reads: dtype, shape, data_offsets."""
+    ok = (
+        isinstance(info, dict)
+        and isinstance(info.get("dtype"), str)
+        and isinstance(info.get("shape"), list)
+        and all(isinstance(d, int) and d >= 0 for d in info["shape"])
+        and isinstance(info.get("data_offsets"), list)
+        and len(info["data_offsets"]) == 2
+        and all(isinstance(o, int) and o >= 0 for o in info["data_offsets"])
+    )
+    if not ok:
+        raise CheckpointError(
+            f"corrupt safetensors file {path}: tensor {name!r} lacks a valid dtype, shape "
+            "or data_offsets"
+        )
+    return dict(info)
+
+
 def _read_header(path: Path) -> dict:
+    # Error messages name the file and the problem, never its contents.
     size = path.stat().st_size
-    try:
-        with path.open("rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > size - 8:
-                raise CheckpointError(f"truncated safetensors file {path} (header of {n} bytes)")
-            header = json.loads(f.read(n))
-    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"corrupt safetensors file {path}: {e}") from None
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"corrupt safetensors file {path}: shorter than its header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise CheckpointError(
+                f"truncated or corrupt safetensors file {path}: its header length field "
+                "exceeds the file size"
+            )
+        try:
+            header = json.loads(f.read(n).decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError(
+                f"corrupt safetensors file {path}: its header is not valid UTF-8 JSON"
+            ) from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt safetensors file {path}: its header is not a JSON object")
     data = size - 8 - n
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        end = info["data_offsets"][1]
+        end = _tensor_info(path, name, info)["data_offsets"][1]
         if end > data:
             raise CheckpointError(
                 f"truncated safetensors file {path}: tensor {name!r} needs bytes up to {end}, "
@@ -45,15 +79,43 @@ def _read_header(path: Path) -> dict:
 def read_config(path: str | Path) -> dict:
     """config.json of a checkpoint folder."""
     path = Path(path)
-    if not path.is_dir():
+    if not path.exists():
         raise CheckpointError(f"checkpoint folder {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} is a file, not a folder")
     cfg = path / "config.json"
     if not cfg.is_file():
         raise CheckpointError(f"no config.json in {path}")
     try:
-        return json.loads(cfg.read_text())
-    except json.JSONDecodeError as e:
+        out = json.loads(cfg.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"corrupt config.json in {path}: {e}") from None
+    if not isinstance(out, dict):
+        raise CheckpointError(f"corrupt config.json in {path}: not a JSON object")
+    return out
+
+
+def _index(path: Path) -> dict[str, str]:
+    """weight_map of model.safetensors.index.json: tensor name -> shard file name, every
+    shard inside the checkpoint folder (a name like ../../x is refused, never opened)."""
+    index = path / "model.safetensors.index.json"
+    try:
+        data = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"corrupt shard index {index}: not valid JSON") from None
+    wm = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wm, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in wm.items()
+    ):
+        raise CheckpointError(f"corrupt shard index {index}: no weight_map of names to files")
+    root = path.resolve()
+    for shard in set(wm.values()):
+        target = (path / shard).resolve()
+        if target.parent != root:
+            raise CheckpointError(
+                f"shard index {index} names {shard!r}, which is not a file in the checkpoint folder"
+            )
+    return wm
 
 
 class Checkpoint:
@@ -62,9 +124,8 @@ class Checkpoint:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.config_dict = read_config(self.path)
-        index = self.path / "model.safetensors.index.json"
-        if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        if (self.path / "model.safetensors.index.json").is_file():
+            weight_map = _index(self.path)
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
@@ -73,6 +134,7 @@ class Checkpoint:
             weight_map = {}
         self._where: dict[str, str] = {}
         self._shapes: dict[str, list[int]] = {}
+        self._dtypes: dict[str, str] = {}
         for name in files:
             f = self.path / name
             if not f.is_file():
@@ -81,6 +143,7 @@ class Checkpoint:
                 if tensor != "__metadata__":
                     self._where[tensor] = name
                     self._shapes[tensor] = info["shape"]
+                    self._dtypes[tensor] = info["dtype"]
         for tensor, name in weight_map.items():
             if self._where.get(tensor) != name:
                 raise CheckpointError(f"tensor {tensor!r} listed in the index is not in {name}")
@@ -94,6 +157,18 @@ class Checkpoint:
 
     def shape(self, name: str) -> list[int]:
         return self._shapes[self._require(name)]
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype string ('F32', 'BF16', 'F16', 'I8', 'BOOL', ...)."""
+        return self._dtypes[self._require(name)]
+
+    def require_float(self, name: str, what: str = "weight") -> None:
+        """Refuse a non-floating tensor where weights are expected (never cast silently)."""
+        if self.dtype(name) not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} in {self.path} has dtype {self.dtype(name)}; a {what} must be "
+                f"floating point ({', '.join(FLOAT_DTYPES)})"
+            )
 
     def _require(self, name: str) -> str:
         if name not in self._where:

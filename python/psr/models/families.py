@@ -23,6 +23,51 @@ def unsupported(model_type: str) -> ValueError:
     )
 
 
+# config.json keys each family's MoESpec reads: (experts, top-k, hidden, expert FFN).
+_REQUIRED = {
+    "olmoe": ("num_experts", "num_experts_per_tok", "hidden_size", "intermediate_size"),
+    "qwen2_moe": ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
+    "qwen3_moe": ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
+    "mixtral": ("num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size"),
+    "deepseek_v3": (
+        "n_routed_experts",
+        "num_experts_per_tok",
+        "hidden_size",
+        "moe_intermediate_size",
+    ),
+}
+
+
+def check_config(
+    raw: dict[str, Any], aliases: dict[str, str] | None = None, where: str = "config.json"
+) -> None:
+    """The raw config names a supported family and sets its MoE sizes explicitly, as
+    positive ints with top-k <= experts (transformers would fill in silent defaults).
+    `aliases`: the config class's `attribute_map` (alias -> attribute), e.g. Qwen3-MoE
+    saves `num_experts` as `num_local_experts`."""
+    mt = raw.get("model_type")
+    if mt not in SUPPORTED:
+        raise unsupported(str(mt))
+    aliases = aliases or {}
+    values = {}
+    for key in _REQUIRED[mt]:
+        names = [key, *(a for a, k in aliases.items() if k == key)]
+        if key in aliases:
+            names.append(aliases[key])
+        found = next((n for n in names if n in raw), None)
+        if found is None:
+            raise ValueError(f"{where} ({mt}) lacks {key!r}")
+        v = values[key] = raw[found]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where} ({mt}): {found} must be a positive int, got {v!r}")
+    experts, top_k = _REQUIRED[mt][:2]
+    if values[top_k] > values[experts]:
+        raise ValueError(
+            f"{where} ({mt}): {top_k}={values[top_k]} experts per token exceeds "
+            f"{experts}={values[experts]}"
+        )
+
+
 def moe_spec(cfg: Any) -> MoESpec:
     """The MoESpec of a transformers config."""
     mt = getattr(cfg, "model_type", None)

@@ -3,7 +3,9 @@ experts modules for psr's, and hook sequence starts, residual capture and timing
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -64,31 +66,41 @@ def install(
         layer.post_attention_layernorm.register_forward_pre_hook(
             lambda mod, args, L=L: runtime.capture_residual(L, args[0])
         )
-    state: dict[str, Any] = {}
-
-    def pre(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        pkv = kwargs.get("cache", kwargs.get("past_key_values"))
-        if pkv is None or (hasattr(pkv, "get_seq_length") and pkv.get_seq_length() == 0):
-            runtime.begin_sequence()
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        state.update(
-            decoding=runtime.decoding,
-            t0=time.perf_counter(),
-            tokens=0 if ids is None else ids.shape[-1],
-        )
-
-    def post(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if state.get("decoding"):
-            if store.backend == "cuda":
-                torch.cuda.synchronize(store.device)
-            runtime.end_step(time.perf_counter() - state["t0"])
-        else:
-            runtime.stats.totals["prefill_tokens"] += state.get("tokens", 0)
-
-    model.register_forward_pre_hook(pre, with_kwargs=True)
-    model.register_forward_hook(post, with_kwargs=True)
+    _wrap_forward(model, runtime)
     model.psr_runtime = runtime
     return runtime
+
+
+def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> None:
+    """Every forward of the model runs under the runtime's lock (concurrent callers wait;
+    a sequence interleaved with another is refused, never mixed) and is timed. A wrapper,
+    not hooks, so the lock is released when a forward raises. It holds the model weakly:
+    no reference cycle keeps a dropped model (and its store) alive."""
+    fwd = type(model).forward
+    ref = weakref.ref(model)
+
+    @functools.wraps(fwd)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        self = ref()
+        if self is None:
+            raise RuntimeError("psr: the model behind this forward was freed")
+        kv = kwargs.get("cache", kwargs.get("past_key_values"))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        with runtime.lock:
+            runtime.enter_forward(kv)
+            decoding = runtime.decoding
+            t0 = time.perf_counter()
+            output = fwd(self, *args, **kwargs)
+            runtime.exit_forward(output)
+            if decoding:
+                if runtime.store.backend == "cuda":
+                    torch.cuda.synchronize(runtime.store.device)
+                runtime.end_step(time.perf_counter() - t0)
+            else:
+                runtime.stats.totals["prefill_tokens"] += 0 if ids is None else ids.shape[-1]
+            return output
+
+    model.forward = forward
 
 
 def materialize_rotary(model: nn.Module, device: torch.device | str) -> None:

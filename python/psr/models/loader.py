@@ -19,12 +19,12 @@ from tqdm.auto import tqdm
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.models.families import (
     SUPPORTED,
+    check_config,
     disk_names,
     expert_parts,
     expert_tensor_names,
     fused_expert_names,
     moe_spec,
-    unsupported,
 )
 from psr.models.hf import (
     decoder_layers,
@@ -63,7 +63,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
 
 
 def make_store(
-    spec: MoESpec, capacity: int, num_layers: int, dtype: torch.dtype, device: torch.device
+    spec: MoESpec,
+    capacity: int,
+    num_layers: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    copy_retries: int | None = None,
 ) -> ExpertStore:
     """One store layer per MoE layer; its backend follows the compute device."""
     cuda = device.type == "cuda"
@@ -72,6 +77,7 @@ def make_store(
         dtype,
         backend="cuda" if cuda else "cpu",
         device=device.index if cuda else None,
+        copy_retries=copy_retries,
     )
 
 
@@ -90,6 +96,7 @@ def offload(
     lam: float | None = None,
     n: int | None = None,
     compute: str = "auto",
+    copy_retries: int | None = None,
     progress: bool = True,
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
@@ -98,6 +105,13 @@ def offload(
     and other transformers tooling keep working (batch 1). Returns an OffloadedModel
     wrapping the same model (for `.stats`, `.generate`, ...).
     """
+    if not isinstance(hf_model, nn.Module) or not hasattr(hf_model, "config"):
+        raise TypeError(
+            f"psr.offload needs a transformers causal LM (an nn.Module with .config), "
+            f"got {type(hf_model).__name__}"
+        )
+    if hasattr(hf_model, "psr_runtime"):
+        raise RuntimeError(f"{type(hf_model).__name__} is already offloaded by psr")
     spec = moe_spec(hf_model.config)
     pol = make_policy(policy, lam, n)
     C = resolve_capacity(spec, pol, residency, slots)
@@ -106,8 +120,10 @@ def offload(
     layers = decoder_layers(hf_model)
     first = expert_parts(layers[moe_idx[0]].mlp.experts, 0)
     dtype = first[0].dtype
+    if not dtype.is_floating_point:
+        raise TypeError(f"expert weights must be floating point, got {dtype}")
     device = layers[moe_idx[0]].mlp.gate.weight.device
-    store = make_store(spec, C, len(moe_idx), dtype, device)
+    store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries)
     bar = tqdm(
         total=len(moe_idx) * spec.num_experts,
         desc="experts -> host store",
@@ -144,6 +160,7 @@ def _load_experts(
         fused = gu_name in ckpt and dn_name in ckpt
         if fused:
             for name, shape in ((gu_name, [E, 2 * Fd, H]), (dn_name, [E, H, Fd])):
+                ckpt.require_float(name, "expert weight")
                 if ckpt.shape(name) != shape:
                     raise CheckpointError(
                         f"tensor {name!r} has shape {ckpt.shape(name)}, expected {shape}"
@@ -161,6 +178,7 @@ def _load_experts(
                         f"{ckpt.path} (nor the fused {gu_name!r})"
                     )
                 for name, key in zip(names, ("gate", "up", "down"), strict=True):
+                    ckpt.require_float(name, "expert weight")
                     if ckpt.shape(name) != want[key]:
                         raise CheckpointError(
                             f"tensor {name!r} has shape {ckpt.shape(name)}, expected {want[key]}"
@@ -196,6 +214,7 @@ def load(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     compute: str = "auto",
+    copy_retries: int | None = None,
     progress: bool = True,
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
@@ -208,12 +227,18 @@ def load(
         device: compute device (default: cuda if available); the store's backend follows.
         dtype: float32 / bfloat16 / float16 (default: the checkpoint's).
         compute: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'.
+        copy_retries: re-issues of a failed expert copy before CopyError (default 2,
+            or $PSR_COPY_RETRIES).
     """
     import transformers
 
-    mt = read_config(path).get("model_type")
-    if mt not in SUPPORTED:
-        raise unsupported(str(mt))
+    raw = read_config(path)
+    try:
+        mt = raw.get("model_type")
+        cls = transformers.CONFIG_MAPPING[mt] if mt in SUPPORTED else None
+        check_config(raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
+    except ValueError as e:  # a config error is a checkpoint error, named as such
+        raise CheckpointError(str(e)) from None
     ckpt = Checkpoint(path)
     config = transformers.AutoConfig.from_pretrained(str(path))
     spec = moe_spec(config)
@@ -239,12 +264,11 @@ def load(
             if name == "lm_head.weight" and tied:
                 continue
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
+        is_param = name in dict(model.named_parameters())
+        if is_param:
+            ckpt.require_float(src)
         t = ckpt.get(src)
-        want = list(
-            model.get_parameter(name).shape
-            if name in dict(model.named_parameters())
-            else model.get_buffer(name).shape
-        )
+        want = list(model.get_parameter(name).shape if is_param else model.get_buffer(name).shape)
         if list(t.shape) != want:
             raise CheckpointError(f"tensor {src!r} has shape {list(t.shape)}, expected {want}")
         if t.is_floating_point():
@@ -254,7 +278,7 @@ def load(
         model.lm_head.weight = model.get_input_embeddings().weight
     materialize_rotary(model, dev)
 
-    store = make_store(spec, C, len(moe_idx), dt, dev)
+    store = make_store(spec, C, len(moe_idx), dt, dev, copy_retries)
     _load_experts(ckpt, store, spec, moe_idx, dt, progress)
     ckpt.close()
     runtime = install(model, spec, store, pol, C, compute, moe_idx)

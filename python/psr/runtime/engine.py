@@ -17,8 +17,11 @@ recently (spec: docs/PSR.md); its copies are counted separately (`prefill.py`).
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +45,10 @@ class MoELayer:
     decoder_index: int  # index among the model's decoder layers
     index: int  # index among MoE layers (= store layer)
     router: nn.Module  # the model's router (weight, e_score_correction_bias)
-    norm: nn.Module  # this layer's post-attention RMSNorm (for predictions into it)
+    # This layer's post-attention RMSNorm, for predictions into it: its weight and eps,
+    # not the module (the module's residual hook refers to the runtime: no cycle).
+    norm_weight: torch.Tensor
+    norm_eps: float
     cache: LogicalCache
     slots: SlotMap
     history: list[list[int]] = field(default_factory=list)  # prefill's routed ids per token
@@ -54,6 +60,17 @@ class MoELayer:
     @property
     def bias(self) -> torch.Tensor | None:
         return getattr(self.router, "e_score_correction_bias", None)
+
+
+def _output_cache(output: Any) -> Any:
+    for key in ("cache", "past_key_values"):
+        try:
+            kv = output[key]
+        except (KeyError, TypeError, IndexError):
+            continue
+        if kv is not None:
+            return kv
+    return None
 
 
 def norm_eps(norm: nn.Module) -> float:
@@ -91,7 +108,15 @@ class OffloadRuntime:
         self.ops = pk.kernel_ops(compute, store.device)
         self.num_decoder_layers = num_decoder_layers
         self.layers = [
-            MoELayer(d, i, router, norm, LogicalCache(capacity, spec.num_experts), SlotMap([]))
+            MoELayer(
+                d,
+                i,
+                router,
+                norm.weight,
+                norm_eps(norm),
+                LogicalCache(capacity, spec.num_experts),
+                SlotMap([]),
+            )
             for i, (d, router, norm) in enumerate(layers)
         ]
         for L in self.layers:
@@ -103,6 +128,11 @@ class OffloadRuntime:
         self._stall_mark = 0.0
         self._prefill_mark: dict[str, float] | None = None
         self.recorder: TraceRecorder | None = None  # set to record decode traces
+        # One sequence at a time: forwards hold the lock; a sequence belongs to the thread
+        # that began it and to its KV-cache object (see enter_forward).
+        self.lock = threading.RLock()
+        self._owner: int | None = None
+        self._kv_ref: Any = None
 
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
@@ -139,6 +169,47 @@ class OffloadRuntime:
         self._close_token()
         self._forget_sequence()
         self._prefill_mark = self.store.counters()
+
+    def enter_forward(self, kv: Any) -> None:
+        """Called (under `lock`) before each model forward with its KV cache: an empty or
+        absent cache begins a new sequence; otherwise the forward must continue the
+        current sequence, from the thread and with the cache object that began it, or it
+        is refused (interleaved sequences would route on each other's caches)."""
+        if kv is None or (hasattr(kv, "get_seq_length") and kv.get_seq_length() == 0):
+            self.begin_sequence()
+            self._owner = threading.get_ident()
+            try:
+                self._kv_ref = None if kv is None else weakref.ref(kv)
+            except TypeError:  # a cache type without weakref support: thread check only
+                self._kv_ref = None
+            return
+        if self._owner is None:
+            raise RuntimeError(
+                "psr: this forward continues a sequence the runtime never began "
+                "(start decoding with an empty KV cache)"
+            )
+        if self._owner != threading.get_ident():
+            raise RuntimeError(
+                "psr: this model's current sequence belongs to another thread; psr decodes "
+                "one sequence at a time: serialise calls (OffloadedModel methods wait for "
+                "each other) or use one model per thread"
+            )
+        if self._kv_ref is not None and self._kv_ref() is not kv:
+            raise RuntimeError(
+                "psr: this forward's KV cache is not the current sequence's; psr decodes "
+                "one sequence at a time (finish or restart the other sequence)"
+            )
+
+    def exit_forward(self, output: Any) -> None:
+        """After a forward: a sequence begun without a cache object adopts the one the
+        model returned (what the next forward must pass back)."""
+        if self._kv_ref is None and self._owner is not None:
+            kv = _output_cache(output)
+            if kv is not None:
+                try:
+                    self._kv_ref = weakref.ref(kv)
+                except TypeError:
+                    pass
 
     @property
     def decoding(self) -> bool:
@@ -262,10 +333,10 @@ class OffloadRuntime:
         c = self.spec
         ids, _ = self.ops.predict_next(
             L.residual,
-            nxt.norm.weight,
+            nxt.norm_weight,
             nxt.router.weight,
             n,
-            eps=norm_eps(nxt.norm),
+            eps=nxt.norm_eps,
             scoring=c.scoring,
             bias=nxt.bias,
             n_group=c.n_group,

@@ -7,7 +7,9 @@ print(model.stats.table())
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -20,8 +22,19 @@ from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 
 
+def _check_count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        raise TypeError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
 class OffloadedModel(nn.Module):
-    """A transformers causal LM whose MoE experts are offloaded under a routing policy."""
+    """A transformers causal LM whose MoE experts are offloaded under a routing policy.
+
+    One sequence at a time: its methods hold the runtime's lock for their whole call, so
+    calls from several threads wait for each other. `close()` (or `with ... as model`)
+    frees the expert store at once; dropping the last reference frees it too.
+    """
 
     def __init__(
         self,
@@ -53,7 +66,24 @@ class OffloadedModel(nn.Module):
         return self.runtime.policy
 
     def reset_stats(self) -> None:
-        self.runtime.stats.reset()
+        with self.runtime.lock:
+            self.runtime.stats.reset()
+
+    def close(self) -> None:
+        """Free the expert store (host memory, device slab, copy thread); idempotent.
+        The model cannot decode afterwards."""
+        with self.runtime.lock:
+            self.runtime.store.close()
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.runtime.store.closed)
+
+    def __enter__(self) -> OffloadedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def configure(
         self,
@@ -66,16 +96,29 @@ class OffloadedModel(nn.Module):
     ) -> None:
         """Switch policy and residency without reloading: slots per layer may not exceed
         what the store was built with. Stats are kept (call reset_stats())."""
-        self.runtime.configure(make_policy(policy, lam, n), residency, slots)
+        with self.runtime.lock:
+            self.runtime.configure(make_policy(policy, lam, n), residency, slots)
 
     def record_trace(self) -> TraceRecorder:
         """Start recording decode steps; the recorder's `.trace` feeds psr.eval.latency."""
         return self.runtime.new_recorder()
 
     def _ids(self, input_ids: torch.Tensor | Iterable[int], extra: int = 0) -> torch.Tensor:
-        ids = torch.as_tensor(
-            input_ids if isinstance(input_ids, torch.Tensor) else list(input_ids), dtype=torch.long
-        )
+        if isinstance(input_ids, torch.Tensor):
+            if (
+                input_ids.dtype.is_floating_point
+                or input_ids.dtype.is_complex
+                or (input_ids.dtype == torch.bool)
+            ):
+                raise TypeError(f"token ids must be an integer tensor, got {input_ids.dtype}")
+            ids = input_ids.to(torch.long)
+        else:
+            items = list(input_ids)
+            flat = items[0] if len(items) == 1 and isinstance(items[0], (list, tuple)) else items
+            bad = [x for x in flat if isinstance(x, bool) or not isinstance(x, Integral)]
+            if bad:
+                raise TypeError(f"token ids must be ints, got {bad[0]!r}")
+            ids = torch.tensor(items, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2 or ids.shape[0] != 1:
@@ -98,16 +141,19 @@ class OffloadedModel(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits `[1, T, V]` of one prefill over `input_ids` (exact routing: all prefill)."""
-        return self.hf(input_ids=self._ids(input_ids), use_cache=False).logits
+        with self.runtime.lock:
+            return self.hf(input_ids=self._ids(input_ids), use_cache=False).logits
 
     @torch.no_grad()
     def decode_logits(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
         """Logits `[1, T, V]`: prefill the first `prompt_len` tokens, then feed the rest one
         decode step at a time (teacher forcing) under the policy."""
         ids = self._ids(input_ids)
+        prompt_len = _check_count("prompt_len", prompt_len)
         if not 1 <= prompt_len <= ids.shape[1]:
             raise ValueError(f"prompt_len must be in [1, {ids.shape[1]}], got {prompt_len}")
-        return gen.decode_logits(self.hf, ids, prompt_len)
+        with self.runtime.lock:
+            return gen.decode_logits(self.hf, ids, prompt_len)
 
     @torch.no_grad()
     def generate(
@@ -124,20 +170,21 @@ class OffloadedModel(nn.Module):
         progress: bool = False,
     ) -> torch.Tensor:
         """Greedy (default) or sampled decoding with a KV cache; returns `[1, T + new]` ids."""
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        if do_sample and not (temperature > 0 and 0 < top_p <= 1 and top_k >= 0):
-            raise ValueError("sampling needs temperature > 0, 0 < top_p <= 1, top_k >= 0")
+        max_new_tokens = _check_count("max_new_tokens", max_new_tokens)
+        top_k = _check_count("top_k", top_k)
+        if do_sample and not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1):
+            raise ValueError("sampling needs a finite temperature > 0 and 0 < top_p <= 1")
         ids = self._ids(input_ids, max_new_tokens)
-        return gen.generate(
-            self.hf,
-            ids,
-            max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            eos_token_id=eos_token_id,
-            progress=progress,
-        )
+        with self.runtime.lock:
+            return gen.generate(
+                self.hf,
+                ids,
+                max_new_tokens,
+                do_sample=do_sample,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                seed=seed,
+                eos_token_id=eos_token_id,
+                progress=progress,
+            )
