@@ -1,12 +1,10 @@
-"""Quality harness pieces, evaluation runs on a tiny checkpoint, and the lm_eval adapter."""
+"""Quality harness pieces and evaluation runs on a tiny checkpoint (lm_eval: test_lm_eval.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
-import torch
 from tiny_models import tiny_model, write_checkpoint, write_tokenizer
 
 from psr.eval.harness import EvalData, RunConfig, compare, run_config
@@ -120,54 +118,3 @@ def test_sweep_writes_front_and_operating_points(ckpt, tmp_path) -> None:
     assert saved["points"] == extra["points"]
     assert extra["pareto"]["0.5"]  # non-empty front
     (ckpt / "operating_points.json").unlink()
-
-
-def test_lm_eval_adapter_on_a_local_task(ckpt, tmp_path, monkeypatch) -> None:
-    lm_eval = pytest.importorskip("lm_eval")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    from lm_eval.tasks import TaskManager
-
-    import psr.eval.lm_eval_adapter  # noqa: F401  (registers "psr")
-
-    rows = [
-        {"context": "Now is the winter of our", "choices": [" discontent", " bosom"], "label": 0},
-        {"context": "in the deep bosom of the", "choices": [" ocean", " winter"], "label": 0},
-        {"context": "made glorious summer by this", "choices": [" sun", " house"], "label": 0},
-    ]
-    data = tmp_path / "items.jsonl"
-    data.write_text("\n".join(json.dumps(r) for r in rows))
-    (tmp_path / "task.yaml").write_text(
-        "task: psr_local_cloze\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: '{{context}}'\n"
-        "doc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{label}}'\n"
-        "metric_list:\n  - metric: acc\n"
-    )
-    out = lm_eval.simple_evaluate(
-        model="psr",
-        model_args=f"pretrained={ckpt},policy=psr,residency=0.5,lam=0.3,n=1",
-        tasks=["psr_local_cloze"],
-        task_manager=TaskManager(include_path=str(tmp_path)),
-        bootstrap_iters=0,
-        log_samples=False,
-    )
-    acc = out["results"]["psr_local_cloze"]["acc,none"]
-    assert 0.0 <= acc <= 1.0
-    # The adapter's scores are the runtime's decode-step log-likelihoods.
-    from psr.eval.lm_eval_adapter import PSRLM
-
-    lm = PSRLM(pretrained=str(ckpt), policy="exact", residency=0.5)
-    ctx = lm._encode("Now is the winter of our")
-    ll, _ = lm._score(ctx, lm._encode(" discontent"))
-    logits = lm.model.hf(torch.tensor([ctx + lm._encode(" discontent")])).logits[0]
-    ids = ctx + lm._encode(" discontent")
-    want = sum(
-        torch.log_softmax(logits[i - 1], -1)[ids[i]].item() for i in range(len(ctx), len(ids))
-    )
-    assert ll == pytest.approx(want, abs=1e-4)
-    assert os.environ["HF_DATASETS_OFFLINE"] == "1"
