@@ -19,12 +19,19 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.warnings import InformationOnly
 
 ROOT = Path(__file__).resolve().parent
+
+# `pip install -e .` prints this notice for every package-dir layout ("be careful with
+# folders in your working directory with the same name as your package"): information
+# about editable installs in general, not a warning about this project.
+warnings.filterwarnings("ignore", message="Editable installation", category=InformationOnly)
 
 
 def _truthy(name: str) -> bool:

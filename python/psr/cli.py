@@ -1,30 +1,391 @@
-"""psr command line."""
+"""psr command line.
+
+Errors print one line, `psr: error: <message>`, and exit with status 2 (bad arguments)
+or 1 (a failure while running); `psr --debug ...` or PSR_DEBUG=1 adds the traceback.
+Arguments are checked before any model is loaded: their types and ranges while the
+line is parsed, then the model folder (config.json only) and the outputs, which are
+created and probed for writing.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import re
 import sys
+import tempfile
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+T = TypeVar("T")
+
+# The dtypes psr.models.load accepts (psr.models.loader.DTYPES), by their canonical names:
+# listed here so that parsing the command line does not import torch.
+DTYPE_ALIASES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+# Files whose presence makes psr.models.load load a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPT = 1, 2, 130
+
+
+# ------------------------------------------------------------------ errors and the parser
+
+
+class UsageError(Exception):
+    """Arguments that cannot work together (exit status 2, as argparse's own errors)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line on stderr: `psr: error: <message>` (status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"psr: error: {_one_line(message)}\n")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends `(default: ...)` unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        if "default" in help.lower():
+            return help
+        return super()._get_help_string(action) or ""
+
+
+def _one_line(message: str) -> str:
+    return " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
+def _is_runtime_error(e: BaseException) -> bool:
+    """The failures reported in one line: bad values and files, checkpoint and store errors."""
+    if isinstance(e, (ValueError, TypeError, OSError)):  # CheckpointError is a ValueError
+        return True
+    store = sys.modules.get("psr.store")  # StoreError / CopyError live in the extension
+    return store is not None and isinstance(e, store.StoreError)
+
+
+def _debug_from_env() -> bool:
+    return os.environ.get("PSR_DEBUG", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it at exit raises no second error."""
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(fd, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor behind stdout (captured)
+        pass
+
+
+def _fail(code: int, message: str, debug: bool) -> NoReturn:
+    if debug:
+        traceback.print_exc()
+    sys.stderr.write(f"psr: error: {message}\n" if code != EXIT_INTERRUPT else f"psr: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
+# ------------------------------------------------------------------ argument types
+
+# Each raises argparse.ArgumentTypeError, which argparse reports as
+# `argument --option: <message>`.
+
+
+def _int(s: str) -> int:
+    try:
+        return int(s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {s!r}") from None
+
+
+def _int_at_least(lo: int) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        v = _int(s)
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+        return v
+
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+positive_int = _int_at_least(1)
+nonnegative_int = _int_at_least(0)
+
+
+def _float(s: str) -> float:
+    try:
+        v = float(s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
+    return v
+
+
+def fraction(s: str) -> float:
+    """A number in (0, 1]."""
+    v = _float(s)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {s!r}")
+    return v
+
+
+def nonnegative_float(s: str) -> float:
+    """A finite number >= 0."""
+    v = _float(s)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {s!r}")
+    return v
+
+
+def positive_float(s: str) -> float:
+    """A finite number > 0."""
+    v = _float(s)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {s!r}")
+    return v
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
+    """`'a,b,c'`, each entry parsed by `item`; at least one entry, none empty."""
+
+    def parse(s: str) -> list[T]:
+        parts = [p.strip() for p in s.split(",")]
+        if not any(parts):
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {s!r}")
+        out = []
+        for i, p in enumerate(parts, 1):
+            if not p:
+                raise argparse.ArgumentTypeError(f"entry {i} of {s!r} is empty")
+            try:
+                out.append(item(p))
+            except argparse.ArgumentTypeError as e:
+                raise argparse.ArgumentTypeError(f"entry {i} of {s!r}: {e}") from None
+        return out
+
+    parse.__name__ = "comma-separated list"
+    return parse
+
+
+def policies(s: str) -> list[Any]:
+    """`';'`-separated policy specs, parsed by psr.policy.parse_policies (exact added)."""
+    from psr.policy import parse_policies
+
+    try:
+        return parse_policies(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def token_ids(s: str) -> list[int]:
+    """`'1,2,3'` or `'1 2 3'`: token ids (integers >= 0), at least one."""
+    parts = s.replace(",", " ").split()
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected token ids such as '1,2,3', got {s!r}")
+    out = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"token id {p!r} is not an integer") from None
+        if v < 0:
+            raise argparse.ArgumentTypeError(f"token id {p!r} is negative")
+        out.append(v)
+    return out
+
+
+def nonempty(s: str) -> str:
+    if not s:
+        raise argparse.ArgumentTypeError("expected a non-empty string")
+    return s
+
+
+def shape(s: str) -> tuple[int, ...]:
+    """`'3x2048x1024'`: positive integers joined by x."""
+    try:
+        dims = tuple(int(d) for d in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers joined by 'x' (e.g. 3x2048x1024), got {s!r}"
+        ) from None
+    if min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"every dimension must be >= 1, got {s!r}")
+    return dims
+
+
+def device(s: str) -> str:
+    """'cpu', 'cuda' or 'cuda:N'."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", s.strip()):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {s!r}")
+    return s.strip()
+
+
+def dtype(s: str) -> str:
+    """A dtype psr.models.load accepts, in its canonical name."""
+    name = s.strip().removeprefix("torch.")
+    if name not in DTYPE_ALIASES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(DTYPE_ALIASES)}, got {s!r}")
+    return DTYPE_ALIASES[name]
+
+
+# ------------------------------------------------------------------ paths, checked up front
+
+
+def _probe_dir(folder: Path, what: str) -> None:
+    """Create and remove a file in `folder`: the one reliable test of writability."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".psr-write-check-")
+    except OSError as e:
+        raise OSError(f"{what}: cannot write to {folder}: {e.strerror or e}") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def _check_ancestors(folder: Path, what: str) -> None:
+    """The nearest existing one of `folder` and its parents must be a folder."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{what}: {folder} is not a folder")
+
+
+def writable_file(path: str | Path, option: str) -> Path:
+    """Make sure `path` can be written when the run ends: its folder is created now and
+    probed; an existing file must be writable (it is left as it is)."""
+    p = Path(path)
+    what = f"{option} {path}"
+    if p.is_dir():
+        raise IsADirectoryError(f"{what}: is a folder")
+    _check_ancestors(p.parent, what)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{what}: cannot create folder {p.parent}: {e.strerror or e}") from None
+    _probe_dir(p.parent, what)
+    if p.exists():
+        try:
+            with p.open("ab"):
+                pass
+        except OSError as e:
+            raise OSError(f"{what}: cannot write: {e.strerror or e}") from None
+    return p
+
+
+def writable_dir(path: str | Path, option: str) -> Path:
+    """Create the folder `path` (with its parents) and make sure files can be written in it."""
+    p = Path(path)
+    what = f"{option} {path}"
+    if p.exists() and not p.is_dir():
+        raise NotADirectoryError(f"{what}: exists and is not a folder")
+    _check_ancestors(p, what)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"{what}: cannot create folder: {e.strerror or e}") from None
+    _probe_dir(p, what)
+    return p
+
+
+def model_config(path: str | Path, option: str = "--model") -> dict:
+    """config.json of a supported checkpoint folder (psr.models.read_config: no weights are
+    read), with errors that name the option."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{option} {path}: no such folder")
+    if not p.is_dir():
+        raise NotADirectoryError(f"{option} {path}: is not a folder (give a checkpoint folder)")
+    from psr.models import SUPPORTED, CheckpointError, read_config
+
+    try:
+        cfg = read_config(p)
+    except CheckpointError as e:
+        raise CheckpointError(f"{option}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{option}: config.json in {path} is not a JSON object")
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED:
+        raise ValueError(
+            f"{option} {path}: unsupported architecture {mt!r}; psr supports {', '.join(SUPPORTED)}"
+        )
+    return cfg
+
+
+def _eval_model(path: str | None) -> str:
+    """The model of eval / sweep: a checkpoint folder with its held-out text."""
+    from psr.models import DEFAULT_MODEL
+    from psr.models.embedded import heldout_text
+
+    path = path or DEFAULT_MODEL
+    model_config(path)
+    try:
+        heldout_text(path)
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"--model: {e}") from None
+    return path
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress bars only on a terminal, and not with --quiet."""
+    return sys.stderr.isatty() and not getattr(args, "quiet", False)
+
+
+# ------------------------------------------------------------------ commands
 
 
 def _bench_copy(args: argparse.Namespace) -> int:
+    if args.slots > args.experts:
+        raise UsageError(f"--slots {args.slots} exceeds --experts {args.experts}")
+    out = writable_file(args.json, "--json") if args.json else None
     from psr.eval.microbench import run_copy_overlap
 
-    shape = tuple(int(x) for x in args.shape.split("x"))
-    r = run_copy_overlap(shape, args.experts, args.slots, args.repeats, backend=args.backend)
+    r = run_copy_overlap(args.shape, args.experts, args.slots, args.repeats, backend=args.backend)
     print(r.table())
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(r.as_dict(), indent=2))
+    if out is not None:
+        out.write_text(json.dumps(r.as_dict(), indent=2))
     return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from psr.models import DEFAULT_MODEL, load
+    from psr.policy import make_policy
+
+    try:
+        make_policy(args.policy, args.lam, args.n)
+    except ValueError as e:
+        raise UsageError(f"--policy {args.policy}: {e}") from None
+    from psr.models import DEFAULT_MODEL
+
+    path = args.model or DEFAULT_MODEL
+    cfg = model_config(path)
+    if args.prompt is not None and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"--prompt: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
+            "pass --prompt-ids instead"
+        )
+    vocab = cfg.get("vocab_size")
+    if args.prompt_ids is not None and isinstance(vocab, int):
+        bad = [i for i in args.prompt_ids if i >= vocab]
+        if bad:
+            raise ValueError(f"--prompt-ids: id {bad[0]} is outside the vocabulary of {vocab}")
+    out = writable_file(args.json, "--json") if args.json else None
+    progress = _progress(args)
+
+    from psr.models import load
 
     model = load(
-        args.model or DEFAULT_MODEL,
+        path,
         policy=args.policy,
         residency=args.residency,
         slots=args.slots,
@@ -33,28 +394,29 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         compute=args.compute,
-        progress=not args.quiet,
+        progress=progress,
     )
     tok = model.tokenizer
     if args.prompt_ids is not None:
-        ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]
-    elif args.prompt is not None:
-        if tok is None:
-            raise SystemExit(f"psr: {args.model} has no tokenizer; pass --prompt-ids instead")
-        ids = tok(args.prompt)["input_ids"]
+        ids = list(args.prompt_ids)
     else:
-        raise SystemExit("psr: give --prompt TEXT or --prompt-ids IDS")
-    out = model.generate(
+        if tok is None:
+            raise ValueError(f"--prompt: {path} has no tokenizer; pass --prompt-ids instead")
+        ids = tok(args.prompt)["input_ids"]
+        if not ids:
+            raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
+    gen = model.generate(
         ids,
         max_new_tokens=args.max_new_tokens,
         do_sample=args.sample,
         temperature=args.temperature,
+        top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
         eos_token_id=getattr(tok, "eos_token_id", None),
-        progress=not args.quiet,
+        progress=progress,
     )
-    new = out[0, len(ids) :].tolist()
+    new = gen[0, len(ids) :].tolist()
     print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
     print()
     print(
@@ -63,56 +425,59 @@ def _generate(args: argparse.Namespace) -> int:
         f"backend {model.runtime.store.backend}, compute {model.runtime.ops.path}"
     )
     print(model.stats.table())
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(
-            json.dumps({"tokens": out[0].tolist(), "stats": model.stats.summary()}, indent=2)
+    if out is not None:
+        out.write_text(
+            json.dumps({"tokens": gen[0].tolist(), "stats": model.stats.summary()}, indent=2)
         )
     return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
+    writable_dir(args.out, "--out")
     from psr.eval.runs import demo
 
-    demo(args.out, progress=not args.quiet, quick=args.quick)
+    demo(args.out, progress=_progress(args), quick=args.quick)
     return 0
 
 
-def _residencies(s: str) -> list[float]:
-    return [float(x) for x in s.split(",") if x]
-
-
 def _eval(args: argparse.Namespace) -> int:
+    path = _eval_model(args.model)
+    writable_dir(args.out, "--out")
     from psr.eval.runs import evaluate, grid
-    from psr.policy import parse_policies
 
     evaluate(
-        args.model,
-        grid(parse_policies(args.policies), _residencies(args.residency)),
+        path,
+        grid(args.policies, args.residency),
         args.out,
         windows=args.windows,
         cloze=args.cloze,
         prompts=args.prompts,
         gen_tokens=args.gen_tokens,
-        progress=not args.quiet,
+        progress=_progress(args),
         traces=args.traces,
     )
     return 0
 
 
 def _sweep(args: argparse.Namespace) -> int:
+    path = _eval_model(args.model)
+    writable_dir(args.out, "--out")
+    if args.write_operating_points:
+        from psr.policy import OPERATING_POINTS_FILE
+
+        writable_file(Path(path) / OPERATING_POINTS_FILE, "--write-operating-points")
     from psr.eval.runs import sweep
 
     sweep(
-        args.model,
+        path,
         args.out,
-        _residencies(args.residency),
-        [float(x) for x in args.lams.split(",")],
-        [int(x) for x in args.ns.split(",")],
+        args.residency,
+        args.lams,
+        args.ns,
         tolerance=args.tolerance,
         windows=args.windows,
         write_points=args.write_operating_points,
-        progress=not args.quiet,
+        progress=_progress(args),
     )
     return 0
 
@@ -124,99 +489,235 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ the parser
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="psr", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    info = sub.add_parser("info", help="what the extension was built with and can use")
-    info.set_defaults(fn=_info)
-    from psr.models.embedded import DEFAULT_MODEL
     from psr.policy import DEFAULT_RESIDENCY, POLICIES, default_policy_specs
 
-    g = sub.add_parser("generate", help="decode a prompt with an offloaded checkpoint")
-    g.add_argument(
-        "--model", default=None, help="local HF checkpoint folder (default: the embedded model)"
+    p = _Parser(prog="psr", description=__doc__, formatter_class=_Formatter)
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="print the traceback of an error (also PSR_DEBUG=1)",
     )
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-ids", default=None, help="token ids instead of text: '1,2,3'")
-    g.add_argument("--policy", choices=POLICIES, default="psr")
-    g.add_argument("--residency", type=float, default=DEFAULT_RESIDENCY)
-    g.add_argument("--slots", type=int, default=None, help="slots per layer (overrides residency)")
-    g.add_argument("--lam", type=float, default=None)
-    g.add_argument("--n", type=int, default=None)
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default=None)
-    g.add_argument("--compute", choices=["auto", "triton", "torch"], default="auto")
-    g.add_argument("--sample", action="store_true")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--json", default=None, help="also write tokens and stats as JSON here")
-    g.add_argument("--quiet", action="store_true", help="no progress bars")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND", required=True)
+
+    def command(parent: Any, name: str, help: str) -> argparse.ArgumentParser:
+        return parent.add_parser(
+            name, help=help, description=help.replace("%%", "%"), formatter_class=_Formatter
+        )
+
+    quiet_help = "no progress bars (they are shown only when stderr is a terminal)"
+    embedded = "(default: the embedded model)"
+    residencies = comma_list(fraction)
+
+    info = command(sub, "info", "what the extension was built with and can use")
+    info.set_defaults(fn=_info)
+
+    g = command(sub, "generate", "decode a prompt with an offloaded checkpoint")
+    g.add_argument("--model", default=None, help=f"local HF checkpoint folder {embedded}")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
+        "--prompt",
+        type=nonempty,
+        default=None,
+        help="prompt text (no default: this or --prompt-ids)",
+    )
+    prompt.add_argument(
+        "--prompt-ids",
+        type=token_ids,
+        default=None,
+        help="token ids instead of text: '1,2,3' (no default: this or --prompt)",
+    )
+    g.add_argument("--policy", choices=POLICIES, default="psr", help="routing policy")
+    g.add_argument(
+        "--residency",
+        type=fraction,
+        default=DEFAULT_RESIDENCY,
+        help="fraction of each layer's experts with a device slot, in (0, 1]",
+    )
+    g.add_argument(
+        "--slots",
+        type=positive_int,
+        default=None,
+        help="slots per layer, overriding --residency (default: from --residency)",
+    )
+    g.add_argument(
+        "--lam",
+        type=nonnegative_float,
+        default=None,
+        help="bias toward cached experts, >= 0 (default: the policy's, psr.policy)",
+    )
+    g.add_argument(
+        "--n",
+        type=nonnegative_int,
+        default=None,
+        help="predicted experts inserted per layer and token (default: the policy's)",
+    )
+    g.add_argument("--max-new-tokens", type=nonnegative_int, default=32, help="tokens to generate")
+    g.add_argument(
+        "--device",
+        type=device,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when psr's backend is cuda, else cpu)",
+    )
+    g.add_argument(
+        "--dtype",
+        type=dtype,
+        default=None,
+        help="float32, bfloat16 or float16 (default: the checkpoint's)",
+    )
+    g.add_argument(
+        "--compute",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="kernels: Triton, torch references, or auto (Triton on CUDA)",
+    )
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=positive_float, default=1.0, help="with --sample: > 0")
+    g.add_argument(
+        "--top-k",
+        type=nonnegative_int,
+        default=0,
+        help="with --sample: keep the k most likely tokens; 0 keeps all",
+    )
+    g.add_argument(
+        "--top-p", type=fraction, default=1.0, help="with --sample: nucleus mass, in (0, 1]"
+    )
+    g.add_argument("--seed", type=nonnegative_int, default=0, help="with --sample: RNG seed")
+    g.add_argument(
+        "--json",
+        default=None,
+        help="also write tokens and stats as JSON here (default: no JSON)",
+    )
+    g.add_argument("--quiet", action="store_true", help=quiet_help)
     g.set_defaults(fn=_generate)
 
-    d = sub.add_parser("demo", help="the embedded model under four policies at 50%%/25%% residency")
-    d.add_argument("--out", default="bench/results/demo")
+    d = command(sub, "demo", "the embedded model under four policies at 50%% and 25%% residency")
+    d.add_argument("--out", default="bench/results/demo", help="folder for demo.{md,json,png}")
     d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
-    d.add_argument("--quiet", action="store_true")
+    d.add_argument("--quiet", action="store_true", help=quiet_help)
     d.set_defaults(fn=_demo)
 
-    ev = sub.add_parser("eval", help="quality suite (perplexity, cloze, greedy) vs exact")
-    ev.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint with heldout.txt")
+    ev = command(sub, "eval", "quality suite (perplexity, cloze, greedy) vs exact")
+    ev.add_argument("--model", default=None, help=f"checkpoint folder with heldout.txt {embedded}")
     ev.add_argument(
         "--policies",
+        type=policies,
         default=default_policy_specs(),
         help="';'-separated name[:lam=..,n=..] (exact is always added)",
     )
-    ev.add_argument("--residency", default="0.5,0.25")
-    ev.add_argument("--windows", type=int, default=24, help="perplexity windows")
-    ev.add_argument("--cloze", type=int, default=24, help="cloze multiple-choice items")
-    ev.add_argument("--prompts", type=int, default=4)
-    ev.add_argument("--gen-tokens", type=int, default=48)
-    ev.add_argument("--out", default="bench/results/eval")
+    ev.add_argument(
+        "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
+    )
+    ev.add_argument("--windows", type=positive_int, default=24, help="perplexity windows")
+    ev.add_argument(
+        "--cloze", type=nonnegative_int, default=24, help="cloze multiple-choice items (0: none)"
+    )
+    ev.add_argument("--prompts", type=positive_int, default=4, help="greedy-decoded prompts")
+    ev.add_argument("--gen-tokens", type=positive_int, default=48, help="greedy tokens per prompt")
+    ev.add_argument("--out", default="bench/results/eval", help="folder for eval.{md,json,png}")
     ev.add_argument("--traces", action="store_true", help="keep routing traces in the JSON")
-    ev.add_argument("--quiet", action="store_true")
+    ev.add_argument("--quiet", action="store_true", help=quiet_help)
     ev.set_defaults(fn=_eval)
 
-    bench = sub.add_parser("bench", help="benchmarks: copy engine, lam x n sweep")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    bc = bsub.add_parser("copy", help="copy engine bandwidth and copy/compute overlap")
-    bc.add_argument("--shape", default="3x2048x1024", help="expert shape (default: OLMoE FFN)")
-    bc.add_argument("--experts", type=int, default=8)
-    bc.add_argument("--slots", type=int, default=4)
-    bc.add_argument("--repeats", type=int, default=5)
-    bc.add_argument("--backend", choices=["cpu", "cuda"], default=None)
-    bc.add_argument("--json", default=None, help="also write the result as JSON here")
+    bench = command(sub, "bench", "benchmarks: copy engine, lam x n sweep")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    bc = command(bsub, "copy", "copy engine bandwidth and copy/compute overlap")
+    bc.add_argument(
+        "--shape",
+        type=shape,
+        default="3x2048x1024",
+        help="expert shape, dimensions joined by x (default: %(default)s, an OLMoE expert)",
+    )
+    bc.add_argument("--experts", type=positive_int, default=8, help="experts in the host store")
+    bc.add_argument("--slots", type=positive_int, default=4, help="device slots, <= --experts")
+    bc.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions")
+    bc.add_argument(
+        "--backend",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="store backend (default: psr's current backend)",
+    )
+    bc.add_argument(
+        "--json", default=None, help="also write the result as JSON here (default: no JSON)"
+    )
     bc.set_defaults(fn=_bench_copy)
-    sw = bsub.add_parser("sweep", help="lam x n: Pareto front of modeled latency vs quality")
-    sw.add_argument("--model", default=DEFAULT_MODEL)
-    sw.add_argument("--residency", default="0.5,0.25")
-    sw.add_argument("--lams", default="0.1,0.2,0.3,0.5,0.8")
-    sw.add_argument("--ns", default="0,1,2")
-    sw.add_argument("--tolerance", type=float, default=0.01, help="Δ nats/token allowed")
-    sw.add_argument("--windows", type=int, default=16)
-    sw.add_argument("--out", default="bench/results/sweep")
+
+    sw = command(bsub, "sweep", "lam x n: Pareto front of modeled latency vs quality")
+    sw.add_argument("--model", default=None, help=f"checkpoint folder with heldout.txt {embedded}")
+    sw.add_argument(
+        "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
+    )
+    sw.add_argument(
+        "--lams",
+        type=comma_list(nonnegative_float),
+        default="0.1,0.2,0.3,0.5,0.8",
+        help="comma list of lam values, each >= 0",
+    )
+    sw.add_argument(
+        "--ns",
+        type=comma_list(nonnegative_int),
+        default="0,1,2",
+        help="comma list of n values, each >= 0 (0: cache-prior)",
+    )
+    sw.add_argument(
+        "--tolerance",
+        type=nonnegative_float,
+        default=0.01,
+        help="Δ nats/token allowed for an operating point",
+    )
+    sw.add_argument("--windows", type=positive_int, default=16, help="perplexity windows")
+    sw.add_argument("--out", default="bench/results/sweep", help="folder for sweep.{md,json,png}")
     sw.add_argument(
         "--write-operating-points",
         action="store_true",
         help="store the chosen points beside the model (the demo reads them)",
     )
-    sw.add_argument("--quiet", action="store_true")
+    sw.add_argument("--quiet", action="store_true", help=quiet_help)
     sw.set_defaults(fn=_sweep)
 
     # Handled in main(): the rest of the line goes to lm_eval's parser untouched.
-    sub.add_parser("lm-eval", help="lm_eval's CLI with the 'psr' model registered")
+    command(sub, "lm-eval", "lm_eval's CLI with the 'psr' model registered")
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["lm-eval"]:  # everything after it belongs to lm_eval's own parser
+def _lm_eval(argv: list[str]) -> int:
+    try:
         from psr.eval.lm_eval_adapter import main as lm_eval_main
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "lm_eval":
+            raise
+        raise UsageError("psr lm-eval needs lm-eval: pip install 'psr[lm-eval]'") from None
+    return lm_eval_main(argv)
 
-        return lm_eval_main(argv[1:])
-    args = build_parser().parse_args(argv)
-    return args.fn(args)
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `psr`; errors exit (SystemExit) with status 2 (usage), 1 (runtime) or 130."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_from_env()
+    try:
+        lead = 0  # top-level options before the command: only --debug
+        while lead < len(argv) and argv[lead] == "--debug":
+            lead += 1
+        if argv[lead : lead + 1] == ["lm-eval"]:  # the rest belongs to lm_eval's parser
+            debug = debug or lead > 0
+            return _lm_eval(argv[lead + 1 :])
+        args = build_parser().parse_args(argv)
+        debug = debug or args.debug
+        return args.fn(args)
+    except KeyboardInterrupt:
+        _fail(EXIT_INTERRUPT, "interrupted", debug)
+    except BrokenPipeError:  # stdout went to a reader that has stopped (`psr info | head`)
+        _silence_stdout()
+        raise SystemExit(EXIT_RUNTIME) from None
+    except UsageError as e:
+        _fail(EXIT_USAGE, _one_line(str(e)), debug)
+    except Exception as e:
+        if not _is_runtime_error(e):
+            raise
+        _fail(EXIT_RUNTIME, _one_line(str(e)) or type(e).__name__, debug)
 
 
 if __name__ == "__main__":

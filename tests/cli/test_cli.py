@@ -69,10 +69,17 @@ def test_generate_with_ids_and_bad_args(ckpt, capsys) -> None:
         )
         == 0
     )
-    with pytest.raises(SystemExit, match="give --prompt"):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(ckpt), "--quiet"])
-    with pytest.raises(ValueError, match="fewer than top_k"):
+    assert e.value.code == 2
+    assert "--prompt" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a runtime error: one line, status 1
         main(["generate", "--model", str(ckpt), "--prompt", "a", "--residency", "0.1", "--quiet"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("psr: error:") and "fewer than top_k" in err
+    assert err.count("\n") == 1
 
 
 def test_lm_eval_subcommand_hands_its_arguments_to_lm_eval(monkeypatch) -> None:
