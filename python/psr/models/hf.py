@@ -4,6 +4,7 @@ experts modules for psr's, and hook sequence starts, residual capture and timing
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 import weakref
 from typing import Any
@@ -97,9 +98,11 @@ def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> None:
                     torch.cuda.synchronize(runtime.store.device)
                 runtime.end_step(time.perf_counter() - t0)
             else:
-                runtime.stats.totals["prefill_tokens"] += 0 if ids is None else ids.shape[-1]
+                runtime.count_prefill(0 if ids is None else ids.shape[-1])
             return output
 
+    # The bound signature (no `self`), for callers that inspect accepted arguments.
+    forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
     model.forward = forward
 
 

@@ -30,12 +30,25 @@ from torch import nn
 import psr_kernels as pk
 from psr.cache import Insertion, LogicalCache
 from psr.policy import Policy
-from psr.runtime.prefill import prefill_experts
+from psr.runtime.prefill import PrefillPlan, plan_prefill, run_prefill
 from psr.runtime.slots import SlotMap
 from psr.runtime.spec import MoESpec, resolve_capacity
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 from psr.store import ExpertStore
+
+
+@dataclass
+class Scoring:
+    """A teacher-forced window scored in one forward (`OffloadRuntime.scoring`): tokens
+    before `prompt_len` are prefill, each later one a decode step under the policy."""
+
+    prompt_len: int
+    length: int
+    first_record: int  # index of its first decode token in stats.per_token
+    first_trace: int  # ... and in the recorder's trace (-1: not recording)
+    # MoE layer -> ids [length - prompt_len, n] predicted into it by the previous layer.
+    queued: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -56,6 +69,7 @@ class MoELayer:
     pending: list[int] | None = None  # routed ids of the current decode step
     pending_ids: torch.Tensor | None = None  # the same, as the tensor the router returned
     residual: torch.Tensor | None = None
+    plan: PrefillPlan | None = None  # a scored window's prefill staging
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -133,6 +147,7 @@ class OffloadRuntime:
         self.lock = threading.RLock()
         self._owner: int | None = None
         self._kv_ref: Any = None
+        self._scoring: Scoring | None = None
 
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
@@ -276,7 +291,9 @@ class OffloadRuntime:
         logits = self._logits(L, x)
         c = self.spec
         kw = dict(bias=L.bias, **c.route_kwargs())
-        if not L.seeded:  # prefill: exact routing
+        if self._scoring is not None:
+            w, ids = self._route_window(L, logits, kw)
+        elif not L.seeded:  # prefill: exact routing
             w, ids = self.ops.route(logits, c.top_k, **kw)
             L.history.extend(ids.tolist())
         else:
@@ -294,13 +311,21 @@ class OffloadRuntime:
             w = w.to(logits.dtype)
         return logits, w, ids
 
-    def _copy(self, L: MoELayer, inserts: list[Insertion], kind: str) -> int:
-        """Physical mirror of logical insertions: one batch of copies into their slots."""
+    def _copy(
+        self,
+        L: MoELayer,
+        inserts: list[Insertion],
+        kind: str,
+        at: tuple[int, int] | None = None,
+    ) -> int:
+        """Physical mirror of logical insertions: one batch of copies into their slots
+        (while scoring: the slot map and the trace only). `at`: the trace step that
+        issued them, when not the current one."""
         slots, experts = L.slots.place(inserts)
         if self.recorder is not None:
             for s, e in zip(slots, experts, strict=True):
-                self.recorder.copy(L.index, s, e, kind)
-        if slots:
+                self.recorder.copy(L.index, s, e, kind, at)
+        if slots and self._scoring is None:
             self.store.enqueue_copies(L.index, slots, experts)
         return len(slots)
 
@@ -308,10 +333,10 @@ class OffloadRuntime:
         for key, value in counts.items():
             self.stats.add(self._tok, key, value)
 
-    def _use(self, L: MoELayer, routed: list[int]) -> None:
+    def _use(self, L: MoELayer, routed: list[int], trace_token: int = -1) -> None:
         r = L.cache.use(routed)
         if self.recorder is not None:
-            self.recorder.routed(L.index, routed, r.hits)
+            self.recorder.routed(L.index, routed, r.hits, trace_token)
         n = self._copy(L, r.misses, "miss")
         self._count(
             routed=len(routed),
@@ -323,16 +348,16 @@ class OffloadRuntime:
         )
         L.pending = routed
 
-    def _prefetch_next(self, L: MoELayer) -> None:
+    def _predict_next(self, L: MoELayer, residual: torch.Tensor) -> torch.Tensor | None:
+        """Ids `[rows, n]` the next MoE layer's router predicts from `residual` rows of
+        this layer (None when there is nothing to predict)."""
         n = self.policy.n
         if n == 0 or L.index + 1 >= len(self.layers):
-            return
+            return None
         nxt = self.layers[L.index + 1]
-        if L.residual is None:
-            raise RuntimeError(f"no residual captured for MoE layer {L.index}")
         c = self.spec
         ids, _ = self.ops.predict_next(
-            L.residual,
+            residual,
             nxt.norm_weight,
             nxt.router.weight,
             n,
@@ -342,14 +367,30 @@ class OffloadRuntime:
             n_group=c.n_group,
             topk_group=c.topk_group,
         )
-        k = self._copy(nxt, nxt.cache.prefetch(ids[0].tolist(), n), "prefetch")
+        return ids
+
+    def _insert_prefetch(
+        self, nxt: MoELayer, predicted: list[int], at: tuple[int, int] | None = None
+    ) -> None:
+        """Spec `prefetch` into `nxt`'s cache, mirrored by copies."""
+        inserts = nxt.cache.prefetch(predicted, self.policy.n)
+        k = self._copy(nxt, inserts, "prefetch", at)
         self._count(prefetches=k, copies=k, bytes_copied=k * self.expert_bytes)
+
+    def _prefetch_next(self, L: MoELayer) -> None:
+        if L.residual is None:
+            raise RuntimeError(f"no residual captured for MoE layer {L.index}")
+        ids = self._predict_next(L, L.residual)
+        if ids is not None:
+            self._insert_prefetch(self.layers[L.index + 1], ids[0].tolist())
 
     # --- experts --------------------------------------------------------------------------
     def experts(
         self, L: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """The experts' forward: sum of routed experts' outputs, read from slab slots."""
+        if self._scoring is not None:
+            return self._experts_window(L, x, ids, weights)
         if not L.seeded:
             return self._prefill(L, x, ids, weights)
         routed = L.pending
@@ -378,13 +419,130 @@ class OffloadRuntime:
         gate, up, down = pk.unpack_expert(row, self.spec.hidden_size, self.spec.ffn_size)
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
+    # --- teacher-forced scoring: a whole window in one forward ---------------------------
+    def begin_scoring(self, prompt_len: int, length: int) -> None:
+        """The next forward scores `length` tokens: the first `prompt_len` as prefill, each
+        later one as a decode step (see `scoring`). Refused for timing-dependent masks."""
+        if self.policy.mask != "logical":
+            raise ValueError(
+                f"teacher-forced scoring needs a logical-cache policy; {self.policy.name} "
+                "reads copy timing (decode token by token instead)"
+            )
+        if not 1 <= prompt_len <= length:
+            raise ValueError(f"prompt_len must be in [1, {length}], got {prompt_len}")
+        self._scoring = Scoring(
+            prompt_len,
+            length,
+            first_record=len(self.stats.per_token),
+            first_trace=-1 if self.recorder is None else len(self.recorder.trace.tokens),
+        )
+
+    def count_prefill(self, tokens: int) -> None:
+        """A prefill forward of `tokens` (a scored window's prefill is its prompt)."""
+        sc = self._scoring
+        self.stats.totals["prefill_tokens"] += tokens if sc is None else sc.prompt_len
+
+    def end_scoring(self) -> None:
+        """After the scoring forward: the sequence cannot be continued."""
+        self._scoring = None
+        self._owner = None
+        if self._tok is not None:
+            self._close_token()
+
+    def _route_window(
+        self, L: MoELayer, logits: torch.Tensor, kw: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route a window layer by layer: exact over the prompt (then the cache seed, the
+        slot map staged as prefill stages it), then token by token under the policy, each
+        token's prefetch from the previous layer inserted just before it routes, exactly
+        the order token-by-token decoding applies them in. Predictions into the next
+        layer for all decode tokens are made here, in one batch."""
+        sc = self._scoring
+        assert sc is not None
+        P, T = sc.prompt_len, logits.shape[0]
+        if T != sc.length:
+            raise ValueError(f"scoring expected {sc.length} tokens, the forward has {T}")
+        k, lam = self.spec.top_k, self.policy.lam
+        w_p, ids_p = self.ops.route(logits[:P], k, **kw)
+        L.history.extend(ids_p.tolist())
+        L.plan = plan_prefill(L.slots, L.history, ids_p.flatten().tolist())
+        L.cache.reset(L.plan.init)
+        L.seeded = True
+        ws, idss = [w_p], [ids_p]
+        queued = sc.queued.pop(L.index, None)
+        for j, t in enumerate(range(P, T)):
+            if L.index == 0:
+                self._open_token()
+            self._tok = self.stats.per_token[sc.first_record + j]
+            trace_token = sc.first_trace + j if self.recorder is not None else -1
+            if queued is not None:  # issued by the previous layer's step of this token
+                self._insert_prefetch(L, queued[j].tolist(), (trace_token, L.index - 1))
+            mask = self._mask(L, logits.device) if lam > 0 else None
+            w, ids = self.ops.route(logits[t : t + 1], k, mask=mask, lam=lam, **kw)
+            routed = ids[0].tolist()
+            self._use(L, routed, trace_token)
+            if self.recorder is not None:
+                self.recorder.read(L.index, L.slots.slots(routed))
+            ws.append(w)
+            idss.append(ids)
+        if L.residual is None:
+            raise RuntimeError(f"no residual captured for MoE layer {L.index}")
+        pred = self._predict_next(L, L.residual[P:])
+        if pred is not None:
+            sc.queued[L.index + 1] = pred
+        ids_all = torch.cat(idss)
+        L.pending, L.pending_ids = None, ids_all
+        return torch.cat(ws), ids_all
+
+    def _experts_window(
+        self, L: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Experts of a scored window, read from the host copies (no copies issued): the
+        prompt as prefill computes it, then every decode token as a decode step does."""
+        sc = self._scoring
+        assert sc is not None
+        if ids is not L.pending_ids:
+            raise RuntimeError(f"MoE layer {L.index}: experts called without a matching route")
+        L.pending_ids = None
+        P = sc.prompt_len
+        assert L.plan is not None
+        head = run_prefill(
+            self.store, L.index, L.plan, x[:P], ids[:P], weights[:P], self._row_ffn, False
+        )
+        L.plan = None
+        if x.shape[0] == P:
+            return head
+        c = self.spec
+        host = self.store.host(L.index)
+        dec_ids, dec_w, xs = ids[P:], weights[P:].float(), x[P:]
+        used = torch.unique(dec_ids)
+        rows = host[used].to(x.device)  # the experts this window decodes with, as a slab
+        local = torch.full((c.num_experts,), -1, dtype=torch.long, device=x.device)
+        local[used.to(x.device)] = torch.arange(len(used), device=x.device)
+        slots = local[dec_ids.to(x.device)]
+        tail = torch.cat(
+            [
+                self.ops.expert_ffn(
+                    xs[i : i + 1],
+                    rows,
+                    slots[i : i + 1],
+                    dec_w[i : i + 1],
+                    c.hidden_size,
+                    c.ffn_size,
+                    out_dtype=x.dtype,
+                    check_slots=False,
+                )
+                for i in range(xs.shape[0])
+            ]
+        )
+        return torch.cat([head, tail])
+
     def _prefill(
         self, L: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        out, init = prefill_experts(
-            self.store, L.index, L.slots, L.history, x, ids, weights, self._row_ffn
-        )
-        L.cache.reset(init)
+        plan = plan_prefill(L.slots, L.history, ids.flatten().tolist())
+        out = run_prefill(self.store, L.index, plan, x, ids, weights, self._row_ffn)
+        L.cache.reset(plan.init)
         L.seeded = True
         if self.decoding:
             self._end_prefill()

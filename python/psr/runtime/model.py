@@ -156,6 +156,22 @@ class OffloadedModel(nn.Module):
             return gen.decode_logits(self.hf, ids, prompt_len)
 
     @torch.no_grad()
+    def score(self, input_ids: torch.Tensor | Iterable[int], prompt_len: int) -> torch.Tensor:
+        """`decode_logits` in one forward: the same routing, counts and trace (each token
+        after `prompt_len` routed as a decode step under the policy, its prefetches
+        applied in decoding's order), with batched attention and experts read from the
+        host copies, so logits agree with `decode_logits` to floating-point rounding.
+        No copies are issued: stall time is not measured. Logical-cache policies only."""
+        ids = self._ids(input_ids)
+        prompt_len = _check_count("prompt_len", prompt_len)
+        with self.runtime.lock:
+            self.runtime.begin_scoring(prompt_len, ids.shape[1])
+            try:
+                return self.hf(input_ids=ids, use_cache=False).logits
+            finally:
+                self.runtime.end_scoring()
+
+    @torch.no_grad()
     def generate(
         self,
         input_ids: torch.Tensor | Iterable[int],

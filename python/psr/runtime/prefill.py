@@ -3,11 +3,16 @@
 Prefill routes exactly. Its experts run grouped by expert, each staged through a
 slot (the experts the cache will not keep first, so the ones it keeps end resident),
 and each layer's logical cache is seeded by the spec's rule (`prefill_state`).
+`plan_prefill` decides the slots (updating the slot map); `run_prefill` issues the
+copies and computes. Teacher-forced scoring runs the same plan with `physical=False`:
+the slot map evolves as in decoding, no copies are issued, and the experts are read
+from the host copies.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,6 +22,13 @@ from psr.store import ExpertStore
 
 # (slab row [3HF], x [T, H]) -> y [T, H]
 RowFFN = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PrefillPlan:
+    reads: list[tuple[int, int, bool]]  # (expert, slot, copy it first?) in compute order
+    seed: list[tuple[int, int]]  # (slot, expert): cache members prefill did not compute with
+    init: list[int]  # the layer's initial logical cache, least recent first
 
 
 def _stage_slot(slots: SlotMap, keep: set[int], here: dict[int, int]) -> int:
@@ -42,38 +54,51 @@ def _put(slots: SlotMap, keep: set[int], here: dict[int, int], e: int) -> int:
     return s
 
 
-def prefill_experts(
+def plan_prefill(
+    slots: SlotMap, history: Sequence[Sequence[int]], used: Sequence[int]
+) -> PrefillPlan:
+    """Stage the prefill's `used` experts and seed the cache from `history` (the routed
+    ids of each prompt token); `slots` ends mapping exactly the seeded experts."""
+    init = prefill_state(history, slots.capacity)
+    keep = set(init)
+    used = sorted(set(used))
+    order = [e for e in used if e not in keep] + [e for e in used if e in keep]
+    here = {e: s for s, e in enumerate(slots.slot_expert) if e >= 0}
+    reads = []
+    for e in order:
+        fresh = e not in here
+        if fresh:
+            _put(slots, keep, here, e)
+        reads.append((e, here[e], fresh))
+    seed = [(_put(slots, keep, here, e), e) for e in init if e not in here]
+    slots.slot_of = {e: here[e] for e in init}
+    return PrefillPlan(reads, seed, init)
+
+
+def run_prefill(
     store: ExpertStore,
     layer: int,
-    slots: SlotMap,
-    history: Sequence[Sequence[int]],
+    plan: PrefillPlan,
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
     ffn: RowFFN,
-) -> tuple[torch.Tensor, list[int]]:
-    """Exact experts of `x [T, H]` routed to `ids [T, k]` with `weights [T, k]`.
-
-    Returns the output and the layer's initial logical cache (least recent first);
-    `slots` ends mapping exactly those experts.
-    """
-    init = prefill_state(history, slots.capacity)
-    keep = set(init)
-    used = sorted(set(ids.flatten().tolist()))
-    order = [e for e in used if e not in keep] + [e for e in used if e in keep]
-    here = {e: s for s, e in enumerate(slots.slot_expert) if e >= 0}
+    physical: bool = True,
+) -> torch.Tensor:
+    """Exact experts of `x [T, H]` routed to `ids [T, k]` with `weights [T, k]`, by the
+    plan: copies into the slab then reads from it, or (`physical=False`) host reads."""
+    host = None if physical else store.host(layer)
     out = torch.zeros_like(x)
-    for e in order:
-        if e not in here:
-            store.enqueue_copies(layer, [_put(slots, keep, here, e)], [e])
+    for e, slot, fresh in plan.reads:
+        if fresh and physical:
+            store.enqueue_copies(layer, [slot], [e])
         tok, pos = torch.where(ids == e)
-        with store.reading(layer, [here[e]], [e]) as slab:
-            y = ffn(slab[here[e]], x[tok]) * weights[tok, pos, None]
+        if host is not None:
+            y = ffn(host[e].to(x.device), x[tok]) * weights[tok, pos, None]
+        else:
+            with store.reading(layer, [slot], [e]) as slab:
+                y = ffn(slab[slot], x[tok]) * weights[tok, pos, None]
         out.index_add_(0, tok, y.to(out.dtype))
-    missing = [e for e in init if e not in here]
-    for e in missing:
-        _put(slots, keep, here, e)
-    if missing:
-        store.enqueue_copies(layer, [here[e] for e in missing], missing)
-    slots.slot_of = {e: here[e] for e in init}
-    return out, init
+    if plan.seed and physical:
+        store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])
+    return out

@@ -76,7 +76,11 @@ class Trace:
 
 
 class TraceRecorder:
-    """Attached to an OffloadRuntime (`runtime.recorder`), collects decode steps."""
+    """Attached to an OffloadRuntime (`runtime.recorder`), collects decode steps.
+
+    Steps are addressed by (token, MoE layer): token-by-token decoding fills them in
+    order; teacher-forced scoring (layer by layer over a window) fills them by index.
+    """
 
     def __init__(
         self,
@@ -89,16 +93,23 @@ class TraceRecorder:
         self.trace = Trace(num_decoder_layers, moe_layers, top_k, expert_bytes, policy)
         self._step: LayerStep | None = None
 
-    def new_token(self) -> None:
+    def new_token(self) -> int:
+        """Open the next token's record; returns its index in `trace.tokens`."""
         self.trace.tokens.append([])
+        return len(self.trace.tokens) - 1
 
-    def routed(self, layer: int, experts: list[int], hits: int) -> None:
+    def routed(self, layer: int, experts: list[int], hits: int, token: int = -1) -> None:
+        """Layer `layer` routed `experts` for `token` (default: the newest)."""
         self._step = LayerStep(layer, list(experts), [], hits)
-        self.trace.tokens[-1].append(self._step)
+        self.trace.tokens[token].append(self._step)
 
-    def copy(self, layer: int, slot: int, expert: int, kind: str) -> None:
-        if self._step is not None:
-            self._step.copies.append(Copy(layer, slot, expert, kind))
+    def copy(
+        self, layer: int, slot: int, expert: int, kind: str, at: tuple[int, int] | None = None
+    ) -> None:
+        """A copy issued by the current step, or by the step `at` = (token, MoE layer)."""
+        step = self._step if at is None else self.trace.tokens[at[0]][at[1]]
+        if step is not None:
+            step.copies.append(Copy(layer, slot, expert, kind))
 
     def read(self, layer: int, slots: list[int]) -> None:
         if self._step is not None and self._step.layer == layer:
