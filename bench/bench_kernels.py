@@ -1,6 +1,6 @@
 """Each psr kernel against its torch reference, side by side, at real MoE shapes.
 
-    python bench/bench_kernels.py [--json bench/results/kernels.json]
+    python bench/bench_kernels.py [--json bench/results/kernels.json] [--tiny]
     pytest bench/bench_kernels.py --benchmark-enable
 
 On a GPU the ratios (reference time / kernel time) are what we report. Without
@@ -32,10 +32,11 @@ SHAPES = {
     "olmoe-1b-7b": (64, 8, 2048, 1024),
     "qwen3-30b-a3b": (128, 8, 2048, 768),
 }
+TINY = {"tiny": (16, 4, 64, 32)}  # --tiny: the CPU rehearsal of bench/gpu_bench.sh
 
 
 def make_case(name: str, device: str, dtype: torch.dtype = torch.bfloat16):
-    E, k, H, F = SHAPES[name]
+    E, k, H, F = {**SHAPES, **TINY}[name]
     gen = torch.Generator().manual_seed(0)
     C = E // 2
     case = {
@@ -113,11 +114,11 @@ def time_fn(fn: Callable, repeats: int, device: str) -> float:
     return times[len(times) // 2]
 
 
-def run(repeats: int | None = None) -> list[dict]:
+def run(repeats: int | None = None, shapes: dict | None = None) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     repeats = repeats or (100 if device == "cuda" else 1)
     rows = []
-    for name in SHAPES:
+    for name in shapes or SHAPES:
         c = make_case(name, device)
         for op, (kern, ref) in ops(c).items():
             tk, tr = time_fn(kern, repeats, device), time_fn(ref, repeats, device)
@@ -162,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--tiny", action="store_true", help="one tiny shape (rehearsal)")
     args = p.parse_args(argv)
-    rows = run(args.repeats)
+    rows = run(args.repeats, TINY if args.tiny else None)
     print(table(rows))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -1,30 +1,158 @@
 #!/usr/bin/env bash
-# The GPU machine's one script (about 5-8 minutes on an H200): build the CUDA backend,
-# run the GPU tests, then the benchmarks; everything lands under bench/results/gpu/.
-#   bash bench/gpu_bench.sh            (python3 there holds CUDA torch + triton)
+# One-shot, budgeted GPU run of everything psr claims (docs/gpu.md). Every stage has its own
+# time limit and writes its results as soon as it ends; summary.md (stage table + the four
+# checks with PASS/FAIL) is rewritten after every stage, so a cut-off run still reports.
+#
+#   bash bench/gpu_bench.sh              GPU machine: results in $OUT, else bench/results/gpu
+#   bash bench/gpu_bench.sh --rehearse   CPU rehearsal, tiny shapes (or PSR_BENCH_REHEARSE=1):
+#                                        the same stages and scripts, results in $OUT, else
+#                                        build/gpu-rehearsal (git-ignored)
+# Environment: PYTHON (default: the first of python3/python that has torch; .venv/bin/python
+# when rehearsing), PSR_BENCH_BUDGET_S (whole run, default 540; rehearsal 300),
+# TORCH_CUDA_ARCH_LIST (default 9.0), PSR_BENCH_STAGES (e.g. "versions build replay").
+#
+# Stages, most valuable first (limit s / expected s on an H200):
+#   versions  60/10   python, torch(+cuda), triton, transformers, nvidia-smi, nvcc, build tools
+#   build    300/60   psr._C with the CUDA backend for sm_90 (pip -e ., else direct compile)
+#   gpu_tests 150/40  every test marked gpu (tests/store/test_gpu.py): pytest, or a mini runner
+#   copy      90/15   copy engine vs pinned peak; copy/compute overlap
+#   replay   240/90   embedded model's traces replayed on the GPU vs the latency model
+#   decode   180/70   real decoding, OLMoE-1B-7B shape (random weights), four policies
+#   kernels   90/30   each Triton kernel vs its torch reference
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/gpu}
-PY=${PYTHON:-python3}
+ROOT=$PWD
+REHEARSE=${PSR_BENCH_REHEARSE:-0}
+for arg in "$@"; do
+  case $arg in
+    --rehearse) REHEARSE=1 ;;
+    -h | --help) sed -n 2,23p "$0"; exit 0 ;;
+    *) echo "gpu_bench.sh: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+[[ $REHEARSE == 1 ]] && DEFAULT_OUT=build/gpu-rehearsal || DEFAULT_OUT=bench/results/gpu
+OUT=${OUT:-$DEFAULT_OUT}
 mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-step() { echo "== $1 ($(date +%T))" | tee -a "$OUT/summary.txt"; }
+OUT=$(cd "$OUT" && pwd)
+: > "$OUT/stages.tsv"
+T_START=$(date +%s)
+if [[ $REHEARSE == 1 ]]; then
+  BUDGET=${PSR_BENCH_BUDGET_S:-300}
+  echo "rehearsal (CPU, tiny shapes) $(date -u +%FT%TZ)" > "$OUT/MODE"
+else
+  BUDGET=${PSR_BENCH_BUDGET_S:-540}
+  echo "gpu $(date -u +%FT%TZ)" > "$OUT/MODE"
+fi
+DEADLINE=$((T_START + BUDGET))
 
-step build
-PSR_FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
-  $PY -m pip install --no-deps --no-build-isolation -e . > "$OUT/build.log" 2>&1 \
-  || { tail -30 "$OUT/build.log"; exit 1; }
-$PY -c "import psr, json; print(json.dumps(psr.backend_info()))" | tee -a "$OUT/summary.txt"
+# --- python: the image's interpreter with torch (no installs: nothing is downloaded) ---
+PY=${PYTHON:-}
+if [[ -z $PY && $REHEARSE == 1 && -x .venv/bin/python ]]; then PY=.venv/bin/python; fi
+if [[ -z $PY ]]; then
+  for c in python3 python; do
+    if command -v "$c" > /dev/null &&
+      "$c" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("torch") is None)'; then
+      PY=$c
+      break
+    fi
+  done
+fi
+PY=${PY:-python3}
 
-step "gpu tests"
-$PY -m pytest -q -m gpu tests/store 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt"
+# psr importable from the tree whether or not `pip install -e .` works on this machine.
+export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+if [[ $REHEARSE == 1 ]]; then
+  unset TRITON_INTERPRET # bench_kernels and the tests set it themselves on the CPU
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  R=(--tiny)
+else
+  export TRITON_INTERPRET=0 # tests/conftest.py would otherwise interpret kernels on the GPU
+  R=()
+fi
 
-step "copy engine vs pinned copy_, overlap"
-$PY -m psr.cli bench copy --backend cuda --json "$OUT/copy.json" 2>&1 | tee "$OUT/copy.txt"
+STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests copy replay decode kernels}
+want() { [[ " $STAGES " == *" $1 "* ]]; }
 
-step "kernels vs torch"
-$PY bench/bench_kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.md"
+summarize() { timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/null 2>&1; }
 
-step "decode: OLMoE-1B-7B shape, four policies, 50% / 25%"
-$PY bench/gpu_decode.py --out "$OUT" 2>&1 | tee "$OUT/decode.txt"
-step done
+# stage NAME LIMIT_S CMD...: run CMD under `timeout` (its process group is killed on expiry),
+# output to OUT/NAME.log; one line to OUT/stages.tsv: name, status, rc, seconds, limit, note.
+stage() {
+  local name=$1 limit=$2 note=""
+  shift 2
+  if ! want "$name"; then
+    printf '%s\tnot selected\t-\t0\t-\tPSR_BENCH_STAGES\n' "$name" >> "$OUT/stages.tsv"
+    return 0
+  fi
+  local left=$((DEADLINE - $(date +%s) - 15))
+  if ((left < 10)); then
+    printf '%s\tskipped\t-\t0\t-\tbudget spent\n' "$name" >> "$OUT/stages.tsv"
+    echo "== $name: skipped, budget spent"
+    summarize
+    return 0
+  fi
+  ((limit > left)) && limit=$left && note="limit cut to the budget left"
+  echo "== $name (limit ${limit} s, $(date +%T))"
+  local t0 rc status secs ms
+  t0=$(date +%s%N)
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  ms=$((($(date +%s%N) - t0) / 1000000))
+  secs="$((ms / 1000)).$((ms % 1000 / 100))"
+  case $rc in
+    0) status=ok ;;
+    124 | 137) status=timeout ;;
+    *) status="failed (rc $rc)" ;;
+  esac
+  printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$secs" "$limit" "$note" >> "$OUT/stages.tsv"
+  tail -n "${TAIL_LINES:-6}" "$OUT/$name.log" | cut -c1-220 | sed 's/^/   /'
+  echo "   -> $status in $secs s"
+  summarize
+}
+
+echo "psr gpu_bench: $(cat "$OUT/MODE"); python $PY; out $OUT; budget $BUDGET s"
+
+# 0. Versions and build tools, one cheap command.
+stage versions 60 "$PY" bench/gpu_env.py --json "$OUT/versions.json"
+
+# 1. Build psr._C (CUDA backend, TORCH_CUDA_ARCH_LIST=9.0), import it, backend_info.
+#    Rehearsal: plan + import check only (compiling takes minutes on a small CPU).
+if [[ $REHEARSE == 1 ]]; then
+  stage build 120 "$PY" bench/gpu_build.py --out "$OUT" --dry-run
+else
+  stage build 300 "$PY" bench/gpu_build.py --out "$OUT"
+fi
+
+# 2. Every test marked gpu (CUDA store, kernels vs references on CUDA, runtime on CUDA).
+#    pytest -m gpu when the image has pytest, else bench/gpu_tests.py's own minimal runner.
+stage gpu_tests 150 "$PY" bench/gpu_tests.py --out "$OUT"
+
+# 3. Copy engine vs the pinned peak, and copy/compute overlap.
+if [[ $REHEARSE == 1 ]]; then
+  stage copy 60 "$PY" -m psr.cli bench copy --backend cpu --shape 3x64x32 --experts 8 \
+    --slots 4 --repeats 3 --json "$OUT/copy.json"
+else
+  stage copy 90 "$PY" -m psr.cli bench copy --backend cuda --experts 32 --slots 16 \
+    --repeats 10 --json "$OUT/copy.json"
+fi
+
+# 4. Trace replay: the embedded model's traces on this machine vs the latency model.
+if [[ $REHEARSE == 1 ]]; then
+  stage replay 150 env TRITON_INTERPRET=1 "$PY" bench/gpu_replay.py --out "$OUT" --tiny
+else
+  stage replay 240 "$PY" bench/gpu_replay.py --out "$OUT"
+fi
+
+# 5. Real decoding of the OLMoE-1B-7B-shaped random model, four policies, 50% / 25%.
+stage decode 180 "$PY" bench/gpu_decode.py --out "$OUT" ${R[@]+"${R[@]}"}
+
+# 6. Kernels against torch.
+stage kernels 90 "$PY" bench/bench_kernels.py --json "$OUT/kernels.json" ${R[@]+"${R[@]}"}
+
+timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" > /dev/null 2>&1
+echo "== done in $(($(date +%s) - T_START)) s; $OUT/summary.md:"
+cat "$OUT/summary.md"

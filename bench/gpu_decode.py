@@ -7,7 +7,9 @@ pinned host memory; a slab of 64 slots per layer is allocated once and the runs 
 (calibration: everything resident), 32 (50%) and 16 (25%) of them. For each policy it
 measures tokens/s and stall time, records the routing trace, and replays it through
 the latency model with a profile calibrated from this machine's measurements, stating
-the model's error against the measured time. `--tiny` runs a small shape (CPU smoke).
+the model's error against the measured time, and the speedup vs exact measured vs
+modeled. `--tiny` runs a small shape (the CPU rehearsal of bench/gpu_bench.sh).
+DIR/decode.json is rewritten after every run, so a timeout keeps what was done.
 """
 
 from __future__ import annotations
@@ -24,9 +26,18 @@ import psr_kernels as pk
 from psr.eval.latency import calibrate, simulate
 from psr.eval.microbench import run_copy_overlap
 from psr.models import DEFAULT_MODEL, offload
-from psr.models.hf import materialize_rotary
 from psr.policy import Policy, make_policy, operating_points, standard_policies
-from psr.runtime.stats import REPORT_KEYS, TIMING_KEYS
+from psr.runtime import REPORT_KEYS, TIMING_KEYS
+
+
+def materialize_rotary(model: torch.nn.Module, device: str) -> None:
+    """Rotary frequencies are non-persistent buffers a meta-device build never fills:
+    rebuild those modules on the device."""
+    for name, mod in list(model.named_modules()):
+        if type(mod).__name__.endswith("RotaryEmbedding"):
+            parent, _, attr = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, attr, type(mod)(config=model.config).to(device))
 
 
 def build(tiny: bool, device: str):
@@ -76,16 +87,34 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results/gpu")
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--tokens", type=int, default=None, help="new tokens per run (48; tiny 8)")
     ap.add_argument("--prompt", type=int, default=32)
     args = ap.parse_args(argv)
+    args.tokens = args.tokens or (8 if args.tiny else 48)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     model, cfg = build(args.tiny, device)
     E, k = cfg.num_experts, cfg.num_experts_per_tok
-    om = offload(model, "exact", slots=E, progress=True)  # slab: all E slots per layer
+    compute, kernel_error = "auto", None
+    if device == "cuda":  # Triton needs a working toolchain here (its launcher is compiled)
+        try:
+            xs = torch.randn(1, 64, device=device)
+            pk.expert_ffn(
+                xs,
+                torch.randn(2, 3 * 64 * 16, device=device),
+                torch.zeros(1, 1, dtype=torch.long, device=device),
+                torch.ones(1, 1, device=device),
+                64,
+                16,
+            )
+        except Exception as e:
+            compute, kernel_error = "torch", f"{type(e).__name__}: {e}"[-2000:]
+            print(
+                f"the Triton kernel failed ({kernel_error[:200]}); decoding with torch", flush=True
+            )
+    om = offload(model, "exact", slots=E, compute=compute, progress=True)  # all E slots
     print(
         f"built and offloaded in {time.time() - t0:.0f} s; backend "
         f"{om.runtime.store.backend}, compute {om.runtime.ops.path}",
@@ -104,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.randn(1, H, device=device, dtype=slab.dtype)
     slots = torch.arange(k, device=device)[None]
     wts = torch.full((1, k), 1.0 / k, device=device)
-    ffn = pk.expert_ffn if device == "cuda" else pk.expert_ffn_ref
+    ffn = pk.expert_ffn if device == "cuda" and compute == "auto" else pk.expert_ffn_ref
     for _ in range(3):
         ffn(x, slab, slots, wts, H, F, check_slots=False)
     if device == "cuda":
@@ -121,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         om.reset_stats()
         rec = om.record_trace()
         om.generate(prompt, args.tokens)
-        om.runtime.recorder = None
         s = om.stats.summary()
         return {
             "policy": om.policy.describe(),
@@ -143,8 +171,25 @@ def main(argv: list[str] | None = None) -> int:
             "expert_bytes": om.runtime.expert_bytes,
         },
     )
-    profile.save(out / "profile.json")
-    rows = []
+    profile.save(out / "decode_profile.json")
+    result = {
+        "status": "running",
+        "shape": "tiny" if args.tiny else "OLMoE-1B-7B",
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "backend": om.runtime.store.backend,
+        "compute": om.runtime.ops.path,
+        "kernel_error": kernel_error,
+        "versions": {"torch": torch.__version__, "transformers": transformers_version()},
+        "tokens": args.tokens,
+        "prompt_tokens": args.prompt,
+        "copy": copy.as_dict(),
+        "expert_ms": expert_ms,
+        "dense_ms_per_layer": dense,
+        "calibration_run": {key: v for key, v in full.items() if key != "trace"},
+        "runs": [],
+    }
+    rows = result["runs"]
     for rho_slots in (E // 2, E // 4):
         # The embedded model's operating points at this residency: what the demo shows.
         for policy in standard_policies(operating_points(DEFAULT_MODEL, rho_slots / E)):
@@ -152,52 +197,60 @@ def main(argv: list[str] | None = None) -> int:
             sim = simulate(r.pop("trace"), profile)
             r["measured_ms"] = 1e3 / r["tokens_per_s"] if r["tokens_per_s"] else float("nan")
             r["modeled_ms"] = sim.ms_per_token
+            r["modeled_stall_ms"] = sim.stall_ms
             r["lower_bound_ms"] = sim.lower_bound_ms
             r["model_error"] = r["modeled_ms"] / r["measured_ms"] - 1
             rows.append(r)
+            add_speedups(rows)
+            result["seconds"] = time.time() - t0
+            write_json(out / "decode.json", result)
             print(
                 f"{r['residency']:.0%} {r['policy']:<26} {r['measured_ms']:7.2f} ms/tok "
                 f"(modeled {r['modeled_ms']:.2f}, err {r['model_error']:+.0%}), misses/tok "
                 f"{r['misses_per_token']:.1f}, stall {r['stall_s'] * 1e3:.0f} ms",
                 flush=True,
             )
-    for rho in {r["slots"] for r in rows}:
-        base = next(r for r in rows if r["slots"] == rho and r["policy"] == "exact")
-        for r in rows:
-            if r["slots"] == rho:
-                r["speedup_vs_exact"] = base["measured_ms"] / r["measured_ms"]
-    full.pop("trace")
     lines = [
         "| residency | policy | measured ms/tok | modeled ms/tok | model error | "
-        "speedup vs exact | misses/tok | stall ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "speedup vs exact | modeled speedup | misses/tok | stall ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['residency']:.0%} | {r['policy']} | {r['measured_ms']:.2f} | "
         f"{r['modeled_ms']:.2f} | {r['model_error']:+.1%} | {r['speedup_vs_exact']:.2f}x | "
-        f"{r['misses_per_token']:.2f} | {r['stall_s'] * 1e3:.0f} |"
+        f"{r['modeled_speedup_vs_exact']:.2f}x | {r['misses_per_token']:.2f} | "
+        f"{r['stall_s'] * 1e3:.0f} |"
         for r in rows
     ]
     table = "\n".join(lines)
     print(table)
     (out / "decode.md").write_text(table + "\n")
-    (out / "decode.json").write_text(
-        json.dumps(
-            {
-                "shape": "tiny" if args.tiny else "OLMoE-1B-7B",
-                "device": device,
-                "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-                "copy": copy.as_dict(),
-                "expert_ms": expert_ms,
-                "dense_ms_per_layer": dense,
-                "calibration_run": full,
-                "runs": rows,
-                "seconds": time.time() - t0,
-            },
-            indent=1,
-        )
-    )
+    errs = [abs(r["model_error"]) for r in rows]
+    result["checks"] = {"max_abs_model_error": max(errs) if errs else None}
+    result["status"] = "complete"
+    result["seconds"] = time.time() - t0
+    write_json(out / "decode.json", result)
     return 0
+
+
+def add_speedups(rows: list[dict]) -> None:
+    for r in rows:
+        base = next((b for b in rows if b["slots"] == r["slots"] and b["policy"] == "exact"), None)
+        if base is not None:
+            r["speedup_vs_exact"] = base["measured_ms"] / r["measured_ms"]
+            r["modeled_speedup_vs_exact"] = base["modeled_ms"] / r["modeled_ms"]
+
+
+def write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 if __name__ == "__main__":
