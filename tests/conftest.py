@@ -22,3 +22,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _psr_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuned operating points go to a per-test folder, never the user's."""
+    monkeypatch.setenv("PSR_HOME", str(tmp_path_factory.mktemp("psr_home")))

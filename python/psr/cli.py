@@ -449,6 +449,7 @@ def _eval(args: argparse.Namespace) -> int:
         path,
         grid(args.policies, args.residency),
         args.out,
+        split=args.split,
         windows=args.windows,
         cloze=args.cloze,
         prompts=args.prompts,
@@ -459,13 +460,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_profile(name: str) -> None:
+    from psr.eval.latency import get_profile
+
+    try:
+        get_profile(name)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"argument --profile: {e}") from None
+
+
 def _sweep(args: argparse.Namespace) -> int:
     path = _eval_model(args.model)
     writable_dir(args.out, "--out")
-    if args.write_operating_points:
-        from psr.policy import OPERATING_POINTS_FILE
-
-        writable_file(Path(path) / OPERATING_POINTS_FILE, "--write-operating-points")
+    _check_profile(args.profile)
     from psr.eval.runs import sweep
 
     sweep(
@@ -474,9 +481,33 @@ def _sweep(args: argparse.Namespace) -> int:
         args.residency,
         args.lams,
         args.ns,
-        tolerance=args.tolerance,
+        budget=args.budget,
         windows=args.windows,
-        write_points=args.write_operating_points,
+        split=args.split,
+        profile=args.profile,
+        progress=_progress(args),
+    )
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    path = _eval_model(args.model)
+    writable_dir(args.out, "--out")
+    _check_profile(args.profile)
+    if args.write:
+        writable_file(args.write, "--write")
+    from psr.eval.runs import tune
+
+    tune(
+        path,
+        args.out,
+        args.residency,
+        budget=args.budget,
+        profile=args.profile,
+        lams=args.lams,
+        ns=args.ns,
+        windows=args.windows,
+        write=args.write,
         progress=_progress(args),
     )
     return 0
@@ -611,13 +642,27 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
     )
-    ev.add_argument("--windows", type=positive_int, default=24, help="perplexity windows")
     ev.add_argument(
-        "--cloze", type=nonnegative_int, default=24, help="cloze multiple-choice items (0: none)"
+        "--split",
+        choices=["A", "B"],
+        default="B",
+        help="held-out set: A (operating points are selected on it) or B (replication)",
+    )
+    ev.add_argument(
+        "--windows",
+        type=positive_int,
+        default=160,
+        help="teacher-forced windows of 128 decode-path tokens each",
+    )
+    ev.add_argument(
+        "--cloze",
+        type=nonnegative_int,
+        default=0,
+        help="cloze multiple-choice items (0: none; report them with 2000 or more)",
     )
     ev.add_argument("--prompts", type=positive_int, default=4, help="greedy-decoded prompts")
     ev.add_argument("--gen-tokens", type=positive_int, default=48, help="greedy tokens per prompt")
-    ev.add_argument("--out", default="bench/results/eval", help="folder for eval.{md,json,png}")
+    ev.add_argument("--out", default="psr-results/eval", help="folder for eval.{md,json,png}")
     ev.add_argument("--traces", action="store_true", help="keep routing traces in the JSON")
     ev.add_argument("--quiet", action="store_true", help=quiet_help)
     ev.set_defaults(fn=_eval)
@@ -645,38 +690,68 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bc.set_defaults(fn=_bench_copy)
 
+    from psr.eval.defaults import BUDGET, PROFILE, SWEEP_LAMS, SWEEP_NS, WINDOWS
+
+    def tuning_args(c: argparse.ArgumentParser, rho: str) -> None:
+        c.add_argument(
+            "--model", default=None, help=f"checkpoint folder with heldout.txt {embedded}"
+        )
+        c.add_argument(
+            "--residency", type=residencies, default=rho, help="comma list, each in (0, 1]"
+        )
+        c.add_argument(
+            "--lams",
+            type=comma_list(nonnegative_float),
+            default=",".join(f"{x:g}" for x in SWEEP_LAMS),
+            help="comma list of lam values, each >= 0",
+        )
+        c.add_argument(
+            "--ns",
+            type=comma_list(nonnegative_int),
+            default=",".join(map(str, SWEEP_NS)),
+            help="comma list of n values, each >= 0 (0: cache-prior)",
+        )
+        c.add_argument(
+            "--budget",
+            type=nonnegative_float,
+            default=BUDGET,
+            help="quality budget: the 95%% upper bound of Δ nats/token a point may cost",
+        )
+        c.add_argument(
+            "--profile",
+            type=nonempty,
+            default=PROFILE,
+            help="latency profile: a built-in name (rtx4090, h200) or a JSON file, e.g. the "
+            "GPU run's calibrated bench/results/gpu/profile.json",
+        )
+        c.add_argument(
+            "--windows",
+            type=positive_int,
+            default=WINDOWS,
+            help="teacher-forced windows of 128 decode-path tokens per configuration",
+        )
+        c.add_argument("--quiet", action="store_true", help=quiet_help)
+
     sw = command(bsub, "sweep", "lam x n: Pareto front of modeled latency vs quality")
-    sw.add_argument("--model", default=None, help=f"checkpoint folder with heldout.txt {embedded}")
-    sw.add_argument(
-        "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
-    )
-    sw.add_argument(
-        "--lams",
-        type=comma_list(nonnegative_float),
-        default="0.1,0.2,0.3,0.5,0.8",
-        help="comma list of lam values, each >= 0",
-    )
-    sw.add_argument(
-        "--ns",
-        type=comma_list(nonnegative_int),
-        default="0,1,2",
-        help="comma list of n values, each >= 0 (0: cache-prior)",
-    )
-    sw.add_argument(
-        "--tolerance",
-        type=nonnegative_float,
-        default=0.01,
-        help="Δ nats/token allowed for an operating point",
-    )
-    sw.add_argument("--windows", type=positive_int, default=16, help="perplexity windows")
-    sw.add_argument("--out", default="bench/results/sweep", help="folder for sweep.{md,json,png}")
-    sw.add_argument(
-        "--write-operating-points",
-        action="store_true",
-        help="store the chosen points beside the model (the demo reads them)",
-    )
-    sw.add_argument("--quiet", action="store_true", help=quiet_help)
+    tuning_args(sw, "0.5,0.25")
+    sw.add_argument("--split", choices=["A", "B"], default="A", help="held-out set to measure on")
+    sw.add_argument("--out", default="psr-results/sweep", help="folder for sweep.{md,json,png}")
     sw.set_defaults(fn=_sweep)
+
+    tu = command(
+        sub,
+        "tune",
+        "choose Cache-Prior and PSR operating points per residency: selected on held-out "
+        "set A within a quality budget, replicated on set B; psr.load uses them",
+    )
+    tuning_args(tu, "0.5,0.375,0.25")
+    tu.add_argument("--out", default="psr-results/tune", help="folder for the sweep reports")
+    tu.add_argument(
+        "--write",
+        default=None,
+        help="write the points here (default: the user's psr folder, keyed by model)",
+    )
+    tu.set_defaults(fn=_tune)
 
     # Handled in main(): the rest of the line goes to lm_eval's parser untouched.
     command(sub, "lm-eval", "lm_eval's CLI with the 'psr' model registered")

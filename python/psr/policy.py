@@ -8,8 +8,10 @@ default changed here changes everywhere.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,12 +156,51 @@ def default_policy_specs() -> str:
 
 
 # ------------------------------------------------------------------ operating points
+#
+# An operating point is the tuned Cache-Prior and PSR policy of one model at one
+# residency (`psr tune`). Lookup order: the user's tuned file (written by `psr tune`),
+# then the file shipped beside the model (`operating_points.json`), then the defaults
+# above. Shipped files are never written by psr.
+
+
+def _points_home() -> Path:
+    """Where `psr tune` writes: $PSR_HOME/operating_points, else the user data folder."""
+    home = os.environ.get("PSR_HOME", "").strip()
+    if home:
+        return Path(home) / "operating_points"
+    import platformdirs
+
+    return Path(platformdirs.user_data_dir("psr")) / "operating_points"
+
+
+def model_key(model_dir: str | Path) -> str:
+    """A model's identity for tuned files: folder name + hash of its config and weight
+    file sizes (cheap; a retrained model gets a new key)."""
+    d = Path(model_dir)
+    h = hashlib.sha256()
+    cfg = d / "config.json"
+    h.update(cfg.read_bytes() if cfg.is_file() else b"")
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size}".encode())
+    return f"{d.resolve().name}-{h.hexdigest()[:12]}"
+
+
+def user_points_file(model_dir: str | Path) -> Path:
+    return _points_home() / f"{model_key(model_dir)}.json"
+
+
+def _parse_points(raw: dict[str, Any], residency: float) -> dict[str, Policy] | None:
+    at = raw.get("points", {}).get(f"{residency:g}")
+    if at is None:
+        return None
+    return {
+        "cache-prior": make_policy("cache-prior", at["cache-prior"]["lam"]),
+        "psr": make_policy("psr", at["psr"]["lam"], int(at["psr"]["n"])),
+    }
 
 
 def operating_points(model_dir: str | Path, residency: float) -> dict[str, Policy]:
-    """The tuned `cache-prior` and `psr` policies for a model at a residency, read from
-    `operating_points.json` beside it (written by `psr bench sweep`); the defaults of this
-    module where the file or the residency is absent. `source` says which."""
+    """The tuned `cache-prior` and `psr` policies of a model at a residency."""
     points, _ = operating_points_with_source(model_dir, residency)
     return points
 
@@ -167,16 +208,73 @@ def operating_points(model_dir: str | Path, residency: float) -> dict[str, Polic
 def operating_points_with_source(
     model_dir: str | Path, residency: float
 ) -> tuple[dict[str, Policy], str]:
-    f = Path(model_dir) / OPERATING_POINTS_FILE
-    if f.is_file():
-        pts = json.loads(f.read_text()).get("points", {})
-        at = pts.get(f"{residency:g}")
-        if at is not None:
-            return {
-                "cache-prior": make_policy("cache-prior", at["cache-prior"]["lam"]),
-                "psr": make_policy("psr", at["psr"]["lam"], int(at["psr"]["n"])),
-            }, str(f)
+    """(points, where they came from): the user's tuned file, the shipped file, or
+    'defaults' (this module's DEFAULT_LAM / DEFAULT_N)."""
+    for f in (user_points_file(model_dir), Path(model_dir) / OPERATING_POINTS_FILE):
+        if f.is_file():
+            try:
+                pts = _parse_points(json.loads(f.read_text()), residency)
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"corrupt operating points file {f}: {e}") from None
+            if pts is not None:
+                return pts, str(f)
     return {"cache-prior": make_policy("cache-prior"), "psr": make_policy("psr")}, "defaults"
+
+
+def resolve_policy(
+    name: str | Policy,
+    lam: float | None = None,
+    n: int | None = None,
+    *,
+    model_dir: str | Path | None = None,
+    residency: float | None = None,
+) -> tuple[Policy, str]:
+    """The policy `psr.load` runs, and its source: `cache-prior` / `psr` without lam and
+    n take the model's operating point at this residency when one exists (tuned or
+    shipped); anything else is `make_policy`."""
+    if (
+        isinstance(name, str)
+        and name in ("cache-prior", "psr")
+        and lam is None
+        and n is None
+        and model_dir is not None
+        and residency is not None
+    ):
+        points, source = operating_points_with_source(model_dir, residency)
+        if source != "defaults":
+            return points[name], source
+    return make_policy(name, lam, n), "arguments" if (lam, n) != (None, None) else "defaults"
+
+
+def write_operating_points(
+    model_dir: str | Path,
+    points: dict[str, dict[str, Policy]],
+    meta: dict[str, Any],
+    path: str | Path | None = None,
+) -> Path:
+    """Write tuned points (`{residency: {"cache-prior": Policy, "psr": Policy}}`) to the
+    user's file for this model, or to `path`; never into an installed psr package."""
+    out = Path(path) if path is not None else user_points_file(model_dir)
+    pkg = Path(__file__).resolve().parent
+    if out.resolve().is_relative_to(pkg):
+        raise ValueError(f"{out} is inside the installed psr package; write elsewhere")
+    body = {
+        "points": {
+            rho: {
+                fam: {k: v for k, v in p.params().items() if k != "policy" and v is not None}
+                for fam, p in fams.items()
+            }
+            for rho, fams in points.items()
+        },
+        "model": str(Path(model_dir).resolve()),
+        "model_key": model_key(model_dir),
+        **meta,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1))
+    tmp.replace(out)  # atomic: a reader never sees half a file
+    return out
 
 
 def standard_policies(points: dict[str, Policy]) -> list[Policy]:

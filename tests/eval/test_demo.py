@@ -16,9 +16,20 @@ def test_default_model_is_an_ordinary_checkpoint() -> None:
     for f in ("config.json", "model.safetensors", "tokenizer.json", "heldout.txt"):
         assert (path / f).is_file(), f
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["model_type"] == "olmoe" and cfg["num_experts"] == 32
+    # Shaped like OLMoE-1B-7B's routing: 64 experts, top-8, softmax without renormalising.
+    assert cfg["model_type"] == "olmoe" and cfg["num_experts"] == 64
+    assert cfg["num_experts_per_tok"] == 8 and cfg["norm_topk_prob"] is False
+    assert 8 <= cfg["num_hidden_layers"] <= 12
+    assert (
+        sum(f.stat().st_size for f in path.iterdir()) - (path / "heldout.txt").stat().st_size < 16e6
+    )
     info = json.loads((path / "train_info.json").read_text())
     assert info["heldout_loss"] < 4.5  # trained, not random (ln 2048 = 7.6)
+    # The held-out spans cut heldout.txt into whole plays (sets A and B).
+    text = (path / "heldout.txt").read_text(encoding="utf-8")
+    for play, (a, b) in info["heldout_spans"].items():
+        assert play.split("_")[0].upper() in text[a : a + 200].upper()
+        assert b <= len(text) and text[b : b + 2] in ("", "\n\n")
     model = psr.load(psr.DEFAULT_MODEL, "psr", residency=0.5, dtype="float32", progress=False)
     ids = model.tokenizer("ROMEO. Good morrow, father.")["input_ids"]
     out = model.generate(ids, 8)

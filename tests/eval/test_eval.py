@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from tiny_models import tiny_model, write_checkpoint, write_tokenizer
@@ -10,7 +11,6 @@ from tiny_models import tiny_model, write_checkpoint, write_tokenizer
 from psr.eval.harness import EvalData, RunConfig, compare, run_config
 from psr.eval.quality import chunks, cloze_items, greedy_agreement, paired_bootstrap
 from psr.eval.report import pareto, save
-from psr.eval.runs import sweep
 from psr.policy import make_policy
 
 TEXT = (
@@ -88,6 +88,9 @@ def test_runs_compare_and_save(ckpt, tmp_path) -> None:
     assert ex["greedy_agreement"] == 1.0 and ex["speedup"]["rtx4090"] == 1.0
     assert ex["delta_nll"]["mean"] == 0.0
     assert len(ps["nll_items"]) == 3 and len(ps["cloze_items"]) == 2
+    # Counts and the modeled latency come from the scored (likelihood) stream itself.
+    assert ps["stats"]["tokens"] == data.scored_tokens == 3 * (40 - 16)
+    assert ps["latency"]["rtx4090"]["tokens"] == data.scored_tokens
     assert ps["stats"]["misses"] <= ex["stats"]["misses"]
     # Speedup is the ratio of the two modeled latencies.
     assert ps["speedup"]["h200"] == pytest.approx(
@@ -100,21 +103,48 @@ def test_runs_compare_and_save(ckpt, tmp_path) -> None:
     assert json.loads(paths["json"].read_text())["results"][1]["label"] == "psr(lam=0.8, n=1)"
 
 
-def test_sweep_writes_front_and_operating_points(ckpt, tmp_path) -> None:
-    extra = sweep(
+def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_path) -> None:
+    import psr
+    from psr.eval.runs import tune
+    from psr.policy import operating_points_with_source, user_points_file
+
+    res = tune(
         str(ckpt),
         str(tmp_path),
         residencies=[0.5],
+        budget=10.0,  # everything fits: the fastest candidate on A must be kept
         lams=[0.3, 1.0],
         ns=[0, 1],
         windows=2,
-        tolerance=10.0,
-        write_points=True,
+        window_tokens=64,
         progress=False,
     )
-    assert set(extra["points"]["0.5"]) == {"cache-prior", "psr"}
-    assert extra["points"]["0.5"]["psr"]["n"] == 1
-    saved = json.loads((ckpt / "operating_points.json").read_text())
-    assert saved["points"] == extra["points"]
-    assert extra["pareto"]["0.5"]  # non-empty front
-    (ckpt / "operating_points.json").unlink()
+    log = res["replication"]
+    assert [row["replicated"] for row in log] == [True, True]
+    sweep_json = json.loads((tmp_path / "select" / "sweep.json").read_text())
+    fastest = {}
+    for r in sweep_json["results"]:
+        fam = r["config"]["policy"]
+        if fam in ("cache-prior", "psr"):
+            ms = r["latency"]["rtx4090"]["ms_per_token"]
+            if fam not in fastest or ms < fastest[fam][0]:
+                fastest[fam] = (ms, r["label"])
+    assert {fam: p.describe() for fam, p in res["points"]["0.5"].items()} == {
+        fam: label for fam, (_, label) in fastest.items()
+    }
+    f = Path(res["file"])
+    assert f == user_points_file(ckpt) and f.is_file()  # the user's folder (PSR_HOME here)
+    assert not (ckpt / "operating_points.json").exists()  # the model folder is never written
+    points, source = operating_points_with_source(ckpt, 0.5)
+    assert source == str(f) and points == res["points"]["0.5"]
+    model = psr.load(ckpt, "psr", residency=0.5, progress=False)
+    assert model.policy == res["points"]["0.5"]["psr"] and model.policy_source == str(f)
+    assert psr.load(ckpt, "psr", residency=0.5, lam=0.1, progress=False).policy.lam == 0.1
+
+
+def test_tuned_points_are_never_written_into_the_package(ckpt) -> None:
+    import psr.policy as P
+
+    pkg_file = Path(P.__file__).parent / "models" / "x.json"
+    with pytest.raises(ValueError, match="inside the installed psr package"):
+        P.write_operating_points(ckpt, {}, {}, pkg_file)

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from psr.eval.latency import simulate
 from psr.eval.quality import (
+    ClozeItem,
     chunks,
     cloze_items,
     cloze_scores,
@@ -22,6 +23,7 @@ from psr.eval.quality import (
     paired_bootstrap,
     perplexity_items,
 )
+from psr.models.embedded import heldout_sets, tokenizer_of
 from psr.models.loader import load
 from psr.policy import Policy
 
@@ -47,13 +49,25 @@ class RunConfig:
 
 @dataclass
 class EvalData:
-    """Token-level benchmark material cut from held-out text."""
+    """Token-level benchmark material cut from one held-out set.
 
-    prompts: list[list[int]]
-    gen_tokens: int
-    windows: list[list[int]] = field(default_factory=list)
-    prompt_len: int = 32
-    cloze: list = field(default_factory=list)
+    `windows`: teacher-forced windows; the first `prompt_len` tokens of each are
+    prefilled, every later one is scored as a decode step under the policy. Counts,
+    misses and modeled latency come from this same stream. `prompts` feed greedy
+    generation (agreement with exact, reported separately); `cloze` items are scored as
+    decode steps too.
+    """
+
+    windows: list[list[int]]
+    prompt_len: int
+    prompts: list[list[int]] = field(default_factory=list)
+    gen_tokens: int = 0
+    cloze: list[ClozeItem] = field(default_factory=list)
+    source: str = ""
+
+    @property
+    def scored_tokens(self) -> int:
+        return sum(len(w) - self.prompt_len for w in self.windows)
 
     @classmethod
     def from_text(
@@ -61,23 +75,37 @@ class EvalData:
         tokenizer: Any,
         text: str,
         *,
-        prompts: int = 4,
+        windows: int = 160,
+        window_tokens: int = 160,
         prompt_tokens: int = 32,
+        prompts: int = 4,
         gen_tokens: int = 48,
-        windows: int = 16,
-        window_tokens: int = 96,
         cloze: int = 0,
         seed: int = 0,
+        source: str = "",
     ) -> EvalData:
+        if not 1 <= prompt_tokens < window_tokens:
+            raise ValueError(
+                f"prompt_tokens must be in [1, window_tokens={window_tokens}), got {prompt_tokens}"
+            )
         ids = tokenizer(text)["input_ids"]
-        half = len(ids) // 2  # prompts/windows from the first half, cloze from the second
         return cls(
-            prompts=chunks(ids[:half], prompt_tokens, prompts, seed + 1),
-            gen_tokens=gen_tokens,
-            windows=chunks(ids[:half], window_tokens, windows, seed) if windows else [],
+            windows=chunks(ids, window_tokens, windows, seed) if windows else [],
             prompt_len=prompt_tokens,
-            cloze=cloze_items(ids[half:], cloze, seed=seed) if cloze else [],
+            prompts=chunks(ids, prompt_tokens, prompts, seed + 1) if prompts else [],
+            gen_tokens=gen_tokens,
+            cloze=cloze_items(ids, cloze, seed=seed + 2) if cloze else [],
+            source=source,
         )
+
+    @classmethod
+    def from_heldout(cls, path: str, split: str = "A", **kw: Any) -> EvalData:
+        """From held-out set `split` ('A': selection, 'B': replication) of a model."""
+        sets = heldout_sets(path)
+        if split not in sets:
+            raise ValueError(f"held-out split must be one of {sorted(sets)}, got {split!r}")
+        desc, text = sets[split]
+        return cls.from_text(tokenizer_of(path), text, source=desc, **kw)
 
 
 def run_config(
@@ -88,20 +116,22 @@ def run_config(
     *,
     progress: bool = False,
 ) -> dict[str, Any]:
-    """Decode the prompts (traced), then score the likelihood items, under one config."""
+    """One config: score the windows (teacher forced, decode path: NLL, counts and the
+    trace the latency model replays), generate greedily from the prompts, score cloze."""
     model = load(path, rc.policy, rc.residency, dtype="float32", progress=False)
+    total = len(data.windows) + len(data.prompts) + len(data.cloze)
+    bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
     rec = model.record_trace()
-    gens = []
-    for p in data.prompts:
-        out = model.generate(p, data.gen_tokens)
-        gens.append(out[0, len(p) :].tolist())
+    nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
     stats = model.stats.report()
     model.runtime.recorder = None
-    total = len(data.windows) + len(data.cloze)
-    bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
-    nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
+    gens = []
+    for p in data.prompts:
+        gens.append(model.generate(p, data.gen_tokens)[0, len(p) :].tolist())
+        bar.update()
     cz = cloze_scores(model, data.cloze, bar) if data.cloze else []
     bar.close()
+    model.close()
     return {
         "config": rc.as_dict(),
         "label": rc.label,
@@ -125,11 +155,13 @@ def compare(results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PRO
         r["speedup"] = {
             p: ref["latency"][p]["ms_per_token"] / r["latency"][p]["ms_per_token"] for p in profiles
         }
-        agree = [
-            greedy_agreement(a, b) for a, b in zip(r["generated"], ref["generated"], strict=True)
-        ]
-        r["greedy_agreement"] = sum(a for a, _ in agree) / len(agree)
-        r["first_divergence"] = [f for _, f in agree]
+        if r["generated"]:
+            agree = [
+                greedy_agreement(a, b)
+                for a, b in zip(r["generated"], ref["generated"], strict=True)
+            ]
+            r["greedy_agreement"] = sum(a for a, _ in agree) / len(agree)
+            r["first_divergence"] = [f for _, f in agree]
         if r["nll_items"]:
             r["nll"] = sum(r["nll_items"]) / len(r["nll_items"])
             r["delta_nll"] = paired_bootstrap(r["nll_items"], ref["nll_items"]).as_dict()

@@ -1,9 +1,10 @@
 """Quality harness: likelihood benchmarks and greedy agreement under a routing policy.
 
-Every benchmark prefills a prompt (exact routing, as in deployment) and scores the
-tokens that follow as decode steps under the policy, so the biased routing is what
-is measured. Differences from `exact` come with a paired-bootstrap 95% interval over
-items, as the paper reports them.
+Every likelihood item prefills a prompt (exact routing, as in deployment) and scores
+the tokens that follow as decode steps under the policy (`OffloadedModel.score`: the
+decode path's routing and counts in one forward), so the biased routing is what is
+measured. Differences from `exact` come with a paired BCa bootstrap 95% interval over
+items (scipy.stats.bootstrap).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -27,9 +29,12 @@ class ClozeItem:
 
 
 def chunks(ids: Sequence[int], length: int, count: int, seed: int = 0) -> list[list[int]]:
-    """`count` non-overlapping windows of `length` tokens, evenly spread (seeded offset)."""
+    """`count` non-overlapping windows of `length` tokens, evenly spread (seeded offset);
+    fewer when the text holds fewer."""
     if len(ids) < length:
         raise ValueError(f"text of {len(ids)} tokens is shorter than one chunk of {length}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
     n = min(count, len(ids) // length)
     stride = len(ids) // n
     off = random.Random(seed).randrange(0, stride - length + 1)
@@ -44,32 +49,45 @@ def cloze_items(
     distractors: int = 3,
     seed: int = 0,
 ) -> list[ClozeItem]:
-    """Multiple-choice cloze: the true continuation vs continuations from elsewhere."""
+    """Multiple-choice cloze: the true continuation of a context against `distractors`
+    continuations taken from elsewhere in the text. Contexts are evenly spread (they may
+    overlap when `count` asks for more than the text holds apart); each distractor is a
+    continuation from a random position at least `context + cont` tokens away."""
+    span = context + cont
+    if len(ids) < 4 * span:
+        raise ValueError(f"text of {len(ids)} tokens is too short for cloze items of {span}")
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
     rng = random.Random(seed)
-    windows = chunks(ids, context + cont, count * (distractors + 1), seed)
+    last = len(ids) - span
+    starts = [round(i * last / max(count - 1, 1)) for i in range(count)]
     items = []
-    for i in range(0, len(windows) - distractors, distractors + 1):
-        group = windows[i : i + distractors + 1]
-        ctx, true = group[0][:context], group[0][context:]
-        choices = [true] + [w[context:] for w in group[1:]]
+    for s in starts:
+        true = list(ids[s + context : s + span])
+        choices = [true]
+        while len(choices) < distractors + 1:
+            d = rng.randrange(0, last + 1)
+            c = list(ids[d + context : d + span])
+            if abs(d - s) >= span and c not in choices:
+                choices.append(c)
         order = list(range(len(choices)))
         rng.shuffle(order)
-        items.append(ClozeItem(ctx, [choices[j] for j in order], order.index(0)))
-        if len(items) == count:
-            break
+        items.append(
+            ClozeItem(list(ids[s : s + context]), [choices[j] for j in order], order.index(0))
+        )
     return items
 
 
 def token_nll(model: OffloadedModel, ids: Sequence[int], prompt_len: int) -> torch.Tensor:
     """NLL (nats) of tokens `ids[prompt_len:]`, each scored as a decode step."""
     t = torch.tensor([list(ids)])
-    logits = model.decode_logits(t, prompt_len)[0, prompt_len - 1 : -1].float()
+    logits = model.score(t, prompt_len)[0, prompt_len - 1 : -1].float()
     target = t[0, prompt_len:].to(logits.device)
     return torch.nn.functional.cross_entropy(logits, target, reduction="none").cpu()
 
 
 def perplexity_items(
-    model: OffloadedModel, windows: list[list[int]], prompt_len: int, progress=None
+    model: OffloadedModel, windows: list[list[int]], prompt_len: int, progress: Any = None
 ) -> list[float]:
     """Mean NLL per window (one item each)."""
     out = []
@@ -80,7 +98,9 @@ def perplexity_items(
     return out
 
 
-def cloze_scores(model: OffloadedModel, items: list[ClozeItem], progress=None) -> list[float]:
+def cloze_scores(
+    model: OffloadedModel, items: list[ClozeItem], progress: Any = None
+) -> list[float]:
     """1.0 where the true continuation has the highest log-likelihood, else 0.0."""
     out = []
     for it in items:
@@ -106,26 +126,36 @@ def greedy_agreement(
 @dataclass
 class Comparison:
     mean: float  # mean of policy - reference over items
-    lo: float  # 95% interval (paired bootstrap)
+    lo: float  # 95% interval (paired BCa bootstrap)
     hi: float
     n: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
 def paired_bootstrap(
-    policy: Sequence[float], reference: Sequence[float], iters: int = 2000, seed: int = 0
+    policy: Sequence[float], reference: Sequence[float], iters: int = 4000, seed: int = 0
 ) -> Comparison:
-    """Mean paired difference with a percentile-bootstrap 95% interval over items."""
+    """Mean paired difference with a BCa bootstrap 95% interval over items."""
+    import numpy as np
+    from scipy.stats import bootstrap
+
     if len(policy) != len(reference) or not policy:
         raise ValueError(
             f"need two equal, non-empty score lists, got {len(policy)} and {len(reference)}"
         )
-    d = torch.tensor(policy, dtype=torch.float64) - torch.tensor(reference, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(d), (iters, len(d)), generator=g)
-    means = d[idx].mean(dim=1).sort().values
-    lo = float(means[int(0.025 * (iters - 1))])
-    hi = float(means[int(0.975 * (iters - 1))])
-    return Comparison(float(d.mean()), lo, hi, len(d))
+    d = np.asarray(policy, dtype=np.float64) - np.asarray(reference, dtype=np.float64)
+    mean = float(d.mean())
+    if np.ptp(d) <= 1e-12 * max(1.0, abs(mean)):  # no spread: BCa is undefined
+        return Comparison(mean, mean, mean, len(d))
+    res = bootstrap(
+        (d,),
+        np.mean,
+        n_resamples=iters,
+        confidence_level=0.95,
+        method="BCa",
+        rng=np.random.default_rng(seed),
+    )
+    ci = res.confidence_interval
+    return Comparison(mean, float(ci.low), float(ci.high), len(d))

@@ -1,34 +1,56 @@
-"""`psr demo`, `psr eval` and `psr bench sweep`: runs of the harness over policies and
-residencies, with their reports."""
+"""`psr demo`, `psr eval`, `psr bench sweep` and `psr tune`: runs of the harness over
+policies and residencies, with their reports.
+
+Selection and replication: operating points are chosen on held-out set A (`sweep`,
+`tune`) and must hold on held-out set B, which they were not chosen on; the demo and
+`psr eval` report on set B by default.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
 from tqdm.auto import tqdm
 
+from psr.eval.defaults import (
+    BUDGET,
+    PROFILE,
+    PROMPT_TOKENS,
+    SWEEP_LAMS,
+    SWEEP_NS,
+    WINDOW_TOKENS,
+    WINDOWS,
+)
 from psr.eval.harness import DEFAULT_PROFILES, EvalData, RunConfig, compare, run_config
 from psr.eval.report import markdown_table, pareto, save
-from psr.models.embedded import DEFAULT_MODEL, heldout_text, tokenizer_of
+from psr.models.embedded import DEFAULT_MODEL
 from psr.policy import (
-    OPERATING_POINTS_FILE,
+    DEFAULT_N,
     Policy,
     make_policy,
-    operating_points,
+    operating_points_with_source,
     standard_policies,
+    write_operating_points,
 )
 
 
-def policy_grid(path: str, residencies: Sequence[float]) -> list[RunConfig]:
-    """The four standard policies at each residency, at the model's operating points."""
-    return [
-        RunConfig(p, rho)
-        for rho in residencies
-        for p in standard_policies(operating_points(path, rho))
-    ]
+def policy_grid(path: str, residencies: Sequence[float]) -> tuple[list[RunConfig], list[str]]:
+    """The four standard policies at each residency at the model's operating points,
+    and where those points came from."""
+    configs, sources = [], []
+    for rho in residencies:
+        points, source = operating_points_with_source(path, rho)
+        configs += [RunConfig(p, rho) for p in standard_policies(points)]
+        sources.append(f"{rho:.1%}: {source}")
+    return configs, sources
+
+
+def grid(policies: Sequence[Policy], residencies: Sequence[float]) -> list[RunConfig]:
+    """Every policy at every residency (policies from `psr.policy.parse_policies`)."""
+    return [RunConfig(p, rho) for rho in residencies for p in policies]
 
 
 def run_all(
@@ -38,7 +60,7 @@ def run_all(
     desc: str,
     profiles: Sequence[str] = DEFAULT_PROFILES,
     progress: bool = True,
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     results = []
     for rc in tqdm(configs, desc=desc, disable=not progress):
         results.append(run_config(path, rc, data, profiles, progress=progress))
@@ -46,38 +68,52 @@ def run_all(
     return results
 
 
+def describe(data: EvalData) -> str:
+    """One line: what every configuration was measured on."""
+    parts = [
+        f"{data.source or 'held-out text'}: {len(data.windows)} windows x "
+        f"{data.scored_tokens // max(len(data.windows), 1)} decode-path tokens "
+        f"({data.scored_tokens:,} scored tokens per config; misses and modeled latency "
+        "from the same stream)"
+    ]
+    if data.prompts:
+        parts.append(f"greedy agreement over {len(data.prompts)} x {data.gen_tokens} tokens")
+    if data.cloze:
+        parts.append(f"{len(data.cloze):,} cloze items")
+    return "; ".join(parts) + "; Δ vs exact with paired BCa 95% intervals over windows/items"
+
+
 def demo(
     out: str = "bench/results/demo",
     residencies: Sequence[float] = (0.5, 0.25),
     progress: bool = True,
     quick: bool = False,
-) -> list[dict]:
-    """The main job: the embedded model under the four policies at 50% and 25% residency."""
+) -> list[dict[str, Any]]:
+    """The main job: the embedded model under the four policies at 50% and 25% residency,
+    at its tuned operating points, on held-out set B (not used for tuning)."""
     path = DEFAULT_MODEL
     t0 = time.time()
-    data = EvalData.from_text(
-        tokenizer_of(path),
-        heldout_text(path),
+    data = EvalData.from_heldout(
+        path,
+        "B",
+        windows=4 if quick else 36,
+        window_tokens=WINDOW_TOKENS,
+        prompt_tokens=PROMPT_TOKENS,
         prompts=2 if quick else 4,
-        gen_tokens=24 if quick else 48,
-        windows=4 if quick else 12,
-        window_tokens=96,
+        gen_tokens=16 if quick else 48,
     )
-    results = run_all(path, policy_grid(path, residencies), data, "psr demo", progress=progress)
-    paths = save(results, out, "demo", {"model": path, "seconds": time.time() - t0})
-    print(
-        f"psr demo: embedded model ({path}), {len(data.prompts)} held-out prompts x "
-        f"{data.gen_tokens} greedy tokens, {len(data.windows)} held-out windows for "
-        f"Δ nats/token; latency modeled for an OLMoE-sized expert"
-    )
+    configs, sources = policy_grid(path, residencies)
+    results = run_all(path, configs, data, "psr demo", progress=progress)
+    extra = {"model": path, "data": describe(data), "operating_points": sources}
+    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
+    print(f"psr demo: embedded model ({path})")
+    print(f"measured on {describe(data)}")
+    print(f"operating points: {'; '.join(sources)}")
+    print("latency modeled for an OLMoE-1B-7B-sized expert\n")
     print(markdown_table(results))
-    print(f"\nwrote {paths['md']}, {paths['json']}, {paths['png']} ({time.time() - t0:.0f} s)")
+    written = ", ".join(str(v) for v in paths.values())
+    print(f"\nwrote {written} ({time.time() - t0:.0f} s)")
     return results
-
-
-def grid(policies: Sequence[Policy], residencies: Sequence[float]) -> list[RunConfig]:
-    """Every policy at every residency (policies from `psr.policy.parse_policies`)."""
-    return [RunConfig(p, rho) for rho in residencies for p in policies]
 
 
 def evaluate(
@@ -85,45 +121,37 @@ def evaluate(
     configs: list[RunConfig],
     out: str,
     *,
-    windows: int = 24,
-    cloze: int = 24,
+    split: str = "B",
+    windows: int = WINDOWS,
+    cloze: int = 0,
     prompts: int = 4,
     gen_tokens: int = 48,
     progress: bool = True,
     traces: bool = False,
-) -> list[dict]:
-    """Quality suite: perplexity, cloze multiple choice, greedy agreement, modeled latency."""
-    data = EvalData.from_text(
-        tokenizer_of(path),
-        heldout_text(path),
+) -> list[dict[str, Any]]:
+    """Quality suite: decode-path likelihood, cloze, greedy agreement, modeled latency."""
+    data = EvalData.from_heldout(
+        path,
+        split,
+        windows=windows,
+        window_tokens=WINDOW_TOKENS,
+        prompt_tokens=PROMPT_TOKENS,
         prompts=prompts,
         gen_tokens=gen_tokens,
-        windows=windows,
         cloze=cloze,
     )
     results = run_all(path, configs, data, "psr eval", progress=progress)
-    paths = save(results, out, "eval", {"model": path}, traces=traces)
+    paths = save(results, out, "eval", {"model": path, "data": describe(data)}, traces=traces)
+    print(f"measured on {describe(data)}\n")
     print(markdown_table(results))
-    print(f"\nwrote {paths['md']}, {paths['json']}, {paths['png']}")
+    print(f"\nwrote {', '.join(str(v) for v in paths.values())}")
     return results
 
 
-def sweep(
-    path: str,
-    out: str,
-    residencies: Sequence[float] = (0.5, 0.25),
-    lams: Sequence[float] = (0.1, 0.2, 0.3, 0.5, 0.8),
-    ns: Sequence[int] = (0, 1, 2),
-    tolerance: float = 0.01,
-    windows: int = 16,
-    write_points: bool = False,
-    progress: bool = True,
-) -> dict:
-    """lam x n per residency: Pareto front of modeled latency vs Δ nats/token, and the
-    operating points (fastest cache-prior / psr within `tolerance` nats of exact)."""
-    data = EvalData.from_text(
-        tokenizer_of(path), heldout_text(path), prompts=2, gen_tokens=32, windows=windows
-    )
+def sweep_configs(
+    residencies: Sequence[float], lams: Sequence[float], ns: Sequence[int]
+) -> list[RunConfig]:
+    """exact, exact + prefetch (each n > 0), and Cache-Prior (n = 0) / PSR over lam x n."""
     configs = []
     for rho in residencies:
         configs.append(RunConfig(make_policy("exact"), rho))
@@ -135,51 +163,175 @@ def sweep(
                 )
                 for n in ns
             ]
-    results = run_all(path, configs, data, "psr sweep", progress=progress)
-    prof = DEFAULT_PROFILES[0]
+    return configs
+
+
+def within_budget(r: dict[str, Any], budget: float) -> bool:
+    """The quality cost's 95% upper bound is at most `budget` nats/token."""
+    return r.get("delta_nll", {}).get("hi", float("inf")) <= budget
+
+
+def choose(
+    results: list[dict[str, Any]], residency: float, family: str, budget: float, profile: str
+) -> list[dict[str, Any]]:
+    """A family's results at a residency within budget, fastest first (modeled)."""
+    ok = [
+        r
+        for r in results
+        if r["config"]["residency"] == residency
+        and r["config"]["policy"] == family
+        and within_budget(r, budget)
+    ]
+    return sorted(ok, key=lambda r: r["latency"][profile]["ms_per_token"])
+
+
+def sweep(
+    path: str,
+    out: str,
+    residencies: Sequence[float] = (0.5, 0.25),
+    lams: Sequence[float] = SWEEP_LAMS,
+    ns: Sequence[int] = SWEEP_NS,
+    budget: float = BUDGET,
+    windows: int = WINDOWS,
+    split: str = "A",
+    profile: str = PROFILE,
+    progress: bool = True,
+    window_tokens: int = WINDOW_TOKENS,
+) -> dict[str, Any]:
+    """lam x n per residency on held-out set `split`: the Pareto front of modeled latency
+    against Δ nats/token, and per family the fastest point whose 95% upper bound is
+    within `budget` (the candidates `tune` replicates)."""
+    data = EvalData.from_heldout(
+        path,
+        split,
+        windows=windows,
+        window_tokens=window_tokens,
+        prompt_tokens=PROMPT_TOKENS,
+        prompts=0,
+    )
+    profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
+    results = run_all(
+        path, sweep_configs(residencies, lams, ns), data, "psr sweep", profiles, progress
+    )
     fronts, points = {}, {}
     for rho in residencies:
         rs = [r for r in results if r["config"]["residency"] == rho]
-        pts = [(r["latency"][prof]["ms_per_token"], r["delta_nll"]["mean"], r["label"]) for r in rs]
+        pts = [
+            (r["latency"][profile]["ms_per_token"], r["delta_nll"]["mean"], r["label"]) for r in rs
+        ]
         fronts[f"{rho:g}"] = pareto(pts)
-        choice = {}
-        for fam in ("cache-prior", "psr"):
-            ok = [
-                r
-                for r in rs
-                if r["config"]["policy"] == fam and r["delta_nll"]["mean"] <= tolerance
-            ]
-            if ok:
-                best = min(ok, key=lambda r: r["latency"][prof]["ms_per_token"])
-                cfg = best["config"]
-            else:  # nothing within tolerance: this module's defaults
-                cfg = make_policy(fam).params()
-            choice[fam] = {k: cfg[k] for k in ("lam", "n") if cfg[k] is not None}
-        points[f"{rho:g}"] = choice
+        points[f"{rho:g}"] = {
+            fam: [r["label"] for r in choose(results, rho, fam, budget, profile)]
+            for fam in ("cache-prior", "psr")
+        }
     extra = {
         "model": path,
+        "data": describe(data),
         "pareto": fronts,
-        "tolerance_nats": tolerance,
-        "points": points,
-        "profile": prof,
+        "budget_nats": budget,
+        "within_budget": points,
+        "profile": profile,
     }
-    paths = save(results, out, "sweep", extra)
-    print(markdown_table(results))
-    print(f"\nPareto front ({prof}, latency vs Δ nats/token): {json.dumps(fronts, indent=1)}")
-    print(f"operating points (fastest within {tolerance} nats/token): {json.dumps(points)}")
-    if write_points:
-        f = Path(path) / OPERATING_POINTS_FILE
-        f.write_text(
-            json.dumps(
-                {
-                    "points": points,
-                    "tolerance_nats": tolerance,
-                    "profile": prof,
-                    "source": "psr bench sweep",
-                },
-                indent=1,
-            )
-        )
-        print(f"wrote {f}")
-    print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
+    paths = save(results, out, "sweep", extra, profiles)
+    print(f"measured on {describe(data)}\n")
+    print(markdown_table(results, profiles))
+    print(f"\nPareto front ({profile}, latency vs Δ nats/token): {json.dumps(fronts, indent=1)}")
+    print(f"within budget ({budget} nats/token, 95% upper bound), fastest first: {points}")
+    print(f"wrote {', '.join(str(v) for v in paths.values())}")
+    extra["results"] = results
     return extra
+
+
+def tune(
+    path: str,
+    out: str,
+    residencies: Sequence[float] = (0.5, 0.375, 0.25),
+    budget: float = BUDGET,
+    profile: str = PROFILE,
+    lams: Sequence[float] = SWEEP_LAMS,
+    ns: Sequence[int] = SWEEP_NS,
+    windows: int = WINDOWS,
+    write: str | None = None,
+    progress: bool = True,
+    window_tokens: int = WINDOW_TOKENS,
+) -> dict[str, Any]:
+    """Operating points per residency: select on held-out set A (the fastest Cache-Prior
+    and PSR point whose quality cost's 95% upper bound is within `budget`, modeled on
+    `profile`), then replicate on set B: a point is kept only if it is within budget
+    there too; else the next-fastest candidate from A is tried. Writes the points to the
+    user's folder (or `write`) for `psr.load` and the demo to use."""
+    sel = sweep(
+        path,
+        f"{out}/select",
+        residencies,
+        lams,
+        ns,
+        budget,
+        windows,
+        "A",
+        profile,
+        progress,
+        window_tokens,
+    )
+    data_b = EvalData.from_heldout(
+        path,
+        "B",
+        windows=windows,
+        window_tokens=window_tokens,
+        prompt_tokens=PROMPT_TOKENS,
+        prompts=0,
+    )
+    profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
+    chosen: dict[str, dict[str, Policy]] = {}
+    log: list[dict[str, Any]] = []
+    replicated: list[dict[str, Any]] = []
+    for rho in residencies:
+        exact_b = run_config(path, RunConfig(make_policy("exact"), rho), data_b, profiles)
+        replicated.append(exact_b)
+        chosen[f"{rho:g}"] = {}
+        for fam in ("cache-prior", "psr"):
+            pick = None
+            for cand in choose(sel["results"], rho, fam, budget, profile)[:3]:
+                pol = make_policy(fam, cand["config"]["lam"], cand["config"]["n"])
+                rb = run_config(path, RunConfig(pol, rho), data_b, profiles, progress=progress)
+                compare([exact_b, rb], profiles)
+                replicated.append(rb)
+                ok = within_budget(rb, budget)
+                log.append(
+                    {
+                        "residency": rho,
+                        "policy": pol.describe(),
+                        "A": cand["delta_nll"],
+                        "B": rb["delta_nll"],
+                        "speedup_A": cand["speedup"][profile],
+                        "speedup_B": rb["speedup"][profile],
+                        "replicated": ok,
+                    }
+                )
+                if ok:
+                    pick = pol
+                    break
+            # Nothing replicates within budget: the family's most conservative point.
+            chosen[f"{rho:g}"][fam] = pick or make_policy(
+                fam, min(lams), None if fam == "cache-prior" else DEFAULT_N
+            )
+    meta = {
+        "budget_nats": budget,
+        "profile": profile,
+        "selected_on": sel["data"],
+        "replicated_on": describe(data_b),
+        "replication": log,
+        "source": "psr tune",
+    }
+    written = write_operating_points(path, chosen, meta, write)
+    save(replicated, f"{out}/replicate", "replicate", {"model": path, **meta}, profiles)
+    print(f"\noperating points (selected on A, replicated on B, budget {budget} nats/token):")
+    for row in log:
+        print(
+            f"  {row['residency']:.1%} {row['policy']:<22} A: {row['A']['mean']:+.4f} "
+            f"[{row['A']['lo']:+.4f}, {row['A']['hi']:+.4f}] {row['speedup_A']:.2f}x | "
+            f"B: {row['B']['mean']:+.4f} [{row['B']['lo']:+.4f}, {row['B']['hi']:+.4f}] "
+            f"{row['speedup_B']:.2f}x  {'kept' if row['replicated'] else 'not replicated'}"
+        )
+    print(f"wrote {written}")
+    return {"points": chosen, "file": str(written), **meta}

@@ -34,7 +34,7 @@ from psr.models.hf import (
     moe_layer_indices,
     set_tensor,
 )
-from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
+from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy, resolve_policy
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import MoESpec, resolve_capacity
 from psr.store import ExpertStore, LayerSpec, current_backend
@@ -242,8 +242,10 @@ def load(
     ckpt = Checkpoint(path)
     config = transformers.AutoConfig.from_pretrained(str(path))
     spec = moe_spec(config)
-    pol = make_policy(policy, lam, n)
-    C = resolve_capacity(spec, pol, residency, slots)
+    C = resolve_capacity(spec, make_policy(policy, lam, n), residency, slots)
+    # cache-prior / psr without lam and n: the model's tuned operating point, if any.
+    pol, pol_source = resolve_policy(policy, lam, n, model_dir=path, residency=C / spec.num_experts)
+    resolve_capacity(spec, pol, residency, slots)  # the tuned n must fit too
     cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(cfg_dtype, str):
         cfg_dtype = DTYPES.get(cfg_dtype, torch.float32)
@@ -288,4 +290,6 @@ def load(
     tokenizer = None
     if any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    return OffloadedModel(model, runtime, tokenizer, str(path))
+    om = OffloadedModel(model, runtime, tokenizer, str(path))
+    om.policy_source = pol_source
+    return om

@@ -77,14 +77,12 @@ class MoELayer:
 
 
 def _output_cache(output: Any) -> Any:
-    for key in ("cache", "past_key_values"):
-        try:
-            kv = output[key]
-        except (KeyError, TypeError, IndexError):
-            continue
-        if kv is not None:
-            return kv
-    return None
+    if not isinstance(output, dict):
+        return None
+    # transformers >= 5.2x names the field `cache` (asking for the old name warns).
+    new = "cache" in getattr(type(output), "__dataclass_fields__", {})
+    key = "cache" if new else "past_key_values"
+    return output[key] if key in output else None
 
 
 def norm_eps(norm: nn.Module) -> float:
@@ -463,6 +461,9 @@ class OffloadRuntime:
         if T != sc.length:
             raise ValueError(f"scoring expected {sc.length} tokens, the forward has {T}")
         k, lam = self.spec.top_k, self.policy.lam
+        if not bool(torch.isfinite(logits).all()):  # once for the window, not per token
+            raise ValueError(f"MoE layer {L.index}: router logits contain NaN or inf")
+        kw = dict(kw, check_finite=False)
         w_p, ids_p = self.ops.route(logits[:P], k, **kw)
         L.history.extend(ids_p.tolist())
         L.plan = plan_prefill(L.slots, L.history, ids_p.flatten().tolist())
@@ -515,6 +516,15 @@ class OffloadRuntime:
         c = self.spec
         host = self.store.host(L.index)
         dec_ids, dec_w, xs = ids[P:], weights[P:].float(), x[P:]
+        if self.ops.path == "torch":
+            # CPU: each expert once over the tokens that chose it (as prefill computes);
+            # equal to per-token decode steps up to floating-point rounding.
+            tail = torch.zeros_like(xs)
+            for e in torch.unique(dec_ids).tolist():
+                tok, pos = torch.where(dec_ids == e)
+                y = self._row_ffn(host[e].to(x.device), xs[tok]) * dec_w[tok, pos, None]
+                tail.index_add_(0, tok, y.to(tail.dtype))
+            return torch.cat([head, tail])
         used = torch.unique(dec_ids)
         rows = host[used].to(x.device)  # the experts this window decodes with, as a slab
         local = torch.full((c.num_experts,), -1, dtype=torch.long, device=x.device)
@@ -523,16 +533,16 @@ class OffloadRuntime:
         tail = torch.cat(
             [
                 self.ops.expert_ffn(
-                    xs[i : i + 1],
+                    xs[i : i + 64],
                     rows,
-                    slots[i : i + 1],
-                    dec_w[i : i + 1],
+                    slots[i : i + 64],
+                    dec_w[i : i + 64],
                     c.hidden_size,
                     c.ffn_size,
                     out_dtype=x.dtype,
                     check_slots=False,
                 )
-                for i in range(xs.shape[0])
+                for i in range(0, xs.shape[0], 64)
             ]
         )
         return torch.cat([head, tail])

@@ -48,6 +48,8 @@ class OffloadedModel(nn.Module):
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.path = path
+        # Where the policy's lam / n came from: "arguments", "defaults" or a points file.
+        self.policy_source = "arguments"
 
     @property
     def config(self) -> Any:
