@@ -165,9 +165,9 @@ class Builder:
         env = dict(os.environ, TORCH_CUDA_ARCH_LIST=self.archs)
         # cmake / ninja wheels put their commands beside the interpreter: reachable there.
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-        env.pop("PSR_FORCE_CUDA", None)
-        env.pop("PSR_SKIP_CUDA_BUILD", None)
-        env["PSR_FORCE_CUDA" if cuda else "PSR_SKIP_CUDA_BUILD"] = "1"
+        for var in ("PSR_CUDA", "PSR_FORCE_CUDA", "PSR_SKIP_CUDA_BUILD"):
+            env.pop(var, None)  # one setting only: conflicting ones stop the build
+        env["PSR_CUDA"] = "1" if cuda else "0"
         env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(self.jobs))
         cmd = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation"]
         cmd += ["--no-index", "-e", "."]

@@ -91,7 +91,7 @@ def _check_backend(name: str, where: str) -> None:
     if name == "cuda" and not _C.cuda_compiled():
         raise RuntimeError(
             f"{where}: the CUDA backend was not built into psr._C "
-            "(reinstall with nvcc on PATH, or PSR_FORCE_CUDA=1 to make that an error)"
+            "(reinstall with nvcc on PATH, or PSR_CUDA=1 to make that an error)"
         )
     if name == "cuda" and not cuda_available():
         raise RuntimeError(f"{where}: the CUDA backend is built but no CUDA device is available")

@@ -72,8 +72,10 @@ def cubin_archs(path: str) -> set[int]:
 
 
 @pytest.mark.skipif(
-    shutil.which("nvcc") is None or os.environ.get("PSR_SKIP_CUDA_BUILD") == "1",
-    reason="CUDA backend only built where nvcc exists",
+    shutil.which("nvcc") is None
+    or os.environ.get("PSR_SKIP_CUDA_BUILD") == "1"
+    or os.environ.get("PSR_CUDA", "").strip().lower() in ("0", "off", "false", "no"),
+    reason="CUDA backend only built where nvcc exists and PSR_CUDA is not 0",
 )
 def test_cuda_backend_is_in_the_built_module() -> None:
     info = psr.backend_info()
