@@ -2,7 +2,7 @@
 
     resolve_compute(compute, device) -> "triton" | "torch"
     kernel_ops(compute, device)      -> KernelOps: .path, .route, .route_hidden,
-                                        .predict_next, .expert_ffn
+                                        .predict_next, .expert_ffn, .expert_ffn_quant
 
 `compute` is one of `"auto"`, `"triton"`, `"torch"` (or None, the same as "auto"):
 
@@ -29,6 +29,7 @@ import torch
 
 from psr_kernels._common import interpreting
 from psr_kernels.expert_ffn import expert_ffn, expert_ffn_ref
+from psr_kernels.quant import expert_ffn_quant, expert_ffn_quant_ref
 from psr_kernels.routing import (
     predict_next,
     predict_next_ref,
@@ -82,17 +83,25 @@ def resolve_compute(compute: Compute | None, device: torch.device | str) -> Comp
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The four ops of one compute path, with the signatures of `psr_kernels.route` etc."""
+    """The ops of one compute path, with the signatures of `psr_kernels.route` etc."""
 
     path: ComputePath
     route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     route_hidden: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     predict_next: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     expert_ffn: Callable[..., torch.Tensor]
+    expert_ffn_quant: Callable[..., torch.Tensor]  # quantized slab rows (psr_kernels.quant)
 
 
-_TRITON = KernelOps("triton", route, route_hidden, predict_next, expert_ffn)
-_TORCH = KernelOps("torch", route_ref, route_hidden_ref, predict_next_ref, expert_ffn_ref)
+_TRITON = KernelOps("triton", route, route_hidden, predict_next, expert_ffn, expert_ffn_quant)
+_TORCH = KernelOps(
+    "torch",
+    route_ref,
+    route_hidden_ref,
+    predict_next_ref,
+    expert_ffn_ref,
+    expert_ffn_quant_ref,
+)
 
 
 def kernel_ops(compute: Compute | None, device: torch.device | str) -> KernelOps:

@@ -1,10 +1,10 @@
 """torch.library registrations of the psr kernels, and a vLLM routing hook.
 
-`torch.ops.psr.route`, `route_hidden`, `predict_next` and `expert_ffn` dispatch
-through `psr_kernels.dispatch.kernel_ops("auto", device)`: the Triton kernel on CUDA
-tensors, the torch reference elsewhere, unless the process default `PSR_COMPUTE`
-(auto|triton|torch) says otherwise (`PSR_COMPUTE=triton` runs the kernels on CPU
-tensors under TRITON_INTERPRET=1). One call site serves GPU and CPU.
+`torch.ops.psr.route`, `route_hidden`, `predict_next`, `expert_ffn` and
+`expert_ffn_quant` dispatch through `psr_kernels.dispatch.kernel_ops("auto", device)`:
+the Triton kernel on CUDA tensors, the torch reference elsewhere, unless the process
+default `PSR_COMPUTE` (auto|triton|torch) says otherwise (`PSR_COMPUTE=triton` runs the
+kernels on CPU tensors under TRITON_INTERPRET=1). One call site serves GPU and CPU.
 
 Each op has a fake (meta) implementation whose outputs match the real ones in shape,
 dtype and strides (all outputs are fresh contiguous tensors), so they trace under
@@ -185,6 +185,37 @@ def expert_ffn_op(
 
 @expert_ffn_op.register_fake
 def _(x, slab, slots, weights, hidden_size, ffn_size, out_dtype=None):
+    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
+
+
+@torch.library.custom_op("psr::expert_ffn_quant", mutates_args=())
+def expert_ffn_quant_op(
+    x: Tensor,
+    slab: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: str,
+    group_size: int = 128,
+    out_dtype: torch.dtype | None = None,
+) -> Tensor:
+    return kernel_ops("auto", x.device).expert_ffn_quant(
+        x,
+        slab,
+        slots,
+        weights,
+        hidden_size,
+        ffn_size,
+        fmt,
+        group_size=group_size,
+        out_dtype=out_dtype,
+        check_slots=False,
+    )
+
+
+@expert_ffn_quant_op.register_fake
+def _(x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size=128, out_dtype=None):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 

@@ -3,9 +3,9 @@
 The interpreter runs the kernels' logic but not Triton's GPU compiler, which rejects
 things the interpreter accepts (types, layouts, shapes, constexpr logic). Triton ships
 ptxas, so the launch configurations the wrappers choose for real model shapes
-(`route_kernel_config`, `ffn_launch_config`: the same functions the wrappers launch
-with) are compiled here to sm_80 and sm_90 cubins, in a subprocess without
-TRITON_INTERPRET.
+(`route_kernel_config`, `ffn_launch_config`, `quant_launch_config`: the same functions
+the wrappers launch with) are compiled here to sm_80 and sm_90 cubins, in a subprocess
+without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
 
     from psr_kernels.expert_ffn import _down_kernel, _gate_up_kernel, ffn_launch_config
+    from psr_kernels.quant import (
+        FORMATS, QuantLayout, _fp8_decode_kernel, _quant_down_kernel, _quant_gate_up_kernel,
+        quant_launch_config,
+    )
     from psr_kernels.routing import RouteSpec, _route_kernel, route_kernel_config
 
     def compile_(fn, types, consts, warps, arch):
@@ -68,6 +72,22 @@ SCRIPT = textwrap.dedent(
         compile_(_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("bf16"), "slots_ptr": p("i64"),
                                 "w_ptr": p("fp32"), "y_ptr": p("bf16")}, dict(K=k, **c2), w2, arch)
         n += 2
+    # Quantized slab rows: every format (fp8 decoded with integer ops: no fp8 hardware
+    # needed on sm_80) for OLMoE-1B-7B at decode (H=2048, F=1024, k=8, T=1).
+    for arch, fmt in itertools.product((80, 90), FORMATS):
+        c1, c2 = quant_launch_config(QuantLayout.of(fmt, 2048, 1024))
+        w1, w2 = c1.pop("num_warps"), c2.pop("num_warps")
+        compile_(_quant_gate_up_kernel, {"x_ptr": p("bf16"), "slab_ptr": p("u8"),
+                                         "slots_ptr": p("i64"), "h_ptr": p("fp32")},
+                 dict(K=8, **c1), w1, arch)
+        compile_(_quant_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("u8"),
+                                      "slots_ptr": p("i64"), "w_ptr": p("fp32"),
+                                      "y_ptr": p("bf16")}, dict(K=8, **c2), w2, arch)
+        n += 2
+    for arch in (80, 90):
+        compile_(_fp8_decode_kernel, {"c_ptr": p("u8"), "out_ptr": p("fp32")},
+                 dict(BLOCK=256), 4, arch)
+        n += 1
     print("compiled", n)
     """
 )
@@ -82,4 +102,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 36" in r.stdout
+    assert "compiled 50" in r.stdout

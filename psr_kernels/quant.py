@@ -1,0 +1,606 @@
+"""Quantized expert copies: one packed uint8 slab row per expert, run straight from the slab.
+
+    y[t] = sum_j w[t, j] * down_j( silu(gate_j x[t]) * up_j x[t] ),  expert j in slot slots[t, j]
+
+as `expert_ffn`, but the slab is `[C, nbytes]` uint8 and every row holds one expert's
+quantized weights and their fp32 scales, so a miss or prefetch moves 1/2 (int8, fp8) or
+about 1/4 (int4) of the bf16 bytes. Weight-only, symmetric formats (`FORMATS`):
+
+* `int8`: per output channel; q = round(w / s) in [-127, 127], s = max|w_row| / 127.
+* `fp8`: OCP e4m3 "FN" (bias 7, max 448, no inf, NaN = 0x7F/0xFF), per output channel;
+  s = max|w_row| / 448, codes = e4m3(clamp(w / s, +-448)) with round-to-nearest-even.
+  The kernels decode the bits with integer arithmetic, so no fp8 hardware is needed.
+* `int4`: group-wise along the input dim (G = group_size, a power of two in [16, 256],
+  must divide the dim; a dim smaller than G is one group, the whole row); q in [-7, 7],
+  s = max|w_group| / 7; two signed (two's complement) nibbles per byte, low nibble
+  first (even column), each row starting on a fresh byte (ceil(K/2) bytes per row).
+
+An all-zero row or group gets s = 1. Row layout (`QuantLayout`; every part starts at a
+multiple of 16 bytes and `nbytes` is one too, so fp32 scale loads stay aligned in every
+slot of the slab):
+
+    part    shape (elements)    bytes                     dtype
+    gate    [F, H]              F * B(H)                  codes
+    up      [F, H]              F * B(H)                  codes
+    down    [H, F]              H * B(F)                  codes
+    gate_s  [F, H / G_H]        4 * F * (H / G_H)         fp32
+    up_s    [F, H / G_H]        4 * F * (H / G_H)         fp32
+    down_s  [H, F / G_F]        4 * H * (F / G_F)         fp32
+
+B(K) = K bytes per row for int8/fp8 and ceil(K / 2) for int4; G_H, G_F are the groups
+along H and F (the whole row for int8/fp8). `quantize_expert` writes a row,
+`dequantize_expert` reads one (or a batch) back in fp32: the reference.
+
+Kernels: `_quant_gate_up_kernel` then `_quant_down_kernel`, the structure of
+`expert_ffn`'s (fp32 accumulation, fixed reduction order, no atomics: bit-reproducible),
+with the format a constexpr. Each reduction tile lies inside one scale group, so a tile's
+partial dot product of the raw codes is scaled once per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from psr_kernels._common import check_float, check_launchable, pow2
+from psr_kernels.expert_ffn import _check_slot_range
+
+FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
+_FMT_CODE = {"int8": 0, "fp8": 1, "int4": 2}  # the kernels' FMT constexpr
+_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
+_ALIGN = 16
+_GROUP_SIZES = (16, 32, 64, 128, 256)
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _check_fmt(op: str, fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"{op}: fmt must be one of {', '.join(map(repr, FORMATS))}, got {fmt!r}")
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """Byte offsets and sizes of the parts of one quantized expert's slab row."""
+
+    fmt: str
+    hidden_size: int
+    ffn_size: int
+    group_h: int  # scale group along H (gate/up input dim); = H for int8/fp8
+    group_f: int  # scale group along F (down input dim); = F for int8/fp8
+    gate: int  # byte offsets of the parts ...
+    up: int
+    down: int
+    gate_scale: int
+    up_scale: int
+    down_scale: int
+    row_bytes_h: int  # bytes per gate/up row (B(H))
+    row_bytes_f: int  # bytes per down row (B(F))
+    nbytes: int  # row length, a multiple of 16
+
+    @property
+    def groups_h(self) -> int:
+        return self.hidden_size // self.group_h
+
+    @property
+    def groups_f(self) -> int:
+        return self.ffn_size // self.group_f
+
+    @classmethod
+    def of(cls, fmt: str, hidden_size: int, ffn_size: int, group_size: int = 128) -> QuantLayout:
+        """The layout of `fmt` for an expert of hidden size H and ffn size F.
+
+        `group_size` matters for int4 only. Raises ValueError for an unknown format, a
+        non-positive size, or an int4 group that is not a power of two in [16, 256] or
+        does not divide H (or F) where that dim is at least one group long.
+        """
+        return _quant_layout("QuantLayout", fmt, hidden_size, ffn_size, group_size)
+
+
+def _quant_layout(
+    op: str, fmt: str, hidden_size: int, ffn_size: int, group_size: int
+) -> QuantLayout:
+    """`QuantLayout.of`, its errors prefixed by `op`."""
+    _check_fmt(op, fmt)
+    H, F = int(hidden_size), int(ffn_size)
+    if H < 1 or F < 1:
+        raise ValueError(f"{op}: hidden_size and ffn_size must be positive, got {H}, {F}")
+    if fmt == "int4":
+        if group_size not in _GROUP_SIZES:
+            raise ValueError(
+                f"{op}: int4 group_size must be one of {_GROUP_SIZES}, got {group_size}"
+            )
+        gh, gf = min(group_size, H), min(group_size, F)
+        for name, dim, g in (("hidden_size", H, gh), ("ffn_size", F, gf)):
+            if dim % g:
+                raise ValueError(
+                    f"{op}: int4 group_size {g} must divide {name} {dim} (or exceed it: "
+                    f"then one group spans the row)"
+                )
+        rbh, rbf = (H + 1) // 2, (F + 1) // 2
+    else:
+        gh, gf = H, F
+        rbh, rbf = H, F
+    sizes = [F * rbh, F * rbh, H * rbf, 4 * F * (H // gh), 4 * F * (H // gh), 4 * H * (F // gf)]
+    offs, at = [], 0
+    for s in sizes:
+        offs.append(at)
+        at = _align(at + s)
+    return QuantLayout(fmt, H, F, gh, gf, *offs, rbh, rbf, at)
+
+
+def bytes_ratio(
+    fmt: str, hidden_size: int, ffn_size: int, group_size: int = 128, base_itemsize: int = 2
+) -> float:
+    """Bytes of a quantized expert row (scales and padding included) over the unquantized
+    expert's 3*H*F*base_itemsize: what a copy of the format costs relative to the model dtype."""
+    lay = _quant_layout("bytes_ratio", fmt, hidden_size, ffn_size, group_size)
+    return lay.nbytes / (3 * hidden_size * ffn_size * base_itemsize)
+
+
+# --------------------------------------------------------------------------- host side
+
+
+def _quantize_matrix(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 [R, B(K)], scales fp32 [R, K / group]) of one fp32 matrix [R, K]."""
+    R, K = w.shape
+    qmax = _QMAX[fmt]
+    wg = w.reshape(R, K // group, group)
+    s = wg.abs().amax(-1) / qmax
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    v = (wg / s[..., None]).reshape(R, K)
+    if fmt == "int8":
+        codes = v.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+    elif fmt == "fp8":
+        # Clamp first: the cast itself would map |v| > 448 to NaN (e4m3fn has no inf).
+        codes = v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        n = v.round().clamp(-7, 7).to(torch.int32) & 0xF  # two's complement nibbles
+        if K % 2:
+            n = torch.nn.functional.pad(n, (0, 1))
+        codes = (n[:, 0::2] | (n[:, 1::2] << 4)).to(torch.uint8)
+    return codes.contiguous(), s.contiguous()
+
+
+def quantize_expert(
+    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str, *, group_size: int = 128
+) -> torch.Tensor:
+    """One packed slab row (uint8 `[nbytes]`, CPU) of an expert's `gate [F, H]`,
+    `up [F, H]`, `down [H, F]` (any float dtype; quantized from their fp32 values)."""
+    op = "quantize_expert"
+    _check_fmt(op, fmt)
+    for name, m in (("gate", gate), ("up", up), ("down", down)):
+        if not isinstance(m, torch.Tensor) or m.dim() != 2 or not m.is_floating_point():
+            raise ValueError(f"{op}: {name} must be a 2-D float tensor")
+    F, H = gate.shape
+    if up.shape != (F, H) or down.shape != (H, F):
+        raise ValueError(
+            f"{op}: expected gate/up [F, H] and down [H, F], got "
+            f"{list(gate.shape)}, {list(up.shape)}, {list(down.shape)}"
+        )
+    lay = _quant_layout(op, fmt, H, F, group_size)
+    row = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    parts = [
+        (_quantize_matrix(m.detach().to("cpu", torch.float32), fmt, g), at, s_at)
+        for m, g, at, s_at in (
+            (gate, lay.group_h, lay.gate, lay.gate_scale),
+            (up, lay.group_h, lay.up, lay.up_scale),
+            (down, lay.group_f, lay.down, lay.down_scale),
+        )
+    ]
+    for (codes, scales), at, s_at in parts:
+        row[at : at + codes.numel()] = codes.reshape(-1)
+        sb = scales.reshape(-1).view(torch.uint8)
+        row[s_at : s_at + sb.numel()] = sb
+    return row
+
+
+def _dequantize_matrix(
+    row: torch.Tensor, at: int, s_at: int, R: int, K: int, rb: int, group: int, fmt: str
+) -> torch.Tensor:
+    batch = row.shape[:-1]
+    codes = row[..., at : at + R * rb].reshape(*batch, R, rb)
+    ng = K // group
+    scales = row[..., s_at : s_at + 4 * R * ng].contiguous().view(torch.float32)
+    scales = scales.reshape(*batch, R, ng, 1)
+    if fmt == "int8":
+        q = codes.view(torch.int8).float()
+    elif fmt == "fp8":
+        q = codes.view(torch.float8_e4m3fn).float()
+    else:
+        b = codes.to(torch.int32)
+        lo, hi = b & 0xF, b >> 4
+        n = torch.stack([lo, hi], -1).reshape(*batch, R, 2 * rb)[..., :K]
+        q = ((n ^ 8) - 8).float()  # sign-extend the nibble
+    return (q.reshape(*batch, R, ng, group) * scales).reshape(*batch, R, K)
+
+
+def dequantize_expert(
+    row: torch.Tensor, hidden_size: int, ffn_size: int, fmt: str, *, group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 `(gate [..., F, H], up [..., F, H], down [..., H, F])` of packed rows
+    `[..., nbytes]` (one row, `slab`, or `slab[slots]`): the reference dequantizer."""
+    op = "dequantize_expert"
+    lay = _quant_layout(op, fmt, hidden_size, ffn_size, group_size)
+    if not isinstance(row, torch.Tensor) or row.dim() < 1 or row.dtype != torch.uint8:
+        raise ValueError(f"{op}: row must be a uint8 tensor with at least 1 dim")
+    if row.shape[-1] != lay.nbytes:
+        raise ValueError(
+            f"{op}: rows hold {row.shape[-1]} bytes, expected {lay.nbytes} "
+            f"({fmt}, H={hidden_size}, F={ffn_size})"
+        )
+    H, F = lay.hidden_size, lay.ffn_size
+    gate = _dequantize_matrix(
+        row, lay.gate, lay.gate_scale, F, H, lay.row_bytes_h, lay.group_h, fmt
+    )
+    up = _dequantize_matrix(row, lay.up, lay.up_scale, F, H, lay.row_bytes_h, lay.group_h, fmt)
+    down = _dequantize_matrix(
+        row, lay.down, lay.down_scale, H, F, lay.row_bytes_f, lay.group_f, fmt
+    )
+    return gate, up, down
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _fp8_e4m3_to_f32(c):
+    """fp32 value of e4m3fn codes `c` (int32 in [0, 255]) by integer arithmetic."""
+    e = (c >> 3) & 0xF
+    m = c & 0x7
+    # Normal: exponent e - 7 rebased to fp32's bias 127; built as bits, no fp8 hardware.
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    sub = m.to(tl.float32) * 0.001953125  # e == 0: m * 2^-9 (no fp32 subnormals involved)
+    mag = tl.where(e == 0, sub, normal)
+    mag = tl.where((c & 0x7F) == 0x7F, float("nan"), mag)
+    return mag * tl.where(c >= 128, -1.0, 1.0)  # a product keeps -0.0 (0 - x would not)
+
+
+@triton.jit
+def _qdot(w_ptr, rows, rmask, k0, K, RB, v_ptr, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k q[rows, k] * v[k] over the tile k0 <= k < k0 + BLOCK_K of a code matrix at
+    byte pointer `w_ptr` (rows of RB bytes); v fp32/bf16/fp16 at `v_ptr`. Raw codes: the
+    caller applies the tile's scales."""
+    r64 = rows[:, None].to(tl.int64)
+    if FMT == 2:
+        # int4: a tile of BLOCK_K / 2 bytes, low nibble = even column, high = odd column.
+        i = tl.arange(0, BLOCK_K // 2)
+        ke = k0 + 2 * i
+        me = ke < K
+        ve = tl.load(v_ptr + ke, mask=me, other=0.0).to(tl.float32)
+        vo = tl.load(v_ptr + ke + 1, mask=(ke + 1) < K, other=0.0).to(tl.float32)
+        bm = rmask[:, None] & me[None, :]
+        b = tl.load(w_ptr + r64 * RB + (k0 // 2 + i)[None, :], mask=bm, other=0).to(tl.int32)
+        lo = ((b & 0xF) ^ 8) - 8  # sign-extend the nibbles
+        hi = ((b >> 4) ^ 8) - 8
+        prod = lo.to(tl.float32) * ve[None, :] + hi.to(tl.float32) * vo[None, :]
+    else:
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < K
+        v = tl.load(v_ptr + ks, mask=km, other=0.0).to(tl.float32)
+        wm = rmask[:, None] & km[None, :]
+        if FMT == 0:
+            p8 = w_ptr.to(tl.pointer_type(tl.int8))
+            q = tl.load(p8 + r64 * RB + ks[None, :], mask=wm, other=0).to(tl.float32)
+        else:
+            c = tl.load(w_ptr + r64 * RB + ks[None, :], mask=wm, other=0).to(tl.int32)
+            q = _fp8_e4m3_to_f32(c)
+        prod = q * v[None, :]
+    return tl.sum(prod, axis=1)
+
+
+@triton.jit
+def _tile_scales(s_ptr, rows, rmask, k0, G, NG):
+    """fp32 scales of `rows` for the group holding column k0 (scale parts at byte pointer
+    `s_ptr`, NG groups of G per row)."""
+    sp = s_ptr.to(tl.pointer_type(tl.float32))
+    return tl.load(sp + rows.to(tl.int64) * NG + k0 // G, mask=rmask, other=0.0)
+
+
+@triton.jit
+def _quant_gate_up_kernel(
+    x_ptr,
+    s_xt,
+    slab_ptr,
+    s_slot,
+    slots_ptr,
+    h_ptr,
+    T,
+    H,
+    F,
+    C,
+    gate_off,  # byte offsets of the parts in a slab row (QuantLayout), multiples of 16
+    up_off,
+    gate_s_off,
+    up_s_off,
+    RB,  # bytes per gate/up row
+    G,  # scale group along H
+    NG,  # groups per row
+    K: tl.constexpr,
+    FMT: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    tk = tl.program_id(0)
+    t = tk // K
+    fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fm = fs < F
+    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    ok = (slot >= 0) & (slot < C)  # out-of-range slots read nothing (the wrapper checks)
+    rm = ok & fm
+    base = slab_ptr + slot * s_slot
+    x_row = x_ptr + t * s_xt
+    acc_g = tl.zeros([BLOCK_F], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):  # each tile lies in one scale group (the launch config)
+        dg = _qdot(base + gate_off, fs, rm, h0, H, RB, x_row, FMT, BLOCK_H)
+        du = _qdot(base + up_off, fs, rm, h0, H, RB, x_row, FMT, BLOCK_H)
+        acc_g += dg * _tile_scales(base + gate_s_off, fs, rm, h0, G, NG)
+        acc_u += du * _tile_scales(base + up_s_off, fs, rm, h0, G, NG)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + tk * F + fs, h, mask=fm)
+
+
+@triton.jit
+def _quant_down_kernel(
+    h_ptr,
+    slab_ptr,
+    s_slot,
+    slots_ptr,
+    w_ptr,
+    y_ptr,
+    s_yt,
+    T,
+    H,
+    F,
+    C,
+    down_off,
+    down_s_off,
+    RB,  # bytes per down row
+    G,  # scale group along F
+    NG,
+    K: tl.constexpr,
+    FMT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = hs < H
+    y = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(K):
+        slot = tl.load(slots_ptr + t * K + j).to(tl.int64)
+        ok = (slot >= 0) & (slot < C)
+        rm = ok & hm
+        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        base = slab_ptr + slot * s_slot
+        h_row = h_ptr + (t * K + j) * F
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            d = _qdot(base + down_off, hs, rm, f0, F, RB, h_row, FMT, BLOCK_F)
+            acc += d * _tile_scales(base + down_s_off, hs, rm, f0, G, NG)
+        y += wj * acc
+    tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _reduction_block(group: int, cap: int) -> int:
+    """A reduction tile inside one scale group: a power-of-two group is tiled by
+    min(group, cap); a group that is not one (a whole short int4 row) is one tile."""
+    if group & (group - 1) == 0:
+        return max(16, min(group, cap))
+    return pow2(group, 16)
+
+
+def quant_launch_config(lay: QuantLayout) -> tuple[dict[str, int], dict[str, int]]:
+    """Constexprs (all but K) and warps of the gate/up and down kernels for `lay` (no
+    autotuning; the same for every T)."""
+    H, F = lay.hidden_size, lay.ffn_size
+    fmt = _FMT_CODE[lay.fmt]
+    if lay.fmt == "int4":
+        bh, bf = _reduction_block(lay.group_h, 128), _reduction_block(lay.group_f, 128)
+    else:  # one group per row: any tiling
+        bh, bf = min(pow2(H, 16), 128), min(pow2(F, 16), 128)
+    # 16 output rows per program: the decoded [16, 128] tiles fit in registers without
+    # spills on sm_80/sm_90 (ptxas -v; expert_ffn's 64-row gate/up tile and 32-64-row down
+    # tiles spill with fp8 decoding), and T = 1 still launches k * F / 16 gate/up and H / 16
+    # down programs (512 and 128 for OLMoE).
+    gate_up = dict(FMT=fmt, BLOCK_F=16, BLOCK_H=bh, num_warps=4)
+    down = dict(FMT=fmt, BLOCK_H=16, BLOCK_F=bf, num_warps=4)
+    return gate_up, down
+
+
+def _check_quant_ffn(
+    op: str,
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: str,
+    group_size: int,
+) -> QuantLayout:
+    _check_fmt(op, fmt)
+    check_float(op, "x", x, 2)
+    check_float(op, "weights", weights, 2)
+    if not isinstance(slab, torch.Tensor):
+        raise TypeError(f"{op}: slab must be a tensor, got {type(slab).__name__}")
+    if slab.dtype != torch.uint8 or slab.dim() != 2:
+        raise TypeError(
+            f"{op}: slab must be a 2-D uint8 tensor [C, nbytes], got {slab.dtype} "
+            f"{list(slab.shape)}"
+        )
+    T, H = x.shape
+    if H != hidden_size:
+        raise ValueError(f"{op}: x has hidden size {H}, expected {hidden_size}")
+    if ffn_size < 1:
+        raise ValueError(f"{op}: ffn_size must be positive, got {ffn_size}")
+    lay = _quant_layout(op, fmt, hidden_size, ffn_size, group_size)
+    if slab.shape[1] != lay.nbytes:
+        raise ValueError(
+            f"{op}: slab rows hold {slab.shape[1]} bytes, expected {lay.nbytes} "
+            f"({fmt}, H={hidden_size}, F={ffn_size}, group_size={group_size})"
+        )
+    if slab.stride(1) != 1:
+        raise ValueError(f"{op}: slab rows must be contiguous (stride(1) == 1)")
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: slots must be an int32/int64 tensor")
+    if slots.dim() != 2 or slots.shape[0] != T:
+        raise ValueError(f"{op}: slots must be [T={T}, k], got {list(slots.shape)}")
+    if weights.shape != slots.shape:
+        raise ValueError(
+            f"{op}: weights {list(weights.shape)} and slots {list(slots.shape)} differ"
+        )
+    return lay
+
+
+def expert_ffn_quant(
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: str,
+    *,
+    group_size: int = 128,
+    out_dtype: torch.dtype | None = None,
+    check_slots: bool = True,
+) -> torch.Tensor:
+    """Routed SwiGLU experts of `x [T, H]` read from quantized slab rows `slab [C, nbytes]`.
+
+    Args:
+        slab: uint8, rows of `QuantLayout.of(fmt, H, F, group_size).nbytes` bytes
+            (`quantize_expert`), base and row stride 16-byte aligned.
+        slots: `[T, k]` int slot of each routed expert; weights: `[T, k]` gate weights.
+        fmt: one of FORMATS; group_size: the int4 scale group.
+        out_dtype: output dtype (default x.dtype); accumulation is always fp32.
+        check_slots: validate slot ids on the host (a sync); out-of-range slots are
+            otherwise read as zeros rather than faulting.
+    Returns `[T, H]`, contiguous.
+    """
+    op = "expert_ffn_quant"
+    lay = _check_quant_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
+    check_launchable(op, x, slab, slots, weights)
+    # fp32 scales are read at 16-aligned offsets of each row: the rows must be aligned too.
+    if slab.data_ptr() % _ALIGN or slab.stride(0) % _ALIGN:
+        raise ValueError(
+            f"{op}: slab rows must start at 16-byte aligned addresses (data_ptr "
+            f"{slab.data_ptr()} and row stride {slab.stride(0)} must be multiples of 16)"
+        )
+    T, H = x.shape
+    K = slots.shape[1]
+    C = slab.shape[0]
+    F = ffn_size
+    if check_slots:
+        _check_slot_range(op, slots, C)
+    out_dtype = out_dtype or x.dtype
+    y = torch.empty(T, H, dtype=out_dtype, device=x.device)
+    if T == 0 or K == 0:
+        return y.zero_()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    slots = slots.contiguous()
+    weights = weights.float().contiguous()
+    h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
+    c1, c2 = quant_launch_config(lay)
+    _quant_gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
+        x_ptr=x,
+        s_xt=x.stride(0),
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        h_ptr=h,
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        gate_off=lay.gate,
+        up_off=lay.up,
+        gate_s_off=lay.gate_scale,
+        up_s_off=lay.up_scale,
+        RB=lay.row_bytes_h,
+        G=lay.group_h,
+        NG=lay.groups_h,
+        K=K,
+        **c1,
+    )
+    _quant_down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
+        h_ptr=h,
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        w_ptr=weights,
+        y_ptr=y,
+        s_yt=y.stride(0),
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        down_off=lay.down,
+        down_s_off=lay.down_scale,
+        RB=lay.row_bytes_f,
+        G=lay.group_f,
+        NG=lay.groups_f,
+        K=K,
+        **c2,
+    )
+    return y
+
+
+def expert_ffn_quant_ref(
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: str,
+    *,
+    group_size: int = 128,
+    out_dtype: torch.dtype | None = None,
+    check_slots: bool = True,
+) -> torch.Tensor:
+    """Plain-torch reference of `expert_ffn_quant`: dequantize, then fp32 SwiGLU."""
+    op = "expert_ffn_quant_ref"
+    _check_quant_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
+    if check_slots:
+        _check_slot_range(op, slots, slab.shape[0])
+    gate, up, down = dequantize_expert(
+        slab[slots.long()], hidden_size, ffn_size, fmt, group_size=group_size
+    )
+    xf = x.float()[:, None, :, None]  # [T, 1, H, 1]; gate/up [T, k, F, H], down [T, k, H, F]
+    g = (gate @ xf).squeeze(-1)  # [T, k, F]
+    u = (up @ xf).squeeze(-1)
+    h = torch.nn.functional.silu(g) * u
+    out = (down @ h[..., None]).squeeze(-1)  # [T, k, H]
+    y = (out * weights.float()[..., None]).sum(1)
+    return y.to(out_dtype or x.dtype).contiguous()
+
+
+@triton.jit
+def _fp8_decode_kernel(c_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    c = tl.load(c_ptr + i, mask=m, other=0).to(tl.int32)
+    tl.store(out_ptr + i, _fp8_e4m3_to_f32(c), mask=m)
+
+
+def decode_fp8_e4m3(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of e4m3fn codes (uint8) decoded by the kernels' integer decoder
+    (`_fp8_e4m3_to_f32`), on the device Triton runs on: for tests and debugging."""
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError("decode_fp8_e4m3: codes must be a uint8 tensor")
+    check_launchable("decode_fp8_e4m3", codes)
+    flat = codes.reshape(-1).contiguous()
+    out = torch.empty(flat.numel(), dtype=torch.float32, device=codes.device)
+    if flat.numel():
+        _fp8_decode_kernel[(triton.cdiv(flat.numel(), 256),)](flat, out, flat.numel(), BLOCK=256)
+    return out.reshape(codes.shape)
