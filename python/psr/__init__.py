@@ -41,7 +41,7 @@ _EXPORTS = {
         "set_backend",
     ),
     "psr.runtime": ("MoESpec", "OffloadedModel", "Stats", "Trace"),
-    "psr.models": ("DEFAULT_MODEL", "CheckpointError", "load", "offload"),
+    "psr.models": ("DEFAULT_MODEL", "CheckpointError", "load", "offload", "restore"),
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = [
@@ -68,12 +68,13 @@ __all__ = [
     "parse_policies",
     "parse_policy",
     "prefill_state",
+    "restore",
     "set_backend",
 ]
 
 if TYPE_CHECKING:
     from psr.cache import LogicalCache, prefill_state
-    from psr.models import DEFAULT_MODEL, CheckpointError, load, offload
+    from psr.models import DEFAULT_MODEL, CheckpointError, load, offload, restore
     from psr.policy import (
         DEFAULT_LAM,
         DEFAULT_N,

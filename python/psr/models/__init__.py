@@ -4,7 +4,7 @@
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.models.embedded import DEFAULT_MODEL
 from psr.models.families import SUPPORTED, moe_spec
-from psr.models.loader import load, offload
+from psr.models.loader import load, offload, restore
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -15,4 +15,5 @@ __all__ = [
     "moe_spec",
     "offload",
     "read_config",
+    "restore",
 ]

@@ -1,5 +1,6 @@
 """Wiring psr into a transformers causal LM: find its MoE layers, swap their router and
-experts modules for psr's, and hook sequence starts, residual capture and timing."""
+experts modules for psr's, and hook sequence starts, residual capture and timing; and the
+way back (`uninstall`), and checkpoints that name the experts as the model does."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import functools
 import inspect
 import time
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from psr.runtime.engine import OffloadRuntime
+import psr_kernels as pk
+from psr.runtime.engine import MoELayer, OffloadRuntime
 from psr.runtime.modules import OffloadedExperts, PSRRouter
 from psr.runtime.spec import MoESpec
 from psr.store import ExpertStore
@@ -40,6 +45,26 @@ def moe_layer_indices(model: nn.Module) -> list[int]:
     return out
 
 
+@dataclass
+class _Swap:
+    """One MoE layer as psr found it: what `uninstall` puts back."""
+
+    decoder_index: int
+    router: nn.Module  # the model's router (also PSRRouter.inner)
+    experts: nn.Module  # the model's experts module, its packed parameters on the meta device
+    device: torch.device  # where its parameters go back to
+    hook: RemovableHandle  # the residual-capturing pre-hook on post_attention_layernorm
+
+
+@dataclass
+class Installation:
+    """What `install` changed in a model (kept as `model.psr_installation`). No reference to
+    the model itself: dropping the model frees its store at once (no cycle)."""
+
+    swaps: list[_Swap]
+    forward: Callable[..., Any]  # the wrapper installed as the model's `forward`
+
+
 def install(
     model: nn.Module,
     spec: MoESpec,
@@ -49,7 +74,12 @@ def install(
     compute: str,
     moe_idx: list[int],
 ) -> OffloadRuntime:
-    """Swap each MoE layer's router and experts for psr's and hook the model's forward."""
+    """Swap each MoE layer's router and experts for psr's and hook the model's forward.
+
+    The replaced experts module is kept, outside the module tree, with its packed
+    parameters moved to the meta device (no memory; `store` now holds the weights), so
+    `uninstall` can rebuild it from the store. Its state dict (`save_pretrained`) names the
+    router and the experts as the original modules do."""
     layers = decoder_layers(model)
     runtime = OffloadRuntime(
         spec,
@@ -60,19 +90,162 @@ def install(
         compute,
         num_decoder_layers=len(layers),
     )
+    found = []  # checked for every layer before any is changed
     for L in runtime.layers:
+        experts = layers[L.decoder_index].mlp.experts
+        names = packed_names(experts, spec.num_experts)
+        _check_layout(experts, store.host(L.index), spec)
+        real = [experts.get_parameter(n) for n in names if not experts.get_parameter(n).is_meta]
+        # psr.load builds the model on the meta device and never materialises its experts.
+        found.append((experts, names, real[0].device if real else L.router.weight.device))
+    swaps = []
+    for L, (experts, names, device) in zip(runtime.layers, found, strict=True):
         layer = layers[L.decoder_index]
-        layer.mlp.gate = PSRRouter(runtime, L)
-        layer.mlp.experts = OffloadedExperts(runtime, L)
-        layer.post_attention_layernorm.register_forward_pre_hook(
+        for name in names:  # the store holds the weights now: free them
+            p = experts.get_parameter(name)
+            _set_parameter(experts, name, torch.empty_like(p, device="meta"), p.requires_grad)
+        router = PSRRouter(runtime, L)
+        router.register_state_dict_post_hook(_unwrap_router_state)
+        offloaded = OffloadedExperts(runtime, L)
+        offloaded.register_state_dict_post_hook(_experts_state_hook(store, L, spec, experts))
+        layer.mlp.gate = router
+        layer.mlp.experts = offloaded
+        hook = layer.post_attention_layernorm.register_forward_pre_hook(
             lambda mod, args, L=L: runtime.capture_residual(L, args[0])
         )
-    _wrap_forward(model, runtime)
+        swaps.append(_Swap(L.decoder_index, L.router, experts, device, hook))
+    forward = _wrap_forward(model, runtime)
     model.psr_runtime = runtime
+    model.psr_installation = Installation(swaps, forward)
     return runtime
 
 
-def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> None:
+def uninstall(model: nn.Module) -> None:
+    """Undo `install`: the original router and experts modules back in place, the experts'
+    weights copied from the host store onto their device in their dtype, the hooks and
+    the forward wrapper removed, and the store closed. All or nothing: if materialising
+    fails (out of memory) the model stays offloaded and working."""
+    runtime = getattr(model, "psr_runtime", None)
+    inst = getattr(model, "psr_installation", None)
+    if runtime is None or inst is None:
+        raise RuntimeError(f"{type(model).__name__} is not offloaded by psr (already restored?)")
+    with runtime.lock:
+        if runtime.store.closed:
+            raise RuntimeError(
+                "psr.restore: the expert store is closed (close() freed the experts), so the "
+                "model's experts cannot be rebuilt; reload the model instead"
+            )
+        layers = decoder_layers(model)
+        for sw in inst.swaps:
+            mlp = layers[sw.decoder_index].mlp
+            if not (isinstance(mlp.gate, PSRRouter) and isinstance(mlp.experts, OffloadedExperts)):
+                raise RuntimeError(
+                    f"psr.restore: decoder layer {sw.decoder_index}'s router or experts module "
+                    "was replaced after offloading; cannot restore"
+                )
+        if model.__dict__.get("forward") is not inst.forward:
+            raise RuntimeError("psr.restore: model.forward was replaced after offloading")
+        # Materialise every layer before changing anything.
+        weights = []
+        for sw, L in zip(inst.swaps, runtime.layers, strict=True):
+            views = expert_tensors(sw.experts, runtime.store.host(L.index), runtime.spec)
+            out = {}
+            for name, view in views.items():
+                meta = sw.experts.get_parameter(name)
+                out[name] = torch.empty(meta.shape, dtype=meta.dtype, device=sw.device)
+                out[name].copy_(view)
+            weights.append(out)
+        for sw, out in zip(inst.swaps, weights, strict=True):
+            for name, t in out.items():
+                _set_parameter(sw.experts, name, t, sw.experts.get_parameter(name).requires_grad)
+            mlp = layers[sw.decoder_index].mlp
+            mlp.gate, mlp.experts = sw.router, sw.experts
+            sw.hook.remove()
+        del model.forward  # the class's forward again
+        del model.psr_runtime, model.psr_installation
+        runtime.store.close()
+
+
+# --- expert tensors: the original module's names over the host store ----------------------
+
+
+def packed_names(experts: nn.Module, num_experts: int) -> list[str]:
+    """Parameters of an experts module that psr packs into the store, in packing order:
+    fused `gate_up_proj [E, 2F, H]`, `down_proj [E, H, F]`, or per expert Mixtral's
+    `{e}.w1/w3/w2.weight`, others' `{e}.gate_proj/up_proj/down_proj.weight` (families.py's
+    `expert_parts` reads them in the same order)."""
+    if hasattr(experts, "gate_up_proj"):
+        return ["gate_up_proj", "down_proj"]
+    mixtral = hasattr(experts[0], "w1")
+    mats = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    return [f"{e}.{m}.weight" for e in range(num_experts) for m in mats]
+
+
+def expert_tensors(
+    experts: nn.Module, host: torch.Tensor, spec: MoESpec
+) -> dict[str, torch.Tensor]:
+    """`experts`' packed parameters as views of its layer's host rows `[E, 3HF]` (no copy)."""
+    H, F = spec.hidden_size, spec.ffn_size
+    gate, up, down = pk.unpack_expert(host, H, F)  # [E, F, H], [E, F, H], [E, H, F]
+    names = packed_names(experts, spec.num_experts)
+    if names[0] == "gate_up_proj":
+        # A row packs gate, up, down back to back (docs/design.md), so gate_up [2F, H] is
+        # the row's first 2FH elements: gate rows first, as the fused layout has them.
+        gate_up = host[:, : 2 * F * H].view(spec.num_experts, 2 * F, H)
+        return {"gate_up_proj": gate_up, "down_proj": down}
+    mats = [t[e] for e in range(spec.num_experts) for t in (gate, up, down)]
+    return dict(zip(names, mats, strict=True))
+
+
+def _check_layout(experts: nn.Module, host: torch.Tensor, spec: MoESpec) -> None:
+    for name, view in expert_tensors(experts, host, spec).items():
+        want = experts.get_parameter(name).shape
+        if view.shape != want:
+            raise TypeError(
+                f"{type(experts).__name__}.{name} has shape {list(want)}, expected "
+                f"{list(view.shape)} for {spec.num_experts} experts of H={spec.hidden_size}, "
+                f"F={spec.ffn_size}"
+            )
+
+
+def _set_parameter(module: nn.Module, name: str, t: torch.Tensor, requires_grad: bool) -> None:
+    owner, _, attr = name.rpartition(".")
+    mod = module.get_submodule(owner) if owner else module
+    mod._parameters[attr] = nn.Parameter(t, requires_grad=requires_grad)
+
+
+def _unwrap_router_state(
+    module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """PSRRouter keeps the model's router as `.inner`; the checkpoint names its tensors
+    as the router module does (`mlp.gate.weight`, not `mlp.gate.inner.weight`)."""
+    inner = prefix + "inner."
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner) :]] = state.pop(key)
+
+
+def _experts_state_hook(
+    store: ExpertStore, L: MoELayer, spec: MoESpec, experts: nn.Module
+) -> Callable[[nn.Module, dict[str, Any], str, Any], None]:
+    """A state-dict hook giving OffloadedExperts the original experts module's tensors,
+    read from the host store. No copy: each is a view with a storage of its own
+    (`torch.from_dlpack` over the same memory). As views of one buffer, transformers'
+    `save_pretrained` would take them for tied weights and clone all of them at once
+    (or refuse the interleaved fused ones); they are disjoint, so this is safe."""
+
+    def hook(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        if store.closed:
+            raise RuntimeError(
+                "psr: the expert store is closed (close() freed the experts); the model's "
+                "state dict cannot include them"
+            )
+        for name, view in expert_tensors(experts, store.host(L.index), spec).items():
+            state[prefix + name] = torch.from_dlpack(view)
+
+    return hook
+
+
+def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> Callable[..., Any]:
     """Every forward of the model runs under the runtime's lock (concurrent callers wait;
     a sequence interleaved with another is refused, never mixed) and is timed. A wrapper,
     not hooks, so the lock is released when a forward raises. It holds the model weakly:
@@ -104,6 +277,7 @@ def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> None:
     # The bound signature (no `self`), for callers that inspect accepted arguments.
     forward.__signature__ = inspect.signature(model.forward)  # type: ignore[attr-defined]
     model.forward = forward
+    return forward
 
 
 def materialize_rotary(model: nn.Module, device: torch.device | str) -> None:

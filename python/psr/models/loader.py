@@ -1,7 +1,9 @@
-"""`psr.load` (a checkpoint folder) and `psr.offload` (a built transformers model).
+"""`psr.load` (a checkpoint folder), `psr.offload` (a built transformers model) and
+`psr.restore` (back to the plain transformers model).
 
     model = psr.load("path/to/checkpoint", policy="psr", residency=0.5, lam=0.2, n=1)
     psr.offload(hf_model, policy="psr", residency=0.5)   # swap MoE blocks in place
+    psr.restore(hf_model)                                # and back
 
 The model's routers and experts modules are replaced by psr modules; attention, norms,
 KV cache and generation stay transformers' own. Expert weights stream from safetensors
@@ -33,6 +35,7 @@ from psr.models.hf import (
     materialize_rotary,
     moe_layer_indices,
     set_tensor,
+    uninstall,
 )
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy, resolve_policy
 from psr.runtime.model import OffloadedModel
@@ -102,7 +105,10 @@ def offload(
     """Move an already-built transformers MoE model's experts into a psr store, in place.
 
     The model's router and experts modules are swapped for psr's; `hf_model.generate`
-    and other transformers tooling keep working (batch 1). Returns an OffloadedModel
+    and other transformers tooling keep working (batch 1), and `save_pretrained` writes
+    the experts under their original names. The experts' weights move into the store:
+    the replaced experts module is kept with its parameters on the meta device (no
+    memory), and `psr.restore` rebuilds it from the store. Returns an OffloadedModel
     wrapping the same model (for `.stats`, `.generate`, ...).
     """
     if not isinstance(hf_model, nn.Module) or not hasattr(hf_model, "config"):
@@ -138,7 +144,21 @@ def offload(
             bar.update()
     bar.close()
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx)
-    return OffloadedModel(hf_model, runtime)
+    return OffloadedModel(hf_model, runtime, restorer=restore)
+
+
+@torch.no_grad()
+def restore(model: nn.Module) -> nn.Module:
+    """Undo `offload` / `load`: the model's own router and experts modules back in place,
+    their weights copied from the host store onto the model's device in its dtype, psr's
+    hooks and forward wrapper removed, the store closed. Returns the transformers model,
+    which may be offloaded again. `model`: the OffloadedModel or the transformers model.
+    Needs the store open (after `close()` the experts are gone)."""
+    hf = model.hf if isinstance(model, OffloadedModel) else model
+    if not isinstance(hf, nn.Module):
+        raise TypeError(f"psr.restore needs an offloaded model, got {type(model).__name__}")
+    uninstall(hf)
+    return hf
 
 
 def _load_experts(
@@ -290,6 +310,6 @@ def load(
     tokenizer = None
     if any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    om = OffloadedModel(model, runtime, tokenizer, str(path))
+    om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source = pol_source
     return om

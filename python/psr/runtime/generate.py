@@ -2,25 +2,200 @@
 
 The model's own forward does the work (psr's modules sit inside it); this module only
 drives it one token at a time, so every decode step runs under the routing policy.
+Sampling uses transformers' own logits warpers, with psr's seeded generator.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from numbers import Integral
 from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+DEFAULT_MAX_NEW_TOKENS = 32
+
+# GenerationConfig fields psr's loop does not implement, with the value that means "off":
+# set to anything else they are refused, never silently ignored.
+_UNSUPPORTED: dict[str, Any] = {
+    "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "force_words_ids": None,
+    "constraints": None,
+    "sequence_bias": None,
+    "min_length": 0,
+    "min_new_tokens": 0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "top_h": None,
+    "guidance_scale": 1.0,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "exponential_decay_length_penalty": None,
+    "watermarking_config": None,
+    "renormalize_logits": False,
+    "remove_invalid_values": False,
+    "penalty_alpha": None,
+    "diversity_penalty": 0.0,
+    "num_beam_groups": 1,
+    "dola_layers": None,
+    "stop_strings": None,
+    "max_time": None,
+    "prompt_lookup_num_tokens": None,
+    "return_dict_in_generate": False,
+    "output_scores": False,
+    "output_logits": False,
+}
+# Tokenizer outputs that decoder-only MoE models ignore (transformers passes them on to a
+# forward that drops them).
+_IGNORED_INPUTS = ("token_type_ids",)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How to decode, resolved from arguments and a GenerationConfig."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < 0:
+        raise TypeError(f"{name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    items = [value] if not isinstance(value, (list, tuple)) else list(value)
+    if any(isinstance(x, bool) or not isinstance(x, Integral) for x in items):
+        raise TypeError(f"eos_token_id must be an int or a list of ints, got {value!r}")
+    return tuple(int(x) for x in items)
+
+
+def resolve_settings(
+    prompt_len: int,
+    explicit: Mapping[str, Any],
+    generation_config: Any = None,
+    kwargs: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Settings as transformers' `generate` reads them: `explicit` arguments (None: unset)
+    over `kwargs` (GenerationConfig fields) over `generation_config`'s fields over psr's
+    defaults (greedy, 32 new tokens). The model's own generation_config is not applied."""
+    fields: dict[str, Any] = {}
+    if generation_config is not None:
+        if not hasattr(generation_config, "to_dict"):
+            raise TypeError(
+                "generation_config must be a transformers GenerationConfig, "
+                f"got {type(generation_config).__name__}"
+            )
+        fields.update(generation_config.to_dict())
+    if kwargs:
+        from transformers import GenerationConfig
+
+        known = GenerationConfig().to_dict()
+        for key, value in kwargs.items():
+            if key in _IGNORED_INPUTS:
+                continue
+            if key not in known:
+                raise TypeError(f"generate() got an unexpected keyword argument {key!r}")
+            fields[key] = value
+    fields.update({k: v for k, v in explicit.items() if v is not None})
+
+    for key in ("num_beams", "num_return_sequences"):
+        v = fields.get(key)
+        if v is not None and v != 1:
+            raise ValueError(
+                f"{key}={v!r}: psr decodes one sequence, greedy or sampled "
+                "(no beam search, one sequence returned)"
+            )
+    for key, off in _UNSUPPORTED.items():
+        v = fields.get(key)
+        if v is not None and v != off:
+            raise ValueError(
+                f"{key}={v!r}: psr's generate does not implement it; model.hf.generate(...) "
+                "runs transformers' own loop on the offloaded model (batch 1)"
+            )
+
+    max_new = fields.get("max_new_tokens")
+    if max_new is None and fields.get("max_length") is not None:
+        max_new = max(0, _count("max_length", fields["max_length"]) - prompt_len)
+    s = Settings(
+        max_new_tokens=_count(
+            "max_new_tokens", DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+        ),
+        do_sample=bool(fields.get("do_sample") or False),
+        temperature=1.0 if fields.get("temperature") is None else fields["temperature"],
+        top_k=_count("top_k", fields.get("top_k") or 0),
+        top_p=1.0 if fields.get("top_p") is None else fields["top_p"],
+        min_p=fields.get("min_p"),
+        eos_token_ids=_eos_ids(fields.get("eos_token_id")),
+    )
+    if s.do_sample:
+        t, p = s.temperature, s.top_p
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (t, p))
+        if not (ok and math.isfinite(t) and t > 0 and 0 < p <= 1):
+            raise ValueError("sampling needs a finite temperature > 0 and 0 < top_p <= 1")
+        if s.min_p is not None and not 0 <= s.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {s.min_p!r}")
+    return s
+
+
+def warpers(s: Settings) -> Any:
+    """transformers' sampling warpers for `s`, in the order its `generate` applies them."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    out = LogitsProcessorList()
+    if s.temperature != 1.0:
+        out.append(TemperatureLogitsWarper(float(s.temperature)))
+    if s.top_k:
+        out.append(TopKLogitsWarper(top_k=s.top_k))
+    if s.top_p < 1.0:
+        out.append(TopPLogitsWarper(top_p=float(s.top_p)))
+    if s.min_p is not None:
+        out.append(MinPLogitsWarper(min_p=float(s.min_p)))
+    return out
+
 
 def cache_kwarg(model: nn.Module) -> str:
-    """transformers >= 5.2x calls the KV cache argument `cache`, earlier `past_key_values`."""
+    """transformers >= 5.24 calls the KV cache argument `cache`, earlier `past_key_values`."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _out_cache(out: Any) -> Any:
-    return out["cache"] if "cache" in out else out["past_key_values"]
+def output_cache(out: Any) -> Any:
+    """The KV cache of a model output (None if absent), under either name. Asking a
+    transformers >= 5.24 output for the old name warns, so only its own field is read."""
+    if not isinstance(out, dict):
+        return None
+    key = (
+        "cache" if "cache" in getattr(type(out), "__dataclass_fields__", {}) else "past_key_values"
+    )
+    return out[key] if key in out else None
 
 
 @torch.no_grad()
@@ -30,7 +205,7 @@ def decode_logits(hf: nn.Module, ids: torch.Tensor, prompt_len: int) -> torch.Te
     out = hf(input_ids=ids[:, :prompt_len], use_cache=True)
     logits = [out.logits]
     for t in range(prompt_len, ids.shape[1]):
-        out = hf(input_ids=ids[:, t : t + 1], use_cache=True, **{kv_name: _out_cache(out)})
+        out = hf(input_ids=ids[:, t : t + 1], use_cache=True, **{kv_name: output_cache(out)})
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
 
@@ -39,44 +214,44 @@ def decode_logits(hf: nn.Module, ids: torch.Tensor, prompt_len: int) -> torch.Te
 def generate(
     hf: nn.Module,
     ids: torch.Tensor,
-    max_new_tokens: int,
+    settings: Settings,
     *,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
     seed: int = 0,
-    eos_token_id: int | None = None,
+    streamer: Any = None,
     progress: bool = False,
 ) -> torch.Tensor:
-    """Greedy (default) or sampled decoding of `ids [1, T]`; returns `[1, T + new]`."""
-    if max_new_tokens == 0:
-        return ids
-    kv_name = cache_kwarg(hf)
+    """Greedy or sampled decoding of `ids [1, T]`; returns `[1, T + new]`.
+
+    Sampling: transformers' warpers on the float32 logits, then a draw from their softmax
+    on the CPU (whatever the model's device) with a generator seeded by `seed`: the draws
+    transformers' own `generate` makes on a CPU model after `torch.manual_seed(seed)`.
+    `streamer` (transformers' protocol) gets the prompt, then each new token, then end()."""
+    s = settings
+    eos = set(s.eos_token_ids)
+    warp = warpers(s) if s.do_sample else None
     gen = torch.Generator().manual_seed(seed)
-    out = hf(input_ids=ids, use_cache=True)
-    for i in tqdm(range(max_new_tokens), disable=not progress, desc="decode", leave=False):
-        logits = out.logits[0, -1].float()
-        nxt = sample(logits, gen, temperature, top_k, top_p) if do_sample else logits.argmax()
-        ids = torch.cat([ids, nxt.view(1, 1).to(ids.device)], dim=1)
-        if (eos_token_id is not None and int(nxt) == eos_token_id) or i == max_new_tokens - 1:
-            break
-        out = hf(input_ids=ids[:, -1:], use_cache=True, **{kv_name: _out_cache(out)})
-    return ids
-
-
-def sample(
-    logits: torch.Tensor, gen: torch.Generator, temperature: float, top_k: int, top_p: float
-) -> torch.Tensor:
-    """One token id from `logits [V]`: temperature, then top-k, then nucleus (top-p)."""
-    logits = (logits / temperature).cpu()
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
-    if top_p < 1:
-        sp, si = probs.sort(descending=True)
-        drop = sp.cumsum(0) - sp > top_p
-        probs[si[drop]] = 0
-        probs /= probs.sum()
-    return torch.multinomial(probs, 1, generator=gen)[0]
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    try:
+        if s.max_new_tokens == 0:
+            return ids
+        kv_name = cache_kwarg(hf)
+        out = hf(input_ids=ids, use_cache=True)
+        bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
+        for i in bar:
+            logits = out.logits[0, -1].float()
+            if warp is not None:
+                scores = warp(ids.cpu(), logits[None].cpu())
+                nxt = torch.multinomial(torch.softmax(scores, -1), 1, generator=gen)[0, 0]
+            else:
+                nxt = logits.argmax()
+            ids = torch.cat([ids, nxt.view(1, 1).to(ids.device)], dim=1)
+            if streamer is not None:
+                streamer.put(nxt.view(1).cpu())
+            if int(nxt) in eos or i == s.max_new_tokens - 1:
+                break
+            out = hf(input_ids=ids[:, -1:], use_cache=True, **{kv_name: output_cache(out)})
+        return ids
+    finally:
+        if streamer is not None:
+            streamer.end()  # also on an error: a consumer waiting on it is released

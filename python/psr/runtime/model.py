@@ -2,13 +2,14 @@
 
 model = psr.load("path/to/checkpoint", policy="psr", residency=0.5)
 ids = model.generate(input_ids, max_new_tokens=64)
+ids = model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=64)
 print(model.stats.table())
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
+import os
+from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 from typing import Any
 
@@ -20,6 +21,7 @@ from psr.runtime import generate as gen
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
+from psr.store import StoreError
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -34,6 +36,7 @@ class OffloadedModel(nn.Module):
     One sequence at a time: its methods hold the runtime's lock for their whole call, so
     calls from several threads wait for each other. `close()` (or `with ... as model`)
     frees the expert store at once; dropping the last reference frees it too.
+    `restorer` (given by psr.load / psr.offload) undoes the offloading: `restore()`.
     """
 
     def __init__(
@@ -42,12 +45,15 @@ class OffloadedModel(nn.Module):
         runtime: OffloadRuntime,
         tokenizer: Any = None,
         path: str | None = None,
+        *,
+        restorer: Callable[[nn.Module], nn.Module] | None = None,
     ) -> None:
         super().__init__()
         self.hf = hf_model
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.path = path
+        self._restorer = restorer
         # Where the policy's lam / n came from: "arguments", "defaults" or a points file.
         self.policy_source = "arguments"
 
@@ -80,6 +86,24 @@ class OffloadedModel(nn.Module):
     @property
     def closed(self) -> bool:
         return bool(self.runtime.store.closed)
+
+    def restore(self) -> nn.Module:
+        """`psr.restore(model)`: the transformers model with its own router and experts
+        modules back (weights from the host store, on its device, in its dtype), psr's hooks
+        removed and the store closed. Returns it; this wrapper cannot decode afterwards."""
+        if self._restorer is None:
+            raise RuntimeError("this OffloadedModel was built without a restorer")
+        return self._restorer(self.hf)
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None:
+        """transformers' `save_pretrained` of the model (`kwargs` passed on), and of the
+        tokenizer if any: a checkpoint that `psr.load` and `from_pretrained` read back,
+        experts under their original names. The experts are read from the host store with
+        no copy of it; transformers makes one shard at a time contiguous while writing."""
+        with self.runtime.lock:
+            self.hf.save_pretrained(save_directory, **kwargs)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(save_directory)
 
     def __enter__(self) -> OffloadedModel:
         return self
@@ -125,25 +149,34 @@ class OffloadedModel(nn.Module):
             ids = ids[None]
         if ids.dim() != 2 or ids.shape[0] != 1:
             raise ValueError(
-                f"psr decodes one sequence (batch 1); got input of shape {list(ids.shape)}"
+                f"psr decodes one sequence (batch 1); input_ids has shape {list(ids.shape)}"
             )
         if ids.shape[1] == 0:
             raise ValueError("empty prompt")
-        limit = getattr(self.config, "max_position_embeddings", None)
-        if limit is not None and ids.shape[1] + extra > limit:
-            raise ValueError(
-                f"prompt of {ids.shape[1]} tokens + {extra} new exceeds the model's "
-                f"context of {limit} tokens"
-            )
+        self._check_context(ids.shape[1], extra)
         vocab = self.config.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab})")
         return ids.to(self.device)
 
+    def _check_open(self) -> None:
+        # After restore() the transformers model runs without psr: refuse, as after close().
+        if self.runtime.store.closed:
+            raise StoreError("OffloadedModel: the expert store is closed (close() or restore())")
+
+    def _check_context(self, prompt_len: int, extra: int) -> None:
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and prompt_len + extra > limit:
+            raise ValueError(
+                f"prompt of {prompt_len} tokens + {extra} new exceeds the model's "
+                f"context of {limit} tokens"
+            )
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits `[1, T, V]` of one prefill over `input_ids` (exact routing: all prefill)."""
         with self.runtime.lock:
+            self._check_open()
             return self.hf(input_ids=self._ids(input_ids), use_cache=False).logits
 
     @torch.no_grad()
@@ -155,6 +188,7 @@ class OffloadedModel(nn.Module):
         if not 1 <= prompt_len <= ids.shape[1]:
             raise ValueError(f"prompt_len must be in [1, {ids.shape[1]}], got {prompt_len}")
         with self.runtime.lock:
+            self._check_open()
             return gen.decode_logits(self.hf, ids, prompt_len)
 
     @torch.no_grad()
@@ -167,6 +201,7 @@ class OffloadedModel(nn.Module):
         ids = self._ids(input_ids)
         prompt_len = _check_count("prompt_len", prompt_len)
         with self.runtime.lock:
+            self._check_open()
             self.runtime.begin_scoring(prompt_len, ids.shape[1])
             try:
                 return self.hf(input_ids=ids, use_cache=False).logits
@@ -177,32 +212,62 @@ class OffloadedModel(nn.Module):
     def generate(
         self,
         input_ids: torch.Tensor | Iterable[int],
-        max_new_tokens: int = 32,
+        max_new_tokens: int | None = None,
         *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
+        attention_mask: torch.Tensor | Iterable[int] | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        streamer: Any = None,
+        generation_config: Any = None,
         seed: int = 0,
-        eos_token_id: int | None = None,
         progress: bool = False,
+        **kwargs: Any,
     ) -> torch.Tensor:
-        """Greedy (default) or sampled decoding with a KV cache; returns `[1, T + new]` ids."""
-        max_new_tokens = _check_count("max_new_tokens", max_new_tokens)
-        top_k = _check_count("top_k", top_k)
-        if do_sample and not (math.isfinite(temperature) and temperature > 0 and 0 < top_p <= 1):
-            raise ValueError("sampling needs a finite temperature > 0 and 0 < top_p <= 1")
-        ids = self._ids(input_ids, max_new_tokens)
+        """Greedy (default) or sampled decoding with a KV cache; returns `[1, T + new]` ids.
+
+        Called as transformers' `generate` is, for one unpadded sequence:
+        `model.generate(**tokenizer(text, return_tensors="pt"), max_new_tokens=20)`.
+        Unset arguments come from `generation_config` (a transformers GenerationConfig),
+        then psr's defaults: 32 new tokens, greedy (the model's own generation_config is
+        not applied). Other GenerationConfig fields may be given as keywords; those psr
+        does not implement (beams, penalties, ...) are refused. Sampling applies
+        transformers' temperature / top-k / top-p / min-p warpers and draws with a
+        generator seeded by `seed` (reproducible; `torch.manual_seed` is not touched).
+        `eos_token_id`: an id or a list; `streamer`: transformers' TextStreamer protocol
+        (put the prompt, then each new token; end)."""
+        ids = self._ids(input_ids)
+        if attention_mask is not None:
+            mask = torch.as_tensor(attention_mask)
+            if mask.dim() == 1:
+                mask = mask[None]
+            if list(mask.shape) != list(ids.shape):
+                raise ValueError(
+                    f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}"
+                )
+            if not bool((mask == 1).all()):
+                raise ValueError(
+                    "attention_mask has padding (zeros): psr decodes one unpadded sequence; "
+                    "pass the prompt without padding"
+                )
+        settings = gen.resolve_settings(
+            ids.shape[1],
+            {
+                "max_new_tokens": max_new_tokens,
+                "do_sample": do_sample,
+                "temperature": temperature,
+                "top_k": top_k,
+                "top_p": top_p,
+                "eos_token_id": eos_token_id,
+            },
+            generation_config,
+            kwargs,
+        )
+        self._check_context(ids.shape[1], settings.max_new_tokens)
         with self.runtime.lock:
+            self._check_open()
             return gen.generate(
-                self.hf,
-                ids,
-                max_new_tokens,
-                do_sample=do_sample,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed,
-                eos_token_id=eos_token_id,
-                progress=progress,
+                self.hf, ids, settings, seed=seed, streamer=streamer, progress=progress
             )
