@@ -6,6 +6,8 @@ Ops (each with a plain-torch `*_ref` beside it, the same arguments and results):
   predict_next(residual, norm_weight, gate_weight, n, ...) -> (ids, in_cache)
   expert_ffn(x, slab, slots, weights, H, F)                -> y
   expert_ffn_quant(x, slab, slots, weights, H, F, fmt)     -> y   (uint8 quantized slab)
+  route_block(logits, top_k, block_k, mask=, lam=, ...)    -> (set, weights, ids)
+      one expert set per block of tokens (speculative verification; torch on any device)
 Slab layout: pack_expert(gate, up, down) -> row; unpack_expert(row, H, F) -> views.
 Quantized rows (`psr_kernels.quant`, fmt in QUANT_FORMATS = int8, fp8, int4):
 quantize_expert(gate, up, down, fmt) -> uint8 row; dequantize_expert(row, H, F, fmt) ->
@@ -18,6 +20,7 @@ predict_next, expert_ffn, expert_ffn_quant}, and `make_vllm_routing_function` fo
 vLLM's FusedMoE.
 """
 
+from psr_kernels.block_routing import block_scores_ref, route_block, route_block_ref
 from psr_kernels.dispatch import (
     Compute,
     ComputePath,
@@ -66,6 +69,7 @@ __all__ = [
     "QuantLayout",
     "RouteSpec",
     "biased_scores_ref",
+    "block_scores_ref",
     "bytes_ratio",
     "default_compute",
     "dequantize_expert",
@@ -85,6 +89,8 @@ __all__ = [
     "resolve_compute",
     "rms_norm_ref",
     "route",
+    "route_block",
+    "route_block_ref",
     "route_hidden",
     "route_hidden_op",
     "route_hidden_ref",

@@ -90,6 +90,19 @@ def tiny_config(family: str):
 FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 
 
+def _kv_kwarg() -> str:
+    """transformers >= 5.24 names the KV-cache argument `cache`, earlier `past_key_values`."""
+    import inspect
+
+    import transformers
+
+    params = inspect.signature(transformers.OlmoeForCausalLM.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+KV_KWARG = _kv_kwarg()
+
+
 def tiny_model(family: str, seed: int = 0):
     """A random model whose routers are sharp enough for routing choices to matter."""
     import transformers

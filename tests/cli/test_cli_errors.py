@@ -136,9 +136,13 @@ def test_parsed_values_have_their_types() -> None:
     )
     assert a.residency == [0.5, 0.25] and a.cloze == 0
     assert [x.describe() for x in a.policies] == ["exact", "psr(lam=0.3, n=2)"]
+    from psr.eval.defaults import SWEEP_LAMS, SWEEP_NS
+
     a = p.parse_args(["bench", "sweep"])  # string defaults are parsed too
-    assert a.residency == [0.5, 0.25] and a.lams == [0.1, 0.2, 0.3, 0.5, 0.8]
-    assert a.ns == [0, 1, 2]
+    assert a.residency == [0.5, 0.25] and a.lams == list(SWEEP_LAMS)
+    assert a.ns == list(SWEEP_NS)
+    a = p.parse_args(["tune"])
+    assert a.residency == [0.5, 0.375, 0.25] and a.budget == 0.01 and a.profile == "rtx4090"
     a = p.parse_args(["bench", "copy", "--shape", "2x4"])
     assert a.shape == (2, 4)
     a = p.parse_args(

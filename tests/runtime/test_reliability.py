@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny_models import tiny_model, write_checkpoint
+from tiny_models import KV_KWARG, tiny_model, write_checkpoint
 
 import psr
+from psr.runtime.generate import output_cache
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]
 NEW = 12
 POLICY = dict(policy="psr", residency=0.5, lam=0.5, n=2)
+KV = KV_KWARG  # the KV-cache keyword of the installed transformers
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +120,12 @@ def test_interleaved_sequences_are_refused_never_mixed(ckpt) -> None:
     a = hf(input_ids=torch.tensor([PROMPT]), use_cache=True)
     b = hf(input_ids=torch.tensor([[3, 1, 4, 1]]), use_cache=True)  # a second sequence
     with pytest.raises(RuntimeError, match="KV cache is not the current sequence's"):
-        hf(input_ids=torch.tensor([[1]]), use_cache=True, cache=a.cache)
-    hf(input_ids=torch.tensor([[1]]), use_cache=True, cache=b.cache)  # still fine
+        hf(input_ids=torch.tensor([[1]]), use_cache=True, **{KV: output_cache(a)})
+    hf(input_ids=torch.tensor([[1]]), use_cache=True, **{KV: output_cache(b)})  # still fine
 
     def other_thread() -> None:
         try:
-            hf(input_ids=torch.tensor([[2]]), use_cache=True, cache=b.cache)
+            hf(input_ids=torch.tensor([[2]]), use_cache=True, **{KV: output_cache(b)})
         except RuntimeError as e:
             seen.append(str(e))
 

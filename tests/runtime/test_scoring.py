@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_model, write_checkpoint
+from tiny_models import FAMILIES, KV_KWARG, tiny_model, write_checkpoint
 
 import psr
+from psr.runtime.generate import output_cache
 
 IDS = torch.tensor([[(7 * i + 3) % 64 for i in range(60)]])
 KEYS = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
@@ -20,6 +21,7 @@ POLICIES = [
     ("cache-prior", {"lam": 0.5}),
     ("psr", {"lam": 0.5, "n": 2}),
 ]
+KV = KV_KWARG  # the KV-cache keyword of the installed transformers
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +64,13 @@ def test_scoring_issues_no_copies_and_leaves_the_model_usable(ckpts) -> None:
     assert model.generate(prompt, 8).tolist() == fresh.generate(prompt, 8).tolist()
     # A scored window cannot be continued as a sequence.
     with pytest.raises(RuntimeError, match="never began"):
-        model.hf(input_ids=IDS[:, :1], use_cache=True, cache=_nonempty_cache(model))
+        model.hf(input_ids=IDS[:, :1], use_cache=True, **{KV: _nonempty_cache(model)})
 
 
 def _nonempty_cache(model):
     out = model.hf(input_ids=IDS[:, :4], use_cache=True)
     model.runtime.end_scoring()  # forget that sequence's owner, as after a scored window
-    return out.cache
+    return output_cache(out)
 
 
 def test_scoring_refuses_a_timing_dependent_policy(ckpts) -> None:

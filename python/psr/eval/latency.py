@@ -104,10 +104,22 @@ class LatencyResult:
 
 
 def simulate(
-    trace: Trace, profile: str | Profile, expert_bytes: int | None = None
+    trace: Trace,
+    profile: str | Profile,
+    expert_bytes: int | None = None,
+    draft_s: float = 0.0,
 ) -> LatencyResult:
-    """Modeled decode latency of `trace` under `profile` (see module docstring)."""
+    """Modeled decode latency of `trace` under `profile` (see module docstring).
+
+    Speculative traces (`trace.emitted`): each step is a verify block whose dense work is
+    priced as one token's (batch-1 weight reads dominate), whose experts are its set, and
+    which the drafter's `draft_s` precedes on the compute stream; ms per token divides by
+    the tokens the steps emitted."""
     p = get_profile(profile)
+    if trace.emitted and len(trace.emitted) != len(trace.tokens):
+        raise ValueError(
+            f"trace has {len(trace.tokens)} steps but {len(trace.emitted)} emitted counts"
+        )
     if expert_bytes is not None:
         p = replace(p, expert_bytes=expert_bytes)
     t_copy, t_exp, t_dense = p.copy_s(), p.expert_s(), p.dense_s()
@@ -118,6 +130,9 @@ def simulate(
     per_token, compute, copy_busy, stall = [], 0.0, 0.0, 0.0
     for steps in trace.tokens:
         start = now
+        if trace.emitted:
+            now += draft_s
+            compute += draft_s
         by_layer = {s.layer: s for s in steps}
         for d in range(trace.num_decoder_layers):
             now += t_dense
@@ -143,11 +158,11 @@ def simulate(
             for s in step.slots:
                 last_read[(m, s)] = now
         per_token.append((now - start) * 1e3)
-    n = max(len(trace.tokens), 1)
+    n = max(sum(trace.emitted) if trace.emitted else len(trace.tokens), 1)
     comp_ms, copy_ms = compute / n * 1e3, copy_busy / n * 1e3
     return LatencyResult(
         profile=p.name,
-        tokens=len(trace.tokens),
+        tokens=n if trace.emitted else len(trace.tokens),
         ms_per_token=sum(per_token) / n,
         lower_bound_ms=max(comp_ms, copy_ms),
         compute_ms=comp_ms,

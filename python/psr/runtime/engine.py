@@ -30,6 +30,7 @@ from torch import nn
 import psr_kernels as pk
 from psr.cache import Insertion, LogicalCache
 from psr.policy import Policy
+from psr.runtime.generate import output_cache
 from psr.runtime.prefill import PrefillPlan, plan_prefill, run_prefill
 from psr.runtime.slots import SlotMap
 from psr.runtime.spec import MoESpec, resolve_capacity
@@ -45,10 +46,17 @@ class Scoring:
 
     prompt_len: int
     length: int
-    first_record: int  # index of its first decode token in stats.per_token
+    first_record: int  # index of its first decode step in stats.per_token
     first_trace: int  # ... and in the recorder's trace (-1: not recording)
-    # MoE layer -> ids [length - prompt_len, n] predicted into it by the previous layer.
-    queued: dict[int, torch.Tensor] = field(default_factory=dict)
+    block: int = 1  # decode tokens per step: 1, or a verify block's size in block mode
+    # MoE layer -> per step, the ids predicted into it by the previous layer.
+    queued: dict[int, list[list[int]]] = field(default_factory=dict)
+
+    @property
+    def steps(self) -> list[tuple[int, int]]:
+        """(first, end) token positions of each decode step after the prompt."""
+        P, T, b = self.prompt_len, self.length, self.block
+        return [(t, min(t + b, T)) for t in range(P, T, b)]
 
 
 @dataclass
@@ -74,15 +82,6 @@ class MoELayer:
     @property
     def bias(self) -> torch.Tensor | None:
         return getattr(self.router, "e_score_correction_bias", None)
-
-
-def _output_cache(output: Any) -> Any:
-    if not isinstance(output, dict):
-        return None
-    # transformers >= 5.2x names the field `cache` (asking for the old name warns).
-    new = "cache" in getattr(type(output), "__dataclass_fields__", {})
-    key = "cache" if new else "past_key_values"
-    return output[key] if key in output else None
 
 
 def norm_eps(norm: nn.Module) -> float:
@@ -146,6 +145,9 @@ class OffloadRuntime:
         self._owner: int | None = None
         self._kv_ref: Any = None
         self._scoring: Scoring | None = None
+        # Block mode (speculative verification): one expert set of `block_k` per layer and
+        # decode forward, whatever its number of tokens.
+        self.block_k: int | None = None
 
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
@@ -217,7 +219,7 @@ class OffloadRuntime:
         """After a forward: a sequence begun without a cache object adopts the one the
         model returned (what the next forward must pass back)."""
         if self._kv_ref is None and self._owner is not None:
-            kv = _output_cache(output)
+            kv = output_cache(output)
             if kv is not None:
                 try:
                     self._kv_ref = weakref.ref(kv)
@@ -294,6 +296,15 @@ class OffloadRuntime:
         elif not L.seeded:  # prefill: exact routing
             w, ids = self.ops.route(logits, c.top_k, **kw)
             L.history.extend(ids.tolist())
+        elif self.block_k is not None:  # a verify block: one expert set for its tokens
+            if L.index == 0:
+                self._open_token()
+            w, ids = self._route_block(L, logits, kw)
+            if L.residual is None:
+                raise RuntimeError(f"no residual captured for MoE layer {L.index}")
+            predicted = self._predict_block(L, L.residual)
+            if predicted is not None:
+                self._insert_prefetch(self.layers[L.index + 1], predicted)
         else:
             if x.shape[0] != 1:
                 raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
@@ -396,12 +407,17 @@ class OffloadRuntime:
         if routed is None or ids is not L.pending_ids:
             raise RuntimeError(f"MoE layer {L.index}: experts called without a matching route")
         L.pending, L.pending_ids = None, None
-        slots = L.slots.slots(routed)
+        slots = L.slots.slots(routed)  # the experts this step reads: its routed ids or set
         if self.recorder is not None:
             self.recorder.read(L.index, slots)
         c = self.spec
-        with self.store.reading(L.index, slots, routed) as slab:
+        if ids.shape[0] == 1 and self.block_k is None:
             st = torch.tensor([slots], device=x.device)
+        else:  # a verify block: each token's ids (inside the set) to slots, on the device
+            table = torch.full((c.num_experts,), -1, dtype=torch.long)
+            table[torch.tensor(routed)] = torch.tensor(slots)
+            st = table.to(ids.device)[ids]
+        with self.store.reading(L.index, slots, routed) as slab:
             return self.ops.expert_ffn(
                 x,
                 slab,
@@ -418,9 +434,12 @@ class OffloadRuntime:
         return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
     # --- teacher-forced scoring: a whole window in one forward ---------------------------
-    def begin_scoring(self, prompt_len: int, length: int) -> None:
+    def begin_scoring(self, prompt_len: int, length: int, block: int = 1) -> None:
         """The next forward scores `length` tokens: the first `prompt_len` as prefill, each
-        later one as a decode step (see `scoring`). Refused for timing-dependent masks."""
+        later one as a decode step, or (`block` > 1, block mode) each run of `block`
+        tokens as one verify block. Refused for timing-dependent masks."""
+        if block > 1 and self.block_k is None:
+            raise ValueError("scoring in blocks needs block mode (set_block_mode)")
         if self.policy.mask != "logical":
             raise ValueError(
                 f"teacher-forced scoring needs a logical-cache policy; {self.policy.name} "
@@ -433,6 +452,7 @@ class OffloadRuntime:
             length,
             first_record=len(self.stats.per_token),
             first_trace=-1 if self.recorder is None else len(self.recorder.trace.tokens),
+            block=block,
         )
 
     def count_prefill(self, tokens: int) -> None:
@@ -471,29 +491,87 @@ class OffloadRuntime:
         L.seeded = True
         ws, idss = [w_p], [ids_p]
         queued = sc.queued.pop(L.index, None)
-        for j, t in enumerate(range(P, T)):
+        steps = sc.steps
+        for j, (t0, t1) in enumerate(steps):
             if L.index == 0:
                 self._open_token()
             self._tok = self.stats.per_token[sc.first_record + j]
             trace_token = sc.first_trace + j if self.recorder is not None else -1
             if queued is not None:  # issued by the previous layer's step of this token
-                self._insert_prefetch(L, queued[j].tolist(), (trace_token, L.index - 1))
-            mask = self._mask(L, logits.device) if lam > 0 else None
-            w, ids = self.ops.route(logits[t : t + 1], k, mask=mask, lam=lam, **kw)
-            routed = ids[0].tolist()
-            self._use(L, routed, trace_token)
+                self._insert_prefetch(L, queued[j], (trace_token, L.index - 1))
+            if sc.block > 1:
+                w, ids = self._route_block(L, logits[t0:t1], kw, trace_token)
+            else:
+                mask = self._mask(L, logits.device) if lam > 0 else None
+                w, ids = self.ops.route(logits[t0:t1], k, mask=mask, lam=lam, **kw)
+                self._use(L, ids[0].tolist(), trace_token)
             if self.recorder is not None:
-                self.recorder.read(L.index, L.slots.slots(routed))
+                self.recorder.read(L.index, L.slots.slots(L.pending or []))
             ws.append(w)
             idss.append(ids)
         if L.residual is None:
             raise RuntimeError(f"no residual captured for MoE layer {L.index}")
-        pred = self._predict_next(L, L.residual[P:])
-        if pred is not None:
-            sc.queued[L.index + 1] = pred
+        if sc.block > 1:
+            preds = [self._predict_block(L, L.residual[t0:t1]) for t0, t1 in steps]
+            if preds and preds[0] is not None:
+                sc.queued[L.index + 1] = [p or [] for p in preds]
+        else:
+            pred = self._predict_next(L, L.residual[P:])
+            if pred is not None:
+                sc.queued[L.index + 1] = pred.tolist()
         ids_all = torch.cat(idss)
         L.pending, L.pending_ids = None, ids_all
         return torch.cat(ws), ids_all
+
+    # --- block mode: speculative verification ----------------------------------------
+    def set_block_mode(self, block_k: int | None) -> None:
+        """Block mode on (`block_k` experts per layer and verify block) or off (None)."""
+        if block_k is not None:
+            k, C = self.spec.top_k, self.capacity
+            if isinstance(block_k, bool) or not isinstance(block_k, int) or not k <= block_k <= C:
+                raise ValueError(
+                    f"block_k={block_k!r} must be an int in [top_k={k}, slots per layer={C}]"
+                )
+            if self.spec.n_group > 1:
+                raise ValueError("block mode does not support group-limited routers")
+            if self.policy.mask != "logical":
+                raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
+        self.block_k = block_k
+
+    def _route_block(
+        self, L: MoELayer, logits: torch.Tensor, kw: dict[str, Any], trace_token: int = -1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert set for a block's tokens (psr_kernels.block_routing), biased toward
+        the logical cache; the set is `use`d as one routing (its misses copy now)."""
+        assert self.block_k is not None
+        lam = self.policy.lam
+        mask = self._mask(L, logits.device) if lam > 0 else None
+        chosen, w, ids = pk.route_block(
+            logits,
+            self.spec.top_k,
+            self.block_k,
+            mask=mask,
+            lam=lam,
+            scoring=kw["scoring"],
+            renormalize=kw["renormalize"],
+            bias=kw["bias"],
+            scaling=kw["scaling"],
+        )
+        self._use(L, chosen.tolist(), trace_token)
+        L.pending_ids = ids
+        return w, ids
+
+    def _predict_block(self, L: MoELayer, residual: torch.Tensor) -> list[int] | None:
+        """The next MoE layer's `n` experts of largest summed score over a block's rows
+        (its router, unbiased, on this layer's MoE input normed as it norms it)."""
+        n = self.policy.n
+        if n == 0 or L.index + 1 >= len(self.layers):
+            return None
+        nxt = self.layers[L.index + 1]
+        h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
+        score = pk.block_scores_ref(h @ nxt.router.weight.float().t(), self.spec.scoring, nxt.bias)
+        # Ties to the lower id, as everywhere.
+        return torch.sort(score, descending=True, stable=True).indices[:n].tolist()
 
     def _experts_window(
         self, L: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

@@ -38,6 +38,8 @@ class Trace:
     expert_bytes: int
     policy: str = ""
     tokens: list[list[LayerStep]] = field(default_factory=list)
+    # Speculative decoding: tokens each step (verify block) emitted; empty: one each.
+    emitted: list[int] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,6 +57,7 @@ class Trace:
             d["expert_bytes"],
             d.get("policy", ""),
             toks,
+            list(d.get("emitted", [])),
         )
 
     def save(self, path: str | Path) -> None:

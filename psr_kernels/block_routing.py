@@ -1,0 +1,85 @@
+"""Block-level expert selection for speculative verification: ONE set of experts per MoE
+layer for a whole block of tokens, then each token's own top-k inside that set.
+
+    block score  b[e] = sum over the block's tokens of the weight source s_t[e]
+                 (softmax probabilities for softmax routers; sigmoid scores plus
+                 e_score_correction_bias for sigmoid routers)
+    biased       b'[e] = b[e] + lam * (max b - min b) * m[e]     (m: the layer's cache)
+    set          S = the `block_k` ids of largest b' (ties to the lower id)
+    per token    the model's own top-k of its unbiased scores restricted to S; gate
+                 weights from the unbiased scores, normalised as the model does
+
+With `block_k = E` every expert is allowed and each token's routing is the model's
+exact routing (what `route_ref` gives with lam = 0). This is a handful of small torch
+ops per layer and block; it runs as is on CPU and CUDA tensors (no Triton kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from psr_kernels._common import check_float
+from psr_kernels.routing import RouteSpec, _scores_ref, _topk_ref, biased_scores_ref
+
+_NEG_INF = float("-inf")
+
+
+def block_scores_ref(
+    logits: torch.Tensor, scoring: str = "softmax", bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A block's score per expert `[E]`: the sum over its tokens of the weight source
+    (softmax probabilities), or of the selection scores for sigmoid routers."""
+    z, src = _scores_ref(logits, scoring, bias)
+    return (z if scoring == "sigmoid" else src).sum(0)
+
+
+def route_block_ref(
+    logits: torch.Tensor,
+    top_k: int,
+    block_k: int,
+    *,
+    mask: torch.Tensor | None = None,
+    lam: float = 0.0,
+    scoring: str = "softmax",
+    renormalize: bool = False,
+    bias: torch.Tensor | None = None,
+    scaling: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Block selection over `logits [T, E]` (T tokens of one block).
+
+    Returns `(experts [block_k] ascending ids, weights [T, k] fp32, ids [T, k] int64)`.
+    Group-limited routers (n_group > 1) are not supported in block mode.
+    """
+    op = "route_block"
+    check_float(op, "logits", logits, 2)
+    T, E = logits.shape
+    if T < 1:
+        raise ValueError(f"{op}: a block needs at least one token")
+    RouteSpec(top_k, lam, scoring, renormalize, 1, 1, scaling).check(
+        op,
+        num_experts=E,
+        num_tokens=1,
+        mask=mask if mask is None else mask.reshape(1, E),
+        bias=bias,
+    )
+    if isinstance(block_k, bool) or not isinstance(block_k, int) or not top_k <= block_k <= E:
+        raise ValueError(f"{op}: block_k={block_k!r} must be an int in [top_k={top_k}, E={E}]")
+    z, src = _scores_ref(logits, scoring, bias)
+    score = block_scores_ref(logits, scoring, bias)[None]  # [1, E]
+    m = None if mask is None else mask.reshape(1, E)
+    chosen = _topk_ref(biased_scores_ref(score, m, lam), block_k)[0]  # [block_k]
+    allowed = torch.zeros(E, dtype=torch.bool, device=logits.device)
+    allowed[chosen] = True
+    ids = _topk_ref(z.masked_fill(~allowed[None, :], _NEG_INF), top_k)
+    val = src.gather(1, ids)
+    if scoring == "topk_softmax":
+        w = torch.softmax(val, dim=-1)
+    else:
+        w = val
+        if renormalize:
+            denom = w.sum(-1, keepdim=True)
+            w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
+    return chosen.sort().values, (w * scaling).contiguous(), ids.contiguous()
+
+
+route_block = route_block_ref  # the same torch code serves CPU and CUDA tensors

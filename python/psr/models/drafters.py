@@ -1,0 +1,160 @@
+"""Drafters for speculative decoding, both resident on the device.
+
+* `ARDrafter`: a small dense causal LM with the target's tokenizer; it drafts a block by
+  decoding B tokens greedily with its own KV cache.
+* `BlockDrafter`: B light heads on the target's final hidden state (Medusa-style): head
+  i maps the hidden state at the last accepted position through one residual SiLU layer
+  to the target's own LM head and proposes token t + 1 + i, all in one pass.
+
+Both implement `psr.runtime.speculative.Drafter`: `propose(tokens, hidden) -> ids [B]`
+and `memory_bytes`, which counts against the expert slots at equal device memory.
+Trained by scripts/train_drafters.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from psr.models.checkpoint import CheckpointError
+from psr.runtime.speculative import crop_to
+
+
+class BlockHeads(nn.Module):
+    """`block` residual heads over a hidden size `d`; logits through a shared LM head."""
+
+    def __init__(self, d: int, block: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(block))
+        for lin in self.layers:  # start as the target's own next-token head
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    def forward(self, h: torch.Tensor, lm_head: torch.Tensor) -> list[torch.Tensor]:
+        """`h [..., d]` -> B logits `[..., V]`, head i predicting i + 1 tokens ahead."""
+        return [F.linear(h + F.silu(lin(h)), lm_head) for lin in self.layers]
+
+
+def final_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """A transformers causal LM's hidden states after its final norm (what its LM head
+    reads), `[b, T, d]`."""
+    return model.model(input_ids=ids).last_hidden_state
+
+
+class BlockDrafter:
+    """Drafts B tokens from the target's last hidden state in one pass."""
+
+    kind = "block"
+
+    def __init__(self, heads: BlockHeads, lm_head: torch.Tensor) -> None:
+        self.heads = heads.eval()
+        self.lm_head = lm_head
+        self.block = len(heads.layers)
+
+    @property
+    def memory_bytes(self) -> int:
+        # The LM head is the target's own (resident anyway); only the heads are extra.
+        return sum(p.numel() * p.element_size() for p in self.heads.parameters())
+
+    @torch.no_grad()
+    def propose(self, tokens: list[int], hidden: torch.Tensor | None) -> list[int]:
+        if hidden is None:
+            raise ValueError("the block drafter needs the target's last hidden state")
+        h = hidden.reshape(-1)[None].to(self.lm_head.dtype)
+        return [int(lg.float().argmax(-1)) for lg in self.heads(h, self.lm_head)]
+
+    def reset(self) -> None:
+        pass
+
+
+class ARDrafter:
+    """Drafts B tokens by greedy decoding with a small dense causal LM."""
+
+    kind = "ar"
+
+    def __init__(self, model: nn.Module, block: int) -> None:
+        self.model = model.eval()
+        self.block = block
+        self._cache: Any = None
+        self._seen: list[int] = []
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def reset(self) -> None:
+        self._cache, self._seen = None, []
+
+    @torch.no_grad()
+    def propose(self, tokens: list[int], hidden: torch.Tensor | None = None) -> list[int]:
+        """Greedy continuation of `tokens`; its KV cache is reused for the accepted prefix
+        (cropped where the drafts were rejected), so each block costs about B steps."""
+        dev = next(self.model.parameters()).device
+        keep = 0
+        while keep < min(len(self._seen), len(tokens)) and self._seen[keep] == tokens[keep]:
+            keep += 1
+        if self._cache is None or keep == 0:
+            self._cache, keep = None, 0
+        elif keep < self._cache.get_seq_length():
+            crop_to(self._cache, keep)
+        new = tokens[keep:]
+        if not new:  # always feed at least the last token again
+            crop_to(self._cache, keep - 1)
+            new = tokens[keep - 1 :]
+        out = self.model(
+            input_ids=torch.tensor([new], device=dev), cache=self._cache, use_cache=True
+        )
+        self._cache = out.cache
+        drafted = []
+        for i in range(self.block):
+            nxt = int(out.logits[0, -1].float().argmax())
+            drafted.append(nxt)
+            if i + 1 < self.block:
+                out = self.model(
+                    input_ids=torch.tensor([[nxt]], device=dev), cache=self._cache, use_cache=True
+                )
+        self._seen = [*tokens, *drafted[:-1]]
+        return drafted
+
+
+def load_block_drafter(path: str | Path, lm_head: torch.Tensor) -> BlockDrafter:
+    """Block heads saved by scripts/train_drafters.py, on the LM head's device/dtype."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"block drafter {path} does not exist")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("format") != "psr-block-heads-v1":
+        raise CheckpointError(f"{path} is not a psr block drafter (format {meta.get('format')})")
+    d, block = int(meta["hidden_size"]), int(meta["block"])
+    if d != lm_head.shape[1]:
+        raise CheckpointError(f"{path}: heads of hidden size {d}, target has {lm_head.shape[1]}")
+    heads = BlockHeads(d, block)
+    heads.load_state_dict(state)
+    return BlockDrafter(heads.to(device=lm_head.device, dtype=lm_head.dtype), lm_head)
+
+
+def load_ar_drafter(
+    path: str | Path, block: int, device: torch.device, dtype: torch.dtype
+) -> ARDrafter:
+    """The dense drafter checkpoint saved by scripts/train_drafters.py."""
+    import transformers
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"AR drafter {path} has no config.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
+    return ARDrafter(model, block)
+
+
+def drafters_info(model_dir: str | Path) -> dict[str, Any]:
+    f = Path(model_dir) / "drafters_info.json"
+    return json.loads(f.read_text()) if f.is_file() else {}

