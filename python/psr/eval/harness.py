@@ -36,15 +36,23 @@ class RunConfig:
 
     policy: Policy
     residency: float
+    expert_format: str | None = None  # None: the model's dtype; else psr.load's formats
 
     @property
     def label(self) -> str:
-        return self.policy.describe()
+        fmt = f" + {self.expert_format}" if self.expert_format else ""
+        return self.policy.describe() + fmt
 
     def as_dict(self) -> dict[str, Any]:
-        """`{policy, residency, lam, n}` (lam / n None where the policy has none)."""
+        """`{policy, residency, lam, n, expert_format}` (None where it has none)."""
         p = self.policy.params()
-        return {"policy": p["policy"], "residency": self.residency, "lam": p["lam"], "n": p["n"]}
+        return {
+            "policy": p["policy"],
+            "residency": self.residency,
+            "lam": p["lam"],
+            "n": p["n"],
+            "expert_format": self.expert_format,
+        }
 
 
 @dataclass
@@ -118,7 +126,14 @@ def run_config(
 ) -> dict[str, Any]:
     """One config: score the windows (teacher forced, decode path: NLL, counts and the
     trace the latency model replays), generate greedily from the prompts, score cloze."""
-    model = load(path, rc.policy, rc.residency, dtype="float32", progress=False)
+    model = load(
+        path,
+        rc.policy,
+        rc.residency,
+        dtype="float32",
+        expert_format=rc.expert_format,
+        progress=False,
+    )
     total = len(data.windows) + len(data.prompts) + len(data.cloze)
     bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
     rec = model.record_trace()
@@ -145,8 +160,13 @@ def run_config(
 
 
 def compare(results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES) -> None:
-    """Add speedup, greedy agreement and quality deltas vs `exact` at the same residency."""
-    exact = {r["config"]["residency"]: r for r in results if r["config"]["policy"] == "exact"}
+    """Add speedup, greedy agreement and quality deltas vs `exact` at the same residency,
+    in the model's own expert format (the reference every other row is measured against)."""
+    exact = {
+        r["config"]["residency"]: r
+        for r in results
+        if r["config"]["policy"] == "exact" and not r["config"].get("expert_format")
+    }
     any_exact = next(iter(exact.values()), None)
     for r in results:
         ref = exact.get(r["config"]["residency"], any_exact)

@@ -116,6 +116,8 @@ def simulate(
     which the drafter's `draft_s` precedes on the compute stream; ms per token divides by
     the tokens the steps emitted."""
     p = get_profile(profile)
+    if trace.bytes_ratio != 1.0:  # a quantized format moves and reads fewer bytes
+        p = replace(p, expert_bytes=round(p.expert_bytes * trace.bytes_ratio))
     if trace.emitted and len(trace.emitted) != len(trace.tokens):
         raise ValueError(
             f"trace has {len(trace.tokens)} steps but {len(trace.emitted)} emitted counts"

@@ -2,9 +2,11 @@
 
 * `ARDrafter`: a small dense causal LM with the target's tokenizer; it drafts a block by
   decoding B tokens greedily with its own KV cache.
-* `BlockDrafter`: B light heads on the target's final hidden state (Medusa-style): head
-  i maps the hidden state at the last accepted position through one residual SiLU layer
-  to the target's own LM head and proposes token t + 1 + i, all in one pass.
+* `BlockDrafter`: B light heads on the target's final hidden state (Medusa-style, also
+  conditioned on the token the target just chose): with h the hidden state at position
+  t and c the target's token t + 1, head i maps h + P e(c) (e: the target's own input
+  embedding) through one residual SiLU layer to the target's own LM head and proposes
+  token t + 2 + i; all B in one pass.
 
 Both implement `psr.runtime.speculative.Drafter`: `propose(tokens, hidden) -> ids [B]`
 and `memory_bytes`, which counts against the expert slots at equal device memory.
@@ -26,18 +28,25 @@ from psr.runtime.speculative import crop_to
 
 
 class BlockHeads(nn.Module):
-    """`block` residual heads over a hidden size `d`; logits through a shared LM head."""
+    """`block` residual heads over a hidden size `d`, conditioned on the next token's
+    embedding through one shared projection; logits through the target's LM head."""
 
     def __init__(self, d: int, block: int) -> None:
         super().__init__()
+        self.token = nn.Linear(d, d, bias=False)
         self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(block))
-        for lin in self.layers:  # start as the target's own next-token head
+        for lin in (self.token, *self.layers):  # start as the target's own head
             nn.init.zeros_(lin.weight)
+        for lin in self.layers:
             nn.init.zeros_(lin.bias)
 
-    def forward(self, h: torch.Tensor, lm_head: torch.Tensor) -> list[torch.Tensor]:
-        """`h [..., d]` -> B logits `[..., V]`, head i predicting i + 1 tokens ahead."""
-        return [F.linear(h + F.silu(lin(h)), lm_head) for lin in self.layers]
+    def forward(
+        self, h: torch.Tensor, next_emb: torch.Tensor, lm_head: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """`h [..., d]` (hidden at t), `next_emb [..., d]` (embedding of token t + 1) ->
+        B logits `[..., V]`, head i predicting token t + 2 + i."""
+        x = h + self.token(next_emb)
+        return [F.linear(x + F.silu(lin(x)), lm_head) for lin in self.layers]
 
 
 def final_hidden(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -51,9 +60,10 @@ class BlockDrafter:
 
     kind = "block"
 
-    def __init__(self, heads: BlockHeads, lm_head: torch.Tensor) -> None:
+    def __init__(self, heads: BlockHeads, lm_head: torch.Tensor, embed: torch.Tensor) -> None:
         self.heads = heads.eval()
         self.lm_head = lm_head
+        self.embed = embed  # the target's input embedding (resident anyway)
         self.block = len(heads.layers)
 
     @property
@@ -66,7 +76,8 @@ class BlockDrafter:
         if hidden is None:
             raise ValueError("the block drafter needs the target's last hidden state")
         h = hidden.reshape(-1)[None].to(self.lm_head.dtype)
-        return [int(lg.float().argmax(-1)) for lg in self.heads(h, self.lm_head)]
+        e = self.embed[tokens[-1]][None]
+        return [int(lg.float().argmax(-1)) for lg in self.heads(h, e, self.lm_head)]
 
     def reset(self) -> None:
         pass
@@ -122,8 +133,11 @@ class ARDrafter:
         return drafted
 
 
-def load_block_drafter(path: str | Path, lm_head: torch.Tensor) -> BlockDrafter:
-    """Block heads saved by scripts/train_drafters.py, on the LM head's device/dtype."""
+def load_block_drafter(
+    path: str | Path, lm_head: torch.Tensor, embed: torch.Tensor
+) -> BlockDrafter:
+    """Block heads saved by scripts/train_drafters.py, on the LM head's device/dtype;
+    `lm_head` and `embed` are the target's output and input embedding weights."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -132,14 +146,14 @@ def load_block_drafter(path: str | Path, lm_head: torch.Tensor) -> BlockDrafter:
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
         state = {k: f.get_tensor(k) for k in f.keys()}
-    if meta.get("format") != "psr-block-heads-v1":
+    if meta.get("format") != "psr-block-heads-v2":
         raise CheckpointError(f"{path} is not a psr block drafter (format {meta.get('format')})")
     d, block = int(meta["hidden_size"]), int(meta["block"])
     if d != lm_head.shape[1]:
         raise CheckpointError(f"{path}: heads of hidden size {d}, target has {lm_head.shape[1]}")
     heads = BlockHeads(d, block)
     heads.load_state_dict(state)
-    return BlockDrafter(heads.to(device=lm_head.device, dtype=lm_head.dtype), lm_head)
+    return BlockDrafter(heads.to(device=lm_head.device, dtype=lm_head.dtype), lm_head, embed)
 
 
 def load_ar_drafter(

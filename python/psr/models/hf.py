@@ -73,6 +73,7 @@ def install(
     capacity: int,
     compute: str,
     moe_idx: list[int],
+    expert_format: str | None = None,
 ) -> OffloadRuntime:
     """Swap each MoE layer's router and experts for psr's and hook the model's forward.
 
@@ -89,12 +90,15 @@ def install(
         capacity,
         compute,
         num_decoder_layers=len(layers),
+        expert_format=None if expert_format == "bf16" else expert_format,
     )
+    quantized = runtime.expert_format is not None
     found = []  # checked for every layer before any is changed
     for L in runtime.layers:
         experts = layers[L.decoder_index].mlp.experts
         names = packed_names(experts, spec.num_experts)
-        _check_layout(experts, store.host(L.index), spec)
+        if not quantized:
+            _check_layout(experts, store.host(L.index), spec)
         real = [experts.get_parameter(n) for n in names if not experts.get_parameter(n).is_meta]
         # psr.load builds the model on the meta device and never materialises its experts.
         found.append((experts, names, real[0].device if real else L.router.weight.device))
@@ -185,6 +189,12 @@ def expert_tensors(
     experts: nn.Module, host: torch.Tensor, spec: MoESpec
 ) -> dict[str, torch.Tensor]:
     """`experts`' packed parameters as views of its layer's host rows `[E, 3HF]` (no copy)."""
+    if host.dtype == torch.uint8:
+        raise RuntimeError(
+            "psr: the host store holds quantized experts (expert_format); restoring or "
+            "saving them would write lossy weights: load the checkpoint again without "
+            "expert_format instead"
+        )
     H, F = spec.hidden_size, spec.ffn_size
     gate, up, down = pk.unpack_expert(host, H, F)  # [E, F, H], [E, F, H], [E, H, F]
     names = packed_names(experts, spec.num_experts)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+import psr_kernels as pk
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.models.families import (
     SUPPORTED,
@@ -53,6 +54,8 @@ DTYPES = {
     "half": torch.float16,
 }
 COMPUTE = ("auto", "triton", "torch")
+# How the host store keeps experts: None (the model's dtype), "bf16", or quantized rows.
+EXPERT_FORMATS = (None, "bf16", *pk.QUANT_FORMATS)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
@@ -65,6 +68,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
 
 
+def check_expert_format(fmt: str | None) -> str | None:
+    """None, 'bf16', 'int8', 'fp8' or 'int4' ('native' is None: the model's dtype)."""
+    fmt = None if fmt == "native" else fmt
+    if fmt not in EXPERT_FORMATS:
+        names = ", ".join(["native", *(f for f in EXPERT_FORMATS if f)])
+        raise ValueError(f"expert_format must be one of {names}; got {fmt!r}")
+    return fmt
+
+
+def _quantized(fmt: str | None) -> bool:
+    return fmt is not None and fmt != "bf16"
+
+
 def make_store(
     spec: MoESpec,
     capacity: int,
@@ -72,16 +88,43 @@ def make_store(
     dtype: torch.dtype,
     device: torch.device,
     copy_retries: int | None = None,
+    expert_format: str | None = None,
+    group_size: int = 128,
 ) -> ExpertStore:
-    """One store layer per MoE layer; its backend follows the compute device."""
+    """One store layer per MoE layer; its backend follows the compute device. Float rows
+    hold `spec.expert_numel` elements of `dtype` (bf16 for expert_format='bf16');
+    quantized rows are uint8, one contiguous copy with their scales."""
     cuda = device.type == "cuda"
+    numel = spec.expert_numel
+    if _quantized(expert_format):
+        numel = pk.QuantLayout.of(expert_format, spec.hidden_size, spec.ffn_size, group_size).nbytes
+        dtype = torch.uint8
+    elif expert_format == "bf16":
+        dtype = torch.bfloat16
     return ExpertStore(
-        [LayerSpec(spec.num_experts, capacity, spec.expert_numel)] * num_layers,
+        [LayerSpec(spec.num_experts, capacity, numel)] * num_layers,
         dtype,
         backend="cuda" if cuda else "cpu",
         device=device.index if cuda else None,
         copy_retries=copy_retries,
     )
+
+
+def expert_row(
+    parts: list[torch.Tensor],
+    spec: MoESpec,
+    store: ExpertStore,
+    expert_format: str | None,
+    group_size: int,
+) -> list[torch.Tensor]:
+    """One expert's weights as the store registers them: its float matrices in the
+    store's dtype, or one quantized uint8 row (fused gate_up is split into gate, up)."""
+    if not _quantized(expert_format):
+        return [p.to(store.dtype).contiguous() for p in parts]
+    if len(parts) == 2:  # fused: gate_up [2F, H], down [H, F]
+        gate, up = parts[0].split(spec.ffn_size)
+        parts = [gate, up, parts[1]]
+    return [pk.quantize_expert(*parts, expert_format, group_size=group_size)]
 
 
 def _check_compute(compute: str) -> None:
@@ -100,6 +143,7 @@ def offload(
     n: int | None = None,
     compute: str = "auto",
     copy_retries: int | None = None,
+    expert_format: str | None = None,
     progress: bool = True,
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
@@ -122,6 +166,7 @@ def offload(
     pol = make_policy(policy, lam, n)
     C = resolve_capacity(spec, pol, residency, slots)
     _check_compute(compute)
+    fmt = check_expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
     layers = decoder_layers(hf_model)
     first = expert_parts(layers[moe_idx[0]].mlp.experts, 0)
@@ -129,10 +174,10 @@ def offload(
     if not dtype.is_floating_point:
         raise TypeError(f"expert weights must be floating point, got {dtype}")
     device = layers[moe_idx[0]].mlp.gate.weight.device
-    store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries)
+    store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries, fmt)
     bar = tqdm(
         total=len(moe_idx) * spec.num_experts,
-        desc="experts -> host store",
+        desc=f"experts -> host store{f' ({fmt})' if fmt else ''}",
         disable=not progress,
         unit="expert",
     )
@@ -140,10 +185,10 @@ def offload(
         experts = layers[d].mlp.experts
         for e in range(spec.num_experts):
             parts = [t.detach().to("cpu").contiguous() for t in expert_parts(experts, e)]
-            store.register(i, e, parts)
+            store.register(i, e, expert_row(parts, spec, store, fmt, 128))
             bar.update()
     bar.close()
-    runtime = install(hf_model, spec, store, pol, C, compute, moe_idx)
+    runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt)
     return OffloadedModel(hf_model, runtime, restorer=restore)
 
 
@@ -166,14 +211,19 @@ def _load_experts(
     store: ExpertStore,
     spec: MoESpec,
     moe_idx: list[int],
-    dtype: torch.dtype,
     progress: bool,
+    expert_format: str | None = None,
 ) -> None:
-    """Stream every expert of every MoE layer from the checkpoint into the host store."""
+    """Stream every expert of every MoE layer from the checkpoint into the host store
+    (quantized on the way when `expert_format` asks for it)."""
     E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
     want = {"gate": [Fd, H], "up": [Fd, H], "down": [H, Fd]}
+    fmt = expert_format
     bar = tqdm(
-        total=len(moe_idx) * E, desc="experts -> host store", disable=not progress, unit="expert"
+        total=len(moe_idx) * E,
+        desc=f"experts -> host store{f' ({fmt})' if _quantized(fmt) else ''}",
+        disable=not progress,
+        unit="expert",
     )
     for i, d in enumerate(moe_idx):
         gu_name, dn_name = fused_expert_names(d)
@@ -204,7 +254,7 @@ def _load_experts(
                             f"tensor {name!r} has shape {ckpt.shape(name)}, expected {want[key]}"
                         )
                 parts = [ckpt.get(n) for n in names]
-            store.register(i, e, [p.to(dtype).contiguous() for p in parts])
+            store.register(i, e, expert_row(parts, spec, store, fmt, 128))
             bar.update()
     bar.close()
 
@@ -235,6 +285,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     compute: str = "auto",
     copy_retries: int | None = None,
+    expert_format: str | None = None,
     progress: bool = True,
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
@@ -249,6 +300,10 @@ def load(
         compute: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'.
         copy_retries: re-issues of a failed expert copy before CopyError (default 2,
             or $PSR_COPY_RETRIES).
+        expert_format: how the host store keeps experts and copies move them: None or
+            'native' (the model's dtype), 'bf16', or quantized while loading: 'int8'
+            (per output channel), 'fp8' (e4m3, per channel), 'int4' (group 128); the
+            kernels dequantize on the fly.
     """
     import transformers
 
@@ -272,6 +327,7 @@ def load(
     dt = resolve_dtype(dtype, cfg_dtype if cfg_dtype in DTYPES.values() else torch.float32)
     dev = _resolve_device(device)
     _check_compute(compute)
+    fmt = check_expert_format(expert_format)
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
@@ -300,10 +356,10 @@ def load(
         model.lm_head.weight = model.get_input_embeddings().weight
     materialize_rotary(model, dev)
 
-    store = make_store(spec, C, len(moe_idx), dt, dev, copy_retries)
-    _load_experts(ckpt, store, spec, moe_idx, dt, progress)
+    store = make_store(spec, C, len(moe_idx), dt, dev, copy_retries, fmt)
+    _load_experts(ckpt, store, spec, moe_idx, progress, fmt)
     ckpt.close()
-    runtime = install(model, spec, store, pol, C, compute, moe_idx)
+    runtime = install(model, spec, store, pol, C, compute, moe_idx, fmt)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise CheckpointError(f"tensors not loaded: {leftover[:5]}")

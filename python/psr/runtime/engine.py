@@ -100,6 +100,10 @@ class OffloadRuntime:
         store: holds every expert; its slab has at least `capacity` slots per layer.
         compute: 'auto' | 'triton' | 'torch' (psr_kernels.kernel_ops).
         num_decoder_layers: all decoder layers, dense ones included (for traces).
+        expert_format: None (rows in a float dtype: gate, up, down back to back) or a
+            psr_kernels.quant format ('int8', 'fp8', 'int4'): uint8 rows read by the
+            dequantizing kernel. `bytes_ratio`: row bytes over the same expert in bf16,
+            how the latency model prices its copies (1.0 for float rows).
     """
 
     def __init__(
@@ -111,8 +115,17 @@ class OffloadRuntime:
         capacity: int,
         compute: str,
         num_decoder_layers: int,
+        expert_format: str | None = None,
+        group_size: int = 128,
     ) -> None:
         self.spec = spec
+        self.expert_format = expert_format
+        self.group_size = group_size
+        self.bytes_ratio = (
+            1.0
+            if expert_format is None
+            else pk.bytes_ratio(expert_format, spec.hidden_size, spec.ffn_size, group_size)
+        )
         self.store = store
         self.policy = policy
         self.capacity = capacity
@@ -167,6 +180,7 @@ class OffloadRuntime:
             self.spec.top_k,
             self.expert_bytes,
             policy_label or self.policy.describe(),
+            self.bytes_ratio,
         )
         return self.recorder
 
@@ -418,20 +432,51 @@ class OffloadRuntime:
             table[torch.tensor(routed)] = torch.tensor(slots)
             st = table.to(ids.device)[ids]
         with self.store.reading(L.index, slots, routed) as slab:
+            return self._slab_ffn(x, slab, st, weights.float())
+
+    def _slab_ffn(
+        self, x: torch.Tensor, slab: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The routed experts of `x` read from slab rows, float or quantized."""
+        c = self.spec
+        if self.expert_format is None:
             return self.ops.expert_ffn(
                 x,
                 slab,
-                st,
-                weights.float(),
+                slots,
+                weights,
                 c.hidden_size,
                 c.ffn_size,
                 out_dtype=x.dtype,
                 check_slots=False,
             )
+        return self.ops.expert_ffn_quant(
+            x,
+            slab,
+            slots,
+            weights,
+            c.hidden_size,
+            c.ffn_size,
+            self.expert_format,
+            group_size=self.group_size,
+            out_dtype=x.dtype,
+            check_slots=False,
+        )
 
     def _row_ffn(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        gate, up, down = pk.unpack_expert(row, self.spec.hidden_size, self.spec.ffn_size)
-        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+        """One expert of `x` from its slab (or host) row: prefill and scoring on the CPU."""
+        H, Fd = self.spec.hidden_size, self.spec.ffn_size
+        if self.expert_format is None:
+            gate, up, down = pk.unpack_expert(row, H, Fd)
+            if row.dtype == x.dtype:
+                return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+            gate, up, down = gate.float(), up.float(), down.float()  # e.g. bf16 rows
+        else:
+            gate, up, down = pk.dequantize_expert(
+                row, H, Fd, self.expert_format, group_size=self.group_size
+            )
+        xf = x.float()  # fp32 weights, as the kernels compute
+        return F.linear(F.silu(F.linear(xf, gate)) * F.linear(xf, up), down).to(x.dtype)
 
     # --- teacher-forced scoring: a whole window in one forward ---------------------------
     def begin_scoring(self, prompt_len: int, length: int, block: int = 1) -> None:
@@ -610,16 +655,7 @@ class OffloadRuntime:
         slots = local[dec_ids.to(x.device)]
         tail = torch.cat(
             [
-                self.ops.expert_ffn(
-                    xs[i : i + 64],
-                    rows,
-                    slots[i : i + 64],
-                    dec_w[i : i + 64],
-                    c.hidden_size,
-                    c.ffn_size,
-                    out_dtype=x.dtype,
-                    check_slots=False,
-                )
+                self._slab_ffn(xs[i : i + 64], rows, slots[i : i + 64], dec_w[i : i + 64])
                 for i in range(0, xs.shape[0], 64)
             ]
         )

@@ -40,6 +40,8 @@ class Trace:
     tokens: list[list[LayerStep]] = field(default_factory=list)
     # Speculative decoding: tokens each step (verify block) emitted; empty: one each.
     emitted: list[int] = field(default_factory=list)
+    # Bytes of a copied expert over the same expert in bf16 (quantized formats < 1).
+    bytes_ratio: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -58,6 +60,7 @@ class Trace:
             d.get("policy", ""),
             toks,
             list(d.get("emitted", [])),
+            float(d.get("bytes_ratio", 1.0)),
         )
 
     def save(self, path: str | Path) -> None:
@@ -92,8 +95,11 @@ class TraceRecorder:
         top_k: int,
         expert_bytes: int,
         policy: str = "",
+        bytes_ratio: float = 1.0,
     ) -> None:
-        self.trace = Trace(num_decoder_layers, moe_layers, top_k, expert_bytes, policy)
+        self.trace = Trace(
+            num_decoder_layers, moe_layers, top_k, expert_bytes, policy, bytes_ratio=bytes_ratio
+        )
         self._step: LayerStep | None = None
 
     def new_token(self) -> int:
