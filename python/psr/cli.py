@@ -180,6 +180,16 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
     return parse
 
 
+EXPERT_FORMATS = ("native", "bf16", "int8", "fp8", "int4")
+
+
+def expert_format(s: str) -> str:
+    """One of EXPERT_FORMATS (psr.load's expert_format; native: the model's dtype)."""
+    if s not in EXPERT_FORMATS:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(EXPERT_FORMATS)}, got {s!r}")
+    return s
+
+
 def policies(s: str) -> list[Any]:
     """`';'`-separated policy specs, parsed by psr.policy.parse_policies (exact added)."""
     from psr.policy import parse_policies
@@ -394,6 +404,7 @@ def _generate(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         compute=args.compute,
+        expert_format=args.expert_format,
         progress=progress,
     )
     tok = model.tokenizer
@@ -447,7 +458,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     evaluate(
         path,
-        grid(args.policies, args.residency),
+        grid(args.policies, args.residency, args.expert_format),
         args.out,
         split=args.split,
         windows=args.windows,
@@ -605,6 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="kernels: Triton, torch references, or auto (Triton on CUDA)",
     )
+    g.add_argument(
+        "--expert-format",
+        choices=EXPERT_FORMATS,
+        default="native",
+        help="how the host store keeps experts and copies move them: native (the model's "
+        "dtype), bf16, or quantized int8 / fp8 / int4 (dequantized on the fly)",
+    )
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=positive_float, default=1.0, help="with --sample: > 0")
     g.add_argument(
@@ -641,6 +659,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ev.add_argument(
         "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
+    )
+    ev.add_argument(
+        "--expert-format",
+        type=comma_list(expert_format),
+        default="native",
+        help="comma list of expert formats to run every policy in (native, bf16, int8, fp8, "
+        "int4); exact in the native format is always the reference",
     )
     ev.add_argument(
         "--split",

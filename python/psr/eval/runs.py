@@ -48,9 +48,21 @@ def policy_grid(path: str, residencies: Sequence[float]) -> tuple[list[RunConfig
     return configs, sources
 
 
-def grid(policies: Sequence[Policy], residencies: Sequence[float]) -> list[RunConfig]:
-    """Every policy at every residency (policies from `psr.policy.parse_policies`)."""
-    return [RunConfig(p, rho) for rho in residencies for p in policies]
+def grid(
+    policies: Sequence[Policy],
+    residencies: Sequence[float],
+    formats: Sequence[str | None] = (None,),
+) -> list[RunConfig]:
+    """Every policy at every residency in every expert format (policies from
+    `psr.policy.parse_policies`); exact in the native format is always included, the
+    reference of every comparison."""
+    fmts = [None if f in (None, "native") else f for f in formats]
+    out = []
+    for rho in residencies:
+        configs = [RunConfig(p, rho, f) for f in fmts for p in policies]
+        ref = RunConfig(make_policy("exact"), rho)
+        out += ([] if ref in configs else [ref]) + configs
+    return out
 
 
 def run_all(
