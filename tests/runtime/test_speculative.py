@@ -161,3 +161,62 @@ def test_block_mode_arguments_are_checked(ckpt) -> None:
             m.runtime.set_block_mode(bad)
     with pytest.raises(ValueError, match="needs block mode"):
         m.runtime.begin_scoring(4, 12, block=3)
+
+
+def _write_drafters(path: Path) -> None:
+    """Tiny drafters beside the tiny checkpoint, in the formats train_drafters.py writes."""
+    import transformers
+    from safetensors.torch import save_file
+
+    from psr.models.drafters import BlockHeads
+
+    torch.manual_seed(1)
+    heads = BlockHeads(32, 3)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    meta = {"block": "3", "hidden_size": "32", "format": "psr-block-heads-v2"}
+    save_file(dict(heads.state_dict()), str(path / "drafter_block.safetensors"), metadata=meta)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path / "drafter_ar")
+
+
+@pytest.mark.parametrize("kind", ["block", "ar"])
+def test_load_with_a_drafter_pays_its_memory_in_slots_and_decodes(ckpt, tmp_path, kind) -> None:
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(ckpt, path)
+    _write_drafters(path)
+    plain = psr.load(path, "psr", residency=1.0, progress=False)
+    m = psr.load(path, "psr", residency=1.0, progress=False, speculative=kind, block=2)
+    row = m.runtime.store.expert_bytes[0] * len(m.runtime.layers)
+    lost = -(-m.drafter.memory_bytes // row)
+    assert m.runtime.capacity == plain.runtime.capacity - lost and lost >= 1
+    assert m.block_k == min(2 * 2, m.runtime.capacity)
+    out = m.generate(PROMPT, 10)
+    assert out.shape[1] == len(PROMPT) + 10 and m.spec_stats.emitted == 10
+    assert m.spec_stats.blocks == m.stats["tokens"]
+    logits = m.score(torch.tensor([[*PROMPT, 1, 2, 3, 4, 5, 6]]), len(PROMPT), block=3)
+    assert logits.shape == (1, len(PROMPT) + 6, 64)
+    m.set_speculative(None, None)  # back to autoregressive decoding
+    assert m.generate(PROMPT, 4).shape[1] == len(PROMPT) + 4 and m.drafter is None
+
+
+def test_a_drafter_too_big_for_the_slots_is_refused(ckpt, tmp_path) -> None:
+    import shutil
+
+    path = tmp_path / "m"
+    shutil.copytree(ckpt, path)
+    _write_drafters(path)
+    with pytest.raises(ValueError, match=r"drafter .* takes .* expert slots"):
+        psr.load(path, "psr", residency=0.25, progress=False, speculative="ar")
+    with pytest.raises(ValueError, match="speculative must be 'block' or 'ar'"):
+        psr.load(path, "psr", residency=0.5, progress=False, speculative="medusa")

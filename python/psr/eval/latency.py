@@ -190,3 +190,19 @@ def calibrate(name: str, measured: dict[str, float], base: str | Profile = "h200
     if "dense_ms_per_layer" in measured:
         kw["dense_ms_per_layer"] = measured["dense_ms_per_layer"]
     return replace(p, **kw)
+
+
+def drafter_seconds(
+    profile: str | Profile,
+    num_decoder_layers: int,
+    target_dense_params: int,
+    drafter_params: int,
+    passes: int,
+) -> float:
+    """Modeled drafter time per verify block: `passes` sequential passes (an AR drafter:
+    one per drafted token; block heads: one) over `drafter_params` weights, priced as the
+    profile prices the target's dense work per parameter (a batch-1 pass reads every
+    weight once): dense_ms_per_layer x layers covers `target_dense_params`."""
+    p = get_profile(profile)
+    per_param = p.dense_s() * num_decoder_layers / max(target_dense_params, 1)
+    return passes * drafter_params * per_param

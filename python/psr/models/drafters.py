@@ -169,6 +169,32 @@ def load_ar_drafter(
     return ARDrafter(model, block)
 
 
+def load_drafter(
+    model_dir: str | Path,
+    kind: str,
+    block: int,
+    target: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> BlockDrafter | ARDrafter:
+    """The checkpoint's drafter of `kind` ('block' or 'ar') drafting `block` tokens."""
+    if kind not in ("block", "ar"):
+        raise ValueError(f"speculative must be 'block' or 'ar', got {kind!r}")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be an int >= 1, got {block!r}")
+    if kind == "ar":
+        return load_ar_drafter(Path(model_dir) / "drafter_ar", block, device, dtype)
+    d = load_block_drafter(
+        Path(model_dir) / "drafter_block.safetensors",
+        target.get_output_embeddings().weight,
+        target.get_input_embeddings().weight,
+    )
+    if block > d.block:
+        raise ValueError(f"the block drafter has {d.block} heads; block={block} asks for more")
+    d.block = block  # the first `block` heads
+    return d
+
+
 def drafters_info(model_dir: str | Path) -> dict[str, Any]:
     f = Path(model_dir) / "drafters_info.json"
     return json.loads(f.read_text()) if f.is_file() else {}

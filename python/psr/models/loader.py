@@ -286,6 +286,9 @@ def load(
     compute: str = "auto",
     copy_retries: int | None = None,
     expert_format: str | None = None,
+    speculative: str | None = None,
+    block: int = 4,
+    block_k: int | None = None,
     progress: bool = True,
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
@@ -304,6 +307,12 @@ def load(
             'native' (the model's dtype), 'bf16', or quantized while loading: 'int8'
             (per output channel), 'fp8' (e4m3, per channel), 'int4' (group 128); the
             kernels dequantize on the fly.
+        speculative: None, 'block' (the checkpoint's drafter_block.safetensors: heads on
+            the target's hidden state) or 'ar' (its drafter_ar/ dense model): greedy
+            speculative decoding with `block` drafted tokens per verify block and one set of
+            `block_k` experts per layer and block (default min(2 top_k, slots)). The
+            drafter is resident: its memory comes out of the expert slots (equal device
+            memory), so the store gets fewer slots than `residency` alone gives.
     """
     import transformers
 
@@ -356,6 +365,20 @@ def load(
         model.lm_head.weight = model.get_input_embeddings().weight
     materialize_rotary(model, dev)
 
+    drafter = None
+    if speculative is not None:
+        from psr.models.drafters import load_drafter
+
+        drafter = load_drafter(path, speculative, block, model, dev, dt)
+        row = make_store(spec, 1, 1, dt, torch.device("cpu"), None, fmt).expert_bytes[0]
+        lost = -(-drafter.memory_bytes // (len(moe_idx) * row))  # ceil: whole slots
+        if C - lost < spec.top_k:
+            raise ValueError(
+                f"the {speculative} drafter ({drafter.memory_bytes / 2**20:.1f} MiB) takes "
+                f"{lost} of the {C} expert slots per layer, leaving fewer than top_k="
+                f"{spec.top_k}: raise the residency"
+            )
+        C -= lost
     store = make_store(spec, C, len(moe_idx), dt, dev, copy_retries, fmt)
     _load_experts(ckpt, store, spec, moe_idx, progress, fmt)
     ckpt.close()
@@ -368,4 +391,6 @@ def load(
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source = pol_source
+    if drafter is not None:
+        om.set_speculative(drafter, block_k if block_k is not None else min(2 * spec.top_k, C))
     return om

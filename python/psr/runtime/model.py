@@ -56,6 +56,10 @@ class OffloadedModel(nn.Module):
         self._restorer = restorer
         # Where the policy's lam / n came from: "arguments", "defaults" or a points file.
         self.policy_source = "arguments"
+        # Speculative decoding (set_speculative): the drafter and experts per verify block.
+        self.drafter: Any = None
+        self.block_k: int | None = None
+        self.spec_stats: Any = None
 
     @property
     def config(self) -> Any:
@@ -192,21 +196,71 @@ class OffloadedModel(nn.Module):
             return gen.decode_logits(self.hf, ids, prompt_len)
 
     @torch.no_grad()
-    def score(self, input_ids: torch.Tensor | Iterable[int], prompt_len: int) -> torch.Tensor:
+    def score(
+        self, input_ids: torch.Tensor | Iterable[int], prompt_len: int, *, block: int = 1
+    ) -> torch.Tensor:
         """`decode_logits` in one forward: the same routing, counts and trace (each token
         after `prompt_len` routed as a decode step under the policy, its prefetches
         applied in decoding's order), with batched attention and experts read from the
         host copies, so logits agree with `decode_logits` to floating-point rounding.
-        No copies are issued: stall time is not measured. Logical-cache policies only."""
+        No copies are issued: stall time is not measured. Logical-cache policies only.
+
+        With a speculative drafter attached, `block` > 1 scores the tokens after the
+        prompt in verify blocks of `block` tokens (one expert set per layer and block),
+        as speculative decoding would verify them if every draft were accepted."""
         ids = self._ids(input_ids)
         prompt_len = _check_count("prompt_len", prompt_len)
         with self.runtime.lock:
             self._check_open()
-            self.runtime.begin_scoring(prompt_len, ids.shape[1])
+            blocks = block > 1
+            if blocks:
+                if self.block_k is None:
+                    raise ValueError("score(block=...) needs a speculative model (block_k)")
+                self.runtime.set_block_mode(self.block_k)
+            self.runtime.begin_scoring(prompt_len, ids.shape[1], block)
             try:
                 return self.hf(input_ids=ids, use_cache=False).logits
             finally:
                 self.runtime.end_scoring()
+                if blocks:
+                    self.runtime.set_block_mode(None)
+
+    def set_speculative(self, drafter: Any, block_k: int | None) -> None:
+        """Decode speculatively with `drafter` (psr.runtime.speculative.Drafter), one set
+        of `block_k` experts per layer and verify block; None switches it off."""
+        with self.runtime.lock:
+            if drafter is not None:
+                self.runtime.set_block_mode(block_k)  # validates block_k
+                self.runtime.set_block_mode(None)
+            self.drafter, self.block_k = drafter, (block_k if drafter is not None else None)
+
+    def _generate_speculative(
+        self, ids: torch.Tensor, settings: Any, streamer: Any
+    ) -> torch.Tensor:
+        from psr.runtime.speculative import generate_speculative
+
+        if settings.do_sample:
+            raise ValueError("speculative decoding is greedy: do_sample must be False")
+        if len(settings.eos_token_ids) > 1:
+            raise ValueError("speculative decoding takes one eos_token_id")
+        eos = settings.eos_token_ids[0] if settings.eos_token_ids else None
+        rec = self.runtime.recorder
+        out, st = generate_speculative(
+            self.hf,
+            self.runtime,
+            self.drafter,
+            ids,
+            settings.max_new_tokens,
+            self.block_k,
+            eos_token_id=eos,
+            on_block=None if rec is None else lambda _n, emitted: rec.trace.emitted.append(emitted),
+        )
+        self.spec_stats = st
+        if streamer is not None:
+            streamer.put(ids[0].cpu())
+            streamer.put(out[0, ids.shape[1] :].cpu())
+            streamer.end()
+        return out
 
     @torch.no_grad()
     def generate(
@@ -268,6 +322,8 @@ class OffloadedModel(nn.Module):
         self._check_context(ids.shape[1], settings.max_new_tokens)
         with self.runtime.lock:
             self._check_open()
+            if self.drafter is not None:
+                return self._generate_speculative(ids, settings, streamer)
             return gen.generate(
                 self.hf, ids, settings, seed=seed, streamer=streamer, progress=progress
             )
