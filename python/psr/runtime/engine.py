@@ -324,7 +324,7 @@ class OffloadRuntime:
                 raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
             if L.index == 0:
                 self._open_token()
-            lam = self.policy.lam
+            lam = self.lam_of(L)
             mask = self._mask(L, x.device) if lam > 0 else None
             w, ids = self.ops.route(logits, c.top_k, mask=mask, lam=lam, **kw)
             self._use(L, ids[0].tolist())
@@ -371,9 +371,14 @@ class OffloadRuntime:
         )
         L.pending = routed
 
-    def _predict_next(self, L: MoELayer, residual: torch.Tensor) -> torch.Tensor | None:
-        """Ids `[rows, n]` the next MoE layer's router predicts from `residual` rows of
-        this layer (None when there is nothing to predict)."""
+    def lam_of(self, L: MoELayer) -> float:
+        """The bias strength of a layer's routing: the policy's lam (one place to vary it
+        per layer)."""
+        return self.policy.lam
+
+    def _predict_next(self, L: MoELayer, residual: torch.Tensor) -> list[list[int]] | None:
+        """Per `residual` row of this layer, the ids the next MoE layer's router predicts
+        (None when there is nothing to predict)."""
         n = self.policy.n
         if n == 0 or L.index + 1 >= len(self.layers):
             return None
@@ -390,7 +395,7 @@ class OffloadRuntime:
             n_group=c.n_group,
             topk_group=c.topk_group,
         )
-        return ids
+        return ids.tolist()
 
     def _insert_prefetch(
         self, nxt: MoELayer, predicted: list[int], at: tuple[int, int] | None = None
@@ -405,7 +410,7 @@ class OffloadRuntime:
             raise RuntimeError(f"no residual captured for MoE layer {L.index}")
         ids = self._predict_next(L, L.residual)
         if ids is not None:
-            self._insert_prefetch(self.layers[L.index + 1], ids[0].tolist())
+            self._insert_prefetch(self.layers[L.index + 1], ids[0])
 
     # --- experts --------------------------------------------------------------------------
     def experts(
@@ -525,7 +530,7 @@ class OffloadRuntime:
         P, T = sc.prompt_len, logits.shape[0]
         if T != sc.length:
             raise ValueError(f"scoring expected {sc.length} tokens, the forward has {T}")
-        k, lam = self.spec.top_k, self.policy.lam
+        k, lam = self.spec.top_k, self.lam_of(L)
         if not bool(torch.isfinite(logits).all()):  # once for the window, not per token
             raise ValueError(f"MoE layer {L.index}: router logits contain NaN or inf")
         kw = dict(kw, check_finite=False)
@@ -563,7 +568,7 @@ class OffloadRuntime:
         else:
             pred = self._predict_next(L, L.residual[P:])
             if pred is not None:
-                sc.queued[L.index + 1] = pred.tolist()
+                sc.queued[L.index + 1] = pred
         ids_all = torch.cat(idss)
         L.pending, L.pending_ids = None, ids_all
         return torch.cat(ws), ids_all
@@ -589,7 +594,7 @@ class OffloadRuntime:
         """One expert set for a block's tokens (psr_kernels.block_routing), biased toward
         the logical cache; the set is `use`d as one routing (its misses copy now)."""
         assert self.block_k is not None
-        lam = self.policy.lam
+        lam = self.lam_of(L)
         mask = self._mask(L, logits.device) if lam > 0 else None
         chosen, w, ids = pk.route_block(
             logits,
