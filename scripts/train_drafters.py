@@ -6,10 +6,10 @@
   trained on the same corpus and split as the embedded model; written as an ordinary
   transformers checkpoint under `<out>/drafter_ar/`.
 * `block`: B light heads on the *frozen* embedded model (Medusa-style): head i maps the
-  target's final hidden state at position t (after its final norm) through one residual
-  SiLU layer to the target's own LM head, predicting token t + 1 + i. Trained by cross
-  entropy against the target's text; written as `<out>/drafter_block.safetensors` with its
-  config in the metadata.
+  target's final hidden state at position t (after its final norm) plus a projection of
+  token t + 1's embedding through one residual SiLU layer to the target's own LM head,
+  predicting token t + 2 + i. Trained by cross entropy against the text; written as
+  `<out>/drafter_block.safetensors` with its config in the metadata.
 
 Fixed seeds: rerunning reproduces the shipped drafters up to floating-point differences.
 """
@@ -123,6 +123,7 @@ def train_block(args, target_path: str, data, held) -> dict:
     d = target.config.hidden_size
     heads = BlockHeads(d, args.block)
     lm_head = target.get_output_embeddings().weight
+    embed = target.get_input_embeddings().weight
     opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, weight_decay=0.0)
     t0, losses = time.time(), []
     B = args.block
@@ -139,7 +140,9 @@ def train_block(args, target_path: str, data, held) -> dict:
             h = final_hidden(target, x[:, :-1])  # [b, T, d]
         loss = 0.0
         T = h.shape[1]
-        for i, logits in enumerate(heads(h, lm_head)):  # head i: position t -> t + 1 + i
+        # Condition on the true token t + 1 (the target's own choice at inference).
+        nxt = torch.nn.functional.embedding(x[:, 1:], embed)
+        for i, logits in enumerate(heads(h, nxt, lm_head)):  # head i: t -> t + 2 + i
             valid = T - 1 - i
             if valid <= 0:
                 continue
@@ -159,13 +162,14 @@ def train_block(args, target_path: str, data, held) -> dict:
         for i in range(0, min(len(held) - 130, 64 * 128), 128):
             seg = held[i : i + 129][None]
             h = final_hidden(target, seg[:, :-1])
-            for j, logits in enumerate(heads(h, lm_head)):
+            nxt = torch.nn.functional.embedding(seg[:, 1:], embed)
+            for j, logits in enumerate(heads(h, nxt, lm_head)):
                 valid = 127 - j
                 pred = logits[0, :valid].argmax(-1)
                 acc[j] += float((pred == seg[0, 2 + j : 2 + j + valid]).float().mean())
             cnt += 1
     acc = [a / cnt for a in acc]
-    meta = {"block": str(B), "hidden_size": str(d), "format": "psr-block-heads-v1"}
+    meta = {"block": str(B), "hidden_size": str(d), "format": "psr-block-heads-v2"}
     path = Path(args.out) / "drafter_block.safetensors"
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in heads.state_dict().items()},
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ar-d-model", type=int, default=128)
     p.add_argument("--ar-ffn", type=int, default=384)
     p.add_argument("--block", type=int, default=4, help="tokens per drafted block (heads)")
-    p.add_argument("--block-steps", type=int, default=600)
+    p.add_argument("--block-steps", type=int, default=1500)
     args = p.parse_args(argv)
 
     import torch
