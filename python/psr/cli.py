@@ -190,10 +190,13 @@ def expert_format(s: str) -> str:
     return s
 
 
-def policies(s: str) -> list[Any]:
-    """`';'`-separated policy specs, parsed by psr.policy.parse_policies (exact added)."""
+def policies(s: str) -> list[Any] | None:
+    """`';'`-separated policy specs, parsed by psr.policy.parse_policies (exact added);
+    `tuned` (None): the model's operating points at each residency."""
     from psr.policy import parse_policies
 
+    if s.strip() == "tuned":
+        return None
     try:
         return parse_policies(s)
     except ValueError as e:
@@ -458,7 +461,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     evaluate(
         path,
-        grid(args.policies, args.residency, args.expert_format),
+        grid(args.policies, args.residency, args.expert_format, path),
         args.out,
         split=args.split,
         windows=args.windows,
@@ -535,7 +538,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from psr.policy import DEFAULT_RESIDENCY, POLICIES, default_policy_specs
+    from psr.policy import DEFAULT_RESIDENCY, POLICIES
 
     p = _Parser(prog="psr", description=__doc__, formatter_class=_Formatter)
     p.add_argument(
@@ -654,8 +657,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--policies",
         type=policies,
-        default=default_policy_specs(),
-        help="';'-separated name[:lam=..,n=..] (exact is always added)",
+        default="tuned",
+        help="';'-separated name[:lam=..,n=..] (exact is always added), or 'tuned': exact, "
+        "exact + prefetch and the model's tuned Cache-Prior and PSR points at each residency",
     )
     ev.add_argument(
         "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"

@@ -31,6 +31,7 @@ from psr.policy import (
     DEFAULT_N,
     Policy,
     make_policy,
+    operating_points,
     operating_points_with_source,
     standard_policies,
     write_operating_points,
@@ -49,17 +50,24 @@ def policy_grid(path: str, residencies: Sequence[float]) -> tuple[list[RunConfig
 
 
 def grid(
-    policies: Sequence[Policy],
+    policies: Sequence[Policy] | None,
     residencies: Sequence[float],
     formats: Sequence[str | None] = (None,),
+    model: str | None = None,
 ) -> list[RunConfig]:
     """Every policy at every residency in every expert format (policies from
-    `psr.policy.parse_policies`); exact in the native format is always included, the
-    reference of every comparison."""
+    `psr.policy.parse_policies`, or None: the four standard policies at `model`'s
+    operating points of each residency); exact in the native format is always included,
+    the reference of every comparison."""
     fmts = [None if f in (None, "native") else f for f in formats]
     out = []
     for rho in residencies:
-        configs = [RunConfig(p, rho, f) for f in fmts for p in policies]
+        pols = (
+            policies
+            if policies is not None
+            else standard_policies(operating_points(model or DEFAULT_MODEL, rho))
+        )
+        configs = [RunConfig(p, rho, f) for f in fmts for p in pols]
         ref = RunConfig(make_policy("exact"), rho)
         out += ([] if ref in configs else [ref]) + configs
     return out
