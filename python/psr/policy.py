@@ -150,11 +150,6 @@ def parse_policies(spec: str, *, with_baseline: bool = True) -> list[Policy]:
     return out
 
 
-def default_policy_specs() -> str:
-    """The CLI's default comparison: Cache-Prior and PSR at the default lam / n."""
-    return ";".join(p.spec() for p in (make_policy("cache-prior"), make_policy("psr")))
-
-
 # ------------------------------------------------------------------ operating points
 #
 # An operating point is the tuned Cache-Prior and PSR policy of one model at one

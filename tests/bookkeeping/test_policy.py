@@ -13,7 +13,7 @@ def test_defaults_come_from_one_place() -> None:
     assert P.make_policy("psr") == P.Policy("psr", P.DEFAULT_LAM, P.DEFAULT_N)
     assert P.make_policy("cache-prior") == P.Policy("cache-prior", P.DEFAULT_LAM, 0)
     assert P.make_policy("exact-prefetch") == P.Policy("exact-prefetch", 0.0, P.DEFAULT_N)
-    assert P.parse_policies(P.default_policy_specs()) == [
+    assert P.parse_policies("cache-prior;psr") == [
         P.make_policy("exact"),
         P.make_policy("cache-prior"),
         P.make_policy("psr"),
