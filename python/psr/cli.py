@@ -408,6 +408,9 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         compute=args.compute,
         expert_format=args.expert_format,
+        speculative=args.speculative,
+        block=args.block,
+        block_k=args.block_k,
         progress=progress,
     )
     tok = model.tokenizer
@@ -434,10 +437,18 @@ def _generate(args: argparse.Namespace) -> int:
     print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
     print()
     print(
-        f"policy {model.policy.describe()}, {model.runtime.capacity} of "
-        f"{model.runtime.spec.num_experts} experts resident per layer, "
-        f"backend {model.runtime.store.backend}, compute {model.runtime.ops.path}"
+        f"policy {model.policy.describe()} ({model.policy_source}), "
+        f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
+        f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
+        f"experts {args.expert_format}"
     )
+    if model.spec_stats is not None:
+        st = model.spec_stats
+        print(
+            f"speculative ({args.speculative}, B={args.block}, K_b={model.block_k}): "
+            f"{st.blocks} verify blocks, {st.accepted_per_block:.2f} drafts accepted and "
+            f"{st.tokens_per_block:.2f} tokens per block"
+        )
     print(model.stats.table())
     if out is not None:
         out.write_text(
@@ -625,6 +636,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="native",
         help="how the host store keeps experts and copies move them: native (the model's "
         "dtype), bf16, or quantized int8 / fp8 / int4 (dequantized on the fly)",
+    )
+    g.add_argument(
+        "--speculative",
+        choices=["block", "ar"],
+        default=None,
+        help="greedy speculative decoding with the checkpoint's block heads or AR drafter; "
+        "its memory comes out of the expert slots (default: off)",
+    )
+    g.add_argument(
+        "--block", type=positive_int, default=4, help="with --speculative: drafted tokens per block"
+    )
+    g.add_argument(
+        "--block-k",
+        type=positive_int,
+        default=None,
+        help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
+        "slots))",
     )
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=positive_float, default=1.0, help="with --sample: > 0")

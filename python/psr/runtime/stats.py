@@ -77,11 +77,11 @@ class Stats(Mapping[str, float]):
     def table(self) -> str:
         s = self.summary()
         rows = [
-            ("decode tokens", f"{s['tokens']:.0f}"),
+            ("decode steps (tokens or verify blocks)", f"{s['tokens']:.0f}"),
             ("routed experts", f"{s['routed']:.0f}"),
             ("hits / misses", f"{s['hits']:.0f} / {s['misses']:.0f}"),
             ("hit rate", f"{s['hit_rate']:.3f}"),
-            ("misses per token", f"{s['misses_per_token']:.2f}"),
+            ("misses per decode step", f"{s['misses_per_token']:.2f}"),
             ("prefetch copies (used)", f"{s['prefetches']:.0f} ({s['prefetch_used']:.0f})"),
             ("bytes copied", f"{s['bytes_copied'] / 2**20:.1f} MiB"),
             ("stall time", f"{s['stall_s'] * 1e3:.1f} ms"),
