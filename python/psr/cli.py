@@ -538,6 +538,24 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speculative(args: argparse.Namespace) -> int:
+    path = _eval_model(args.model)
+    writable_dir(args.out, "--out")
+    from psr.eval.runs import speculative
+
+    speculative(
+        path,
+        args.out,
+        args.residency,
+        windows=args.windows,
+        prompts=args.prompts,
+        gen_tokens=args.gen_tokens,
+        block=args.block,
+        progress=_progress(args),
+    )
+    return 0
+
+
 def _info(args: argparse.Namespace) -> int:
     from psr.store import backend_info
 
@@ -809,6 +827,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the points here (default: the user's psr folder, keyed by model)",
     )
     tu.set_defaults(fn=_tune)
+
+    sp = command(
+        bsub,
+        "speculative",
+        "speculative decoding (block heads, AR drafter; K_b x lam grid) vs autoregressive "
+        "policies at equal device memory",
+    )
+    sp.add_argument("--model", default=None, help=f"checkpoint with drafters {embedded}")
+    sp.add_argument(
+        "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
+    )
+    sp.add_argument(
+        "--windows", type=positive_int, default=WINDOWS, help="teacher-forced windows (quality)"
+    )
+    sp.add_argument("--prompts", type=positive_int, default=16, help="generated prompts (speed)")
+    sp.add_argument("--gen-tokens", type=positive_int, default=64, help="tokens per prompt")
+    sp.add_argument("--block", type=positive_int, default=4, help="drafted tokens per block")
+    sp.add_argument(
+        "--out", default="psr-results/speculative", help="folder for speculative.{md,json}"
+    )
+    sp.add_argument("--quiet", action="store_true", help=quiet_help)
+    sp.set_defaults(fn=_speculative)
 
     # Handled in main(): the rest of the line goes to lm_eval's parser untouched.
     command(sub, "lm-eval", "lm_eval's CLI with the 'psr' model registered")

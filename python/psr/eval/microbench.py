@@ -9,17 +9,26 @@ Measured side by side in one run:
     (`engine_vs_peak` = engine / peak; a store whose host memory were not pinned would
     fall behind the torch-pinned copies here);
   * overlap efficiency `max(t_copy, t_compute) / t_both` when expert-sized
-    copies run beside a compute loop (1.0 = perfect overlap, 0.5 = serial).
+    copies run beside a compute loop (1.0 = perfect overlap, 0.5 = serial);
+  * per expert format (bf16, int8, fp8, int4; `formats`): the engine's GB/s and time per
+    expert copy with rows of that format's byte size for an expert of the same H x F
+    (`psr_kernels.QuantLayout.of(fmt, H, F).nbytes`; bf16: 3*H*F*2), the formats' rounds
+    interleaved, and each format's copy time over bf16's against its bytes ratio, which is
+    what the latency model assumes (`simulate` prices a copy by expert_bytes * bytes_ratio).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+import psr_kernels as pk
 from psr.store import ExpertStore, LayerSpec
+
+COPY_FORMATS: tuple[str, ...] = ("bf16", "int8", "fp8", "int4")
 
 
 @dataclass
@@ -38,6 +47,10 @@ class CopyBenchResult:
     peak: str = ""
     engine_vs_peak: float = float("nan")
     repeats: int = 0
+    # Per expert format (`measure_format_copies`): {fmt: {row_bytes, bytes_ratio, gbps,
+    # copy_ms, time_ratio_vs_bf16, ratio_error, abs_ratio_error}}; hidden x ffn of the rows.
+    formats: dict = field(default_factory=dict)
+    format_shape: list = field(default_factory=list)
 
     def table(self) -> str:
         rows = [
@@ -54,6 +67,18 @@ class CopyBenchResult:
             ("t_both ms", f"{self.t_both_ms:.2f}"),
             ("overlap max(copy,compute)/both", f"{self.overlap_efficiency:.2f}"),
         ]
+        if self.formats:
+            H, F = self.format_shape
+            rows.append(("per format (H x F)", f"{H} x {F}: ms/copy, GB/s, time/bf16, bytes/bf16"))
+        for fmt, d in self.formats.items():
+            rows.append(
+                (
+                    f"  {fmt} ({d['row_bytes'] / 2**20:.2f} MiB)",
+                    f"{d['copy_ms']:.4f} ms  {d['gbps']:.2f} GB/s  "
+                    f"{d['time_ratio_vs_bf16']:.3f}x  (bytes {d['bytes_ratio']:.3f}x, "
+                    f"error {d['ratio_error']:+.1%})",
+                )
+            )
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
@@ -169,18 +194,105 @@ def run_copy_overlap(
     num_slots: int = 4,
     repeats: int = 5,
     backend: str | None = None,
+    formats: tuple[str, ...] | None = None,
 ) -> CopyBenchResult:
-    """Run the benchmark once; every figure comes from this one run."""
+    """Run the benchmark once; every figure comes from this one run.
+
+    `formats` (default: COPY_FORMATS when `shape` is an expert's (3, H, F), else none):
+    the expert formats whose copies are also timed, rows of each format's byte size for
+    that H x F (`measure_format_copies`)."""
     threads = torch.get_num_threads()
     b = CopyOverlapBench(shape, num_experts, num_slots, backend=backend)
+    if formats is None:
+        formats = COPY_FORMATS if len(shape) == 3 and shape[0] == 3 else ()
     if b.store.backend == "cpu":
         # The CPU backend's copy worker is a thread: leave it a core, as a GPU
         # leaves its copy engine free of the SMs.
         torch.set_num_threads(1)
     try:
-        return _measure(b, num_slots, repeats)
+        r = _measure(b, num_slots, repeats)
+        if formats:
+            H, F = shape[1], shape[2]
+            r.formats = measure_format_copies(
+                formats, H, F, num_experts, num_slots, repeats, backend=b.store.backend
+            )
+            r.format_shape = [H, F]
+        return r
     finally:
         torch.set_num_threads(threads)
+
+
+def format_row_bytes(fmt: str, hidden_size: int, ffn_size: int) -> int:
+    """Bytes of one expert's row in the host store: bf16 gate, up, down back to back, or a
+    quantized format's packed uint8 row (weights + fp32 scales, `QuantLayout`)."""
+    if fmt == "bf16":
+        return 3 * hidden_size * ffn_size * 2
+    return pk.QuantLayout.of(fmt, hidden_size, ffn_size).nbytes
+
+
+def measure_format_copies(
+    formats: tuple[str, ...],
+    hidden_size: int,
+    ffn_size: int,
+    num_experts: int = 8,
+    num_slots: int = 4,
+    repeats: int = 5,
+    backend: str | None = None,
+) -> dict[str, dict]:
+    """The copy engine per expert format, side by side: one uint8 store per format (rows
+    of the format's byte size; the bytes are random: a copy moves bytes, whatever they
+    encode), rounds of `num_slots` copies of different experts, the formats interleaved
+    round by round (drift hits them alike); the best round of `repeats` per format.
+
+    Per format: row_bytes, bytes_ratio (row bytes / bf16 row bytes), gbps, copy_ms (per
+    expert copy), time_ratio_vs_bf16 (copy_ms / bf16's; NaN without bf16), ratio_error
+    (time_ratio / bytes_ratio - 1: 0 where copy time is proportional to bytes, as the
+    latency model prices it) and abs_ratio_error."""
+    formats = tuple(dict.fromkeys(formats))
+    bf16_bytes = format_row_bytes("bf16", hidden_size, ffn_size)
+    gen = torch.Generator().manual_seed(1)
+    stores: dict[str, ExpertStore] = {}
+    try:
+        for fmt in formats:
+            nb = format_row_bytes(fmt, hidden_size, ffn_size)
+            st = ExpertStore([LayerSpec(num_experts, num_slots, nb)], torch.uint8, backend=backend)
+            row = torch.randint(0, 256, (nb,), dtype=torch.uint8, generator=gen)
+            for e in range(num_experts):
+                st.register(0, e, row)
+            stores[fmt] = st
+        slots = list(range(num_slots))
+        best = dict.fromkeys(formats, float("inf"))
+        for r in range(repeats + 1):  # round 0 warms up
+            for fmt, st in stores.items():
+                experts = [(s + r + 1) % num_experts for s in slots]
+                _sync(st)
+                t0 = time.perf_counter()
+                st.enqueue_copies(0, slots, experts)
+                st.acquire(0, slots)
+                st.release(0, slots)
+                _sync(st)
+                if r:
+                    best[fmt] = min(best[fmt], time.perf_counter() - t0)
+        out: dict[str, dict] = {}
+        for fmt, st in stores.items():
+            nb = st.expert_bytes[0]
+            t = best[fmt] / num_slots
+            out[fmt] = {
+                "row_bytes": nb,
+                "bytes_ratio": nb / bf16_bytes,
+                "gbps": nb / t / 1e9,
+                "copy_ms": t * 1e3,
+            }
+        base = out.get("bf16")
+        for d in out.values():
+            tr = d["copy_ms"] / base["copy_ms"] if base else math.nan
+            d["time_ratio_vs_bf16"] = tr
+            d["ratio_error"] = tr / d["bytes_ratio"] - 1
+            d["abs_ratio_error"] = abs(d["ratio_error"])
+        return out
+    finally:
+        for st in stores.values():
+            st.close()
 
 
 def _measure(b: CopyOverlapBench, num_slots: int, repeats: int) -> CopyBenchResult:

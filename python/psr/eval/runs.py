@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -355,3 +356,46 @@ def tune(
         )
     print(f"wrote {written}")
     return {"points": chosen, "file": str(written), **meta}
+
+
+def speculative(
+    path: str,
+    out: str,
+    residencies: Sequence[float] = (0.5, 0.25),
+    windows: int = WINDOWS,
+    prompts: int = 16,
+    gen_tokens: int = 64,
+    block: int = 4,
+    specs: Sequence[Any] | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Speculative decoding (both drafters, a K_b x lam grid) against the autoregressive
+    policies at equal device memory, on held-out set B; writes speculative.{md,json}."""
+    from psr.eval.speculative import compare_speculative, default_specs, markdown
+    from psr.models.loader import load
+
+    data = EvalData.from_heldout(
+        path,
+        "B",
+        windows=windows,
+        window_tokens=WINDOW_TOKENS,
+        prompt_tokens=PROMPT_TOKENS,
+        prompts=prompts,
+        gen_tokens=gen_tokens,
+    )
+    if specs is None:
+        probe = load(path, "exact", 1.0, progress=False)
+        specs = default_specs(probe.runtime.spec.top_k, block)
+        probe.close()
+    rows = compare_speculative(path, residencies, specs, data, progress=progress)
+    o = Path(out)
+    o.mkdir(parents=True, exist_ok=True)
+    slim = [{k: v for k, v in r.items() if k not in ("generated",)} for r in rows]
+    table = markdown(rows)
+    (o / "speculative.json").write_text(
+        json.dumps({"model": path, "data": describe(data), "rows": slim}, indent=1)
+    )
+    (o / "speculative.md").write_text(f"measured on {describe(data)}\n\n{table}\n")
+    print(f"measured on {describe(data)}\n\n{table}")
+    print(f"\nwrote {o / 'speculative.md'}, {o / 'speculative.json'}")
+    return rows

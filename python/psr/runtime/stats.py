@@ -16,6 +16,7 @@ REPORT_KEYS = (
     "hit_rate",
     "misses_per_token",
     "prefetch_used_frac",
+    "copies",
     "bytes_copied",
 )
 # ... and the measured times that timing benchmarks add to them.
