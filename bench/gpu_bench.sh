@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-shot, budgeted GPU run of everything psr claims (docs/gpu.md). Every stage has its own
-# time limit and writes its results as soon as it ends; summary.md (stage table + the four
+# time limit and writes its results as soon as it ends; summary.md (stage table + the five
 # checks with PASS/FAIL) is rewritten after every stage, so a cut-off run still reports.
 #
 #   bash bench/gpu_bench.sh              GPU machine: results in $OUT, else bench/results/gpu
@@ -15,8 +15,10 @@
 #   versions  60/10   python, torch(+cuda), triton, transformers, nvidia-smi, nvcc, build tools
 #   build    300/60   psr._C with the CUDA backend for sm_90 (pip -e ., else direct compile)
 #   gpu_tests 150/40  every test marked gpu (tests/store/test_gpu.py): pytest, or a mini runner
-#   copy      90/15   copy engine vs pinned peak; copy/compute overlap
-#   replay   240/90   embedded model's traces replayed on the GPU vs the latency model
+#   copy      90/20   copy engine vs pinned peak; copy/compute overlap; per expert format
+#                     (bf16, int8, fp8, int4 rows at OLMoE shape): GB/s, ms per copy, vs bf16
+#   replay   240/130  embedded model's traces replayed on the GPU vs the latency model, in
+#                     bf16 (four policies) and int8, int4, fp8 (exact and psr)
 #   decode   180/70   real decoding, OLMoE-1B-7B shape (random weights), four policies
 #   kernels   90/30   each Triton kernel vs its torch reference
 set -uo pipefail
@@ -81,6 +83,7 @@ summarize() { timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/
 
 # stage NAME LIMIT_S CMD...: run CMD under `timeout` (its process group is killed on expiry),
 # output to OUT/NAME.log; one line to OUT/stages.tsv: name, status, rc, seconds, limit, note.
+# CMD sees its limit as PSR_STAGE_LIMIT_S (gpu_replay.py skips the formats it cannot fit).
 stage() {
   local name=$1 limit=$2 note=""
   shift 2
@@ -99,7 +102,7 @@ stage() {
   echo "== $name (limit ${limit} s, $(date +%T))"
   local t0 rc status secs ms
   t0=$(date +%s%N)
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  PSR_STAGE_LIMIT_S=$limit timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
   ms=$((($(date +%s%N) - t0) / 1000000))
   secs="$((ms / 1000)).$((ms % 1000 / 100))"
@@ -131,7 +134,8 @@ fi
 #    pytest -m gpu when the image has pytest, else bench/gpu_tests.py's own minimal runner.
 stage gpu_tests 150 "$PY" bench/gpu_tests.py --out "$OUT"
 
-# 3. Copy engine vs the pinned peak, and copy/compute overlap.
+# 3. Copy engine vs the pinned peak, and copy/compute overlap; then rows of each expert
+#    format (bf16, int8, fp8, int4 at the --shape's H x F) side by side: copy.json "formats".
 if [[ $REHEARSE == 1 ]]; then
   stage copy 60 "$PY" -m psr.cli bench copy --backend cpu --shape 3x64x32 --experts 8 \
     --slots 4 --repeats 3 --json "$OUT/copy.json"
@@ -140,7 +144,8 @@ else
     --repeats 10 --json "$OUT/copy.json"
 fi
 
-# 4. Trace replay: the embedded model's traces on this machine vs the latency model.
+# 4. Trace replay: the embedded model's traces on this machine vs the latency model; then
+#    exact and psr again with int8, int4, fp8 rows and expert_ffn_quant (--formats).
 if [[ $REHEARSE == 1 ]]; then
   stage replay 150 env TRITON_INTERPRET=1 "$PY" bench/gpu_replay.py --out "$OUT" --tiny
 else

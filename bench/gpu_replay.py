@@ -20,14 +20,25 @@ on this machine's expert store and Triton expert kernel, against the latency mod
    store's measured copy GB/s, the dense stand-in alone, and the replay without copies
    (expert time); `simulate` of each trace under it vs the measured ms/token: the model
    error, and the speedup vs exact measured vs modeled.
+5. Quantized experts (`--formats`, default int8,int4,fp8, in that order; `--format-policies`,
+   default exact,psr): per format a second store of that format's uint8 rows
+   (`psr_kernels.quantize_expert` of random OLMoE-shaped experts, a few reused for every
+   expert id: only the bytes and the kernel matter), copies moving those bytes and
+   `psr_kernels.expert_ffn_quant` on the slab. The same routing traces, `bytes_ratio` set
+   to the format's (row bytes over the bf16 replay's row bytes), replayed and modeled:
+   the expert kernel's time is calibrated per format (the replay without copies), the
+   copy rate stays the bf16 one (the model prices a copy by its bytes). A format is
+   skipped when the time left (`--budget-s`, default $PSR_STAGE_LIMIT_S) would not cover
+   it (estimated from the last format's time).
 
 Writes DIR/replay.json (rewritten after every policy: a timeout keeps what was done),
-DIR/replay.md, DIR/replay_profile.json and DIR/traces/*.json.
+DIR/replay.md, DIR/replay_profile.json (+ replay_profile_<fmt>.json) and DIR/traces/*.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -47,6 +58,8 @@ from psr.store import ExpertStore, LayerSpec, backend_info
 OLMOE_HF = (2048, 1024)  # OLMoE-1B-7B: hidden, expert FFN
 TINY_HF = (64, 32)
 H200_DENSE_MS = 0.08  # the built-in h200 profile's dense_ms_per_layer
+DEFAULT_FORMATS = "int8,int4,fp8"  # most valuable first: a short budget keeps int8
+FIRST_FORMAT_EST_S = 30.0  # a format's expected seconds on an H200 before one was timed
 
 
 def log(msg: str) -> None:
@@ -203,14 +216,27 @@ class Dense:
 
 
 class Replayer:
-    def __init__(self, store: ExpertStore, H: int, F: int, k: int, ffn, dense: Dense) -> None:
+    """Replays plans on `store`; `ffn(x, slab, slots, w, H, F, check_slots=...)` is the
+    expert kernel (bf16 rows: expert_ffn; quantized rows: expert_ffn_quant with its format
+    bound), `x_dtype` the activations' dtype (default: the store's)."""
+
+    def __init__(
+        self,
+        store: ExpertStore,
+        H: int,
+        F: int,
+        k: int,
+        ffn,
+        dense: Dense,
+        x_dtype: torch.dtype | None = None,
+    ) -> None:
         self.store, self.H, self.F, self.ffn, self.dense = store, H, F, ffn, dense
         self.device = store.device
         self.cuda = self.device.type == "cuda"
         self.clock = Clock(self.device)
         self.slabs = [store.slab(i) for i in range(len(store.layers))]
         g = torch.Generator(device="cpu").manual_seed(3)
-        self.x = torch.randn(1, H, generator=g).to(store.dtype).to(self.device)
+        self.x = torch.randn(1, H, generator=g).to(x_dtype or store.dtype).to(self.device)
         self.w = torch.full((1, k), 1.0 / k, device=self.device)
 
     def route_sync(self) -> None:
@@ -303,20 +329,27 @@ def measure_h2d(store: ExpertStore, slots: int, experts: int, rounds: int, per_r
     return {"h2d_gbps": total / best / 1e9, "bytes_per_round": total, "best_round_ms": best * 1e3}
 
 
-def kernel_check(rep: Replayer, k: int, E: int) -> dict:
-    """Copy k experts through the store, run the expert kernel on the slab, compare it with
-    the torch reference, and byte-compare the slots with their host copies."""
+def kernel_check(rep: Replayer, k: int, E: int, fmt: str | None = None) -> dict:
+    """Copy k experts through the store, run the expert kernel on the slab (expert_ffn, or
+    expert_ffn_quant for a quantized `fmt`), compare it with the torch reference, and
+    byte-compare the slots with their host copies."""
     store, dev = rep.store, rep.device
     can_triton = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     slots, experts = list(range(k)), [(3 * i + 1) % E for i in range(k)]
     store.enqueue_copies(0, slots, experts)
     st = torch.tensor([slots], device=dev)
     out: dict = {"kernel": "triton" if can_triton else "skipped (no GPU, no TRITON_INTERPRET=1)"}
+    if fmt is None:
+        kern, kref, extra = pk.expert_ffn, pk.expert_ffn_ref, ()
+    else:
+        kern, kref, extra = pk.expert_ffn_quant, pk.expert_ffn_quant_ref, (fmt,)
+        out["format"] = fmt
     with store.reading(0, slots, experts) as slab:
-        ref = pk.expert_ffn_ref(rep.x, slab, st, rep.w, rep.H, rep.F, out_dtype=torch.float32)
+        args = (rep.x, slab, st, rep.w, rep.H, rep.F, *extra)
+        ref = kref(*args, out_dtype=torch.float32)
         if can_triton:
             try:
-                y = pk.expert_ffn(rep.x, slab, st, rep.w, rep.H, rep.F, out_dtype=torch.float32)
+                y = kern(*args, out_dtype=torch.float32)
                 err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                 out["rel_max_err"] = err
             except Exception as e:  # e.g. no C compiler for Triton's launcher
@@ -355,6 +388,55 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_table(rows: list[dict]) -> str:
+    lines = [
+        "| residency | policy | format | bytes ratio | copies/tok | measured ms/tok | "
+        "modeled ms/tok | model error | vs bf16 exact meas | vs bf16 exact mod | "
+        "speedup error | vs exact (same format) meas / mod | h200 profile ms/tok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+
+        def f(key: str, fmt: str, r=r) -> str:
+            v = r.get(key)
+            return "-" if v is None else format(v, fmt)
+
+        lines.append(
+            f"| {r['residency']:.0%} | {r['policy']} | {r['format']} | {r['bytes_ratio']:.3f} | "
+            f"{r['copies_per_token']:.2f} | {r['ms_per_token']:.3f} | {r['modeled_ms']:.3f} | "
+            f"{f('model_error', '+.1%')} | {f('speedup_vs_bf16_exact', '.2f')}x | "
+            f"{f('modeled_speedup_vs_bf16_exact', '.2f')}x | "
+            f"{f('speedup_vs_bf16_exact_error', '+.1%')} | {f('speedup_vs_exact', '.2f')}x / "
+            f"{f('modeled_speedup_vs_exact', '.2f')}x | {f('modeled_h200_ms', '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
+def add_format_speedups(frows: list[dict], rows: list[dict]) -> None:
+    """Each format row vs bf16 exact at its residency (measured, modeled, their error) and
+    vs exact in the same format."""
+    for r in frows:
+        rho = r["residency"]
+        b16 = next((b for b in rows if b["residency"] == rho and b["policy"] == "exact"), None)
+        if b16 is not None:
+            r["speedup_vs_bf16_exact"] = b16["ms_per_token"] / r["ms_per_token"]
+            r["modeled_speedup_vs_bf16_exact"] = b16["modeled_ms"] / r["modeled_ms"]
+            r["speedup_vs_bf16_exact_error"] = (
+                r["speedup_vs_bf16_exact"] / r["modeled_speedup_vs_bf16_exact"] - 1
+            )
+        same = next(
+            (
+                b
+                for b in frows
+                if b["residency"] == rho and b["format"] == r["format"] and b["policy"] == "exact"
+            ),
+            None,
+        )
+        if same is not None:
+            r["speedup_vs_exact"] = same["ms_per_token"] / r["ms_per_token"]
+            r["modeled_speedup_vs_exact"] = same["modeled_ms"] / r["modeled_ms"]
+
+
 def add_speedups(rows: list[dict]) -> None:
     for r in rows:
         base = next(
@@ -379,14 +461,170 @@ def checks(rows: list[dict]) -> dict:
     }
 
 
+def format_checks(frows: list[dict]) -> dict:
+    """Per format: max |model error| over its rows, and the psr speedup vs bf16 exact,
+    measured vs modeled, per residency; with the max over formats."""
+    by: dict[str, dict] = {}
+    for fmt in dict.fromkeys(r["format"] for r in frows):
+        mine = [r for r in frows if r["format"] == fmt]
+        psr = [r for r in mine if r["spec"].startswith("psr") and "speedup_vs_bf16_exact" in r]
+        by[fmt] = {
+            "max_abs_model_error": max(abs(r["model_error"]) for r in mine),
+            "psr_speedup_vs_bf16_exact": {
+                f"{r['residency']:g}": r["speedup_vs_bf16_exact"] for r in psr
+            },
+            "psr_speedup_vs_bf16_exact_error": {
+                f"{r['residency']:g}": r["speedup_vs_bf16_exact_error"] for r in psr
+            },
+        }
+    errs = [v["max_abs_model_error"] for v in by.values()]
+    return {"by_format": by, "max_abs_model_error": max(errs) if errs else None}
+
+
 def write(out: Path, result: dict) -> None:
-    rows = result["rows"]
+    rows, frows = result["rows"], result.get("format_rows", [])
     add_speedups(rows)
+    add_format_speedups(frows, rows)
     result["checks"] = checks(rows)
+    result["format_checks"] = format_checks(frows)
     tmp = out / "replay.json.tmp"
     tmp.write_text(json.dumps(result, indent=1))
     tmp.replace(out / "replay.json")
-    (out / "replay.md").write_text(table(rows) + "\n")
+    md = table(rows) + "\n"
+    if frows:
+        md += "\nQuantized expert formats (the same traces; bf16 exact is the baseline):\n\n"
+        md += format_table(frows) + "\n"
+    (out / "replay.md").write_text(md)
+
+
+# ---------------------------------------------------------------------- quantized formats
+
+
+def quant_store(fmt: str, H: int, F: int, E: int, n_moe: int, slots: int, backend: str):
+    """A store of `fmt`'s uint8 rows: a few quantized random OLMoE-shaped experts, reused
+    for every expert id, every slot loaded. (store, row bytes, seconds to set up)."""
+    t = time.time()
+    nbytes = pk.QuantLayout.of(fmt, H, F).nbytes
+    g = torch.Generator(device="cpu").manual_seed(1)
+    pool = []
+    for _ in range(min(E, 2)):
+        gate = torch.randn(F, H, generator=g) * H**-0.5
+        up = torch.randn(F, H, generator=g) * H**-0.5
+        down = torch.randn(H, F, generator=g) * F**-0.5
+        pool.append(pk.quantize_expert(gate, up, down, fmt))
+    store = ExpertStore([LayerSpec(E, slots, nbytes)] * n_moe, torch.uint8, backend=backend)
+    for layer in range(n_moe):
+        for e in range(E):
+            store.register(layer, e, pool[(layer + e) % len(pool)])
+    for layer in range(n_moe):
+        store.enqueue_copies(layer, list(range(slots)), [s % E for s in range(slots)])
+    store.synchronize()
+    return store, nbytes, round(time.time() - t, 2)
+
+
+def replay_format(
+    fmt: str,
+    kept: list[tuple[float, Policy, Trace, dict]],
+    ctx: dict,
+    result: dict,
+    out: Path,
+    args,
+) -> None:
+    """Replay the kept traces with `fmt`'s rows and kernel; rows into result["format_rows"]
+    (written after each), the format's calibration into result["formats"][fmt]."""
+    H, F, E, k = ctx["H"], ctx["F"], ctx["E"], ctx["k"]
+    repeats, warm, base_bytes = ctx["repeats"], ctx["warm"], ctx["base_bytes"]
+    t0 = time.time()
+    info: dict = {"status": "setting up"}
+    result["formats"][fmt] = info
+    store, nbytes, setup_s = quant_store(fmt, H, F, E, ctx["n_moe"], ctx["slots"], ctx["backend"])
+    ratio = nbytes / base_bytes  # what a copy / expert read costs vs this replay's bf16 rows
+    info |= {
+        "row_bytes": nbytes,
+        "bytes_ratio": ratio,
+        "bytes_ratio_vs_bf16": pk.bytes_ratio(fmt, H, F),
+        "setup_s": setup_s,
+    }
+    log(
+        f"  {fmt}: {ctx['n_moe']} x {E} rows of {nbytes / 1e6:.2f} MB (bytes ratio "
+        f"{ratio:.3f}), set up in {setup_s} s"
+    )
+    use_triton = ctx["use_triton"]
+
+    def ffn_of(triton: bool):
+        kern = pk.expert_ffn_quant if triton else pk.expert_ffn_quant_ref
+
+        def ffn(x, slab, st, w, H, F, check_slots=False):
+            return kern(x, slab, st, w, H, F, fmt, check_slots=check_slots)
+
+        return ffn
+
+    try:
+        rep = Replayer(store, H, F, k, ffn_of(use_triton), ctx["dense"], x_dtype=ctx["dtype"])
+        info["kernel_check"] = kernel_check(rep, k, E, fmt)
+        info["ffn"] = "triton expert_ffn_quant" if use_triton else "torch expert_ffn_quant_ref"
+        log(f"  {fmt} kernel check: {info['kernel_check']}")
+        if use_triton and "kernel_error" in info["kernel_check"]:
+            rep.ffn = ffn_of(False)
+            info["ffn"] = "torch expert_ffn_quant_ref (the Triton kernel failed)"
+            log(f"  the Triton {fmt} kernel failed; replaying with expert_ffn_quant_ref")
+        # The expert kernel's time in this format (the replay without copies, minus the
+        # dense stand-in); the copy rate stays the bf16 calibration's: the model prices a
+        # copy by its bytes, which the copy stage's per-format figures check.
+        trace0 = ctx["trace0"]
+        h2d = measure_h2d(store, ctx["slots"], E, rounds=2 if args.tiny else 3, per_round=2)
+        c_only = rep.measure(trace0, repeats, warm, copies=False, experts=True)
+        expert_ms = max(1e-6, (c_only["ms_per_token"] - ctx["dense_only_ms"]) / ctx["routed"])
+        prof = dataclasses.replace(
+            ctx["profile"],
+            name=f"replay-measured-{fmt}",
+            hbm_gbps=nbytes / (expert_ms * 1e-3) / 1e9,
+            expert_overhead_us=0.0,
+            notes=f"{ctx['profile'].name} with the {fmt} expert kernel's measured time",
+        )
+        prof.save(out / f"replay_profile_{fmt}.json")
+        info |= {
+            "expert_ms": expert_ms,
+            "expert_ms_vs_bf16": expert_ms / ctx["expert_ms"],
+            "compute_only_ms_per_token": c_only["ms_per_token"],
+            "h2d_gbps": h2d["h2d_gbps"],
+            "h2d_vs_bf16": h2d["h2d_gbps"] / ctx["h2d_gbps"],
+            "profile": prof.name,
+            "profile_hbm_gbps": prof.hbm_gbps,
+            "status": "replaying",
+        }
+        log(
+            f"  {fmt} calibrated: expert {expert_ms * 1e3:.1f} us "
+            f"({info['expert_ms_vs_bf16']:.2f}x bf16), copy {h2d['h2d_gbps']:.1f} GB/s"
+        )
+        for rho, policy, trace, rec in kept:
+            tr = dataclasses.replace(trace, bytes_ratio=ratio)
+            m = rep.measure(tr, repeats, warm)
+            sim = simulate(tr, prof)
+            row = {
+                **rec,
+                "format": fmt,
+                "bytes_ratio": ratio,
+                **m,
+                "modeled_ms": sim.ms_per_token,
+                "modeled_stall_ms": sim.stall_ms,
+                "modeled_copy_ms": sim.copy_ms,
+                "modeled_compute_ms": sim.compute_ms,
+                "modeled_h200_ms": simulate(tr, "h200", nbytes).ms_per_token,
+            }
+            row["model_error"] = row["modeled_ms"] / row["ms_per_token"] - 1
+            result["format_rows"].append(row)
+            result["seconds"] = round(time.time() - ctx["t_start"], 1)
+            write(out, result)
+            log(
+                f"  {rho:.0%} {policy.describe():<24} {fmt:<4} {row['ms_per_token']:8.3f} ms/tok "
+                f"(modeled {row['modeled_ms']:.3f}, err {row['model_error']:+.1%}); "
+                f"vs bf16 exact {row.get('speedup_vs_bf16_exact', float('nan')):.2f}x"
+            )
+        info["status"] = "complete"
+    finally:
+        store.close()
+        info["seconds"] = round(time.time() - t0, 1)
 
 
 # -------------------------------------------------------------------------------- main
@@ -406,7 +644,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-ms", type=float, default=H200_DENSE_MS, help="per decoder layer")
     ap.add_argument("--ffn", choices=["auto", "triton", "torch"], default="auto")
     ap.add_argument("--backend", choices=["cpu", "cuda"], default=None)
+    ap.add_argument(
+        "--formats",
+        default=DEFAULT_FORMATS,
+        help=f"quantized expert formats replayed after bf16, in order ({DEFAULT_FORMATS}; "
+        "'' for none)",
+    )
+    ap.add_argument(
+        "--format-policies",
+        default="exact,psr",
+        help="policies replayed in each format (exact,psr: the operating point and baseline)",
+    )
+    env_budget = os.environ.get("PSR_STAGE_LIMIT_S")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=float(env_budget) if env_budget else None,
+        help="this script's seconds (default $PSR_STAGE_LIMIT_S, set by gpu_bench.sh): "
+        "formats that would not fit are skipped",
+    )
     args = ap.parse_args(argv)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    for f in formats:
+        if f not in pk.QUANT_FORMATS:
+            ap.error(f"--formats: {f!r} is not one of {', '.join(pk.QUANT_FORMATS)}")
+    fpols = {p.strip() for p in args.format_policies.split(",") if p.strip()}
     tiny = args.tiny
     args.prompts = args.prompts or (2 if tiny else 4)
     args.tokens = args.tokens or (6 if tiny else 48)
@@ -442,6 +704,10 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": repeats,
         "warm_tokens": warm,
         "rows": [],
+        "format_list": formats,
+        "format_policies": sorted(fpols),
+        "formats": {},
+        "format_rows": [],
     }
     log(
         f"replay: {len(configs)} configs, experts {3}x{H}x{F} {dtype}, store {backend}, "
@@ -524,10 +790,13 @@ def main(argv: list[str] | None = None) -> int:
     result["status"] = "replaying"
     write(out, result)
 
+    kept: list[tuple[float, Policy, Trace, dict]] = []  # replayed again in each format
     for i, (rho, policy) in enumerate(configs):
         rec = first if i == 0 else record(policy, rho, prompts, args)
         trace = rec.pop("trace")
         rec.pop("prompts")
+        if formats and policy.spec().split(":")[0] in fpols:
+            kept.append((rho, policy, trace, dict(rec)))
         name = f"{rho:g}_{policy.spec().replace(':', '_').replace(',', '_').replace('=', '')}"
         trace.save(out / "traces" / f"{name}.json")
         m = rep.measure(trace, repeats, warm)
@@ -552,16 +821,69 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['misses_per_token']:.2f}, copies/tok {row['copies_per_token']:.2f}; "
             f"traced in {rec['record_s']} s"
         )
+    base_bytes = store.expert_bytes[0]
     store.close()
+
+    ctx = {
+        "H": H,
+        "F": F,
+        "E": E,
+        "k": k,
+        "n_moe": n_moe,
+        "slots": max_slots,
+        "backend": backend,
+        "dtype": dtype,
+        "use_triton": use_triton,
+        "dense": dense,
+        "repeats": repeats,
+        "warm": warm,
+        "base_bytes": base_bytes,
+        "trace0": trace0,
+        "dense_only_ms": d_only["ms_per_token"],
+        "routed": routed,
+        "expert_ms": expert_ms,
+        "h2d_gbps": h2d["h2d_gbps"],
+        "profile": profile,
+        "t_start": t_start,
+    }
+    last_s, failed = None, []
+    for fmt in formats:
+        left = None if args.budget_s is None else args.budget_s - (time.time() - t_start)
+        need = last_s if last_s is not None else (0.0 if tiny else FIRST_FORMAT_EST_S)
+        if left is not None and left < need * 1.2 + 20:  # + python start-up, writing
+            result["formats"][fmt] = {
+                "status": f"skipped: {left:.0f} s left, about {need:.0f} s needed"
+            }
+            log(f"  {fmt}: skipped ({left:.0f} s left of --budget-s, ~{need:.0f} s needed)")
+            write(out, result)
+            continue
+        try:
+            replay_format(fmt, kept, ctx, result, out, args)
+        except Exception as e:  # keep bf16's rows and the other formats
+            result["formats"][fmt]["status"] = f"failed: {type(e).__name__}: {e}"[:2000]
+            failed.append(fmt)
+            log(f"  {fmt}: FAILED: {type(e).__name__}: {e}")
+        write(out, result)
+        last_s = result["formats"][fmt].get("seconds")
     result["status"] = "complete"
     result["seconds"] = round(time.time() - t_start, 1)
     write(out, result)
     log(table(result["rows"]))
+    if result["format_rows"]:
+        log(format_table(result["format_rows"]))
     c = result["checks"]
     log(
         f"max |model error| {c['max_abs_model_error']:.1%}; psr speedup error "
         + ", ".join(f"{k}: {v:+.1%}" for k, v in c["psr_speedup_error"].items())
     )
+    for fmt, v in result["format_checks"]["by_format"].items():
+        log(
+            f"{fmt}: max |model error| {v['max_abs_model_error']:.1%}; psr vs bf16 exact "
+            + ", ".join(f"{k}: {x:.2f}x" for k, x in v["psr_speedup_vs_bf16_exact"].items())
+        )
+    if failed:
+        log(f"failed formats: {', '.join(failed)} (replay.json: formats.<fmt>.status)")
+        return 1
     return 0
 
 

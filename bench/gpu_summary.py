@@ -1,6 +1,6 @@
-"""summary.md of a bench/gpu_bench.sh run: each stage's status and seconds, the issue's four
-checks with PASS/FAIL, and the key tables. Standard library only (runs after every stage,
-and whatever else failed).
+"""summary.md of a bench/gpu_bench.sh run: each stage's status and seconds, the checks with
+PASS/FAIL, and the key tables (per expert format too). Standard library only (runs after
+every stage, and whatever else failed).
 
     python bench/gpu_summary.py --out OUT [--quiet]
 """
@@ -29,6 +29,15 @@ GOALS = (
         "<= 10%",
         "replay.json",
         "checks.max_abs_psr_speedup_error",
+        0.10,
+        "max",
+    ),
+    (
+        "int8 copy time / bf16 copy time vs the modeled bytes ratio (|time ratio / bytes ratio"
+        " - 1|)",
+        "<= 10%",
+        "copy.json",
+        "formats.int8.abs_ratio_error",
         0.10,
         "max",
     ),
@@ -103,6 +112,56 @@ def checks(out: Path) -> list[dict]:
     return res
 
 
+def format_copy_table(copy: dict) -> list[str]:
+    """copy.json's per-format rows (`formats`): GB/s, ms per expert copy, time vs bf16."""
+    fm = copy.get("formats")
+    if not isinstance(fm, dict) or not fm:
+        return []
+    H, F = (copy.get("format_shape") or ["?", "?"])[:2]
+    lines = [
+        "",
+        f"Copy per expert format ({H} x {F} rows, side by side in one run):",
+        "",
+        "| format | row MB | GB/s | ms per copy | time / bf16 | bytes / bf16 | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in fm.items():
+        try:
+            lines.append(
+                f"| {name} | {r['row_bytes'] / 1e6:.2f} | {r['gbps']:.2f} | {r['copy_ms']:.4f} | "
+                f"{r['time_ratio_vs_bf16']:.3f} | {r['bytes_ratio']:.3f} | "
+                f"{r['ratio_error']:+.1%} |"
+            )
+        except (KeyError, TypeError, ValueError):
+            lines.append(f"| {name} | (incomplete: {r}) |")
+    return lines
+
+
+def format_replay_lines(d: dict) -> list[str]:
+    """replay.json's per-format calibration and status (`formats`, `format_checks`)."""
+    fm = d.get("formats")
+    if not isinstance(fm, dict) or not fm:
+        return []
+    by = dig(d, "format_checks.by_format") or {}
+    lines = ["", "Per format (replay):", ""]
+    for name, f in fm.items():
+        if not isinstance(f, dict):
+            continue
+        bits = [f"{name}: {f.get('status')}"]
+        if isinstance(f.get("expert_ms"), (int, float)):
+            bits.append(
+                f"bytes ratio {f.get('bytes_ratio', 0):.3f}, expert "
+                f"{f['expert_ms'] * 1e3:.1f} us ({f.get('expert_ms_vs_bf16', 0):.2f}x bf16), "
+                f"copy {f.get('h2d_gbps', 0):.2f} GB/s, kernel check "
+                f"{(f.get('kernel_check') or {}).get('ok')}"
+            )
+        c = by.get(name)
+        if isinstance(c, dict) and isinstance(c.get("max_abs_model_error"), (int, float)):
+            bits.append(f"max |model error| {c['max_abs_model_error']:.1%}")
+        lines.append("* " + "; ".join(bits))
+    return lines
+
+
 def summary(out: Path) -> str:
     mode = (out / "MODE").read_text().strip() if (out / "MODE").is_file() else "?"
     v = load(out, "versions.json") or {}
@@ -158,6 +217,7 @@ def summary(out: Path) -> str:
             f"compute {copy.get('t_compute_ms', 0):.2f} ms, "
             f"both {copy.get('t_both_ms', 0):.2f} ms)",
         ]
+        lines += format_copy_table(copy)
     for title, md, js in (
         ("Trace replay (embedded model's traces, OLMoE-sized experts)", "replay.md", "replay.json"),
         ("Real decoding (OLMoE-1B-7B shape, random weights)", "decode.md", "decode.json"),
@@ -174,6 +234,8 @@ def summary(out: Path) -> str:
                     f"{c['expert_ms'] * 1e3:.1f} us, dense {c['dense_ms_per_layer'] * 1e3:.1f} "
                     f"us/layer; kernel check {d.get('kernel_check')}"
                 )
+            if js == "replay.json" and isinstance(d, dict):
+                lines += format_replay_lines(d)
     k = load(out, "kernels.json")
     if isinstance(k, list) and k:
         lines += ["", "## Kernels vs torch", "", "| shape | op | kernel us | torch us | ratio |"]
