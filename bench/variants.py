@@ -1,0 +1,188 @@
+"""Steering variants beyond the spec's rule, measured with the replication rule.
+
+    python bench/variants.py --out bench/results/variants [--residency 0.5,0.25]
+
+The spec's PSR (`z' = z + lam * D * m`, n next-layer predictions) is the baseline. Each
+variant changes one thing, applied to a loaded model through the runtime's extension
+points (`lam_of`, `_predict_next`, the routing op), never to the logical-cache rules:
+  renorm     the chosen experts' gate weights rescaled to the unbiased top-k's total
+             mass (a substitution no longer shrinks the layer's output);
+  lam_first  a different lam for the first MoE layer, which never receives prefetches;
+  conf       prefetch a predicted expert only if the next layer's router gives it at least
+             probability tau (fewer, surer prefetch copies).
+Every configuration is scored on held-out set A (selection) with the powered harness;
+per residency and variant, the fastest point within the budget (95% upper bound) is then
+re-measured on set B beside the tuned baseline PSR point. A variant is kept only if it
+is faster than the baseline on B at a cost still within budget. Results: variants.md/json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import psr_kernels as pk
+from psr.eval.defaults import BUDGET, PROFILE
+from psr.eval.harness import EvalData, RunConfig, compare
+from psr.eval.latency import simulate
+from psr.eval.quality import perplexity_items
+from psr.models import DEFAULT_MODEL, load
+from psr.policy import make_policy, operating_points
+
+
+def apply_variant(model: Any, name: str, value: float) -> None:
+    rt = model.runtime
+    if name == "renorm":
+        route = rt.ops.route
+
+        def renorm_route(logits, k, *, mask=None, lam=0.0, **kw):
+            w, ids = route(logits, k, mask=mask, lam=lam, **kw)
+            if mask is None or lam == 0:
+                return w, ids
+            w0, _ = route(logits, k, **kw)
+            return w * (w0.sum(-1, keepdim=True) / w.sum(-1, keepdim=True)), ids
+
+        rt.ops = dataclasses.replace(rt.ops, route=renorm_route)
+    elif name == "lam_first":
+        rt.lam_of = lambda L: value if L.index == 0 else rt.policy.lam
+    elif name == "conf":
+        predict = rt._predict_next
+
+        def gated(L, residual):
+            ids = predict(L, residual)
+            if ids is None:
+                return None
+            nxt = rt.layers[L.index + 1]
+            h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
+            probs = torch.softmax(h @ nxt.router.weight.float().t(), -1)
+            return [[e for e in row if float(probs[i, e]) >= value] for i, row in enumerate(ids)]
+
+        rt._predict_next = gated
+    elif name != "psr":
+        raise ValueError(f"unknown variant {name!r}")
+
+
+def measure(path: str, rho: float, lam: float, n: int, variant: str, value: float, data: EvalData):
+    model = load(path, "psr", rho, lam=lam, n=n, dtype="float32", progress=False)
+    apply_variant(model, variant, value)
+    rec = model.record_trace()
+    nll = perplexity_items(model, data.windows, data.prompt_len)
+    stats = model.stats.report()
+    model.close()
+    label = (
+        f"{variant}({value:g}) psr(lam={lam:g}, n={n})"
+        if variant != "psr"
+        else (f"psr(lam={lam:g}, n={n})")
+    )
+    return {
+        "config": RunConfig(make_policy("psr", lam, n), rho).as_dict() | {"variant": variant},
+        "label": label,
+        "variant": [variant, value],
+        "stats": stats,
+        "latency": {PROFILE: simulate(rec.trace, PROFILE).as_dict()},
+        "generated": [],
+        "nll_items": nll,
+        "cloze_items": [],
+    }
+
+
+def exact(path: str, rho: float, data: EvalData) -> dict:
+    model = load(path, "exact", rho, dtype="float32", progress=False)
+    rec = model.record_trace()
+    nll = perplexity_items(model, data.windows, data.prompt_len)
+    r = {
+        "config": RunConfig(make_policy("exact"), rho).as_dict(),
+        "label": "exact",
+        "stats": model.stats.report(),
+        "latency": {PROFILE: simulate(rec.trace, PROFILE).as_dict()},
+        "generated": [],
+        "nll_items": nll,
+        "cloze_items": [],
+    }
+    model.close()
+    return r
+
+
+GRID = {
+    "renorm": [(lam, n, 0.0) for lam in (0.1, 0.15, 0.2, 0.3) for n in (1, 2)],
+    "lam_first": [(lam, n, f * lam) for lam, n in ((0.1, 2), (0.15, 2)) for f in (0.5, 2.0)],
+    "conf": [(lam, 2, tau) for lam in (0.1, 0.15, 0.2) for tau in (0.05, 0.15)],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--out", default="bench/results/variants")
+    ap.add_argument("--residency", default="0.5,0.25")
+    ap.add_argument("--windows", type=int, default=160)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kw = dict(windows=args.windows, window_tokens=160, prompt_tokens=32, prompts=0)
+    data_a = EvalData.from_heldout(args.model, "A", **kw)
+    data_b = EvalData.from_heldout(args.model, "B", **kw)
+    report: dict[str, Any] = {"budget": BUDGET, "profile": PROFILE, "residencies": {}}
+    lines = [
+        "| residency | variant | point | A: Δ nats [95% CI] | A: speedup | B: Δ nats [95% CI] "
+        "| B: speedup | kept |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rho in [float(x) for x in args.residency.split(",")]:
+        ex_a = exact(args.model, rho, data_a)
+        base = operating_points(args.model, rho)["psr"]
+        rows = {"psr": [measure(args.model, rho, base.lam, base.n, "psr", 0.0, data_a)]}
+        for variant, grid in GRID.items():
+            rows[variant] = [
+                measure(args.model, rho, lam, n, variant, v, data_a) for lam, n, v in grid
+            ]
+            print(f"{rho:.0%} {variant}: {len(grid)} points on A", flush=True)
+        for rs in rows.values():
+            compare([ex_a, *rs], (PROFILE,))
+        ex_b = exact(args.model, rho, data_b)
+        base_b = measure(args.model, rho, base.lam, base.n, "psr", 0.0, data_b)
+        compare([ex_b, base_b], (PROFILE,))
+        res = {"A_exact_ms": ex_a["latency"][PROFILE]["ms_per_token"], "variants": {}}
+        for variant, rs in rows.items():
+            ok = [r for r in rs if r["delta_nll"]["hi"] <= BUDGET]
+            best = min(ok, key=lambda r: r["latency"][PROFILE]["ms_per_token"], default=None)
+            entry = {"A": [{k: r[k] for k in ("label", "delta_nll", "speedup")} for r in rs]}
+            if best is not None and variant != "psr":
+                lam, n = best["config"]["lam"], best["config"]["n"]
+                rb = measure(args.model, rho, lam, n, variant, best["variant"][1], data_b)
+                compare([ex_b, rb], (PROFILE,))
+                kept = (
+                    rb["delta_nll"]["hi"] <= BUDGET
+                    and rb["speedup"][PROFILE] > base_b["speedup"][PROFILE]
+                )
+                entry["B"] = {k: rb[k] for k in ("label", "delta_nll", "speedup")}
+                entry["kept"] = kept
+                d, e = best["delta_nll"], rb["delta_nll"]
+                lines.append(
+                    f"| {rho:.1%} | {variant} | {best['label']} | {d['mean']:+.4f} "
+                    f"[{d['lo']:+.4f}, {d['hi']:+.4f}] | {best['speedup'][PROFILE]:.2f}x | "
+                    f"{e['mean']:+.4f} "
+                    f"[{e['lo']:+.4f}, {e['hi']:+.4f}] | {rb['speedup'][PROFILE]:.2f}x | "
+                    f"{'yes' if kept else 'no'} |"
+                )
+            res["variants"][variant] = entry
+        d = base_b["delta_nll"]
+        lines.append(
+            f"| {rho:.1%} | baseline | {base_b['label']} | (tuned) | | {d['mean']:+.4f} "
+            f"[{d['lo']:+.4f}, {d['hi']:+.4f}] | {base_b['speedup'][PROFILE]:.2f}x | - |"
+        )
+        report["residencies"][f"{rho:g}"] = res
+        (out / "variants.json").write_text(json.dumps(report, indent=1))
+        (out / "variants.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
