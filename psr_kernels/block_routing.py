@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 
 from psr_kernels._common import check_float
-from psr_kernels.routing import RouteSpec, _scores_ref, _topk_ref, biased_scores_ref
+from psr_kernels.routing import (
+    RouteSpec,
+    _scores_ref,
+    _topk_ref,
+    biased_scores_ref,
+    gate_weights_ref,
+)
 
 _NEG_INF = float("-inf")
 
@@ -71,15 +77,8 @@ def route_block_ref(
     allowed = torch.zeros(E, dtype=torch.bool, device=logits.device)
     allowed[chosen] = True
     ids = _topk_ref(z.masked_fill(~allowed[None, :], _NEG_INF), top_k)
-    val = src.gather(1, ids)
-    if scoring == "topk_softmax":
-        w = torch.softmax(val, dim=-1)
-    else:
-        w = val
-        if renormalize:
-            denom = w.sum(-1, keepdim=True)
-            w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
-    return chosen.sort().values, (w * scaling).contiguous(), ids.contiguous()
+    w = gate_weights_ref(src, ids, scoring, renormalize, scaling)
+    return chosen.sort().values, w, ids.contiguous()
 
 
 route_block = route_block_ref  # the same torch code serves CPU and CUDA tensors

@@ -207,6 +207,31 @@ def _check_ffn(
         )
 
 
+def ffn_buffers(
+    op: str,
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    num_slots: int,
+    ffn_size: int,
+    out_dtype: torch.dtype | None,
+    check_slots: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What both expert FFN launches need: the inputs contiguous where the kernels index
+    them, the output `y`, and the fp32 gate/up intermediate `h` (None when there is
+    nothing to compute: then `y` is already the zero answer)."""
+    T, H = x.shape
+    K = slots.shape[1]
+    if check_slots:
+        _check_slot_range(op, slots, num_slots)
+    y = torch.empty(T, H, dtype=out_dtype or x.dtype, device=x.device)
+    if T == 0 or K == 0:
+        return x, slots, weights, y.zero_(), None
+    x = x if x.stride(1) == 1 else x.contiguous()
+    h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
+    return x, slots.contiguous(), weights.float().contiguous(), y, h
+
+
 def _check_slot_range(op: str, slots: torch.Tensor, C: int) -> None:
     if slots.numel() and not bool(((slots >= 0) & (slots < C)).all()):
         raise IndexError(f"{op}: slot ids must be in [0, {C}), got {slots.tolist()}")
@@ -239,16 +264,9 @@ def expert_ffn(
     K = slots.shape[1]
     C = slab.shape[0]
     F = ffn_size
-    if check_slots:
-        _check_slot_range(op, slots, C)
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty(T, H, dtype=out_dtype, device=x.device)
-    if T == 0 or K == 0:
-        return y.zero_()
-    x = x if x.stride(1) == 1 else x.contiguous()
-    slots = slots.contiguous()
-    weights = weights.float().contiguous()
-    h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
+    x, slots, weights, y, h = ffn_buffers(op, x, slots, weights, C, F, out_dtype, check_slots)
+    if h is None:
+        return y
     lay = _layout(H, F)
     c1, c2 = ffn_launch_config(T, H, F)
     _gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from psr_kernels._common import check_float, check_launchable, pow2
-from psr_kernels.expert_ffn import _check_slot_range
+from psr_kernels.expert_ffn import _check_slot_range, ffn_buffers
 
 FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
 _FMT_CODE = {"int8": 0, "fp8": 1, "int4": 2}  # the kernels' FMT constexpr
@@ -500,16 +500,9 @@ def expert_ffn_quant(
     K = slots.shape[1]
     C = slab.shape[0]
     F = ffn_size
-    if check_slots:
-        _check_slot_range(op, slots, C)
-    out_dtype = out_dtype or x.dtype
-    y = torch.empty(T, H, dtype=out_dtype, device=x.device)
-    if T == 0 or K == 0:
-        return y.zero_()
-    x = x if x.stride(1) == 1 else x.contiguous()
-    slots = slots.contiguous()
-    weights = weights.float().contiguous()
-    h = torch.empty(T * K, F, dtype=torch.float32, device=x.device)
+    x, slots, weights, y, h = ffn_buffers(op, x, slots, weights, C, F, out_dtype, check_slots)
+    if h is None:
+        return y
     c1, c2 = quant_launch_config(lay)
     _quant_gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
         x_ptr=x,

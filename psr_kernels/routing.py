@@ -730,6 +730,22 @@ def _topk_ref(sel: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
 
 
+def gate_weights_ref(
+    src: torch.Tensor, ids: torch.Tensor, scoring: str, renormalize: bool, scaling: float
+) -> torch.Tensor:
+    """Gate weights of chosen `ids` from the unbiased weight source, normalised as the
+    model does (top-k softmax, `norm_topk_prob`, `routed_scaling_factor`)."""
+    val = src.gather(1, ids)
+    if scoring == "topk_softmax":
+        w = torch.softmax(val, dim=-1)
+    else:
+        w = val
+        if renormalize:
+            denom = w.sum(-1, keepdim=True)
+            w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
+    return (w * scaling).contiguous()
+
+
 def biased_scores_ref(z: torch.Tensor, mask: torch.Tensor | None, lam: float) -> torch.Tensor:
     """z' = z + lam * D * m with D the per-row spread of z."""
     if mask is None:
@@ -764,15 +780,8 @@ def route_ref(
     z, src = _scores_ref(logits, scoring, bias)
     sel = _group_limit_ref(biased_scores_ref(z, mask, lam), n_group, topk_group)
     ids = _topk_ref(sel, top_k)
-    val = src.gather(1, ids)
-    if scoring == "topk_softmax":
-        w = torch.softmax(val, dim=-1)
-    else:
-        w = val
-        if renormalize:
-            denom = w.sum(-1, keepdim=True)
-            w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
-    return (w * scaling).contiguous(), ids.to(ids_dtype).contiguous()
+    w = gate_weights_ref(src, ids, scoring, renormalize, scaling)
+    return w, ids.to(ids_dtype).contiguous()
 
 
 def route_hidden_ref(
