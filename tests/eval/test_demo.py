@@ -40,13 +40,20 @@ def test_default_model_is_an_ordinary_checkpoint() -> None:
 def test_demo_quick_prints_the_table_and_writes_results(tmp_path, capsys) -> None:
     assert main(["demo", "--quick", "--quiet", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    for label in ("exact", "exact-prefetch(n=1)", "cache-prior(lam=", "psr(lam="):
+    for label in ("exact", "exact-prefetch(n=1)", "cache-prior(lam=", "psr(lam=", "+ int8"):
         assert label in out
+    assert "operating points:" in out and "paired BCa 95% intervals" in out
     res = json.loads((tmp_path / "demo.json").read_text())["results"]
-    assert len(res) == 8 and (tmp_path / "demo.png").stat().st_size > 1000
-    by = {(r["config"]["residency"], r["config"]["policy"]): r for r in res}
+    assert len(res) == 10 and (tmp_path / "demo.png").stat().st_size > 1000
+    by = {
+        (r["config"]["residency"], r["config"]["policy"], r["config"]["expert_format"]): r
+        for r in res
+    }
     for rho in (0.5, 0.25):
-        exact, steer = by[rho, "exact"], by[rho, "psr"]
+        exact, steer = by[rho, "exact", None], by[rho, "psr", None]
+        int8 = by[rho, "psr", "int8"]
         assert steer["stats"]["misses"] < exact["stats"]["misses"]
         assert steer["speedup"]["rtx4090"] > 1.0
-        assert by[rho, "exact-prefetch"]["greedy_agreement"] == 1.0
+        # Same routing policy, half the bytes per copy: faster than PSR alone.
+        assert int8["speedup"]["rtx4090"] > steer["speedup"]["rtx4090"]
+        assert by[rho, "exact-prefetch", None]["greedy_agreement"] == 1.0
