@@ -534,6 +534,7 @@ def _tune(args: argparse.Namespace) -> int:
         windows=args.windows,
         write=args.write,
         progress=_progress(args),
+        select_from=args.select_from,
     )
     return 0
 
@@ -825,6 +826,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--write",
         default=None,
         help="write the points here (default: the user's psr folder, keyed by model)",
+    )
+    tu.add_argument(
+        "--select-from",
+        default=None,
+        help="reuse an earlier selection's sweep.json (set A) and only replicate on set B",
     )
     tu.set_defaults(fn=_tune)
 

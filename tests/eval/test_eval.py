@@ -141,6 +141,29 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
     assert model.policy == res["points"]["0.5"]["psr"] and model.policy_source == str(f)
     assert psr.load(ckpt, "psr", residency=0.5, lam=0.1, progress=False).policy.lam == 0.1
 
+    # Resuming from the saved selection replicates again and picks the same points.
+    again = tune(
+        str(ckpt),
+        str(tmp_path / "again"),
+        residencies=[0.5],
+        budget=10.0,
+        lams=[0.3, 1.0],
+        ns=[0, 1],
+        windows=2,
+        window_tokens=64,
+        progress=False,
+        write=str(tmp_path / "again.json"),
+        select_from=str(tmp_path / "select" / "sweep.json"),
+    )
+    assert again["points"] == res["points"] and not (tmp_path / "again" / "select").exists()
+    with pytest.raises(ValueError, match=r"no results at residency 0\.25"):
+        tune(str(ckpt), str(tmp_path), [0.25], select_from=str(tmp_path / "select/sweep.json"))
+    with pytest.raises(ValueError, match="measured on"):
+        tune(str(tmp_path), str(tmp_path), [0.5], select_from=str(tmp_path / "select/sweep.json"))
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"not a readable sweep\.json"):
+        tune(str(ckpt), str(tmp_path), [0.5], select_from=str(tmp_path / "bad.json"))
+
 
 def test_tuned_points_are_never_written_into_the_package(ckpt) -> None:
     import psr.policy as P

@@ -268,6 +268,27 @@ def sweep(
     return extra
 
 
+def load_selection(
+    file: str | Path, path: str, residencies: Sequence[float]
+) -> dict[str, Any]:
+    """An earlier `psr sweep`/`psr tune` selection (`sweep.json`) checked for reuse: measured
+    on held-out set A of the same model, at every residency in `residencies`."""
+    try:
+        sel = json.loads(Path(file).read_text())
+        results, data = sel["results"], sel["data"]
+        have = {float(r["config"]["residency"]) for r in results}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--select-from {file}: not a readable sweep.json ({e})") from None
+    if Path(sel.get("model", "")).resolve() != Path(path).resolve():
+        raise ValueError(f"--select-from {file}: measured on {sel.get('model')}, not {path}")
+    if "held-out set A" not in str(data):
+        raise ValueError(f"--select-from {file}: not measured on held-out set A ({data})")
+    missing = [f"{rho:g}" for rho in residencies if rho not in have]
+    if missing:
+        raise ValueError(f"--select-from {file}: no results at residency {', '.join(missing)}")
+    return sel
+
+
 def tune(
     path: str,
     out: str,
@@ -280,25 +301,31 @@ def tune(
     write: str | None = None,
     progress: bool = True,
     window_tokens: int = WINDOW_TOKENS,
+    select_from: str | None = None,
 ) -> dict[str, Any]:
     """Operating points per residency: select on held-out set A (the fastest Cache-Prior
     and PSR point whose quality cost's 95% upper bound is within `budget`, modeled on
     `profile`), then replicate on set B: a point is kept only if it is within budget
     there too; else the next-fastest candidate from A is tried. Writes the points to the
-    user's folder (or `write`) for `psr.load` and the demo to use."""
-    sel = sweep(
-        path,
-        f"{out}/select",
-        residencies,
-        lams,
-        ns,
-        budget,
-        windows,
-        "A",
-        profile,
-        progress,
-        window_tokens,
-    )
+    user's folder (or `write`) for `psr.load` and the demo to use. `select_from`: the
+    `sweep.json` of an earlier selection run on set A (resumes a tune whose replication
+    was interrupted; it must cover every residency asked for)."""
+    if select_from is not None:
+        sel = load_selection(select_from, path, residencies)
+    else:
+        sel = sweep(
+            path,
+            f"{out}/select",
+            residencies,
+            lams,
+            ns,
+            budget,
+            windows,
+            "A",
+            profile,
+            progress,
+            window_tokens,
+        )
     data_b = EvalData.from_heldout(
         path,
         "B",
