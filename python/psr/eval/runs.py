@@ -268,9 +268,7 @@ def sweep(
     return extra
 
 
-def load_selection(
-    file: str | Path, path: str, residencies: Sequence[float]
-) -> dict[str, Any]:
+def load_selection(file: str | Path, path: str, residencies: Sequence[float]) -> dict[str, Any]:
     """An earlier `psr sweep`/`psr tune` selection (`sweep.json`) checked for reuse: measured
     on held-out set A of the same model, at every residency in `residencies`."""
     try:
