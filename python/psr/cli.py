@@ -159,6 +159,12 @@ def positive_float(s: str) -> float:
     return v
 
 
+def drafter_kind(s: str) -> str:
+    if s not in ("block", "ar"):
+        raise argparse.ArgumentTypeError(f"unknown drafter {s!r}: block or ar")
+    return s
+
+
 def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
     """`'a,b,c'`, each entry parsed by `item`; at least one entry, none empty."""
 
@@ -552,6 +558,9 @@ def _speculative(args: argparse.Namespace) -> int:
         prompts=args.prompts,
         gen_tokens=args.gen_tokens,
         block=args.block,
+        drafters=args.drafters,
+        block_ks=args.block_k,
+        lams=args.lams,
         progress=_progress(args),
     )
     return 0
@@ -850,6 +859,25 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompts", type=positive_int, default=16, help="generated prompts (speed)")
     sp.add_argument("--gen-tokens", type=positive_int, default=64, help="tokens per prompt")
     sp.add_argument("--block", type=positive_int, default=4, help="drafted tokens per block")
+    sp.add_argument(
+        "--drafters",
+        type=comma_list(drafter_kind),
+        default="block,ar",
+        help="comma list of drafters to run: block, ar",
+    )
+    sp.add_argument(
+        "--block-k",
+        type=comma_list(positive_int),
+        default=None,
+        help="comma list of K_b (experts per block and layer, each >= top-k) "
+        "(default: k, 1.5k, 2k)",
+    )
+    sp.add_argument(
+        "--lams",
+        type=comma_list(nonnegative_float),
+        default="0,0.2",
+        help="comma list of lam biasing the block set toward the logical cache",
+    )
     sp.add_argument(
         "--out", default="psr-results/speculative", help="folder for speculative.{md,json}"
     )

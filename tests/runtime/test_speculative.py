@@ -220,3 +220,18 @@ def test_a_drafter_too_big_for_the_slots_is_refused(ckpt, tmp_path) -> None:
         psr.load(path, "psr", residency=0.25, progress=False, speculative="ar")
     with pytest.raises(ValueError, match="speculative must be 'block' or 'ar'"):
         psr.load(path, "psr", residency=0.5, progress=False, speculative="medusa")
+
+
+def test_speculative_grid_is_drafters_by_block_k_by_lam() -> None:
+    from psr.eval.speculative import default_specs
+
+    specs = default_specs(8, 4, ("block",), (12, 16), (0.0, 0.1))
+    assert [(s.kind, s.block, s.block_k, s.policy.lam) for s in specs] == [
+        ("block", 4, 12, 0.0),
+        ("block", 4, 12, 0.1),
+        ("block", 4, 16, 0.0),
+        ("block", 4, 16, 0.1),
+    ]
+    assert [s.block_k for s in default_specs(8)][:6] == [8, 8, 12, 12, 16, 16]
+    with pytest.raises(ValueError, match=r"K_b \[4\] below the model's top-k 8"):
+        default_specs(8, 4, ("block",), (4, 8))

@@ -398,6 +398,9 @@ def speculative(
     block: int = 4,
     specs: Sequence[Any] | None = None,
     progress: bool = True,
+    drafters: Sequence[str] = ("block", "ar"),
+    block_ks: Sequence[int] | None = None,
+    lams: Sequence[float] = (0.0, 0.2),
 ) -> list[dict[str, Any]]:
     """Speculative decoding (both drafters, a K_b x lam grid) against the autoregressive
     policies at equal device memory, on held-out set B; writes speculative.{md,json}."""
@@ -415,7 +418,7 @@ def speculative(
     )
     if specs is None:
         probe = load(path, "exact", 1.0, progress=False)
-        specs = default_specs(probe.runtime.spec.top_k, block)
+        specs = default_specs(probe.runtime.spec.top_k, block, drafters, block_ks, lams)
         probe.close()
     rows = compare_speculative(path, residencies, specs, data, progress=progress)
     o = Path(out)

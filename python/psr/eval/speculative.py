@@ -230,12 +230,22 @@ def markdown(rows: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFI
     return "\n".join(lines)
 
 
-def default_specs(top_k: int, block: int = 4) -> list[SpecConfig]:
-    """A small grid: both drafters, K_b in {k, 1.5k, 2k}, the set biased as PSR (lam 0.2)
-    or not (lam 0), prefetching n = 1."""
+def default_specs(
+    top_k: int,
+    block: int = 4,
+    drafters: Sequence[str] = ("block", "ar"),
+    block_ks: Sequence[int] | None = None,
+    lams: Sequence[float] = (0.0, 0.2),
+) -> list[SpecConfig]:
+    """A grid: drafters x K_b (default {k, 1.5k, 2k}) x lam (the set biased as PSR, or
+    not at lam 0), prefetching n = 1."""
+    kbs = list(block_ks) if block_ks else [top_k, math.ceil(1.5 * top_k), 2 * top_k]
+    bad = [kb for kb in kbs if kb < top_k]
+    if bad:
+        raise ValueError(f"K_b {bad} below the model's top-k {top_k}")
     out = []
-    for kind in ("block", "ar"):
-        for kb in (top_k, math.ceil(1.5 * top_k), 2 * top_k):
-            for lam in (0.0, 0.2):
+    for kind in drafters:
+        for kb in kbs:
+            for lam in lams:
                 out.append(SpecConfig(kind, block, kb, make_policy("psr", lam, 1)))
     return out
