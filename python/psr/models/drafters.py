@@ -165,8 +165,16 @@ def load_ar_drafter(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise CheckpointError(f"AR drafter {path} has no config.json")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device)
-    return ARDrafter(model, block)
+    # A 0.7M-parameter model loads at once: no transformers progress bar in psr's output.
+    tlog = transformers.utils.logging
+    was_on = tlog.is_progress_bar_enabled()
+    tlog.disable_progress_bar()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    finally:
+        if was_on:
+            tlog.enable_progress_bar()
+    return ARDrafter(model.to(device), block)
 
 
 def load_drafter(
