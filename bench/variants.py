@@ -9,7 +9,9 @@ points (`lam_of`, `_predict_next`, the routing op), never to the logical-cache r
              mass (a substitution no longer shrinks the layer's output);
   lam_first  a different lam for the first MoE layer, which never receives prefetches;
   conf       prefetch a predicted expert only if the next layer's router gives it at least
-             probability tau (fewer, surer prefetch copies).
+             probability tau (fewer, surer prefetch copies);
+  wide       the spec's rule with more predictions per layer and token (n = 3, 4), beyond
+             the tuning grid's n <= 2 (more prefetch copies, more cached candidates).
 Every configuration is scored on held-out set A (selection) with the powered harness;
 per residency and variant, the fastest point within the budget (95% upper bound) is then
 re-measured on set B beside the tuned baseline PSR point. A variant is kept only if it
@@ -64,7 +66,7 @@ def apply_variant(model: Any, name: str, value: float) -> None:
             return [[e for e in row if float(probs[i, e]) >= value] for i, row in enumerate(ids)]
 
         rt._predict_next = gated
-    elif name != "psr":
+    elif name not in ("psr", "wide"):
         raise ValueError(f"unknown variant {name!r}")
 
 
@@ -75,11 +77,8 @@ def measure(path: str, rho: float, lam: float, n: int, variant: str, value: floa
     nll = perplexity_items(model, data.windows, data.prompt_len)
     stats = model.stats.report()
     model.close()
-    label = (
-        f"{variant}({value:g}) psr(lam={lam:g}, n={n})"
-        if variant != "psr"
-        else (f"psr(lam={lam:g}, n={n})")
-    )
+    label = {"psr": "", "wide": "wide "}.get(variant, f"{variant}({value:g}) ")
+    label += f"psr(lam={lam:g}, n={n})"
     return {
         "config": RunConfig(make_policy("psr", lam, n), rho).as_dict() | {"variant": variant},
         "label": label,
@@ -113,6 +112,7 @@ GRID = {
     "renorm": [(lam, n, 0.0) for lam in (0.1, 0.15, 0.2, 0.3) for n in (1, 2)],
     "lam_first": [(lam, n, f * lam) for lam, n in ((0.1, 2), (0.15, 2)) for f in (0.5, 2.0)],
     "conf": [(lam, 2, tau) for lam in (0.1, 0.15, 0.2) for tau in (0.05, 0.15)],
+    "wide": [(lam, n, 0.0) for lam in (0.05, 0.1, 0.15) for n in (3, 4)],
 }
 
 
