@@ -417,6 +417,7 @@ def _generate(args: argparse.Namespace) -> int:
         speculative=args.speculative,
         block=args.block,
         block_k=args.block_k,
+        quality_budget=args.quality_budget,
         progress=progress,
     )
     tok = model.tokenizer
@@ -638,6 +639,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=nonnegative_int,
         default=None,
         help="predicted experts inserted per layer and token (default: the policy's)",
+    )
+    g.add_argument(
+        "--quality-budget",
+        type=nonnegative_float,
+        default=None,
+        help="nats/token the policy may cost: require the operating point `psr tune` chose "
+        "for this budget or a tighter one (cache-prior, psr)",
     )
     g.add_argument("--max-new-tokens", type=nonnegative_int, default=32, help="tokens to generate")
     g.add_argument(

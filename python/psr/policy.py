@@ -223,10 +223,22 @@ def resolve_policy(
     *,
     model_dir: str | Path | None = None,
     residency: float | None = None,
+    quality_budget: float | None = None,
 ) -> tuple[Policy, str]:
     """The policy `psr.load` runs, and its source: `cache-prior` / `psr` without lam and
     n take the model's operating point at this residency when one exists (tuned or
-    shipped); anything else is `make_policy`."""
+    shipped); anything else is `make_policy`. With `quality_budget` (nats/token) the
+    operating point is required, and must have been tuned for that budget or a tighter
+    one."""
+    if quality_budget is not None:
+        if isinstance(quality_budget, bool) or not isinstance(quality_budget, (int, float)):
+            raise ValueError(f"quality_budget must be a number, got {quality_budget!r}")
+        if not (math.isfinite(quality_budget) and quality_budget >= 0):
+            raise ValueError(f"quality_budget must be finite and >= 0, got {quality_budget!r}")
+        if not isinstance(name, str) or name not in ("cache-prior", "psr"):
+            raise ValueError(f"quality_budget applies to 'cache-prior' or 'psr', not {name!r}")
+        if (lam, n) != (None, None):
+            raise ValueError("quality_budget chooses lam and n: pass neither")
     if (
         isinstance(name, str)
         and name in ("cache-prior", "psr")
@@ -236,9 +248,31 @@ def resolve_policy(
         and residency is not None
     ):
         points, source = operating_points_with_source(model_dir, residency)
+        if quality_budget is not None:
+            tuned = _points_budget(source)
+            if tuned is None:
+                raise ValueError(
+                    f"no operating point of {model_dir} at residency {residency:g} was tuned "
+                    f"for a quality budget; run: psr tune --model {model_dir} "
+                    f"--residency {residency:g} --budget {quality_budget:g}"
+                )
+            if tuned > quality_budget:
+                raise ValueError(
+                    f"the operating points in {source} were tuned for a budget of {tuned:g} "
+                    f"nats/token, above the {quality_budget:g} asked for; run: psr tune "
+                    f"--model {model_dir} --residency {residency:g} --budget {quality_budget:g}"
+                )
         if source != "defaults":
             return points[name], source
     return make_policy(name, lam, n), "arguments" if (lam, n) != (None, None) else "defaults"
+
+
+def _points_budget(source: str) -> float | None:
+    """The quality budget a points file was tuned for (None: defaults, or not recorded)."""
+    if source == "defaults":
+        return None
+    budget = json.loads(Path(source).read_text()).get("budget_nats")
+    return float(budget) if isinstance(budget, (int, float)) else None
 
 
 def write_operating_points(

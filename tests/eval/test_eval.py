@@ -140,6 +140,17 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
     model = psr.load(ckpt, "psr", residency=0.5, progress=False)
     assert model.policy == res["points"]["0.5"]["psr"] and model.policy_source == str(f)
     assert psr.load(ckpt, "psr", residency=0.5, lam=0.1, progress=False).policy.lam == 0.1
+    # quality_budget: the tuned point when tuned for that budget or a tighter one.
+    tight = psr.load(ckpt, "psr", residency=0.5, quality_budget=12.0, progress=False)
+    assert tight.policy == res["points"]["0.5"]["psr"]
+    with pytest.raises(ValueError, match=r"tuned for a budget of 10 nats/token, above the 0\.5"):
+        psr.load(ckpt, "psr", residency=0.5, quality_budget=0.5, progress=False)
+    with pytest.raises(ValueError, match=r"no operating point .* at residency 0\.25"):
+        psr.load(ckpt, "psr", residency=0.25, quality_budget=0.5, progress=False)
+    with pytest.raises(ValueError, match="chooses lam and n"):
+        psr.load(ckpt, "psr", residency=0.5, lam=0.1, quality_budget=0.5, progress=False)
+    with pytest.raises(ValueError, match="applies to 'cache-prior' or 'psr', not 'exact'"):
+        psr.load(ckpt, "exact", residency=0.5, quality_budget=0.5, progress=False)
 
     # Resuming from the saved selection replicates again and picks the same points.
     again = tune(

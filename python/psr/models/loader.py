@@ -289,6 +289,7 @@ def load(
     speculative: str | None = None,
     block: int = 4,
     block_k: int | None = None,
+    quality_budget: float | None = None,
     progress: bool = True,
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
@@ -313,6 +314,10 @@ def load(
             `block_k` experts per layer and block (default min(2 top_k, slots)). The
             drafter is resident: its memory comes out of the expert slots (equal device
             memory), so the store gets fewer slots than `residency` alone gives.
+        quality_budget: nats/token (95% upper bound) the policy may cost: 'cache-prior' /
+            'psr' then require the model's operating point tuned by `psr tune` for this
+            budget or a tighter one (the embedded model ships points for 0.01); without
+            it, such a policy without lam / n still takes the tuned point when one exists.
     """
     import transformers
 
@@ -328,7 +333,14 @@ def load(
     spec = moe_spec(config)
     C = resolve_capacity(spec, make_policy(policy, lam, n), residency, slots)
     # cache-prior / psr without lam and n: the model's tuned operating point, if any.
-    pol, pol_source = resolve_policy(policy, lam, n, model_dir=path, residency=C / spec.num_experts)
+    pol, pol_source = resolve_policy(
+        policy,
+        lam,
+        n,
+        model_dir=path,
+        residency=C / spec.num_experts,
+        quality_budget=quality_budget,
+    )
     resolve_capacity(spec, pol, residency, slots)  # the tuned n must fit too
     cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(cfg_dtype, str):
