@@ -106,6 +106,7 @@ def test_pareto_matches_brute_force() -> None:
 def test_markdown_table_columns_and_rows() -> None:
     rs = grid()[:4]
     rs[2].pop("delta_nll")
+    rs[1].pop("greedy_agreement")
     rs[3]["delta_cloze_pts"] = {"mean": 4.2, "lo": 0.0, "hi": 8.4, "n": 48}
     md = markdown_table(rs).splitlines()
     head = [c.strip() for c in md[0].strip("|").split("|")]
@@ -126,10 +127,16 @@ def test_markdown_table_columns_and_rows() -> None:
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in md[2:]]
     assert all(len(row) == len(head) for row in rows)
     assert rows[0][:2] == ["50%", "exact"] and rows[0][4] == "-"  # no prefetches
-    assert rows[0][7] == "1.00x" and rows[1][7] == "nanx"  # speedup missing
+    assert rows[0][7] == "1.00x" and rows[1][7] == "-"  # speedup missing
+    assert rows[0][8] == "1.00" and rows[1][8] == "-"  # no greedy prompts: no agreement
     assert rows[2][9] == "-" and rows[3][9] == "+0.0080 [+0.0040, +0.0160]"
     assert rows[3][10] == "+4.2000 [+0.0000, +8.4000]" and rows[0][10] == "-"
     assert "Δ nats" not in markdown_table([result("exact", 0.5, ms=1, miss=1)])
+    assert (
+        markdown_table([result("exact", 0.375, ms=1, miss=1)])
+        .splitlines()[2]
+        .startswith("| 37.5% | exact |")
+    )
 
 
 def test_short_labels() -> None:

@@ -41,6 +41,11 @@ _DIRS += ((1, 0.5), (1, -0.5), (-1, 0.5), (-1, -0.5))
 _CANDIDATES = [(dx, dy, rad) for rad in (9, 16, 25, 35, 46, 60) for dx, dy in _DIRS]
 
 
+def pct(rho: float) -> str:
+    """A residency as people write it: 50%, 37.5%."""
+    return f"{rho:.1%}".replace(".0%", "%")
+
+
 def markdown_table(
     results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES
 ) -> str:
@@ -57,7 +62,7 @@ def markdown_table(
         s = r["stats"]
         used = f"{s['prefetch_used_frac']:.2f}" if s["prefetches"] else "-"
         row = [
-            f"{r['config']['residency']:.0%}",
+            pct(r["config"]["residency"]),
             r["label"],
             f"{s['misses_per_token']:.2f}",
             f"{s['hit_rate']:.2f}",
@@ -65,8 +70,8 @@ def markdown_table(
         ]
         row += [f"{r['latency'][p]['ms_per_token']:.2f}" for p in profiles]
         row += [
-            f"{r.get('speedup', {}).get(profiles[0], float('nan')):.2f}x",
-            f"{r.get('greedy_agreement', float('nan')):.2f}",
+            f"{r['speedup'][profiles[0]]:.2f}x" if profiles[0] in r.get("speedup", {}) else "-",
+            f"{r['greedy_agreement']:.2f}" if r.get("greedy_agreement") is not None else "-",
         ]
         for key, on in (("delta_nll", has_nll), ("delta_cloze_pts", has_cloze)):
             if on:
@@ -274,7 +279,7 @@ def _bars(ax, results: list[dict[str, Any]], profile: str, fontsize: float = 8.5
     top = max((_value(r, "ms", profile) for r in results), default=1.0)
     for rho in _residencies(results):
         ticks.append(y)
-        labels.append(f"{rho:.0%} resident")
+        labels.append(f"{pct(rho)} resident")
         heads.append(len(ticks) - 1)
         y += 1
         for r in (r for r in results if r["config"]["residency"] == rho):
@@ -398,7 +403,7 @@ def _legend_handles(results: list[dict[str, Any]], budget: float | None, quality
     from matplotlib.patches import Patch
 
     colors = _colors(results)
-    h = [Patch(color=c, label=f"{rho:.0%} resident") for rho, c in colors.items()]
+    h = [Patch(color=c, label=f"{pct(rho)} resident") for rho, c in colors.items()]
     fams = [f for f in FAMILIES if any(family(r) == f for r in results)]
     if not quality:
         return h
@@ -500,7 +505,7 @@ def _key(fig, results, entries, key_in: float) -> None:
         fig.text(
             0.1 / w,
             y,
-            f"{rho:.0%} resident",
+            f"{pct(rho)} resident",
             fontsize=8.5,
             va="top",
             color=colors[rho],
