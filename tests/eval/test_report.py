@@ -150,6 +150,9 @@ def test_short_labels() -> None:
         "psr λ0.3 n2",
         "cache-prior-async λ0.2",
     ]
+    rs[3]["config"]["expert_format"] = "int8"
+    rs[4]["config"]["expert_format"] = "native"
+    assert [short_label(r) for r in rs[3:5]] == ["psr λ0.1 n1 int8", "psr λ0.3 n1"]
 
 
 # --- figures ------------------------------------------------------------------------------------

@@ -149,14 +149,21 @@ def pareto(points: list[tuple[float, float, Any]]) -> list[Any]:
 
 
 def short_label(r: dict[str, Any]) -> str:
-    """'psr λ0.1 n2', 'cache-prior λ0.05', 'exact-prefetch n1', 'exact'."""
+    """'psr λ0.1 n2', 'cache-prior λ0.05', 'exact-prefetch n1', 'exact', 'psr λ0.1 n2 int8'
+    (a quantized expert format is named; the model's own is not)."""
     c = r["config"]
     parts = [c["policy"]]
     if c.get("lam") is not None:
         parts.append(f"λ{c['lam']:g}")
     if c.get("n") is not None:
         parts.append(f"n{c['n']:g}")
+    if c.get("expert_format") not in (None, "native"):
+        parts.append(str(c["expert_format"]))
     return " ".join(parts)
+
+
+def _quantized(r: dict[str, Any]) -> bool:
+    return r["config"].get("expert_format") not in (None, "native")
 
 
 def family(r: dict[str, Any]) -> str:
@@ -320,29 +327,31 @@ def _frontier_panel(
     for rho in _residencies(results):
         pts = [r for r in results if r["config"]["residency"] == rho and "delta_nll" in r]
         for fam in FAMILIES:
-            sel = [r for r in pts if family(r) == fam]
-            if not sel:
-                continue
-            d = [r["delta_nll"] for r in sel]
-            ax.errorbar(
-                [x["mean"] for x in d],
-                [_value(r, metric, profile) for r in sel],
-                xerr=[
-                    [max(x["mean"] - x["lo"], 0.0) for x in d],
-                    [max(x["hi"] - x["mean"], 0.0) for x in d],
-                ],
-                fmt=MARKERS[fam],
-                color=colors[rho],
-                ms=6,
-                mec="white",
-                mew=0.6,
-                elinewidth=0.9,
-                ecolor=colors[rho],
-                capsize=2,
-                alpha=0.9,
-                zorder=3,
-                gid=f"points:{rho:g}:{fam}",
-            )
+            for quant in (False, True):  # quantized expert copies: hollow markers
+                sel = [r for r in pts if family(r) == fam and _quantized(r) == quant]
+                if not sel:
+                    continue
+                d = [r["delta_nll"] for r in sel]
+                ax.errorbar(
+                    [x["mean"] for x in d],
+                    [_value(r, metric, profile) for r in sel],
+                    xerr=[
+                        [max(x["mean"] - x["lo"], 0.0) for x in d],
+                        [max(x["hi"] - x["mean"], 0.0) for x in d],
+                    ],
+                    fmt=MARKERS[fam],
+                    color=colors[rho],
+                    ms=6,
+                    mfc="white" if quant else colors[rho],
+                    mec=colors[rho] if quant else "white",
+                    mew=1.2 if quant else 0.6,
+                    elinewidth=0.9,
+                    ecolor=colors[rho],
+                    capsize=2,
+                    alpha=0.9,
+                    zorder=3,
+                    gid=f"points:{rho:g}:{fam}{':quantized' if quant else ''}",
+                )
         front = pareto([(_value(r, metric, profile), r["delta_nll"]["mean"], r) for r in pts])
         front.sort(key=lambda r: r["delta_nll"]["mean"])
         fronts[rho] = front
@@ -408,6 +417,10 @@ def _legend_handles(results: list[dict[str, Any]], budget: float | None, quality
     if not quality:
         return h
     h += [Line2D([], [], ls="none", marker=MARKERS[f], color="0.35", label=f) for f in fams]
+    if any(_quantized(r) for r in results):
+        h.append(
+            Line2D([], [], ls="none", marker="o", mfc="white", mec="0.35", label="quantized copies")
+        )
     h.append(
         Line2D(
             [],
