@@ -101,6 +101,14 @@ def test_runs_compare_and_save(ckpt, tmp_path) -> None:
     md = paths["md"].read_text()
     assert "psr(lam=0.8, n=1)" in md and "Δ nats/tok" in md
     assert json.loads(paths["json"].read_text())["results"][1]["label"] == "psr(lam=0.8, n=1)"
+    assert "trace" not in json.loads(paths["json"].read_text())["results"][1]
+    # With traces kept, the saved trace replays to the same modeled latency.
+    from psr.eval.latency import simulate
+    from psr.runtime.trace import Trace
+
+    saved = json.loads(save(res, tmp_path / "tr", "t", traces=True)["json"].read_text())
+    back = Trace.from_json(saved["results"][1]["trace"])
+    assert simulate(back, "rtx4090").as_dict() == ps["latency"]["rtx4090"]
 
 
 def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_path) -> None:

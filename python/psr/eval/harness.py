@@ -155,7 +155,7 @@ def run_config(
         "generated": gens,
         "nll_items": nll,
         "cloze_items": cz,
-        "trace": rec.trace.to_json(),
+        "trace": rec.trace,  # serialised only when a report keeps traces (seconds per run)
     }
 
 

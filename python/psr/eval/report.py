@@ -41,6 +41,10 @@ _DIRS += ((1, 0.5), (1, -0.5), (-1, 0.5), (-1, -0.5))
 _CANDIDATES = [(dx, dy, rad) for rad in (9, 16, 25, 35, 46, 60) for dx, dy in _DIRS]
 
 
+def _jsonable_trace(t: Any) -> Any:
+    return t.to_json() if hasattr(t, "to_json") else t
+
+
 def pct(rho: float) -> str:
     """A residency as people write it: 50%, 37.5%."""
     return f"{rho:.1%}".replace(".0%", "%")
@@ -95,7 +99,12 @@ def save(
     `name_frontier.png` (key "frontier") when the results carry Δ nats/token."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    slim = [{k: v for k, v in r.items() if k != "trace" or traces} for r in results]
+    slim = [
+        {k: (_jsonable_trace(v) if k == "trace" else v) for k, v in r.items()}
+        if traces
+        else {k: v for k, v in r.items() if k != "trace"}
+        for r in results
+    ]
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
     paths["json"].write_text(json.dumps({"results": slim, **(extra or {})}, indent=1))
     paths["md"].write_text(markdown_table(results, profiles) + "\n")
