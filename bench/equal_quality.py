@@ -15,8 +15,11 @@ import argparse
 import itertools
 import json
 import sys
+from pathlib import Path
+from typing import Any
 
 from psr.eval.report import pct
+from psr.eval.runs import choose
 
 
 def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
@@ -33,8 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="rtx4090")
     ap.add_argument("--budget", type=float, default=0.01)
     args = ap.parse_args(argv)
-    results = json.load(open(args.sweep))["results"]
-    ms = lambda r: r["latency"][args.profile]["ms_per_token"]  # noqa: E731
+    results = json.loads(Path(args.sweep).read_text())["results"]
+
+    def ms(r: dict[str, Any]) -> float:
+        return r["latency"][args.profile]["ms_per_token"]
+
     print(
         "| residency | psr point | Δ nats/tok | psr ms/tok | cache-prior ms/tok at equal Δ "
         "| psr speedup over cache-prior |\n|---|---|---|---|---|---|"
@@ -45,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         cp = sorted(
             (r["delta_nll"]["mean"], ms(r))
             for r in at
-            if r["config"]["policy"] == "cache-prior" or r["config"]["policy"] == "exact"
+            if r["config"]["policy"] in ("cache-prior", "exact")
         )
         for r in sorted(at, key=lambda r: (r["config"]["lam"] or 0, r["config"]["n"] or 0)):
             if r["config"]["policy"] != "psr":
@@ -57,14 +63,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"| {pct(rho)} | {r['label']} | {d:+.4f} | {ms(r):.2f} | "
                 f"{'-' if y is None else f'{y:.2f}'} | {ratio} |"
             )
-        best = {}
-        for fam in ("cache-prior", "psr"):
-            ok = [
-                r
-                for r in at
-                if r["config"]["policy"] == fam and r["delta_nll"]["hi"] <= args.budget
-            ]
-            best[fam] = min(ok, key=ms, default=None)
+        best = {
+            fam: next(iter(choose(results, rho, fam, args.budget, args.profile)), None)
+            for fam in ("cache-prior", "psr")
+        }
         if all(best.values()):
             within.append(
                 f"{pct(rho)}: {best['psr']['label']} {ms(best['psr']):.2f} ms vs "

@@ -35,6 +35,7 @@ from psr.eval.defaults import BUDGET, PROFILE
 from psr.eval.harness import EvalData, RunConfig, compare
 from psr.eval.latency import simulate
 from psr.eval.quality import perplexity_items
+from psr.eval.runs import choose, within_budget
 from psr.models import DEFAULT_MODEL, load
 from psr.policy import make_policy, operating_points
 
@@ -159,15 +160,14 @@ def main(argv: list[str] | None = None) -> int:
             "variants": {},
         }
         for variant, rs in rows.items():
-            ok = [r for r in rs if r["delta_nll"]["hi"] <= BUDGET]
-            best = min(ok, key=lambda r: r["latency"][PROFILE]["ms_per_token"], default=None)
+            best = next(iter(choose(rs, rho, "psr", BUDGET, PROFILE)), None)
             entry = {"A": [{k: r[k] for k in ("label", "delta_nll", "speedup")} for r in rs]}
             if best is not None and variant != "psr":
                 lam, n = best["config"]["lam"], best["config"]["n"]
                 rb = measure(args.model, rho, lam, n, variant, best["variant"][1], data_b)
                 compare([ex_b, rb], (PROFILE,))
                 kept = (
-                    rb["delta_nll"]["hi"] <= BUDGET
+                    within_budget(rb, BUDGET)
                     and rb["speedup"][PROFILE] >= MIN_GAIN * base_b["speedup"][PROFILE]
                 )
                 entry["B"] = {k: rb[k] for k in ("label", "delta_nll", "speedup")}
