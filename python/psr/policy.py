@@ -205,15 +205,27 @@ def operating_points_with_source(
 ) -> tuple[dict[str, Policy], str]:
     """(points, where they came from): the user's tuned file, the shipped file, or
     'defaults' (this module's DEFAULT_LAM / DEFAULT_N)."""
+    points, source, _ = _find_points(model_dir, residency)
+    return points, source
+
+
+def _find_points(
+    model_dir: str | Path, residency: float
+) -> tuple[dict[str, Policy], str, float | None]:
+    """`operating_points_with_source` plus the quality budget the points were tuned for
+    (None: the defaults, or a file that does not record one); each file is read once."""
     for f in (user_points_file(model_dir), Path(model_dir) / OPERATING_POINTS_FILE):
         if f.is_file():
             try:
-                pts = _parse_points(json.loads(f.read_text()), residency)
+                raw = json.loads(f.read_text())
+                pts = _parse_points(raw, residency)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"corrupt operating points file {f}: {e}") from None
             if pts is not None:
-                return pts, str(f)
-    return {"cache-prior": make_policy("cache-prior"), "psr": make_policy("psr")}, "defaults"
+                budget = raw.get("budget_nats")
+                return pts, str(f), float(budget) if isinstance(budget, (int, float)) else None
+    defaults = {"cache-prior": make_policy("cache-prior"), "psr": make_policy("psr")}
+    return defaults, "defaults", None
 
 
 def resolve_policy(
@@ -239,6 +251,8 @@ def resolve_policy(
             raise ValueError(f"quality_budget applies to 'cache-prior' or 'psr', not {name!r}")
         if (lam, n) != (None, None):
             raise ValueError("quality_budget chooses lam and n: pass neither")
+        if model_dir is None or residency is None:
+            raise ValueError("quality_budget needs the model folder and residency to look up")
     if (
         isinstance(name, str)
         and name in ("cache-prior", "psr")
@@ -247,9 +261,8 @@ def resolve_policy(
         and model_dir is not None
         and residency is not None
     ):
-        points, source = operating_points_with_source(model_dir, residency)
+        points, source, tuned = _find_points(model_dir, residency)
         if quality_budget is not None:
-            tuned = _points_budget(source)
             if tuned is None:
                 raise ValueError(
                     f"no operating point of {model_dir} at residency {residency:g} was tuned "
@@ -265,14 +278,6 @@ def resolve_policy(
         if source != "defaults":
             return points[name], source
     return make_policy(name, lam, n), "arguments" if (lam, n) != (None, None) else "defaults"
-
-
-def _points_budget(source: str) -> float | None:
-    """The quality budget a points file was tuned for (None: defaults, or not recorded)."""
-    if source == "defaults":
-        return None
-    budget = json.loads(Path(source).read_text()).get("budget_nats")
-    return float(budget) if isinstance(budget, (int, float)) else None
 
 
 def write_operating_points(

@@ -159,6 +159,10 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
         psr.load(ckpt, "psr", residency=0.5, lam=0.1, quality_budget=0.5, progress=False)
     with pytest.raises(ValueError, match="applies to 'cache-prior' or 'psr', not 'exact'"):
         psr.load(ckpt, "exact", residency=0.5, quality_budget=0.5, progress=False)
+    from psr.policy import resolve_policy
+
+    with pytest.raises(ValueError, match="needs the model folder and residency"):
+        resolve_policy("psr", quality_budget=0.5)  # never silently the defaults
 
     # Resuming from the saved selection replicates again and picks the same points.
     again = tune(
