@@ -44,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -364,6 +365,12 @@ def kernel_check(rep: Replayer, k: int, E: int, fmt: str | None = None) -> dict:
 # ------------------------------------------------------------------------------ report
 
 
+def _cell(r: dict, key: str, fmt: str) -> str:
+    """A table cell: `r[key]` formatted, or '-' when the run has no such figure."""
+    v = r.get(key)
+    return "-" if v is None else format(v, fmt)
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| residency | policy | misses/tok | copies/tok | measured ms/tok | modeled ms/tok | "
@@ -372,11 +379,7 @@ def table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-
-        def f(key: str, fmt: str, r=r) -> str:
-            v = r.get(key)
-            return "-" if v is None else format(v, fmt)
-
+        f = partial(_cell, r)
         lines.append(
             f"| {r['residency']:.0%} | {r['policy']} | {r['misses_per_token']:.2f} | "
             f"{r['copies_per_token']:.2f} | {r['ms_per_token']:.3f} | {r['modeled_ms']:.3f} | "
@@ -396,11 +399,7 @@ def format_table(rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-
-        def f(key: str, fmt: str, r=r) -> str:
-            v = r.get(key)
-            return "-" if v is None else format(v, fmt)
-
+        f = partial(_cell, r)
         lines.append(
             f"| {r['residency']:.0%} | {r['policy']} | {r['format']} | {r['bytes_ratio']:.3f} | "
             f"{r['copies_per_token']:.2f} | {r['ms_per_token']:.3f} | {r['modeled_ms']:.3f} | "
