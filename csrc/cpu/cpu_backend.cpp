@@ -12,6 +12,10 @@
 #include <random>
 #include <thread>
 
+#if defined(__linux__)
+#include <pthread.h>
+#endif
+
 #include "../alloc_error.h"
 #include "../store.h"
 
@@ -46,7 +50,14 @@ class CpuBackend final : public Backend {
   void init_slots(size_t n) override {
     std::lock_guard<std::mutex> g(mu_);
     slots_.assign(n, SlotState{});
-    if (!worker_.joinable()) worker_ = std::thread([this] { run(); });
+    if (!worker_.joinable()) {
+      worker_ = std::thread([this] { run(); });
+#if defined(__linux__)
+      // Named before init returns, so tools (and tests) tell the copy worker from torch's
+      // lazily started pool threads without racing the thread's own start.
+      pthread_setname_np(worker_.native_handle(), "psr-copy");
+#endif
+    }
   }
 
   void copy_async(size_t g, void* dst, const void* src, size_t bytes,

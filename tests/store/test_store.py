@@ -485,7 +485,17 @@ def test_backend_choice_lives_in_the_store_module() -> None:
 
 
 def native_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """Live copy-worker threads of this process (the CPU backend names them "psr-copy").
+
+    Counting every thread would also count torch's intra-op pool, which starts threads lazily."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == "psr-copy"
+        except FileNotFoundError:  # the thread ended while we listed
+            pass
+    return n
 
 
 def rss_bytes() -> int:
