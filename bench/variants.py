@@ -11,7 +11,11 @@ points (`lam_of`, `_predict_next`, the routing op), never to the logical-cache r
   conf       prefetch a predicted expert only if the next layer's router gives it at least
              probability tau (fewer, surer prefetch copies);
   wide       the spec's rule with more predictions per layer and token (n = 3, 4), beyond
-             the tuning grid's n <= 2 (more prefetch copies, more cached candidates).
+             the tuning grid's n <= 2 (more prefetch copies, more cached candidates);
+  ahead2     also insert up to v experts predicted by the router two MoE layers ahead
+             (runtime.ahead2): copies issued a layer earlier, at a lower recall;
+  lam_ramp   per-layer lam rising linearly with depth, lam*(1-v) at the first MoE layer to
+             lam*(1+v) at the last (deeper layers receive surer prefetches).
 Every configuration is scored on held-out set A (selection) with the powered harness;
 per residency and variant, the fastest point within the budget (95% upper bound) is then
 re-measured on set B beside the tuned baseline PSR point. A variant is kept only if it
@@ -68,6 +72,11 @@ def apply_variant(model: Any, name: str, value: float) -> None:
             return [[e for e in row if float(probs[i, e]) >= value] for i, row in enumerate(ids)]
 
         rt._predict_next = gated
+    elif name == "ahead2":
+        rt.ahead2 = int(value)
+    elif name == "lam_ramp":
+        last = len(rt.layers) - 1
+        rt.lam_of = lambda L: rt.policy.lam * (1 - value + 2 * value * L.index / last)
     elif name not in ("psr", "wide"):
         raise ValueError(f"unknown variant {name!r}")
 
@@ -119,6 +128,8 @@ GRID = {
     "lam_first": [(lam, n, f * lam) for lam, n in ((0.1, 2), (0.15, 2)) for f in (0.5, 2.0)],
     "conf": [(lam, 2, tau) for lam in (0.1, 0.15, 0.2) for tau in (0.05, 0.15)],
     "wide": [(lam, n, 0.0) for lam in (0.05, 0.1, 0.15) for n in (3, 4)],
+    "ahead2": [(lam, n, a) for lam in (0.1, 0.15) for n, a in ((1, 1), (2, 1), (2, 2))],
+    "lam_ramp": [(lam, 2, v) for lam in (0.1, 0.15) for v in (-0.5, 0.5)],
 }
 
 
@@ -128,7 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/variants")
     ap.add_argument("--residency", default="0.5,0.25")
     ap.add_argument("--windows", type=int, default=160)
+    ap.add_argument(
+        "--variants",
+        default=",".join(GRID),
+        help="comma-separated subset of GRID; a subset writes variants-<names>.md/json",
+    )
     args = ap.parse_args(argv)
+    names = args.variants.split(",")
+    if unknown := set(names) - GRID.keys():
+        ap.error(f"unknown variants {sorted(unknown)}; choose from {sorted(GRID)}")
+    stem = "variants" if names == list(GRID) else "variants-" + "-".join(names)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kw = dict(windows=args.windows, window_tokens=160, prompt_tokens=32, prompts=0)
@@ -144,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         ex_a = exact(args.model, rho, data_a)
         base = operating_points(args.model, rho)["psr"]
         rows = {"psr": [measure(args.model, rho, base.lam, base.n, "psr", 0.0, data_a)]}
-        for variant, grid in GRID.items():
+        for variant in names:
+            grid = GRID[variant]
             rows[variant] = [
                 measure(args.model, rho, lam, n, variant, v, data_a) for lam, n, v in grid
             ]
@@ -187,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             f"[{d['lo']:+.4f}, {d['hi']:+.4f}] | {base_b['speedup'][PROFILE]:.2f}x | - |"
         )
         report["residencies"][f"{rho:g}"] = res
-        (out / "variants.json").write_text(json.dumps(report, indent=1))
-        (out / "variants.md").write_text("\n".join(lines) + "\n")
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
     return 0
 

@@ -84,11 +84,12 @@ def test_exact_prefetch_gives_exact_tokens(ckpts, references) -> None:
         assert model.stats["prefetches"] > 0
 
 
-def run(path, policy, monkeypatch=None, delay_us=0, seed=0, **kw):
+def run(path, policy, monkeypatch=None, delay_us=0, seed=0, ahead2=0, **kw):
     if monkeypatch is not None:
         monkeypatch.setenv("PSR_COPY_DELAY_US", str(delay_us))
         monkeypatch.setenv("PSR_COPY_DELAY_SEED", str(seed))
     model = load(path, policy, **kw)
+    model.runtime.ahead2 = ahead2  # the experimental two-layers-ahead prefetch variant
     tokens = model.generate(PROMPT, max_new_tokens=NEW)
     logits = model.decode_logits(tokens, PROMPT.shape[1])
     counts = {
@@ -105,6 +106,7 @@ def run(path, policy, monkeypatch=None, delay_us=0, seed=0, **kw):
         ("olmoe", "psr", {"lam": 0.5, "n": 2}),
         ("deepseek_v3", "psr", {"lam": 0.3, "n": 1}),
         ("qwen2_moe", "cache-prior", {"lam": 0.5}),
+        ("olmoe", "psr", {"lam": 0.5, "n": 1, "ahead2": 2}),
     ],
 )
 def test_outputs_are_bit_identical_under_random_copy_delays(

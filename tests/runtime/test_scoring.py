@@ -30,8 +30,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     return {f: write_checkpoint(tiny_model(f), root / f) for f in FAMILIES}
 
 
-def _run(path: Path, policy: str, kw: dict, how: str, prompt_len: int = 16):
+def _run(path: Path, policy: str, kw: dict, how: str, prompt_len: int = 16, ahead2: int = 0):
     model = psr.load(path, policy, 0.5, progress=False, **kw)
+    model.runtime.ahead2 = ahead2
     rec = model.record_trace()
     if how == "score":
         logits = model.score(IDS, prompt_len)
@@ -51,6 +52,25 @@ def test_score_equals_token_by_token_decoding(ckpts, family, policy, kw) -> None
     assert b.stats["tokens"] == a.stats["tokens"] == IDS.shape[1] - 16
     assert b.stats["prefill_tokens"] == 16
     torch.testing.assert_close(lb, la, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_two_ahead_prefetch_scores_as_it_decodes(ckpts, family) -> None:
+    """The experimental two-layers-ahead variant (runtime.ahead2): a window's queued
+    predictions from two issuers reach each layer in decode order, traced at their issuer."""
+    kw = {"lam": 0.5, "n": 1}
+    la, ta, pa, _ = _run(ckpts[family], "psr", kw, "decode", ahead2=2)
+    lb, tb, pb, _ = _run(ckpts[family], "psr", kw, "score", ahead2=2)
+    assert tb == ta and pb == pa
+    torch.testing.assert_close(lb, la, rtol=1e-4, atol=2e-5)
+    # It does what it says: layer 0 now issues prefetch copies into layer 2 (MoE index).
+    into = {(s["layer"], c["layer"]) for tok in ta["tokens"] for s in tok for c in s["copies"]}
+    assert (0, 2) in into and (1, 3) not in into
+    _, t1, p1, _ = _run(ckpts[family], "psr", kw, "score")
+    assert (0, 2) not in {
+        (s["layer"], c["layer"]) for tok in t1["tokens"] for s in tok for c in s["copies"]
+    }
+    assert sum(r["prefetches"] for r in pa) > sum(r["prefetches"] for r in p1)
 
 
 def test_scoring_issues_no_copies_and_leaves_the_model_usable(ckpts) -> None:

@@ -49,8 +49,9 @@ class Scoring:
     first_record: int  # index of its first decode step in stats.per_token
     first_trace: int  # ... and in the recorder's trace (-1: not recording)
     block: int = 1  # decode tokens per step: 1, or a verify block's size in block mode
-    # MoE layer -> per step, the ids predicted into it by the previous layer.
-    queued: dict[int, list[list[int]]] = field(default_factory=dict)
+    # MoE layer -> the predictions into it, in issue order: (issuing MoE layer, at most how
+    # many to insert, per step the predicted ids).
+    queued: dict[int, list[tuple[int, int, list[list[int]]]]] = field(default_factory=dict)
 
     @property
     def steps(self) -> list[tuple[int, int]]:
@@ -161,6 +162,11 @@ class OffloadRuntime:
         # Block mode (speculative verification): one expert set of `block_k` per layer and
         # decode forward, whatever its number of tokens.
         self.block_k: int | None = None
+        # Experimental steering variant beyond the spec (bench/variants.py, "ahead2"): per
+        # layer and decode token, also insert up to this many experts predicted by the MoE
+        # layer two ahead (its router on this layer's MoE input), issued before that layer's
+        # own next-layer prediction. 0 (the spec): next layer only.
+        self.ahead2 = 0
 
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
@@ -318,7 +324,7 @@ class OffloadRuntime:
                 raise RuntimeError(f"no residual captured for MoE layer {L.index}")
             predicted = self._predict_block(L, L.residual)
             if predicted is not None:
-                self._insert_prefetch(self.layers[L.index + 1], predicted)
+                self._insert_prefetch(self.layers[L.index + 1], predicted, self.policy.n)
         else:
             if x.shape[0] != 1:
                 raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
@@ -379,10 +385,16 @@ class OffloadRuntime:
     def _predict_next(self, L: MoELayer, residual: torch.Tensor) -> list[list[int]] | None:
         """Per `residual` row of this layer, the ids the next MoE layer's router predicts
         (None when there is nothing to predict)."""
-        n = self.policy.n
-        if n == 0 or L.index + 1 >= len(self.layers):
+        return self._predict(L, residual, 1, self.policy.n)
+
+    def _predict(
+        self, L: MoELayer, residual: torch.Tensor, ahead: int, n: int
+    ) -> list[list[int]] | None:
+        """Per `residual` row of layer L, the `n` ids the router of MoE layer L + `ahead`
+        predicts on it, normed as that layer norms its input (None: nothing to predict)."""
+        if n == 0 or L.index + ahead >= len(self.layers):
             return None
-        nxt = self.layers[L.index + 1]
+        nxt = self.layers[L.index + ahead]
         c = self.spec
         ids, _ = self.ops.predict_next(
             residual,
@@ -398,19 +410,30 @@ class OffloadRuntime:
         return ids.tolist()
 
     def _insert_prefetch(
-        self, nxt: MoELayer, predicted: list[int], at: tuple[int, int] | None = None
+        self, nxt: MoELayer, predicted: list[int], n: int, at: tuple[int, int] | None = None
     ) -> None:
-        """Spec `prefetch` into `nxt`'s cache, mirrored by copies."""
-        inserts = nxt.cache.prefetch(predicted, self.policy.n)
+        """Spec `prefetch` of at most `n` ids into `nxt`'s cache, mirrored by copies."""
+        inserts = nxt.cache.prefetch(predicted, n)
         k = self._copy(nxt, inserts, "prefetch", at)
         self._count(prefetches=k, copies=k, bytes_copied=k * self.expert_bytes)
+
+    def _predictions(self, L: MoELayer, residual: torch.Tensor) -> list[tuple[int, int, list]]:
+        """Layer L's prefetch predictions per `residual` row, in the order they are
+        inserted: (target MoE layer, at most how many, per row the ids)."""
+        out = []
+        ids = self._predict_next(L, residual)
+        if ids is not None:
+            out.append((L.index + 1, self.policy.n, ids))
+        ids2 = self._predict(L, residual, 2, self.ahead2)
+        if ids2 is not None:
+            out.append((L.index + 2, self.ahead2, ids2))
+        return out
 
     def _prefetch_next(self, L: MoELayer) -> None:
         if L.residual is None:
             raise RuntimeError(f"no residual captured for MoE layer {L.index}")
-        ids = self._predict_next(L, L.residual)
-        if ids is not None:
-            self._insert_prefetch(self.layers[L.index + 1], ids[0])
+        for target, n, ids in self._predictions(L, L.residual):
+            self._insert_prefetch(self.layers[target], ids[0], n)
 
     # --- experts --------------------------------------------------------------------------
     def experts(
@@ -540,15 +563,15 @@ class OffloadRuntime:
         L.cache.reset(L.plan.init)
         L.seeded = True
         ws, idss = [w_p], [ids_p]
-        queued = sc.queued.pop(L.index, None)
+        queued = sc.queued.pop(L.index, [])
         steps = sc.steps
         for j, (t0, t1) in enumerate(steps):
             if L.index == 0:
                 self._open_token()
             self._tok = self.stats.per_token[sc.first_record + j]
             trace_token = sc.first_trace + j if self.recorder is not None else -1
-            if queued is not None:  # issued by the previous layer's step of this token
-                self._insert_prefetch(L, queued[j], (trace_token, L.index - 1))
+            for issuer, n, preds in queued:  # issued by earlier layers' steps of this token
+                self._insert_prefetch(L, preds[j], n, (trace_token, issuer))
             if sc.block > 1:
                 w, ids = self._route_block(L, logits[t0:t1], kw, trace_token)
             else:
@@ -564,11 +587,11 @@ class OffloadRuntime:
         if sc.block > 1:
             preds = [self._predict_block(L, L.residual[t0:t1]) for t0, t1 in steps]
             if preds and preds[0] is not None:
-                sc.queued[L.index + 1] = [p or [] for p in preds]
+                entry = (L.index, self.policy.n, [p or [] for p in preds])
+                sc.queued.setdefault(L.index + 1, []).append(entry)
         else:
-            pred = self._predict_next(L, L.residual[P:])
-            if pred is not None:
-                sc.queued[L.index + 1] = pred
+            for target, n, pred in self._predictions(L, L.residual[P:]):
+                sc.queued.setdefault(target, []).append((L.index, n, pred))
         ids_all = torch.cat(idss)
         L.pending, L.pending_ids = None, ids_all
         return torch.cat(ws), ids_all
@@ -586,6 +609,8 @@ class OffloadRuntime:
                 raise ValueError("block mode does not support group-limited routers")
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
+            if self.ahead2:
+                raise ValueError("block mode predicts the next layer only (ahead2 must be 0)")
         self.block_k = block_k
 
     def _route_block(
