@@ -652,7 +652,7 @@ def test_close_waits_for_an_acquire_in_flight() -> None:
 
     t = threading.Thread(target=waiter)
     t.start()
-    time.sleep(0.02)
+    time.sleep(0.1)  # let the waiter reach acquire (a loaded CI core may start it late)
     store.close()  # waits for the acquire, which completes normally
     t.join(timeout=10)
     assert out == ["held"]
