@@ -25,6 +25,7 @@ import torch
 import psr_kernels as pk
 from psr.eval.latency import calibrate, simulate
 from psr.eval.microbench import run_copy_overlap
+from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL, offload
 from psr.policy import Policy, make_policy, operating_points, standard_policies
 from psr.runtime import REPORT_KEYS, TIMING_KEYS
@@ -205,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
             result["seconds"] = time.time() - t0
             write_json(out / "decode.json", result)
             print(
-                f"{r['residency']:.0%} {r['policy']:<26} {r['measured_ms']:7.2f} ms/tok "
+                f"{pct(r['residency'])} {r['policy']:<26} {r['measured_ms']:7.2f} ms/tok "
                 f"(modeled {r['modeled_ms']:.2f}, err {r['model_error']:+.0%}), misses/tok "
                 f"{r['misses_per_token']:.1f}, stall {r['stall_s'] * 1e3:.0f} ms",
                 flush=True,
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['residency']:.0%} | {r['policy']} | {r['measured_ms']:.2f} | "
+        f"| {pct(r['residency'])} | {r['policy']} | {r['measured_ms']:.2f} | "
         f"{r['modeled_ms']:.2f} | {r['model_error']:+.1%} | {r['speedup_vs_exact']:.2f}x | "
         f"{r['modeled_speedup_vs_exact']:.2f}x | {r['misses_per_token']:.2f} | "
         f"{r['stall_s'] * 1e3:.0f} |"

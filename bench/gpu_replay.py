@@ -51,6 +51,7 @@ import torch
 
 import psr_kernels as pk
 from psr.eval.latency import calibrate, simulate
+from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL, load
 from psr.policy import Policy, operating_points, standard_policies
 from psr.runtime import Trace
@@ -381,7 +382,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         f = partial(_cell, r)
         lines.append(
-            f"| {r['residency']:.0%} | {r['policy']} | {r['misses_per_token']:.2f} | "
+            f"| {pct(r['residency'])} | {r['policy']} | {r['misses_per_token']:.2f} | "
             f"{r['copies_per_token']:.2f} | {r['ms_per_token']:.3f} | {r['modeled_ms']:.3f} | "
             f"{f('model_error', '+.1%')} | {f('stall_ms_per_token', '.3f')} / "
             f"{f('modeled_stall_ms', '.3f')} | {f('speedup_vs_exact', '.2f')}x | "
@@ -401,7 +402,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         f = partial(_cell, r)
         lines.append(
-            f"| {r['residency']:.0%} | {r['policy']} | {r['format']} | {r['bytes_ratio']:.3f} | "
+            f"| {pct(r['residency'])} | {r['policy']} | {r['format']} | {r['bytes_ratio']:.3f} | "
             f"{r['copies_per_token']:.2f} | {r['ms_per_token']:.3f} | {r['modeled_ms']:.3f} | "
             f"{f('model_error', '+.1%')} | {f('speedup_vs_bf16_exact', '.2f')}x | "
             f"{f('modeled_speedup_vs_bf16_exact', '.2f')}x | "
@@ -616,7 +617,7 @@ def replay_format(
             result["seconds"] = round(time.time() - ctx["t_start"], 1)
             write(out, result)
             log(
-                f"  {rho:.0%} {policy.describe():<24} {fmt:<4} {row['ms_per_token']:8.3f} ms/tok "
+                f"  {pct(rho)} {policy.describe():<24} {fmt:<4} {row['ms_per_token']:8.3f} ms/tok "
                 f"(modeled {row['modeled_ms']:.3f}, err {row['model_error']:+.1%}); "
                 f"vs bf16 exact {row.get('speedup_vs_bf16_exact', float('nan')):.2f}x"
             )
@@ -721,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     max_slots = max(min(E, int(rho * E + 0.5)) for rho in rhos)
     max_slots = max(max_slots, first["slots"], k)
     log(
-        f"  traced {configs[0][1].describe()} at {configs[0][0]:.0%}: {first['tokens']} tokens "
+        f"  traced {configs[0][1].describe()} at {pct(configs[0][0])}: {first['tokens']} tokens "
         f"in {first['record_s']} s; model: {n_moe} MoE layers, {E} experts, top-{k}"
     )
     t = time.time()
@@ -815,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"] = round(time.time() - t_start, 1)
         write(out, result)
         log(
-            f"  {rho:.0%} {policy.describe():<24} {row['ms_per_token']:8.3f} ms/tok (modeled "
+            f"  {pct(rho)} {policy.describe():<24} {row['ms_per_token']:8.3f} ms/tok (modeled "
             f"{row['modeled_ms']:.3f}, err {row['model_error']:+.1%}); misses/tok "
             f"{row['misses_per_token']:.2f}, copies/tok {row['copies_per_token']:.2f}; "
             f"traced in {rec['record_s']} s"

@@ -39,6 +39,7 @@ from psr.eval.defaults import BUDGET, PROFILE
 from psr.eval.harness import EvalData, RunConfig, compare
 from psr.eval.latency import simulate
 from psr.eval.quality import perplexity_items
+from psr.eval.report import pct
 from psr.eval.runs import choose, within_budget
 from psr.models import DEFAULT_MODEL, load
 from psr.policy import make_policy, operating_points
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             rows[variant] = [
                 measure(args.model, rho, lam, n, variant, v, data_a) for lam, n, v in grid
             ]
-            print(f"{rho:.0%} {variant}: {len(grid)} points on A", flush=True)
+            print(f"{pct(rho)} {variant}: {len(grid)} points on A", flush=True)
         for rs in rows.values():
             compare([ex_a, *rs], (PROFILE,))
         ex_b = exact(args.model, rho, data_b)
