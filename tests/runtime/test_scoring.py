@@ -71,6 +71,13 @@ def test_two_ahead_prefetch_scores_as_it_decodes(ckpts, family) -> None:
         (s["layer"], c["layer"]) for tok in t1["tokens"] for s in tok for c in s["copies"]
     }
     assert sum(r["prefetches"] for r in pa) > sum(r["prefetches"] for r in p1)
+    model = psr.load(ckpts[family], "psr", 0.5, progress=False, **kw)
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="ahead2 must be an int >= 0"):
+            model.runtime.ahead2 = bad
+    model.runtime.ahead2 = 1
+    with pytest.raises(ValueError, match="next layer only"):
+        model.runtime.set_block_mode(model.runtime.spec.top_k)
 
 
 def test_scoring_issues_no_copies_and_leaves_the_model_usable(ckpts) -> None:

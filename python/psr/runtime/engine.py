@@ -162,11 +162,23 @@ class OffloadRuntime:
         # Block mode (speculative verification): one expert set of `block_k` per layer and
         # decode forward, whatever its number of tokens.
         self.block_k: int | None = None
-        # Experimental steering variant beyond the spec (bench/variants.py, "ahead2"): per
-        # layer and decode token, also insert up to this many experts predicted by the MoE
-        # layer two ahead (its router on this layer's MoE input), issued before that layer's
-        # own next-layer prediction. 0 (the spec): next layer only.
-        self.ahead2 = 0
+        self._ahead2 = 0
+
+    @property
+    def ahead2(self) -> int:
+        """Experimental steering variant beyond the spec (bench/variants.py, "ahead2"): per
+        layer and decode token, also insert up to this many experts predicted by the router
+        of the MoE layer two ahead (on this layer's MoE input), before that layer's own
+        next-layer prediction. 0 (the spec, the default): the next layer only."""
+        return self._ahead2
+
+    @ahead2.setter
+    def ahead2(self, n: int) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"ahead2 must be an int >= 0, got {n!r}")
+        if n and self.block_k is not None:
+            raise ValueError("block mode predicts the next layer only (ahead2 must be 0)")
+        self._ahead2 = n
 
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
@@ -605,12 +617,12 @@ class OffloadRuntime:
                 raise ValueError(
                     f"block_k={block_k!r} must be an int in [top_k={k}, slots per layer={C}]"
                 )
+            if self.ahead2:
+                raise ValueError("block mode predicts the next layer only (ahead2 must be 0)")
             if self.spec.n_group > 1:
                 raise ValueError("block mode does not support group-limited routers")
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
-            if self.ahead2:
-                raise ValueError("block mode predicts the next layer only (ahead2 must be 0)")
         self.block_k = block_k
 
     def _route_block(
