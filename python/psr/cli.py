@@ -414,6 +414,7 @@ def _generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         compute=args.compute,
         expert_format=args.expert_format,
+        quant_cache=args.quant_cache,
         speculative=args.speculative,
         block=args.block,
         block_k=args.block_k,
@@ -672,6 +673,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="native",
         help="how the host store keeps experts and copies move them: native (the model's "
         "dtype), bf16, or quantized int8 / fp8 / int4 (dequantized on the fly)",
+    )
+    g.add_argument(
+        "--quant-cache",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="DIR",
+        help="with a quantized --expert-format: keep the quantized experts on disk and read "
+        "them on later loads (in DIR, else $PSR_CACHE/quantized or the user cache folder; "
+        "never in the model folder)",
     )
     g.add_argument(
         "--speculative",

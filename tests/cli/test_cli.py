@@ -51,6 +51,17 @@ def test_generate_prints_text_then_stats(ckpt, capsys, tmp_path) -> None:
     assert data["stats"]["tokens"] == 5
 
 
+def test_generate_with_a_quant_cache(ckpt, capsys, tmp_path, monkeypatch) -> None:
+    args = ["generate", "--model", str(ckpt), "--prompt-ids", "5,17,33", "--quiet"]
+    args += ["--max-new-tokens", "4", "--expert-format", "int8"]
+    assert main([*args, "--quant-cache", str(tmp_path / "c")]) == 0
+    assert len(list((tmp_path / "c").iterdir())) == 1
+    monkeypatch.setenv("PSR_CACHE", str(tmp_path / "home"))
+    assert main([*args, "--quant-cache"]) == 0  # no folder: $PSR_CACHE/quantized
+    assert len(list((tmp_path / "home" / "quantized").iterdir())) == 1
+    capsys.readouterr()
+
+
 def test_generate_with_ids_and_bad_args(ckpt, capsys) -> None:
     assert (
         main(

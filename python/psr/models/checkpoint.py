@@ -132,6 +132,7 @@ class Checkpoint:
             if not files:
                 raise CheckpointError(f"no *.safetensors files in {self.path}")
             weight_map = {}
+        self.files = files  # the safetensors files, inside the folder
         self._where: dict[str, str] = {}
         self._shapes: dict[str, list[int]] = {}
         self._dtypes: dict[str, str] = {}

@@ -12,6 +12,7 @@ KV cache and generation stay transformers' own. Expert weights stream from safet
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ from psr.models.hf import (
     set_tensor,
     uninstall,
 )
+from psr.models.quant_cache import QuantCache, resolve_root
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy, resolve_policy
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import MoESpec, resolve_capacity
@@ -213,10 +215,20 @@ def _load_experts(
     moe_idx: list[int],
     progress: bool,
     expert_format: str | None = None,
+    cache: QuantCache | None = None,
 ) -> None:
     """Stream every expert of every MoE layer from the checkpoint into the host store
-    (quantized on the way when `expert_format` asks for it)."""
+    (quantized on the way when `expert_format` asks for it), or read the quantized rows
+    from `cache` when it holds them (and write them there when it does not)."""
     E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
+    cached = cache.read() if cache is not None else None
+    if cached is not None:
+        for i, rows in enumerate(
+            tqdm(cached, desc="experts <- quantized cache", disable=not progress)
+        ):
+            for e in range(E):
+                store.register(i, e, rows[e])
+        return
     want = {"gate": [Fd, H], "up": [Fd, H], "down": [H, Fd]}
     fmt = expert_format
     bar = tqdm(
@@ -257,6 +269,13 @@ def _load_experts(
             store.register(i, e, expert_row(parts, spec, store, fmt, 128))
             bar.update()
     bar.close()
+    if cache is not None:
+        try:
+            cache.write([store.host(i) for i in range(len(moe_idx))])
+        except OSError as err:  # a cache is an optimisation: the model loaded all the same
+            warnings.warn(
+                f"could not write the quantized-expert cache {cache.path}: {err}", stacklevel=3
+            )
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
@@ -290,6 +309,7 @@ def load(
     block: int = 4,
     block_k: int | None = None,
     quality_budget: float | None = None,
+    quant_cache: bool | str | Path = False,
     progress: bool = True,
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
@@ -308,6 +328,10 @@ def load(
             'native' (the model's dtype), 'bf16', or quantized while loading: 'int8'
             (per output channel), 'fp8' (e4m3, per channel), 'int4' (group 128); the
             kernels dequantize on the fly.
+        quant_cache: with a quantized `expert_format`, keep the quantized rows on disk
+            and read them on later loads of the same checkpoint: True (the user cache
+            folder, or $PSR_CACHE/quantized) or a folder, never inside the model folder
+            (psr.models.quant_cache). False (default): quantize on every load.
         speculative: None, 'block' (the checkpoint's drafter_block.safetensors: heads on
             the target's hidden state) or 'ar' (its drafter_ar/ dense model): greedy
             speculative decoding with `block` drafted tokens per verify block and one set of
@@ -349,6 +373,12 @@ def load(
     dev = _resolve_device(device)
     _check_compute(compute)
     fmt = check_expert_format(expert_format)
+    cache_root = resolve_root(quant_cache, path)
+    if cache_root is not None and not _quantized(fmt):
+        raise ValueError(
+            f"quant_cache keeps quantized experts; expert_format={expert_format!r} is not "
+            f"quantized (choose one of {', '.join(pk.QUANT_FORMATS)})"
+        )
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
@@ -392,7 +422,13 @@ def load(
             )
         C -= lost
     store = make_store(spec, C, len(moe_idx), dt, dev, copy_retries, fmt)
-    _load_experts(ckpt, store, spec, moe_idx, progress, fmt)
+    cache = None
+    if cache_root is not None and fmt is not None:
+        index = "model.safetensors.index.json"
+        files = ckpt.files + ([index] if (Path(path) / index).is_file() else [])
+        shape = {"num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.ffn_size}
+        cache = QuantCache(cache_root, path, files, fmt, 128, shape, moe_idx, store.expert_bytes[0])
+    _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
     ckpt.close()
     runtime = install(model, spec, store, pol, C, compute, moe_idx, fmt)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
