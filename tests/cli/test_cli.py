@@ -59,6 +59,18 @@ def test_generate_with_a_quant_cache(ckpt, capsys, tmp_path, monkeypatch) -> Non
     monkeypatch.setenv("PSR_CACHE", str(tmp_path / "home"))
     assert main([*args, "--quant-cache"]) == 0  # no folder: $PSR_CACHE/quantized
     assert len(list((tmp_path / "home" / "quantized").iterdir())) == 1
+    import psr_kernels
+
+    calls = []
+    real = psr_kernels.quantize_expert
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(psr_kernels, "quantize_expert", counted)
+    assert main([*args, "--quant-cache"]) == 0
+    assert len(calls) == 3  # read back: one spot-checked expert per MoE layer, not 3 x 8
     capsys.readouterr()
 
 

@@ -32,11 +32,17 @@ def hosts(model) -> list[torch.Tensor]:
     return [st.host(i).clone() for i in range(len(st.layers))]
 
 
-def no_quantizing(monkeypatch) -> None:
-    def refuse(*a, **k):
-        raise AssertionError("quantized although the cache holds the rows")
+def count_quantizing(monkeypatch) -> list[int]:
+    """Counts the experts quantized from here on."""
+    calls = [0]
+    real = loader.pk.quantize_expert
 
-    monkeypatch.setattr(loader.pk, "quantize_expert", refuse)
+    def counted(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(loader.pk, "quantize_expert", counted)
+    return calls
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -48,13 +54,15 @@ def test_second_load_reads_the_cache_and_decodes_identically(ckpt, tmp_path, mon
     assert len(files) == 1 and files[0].suffix == ".safetensors" and fmt in files[0].name
     assert sorted(os.listdir(ckpt)) == before  # nothing written into the model folder
     want_rows, want = hosts(a), a.generate(PROMPT, 12).tolist()
-    no_quantizing(monkeypatch)
+    calls = count_quantizing(monkeypatch)
     b = load(ckpt, fmt, quant_cache=cache)
+    assert calls[0] == len(want_rows)  # one spot-checked expert per layer, not all of them
     assert all(torch.equal(x, y) for x, y in zip(hosts(b), want_rows, strict=True))
     assert b.generate(PROMPT, 12).tolist() == want
-    # Without the cache the rows are the same, quantized again.
-    monkeypatch.undo()
+    # Without the cache the rows are the same, every expert quantized again.
+    calls[0] = 0
     c = load(ckpt, fmt)
+    assert calls[0] == len(want_rows) * c.runtime.spec.num_experts
     assert all(torch.equal(x, y) for x, y in zip(hosts(c), want_rows, strict=True))
 
 
@@ -82,9 +90,11 @@ def test_a_corrupt_file_is_rebuilt_with_a_warning(ckpt, tmp_path) -> None:
 def test_a_rewritten_checkpoint_gets_a_new_file(ckpt, tmp_path) -> None:
     cache = tmp_path / "cache"
     old = hosts(load(ckpt, quant_cache=cache))
+    (first,) = cache.iterdir()
     write_checkpoint(tiny_model("olmoe", seed=1), ckpt)  # retrained in place
     m = load(ckpt, quant_cache=cache)
-    assert len(list(cache.iterdir())) == 2  # a new key; the old file is not read
+    (second,) = cache.iterdir()  # a new key; the superseded file is removed
+    assert second != first
     new = hosts(m)
     assert not all(torch.equal(x, y) for x, y in zip(new, old, strict=True))
     assert all(torch.equal(x, y) for x, y in zip(new, hosts(load(ckpt)), strict=True))
@@ -103,13 +113,37 @@ def test_refused_where_it_means_nothing(ckpt, tmp_path) -> None:
     assert pk.QUANT_FORMATS  # the error names these
 
 
-def test_an_unwritable_folder_warns_and_still_loads(ckpt, tmp_path, monkeypatch) -> None:
-    from psr.models import quant_cache
+@pytest.mark.parametrize("error", [OSError("No space left on device"), RuntimeError("os error 27")])
+def test_a_failed_write_warns_and_still_loads(ckpt, tmp_path, monkeypatch, error) -> None:
+    """safetensors reports a full disk as its own error type, not OSError."""
+    import safetensors.torch
 
     def fail(*a, **k):
-        raise OSError("No space left on device")
+        raise error
 
-    monkeypatch.setattr(quant_cache.tempfile, "mkstemp", fail)
+    monkeypatch.setattr(safetensors.torch, "save_file", fail)
     with pytest.warns(UserWarning, match="could not write the quantized-expert cache"):
         m = load(ckpt, quant_cache=tmp_path / "c")
     assert m.generate(PROMPT, 4).shape[-1] > 0
+    assert list((tmp_path / "c").iterdir()) == []  # no temporary file left behind
+
+
+def test_rows_of_other_weights_under_this_key_are_caught(ckpt, tmp_path) -> None:
+    """A file whose header fits (key, names, shapes) but whose rows came from other
+    weights, as a copy that kept every size and timestamp could produce: the spot check
+    re-quantizes one expert per layer and refuses it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    other = write_checkpoint(tiny_model("olmoe", seed=1), tmp_path / "other")
+    load(other, quant_cache=tmp_path / "a")
+    load(ckpt, quant_cache=tmp_path / "b")
+    (fa,) = (tmp_path / "a").iterdir()
+    (fb,) = (tmp_path / "b").iterdir()
+    with safe_open(str(fa), "pt") as a, safe_open(str(fb), "pt") as b:
+        forged = {k: a.get_tensor(k) for k in a.keys()}
+        meta = b.metadata()
+    save_file(forged, fb, metadata=meta)
+    with pytest.warns(UserWarning, match="differs from this checkpoint's"):
+        m = load(ckpt, quant_cache=tmp_path / "b")
+    assert all(torch.equal(x, y) for x, y in zip(hosts(m), hosts(load(ckpt)), strict=True))

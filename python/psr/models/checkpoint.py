@@ -42,8 +42,9 @@ def _tensor_info(path: Path, name: str, info: Any) -> dict[str, Any]:
     return dict(info)
 
 
-def _read_header(path: Path) -> dict:
-    # Error messages name the file and the problem, never its contents.
+def read_header(path: Path) -> dict:
+    """A safetensors file's header, checked (JSON object, offsets inside the file).
+    Error messages name the file and the problem, never its contents."""
     size = path.stat().st_size
     with path.open("rb") as f:
         raw = f.read(8)
@@ -140,7 +141,7 @@ class Checkpoint:
             f = self.path / name
             if not f.is_file():
                 raise CheckpointError(f"checkpoint shard {f} listed in the index is missing")
-            for tensor, info in _read_header(f).items():
+            for tensor, info in read_header(f).items():
                 if tensor != "__metadata__":
                     self._where[tensor] = name
                     self._shapes[tensor] = info["shape"]

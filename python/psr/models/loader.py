@@ -13,6 +13,7 @@ KV cache and generation stay transformers' own. Expert weights stream from safet
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -208,6 +209,78 @@ def restore(model: nn.Module) -> nn.Module:
     return hf
 
 
+def _expert_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> Callable[[int], list[torch.Tensor]]:
+    """Checks decoder layer `d`'s expert tensors; returns expert id -> its matrices."""
+    E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
+    gu_name, dn_name = fused_expert_names(d)
+    if gu_name in ckpt and dn_name in ckpt:
+        for name, shape in ((gu_name, [E, 2 * Fd, H]), (dn_name, [E, H, Fd])):
+            ckpt.require_float(name, "expert weight")
+            if ckpt.shape(name) != shape:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {ckpt.shape(name)}, expected {shape}"
+                )
+        return lambda e: [ckpt.get_row(gu_name, e), ckpt.get_row(dn_name, e)]
+    want = {"gate": [Fd, H], "up": [Fd, H], "down": [H, Fd]}
+
+    def read(e: int) -> list[torch.Tensor]:
+        cands = expert_tensor_names(spec.family, d, e)
+        names = next((c for c in cands if all(n in ckpt for n in c)), None)
+        if names is None:
+            missing = next(n for n in cands[-1] if n not in ckpt)
+            raise CheckpointError(
+                f"tensor {missing!r} not found in checkpoint "
+                f"{ckpt.path} (nor the fused {gu_name!r})"
+            )
+        for name, key in zip(names, ("gate", "up", "down"), strict=True):
+            ckpt.require_float(name, "expert weight")
+            if ckpt.shape(name) != want[key]:
+                raise CheckpointError(
+                    f"tensor {name!r} has shape {ckpt.shape(name)}, expected {want[key]}"
+                )
+        return [ckpt.get(n) for n in names]
+
+    return read
+
+
+def _from_cache(
+    cache: QuantCache,
+    store: ExpertStore,
+    spec: MoESpec,
+    readers: list[Callable[[int], list[torch.Tensor]]],
+    fmt: str,
+    progress: bool,
+) -> bool:
+    """Fill the host store from the cache file, one layer at a time, after checking it:
+    its header, then one expert per layer quantized afresh and compared byte for byte.
+    False (with a warning) when it does not hold this checkpoint's rows."""
+    if not cache.check():
+        return False
+    E = spec.num_experts
+    try:
+        bar = tqdm(
+            cache.layers(),
+            total=len(readers),
+            desc="experts <- quantized cache",
+            disable=not progress,
+            unit="layer",
+        )
+        for i, rows in enumerate(bar):
+            e = (7 * i + 3) % E  # a different expert per layer
+            fresh = expert_row(readers[i](e), spec, store, fmt, 128)[0]
+            if not torch.equal(rows[e], fresh):
+                cache.reject(f"layer {i} expert {e} differs from this checkpoint's")
+                return False
+            for e in range(E):
+                store.register(i, e, rows[e])
+    except CheckpointError:
+        raise  # the checkpoint itself is bad: say so, as a load without a cache would
+    except Exception as err:  # an unreadable cache file is rebuilt, never trusted
+        cache.reject(f"{type(err).__name__}: {err}")
+        return False
+    return True
+
+
 def _load_experts(
     ckpt: Checkpoint,
     store: ExpertStore,
@@ -220,61 +293,33 @@ def _load_experts(
     """Stream every expert of every MoE layer from the checkpoint into the host store
     (quantized on the way when `expert_format` asks for it), or read the quantized rows
     from `cache` when it holds them (and write them there when it does not)."""
-    E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
-    cached = cache.read() if cache is not None else None
-    if cached is not None:
-        for i, rows in enumerate(
-            tqdm(cached, desc="experts <- quantized cache", disable=not progress)
-        ):
-            for e in range(E):
-                store.register(i, e, rows[e])
-        return
-    want = {"gate": [Fd, H], "up": [Fd, H], "down": [H, Fd]}
     fmt = expert_format
+    readers = [_expert_reader(ckpt, spec, d) for d in moe_idx]
+    if (
+        cache is not None
+        and fmt is not None
+        and _from_cache(cache, store, spec, readers, fmt, progress)
+    ):
+        return
     bar = tqdm(
-        total=len(moe_idx) * E,
+        total=len(moe_idx) * spec.num_experts,
         desc=f"experts -> host store{f' ({fmt})' if _quantized(fmt) else ''}",
         disable=not progress,
         unit="expert",
     )
-    for i, d in enumerate(moe_idx):
-        gu_name, dn_name = fused_expert_names(d)
-        fused = gu_name in ckpt and dn_name in ckpt
-        if fused:
-            for name, shape in ((gu_name, [E, 2 * Fd, H]), (dn_name, [E, H, Fd])):
-                ckpt.require_float(name, "expert weight")
-                if ckpt.shape(name) != shape:
-                    raise CheckpointError(
-                        f"tensor {name!r} has shape {ckpt.shape(name)}, expected {shape}"
-                    )
-        for e in range(E):
-            if fused:
-                parts = [ckpt.get_row(gu_name, e), ckpt.get_row(dn_name, e)]
-            else:
-                cands = expert_tensor_names(spec.family, d, e)
-                names = next((c for c in cands if all(n in ckpt for n in c)), None)
-                if names is None:
-                    missing = next(n for n in cands[-1] if n not in ckpt)
-                    raise CheckpointError(
-                        f"tensor {missing!r} not found in checkpoint "
-                        f"{ckpt.path} (nor the fused {gu_name!r})"
-                    )
-                for name, key in zip(names, ("gate", "up", "down"), strict=True):
-                    ckpt.require_float(name, "expert weight")
-                    if ckpt.shape(name) != want[key]:
-                        raise CheckpointError(
-                            f"tensor {name!r} has shape {ckpt.shape(name)}, expected {want[key]}"
-                        )
-                parts = [ckpt.get(n) for n in names]
-            store.register(i, e, expert_row(parts, spec, store, fmt, 128))
+    for i, read in enumerate(readers):
+        for e in range(spec.num_experts):
+            store.register(i, e, expert_row(read(e), spec, store, fmt, 128))
             bar.update()
     bar.close()
     if cache is not None:
         try:
             cache.write([store.host(i) for i in range(len(moe_idx))])
-        except OSError as err:  # a cache is an optimisation: the model loaded all the same
+        except Exception as err:  # a cache is an optimisation: the model loaded all the same
             warnings.warn(
-                f"could not write the quantized-expert cache {cache.path}: {err}", stacklevel=3
+                f"could not write the quantized-expert cache {cache.path}: "
+                f"{type(err).__name__}: {err}",
+                stacklevel=3,
             )
 
 
@@ -309,7 +354,7 @@ def load(
     block: int = 4,
     block_k: int | None = None,
     quality_budget: float | None = None,
-    quant_cache: bool | str | Path = False,
+    quant_cache: bool | str | Path | None = False,
     progress: bool = True,
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.

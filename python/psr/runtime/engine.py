@@ -557,9 +557,10 @@ class OffloadRuntime:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Route a window layer by layer: exact over the prompt (then the cache seed, the
         slot map staged as prefill stages it), then token by token under the policy, each
-        token's prefetch from the previous layer inserted just before it routes, exactly
-        the order token-by-token decoding applies them in. Predictions into the next
-        layer for all decode tokens are made here, in one batch."""
+        token's prefetches from earlier layers (the previous one; with ahead2 also the one
+        before, first) inserted just before it routes, exactly the order token-by-token
+        decoding applies them in. This layer's predictions for all decode tokens are made
+        here, in one batch, and queued for the layers they go to."""
         sc = self._scoring
         assert sc is not None
         P, T = sc.prompt_len, logits.shape[0]
