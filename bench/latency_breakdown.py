@@ -15,22 +15,19 @@ import argparse
 import sys
 from pathlib import Path
 
-from variants import apply_variant
+from variants import exact, measure
 
 from psr.eval.defaults import PROFILE
 from psr.eval.harness import EvalData
-from psr.eval.latency import simulate
-from psr.eval.quality import perplexity_items
 from psr.eval.report import pct
-from psr.models import DEFAULT_MODEL, load
+from psr.models import DEFAULT_MODEL
 
-# (label, policy, lam, n, variant, variant value)
+# (label, (lam, n, variant, variant value)) of the PSR runs, beside exact routing
 CONFIGS = [
-    ("exact", "exact", 0.0, 0, "psr", 0.0),
-    ("psr(lam=0.1, n=2)", "psr", 0.1, 2, "psr", 0.0),
-    ("ahead2(1) psr(lam=0.1, n=2)", "psr", 0.1, 2, "ahead2", 1.0),
-    ("ahead2(2) psr(lam=0.1, n=2)", "psr", 0.1, 2, "ahead2", 2.0),
-    ("psr(lam=0.1, n=4)", "psr", 0.1, 4, "wide", 0.0),
+    ("psr(lam=0.1, n=2)", (0.1, 2, "psr", 0.0)),
+    ("ahead2(1) psr(lam=0.1, n=2)", (0.1, 2, "ahead2", 1.0)),
+    ("ahead2(2) psr(lam=0.1, n=2)", (0.1, 2, "ahead2", 2.0)),
+    ("psr(lam=0.1, n=4)", (0.1, 4, "wide", 0.0)),
 ]
 
 
@@ -52,19 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for rho in [float(x) for x in args.residency.split(",")]:
-        for label, policy, lam, n, variant, value in CONFIGS:
-            kw = {} if policy == "exact" else {"lam": lam, "n": n}
-            model = load(args.model, policy, rho, dtype="float32", progress=False, **kw)
-            apply_variant(model, variant, value)
-            rec = model.record_trace()
-            perplexity_items(model, data.windows, data.prompt_len)
-            lat = simulate(rec.trace, PROFILE)
-            s = model.stats.report()
-            model.close()
+        for label, cfg in [("exact", None), *CONFIGS]:
+            if cfg is None:
+                r = exact(args.model, rho, data)
+            else:
+                r = measure(args.model, rho, *cfg, data)
+            lat, s = r["latency"][PROFILE], r["stats"]
             t = s["tokens"]
             lines.append(
-                f"| {pct(rho)} | {label} | {lat.ms_per_token:.2f} | {lat.compute_ms:.2f} | "
-                f"{lat.copy_ms:.2f} | {lat.stall_ms:.2f} | {s['misses'] / t:.2f} | "
+                f"| {pct(rho)} | {label} | {lat['ms_per_token']:.2f} | {lat['compute_ms']:.2f} | "
+                f"{lat['copy_ms']:.2f} | {lat['stall_ms']:.2f} | {s['misses'] / t:.2f} | "
                 f"{s['prefetches'] / t:.2f} | {(s['misses'] + s['prefetches']) / t:.2f} |"
             )
             print(lines[-1], flush=True)

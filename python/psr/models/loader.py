@@ -46,6 +46,10 @@ from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import MoESpec, resolve_capacity
 from psr.store import ExpertStore, LayerSpec, current_backend
 
+# int4's group along the input dimension: the rows, their byte size and the quantized-expert
+# cache's key must agree on it.
+GROUP_SIZE = 128
+
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -92,7 +96,7 @@ def make_store(
     device: torch.device,
     copy_retries: int | None = None,
     expert_format: str | None = None,
-    group_size: int = 128,
+    group_size: int = GROUP_SIZE,
 ) -> ExpertStore:
     """One store layer per MoE layer; its backend follows the compute device. Float rows
     hold `spec.expert_numel` elements of `dtype` (bf16 for expert_format='bf16');
@@ -188,7 +192,7 @@ def offload(
         experts = layers[d].mlp.experts
         for e in range(spec.num_experts):
             parts = [t.detach().to("cpu").contiguous() for t in expert_parts(experts, e)]
-            store.register(i, e, expert_row(parts, spec, store, fmt, 128))
+            store.register(i, e, expert_row(parts, spec, store, fmt, GROUP_SIZE))
             bar.update()
     bar.close()
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt)
@@ -248,7 +252,6 @@ def _from_cache(
     store: ExpertStore,
     spec: MoESpec,
     readers: list[Callable[[int], list[torch.Tensor]]],
-    fmt: str,
     progress: bool,
 ) -> bool:
     """Fill the host store from the cache file, one layer at a time, after checking it:
@@ -267,7 +270,7 @@ def _from_cache(
         )
         for i, rows in enumerate(bar):
             e = (7 * i + 3) % E  # a different expert per layer
-            fresh = expert_row(readers[i](e), spec, store, fmt, 128)[0]
+            fresh = expert_row(readers[i](e), spec, store, cache.format, GROUP_SIZE)[0]
             if not torch.equal(rows[e], fresh):
                 cache.reject(f"layer {i} expert {e} differs from this checkpoint's")
                 return False
@@ -295,11 +298,7 @@ def _load_experts(
     from `cache` when it holds them (and write them there when it does not)."""
     fmt = expert_format
     readers = [_expert_reader(ckpt, spec, d) for d in moe_idx]
-    if (
-        cache is not None
-        and fmt is not None
-        and _from_cache(cache, store, spec, readers, fmt, progress)
-    ):
+    if cache is not None and _from_cache(cache, store, spec, readers, progress):
         return
     bar = tqdm(
         total=len(moe_idx) * spec.num_experts,
@@ -309,7 +308,7 @@ def _load_experts(
     )
     for i, read in enumerate(readers):
         for e in range(spec.num_experts):
-            store.register(i, e, expert_row(read(e), spec, store, fmt, 128))
+            store.register(i, e, expert_row(read(e), spec, store, fmt, GROUP_SIZE))
             bar.update()
     bar.close()
     if cache is not None:
@@ -468,11 +467,13 @@ def load(
         C -= lost
     store = make_store(spec, C, len(moe_idx), dt, dev, copy_retries, fmt)
     cache = None
-    if cache_root is not None and fmt is not None:
+    if cache_root is not None:  # fmt is quantized: checked above
         index = "model.safetensors.index.json"
         files = ckpt.files + ([index] if (Path(path) / index).is_file() else [])
         shape = {"num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.ffn_size}
-        cache = QuantCache(cache_root, path, files, fmt, 128, shape, moe_idx, store.expert_bytes[0])
+        cache = QuantCache(
+            cache_root, path, files, fmt, GROUP_SIZE, shape, moe_idx, store.expert_bytes[0]
+        )
     _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
     ckpt.close()
     runtime = install(model, spec, store, pol, C, compute, moe_idx, fmt)
