@@ -19,12 +19,14 @@ Environment:
                           to run it (LD_PRELOAD, ASAN_OPTIONS).
   CMAKE_BUILD_PARALLEL_LEVEL, PSR_BUILD_TYPE (Release; RelWithDebInfo with PSR_SANITIZE, so
                           the module keeps its symbols for the sanitizer's reports).
-The build never imports torch. The CUDA decision is the pure function `plan_cuda` (tested by
-tests/test_packaging.py, which loads this file without running setup()).
+The build never imports torch. The CUDA decision is the pure function `plan_cuda`, the
+architectures `cuda_archs` (scripts/cuda_archs.py parses the list); tests/test_packaging.py
+tests both, loading this file without running setup().
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -32,12 +34,14 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.warnings import InformationOnly
 
 ROOT = Path(__file__).resolve().parent
+CUDA_ARCHS_PY = ROOT / "scripts" / "cuda_archs.py"
 
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -131,22 +135,24 @@ def plan_cuda(
     return None, f"psr: building backends: cpu (CUDA off: {why}; {source})"
 
 
-def cuda_archs() -> str:
-    """CMAKE_CUDA_ARCHITECTURES from TORCH_CUDA_ARCH_LIST ('8.0;9.0+PTX' -> '80-real;90')."""
-    spec = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
-    if not spec:
-        return "80;89;90"
-    out = []
-    for tok in spec.replace(",", ";").replace(" ", ";").split(";"):
-        tok = tok.strip()
-        if not tok:
-            continue
-        ptx = tok.endswith("+PTX")
-        num = tok.removesuffix("+PTX").replace(".", "")
-        if not num.isalnum():
-            raise SystemExit(f"psr: cannot parse TORCH_CUDA_ARCH_LIST entry {tok!r}")
-        out.append(num if ptx else f"{num}-real")
-    return ";".join(out)
+def _load_cuda_archs() -> ModuleType:
+    """scripts/cuda_archs.py, the one TORCH_CUDA_ARCH_LIST parser (bench/gpu_build.py uses
+    it too), loaded by path: psr is not installed while this file runs."""
+    spec = importlib.util.spec_from_file_location("_psr_cuda_archs", CUDA_ARCHS_PY)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+DEFAULT_CUDA_ARCHS = "80;89;90"
+
+
+def cuda_archs(env: Mapping[str, str]) -> str:
+    """CMAKE_CUDA_ARCHITECTURES from TORCH_CUDA_ARCH_LIST ('8.0;9.0+PTX' -> '80-real;90'),
+    DEFAULT_CUDA_ARCHS when unset. Raises ValueError naming an entry it cannot parse."""
+    spec = env.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    return _load_cuda_archs().cmake_archs(spec) if spec else DEFAULT_CUDA_ARCHS
 
 
 class CMakeExtension(Extension):
@@ -162,6 +168,7 @@ class CMakeBuild(build_ext):
 
         try:
             nvcc, line = plan_cuda(os.environ)
+            archs = cuda_archs(os.environ) if nvcc else None
         except ValueError as e:
             raise SystemExit(f"psr: {e}") from None
         import pybind11  # build requirement
@@ -178,7 +185,7 @@ class CMakeBuild(build_ext):
             f"-DPSR_SANITIZE={sanitize}",
         ]
         if nvcc:
-            args += [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_archs()}"]
+            args += [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCMAKE_CUDA_ARCHITECTURES={archs}"]
         if shutil.which("ninja") or _has_module("ninja"):
             args.append("-GNinja")
         print(line, flush=True)

@@ -59,25 +59,26 @@ def make_case(name: str, device: str, dtype: torch.dtype = torch.bfloat16):
 def ops(c: dict) -> dict[str, tuple[Callable, Callable]]:
     """op name -> (kernel call, reference call)."""
     k, H, F = c["k"], c["H"], c["F"]
+    biased, router = pk.RouteSpec(k, lam=0.3), pk.RouteSpec(k)
     return {
         "route": (
-            lambda: pk.route(c["logits"], k, mask=c["mask"], lam=0.3, check_finite=False),
-            lambda: pk.route_ref(c["logits"], k, mask=c["mask"], lam=0.3, check_finite=False),
+            lambda: pk.route(c["logits"], biased, mask=c["mask"], check_finite=False),
+            lambda: pk.route_ref(c["logits"], biased, mask=c["mask"], check_finite=False),
         ),
         "route_hidden": (
             lambda: pk.route_hidden(
-                c["hidden"], c["gate"], k, mask=c["mask"], lam=0.3, check_finite=False
+                c["hidden"], c["gate"], biased, mask=c["mask"], check_finite=False
             ),
             lambda: pk.route_hidden_ref(
-                c["hidden"], c["gate"], k, mask=c["mask"], lam=0.3, check_finite=False
+                c["hidden"], c["gate"], biased, mask=c["mask"], check_finite=False
             ),
         ),
         "predict_next": (
             lambda: pk.predict_next(
-                c["hidden"], c["norm"], c["gate"], 1, mask=c["mask"], check_finite=False
+                c["hidden"], c["norm"], c["gate"], 1, router, mask=c["mask"], check_finite=False
             ),
             lambda: pk.predict_next_ref(
-                c["hidden"], c["norm"], c["gate"], 1, mask=c["mask"], check_finite=False
+                c["hidden"], c["norm"], c["gate"], 1, router, mask=c["mask"], check_finite=False
             ),
         ),
         "expert_ffn": (

@@ -27,7 +27,8 @@ from psr.eval.latency import calibrate, simulate
 from psr.eval.microbench import run_copy_overlap
 from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL, offload
-from psr.policy import Policy, make_policy, operating_points, standard_policies
+from psr.points import operating_points
+from psr.policy import Policy, make_policy, standard_policies
 from psr.runtime import REPORT_KEYS, TIMING_KEYS
 
 

@@ -24,7 +24,7 @@ on this machine's expert store and Triton expert kernel, against the latency mod
    default exact,psr): per format a second store of that format's uint8 rows
    (`psr_kernels.quantize_expert` of random OLMoE-shaped experts, a few reused for every
    expert id: only the bytes and the kernel matter), copies moving those bytes and
-   `psr_kernels.expert_ffn_quant` on the slab. The same routing traces, `bytes_ratio` set
+   `psr_kernels.expert_ffn(..., fmt=)` on the slab. The same routing traces, `bytes_ratio` set
    to the format's (row bytes over the bf16 replay's row bytes), replayed and modeled:
    the expert kernel's time is calibrated per format (the replay without copies), the
    copy rate stays the bf16 one (the model prices a copy by its bytes). A format is
@@ -53,7 +53,8 @@ import psr_kernels as pk
 from psr.eval.latency import calibrate, simulate
 from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL, load
-from psr.policy import Policy, operating_points, standard_policies
+from psr.points import operating_points
+from psr.policy import Policy, standard_policies
 from psr.runtime import Trace
 from psr.store import ExpertStore, LayerSpec, backend_info
 
@@ -219,8 +220,8 @@ class Dense:
 
 class Replayer:
     """Replays plans on `store`; `ffn(x, slab, slots, w, H, F, check_slots=...)` is the
-    expert kernel (bf16 rows: expert_ffn; quantized rows: expert_ffn_quant with its format
-    bound), `x_dtype` the activations' dtype (default: the store's)."""
+    expert kernel (expert_ffn; for quantized rows with their `fmt` bound), `x_dtype` the
+    activations' dtype (default: the store's)."""
 
     def __init__(
         self,
@@ -332,8 +333,8 @@ def measure_h2d(store: ExpertStore, slots: int, experts: int, rounds: int, per_r
 
 
 def kernel_check(rep: Replayer, k: int, E: int, fmt: str | None = None) -> dict:
-    """Copy k experts through the store, run the expert kernel on the slab (expert_ffn, or
-    expert_ffn_quant for a quantized `fmt`), compare it with the torch reference, and
+    """Copy k experts through the store, run the expert kernel on the slab (expert_ffn,
+    with `fmt` for quantized rows), compare it with the torch reference, and
     byte-compare the slots with their host copies."""
     store, dev = rep.store, rep.device
     can_triton = dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -341,17 +342,14 @@ def kernel_check(rep: Replayer, k: int, E: int, fmt: str | None = None) -> dict:
     store.enqueue_copies(0, slots, experts)
     st = torch.tensor([slots], device=dev)
     out: dict = {"kernel": "triton" if can_triton else "skipped (no GPU, no TRITON_INTERPRET=1)"}
-    if fmt is None:
-        kern, kref, extra = pk.expert_ffn, pk.expert_ffn_ref, ()
-    else:
-        kern, kref, extra = pk.expert_ffn_quant, pk.expert_ffn_quant_ref, (fmt,)
+    if fmt is not None:
         out["format"] = fmt
     with store.reading(0, slots, experts) as slab:
-        args = (rep.x, slab, st, rep.w, rep.H, rep.F, *extra)
-        ref = kref(*args, out_dtype=torch.float32)
+        args = (rep.x, slab, st, rep.w, rep.H, rep.F)
+        ref = pk.expert_ffn_ref(*args, fmt=fmt, out_dtype=torch.float32)
         if can_triton:
             try:
-                y = kern(*args, out_dtype=torch.float32)
+                y = pk.expert_ffn(*args, fmt=fmt, out_dtype=torch.float32)
                 err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                 out["rel_max_err"] = err
             except Exception as e:  # e.g. no C compiler for Triton's launcher
@@ -552,10 +550,10 @@ def replay_format(
     use_triton = ctx["use_triton"]
 
     def ffn_of(triton: bool):
-        kern = pk.expert_ffn_quant if triton else pk.expert_ffn_quant_ref
+        kern = pk.expert_ffn if triton else pk.expert_ffn_ref
 
         def ffn(x, slab, st, w, H, F, check_slots=False):
-            return kern(x, slab, st, w, H, F, fmt, check_slots=check_slots)
+            return kern(x, slab, st, w, H, F, fmt=fmt, check_slots=check_slots)
 
         return ffn
 

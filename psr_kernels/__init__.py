@@ -1,13 +1,25 @@
 """psr_kernels: Triton kernels for cache-biased MoE decoding (depends on torch + triton only).
 
 Ops (each with a plain-torch `*_ref` beside it, the same arguments and results):
-  route(logits, top_k, mask=, lam=, scoring=, ...)        -> (weights, ids)
-  route_hidden(hidden, gate_weight, top_k, ...)            -> (weights, ids, logits)
-  predict_next(residual, norm_weight, gate_weight, n, ...) -> (ids, in_cache)
-  expert_ffn(x, slab, slots, weights, H, F)                -> y
-  expert_ffn_quant(x, slab, slots, weights, H, F, fmt)     -> y   (uint8 quantized slab)
-  route_block(logits, top_k, block_k, mask=, lam=, ...)    -> (set, weights, ids)
+  route(logits, spec, mask=, bias=)                         -> (weights, ids)
+  route_hidden(hidden, gate_weight, spec, mask=, bias=)     -> (weights, ids, logits)
+  predict_next(residual, norm_weight, gate_weight, n, spec,
+               eps=, mask=, bias=)                          -> (ids, in_cache)
+  expert_ffn(x, slab, slots, weights, H, F, fmt=, slot_table=) -> y
+      fmt None: float slab rows; 'int8' | 'fp8' | 'int4': quantized uint8 rows;
+      slot_table: slots hold expert ids, looked up in the device slot map
+  decode_step(logits, spec, state, layout, layer, n=, residual=, ...) -> (weights, ids)
+      one MoE layer's sync-free decode step in one launch: route on the device cache,
+      `use`, and predict + `prefetch` into the next layer (psr_kernels.decode)
+  route_block(logits, spec, block_k, mask=, bias=)          -> (set, weights, ids)
       one expert set per block of tokens (speculative verification; torch on any device)
+`spec` is a `RouteSpec` (frozen): top_k, lam (the cache bias; 0 = exact routing),
+scoring (SCORINGS), renormalize, n_group / topk_group, scaling. The routing references
+live in `psr_kernels.routing_ref`; `swiglu_ref` is the one SwiGLU reference formula and
+`expert_row_ffn_ref(x, row, H, F, fmt=)` runs one expert from one row.
+Device-resident logical caches (`psr_kernels.cache_state`): CacheLayout(E, S, k, n),
+new_state, reset_layer, cache_use / cache_prefetch (the spec's `use` / `prefetch` as
+kernels; references in `psr_kernels.cache_state_ref`), copy lists for the store's gather.
 Slab layout: pack_expert(gate, up, down) -> row; unpack_expert(row, H, F) -> views.
 Quantized rows (`psr_kernels.quant`, fmt in QUANT_FORMATS = int8, fp8, int4):
 quantize_expert(gate, up, down, fmt) -> uint8 row; dequantize_expert(row, H, F, fmt) ->
@@ -16,11 +28,14 @@ Compute dispatch (`psr_kernels.dispatch`): resolve_compute(compute, device) ->
 "triton" | "torch" and kernel_ops(compute, device) -> the ops of that path;
 compute is "auto" | "triton" | "torch", "auto" honouring the env default PSR_COMPUTE.
 Device-dispatching torch ops (`psr_kernels.ops`): torch.ops.psr.{route, route_hidden,
-predict_next, expert_ffn, expert_ffn_quant}, and `make_vllm_routing_function` for
-vLLM's FusedMoE.
+predict_next, expert_ffn} (primitive schemas: RouteSpec's fields as arguments), and
+`make_vllm_routing_function` for vLLM's FusedMoE.
 """
 
 from psr_kernels.block_routing import block_scores_ref, route_block, route_block_ref
+from psr_kernels.cache_state import CacheLayout, cache_prefetch, cache_use
+from psr_kernels.cache_state_ref import cache_prefetch_ref, cache_use_ref
+from psr_kernels.decode import decode_step, decode_step_ref
 from psr_kernels.dispatch import (
     Compute,
     ComputePath,
@@ -29,10 +44,16 @@ from psr_kernels.dispatch import (
     kernel_ops,
     resolve_compute,
 )
-from psr_kernels.expert_ffn import expert_ffn, expert_ffn_ref, pack_expert, unpack_expert
+from psr_kernels.expert_ffn import (
+    expert_ffn,
+    expert_ffn_ref,
+    expert_row_ffn_ref,
+    pack_expert,
+    swiglu_ref,
+    unpack_expert,
+)
 from psr_kernels.ops import (
     expert_ffn_op,
-    expert_ffn_quant_op,
     make_vllm_routing_function,
     predict_next_op,
     route_hidden_op,
@@ -43,19 +64,13 @@ from psr_kernels.quant import (
     QuantLayout,
     bytes_ratio,
     dequantize_expert,
-    expert_ffn_quant,
-    expert_ffn_quant_ref,
     quantize_expert,
 )
-from psr_kernels.routing import (
-    SCORINGS,
-    RouteSpec,
+from psr_kernels.routing import SCORINGS, RouteSpec, predict_next, route, route_hidden
+from psr_kernels.routing_ref import (
     biased_scores_ref,
-    predict_next,
     predict_next_ref,
     rms_norm_ref,
-    route,
-    route_hidden,
     route_hidden_ref,
     route_ref,
 )
@@ -63,6 +78,7 @@ from psr_kernels.routing import (
 __all__ = [
     "QUANT_FORMATS",
     "SCORINGS",
+    "CacheLayout",
     "Compute",
     "ComputePath",
     "KernelOps",
@@ -71,14 +87,18 @@ __all__ = [
     "biased_scores_ref",
     "block_scores_ref",
     "bytes_ratio",
+    "cache_prefetch",
+    "cache_prefetch_ref",
+    "cache_use",
+    "cache_use_ref",
+    "decode_step",
+    "decode_step_ref",
     "default_compute",
     "dequantize_expert",
     "expert_ffn",
     "expert_ffn_op",
-    "expert_ffn_quant",
-    "expert_ffn_quant_op",
-    "expert_ffn_quant_ref",
     "expert_ffn_ref",
+    "expert_row_ffn_ref",
     "kernel_ops",
     "make_vllm_routing_function",
     "pack_expert",
@@ -96,5 +116,6 @@ __all__ = [
     "route_hidden_ref",
     "route_op",
     "route_ref",
+    "swiglu_ref",
     "unpack_expert",
 ]

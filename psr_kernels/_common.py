@@ -6,6 +6,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -53,3 +54,13 @@ def check_finite(op: str, name: str, t: torch.Tensor) -> None:
 
 def pow2(n: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(int(n)))
+
+
+@triton.jit
+def load_slot(slots_ptr, i, table_ptr, HAS_TABLE: tl.constexpr):
+    """The slab slot of routed entry `i`: slots[i], or with a slot table (the device slot
+    map: `slots` then holds expert ids) table[slots[i]]; int64."""
+    s = tl.load(slots_ptr + i)
+    if HAS_TABLE:
+        s = tl.load(table_ptr + s)
+    return s.to(tl.int64)

@@ -19,13 +19,8 @@ from __future__ import annotations
 import torch
 
 from psr_kernels._common import check_float
-from psr_kernels.routing import (
-    RouteSpec,
-    _scores_ref,
-    _topk_ref,
-    biased_scores_ref,
-    gate_weights_ref,
-)
+from psr_kernels.routing import RouteSpec, require_spec
+from psr_kernels.routing_ref import biased_scores_ref, gate_weights_ref, scores_ref, topk_ref
 
 _NEG_INF = float("-inf")
 
@@ -35,33 +30,36 @@ def block_scores_ref(
 ) -> torch.Tensor:
     """A block's score per expert `[E]`: the sum over its tokens of the weight source
     (softmax probabilities), or of the selection scores for sigmoid routers."""
-    z, src = _scores_ref(logits, scoring, bias)
+    z, src = scores_ref(logits, scoring, bias)
     return (z if scoring == "sigmoid" else src).sum(0)
 
 
 def route_block_ref(
     logits: torch.Tensor,
-    top_k: int,
+    spec: RouteSpec,
     block_k: int,
     *,
     mask: torch.Tensor | None = None,
-    lam: float = 0.0,
-    scoring: str = "softmax",
-    renormalize: bool = False,
     bias: torch.Tensor | None = None,
-    scaling: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block selection over `logits [T, E]` (T tokens of one block).
+    """Block selection over `logits [T, E]` (T tokens of one block), routed as `spec`
+    says (its `lam` biases the set toward `mask`, the layer's cache `[E]`).
 
     Returns `(experts [block_k] ascending ids, weights [T, k] fp32, ids [T, k] int64)`.
     Group-limited routers (n_group > 1) are not supported in block mode.
     """
     op = "route_block"
+    require_spec(op, spec)
     check_float(op, "logits", logits, 2)
     T, E = logits.shape
     if T < 1:
         raise ValueError(f"{op}: a block needs at least one token")
-    RouteSpec(top_k, lam, scoring, renormalize, 1, 1, scaling).check(
+    if spec.n_group != 1:
+        raise ValueError(
+            f"{op}: group-limited routers (n_group={spec.n_group}) are not supported in block mode"
+        )
+    top_k, lam = spec.top_k, spec.lam
+    spec.check(
         op,
         num_experts=E,
         num_tokens=1,
@@ -70,14 +68,14 @@ def route_block_ref(
     )
     if isinstance(block_k, bool) or not isinstance(block_k, int) or not top_k <= block_k <= E:
         raise ValueError(f"{op}: block_k={block_k!r} must be an int in [top_k={top_k}, E={E}]")
-    z, src = _scores_ref(logits, scoring, bias)
-    score = block_scores_ref(logits, scoring, bias)[None]  # [1, E]
+    z, src = scores_ref(logits, spec.scoring, bias)
+    score = block_scores_ref(logits, spec.scoring, bias)[None]  # [1, E]
     m = None if mask is None else mask.reshape(1, E)
-    chosen = _topk_ref(biased_scores_ref(score, m, lam), block_k)[0]  # [block_k]
+    chosen = topk_ref(biased_scores_ref(score, m, lam), block_k)[0]  # [block_k]
     allowed = torch.zeros(E, dtype=torch.bool, device=logits.device)
     allowed[chosen] = True
-    ids = _topk_ref(z.masked_fill(~allowed[None, :], _NEG_INF), top_k)
-    w = gate_weights_ref(src, ids, scoring, renormalize, scaling)
+    ids = topk_ref(z.masked_fill(~allowed[None, :], _NEG_INF), top_k)
+    w = gate_weights_ref(src, ids, spec.scoring, spec.renormalize, spec.scaling)
     return chosen.sort().values, w, ids.contiguous()
 
 

@@ -2,7 +2,7 @@
 
     resolve_compute(compute, device) -> "triton" | "torch"
     kernel_ops(compute, device)      -> KernelOps: .path, .route, .route_hidden,
-                                        .predict_next, .expert_ffn, .expert_ffn_quant
+                                        .predict_next, .expert_ffn, .decode_step
 
 `compute` is one of `"auto"`, `"triton"`, `"torch"` (or None, the same as "auto"):
 
@@ -28,16 +28,10 @@ from typing import Literal, get_args
 import torch
 
 from psr_kernels._common import interpreting
+from psr_kernels.decode import decode_step, decode_step_ref
 from psr_kernels.expert_ffn import expert_ffn, expert_ffn_ref
-from psr_kernels.quant import expert_ffn_quant, expert_ffn_quant_ref
-from psr_kernels.routing import (
-    predict_next,
-    predict_next_ref,
-    route,
-    route_hidden,
-    route_hidden_ref,
-    route_ref,
-)
+from psr_kernels.routing import predict_next, route, route_hidden
+from psr_kernels.routing_ref import predict_next_ref, route_hidden_ref, route_ref
 
 Compute = Literal["auto", "triton", "torch"]
 ComputePath = Literal["triton", "torch"]
@@ -83,24 +77,21 @@ def resolve_compute(compute: Compute | None, device: torch.device | str) -> Comp
 
 @dataclass(frozen=True)
 class KernelOps:
-    """The ops of one compute path, with the signatures of `psr_kernels.route` etc."""
+    """The ops of one compute path, with the signatures of `psr_kernels.route` etc.
+    (`expert_ffn` serves float and quantized slab rows: its `fmt`)."""
 
     path: ComputePath
     route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     route_hidden: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     predict_next: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     expert_ffn: Callable[..., torch.Tensor]
-    expert_ffn_quant: Callable[..., torch.Tensor]  # quantized slab rows (psr_kernels.quant)
+    # One MoE layer's sync-free decode step on the device caches (psr_kernels.decode).
+    decode_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-_TRITON = KernelOps("triton", route, route_hidden, predict_next, expert_ffn, expert_ffn_quant)
+_TRITON = KernelOps("triton", route, route_hidden, predict_next, expert_ffn, decode_step)
 _TORCH = KernelOps(
-    "torch",
-    route_ref,
-    route_hidden_ref,
-    predict_next_ref,
-    expert_ffn_ref,
-    expert_ffn_quant_ref,
+    "torch", route_ref, route_hidden_ref, predict_next_ref, expert_ffn_ref, decode_step_ref
 )
 
 

@@ -12,17 +12,33 @@ results are bit-reproducible run to run:
   1. `_gate_up_kernel`, grid (T*k, F/BLOCK_F): h[t, j] = silu(gate_j x) * (up_j x);
   2. `_down_kernel`, grid (T, H/BLOCK_H): y[t] = sum_j w[t, j] * (down_j h[t, j]).
 At batch 1 this is a grouped GEMV: each weight byte is read once.
+
+`expert_ffn` is the one entry: `fmt=None` runs these kernels on float rows, a quantized
+`fmt` ('int8', 'fp8', 'int4') the kernels of `psr_kernels.quant` on uint8 rows.
+`expert_ffn_ref` (same arguments) and `expert_row_ffn_ref` (one expert, one row) are its
+plain-torch references, both computing through `swiglu_ref`.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from psr_kernels._common import check_float, check_launchable, pow2
+from psr_kernels._common import check_float, check_launchable, load_slot, pow2
+from psr_kernels.quant import FORMATS as QUANT_FORMATS
+from psr_kernels.quant import (
+    QuantLayout,
+    check_aligned,
+    check_quant_slab,
+    dequantize_expert,
+    launch_quant_ffn,
+)
 
 
 @triton.jit
@@ -32,6 +48,7 @@ def _gate_up_kernel(
     slab_ptr,
     s_slot,
     slots_ptr,
+    table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     h_ptr,
     T,
     H,
@@ -39,6 +56,7 @@ def _gate_up_kernel(
     C,
     up_offset,  # element offsets of `up` and `down` in a slab row (`_layout`)
     K: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -46,7 +64,7 @@ def _gate_up_kernel(
     t = tk // K
     fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     fm = fs < F
-    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    slot = load_slot(slots_ptr, tk, table_ptr, HAS_TABLE)
     ok = (slot >= 0) & (slot < C)  # out-of-range slots read nothing (the wrapper checks)
     base = slab_ptr + slot * s_slot
     acc_g = tl.zeros([BLOCK_F], dtype=tl.float32)
@@ -71,6 +89,7 @@ def _down_kernel(
     slab_ptr,
     s_slot,
     slots_ptr,
+    table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     w_ptr,
     y_ptr,
     s_yt,
@@ -80,6 +99,7 @@ def _down_kernel(
     C,
     down_offset,
     K: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -88,7 +108,7 @@ def _down_kernel(
     hm = hs < H
     y = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(K):
-        slot = tl.load(slots_ptr + t * K + j).to(tl.int64)
+        slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
         ok = (slot >= 0) & (slot < C)
         wj = tl.load(w_ptr + t * K + j).to(tl.float32)
         base = slab_ptr + slot * s_slot + down_offset
@@ -161,8 +181,10 @@ def pack_expert(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> tor
 # --------------------------------------------------------------------------- ops
 
 
-def ffn_launch_config(T: int, H: int, F: int) -> tuple[dict[str, int], dict[str, int]]:
-    """Block sizes of the gate/up and down kernels (no autotuning)."""
+@functools.lru_cache(maxsize=1024)
+def ffn_launch_config(T: int, H: int, F: int) -> tuple[Mapping[str, int], Mapping[str, int]]:
+    """Block sizes of the gate/up and down kernels (no autotuning; cached per shape:
+    read-only mappings)."""
     gate_up = dict(BLOCK_F=min(pow2(F, 16), 64), BLOCK_H=min(pow2(H, 16), 128), num_warps=4)
     # Enough output tiles to fill the GPU at T = 1.
     down = dict(
@@ -170,7 +192,15 @@ def ffn_launch_config(T: int, H: int, F: int) -> tuple[dict[str, int], dict[str,
         BLOCK_F=min(pow2(F, 16), 128),
         num_warps=4,
     )
-    return gate_up, down
+    return MappingProxyType(gate_up), MappingProxyType(down)
+
+
+def _check_fmt_arg(op: str, fmt: str | None) -> None:
+    if fmt is not None and (not isinstance(fmt, str) or fmt not in QUANT_FORMATS):
+        raise ValueError(
+            f"{op}: fmt must be None (float slab rows) or one of "
+            f"{', '.join(map(repr, QUANT_FORMATS))}, got {fmt!r}"
+        )
 
 
 def _check_ffn(
@@ -181,20 +211,30 @@ def _check_ffn(
     weights: torch.Tensor,
     hidden_size: int,
     ffn_size: int,
-) -> None:
+    fmt: str | None,
+    group_size: int,
+) -> QuantLayout | None:
+    """Shared argument checks of `expert_ffn` and its reference; returns the row layout
+    of a quantized `fmt` (None for float rows)."""
+    _check_fmt_arg(op, fmt)
     check_float(op, "x", x, 2)
-    check_float(op, "slab", slab, 2)
+    if fmt is None:
+        check_float(op, "slab", slab, 2)
     check_float(op, "weights", weights, 2)
     T, H = x.shape
     if H != hidden_size:
         raise ValueError(f"{op}: x has hidden size {H}, expected {hidden_size}")
     if ffn_size < 1:
         raise ValueError(f"{op}: ffn_size must be positive, got {ffn_size}")
-    row = _layout(hidden_size, ffn_size).row
-    if slab.shape[1] != row:
-        raise ValueError(
-            f"{op}: slab rows hold {slab.shape[1]} elements, expected 3 * H * F = {row}"
-        )
+    lay = None
+    if fmt is None:
+        row = _layout(hidden_size, ffn_size).row
+        if slab.shape[1] != row:
+            raise ValueError(
+                f"{op}: slab rows hold {slab.shape[1]} elements, expected 3 * H * F = {row}"
+            )
+    else:
+        lay = check_quant_slab(op, slab, fmt, hidden_size, ffn_size, group_size)
     if slab.stride(1) != 1:
         raise ValueError(f"{op}: slab rows must be contiguous (stride(1) == 1)")
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
@@ -205,36 +245,84 @@ def _check_ffn(
         raise ValueError(
             f"{op}: weights {list(weights.shape)} and slots {list(slots.shape)} differ"
         )
+    return lay
 
 
-def ffn_buffers(
-    op: str,
-    x: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    num_slots: int,
-    ffn_size: int,
-    out_dtype: torch.dtype | None,
-    check_slots: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """What both expert FFN launches need: the inputs contiguous where the kernels index
-    them, the output `y`, and the fp32 gate/up intermediate `h` (None when there is
-    nothing to compute: then `y` is already the zero answer)."""
-    T, H = x.shape
-    K = slots.shape[1]
-    if check_slots:
-        _check_slot_range(op, slots, num_slots)
-    y = torch.empty(T, H, dtype=out_dtype or x.dtype, device=x.device)
-    if T == 0 or K == 0:
-        return x, slots, weights, y.zero_(), None
-    x = x if x.stride(1) == 1 else x.contiguous()
-    h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
-    return x, slots.contiguous(), weights.float().contiguous(), y, h
+def _check_table(op: str, table: torch.Tensor | None, slots: torch.Tensor) -> None:
+    if table is None:
+        return
+    if not isinstance(table, torch.Tensor) or table.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{op}: slot_table must be an int32/int64 tensor")
+    if table.dim() != 1 or table.stride(0) != 1 or table.device != slots.device:
+        raise ValueError(
+            f"{op}: slot_table must be a contiguous 1-D tensor on {slots.device}, got "
+            f"shape {list(table.shape)} on {table.device}"
+        )
 
 
-def _check_slot_range(op: str, slots: torch.Tensor, C: int) -> None:
+def _check_slot_range(
+    op: str, slots: torch.Tensor, C: int, table: torch.Tensor | None = None
+) -> None:
+    if table is not None:
+        E = table.shape[0]
+        if slots.numel() and not bool(((slots >= 0) & (slots < E)).all()):
+            raise IndexError(f"{op}: expert ids must be in [0, {E}), got {slots.tolist()}")
+        slots = table[slots.long()]
     if slots.numel() and not bool(((slots >= 0) & (slots < C)).all()):
         raise IndexError(f"{op}: slot ids must be in [0, {C}), got {slots.tolist()}")
+
+
+def _launch_float_ffn(
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    table: torch.Tensor | None = None,
+) -> None:
+    """Run the two float-row kernels on checked arguments and buffers."""
+    T, H = x.shape
+    K = slots.shape[1]
+    C = slab.shape[0]
+    F = h.shape[1]
+    lay = _layout(H, F)
+    c1, c2 = ffn_launch_config(T, H, F)
+    _gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
+        x_ptr=x,
+        s_xt=x.stride(0),
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        table_ptr=slots if table is None else table,
+        h_ptr=h,
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        up_offset=lay.up,
+        K=K,
+        HAS_TABLE=table is not None,
+        **c1,
+    )
+    _down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
+        h_ptr=h,
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        table_ptr=slots if table is None else table,
+        w_ptr=weights,
+        y_ptr=y,
+        s_yt=y.stride(0),
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        down_offset=lay.down,
+        K=K,
+        HAS_TABLE=table is not None,
+        **c2,
+    )
 
 
 def expert_ffn(
@@ -245,62 +333,105 @@ def expert_ffn(
     hidden_size: int,
     ffn_size: int,
     *,
+    fmt: str | None = None,
+    group_size: int = 128,
     out_dtype: torch.dtype | None = None,
     check_slots: bool = True,
+    slot_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed SwiGLU experts of `x [T, H]` read from `slab [C, 3*H*F]` slots.
+    """Routed SwiGLU experts of `x [T, H]` read from slab slots.
 
     Args:
+        slab: `[C, 3*H*F]` float rows (`pack_expert`; fmt None), or `[C, nbytes]` uint8
+            rows of a quantized `fmt` (`quantize_expert`; base and row stride 16-byte
+            aligned).
         slots: `[T, k]` int slot of each routed expert; weights: `[T, k]` gate weights.
+        fmt: None (float rows) or one of QUANT_FORMATS ('int8', 'fp8', 'int4'): picks
+            the kernels. group_size: the int4 scale group (unused otherwise).
         out_dtype: output dtype (default x.dtype); accumulation is always fp32.
         check_slots: validate slot ids on the host (a sync); out-of-range slots are
             otherwise read as zeros rather than faulting.
+        slot_table: `[E]` int slot of each expert (the device slot map): `slots` then
+            holds the routed expert ids and the kernels look their slots up, so the ids
+            go from the router to the experts without leaving the device.
     Returns `[T, H]`, contiguous.
     """
     op = "expert_ffn"
-    _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size)
-    check_launchable(op, x, slab, slots, weights)
+    lay = _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
+    _check_table(op, slot_table, slots)
+    check_launchable(op, x, slab, slots, weights, slot_table)
+    if lay is not None:
+        check_aligned(op, slab)
     T, H = x.shape
     K = slots.shape[1]
-    C = slab.shape[0]
-    F = ffn_size
-    x, slots, weights, y, h = ffn_buffers(op, x, slots, weights, C, F, out_dtype, check_slots)
-    if h is None:
-        return y
-    lay = _layout(H, F)
-    c1, c2 = ffn_launch_config(T, H, F)
-    _gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
-        x_ptr=x,
-        s_xt=x.stride(0),
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        h_ptr=h,
-        T=T,
-        H=H,
-        F=F,
-        C=C,
-        up_offset=lay.up,
-        K=K,
-        **c1,
-    )
-    _down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
-        h_ptr=h,
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        w_ptr=weights,
-        y_ptr=y,
-        s_yt=y.stride(0),
-        T=T,
-        H=H,
-        F=F,
-        C=C,
-        down_offset=lay.down,
-        K=K,
-        **c2,
-    )
+    if check_slots:
+        _check_slot_range(op, slots, slab.shape[0], slot_table)
+    y = torch.empty(T, H, dtype=out_dtype or x.dtype, device=x.device)
+    if T == 0 or K == 0:
+        return y.zero_()
+    # Contiguous where the kernels index them; the fp32 gate/up intermediate h.
+    x = x if x.stride(1) == 1 else x.contiguous()
+    # Weights of any float dtype: the kernels load and widen them to fp32.
+    slots, weights = slots.contiguous(), weights.contiguous()
+    h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
+    if lay is None:
+        _launch_float_ffn(x, slab, slots, weights, y, h, slot_table)
+    else:
+        launch_quant_ffn(lay, x, slab, slots, weights, y, h, slot_table)
     return y
+
+
+# --------------------------------------------------------------------------- references
+
+
+def swiglu_ref(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The SwiGLU expert, silu(x @ gate^T) * (x @ up^T) @ down^T, computed in `dtype`:
+    the one place the references write it (the kernels compute in fp32).
+
+    `gate`, `up` `[..., F, H]` and `down` `[..., H, F]` are one expert or a batch of
+    them; `x` `[..., N, H]` broadcasts against their batch dims. Returns `[..., N, H]`
+    in `dtype` (for 2-D operands, bit-identical to HF's `F.linear` MLP).
+    """
+    x, gate, up, down = (t.to(dtype) for t in (x, gate, up, down))
+    return (torch.nn.functional.silu(x @ gate.mT) * (x @ up.mT)) @ down.mT
+
+
+def _expert_matrices(
+    rows: torch.Tensor, hidden_size: int, ffn_size: int, fmt: str | None, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(gate, up, down)` of slab rows `[..., row]`: views of float rows, or the fp32
+    dequantized matrices of `fmt`'s rows."""
+    if fmt is None:
+        return unpack_expert(rows, hidden_size, ffn_size)
+    return dequantize_expert(rows, hidden_size, ffn_size, fmt, group_size=group_size)
+
+
+def expert_row_ffn_ref(
+    x: torch.Tensor,
+    row: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    *,
+    fmt: str | None = None,
+    group_size: int = 128,
+) -> torch.Tensor:
+    """One expert of `x [N, H]` from its slab (or host) row, in plain torch: the
+    runtime's prefill and scoring path on the CPU.
+
+    Float rows of x's dtype compute in that dtype (as the model's own MLP does); other
+    float rows (e.g. bf16 rows for fp32 x) and quantized rows (`fmt`) in fp32, as the
+    kernels do. Returns `[N, H]` in x's dtype.
+    """
+    _check_fmt_arg("expert_row_ffn_ref", fmt)
+    gate, up, down = _expert_matrices(row, hidden_size, ffn_size, fmt, group_size)
+    dtype = x.dtype if fmt is None and row.dtype == x.dtype else torch.float32
+    return swiglu_ref(x, gate, up, down, dtype).to(x.dtype)
 
 
 def expert_ffn_ref(
@@ -311,19 +442,23 @@ def expert_ffn_ref(
     hidden_size: int,
     ffn_size: int,
     *,
+    fmt: str | None = None,
+    group_size: int = 128,
     out_dtype: torch.dtype | None = None,
     check_slots: bool = True,
+    slot_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain-torch reference of `expert_ffn` (fp32 math on the stored weights)."""
+    """Plain-torch reference of `expert_ffn` (same arguments): the stored weights
+    (dequantized for a quantized `fmt`) in fp32 math."""
     op = "expert_ffn_ref"
-    _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size)
+    _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
+    _check_table(op, slot_table, slots)
     if check_slots:
-        _check_slot_range(op, slots, slab.shape[0])
-    gate, up, down = unpack_expert(slab[slots.long()].float(), hidden_size, ffn_size)
-    xf = x.float()[:, None, :, None]  # [T, 1, H, 1]; gate/up [T, k, F, H], down [T, k, H, F]
-    g = (gate @ xf).squeeze(-1)  # [T, k, F]
-    u = (up @ xf).squeeze(-1)
-    h = torch.nn.functional.silu(g) * u
-    out = (down @ h[..., None]).squeeze(-1)  # [T, k, H]
+        _check_slot_range(op, slots, slab.shape[0], slot_table)
+    if slot_table is not None:
+        slots = slot_table[slots.long()]
+    # gate/up [T, k, F, H], down [T, k, H, F]; x as [T, 1, 1, H]: one row per expert.
+    gate, up, down = _expert_matrices(slab[slots.long()], hidden_size, ffn_size, fmt, group_size)
+    out = swiglu_ref(x[:, None, None, :], gate, up, down).squeeze(-2)  # [T, k, H]
     y = (out * weights.float()[..., None]).sum(1)
     return y.to(out_dtype or x.dtype).contiguous()

@@ -1,11 +1,14 @@
 """torch.library registrations of the psr kernels, and a vLLM routing hook.
 
-`torch.ops.psr.route`, `route_hidden`, `predict_next`, `expert_ffn` and
-`expert_ffn_quant` dispatch through `psr_kernels.dispatch.kernel_ops("auto", device)`:
-the Triton kernel on CUDA tensors, the torch reference elsewhere, unless the process
-default `PSR_COMPUTE` (auto|triton|torch) says otherwise (`PSR_COMPUTE=triton` runs the
-kernels on CPU tensors under TRITON_INTERPRET=1). One call site serves GPU and CPU.
+`torch.ops.psr.route`, `route_hidden`, `predict_next` and `expert_ffn` (float or
+quantized slab rows: its `fmt`) dispatch through
+`psr_kernels.dispatch.kernel_ops("auto", device)`: the Triton kernel on CUDA tensors,
+the torch reference elsewhere, unless the process default `PSR_COMPUTE`
+(auto|triton|torch) says otherwise (`PSR_COMPUTE=triton` runs the kernels on CPU
+tensors under TRITON_INTERPRET=1). One call site serves GPU and CPU.
 
+The ops keep primitive schemas (other runtimes call them): the routing ops take the
+fields of a `RouteSpec` as arguments, and build the spec in one helper, `_route_args`.
 Each op has a fake (meta) implementation whose outputs match the real ones in shape,
 dtype and strides (all outputs are fresh contiguous tensors), so they trace under
 `torch.compile` (inductor included) and pass `torch.library.opcheck`. The ops skip
@@ -15,17 +18,26 @@ the NaN check (a host sync); validate inputs upstream if they may be non-finite.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from psr_kernels.dispatch import kernel_ops
-from psr_kernels.routing import SCORINGS
+from psr_kernels.routing import SCORINGS, RouteSpec
+
+# The routing arguments of psr::route and psr::route_hidden after their tensors, in
+# schema order. The ops and their fakes take them as `*args` and turn them into
+# (RouteSpec, mask, bias) with `_route_args`, whose signature is this list again
+# (a test checks the two agree).
+_ROUTE_ARGS = (
+    "int top_k, Tensor? mask=None, float lam=0.0, str scoring='softmax', "
+    "bool renormalize=False, Tensor? bias=None, int n_group=1, int topk_group=1, "
+    "float scaling=1.0"
+)
 
 
-@torch.library.custom_op("psr::route", mutates_args=())
-def route_op(
-    logits: Tensor,
+def _route_args(
     top_k: int,
     mask: Tensor | None = None,
     lam: float = 0.0,
@@ -35,90 +47,53 @@ def route_op(
     n_group: int = 1,
     topk_group: int = 1,
     scaling: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[RouteSpec, Tensor | None, Tensor | None]:
+    """`(spec, mask, bias)` of the route ops' primitive arguments (`_ROUTE_ARGS`)."""
+    spec = RouteSpec(top_k, lam, scoring, renormalize, n_group, topk_group, scaling)
+    return spec, mask, bias
+
+
+@torch.library.custom_op(
+    "psr::route", mutates_args=(), schema=f"(Tensor logits, {_ROUTE_ARGS}) -> (Tensor, Tensor)"
+)
+def route_op(logits: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    spec, mask, bias = _route_args(*args, **kwargs)
     return kernel_ops("auto", logits.device).route(
-        logits,
-        top_k,
-        mask=mask,
-        lam=lam,
-        scoring=scoring,
-        renormalize=renormalize,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        scaling=scaling,
-        check_finite=False,
+        logits, spec, mask=mask, bias=bias, check_finite=False
     )
 
 
 @route_op.register_fake
-def _(
-    logits,
-    top_k,
-    mask=None,
-    lam=0.0,
-    scoring="softmax",
-    renormalize=False,
-    bias=None,
-    n_group=1,
-    topk_group=1,
-    scaling=1.0,
-):
+def _(logits: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+    spec, _, _ = _route_args(*args, **kwargs)
     T = logits.shape[0]
     return (
-        logits.new_empty(T, top_k, dtype=torch.float32),
-        logits.new_empty(T, top_k, dtype=torch.int64),
+        logits.new_empty(T, spec.top_k, dtype=torch.float32),
+        logits.new_empty(T, spec.top_k, dtype=torch.int64),
     )
 
 
-@torch.library.custom_op("psr::route_hidden", mutates_args=())
+@torch.library.custom_op(
+    "psr::route_hidden",
+    mutates_args=(),
+    schema=f"(Tensor hidden, Tensor gate_weight, {_ROUTE_ARGS}) -> (Tensor, Tensor, Tensor)",
+)
 def route_hidden_op(
-    hidden: Tensor,
-    gate_weight: Tensor,
-    top_k: int,
-    mask: Tensor | None = None,
-    lam: float = 0.0,
-    scoring: str = "softmax",
-    renormalize: bool = False,
-    bias: Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    scaling: float = 1.0,
+    hidden: Tensor, gate_weight: Tensor, *args: Any, **kwargs: Any
 ) -> tuple[Tensor, Tensor, Tensor]:
+    spec, mask, bias = _route_args(*args, **kwargs)
     return kernel_ops("auto", hidden.device).route_hidden(
-        hidden,
-        gate_weight,
-        top_k,
-        mask=mask,
-        lam=lam,
-        scoring=scoring,
-        renormalize=renormalize,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        scaling=scaling,
-        check_finite=False,
+        hidden, gate_weight, spec, mask=mask, bias=bias, check_finite=False
     )
 
 
 @route_hidden_op.register_fake
-def _(
-    hidden,
-    gate_weight,
-    top_k,
-    mask=None,
-    lam=0.0,
-    scoring="softmax",
-    renormalize=False,
-    bias=None,
-    n_group=1,
-    topk_group=1,
-    scaling=1.0,
-):
+def _(hidden: Tensor, gate_weight: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, ...]:
+    spec, _, _ = _route_args(*args, **kwargs)
     T, E = hidden.shape[0], gate_weight.shape[0]
     return (
-        hidden.new_empty(T, top_k, dtype=torch.float32),
-        hidden.new_empty(T, top_k, dtype=torch.int64),
+        hidden.new_empty(T, spec.top_k, dtype=torch.float32),
+        hidden.new_empty(T, spec.top_k, dtype=torch.int64),
         hidden.new_empty(T, E, dtype=torch.float32),
     )
 
@@ -136,34 +111,23 @@ def predict_next_op(
     n_group: int = 1,
     topk_group: int = 1,
 ) -> tuple[Tensor, Tensor]:
+    # The next layer's router; predict_next takes its scoring and group limit only.
+    spec = RouteSpec(n, scoring=scoring, n_group=n_group, topk_group=topk_group)
     return kernel_ops("auto", residual.device).predict_next(
         residual,
         norm_weight,
         gate_weight,
         n,
-        mask=mask,
+        spec,
         eps=eps,
-        scoring=scoring,
+        mask=mask,
         bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
         check_finite=False,
     )
 
 
 @predict_next_op.register_fake
-def _(
-    residual,
-    norm_weight,
-    gate_weight,
-    n,
-    mask=None,
-    eps=1e-6,
-    scoring="softmax",
-    bias=None,
-    n_group=1,
-    topk_group=1,
-):
+def _(residual, norm_weight, gate_weight, n, *args, **kwargs):
     T = residual.shape[0]
     return (residual.new_empty(T, n, dtype=torch.int64), residual.new_empty(T, n, dtype=torch.bool))
 
@@ -177,45 +141,25 @@ def expert_ffn_op(
     hidden_size: int,
     ffn_size: int,
     out_dtype: torch.dtype | None = None,
+    fmt: str | None = None,
+    group_size: int = 128,
 ) -> Tensor:
     return kernel_ops("auto", x.device).expert_ffn(
-        x, slab, slots, weights, hidden_size, ffn_size, out_dtype=out_dtype, check_slots=False
-    )
-
-
-@expert_ffn_op.register_fake
-def _(x, slab, slots, weights, hidden_size, ffn_size, out_dtype=None):
-    return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
-
-
-@torch.library.custom_op("psr::expert_ffn_quant", mutates_args=())
-def expert_ffn_quant_op(
-    x: Tensor,
-    slab: Tensor,
-    slots: Tensor,
-    weights: Tensor,
-    hidden_size: int,
-    ffn_size: int,
-    fmt: str,
-    group_size: int = 128,
-    out_dtype: torch.dtype | None = None,
-) -> Tensor:
-    return kernel_ops("auto", x.device).expert_ffn_quant(
         x,
         slab,
         slots,
         weights,
         hidden_size,
         ffn_size,
-        fmt,
+        fmt=fmt,
         group_size=group_size,
         out_dtype=out_dtype,
         check_slots=False,
     )
 
 
-@expert_ffn_quant_op.register_fake
-def _(x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size=128, out_dtype=None):
+@expert_ffn_op.register_fake
+def _(x, slab, slots, weights, hidden_size, ffn_size, out_dtype=None, fmt=None, group_size=128):
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 

@@ -2,7 +2,8 @@
 
     y[t] = sum_j w[t, j] * down_j( silu(gate_j x[t]) * up_j x[t] ),  expert j in slot slots[t, j]
 
-as `expert_ffn`, but the slab is `[C, nbytes]` uint8 and every row holds one expert's
+`expert_ffn(..., fmt=...)` (psr_kernels.expert_ffn) computes it from such a slab: as for
+float rows, but the slab is `[C, nbytes]` uint8 and every row holds one expert's
 quantized weights and their fp32 scales, so a miss or prefetch moves 1/2 (int8, fp8) or
 about 1/4 (int4) of the bf16 bytes. Weight-only, symmetric formats (`FORMATS`):
 
@@ -31,22 +32,25 @@ B(K) = K bytes per row for int8/fp8 and ceil(K / 2) for int4; G_H, G_F are the g
 along H and F (the whole row for int8/fp8). `quantize_expert` writes a row,
 `dequantize_expert` reads one (or a batch) back in fp32: the reference.
 
-Kernels: `_quant_gate_up_kernel` then `_quant_down_kernel`, the structure of
-`expert_ffn`'s (fp32 accumulation, fixed reduction order, no atomics: bit-reproducible),
-with the format a constexpr. Each reduction tile lies inside one scale group, so a tile's
+Kernels: `_quant_gate_up_kernel` then `_quant_down_kernel` (`launch_quant_ffn`, which
+`expert_ffn` calls for a quantized `fmt`), the structure of the float-row kernels (fp32
+accumulation, fixed reduction order, no atomics: bit-reproducible), with the format a
+constexpr. Each reduction tile lies inside one scale group, so a tile's
 partial dot product of the raw codes is scaled once per row.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
-from psr_kernels._common import check_float, check_launchable, pow2
-from psr_kernels.expert_ffn import _check_slot_range, ffn_buffers
+from psr_kernels._common import check_launchable, load_slot, pow2
 
 FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
 _FMT_CODE = {"int8": 0, "fp8": 1, "int4": 2}  # the kernels' FMT constexpr
@@ -309,6 +313,7 @@ def _quant_gate_up_kernel(
     slab_ptr,
     s_slot,
     slots_ptr,
+    table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     h_ptr,
     T,
     H,
@@ -322,6 +327,7 @@ def _quant_gate_up_kernel(
     G,  # scale group along H
     NG,  # groups per row
     K: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -330,7 +336,7 @@ def _quant_gate_up_kernel(
     t = tk // K
     fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     fm = fs < F
-    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    slot = load_slot(slots_ptr, tk, table_ptr, HAS_TABLE)
     ok = (slot >= 0) & (slot < C)  # out-of-range slots read nothing (the wrapper checks)
     rm = ok & fm
     base = slab_ptr + slot * s_slot
@@ -352,6 +358,7 @@ def _quant_down_kernel(
     slab_ptr,
     s_slot,
     slots_ptr,
+    table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     w_ptr,
     y_ptr,
     s_yt,
@@ -365,6 +372,7 @@ def _quant_down_kernel(
     G,  # scale group along F
     NG,
     K: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -374,7 +382,7 @@ def _quant_down_kernel(
     hm = hs < H
     y = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(K):
-        slot = tl.load(slots_ptr + t * K + j).to(tl.int64)
+        slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
         ok = (slot >= 0) & (slot < C)
         rm = ok & hm
         wj = tl.load(w_ptr + t * K + j).to(tl.float32)
@@ -399,9 +407,10 @@ def _reduction_block(group: int, cap: int) -> int:
     return pow2(group, 16)
 
 
-def quant_launch_config(lay: QuantLayout) -> tuple[dict[str, int], dict[str, int]]:
+@functools.lru_cache(maxsize=256)
+def quant_launch_config(lay: QuantLayout) -> tuple[Mapping[str, int], Mapping[str, int]]:
     """Constexprs (all but K) and warps of the gate/up and down kernels for `lay` (no
-    autotuning; the same for every T)."""
+    autotuning; the same for every T; cached per layout: read-only mappings)."""
     H, F = lay.hidden_size, lay.ffn_size
     fmt = _FMT_CODE[lay.fmt]
     if lay.fmt == "int4":
@@ -414,23 +423,14 @@ def quant_launch_config(lay: QuantLayout) -> tuple[dict[str, int], dict[str, int
     # down programs (512 and 128 for OLMoE).
     gate_up = dict(FMT=fmt, BLOCK_F=16, BLOCK_H=bh, num_warps=4)
     down = dict(FMT=fmt, BLOCK_H=16, BLOCK_F=bf, num_warps=4)
-    return gate_up, down
+    return MappingProxyType(gate_up), MappingProxyType(down)
 
 
-def _check_quant_ffn(
-    op: str,
-    x: torch.Tensor,
-    slab: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    hidden_size: int,
-    ffn_size: int,
-    fmt: str,
-    group_size: int,
+def check_quant_slab(
+    op: str, slab: torch.Tensor, fmt: str, hidden_size: int, ffn_size: int, group_size: int
 ) -> QuantLayout:
-    _check_fmt(op, fmt)
-    check_float(op, "x", x, 2)
-    check_float(op, "weights", weights, 2)
+    """The layout of `fmt`'s rows, after checking `slab` holds them: 2-D uint8
+    `[C, nbytes]` (row contiguity is checked with the float slabs')."""
     if not isinstance(slab, torch.Tensor):
         raise TypeError(f"{op}: slab must be a tensor, got {type(slab).__name__}")
     if slab.dtype != torch.uint8 or slab.dim() != 2:
@@ -438,71 +438,41 @@ def _check_quant_ffn(
             f"{op}: slab must be a 2-D uint8 tensor [C, nbytes], got {slab.dtype} "
             f"{list(slab.shape)}"
         )
-    T, H = x.shape
-    if H != hidden_size:
-        raise ValueError(f"{op}: x has hidden size {H}, expected {hidden_size}")
-    if ffn_size < 1:
-        raise ValueError(f"{op}: ffn_size must be positive, got {ffn_size}")
     lay = _quant_layout(op, fmt, hidden_size, ffn_size, group_size)
     if slab.shape[1] != lay.nbytes:
         raise ValueError(
             f"{op}: slab rows hold {slab.shape[1]} bytes, expected {lay.nbytes} "
             f"({fmt}, H={hidden_size}, F={ffn_size}, group_size={group_size})"
         )
-    if slab.stride(1) != 1:
-        raise ValueError(f"{op}: slab rows must be contiguous (stride(1) == 1)")
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"{op}: slots must be an int32/int64 tensor")
-    if slots.dim() != 2 or slots.shape[0] != T:
-        raise ValueError(f"{op}: slots must be [T={T}, k], got {list(slots.shape)}")
-    if weights.shape != slots.shape:
-        raise ValueError(
-            f"{op}: weights {list(weights.shape)} and slots {list(slots.shape)} differ"
-        )
     return lay
 
 
-def expert_ffn_quant(
-    x: torch.Tensor,
-    slab: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    hidden_size: int,
-    ffn_size: int,
-    fmt: str,
-    *,
-    group_size: int = 128,
-    out_dtype: torch.dtype | None = None,
-    check_slots: bool = True,
-) -> torch.Tensor:
-    """Routed SwiGLU experts of `x [T, H]` read from quantized slab rows `slab [C, nbytes]`.
-
-    Args:
-        slab: uint8, rows of `QuantLayout.of(fmt, H, F, group_size).nbytes` bytes
-            (`quantize_expert`), base and row stride 16-byte aligned.
-        slots: `[T, k]` int slot of each routed expert; weights: `[T, k]` gate weights.
-        fmt: one of FORMATS; group_size: the int4 scale group.
-        out_dtype: output dtype (default x.dtype); accumulation is always fp32.
-        check_slots: validate slot ids on the host (a sync); out-of-range slots are
-            otherwise read as zeros rather than faulting.
-    Returns `[T, H]`, contiguous.
-    """
-    op = "expert_ffn_quant"
-    lay = _check_quant_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
-    check_launchable(op, x, slab, slots, weights)
-    # fp32 scales are read at 16-aligned offsets of each row: the rows must be aligned too.
+def check_aligned(op: str, slab: torch.Tensor) -> None:
+    """The kernels read fp32 scales at 16-aligned offsets of each row: the rows must be
+    aligned too (the references do not care)."""
     if slab.data_ptr() % _ALIGN or slab.stride(0) % _ALIGN:
         raise ValueError(
             f"{op}: slab rows must start at 16-byte aligned addresses (data_ptr "
             f"{slab.data_ptr()} and row stride {slab.stride(0)} must be multiples of 16)"
         )
+
+
+def launch_quant_ffn(
+    lay: QuantLayout,
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    table: torch.Tensor | None = None,
+) -> None:
+    """Run the two quantized-row kernels on checked arguments and buffers (`expert_ffn`
+    with `fmt`): h = silu(gate x) * up x, then y = sum_j w_j * down_j h_j."""
     T, H = x.shape
     K = slots.shape[1]
     C = slab.shape[0]
-    F = ffn_size
-    x, slots, weights, y, h = ffn_buffers(op, x, slots, weights, C, F, out_dtype, check_slots)
-    if h is None:
-        return y
+    F = lay.ffn_size
     c1, c2 = quant_launch_config(lay)
     _quant_gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
         x_ptr=x,
@@ -510,6 +480,7 @@ def expert_ffn_quant(
         slab_ptr=slab,
         s_slot=slab.stride(0),
         slots_ptr=slots,
+        table_ptr=slots if table is None else table,
         h_ptr=h,
         T=T,
         H=H,
@@ -523,6 +494,7 @@ def expert_ffn_quant(
         G=lay.group_h,
         NG=lay.groups_h,
         K=K,
+        HAS_TABLE=table is not None,
         **c1,
     )
     _quant_down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
@@ -530,6 +502,7 @@ def expert_ffn_quant(
         slab_ptr=slab,
         s_slot=slab.stride(0),
         slots_ptr=slots,
+        table_ptr=slots if table is None else table,
         w_ptr=weights,
         y_ptr=y,
         s_yt=y.stride(0),
@@ -543,39 +516,9 @@ def expert_ffn_quant(
         G=lay.group_f,
         NG=lay.groups_f,
         K=K,
+        HAS_TABLE=table is not None,
         **c2,
     )
-    return y
-
-
-def expert_ffn_quant_ref(
-    x: torch.Tensor,
-    slab: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    hidden_size: int,
-    ffn_size: int,
-    fmt: str,
-    *,
-    group_size: int = 128,
-    out_dtype: torch.dtype | None = None,
-    check_slots: bool = True,
-) -> torch.Tensor:
-    """Plain-torch reference of `expert_ffn_quant`: dequantize, then fp32 SwiGLU."""
-    op = "expert_ffn_quant_ref"
-    _check_quant_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
-    if check_slots:
-        _check_slot_range(op, slots, slab.shape[0])
-    gate, up, down = dequantize_expert(
-        slab[slots.long()], hidden_size, ffn_size, fmt, group_size=group_size
-    )
-    xf = x.float()[:, None, :, None]  # [T, 1, H, 1]; gate/up [T, k, F, H], down [T, k, H, F]
-    g = (gate @ xf).squeeze(-1)  # [T, k, F]
-    u = (up @ xf).squeeze(-1)
-    h = torch.nn.functional.silu(g) * u
-    out = (down @ h[..., None]).squeeze(-1)  # [T, k, H]
-    y = (out * weights.float()[..., None]).sum(1)
-    return y.to(out_dtype or x.dtype).contiguous()
 
 
 @triton.jit

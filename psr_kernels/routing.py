@@ -16,21 +16,23 @@ One Triton kernel, `_route_kernel`, serves three ops. Per token row it
      cache membership of each choice (`STORE_INCACHE`) and the logits (`STORE_LOGITS`).
 
 The flags are `tl.constexpr`, so each combination compiles to its own specialised
-kernel. Wrappers describe the routing with a `RouteSpec` (no tensors) and launch
-through `_launch` by keyword; `route_kernel_config` gives every compile-time argument
-of a launch (the spec's flags, the tensors' flags, and the block sizes of
-`route_launch_config`).
+kernel. A `RouteSpec` (no tensors, frozen) says how to route: the ops take one, and
+launch through `_launch` by keyword; `route_kernel_config` gives every compile-time
+argument of a launch (the spec's flags, the tensors' flags, and the block sizes of
+`route_launch_config`), computed once per shape and cached.
 
-`lam = 0` is the model's own routing. Every `*_ref` function is the plain-torch
-reference the kernel is tested against, and the CPU path of `kernel_ops` and the
-torch ops. References return contiguous tensors, like the kernels.
+`lam = 0` is the model's own routing. The plain-torch references the kernel is tested
+against, and the CPU path of `kernel_ops` and the torch ops, are in `routing_ref`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from types import MappingProxyType
+from typing import NamedTuple, overload
 
 import torch
 import triton
@@ -89,6 +91,180 @@ def _gemv_rows(
 
 
 @triton.jit
+def router_logits(
+    x_ptr,
+    stride_xt,
+    stride_xh,
+    gate_ptr,
+    stride_ge,
+    stride_gh,
+    norm_ptr,
+    eps,
+    rows,
+    cols,
+    T,
+    E,
+    H,
+    FROM_HIDDEN: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Stage 1: the [BLOCK_T, BLOCK_E] fp32 router logits of `rows`: loaded (x is the
+    logits), or the GEMV of the hidden state x with the router weight (`FROM_HIDDEN`),
+    after an RMS norm (`HAS_NORM`)."""
+    rmask = rows < T
+    cmask = cols < E
+    if FROM_HIDDEN:
+        inv_rms = tl.zeros([BLOCK_T], dtype=tl.float32)
+        if HAS_NORM:
+            ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for h0 in range(0, H, BLOCK_H):
+                hs = h0 + tl.arange(0, BLOCK_H)
+                xv = tl.load(
+                    x_ptr + rows[:, None] * stride_xt + hs[None, :] * stride_xh,
+                    mask=rmask[:, None] & (hs[None, :] < H),
+                    other=0.0,
+                ).to(tl.float32)
+                ss += tl.sum(xv * xv, axis=1)
+            inv_rms = 1.0 / tl.sqrt(ss / H + eps)
+        x = _gemv_rows(
+            x_ptr,
+            stride_xt,
+            stride_xh,
+            gate_ptr,
+            stride_ge,
+            stride_gh,
+            rows,
+            cols,
+            T,
+            E,
+            H,
+            inv_rms,
+            norm_ptr,
+            HAS_NORM,
+            BLOCK_T,
+            BLOCK_E,
+            BLOCK_H,
+        )
+    else:
+        x = tl.load(
+            x_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh,
+            mask=rmask[:, None] & cmask[None, :],
+            other=0.0,
+        ).to(tl.float32)
+    return x
+
+
+@triton.jit
+def select_experts(
+    x,  # [BLOCK_T, BLOCK_E] fp32 router logits
+    mk,  # [BLOCK_T, BLOCK_E] fp32 cache membership (1.0 / 0.0), read when HAS_MASK
+    bias_ptr,
+    lam,
+    scaling,
+    cols,
+    E,
+    K: tl.constexpr,
+    IS_SOFTMAX: tl.constexpr,
+    IS_TOPK_SOFTMAX: tl.constexpr,
+    IS_SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    WITH_INCACHE: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NG_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Stages 2-5 on a logits tile: selection scores, the cache bias, the group limit,
+    top-K (ties to the lower id) and the gate weights from the unbiased scores.
+    Returns (ids [BLOCK_T, BLOCK_K] int32, weights [BLOCK_T, BLOCK_K] fp32, in-cache
+    flags of the choices (WITH_INCACHE), chosen [BLOCK_T, BLOCK_E] int1)."""
+    cmask = cols < E
+    neg_inf = float("-inf")
+    # 2. selection scores z and the weight source
+    if IS_SIGMOID:
+        src = 1.0 / (1.0 + tl.exp(-x))
+        z = src
+        if HAS_BIAS:
+            z = z + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    else:
+        z = x
+        if IS_SOFTMAX:
+            xm = tl.where(cmask[None, :], x, neg_inf)
+            ex = tl.exp(xm - tl.max(xm, axis=1)[:, None])
+            src = ex / tl.sum(ex, axis=1)[:, None]
+        else:
+            src = x
+
+    # 3. bias toward the cache: z' = z + lam * D * m
+    if HAS_MASK:
+        spread = tl.max(tl.where(cmask[None, :], z, neg_inf), axis=1) - tl.min(
+            tl.where(cmask[None, :], z, float("inf")), axis=1
+        )
+        z = z + lam * spread[:, None] * mk
+    sel = tl.where(cmask[None, :], z, neg_inf)
+
+    # 4a. group limit: keep the TOPK_GROUP groups with the largest top-2 sums
+    if N_GROUP > 1:
+        gsize = E // N_GROUP
+        gid = cols // gsize
+        gar = tl.arange(0, NG_P2)
+        gscore = tl.full([BLOCK_T, NG_P2], neg_inf, dtype=tl.float32)
+        for g in tl.static_range(N_GROUP):
+            v = tl.where((gid == g)[None, :], sel, neg_inf)
+            a1 = tl.max(v, axis=1)
+            i1 = tl.min(tl.where(v == a1[:, None], cols[None, :], BLOCK_E), axis=1)
+            a2 = tl.max(tl.where(cols[None, :] == i1[:, None], neg_inf, v), axis=1)
+            gscore = tl.where(gar[None, :] == g, (a1 + a2)[:, None], gscore)
+        keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):
+            gm = tl.max(gscore, axis=1)
+            gi = tl.min(tl.where(gscore == gm[:, None], gar[None, :], NG_P2), axis=1)
+            keep = keep | (gid[None, :] == gi[:, None])
+            gscore = tl.where(gar[None, :] == gi[:, None], neg_inf, gscore)
+        sel = tl.where(keep, sel, neg_inf)
+
+    # 4b. top-k, ties to the lower id; gather weight source and cache flags
+    kar = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    val = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    inc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    chosen = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
+    for j in tl.static_range(K):
+        best = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == idx[:, None]
+        chosen = chosen | hit
+        ids = tl.where(kar[None, :] == j, idx[:, None], ids)
+        val = tl.where(kar[None, :] == j, tl.sum(tl.where(hit, src, 0.0), axis=1)[:, None], val)
+        if WITH_INCACHE:
+            inc = tl.where(kar[None, :] == j, tl.sum(tl.where(hit, mk, 0.0), axis=1)[:, None], inc)
+        sel = tl.where(hit, neg_inf, sel)
+
+    # 5. gate weights from the unbiased scores
+    kvalid = kar[None, :] < K
+    if IS_TOPK_SOFTMAX:
+        vm = tl.where(kvalid, val, neg_inf)
+        ev = tl.exp(vm - tl.max(vm, axis=1)[:, None])
+        w = ev / tl.sum(ev, axis=1)[:, None]
+    else:
+        w = tl.where(kvalid, val, 0.0)
+        if RENORM:
+            denom = tl.sum(w, axis=1)
+            if IS_SIGMOID:
+                denom = denom + 1e-20
+            w = w / denom[:, None]
+    w = w * scaling
+    return ids, w, inc, chosen
+
+
+@triton.jit
 def _route_kernel(
     # inputs
     x_ptr,  # router logits [T, E], or the hidden state [T, H] (FROM_HIDDEN)
@@ -140,127 +316,64 @@ def _route_kernel(
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     rmask = rows < T
-    cmask = cols < E
-    m2 = rmask[:, None] & cmask[None, :]
-    neg_inf = float("-inf")
+    m2 = rmask[:, None] & (cols < E)[None, :]
 
     # 1. router logits, fp32
-    if FROM_HIDDEN:
-        inv_rms = tl.zeros([BLOCK_T], dtype=tl.float32)
-        if HAS_NORM:
-            ss = tl.zeros([BLOCK_T], dtype=tl.float32)
-            for h0 in range(0, H, BLOCK_H):
-                hs = h0 + tl.arange(0, BLOCK_H)
-                xv = tl.load(
-                    x_ptr + rows[:, None] * stride_xt + hs[None, :] * stride_xh,
-                    mask=rmask[:, None] & (hs[None, :] < H),
-                    other=0.0,
-                ).to(tl.float32)
-                ss += tl.sum(xv * xv, axis=1)
-            inv_rms = 1.0 / tl.sqrt(ss / H + eps)
-        x = _gemv_rows(
-            x_ptr,
-            stride_xt,
-            stride_xh,
-            gate_ptr,
-            stride_ge,
-            stride_gh,
-            rows,
-            cols,
-            T,
-            E,
-            H,
-            inv_rms,
-            norm_ptr,
-            HAS_NORM,
-            BLOCK_T,
-            BLOCK_E,
-            BLOCK_H,
-        )
-        if STORE_LOGITS:
-            tl.store(logits_ptr + rows[:, None] * E + cols[None, :], x, mask=m2)
-    else:
-        x = tl.load(
-            x_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh, mask=m2, other=0.0
-        ).to(tl.float32)
-
-    # 2. selection scores z and the weight source
-    if IS_SIGMOID:
-        src = 1.0 / (1.0 + tl.exp(-x))
-        z = src
-        if HAS_BIAS:
-            z = z + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    else:
-        z = x
-        if IS_SOFTMAX:
-            xm = tl.where(cmask[None, :], x, neg_inf)
-            ex = tl.exp(xm - tl.max(xm, axis=1)[:, None])
-            src = ex / tl.sum(ex, axis=1)[:, None]
-        else:
-            src = x
-
-    # 3. bias toward the cache: z' = z + lam * D * m
+    x = router_logits(
+        x_ptr,
+        stride_xt,
+        stride_xh,
+        gate_ptr,
+        stride_ge,
+        stride_gh,
+        norm_ptr,
+        eps,
+        rows,
+        cols,
+        T,
+        E,
+        H,
+        FROM_HIDDEN,
+        HAS_NORM,
+        BLOCK_T,
+        BLOCK_E,
+        BLOCK_H,
+    )
+    if STORE_LOGITS:
+        tl.store(logits_ptr + rows[:, None] * E + cols[None, :], x, mask=m2)
+    mk = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
     if HAS_MASK:
         mk = tl.load(
             mask_ptr + rows[:, None] * stride_mt + cols[None, :] * stride_me, mask=m2, other=0
         ).to(tl.float32)
-        spread = tl.max(tl.where(cmask[None, :], z, neg_inf), axis=1) - tl.min(
-            tl.where(cmask[None, :], z, float("inf")), axis=1
-        )
-        z = z + lam * spread[:, None] * mk
-    sel = tl.where(cmask[None, :], z, neg_inf)
 
-    # 4a. group limit: keep the TOPK_GROUP groups with the largest top-2 sums
-    if N_GROUP > 1:
-        gsize = E // N_GROUP
-        gid = cols // gsize
-        gar = tl.arange(0, NG_P2)
-        gscore = tl.full([BLOCK_T, NG_P2], neg_inf, dtype=tl.float32)
-        for g in tl.static_range(N_GROUP):
-            v = tl.where((gid == g)[None, :], sel, neg_inf)
-            a1 = tl.max(v, axis=1)
-            i1 = tl.min(tl.where(v == a1[:, None], cols[None, :], BLOCK_E), axis=1)
-            a2 = tl.max(tl.where(cols[None, :] == i1[:, None], neg_inf, v), axis=1)
-            gscore = tl.where(gar[None, :] == g, (a1 + a2)[:, None], gscore)
-        keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
-        for _ in tl.static_range(TOPK_GROUP):
-            gm = tl.max(gscore, axis=1)
-            gi = tl.min(tl.where(gscore == gm[:, None], gar[None, :], NG_P2), axis=1)
-            keep = keep | (gid[None, :] == gi[:, None])
-            gscore = tl.where(gar[None, :] == gi[:, None], neg_inf, gscore)
-        sel = tl.where(keep, sel, neg_inf)
+    # 2-5. scores, cache bias, group limit, top-k, gate weights
+    ids, w, inc, _ = select_experts(
+        x,
+        mk,
+        bias_ptr,
+        lam,
+        scaling,
+        cols,
+        E,
+        K,
+        IS_SOFTMAX,
+        IS_TOPK_SOFTMAX,
+        IS_SIGMOID,
+        RENORM,
+        HAS_MASK,
+        HAS_BIAS,
+        STORE_INCACHE,
+        N_GROUP,
+        TOPK_GROUP,
+        NG_P2,
+        BLOCK_T,
+        BLOCK_E,
+        BLOCK_K,
+    )
 
-    # 4b. top-k, ties to the lower id; gather weight source and cache flags
     kar = tl.arange(0, BLOCK_K)
-    ids = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
-    val = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    inc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-    for j in tl.static_range(K):
-        best = tl.max(sel, axis=1)
-        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
-        hit = cols[None, :] == idx[:, None]
-        ids = tl.where(kar[None, :] == j, idx[:, None], ids)
-        val = tl.where(kar[None, :] == j, tl.sum(tl.where(hit, src, 0.0), axis=1)[:, None], val)
-        if STORE_INCACHE:
-            inc = tl.where(kar[None, :] == j, tl.sum(tl.where(hit, mk, 0.0), axis=1)[:, None], inc)
-        sel = tl.where(hit, neg_inf, sel)
-
-    # 5. gate weights from the unbiased scores
-    kvalid = kar[None, :] < K
-    if IS_TOPK_SOFTMAX:
-        vm = tl.where(kvalid, val, neg_inf)
-        ev = tl.exp(vm - tl.max(vm, axis=1)[:, None])
-        w = ev / tl.sum(ev, axis=1)[:, None]
-    else:
-        w = tl.where(kvalid, val, 0.0)
-        if RENORM:
-            denom = tl.sum(w, axis=1)
-            if IS_SIGMOID:
-                denom = denom + 1e-20
-            w = w / denom[:, None]
-    w = w * scaling
-
-    om = rmask[:, None] & kvalid
+    om = rmask[:, None] & (kar[None, :] < K)
     tl.store(weights_ptr + rows[:, None] * stride_ot + kar[None, :], w, mask=om)
     tl.store(ids_ptr + rows[:, None] * stride_ot + kar[None, :], ids, mask=om)
     if STORE_INCACHE:
@@ -274,11 +387,12 @@ def _route_kernel(
 class RouteSpec:
     """How to route, without the tensors: the router's semantics and the cache bias.
 
-    `top_k` experts per token (for `predict_next`: the `n` predictions), `lam` the bias
-    strength, `scoring` one of `SCORINGS`, `renormalize` (`norm_topk_prob`), the group
-    limit `n_group` / `topk_group` (DeepSeek-V3; `n_group = 1` is none) and `scaling`
-    (`routed_scaling_factor`). `check` validates it against a problem; `constexprs`
-    gives the kernel's compile-time flags that follow from it.
+    `top_k` experts per token, `lam` the bias strength (0: the model's exact routing),
+    `scoring` one of `SCORINGS`, `renormalize` (`norm_topk_prob`), the group limit
+    `n_group` / `topk_group` (DeepSeek-V3; `n_group = 1` is none) and `scaling`
+    (`routed_scaling_factor`). Frozen, so hashable: launch configurations are cached
+    on it. `check` validates it against a problem; `constexprs` gives the kernel's
+    compile-time flags that follow from it.
     """
 
     top_k: int
@@ -353,11 +467,26 @@ class RouteSpec:
         )
 
 
-def _mask_2d(mask: torch.Tensor | None) -> torch.Tensor | None:
+def require_spec(op: str, spec: object) -> None:
+    """A TypeError naming `op` unless `spec` is a RouteSpec (e.g. a bare top_k)."""
+    if not isinstance(spec, RouteSpec):
+        raise TypeError(
+            f"{op}: spec must be a psr_kernels.RouteSpec (e.g. RouteSpec(top_k=8)), "
+            f"got {type(spec).__name__}"
+        )
+
+
+@overload
+def mask_2d(mask: torch.Tensor) -> torch.Tensor: ...
+@overload
+def mask_2d(mask: None) -> None: ...
+def mask_2d(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A cache mask `[E]` as `[1, E]`; `[T, E]` and `[1, E]` as they are."""
     return None if mask is None else (mask if mask.dim() == 2 else mask[None, :])
 
 
-def _check_gemv(op: str, hidden: torch.Tensor, gate_weight: torch.Tensor) -> tuple[int, int, int]:
+def check_gemv(op: str, hidden: torch.Tensor, gate_weight: torch.Tensor) -> tuple[int, int, int]:
+    """`(T, H, E)` of a hidden state `[T, H]` and a router weight `[E, H]` that fit."""
     check_float(op, "hidden", hidden, 2)
     check_float(op, "gate_weight", gate_weight, 2)
     T, H = hidden.shape
@@ -367,25 +496,23 @@ def _check_gemv(op: str, hidden: torch.Tensor, gate_weight: torch.Tensor) -> tup
     return T, H, E
 
 
-def _check_predict(
+def check_predict(
     op: str,
     residual: torch.Tensor,
     norm_weight: torch.Tensor,
     gate_weight: torch.Tensor,
     n: int,
+    spec: RouteSpec,
     *,
     mask: torch.Tensor | None,
-    scoring: str,
     bias: torch.Tensor | None,
-    n_group: int,
-    topk_group: int,
     check_finite: bool,
 ) -> tuple[int, RouteSpec]:
-    """Shared argument checks of predict_next and its reference; returns (T, spec).
-
-    The spec is unbiased (lam 0), unnormalised, and has `top_k = max(n, 1)`.
-    """
-    T, H, E = _check_gemv(op, residual, gate_weight)
+    """Shared argument checks of predict_next and its reference; returns (T, the spec
+    they route with): the router of `spec`, unbiased (lam 0), unnormalised, and with
+    `top_k = max(n, 1)`."""
+    require_spec(op, spec)
+    T, H, E = check_gemv(op, residual, gate_weight)
     check_float(op, "norm_weight", norm_weight, 1)
     if norm_weight.shape[0] != H:
         raise ValueError(
@@ -393,20 +520,34 @@ def _check_predict(
         )
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
-    spec = RouteSpec(top_k=max(n, 1), scoring=scoring, n_group=n_group, topk_group=topk_group)
-    spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias, k_name="n")
+    unbiased = RouteSpec(
+        top_k=max(n, 1), scoring=spec.scoring, n_group=spec.n_group, topk_group=spec.topk_group
+    )
+    unbiased.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias, k_name="n")
     if check_finite and n > 0:
         _require_finite(op, "residual", residual)
-    return T, spec
+    return T, unbiased
+
+
+def no_prediction(
+    T: int, ids_dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`predict_next`'s answer for n = 0: `[T, 0]` ids and in-cache flags."""
+    return (
+        torch.empty(T, 0, dtype=ids_dtype, device=device),
+        torch.empty(T, 0, dtype=torch.bool, device=device),
+    )
 
 
 # --------------------------------------------------------------------------- launch
 
 
+@functools.lru_cache(maxsize=1024)
 def route_launch_config(
     num_tokens: int, num_experts: int, top_k: int, *, hidden_size: int | None = None
-) -> dict[str, int]:
-    """Block sizes and warps of `_route_kernel` for a problem.
+) -> Mapping[str, int]:
+    """Block sizes and warps of `_route_kernel` for a problem (cached per shape: a
+    read-only mapping).
 
     `hidden_size` is given when the kernel computes the logits (`FROM_HIDDEN`). No
     autotuning: the same choice under the interpreter and on a GPU.
@@ -418,15 +559,18 @@ def route_launch_config(
         # Keep the [BLOCK_T, BLOCK_E, BLOCK_H] product tile near 8K elements.
         BLOCK_T = min(BLOCK_T, 4)
         BLOCK_H = max(16, min(pow2(hidden_size), 8192 // (BLOCK_T * BLOCK_E)))
-    return dict(
-        BLOCK_T=BLOCK_T,
-        BLOCK_E=BLOCK_E,
-        BLOCK_H=BLOCK_H,
-        BLOCK_K=pow2(top_k, 2),
-        num_warps=4 if BLOCK_E * BLOCK_T <= 1024 else 8,
+    return MappingProxyType(
+        dict(
+            BLOCK_T=BLOCK_T,
+            BLOCK_E=BLOCK_E,
+            BLOCK_H=BLOCK_H,
+            BLOCK_K=pow2(top_k, 2),
+            num_warps=4 if BLOCK_E * BLOCK_T <= 1024 else 8,
+        )
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def route_kernel_config(
     spec: RouteSpec,
     *,
@@ -438,29 +582,32 @@ def route_kernel_config(
     has_bias: bool = False,
     store_logits: bool = False,
     store_incache: bool = False,
-) -> dict[str, int | bool]:
-    """Every compile-time argument of `_route_kernel` for one launch, and `num_warps`.
+) -> Mapping[str, int | bool]:
+    """Every compile-time argument of `_route_kernel` for one launch, and `num_warps`
+    (cached per shape and flags: a read-only mapping).
 
     `hidden_size` is given when the kernel computes the logits (`FROM_HIDDEN`). The
     wrappers launch with exactly this, and the GPU compile test compiles it.
     """
-    return dict(
-        FROM_HIDDEN=hidden_size is not None,
-        HAS_NORM=has_norm,
-        HAS_MASK=has_mask,
-        HAS_BIAS=has_bias,
-        STORE_LOGITS=store_logits,
-        STORE_INCACHE=store_incache and has_mask,
-        **spec.constexprs(),
-        **route_launch_config(num_tokens, num_experts, spec.top_k, hidden_size=hidden_size),
+    return MappingProxyType(
+        dict(
+            FROM_HIDDEN=hidden_size is not None,
+            HAS_NORM=has_norm,
+            HAS_MASK=has_mask,
+            HAS_BIAS=has_bias,
+            STORE_LOGITS=store_logits,
+            STORE_INCACHE=store_incache and has_mask,
+            **spec.constexprs(),
+            **route_launch_config(num_tokens, num_experts, spec.top_k, hidden_size=hidden_size),
+        )
     )
 
 
 class _Routed(NamedTuple):
     weights: torch.Tensor  # [T, k] fp32
     ids: torch.Tensor  # [T, k] ids_dtype
-    logits: torch.Tensor  # [T, E] fp32 when store_logits, else [0, E]
-    in_cache: torch.Tensor  # [T, k] bool (all False unless store_incache and a mask)
+    logits: torch.Tensor | None  # [T, E] fp32 (store_logits)
+    in_cache: torch.Tensor | None  # [T, k] bool (store_incache; all False without a mask)
 
 
 def _launch(
@@ -480,19 +627,26 @@ def _launch(
     """Run `_route_kernel` on checked arguments.
 
     `x` is the logits `[T, E]`, or the hidden state `[T, H]` when `gate_weight` is given
-    (then `norm_weight` adds the RMS norm). Outputs are fresh contiguous tensors.
+    (then `norm_weight` adds the RMS norm). Outputs are fresh contiguous tensors, the
+    logits and in-cache flags only where asked for.
     """
     from_hidden = gate_weight is not None
-    T, E = x.shape[0], num_experts
+    T, E, k = x.shape[0], num_experts, spec.top_k
     H = x.shape[1] if from_hidden else 0
     dev = x.device
-    weights = torch.empty(T, spec.top_k, dtype=torch.float32, device=dev)
-    ids = torch.empty(T, spec.top_k, dtype=ids_dtype, device=dev)
-    logits = torch.empty(T if store_logits else 0, E, dtype=torch.float32, device=dev)
-    incache = torch.zeros(T, spec.top_k, dtype=torch.uint8, device=dev)
+    m = mask_2d(mask)
+    # The kernel writes every element of its outputs: `empty` is enough.
+    weights = torch.empty(T, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(T, k, dtype=ids_dtype, device=dev)
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev) if store_logits else None
+    in_cache = None
+    if store_incache:
+        # Without a mask nothing is cached: no flags to compute.
+        in_cache = (torch.empty if m is not None else torch.zeros)(
+            T, k, dtype=torch.bool, device=dev
+        )
     if T == 0:
-        return _Routed(weights, ids, logits, incache.bool())
-    m = _mask_2d(mask)
+        return _Routed(weights, ids, logits, in_cache)
     cfg = route_kernel_config(
         spec,
         num_tokens=T,
@@ -514,16 +668,17 @@ def _launch(
         stride_gh=gate_weight.stride(1) if from_hidden else 0,
         norm_ptr=norm_weight if norm_weight is not None else dummy,
         eps=float(eps),
-        mask_ptr=m.view(torch.uint8) if m is not None else incache,
+        mask_ptr=m.view(torch.uint8) if m is not None else dummy,
         # A broadcast [1, E] mask uses row stride 0.
         stride_mt=0 if m is None or m.shape[0] == 1 else m.stride(0),
         stride_me=m.stride(1) if m is not None else 0,
         bias_ptr=bias if bias is not None else dummy,
         weights_ptr=weights,
         ids_ptr=ids,
-        stride_ot=spec.top_k,
-        logits_ptr=logits if store_logits else dummy,
-        incache_ptr=incache,
+        stride_ot=k,
+        logits_ptr=logits if logits is not None else dummy,
+        # The kernel stores 0 or 1 per choice: a bool tensor's bytes, viewed as uint8.
+        incache_ptr=in_cache.view(torch.uint8) if in_cache is not None and m is not None else dummy,
         T=T,
         E=E,
         H=H,
@@ -531,7 +686,7 @@ def _launch(
         scaling=float(spec.scaling),
         **cfg,
     )
-    return _Routed(weights, ids, logits, incache.bool())
+    return _Routed(weights, ids, logits, in_cache)
 
 
 # --------------------------------------------------------------------------- ops
@@ -539,16 +694,10 @@ def _launch(
 
 def route(
     logits: torch.Tensor,
-    top_k: int,
+    spec: RouteSpec,
     *,
     mask: torch.Tensor | None = None,
-    lam: float = 0.0,
-    scoring: str = "softmax",
-    renormalize: bool = False,
     bias: torch.Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    scaling: float = 1.0,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -556,16 +705,15 @@ def route(
 
     Args:
         logits: `[T, E]` router logits (fp32/bf16/fp16), any strides.
-        top_k: experts per token, `1 <= top_k <= E`.
+        spec: how to route (`RouteSpec`): `top_k` (`1 <= top_k <= E`), the bias
+            strength `lam` (`0` is the model's exact routing), `scoring` ('softmax':
+            OLMoE, Qwen-MoE, Mixtral; 'topk_softmax': softmax over the chosen logits;
+            'sigmoid': DeepSeek-V3 / Moonlight), `renormalize` (divide the k weights by
+            their sum: `norm_topk_prob`), the group limit `n_group` / `topk_group`
+            (DeepSeek-V3) and `scaling` (routed_scaling_factor on the final weights).
         mask: bool `[E]`, `[1, E]` or `[T, E]`: True where the expert is in the
             layer's cache.
-        lam: bias strength; `0` is the model's exact routing.
-        scoring: 'softmax' (OLMoE, Qwen-MoE, Mixtral), 'topk_softmax' (softmax over
-            the chosen logits), 'sigmoid' (DeepSeek-V3 / Moonlight).
-        renormalize: divide the k weights by their sum (`norm_topk_prob`; Mixtral: True).
         bias: `[E]` e_score_correction_bias (sigmoid scoring), added for selection only.
-        n_group, topk_group: group-limited top-k (DeepSeek-V3).
-        scaling: routed_scaling_factor applied to the final weights.
         ids_dtype: dtype of the returned ids (int64 or int32).
         check_finite: raise ValueError on NaN/inf logits (a host sync). Without it,
             NaN scores never compare greater, so the ids are unspecified garbage.
@@ -575,9 +723,9 @@ def route(
         biased score.
     """
     op = "route"
+    require_spec(op, spec)
     check_float(op, "logits", logits, 2)
     T, E = logits.shape
-    spec = RouteSpec(top_k, lam, scoring, renormalize, n_group, topk_group, scaling)
     spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
     check_launchable(op, logits, mask, bias)
     if check_finite:
@@ -589,16 +737,10 @@ def route(
 def route_hidden(
     hidden: torch.Tensor,
     gate_weight: torch.Tensor,
-    top_k: int,
+    spec: RouteSpec,
     *,
     mask: torch.Tensor | None = None,
-    lam: float = 0.0,
-    scoring: str = "softmax",
-    renormalize: bool = False,
     bias: torch.Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    scaling: float = 1.0,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -610,8 +752,8 @@ def route_hidden(
     Returns `(weights [T, k] fp32, ids [T, k], logits [T, E] fp32)`, contiguous.
     """
     op = "route_hidden"
-    T, _, E = _check_gemv(op, hidden, gate_weight)
-    spec = RouteSpec(top_k, lam, scoring, renormalize, n_group, topk_group, scaling)
+    require_spec(op, spec)
+    T, _, E = check_gemv(op, hidden, gate_weight)
     spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
     check_launchable(op, hidden, gate_weight, mask, bias)
     if check_finite:
@@ -626,16 +768,8 @@ def route_hidden(
         ids_dtype=ids_dtype,
         store_logits=True,
     )
+    assert out.logits is not None
     return out.weights, out.ids, out.logits
-
-
-def _no_prediction(
-    T: int, ids_dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return (
-        torch.empty(T, 0, dtype=ids_dtype, device=device),
-        torch.empty(T, 0, dtype=torch.bool, device=device),
-    )
 
 
 def predict_next(
@@ -643,46 +777,47 @@ def predict_next(
     norm_weight: torch.Tensor,
     gate_weight: torch.Tensor,
     n: int,
+    spec: RouteSpec,
     *,
-    mask: torch.Tensor | None = None,
     eps: float = 1e-6,
-    scoring: str = "softmax",
+    mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Predict the next MoE layer's experts (the spec's `prefetch` rule), in one kernel.
 
     RMS-norms `residual` (the hidden state entering this layer's MoE block) with the
-    next layer's norm weight, scores it with the next layer's router (unbiased) and
-    returns the first `n` ids of that layer's exact routing order (group-limited
-    where the model is; ties to the lower id), and whether `mask` (the next
-    layer's logical cache) holds each.
+    next layer's norm weight (`eps` its epsilon), scores it with the next layer's
+    router and returns the first `n` ids of that layer's exact routing order
+    (group-limited where the model is; ties to the lower id), and whether `mask` (the
+    next layer's logical cache) holds each.
+
+    `spec` is the next layer's router: its `scoring` and group limit (`n_group`,
+    `topk_group`) are used; its `top_k`, `lam`, `renormalize` and `scaling` are not (a
+    prediction is the router's unbiased order, `n` long, and has no weights). `bias` is
+    the next layer's e_score_correction_bias.
 
     Returns `(ids [T, n], in_cache [T, n] bool)`, contiguous; in_cache is all False
     without a mask.
     """
     op = "predict_next"
-    T, spec = _check_predict(
+    T, unbiased = check_predict(
         op,
         residual,
         norm_weight,
         gate_weight,
         n,
+        spec,
         mask=mask,
-        scoring=scoring,
         bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
         check_finite=check_finite,
     )
     dev = check_launchable(op, residual, norm_weight, gate_weight, mask, bias)
     if n == 0:
-        return _no_prediction(T, ids_dtype, dev)
+        return no_prediction(T, ids_dtype, dev)
     out = _launch(
-        spec,
+        unbiased,
         residual,
         num_experts=gate_weight.shape[0],
         gate_weight=gate_weight,
@@ -693,177 +828,5 @@ def predict_next(
         ids_dtype=ids_dtype,
         store_incache=True,
     )
+    assert out.in_cache is not None
     return out.ids, out.in_cache
-
-
-# --------------------------------------------------------------------------- references
-
-
-def _scores_ref(
-    logits: torch.Tensor, scoring: str, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(selection scores z, weight source) in fp32."""
-    x = logits.float()
-    if scoring == "sigmoid":
-        s = torch.sigmoid(x)
-        return (s + bias.float() if bias is not None else s), s
-    if scoring == "softmax":
-        return x, torch.softmax(x, dim=-1)
-    return x, x
-
-
-def _group_limit_ref(sel: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    if n_group <= 1:
-        return sel
-    T, E = sel.shape
-    top2 = sel.view(T, n_group, E // n_group).sort(dim=-1, descending=True).values[..., :2]
-    gscore = top2.sum(-1)
-    order = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group]
-    keep = torch.zeros(T, n_group, dtype=torch.bool, device=sel.device)
-    keep.scatter_(1, order, True)
-    return sel.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), _NEG_INF)
-
-
-def _topk_ref(sel: torch.Tensor, k: int) -> torch.Tensor:
-    # Stable descending sort: equal scores keep ascending id order (ties to the lower id).
-    # The slice is a strided view; the ops' outputs are contiguous (their fakes say so).
-    return torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
-
-
-def gate_weights_ref(
-    src: torch.Tensor, ids: torch.Tensor, scoring: str, renormalize: bool, scaling: float
-) -> torch.Tensor:
-    """Gate weights of chosen `ids` from the unbiased weight source, normalised as the
-    model does (top-k softmax, `norm_topk_prob`, `routed_scaling_factor`)."""
-    val = src.gather(1, ids)
-    if scoring == "topk_softmax":
-        w = torch.softmax(val, dim=-1)
-    else:
-        w = val
-        if renormalize:
-            denom = w.sum(-1, keepdim=True)
-            w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
-    return (w * scaling).contiguous()
-
-
-def biased_scores_ref(z: torch.Tensor, mask: torch.Tensor | None, lam: float) -> torch.Tensor:
-    """z' = z + lam * D * m with D the per-row spread of z."""
-    if mask is None:
-        return z
-    spread = z.max(dim=-1).values - z.min(dim=-1).values
-    return z + lam * spread[:, None] * _mask_2d(mask).float()
-
-
-def route_ref(
-    logits: torch.Tensor,
-    top_k: int,
-    *,
-    mask: torch.Tensor | None = None,
-    lam: float = 0.0,
-    scoring: str = "softmax",
-    renormalize: bool = False,
-    bias: torch.Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    scaling: float = 1.0,
-    ids_dtype: torch.dtype = torch.int64,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of `route` (same arguments, same results)."""
-    op = "route_ref"
-    check_float(op, "logits", logits, 2)
-    T, E = logits.shape
-    spec = RouteSpec(top_k, lam, scoring, renormalize, n_group, topk_group, scaling)
-    spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
-    if check_finite:
-        _require_finite(op, "logits", logits)
-    z, src = _scores_ref(logits, scoring, bias)
-    sel = _group_limit_ref(biased_scores_ref(z, mask, lam), n_group, topk_group)
-    ids = _topk_ref(sel, top_k)
-    w = gate_weights_ref(src, ids, scoring, renormalize, scaling)
-    return w, ids.to(ids_dtype).contiguous()
-
-
-def route_hidden_ref(
-    hidden: torch.Tensor,
-    gate_weight: torch.Tensor,
-    top_k: int,
-    *,
-    mask: torch.Tensor | None = None,
-    lam: float = 0.0,
-    scoring: str = "softmax",
-    renormalize: bool = False,
-    bias: torch.Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    scaling: float = 1.0,
-    ids_dtype: torch.dtype = torch.int64,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of `route_hidden` (`check_finite` checks the logits)."""
-    _check_gemv("route_hidden_ref", hidden, gate_weight)
-    logits = hidden.float() @ gate_weight.float().t()
-    w, ids = route_ref(
-        logits,
-        top_k,
-        mask=mask,
-        lam=lam,
-        scoring=scoring,
-        renormalize=renormalize,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        scaling=scaling,
-        ids_dtype=ids_dtype,
-        check_finite=check_finite,
-    )
-    return w, ids, logits.contiguous()
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """fp32 RMS norm over the last dim: x * rsqrt(mean(x^2) + eps) * weight."""
-    x = x.float()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-
-
-def predict_next_ref(
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    gate_weight: torch.Tensor,
-    n: int,
-    *,
-    mask: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    scoring: str = "softmax",
-    bias: torch.Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    ids_dtype: torch.dtype = torch.int64,
-    check_finite: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of `predict_next`."""
-    op = "predict_next_ref"
-    T, _ = _check_predict(
-        op,
-        residual,
-        norm_weight,
-        gate_weight,
-        n,
-        mask=mask,
-        scoring=scoring,
-        bias=bias,
-        n_group=n_group,
-        topk_group=topk_group,
-        check_finite=check_finite,
-    )
-    if n == 0:
-        return _no_prediction(T, ids_dtype, residual.device)
-    E = gate_weight.shape[0]
-    logits = rms_norm_ref(residual, norm_weight, eps) @ gate_weight.float().t()
-    z, _ = _scores_ref(logits, scoring, bias)
-    ids = _topk_ref(_group_limit_ref(z, n_group, topk_group), n)
-    if mask is None:
-        incache = torch.zeros_like(ids, dtype=torch.bool)
-    else:
-        incache = _mask_2d(mask).expand(T, E).gather(1, ids)
-    return ids.to(ids_dtype).contiguous(), incache.contiguous()

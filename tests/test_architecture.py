@@ -1,7 +1,8 @@
 """The import rules that keep the architecture visible in the tree.
 
 Layers, lowest first; a module may import from its own layer and the ones below:
-  psr_kernels < psr.store, psr.cache, psr.policy < psr.runtime < psr.models < psr.eval < psr.cli
+  psr_kernels < psr.store, psr.cache, psr.policy < psr.runtime < psr.models < psr.eval
+  < psr.serve < psr.cli
 plus: psr_kernels never imports psr; cache and policy are pure bookkeeping (no torch,
 no store, no kernels); only psr.store touches the extension; `import psr` (and using its
 core exports) loads no evaluation, CLI or plotting code.
@@ -22,10 +23,11 @@ SOURCES = {"psr": ROOT / "python" / "psr", "psr_kernels": ROOT / "psr_kernels"}
 
 LAYERS = [
     ("psr_kernels",),
-    ("psr.store", "psr.cache", "psr.policy"),
+    ("psr.store", "psr.cache", "psr.policy", "psr.points", "psr.vocab"),
     ("psr.runtime",),
     ("psr.models",),
     ("psr.eval",),
+    ("psr.serve",),
     ("psr.cli",),
 ]
 

@@ -1,5 +1,6 @@
 """Packaging: pyproject's supported ranges against the pins and the GPU image, and setup.py's
-PSR_CUDA switch (no network, no build: setup.py is loaded without running setup())."""
+PSR_CUDA switch and CUDA architecture list (no network, no build: setup.py is loaded without
+running setup())."""
 
 from __future__ import annotations
 
@@ -194,3 +195,90 @@ def test_plan_cuda(setup_py: ModuleType) -> None:
         _plan(setup_py, {"PSR_FORCE_CUDA": "1"}, None, set())
     nvcc, line = _plan(setup_py, {}, None, set())
     assert nvcc is None and "no nvcc" in line and "\n" not in line
+
+
+# The one TORCH_CUDA_ARCH_LIST parser, for setup.py and bench/gpu_build.py alike.
+CUDA_ARCHS_FILE = ROOT / "scripts" / "cuda_archs.py"
+
+
+@pytest.fixture(scope="module")
+def cuda_archs_py() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_psr_cuda_archs", CUDA_ARCHS_FILE)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize(
+    ("spec", "cmake", "gencode", "names"),
+    [
+        ("9.0", "90-real", ["arch=compute_90,code=sm_90"], "90-real"),
+        (
+            "8.0;9.0+PTX",
+            "80-real;90",
+            [
+                "arch=compute_80,code=sm_80",
+                "arch=compute_90,code=sm_90",
+                "arch=compute_90,code=compute_90",
+            ],
+            "80-real,90",
+        ),
+        (
+            " 8.6, 9.0a 10.0+PTX ",
+            "86-real;90a-real;100",
+            [
+                "arch=compute_86,code=sm_86",
+                "arch=compute_90a,code=sm_90a",
+                "arch=compute_100,code=sm_100",
+                "arch=compute_100,code=compute_100",
+            ],
+            "86-real,90a-real,100",
+        ),
+        (
+            "80;;89",
+            "80-real;89-real",
+            ["arch=compute_80,code=sm_80", "arch=compute_89,code=sm_89"],
+            "80-real,89-real",
+        ),
+    ],
+)
+def test_one_arch_parser_for_cmake_and_nvcc(
+    cuda_archs_py: ModuleType, spec: str, cmake: str, gencode: list[str], names: str
+) -> None:
+    assert cuda_archs_py.cmake_archs(spec) == cmake
+    flags, got_names = cuda_archs_py.nvcc_gencode(spec)
+    assert flags[0::2] == ["-gencode"] * len(gencode) and flags[1::2] == gencode
+    assert got_names == names == cmake.replace(";", ",")  # the module reports CMake's names
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("9.0;Hopper", "entry 'Hopper': expected a compute capability"),
+        ("9.0+ptx", r"entry '9\.0\+ptx'"),
+        ("sm_90", "entry 'sm_90'"),
+        ("9.0.1", r"entry '9\.0\.1'"),
+        ("+PTX", r"entry '\+PTX'"),
+        (" ; , ", "names no architecture"),
+    ],
+)
+def test_arch_parser_names_a_bad_entry(cuda_archs_py: ModuleType, spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        cuda_archs_py.parse_arch_list(spec)
+
+
+def test_setup_and_gpu_build_use_the_one_parser(setup_py: ModuleType) -> None:
+    assert setup_py.cuda_archs({}) == setup_py.DEFAULT_CUDA_ARCHS == "80;89;90"
+    assert setup_py.cuda_archs({"TORCH_CUDA_ARCH_LIST": " "}) == "80;89;90"
+    assert setup_py.cuda_archs({"TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX"}) == "80-real;90"
+    with pytest.raises(ValueError, match="cannot parse TORCH_CUDA_ARCH_LIST entry 'x'"):
+        setup_py.cuda_archs({"TORCH_CUDA_ARCH_LIST": "9.0;x"})
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_build
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert gpu_build.CUDA_ARCHS_PY == setup_py.CUDA_ARCHS_PY == CUDA_ARCHS_FILE
+    with pytest.raises(ValueError, match="cannot parse TORCH_CUDA_ARCH_LIST entry 'x'"):
+        gpu_build.cuda_gencode("9.0;x")  # validated now; it used to pass 'x' on to nvcc

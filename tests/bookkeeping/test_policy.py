@@ -1,8 +1,9 @@
-"""psr.policy: the one source of policy defaults, the spec parser, operating points."""
+"""psr.policy: the one source of policy defaults, the spec parser; pure bookkeeping."""
 
 from __future__ import annotations
 
-import json
+import ast
+from pathlib import Path
 
 import pytest
 
@@ -75,21 +76,11 @@ def test_params_are_none_where_a_policy_has_no_such_parameter() -> None:
     assert P.make_policy("cache-prior", 0.1).params()["n"] is None
 
 
-def test_operating_points_from_file_else_defaults(tmp_path) -> None:
-    pts, src = P.operating_points_with_source(tmp_path, 0.5)
-    assert src == "defaults"
-    assert pts == {"cache-prior": P.make_policy("cache-prior"), "psr": P.make_policy("psr")}
-    (tmp_path / P.OPERATING_POINTS_FILE).write_text(
-        json.dumps({"points": {"0.5": {"cache-prior": {"lam": 0.05}, "psr": {"lam": 0.1, "n": 2}}}})
-    )
-    pts, src = P.operating_points_with_source(tmp_path, 0.5)
-    assert src.endswith(P.OPERATING_POINTS_FILE)
-    assert pts["psr"] == P.make_policy("psr", 0.1, 2)
-    assert pts["cache-prior"] == P.make_policy("cache-prior", 0.05)
-    assert P.operating_points(tmp_path, 0.25)["psr"] == P.make_policy("psr")  # absent residency
-    assert [p.name for p in P.standard_policies(pts)] == [
-        "exact",
-        "exact-prefetch",
-        "cache-prior",
-        "psr",
-    ]
+def test_policy_touches_no_files() -> None:
+    """Reading, hashing and writing operating points is psr.points' job, not this module's."""
+    tree = ast.parse(Path(P.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    roots = {m.split(".")[0] for m in imported}
+    assert not roots & {"os", "pathlib", "hashlib", "json", "platformdirs", "io", "shutil"}
+    assert roots <= {"__future__", "math", "dataclasses", "typing"}, roots

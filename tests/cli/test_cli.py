@@ -96,13 +96,47 @@ def test_generate_with_ids_and_bad_args(ckpt, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", str(ckpt), "--quiet"])
     assert e.value.code == 2
-    assert "--prompt" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err == "psr: error: one of the arguments --prompt --prompt-ids is required\n"
     with pytest.raises(SystemExit) as e:  # a runtime error: one line, status 1
         main(["generate", "--model", str(ckpt), "--prompt", "a", "--residency", "0.1", "--quiet"])
     assert e.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("psr: error:") and "fewer than top_k" in err
     assert err.count("\n") == 1
+
+
+def test_speculative_figures_are_in_the_json(capsys, tmp_path) -> None:
+    """The embedded model's block heads: the JSON carries what the text line prints."""
+    out_json = tmp_path / "spec.json"
+    argv = [
+        "generate",
+        "--prompt-ids",
+        "1870,620,52,14,2009,305",
+        "--max-new-tokens",
+        "6",
+        "--quiet",
+    ]
+    assert main([*argv, "--speculative", "block", "--block", "3", "--json", str(out_json)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("speculative"))
+    data = json.loads(out_json.read_text())
+    spec = data["speculative"]
+    assert (spec["drafter"], spec["block"]) == ("block", 3) and spec["block_k"] >= 1
+    assert line == (
+        f"speculative (block, B=3, K_b={spec['block_k']}): {spec['blocks']} verify blocks, "
+        f"{spec['accepted_per_block']:.2f} drafts accepted and "
+        f"{spec['tokens_per_block']:.2f} tokens per block"
+    )
+    # The counts behind the averages, and the decode steps the stats count: one per block.
+    assert spec["blocks"] == len(spec["per_block"]) == data["stats"]["tokens"] >= 1
+    assert spec["accepted_per_block"] == spec["accepted"] / spec["blocks"]
+    assert spec["tokens_per_block"] == sum(spec["per_block"]) / spec["blocks"]
+    assert all(1 <= n <= 3 + 1 for n in spec["per_block"])
+    assert len(data["tokens"]) == 6 + 6
+    # Without --speculative the JSON has no such entry.
+    assert main([*argv, "--json", str(out_json)]) == 0
+    assert "speculative" not in json.loads(out_json.read_text())
+    capsys.readouterr()
 
 
 def test_lm_eval_subcommand_hands_its_arguments_to_lm_eval(monkeypatch) -> None:

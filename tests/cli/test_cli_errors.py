@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,73 +62,133 @@ def one_line_error(err: str) -> str:
 
 # ------------------------------------------------------------------ bad arguments: status 2
 
+# Each case: the line, and what its one-line error must say. The messages name the option
+# and the reason, so that a case cannot pass on argparse's "unrecognized arguments" alone
+# (which names any option, removed ones too).
 G = ["generate", "--prompt", "a"]
+POLICY_NAMES = "exact, exact-prefetch, cache-prior, psr, cache-prior-async"
+DTYPES = "float32, fp32, float, bfloat16, bf16, float16, fp16, half"
 BAD_ARGUMENTS = [
-    (["eval", "--prompts", "0"], "--prompts"),
-    (["eval", "--prompts", "two"], "--prompts"),
-    (["eval", "--windows", "-3"], "--windows"),
-    (["eval", "--cloze", "-1"], "--cloze"),
-    (["eval", "--gen-tokens", "0"], "--gen-tokens"),
-    (["eval", "--residency", "0.5,abc"], "--residency"),
-    (["eval", "--residency", "0.5,,0.25"], "--residency"),
-    (["eval", "--residency", "0"], "--residency"),
-    (["eval", "--residency", "1.5"], "--residency"),
-    (["eval", "--policies", "psr:lam=x"], "--policies"),
-    (["eval", "--policies", "bogus"], "--policies"),
-    (["eval", "--policies", "exact:lam=0.3"], "--policies"),
-    (["eval", "--policies", ";"], "--policies"),
-    (["bench", "copy", "--repeats", "0"], "--repeats"),
-    (["bench", "copy", "--experts", "0"], "--experts"),
-    (["bench", "copy", "--slots", "-1"], "--slots"),
-    (["bench", "copy", "--slots", "9", "--experts", "8"], "--slots"),
-    (["bench", "copy", "--shape", "3x0x4"], "--shape"),
-    (["bench", "copy", "--shape", "3xbig"], "--shape"),
-    (["bench", "copy", "--backend", "tpu"], "--backend"),
-    (["bench", "sweep", "--lams", "0.1,-1"], "--lams"),
-    (["bench", "sweep", "--lams", "0.1,nan"], "--lams"),
-    (["bench", "sweep", "--ns", "1,x"], "--ns"),
-    (["bench", "sweep", "--tolerance", "inf"], "--tolerance"),
-    (["bench", "sweep", "--windows", "0"], "--windows"),
-    ([*G, "--max-new-tokens", "-1"], "--max-new-tokens"),
-    ([*G, "--max-new-tokens", "1.5"], "--max-new-tokens"),
-    ([*G, "--residency", "0"], "--residency"),
-    ([*G, "--residency", "nan"], "--residency"),
-    ([*G, "--slots", "0"], "--slots"),
-    ([*G, "--lam", "-0.1"], "--lam"),
-    ([*G, "--lam", "inf"], "--lam"),
-    ([*G, "--n", "-1"], "--n"),
-    ([*G, "--temperature", "0"], "--temperature"),
-    ([*G, "--top-p", "0"], "--top-p"),
-    ([*G, "--top-p", "1.1"], "--top-p"),
-    ([*G, "--top-k", "-1"], "--top-k"),
-    ([*G, "--top-k", "2.5"], "--top-k"),
-    ([*G, "--seed", "x"], "--seed"),
-    ([*G, "--device", "tpu"], "--device"),
-    ([*G, "--dtype", "int8"], "--dtype"),
-    ([*G, "--policy", "fastest"], "--policy"),
-    ([*G, "--compute", "gpu"], "--compute"),
-    ([*G, "--policy", "exact", "--lam", "0.3"], "--policy"),
-    ([*G, "--policy", "cache-prior", "--n", "2"], "--policy"),
-    (["generate", "--prompt-ids", "1,a"], "--prompt-ids"),
-    (["generate", "--prompt-ids", "1,-2"], "--prompt-ids"),
-    (["generate", "--prompt-ids", ","], "--prompt-ids"),
-    (["generate", "--prompt", ""], "--prompt"),
-    (["generate"], "--prompt"),
-    (["generate", "--prompt", "a", "--prompt-ids", "1"], "--prompt"),
-    ([*G, "--no-such-option"], "--no-such-option"),
-    ([], "COMMAND"),
-    (["bench"], "BENCH"),
+    (["eval", "--prompts", "0"], "argument --prompts: expected an integer >= 1, got '0'"),
+    (["eval", "--prompts", "two"], "argument --prompts: expected an integer, got 'two'"),
+    (["eval", "--windows", "-3"], "argument --windows: expected an integer >= 1, got '-3'"),
+    (["eval", "--cloze", "-1"], "argument --cloze: expected an integer >= 0, got '-1'"),
+    (["eval", "--gen-tokens", "0"], "argument --gen-tokens: expected an integer >= 1, got '0'"),
+    (
+        ["eval", "--residency", "0.5,abc"],
+        "argument --residency: entry 2 of '0.5,abc': expected a number, got 'abc'",
+    ),
+    (["eval", "--residency", "0.5,,0.25"], "argument --residency: entry 2 of '0.5,,0.25' is empty"),
+    (
+        ["eval", "--residency", "0"],
+        "argument --residency: entry 1 of '0': expected a number in (0, 1], got '0'",
+    ),
+    (
+        ["eval", "--residency", "1.5"],
+        "argument --residency: entry 1 of '1.5': expected a number in (0, 1], got '1.5'",
+    ),
+    (
+        ["eval", "--policies", "psr:lam=x"],
+        "argument --policies: policy parameter lam='x': expected a number",
+    ),
+    (
+        ["eval", "--policies", "bogus"],
+        f"argument --policies: unknown policy 'bogus'; expected one of {POLICY_NAMES}",
+    ),
+    (
+        ["eval", "--policies", "exact:lam=0.3"],
+        "argument --policies: policy 'exact' has lam=0; got lam=0.3",
+    ),
+    (["eval", "--policies", ";"], "argument --policies: no policy in ';'"),
+    (
+        ["eval", "--expert-format", "native,int3"],
+        "argument --expert-format: entry 2 of 'native,int3': expected one of native, bf16, "
+        "int8, fp8, int4, got 'int3'",
+    ),
+    (["bench", "copy", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+    (["bench", "copy", "--experts", "0"], "argument --experts: expected an integer >= 1, got '0'"),
+    (["bench", "copy", "--slots", "-1"], "argument --slots: expected an integer >= 1, got '-1'"),
+    (["bench", "copy", "--slots", "9", "--experts", "8"], "--slots 9 exceeds --experts 8"),
+    (
+        ["bench", "copy", "--shape", "3x0x4"],
+        "argument --shape: every dimension must be >= 1, got '3x0x4'",
+    ),
+    (
+        ["bench", "copy", "--shape", "3xbig"],
+        "argument --shape: expected integers joined by 'x' (e.g. 3x2048x1024), got '3xbig'",
+    ),
+    (["bench", "copy", "--backend", "tpu"], "argument --backend: invalid choice: 'tpu'"),
+    (
+        ["bench", "sweep", "--lams", "0.1,-1"],
+        "argument --lams: entry 2 of '0.1,-1': expected a finite number >= 0, got '-1'",
+    ),
+    (
+        ["bench", "sweep", "--lams", "0.1,nan"],
+        "argument --lams: entry 2 of '0.1,nan': expected a finite number, got 'nan'",
+    ),
+    (["bench", "sweep", "--ns", "1,x"], "argument --ns: entry 2 of '1,x': expected an integer"),
+    # The quality budget (once --tolerance): a non-finite budget would accept every point.
+    (["bench", "sweep", "--budget", "inf"], "argument --budget: expected a finite number"),
+    (["tune", "--budget", "-0.01"], "argument --budget: expected a finite number >= 0"),
+    (["bench", "sweep", "--windows", "0"], "argument --windows: expected an integer >= 1"),
+    (
+        ["bench", "speculative", "--drafters", "block,medusa"],
+        "argument --drafters: entry 2 of 'block,medusa': unknown drafter 'medusa': block or ar",
+    ),
+    ([*G, "--max-new-tokens", "-1"], "argument --max-new-tokens: expected an integer >= 0"),
+    ([*G, "--max-new-tokens", "1.5"], "argument --max-new-tokens: expected an integer, got '1.5'"),
+    ([*G, "--residency", "0"], "argument --residency: expected a number in (0, 1], got '0'"),
+    ([*G, "--residency", "nan"], "argument --residency: expected a finite number, got 'nan'"),
+    ([*G, "--slots", "0"], "argument --slots: expected an integer >= 1, got '0'"),
+    ([*G, "--lam", "-0.1"], "argument --lam: expected a finite number >= 0, got '-0.1'"),
+    ([*G, "--lam", "inf"], "argument --lam: expected a finite number, got 'inf'"),
+    ([*G, "--n", "-1"], "argument --n: expected an integer >= 0, got '-1'"),
+    ([*G, "--quality-budget", "-1"], "argument --quality-budget: expected a finite number >= 0"),
+    ([*G, "--temperature", "0"], "argument --temperature: expected a finite number > 0, got '0'"),
+    ([*G, "--top-p", "0"], "argument --top-p: expected a number in (0, 1], got '0'"),
+    ([*G, "--top-p", "1.1"], "argument --top-p: expected a number in (0, 1], got '1.1'"),
+    ([*G, "--top-k", "-1"], "argument --top-k: expected an integer >= 0, got '-1'"),
+    ([*G, "--top-k", "2.5"], "argument --top-k: expected an integer, got '2.5'"),
+    ([*G, "--seed", "x"], "argument --seed: expected an integer, got 'x'"),
+    ([*G, "--block", "0"], "argument --block: expected an integer >= 1, got '0'"),
+    ([*G, "--device", "tpu"], "argument --device: expected cpu, cuda or cuda:N, got 'tpu'"),
+    ([*G, "--dtype", "int8"], f"argument --dtype: expected one of {DTYPES}, got 'int8'"),
+    ([*G, "--policy", "fastest"], "argument --policy: invalid choice: 'fastest'"),
+    ([*G, "--compute", "gpu"], "argument --compute: invalid choice: 'gpu'"),
+    ([*G, "--expert-format", "int3"], "argument --expert-format: invalid choice: 'int3'"),
+    ([*G, "--speculative", "medusa"], "argument --speculative: invalid choice: 'medusa'"),
+    (
+        [*G, "--policy", "exact", "--lam", "0.3"],
+        "--policy exact: policy 'exact' has lam=0; got lam=0.3",
+    ),
+    (
+        [*G, "--policy", "cache-prior", "--n", "2"],
+        "--policy cache-prior: policy 'cache-prior' has n=0; got n=2",
+    ),
+    (["generate", "--prompt-ids", "1,a"], "argument --prompt-ids: token id 'a' is not an integer"),
+    (["generate", "--prompt-ids", "1,-2"], "argument --prompt-ids: token id '-2' is negative"),
+    (
+        ["generate", "--prompt-ids", ","],
+        "argument --prompt-ids: expected token ids such as '1,2,3', got ','",
+    ),
+    (["generate", "--prompt", ""], "argument --prompt: expected a non-empty string"),
+    (["generate"], "one of the arguments --prompt --prompt-ids is required"),
+    ([*G, "--prompt-ids", "1"], "argument --prompt-ids: not allowed with argument --prompt"),
+    ([*G, "--no-such-option"], "unrecognized arguments: --no-such-option"),
+    ([], "the following arguments are required: COMMAND"),
+    (["bench"], "the following arguments are required: BENCH"),
 ]
 
 
 @pytest.mark.parametrize(
-    "argv,option", BAD_ARGUMENTS, ids=[" ".join(a) or "<none>" for a, _ in BAD_ARGUMENTS]
+    "argv,message", BAD_ARGUMENTS, ids=[" ".join(a) or "<none>" for a, _ in BAD_ARGUMENTS]
 )
-def test_a_bad_argument_is_one_line_naming_the_option(argv, option, capsys, no_load) -> None:
+def test_a_bad_argument_is_one_line_naming_the_option(argv, message, capsys, no_load) -> None:
     code, out, err = run(argv, capsys)
     assert code == 2
     assert out == ""
-    assert option in one_line_error(err)
+    # A prefix: choice errors end in a list whose quoting changed in Python 3.12.
+    assert one_line_error(err).startswith(f"psr: error: {message}"), err
 
 
 def test_parsed_values_have_their_types() -> None:
@@ -354,6 +416,44 @@ def test_eval_and_sweep_get_parsed_values(tmp_path, capsys, monkeypatch) -> None
     assert main(["bench", "sweep", "--lams", "0.1", "--ns", "0,2", "--out", str(out)]) == 0
     (path, out_arg, rho, lams, ns), kw = seen["sweep"]
     assert (rho, lams, ns) == ([0.5, 0.25], [0.1], [0, 2]) and kw["progress"] is False
+
+
+def test_demo_writes_under_psr_results_where_it_runs(tmp_path, monkeypatch, capsys) -> None:
+    """Like `psr eval`: ./psr-results/demo, never bench/results/ of whatever folder."""
+    import inspect
+
+    import psr.eval.runs
+
+    seen = {}
+    monkeypatch.setattr(psr.eval.runs, "demo", lambda out, **kw: seen.update(out=out, kw=kw))
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--quick"]) == 0
+    assert seen["out"] == "psr-results/demo" and seen["kw"] == {"progress": False, "quick": True}
+    assert (tmp_path / "psr-results" / "demo").is_dir() and not (tmp_path / "bench").exists()
+    monkeypatch.undo()  # the library's own default is the same folder
+    assert inspect.signature(psr.eval.runs.demo).parameters["out"].default == "psr-results/demo"
+
+
+def test_python_m_psr_cli_parses_without_torch() -> None:
+    """`python -m psr.cli` is `psr`, and building the help or parsing a line imports no torch
+    (the handlers import what they run)."""
+    code = (
+        "import runpy, sys\n"
+        "class Blocked:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'triton', 'transformers', 'numpy'):\n"
+        "            raise ImportError(name + ' is blocked')\n"
+        "sys.meta_path.insert(0, Blocked())\n"
+        "from psr.cli import build_parser\n"
+        "p = build_parser()\n"
+        "p.parse_args(['generate', '--prompt', 'a', '--dtype', 'bf16', '--compute', 'torch'])\n"
+        "p.parse_args(['eval', '--policies', 'psr:lam=0.3,n=2', '--expert-format', 'native,fp8'])\n"
+        "sys.argv = ['psr', 'bench', 'sweep', '--help']\n"
+        "runpy.run_module('psr.cli', run_name='__main__')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: psr bench sweep") and "--budget" in r.stdout
 
 
 def test_bench_copy_writes_json(tmp_path, capsys, monkeypatch) -> None:

@@ -10,7 +10,8 @@ from tiny_models import tiny_model, write_checkpoint, write_tokenizer
 
 from psr.eval.harness import EvalData, RunConfig, compare, run_config
 from psr.eval.quality import chunks, cloze_items, greedy_agreement, paired_bootstrap
-from psr.eval.report import pareto, save
+from psr.eval.report import save
+from psr.eval.runs import pareto
 from psr.policy import make_policy
 
 TEXT = (
@@ -114,7 +115,7 @@ def test_runs_compare_and_save(ckpt, tmp_path) -> None:
 def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_path) -> None:
     import psr
     from psr.eval.runs import tune
-    from psr.policy import operating_points_with_source, user_points_file
+    from psr.points import operating_points_with_source, user_points_file
 
     res = tune(
         str(ckpt),
@@ -159,7 +160,7 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
         psr.load(ckpt, "psr", residency=0.5, lam=0.1, quality_budget=0.5, progress=False)
     with pytest.raises(ValueError, match="applies to 'cache-prior' or 'psr', not 'exact'"):
         psr.load(ckpt, "exact", residency=0.5, quality_budget=0.5, progress=False)
-    from psr.policy import resolve_policy
+    from psr.points import resolve_policy
 
     with pytest.raises(ValueError, match="needs the model folder and residency"):
         resolve_policy("psr", quality_budget=0.5)  # never silently the defaults
@@ -189,7 +190,7 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
 
 
 def test_tuned_points_are_never_written_into_the_package(ckpt) -> None:
-    import psr.policy as P
+    import psr.points as P
 
     pkg_file = Path(P.__file__).parent / "models" / "x.json"
     with pytest.raises(ValueError, match="inside the installed psr package"):

@@ -9,15 +9,10 @@ import pytest
 from matplotlib.container import ErrorbarContainer
 from matplotlib.text import Text
 
-from psr.eval import report
-from psr.eval.report import (
-    frontier_figure,
-    markdown_table,
-    overview_figure,
-    pareto,
-    save,
-    short_label,
-)
+from psr.eval import plots
+from psr.eval.plots import frontier_figure, overview_figure
+from psr.eval.report import markdown_table, save, short_label
+from psr.eval.runs import pareto
 
 
 def result(policy, rho, lam=None, n=None, *, ms, miss, d=None, w=0.004, speedup=None):
@@ -211,7 +206,7 @@ def test_frontier_has_ci_error_bars_from_lo_hi(frontier) -> None:
     # one marker per family: the async variant falls under "other"
     fams = {c.lines[0].get_gid().split(":")[2] for c in bars}
     assert fams == {"exact", "exact-prefetch", "cache-prior", "psr", "other"}
-    assert {c.lines[0].get_marker() for c in bars} == set(report.MARKERS.values())
+    assert {c.lines[0].get_marker() for c in bars} == set(plots.MARKERS.values())
 
 
 def test_frontier_labels_only_front_points_without_overlap(frontier) -> None:
@@ -251,7 +246,7 @@ def test_frontier_zero_line_budget_and_titles(frontier) -> None:
 
 
 def test_frontier_numbers_and_key_when_labels_do_not_fit(monkeypatch) -> None:
-    monkeypatch.setattr(report, "_CLEAN_PT", -1)  # no place is good enough for a label
+    monkeypatch.setattr(plots, "_CLEAN_PT", -1)  # no place is good enough for a label
     rs = grid()[:7]
     fig = frontier_figure(rs)
     for ax in fig.axes:
@@ -294,7 +289,7 @@ def test_save_writes_the_frontier_png_only_with_quality(tmp_path, monkeypatch) -
     assert "h200 ms/tok" in paths["md"].read_text()
     # Without Δ nats/token: no frontier (the drawing itself stubbed out here).
     calls = []
-    monkeypatch.setattr(report, "plot", lambda r, p, prof, **kw: calls.append(("plot", p)))
-    monkeypatch.setattr(report, "plot_frontier", lambda *a, **kw: calls.append(("frontier",)))
+    monkeypatch.setattr(plots, "plot", lambda r, p, prof, **kw: calls.append(("plot", p)))
+    monkeypatch.setattr(plots, "plot_frontier", lambda *a, **kw: calls.append(("frontier",)))
     plain = save([{k: v for k, v in r.items() if k != "delta_nll"} for r in rs], tmp_path, "u")
     assert set(plain) == {"json", "md", "png"} and calls == [("plot", tmp_path / "u.png")]

@@ -45,7 +45,8 @@ def test_block_selection_matches_a_plain_reference(E, k, kb, T, lam, renorm) -> 
     gen = torch.Generator().manual_seed(E * 7 + kb)
     logits = torch.randn(T, E, generator=gen) * 2
     mask = torch.rand(E, generator=gen) < 0.5
-    chosen, w, ids = route_block_ref(logits, k, kb, mask=mask, lam=lam, renormalize=renorm)
+    spec = pk.RouteSpec(k, lam=lam, renormalize=renorm)
+    chosen, w, ids = route_block_ref(logits, spec, kb, mask=mask)
     want_set, want_ids, want_w = plain_block(logits, k, kb, mask, lam, renorm)
     assert chosen.tolist() == want_set
     assert ids.tolist() == want_ids
@@ -59,9 +60,10 @@ def test_a_block_of_all_experts_is_exact_routing(scoring) -> None:
     logits = torch.randn(6, 32, generator=gen)
     bias = torch.randn(32, generator=gen) * 0.05 if scoring == "sigmoid" else None
     mask = torch.rand(32, generator=gen) < 0.5
-    kw = dict(scoring=scoring, bias=bias, renormalize=True, scaling=2.0)
-    chosen, w, ids = route_block_ref(logits, 4, 32, mask=mask, lam=0.7, **kw)
-    w_ref, ids_ref = pk.route_ref(logits, 4, **kw)
+    spec = pk.RouteSpec(4, lam=0.7, scoring=scoring, renormalize=True, scaling=2.0)
+    chosen, w, ids = route_block_ref(logits, spec, 32, mask=mask, bias=bias)
+    exact = pk.RouteSpec(4, scoring=scoring, renormalize=True, scaling=2.0)
+    w_ref, ids_ref = pk.route_ref(logits, exact, bias=bias)
     assert chosen.tolist() == list(range(32))
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref)
@@ -69,12 +71,12 @@ def test_a_block_of_all_experts_is_exact_routing(scoring) -> None:
 
 def test_the_cache_bias_pulls_cached_experts_into_the_set_and_ties_go_low() -> None:
     logits = torch.zeros(3, 8)  # all tied: the lowest ids win
-    chosen, _, ids = route_block_ref(logits, 2, 3)
+    chosen, _, ids = route_block_ref(logits, pk.RouteSpec(2), 3)
     assert chosen.tolist() == [0, 1, 2] and ids.tolist() == [[0, 1]] * 3
     mask = torch.zeros(8, dtype=torch.bool)
     mask[[5, 7]] = True
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
-    chosen, _, _ = route_block_ref(logits, 2, 3, mask=mask, lam=5.0)
+    chosen, _, _ = route_block_ref(logits, pk.RouteSpec(2, lam=5.0), 3, mask=mask)
     assert {5, 7} <= set(chosen.tolist())
     score = block_scores_ref(logits)
     torch.testing.assert_close(score, torch.softmax(logits, -1).sum(0))
@@ -91,4 +93,12 @@ def test_the_cache_bias_pulls_cached_experts_into_the_set_and_ties_go_low() -> N
 )
 def test_bad_block_arguments(kw, match) -> None:
     with pytest.raises(ValueError, match=match):
-        route_block_ref(torch.zeros(2, 8), kw["top_k"], kw["block_k"])
+        route_block_ref(torch.zeros(2, 8), pk.RouteSpec(kw["top_k"]), kw["block_k"])
+
+
+def test_block_routing_refuses_group_limited_routers() -> None:
+    spec = pk.RouteSpec(2, scoring="sigmoid", n_group=4, topk_group=2)
+    with pytest.raises(ValueError, match=r"group-limited routers \(n_group=4\) are not supported"):
+        route_block_ref(torch.zeros(2, 8), spec, 4)
+    with pytest.raises(TypeError, match="route_block: spec must be a psr_kernels"):
+        route_block_ref(torch.zeros(2, 8), 2, 4)

@@ -86,7 +86,9 @@ def test_kernel_ops_are_the_kernels_or_the_references(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     tri, ref = pk.kernel_ops("triton", "cpu"), pk.kernel_ops("torch", "cpu")
     assert isinstance(tri, pk.KernelOps) and isinstance(ref, pk.KernelOps)
-    names = ("route", "route_hidden", "predict_next", "expert_ffn")
+    names = ("route", "route_hidden", "predict_next", "expert_ffn", "decode_step")
+    # One entry per operation: expert_ffn serves float and quantized rows (its fmt).
+    assert [f.name for f in dataclasses.fields(pk.KernelOps)] == ["path", *names]
     assert [getattr(tri, n) for n in names] == [getattr(pk, n) for n in names]
     assert [getattr(ref, n) for n in names] == [getattr(pk, n + "_ref") for n in names]
     assert (tri.path, ref.path) == ("triton", "torch")
@@ -95,7 +97,8 @@ def test_kernel_ops_are_the_kernels_or_the_references(monkeypatch) -> None:
     # Both paths route alike (the kernel tests check each op in depth).
     logits = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
     mask = torch.arange(16) % 3 == 0
-    w1, ids1 = tri.route(logits, 4, mask=mask, lam=0.3)
-    w2, ids2 = ref.route(logits, 4, mask=mask, lam=0.3)
+    spec = pk.RouteSpec(4, lam=0.3)
+    w1, ids1 = tri.route(logits, spec, mask=mask)
+    w2, ids2 = ref.route(logits, spec, mask=mask)
     assert torch.equal(ids1, ids2)
     torch.testing.assert_close(w1, w2, rtol=1e-5, atol=1e-6)

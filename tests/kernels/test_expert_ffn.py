@@ -124,3 +124,89 @@ def test_unpack_expert_views_what_pack_expert_packed(dtype) -> None:
     assert g.shape == (4, F, H) and torch.equal(d[1], experts[1][2])
     with pytest.raises(ValueError, match=r"rows hold 90 elements, expected 3 \* H \* F = 108"):
         pk.unpack_expert(row, H, F + 1)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", [None, "bf16 rows", "int8"])
+def test_expert_row_ffn_ref_computes_as_the_models_mlp_bit_for_bit(fmt, x_dtype) -> None:
+    """Float rows of x's dtype compute in that dtype as HF's MLP does (`F.linear`);
+    other float rows and quantized rows in fp32, as the kernels: bit for bit."""
+    H, F = 48, 40
+    lin, silu = torch.nn.functional.linear, torch.nn.functional.silu
+    row_dtype = torch.bfloat16 if fmt == "bf16 rows" else x_dtype
+    slab, experts = make_slab(2, H, F, row_dtype, seed=4)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1)).to(x_dtype)
+    if fmt == "int8":
+        row = pk.quantize_expert(*experts[1], "int8")
+        y = pk.expert_row_ffn_ref(x, row, H, F, fmt="int8")
+        g, u, d = pk.dequantize_expert(row, H, F, "int8")
+    else:
+        y = pk.expert_row_ffn_ref(x, slab[1], H, F)
+        g, u, d = experts[1]
+    if fmt != "int8" and row_dtype == x_dtype:
+        want = lin(silu(lin(x, g)) * lin(x, u), d)
+    else:
+        xf, g, u, d = x.float(), g.float(), u.float(), d.float()
+        want = lin(silu(lin(xf, g)) * lin(xf, u), d).to(x_dtype)
+    assert y.dtype == x_dtype and torch.equal(y, want)
+    # The slab reference is the same formula over routed rows, summed with the weights.
+    slots, w = torch.tensor([[1]] * 5), torch.ones(5, 1)
+    if fmt != "int8":
+        ref = pk.expert_ffn_ref(x, slab, slots, w, H, F, out_dtype=torch.float32)
+        torch.testing.assert_close(ref, y.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_swiglu_ref_broadcasts_over_experts() -> None:
+    gen = torch.Generator().manual_seed(2)
+    gate, up = torch.randn(3, 6, 4, generator=gen), torch.randn(3, 6, 4, generator=gen)
+    down, x = torch.randn(3, 4, 6, generator=gen), torch.randn(2, 4, generator=gen)
+    y = pk.swiglu_ref(x, gate, up, down)  # three experts over the same two tokens
+    assert y.shape == (3, 2, 4) and y.dtype == torch.float32
+    for e in range(3):
+        h = torch.nn.functional.silu(x @ gate[e].t()) * (x @ up[e].t())
+        torch.testing.assert_close(y[e], h @ down[e].t())
+    assert pk.swiglu_ref(x, gate, up, down, torch.float64).dtype == torch.float64
+
+
+def test_launch_config_is_computed_once_per_shape() -> None:
+    from psr_kernels.expert_ffn import ffn_launch_config
+
+    H, F = 48, 16
+    slab, _ = make_slab(4, H, F, torch.float32)
+    slots, w = torch.tensor([[3, 0]]), torch.tensor([[0.7, 0.3]])
+    ffn_launch_config.cache_clear()
+    for _ in range(3):
+        pk.expert_ffn(torch.randn(1, H), slab, slots, w, H, F)
+    info = ffn_launch_config.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+    gate_up, _ = ffn_launch_config(1, H, F)
+    with pytest.raises(TypeError):  # read-only: shared by every launch of the shape
+        gate_up["BLOCK_F"] = 1  # type: ignore[index]
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "int4"])
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+def test_slot_table_reads_the_same_experts_as_their_slots(fmt, w_dtype) -> None:
+    """With the device slot map (`slot_table`), routed expert ids go straight in: the result
+    is bit-identical to passing table[ids] as slots, in kernel and reference, and bf16
+    gate weights are widened exactly as `.float()` would."""
+    H, F, C, E, k = 64, 32, 4, 12, 3
+    slab, experts = make_slab(C, H, F, torch.float32, seed=3)
+    if fmt is not None:
+        slab = torch.stack([pk.quantize_expert(*e, fmt, group_size=32) for e in experts])
+    gen = torch.Generator().manual_seed(1)
+    table = torch.full((E,), -1, dtype=torch.int32)
+    members = torch.randperm(E, generator=gen)[:C]
+    table[members] = torch.randperm(C, generator=gen).to(torch.int32)
+    ids = members[torch.randperm(C, generator=gen)[:k]][None]
+    x = torch.randn(1, H, generator=gen)
+    w = torch.rand(1, k, generator=gen).to(w_dtype)
+    kw = dict(fmt=fmt, group_size=32)
+    for f in (pk.expert_ffn, pk.expert_ffn_ref):
+        got = f(x, slab, ids, w, H, F, slot_table=table, **kw)
+        want = f(x, slab, table[ids].long(), w.float(), H, F, **kw)
+        assert torch.equal(got, want), f.__name__
+    with pytest.raises(IndexError, match=r"expert ids must be in \[0, 12\)"):
+        pk.expert_ffn(x, slab, ids + E, w, H, F, slot_table=table, **kw)
+    with pytest.raises(ValueError, match="slot_table must be a contiguous 1-D tensor"):
+        pk.expert_ffn(x, slab, ids, w, H, F, slot_table=table[None], **kw)

@@ -30,6 +30,8 @@ SCRIPT = textwrap.dedent(
         quant_launch_config,
     )
     from psr_kernels.routing import RouteSpec, _route_kernel, route_kernel_config
+    from psr_kernels.cache_state import CacheLayout, _cache_prefetch_kernel, _cache_use_kernel
+    from psr_kernels.decode import _decode_kernel, decode_config
 
     def compile_(fn, types, consts, warps, arch):
         sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
@@ -55,34 +57,58 @@ SCRIPT = textwrap.dedent(
             spec = RouteSpec(k, scoring=scoring, **group)
         else:
             spec = RouteSpec(k, 0.3, scoring, True, scaling=2.5 if grouped else 1.0, **group)
-        cfg = route_kernel_config(
+        cfg = dict(route_kernel_config(
             spec, num_tokens=T, num_experts=E, hidden_size=None if op == "route" else H,
             has_norm=op == "predict_next", has_mask=True, has_bias=grouped,
             store_logits=op == "route_hidden", store_incache=op == "predict_next",
-        )
+        ))
         warps = cfg.pop("num_warps")
         compile_(_route_kernel, types, cfg, warps, arch)
         n += 1
-    for arch, (E, k, H, F, _) in itertools.product((80, 90), shapes):
-        c1, c2 = ffn_launch_config(1, H, F)
+    # The expert FFN reads slot ids (host step) or expert ids through the device slot map
+    # (HAS_TABLE: the device step, its bf16 gate weights widened in-kernel).
+    for arch, (E, k, H, F, _), table in itertools.product((80, 90), shapes, (False, True)):
+        c1, c2 = map(dict, ffn_launch_config(1, H, F))  # the cached mappings are read-only
         w1, w2 = c1.pop("num_warps"), c2.pop("num_warps")
+        ids = {"slots_ptr": p("i64"), "table_ptr": p("i32")}
         compile_(_gate_up_kernel, {"x_ptr": p("bf16"), "slab_ptr": p("bf16"),
-                                   "slots_ptr": p("i64"), "h_ptr": p("fp32")},
-                 dict(K=k, **c1), w1, arch)
-        compile_(_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("bf16"), "slots_ptr": p("i64"),
-                                "w_ptr": p("fp32"), "y_ptr": p("bf16")}, dict(K=k, **c2), w2, arch)
+                                   "h_ptr": p("fp32"), **ids},
+                 dict(K=k, HAS_TABLE=table, **c1), w1, arch)
+        compile_(_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("bf16"), **ids,
+                                "w_ptr": p("bf16" if table else "fp32"), "y_ptr": p("bf16")},
+                 dict(K=k, HAS_TABLE=table, **c2), w2, arch)
         n += 2
+    # The device step: the fused decode kernel (with and without the next layer's
+    # prediction) and the standalone cache kernels, at half residency, n = 2.
+    dtypes = {"logits_ptr": p("bf16"), "bias_ptr": p("fp32"), "weights_ptr": p("bf16"),
+              "ids_ptr": p("i64"), "res_ptr": p("bf16"), "norm_ptr": p("bf16"), "eps": "fp32",
+              "gate_ptr": p("bf16"), "next_bias_ptr": p("fp32"), "state_ptr": p("i32"),
+              "lam": "fp32", "scaling": "fp32"}
+    for arch, (E, k, H, F, grouped), pred in itertools.product((80, 90), shapes, (0, 2)):
+        group = dict(n_group=8, topk_group=4) if grouped else {}
+        spec = RouteSpec(k, 0.3, "sigmoid" if grouped else "softmax", True, **group)
+        layout = CacheLayout(E, E // 2, k, 2)
+        cfg = dict(decode_config(spec, layout, H, n=pred, has_mask=True, has_bias=grouped,
+                                 has_next_bias=grouped and pred > 0))
+        warps = cfg.pop("num_warps")
+        compile_(_decode_kernel, dtypes, cfg, warps, arch)
+        lo = dict(layout.constexprs())
+        compile_(_cache_use_kernel, {"state_ptr": p("i32"), "ids_ptr": p("i64")}, lo, 4, arch)
+        compile_(_cache_prefetch_kernel, {"state_ptr": p("i32"), "pred_ptr": p("i32")},
+                 dict(N=2, **lo), 4, arch)
+        n += 3
     # Quantized slab rows: every format (fp8 decoded with integer ops: no fp8 hardware
     # needed on sm_80) for OLMoE-1B-7B at decode (H=2048, F=1024, k=8, T=1).
     for arch, fmt in itertools.product((80, 90), FORMATS):
-        c1, c2 = quant_launch_config(QuantLayout.of(fmt, 2048, 1024))
+        c1, c2 = map(dict, quant_launch_config(QuantLayout.of(fmt, 2048, 1024)))
         w1, w2 = c1.pop("num_warps"), c2.pop("num_warps")
+        ids = {"slots_ptr": p("i64"), "table_ptr": p("i32")}
         compile_(_quant_gate_up_kernel, {"x_ptr": p("bf16"), "slab_ptr": p("u8"),
-                                         "slots_ptr": p("i64"), "h_ptr": p("fp32")},
-                 dict(K=8, **c1), w1, arch)
-        compile_(_quant_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("u8"),
-                                      "slots_ptr": p("i64"), "w_ptr": p("fp32"),
-                                      "y_ptr": p("bf16")}, dict(K=8, **c2), w2, arch)
+                                         "h_ptr": p("fp32"), **ids},
+                 dict(K=8, HAS_TABLE=True, **c1), w1, arch)
+        compile_(_quant_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("u8"), **ids,
+                                      "w_ptr": p("fp32"), "y_ptr": p("bf16")},
+                 dict(K=8, HAS_TABLE=True, **c2), w2, arch)
         n += 2
     for arch in (80, 90):
         compile_(_fp8_decode_kernel, {"c_ptr": p("u8"), "out_ptr": p("fp32")},
@@ -102,4 +128,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 50" in r.stdout
+    assert "compiled 98" in r.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -43,15 +44,33 @@ def test_ops_dispatch_with_equal_results(monkeypatch, interpret, compute, path) 
     assert pk.kernel_ops("auto", "cpu").path == path
     logits, mask, hidden, gate, norm_w = _inputs()
     w, ids = torch.ops.psr.route(logits, 4, mask, 0.3, "softmax", True)
-    w2, ids2 = pk.route_ref(logits, 4, mask=mask, lam=0.3, renormalize=True)
+    w2, ids2 = pk.route_ref(logits, pk.RouteSpec(4, lam=0.3, renormalize=True), mask=mask)
     assert torch.equal(ids, ids2)
     torch.testing.assert_close(w, w2)
     ids, inc = torch.ops.psr.predict_next(hidden, norm_w, gate, 2, mask)
-    ids_ref, inc_ref = pk.predict_next_ref(hidden, norm_w, gate, 2, mask=mask)
+    ids_ref, inc_ref = pk.predict_next_ref(hidden, norm_w, gate, 2, pk.RouteSpec(2), mask=mask)
     assert torch.equal(ids, ids_ref) and torch.equal(inc, inc_ref)
     _, ids, logits2 = torch.ops.psr.route_hidden(hidden, gate, 4)
     torch.testing.assert_close(logits2, hidden @ gate.t())
-    assert torch.equal(ids, pk.route_ref(hidden @ gate.t(), 4)[1])
+    assert torch.equal(ids, pk.route_ref(hidden @ gate.t(), pk.RouteSpec(4))[1])
+
+
+def test_route_op_schemas_list_the_arguments_of_route_args() -> None:
+    """The routing ops' schemas and `_route_args` (which builds their RouteSpec) are
+    one list of arguments, in one order, with the same defaults, covering RouteSpec."""
+    import inspect
+
+    from psr_kernels.ops import _route_args
+
+    params = inspect.signature(_route_args).parameters.values()
+    want = [(p.name, None if p.default is p.empty else p.default) for p in params]
+    fields = {f.name for f in dataclasses.fields(pk.RouteSpec)}
+    assert {name for name, _ in want} == fields | {"mask", "bias"}
+    for op, lead in ((torch.ops.psr.route, 1), (torch.ops.psr.route_hidden, 2)):
+        args = op.default._schema.arguments[lead:]
+        assert [(a.name, a.default_value) for a in args] == want, op
+    spec, mask, bias = _route_args(3, None, 0.5, "sigmoid", True, None, 4, 2, 2.5)
+    assert spec == pk.RouteSpec(3, 0.5, "sigmoid", True, 4, 2, 2.5) and mask is bias is None
 
 
 def test_ops_refuse_triton_on_cpu_without_the_interpreter(monkeypatch) -> None:
@@ -159,7 +178,7 @@ def test_vllm_custom_routing_function_contract(monkeypatch, compute) -> None:
         assert w.dtype == torch.float32 and ids.dtype == torch.int32
         assert w.shape == ids.shape == (3, 4)
         assert w.is_contiguous() and ids.is_contiguous()
-        assert torch.equal(ids.long(), pk.route_ref(gating, 4)[1])
+        assert torch.equal(ids.long(), pk.route_ref(gating, pk.RouteSpec(4))[1])
         torch.testing.assert_close(w.sum(-1), torch.ones(3))
     # renormalize=False: plain softmax probabilities of the chosen experts.
     w, ids = fn(hidden_states=hidden, gating_output=logits, topk=4, renormalize=False)
@@ -167,7 +186,7 @@ def test_vllm_custom_routing_function_contract(monkeypatch, compute) -> None:
     # The mask is read at call time (the layer's cache as it is now).
     state["mask"] = mask
     w_b, ids_b = fn(hidden_states=hidden, gating_output=logits, topk=4, renormalize=True)
-    w_ref, ids_ref = pk.route_ref(logits, 4, mask=mask, lam=0.5, renormalize=True)
+    w_ref, ids_ref = pk.route_ref(logits, pk.RouteSpec(4, lam=0.5, renormalize=True), mask=mask)
     assert torch.equal(ids_b.long(), ids_ref)
     torch.testing.assert_close(w_b, w_ref)
     # A fixed mask works too; lam 0 is vLLM's own softmax top-k.
@@ -189,7 +208,7 @@ def test_psr_kernels_imports_without_psr() -> None:
     code = (
         "import sys, psr_kernels, torch\n"
         "assert 'psr' not in sys.modules, sorted(m for m in sys.modules if m.startswith('psr'))\n"
-        "print(psr_kernels.route_ref(torch.randn(1, 8), 2)[1].shape)"
+        "print(psr_kernels.route_ref(torch.randn(1, 8), psr_kernels.RouteSpec(2))[1].shape)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "torch.Size([1, 2])" in out.stdout

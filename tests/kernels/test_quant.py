@@ -301,7 +301,7 @@ def routed_inputs(T: int, k: int, H: int, C: int, dtype: torch.dtype, seed: int)
 
 # (T, k, H, F, group, dtype): odd sizes; int4 with several groups per row (H = 48 and 256)
 # and whole-row groups (H = 50 and F < group; H = 130 is no multiple of an int4 group, so
-# int4 takes 50). Several groups along F: test_expert_ffn_quant_is_deterministic_...
+# int4 takes 50). Several groups along F: test_quantized_expert_ffn_is_deterministic_...
 CASES = [
     (1, 1, 48, 16, 16, torch.float32),
     (3, 3, 130, 40, 64, torch.bfloat16),
@@ -311,15 +311,16 @@ CASES = [
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(("T", "k", "H", "F", "group", "dtype"), CASES)
-def test_expert_ffn_quant_matches_reference(fmt, T, k, H, F, group, dtype) -> None:
+def test_quantized_expert_ffn_matches_reference(fmt, T, k, H, F, group, dtype) -> None:
     if fmt == "int4" and H == 130:
         H = 50
     C = max(k, 4)
     slab = make_quant_slab(C, H, F, fmt, group, seed=H)
     x, slots, weights = routed_inputs(T, k, H, C, dtype, seed=k)
-    args = (x, slab, slots, weights, H, F, fmt)
-    y = pk.expert_ffn_quant(*args, group_size=group, out_dtype=torch.float32)
-    y_ref = pk.expert_ffn_quant_ref(*args, group_size=group, out_dtype=torch.float32)
+    args = (x, slab, slots, weights, H, F)
+    kw = dict(fmt=fmt, group_size=group)
+    y = pk.expert_ffn(*args, **kw, out_dtype=torch.float32)
+    y_ref = pk.expert_ffn_ref(*args, **kw, out_dtype=torch.float32)
     assert y.shape == y_ref.shape == (T, H) and y.is_contiguous() and y_ref.is_contiguous()
     # Both dequantize exactly and accumulate in fp32: only summation order differs.
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5 * y_ref.abs().max().item())
@@ -334,54 +335,63 @@ def test_expert_ffn_quant_matches_reference(fmt, T, k, H, F, group, dtype) -> No
             want[t] += weights[t, j].double() * (d @ (torch.nn.functional.silu(g @ xt) * (u @ xt)))
     atol, rtol = DTYPE_TOLS[dtype]
     torch.testing.assert_close(y.to(dtype).double(), want, rtol=rtol, atol=atol)
-    assert pk.expert_ffn_quant_ref(*args, group_size=group).dtype == dtype
+    assert pk.expert_ffn_ref(*args, **kw).dtype == dtype
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_expert_ffn_quant_is_deterministic_reads_views_and_skips_bad_slots(fmt) -> None:
+def test_quantized_expert_ffn_is_deterministic_reads_views_and_skips_bad_slots(fmt) -> None:
     H, F, G = 48, 64, 16  # int4: 3 groups along H, 4 along F
     big = make_quant_slab(6, H, F, fmt, G, seed=3)
     slab = big[1:5]  # a view with an offset, as a store's slab slice would be (16-aligned)
     x = torch.randn(2, H, generator=torch.Generator().manual_seed(0))
     slots = torch.tensor([[3, 0], [1, 1]], dtype=torch.int32)
     w = torch.tensor([[0.7, 0.3], [0.5, 0.25]])
-    y1 = pk.expert_ffn_quant(x, slab, slots, w, H, F, fmt, group_size=G)
-    y2 = pk.expert_ffn_quant(x, slab, slots, w, H, F, fmt, group_size=G)
+    kw = dict(fmt=fmt, group_size=G)
+    y1 = pk.expert_ffn(x, slab, slots, w, H, F, **kw)
+    y2 = pk.expert_ffn(x, slab, slots, w, H, F, **kw)
     assert torch.equal(y1, y2)  # bitwise, run to run
-    torch.testing.assert_close(
-        y1, pk.expert_ffn_quant_ref(x, big, slots + 1, w, H, F, fmt, group_size=G)
-    )
+    torch.testing.assert_close(y1, pk.expert_ffn_ref(x, big, slots + 1, w, H, F, **kw))
     # The output dtype follows x by default.
-    yb = pk.expert_ffn_quant(x.bfloat16(), slab, slots, w, H, F, fmt, group_size=G)
+    yb = pk.expert_ffn(x.bfloat16(), slab, slots, w, H, F, **kw)
     assert yb.dtype == torch.bfloat16
-    torch.testing.assert_close(
-        yb, pk.expert_ffn_quant_ref(x.bfloat16(), slab, slots, w, H, F, fmt, group_size=G)
-    )
+    torch.testing.assert_close(yb, pk.expert_ffn_ref(x.bfloat16(), slab, slots, w, H, F, **kw))
     # Unchecked out-of-range slots read as zeros (no fault).
     bad = torch.tensor([[3, 9], [-1, 1]])
-    y3 = pk.expert_ffn_quant(x, slab, bad, w, H, F, fmt, group_size=G, check_slots=False)
+    y3 = pk.expert_ffn(x, slab, bad, w, H, F, **kw, check_slots=False)
     kept = torch.tensor([[0.7], [0.25]])  # the weights of the in-range slots
-    want = pk.expert_ffn_quant_ref(x, slab, torch.tensor([[3], [1]]), kept, H, F, fmt, group_size=G)
+    want = pk.expert_ffn_ref(x, slab, torch.tensor([[3], [1]]), kept, H, F, **kw)
     torch.testing.assert_close(y3, want)
     # No experts, or no tokens: zeros of the right shape.
     assert torch.equal(
-        pk.expert_ffn_quant(x, slab, slots[:, :0], w[:, :0], H, F, fmt, group_size=G),
-        torch.zeros(2, H),
+        pk.expert_ffn(x, slab, slots[:, :0], w[:, :0], H, F, **kw), torch.zeros(2, H)
     )
-    y0 = pk.expert_ffn_quant(x[:0], slab, slots[:0], w[:0], H, F, fmt, group_size=G)
+    y0 = pk.expert_ffn(x[:0], slab, slots[:0], w[:0], H, F, **kw)
     assert y0.shape == (0, H)
 
 
-def test_expert_ffn_quant_bad_input() -> None:
+def _with_fmt(ffn):
+    """`ffn` taking the format as its 7th positional argument."""
+
+    def fn(x, slab, slots, w, H, F, fmt, **kw):
+        return ffn(x, slab, slots, w, H, F, fmt=fmt, **kw)
+
+    return fn
+
+
+def test_quantized_expert_ffn_bad_input() -> None:
     H, F = 32, 16
     slab = make_quant_slab(4, H, F, "int8", 128)
     nbytes = slab.shape[1]
     x = torch.randn(1, H)
     slots = torch.tensor([[0, 1]])
     w = torch.rand(1, 2)
-    for fn in (pk.expert_ffn_quant, pk.expert_ffn_quant_ref):
-        with pytest.raises(ValueError, match=r"fmt must be one of 'int8', 'fp8', 'int4', got 'q8'"):
+    for fn in (_with_fmt(pk.expert_ffn), _with_fmt(pk.expert_ffn_ref)):
+        with pytest.raises(
+            ValueError, match=r"fmt must be None \(float slab rows\) or one of 'int8', 'fp8', "
+        ):
             fn(x, slab, slots, w, H, F, "q8")
+        with pytest.raises(ValueError, match=r"or one of 'int8', 'fp8', 'int4', got 'bf16'"):
+            fn(x, slab, slots, w, H, F, "bf16")
         with pytest.raises(TypeError, match=r"slab must be a 2-D uint8 tensor \[C, nbytes\]"):
             fn(x, slab.float(), slots, w, H, F, "int8")
         with pytest.raises(TypeError, match="slab must be a 2-D uint8 tensor"):
@@ -408,23 +418,30 @@ def test_expert_ffn_quant_bad_input() -> None:
     padded = torch.zeros(4, nbytes + 4, dtype=torch.uint8)
     padded[:, :nbytes] = slab
     with pytest.raises(ValueError, match="16-byte aligned"):
-        pk.expert_ffn_quant(x, padded[:, :nbytes], slots, w, H, F, "int8")
+        pk.expert_ffn(x, padded[:, :nbytes], slots, w, H, F, fmt="int8")
     flat = torch.zeros(4 * nbytes + 4, dtype=torch.uint8)
     with pytest.raises(ValueError, match="16-byte aligned"):
-        pk.expert_ffn_quant(x, flat[4:].view(4, nbytes), slots, w, H, F, "int8")
+        pk.expert_ffn(x, flat[4:].view(4, nbytes), slots, w, H, F, fmt="int8")
     # The reference does not care.
-    pk.expert_ffn_quant_ref(x, padded[:, :nbytes], slots, w, H, F, "int8")
+    pk.expert_ffn_ref(x, padded[:, :nbytes], slots, w, H, F, fmt="int8")
+    # A uint8 slab is not float rows: fmt=None refuses it.
+    with pytest.raises(TypeError, match="slab dtype must be float32, bfloat16 or float16"):
+        pk.expert_ffn(x, slab, slots, w, H, F)
 
 
 # --------------------------------------------------------------------------- dispatch, op
 
 
-def test_kernel_ops_carry_the_quantized_ffn(monkeypatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.delenv("PSR_COMPUTE", raising=False)
-    assert pk.kernel_ops("triton", "cpu").expert_ffn_quant is pk.expert_ffn_quant
-    assert pk.kernel_ops("torch", "cpu").expert_ffn_quant is pk.expert_ffn_quant_ref
-    assert pk.kernel_ops("auto", "cpu").expert_ffn_quant is pk.expert_ffn_quant_ref
+def test_launch_config_is_computed_once_per_layout() -> None:
+    H, F, G = 48, 64, 16
+    slab = make_quant_slab(4, H, F, "int4", G, seed=3)
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(0))
+    slots, w = torch.tensor([[3, 0]]), torch.tensor([[0.7, 0.3]])
+    quant.quant_launch_config.cache_clear()
+    for _ in range(3):
+        pk.expert_ffn(x, slab, slots, w, H, F, fmt="int4", group_size=G)
+    info = quant.quant_launch_config.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
 
 
 def _op_cases():
@@ -433,14 +450,14 @@ def _op_cases():
     x = torch.randn(3, H, generator=gen)
     slots = torch.tensor([[0, 2], [3, 1], [2, 2]])
     w = torch.rand(3, 2, generator=gen)
-    op = torch.ops.psr.expert_ffn_quant.default
+    op = torch.ops.psr.expert_ffn.default
     cases = []
     for fmt in FORMATS:
         slab = make_quant_slab(4, H, F, fmt, 128, seed=2)
-        cases.append((op, (x, slab, slots, w, H, F, fmt), {}))
+        cases.append((op, (x, slab, slots, w, H, F), {"fmt": fmt}))
     slab = make_quant_slab(4, H, F, "int8", 128, seed=2)
-    cases.append((op, (x.half(), slab, slots.int(), w, H, F, "int8", 128), {}))
-    cases.append((op, (x, slab, slots, w, H, F, "int8"), {"out_dtype": torch.bfloat16}))
+    cases.append((op, (x.half(), slab, slots.int(), w, H, F, None, "int8", 128), {}))
+    cases.append((op, (x, slab, slots, w, H, F), {"fmt": "int8", "out_dtype": torch.bfloat16}))
     return cases
 
 
@@ -451,7 +468,7 @@ def torch_path(monkeypatch):
 
 
 @pytest.mark.usefixtures("torch_path")
-def test_expert_ffn_quant_op_passes_opcheck_and_its_fake_matches() -> None:
+def test_quantized_expert_ffn_op_passes_opcheck_and_its_fake_matches() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._pytree import tree_map_only
 
@@ -463,5 +480,6 @@ def test_expert_ffn_quant_op_passes_opcheck_and_its_fake_matches() -> None:
         with mode:
             fake = op(*fargs, **fkwargs)
         assert (real.shape, real.stride(), real.dtype) == (fake.shape, fake.stride(), fake.dtype)
-        ref = pk.expert_ffn_quant_ref(*args[:7], **kwargs)
+        kw = dict(zip(("out_dtype", "fmt", "group_size"), args[6:], strict=False)) | kwargs
+        ref = pk.expert_ffn_ref(*args[:6], **kw)
         torch.testing.assert_close(real, ref)

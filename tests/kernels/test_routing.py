@@ -40,9 +40,9 @@ def test_route_matches_reference(T, E, k, scoring, lam, per_token, renorm, dtype
     gen = torch.Generator().manual_seed(T * 1000 + E * 10 + k)
     logits = (torch.randn(T, E, generator=gen) * 2).to(dtype)
     mask = rand_mask(T, E, gen, per_token=per_token)
-    kw = dict(mask=mask, lam=lam, scoring=scoring, renormalize=renorm)
-    w, ids = pk.route(logits, k, **kw)
-    w_ref, ids_ref = pk.route_ref(logits, k, **kw)
+    spec = pk.RouteSpec(k, lam, scoring, renorm)
+    w, ids = pk.route(logits, spec, mask=mask)
+    w_ref, ids_ref = pk.route_ref(logits, spec, mask=mask)
     for t in (w, ids, w_ref, ids_ref):
         assert t.shape == (T, k) and t.is_contiguous()
     assert ids.dtype == ids_ref.dtype == torch.int64
@@ -55,8 +55,9 @@ def test_route_int32_ids() -> None:
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(3, 60, generator=gen)
     mask = rand_mask(3, 60, gen, per_token=True)
-    w, ids = pk.route(logits, 6, mask=mask, lam=0.3, ids_dtype=torch.int32)
-    w_ref, ids_ref = pk.route_ref(logits, 6, mask=mask, lam=0.3, ids_dtype=torch.int32)
+    spec = pk.RouteSpec(6, lam=0.3)
+    w, ids = pk.route(logits, spec, mask=mask, ids_dtype=torch.int32)
+    w_ref, ids_ref = pk.route_ref(logits, spec, mask=mask, ids_dtype=torch.int32)
     assert ids.dtype == ids_ref.dtype == torch.int32
     assert torch.equal(ids, ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
@@ -75,18 +76,9 @@ def test_route_sigmoid_group_limited_matches_reference(
     bias = (torch.randn(E, generator=gen) * 0.05).to(dtype)
     mask = rand_mask(T, E, gen, per_token=False)
     for lam in (0.0, 0.3):
-        kw = dict(
-            mask=mask,
-            lam=lam,
-            scoring="sigmoid",
-            renormalize=True,
-            bias=bias,
-            n_group=n_group,
-            topk_group=topk_group,
-            scaling=2.5,
-        )
-        w, ids = pk.route(logits, k, **kw)
-        w_ref, ids_ref = pk.route_ref(logits, k, **kw)
+        spec = pk.RouteSpec(k, lam, "sigmoid", True, n_group, topk_group, scaling=2.5)
+        w, ids = pk.route(logits, spec, mask=mask, bias=bias)
+        w_ref, ids_ref = pk.route_ref(logits, spec, mask=mask, bias=bias)
         assert torch.equal(ids, ids_ref)
         torch.testing.assert_close(w, w_ref, rtol=rtol, atol=atol)
         # Every chosen expert lies in one of topk_group groups.
@@ -146,19 +138,22 @@ def test_lam0_reproduces_the_models_own_routing(kind, extra, scoring, renorm) ->
     hidden = torch.randn(T, H, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         logits, hf_w, hf_ids = router(hidden)
-    kw = dict(scoring=scoring, renormalize=renorm)
+    spec, bias = pk.RouteSpec(k, scoring=scoring, renormalize=renorm), None
     if kind == "deepseek_v3":
-        kw |= dict(
-            bias=router.e_score_correction_bias,
+        bias = router.e_score_correction_bias
+        spec = pk.RouteSpec(
+            k,
+            scoring=scoring,
+            renormalize=renorm,
             n_group=cfg.n_group,
             topk_group=cfg.topk_group,
             scaling=cfg.routed_scaling_factor,
         )
     mask = torch.zeros(E, dtype=torch.bool)
     mask[::3] = True
-    w, ids = pk.route(logits, k, mask=mask, lam=0.0, **kw)
+    w, ids = pk.route(logits, spec, mask=mask, bias=bias)  # lam = 0: the mask has no effect
     # The fused GEMV variant computes the same logits and routing.
-    w2, ids2, logits2 = pk.route_hidden(hidden, router.weight, k, **kw)
+    w2, ids2, logits2 = pk.route_hidden(hidden, router.weight, spec, bias=bias)
     torch.testing.assert_close(logits2, logits.float(), rtol=1e-5, atol=1e-5)
     assert torch.equal(ids2, ids)
     torch.testing.assert_close(w2, w, rtol=1e-5, atol=1e-6)
@@ -174,23 +169,23 @@ def test_ties_go_to_the_lower_id() -> None:
     logits = torch.zeros(3, 8)
     logits[1, [2, 5, 6]] = 1.0
     logits[2] = torch.tensor([0.0, 1, 1, 0, 1, 0, 0, 1])
-    _, ids = pk.route(logits, 3)
+    _, ids = pk.route(logits, pk.RouteSpec(3))
     assert ids.tolist() == [[0, 1, 2], [2, 5, 6], [1, 2, 4]]
     # Bias ties: after biasing two experts tie exactly; the lower id wins.
     logits = torch.tensor([[0.0, 1.0, 0.5, 2.0]])
     mask = torch.tensor([False, False, True, False])
     # D = 2, lam = 0.25: expert 2 -> 0.5 + 0.5 = 1.0 == expert 1
-    _, ids = pk.route(logits, 2, mask=mask, lam=0.25)
-    _, ids_ref = pk.route_ref(logits, 2, mask=mask, lam=0.25)
+    _, ids = pk.route(logits, pk.RouteSpec(2, lam=0.25), mask=mask)
+    _, ids_ref = pk.route_ref(logits, pk.RouteSpec(2, lam=0.25), mask=mask)
     assert ids.tolist() == ids_ref.tolist() == [[3, 1]]
 
 
 def test_all_cached_and_none_cached_masks_leave_routing_exact() -> None:
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(16, 64, generator=gen)
-    _, exact = pk.route(logits, 8)
+    _, exact = pk.route(logits, pk.RouteSpec(8))
     for m in (torch.ones(64, dtype=torch.bool), torch.zeros(64, dtype=torch.bool)):
-        _, ids = pk.route(logits, 8, mask=m, lam=0.7)
+        _, ids = pk.route(logits, pk.RouteSpec(8, lam=0.7), mask=m)
         assert torch.equal(ids, exact)
 
 
@@ -200,16 +195,16 @@ def test_large_lam_picks_only_cached_experts() -> None:
     logits = torch.randn(T, E, generator=gen)
     mask = rand_mask(T, E, gen, per_token=True)
     mask[:, :k] = True  # at least k cached per row
-    w, ids = pk.route(logits, k, mask=mask, lam=1.01)
+    w, ids = pk.route(logits, pk.RouteSpec(k, lam=1.01), mask=mask)
     assert bool(mask.gather(1, ids).all())
     # ... and among them, the model's own order: top-k of the logits restricted to the cache.
     restricted = logits.masked_fill(~mask, float("-inf"))
-    _, want = pk.route_ref(restricted, k, check_finite=False)
+    _, want = pk.route_ref(restricted, pk.RouteSpec(k), check_finite=False)
     assert torch.equal(ids, want)
     # Gate weights still come from the unbiased softmax over all experts.
     torch.testing.assert_close(w, torch.softmax(logits, -1).gather(1, ids))
     # Some lam < 1 does let a strong uncached expert through.
-    _, ids_small = pk.route(logits, k, mask=mask, lam=0.05)
+    _, ids_small = pk.route(logits, pk.RouteSpec(k, lam=0.05), mask=mask)
     assert not bool(mask.gather(1, ids_small).all())
 
 
@@ -218,8 +213,9 @@ def test_non_contiguous_logits_and_broadcast_mask() -> None:
     base = torch.randn(60, 5, generator=gen)
     logits = base.t()  # [5, 60], strides (1, 5)
     mask = rand_mask(1, 60, gen, per_token=True)  # [1, E] broadcasts over tokens
-    w, ids = pk.route(logits, 6, mask=mask, lam=0.3)
-    w2, ids2 = pk.route(logits.contiguous(), 6, mask=mask[0], lam=0.3)
+    spec = pk.RouteSpec(6, lam=0.3)
+    w, ids = pk.route(logits, spec, mask=mask)
+    w2, ids2 = pk.route(logits.contiguous(), spec, mask=mask[0])
     assert torch.equal(ids, ids2) and torch.equal(w, w2)
 
 
@@ -231,9 +227,9 @@ def test_route_hidden_matches_reference(T, H, scoring, dtype, atol, rtol) -> Non
     hidden = torch.randn(T, H, generator=gen).to(dtype)
     gate = (torch.randn(E, H, generator=gen) / H**0.5).to(dtype)
     mask = rand_mask(T, E, gen, per_token=False)
-    kw = dict(mask=mask, lam=0.2, scoring=scoring, renormalize=True)
-    w, ids, logits = pk.route_hidden(hidden, gate, k, **kw)
-    w2, ids2, logits2 = pk.route_hidden_ref(hidden, gate, k, **kw)
+    spec = pk.RouteSpec(k, lam=0.2, scoring=scoring, renormalize=True)
+    w, ids, logits = pk.route_hidden(hidden, gate, spec, mask=mask)
+    w2, ids2, logits2 = pk.route_hidden_ref(hidden, gate, spec, mask=mask)
     assert logits.shape == logits2.shape == (T, E) and logits.dtype == torch.float32
     assert logits.is_contiguous() and logits2.is_contiguous()
     # The fp32 GEMV sums in a different order from the reference's matmul.
@@ -244,9 +240,9 @@ def test_route_hidden_matches_reference(T, H, scoring, dtype, atol, rtol) -> Non
 
 def test_empty_batch() -> None:
     for fn in (pk.route, pk.route_ref):
-        w, ids = fn(torch.empty(0, 8), 2)
+        w, ids = fn(torch.empty(0, 8), pk.RouteSpec(2))
         assert w.shape == ids.shape == (0, 2)
-    w, ids, logits = pk.route_hidden(torch.empty(0, 6), torch.randn(8, 6), 2)
+    w, ids, logits = pk.route_hidden(torch.empty(0, 6), torch.randn(8, 6), pk.RouteSpec(2))
     assert w.shape == ids.shape == (0, 2) and logits.shape == (0, 8)
 
 
@@ -275,36 +271,79 @@ def test_empty_batch() -> None:
 )
 def test_route_bad_arguments(kwargs, exc, match) -> None:
     kwargs = {"top_k": 2} | kwargs
+    tensors = {name: kwargs.pop(name) for name in ("mask", "bias") if name in kwargs}
+    spec = pk.RouteSpec(**kwargs)
     logits = torch.randn(4, 8)
+    hidden, gate = torch.randn(4, 6), torch.randn(8, 6)
     for fn in (pk.route, pk.route_ref):
         with pytest.raises(exc, match=match):
-            fn(logits, **kwargs)
+            fn(logits, spec, **tensors)
+    for fn in (pk.route_hidden, pk.route_hidden_ref):
+        with pytest.raises(exc, match=match):
+            fn(hidden, gate, spec, **tensors)
+
+
+def test_route_needs_a_route_spec() -> None:
+    """The old call form, a bare top_k, is a TypeError naming RouteSpec."""
+    logits, hidden, gate = torch.randn(2, 8), torch.randn(2, 6), torch.randn(8, 6)
+    for fn in (pk.route, pk.route_ref):
+        with pytest.raises(TypeError, match=r"route(_ref)?: spec must be a psr_kernels\.RouteSpec"):
+            fn(logits, 2)
+    for fn in (pk.route_hidden, pk.route_hidden_ref):
+        with pytest.raises(TypeError, match=r"spec must be a psr_kernels\.RouteSpec .*, got int"):
+            fn(hidden, gate, 2)
 
 
 def test_route_bad_tensors() -> None:
+    spec = pk.RouteSpec(2)
     with pytest.raises(ValueError, match="logits must have 2 dims"):
-        pk.route(torch.randn(8), 2)
+        pk.route(torch.randn(8), spec)
     with pytest.raises(TypeError, match="logits dtype must be float32"):
-        pk.route(torch.ones(2, 8, dtype=torch.int32), 2)
+        pk.route(torch.ones(2, 8, dtype=torch.int32), spec)
     nan = torch.randn(2, 8)
     nan[1, 3] = float("nan")
     for fn in (pk.route, pk.route_ref):
         with pytest.raises(ValueError, match="logits contains NaN"):
-            fn(nan, 2)
+            fn(nan, spec)
     inf = torch.randn(2, 8)
     inf[0, 0] = float("inf")
     with pytest.raises(ValueError, match="logits contains inf"):
-        pk.route(inf, 2)
+        pk.route(inf, spec)
     with pytest.raises(ValueError, match="gate_weight is \\[8, 5\\] but hidden size is 6"):
-        pk.route_hidden(torch.randn(2, 6), torch.randn(8, 5), 2)
+        pk.route_hidden(torch.randn(2, 6), torch.randn(8, 5), spec)
 
 
 def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("PSR_COMPUTE", raising=False)
     with pytest.raises(RuntimeError, match=r"Triton kernels need CUDA tensors.*TRITON_INTERPRET=1"):
-        pk.route(torch.randn(2, 8), 2)
+        pk.route(torch.randn(2, 8), pk.RouteSpec(2))
     # The torch op takes the reference on CPU.
     x = torch.randn(2, 8)
     w, ids = torch.ops.psr.route(x, 2)
-    assert torch.equal(ids, pk.route_ref(x, 2)[1]) and w.shape == (2, 2)
+    assert torch.equal(ids, pk.route_ref(x, pk.RouteSpec(2))[1]) and w.shape == (2, 2)
+
+
+def test_launch_config_is_computed_once_per_shape() -> None:
+    from psr_kernels.routing import route_kernel_config, route_launch_config
+
+    route_kernel_config.cache_clear()
+    route_launch_config.cache_clear()
+    gen = torch.Generator().manual_seed(9)
+    spec = pk.RouteSpec(4, lam=0.3)
+    mask = torch.rand(40, generator=gen) < 0.5
+    for _ in range(3):
+        pk.route(torch.randn(3, 40, generator=gen), spec, mask=mask)
+    info = route_kernel_config.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+    assert route_launch_config.cache_info().misses == 1
+    # Another shape, or other flags, is computed once more.
+    pk.route(torch.randn(5, 40, generator=gen), spec, mask=mask)
+    pk.route(torch.randn(3, 40, generator=gen), spec)
+    pk.route(torch.randn(3, 40, generator=gen), spec)
+    info = route_kernel_config.cache_info()
+    assert (info.misses, info.hits) == (3, 3)
+    # The cached configurations are read-only: no caller can change another's launch.
+    cfg = route_kernel_config(spec, num_tokens=3, num_experts=40, has_mask=True)
+    with pytest.raises(TypeError):
+        cfg["BLOCK_T"] = 1  # type: ignore[index]

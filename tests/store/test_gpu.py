@@ -91,16 +91,16 @@ def test_kernels_match_references_on_cuda(dtype) -> None:
     T, E, k, H, F = 3, 64, 8, 2048, 256
     logits = torch.randn(T, E, device="cuda", generator=g).to(dtype)
     mask = torch.rand(E, device="cuda", generator=g) < 0.5
-    w, ids = pk.route(logits, k, mask=mask, lam=0.3)
-    w2, ids2 = pk.route_ref(logits, k, mask=mask, lam=0.3)
+    w, ids = pk.route(logits, pk.RouteSpec(k, lam=0.3), mask=mask)
+    w2, ids2 = pk.route_ref(logits, pk.RouteSpec(k, lam=0.3), mask=mask)
     assert torch.equal(ids, ids2)
     torch.testing.assert_close(w, w2)
     hidden = torch.randn(T, H, device="cuda", generator=g).to(dtype)
     gate = (torch.randn(E, H, device="cuda", generator=g) / H**0.5).to(dtype)
     nw = torch.ones(H, device="cuda", dtype=dtype)
     assert torch.equal(
-        pk.predict_next(hidden, nw, gate, 2, mask=mask)[0],
-        pk.predict_next_ref(hidden, nw, gate, 2, mask=mask)[0],
+        pk.predict_next(hidden, nw, gate, 2, pk.RouteSpec(k), mask=mask)[0],
+        pk.predict_next_ref(hidden, nw, gate, 2, pk.RouteSpec(k), mask=mask)[0],
     )
     slab = (torch.randn(16, 3 * H * F, device="cuda", generator=g) / H**0.5).to(dtype)
     slots = torch.randint(0, 16, (1, k), device="cuda", generator=g)

@@ -1,5 +1,5 @@
-"""Evaluation sizes and the tuning budget: one place, importable without torch (the CLI
-reads them to build its help)."""
+"""Evaluation sizes, the latency profiles reported and the tuning budget: one place,
+importable without torch (the CLI reads them to build its help)."""
 
 # The powered defaults: 160 windows x 128 decode-path tokens = 20,480 scored tokens.
 WINDOWS = 160
@@ -8,4 +8,5 @@ PROMPT_TOKENS = 32
 BUDGET = 0.01  # nats/token: the 95% upper bound of the quality cost a tuned point may have
 SWEEP_LAMS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5)
 SWEEP_NS = (0, 1, 2)
+DEFAULT_PROFILES = ("rtx4090", "h200")  # the latency profiles tables report, first = main
 PROFILE = "rtx4090"  # the latency profile points are tuned for unless told otherwise

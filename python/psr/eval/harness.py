@@ -1,6 +1,6 @@
 """Evaluation runs: one policy at one residency on held-out text -> counts, modeled
 latency and likelihood items; then quality and speed compared with exact (paired
-bootstrap intervals). Reports (tables, JSON, plots) are in `report.py`.
+bootstrap intervals). Reports: tables and JSON in `report.py`, figures in `plots.py`.
 
 Used by `psr demo`, `psr eval` and `psr bench sweep` (`runs.py`).
 """
@@ -13,6 +13,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from psr.eval.defaults import DEFAULT_PROFILES
 from psr.eval.latency import simulate
 from psr.eval.quality import (
     ClozeItem,
@@ -26,8 +27,6 @@ from psr.eval.quality import (
 from psr.models.embedded import heldout_sets, tokenizer_of
 from psr.models.loader import load
 from psr.policy import Policy
-
-DEFAULT_PROFILES = ("rtx4090", "h200")
 
 
 @dataclass(frozen=True)

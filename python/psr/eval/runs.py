@@ -9,6 +9,7 @@ Selection and replication: operating points are chosen on held-out set A (`sweep
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,6 +19,7 @@ from tqdm.auto import tqdm
 
 from psr.eval.defaults import (
     BUDGET,
+    DEFAULT_PROFILES,
     PROFILE,
     PROMPT_TOKENS,
     SWEEP_LAMS,
@@ -25,18 +27,11 @@ from psr.eval.defaults import (
     WINDOW_TOKENS,
     WINDOWS,
 )
-from psr.eval.harness import DEFAULT_PROFILES, EvalData, RunConfig, compare, run_config
-from psr.eval.report import markdown_table, pareto, save
+from psr.eval.harness import EvalData, RunConfig, compare, run_config
+from psr.eval.report import markdown_table, save
 from psr.models.embedded import DEFAULT_MODEL
-from psr.policy import (
-    DEFAULT_N,
-    Policy,
-    make_policy,
-    operating_points,
-    operating_points_with_source,
-    standard_policies,
-    write_operating_points,
-)
+from psr.points import operating_points, operating_points_with_source, write_operating_points
+from psr.policy import DEFAULT_N, Policy, make_policy, standard_policies
 
 
 def policy_grid(path: str, residencies: Sequence[float]) -> tuple[list[RunConfig], list[str]]:
@@ -105,7 +100,7 @@ def describe(data: EvalData) -> str:
 
 
 def demo(
-    out: str = "bench/results/demo",
+    out: str = "psr-results/demo",
     residencies: Sequence[float] = (0.5, 0.25),
     progress: bool = True,
     quick: bool = False,
@@ -197,6 +192,21 @@ def sweep_configs(
 def within_budget(r: dict[str, Any], budget: float) -> bool:
     """The quality cost's 95% upper bound is at most `budget` nats/token."""
     return r.get("delta_nll", {}).get("hi", float("inf")) <= budget
+
+
+def pareto(points: list[tuple[float, float, Any]]) -> list[Any]:
+    """Items of (latency, loss, item) not dominated (lower is better on both), by latency.
+
+    A point is dropped when another is at most as high on both and strictly lower on one; of
+    exact duplicates only the first given is kept. Points with a non-finite value are ignored.
+    """
+    finite = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])]
+    front, best = [], float("inf")
+    for _lat, loss, item in sorted(finite, key=lambda p: (p[0], p[1])):
+        if loss < best:
+            front.append(item)
+            best = loss
+    return front
 
 
 def choose(

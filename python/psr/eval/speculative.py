@@ -24,11 +24,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from psr.eval.harness import DEFAULT_PROFILES, EvalData
+from psr.eval.defaults import DEFAULT_PROFILES
+from psr.eval.harness import EvalData
 from psr.eval.latency import drafter_seconds, simulate
 from psr.eval.quality import greedy_agreement, paired_bootstrap
 from psr.models.loader import load
-from psr.policy import Policy, make_policy, operating_points, standard_policies
+from psr.points import operating_points
+from psr.policy import Policy, make_policy, standard_policies
 from psr.runtime.model import OffloadedModel
 
 

@@ -13,13 +13,16 @@ KV cache and generation stay transformers' own. Expert weights stream from safet
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+import psr.vocab as vocab
 import psr_kernels as pk
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.models.families import (
@@ -41,7 +44,8 @@ from psr.models.hf import (
     uninstall,
 )
 from psr.models.quant_cache import QuantCache, resolve_root
-from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy, resolve_policy
+from psr.points import resolve_policy
+from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import MoESpec, resolve_capacity
 from psr.store import ExpertStore, LayerSpec, current_backend
@@ -50,42 +54,27 @@ from psr.store import ExpertStore, LayerSpec, current_backend
 # cache's key must agree on it.
 GROUP_SIZE = 128
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-COMPUTE = ("auto", "triton", "torch")
-# How the host store keeps experts: None (the model's dtype), "bf16", or quantized rows.
-EXPERT_FORMATS = (None, "bf16", *pk.QUANT_FORMATS)
+# The torch dtypes psr computes in (psr.vocab names them; aliases resolve to these).
+_TORCH_DTYPES = tuple(getattr(torch, name) for name in vocab.DTYPE_NAMES)
+
+# One expert's matrices by expert id, for one MoE layer (a checkpoint's or a module's).
+ExpertReader = Callable[[int], list[torch.Tensor]]
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torch.dtype:
+    """`dtype` as a torch dtype (any psr.vocab spelling, `torch.` prefix allowed), or
+    `default` for None."""
     if dtype is None:
         return default
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    if isinstance(dtype, torch.dtype) and dtype in _TORCH_DTYPES:
         return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in vocab.DTYPE_ALIASES:
+        return getattr(torch, vocab.canonical_dtype(dtype))
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
 
 
-def check_expert_format(fmt: str | None) -> str | None:
-    """None, 'bf16', 'int8', 'fp8' or 'int4' ('native' is None: the model's dtype)."""
-    fmt = None if fmt == "native" else fmt
-    if fmt not in EXPERT_FORMATS:
-        names = ", ".join(["native", *(f for f in EXPERT_FORMATS if f)])
-        raise ValueError(f"expert_format must be one of {names}; got {fmt!r}")
-    return fmt
-
-
 def _quantized(fmt: str | None) -> bool:
-    return fmt is not None and fmt != "bf16"
+    return fmt in vocab.QUANT_FORMATS
 
 
 def make_store(
@@ -134,9 +123,32 @@ def expert_row(
     return [pk.quantize_expert(*parts, expert_format, group_size=group_size)]
 
 
-def _check_compute(compute: str) -> None:
-    if compute not in COMPUTE:
-        raise ValueError(f"compute must be one of {', '.join(COMPUTE)}; got {compute!r}")
+def _fill_store(
+    store: ExpertStore,
+    spec: MoESpec,
+    readers: Sequence[ExpertReader],
+    expert_format: str | None,
+    progress: bool,
+    shown_format: str | None,
+) -> None:
+    """Register every expert of every layer (`readers[i]`: store layer i's experts) in the
+    host store as `expert_row` makes it, behind one progress bar (`shown_format` is named in
+    its label). `psr.load` and `psr.offload` both fill their store here."""
+    with tqdm(
+        total=len(readers) * spec.num_experts,
+        desc=f"experts -> host store{f' ({shown_format})' if shown_format else ''}",
+        disable=not progress,
+        unit="expert",
+    ) as bar:
+        for i, read in enumerate(readers):
+            for e in range(spec.num_experts):
+                store.register(i, e, expert_row(read(e), spec, store, expert_format, GROUP_SIZE))
+                bar.update()
+
+
+def _module_reader(experts: nn.Module) -> ExpertReader:
+    """A built experts module's weights, expert by expert, as contiguous CPU tensors."""
+    return lambda e: [t.detach().to("cpu").contiguous() for t in expert_parts(experts, e)]
 
 
 @torch.no_grad()
@@ -151,6 +163,7 @@ def offload(
     compute: str = "auto",
     copy_retries: int | None = None,
     expert_format: str | None = None,
+    decode: str = "device",
     progress: bool = True,
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
@@ -172,8 +185,9 @@ def offload(
     spec = moe_spec(hf_model.config)
     pol = make_policy(policy, lam, n)
     C = resolve_capacity(spec, pol, residency, slots)
-    _check_compute(compute)
-    fmt = check_expert_format(expert_format)
+    vocab.compute_choice(compute)
+    vocab.decode_mode(decode)
+    fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
     layers = decoder_layers(hf_model)
     first = expert_parts(layers[moe_idx[0]].mlp.experts, 0)
@@ -182,20 +196,9 @@ def offload(
         raise TypeError(f"expert weights must be floating point, got {dtype}")
     device = layers[moe_idx[0]].mlp.gate.weight.device
     store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries, fmt)
-    bar = tqdm(
-        total=len(moe_idx) * spec.num_experts,
-        desc=f"experts -> host store{f' ({fmt})' if fmt else ''}",
-        disable=not progress,
-        unit="expert",
-    )
-    for i, d in enumerate(moe_idx):
-        experts = layers[d].mlp.experts
-        for e in range(spec.num_experts):
-            parts = [t.detach().to("cpu").contiguous() for t in expert_parts(experts, e)]
-            store.register(i, e, expert_row(parts, spec, store, fmt, GROUP_SIZE))
-            bar.update()
-    bar.close()
-    runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt)
+    readers = [_module_reader(layers[d].mlp.experts) for d in moe_idx]
+    _fill_store(store, spec, readers, fmt, progress, shown_format=fmt)
+    runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode)
     return OffloadedModel(hf_model, runtime, restorer=restore)
 
 
@@ -213,7 +216,7 @@ def restore(model: nn.Module) -> nn.Module:
     return hf
 
 
-def _expert_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> Callable[[int], list[torch.Tensor]]:
+def _expert_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
     """Checks decoder layer `d`'s expert tensors; returns expert id -> its matrices."""
     E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
     gu_name, dn_name = fused_expert_names(d)
@@ -251,7 +254,7 @@ def _from_cache(
     cache: QuantCache,
     store: ExpertStore,
     spec: MoESpec,
-    readers: list[Callable[[int], list[torch.Tensor]]],
+    readers: list[ExpertReader],
     progress: bool,
 ) -> bool:
     """Fill the host store from the cache file, one layer at a time, after checking it:
@@ -300,17 +303,7 @@ def _load_experts(
     readers = [_expert_reader(ckpt, spec, d) for d in moe_idx]
     if cache is not None and _from_cache(cache, store, spec, readers, progress):
         return
-    bar = tqdm(
-        total=len(moe_idx) * spec.num_experts,
-        desc=f"experts -> host store{f' ({fmt})' if _quantized(fmt) else ''}",
-        disable=not progress,
-        unit="expert",
-    )
-    for i, read in enumerate(readers):
-        for e in range(spec.num_experts):
-            store.register(i, e, expert_row(read(e), spec, store, fmt, GROUP_SIZE))
-            bar.update()
-    bar.close()
+    _fill_store(store, spec, readers, fmt, progress, shown_format=fmt if _quantized(fmt) else None)
     if cache is not None:
         try:
             cache.write([store.host(i) for i in range(len(moe_idx))])
@@ -335,6 +328,183 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+@dataclass(frozen=True)
+class LoadOptions:
+    """`psr.load`'s arguments resolved against the checkpoint's config, every one checked."""
+
+    config: Any  # the checkpoint's transformers config
+    spec: MoESpec
+    policy: Policy
+    policy_source: str  # a points file, "arguments" or "defaults" (psr.points.resolve_policy)
+    capacity: int  # expert slots per layer, before a drafter takes its share
+    dtype: torch.dtype
+    device: torch.device
+    compute: str
+    decode: str  # "device" | "host" (psr.vocab.DECODE_MODES)
+    expert_format: str | None  # None: the model's dtype
+    cache_root: Path | None  # the quantized-expert cache folder, or None: no cache
+
+
+def _check_checkpoint_config(path: str | Path) -> None:
+    """The folder's config.json names a supported family with what psr needs; a config
+    error is a checkpoint error, named as such."""
+    import transformers
+
+    raw = read_config(path)
+    try:
+        mt = raw.get("model_type")
+        cls = transformers.CONFIG_MAPPING[mt] if mt in SUPPORTED else None
+        check_config(raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    """The checkpoint's dtype when psr computes in it, else float32."""
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dt, str):
+        dt = getattr(torch, vocab.DTYPE_ALIASES[dt]) if dt in vocab.DTYPE_ALIASES else None
+    return dt if dt in _TORCH_DTYPES else torch.float32
+
+
+def _resolve_options(
+    path: str | Path,
+    policy: str | Policy,
+    residency: float | None,
+    *,
+    slots: int | None,
+    lam: float | None,
+    n: int | None,
+    device: str | torch.device | None,
+    dtype: str | torch.dtype | None,
+    compute: str,
+    decode: str,
+    expert_format: str | None,
+    quality_budget: float | None,
+    quant_cache: bool | str | Path | None,
+) -> LoadOptions:
+    """Check and resolve `load`'s options, in the order their errors are reported."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    spec = moe_spec(config)
+    C = resolve_capacity(spec, make_policy(policy, lam, n), residency, slots)
+    # cache-prior / psr without lam and n: the model's tuned operating point, if any.
+    pol, pol_source = resolve_policy(
+        policy,
+        lam,
+        n,
+        model_dir=path,
+        residency=C / spec.num_experts,
+        quality_budget=quality_budget,
+    )
+    resolve_capacity(spec, pol, residency, slots)  # the tuned n must fit too
+    dt = resolve_dtype(dtype, _config_dtype(config))
+    dev = _resolve_device(device)
+    vocab.compute_choice(compute)
+    vocab.decode_mode(decode)
+    fmt = vocab.expert_format(expert_format)
+    cache_root = resolve_root(quant_cache, path)
+    if cache_root is not None and not _quantized(fmt):
+        raise ValueError(
+            f"quant_cache keeps quantized experts; expert_format={expert_format!r} is not "
+            f"quantized (choose one of {', '.join(vocab.QUANT_FORMATS)})"
+        )
+    return LoadOptions(config, spec, pol, pol_source, C, dt, dev, compute, decode, fmt, cache_root)
+
+
+def _build_model(ckpt: Checkpoint, opts: LoadOptions) -> tuple[nn.Module, list[int]]:
+    """The transformers model built on the meta device, then every tensor but the MoE
+    experts read from the checkpoint onto the compute device; and its MoE layers' indices."""
+    import transformers
+
+    dt, dev = opts.dtype, opts.device
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(opts.config, dtype=dt)
+    model.eval()
+    moe_idx = moe_layer_indices(model)
+    expert_prefixes = tuple(f"model.layers.{d}.mlp.experts." for d in moe_idx)
+    state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
+    tied = bool(getattr(opts.config, "tie_word_embeddings", False))
+    for name in state_names:
+        src = next((c for c in disk_names(opts.spec.family, name) if c in ckpt), None)
+        if src is None:
+            if name == "lm_head.weight" and tied:
+                continue
+            raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
+        is_param = name in dict(model.named_parameters())
+        if is_param:
+            ckpt.require_float(src)
+        t = ckpt.get(src)
+        want = list(model.get_parameter(name).shape if is_param else model.get_buffer(name).shape)
+        if list(t.shape) != want:
+            raise CheckpointError(f"tensor {src!r} has shape {list(t.shape)}, expected {want}")
+        if t.is_floating_point():
+            t = t.to(torch.float32 if keep_fp32(model, name) else dt)
+        set_tensor(model, name, t.to(dev))
+    if tied:
+        model.lm_head.weight = model.get_input_embeddings().weight
+    materialize_rotary(model, dev)
+    return model, moe_idx
+
+
+def _load_drafter(
+    path: str | Path,
+    speculative: str,
+    block: int,
+    model: nn.Module,
+    num_layers: int,
+    opts: LoadOptions,
+) -> tuple[Any, int]:
+    """The checkpoint's resident drafter, and the expert slots per layer left beside it (its
+    memory comes out of the slots: whole slots, in every one of the `num_layers` layers)."""
+    from psr.models.drafters import load_drafter
+
+    drafter = load_drafter(path, speculative, block, model, opts.device, opts.dtype)
+    spec, C = opts.spec, opts.capacity
+    one = make_store(spec, 1, 1, opts.dtype, torch.device("cpu"), None, opts.expert_format)
+    row = one.expert_bytes[0]
+    lost = -(-drafter.memory_bytes // (num_layers * row))  # ceil: whole slots
+    if C - lost < spec.top_k:
+        raise ValueError(
+            f"the {speculative} drafter ({drafter.memory_bytes / 2**20:.1f} MiB) takes "
+            f"{lost} of the {C} expert slots per layer, leaving fewer than top_k="
+            f"{spec.top_k}: raise the residency"
+        )
+    return drafter, C - lost
+
+
+def _quant_cache(
+    path: str | Path, ckpt: Checkpoint, opts: LoadOptions, moe_idx: list[int], row_bytes: int
+) -> QuantCache | None:
+    """The quantized-expert cache of this checkpoint, format and shape, if one was asked for."""
+    if opts.cache_root is None:
+        return None
+    assert opts.expert_format is not None  # a cache implies a quantized format: checked
+    index = "model.safetensors.index.json"
+    files = ckpt.files + ([index] if (Path(path) / index).is_file() else [])
+    spec = opts.spec
+    shape = {"num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.ffn_size}
+    return QuantCache(
+        opts.cache_root, path, files, opts.expert_format, GROUP_SIZE, shape, moe_idx, row_bytes
+    )
+
+
+def _check_all_loaded(model: nn.Module) -> None:
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if leftover:
+        raise CheckpointError(f"tensors not loaded: {leftover[:5]}")
+
+
+def _tokenizer(path: str | Path) -> Any:
+    """The folder's tokenizer, or None when it ships none."""
+    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
 @torch.no_grad()
 def load(
     path: str | Path,
@@ -349,6 +519,7 @@ def load(
     compute: str = "auto",
     copy_retries: int | None = None,
     expert_format: str | None = None,
+    decode: str = "device",
     speculative: str | None = None,
     block: int = 4,
     block_k: int | None = None,
@@ -366,6 +537,10 @@ def load(
         device: compute device (default: cuda if available); the store's backend follows.
         dtype: float32 / bfloat16 / float16 (default: the checkpoint's).
         compute: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'.
+        decode: 'device' (default): decode steps run on device-resident caches with no
+            host read, wherever the policy allows (not cache-prior-async, steering
+            variants or trace recording); 'host': the host-driven step throughout (the
+            store's copies, with their retries). Both give the same tokens and counts.
         copy_retries: re-issues of a failed expert copy before CopyError (default 2,
             or $PSR_COPY_RETRIES).
         expert_format: how the host store keeps experts and copies move them: None or
@@ -387,104 +562,38 @@ def load(
             budget or a tighter one (the embedded model ships points for 0.01); without
             it, such a policy without lam / n still takes the tuned point when one exists.
     """
-    import transformers
-
-    raw = read_config(path)
-    try:
-        mt = raw.get("model_type")
-        cls = transformers.CONFIG_MAPPING[mt] if mt in SUPPORTED else None
-        check_config(raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
-    except ValueError as e:  # a config error is a checkpoint error, named as such
-        raise CheckpointError(str(e)) from None
+    _check_checkpoint_config(path)
     ckpt = Checkpoint(path)
-    config = transformers.AutoConfig.from_pretrained(str(path))
-    spec = moe_spec(config)
-    C = resolve_capacity(spec, make_policy(policy, lam, n), residency, slots)
-    # cache-prior / psr without lam and n: the model's tuned operating point, if any.
-    pol, pol_source = resolve_policy(
-        policy,
-        lam,
-        n,
-        model_dir=path,
-        residency=C / spec.num_experts,
-        quality_budget=quality_budget,
-    )
-    resolve_capacity(spec, pol, residency, slots)  # the tuned n must fit too
-    cfg_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(cfg_dtype, str):
-        cfg_dtype = DTYPES.get(cfg_dtype, torch.float32)
-    dt = resolve_dtype(dtype, cfg_dtype if cfg_dtype in DTYPES.values() else torch.float32)
-    dev = _resolve_device(device)
-    _check_compute(compute)
-    fmt = check_expert_format(expert_format)
-    cache_root = resolve_root(quant_cache, path)
-    if cache_root is not None and not _quantized(fmt):
-        raise ValueError(
-            f"quant_cache keeps quantized experts; expert_format={expert_format!r} is not "
-            f"quantized (choose one of {', '.join(pk.QUANT_FORMATS)})"
+    try:
+        opts = _resolve_options(
+            path,
+            policy,
+            residency,
+            slots=slots,
+            lam=lam,
+            n=n,
+            device=device,
+            dtype=dtype,
+            compute=compute,
+            decode=decode,
+            expert_format=expert_format,
+            quality_budget=quality_budget,
+            quant_cache=quant_cache,
         )
-
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dt)
-    model.eval()
-    moe_idx = moe_layer_indices(model)
-    expert_prefixes = tuple(f"model.layers.{d}.mlp.experts." for d in moe_idx)
-    state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    for name in state_names:
-        src = next((c for c in disk_names(spec.family, name) if c in ckpt), None)
-        if src is None:
-            if name == "lm_head.weight" and tied:
-                continue
-            raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
-        is_param = name in dict(model.named_parameters())
-        if is_param:
-            ckpt.require_float(src)
-        t = ckpt.get(src)
-        want = list(model.get_parameter(name).shape if is_param else model.get_buffer(name).shape)
-        if list(t.shape) != want:
-            raise CheckpointError(f"tensor {src!r} has shape {list(t.shape)}, expected {want}")
-        if t.is_floating_point():
-            t = t.to(torch.float32 if keep_fp32(model, name) else dt)
-        set_tensor(model, name, t.to(dev))
-    if tied:
-        model.lm_head.weight = model.get_input_embeddings().weight
-    materialize_rotary(model, dev)
-
-    drafter = None
-    if speculative is not None:
-        from psr.models.drafters import load_drafter
-
-        drafter = load_drafter(path, speculative, block, model, dev, dt)
-        row = make_store(spec, 1, 1, dt, torch.device("cpu"), None, fmt).expert_bytes[0]
-        lost = -(-drafter.memory_bytes // (len(moe_idx) * row))  # ceil: whole slots
-        if C - lost < spec.top_k:
-            raise ValueError(
-                f"the {speculative} drafter ({drafter.memory_bytes / 2**20:.1f} MiB) takes "
-                f"{lost} of the {C} expert slots per layer, leaving fewer than top_k="
-                f"{spec.top_k}: raise the residency"
-            )
-        C -= lost
-    store = make_store(spec, C, len(moe_idx), dt, dev, copy_retries, fmt)
-    cache = None
-    if cache_root is not None:  # fmt is quantized: checked above
-        index = "model.safetensors.index.json"
-        files = ckpt.files + ([index] if (Path(path) / index).is_file() else [])
-        shape = {"num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.ffn_size}
-        cache = QuantCache(
-            cache_root, path, files, fmt, GROUP_SIZE, shape, moe_idx, store.expert_bytes[0]
-        )
-    _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
-    ckpt.close()
-    runtime = install(model, spec, store, pol, C, compute, moe_idx, fmt)
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if leftover:
-        raise CheckpointError(f"tensors not loaded: {leftover[:5]}")
-    tokenizer = None
-    if any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
-    om.policy_source = pol_source
+        spec, fmt = opts.spec, opts.expert_format
+        model, moe_idx = _build_model(ckpt, opts)
+        drafter, C = None, opts.capacity
+        if speculative is not None:
+            drafter, C = _load_drafter(path, speculative, block, model, len(moe_idx), opts)
+        store = make_store(spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, fmt)
+        cache = _quant_cache(path, ckpt, opts, moe_idx, store.expert_bytes[0])
+        _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
+    finally:
+        ckpt.close()
+    runtime = install(model, spec, store, opts.policy, C, opts.compute, moe_idx, fmt, opts.decode)
+    _check_all_loaded(model)
+    om = OffloadedModel(model, runtime, _tokenizer(path), str(path), restorer=restore)
+    om.policy_source = opts.policy_source
     if drafter is not None:
         om.set_speculative(drafter, block_k if block_k is not None else min(2 * spec.top_k, C))
     return om

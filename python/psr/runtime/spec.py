@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from numbers import Real
 
 from psr.policy import Policy
+from psr_kernels import RouteSpec
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,12 @@ class MoESpec:
         """Elements of one packed expert: gate [F, H], up [F, H], down [H, F]."""
         return 3 * self.hidden_size * self.ffn_size
 
-    def route_kwargs(self) -> dict[str, object]:
-        """Keyword arguments of psr_kernels' route ops that describe this router."""
-        return dict(
+    def route_spec(self, lam: float = 0.0) -> RouteSpec:
+        """This router as psr_kernels' routing ops take it, biased toward the cache by
+        `lam` (0: the model's exact routing)."""
+        return RouteSpec(
+            top_k=self.top_k,
+            lam=lam,
             scoring=self.scoring,
             renormalize=self.renormalize,
             n_group=self.n_group,

@@ -1,0 +1,369 @@
+"""One MoE layer's decode step on the device-resident caches, in one kernel launch.
+
+At batch 1 each MoE layer `l` of a decode token does, with no host read:
+  program 0: route the token from the layer's router logits, biased toward the layer's
+             logical cache (its device membership is the mask), write the gate weights
+             (in the model's logits dtype) and ids, then the spec's `use` of the ids on
+             layer l's cache: the miss copy list for the gather;
+  program 1: (n > 0 and a next MoE layer) predict the next layer's first n experts from
+             the hidden state entering this layer's MoE block (RMS-normed as that layer
+             norms it, its router, unbiased) and `prefetch` them into its cache: the
+             prefetch copy list for the side-stream gather.
+The two programs touch different cache rows (l and l + 1) and run concurrently. Router
+inputs that are not finite set the rows' `FLAG` (psr_kernels.cache_state) instead of
+raising: the caller checks it once, when it reads the counters.
+
+`decode_step` launches the kernel; `decode_step_ref` is its plain-torch reference (the
+routing and cache references composed), with no host read either, so the CPU runs the
+same sync-free step.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+
+from psr_kernels._common import check_float, check_launchable, pow2
+from psr_kernels.cache_state import (
+    FLAG,
+    CacheLayout,
+    cache_prefetch_step,
+    cache_use_step,
+    check_state,
+)
+from psr_kernels.cache_state_ref import cache_prefetch_ref, cache_use_ref
+from psr_kernels.routing import RouteSpec, require_spec, router_logits, select_experts
+from psr_kernels.routing_ref import predict_next_ref, route_ref
+
+
+@triton.jit
+def _not_finite(x, valid):
+    """1 if any valid element of the tile is NaN or inf, else 0 (int32 scalar)."""
+    bad = ((x != x) | (tl.abs(x) == float("inf"))) & valid
+    return tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0)
+
+
+@triton.jit
+def _decode_kernel(
+    logits_ptr,  # [1, E] router logits of this layer
+    stride_le,
+    bias_ptr,  # e_score_correction_bias of this layer (HAS_BIAS)
+    weights_ptr,  # [1, K] out: gate weights, in its own dtype
+    ids_ptr,  # [1, K] out: int64 expert ids
+    res_ptr,  # [1, H] hidden state entering this layer's MoE block (N > 0)
+    stride_rh,
+    norm_ptr,  # next layer's post-attention RMS-norm weight [H]
+    eps,
+    gate_ptr,  # next layer's router weight [E, H]
+    stride_ge,
+    stride_gh,
+    next_bias_ptr,  # next layer's e_score_correction_bias (HAS_NEXT_BIAS)
+    state_ptr,  # [layers, W] int32 device caches
+    layer,
+    H,
+    lam,
+    scaling,
+    N: tl.constexpr,  # experts to predict into layer + 1 (0: program 1 does nothing)
+    K: tl.constexpr,
+    IS_SOFTMAX: tl.constexpr,
+    IS_TOPK_SOFTMAX: tl.constexpr,
+    IS_SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    NG_P2: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_NEXT_BIAS: tl.constexpr,
+    E: tl.constexpr,
+    S: tl.constexpr,
+    W: tl.constexpr,
+    OFF_MEMBER: tl.constexpr,
+    OFF_PENDING: tl.constexpr,
+    OFF_SLOT_OF: tl.constexpr,
+    OFF_SLOT_EXPERT: tl.constexpr,
+    OFF_HEADER: tl.constexpr,
+    OFF_MISS: tl.constexpr,
+    OFF_PF: tl.constexpr,
+    PF_ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    if tl.program_id(0) == 0:
+        _route_use(
+            logits_ptr, stride_le, bias_ptr, weights_ptr, ids_ptr, state_ptr + layer * W, lam,
+            scaling, K, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID, RENORM, N_GROUP, TOPK_GROUP,
+            NG_P2, HAS_MASK, HAS_BIAS, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF,
+            OFF_SLOT_EXPERT, OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
+        )  # fmt: skip
+    elif N > 0:
+        _predict_prefetch(
+            res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr,
+            state_ptr + (layer + 1) * W, H, N, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID, N_GROUP,
+            TOPK_GROUP, NG_P2, HAS_NEXT_BIAS, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF,
+            OFF_SLOT_EXPERT, OFF_HEADER, OFF_PF, PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N, BLOCK_H,
+        )  # fmt: skip
+
+
+@triton.jit
+def _route_use(
+    logits_ptr, stride_le, bias_ptr, weights_ptr, ids_ptr, row_ptr, lam, scaling,
+    K: tl.constexpr, IS_SOFTMAX: tl.constexpr, IS_TOPK_SOFTMAX: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, RENORM: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, NG_P2: tl.constexpr, HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, E: tl.constexpr, S: tl.constexpr, OFF_MEMBER: tl.constexpr,
+    OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr, OFF_SLOT_EXPERT: tl.constexpr,
+    OFF_HEADER: tl.constexpr, OFF_MISS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Program 0: route the token on this layer's cache, write weights and ids, `use`."""
+    rows = tl.arange(0, 2)  # one token; row 1 is masked padding (tiles need >= 2 rows)
+    cols = tl.arange(0, BLOCK_E)
+    valid = (rows < 1)[:, None] & (cols < E)[None, :]
+    x = router_logits(
+        logits_ptr, 0, stride_le, logits_ptr, 0, 0, logits_ptr, 0.0, rows, cols, 1, E, 0,
+        False, False, 2, BLOCK_E, 16,
+    )  # fmt: skip
+    mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
+    if HAS_MASK:
+        member = tl.load(row_ptr + OFF_MEMBER + cols, mask=cols < E, other=0)
+        mk = tl.where(valid, member.to(tl.float32)[None, :], 0.0)
+    ids, w, _, chosen = select_experts(
+        x, mk, bias_ptr, lam, scaling, cols, E, K, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID,
+        RENORM, HAS_MASK, HAS_BIAS, False, N_GROUP, TOPK_GROUP, NG_P2, 2, BLOCK_E, BLOCK_K,
+    )  # fmt: skip
+    kar = tl.arange(0, BLOCK_K)
+    om = (rows < 1)[:, None] & (kar < K)[None, :]
+    tl.store(weights_ptr + rows[:, None] * K + kar[None, :], w, mask=om)
+    tl.store(ids_ptr + rows[:, None] * K + kar[None, :], ids.to(tl.int64), mask=om)
+    flag = row_ptr + OFF_HEADER + 7
+    tl.store(flag, tl.maximum(tl.load(flag), _not_finite(x, valid)))
+    routed = tl.max(tl.where(valid, chosen.to(tl.int32), 0), axis=0) != 0
+    cache_use_step(
+        row_ptr, routed, E, S, K, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT,
+        OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
+    )  # fmt: skip
+
+
+@triton.jit
+def _predict_prefetch(
+    res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr, row_ptr,
+    H, N: tl.constexpr, IS_SOFTMAX: tl.constexpr, IS_TOPK_SOFTMAX: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NG_P2: tl.constexpr, HAS_NEXT_BIAS: tl.constexpr, E: tl.constexpr, S: tl.constexpr,
+    OFF_MEMBER: tl.constexpr, OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr,
+    OFF_SLOT_EXPERT: tl.constexpr, OFF_HEADER: tl.constexpr, OFF_PF: tl.constexpr,
+    PF_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    """Program 1: predict the next layer's first N experts, `prefetch` them into its row."""
+    rows = tl.arange(0, 2)
+    cols = tl.arange(0, BLOCK_E)
+    valid = (rows < 1)[:, None] & (cols < E)[None, :]
+    x = router_logits(
+        res_ptr, 0, stride_rh, gate_ptr, stride_ge, stride_gh, norm_ptr, eps, rows, cols,
+        1, E, H, True, True, 2, BLOCK_E, BLOCK_H,
+    )  # fmt: skip
+    mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
+    ids, _, _, _ = select_experts(
+        x, mk, next_bias_ptr, 0.0, 1.0, cols, E, N, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID,
+        False, False, HAS_NEXT_BIAS, False, N_GROUP, TOPK_GROUP, NG_P2, 2, BLOCK_E, BLOCK_N,
+    )  # fmt: skip
+    flag = row_ptr + OFF_HEADER + 7
+    tl.store(flag, tl.maximum(tl.load(flag), _not_finite(x, valid)))
+    pred = tl.sum(tl.where((rows < 1)[:, None], ids, 0), axis=0)
+    cache_prefetch_step(
+        row_ptr, pred, N, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT,
+        OFF_HEADER, OFF_PF, PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=256)
+def decode_config(
+    spec: RouteSpec,
+    layout: CacheLayout,
+    hidden_size: int,
+    *,
+    n: int,
+    has_mask: bool,
+    has_bias: bool,
+    has_next_bias: bool,
+) -> Mapping[str, int | bool]:
+    """Every compile-time argument of one decode-step launch, and `num_warps` (cached:
+    a read-only mapping, computed once per model and policy)."""
+    lo = layout.constexprs()
+    cfg: dict[str, int | bool] = {k: v for k, v in spec.constexprs().items() if k not in ("K",)}
+    cfg |= {k: lo[k] for k in ("E", "S", "W", "PF_ROWS", "BLOCK_E", "BLOCK_S", "BLOCK_K")}
+    cfg |= {k: lo[k] for k in lo if k.startswith("OFF_")}
+    cfg |= dict(
+        N=n,
+        K=spec.top_k,
+        BLOCK_N=lo["BLOCK_N"],
+        BLOCK_H=max(16, min(pow2(hidden_size), 4096 // (2 * lo["BLOCK_E"]))),
+        HAS_MASK=has_mask,
+        HAS_BIAS=has_bias,
+        HAS_NEXT_BIAS=has_next_bias,
+        num_warps=4,
+    )
+    return MappingProxyType(cfg)
+
+
+def _check(
+    op: str,
+    logits: torch.Tensor,
+    spec: RouteSpec,
+    state: torch.Tensor,
+    layout: CacheLayout,
+    layer: int,
+    n: int,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+) -> None:
+    require_spec(op, spec)
+    check_state(op, state, layout, layer)
+    check_float(op, "logits", logits, 2)
+    E = layout.num_experts
+    if tuple(logits.shape) != (1, E):
+        raise ValueError(f"{op}: logits must be [1, {E}] (one token), got {list(logits.shape)}")
+    if spec.top_k != layout.top_k:
+        raise ValueError(f"{op}: spec.top_k={spec.top_k} but the cache layout's is {layout.top_k}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= layout.max_prefetch:
+        raise ValueError(f"{op}: n={n!r} must be an int in [0, {layout.max_prefetch}]")
+    if n == 0:
+        return
+    if layer + 1 >= state.shape[0]:
+        raise ValueError(f"{op}: layer {layer} is the last: there is no next layer to predict")
+    if residual is None or norm_weight is None or gate_weight is None:
+        raise ValueError(f"{op}: n > 0 needs residual, norm_weight and gate_weight")
+    check_float(op, "residual", residual, 2)
+    H = residual.shape[1]
+    if residual.shape[0] != 1 or tuple(gate_weight.shape) != (E, H):
+        raise ValueError(
+            f"{op}: residual must be [1, H] and gate_weight [{E}, H], got "
+            f"{list(residual.shape)} and {list(gate_weight.shape)}"
+        )
+    if tuple(norm_weight.shape) != (H,):
+        raise ValueError(f"{op}: norm_weight must be [{H}], got {list(norm_weight.shape)}")
+
+
+def decode_step(
+    logits: torch.Tensor,
+    spec: RouteSpec,
+    state: torch.Tensor,
+    layout: CacheLayout,
+    layer: int,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    n: int = 0,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    next_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token's routing and cache updates for MoE layer `layer` (module
+    docstring), in one launch.
+
+    Args:
+        logits: `[1, E]` router logits; spec: the routing (`spec.lam` > 0 biases toward
+            the layer's cache); bias: this layer's e_score_correction_bias.
+        state, layout: the device caches (`psr_kernels.cache_state`).
+        out_dtype: dtype of the returned gate weights (the model's logits dtype where it
+            casts them back).
+        n: experts to predict and prefetch into layer + 1 (0: none), from `residual`
+            `[1, H]` normed with `norm_weight` / `eps` and scored by `gate_weight` `[E, H]`
+            (and `next_bias`), as `predict_next` does.
+    Returns `(weights [1, k] out_dtype, ids [1, k] int64)`; the miss and prefetch copy
+    lists are in the state rows.
+    """
+    op = "decode_step"
+    _check(op, logits, spec, state, layout, layer, n, residual, norm_weight, gate_weight)
+    check_launchable(op, logits, state, bias, residual, norm_weight, gate_weight, next_bias)
+    k = spec.top_k
+    weights = torch.empty(1, k, dtype=out_dtype, device=logits.device)
+    ids = torch.empty(1, k, dtype=torch.int64, device=logits.device)
+    cfg = decode_config(
+        spec,
+        layout,
+        residual.shape[1] if n else 16,
+        n=n,
+        has_mask=spec.lam > 0,
+        has_bias=bias is not None,
+        has_next_bias=next_bias is not None,
+    )
+    dummy = logits
+    _decode_kernel[(2 if n else 1,)](
+        logits_ptr=logits,
+        stride_le=logits.stride(1),
+        bias_ptr=bias if bias is not None else dummy,
+        weights_ptr=weights,
+        ids_ptr=ids,
+        res_ptr=residual if n else dummy,
+        stride_rh=residual.stride(1) if n else 0,
+        norm_ptr=norm_weight if n else dummy,
+        eps=float(eps),
+        gate_ptr=gate_weight if n else dummy,
+        stride_ge=gate_weight.stride(0) if n else 0,
+        stride_gh=gate_weight.stride(1) if n else 0,
+        next_bias_ptr=next_bias if next_bias is not None else dummy,
+        state_ptr=state,
+        layer=layer,
+        H=residual.shape[1] if n else 0,
+        lam=float(spec.lam),
+        scaling=float(spec.scaling),
+        **cfg,
+    )
+    return weights, ids
+
+
+def decode_step_ref(
+    logits: torch.Tensor,
+    spec: RouteSpec,
+    state: torch.Tensor,
+    layout: CacheLayout,
+    layer: int,
+    *,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    n: int = 0,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    next_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of `decode_step` (same arguments and results): the routing
+    and cache references in the kernel's order, with no host read."""
+    op = "decode_step_ref"
+    _check(op, logits, spec, state, layout, layer, n, residual, norm_weight, gate_weight)
+    lo, E = layout, layout.num_experts
+    mask = state[layer, lo.member : lo.member + E] != 0 if spec.lam > 0 else None
+    w, ids = route_ref(logits, spec, mask=mask, bias=bias, check_finite=False)
+    _flag(state, lo, layer, logits)
+    cache_use_ref(state, lo, layer, ids)
+    if n:
+        assert residual is not None and norm_weight is not None and gate_weight is not None
+        pred, _ = predict_next_ref(
+            residual, norm_weight, gate_weight, n, spec, eps=eps, bias=next_bias,
+            check_finite=False,
+        )  # fmt: skip
+        _flag(state, lo, layer + 1, residual)
+        cache_prefetch_ref(state, lo, layer + 1, pred, n)
+    return w.to(out_dtype), ids
+
+
+def _flag(state: torch.Tensor, layout: CacheLayout, layer: int, x: torch.Tensor) -> None:
+    """The row's non-finite flag |= any(not finite(x)), as tensor ops."""
+    bad = torch.logical_not(torch.isfinite(x).all()).to(state.dtype)
+    at = layout.header + FLAG
+    state[layer, at] = torch.maximum(state[layer, at], bad)

@@ -1,0 +1,173 @@
+"""Plain-torch references of the routing ops (`psr_kernels.routing`), and their parts.
+
+Each `*_ref` op takes the arguments of its kernel op and returns the same results
+(contiguous tensors, like the kernels): the kernels are tested against them, and they
+are the CPU path of `kernel_ops` and the `torch.ops.psr` ops. The parts (`scores_ref`,
+`group_limit_ref`, `topk_ref`, `gate_weights_ref`, `biased_scores_ref`,
+`rms_norm_ref`) also serve block routing (`block_routing`) and the runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from psr_kernels._common import check_finite as _require_finite
+from psr_kernels._common import check_float
+from psr_kernels.routing import (
+    RouteSpec,
+    check_gemv,
+    check_predict,
+    mask_2d,
+    no_prediction,
+    require_spec,
+)
+
+_NEG_INF = float("-inf")
+
+
+def scores_ref(
+    logits: torch.Tensor, scoring: str, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(selection scores z, weight source) in fp32."""
+    x = logits.float()
+    if scoring == "sigmoid":
+        s = torch.sigmoid(x)
+        return (s + bias.float() if bias is not None else s), s
+    if scoring == "softmax":
+        return x, torch.softmax(x, dim=-1)
+    return x, x
+
+
+def group_limit_ref(sel: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """`sel` with every group outside the `topk_group` of largest top-2 sums at -inf."""
+    if n_group <= 1:
+        return sel
+    T, E = sel.shape
+    top2 = sel.view(T, n_group, E // n_group).sort(dim=-1, descending=True).values[..., :2]
+    gscore = top2.sum(-1)
+    order = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+    keep = torch.zeros(T, n_group, dtype=torch.bool, device=sel.device)
+    keep.scatter_(1, order, True)
+    return sel.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), _NEG_INF)
+
+
+def topk_ref(sel: torch.Tensor, k: int) -> torch.Tensor:
+    """Ids of the `k` largest scores per row, ties to the lower id (contiguous)."""
+    # Stable descending sort: equal scores keep ascending id order (ties to the lower id).
+    # The slice is a strided view; the ops' outputs are contiguous (their fakes say so).
+    return torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+
+
+def gate_weights_ref(
+    src: torch.Tensor, ids: torch.Tensor, scoring: str, renormalize: bool, scaling: float
+) -> torch.Tensor:
+    """Gate weights of chosen `ids` from the unbiased weight source, normalised as the
+    model does (top-k softmax, `norm_topk_prob`, `routed_scaling_factor`)."""
+    val = src.gather(1, ids)
+    if scoring == "topk_softmax":
+        w = torch.softmax(val, dim=-1)
+    else:
+        w = val
+        if renormalize:
+            denom = w.sum(-1, keepdim=True)
+            w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
+    return (w * scaling).contiguous()
+
+
+def biased_scores_ref(z: torch.Tensor, mask: torch.Tensor | None, lam: float) -> torch.Tensor:
+    """z' = z + lam * D * m with D the per-row spread of z."""
+    if mask is None:
+        return z
+    spread = z.max(dim=-1).values - z.min(dim=-1).values
+    return z + lam * spread[:, None] * mask_2d(mask).float()
+
+
+def route_ref(
+    logits: torch.Tensor,
+    spec: RouteSpec,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of `route` (same arguments, same results)."""
+    op = "route_ref"
+    require_spec(op, spec)
+    check_float(op, "logits", logits, 2)
+    T, E = logits.shape
+    spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
+    if check_finite:
+        _require_finite(op, "logits", logits)
+    z, src = scores_ref(logits, spec.scoring, bias)
+    sel = group_limit_ref(biased_scores_ref(z, mask, spec.lam), spec.n_group, spec.topk_group)
+    ids = topk_ref(sel, spec.top_k)
+    w = gate_weights_ref(src, ids, spec.scoring, spec.renormalize, spec.scaling)
+    return w, ids.to(ids_dtype).contiguous()
+
+
+def route_hidden_ref(
+    hidden: torch.Tensor,
+    gate_weight: torch.Tensor,
+    spec: RouteSpec,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of `route_hidden` (`check_finite` checks the logits)."""
+    op = "route_hidden_ref"
+    require_spec(op, spec)
+    check_gemv(op, hidden, gate_weight)
+    logits = hidden.float() @ gate_weight.float().t()
+    w, ids = route_ref(
+        logits, spec, mask=mask, bias=bias, ids_dtype=ids_dtype, check_finite=check_finite
+    )
+    return w, ids, logits.contiguous()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """fp32 RMS norm over the last dim: x * rsqrt(mean(x^2) + eps) * weight."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+def predict_next_ref(
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    gate_weight: torch.Tensor,
+    n: int,
+    spec: RouteSpec,
+    *,
+    eps: float = 1e-6,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of `predict_next`."""
+    op = "predict_next_ref"
+    T, unbiased = check_predict(
+        op,
+        residual,
+        norm_weight,
+        gate_weight,
+        n,
+        spec,
+        mask=mask,
+        bias=bias,
+        check_finite=check_finite,
+    )
+    if n == 0:
+        return no_prediction(T, ids_dtype, residual.device)
+    E = gate_weight.shape[0]
+    logits = rms_norm_ref(residual, norm_weight, eps) @ gate_weight.float().t()
+    z, _ = scores_ref(logits, unbiased.scoring, bias)
+    ids = topk_ref(group_limit_ref(z, unbiased.n_group, unbiased.topk_group), n)
+    m = mask_2d(mask)
+    if m is None:
+        incache = torch.zeros_like(ids, dtype=torch.bool)
+    else:
+        incache = m.expand(T, E).gather(1, ids)
+    return ids.to(ids_dtype).contiguous(), incache.contiguous()

@@ -1,0 +1,7 @@
+"""`python -m psr.cli ...`: the same as `psr ...`."""
+
+import sys
+
+from psr.cli import main
+
+sys.exit(main())

@@ -1,0 +1,166 @@
+"""`psr bench copy | sweep | speculative | serve` (serve: psr.cli.serve)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from psr.cli.args import (
+    EMBEDDED,
+    QUIET_HELP,
+    UsageError,
+    comma_list,
+    command,
+    drafter_kind,
+    eval_model,
+    nonnegative_float,
+    positive_int,
+    progress,
+    residencies,
+    shape,
+    writable_dir,
+    writable_file,
+)
+from psr.cli.evaluate import check_profile, tuning_args
+from psr.cli.serve import add_bench_serve
+
+
+def add_bench(sub: Any) -> None:
+    bench = command(sub, "bench", "benchmarks: copy engine, lam x n sweep")
+    bsub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    _add_copy(bsub)
+    _add_sweep(bsub)
+    _add_speculative(bsub)
+    add_bench_serve(bsub)
+
+
+def _add_copy(bsub: Any) -> None:
+    bc = command(bsub, "copy", "copy engine bandwidth and copy/compute overlap")
+    bc.add_argument(
+        "--shape",
+        type=shape,
+        default="3x2048x1024",
+        help="expert shape, dimensions joined by x (default: %(default)s, an OLMoE expert)",
+    )
+    bc.add_argument("--experts", type=positive_int, default=8, help="experts in the host store")
+    bc.add_argument("--slots", type=positive_int, default=4, help="device slots, <= --experts")
+    bc.add_argument("--repeats", type=positive_int, default=5, help="timed repetitions")
+    bc.add_argument(
+        "--backend",
+        choices=["cpu", "cuda"],
+        default=None,
+        help="store backend (default: psr's current backend)",
+    )
+    bc.add_argument(
+        "--json", default=None, help="also write the result as JSON here (default: no JSON)"
+    )
+    bc.set_defaults(fn=run_copy)
+
+
+def run_copy(args: argparse.Namespace) -> int:
+    if args.slots > args.experts:
+        raise UsageError(f"--slots {args.slots} exceeds --experts {args.experts}")
+    out = writable_file(args.json, "--json") if args.json else None
+    from psr.eval.microbench import run_copy_overlap
+
+    r = run_copy_overlap(args.shape, args.experts, args.slots, args.repeats, backend=args.backend)
+    print(r.table())
+    if out is not None:
+        out.write_text(json.dumps(r.as_dict(), indent=2))
+    return 0
+
+
+def _add_sweep(bsub: Any) -> None:
+    sw = command(bsub, "sweep", "lam x n: Pareto front of modeled latency vs quality")
+    tuning_args(sw, "0.5,0.25")
+    sw.add_argument("--split", choices=["A", "B"], default="A", help="held-out set to measure on")
+    sw.add_argument("--out", default="psr-results/sweep", help="folder for sweep.{md,json,png}")
+    sw.set_defaults(fn=run_sweep)
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    path = eval_model(args.model)
+    writable_dir(args.out, "--out")
+    check_profile(args.profile)
+    from psr.eval.runs import sweep
+
+    sweep(
+        path,
+        args.out,
+        args.residency,
+        args.lams,
+        args.ns,
+        budget=args.budget,
+        windows=args.windows,
+        split=args.split,
+        profile=args.profile,
+        progress=progress(args),
+    )
+    return 0
+
+
+def _add_speculative(bsub: Any) -> None:
+    from psr.eval.defaults import WINDOWS
+
+    sp = command(
+        bsub,
+        "speculative",
+        "speculative decoding (block heads, AR drafter; K_b x lam grid) vs autoregressive "
+        "policies at equal device memory",
+    )
+    sp.add_argument("--model", default=None, help=f"checkpoint with drafters {EMBEDDED}")
+    sp.add_argument(
+        "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
+    )
+    sp.add_argument(
+        "--windows", type=positive_int, default=WINDOWS, help="teacher-forced windows (quality)"
+    )
+    sp.add_argument("--prompts", type=positive_int, default=16, help="generated prompts (speed)")
+    sp.add_argument("--gen-tokens", type=positive_int, default=64, help="tokens per prompt")
+    sp.add_argument("--block", type=positive_int, default=4, help="drafted tokens per block")
+    sp.add_argument(
+        "--drafters",
+        type=comma_list(drafter_kind),
+        default="block,ar",
+        help="comma list of drafters to run: block, ar",
+    )
+    sp.add_argument(
+        "--block-k",
+        type=comma_list(positive_int),
+        default=None,
+        help="comma list of K_b (experts per block and layer, each >= top-k) "
+        "(default: k, 1.5k, 2k)",
+    )
+    sp.add_argument(
+        "--lams",
+        type=comma_list(nonnegative_float),
+        default="0,0.2",
+        help="comma list of lam biasing the block set toward the logical cache",
+    )
+    sp.add_argument(
+        "--out", default="psr-results/speculative", help="folder for speculative.{md,json}"
+    )
+    sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    sp.set_defaults(fn=run_speculative)
+
+
+def run_speculative(args: argparse.Namespace) -> int:
+    path = eval_model(args.model)
+    writable_dir(args.out, "--out")
+    from psr.eval.runs import speculative
+
+    speculative(
+        path,
+        args.out,
+        args.residency,
+        windows=args.windows,
+        prompts=args.prompts,
+        gen_tokens=args.gen_tokens,
+        block=args.block,
+        drafters=args.drafters,
+        block_ks=args.block_k,
+        lams=args.lams,
+        progress=progress(args),
+    )
+    return 0

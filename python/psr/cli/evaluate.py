@@ -1,0 +1,206 @@
+"""`psr demo`, `psr eval` and `psr tune`, and the tuning options `psr bench sweep` shares."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from psr.cli.args import (
+    EMBEDDED,
+    QUIET_HELP,
+    UsageError,
+    comma_list,
+    command,
+    eval_model,
+    expert_format,
+    nonempty,
+    nonnegative_float,
+    nonnegative_int,
+    policies,
+    positive_int,
+    progress,
+    residencies,
+    writable_dir,
+    writable_file,
+)
+
+# Relative to where psr runs, as `psr eval`'s; committed results pass --out explicitly.
+DEMO_OUT = "psr-results/demo"
+
+
+def add_demo(sub: Any) -> None:
+    d = command(sub, "demo", "the embedded model under four policies at 50%% and 25%% residency")
+    d.add_argument("--out", default=DEMO_OUT, help="folder for demo.{md,json,png}")
+    d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
+    d.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    d.set_defaults(fn=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    writable_dir(args.out, "--out")
+    from psr.eval.runs import demo
+
+    demo(args.out, progress=progress(args), quick=args.quick)
+    return 0
+
+
+def add_eval(sub: Any) -> None:
+    ev = command(sub, "eval", "quality suite (perplexity, cloze, greedy) vs exact")
+    ev.add_argument("--model", default=None, help=f"checkpoint folder with heldout.txt {EMBEDDED}")
+    ev.add_argument(
+        "--policies",
+        type=policies,
+        default="tuned",
+        help="';'-separated name[:lam=..,n=..] (exact is always added), or 'tuned': exact, "
+        "exact + prefetch and the model's tuned Cache-Prior and PSR points at each residency",
+    )
+    ev.add_argument(
+        "--residency", type=residencies, default="0.5,0.25", help="comma list, each in (0, 1]"
+    )
+    ev.add_argument(
+        "--expert-format",
+        type=comma_list(expert_format),
+        default="native",
+        help="comma list of expert formats to run every policy in (native, bf16, int8, fp8, "
+        "int4); exact in the native format is always the reference",
+    )
+    ev.add_argument(
+        "--split",
+        choices=["A", "B"],
+        default="B",
+        help="held-out set: A (operating points are selected on it) or B (replication)",
+    )
+    ev.add_argument(
+        "--windows",
+        type=positive_int,
+        default=160,
+        help="teacher-forced windows of 128 decode-path tokens each",
+    )
+    ev.add_argument(
+        "--cloze",
+        type=nonnegative_int,
+        default=0,
+        help="cloze multiple-choice items (0: none; report them with 2000 or more)",
+    )
+    ev.add_argument("--prompts", type=positive_int, default=4, help="greedy-decoded prompts")
+    ev.add_argument("--gen-tokens", type=positive_int, default=48, help="greedy tokens per prompt")
+    ev.add_argument("--out", default="psr-results/eval", help="folder for eval.{md,json,png}")
+    ev.add_argument("--traces", action="store_true", help="keep routing traces in the JSON")
+    ev.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    ev.set_defaults(fn=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    path = eval_model(args.model)
+    writable_dir(args.out, "--out")
+    from psr.eval.runs import evaluate, grid
+
+    evaluate(
+        path,
+        grid(args.policies, args.residency, args.expert_format, path),
+        args.out,
+        split=args.split,
+        windows=args.windows,
+        cloze=args.cloze,
+        prompts=args.prompts,
+        gen_tokens=args.gen_tokens,
+        progress=progress(args),
+        traces=args.traces,
+    )
+    return 0
+
+
+def tuning_args(c: argparse.ArgumentParser, rho: str) -> None:
+    """The options of `psr tune` and `psr bench sweep`; `rho`: the default residencies."""
+    from psr.eval.defaults import BUDGET, PROFILE, SWEEP_LAMS, SWEEP_NS, WINDOWS
+
+    c.add_argument("--model", default=None, help=f"checkpoint folder with heldout.txt {EMBEDDED}")
+    c.add_argument("--residency", type=residencies, default=rho, help="comma list, each in (0, 1]")
+    c.add_argument(
+        "--lams",
+        type=comma_list(nonnegative_float),
+        default=",".join(f"{x:g}" for x in SWEEP_LAMS),
+        help="comma list of lam values, each >= 0",
+    )
+    c.add_argument(
+        "--ns",
+        type=comma_list(nonnegative_int),
+        default=",".join(map(str, SWEEP_NS)),
+        help="comma list of n values, each >= 0 (0: cache-prior)",
+    )
+    c.add_argument(
+        "--budget",
+        type=nonnegative_float,
+        default=BUDGET,
+        help="quality budget: the 95%% upper bound of Δ nats/token a point may cost",
+    )
+    c.add_argument(
+        "--profile",
+        type=nonempty,
+        default=PROFILE,
+        help="latency profile: a built-in name (rtx4090, h200) or a JSON file, e.g. the "
+        "GPU run's calibrated bench/results/gpu/profile.json",
+    )
+    c.add_argument(
+        "--windows",
+        type=positive_int,
+        default=WINDOWS,
+        help="teacher-forced windows of 128 decode-path tokens per configuration",
+    )
+    c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+
+
+def check_profile(name: str) -> None:
+    """--profile names a built-in profile or a readable profile file."""
+    from psr.eval.latency import get_profile
+
+    try:
+        get_profile(name)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"argument --profile: {e}") from None
+
+
+def add_tune(sub: Any) -> None:
+    tu = command(
+        sub,
+        "tune",
+        "choose Cache-Prior and PSR operating points per residency: selected on held-out "
+        "set A within a quality budget, replicated on set B; psr.load uses them",
+    )
+    tuning_args(tu, "0.5,0.375,0.25")
+    tu.add_argument("--out", default="psr-results/tune", help="folder for the sweep reports")
+    tu.add_argument(
+        "--write",
+        default=None,
+        help="write the points here (default: the user's psr folder, keyed by model)",
+    )
+    tu.add_argument(
+        "--select-from",
+        default=None,
+        help="reuse an earlier selection's sweep.json (set A) and only replicate on set B",
+    )
+    tu.set_defaults(fn=run_tune)
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    path = eval_model(args.model)
+    writable_dir(args.out, "--out")
+    check_profile(args.profile)
+    if args.write:
+        writable_file(args.write, "--write")
+    from psr.eval.runs import tune
+
+    tune(
+        path,
+        args.out,
+        args.residency,
+        budget=args.budget,
+        profile=args.profile,
+        lams=args.lams,
+        ns=args.ns,
+        windows=args.windows,
+        write=args.write,
+        progress=progress(args),
+        select_from=args.select_from,
+    )
+    return 0

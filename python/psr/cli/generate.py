@@ -1,0 +1,280 @@
+"""`psr generate`: decode a prompt with an offloaded checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from psr.cli.args import (
+    EMBEDDED,
+    QUIET_HELP,
+    UsageError,
+    command,
+    device,
+    dtype,
+    fraction,
+    model_config,
+    nonempty,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    progress,
+    token_ids,
+    writable_file,
+)
+from psr.vocab import COMPUTE_CHOICES, EXPERT_FORMATS
+
+# Files whose presence makes psr.models.load load a tokenizer.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def add_generate(sub: Any) -> None:
+    g = command(sub, "generate", "decode a prompt with an offloaded checkpoint")
+    add_model_option(g)
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument(
+        "--prompt",
+        type=nonempty,
+        default=None,
+        help="prompt text (no default: this or --prompt-ids)",
+    )
+    prompt.add_argument(
+        "--prompt-ids",
+        type=token_ids,
+        default=None,
+        help="token ids instead of text: '1,2,3' (no default: this or --prompt)",
+    )
+    add_policy_options(g)
+    g.add_argument("--max-new-tokens", type=nonnegative_int, default=32, help="tokens to generate")
+    add_placement_options(g)
+    g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    g.add_argument("--temperature", type=positive_float, default=1.0, help="with --sample: > 0")
+    g.add_argument(
+        "--top-k",
+        type=nonnegative_int,
+        default=0,
+        help="with --sample: keep the k most likely tokens; 0 keeps all",
+    )
+    g.add_argument(
+        "--top-p", type=fraction, default=1.0, help="with --sample: nucleus mass, in (0, 1]"
+    )
+    g.add_argument("--seed", type=nonnegative_int, default=0, help="with --sample: RNG seed")
+    g.add_argument(
+        "--json",
+        default=None,
+        help="also write tokens and stats as JSON here (default: no JSON)",
+    )
+    g.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    g.set_defaults(fn=run_generate)
+
+
+# ------------------------------------------------------------------ load options
+# The options that say how a checkpoint loads, shared with `psr serve`: each helper adds
+# its options in `psr generate --help`'s order.
+
+
+def add_model_option(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--model", default=None, help=f"local HF checkpoint folder {EMBEDDED}")
+
+
+def add_policy_options(g: argparse.ArgumentParser) -> None:
+    """--policy, --residency, --slots, --lam, --n, --quality-budget."""
+    from psr.policy import DEFAULT_RESIDENCY, POLICIES
+
+    g.add_argument("--policy", choices=POLICIES, default="psr", help="routing policy")
+    g.add_argument(
+        "--residency",
+        type=fraction,
+        default=DEFAULT_RESIDENCY,
+        help="fraction of each layer's experts with a device slot, in (0, 1]",
+    )
+    g.add_argument(
+        "--slots",
+        type=positive_int,
+        default=None,
+        help="slots per layer, overriding --residency (default: from --residency)",
+    )
+    g.add_argument(
+        "--lam",
+        type=nonnegative_float,
+        default=None,
+        help="bias toward cached experts, >= 0 (default: the policy's, psr.policy)",
+    )
+    g.add_argument(
+        "--n",
+        type=nonnegative_int,
+        default=None,
+        help="predicted experts inserted per layer and token (default: the policy's)",
+    )
+    g.add_argument(
+        "--quality-budget",
+        type=nonnegative_float,
+        default=None,
+        help="nats/token the policy may cost: require the operating point `psr tune` chose "
+        "for this budget or a tighter one (cache-prior, psr)",
+    )
+
+
+def add_placement_options(g: argparse.ArgumentParser) -> None:
+    """--device, --dtype, --compute, --expert-format, --quant-cache, --speculative,
+    --block, --block-k."""
+    g.add_argument(
+        "--device",
+        type=device,
+        default=None,
+        help="cpu, cuda or cuda:N (default: cuda when psr's backend is cuda, else cpu)",
+    )
+    g.add_argument(
+        "--dtype",
+        type=dtype,
+        default=None,
+        help="float32, bfloat16 or float16 (default: the checkpoint's)",
+    )
+    g.add_argument(
+        "--compute",
+        choices=COMPUTE_CHOICES,
+        default="auto",
+        help="kernels: Triton, torch references, or auto (Triton on CUDA)",
+    )
+    g.add_argument(
+        "--expert-format",
+        choices=EXPERT_FORMATS,
+        default="native",
+        help="how the host store keeps experts and copies move them: native (the model's "
+        "dtype), bf16, or quantized int8 / fp8 / int4 (dequantized on the fly)",
+    )
+    g.add_argument(
+        "--quant-cache",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="DIR",
+        help="with a quantized --expert-format: keep the quantized experts on disk and read "
+        "them on later loads (in DIR, else $PSR_CACHE/quantized or the user cache folder; "
+        "never in the model folder)",
+    )
+    g.add_argument(
+        "--speculative",
+        choices=["block", "ar"],
+        default=None,
+        help="greedy speculative decoding with the checkpoint's block heads or AR drafter; "
+        "its memory comes out of the expert slots (default: off)",
+    )
+    g.add_argument(
+        "--block", type=positive_int, default=4, help="with --speculative: drafted tokens per block"
+    )
+    g.add_argument(
+        "--block-k",
+        type=positive_int,
+        default=None,
+        help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
+        "slots))",
+    )
+
+
+def check_policy_options(args: argparse.Namespace) -> None:
+    """The policy with its --lam / --n, checked before anything loads (UsageError)."""
+    from psr.policy import make_policy
+
+    try:
+        make_policy(args.policy, args.lam, args.n)
+    except ValueError as e:
+        raise UsageError(f"--policy {args.policy}: {e}") from None
+
+
+def load_options(args: argparse.Namespace) -> dict[str, Any]:
+    """psr.models.load's keyword arguments from the load options (progress apart)."""
+    return {
+        "policy": args.policy,
+        "residency": args.residency,
+        "slots": args.slots,
+        "lam": args.lam,
+        "n": args.n,
+        "device": args.device,
+        "dtype": args.dtype,
+        "compute": args.compute,
+        "expert_format": args.expert_format,
+        "quant_cache": args.quant_cache,
+        "speculative": args.speculative,
+        "block": args.block,
+        "block_k": args.block_k,
+        "quality_budget": args.quality_budget,
+    }
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    check_policy_options(args)
+    from psr.models import DEFAULT_MODEL
+
+    path = args.model or DEFAULT_MODEL
+    cfg = model_config(path)
+    if args.prompt is not None and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"--prompt: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
+            "pass --prompt-ids instead"
+        )
+    vocab = cfg.get("vocab_size")
+    if args.prompt_ids is not None and isinstance(vocab, int):
+        bad = [i for i in args.prompt_ids if i >= vocab]
+        if bad:
+            raise ValueError(f"--prompt-ids: id {bad[0]} is outside the vocabulary of {vocab}")
+    out = writable_file(args.json, "--json") if args.json else None
+    show_progress = progress(args)
+
+    from psr.models import load
+
+    model = load(path, **load_options(args), progress=show_progress)
+    tok = model.tokenizer
+    if args.prompt_ids is not None:
+        ids = list(args.prompt_ids)
+    else:
+        if tok is None:
+            raise ValueError(f"--prompt: {path} has no tokenizer; pass --prompt-ids instead")
+        ids = tok(args.prompt)["input_ids"]
+        if not ids:
+            raise ValueError(f"--prompt {args.prompt!r} encodes to no tokens")
+    gen = model.generate(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=getattr(tok, "eos_token_id", None),
+        progress=show_progress,
+    )
+    new = gen[0, len(ids) :].tolist()
+    print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
+    print()
+    print(
+        f"policy {model.policy.describe()} ({model.policy_source}), "
+        f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
+        f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
+        f"experts {args.expert_format}"
+    )
+    speculative: dict[str, Any] | None = None
+    if model.spec_stats is not None:
+        st = model.spec_stats
+        print(
+            f"speculative ({args.speculative}, B={args.block}, K_b={model.block_k}): "
+            f"{st.blocks} verify blocks, {st.accepted_per_block:.2f} drafts accepted and "
+            f"{st.tokens_per_block:.2f} tokens per block"
+        )
+        # The same figures as the line above, plus the per-block counts behind them.
+        speculative = {
+            "drafter": args.speculative,
+            "block": args.block,
+            "block_k": model.block_k,
+            **st.as_dict(),
+        }
+    print(model.stats.table())
+    if out is not None:
+        result: dict[str, Any] = {"tokens": gen[0].tolist(), "stats": model.stats.summary()}
+        if speculative is not None:
+            result["speculative"] = speculative
+        out.write_text(json.dumps(result, indent=2))
+    return 0

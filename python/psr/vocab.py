@@ -1,0 +1,68 @@
+"""The words psr's options accept, in one torch-free place: dtype names, expert formats and
+compute paths. The CLI validates its arguments with them before torch is imported, and
+`psr.models.loader` resolves them; `psr_kernels` keeps its own copies (it never imports
+psr), which tests/bookkeeping/test_vocab.py holds equal to these.
+"""
+
+from __future__ import annotations
+
+# Every accepted dtype spelling -> the canonical torch dtype name (`torch.<name>`).
+DTYPE_ALIASES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+# How the host store keeps experts and copies move them: "native" (the model's dtype),
+# "bf16", or quantized rows that the kernels dequantize on the fly.
+QUANT_FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
+EXPERT_FORMATS: tuple[str, ...] = ("native", "bf16", *QUANT_FORMATS)
+
+# Compute paths: "auto" (Triton on CUDA, the torch references elsewhere; $PSR_COMPUTE
+# overrides), or one forced.
+COMPUTE_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
+
+# How a decode step runs: "device" (the sync-free step on device-resident caches, wherever
+# the policy allows it) or "host" (the host-driven step: caches and copies on the host).
+DECODE_MODES: tuple[str, ...] = ("device", "host")
+
+
+def canonical_dtype(name: str) -> str:
+    """The canonical dtype name of an accepted spelling (`torch.` prefix allowed)."""
+    key = name.removeprefix("torch.") if isinstance(name, str) else name
+    if key not in DTYPE_ALIASES:
+        raise ValueError(
+            f"unsupported dtype {name!r}; use one of {', '.join(DTYPE_NAMES)} "
+            f"(or {', '.join(a for a in DTYPE_ALIASES if a not in DTYPE_NAMES)})"
+        )
+    return DTYPE_ALIASES[key]
+
+
+def expert_format(fmt: str | None) -> str | None:
+    """The store format of an `expert_format` argument: None for "native" (or None), else
+    one of "bf16", "int8", "fp8", "int4"; a ValueError names the accepted ones."""
+    if fmt is None or fmt == "native":
+        return None
+    if fmt not in EXPERT_FORMATS:
+        raise ValueError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}; got {fmt!r}")
+    return fmt
+
+
+def compute_choice(compute: str) -> str:
+    """`compute` if it is one of COMPUTE_CHOICES, else a ValueError naming them."""
+    if compute not in COMPUTE_CHOICES:
+        raise ValueError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}; got {compute!r}")
+    return compute
+
+
+def decode_mode(decode: str) -> str:
+    """`decode` if it is one of DECODE_MODES, else a ValueError naming them."""
+    if decode not in DECODE_MODES:
+        raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}; got {decode!r}")
+    return decode
