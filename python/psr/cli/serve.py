@@ -1,0 +1,191 @@
+"""`psr serve` (an OpenAI-compatible server) and `psr bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from psr.cli.args import (
+    QUIET_HELP,
+    command,
+    model_config,
+    nonempty,
+    nonnegative_int,
+    positive_int,
+    progress,
+    writable_file,
+)
+from psr.cli.generate import (
+    TOKENIZER_FILES,
+    add_model_option,
+    add_placement_options,
+    add_policy_options,
+    check_policy_options,
+    load_options,
+)
+
+SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+
+
+def port(s: str) -> int:
+    try:
+        v = int(s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {s!r}") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {s!r}")
+    return v
+
+
+def _load_args(p: argparse.ArgumentParser) -> None:
+    """The load options `psr generate` takes, with its defaults."""
+    add_model_option(p)
+    add_policy_options(p)
+    add_placement_options(p)
+
+
+def add_serve(sub: Any) -> None:
+    s = command(sub, "serve", "an OpenAI-compatible streaming server for an offloaded checkpoint")
+    _load_args(s)
+    s.add_argument(
+        "--host",
+        type=nonempty,
+        default=DEFAULT_HOST,
+        help="address to listen on (0.0.0.0: every interface)",
+    )
+    s.add_argument("--port", type=port, default=DEFAULT_PORT, help="port to listen on")
+    s.add_argument(
+        "--served-model-name",
+        type=nonempty,
+        default=None,
+        help="the model's name in the API (default: the checkpoint folder's name)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=nonnegative_int,
+        default=16,
+        help="requests that may wait while one decodes; more are answered 429",
+    )
+    s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    s.set_defaults(fn=run_serve)
+
+
+def add_bench_serve(bsub: Any) -> None:
+    b = command(
+        bsub,
+        "serve",
+        "streaming requests against a local server (sequential, then concurrent) vs "
+        "model.generate on the same prompts: time to first token, tokens/s, overhead",
+    )
+    _load_args(b)
+    b.add_argument("--requests", type=positive_int, default=8, help="prompts (N)")
+    b.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request")
+    b.add_argument(
+        "--json", default=None, help="also write the result as JSON here (default: no JSON)"
+    )
+    b.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    b.set_defaults(fn=run_bench_serve)
+
+
+def _check(args: argparse.Namespace) -> str:
+    """Up-front checks shared by serve and bench serve; returns the model folder."""
+    check_policy_options(args)
+    missing = []
+    for name in SERVE_PACKAGES:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        # A missing package is missing files: reported in one line, as other OSErrors.
+        raise OSError(
+            f"psr serve needs {', '.join(missing)}: pip install 'psr[serve]' "
+            "(scripts/install.sh installs them)"
+        )
+    from psr.models import DEFAULT_MODEL
+
+    path = args.model or DEFAULT_MODEL
+    model_config(path)
+    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+        raise ValueError(
+            f"--model: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
+            "psr serve reads text prompts and writes text"
+        )
+    return str(path)
+
+
+def _check_bind(host: str, port: int) -> None:
+    """Bind once before loading (as uvicorn will: IPv6 if the host has a colon), so that a
+    taken port or a foreign address fails now, in one line."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise OSError(
+                f"--host {host} --port {port}: cannot listen: {e.strerror or e}"
+            ) from None
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    path = _check(args)
+    _check_bind(args.host, args.port)
+    name = args.served_model_name or Path(path).resolve().name
+
+    import uvicorn
+
+    from psr.models import load
+    from psr.serve.app import create_app
+    from psr.serve.engine import Engine
+
+    show_progress = progress(args)
+    engine = Engine(
+        lambda: load(path, **load_options(args), progress=show_progress),
+        max_queue=args.max_queue,
+    )
+    config = uvicorn.Config(
+        create_app(engine, served_name=name),
+        host=args.host,
+        port=args.port,
+        log_config=_log_config(),
+        access_log=False,  # psr.serve logs one line per request itself
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+
+    def stop() -> None:
+        server.should_exit = True
+
+    engine.on_fatal = stop
+    server.run()
+    if engine.load_error is not None:
+        raise engine.load_error
+    return 0
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging, with psr.serve's request lines through its default handler."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = json.loads(json.dumps(LOGGING_CONFIG))  # a deep copy
+    cfg["loggers"]["psr.serve"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return dict(cfg)
+
+
+def run_bench_serve(args: argparse.Namespace) -> int:
+    path = _check(args)
+    out = writable_file(args.json, "--json") if args.json else None
+    from psr.models import load
+    from psr.serve.bench import bench_serve
+
+    model = load(path, **load_options(args), progress=progress(args))
+    result = bench_serve(model, requests=args.requests, max_tokens=args.max_tokens)
+    print(result.table())
+    if out is not None:
+        out.write_text(json.dumps(result.as_dict(), indent=2))
+    return 0

@@ -1,0 +1,331 @@
+"""`psr bench serve`: what the server adds to decoding, measured in one run.
+
+One loaded model decodes N prompts three ways, greedy, `max_tokens` each:
+  model.generate      the library call, timed by a streamer (no server), before the
+                      server's runs and again after them (2N calls)
+  sequential          N streaming requests, one after another, against a local server
+  concurrent          N streaming requests at once (they queue: batch 1)
+The server runs in this process (uvicorn in a thread, over the same model); the clients
+run in a process of their own (one asyncio loop), as real clients do. Time to first token is taken
+from the call (request sent) to the first token; ms/token is the median over requests
+of the mean time between a request's consecutive tokens; overhead/token compares it with
+model.generate's.
+Every greedy output must equal model.generate's, token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Short, varied openings (the embedded model writes plays).
+PROMPTS = (
+    "The quick brown fox",
+    "To be, or not to be,",
+    "Now is the winter of our discontent",
+    "Friends, Romans, countrymen,",
+    "All the world's a stage,",
+    "Once more unto the breach,",
+    "What light through yonder window breaks?",
+    "If music be the food of love,",
+)
+
+
+def markdown_table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class Run:
+    """One way of decoding the N prompts."""
+
+    name: str
+    wall_s: float = 0.0
+    ttft_s: list[float] = field(default_factory=list)
+    ms_per_token: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+    def merge(self, other: Run) -> None:
+        """Append `other`'s requests (and its wall time)."""
+        self.wall_s += other.wall_s
+        self.ttft_s += other.ttft_s
+        self.ms_per_token += other.ms_per_token
+        self.outputs += other.outputs
+
+    def decode_ms_per_token(self) -> float:
+        """The median over requests (a busy machine's outliers aside) of each request's
+        mean time between consecutive tokens."""
+        return statistics.median(self.ms_per_token) if self.ms_per_token else float("nan")
+
+
+@dataclass
+class BenchResult:
+    requests: int
+    max_tokens: int
+    policy: str
+    runs: list[Run]
+
+    @property
+    def greedy_equal(self) -> bool:
+        ref = self.runs[0].outputs
+        want = ref[: self.requests]
+        return ref[self.requests :] == want and all(r.outputs == want for r in self.runs[1:])
+
+    def table(self) -> str:
+        base = self.runs[0].decode_ms_per_token()
+        rows = []
+        for r in self.runs:
+            ms = r.decode_ms_per_token()
+            over = "-" if r is self.runs[0] else f"{(ms - base) / base * 100:+.1f}%"
+            ttft = sorted(r.ttft_s)
+            rows.append(
+                [
+                    r.name,
+                    str(len(r.outputs)),
+                    str(r.tokens),
+                    f"{statistics.median(ttft) * 1e3:.1f}",
+                    f"{ttft[-1] * 1e3:.1f}",
+                    f"{ms:.2f}",
+                    f"{r.tokens / r.wall_s:.1f}",
+                    over,
+                ]
+            )
+        head = [
+            "run",
+            "requests",
+            "tokens",
+            "TTFT p50 (ms)",
+            "TTFT max (ms)",
+            "ms/token",
+            "tokens/s",
+            "overhead/token",
+        ]
+        lines = [
+            f"psr bench serve: {self.requests} prompts x {self.max_tokens} tokens, greedy, "
+            f"policy {self.policy}",
+            "",
+            markdown_table(head, rows),
+            "",
+            "TTFT: from the call (request sent) to the first token; concurrent requests "
+            "queue (batch 1). ms/token: median over requests of the mean time between a "
+            "request's consecutive tokens; overhead/token: against model.generate's "
+            "(called before and after the server's runs). tokens/s: all tokens / wall time.",
+            "greedy outputs equal to model.generate, token for token: "
+            + ("yes" if self.greedy_equal else "NO"),
+        ]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "max_tokens": self.max_tokens,
+            "policy": self.policy,
+            "greedy_equal": self.greedy_equal,
+            "runs": [asdict(r) | {"tokens": r.tokens} for r in self.runs],
+        }
+
+
+class _Timer:
+    """A streamer that notes when each new token is made."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.tokens: list[int] = []
+        self._prompt = True
+
+    def put(self, value: Any) -> None:
+        if self._prompt:
+            self._prompt = False
+            return
+        for t in value.reshape(-1).tolist():
+            self.times.append(time.perf_counter())
+            self.tokens.append(int(t))
+
+    def end(self) -> None:
+        pass
+
+
+def _ms_per_token(times: list[float]) -> float | None:
+    return (times[-1] - times[0]) / (len(times) - 1) * 1e3 if len(times) > 1 else None
+
+
+def _record(run: Run, start: float, times: list[float], tokens: list[int]) -> None:
+    run.outputs.append(tokens)
+    run.ttft_s.append(times[0] - start if times else float("nan"))
+    ms = _ms_per_token(times)
+    if ms is not None:
+        run.ms_per_token.append(ms)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def bench_serve(
+    model: Any, *, requests: int = 8, max_tokens: int = 64, prompts: tuple[str, ...] = PROMPTS
+) -> BenchResult:
+    """Decode `requests` prompts (cycling through `prompts`) with model.generate and
+    through a local server, sequentially and concurrently (see the module docstring)."""
+    import uvicorn
+
+    from psr.serve.app import create_app
+    from psr.serve.engine import Engine
+
+    tok = model.tokenizer
+    ids = [list(tok(prompts[i % len(prompts)])["input_ids"]) for i in range(requests)]
+    eos = getattr(tok, "eos_token_id", None)
+
+    def generate(prompt: list[int], run: Run) -> None:
+        timer = _Timer()
+        start = time.perf_counter()
+        model.generate(prompt, max_new_tokens=max_tokens, eos_token_id=eos, streamer=timer)
+        run.wall_s += time.perf_counter() - start
+        _record(run, start, timer.times, timer.tokens)
+
+    engine = Engine(lambda: model, max_queue=requests)
+    port = _free_port()
+    config = uvicorn.Config(
+        create_app(engine, served_name="bench"),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="psr-bench-server", daemon=True)
+    thread.start()
+    clients = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (server.started and engine.ready.is_set()):
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the benchmark's server did not start")
+            time.sleep(0.01)
+        clients = _Clients(f"http://127.0.0.1:{port}", max_tokens)
+        generate(ids[0][:4], Run("warm-up"))  # first-call allocations, both ways
+        clients.run([ids[0][:4]], "warm-up")
+        # model.generate before and after the server's runs: a drift in the machine's
+        # speed shows in both (A B A), and the model changes threads only between runs.
+        ref = Run("model.generate")
+        for prompt in ids:
+            generate(prompt, ref)
+        seq = Run("server, sequential")
+        for prompt in ids:
+            seq.merge(clients.run([prompt], seq.name))
+        conc = clients.run(ids, f"server, {requests} concurrent")
+        for prompt in ids:
+            generate(prompt, ref)
+    finally:
+        if clients is not None:
+            clients.close()
+        server.should_exit = True
+        thread.join(30)
+    return BenchResult(requests, max_tokens, model.policy.describe(), [ref, seq, conc])
+
+
+class _Clients:
+    """The clients, in a process of their own (as real clients are): their work does not
+    compete with the server's threads for this interpreter's lock. One JSON line in (the
+    prompts to send at once), one out (their Run)."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        code = "from psr.serve.bench import client_main; client_main()"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, url, str(max_tokens)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self, prompts: list[list[int]], name: str) -> Run:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "name": name}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr is not None else ""
+            raise RuntimeError(f"the benchmark's clients failed: {err.strip()[-2000:]}")
+        return Run(**json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def client_main() -> None:
+    """The client process (argv: url, max_tokens): see _Clients."""
+    url, max_tokens = sys.argv[1], int(sys.argv[2])
+    loop = asyncio.new_event_loop()
+    try:
+        for line in sys.stdin:
+            job = json.loads(line)
+            run = loop.run_until_complete(_send(url, job["prompts"], max_tokens, job["name"]))
+            print(json.dumps(asdict(run)), flush=True)
+    finally:
+        loop.close()
+
+
+async def _send(url: str, prompts: list[list[int]], max_tokens: int, name: str) -> Run:
+    """`prompts` as streaming requests, all at once; each keeps its place in the Run."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+
+        async def one(prompt: list[int]) -> Run:
+            run = Run(name)
+            body = {
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "return_token_ids": True,
+            }
+            times: list[float] = []
+            tokens: list[int] = []
+            start = time.perf_counter()
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"the server answered {r.status_code}: {await r.aread()!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(f"the server failed: {chunk['error']['message']}")
+                    for choice in chunk["choices"]:
+                        new = choice.get("token_ids") or []
+                        now = time.perf_counter()
+                        times += [now] * len(new)
+                        tokens += new
+            _record(run, start, times, tokens)
+            return run
+
+        t0 = time.perf_counter()
+        parts = await asyncio.gather(*(one(p) for p in prompts))
+        out = Run(name, wall_s=time.perf_counter() - t0)
+        for part in parts:
+            out.merge(part)
+        return out

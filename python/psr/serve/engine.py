@@ -1,0 +1,377 @@
+"""The decoding side of the server: one worker thread, a bounded FIFO queue, cancellation.
+
+psr decodes one sequence at a time (batch 1; the runtime serialises), so requests wait
+in a FIFO queue and one worker thread runs `model.generate` for each in turn; the event
+loop never blocks on decoding. The worker also loads the model, so the server answers
+`/health` (503) while it loads.
+
+Tokens leave the worker as they are made: `generate` calls the job's streamer once per
+new token, which turns it into text (incremental detokenizing, stop strings held back)
+and hands a `Delta` to the event loop (`call_soon_threadsafe`). The same call is where a
+request stops: a cancelled request (client gone) or a stop string makes it raise a
+private exception, so `generate` ends before the next forward, within one token. The
+model's stats are cumulative; the worker takes each request's differences around its
+`generate` call, for the response's `psr` field and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psr.serve.metrics import Metrics
+from psr.serve.stops import Detokenizer, StopBuffer
+
+log = logging.getLogger("psr.serve")
+
+
+class QueueFull(Exception):
+    """The queue holds --max-queue requests already."""
+
+
+class NotReady(Exception):
+    """The model is loading, failed to load, or the server is stopping."""
+
+
+@dataclass(frozen=True)
+class Params:
+    """`model.generate`'s decoding arguments for one request (seed drawn if not given)."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
+        if self.do_sample:
+            kw |= {
+                "temperature": self.temperature,
+                "top_k": self.top_k,
+                "top_p": self.top_p,
+                "seed": self.seed,
+            }
+        return kw
+
+
+# ------------------------------------------------------------------ events: worker -> loop
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Text that may be shown now (possibly empty), and the tokens made since the last."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    psr: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The request failed inside the model (500), or was cancelled."""
+
+    message: str
+    status: int = 500
+
+
+class Disconnected:
+    """Put by the app when the client went away (the job is cancelled)."""
+
+
+Event = Delta | Finished | Failed | Disconnected
+
+
+@dataclass(eq=False)  # compared by identity (queue removal)
+class Job:
+    """One request on its way through the queue and the worker."""
+
+    id: str
+    prompt_ids: list[int]
+    params: Params
+    stops: tuple[str, ...] = ()
+    arrived: float = field(default_factory=time.perf_counter)
+    # Created in the event loop's thread (submit runs there); filled by the worker.
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = "the request was cancelled"
+    cancel_status: int = 499  # client gone (nginx's code); 503 when the server stops
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _StopString(Exception):
+    pass
+
+
+class _Streamer:
+    """transformers' streamer protocol, as `model.generate` drives it: put(prompt), then
+    put(tokens) per step (one token; several at once when decoding speculatively), end()."""
+
+    def __init__(
+        self, job: Job, detok: Detokenizer, stops: StopBuffer, emit: Callable[[Event], None]
+    ) -> None:
+        self.job, self.detok, self.stops, self.emit = job, detok, stops, emit
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value: Any) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        for t in value.reshape(-1).tolist():
+            if self.job.cancelled:
+                raise _Cancelled
+            self.tokens.append(int(t))
+            self.times.append(time.perf_counter())
+            self.emit(Delta(self.stops.feed(self.detok.add(int(t))), (int(t),)))
+            if self.stops.stopped:
+                raise _StopString
+
+    def end(self) -> None:
+        pass
+
+
+class Engine:
+    """The queue and the worker. `start(loop)` loads the model in the worker thread and
+    serves the queue; `submit(job)` (event loop thread) queues a request; `cancel(job)`
+    drops it from the queue or stops its decoding within one token."""
+
+    def __init__(
+        self,
+        loader: Callable[[], Any],
+        *,
+        max_queue: int = 16,
+        metrics: Metrics | None = None,
+    ) -> None:
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self._loader = loader
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.model: Any = None
+        self.ready = threading.Event()
+        self.load_error: BaseException | None = None
+        # Called (in the worker thread) when loading fails: the server should stop.
+        self.on_fatal: Callable[[], None] | None = None
+        # Fast tokenizers must not be used from two threads at once: the event loop
+        # encodes prompts while the worker decodes tokens.
+        self.tokenizer_lock = threading.Lock()
+        self.eos_token_ids: tuple[int, ...] = ()
+        self.context: int | None = None
+        self._cond = threading.Condition()
+        self._queue: deque[Job] = deque()
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -------------------------------------------------------------- event loop side
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._main, name="psr-serve-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel every request (queued or decoding) and join the worker."""
+        with self._cond:
+            self._stopping = True
+            reason = "the server is shutting down"
+            if self._running is not None:
+                self._cancel(self._running, reason, 503)  # the worker answers it
+            for job in self._queue:
+                self._cancel(job, reason, 503)
+                self._emit(job, Failed(reason, status=503))
+            self._queue.clear()
+            self.metrics.queue_depth.set(0)
+            self._cond.notify_all()
+        # A load under way cannot be interrupted: the (daemon) worker is left to the exit.
+        if self._thread is not None and self.ready.is_set():
+            self._thread.join(timeout)
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` (FIFO), or raise QueueFull / NotReady."""
+        with self._cond:
+            if self._stopping or not self.ready.is_set():
+                raise NotReady
+            busy = len(self._queue) + (self._running is not None)
+            if busy > self.max_queue:
+                raise QueueFull
+            self._queue.append(job)
+            self.metrics.queue_depth.set(len(self._queue))
+            self._cond.notify()
+
+    def cancel(self, job: Job, reason: str = "the client went away") -> None:
+        """Drop `job` from the queue, or stop its decoding within one token."""
+        with self._cond:
+            self._cancel(job, reason)
+            if job in self._queue:
+                self._queue.remove(job)
+                self.metrics.queue_depth.set(len(self._queue))
+                self.metrics.count("cancelled")
+                log.info("%s cancelled while queued: %s", job.id, reason)
+
+    def _cancel(self, job: Job, reason: str, status: int = 499) -> None:
+        if not job.cancelled:
+            job.cancel_reason, job.cancel_status = reason, status
+            job._cancelled.set()
+
+    def decode_text(self, ids: Sequence[int]) -> str:
+        with self.tokenizer_lock:
+            text: str = self.model.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
+
+    # -------------------------------------------------------------- worker side
+
+    def _emit(self, job: Job, event: Event) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(job.events.put_nowait, event)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+    def _main(self) -> None:
+        try:
+            model = self._loader()
+            if getattr(model, "tokenizer", None) is None:
+                raise ValueError(f"{model.path}: no tokenizer; the server reads and writes text")
+        except BaseException as e:
+            self.load_error = e
+            log.error("loading the model failed: %s", e)
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return
+        self.model = model
+        tok = model.tokenizer
+        eos = getattr(tok, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(model.config, "eos_token_id", None)
+        self.eos_token_ids = tuple([eos] if isinstance(eos, int) else eos or ())
+        self.context = getattr(model.config, "max_position_embeddings", None)
+        self.ready.set()
+        log.info("model loaded: %s, policy %s", model.path, model.policy.describe())
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                job = self._queue.popleft()
+                self._running = job
+                self.metrics.queue_depth.set(len(self._queue))
+                self.metrics.running.set(1)
+            try:
+                self._decode(job)
+            finally:
+                with self._cond:
+                    self._running = None
+                    self.metrics.running.set(0)
+
+    def _decode(self, job: Job) -> None:
+        model = self.model
+        detok = Detokenizer(self.decode_text, job.prompt_ids)
+        stops = StopBuffer(job.stops)
+        streamer = _Streamer(job, detok, stops, lambda ev: self._emit(job, ev))
+        before = dict(model.stats.totals)
+        finish: str | None = None
+        error: Exception | None = None
+        try:
+            model.generate(
+                job.prompt_ids,
+                **job.params.generate_kwargs(),
+                eos_token_id=list(self.eos_token_ids) or None,
+                streamer=streamer,
+            )
+            final = streamer.tokens[-1] if streamer.tokens else None
+            finish = "stop" if final in self.eos_token_ids else "length"
+        except _StopString:
+            finish = "stop"
+        except _Cancelled:
+            pass
+        except Exception as e:  # a failure inside the model: this request's 500 only
+            error = e
+        after = model.stats.totals
+        diff = {k: after[k] - before.get(k, 0) for k in after}
+        n = len(streamer.tokens)
+        last: Event
+        if finish is not None:
+            tail = stops.feed(detok.flush())
+            if stops.stopped:
+                finish = "stop"
+            else:
+                tail += stops.flush()
+            if tail:
+                self._emit(job, Delta(tail, ()))
+            last = Finished(finish, len(job.prompt_ids), n, self._psr_figures(model, diff))
+            outcome = finish
+        elif error is not None:
+            last = Failed(f"{type(error).__name__}: {error}")
+            outcome = "error"
+        else:
+            last = Failed(job.cancel_reason, status=job.cancel_status)
+            outcome = "cancelled"
+        # Counted and logged before the answer goes out: a client that has its response
+        # finds the request in /metrics.
+        self.metrics.count(outcome)
+        self.metrics.add_request(diff, len(job.prompt_ids), n, streamer.times, job.arrived)
+        self._log(job, outcome, n, streamer.times, diff, error)
+        self._emit(job, last)
+
+    @staticmethod
+    def _psr_figures(model: Any, d: dict[str, float]) -> dict[str, Any]:
+        """This request's routing figures (decode steps; prefill bytes apart)."""
+        return {
+            "policy": model.policy.describe(),
+            "decode_steps": int(d["tokens"]),
+            "routed": int(d["routed"]),
+            "hits": int(d["hits"]),
+            "misses": int(d["misses"]),
+            "prefetches": int(d["prefetches"]),
+            "prefetch_used": int(d["prefetch_used"]),
+            "bytes_copied": int(d["bytes_copied"]),
+            "stall_s": round(float(d["stall_s"]), 6),
+            "prefill_bytes": int(d["prefill_bytes"]),
+        }
+
+    def _log(
+        self,
+        job: Job,
+        outcome: str,
+        n: int,
+        times: list[float],
+        d: dict[str, float],
+        error: Exception | None,
+    ) -> None:
+        ttft = f"{(times[0] - job.arrived) * 1e3:.0f} ms" if times else "-"
+        rate = f"{(n - 1) / (times[-1] - times[0]):.1f}" if n > 1 and times[-1] > times[0] else "-"
+        line = (
+            f"{job.id} {outcome}: prompt {len(job.prompt_ids)} + completion {n} tokens, "
+            f"ttft {ttft}, {rate} tokens/s, hits {int(d['hits'])} misses {int(d['misses'])}"
+        )
+        if error is not None:
+            line += f" ({type(error).__name__}: {error})"
+        log.info(line)

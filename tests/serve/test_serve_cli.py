@@ -1,0 +1,100 @@
+"""`psr serve` and `psr bench serve` on the command line: argument errors in one line
+before anything loads, the load options shared with `psr generate`, and one short run of
+the benchmark."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_model, write_checkpoint
+
+from psr.cli import build_parser, main
+from psr.cli.generate import load_options
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    import psr.models
+
+    def boom(*args, **kwargs):
+        raise AssertionError("reached a model load; the arguments should have failed")
+
+    monkeypatch.setattr(psr.models, "load", boom)
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "message"),
+    [
+        (["serve", "--port", "0"], 2, "argument --port: expected a port in [1, 65535], got '0'"),
+        (["serve", "--port", "http"], 2, "argument --port: expected a port number, got 'http'"),
+        (["serve", "--max-queue", "-1"], 2, "argument --max-queue: expected an integer >= 0"),
+        (["serve", "--residency", "2"], 2, "argument --residency: expected a number in (0, 1]"),
+        (["serve", "--host", ""], 2, "argument --host: expected a non-empty string"),
+        (["serve", "--policy", "exact", "--lam", "0.3"], 2, "--policy exact: "),
+        (["serve", "--model", "/no/such/folder"], 1, "--model /no/such/folder: no such folder"),
+        (["bench", "serve", "--requests", "0"], 2, "argument --requests: expected an integer >= 1"),
+        (["bench", "serve", "--max-tokens", "x"], 2, "argument --max-tokens: expected an integer"),
+    ],
+)
+def test_errors_are_one_line_before_loading(argv, code, message, capsys, no_load) -> None:
+    got, out, err = run(argv, capsys)
+    assert got == code and out == ""
+    assert err.startswith("psr: error: ") and err.count("\n") == 1, err
+    assert message in err
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path, capsys, no_load) -> None:
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
+    capsys.readouterr()  # the writer's progress bar
+    code, _, err = run(["serve", "--model", str(path)], capsys)
+    assert code == 1 and "has no tokenizer" in err and err.count("\n") == 1
+
+
+def test_a_taken_port_fails_before_loading(capsys, no_load) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, _, err = run(["serve", "--port", str(port)], capsys)
+    assert code == 1 and f"--port {port}: cannot listen" in err and err.count("\n") == 1
+
+
+def test_serve_takes_generates_load_options_and_defaults() -> None:
+    p = build_parser()
+    gen = p.parse_args(["generate", "--prompt", "x"])
+    serve = p.parse_args(["serve"])
+    assert load_options(serve) == load_options(gen)
+    argv = ["--policy", "cache-prior", "--residency", "0.25", "--expert-format", "int8"]
+    assert load_options(p.parse_args(["serve", *argv])) == load_options(
+        p.parse_args(["generate", "--prompt", "x", *argv])
+    )
+    assert (serve.host, serve.port, serve.max_queue) == ("127.0.0.1", 8000, 16)
+    assert serve.model is None and serve.served_model_name is None
+
+
+def test_bench_serve_prints_its_table(tmp_path, capsys) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "serve", "--dtype", "float32", "--requests", "2", "--max-tokens", "4"]
+    code, text, _ = run([*argv, "--json", str(out), "--quiet"], capsys)
+    assert code == 0
+    assert "| model.generate | 4 | " in text
+    for row in ("server, sequential", "server, 2 concurrent"):
+        assert f"| {row} | 2 | " in text
+    assert "greedy outputs equal to model.generate, token for token: yes" in text
+    result = json.loads(Path(out).read_text())
+    assert result["greedy_equal"] is True
+    ref, seq, conc = result["runs"]
+    assert ref["tokens"] == 2 * seq["tokens"] == 2 * conc["tokens"]  # generate: before and after
+    assert len(seq["outputs"]) == 2 and seq["outputs"] == conc["outputs"] == ref["outputs"][:2]
