@@ -20,6 +20,7 @@ from pathlib import Path
 from psr.eval.harness import EvalData
 from psr.eval.quality import perplexity_items
 from psr.models import DEFAULT_MODEL, load
+from psr.runtime.steering import Steering
 
 
 def usage_and_recall(path: str, data: EvalData) -> dict:
@@ -27,15 +28,16 @@ def usage_and_recall(path: str, data: EvalData) -> dict:
     k = model.runtime.spec.top_k
     E = model.runtime.spec.num_experts
     predicted: list[tuple[int, list[list[int]]]] = []
-    predict = model.runtime._predict_next
 
-    def spy(L, residual):
-        ids = predict(L, residual)
-        if ids is not None:
-            predicted.append((L.index + 1, ids))
-        return ids
+    class Spy(Steering):
+        """The spec's rule, recording each next-layer prediction."""
 
-    model.runtime._predict_next = spy
+        def predictions(self, layer, residual):
+            out = super().predictions(layer, residual)
+            predicted.extend((target, ids) for target, _, ids in out)
+            return out
+
+    model.runtime.set_steering(Spy(model.runtime))
     rec = model.record_trace()
     perplexity_items(model, data.windows, data.prompt_len)
     layers = len(model.runtime.layers)

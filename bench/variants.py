@@ -4,7 +4,7 @@
 
 The spec's PSR (`z' = z + lam * D * m`, n next-layer predictions) is the baseline. Each
 variant changes one thing, applied to a loaded model through the runtime's extension
-points (`lam_of`, `_predict_next`, the routing op), never to the logical-cache rules:
+points (psr.runtime.Steering subclasses, or the routing op), never to the cache rules:
   renorm     the chosen experts' gate weights rescaled to the unbiased top-k's total
              mass (a substitution no longer shrinks the layer's output);
   lam_first  a different lam for the first MoE layer, which never receives prefetches;
@@ -13,7 +13,7 @@ points (`lam_of`, `_predict_next`, the routing op), never to the logical-cache r
   wide       the spec's rule with more predictions per layer and token (n = 3, 4), beyond
              the tuning grid's n <= 2 (more prefetch copies, more cached candidates);
   ahead2     also insert up to v experts predicted by the router two MoE layers ahead
-             (runtime.ahead2): copies issued a layer earlier, at a lower recall;
+             (AheadTwo): copies issued a layer earlier, at a lower recall;
   lam_ramp   per-layer lam rising linearly with depth, lam*(1-v) at the first MoE layer to
              lam*(1+v) at the last (deeper layers receive surer prefetches).
 Every configuration is scored on held-out set A (selection) with the powered harness;
@@ -42,42 +42,104 @@ from psr.eval.quality import perplexity_items
 from psr.eval.report import pct
 from psr.eval.runs import choose, within_budget
 from psr.models import DEFAULT_MODEL, load
-from psr.policy import make_policy, operating_points
+from psr.points import operating_points
+from psr.policy import make_policy
+from psr.runtime.steering import Prediction, Steering
+
+
+class LamFirst(Steering):
+    """A separate lam for the first MoE layer."""
+
+    spec_rule = False
+
+    def __init__(self, runtime: Any, value: float) -> None:
+        super().__init__(runtime)
+        self.value = value
+
+    def lam(self, layer: Any) -> float:
+        return self.value if layer.index == 0 else self.rt.policy.lam
+
+
+class LamRamp(Steering):
+    """lam ramped linearly with depth: lam * (1 - v) in the first MoE layer to
+    lam * (1 + v) in the last."""
+
+    spec_rule = False
+
+    def __init__(self, runtime: Any, value: float) -> None:
+        super().__init__(runtime)
+        self.value = value
+
+    def lam(self, layer: Any) -> float:
+        last = len(self.rt.layers) - 1
+        return self.rt.policy.lam * (1 - self.value + 2 * self.value * layer.index / last)
+
+
+class Confident(Steering):
+    """Prefetch only predictions whose next-layer router probability is at least tau."""
+
+    spec_rule = False
+
+    def __init__(self, runtime: Any, tau: float) -> None:
+        super().__init__(runtime)
+        self.tau = tau
+
+    def predictions(self, layer: Any, residual: torch.Tensor) -> list[Prediction]:
+        out = []
+        for target, n, ids in super().predictions(layer, residual):
+            nxt = self.rt.layers[target]
+            h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
+            probs = torch.softmax(h @ nxt.router.weight.float().t(), -1)
+            kept = [[e for e in row if float(probs[i, e]) >= self.tau] for i, row in enumerate(ids)]
+            out.append((target, n, kept))
+        return out
+
+
+class AheadTwo(Steering):
+    """Also insert up to `a` experts predicted by the router of the MoE layer two ahead (on
+    this layer's MoE input), after the next layer's own prediction: copies issued a layer
+    earlier, at a lower recall."""
+
+    spec_rule = False
+
+    def __init__(self, runtime: Any, a: int) -> None:
+        if isinstance(a, bool) or not isinstance(a, int) or a < 0:
+            raise ValueError(f"ahead2 must be an int >= 0, got {a!r}")
+        super().__init__(runtime)
+        self.a = a
+
+    def predictions(self, layer: Any, residual: torch.Tensor) -> list[Prediction]:
+        out = super().predictions(layer, residual)
+        ids2 = self.predict(layer, residual, 2, self.a)
+        if ids2 is not None:
+            out.append((layer.index + 2, self.a, ids2))
+        return out
 
 
 def apply_variant(model: Any, name: str, value: float) -> None:
+    """Steer `model` by a variant (a Steering subclass; `renorm` replaces the routing op
+    and decodes on the host step, where that op runs)."""
     rt = model.runtime
     if name == "renorm":
         route = rt.ops.route
 
-        def renorm_route(logits, k, *, mask=None, lam=0.0, **kw):
-            w, ids = route(logits, k, mask=mask, lam=lam, **kw)
-            if mask is None or lam == 0:
+        def renorm_route(logits, spec, *, mask=None, **kw):
+            w, ids = route(logits, spec, mask=mask, **kw)
+            if mask is None or spec.lam == 0:
                 return w, ids
-            w0, _ = route(logits, k, **kw)
+            w0, _ = route(logits, dataclasses.replace(spec, lam=0.0), **kw)
             return w * (w0.sum(-1, keepdim=True) / w.sum(-1, keepdim=True)), ids
 
         rt.ops = dataclasses.replace(rt.ops, route=renorm_route)
+        rt.set_decode("host")
     elif name == "lam_first":
-        rt.lam_of = lambda L: value if L.index == 0 else rt.policy.lam
+        rt.set_steering(LamFirst(rt, value))
     elif name == "conf":
-        predict = rt._predict_next
-
-        def gated(L, residual):
-            ids = predict(L, residual)
-            if ids is None:
-                return None
-            nxt = rt.layers[L.index + 1]
-            h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
-            probs = torch.softmax(h @ nxt.router.weight.float().t(), -1)
-            return [[e for e in row if float(probs[i, e]) >= value] for i, row in enumerate(ids)]
-
-        rt._predict_next = gated
+        rt.set_steering(Confident(rt, value))
     elif name == "ahead2":
-        rt.ahead2 = int(value)
+        rt.set_steering(AheadTwo(rt, int(value)))
     elif name == "lam_ramp":
-        last = len(rt.layers) - 1
-        rt.lam_of = lambda L: rt.policy.lam * (1 - value + 2 * value * L.index / last)
+        rt.set_steering(LamRamp(rt, value))
     elif name not in ("psr", "wide"):
         raise ValueError(f"unknown variant {name!r}")
 

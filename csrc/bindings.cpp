@@ -162,6 +162,13 @@ PYBIND11_MODULE(_C, m) {
            py::arg("experts") = std::vector<int64_t>{}, py::arg("stream") = 0, release_gil())
       .def("release", &psr::Store::release, py::arg("layer"), py::arg("slots"),
            py::arg("stream") = 0, release_gil())
+      .def("gather", &psr::Store::gather, py::arg("layer"), py::arg("rows"), py::arg("count"),
+           py::arg("max_rows"), py::arg("side"), py::arg("stream") = 0, release_gil(),
+           "rows/count: device addresses of an int32 copy list [(slot, expert, kind)] and its "
+           "count, read when the copy runs")
+      .def("join", &psr::Store::join, py::arg("layer"), py::arg("stream") = 0, release_gil())
+      .def("adopt_slots", &psr::Store::adopt_slots, py::arg("layer"), py::arg("experts"),
+           py::arg("stream") = 0, release_gil())
       .def("slot_experts", &psr::Store::slot_experts, py::arg("layer"), release_gil())
       .def("readers", &psr::Store::readers, py::arg("layer"), release_gil())
       .def("ready", &psr::Store::ready, py::arg("layer"), release_gil())

@@ -70,6 +70,7 @@ Store::Store(std::vector<LayerSpec> layers, std::string dtype, int64_t itemsize,
                        " experts of " + std::to_string(eb) + " bytes overflow the address space");
     L.host = std::shared_ptr<void>(b->alloc_host(host_bytes), [b](void* p) { b->free_host(p); });
     L.slab = std::shared_ptr<void>(b->alloc_slab(slab_bytes), [b](void* p) { b->free_slab(p); });
+    L.host_device = b->device_address(L.host.get());
     L.registered.assign(static_cast<size_t>(L.spec.num_experts), false);
     L.slots.assign(static_cast<size_t>(L.spec.num_slots), Slot{});
   }
@@ -252,6 +253,67 @@ void Store::enqueue_copies(int64_t layer, const std::vector<int64_t>& slots,
     } else {
       issue_copy(L, layer, slots[i]);
     }
+  }
+}
+
+void Store::gather(int64_t layer, uintptr_t rows, uintptr_t count, int64_t max_rows, bool side,
+                   uintptr_t stream) {
+  auto live = hold_open("gather");
+  Layer& L = layer_at(layer);
+  if (!rows || !count) throw std::invalid_argument("gather: null copy list");
+  if (max_rows < 0) throw std::invalid_argument("gather: max_rows must be >= 0");
+  GatherArgs a;
+  a.slab = L.slab.get();
+  a.host = L.host_device;
+  a.row_bytes = static_cast<size_t>(L.spec.expert_bytes);
+  a.num_slots = L.spec.num_slots;
+  a.num_experts = L.spec.num_experts;
+  a.rows = reinterpret_cast<const int32_t*>(rows);
+  a.count = reinterpret_cast<const int32_t*>(count);
+  a.max_rows = max_rows;
+  backend_->gather(a, stream, side, static_cast<size_t>(layer));
+}
+
+void Store::join(int64_t layer, uintptr_t stream) {
+  auto live = hold_open("join");
+  layer_at(layer);
+  Counters c;
+  backend_->join(static_cast<size_t>(layer), stream, c);
+  std::lock_guard<std::mutex> g(mu_);
+  counters_.stall_ns += c.stall_ns;
+}
+
+void Store::adopt_slots(int64_t layer, const std::vector<int64_t>& experts, uintptr_t stream) {
+  auto live = hold_open("adopt_slots");
+  std::lock_guard<std::mutex> g(mu_);
+  Layer& L = layer_at(layer);
+  if (static_cast<int64_t>(experts.size()) != L.spec.num_slots)
+    throw std::invalid_argument("adopt_slots: " + std::to_string(experts.size()) +
+                                " experts for the " + std::to_string(L.spec.num_slots) +
+                                " slots of layer " + std::to_string(layer));
+  for (size_t i = 0; i < experts.size(); ++i) {
+    const int64_t e = experts[i];
+    const Slot& s = L.slots[i];
+    if (s.readers > 0 || s.deferred)
+      throw StoreError("adopt_slots: " + where(layer, static_cast<int64_t>(i)) +
+                       " is held by a reader or has a queued copy");
+    if (e < -1 || e >= L.spec.num_experts) {
+      std::ostringstream m;
+      m << "adopt_slots: expert " << e << " out of range [-1, " << L.spec.num_experts
+        << ") in layer " << layer;
+      throw std::out_of_range(m.str());
+    }
+    if (e >= 0 && !L.registered[static_cast<size_t>(e)])
+      throw std::invalid_argument("adopt_slots: expert " + std::to_string(e) + " of layer " +
+                                  std::to_string(layer) + " is not registered");
+  }
+  backend_->fence(stream);
+  for (size_t i = 0; i < experts.size(); ++i) {
+    Slot& s = L.slots[i];
+    if (s.expert == experts[i] && s.loaded == (experts[i] >= 0)) continue;
+    s.expert = experts[i];
+    s.loaded = experts[i] >= 0;
+    s.gen += 1;
   }
 }
 

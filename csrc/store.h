@@ -51,6 +51,21 @@ struct Counters {
   uint64_t stall_ns = 0;        // time the compute side stalled on copies
 };
 
+// A device-written copy list, consumed by Backend::gather: `rows` holds int32
+// (slot, expert, kind) triples and `count` the number of valid leading rows;
+// both are read when the copy runs (device memory on CUDA, host memory on the
+// CPU), so kernels queued before may still be writing them when gather() is called.
+struct GatherArgs {
+  void* slab = nullptr;        // the layer's slots
+  const void* host = nullptr;  // the layer's experts, as the copy engine addresses them
+  size_t row_bytes = 0;        // one expert
+  int64_t num_slots = 0;
+  int64_t num_experts = 0;
+  const int32_t* rows = nullptr;
+  const int32_t* count = nullptr;
+  int64_t max_rows = 0;
+};
+
 // Memory, copy stream and events. Slots are addressed by a global index g.
 // Thread-safe: Store calls wait_copies, synchronize and drain_stall_ns
 // without its own lock. Memory may outlive shutdown(): free_host/free_slab
@@ -92,6 +107,23 @@ class Backend {
   // thread; CUDA: destroy the stream and events). Idempotent; nothing but
   // free_host/free_slab may be called afterwards.
   virtual void shutdown() noexcept = 0;
+
+  // Device-indexed copies (the sync-free decode step). gather() copies the
+  // list's rows host -> slab, skipping rows whose slot or expert is out of range
+  // (the CPU backend raises StoreError for them instead: a bug in the list's
+  // writer). side=false: in order on `stream` (the compute side; the calling
+  // thread on the CPU). side=true: on the copy stream, after everything `stream`
+  // has enqueued so far (so after the last reads of the slots it rewrites);
+  // join(tag) makes `stream` wait for every side gather of that tag. A gather
+  // cannot fail recoverably: no retries, no fault injection.
+  virtual void gather(const GatherArgs& a, uintptr_t stream, bool side, size_t tag) = 0;
+  virtual void join(size_t tag, uintptr_t stream, Counters& c) = 0;
+  // The copy stream waits for what `stream` has enqueued so far (before the
+  // store's own copies reuse slots that device-indexed work read or wrote).
+  virtual void fence(uintptr_t stream) = 0;
+  // The address the copy engine reads host memory at (mapped pinned memory's
+  // device pointer on CUDA; the pointer itself on the CPU).
+  virtual const void* device_address(const void* host) { return host; }
 
   // Fault injection: seeded copy delays (CPU backend only); the next n copies
   // fail, reported at wait time (both backends).
@@ -136,6 +168,19 @@ class Store {
                const std::vector<int64_t>& experts, uintptr_t stream);
   // The compute reading these slots has been enqueued on `stream`.
   void release(int64_t layer, const std::vector<int64_t>& slots, uintptr_t stream);
+
+  // Device-indexed copies of a copy list (Backend::gather) at device addresses
+  // `rows` / `count` of at most `max_rows` rows, on `stream` (side=false) or the
+  // copy stream (side=true, joined by join(layer)). They bypass the slot
+  // bookkeeping below: adopt_slots() re-synchronises it afterwards.
+  void gather(int64_t layer, uintptr_t rows, uintptr_t count, int64_t max_rows, bool side,
+              uintptr_t stream);
+  void join(int64_t layer, uintptr_t stream);
+  // The slots now hold `experts` (-1: empty; written by gathers): bookkeeping
+  // only, no copy. An expert may sit in two slots (a leftover beside a fresh
+  // copy). No slot may be held by a reader or have a deferred copy; the copy
+  // stream is fenced behind `stream`.
+  void adopt_slots(int64_t layer, const std::vector<int64_t>& experts, uintptr_t stream);
 
   std::vector<int64_t> slot_experts(int64_t layer) const;  // -1 = empty
   std::vector<int64_t> readers(int64_t layer) const;
@@ -182,6 +227,7 @@ class Store {
     size_t first_slot = 0;       // global index of slot 0
     std::shared_ptr<void> host;  // num_experts * expert_bytes
     std::shared_ptr<void> slab;  // num_slots * expert_bytes
+    const void* host_device = nullptr;  // `host` as the copy engine addresses it
     std::vector<bool> registered;
     std::vector<Slot> slots;
   };

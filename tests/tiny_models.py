@@ -147,3 +147,19 @@ def write_tokenizer(path: Path, vocab_size: int = 64) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+
+
+def bench_module(name: str):  # type: ignore[no-untyped-def]
+    """A script of bench/ imported by path (bench is not a package): tests of the research
+    variants and GPU stages use its classes."""
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))  # its own sibling imports
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

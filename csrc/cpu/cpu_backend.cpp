@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <algorithm>
 #include <random>
 #include <thread>
 
@@ -96,6 +97,47 @@ class CpuBackend final : public Backend {
 
   void record_read(const std::vector<size_t>&, uintptr_t) override {}
 
+  // side=false runs now in the calling thread (the compute side); side=true is a
+  // job for the worker, after the copies queued before it, with the seeded delay.
+  void gather(const GatherArgs& a, uintptr_t, bool side, size_t tag) override {
+    if (!side) {
+      const std::string err = run_gather(a);
+      if (!err.empty()) throw StoreError(err);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (tags_.size() <= tag) tags_.resize(tag + 1);
+      Job j{};
+      j.gather = true;
+      j.args = a;
+      j.g = tag;
+      j.ticket = ++tags_[tag].issued;
+      queue_.push_back(std::move(j));
+    }
+    cv_.notify_all();
+  }
+
+  void join(size_t tag, uintptr_t, Counters& c) override {
+    std::unique_lock<std::mutex> lk(mu_);
+    if (tags_.size() <= tag) return;
+    TagState& t = tags_[tag];
+    if (t.done < t.issued) {
+      const auto t0 = std::chrono::steady_clock::now();
+      cv_.wait(lk, [&] { return t.done >= t.issued; });
+      c.stall_ns += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                              std::chrono::steady_clock::now() - t0)
+                                              .count());
+    }
+    if (!t.error.empty()) {
+      std::string err;
+      err.swap(t.error);
+      throw StoreError(err);
+    }
+  }
+
+  void fence(uintptr_t) override {}  // the compute side is synchronous
+
   bool copy_done(size_t g) override {
     std::lock_guard<std::mutex> lk(mu_);
     return slots_[g].done >= slots_[g].issued;
@@ -138,15 +180,41 @@ class CpuBackend final : public Backend {
     uint64_t done = 0;
     std::string error;  // of the last finished copy
   };
+  struct TagState {
+    uint64_t issued = 0;  // tickets of side gathers with this tag
+    uint64_t done = 0;
+    std::string error;  // of a failed gather, raised by the next join
+  };
   struct Job {
-    size_t g;
+    size_t g;  // the slot (a copy) or the tag (a gather)
     void* dst;
     const void* src;
     size_t bytes;
     uint64_t ticket;
     std::string what;
     bool fail;
+    bool gather = false;
+    GatherArgs args{};
   };
+
+  // One copy list: rows and count read now (the kernels that wrote them ran before).
+  std::string run_gather(const GatherArgs& a) {
+    const int64_t n = std::min<int64_t>(*a.count, a.max_rows);
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t slot = a.rows[3 * r], e = a.rows[3 * r + 1];
+      if (slot < 0 || slot >= a.num_slots || e < 0 || e >= a.num_experts)
+        return "gather: copy-list row " + std::to_string(r) + " (slot " + std::to_string(slot) +
+               ", expert " + std::to_string(e) + ") is out of range";
+      std::memcpy(static_cast<char*>(a.slab) + static_cast<size_t>(slot) * a.row_bytes,
+                  static_cast<const char*>(a.host) + static_cast<size_t>(e) * a.row_bytes,
+                  a.row_bytes);
+    }
+    return "";
+  }
+
+  uint32_t next_delay() {  // mu_ held
+    return max_delay_us_ ? static_cast<uint32_t>(rng_() % (uint64_t(max_delay_us_) + 1)) : 0;
+  }
 
   void run() {
     std::unique_lock<std::mutex> lk(mu_);
@@ -156,8 +224,19 @@ class CpuBackend final : public Backend {
       Job j = std::move(queue_.front());
       queue_.pop_front();
       busy_ = true;
-      const uint32_t delay =
-          max_delay_us_ ? static_cast<uint32_t>(rng_() % (uint64_t(max_delay_us_) + 1)) : 0;
+      const uint32_t delay = next_delay();
+      if (j.gather) {
+        lk.unlock();
+        if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
+        std::string err = run_gather(j.args);
+        lk.lock();
+        TagState& t = tags_[j.g];
+        t.done = j.ticket;
+        if (!err.empty() && t.error.empty()) t.error = std::move(err);
+        busy_ = false;
+        cv_.notify_all();
+        continue;
+      }
       lk.unlock();
       if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
       if (!j.fail) std::memcpy(j.dst, j.src, j.bytes);
@@ -174,6 +253,7 @@ class CpuBackend final : public Backend {
   std::condition_variable cv_;
   std::deque<Job> queue_;
   std::vector<SlotState> slots_;
+  std::vector<TagState> tags_;
   std::thread worker_;
   bool stop_ = false;
   bool busy_ = false;

@@ -8,6 +8,9 @@
 // the store re-issues it. One mutex makes the backend safe across threads.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <sstream>
@@ -50,6 +53,41 @@ __global__ void count_mismatch(const unsigned char* a, const unsigned char* b, s
   if (local) atomicAdd(out, local);
 }
 
+// Copies the rows of a device-written copy list, host (mapped pinned memory,
+// read over the bus) -> slab: grid.y indexes rows, grid.x splits each row.
+// Rows past `*count` or out of range are skipped.
+__global__ void gather_rows(const int32_t* rows, const int32_t* count, unsigned char* slab,
+                            const unsigned char* host, size_t row_bytes, int64_t num_slots,
+                            int64_t num_experts) {
+  const int64_t r = blockIdx.y;
+  if (r >= *count) return;
+  const int64_t slot = rows[3 * r], e = rows[3 * r + 1];
+  if (slot < 0 || slot >= num_slots || e < 0 || e >= num_experts) return;
+  unsigned char* dst = slab + static_cast<size_t>(slot) * row_bytes;
+  const unsigned char* src = host + static_cast<size_t>(e) * row_bytes;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t first = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0 &&
+      reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+    const uint4* s4 = reinterpret_cast<const uint4*>(src);
+    uint4* d4 = reinterpret_cast<uint4*>(dst);
+    for (size_t i = first; i < row_bytes / 16; i += stride) d4[i] = s4[i];
+  } else {
+    for (size_t i = first; i < row_bytes; i += stride) dst[i] = src[i];
+  }
+}
+
+// CTAs per copied row: enough loads in flight to cover the bus latency
+// ($PSR_GATHER_CTAS overrides: the GPU script measures the choice).
+unsigned gather_ctas(size_t row_bytes) {
+  if (const char* env = std::getenv("PSR_GATHER_CTAS")) {
+    const long v = std::strtol(env, nullptr, 10);
+    if (v >= 1 && v <= 65535) return static_cast<unsigned>(v);
+  }
+  const size_t per_cta = 256 * 16 * 4;  // 256 threads x 4 uint4 each
+  return static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(1024, (row_bytes + per_cta - 1) / per_cta)));
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int device) : device_(device) {
@@ -61,6 +99,7 @@ class CudaBackend final : public Backend {
     }
     DeviceGuard g(device_);
     check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming), "cudaEventCreate");
   }
 
   ~CudaBackend() override { shutdown(); }
@@ -73,8 +112,11 @@ class CudaBackend final : public Backend {
     cudaGetDevice(&prev);
     cudaSetDevice(device_);
     cudaStreamSynchronize(copy_stream_);
-    for (auto* v : {&copy_ev_, &read_ev_, &pool_})
-      for (cudaEvent_t e : *v) cudaEventDestroy(e);
+    for (auto* v : {&copy_ev_, &read_ev_, &pool_, &join_ev_})
+      for (cudaEvent_t e : *v)
+        if (e) cudaEventDestroy(e);
+    join_ev_.clear();
+    cudaEventDestroy(fork_ev_);
     for (auto& p : stalls_) {
       cudaEventDestroy(p.first);
       cudaEventDestroy(p.second);
@@ -203,6 +245,62 @@ class CudaBackend final : public Backend {
     }
   }
 
+  void gather(const GatherArgs& a, uintptr_t stream, bool side, size_t tag) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    DeviceGuard dg(device_);
+    if (a.max_rows <= 0) return;
+    cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+    if (side) {  // fork: the copy stream continues from the compute stream's current point
+      check(cudaEventRecord(fork_ev_, s), "cudaEventRecord");
+      check(cudaStreamWaitEvent(copy_stream_, fork_ev_, 0), "cudaStreamWaitEvent");
+      s = copy_stream_;
+    }
+    const dim3 grid(gather_ctas(a.row_bytes), static_cast<unsigned>(a.max_rows));
+    gather_rows<<<grid, 256, 0, s>>>(a.rows, a.count, static_cast<unsigned char*>(a.slab),
+                                     static_cast<const unsigned char*>(a.host), a.row_bytes,
+                                     a.num_slots, a.num_experts);
+    check(cudaGetLastError(), "gather_rows launch");
+    if (side) {
+      if (join_ev_.size() <= tag) join_ev_.resize(tag + 1, nullptr);
+      if (!join_ev_[tag])
+        check(cudaEventCreateWithFlags(&join_ev_[tag], cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventRecord(join_ev_[tag], copy_stream_), "cudaEventRecord");
+    }
+  }
+
+  void join(size_t tag, uintptr_t stream, Counters& c) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    DeviceGuard dg(device_);
+    if (join_ev_.size() <= tag || !join_ev_[tag]) return;
+    auto s = reinterpret_cast<cudaStream_t>(stream);
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    check(cudaStreamIsCapturing(s, &cap), "cudaStreamIsCapturing");
+    if (cap != cudaStreamCaptureStatusNone) {  // inside a CUDA graph: no timing events
+      check(cudaStreamWaitEvent(s, join_ev_[tag], 0), "cudaStreamWaitEvent");
+      return;
+    }
+    cudaEvent_t begin = event(), end = event();
+    check(cudaEventRecord(begin, s), "cudaEventRecord");
+    check(cudaStreamWaitEvent(s, join_ev_[tag], 0), "cudaStreamWaitEvent");
+    check(cudaEventRecord(end, s), "cudaEventRecord");
+    stalls_.emplace_back(begin, end);
+    (void)c;
+  }
+
+  void fence(uintptr_t stream) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    DeviceGuard dg(device_);
+    check(cudaEventRecord(fork_ev_, reinterpret_cast<cudaStream_t>(stream)), "cudaEventRecord");
+    check(cudaStreamWaitEvent(copy_stream_, fork_ev_, 0), "cudaStreamWaitEvent");
+  }
+
+  const void* device_address(const void* host) override {
+    DeviceGuard dg(device_);
+    void* d = nullptr;
+    check(cudaHostGetDevicePointer(&d, const_cast<void*>(host), 0), "cudaHostGetDevicePointer");
+    return d;
+  }
+
   bool copy_done(size_t g) override {
     std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
@@ -279,7 +377,9 @@ class CudaBackend final : public Backend {
   std::mutex mu_;  // guards the slot state, events and pools below (device_ is const)
   int device_;
   cudaStream_t copy_stream_ = nullptr;
+  cudaEvent_t fork_ev_ = nullptr;
   std::vector<cudaEvent_t> copy_ev_, read_ev_, pool_;
+  std::vector<cudaEvent_t> join_ev_;  // per tag (MoE layer): after its last side gather
   std::vector<bool> has_read_;
   std::vector<std::string> error_;  // per slot: why its last copy was not issued
   int64_t fail_next_ = 0;

@@ -103,13 +103,21 @@ class LogicalCache:
             self._pending_prefetch.add(e)
         return out
 
-    def reset(self, order: Iterable[int] = ()) -> None:
-        """Set the contents, least recent first."""
+    def reset(self, order: Iterable[int] = (), pending: Iterable[int] = ()) -> None:
+        """Set the contents, least recent first, and the prefetched members not routed
+        since (`pending`: a state handed over from another implementation)."""
         order = list(order)
         if len(order) > self.capacity or len(set(order)) != len(order):
             raise ValueError(f"invalid cache contents {order} for capacity {self.capacity}")
+        pending = set(pending)
+        if not pending <= set(order):
+            raise ValueError(f"pending prefetches {sorted(pending)} are not all in {order}")
         self._order = OrderedDict((e, None) for e in order)
-        self._pending_prefetch = set()
+        self._pending_prefetch = pending
+
+    def pending(self) -> list[int]:
+        """Prefetched members not routed since they were inserted, ascending."""
+        return sorted(self._pending_prefetch)
 
 
 def prefill_state(routed_per_token: Sequence[Sequence[int]], capacity: int) -> list[int]:

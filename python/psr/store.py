@@ -401,6 +401,48 @@ class ExpertStore:
         finally:
             self.release(layer, slots)
 
+    # --- device-indexed copies (the sync-free decode step) -------------------------
+    def gather(self, layer: int, rows: torch.Tensor, count: torch.Tensor, *, side: bool) -> None:
+        """Copy host experts into slab slots by a copy list that kernels wrote: for the first
+        `count` rows of `rows` (`[R, 3]` int32 (slot, expert, kind); `count` an int32 element,
+        both on the store's device), host[expert] -> slab[slot]. Both are read when the copy
+        runs, never by the host. `side=False`: in order on the current stream (the compute
+        side; CPU: now, in this thread). `side=True`: on the copy stream after everything
+        the current stream has enqueued (so after the last reads of the slots it rewrites),
+        joined by `join(layer)` (CPU: the copy thread, with the seeded copy delays).
+        Rows out of range are skipped on CUDA and raise StoreError on the CPU (a bug in
+        the list's writer); a gather is never retried and cannot fail recoverably. These
+        copies bypass the slot bookkeeping: `adopt_slots` re-synchronises it."""
+        store = self._live("gather")
+        for name, t in (("rows", rows), ("count", count)):
+            if t.dtype != torch.int32 or t.device != self.device or not t.is_contiguous():
+                raise ValueError(
+                    f"gather: {name} must be a contiguous int32 tensor on {self.device}, got "
+                    f"{t.dtype} on {t.device}"
+                )
+        if rows.dim() != 2 or rows.shape[1] != 3 or count.numel() != 1:
+            raise ValueError(
+                f"gather: rows must be [R, 3] and count one element, got {list(rows.shape)} and "
+                f"{list(count.shape)}"
+            )
+        store.gather(layer, rows.data_ptr(), count.data_ptr(), rows.shape[0], side, self._stream())
+
+    def join(self, layer: int) -> None:
+        """The current stream waits for `layer`'s side gathers (CPU: blocks until they are
+        done; time counted as stall). Raises StoreError for a CPU gather that failed."""
+        self._live("join").join(self._layer("join", layer), self._stream())
+
+    def adopt_slots(self, layer: int, experts: Sequence[int]) -> None:
+        """The slots hold `experts` now (-1: empty), as gathers left them: bookkeeping only,
+        no copy, and the copy stream is fenced behind the current stream, so the store's
+        own copies into these slots come after the device work that used them."""
+        store = self._live("adopt_slots")
+        store.adopt_slots(
+            self._layer("adopt_slots", layer),
+            _indices("adopt_slots", "experts", experts),
+            self._stream(),
+        )
+
     def slot_experts(self, layer: int) -> list[int]:
         """Expert each slot holds or is loading (-1: empty)."""
         return self._live("slot_experts").slot_experts(self._layer("slot_experts", layer))

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import KV_KWARG, tiny_model, write_checkpoint
 
 import psr
-from psr.runtime.generate import output_cache
+from psr.runtime.kv import output_cache
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]
 NEW = 12
@@ -295,7 +295,16 @@ def test_offload_refuses_what_it_cannot_offload() -> None:
 
 
 def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+    """Live copy-worker threads (the CPU backend names them "psr-copy"): counting every
+    thread would also count torch's lazily started pool threads."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == "psr-copy"
+        except OSError:  # the thread ended while we listed
+            pass
+    return n
 
 
 def _rss_mib() -> float:
@@ -304,6 +313,7 @@ def _rss_mib() -> float:
 
 
 def test_close_and_the_context_manager_free_the_store(ckpt) -> None:
+    gc.collect()  # stores of models dropped by earlier tests
     base = _threads()
     with load(ckpt) as model:
         assert _threads() == base + 1  # the copy worker

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_model, write_checkpoint
+from tiny_models import FAMILIES, bench_module, tiny_model, write_checkpoint
 
 import psr
+
+AheadTwo = bench_module("variants").AheadTwo  # a steering variant beyond the spec
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
 NEW = 8
@@ -89,7 +91,8 @@ def run(path, policy, monkeypatch=None, delay_us=0, seed=0, ahead2=0, **kw):
         monkeypatch.setenv("PSR_COPY_DELAY_US", str(delay_us))
         monkeypatch.setenv("PSR_COPY_DELAY_SEED", str(seed))
     model = load(path, policy, **kw)
-    model.runtime.ahead2 = ahead2  # the experimental two-layers-ahead prefetch variant
+    if ahead2:  # the experimental two-layers-ahead prefetch variant (host-driven step)
+        model.runtime.set_steering(AheadTwo(model.runtime, ahead2))
     tokens = model.generate(PROMPT, max_new_tokens=NEW)
     logits = model.decode_logits(tokens, PROMPT.shape[1])
     counts = {
@@ -104,7 +107,9 @@ def run(path, policy, monkeypatch=None, delay_us=0, seed=0, ahead2=0, **kw):
     ("family", "policy", "kw"),
     [
         ("olmoe", "psr", {"lam": 0.5, "n": 2}),
+        ("olmoe", "psr", {"lam": 0.5, "n": 2, "decode": "host"}),
         ("deepseek_v3", "psr", {"lam": 0.3, "n": 1}),
+        ("deepseek_v3", "psr", {"lam": 0.3, "n": 1, "decode": "host"}),
         ("qwen2_moe", "cache-prior", {"lam": 0.5}),
         ("olmoe", "psr", {"lam": 0.5, "n": 1, "ahead2": 2}),
     ],
@@ -147,15 +152,53 @@ def test_biased_routing_cuts_misses(ckpts) -> None:
     path = ckpts["olmoe", "per_expert"]
     exact = run(path, "exact")[2]
     prior = run(path, "cache-prior", lam=1.5)[2]
-    steer = run(path, "psr", lam=1.5, n=1)[2]
     assert prior["misses"] < exact["misses"]
-    assert steer["misses"] <= prior["misses"]
-    assert steer["prefetches"] > 0 and steer["prefetch_used"] <= steer["prefetches"]
+
+
+def test_prefetch_removes_every_predictable_miss(tmp_path) -> None:
+    """With attention and experts writing nothing to the residual stream, every MoE layer's
+    input is the token's embedding, so the next layer's routing is exactly what PSR predicts
+    (its router on this layer's MoE input, normed with its own norm weight). PSR with
+    n = top_k must then prefetch every expert the next layer routes: no miss after the
+    first MoE layer, every prefetch used, and the first layer (which nothing prefetches
+    into) missing exactly as Cache-Prior's does. Without prefetching PSR is Cache-Prior."""
+    hf = tiny_model("olmoe")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("self_attn.o_proj.weight", "mlp.experts.down_proj")):
+                p.zero_()
+            elif name.endswith("post_attention_layernorm.weight"):  # each layer its own
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
+    path = write_checkpoint(hf, tmp_path / "predictable")
+    tokens = torch.randint(0, hf.config.vocab_size, (1, 48), generator=gen)
+    prompt = 8
+
+    def misses_by_layer(policy: str, **kw) -> tuple[list[int], dict[str, float]]:
+        model = load(path, policy, residency=0.5, lam=0.2, **kw)  # 4 slots, top_k = 2
+        rec = model.record_trace()
+        model.decode_logits(tokens, prompt)
+        by_layer = [0] * len(model.runtime.layers)
+        for step in (s for tok in rec.trace.tokens for s in tok):
+            for c in step.copies:
+                by_layer[c.layer] += c.kind == "miss"
+        return by_layer, model.stats.summary()
+
+    prior_by_layer, prior = misses_by_layer("cache-prior")
+    steer_by_layer, steer = misses_by_layer("psr", n=2)
+    later = sum(prior_by_layer[1:])  # what prefetching must remove
+    assert later > 0, "Cache-Prior never misses after the first layer: nothing to show"
+    assert steer_by_layer == [prior_by_layer[0]] + [0] * (len(prior_by_layer) - 1)
+    assert steer["misses"] == prior["misses"] - later
+    assert prior["prefetches"] == 0
+    assert steer["prefetches"] > 0 and steer["prefetch_used"] == steer["prefetches"]
 
 
 def test_counts_agree_with_an_lru_replay_of_the_routing(ckpts) -> None:
-    """Exact + LRU: replay the routed ids through an independent LRU; same hits and misses."""
-    model = load(ckpts["mixtral", "per_expert"], "exact", residency=0.5)
+    """Exact + LRU: replay the routed ids through an independent LRU; same hits and misses.
+    (The host-driven step, whose LogicalCache.use is spied on; the device step is held
+    equal to it in test_device_decode.py.)"""
+    model = load(ckpts["mixtral", "per_expert"], "exact", residency=0.5, decode="host")
     seen: list[tuple[int, list[int]]] = []
     for L in model.runtime.layers:
         orig = L.cache.use
@@ -191,8 +234,12 @@ def test_counts_agree_with_an_lru_replay_of_the_routing(ckpts) -> None:
 
 def test_triton_path_under_the_interpreter_matches_torch(ckpts) -> None:
     path = ckpts["olmoe", "per_expert"]
-    a = load(path, "psr", lam=0.5, n=1, compute="torch").generate(PROMPT, max_new_tokens=3)
-    b = load(path, "psr", lam=0.5, n=1, compute="triton").generate(PROMPT, max_new_tokens=3)
+    torch_model = load(path, "psr", lam=0.5, n=1, compute="torch")
+    triton_model = load(path, "psr", lam=0.5, n=1, compute="triton")
+    assert torch_model.runtime.ops.path == "torch"
+    assert triton_model.runtime.ops.path == "triton"  # the kernels ran, not the references
+    a = torch_model.generate(PROMPT, max_new_tokens=3)
+    b = triton_model.generate(PROMPT, max_new_tokens=3)
     assert a.tolist() == b.tolist()
 
 
@@ -300,14 +347,16 @@ def test_bf16_load_runs(ckpts) -> None:
     assert model.generate(PROMPT, 4).shape[1] == PROMPT.shape[1] + 4
 
 
-def test_sequences_are_independent_of_what_ran_before(ckpts) -> None:
+@pytest.mark.parametrize("decode", ["device", "host"])
+def test_sequences_are_independent_of_what_ran_before(ckpts, decode) -> None:
     """Physical leftovers of earlier sequences (duplicates, stale slots) change nothing."""
     path = ckpts["olmoe", "per_expert"]
     prompts = [PROMPT[0].tolist(), [3, 1, 4, 1, 5, 9, 2, 6], [7], [60, 61, 62, 63, 0, 1, 2], [9, 8]]
-    shared = load(path, "psr", lam=0.5, n=2, residency=0.5)
+    shared = load(path, "psr", lam=0.5, n=2, residency=0.5, decode=decode)
     for p in prompts * 2:
-        fresh = load(path, "psr", lam=0.5, n=2, residency=0.5)
+        fresh = load(path, "psr", lam=0.5, n=2, residency=0.5, decode=decode)
         assert shared.generate(p, 10).tolist() == fresh.generate(p, 10).tolist()
+        shared.runtime.pull_caches()  # the device step's caches, where it holds them
         for L in shared.runtime.layers:  # the slab still mirrors the logical cache
             for e, s in L.slots.slot_of.items():
                 assert shared.runtime.store.verify(L.index, s)
@@ -332,8 +381,9 @@ def test_configure_switches_policy_and_residency_without_reloading(ckpts) -> Non
 
 
 def test_stall_time_is_counted_per_token_and_in_total(ckpts, monkeypatch) -> None:
+    """The host-driven step keeps a record per token."""
     monkeypatch.setenv("PSR_COPY_DELAY_US", "3000")
-    model = load(ckpts["olmoe", "per_expert"], "exact", residency=0.25)
+    model = load(ckpts["olmoe", "per_expert"], "exact", residency=0.25, decode="host")
     model.generate(PROMPT, NEW)
     per_token = [t["stall_s"] for t in model.stats.per_token]
     assert len(per_token) == NEW - 1
@@ -344,6 +394,21 @@ def test_stall_time_is_counted_per_token_and_in_total(ckpts, monkeypatch) -> Non
     assert [t["misses"] for t in model.stats.per_token] and sum(
         t["misses"] for t in model.stats.per_token
     ) == model.stats["misses"]
+
+
+def test_device_step_counts_stall_in_total_only(ckpts, monkeypatch) -> None:
+    """The device step's joins wait for delayed side-stream gathers (its prefetches): stall
+    time in the totals, no per-token records; the counts equal the host step's."""
+    monkeypatch.setenv("PSR_COPY_DELAY_US", "3000")
+    kw = dict(residency=0.25, lam=0.5, n=2)
+    model = load(ckpts["olmoe", "per_expert"], "psr", **kw)
+    model.generate(PROMPT, NEW)
+    assert model.stats.per_token == [] and model.stats["tokens"] == NEW - 1
+    assert model.stats["stall_s"] > 0 and model.stats["tokens_per_s"] > 0
+    host = load(ckpts["olmoe", "per_expert"], "psr", decode="host", **kw)
+    host.generate(PROMPT, NEW)
+    keys = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
+    assert {k: model.stats[k] for k in keys} == {k: host.stats[k] for k in keys}
 
 
 def test_experts_without_their_route_is_an_error(ckpts) -> None:

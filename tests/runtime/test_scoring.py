@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILIES, KV_KWARG, tiny_model, write_checkpoint
+from tiny_models import FAMILIES, KV_KWARG, bench_module, tiny_model, write_checkpoint
 
 import psr
-from psr.runtime.generate import output_cache
+from psr.runtime.kv import output_cache
+
+AheadTwo = bench_module("variants").AheadTwo  # a steering variant beyond the spec
 
 IDS = torch.tensor([[(7 * i + 3) % 64 for i in range(60)]])
 KEYS = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
@@ -32,7 +34,8 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 
 def _run(path: Path, policy: str, kw: dict, how: str, prompt_len: int = 16, ahead2: int = 0):
     model = psr.load(path, policy, 0.5, progress=False, **kw)
-    model.runtime.ahead2 = ahead2
+    if ahead2:
+        model.runtime.set_steering(AheadTwo(model.runtime, ahead2))
     rec = model.record_trace()
     if how == "score":
         logits = model.score(IDS, prompt_len)
@@ -56,7 +59,8 @@ def test_score_equals_token_by_token_decoding(ckpts, family, policy, kw) -> None
 
 @pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
 def test_two_ahead_prefetch_scores_as_it_decodes(ckpts, family) -> None:
-    """The experimental two-layers-ahead variant (runtime.ahead2): a window's queued
+    """The experimental two-layers-ahead variant (bench/variants.py's AheadTwo steering): a
+    window's queued
     predictions from two issuers reach each layer in decode order, traced at their issuer."""
     kw = {"lam": 0.5, "n": 1}
     la, ta, pa, _ = _run(ckpts[family], "psr", kw, "decode", ahead2=2)
@@ -75,9 +79,9 @@ def test_two_ahead_prefetch_scores_as_it_decodes(ckpts, family) -> None:
     model = psr.load(ckpts[family], "psr", 0.5, progress=False, **kw)
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ValueError, match="ahead2 must be an int >= 0"):
-            model.runtime.ahead2 = bad
-    model.runtime.ahead2 = 1
-    with pytest.raises(ValueError, match="next layer only"):
+            AheadTwo(model.runtime, bad)
+    model.runtime.set_steering(AheadTwo(model.runtime, 1))
+    with pytest.raises(ValueError, match="block mode steers by the spec's rule only"):
         model.runtime.set_block_mode(model.runtime.spec.top_k)
 
 

@@ -11,7 +11,7 @@ import torch
 from tiny_models import KV_KWARG, tiny_model, write_checkpoint
 
 import psr
-from psr.runtime.generate import output_cache
+from psr.runtime.kv import output_cache
 from psr.runtime.speculative import generate_speculative
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]

@@ -17,7 +17,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import psr_kernels as pk
-from psr.runtime.engine import MoELayer, OffloadRuntime
+from psr.runtime.engine import OffloadRuntime
+from psr.runtime.layer import MoELayer
 from psr.runtime.modules import OffloadedExperts, PSRRouter
 from psr.runtime.spec import MoESpec
 from psr.store import ExpertStore
@@ -74,6 +75,7 @@ def install(
     compute: str,
     moe_idx: list[int],
     expert_format: str | None = None,
+    decode: str = "device",
 ) -> OffloadRuntime:
     """Swap each MoE layer's router and experts for psr's and hook the model's forward.
 
@@ -91,6 +93,7 @@ def install(
         compute,
         num_decoder_layers=len(layers),
         expert_format=None if expert_format == "bf16" else expert_format,
+        decode=decode,
     )
     quantized = runtime.expert_format is not None
     found = []  # checked for every layer before any is changed
@@ -272,16 +275,11 @@ def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> Callable[..., An
         ids = kwargs.get("input_ids", args[0] if args else None)
         with runtime.lock:
             runtime.enter_forward(kv)
-            decoding = runtime.decoding
             t0 = time.perf_counter()
             output = fwd(self, *args, **kwargs)
-            runtime.exit_forward(output)
-            if decoding:
-                if runtime.store.backend == "cuda":
-                    torch.cuda.synchronize(runtime.store.device)
-                runtime.end_step(time.perf_counter() - t0)
-            else:
-                runtime.count_prefill(0 if ids is None else ids.shape[-1])
+            runtime.exit_forward(
+                output, time.perf_counter() - t0, 0 if ids is None else ids.shape[-1]
+            )
             return output
 
     # The bound signature (no `self`), for callers that inspect accepted arguments.

@@ -1,21 +1,40 @@
 """The offloaded MoE engine and generation (family-agnostic).
 
-`engine` routes over the logical caches and mirrors them in the store; `prefill`
-stages prompt experts through the slab; `modules` are the drop-in router / experts
-modules; `model` is the public OffloadedModel; `generate` its decoding loop; `stats`
-and `trace` record what happened. Imports only psr.cache, psr.policy, psr.store and
-psr_kernels (never psr.models, psr.eval or the CLI).
+`engine` owns the MoE layers and picks, per forward, one step (`step`): `prefill`
+(exact routing, prompt experts staged through the slab), `device_decode` (the sync-free
+decode step on device-resident caches), `host_decode` (the host-driven decode step and
+speculative verify blocks), `window` (teacher-forced scoring). Beside it: `guard` (one
+sequence at a time), `accounting` (stats, traces, store counters), `compute` (expert
+FFNs), `steering` (lam and predictions: the seam variants subclass), `bookkeeping` (host
+logical caches mirrored by store copies), `layer`, `slots`, `kv`. `modules` are the
+drop-in router / experts modules; `model` is the public OffloadedModel; `generate` its
+decoding loop; `stats` and `trace` record what happened. Imports only psr.cache,
+psr.policy, psr.vocab, psr.store and psr_kernels (never psr.models, psr.eval or the CLI).
+
+Exports load lazily (PEP 562), as `psr`'s do: importing the package, or its pure-data
+modules (`trace`, `stats`, `spec`), imports neither torch nor triton; the engine loads
+when one of its names is first used.
 """
 
-from psr.runtime.engine import MoELayer, OffloadRuntime
-from psr.runtime.model import OffloadedModel
-from psr.runtime.modules import OffloadedExperts, PSRRouter
-from psr.runtime.spec import MoESpec, resolve_capacity
-from psr.runtime.stats import COUNT_KEYS, REPORT_KEYS, TIMING_KEYS, Stats
-from psr.runtime.trace import Trace, TraceRecorder
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "psr.runtime.engine": ("DECODE_MODES", "OffloadRuntime"),
+    "psr.runtime.layer": ("MoELayer",),
+    "psr.runtime.steering": ("Steering",),
+    "psr.runtime.model": ("OffloadedModel",),
+    "psr.runtime.modules": ("OffloadedExperts", "PSRRouter"),
+    "psr.runtime.spec": ("MoESpec", "resolve_capacity"),
+    "psr.runtime.stats": ("COUNT_KEYS", "REPORT_KEYS", "TIMING_KEYS", "Stats"),
+    "psr.runtime.trace": ("Trace", "TraceRecorder"),
+}
+_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = [
     "COUNT_KEYS",
+    "DECODE_MODES",
     "REPORT_KEYS",
     "TIMING_KEYS",
     "MoELayer",
@@ -25,7 +44,31 @@ __all__ = [
     "OffloadedModel",
     "PSRRouter",
     "Stats",
+    "Steering",
     "Trace",
     "TraceRecorder",
     "resolve_capacity",
 ]
+
+if TYPE_CHECKING:
+    from psr.runtime.engine import DECODE_MODES, OffloadRuntime
+    from psr.runtime.layer import MoELayer
+    from psr.runtime.model import OffloadedModel
+    from psr.runtime.modules import OffloadedExperts, PSRRouter
+    from psr.runtime.spec import MoESpec, resolve_capacity
+    from psr.runtime.stats import COUNT_KEYS, REPORT_KEYS, TIMING_KEYS, Stats
+    from psr.runtime.steering import Steering
+    from psr.runtime.trace import Trace, TraceRecorder
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'psr.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

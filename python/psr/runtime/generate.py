@@ -7,7 +7,6 @@ Sampling uses transformers' own logits warpers, with psr's seeded generator.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 from tqdm.auto import tqdm
+
+from psr.runtime.kv import cache_kwarg, output_cache
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -180,22 +181,6 @@ def warpers(s: Settings) -> Any:
     if s.min_p is not None:
         out.append(MinPLogitsWarper(min_p=float(s.min_p)))
     return out
-
-
-def cache_kwarg(model: nn.Module) -> str:
-    """transformers >= 5.24 calls the KV cache argument `cache`, earlier `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def output_cache(out: Any) -> Any:
-    """The KV cache of a model output (None if absent), under either name. Asking a
-    transformers >= 5.24 output for the old name warns, so only its own field is read."""
-    if not isinstance(out, dict):
-        return None
-    key = (
-        "cache" if "cache" in getattr(type(out), "__dataclass_fields__", {}) else "past_key_values"
-    )
-    return out[key] if key in out else None
 
 
 @torch.no_grad()

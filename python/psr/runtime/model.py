@@ -71,7 +71,9 @@ class OffloadedModel(nn.Module):
 
     @property
     def stats(self) -> Stats:
-        return self.runtime.stats
+        """Decode statistics (reading them reads the device step's counts: one sync)."""
+        with self.runtime.lock:
+            return self.runtime.stats
 
     @property
     def policy(self) -> Policy:
@@ -79,7 +81,7 @@ class OffloadedModel(nn.Module):
 
     def reset_stats(self) -> None:
         with self.runtime.lock:
-            self.runtime.stats.reset()
+            self.runtime.reset_stats()
 
     def close(self) -> None:
         """Free the expert store (host memory, device slab, copy thread); idempotent.
@@ -176,6 +178,17 @@ class OffloadedModel(nn.Module):
                 f"context of {limit} tokens"
             )
 
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A decoding call: afterwards the device step's counts are read and router inputs
+        that were not finite raise (`OffloadRuntime.end_call`)."""
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:
+            self.runtime.end_call(check=False)
+            raise
+        self.runtime.end_call()
+        return out
+
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits `[1, T, V]` of one prefill over `input_ids` (exact routing: all prefill)."""
@@ -193,7 +206,7 @@ class OffloadedModel(nn.Module):
             raise ValueError(f"prompt_len must be in [1, {ids.shape[1]}], got {prompt_len}")
         with self.runtime.lock:
             self._check_open()
-            return gen.decode_logits(self.hf, ids, prompt_len)
+            return self._call(gen.decode_logits, self.hf, ids, prompt_len)
 
     @torch.no_grad()
     def score(
@@ -324,6 +337,12 @@ class OffloadedModel(nn.Module):
             self._check_open()
             if self.drafter is not None:
                 return self._generate_speculative(ids, settings, streamer)
-            return gen.generate(
-                self.hf, ids, settings, seed=seed, streamer=streamer, progress=progress
+            return self._call(
+                gen.generate,
+                self.hf,
+                ids,
+                settings,
+                seed=seed,
+                streamer=streamer,
+                progress=progress,
             )

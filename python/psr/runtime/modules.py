@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from psr.runtime.engine import MoELayer, OffloadRuntime
+from psr.runtime.engine import OffloadRuntime
+from psr.runtime.layer import MoELayer
 
 
 class PSRRouter(nn.Module):

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from psr.cache import prefill_state
+from psr.runtime.layer import MoELayer
 from psr.runtime.slots import SlotMap
+from psr.runtime.step import Routed, Step
 from psr.store import ExpertStore
 
 # (slab row [3HF], x [T, H]) -> y [T, H]
@@ -102,3 +104,30 @@ def run_prefill(
     if plan.seed and physical:
         store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])
     return out
+
+
+class PrefillStep(Step):
+    """A sequence's first forward: exact routing, the prompt's experts staged through the
+    slab, and each layer's logical cache seeded (spec: the experts prefill used most
+    recently)."""
+
+    name = "prefill"
+
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        rt = self.rt
+        logits = self.logits(layer, x)
+        w, ids = rt.ops.route(logits, rt.spec.route_spec(), bias=layer.bias)
+        layer.history.extend(ids.tolist())
+        return self.out(logits, w, ids)
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        rt = self.rt
+        plan = plan_prefill(layer.slots, layer.history, ids.flatten().tolist())
+        out = run_prefill(rt.store, layer.index, plan, x, ids, weights, rt.compute.row)
+        layer.cache.reset(plan.init)
+        layer.seeded = True
+        if rt.decoding:
+            rt.acct.end_prefill()
+        return out

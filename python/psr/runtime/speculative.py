@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from psr.runtime.engine import OffloadRuntime
-from psr.runtime.generate import cache_kwarg, output_cache
+from psr.runtime.kv import cache_kwarg, output_cache
 
 
 class Drafter(Protocol):

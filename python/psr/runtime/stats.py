@@ -47,6 +47,11 @@ class Stats(Mapping[str, float]):
         self.totals["tokens"] += 1
         return rec
 
+    def count_token(self) -> None:
+        """A decode step counted in the totals only (the device decode step keeps no
+        per-token record: its counts stay on the device until read)."""
+        self.totals["tokens"] += 1
+
     def add(self, rec: dict[str, float] | None, key: str, value: float) -> None:
         self.totals[key] += value
         if rec is not None:

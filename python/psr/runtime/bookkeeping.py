@@ -1,0 +1,84 @@
+"""The host-driven side of the logical caches: `use` and `prefetch` on each layer's
+`LogicalCache` (psr/cache.py), mirrored in its slot map and, when physical, by the
+store's copies; counted and traced. The host decode step, scored windows and verify
+blocks route through it; the device decode step replaces it with kernels."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from psr.cache import Insertion
+from psr.policy import Policy
+from psr.runtime.accounting import Accounting
+from psr.runtime.layer import MoELayer
+from psr.store import ExpertStore
+
+
+class HostCaches:
+    def __init__(self, store: ExpertStore, acct: Accounting, num_experts: int) -> None:
+        self.store = store
+        self.acct = acct
+        self.num_experts = num_experts
+
+    def mask(self, layer: MoELayer, policy: Policy, device: torch.device) -> torch.Tensor:
+        """What routing is biased toward: the logical cache, or for the timing-dependent
+        strawman the slots whose copies have finished."""
+        if policy.mask == "physical":
+            m = [False] * self.num_experts
+            for slot, ok in enumerate(self.store.ready(layer.index)):
+                e = layer.slots.slot_expert[slot]
+                if ok and e >= 0:
+                    m[e] = True
+        else:
+            m = layer.cache.mask()
+        return torch.tensor(m, dtype=torch.bool, device=device)
+
+    def copy(
+        self,
+        layer: MoELayer,
+        inserts: list[Insertion],
+        kind: str,
+        physical: bool,
+        at: tuple[int, int] | None = None,
+    ) -> int:
+        """Mirror logical insertions: slots from the slot map, the trace, and (physical)
+        one batch of store copies. `at`: the trace step that issued them, when not the
+        current one."""
+        slots, experts = layer.slots.place(inserts)
+        rec = self.acct.recorder
+        if rec is not None:
+            for s, e in zip(slots, experts, strict=True):
+                rec.copy(layer.index, s, e, kind, at)
+        if slots and physical:
+            self.store.enqueue_copies(layer.index, slots, experts)
+        return len(slots)
+
+    def use(
+        self, layer: MoELayer, routed: Sequence[int], physical: bool, trace_token: int = -1
+    ) -> None:
+        """Spec `use` of `routed`; each miss copied into its slot."""
+        routed = list(routed)
+        r = layer.cache.use(routed)
+        rec = self.acct.recorder
+        if rec is not None:
+            rec.routed(layer.index, routed, r.hits, trace_token)
+        n = self.copy(layer, r.misses, "miss", physical)
+        self.acct.count(
+            routed=len(routed), hits=r.hits, misses=len(r.misses), prefetch_used=r.prefetch_used
+        )
+        self.acct.count_copies(n)
+
+    def prefetch(
+        self,
+        layer: MoELayer,
+        predicted: Sequence[int],
+        n: int,
+        physical: bool,
+        at: tuple[int, int] | None = None,
+    ) -> None:
+        """Spec `prefetch` of at most `n` ids into `layer`'s cache, mirrored by copies."""
+        k = self.copy(layer, layer.cache.prefetch(predicted, n), "prefetch", physical, at)
+        self.acct.count(prefetches=k)
+        self.acct.count_copies(k)

@@ -1,0 +1,81 @@
+"""Expert compute: the routed experts of a forward, read from slab slots (decode), from a
+slab or host row one expert at a time (prefill), or from host rows for a scored window."""
+
+from __future__ import annotations
+
+import torch
+
+import psr_kernels as pk
+from psr.runtime.spec import MoESpec
+
+
+class ExpertCompute:
+    """The kernels of one compute path (`ops`) over one expert format: None (float rows) or
+    a quantized psr_kernels format, dequantized on the fly."""
+
+    def __init__(
+        self, spec: MoESpec, ops: pk.KernelOps, expert_format: str | None, group_size: int
+    ) -> None:
+        self.spec = spec
+        self.ops = ops
+        self.expert_format = expert_format
+        self.group_size = group_size
+
+    def slab(
+        self,
+        x: torch.Tensor,
+        slab: torch.Tensor,
+        slots: torch.Tensor,
+        weights: torch.Tensor,
+        slot_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The routed experts of `x` read from slab rows (`slots`, or expert ids looked up
+        in the device `slot_table`)."""
+        c = self.spec
+        return self.ops.expert_ffn(
+            x,
+            slab,
+            slots,
+            weights,
+            c.hidden_size,
+            c.ffn_size,
+            fmt=self.expert_format,
+            group_size=self.group_size,
+            out_dtype=x.dtype,
+            check_slots=False,
+            slot_table=slot_table,
+        )
+
+    def row(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One expert of `x` from its slab (or host) row: prefill and scoring on the CPU."""
+        c = self.spec
+        return pk.expert_row_ffn_ref(
+            x, row, c.hidden_size, c.ffn_size, fmt=self.expert_format, group_size=self.group_size
+        )
+
+    def host_rows(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, host: torch.Tensor
+    ) -> torch.Tensor:
+        """Routed experts of many decode tokens read from the host copies (a scored
+        window: no copies): on the torch path each expert once over the tokens that chose
+        it, as prefill computes (equal to per-token steps up to rounding); on the Triton
+        path the experts the window uses staged as a slab, 64 tokens per launch."""
+        w = weights.float()
+        if self.ops.path == "torch":
+            out = torch.zeros_like(x)
+            for e in torch.unique(ids).tolist():
+                tok, pos = torch.where(ids == e)
+                y = self.row(host[e].to(x.device), x[tok]) * w[tok, pos, None]
+                out.index_add_(0, tok, y.to(out.dtype))
+            return out
+        used = torch.unique(ids)
+        rows = host[used].to(x.device)  # the experts this window decodes with, as a slab
+        local = torch.full((self.spec.num_experts,), -1, dtype=torch.long, device=x.device)
+        local[used.to(x.device)] = torch.arange(len(used), device=x.device)
+        slots = local[ids.to(x.device)]
+        return torch.cat(
+            [
+                self.slab(x[i : i + 64], rows, slots[i : i + 64], w[i : i + 64])
+                for i in range(0, x.shape[0], 64)
+            ]
+        )

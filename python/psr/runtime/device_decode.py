@@ -1,0 +1,202 @@
+"""The sync-free decode step: the logical caches, slot maps and counters live on the
+model's device (psr_kernels.cache_state) and the host never reads them while decoding.
+
+Per MoE layer l and decode token, in stream order:
+  1. the router's logits (the model's own GEMV);
+  2. one kernel (psr_kernels.decode): route biased by layer l's device membership, `use`
+     (miss copy list of l), and, with n > 0 and a next MoE layer, predict + `prefetch`
+     into layer l + 1 (its prefetch copy list);
+  3. join: the compute stream waits for the side-stream gathers into layer l (issued by
+     layer l - 1), before anything reads or rewrites l's slots;
+  4. gather layer l's misses on the compute stream (mapped host rows -> slab slots);
+  5. gather layer l + 1's prefetches on the side stream, forked here: it overlaps layer
+     l's experts, and every earlier read of l + 1's slots is before the fork;
+  6. the experts, reading their slots through the device slot map.
+Counts accumulate in the state and are read when `stats` is read or a call ends; router
+inputs that are not finite set a flag checked then (`check`). A gather cannot fail
+recoverably (no retries): the store's copy retries belong to the host-driven path.
+
+The caches are handed over from the host ones when a sequence's first decode step runs
+(`begin`: after prefill's copies are acquired), and back (`pull`) if a later forward of
+the same sequence takes the host-driven step; `retire` tells the store what its slots
+hold when the sequence ends.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from psr.runtime.layer import MoELayer
+from psr.runtime.step import Routed, Step
+from psr_kernels import cache_state as cs
+
+if TYPE_CHECKING:
+    from psr.runtime.engine import OffloadRuntime
+
+
+class DeviceDecode(Step):
+    name = "device"
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        super().__init__(runtime)
+        rt = runtime
+        spec, store = rt.spec, rt.store
+        self.n = rt.policy.n
+        self.layout = lo = cs.CacheLayout(spec.num_experts, rt.max_capacity, spec.top_k, self.n)
+        L = len(rt.layers)
+        self.state = cs.new_state(L, lo, store.device)
+        E, K = spec.num_experts, spec.top_k
+        hdr = lo.header
+        st = self.state
+        # Per-layer views, made once: what the kernels and gathers address.
+        self.miss_rows = [st[i, lo.miss_list : lo.miss_list + 3 * K].view(K, 3) for i in range(L)]
+        self.miss_count = [st[i, hdr + cs.MISS_N : hdr + cs.MISS_N + 1] for i in range(L)]
+        self.pf_rows = [st[i, lo.pf_list : lo.width].view(lo.pf_rows, 3) for i in range(L)]
+        self.pf_count = [st[i, hdr + cs.PF_N : hdr + cs.PF_N + 1] for i in range(L)]
+        self.slot_table = [st[i, lo.slot_of : lo.slot_of + E] for i in range(L)]
+        self.slabs = [store.slab(i) for i in range(L)]
+        self.live = False  # the state holds the current sequence's caches
+        self.pending: dict[int, torch.Tensor] = {}
+        self._seen = torch.zeros(L, len(cs.COUNT_NAMES), dtype=torch.int64)
+        self.bad_layers: list[int] = []
+
+    # --- the step --------------------------------------------------------------------
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        rt = self.rt
+        if x.shape[0] != 1:
+            raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
+        i = layer.index
+        if i == 0:
+            rt.acct.stats.count_token()
+        logits = self.logits(layer, x)
+        n = self.n if i + 1 < len(rt.layers) else 0
+        kw = {}
+        if n:
+            nxt = rt.layers[i + 1]
+            kw = dict(
+                residual=layer.need_residual(),
+                norm_weight=nxt.norm_weight,
+                gate_weight=nxt.router.weight,
+                eps=nxt.norm_eps,
+                next_bias=nxt.bias,
+            )
+        out_dtype = logits.dtype if rt.spec.weights_in_logits_dtype else torch.float32
+        w, ids = rt.ops.decode_step(
+            logits,
+            rt.spec.route_spec(rt.steering.lam(layer)),
+            self.state,
+            self.layout,
+            i,
+            bias=layer.bias,
+            out_dtype=out_dtype,
+            n=n,
+            **kw,
+        )
+        store = rt.store
+        store.join(i)
+        store.gather(i, self.miss_rows[i], self.miss_count[i], side=False)
+        if n:
+            store.gather(i + 1, self.pf_rows[i + 1], self.pf_count[i + 1], side=True)
+        self.pending[i] = ids
+        return self.out(logits, w, ids)
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        i = layer.index
+        if ids is not self.pending.pop(i, None):
+            raise RuntimeError(f"MoE layer {i}: experts called without a matching route")
+        return self.rt.compute.slab(x, self.slabs[i], ids, weights, self.slot_table[i])
+
+    # --- hand-over between the host and the device caches ----------------------------
+    def begin(self) -> None:
+        """Take over the sequence's caches from the host ones (after prefill, or after
+        host-driven steps): their slots' copies acquired first, so every copy the store
+        issued has landed (retried, or raised as CopyError) before gathers reuse slots."""
+        rt = self.rt
+        store, C = rt.store, rt.capacity
+        for L in rt.layers:
+            order = L.cache.order()
+            slots = L.slots.slots(order)
+            if order:
+                store.acquire(L.index, slots, order)
+                store.release(L.index, slots)
+            rest = store.slot_experts(L.index)[C:]
+            cs.reset_layer(
+                self.state,
+                self.layout,
+                L.index,
+                C,
+                order,
+                dict(L.slots.slot_of),
+                list(L.slots.slot_expert) + rest,
+                L.cache.pending(),
+            )
+        self.pending.clear()
+        self.live = True
+
+    def _read_back(self) -> torch.Tensor:
+        """The state on the host, after every gather finished (a sync: sequence ends and
+        mode switches only)."""
+        self.rt.store.synchronize()
+        return self.state.cpu()
+
+    def pull(self) -> None:
+        """Hand the caches back to the host ones (a later forward of this sequence takes
+        the host-driven step)."""
+        if not self.live:
+            return
+        rt, rows = self.rt, self._read_back()
+        self.drain(rows)
+        for L in rt.layers:
+            order, pending, slot_of, slot_expert = cs.read_layer(rows[L.index], self.layout)
+            L.cache.reset(order, pending)
+            L.slots.slot_expert = slot_expert[: rt.capacity]
+            L.slots.slot_of = slot_of
+            rt.store.adopt_slots(L.index, slot_expert)
+        self.live = False
+
+    def retire(self) -> None:
+        """The sequence ends: the store learns what its slots hold now."""
+        if not self.live:
+            return
+        rows = self._read_back()
+        self.drain(rows)
+        for L in self.rt.layers:
+            _, _, _, slot_expert = cs.read_layer(rows[L.index], self.layout)
+            self.rt.store.adopt_slots(L.index, slot_expert)
+        self.live = False
+
+    # --- counts and the non-finite flag ----------------------------------------------
+    def drain(self, rows: torch.Tensor | None = None) -> None:
+        """Add the counts accumulated since the last read to the stats (one device read),
+        and collect the layers whose router inputs were not finite."""
+        lo = self.layout
+        hdr = lo.header
+        if rows is None:
+            rows = self.state[:, hdr + cs.COUNTS : hdr + cs.FLAG + 1].cpu()
+        else:
+            rows = rows[:, hdr + cs.COUNTS : hdr + cs.FLAG + 1]
+        counts = rows[:, : len(cs.COUNT_NAMES)].to(torch.int64)
+        delta = (counts - self._seen).sum(0).tolist()
+        self._seen = counts
+        acct = self.rt.acct
+        got = dict(zip(cs.COUNT_NAMES, delta, strict=True))
+        acct.count(**got)
+        acct.count_copies(got["misses"] + got["prefetches"])
+        acct.add_stall()
+        flags = rows[:, -1]
+        if bool(flags.any()):
+            self.bad_layers += [i for i in range(len(flags)) if flags[i]]
+            self.state[:, hdr + cs.FLAG] = 0
+
+    def check(self) -> None:
+        """Raise, once, for router inputs that were not finite since the last check."""
+        if self.bad_layers:
+            bad, self.bad_layers = sorted(set(self.bad_layers)), []
+            raise ValueError(
+                f"MoE layer {bad[0]}: router logits contain NaN or inf (found after decoding; "
+                f"layers {bad})"
+            )

@@ -1,0 +1,133 @@
+"""The host-driven decode step and the speculative verify block.
+
+Per MoE layer and decode token: route with the logical cache as a host-built mask, `use`
+the ids on the host `LogicalCache` (each miss a store copy), predict and `prefetch` into
+later layers (each insertion a store copy), then run the experts from the slab after the
+store's `acquire` waited for this layer's slots. The host reads the ids (a device sync
+per layer), so this path is the fallback: decode="host", the timing-dependent
+`cache-prior-async` strawman, steering variants beyond the spec, and trace recording.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+import psr_kernels as pk
+from psr.runtime.layer import MoELayer
+from psr.runtime.step import Routed, Step
+
+if TYPE_CHECKING:
+    from psr.runtime.engine import OffloadRuntime
+
+
+class HostDecode(Step):
+    name = "host"
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        super().__init__(runtime)
+        # MoE layer -> (routed ids as the host saw them, the ids tensor the router returned)
+        self.pending: dict[int, tuple[list[int], torch.Tensor]] = {}
+
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        rt = self.rt
+        if x.shape[0] != 1:
+            raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
+        if layer.index == 0:
+            rt.acct.open_token()
+        logits = self.logits(layer, x)
+        lam = rt.steering.lam(layer)
+        mask = rt.book.mask(layer, rt.policy, x.device) if lam > 0 else None
+        w, ids = rt.ops.route(logits, rt.spec.route_spec(lam), mask=mask, bias=layer.bias)
+        routed = ids[0].tolist()
+        rt.book.use(layer, routed, physical=True)
+        self.pending[layer.index] = (routed, ids)
+        for target, n, pred in rt.steering.predictions(layer, layer.need_residual()):
+            rt.book.prefetch(rt.layers[target], pred[0], n, physical=True)
+        return self.out(logits, w, ids)
+
+    def take(self, layer: MoELayer, ids: torch.Tensor) -> list[int]:
+        """The routed ids of this layer's step; the model hands the router's ids tensor
+        straight to its experts (identity: no sync)."""
+        routed, want = self.pending.pop(layer.index, (None, None))
+        if routed is None or ids is not want:
+            raise RuntimeError(f"MoE layer {layer.index}: experts called without a matching route")
+        return routed
+
+    def slot_ids(
+        self, layer: MoELayer, ids: torch.Tensor, routed: Sequence[int], slots: list[int]
+    ) -> torch.Tensor:
+        """The slots the expert kernel reads, one per routed id."""
+        return torch.tensor([slots], device=ids.device)
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        rt = self.rt
+        routed = self.take(layer, ids)
+        slots = layer.slots.slots(routed)  # the experts this step reads: its routed ids or set
+        if rt.acct.recorder is not None:
+            rt.acct.recorder.read(layer.index, slots)
+        st = self.slot_ids(layer, ids, routed, slots)
+        with rt.store.reading(layer.index, slots, routed) as slab:
+            return rt.compute.slab(x, slab, st, weights.float())
+
+
+class VerifyBlock(HostDecode):
+    """Speculative verification: one set of `block_k` experts per layer for all of a
+    verify block's tokens (psr_kernels.block_routing), biased toward the logical cache and
+    `use`d as one routing; the next layer's `n` experts of largest summed score over the
+    block's rows are prefetched."""
+
+    name = "verify"
+
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        rt = self.rt
+        if layer.index == 0:
+            rt.acct.open_token()
+        logits = self.logits(layer, x)
+        w, ids = self.route_block(layer, logits, physical=True)
+        predicted = self.predict_block(layer, layer.need_residual())
+        if predicted is not None:
+            rt.book.prefetch(rt.layers[layer.index + 1], predicted, rt.policy.n, physical=True)
+        return self.out(logits, w, ids)
+
+    def route_block(
+        self, layer: MoELayer, logits: torch.Tensor, physical: bool, trace_token: int = -1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert set for a block's tokens, biased toward the logical cache; the set is
+        `use`d as one routing (its misses copy now when physical)."""
+        rt = self.rt
+        assert rt.block_k is not None
+        lam = rt.steering.lam(layer)
+        mask = rt.book.mask(layer, rt.policy, logits.device) if lam > 0 else None
+        chosen, w, ids = pk.route_block(
+            logits, rt.spec.route_spec(lam), rt.block_k, mask=mask, bias=layer.bias
+        )
+        routed = chosen.tolist()
+        rt.book.use(layer, routed, physical, trace_token)
+        self.pending[layer.index] = (routed, ids)
+        return w, ids
+
+    def predict_block(self, layer: MoELayer, residual: torch.Tensor) -> list[int] | None:
+        """The next MoE layer's `n` experts of largest summed score over a block's rows
+        (its router, unbiased, on this layer's MoE input normed as it norms it)."""
+        rt = self.rt
+        n = rt.policy.n
+        if n == 0 or layer.index + 1 >= len(rt.layers):
+            return None
+        nxt = rt.layers[layer.index + 1]
+        h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
+        score = pk.block_scores_ref(h @ nxt.router.weight.float().t(), rt.spec.scoring, nxt.bias)
+        # Ties to the lower id, as everywhere.
+        return torch.sort(score, descending=True, stable=True).indices[:n].tolist()
+
+    def slot_ids(
+        self, layer: MoELayer, ids: torch.Tensor, routed: Sequence[int], slots: list[int]
+    ) -> torch.Tensor:
+        """Each token's ids (inside the set) to slots, on the device."""
+        table = torch.full((self.rt.spec.num_experts,), -1, dtype=torch.long)
+        table[torch.tensor(list(routed))] = torch.tensor(slots)
+        return table.to(ids.device)[ids]

@@ -1,0 +1,47 @@
+"""One MoE layer as the runtime keeps it: the model's router, the norm its predictions use,
+its logical cache and slot map, and the prefill history that seeds them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from psr.cache import LogicalCache
+from psr.runtime.slots import SlotMap
+
+
+@dataclass
+class MoELayer:
+    """Runtime state of one MoE layer (the host-side caches; the device-side ones live in
+    `psr.runtime.device_decode`)."""
+
+    decoder_index: int  # index among the model's decoder layers
+    index: int  # index among MoE layers (= store layer)
+    router: nn.Module  # the model's router (weight, e_score_correction_bias)
+    # This layer's post-attention RMSNorm, for predictions into it: its weight and eps,
+    # not the module (the module's residual hook refers to the runtime: no cycle).
+    norm_weight: torch.Tensor
+    norm_eps: float
+    cache: LogicalCache
+    slots: SlotMap
+    history: list[list[int]] = field(default_factory=list)  # prefill's routed ids per token
+    seeded: bool = False
+    residual: torch.Tensor | None = None  # the state entering the MoE block, this forward
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.router, "e_score_correction_bias", None)
+
+    def need_residual(self) -> torch.Tensor:
+        if self.residual is None:
+            raise RuntimeError(f"no residual captured for MoE layer {self.index}")
+        return self.residual
+
+
+def norm_eps(norm: nn.Module) -> float:
+    for name in ("variance_epsilon", "eps"):
+        if hasattr(norm, name):
+            return float(getattr(norm, name))
+    raise TypeError(f"cannot find the epsilon of {type(norm).__name__}")

@@ -1,0 +1,63 @@
+"""The steering seam: per MoE layer, how strongly routing leans toward the logical cache
+(`lam`) and which experts are inserted into later layers' caches (`predictions`).
+
+`Steering` is the spec's rule: the policy's lam in every layer, and the next MoE layer's
+router applied to this layer's MoE input (normed as that layer norms it), its first `n`
+ids. The device decode step implements exactly this rule; research variants that change
+it (bench/variants.py) subclass `Steering` and set `spec_rule = False`, which makes
+decoding take the host-driven step, where any rule can run.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from psr.runtime.engine import OffloadRuntime
+    from psr.runtime.layer import MoELayer
+
+# (target MoE layer, at most how many to insert, per residual row the predicted ids)
+Prediction = tuple[int, int, list[list[int]]]
+
+
+class Steering:
+    spec_rule = True  # False in subclasses: they run the host-driven decode step
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        # A weak proxy: the runtime holds its steps (and steering), so a strong reference
+        # back would be a cycle that keeps a dropped model's store alive until the GC runs.
+        self.rt: OffloadRuntime = weakref.proxy(runtime)
+
+    def lam(self, layer: MoELayer) -> float:
+        """The bias strength of a layer's routing."""
+        return self.rt.policy.lam
+
+    def predict(
+        self, layer: MoELayer, residual: torch.Tensor, ahead: int, n: int
+    ) -> list[list[int]] | None:
+        """Per `residual` row of `layer`, the `n` ids the router of MoE layer
+        `layer.index + ahead` predicts on it, normed as that layer norms its input (None:
+        nothing to predict). A host read of the ids."""
+        layers = self.rt.layers
+        if n == 0 or layer.index + ahead >= len(layers):
+            return None
+        nxt = layers[layer.index + ahead]
+        ids, _ = self.rt.ops.predict_next(
+            residual,
+            nxt.norm_weight,
+            nxt.router.weight,
+            n,
+            self.rt.spec.route_spec(),
+            eps=nxt.norm_eps,
+            bias=nxt.bias,
+        )
+        return ids.tolist()
+
+    def predictions(self, layer: MoELayer, residual: torch.Tensor) -> list[Prediction]:
+        """`layer`'s prefetch predictions per `residual` row, in the order they are
+        inserted."""
+        ids = self.predict(layer, residual, 1, self.rt.policy.n)
+        return [] if ids is None else [(layer.index + 1, self.rt.policy.n, ids)]

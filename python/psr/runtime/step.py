@@ -1,0 +1,50 @@
+"""What a forward does at each MoE layer, per mode: `route` (the router module's forward:
+logits, top-k weights, top-k ids) then `experts` (the experts module's forward). The
+engine picks one step object per forward: prefill, the device (sync-free) or host-driven
+decode step, a teacher-forced scoring window, or a speculative verify block."""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from psr.runtime.engine import OffloadRuntime
+    from psr.runtime.layer import MoELayer
+
+Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logits, weights, ids)
+
+
+class Step:
+    name = "step"
+
+    def __init__(self, runtime: OffloadRuntime) -> None:
+        # A weak proxy: the runtime holds its steps (and steering), so a strong reference
+        # back would be a cycle that keeps a dropped model's store alive until the GC runs.
+        self.rt: OffloadRuntime = weakref.proxy(runtime)
+
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        raise NotImplementedError
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    # --- shared by the modes -------------------------------------------------------
+    def logits(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+        """The router's logits, computed as the model computes them."""
+        w = layer.router.weight
+        if self.rt.spec.logits_fp32:
+            return F.linear(x.float(), w.float())
+        return F.linear(x, w)
+
+    def out(self, logits: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> Routed:
+        """What the router returns: weights cast back to the logits' dtype where the model
+        does so."""
+        if self.rt.spec.weights_in_logits_dtype:
+            w = w.to(logits.dtype)
+        return logits, w, ids

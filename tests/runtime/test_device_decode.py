@@ -1,0 +1,199 @@
+"""The sync-free decode step (decode="device") against the host-driven one (decode="host"):
+the same tokens, logits and counts on every family and policy, on the torch and the Triton
+path; no host read in the MoE path while decoding; hand-overs between the two steps within
+a sequence; non-finite router inputs raising after the call; the decode streams' caches
+equal to psr.cache.LogicalCache replayed on their own routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model, write_checkpoint
+
+import psr
+from psr.cache import LogicalCache, prefill_state
+from psr.eval.host_path import HostProbe
+from psr.runtime.steering import Steering
+from psr_kernels import cache_state as cs
+
+PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
+NEW = 10
+POLICIES = [
+    ("exact", {}),
+    ("exact-prefetch", {"n": 2}),
+    ("cache-prior", {"lam": 0.5}),
+    ("psr", {"lam": 0.5, "n": 2}),
+]
+COUNTS = ("tokens", "routed", "hits", "misses", "prefetches", "prefetch_used", "copies")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("device")
+    return {f: write_checkpoint(tiny_model(f), root / f) for f in FAMILIES}
+
+
+def _load(path: Path, policy: str, decode: str, **kw) -> psr.OffloadedModel:
+    return psr.load(path, policy, 0.5, decode=decode, progress=False, **kw)
+
+
+def _decode(model: psr.OffloadedModel) -> tuple[list[int], torch.Tensor, dict[str, float]]:
+    tokens = model.generate(PROMPT, max_new_tokens=NEW)
+    logits = model.decode_logits(tokens, PROMPT.shape[1])
+    return tokens[0].tolist(), logits, {k: model.stats[k] for k in COUNTS}
+
+
+@pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_device_step_equals_host_step(ckpts, family, policy, kw) -> None:
+    host = _decode(_load(ckpts[family], policy, "host", **kw))
+    dev_model = _load(ckpts[family], policy, "device", **kw)
+    dev = _decode(dev_model)
+    assert dev[0] == host[0]
+    assert torch.equal(dev[1], host[1])  # bit-identical logits: the same kernels and order
+    assert dev[2] == host[2]
+    assert dev_model.stats.per_token == []  # device counts stay on the device until read
+
+
+@pytest.mark.parametrize(("family", "fmt"), [("olmoe", None), ("qwen3_moe", "int8")])
+def test_device_step_equals_host_step_on_the_triton_path(ckpts, family, fmt) -> None:
+    kw = dict(lam=0.5, n=2, compute="triton", expert_format=fmt)
+    host_model = _load(ckpts[family], "psr", "host", **kw)
+    dev_model = _load(ckpts[family], "psr", "device", **kw)
+    assert dev_model.runtime.ops.path == "triton"
+    host, dev = _decode(host_model), _decode(dev_model)
+    assert dev[0] == host[0] and dev[2] == host[2]
+    torch.testing.assert_close(dev[1], host[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
+@pytest.mark.parametrize("compute", ["torch", "triton"])
+def test_no_host_read_in_the_moe_path_while_decoding(ckpts, policy, kw, compute) -> None:
+    """Every read of device data, and every tensor built from host data, inside the router
+    and experts hooks of decode forwards is counted (psr.eval.host_path); the device step
+    makes none. The host step, probed the same way, makes several per layer: the probe
+    sees them."""
+    path = ckpts["olmoe"]
+    dev = _load(path, policy, "device", compute=compute, **kw)
+    with HostProbe(dev) as probe:
+        dev.generate(PROMPT, max_new_tokens=4)
+    assert len(probe.steps) == 3
+    assert probe.read_sites() == {} and probe.per_token()["h2d"] == 0
+    per_layer = [c.kernels for step in probe.steps for c in step]
+    if compute == "triton":
+        # router GEMV, the fused decode kernel, the miss gather, [the prefetch gather], FFN x2
+        want = 6 if kw.get("n") else 5
+        assert max(per_layer) == want
+    host = _load(path, policy, "host", compute=compute, **kw)
+    with HostProbe(host) as probe:
+        host.generate(PROMPT, max_new_tokens=4)
+    assert sum(probe.read_sites().values()) >= 3 * len(host.runtime.layers)
+
+
+def test_recording_and_variants_take_the_host_step_with_the_same_results(ckpts) -> None:
+    path, kw = ckpts["mixtral"], dict(lam=0.5, n=2)
+    plain = _decode(_load(path, "psr", "device", **kw))
+    model = _load(path, "psr", "device", **kw)
+    rec = model.record_trace()
+    with HostProbe(model) as probe:
+        tokens = model.generate(PROMPT, max_new_tokens=NEW)
+    assert tokens[0].tolist() == plain[0]
+    assert sum(probe.read_sites().values()) > 0  # the host step ran: it records the trace
+    assert rec.trace.counts()["misses"] == model.stats["misses"]
+
+
+def test_hand_over_between_steps_within_a_sequence(ckpts) -> None:
+    """A sequence decoded partly by the device step and partly by the host step (a mode
+    switch mid-sequence) routes and counts exactly as one decoded by either alone."""
+    from psr.runtime.kv import cache_kwarg, output_cache
+
+    path, kw = ckpts["olmoe"], dict(lam=0.5, n=2)
+    want = _load(path, "psr", "host", **kw)
+    want_tokens = want.generate(PROMPT, max_new_tokens=NEW)[0].tolist()
+    model = _load(path, "psr", "device", **kw)
+    hf, kv_name, rt = model.hf, cache_kwarg(model.hf), model.runtime
+    ids = PROMPT.clone()
+    with torch.no_grad(), rt.lock:
+        out = hf(input_ids=ids, use_cache=True)
+        for i in range(NEW - 1):
+            rt.set_decode("host" if i % 3 == 2 else "device")  # switch back and forth
+            nxt = out.logits[0, -1].argmax().view(1, 1)
+            ids = torch.cat([ids, nxt], 1)
+            out = hf(input_ids=nxt, use_cache=True, **{kv_name: output_cache(out)})
+        ids = torch.cat([ids, out.logits[0, -1].argmax().view(1, 1)], 1)
+    assert ids[0].tolist() == want_tokens
+    assert {k: model.stats[k] for k in COUNTS} == {k: want.stats[k] for k in COUNTS}
+
+
+def test_device_caches_equal_a_replay_of_their_own_routing(ckpts) -> None:
+    """The device caches after decoding equal psr.cache.LogicalCache replayed, from the
+    prefill seed, on the routing and predictions the decode made (recorded from an equal
+    host decode: its trace and a spy on its steering): the spec's use / prefetch, whatever
+    the kernels compute it with."""
+    path, kw = ckpts["qwen2_moe"], dict(lam=0.5, n=2)
+    host = _load(path, "psr", "host", **kw)
+    predicted: list[tuple[int, list[int], int]] = []
+
+    class Spy(Steering):
+        def predictions(self, layer, residual):  # type: ignore[no-untyped-def]
+            out = super().predictions(layer, residual)
+            predicted.extend((target, ids[0], n) for target, n, ids in out)
+            return out
+
+    host.runtime.set_steering(Spy(host.runtime))
+    rec = host.record_trace()
+    host.generate(PROMPT, max_new_tokens=NEW)
+    model = _load(path, "psr", "device", **kw)
+    model.generate(PROMPT, max_new_tokens=NEW)
+    rt = model.runtime
+    C, E = rt.capacity, rt.spec.num_experts
+    prefill = psr.load(path, "psr", 0.5, progress=False, **kw)
+    prefill(PROMPT)  # exact routing of the prompt: each layer's history
+    caches = [LogicalCache(C, E) for _ in rt.layers]
+    for cache, L in zip(caches, prefill.runtime.layers, strict=True):
+        cache.reset(prefill_state(L.history, C))
+    queue = iter(predicted)
+    for token in rec.trace.tokens:
+        for step in token:
+            caches[step.layer].use(step.experts)
+            if step.layer + 1 < len(caches):
+                target, ids, n = next(queue)
+                assert target == step.layer + 1
+                caches[target].prefetch(ids, n)
+    assert next(queue, None) is None
+    for L, cache in zip(rt.layers, caches, strict=True):
+        assert cs.cache_order(rt._device.state, rt._device.layout, L.index) == cache.order()
+
+
+def test_non_finite_router_input_raises_after_the_call(ckpts) -> None:
+    """Router logits that turn non-finite during decoding (prefill checks its own on the
+    host) set the device flag; the call's end raises the error once, naming the layer."""
+    from psr.runtime.kv import cache_kwarg, output_cache
+
+    model = _load(ckpts["olmoe"], "psr", "device", lam=0.5, n=2)
+    rt, hf = model.runtime, model.hf
+    router = rt.layers[1].router
+    with torch.no_grad(), rt.lock:
+        out = hf(input_ids=PROMPT, use_cache=True)  # prefill: finite
+        router.weight[3, 0] = float("nan")
+        for _ in range(2):
+            nxt = out.logits[0, -1].argmax().view(1, 1)
+            out = hf(input_ids=nxt, use_cache=True, **{cache_kwarg(hf): output_cache(out)})
+        with pytest.raises(ValueError, match=r"MoE layer 1: router logits contain NaN or inf"):
+            rt.end_call()
+        rt.end_call()  # reported once
+    host = _load(ckpts["olmoe"], "psr", "host", lam=0.5, n=2)
+    with torch.no_grad():
+        host.runtime.layers[1].router.weight[3, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        host.generate(PROMPT, max_new_tokens=3)
+
+
+def test_decode_mode_is_validated(ckpts) -> None:
+    with pytest.raises(ValueError, match="decode must be one of device, host; got 'gpu'"):
+        _load(ckpts["olmoe"], "psr", "gpu")
+    model = _load(ckpts["olmoe"], "psr", "device")
+    with pytest.raises(ValueError, match="decode must be one of device, host"):
+        model.runtime.set_decode("fast")
