@@ -197,3 +197,23 @@ def test_decode_mode_is_validated(ckpts) -> None:
     model = _load(ckpts["olmoe"], "psr", "device")
     with pytest.raises(ValueError, match="decode must be one of device, host"):
         model.runtime.set_decode("fast")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
+def test_device_step_on_cuda_equals_host_step(tmp_path, policy, kw) -> None:
+    """On a GPU: the Triton kernels, the CUDA store's gathers (mapped host memory, side
+    stream, joins) give the host step's tokens and counts, with no host read in the MoE
+    path, run after run. (tmp_path only: bench/gpu_tests.py's mini runner runs it too.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
+    host = _decode(_load(path, policy, "host", device="cuda", **kw))
+    for _ in range(2):
+        model = _load(path, policy, "device", device="cuda", **kw)
+        assert model.runtime.store.backend == "cuda" and model.runtime.ops.path == "triton"
+        with HostProbe(model) as probe:
+            dev = _decode(model)
+        assert dev[0] == host[0] and dev[2] == host[2]
+        torch.testing.assert_close(dev[1], host[1], rtol=1e-5, atol=1e-5)
+        assert probe.read_sites() == {}
