@@ -145,7 +145,7 @@ else
 fi
 
 # 4. Trace replay: the embedded model's traces on this machine vs the latency model; then
-#    exact and psr again with int8, int4, fp8 rows and expert_ffn_quant (--formats).
+#    exact and psr again with int8, int4, fp8 rows and expert_ffn(..., fmt=) (--formats).
 if [[ $REHEARSE == 1 ]]; then
   stage replay 150 env TRITON_INTERPRET=1 "$PY" bench/gpu_replay.py --out "$OUT" --tiny
 else

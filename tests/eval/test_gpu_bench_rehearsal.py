@@ -26,7 +26,8 @@ FORMATS = ["int8", "int4", "fp8"]  # gpu_replay.py's default --formats, in order
 TINY_HF = (64, 32)
 
 
-def _run(args: list[str], timeout: float = 300) -> str:
+def _env() -> dict[str, str]:
+    """The rehearsal's environment: the checkout importable, Triton's interpreter, offline."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT / "python"), str(ROOT), *filter(None, [env.get("PYTHONPATH")])]
@@ -38,8 +39,17 @@ def _run(args: list[str], timeout: float = 300) -> str:
         TRANSFORMERS_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )
+    return env
+
+
+def _run(args: list[str], timeout: float = 300) -> str:
     p = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert p.returncode == 0, f"{args}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     return p.stdout
@@ -68,6 +78,8 @@ def test_replay_writes_every_field(out: Path) -> None:
     r = json.loads((out / "replay.json").read_text())
     assert r["status"] == "complete" and r["mode"] == "tiny"
     assert r["kernel_check"]["ok"] and r["kernel_check"]["kernel"] == "triton"
+    ops = pk.kernel_ops("auto", "cpu")  # what replayed: $PSR_COMPUTE, else the torch reference
+    assert r["ffn"] == f"{ops.path} {ops.expert_ffn.__name__}"
     for key in ("h2d_gbps", "expert_ms", "dense_ms_per_layer", "expert_bytes"):
         assert _finite(r["calibration"][key]) and r["calibration"][key] > 0, key
     rows = r["rows"]
@@ -117,6 +129,7 @@ def test_replay_covers_each_format(out: Path) -> None:
         f = r["formats"][fmt]
         assert f["status"] == "complete", f
         assert f["kernel_check"]["ok"] and f["kernel_check"]["kernel"] == "triton", f
+        assert f["ffn"] == f"{r['ffn']} fmt={fmt}"
         assert f["row_bytes"] == pk.QuantLayout.of(fmt, *TINY_HF).nbytes
         assert f["bytes_ratio"] == pytest.approx(f["row_bytes"] / base) and f["bytes_ratio"] < 1
         assert f["bytes_ratio_vs_bf16"] == pytest.approx(pk.bytes_ratio(fmt, *TINY_HF))
@@ -171,6 +184,21 @@ def test_replay_covers_each_format(out: Path) -> None:
         assert simulate(tr, prof).ms_per_token == pytest.approx(row["modeled_ms"])
     assert _finite(r["format_checks"]["max_abs_model_error"])
     assert "| format | bytes ratio |" in (out / "replay.md").read_text()
+
+
+def test_replay_follows_psr_compute(tmp_path: Path) -> None:
+    """--compute auto (the default) follows $PSR_COMPUTE as every psr entry point does:
+    forcing Triton where it cannot run (the CPU without the interpreter) stops before any
+    work, naming the variable."""
+    env = _env() | {"PSR_COMPUTE": "triton", "TRITON_INTERPRET": "0"}
+    d = tmp_path / "replay"
+    cmd = [str(BENCH / "gpu_replay.py"), "--tiny", "--backend", "cpu", "--out", str(d)]
+    p = subprocess.run(
+        [sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "--compute auto: compute='triton' (from PSR_COMPUTE) needs a CUDA device" in p.stderr
+    assert not d.exists()
 
 
 @pytest.mark.slow
