@@ -224,9 +224,9 @@ class Store {
   };
   struct Layer {
     LayerSpec spec;
-    size_t first_slot = 0;       // global index of slot 0
-    std::shared_ptr<void> host;  // num_experts * expert_bytes
-    std::shared_ptr<void> slab;  // num_slots * expert_bytes
+    size_t first_slot = 0;              // global index of slot 0
+    std::shared_ptr<void> host;         // num_experts * expert_bytes
+    std::shared_ptr<void> slab;         // num_slots * expert_bytes
     const void* host_device = nullptr;  // `host` as the copy engine addresses it
     std::vector<bool> registered;
     std::vector<Slot> slots;

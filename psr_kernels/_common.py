@@ -53,7 +53,8 @@ def check_finite(op: str, name: str, t: torch.Tensor) -> None:
 
 
 def pow2(n: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(int(n)))
+    p: int = triton.next_power_of_2(int(n))
+    return max(lo, p)
 
 
 @triton.jit

@@ -161,7 +161,9 @@ def cache_prefetch_ref(
         victim = torch.argmin(torch.where(member, stamp, torch.full_like(stamp, _BIG)))
         out = (e_ar == victim) & ins & full
         free = _lowest(_owned(slot_of, slot_expert, capacity).logical_not(), 1)[0]
-        slot = torch.where(full, slot_of[victim], free.clamp(max=S - 1))
+        # index_select, not slot_of[victim]: a 0-dim index would be read on the host
+        victim_slot = slot_of.index_select(0, victim.view(1))[0]
+        slot = torch.where(full, victim_slot, free.clamp(max=S - 1))
         member = (member & ~out) | (oh & ins)
         pending = (pending & ~out) | (oh & ins)
         slot_of = torch.where(oh & ins, slot, torch.where(out, -1, slot_of))

@@ -292,10 +292,15 @@ def decode_step(
     k = spec.top_k
     weights = torch.empty(1, k, dtype=out_dtype, device=logits.device)
     ids = torch.empty(1, k, dtype=torch.int64, device=logits.device)
+    H = stride_rh = stride_ge = stride_gh = 0  # no prediction: unused by the kernel
+    if n:
+        assert residual is not None and gate_weight is not None  # _check: n > 0 needs them
+        H, stride_rh = residual.shape[1], residual.stride(1)
+        stride_ge, stride_gh = gate_weight.stride(0), gate_weight.stride(1)
     cfg = decode_config(
         spec,
         layout,
-        residual.shape[1] if n else 16,
+        H if n else 16,
         n=n,
         has_mask=spec.lam > 0,
         has_bias=bias is not None,
@@ -309,16 +314,16 @@ def decode_step(
         weights_ptr=weights,
         ids_ptr=ids,
         res_ptr=residual if n else dummy,
-        stride_rh=residual.stride(1) if n else 0,
+        stride_rh=stride_rh,
         norm_ptr=norm_weight if n else dummy,
         eps=float(eps),
         gate_ptr=gate_weight if n else dummy,
-        stride_ge=gate_weight.stride(0) if n else 0,
-        stride_gh=gate_weight.stride(1) if n else 0,
+        stride_ge=stride_ge,
+        stride_gh=stride_gh,
         next_bias_ptr=next_bias if next_bias is not None else dummy,
         state_ptr=state,
         layer=layer,
-        H=residual.shape[1] if n else 0,
+        H=H,
         lam=float(spec.lam),
         scaling=float(spec.scaling),
         **cfg,

@@ -51,7 +51,7 @@ def default_compute() -> Compute:
     return value  # type: ignore[return-value]
 
 
-def resolve_compute(compute: Compute | None, device: torch.device | str) -> ComputePath:
+def resolve_compute(compute: str | None, device: torch.device | str) -> ComputePath:
     """The compute path, "triton" or "torch", for `compute` on `device` (module docstring).
 
     Raises ValueError for a `compute` other than "auto", "triton", "torch" or None, and
@@ -95,6 +95,6 @@ _TORCH = KernelOps(
 )
 
 
-def kernel_ops(compute: Compute | None, device: torch.device | str) -> KernelOps:
+def kernel_ops(compute: str | None, device: torch.device | str) -> KernelOps:
     """The ops of `resolve_compute(compute, device)`: the Triton kernels or the references."""
     return _TRITON if resolve_compute(compute, device) == "triton" else _TORCH

@@ -127,7 +127,9 @@ def predict_next_op(
 
 
 @predict_next_op.register_fake
-def _(residual, norm_weight, gate_weight, n, *args, **kwargs):
+def _(
+    residual: Tensor, norm_weight: Tensor, gate_weight: Tensor, n: int, *args: Any, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
     T = residual.shape[0]
     return (residual.new_empty(T, n, dtype=torch.int64), residual.new_empty(T, n, dtype=torch.bool))
 
@@ -159,7 +161,17 @@ def expert_ffn_op(
 
 
 @expert_ffn_op.register_fake
-def _(x, slab, slots, weights, hidden_size, ffn_size, out_dtype=None, fmt=None, group_size=128):
+def _(
+    x: Tensor,
+    slab: Tensor,
+    slots: Tensor,
+    weights: Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    out_dtype: torch.dtype | None = None,
+    fmt: str | None = None,
+    group_size: int = 128,
+) -> Tensor:
     return x.new_empty(x.shape, dtype=out_dtype or x.dtype)
 
 

@@ -135,7 +135,10 @@ def _quant_layout(
     for s in sizes:
         offs.append(at)
         at = _align(at + s)
-    return QuantLayout(fmt, H, F, gh, gf, *offs, rbh, rbf, at)
+    gate, up, down, gate_scale, up_scale, down_scale = offs
+    return QuantLayout(
+        fmt, H, F, gh, gf, gate, up, down, gate_scale, up_scale, down_scale, rbh, rbf, at
+    )
 
 
 def bytes_ratio(

@@ -1,11 +1,19 @@
 """The import rules that keep the architecture visible in the tree.
 
 Layers, lowest first; a module may import from its own layer and the ones below:
-  psr_kernels < psr.store, psr.cache, psr.policy < psr.runtime < psr.models < psr.eval
-  < psr.serve < psr.cli
-plus: psr_kernels never imports psr; cache and policy are pure bookkeeping (no torch,
-no store, no kernels); only psr.store touches the extension; `import psr` (and using its
-core exports) loads no evaluation, CLI or plotting code.
+  psr_kernels
+  < psr.store, and the bookkeeping: psr.cache, psr.policy, psr.points, psr.vocab
+  < psr.runtime < psr.models < psr.eval < psr.serve < psr.cli
+plus:
+- psr_kernels never imports psr; the bookkeeping is pure (no torch, no store, no
+  kernels); only psr.store touches the extension; `import psr` (and using its core
+  exports) loads no evaluation, CLI or plotting code;
+- bench/ uses the library, never the command line (psr.cli);
+- within psr.runtime, the engine never imports the generation driver (generate, model,
+  speculative): the driver calls the engine, not the other way round;
+- the torch-free modules import no torch, triton, transformers or matplotlib anywhere in
+  their own source (tests/test_torch_free.py imports them with those blocked).
+Imports are read from the source (ast), at any depth: function-local ones count.
 """
 
 from __future__ import annotations
@@ -99,7 +107,7 @@ def test_kernels_import_nothing_from_psr() -> None:
         assert not [i for i in IMPORTS[m] if i == "psr" or i.startswith("psr.")], m
 
 
-@pytest.mark.parametrize("module", ["psr.cache", "psr.policy"])
+@pytest.mark.parametrize("module", ["psr.cache", "psr.policy", "psr.points", "psr.vocab"])
 def test_bookkeeping_is_pure(module: str) -> None:
     heavy = [
         i
@@ -108,6 +116,88 @@ def test_bookkeeping_is_pure(module: str) -> None:
         or i.startswith(("psr.store", "psr._C", "psr.runtime", "psr.models", "psr.eval"))
     ]
     assert not heavy, f"{module} imports {heavy}"
+
+
+def _named(imports: set[str], prefixes: tuple[str, ...]) -> list[str]:
+    """The imports that are one of `prefixes` (a module or package) or lie under one."""
+    return sorted(i for i in imports if any(i == p or i.startswith(p + ".") for p in prefixes))
+
+
+BENCH = sorted((ROOT / "bench").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", BENCH, ids=[p.name for p in BENCH])
+def test_bench_uses_the_library_not_the_cli(path: Path) -> None:
+    found = _imports(path, f"bench.{path.stem}")
+    # `psr.cli.main(...)` after a bare `import psr` reaches the CLI without importing it.
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            found.add(f"{node.value.id}.{node.attr}")
+    bad = _named(found, ("psr.cli",))
+    assert not bad, f"bench/{path.name} uses the command line: {bad}"
+
+
+DRIVER = ("psr.runtime.generate", "psr.runtime.model", "psr.runtime.speculative")
+# The engine: every runtime module but the driver and the package root (which re-exports
+# both). These are named so that a rename shows here.
+ENGINE = sorted(m for m in MODULES if m.startswith("psr.runtime.") and m not in DRIVER)
+NAMED_ENGINE = (
+    "accounting bookkeeping compute device_decode engine guard host_decode kv layer "
+    "prefill slots spec stats steering step window"
+).split()
+
+
+def test_the_engine_modules_are_the_named_ones() -> None:
+    assert {f"psr.runtime.{n}" for n in NAMED_ENGINE} <= set(ENGINE)
+    assert set(DRIVER) <= set(MODULES)
+
+
+@pytest.mark.parametrize("module", ENGINE)
+def test_the_engine_never_imports_the_generation_driver(module: str) -> None:
+    bad = _named(IMPORTS[module], DRIVER)
+    assert not bad, f"{module} imports the generation driver: {bad}"
+
+
+TORCH_FREE = (
+    "psr.vocab",
+    "psr.policy",
+    "psr.points",
+    "psr.cache",
+    "psr.runtime.trace",
+    "psr.runtime.stats",
+    "psr.eval.latency",
+    "psr.eval.report",
+    "psr.eval.defaults",
+)
+HEAVY = ("torch", "triton", "transformers", "matplotlib")
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_torch_free_modules_import_no_heavy_library(module: str) -> None:
+    bad = _named(IMPORTS[module], HEAVY)
+    assert not bad, f"{module} must stay torch-free but imports {bad}"
+
+
+def test_the_import_reader_sees_nested_and_relative_imports(tmp_path: Path) -> None:
+    """The rules above are only as good as `_imports`: function-local, conditional and
+    relative imports all count."""
+    src = tmp_path / "mod.py"
+    src.write_text(
+        "def f():\n"
+        "    if True:\n"
+        "        import torch.nn as nn\n"
+        "    from .model import OffloadedModel\n"
+        "    from . import generate\n"
+        "    from ..runtime import speculative\n"
+    )
+    found = _imports(src, "psr.runtime.mod")
+    assert _named(found, HEAVY) == ["torch.nn"]
+    assert _named(found, DRIVER) == [
+        "psr.runtime.generate",
+        "psr.runtime.model",
+        "psr.runtime.model.OffloadedModel",
+        "psr.runtime.speculative",
+    ]
 
 
 def test_only_the_store_touches_the_extension() -> None:

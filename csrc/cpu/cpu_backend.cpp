@@ -4,12 +4,12 @@
 // condition variable play the role of copy events. The compute side is the
 // calling thread, which reads slots synchronously, so read events are
 // implicit: Store never issues a copy into a slot that is still held.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <algorithm>
 #include <random>
 #include <thread>
 

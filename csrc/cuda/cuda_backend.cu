@@ -85,7 +85,8 @@ unsigned gather_ctas(size_t row_bytes) {
     if (v >= 1 && v <= 65535) return static_cast<unsigned>(v);
   }
   const size_t per_cta = 256 * 16 * 4;  // 256 threads x 4 uint4 each
-  return static_cast<unsigned>(std::max<size_t>(1, std::min<size_t>(1024, (row_bytes + per_cta - 1) / per_cta)));
+  return static_cast<unsigned>(
+      std::max<size_t>(1, std::min<size_t>(1024, (row_bytes + per_cta - 1) / per_cta)));
 }
 
 class CudaBackend final : public Backend {

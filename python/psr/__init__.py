@@ -6,10 +6,12 @@ evaluation or CLI code) until a name is used, e.g. `psr.load(...)`.
 Layers, each importing only those below it:
   psr_kernels            Triton kernels + torch references (torch, triton only)
   psr.store              the only door to the C++ extension (expert store, backends)
-  psr.cache, psr.policy  pure bookkeeping: the logical cache; policies and their defaults
+  psr.cache, psr.policy  pure bookkeeping: the logical cache; policies and their defaults;
+  psr.points, psr.vocab  operating points (files of tuned lam / n); the shared option words
   psr.runtime            the offloaded MoE engine, OffloadedModel, generation, stats, traces
   psr.models             family-specific: checkpoints, load / offload, the embedded model
   psr.eval               latency model, quality harness, demo / eval / sweep, lm-eval, benches
+  psr.serve              the OpenAI-compatible server (`psr serve`)
   psr.cli                the command line
 """
 

@@ -50,9 +50,10 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, SupportsIndex, TypeGuard
 
 import torch
+from torch.utils.dlpack import from_dlpack
 
 import psr._C as _C
 
@@ -124,16 +125,21 @@ def backend_info() -> dict[str, Any]:
 # --- argument checks ---------------------------------------------------------
 
 
+def _has_index(value: object) -> TypeGuard[SupportsIndex]:
+    """Its type defines __index__ (where operator.index looks), and it is no bool."""
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+
+
 def _int_arg(name: str, value: object, lo: int, hi: int) -> int:
     """An int in [lo, hi]: TypeError for bools, floats and non-integers, ValueError outside."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+    if not _has_index(value):
         raise TypeError(
             f"{name} must be an int in [{lo}, {hi}], got {type(value).__name__} {value!r}"
         )
-    value = operator.index(value)  # type: ignore[call-overload]
-    if not lo <= value <= hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}], got {value}")
-    return value
+    index = operator.index(value)
+    if not lo <= index <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {index}")
+    return index
 
 
 def _env_int(name: str, default: int, lo: int, hi: int) -> int:
@@ -153,19 +159,19 @@ def _env_int(name: str, default: int, lo: int, hi: int) -> int:
 def _index(method: str, name: str, value: object) -> int:
     """One int index (a layer, slot or expert id); bools, floats and strings are a TypeError."""
     if type(value) is not int:
-        if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        if not _has_index(value):
             raise TypeError(
                 f"{method}: {name} must be an int, got {type(value).__name__} {value!r}"
             )
         try:
-            value = operator.index(value)  # type: ignore[call-overload]
+            value = operator.index(value)
         except TypeError:
             raise TypeError(
                 f"{method}: {name} must be an int, got {type(value).__name__} {value!r}"
             ) from None
-    if not -_I64 <= value < _I64:  # type: ignore[operator]
+    if not -_I64 <= value < _I64:
         raise IndexError(f"{method}: {name} {value} out of range")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _indices(method: str, name: str, values: object) -> list[int]:
@@ -225,7 +231,7 @@ class ExpertStore:
         seed: int | None = None,
         copy_retries: int | None = None,
     ) -> None:
-        self._store: Any = None  # set last: a failed __init__ leaves nothing to close
+        self._store: _C.Store | None = None  # set last: a failed __init__ leaves nothing to close
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         backend = current_backend() if backend is None else backend
@@ -270,7 +276,7 @@ class ExpertStore:
         self._store = store
 
     def _view(self, capsule: object) -> torch.Tensor:
-        return torch.from_dlpack(capsule).view(self.dtype)
+        return from_dlpack(capsule).view(self.dtype)
 
     # --- lifetime -------------------------------------------------------------
     def close(self) -> None:
@@ -297,7 +303,7 @@ class ExpertStore:
         state = "closed" if self._store is None else f"{len(self.layers)} layers"
         return f"<psr.ExpertStore {self.backend} {_dtype_name(self.dtype)} {state}>"
 
-    def _live(self, method: str) -> Any:
+    def _live(self, method: str) -> _C.Store:
         store = self._store
         if store is None:
             raise StoreError(f"ExpertStore.{method}: the store is closed")
@@ -425,7 +431,14 @@ class ExpertStore:
                 f"gather: rows must be [R, 3] and count one element, got {list(rows.shape)} and "
                 f"{list(count.shape)}"
             )
-        store.gather(layer, rows.data_ptr(), count.data_ptr(), rows.shape[0], side, self._stream())
+        store.gather(
+            self._layer("gather", layer),
+            rows.data_ptr(),
+            count.data_ptr(),
+            rows.shape[0],
+            side,
+            self._stream(),
+        )
 
     def join(self, layer: int) -> None:
         """The current stream waits for `layer`'s side gathers (CPU: blocks until they are

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -46,6 +46,7 @@ from psr.models.hf import (
 from psr.models.quant_cache import QuantCache, resolve_root
 from psr.points import resolve_policy
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
+from psr.runtime.layer import weight_of
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import MoESpec, resolve_capacity
 from psr.store import ExpertStore, LayerSpec, current_backend
@@ -55,7 +56,7 @@ from psr.store import ExpertStore, LayerSpec, current_backend
 GROUP_SIZE = 128
 
 # The torch dtypes psr computes in (psr.vocab names them; aliases resolve to these).
-_TORCH_DTYPES = tuple(getattr(torch, name) for name in vocab.DTYPE_NAMES)
+_TORCH_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name) for name in vocab.DTYPE_NAMES)
 
 # One expert's matrices by expert id, for one MoE layer (a checkpoint's or a module's).
 ExpertReader = Callable[[int], list[torch.Tensor]]
@@ -69,11 +70,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, default: torch.dtype) -> torc
     if isinstance(dtype, torch.dtype) and dtype in _TORCH_DTYPES:
         return dtype
     if isinstance(dtype, str) and dtype.removeprefix("torch.") in vocab.DTYPE_ALIASES:
-        return getattr(torch, vocab.canonical_dtype(dtype))
+        resolved: torch.dtype = getattr(torch, vocab.canonical_dtype(dtype))
+        return resolved
     raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
 
 
-def _quantized(fmt: str | None) -> bool:
+def _quantized(fmt: str | None) -> TypeGuard[str]:
     return fmt in vocab.QUANT_FORMATS
 
 
@@ -118,9 +120,10 @@ def expert_row(
     if not _quantized(expert_format):
         return [p.to(store.dtype).contiguous() for p in parts]
     if len(parts) == 2:  # fused: gate_up [2F, H], down [H, F]
-        gate, up = parts[0].split(spec.ffn_size)
-        parts = [gate, up, parts[1]]
-    return [pk.quantize_expert(*parts, expert_format, group_size=group_size)]
+        (gate, up), down = torch.split(parts[0], spec.ffn_size), parts[1]
+    else:
+        gate, up, down = parts
+    return [pk.quantize_expert(gate, up, down, expert_format, group_size=group_size)]
 
 
 def _fill_store(
@@ -190,13 +193,13 @@ def offload(
     fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
     layers = decoder_layers(hf_model)
-    first = expert_parts(layers[moe_idx[0]].mlp.experts, 0)
+    first = expert_parts(layers[moe_idx[0]].get_submodule("mlp.experts"), 0)
     dtype = first[0].dtype
     if not dtype.is_floating_point:
         raise TypeError(f"expert weights must be floating point, got {dtype}")
-    device = layers[moe_idx[0]].mlp.gate.weight.device
+    device = weight_of(layers[moe_idx[0]].get_submodule("mlp.gate")).device
     store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries, fmt)
-    readers = [_module_reader(layers[d].mlp.experts) for d in moe_idx]
+    readers = [_module_reader(layers[d].get_submodule("mlp.experts")) for d in moe_idx]
     _fill_store(store, spec, readers, fmt, progress, shown_format=fmt)
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode)
     return OffloadedModel(hf_model, runtime, restorer=restore)
@@ -364,7 +367,7 @@ def _config_dtype(config: Any) -> torch.dtype:
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dt, str):
         dt = getattr(torch, vocab.DTYPE_ALIASES[dt]) if dt in vocab.DTYPE_ALIASES else None
-    return dt if dt in _TORCH_DTYPES else torch.float32
+    return dt if isinstance(dt, torch.dtype) and dt in _TORCH_DTYPES else torch.float32
 
 
 def _resolve_options(

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from psr.runtime import store_ops
 from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step
 from psr_kernels import cache_state as cs
@@ -57,6 +58,7 @@ class DeviceDecode(Step):
         self.pf_count = [st[i, hdr + cs.PF_N : hdr + cs.PF_N + 1] for i in range(L)]
         self.slot_table = [st[i, lo.slot_of : lo.slot_of + E] for i in range(L)]
         self.slabs = [store.slab(i) for i in range(L)]
+        self.store_key = store_ops.register(store)  # for the store's ops under torch.compile
         self.live = False  # the state holds the current sequence's caches
         self.pending: dict[int, torch.Tensor] = {}
         self._seen = torch.zeros(L, len(cs.COUNT_NAMES), dtype=torch.int64)
@@ -68,8 +70,6 @@ class DeviceDecode(Step):
         if x.shape[0] != 1:
             raise ValueError(f"decode steps take one token at a time, got {x.shape[0]}")
         i = layer.index
-        if i == 0:
-            rt.acct.stats.count_token()
         logits = self.logits(layer, x)
         n = self.n if i + 1 < len(rt.layers) else 0
         kw = {}
@@ -94,11 +94,12 @@ class DeviceDecode(Step):
             n=n,
             **kw,
         )
-        store = rt.store
-        store.join(i)
-        store.gather(i, self.miss_rows[i], self.miss_count[i], side=False)
+        store, key, slabs = rt.store, self.store_key, self.slabs
+        store_ops.join(store, key, slabs[i], i)
+        store_ops.gather(store, key, slabs[i], i, self.miss_rows[i], self.miss_count[i], False)
         if n:
-            store.gather(i + 1, self.pf_rows[i + 1], self.pf_count[i + 1], side=True)
+            rows, count = self.pf_rows[i + 1], self.pf_count[i + 1]
+            store_ops.gather(store, key, slabs[i + 1], i + 1, rows, count, True)
         self.pending[i] = ids
         return self.out(logits, w, ids)
 

@@ -41,7 +41,7 @@ from psr.runtime.compute import ExpertCompute
 from psr.runtime.device_decode import DeviceDecode
 from psr.runtime.guard import SequenceGuard
 from psr.runtime.host_decode import HostDecode, VerifyBlock
-from psr.runtime.layer import MoELayer, norm_eps
+from psr.runtime.layer import MoELayer, norm_eps, weight_of
 from psr.runtime.prefill import PrefillStep
 from psr.runtime.slots import SlotMap
 from psr.runtime.spec import MoESpec, resolve_capacity
@@ -105,7 +105,7 @@ class OffloadRuntime:
                 d,
                 i,
                 router,
-                norm.weight,
+                weight_of(norm),
                 norm_eps(norm),
                 LogicalCache(capacity, spec.num_experts),
                 SlotMap([]),
@@ -279,8 +279,11 @@ class OffloadRuntime:
         step. Returns its name."""
         self.guard.enter(kv, self.begin_sequence)
         self._step = self._choose_step()
-        if self._step is self._device and self._call_t0 is None:
-            self._call_t0 = time.perf_counter()
+        if self._step is self._device:
+            # Counted here, outside the forward: a compiled decode step has no host state.
+            self.acct.stats.count_token()
+            if self._call_t0 is None:
+                self._call_t0 = time.perf_counter()
         return self._step.name
 
     def exit_forward(self, output: Any, seconds: float, tokens: int) -> None:

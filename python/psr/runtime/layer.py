@@ -40,6 +40,15 @@ class MoELayer:
         return self.residual
 
 
+def weight_of(module: nn.Module) -> torch.Tensor:
+    """`module.weight` (a router's, a norm's) as the tensor it is: nn.Module's attribute
+    lookup is typed `Tensor | Module`."""
+    w = module.weight
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}.weight is a {type(w).__name__}, not a tensor")
+    return w
+
+
 def norm_eps(norm: nn.Module) -> float:
     for name in ("variance_epsilon", "eps"):
         if hasattr(norm, name):

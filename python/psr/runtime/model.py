@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
-from typing import Any
+from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
@@ -22,6 +22,16 @@ from psr.runtime.engine import OffloadRuntime
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 from psr.store import StoreError
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+@runtime_checkable
+class _SavesPretrained(Protocol):
+    """A transformers model's saving method (what `OffloadedModel.save_pretrained` calls)."""
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], **kwargs: Any) -> None: ...
 
 
 def _check_count(name: str, value: Any) -> int:
@@ -107,7 +117,10 @@ class OffloadedModel(nn.Module):
         experts under their original names. The experts are read from the host store with
         no copy of it; transformers makes one shard at a time contiguous while writing."""
         with self.runtime.lock:
-            self.hf.save_pretrained(save_directory, **kwargs)
+            hf = self.hf
+            if not isinstance(hf, _SavesPretrained):
+                raise TypeError(f"save_pretrained: {type(hf).__name__} is not a transformers model")
+            hf.save_pretrained(save_directory, **kwargs)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(save_directory)
 
@@ -178,7 +191,7 @@ class OffloadedModel(nn.Module):
                 f"context of {limit} tokens"
             )
 
-    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _call(self, fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> _R:
         """A decoding call: afterwards the device step's counts are read and router inputs
         that were not finite raise (`OffloadRuntime.end_call`)."""
         try:
@@ -194,7 +207,8 @@ class OffloadedModel(nn.Module):
         """Logits `[1, T, V]` of one prefill over `input_ids` (exact routing: all prefill)."""
         with self.runtime.lock:
             self._check_open()
-            return self.hf(input_ids=self._ids(input_ids), use_cache=False).logits
+            logits: torch.Tensor = self.hf(input_ids=self._ids(input_ids), use_cache=False).logits
+            return logits
 
     @torch.no_grad()
     def decode_logits(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -232,7 +246,8 @@ class OffloadedModel(nn.Module):
                 self.runtime.set_block_mode(self.block_k)
             self.runtime.begin_scoring(prompt_len, ids.shape[1], block)
             try:
-                return self.hf(input_ids=ids, use_cache=False).logits
+                logits: torch.Tensor = self.hf(input_ids=ids, use_cache=False).logits
+                return logits
             finally:
                 self.runtime.end_scoring()
                 if blocks:
@@ -243,6 +258,8 @@ class OffloadedModel(nn.Module):
         of `block_k` experts per layer and verify block; None switches it off."""
         with self.runtime.lock:
             if drafter is not None:
+                if block_k is None:
+                    raise ValueError("set_speculative: a drafter needs block_k (an int)")
                 self.runtime.set_block_mode(block_k)  # validates block_k
                 self.runtime.set_block_mode(None)
             self.drafter, self.block_k = drafter, (block_k if drafter is not None else None)
@@ -257,6 +274,8 @@ class OffloadedModel(nn.Module):
         if len(settings.eos_token_ids) > 1:
             raise ValueError("speculative decoding takes one eos_token_id")
         eos = settings.eos_token_ids[0] if settings.eos_token_ids else None
+        block_k = self.block_k
+        assert block_k is not None  # set_speculative pairs a drafter with its block_k
         rec = self.runtime.recorder
         out, st = generate_speculative(
             self.hf,
@@ -264,7 +283,7 @@ class OffloadedModel(nn.Module):
             self.drafter,
             ids,
             settings.max_new_tokens,
-            self.block_k,
+            block_k,
             eos_token_id=eos,
             on_block=None if rec is None else lambda _n, emitted: rec.trace.emitted.append(emitted),
         )
@@ -336,7 +355,7 @@ class OffloadedModel(nn.Module):
         with self.runtime.lock:
             self._check_open()
             if self.drafter is not None:
-                return self._generate_speculative(ids, settings, streamer)
+                return self._call(self._generate_speculative, ids, settings, streamer)
             return self._call(
                 gen.generate,
                 self.hf,

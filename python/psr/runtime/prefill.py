@@ -36,11 +36,12 @@ class PrefillPlan:
 def _stage_slot(slots: SlotMap, keep: set[int], here: dict[int, int]) -> int:
     """A slot to load a prefill expert into: empty, else not holding a `keep` expert
     (a duplicate copy of one counts as free), else any."""
-    for pred in (
+    preds: tuple[Callable[[int, int], bool], ...] = (
         lambda s, e: e < 0,
         lambda s, e: e not in keep or here.get(e) != s,
         lambda s, e: True,
-    ):
+    )
+    for pred in preds:
         for s in range(slots.capacity):
             if pred(s, slots.slot_expert[s]):
                 return s

@@ -80,7 +80,8 @@ def crop_to(kv: Any, length: int) -> None:
 
 def _last_hidden(out: Any) -> torch.Tensor:
     hs = out["hidden_states"]
-    return hs[-1][0]  # [T, d], after the final norm (what the LM head reads)
+    last: torch.Tensor = hs[-1][0]  # [T, d], after the final norm (what the LM head reads)
+    return last
 
 
 @torch.no_grad()

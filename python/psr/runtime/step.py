@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from psr.runtime.layer import MoELayer, weight_of
+
 if TYPE_CHECKING:
     from psr.runtime.engine import OffloadRuntime
-    from psr.runtime.layer import MoELayer
 
 Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logits, weights, ids)
 
@@ -37,7 +38,7 @@ class Step:
     # --- shared by the modes -------------------------------------------------------
     def logits(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         """The router's logits, computed as the model computes them."""
-        w = layer.router.weight
+        w = weight_of(layer.router)
         if self.rt.spec.logits_fp32:
             return F.linear(x.float(), w.float())
         return F.linear(x, w)

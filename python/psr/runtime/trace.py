@@ -30,6 +30,46 @@ class LayerStep:
     copies: list[Copy] = field(default_factory=list)
 
 
+# What the host does for one decode step (psr.eval.host_path measures it on a real decode;
+# psr.eval.latency replays it on a host thread). Kinds of HostOp, in the order issued:
+HOST_OP_KINDS = (
+    "launch",  # a kernel launched on the compute stream (aten op, Triton kernel)
+    "sync",  # the host reads device data: waits for everything issued to the compute stream
+    "h2d",  # a tensor built from host data: a synchronous copy behind the compute stream
+    "copy",  # a store call issuing this step's host-chosen copies on the copy stream
+    "wait",  # the store's acquire: the compute stream waits for this layer's copies
+    "release",  # the store's release: read events recorded (host cost only)
+    "gather",  # a store call launching a device-indexed copy ("compute" or "side" stream)
+    "join",  # the compute stream waits for the side stream's gathers into this layer
+)
+
+
+@dataclass
+class HostOp:
+    kind: str  # one of HOST_OP_KINDS
+    what: str = ""  # what it serves: an aten op or kernel name, "miss", "prefetch", ...
+    stream: str = "compute"  # gathers: "compute" or "side"
+
+
+@dataclass
+class HostSchedule:
+    """The host's work per decode token, as the decode path issues it (measured, not
+    guessed: psr.eval.host_path.HostProbe.schedule)."""
+
+    mode: str  # the decode step that ran: "host" | "device" (issue 20: "graph")
+    moe_layer: list[HostOp] = field(default_factory=list)  # a MoE layer that predicts
+    last_moe_layer: list[HostOp] = field(default_factory=list)  # one that does not
+    dense_launches: float = 0.0  # eager launches per decoder layer outside the MoE path
+    token: list[HostOp] = field(default_factory=list)  # per token outside the layers
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HostSchedule:
+        ops = {
+            k: [HostOp(**o) for o in d.get(k, [])] for k in ("moe_layer", "last_moe_layer", "token")
+        }
+        return cls(d["mode"], dense_launches=float(d.get("dense_launches", 0.0)), **ops)
+
+
 @dataclass
 class Trace:
     num_decoder_layers: int
@@ -42,6 +82,9 @@ class Trace:
     emitted: list[int] = field(default_factory=list)
     # Bytes of a copied expert over the same expert in bf16 (quantized formats < 1).
     bytes_ratio: float = 1.0
+    # The host's work per decode token (None: not measured; the latency model is then
+    # host-free).
+    host: HostSchedule | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -61,6 +104,7 @@ class Trace:
             toks,
             list(d.get("emitted", [])),
             float(d.get("bytes_ratio", 1.0)),
+            HostSchedule.from_json(d["host"]) if d.get("host") else None,
         )
 
     def save(self, path: str | Path) -> None:

@@ -101,9 +101,9 @@ class ScoringWindow(Step):
             idss.append(ids)
         residual = L.need_residual()
         if sc.block > 1:
-            preds = [self.blocks.predict_block(L, residual[t0:t1]) for t0, t1 in steps]
-            if preds and preds[0] is not None:
-                entry = (L.index, rt.policy.n, [p or [] for p in preds])
+            block_preds = [self.blocks.predict_block(L, residual[t0:t1]) for t0, t1 in steps]
+            if block_preds and block_preds[0] is not None:
+                entry = (L.index, rt.policy.n, [p or [] for p in block_preds])
                 sc.queued.setdefault(L.index + 1, []).append(entry)
         else:
             for target, n, pred in rt.steering.predictions(L, residual[P:]):

@@ -1,0 +1,85 @@
+"""The store's device-indexed copies as torch custom ops, so that torch.compile traces a
+decode step whole (no graph break at the C++ store) and orders the copies right.
+
+`psr_store::gather(slab, rows, count, store, layer, side)` and `psr_store::join(slab, store,
+layer)` call `ExpertStore.gather` / `join` on the store registered under the integer
+`store` (an opaque C++ object cannot be an op argument). Both declare that they write the
+layer's `slab`, and gather reads its copy list: the compiler keeps a gather after the kernel
+that wrote the list, the join of a layer before the kernels that read its slots, and every
+slab write in program order. Eager decoding calls the store directly (`gather`, `join`
+below pick the op only while compiling), so it pays no custom-op dispatch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from psr.store import ExpertStore
+
+_STORES: weakref.WeakValueDictionary[int, ExpertStore] = weakref.WeakValueDictionary()
+_ids = itertools.count(1)
+
+
+def register(store: ExpertStore) -> int:
+    """An id under which the ops find `store` (held weakly)."""
+    key = next(_ids)
+    _STORES[key] = store
+    return key
+
+
+def _store(key: int) -> ExpertStore:
+    store = _STORES.get(key)
+    if store is None:
+        raise RuntimeError(f"psr_store: no live store registered as {key}")
+    return store
+
+
+@torch.library.custom_op("psr_store::gather", mutates_args=("slab",))
+def _gather(
+    slab: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, store: int, layer: int, side: bool
+) -> None:
+    _store(store).gather(layer, rows, count, side=side)
+
+
+@_gather.register_fake
+def _(
+    slab: torch.Tensor, rows: torch.Tensor, count: torch.Tensor, store: int, layer: int, side: bool
+) -> None:
+    return None
+
+
+@torch.library.custom_op("psr_store::join", mutates_args=("slab",))
+def _join(slab: torch.Tensor, store: int, layer: int) -> None:
+    _store(store).join(layer)
+
+
+@_join.register_fake
+def _(slab: torch.Tensor, store: int, layer: int) -> None:
+    return None
+
+
+def gather(
+    store: ExpertStore,
+    key: int,
+    slab: torch.Tensor,
+    layer: int,
+    rows: torch.Tensor,
+    count: torch.Tensor,
+    side: bool,
+) -> None:
+    """`store.gather(...)`, as the custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        torch.ops.psr_store.gather(slab, rows, count, key, layer, side)
+    else:
+        store.gather(layer, rows, count, side=side)
+
+
+def join(store: ExpertStore, key: int, slab: torch.Tensor, layer: int) -> None:
+    """`store.join(layer)`, as the custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        torch.ops.psr_store.join(slab, key, layer)
+    else:
+        store.join(layer)
