@@ -66,3 +66,10 @@ def decode_mode(decode: str) -> str:
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}; got {decode!r}")
     return decode
+
+
+def graphs_choice(graphs: object) -> bool | str:
+    """`graphs` if it is True, False or "auto", else a ValueError."""
+    if isinstance(graphs, bool) or graphs == "auto":
+        return "auto" if graphs == "auto" else bool(graphs)
+    raise ValueError(f"graphs must be True, False or 'auto'; got {graphs!r}")

@@ -123,10 +123,10 @@ def test_a_copy_failure_mid_stream_ends_only_that_stream(served, model, referenc
 
 
 def test_random_copy_delays_give_bit_identical_streams(reference, monkeypatch) -> None:
-    monkeypatch.setenv("PSR_COPY_DELAY_US", "300")
+    monkeypatch.setenv("PSR_COPY_DELAY_US", "3000")  # longer than a layer: joins wait
     monkeypatch.setenv("PSR_COPY_DELAY_SEED", "11")
     delayed = _load()
-    assert os.environ["PSR_COPY_DELAY_US"] == "300"
+    assert os.environ["PSR_COPY_DELAY_US"] == "3000"
     s = InProcessServer(lambda: delayed)
     try:
         for p in PROMPTS:

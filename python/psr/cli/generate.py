@@ -25,7 +25,7 @@ from psr.cli.args import (
     token_ids,
     writable_file,
 )
-from psr.vocab import COMPUTE_CHOICES, EXPERT_FORMATS
+from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS
 
 # Files whose presence makes psr.models.load load a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -140,6 +140,20 @@ def add_placement_options(g: argparse.ArgumentParser) -> None:
         help="kernels: Triton, torch references, or auto (Triton on CUDA)",
     )
     g.add_argument(
+        "--decode",
+        choices=DECODE_MODES,
+        default="device",
+        help="decode steps on device-resident caches with no host read (device), or "
+        "host-driven (host)",
+    )
+    g.add_argument(
+        "--graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="decode each token as one captured graph over a static KV cache (default: on "
+        "for CUDA, off elsewhere; on the CPU it compiles with torch.compile)",
+    )
+    g.add_argument(
         "--expert-format",
         choices=EXPERT_FORMATS,
         default="native",
@@ -196,6 +210,8 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
         "dtype": args.dtype,
         "compute": args.compute,
+        "decode": args.decode,
+        "graphs": "auto" if args.graphs is None else args.graphs,
         "expert_format": args.expert_format,
         "quant_cache": args.quant_cache,
         "speculative": args.speculative,
@@ -254,7 +270,7 @@ def run_generate(args: argparse.Namespace) -> int:
         f"policy {model.policy.describe()} ({model.policy_source}), "
         f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
         f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
-        f"experts {args.expert_format}"
+        f"experts {args.expert_format}, decode {args.decode}, graphs {model.graph_status}"
     )
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:

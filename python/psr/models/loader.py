@@ -167,6 +167,7 @@ def offload(
     copy_retries: int | None = None,
     expert_format: str | None = None,
     decode: str = "device",
+    graphs: bool | str = "auto",
     progress: bool = True,
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
@@ -190,6 +191,7 @@ def offload(
     C = resolve_capacity(spec, pol, residency, slots)
     vocab.compute_choice(compute)
     vocab.decode_mode(decode)
+    vocab.graphs_choice(graphs)
     fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
     layers = decoder_layers(hf_model)
@@ -202,7 +204,9 @@ def offload(
     readers = [_module_reader(layers[d].get_submodule("mlp.experts")) for d in moe_idx]
     _fill_store(store, spec, readers, fmt, progress, shown_format=fmt)
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode)
-    return OffloadedModel(hf_model, runtime, restorer=restore)
+    om = OffloadedModel(hf_model, runtime, restorer=restore)
+    om.graphs = graphs
+    return om
 
 
 @torch.no_grad()
@@ -523,6 +527,7 @@ def load(
     copy_retries: int | None = None,
     expert_format: str | None = None,
     decode: str = "device",
+    graphs: bool | str = "auto",
     speculative: str | None = None,
     block: int = 4,
     block_k: int | None = None,
@@ -544,6 +549,10 @@ def load(
             host read, wherever the policy allows (not cache-prior-async, steering
             variants or trace recording); 'host': the host-driven step throughout (the
             store's copies, with their retries). Both give the same tokens and counts.
+        graphs: 'auto' (default: on for CUDA, off elsewhere), True or False: `generate`
+            decodes each token as one replay of a captured forward over a static KV
+            cache (CUDA: a CUDA graph; CPU: torch.compile fullgraph), where the device
+            decode step runs; `model.graph_status` says whether it did, and why not.
         copy_retries: re-issues of a failed expert copy before CopyError (default 2,
             or $PSR_COPY_RETRIES).
         expert_format: how the host store keeps experts and copies move them: None or
@@ -565,6 +574,7 @@ def load(
             budget or a tighter one (the embedded model ships points for 0.01); without
             it, such a policy without lam / n still takes the tuned point when one exists.
     """
+    vocab.graphs_choice(graphs)
     _check_checkpoint_config(path)
     ckpt = Checkpoint(path)
     try:
@@ -597,6 +607,7 @@ def load(
     _check_all_loaded(model)
     om = OffloadedModel(model, runtime, _tokenizer(path), str(path), restorer=restore)
     om.policy_source = opts.policy_source
+    om.graphs = graphs
     if drafter is not None:
         om.set_speculative(drafter, block_k if block_k is not None else min(2 * spec.top_k, C))
     return om

@@ -248,6 +248,16 @@ class OffloadRuntime:
         self.acct.begin_sequence()
 
     @property
+    def device_step(self) -> DeviceDecode:
+        """The sync-free decode step (replaced when the runtime is reconfigured)."""
+        return self._device
+
+    @property
+    def device_live(self) -> bool:
+        """Whether the device step holds the current sequence's caches."""
+        return self._device.live
+
+    @property
     def decoding(self) -> bool:
         return bool(self.layers) and all(L.seeded for L in self.layers)
 
@@ -273,11 +283,11 @@ class OffloadRuntime:
             self._device.begin()
         return self._device
 
-    def enter_forward(self, kv: Any) -> str:
+    def enter_forward(self, kv: Any, new: bool | None = None) -> str:
         """Before a model forward (under `lock`), with its KV cache: begins a sequence or
-        checks that this forward continues the current one (guard.py), then picks the
-        step. Returns its name."""
-        self.guard.enter(kv, self.begin_sequence)
+        checks that this forward continues the current one (guard.py; `new` says which
+        when the caller knows), then picks the step. Returns its name."""
+        self.guard.enter(kv, self.begin_sequence, new)
         self._step = self._choose_step()
         if self._step is self._device:
             # Counted here, outside the forward: a compiled decode step has no host state.

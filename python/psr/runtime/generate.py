@@ -195,6 +195,19 @@ def decode_logits(hf: nn.Module, ids: torch.Tensor, prompt_len: int) -> torch.Te
     return torch.cat(logits, dim=1)
 
 
+def next_token(
+    logits: torch.Tensor, ids: torch.Tensor, warp: Any, gen: torch.Generator
+) -> torch.Tensor:
+    """The next token `[1, 1]` from the last position's logits `[V]`, on their device: the
+    arg-max, or (`warp`: transformers' warpers) a draw from the warped softmax with `gen`
+    (a generator on the logits' device)."""
+    logits = logits.float()
+    if warp is None:
+        return logits.argmax().view(1, 1)
+    scores = warp(ids, logits[None])
+    return torch.multinomial(torch.softmax(scores, -1), 1, generator=gen).view(1, 1)
+
+
 @torch.no_grad()
 def generate(
     hf: nn.Module,
@@ -204,38 +217,49 @@ def generate(
     seed: int = 0,
     streamer: Any = None,
     progress: bool = False,
+    graph: Any = None,
 ) -> torch.Tensor:
     """Greedy or sampled decoding of `ids [1, T]`; returns `[1, T + new]`.
 
-    Sampling: transformers' warpers on the float32 logits, then a draw from their softmax
-    on the CPU (whatever the model's device) with a generator seeded by `seed`: the draws
-    transformers' own `generate` makes on a CPU model after `torch.manual_seed(seed)`.
-    `streamer` (transformers' protocol) gets the prompt, then each new token, then end()."""
+    The token is chosen on the model's device (`next_token`): greedy arg-max, or
+    transformers' warpers on the float32 logits and a draw from their softmax with a
+    generator on that device seeded by `seed` (on the CPU: the draws transformers' own
+    `generate` makes after `torch.manual_seed(seed)`; on CUDA the device's generator,
+    whose draws differ from the CPU's). The host reads each new token once (end of
+    sequence, streaming). `graph` (a psr.runtime.graphs.DecodeGraph): decode tokens are
+    replays of one captured forward over its static cache; else the model's forward with
+    transformers' dynamic cache. `streamer` (transformers' protocol) gets the prompt, then
+    each new token, then end()."""
     s = settings
     eos = set(s.eos_token_ids)
     warp = warpers(s) if s.do_sample else None
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=ids.device).manual_seed(seed)
     if streamer is not None:
         streamer.put(ids.cpu())
     try:
         if s.max_new_tokens == 0:
             return ids
-        kv_name = cache_kwarg(hf)
-        out = hf(input_ids=ids, use_cache=True)
+        P = ids.shape[1]
+        if graph is not None:
+            logits = graph.prefill(ids)[0]
+        else:
+            kv_name = cache_kwarg(hf)
+            out = hf(input_ids=ids, use_cache=True)
+            logits = out.logits[0, -1]
         bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
         for i in bar:
-            logits = out.logits[0, -1].float()
-            if warp is not None:
-                scores = warp(ids.cpu(), logits[None].cpu())
-                nxt = torch.multinomial(torch.softmax(scores, -1), 1, generator=gen)[0, 0]
-            else:
-                nxt = logits.argmax()
-            ids = torch.cat([ids, nxt.view(1, 1).to(ids.device)], dim=1)
+            nxt = next_token(logits, ids, warp, gen)
+            ids = torch.cat([ids, nxt], dim=1)
+            token = int(nxt)  # the one host read per token: end of sequence, streaming
             if streamer is not None:
-                streamer.put(nxt.view(1).cpu())
-            if int(nxt) in eos or i == s.max_new_tokens - 1:
+                streamer.put(torch.tensor([token]))
+            if token in eos or i == s.max_new_tokens - 1:
                 break
-            out = hf(input_ids=ids[:, -1:], use_cache=True, **{kv_name: output_cache(out)})
+            if graph is not None:
+                logits = graph.step(nxt, P + i)[0]
+            else:
+                out = hf(input_ids=nxt, use_cache=True, **{kv_name: output_cache(out)})
+                logits = out.logits[0, -1]
         return ids
     finally:
         if streamer is not None:

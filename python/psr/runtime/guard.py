@@ -22,10 +22,13 @@ class SequenceGuard:
         self._owner: int | None = None
         self._kv_ref: Any = None
 
-    def enter(self, kv: Any, begin_sequence: Callable[[], None]) -> bool:
+    def enter(self, kv: Any, begin_sequence: Callable[[], None], new: bool | None = None) -> bool:
         """Called (under `lock`) before a forward with its KV cache; returns whether it
-        begins a new sequence (after calling `begin_sequence`)."""
-        if kv is None or (hasattr(kv, "get_seq_length") and kv.get_seq_length() == 0):
+        begins a new sequence (after calling `begin_sequence`). `new`: the caller knows
+        (a static cache is reused across sequences, so its length cannot tell)."""
+        if new is None:
+            new = kv is None or (hasattr(kv, "get_seq_length") and kv.get_seq_length() == 0)
+        if new:
             begin_sequence()
             self._owner = threading.get_ident()
             try:

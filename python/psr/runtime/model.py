@@ -19,6 +19,7 @@ from torch import nn
 from psr.policy import Policy, make_policy
 from psr.runtime import generate as gen
 from psr.runtime.engine import OffloadRuntime
+from psr.runtime.graphs import DecodeGraph, bucket, graphs_unavailable
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 from psr.store import StoreError
@@ -66,6 +67,11 @@ class OffloadedModel(nn.Module):
         self._restorer = restorer
         # Where the policy's lam / n came from: "arguments", "defaults" or a points file.
         self.policy_source = "arguments"
+        # Graphs: a decode token as one captured forward (runtime/graphs.py): True, False or
+        # "auto" (on for CUDA); `graph_status` says whether the last generate used them.
+        self.graphs: bool | str = "auto"
+        self.graph_status = "not used yet"
+        self._graph: DecodeGraph | None = None
         # Speculative decoding (set_speculative): the drafter and experts per verify block.
         self.drafter: Any = None
         self.block_k: int | None = None
@@ -294,6 +300,24 @@ class OffloadedModel(nn.Module):
             streamer.end()
         return out
 
+    def _decode_graph(self, length: int) -> DecodeGraph | None:
+        """The decode graph for a sequence of `length` tokens, or None (and why, in
+        `graph_status`) when decode tokens run eagerly."""
+        auto = self.graphs == "auto"
+        on = self.runtime.store.backend == "cuda" if auto else bool(self.graphs)
+        if not on:
+            self.graph_status = "off (graphs='auto': on for CUDA only)" if auto else "off"
+            return None
+        reason = graphs_unavailable(self.runtime)
+        if reason is not None:
+            self.graph_status = f"off: {reason}"
+            return None
+        size = bucket(length, getattr(self.config, "max_position_embeddings", None))
+        if self._graph is None or self._graph.max_len != size:
+            self._graph = DecodeGraph(self.hf, self.runtime, size)  # one static cache at a time
+        self.graph_status = f"on (static cache of {size} tokens)"
+        return self._graph
+
     @torch.no_grad()
     def generate(
         self,
@@ -356,12 +380,19 @@ class OffloadedModel(nn.Module):
             self._check_open()
             if self.drafter is not None:
                 return self._call(self._generate_speculative, ids, settings, streamer)
-            return self._call(
-                gen.generate,
-                self.hf,
-                ids,
-                settings,
-                seed=seed,
-                streamer=streamer,
-                progress=progress,
-            )
+            graph = self._decode_graph(ids.shape[1] + settings.max_new_tokens)
+            captures = 0 if graph is None else graph.captures
+            try:
+                return self._call(
+                    gen.generate,
+                    self.hf,
+                    ids,
+                    settings,
+                    seed=seed,
+                    streamer=streamer,
+                    progress=progress,
+                    graph=graph,
+                )
+            finally:
+                if graph is not None:
+                    self.runtime.acct.stats.totals["captures"] += graph.captures - captures

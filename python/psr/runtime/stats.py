@@ -38,6 +38,7 @@ class Stats(Mapping[str, float]):
             "prefill_copies": 0,
             "prefill_bytes": 0,
             "prefill_stall_s": 0.0,
+            "captures": 0,  # decode graphs captured (runtime/graphs.py)
         }
         self.per_token: list[dict[str, float]] = []
 
@@ -93,6 +94,7 @@ class Stats(Mapping[str, float]):
             ("stall time", f"{s['stall_s'] * 1e3:.1f} ms"),
             ("tokens / s", f"{s['tokens_per_s']:.1f}"),
             ("prefill copies", f"{s['prefill_copies']:.0f} ({s['prefill_bytes'] / 2**20:.1f} MiB)"),
+            ("decode graph captures", f"{s['captures']:.0f}"),
         ]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

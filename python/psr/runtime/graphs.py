@@ -1,0 +1,151 @@
+"""The whole decode token as one graph: a static KV cache and the decode forward captured
+once, replayed per token.
+
+The device decode step (device_decode.py) leaves nothing for the host to do inside a
+decode forward: no reads, copies chosen on the device, the side stream forked and joined
+with events. So the forward can be captured:
+  CUDA  a `torch.cuda.CUDAGraph` of the eager decode forward (transformers' layers, psr's
+        MoE steps with their gathers and side-stream prefetches, the logits), replayed
+        per token after its inputs (token id, cache position) are copied into place;
+  CPU   `torch.compile(fullgraph=True)` of the same forward (inductor): the same
+        property, proved where CI runs: it compiles only if nothing in the forward needs
+        the host.
+The first decode token of a sequence runs eagerly (it hands the caches over to the device
+step and warms up the kernels); every later one replays. A capture is kept per static
+cache length (`bucket`) and model state; a longer sequence, or a reconfigured runtime,
+captures again (`captures` counts them).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from psr.runtime.kv import cache_kwarg
+
+if TYPE_CHECKING:
+    from psr.runtime.engine import OffloadRuntime
+
+MIN_BUCKET = 64  # static caches come in powers of two from here (fewer captures)
+
+
+def bucket(length: int, limit: int | None) -> int:
+    """The static cache length for a sequence of `length` tokens: the next power of two
+    (at least MIN_BUCKET), capped at the model's context `limit`."""
+    n = MIN_BUCKET
+    while n < length:
+        n *= 2
+    return n if limit is None else max(length, min(n, limit))
+
+
+def graphs_unavailable(runtime: OffloadRuntime) -> str | None:
+    """Why a decode token cannot be one graph with this runtime now (None: it can)."""
+    if runtime.decode_mode != "device":
+        return "decode='host' (graphs need the device decode step)"
+    if runtime.policy.mask != "logical":
+        return f"{runtime.policy.name} reads copy timing (host-driven step)"
+    if not runtime.steering.spec_rule:
+        return "a steering variant beyond the spec (host-driven step)"
+    if runtime.recorder is not None:
+        return "a trace is being recorded (host-driven step)"
+    if runtime.block_k is not None:
+        return "speculative verify blocks (host-driven step)"
+    return None
+
+
+class DecodeGraph:
+    """A static KV cache of `max_len` tokens and the captured decode forward over it."""
+
+    def __init__(self, hf: nn.Module, runtime: OffloadRuntime, max_len: int) -> None:
+        from transformers import StaticCache
+
+        self.hf = hf
+        self.rt = runtime
+        self.max_len = max_len
+        self.device = next(hf.parameters()).device
+        config: Any = hf.config
+        self.cache = StaticCache(config=config, max_cache_len=max_len)
+        self._kv_name = cache_kwarg(hf)
+        self._forward = type(hf).forward  # the model's own, without psr's boundary wrapper
+        self.tok = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._replay: Callable[[], torch.Tensor] | None = None
+        self._owner: Any = None  # the device step the capture was made against
+        self.captures = 0
+
+    # --- the forward boundary ----------------------------------------------------------
+    def _run(self, fn: Callable[[], torch.Tensor], begins: bool, tokens: int) -> torch.Tensor:
+        """One forward under the runtime's boundary (sequence guard, step choice, counts)."""
+        rt = self.rt
+        rt.enter_forward(self.cache, new=begins)
+        t0 = time.perf_counter()
+        out = fn()
+        rt.exit_forward(None, time.perf_counter() - t0, tokens)
+        return out
+
+    def _eager(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        out = self._forward(
+            self.hf,
+            input_ids=ids,
+            cache_position=positions,
+            use_cache=True,
+            **{self._kv_name: self.cache},
+        )
+        logits: torch.Tensor = out.logits[:, -1]
+        return logits
+
+    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """A new sequence: the static cache cleared, the prompt's forward run eagerly.
+        Returns the last position's logits `[1, V]`."""
+        if ids.shape[1] > self.max_len:
+            raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the static cache")
+        self.cache.reset()
+        positions = torch.arange(ids.shape[1], device=self.device)
+        return self._run(lambda: self._eager(ids, positions), True, ids.shape[1])
+
+    def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
+        """One decode token (`token` `[1, 1]` on the device) at `position`: eager for the
+        sequence's first, a replay of the captured forward after. Returns logits `[1, V]`
+        (valid until the next step)."""
+        if position >= self.max_len:
+            raise ValueError(f"position {position} is past the static cache of {self.max_len}")
+        first = not self.rt.device_live
+        self.tok.copy_(token.view(1, 1))
+        self.pos.fill_(position)
+        if first or self._replay is None or self._owner is not self.rt.device_step:
+            if first:  # hands the caches over, warms the kernels up
+                return self._run(lambda: self._eager(self.tok, self.pos), False, 1)
+            self._capture()
+        replay = self._replay
+        assert replay is not None
+        return self._run(replay, False, 1)
+
+    # --- capture -----------------------------------------------------------------------
+    def _capture(self) -> None:
+        """Capture the decode forward over the static buffers (module docstring)."""
+        self.captures += 1
+        self._owner = self.rt.device_step
+        if self.device.type == "cuda":
+            self._replay = self._cuda_graph()
+        else:
+            compiled = torch.compile(
+                lambda: self._eager(self.tok, self.pos), fullgraph=True, dynamic=False
+            )
+            self._replay = compiled
+
+    def _cuda_graph(self) -> Callable[[], torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        # Capturing runs psr's Python once (its per-token host work is in the runtime's
+        # boundary, outside the graph) and launches nothing: the caches do not move.
+        with torch.cuda.graph(graph):
+            out = self._eager(self.tok, self.pos)
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay

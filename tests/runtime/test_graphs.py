@@ -1,0 +1,126 @@
+"""The whole decode token as one graph (psr.runtime.graphs), proved on the CPU: the decode
+forward over a static KV cache traces whole (no graph break) under every logical-cache
+policy and expert format, compiles with torch.compile(fullgraph=True) (inductor), and gives
+the eager tokens and counts; the host reads each new token once; graphs say when they are
+not used, and why."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model, write_checkpoint
+from torch.overrides import TorchFunctionMode
+
+import psr
+from psr.eval.host_path import READS
+from psr.runtime.graphs import DecodeGraph, bucket
+
+PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
+COUNTS = ("tokens", "routed", "hits", "misses", "prefetches", "prefetch_used", "copies")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("graphs") / "olmoe")
+
+
+def _load(path: Path, policy: str, **kw) -> psr.OffloadedModel:
+    return psr.load(path, policy, 0.5, progress=False, dtype="float32", **kw)
+
+
+POLICY_FORMATS = [
+    (policy, kw, fmt)
+    for policy, kw in [("exact", {}), ("cache-prior", {"lam": 0.5}), ("psr", {"lam": 0.5, "n": 2})]
+    for fmt in ("native", "int8")
+]
+
+
+@pytest.mark.parametrize(
+    ("policy", "kw", "fmt"), POLICY_FORMATS, ids=[f"{p}-{f}" for p, _, f in POLICY_FORMATS]
+)
+def test_the_decode_forward_traces_whole(ckpt, policy, kw, fmt) -> None:
+    """torch._dynamo.explain of a decode forward with the device step live: one graph, no
+    break (a host read, an untraceable call or Python state read from the device would
+    each break it)."""
+    model = _load(ckpt, policy, expert_format=fmt, **kw)
+    graph = DecodeGraph(model.hf, model.runtime, 32)
+    with torch.no_grad(), model.runtime.lock:
+        logits = graph.prefill(PROMPT)
+        nxt = logits.argmax(-1).view(1, 1)
+        logits = graph.step(nxt, PROMPT.shape[1])  # eager: hands the caches over
+        nxt = logits.argmax(-1).view(1, 1)
+        graph.tok.copy_(nxt)
+        graph.pos.fill_(PROMPT.shape[1] + 1)
+        explained = torch._dynamo.explain(lambda: graph._eager(graph.tok, graph.pos))()
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), [
+        b.reason for b in explained.break_reasons
+    ]
+
+
+@pytest.mark.slow
+def test_graphs_on_the_cpu_give_the_eager_tokens_and_counts(ckpt) -> None:
+    """graphs=True on the CPU: inductor compiles the decode forward (fullgraph) once per
+    static-cache length; greedy and seeded sampling give eager's tokens, and the counts
+    are eager's."""
+    kw = dict(lam=0.5, n=2)
+    eager, graphed = _load(ckpt, "psr", **kw), _load(ckpt, "psr", graphs=True, **kw)
+    for m in (eager, graphed):
+        m.greedy = m.generate(PROMPT, max_new_tokens=10)
+        m.sampled = m.generate(PROMPT, max_new_tokens=12, do_sample=True, top_k=20, seed=7)
+    assert eager.graph_status.startswith("off") and graphed.graph_status.startswith("on")
+    assert graphed.greedy.tolist() == eager.greedy.tolist()
+    assert graphed.sampled.tolist() == eager.sampled.tolist()
+    assert {k: graphed.stats[k] for k in COUNTS} == {k: eager.stats[k] for k in COUNTS}
+    assert graphed.stats["captures"] == 1 and eager.stats["captures"] == 0  # reused
+
+
+def _reads(model: psr.OffloadedModel, new: int) -> int:
+    """Host reads of tensor data during one generate call."""
+    n = 0
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            nonlocal n
+            n += getattr(func, "__name__", "") in READS
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        model.generate(PROMPT, max_new_tokens=new)
+    return n
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_the_host_reads_each_new_token_once(ckpt, sample) -> None:
+    """Every read beyond a call's fixed cost (prefill, the hand-over to the device step,
+    the counts at its end) is the loop's read of the new token: one per token."""
+    model = _load(ckpt, "psr", lam=0.5, n=2)
+    if sample:
+        model.generate = (  # type: ignore[method-assign]
+            lambda ids, max_new_tokens, g=model.generate: g(
+                ids, max_new_tokens=max_new_tokens, do_sample=True, seed=1
+            )
+        )
+    _reads(model, 2)  # so each measured call also retires a previous sequence
+    short, long = _reads(model, 4), _reads(model, 12)
+    assert long - short == 12 - 4
+
+
+def test_graphs_say_why_they_are_off(ckpt) -> None:
+    model = _load(ckpt, "psr", lam=0.5, n=2, graphs=True, decode="host")
+    model.generate(PROMPT, max_new_tokens=2)
+    assert model.graph_status == "off: decode='host' (graphs need the device decode step)"
+    model = _load(ckpt, "cache-prior-async", lam=0.5, n=2, graphs=True)
+    model.generate(PROMPT, max_new_tokens=2)
+    assert model.graph_status.startswith("off: cache-prior-async reads copy timing")
+    model = _load(ckpt, "psr", lam=0.5, n=2)  # auto: off on the CPU
+    model.generate(PROMPT, max_new_tokens=2)
+    assert model.graph_status == "off (graphs='auto': on for CUDA only)"
+    with pytest.raises(ValueError, match="graphs must be True, False or 'auto'; got 'yes'"):
+        _load(ckpt, "psr", graphs="yes")
+
+
+def test_static_cache_lengths_come_in_buckets() -> None:
+    assert [bucket(n, None) for n in (1, 64, 65, 200, 1000)] == [64, 64, 128, 256, 1024]
+    assert bucket(300, 256) == 300 and bucket(100, 4096) == 128  # the context caps, not cuts
