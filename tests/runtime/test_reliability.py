@@ -5,12 +5,12 @@ from __future__ import annotations
 import gc
 import json
 import math
-import os
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from procfs import copy_threads, rss_bytes
 from safetensors.torch import load_file, save_file
 from tiny_models import KV_KWARG, tiny_model, write_checkpoint
 
@@ -294,31 +294,13 @@ def test_offload_refuses_what_it_cannot_offload() -> None:
 # --------------------------------------------------------------------------- 7. resources
 
 
-def _threads() -> int:
-    """Live copy-worker threads (the CPU backend names them "psr-copy"): counting every
-    thread would also count torch's lazily started pool threads."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                n += f.read().strip() == "psr-copy"
-        except OSError:  # the thread ended while we listed
-            pass
-    return n
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def test_close_and_the_context_manager_free_the_store(ckpt) -> None:
     gc.collect()  # stores of models dropped by earlier tests
-    base = _threads()
+    base = copy_threads()
     with load(ckpt) as model:
-        assert _threads() == base + 1  # the copy worker
+        assert copy_threads() == base + 1  # the copy worker
         model.generate(PROMPT, 2)
-    assert model.closed and _threads() == base
+    assert model.closed and copy_threads() == base
     with pytest.raises(psr.StoreError, match="closed"):
         model.generate(PROMPT, 2)
     model.close()  # idempotent
@@ -329,33 +311,33 @@ def test_dropped_models_free_threads_and_memory_without_the_garbage_collector(ck
     model's store (host memory, slab, copy thread) alive."""
     load(ckpt).generate(PROMPT, 2)  # warm caches (tokenizer, transformers modules)
     gc.collect()
-    base_threads, base_rss = _threads(), _rss_mib()
+    base_threads, base_rss = copy_threads(), rss_bytes() / 2**20
     gc.disable()
     try:
         for _ in range(30):
             model = load(ckpt)
             model.generate(PROMPT, 2)
             del model
-            assert _threads() == base_threads
-        grown = _rss_mib() - base_rss
+            assert copy_threads() == base_threads
+        grown = rss_bytes() / 2**20 - base_rss
     finally:
         gc.enable()
-    print(f"threads {base_threads} -> {_threads()}, RSS +{grown:.1f} MiB over 30 cycles")
+    print(f"threads {base_threads} -> {copy_threads()}, RSS +{grown:.1f} MiB over 30 cycles")
     assert grown < 40, f"RSS grew {grown:.1f} MiB over 30 cycles"
 
 
 def test_offloaded_hf_model_frees_its_store_when_dropped() -> None:
-    base = _threads()
+    base = copy_threads()
     gc.disable()
     try:
         hf = tiny_model("olmoe")
         om = psr.offload(hf, progress=False)
         store = om.runtime.store
         del om  # the wrapper goes; the transformers model still uses the store
-        assert not store.closed and _threads() == base + 1
+        assert not store.closed and copy_threads() == base + 1
         hf.generate(torch.tensor([PROMPT]), max_new_tokens=2, do_sample=False)
         del hf, store
-        assert _threads() == base
+        assert copy_threads() == base
     finally:
         gc.enable()
 

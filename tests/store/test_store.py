@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procfs import copy_threads, rss_bytes
 
 import psr
 from psr import _C
@@ -484,25 +485,6 @@ def test_backend_choice_lives_in_the_store_module() -> None:
 # --- lifetime: close(), context manager, no cycles (task 3) -------------------------------
 
 
-def native_threads() -> int:
-    """Live copy-worker threads of this process (the CPU backend names them "psr-copy").
-
-    Counting every thread would also count torch's intra-op pool, which starts threads lazily."""
-    n = 0
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{tid}/comm") as f:
-                n += f.read().strip() == "psr-copy"
-        except OSError:  # the thread ended while we listed
-            pass
-    return n
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_close_is_idempotent_and_every_method_raises_after_it() -> None:
     store = make_store()
     store.enqueue_copies(0, [0], [1])
@@ -560,12 +542,12 @@ def test_native_store_raises_after_close_too() -> None:
 
 def test_context_manager_closes_and_joins_the_copy_thread() -> None:
     gc.collect()  # a store dropped by an earlier test must not end its thread mid-count
-    before = native_threads()
+    before = copy_threads()
     with make_store(copy_delay_us=2000, seed=0) as store:
-        assert native_threads() == before + 1  # the CPU backend's copy worker
+        assert copy_threads() == before + 1  # the CPU backend's copy worker
         store.enqueue_copies(0, [0, 1, 2, 3], [0, 1, 2, 3])  # still queued at close
         slab, host = store.slab(0), store.host(0)
-    assert store.closed and native_threads() == before
+    assert store.closed and copy_threads() == before
     # close() finished the queued copies before stopping the worker.
     assert torch.equal(slab, host[:4])
 
@@ -594,11 +576,11 @@ def test_wrapper_holds_no_reference_cycle() -> None:
             pass
         assert sys.getrefcount(store) == 2  # the local and getrefcount's argument
         assert gc.get_referrers(store) == []  # no container holds it
-        threads = native_threads()
+        threads = copy_threads()
         ref = weakref.ref(store)
         del store
         assert ref() is None, "the wrapper survived its last reference (a cycle)"
-        assert native_threads() == threads - 1, "the copy thread outlived the store"
+        assert copy_threads() == threads - 1, "the copy thread outlived the store"
     finally:
         gc.enable()
 
@@ -625,10 +607,10 @@ def test_create_use_drop_cycles_free_threads_and_memory_without_gc() -> None:
     gc.disable()
     try:
         cycle()  # warm-up: allocator pools, torch's lazy state
-        threads, rss = native_threads(), rss_bytes()
+        threads, rss = copy_threads(), rss_bytes()
         for _ in range(30):
             cycle()
-            assert native_threads() == threads
+            assert copy_threads() == threads
         growth = rss_bytes() - rss
     finally:
         gc.enable()
