@@ -1,6 +1,7 @@
 """Real decoding of an OLMoE-1B-7B-shaped model (random weights) on a GPU, per policy.
 
     python bench/gpu_decode.py --out bench/results/gpu [--tiny]
+    python bench/gpu_decode.py --out bench/results/gpu --modes host,device,graphs [--tiny]
 
 64 experts, top-8, 16 layers, hidden 2048, expert FFN 1024, bf16. The experts go to
 pinned host memory; a slab of 64 slots per layer is allocated once and the runs use 64
@@ -10,6 +11,11 @@ the latency model with a profile calibrated from this machine's measurements, st
 the model's error against the measured time, and the speedup vs exact measured vs
 modeled. `--tiny` runs a small shape (the CPU rehearsal of bench/gpu_bench.sh).
 DIR/decode.json is rewritten after every run, so a timeout keeps what was done.
+
+`--modes host,device,graphs` measures instead the same model decoding in psr's three
+decode modes (host-driven, sync-free eager, one CUDA graph per token): ms/token, CUDA API
+calls and kernels per token, host time, the host-free and host-aware latency models, the
+modes' agreement; DIR/modes.json and DIR/modes.md (bench/gpu_modes.py says how).
 """
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_modes
 
 import psr_kernels as pk
 from psr.eval.latency import calibrate, simulate
@@ -85,52 +94,31 @@ def build(tiny: bool, device: str):
     return model.eval(), cfg
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--out", default="bench/results/gpu")
-    ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--tokens", type=int, default=None, help="new tokens per run (48; tiny 8)")
-    ap.add_argument("--prompt", type=int, default=32)
-    args = ap.parse_args(argv)
-    args.tokens = args.tokens or (8 if args.tiny else 48)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    model, cfg = build(args.tiny, device)
-    E, k = cfg.num_experts, cfg.num_experts_per_tok
-    compute, kernel_error = "auto", None
-    if device == "cuda":  # Triton needs a working toolchain here (its launcher is compiled)
-        try:
-            xs = torch.randn(1, 64, device=device)
-            pk.expert_ffn(
-                xs,
-                torch.randn(2, 3 * 64 * 16, device=device),
-                torch.zeros(1, 1, dtype=torch.long, device=device),
-                torch.ones(1, 1, device=device),
-                64,
-                16,
-            )
-        except Exception as e:
-            compute, kernel_error = "torch", f"{type(e).__name__}: {e}"[-2000:]
-            print(
-                f"the Triton kernel failed ({kernel_error[:200]}); decoding with torch", flush=True
-            )
-    om = offload(model, "exact", slots=E, compute=compute, progress=True)  # all E slots
-    print(
-        f"built and offloaded in {time.time() - t0:.0f} s; backend "
-        f"{om.runtime.store.backend}, compute {om.runtime.ops.path}",
-        flush=True,
-    )
-    prompt = torch.randint(
-        0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1)
-    )
+def triton_check(device: str) -> tuple[str, str | None]:
+    """The compute path: "auto" (Triton on CUDA), or "torch" with the reason when Triton
+    cannot launch here (its launcher is compiled: it needs a working toolchain)."""
+    if device != "cuda":
+        return "auto", None
+    try:
+        xs = torch.randn(1, 64, device=device)
+        pk.expert_ffn(
+            xs,
+            torch.randn(2, 3 * 64 * 16, device=device),
+            torch.zeros(1, 1, dtype=torch.long, device=device),
+            torch.ones(1, 1, device=device),
+            64,
+            16,
+        )
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"[-2000:]
+        print(f"the Triton kernel failed ({error[:200]}); decoding with torch", flush=True)
+        return "torch", error
+    return "auto", None
 
-    # Calibration: copy bandwidth, one expert's GEMV, dense time per layer (all resident).
-    copy = run_copy_overlap(
-        (3, cfg.hidden_size, cfg.intermediate_size), 8, 4, 5, backend=om.runtime.store.backend
-    )
-    H, F = cfg.hidden_size, cfg.intermediate_size
+
+def time_expert(om, cfg, device: str, compute: str) -> float:
+    """ms of one routed expert: the expert FFN over k slots of the slab (all resident)."""
+    H, F, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok
     slab = om.runtime.store.slab(0)
     x = torch.randn(1, H, device=device, dtype=slab.dtype)
     slots = torch.arange(k, device=device)[None]
@@ -145,7 +133,59 @@ def main(argv: list[str] | None = None) -> int:
         ffn(x, slab, slots, wts, H, F, check_slots=False)
     if device == "cuda":
         torch.cuda.synchronize()
-    expert_ms = (time.perf_counter() - t) / 20 / k * 1e3
+    return (time.perf_counter() - t) / 20 / k * 1e3
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default="bench/results/gpu")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument(
+        "--tokens", type=int, default=None, help="new tokens per run (48, --modes 32; tiny 8)"
+    )
+    ap.add_argument("--prompt", type=int, default=32)
+    gpu_modes.parser(ap)
+    args = ap.parse_args(argv)
+    args.tokens = args.tokens or (8 if args.tiny else 32 if args.modes else 48)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model, cfg = build(args.tiny, device)
+    E = cfg.num_experts
+    compute, kernel_error = triton_check(device)
+    om = offload(model, "exact", slots=E, compute=compute, progress=True)  # all E slots
+    print(
+        f"built and offloaded in {time.time() - t0:.0f} s; backend "
+        f"{om.runtime.store.backend}, compute {om.runtime.ops.path}",
+        flush=True,
+    )
+    meta = {
+        "shape": "tiny" if args.tiny else "OLMoE-1B-7B",
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+        "backend": om.runtime.store.backend,
+        "compute": om.runtime.ops.path,
+        "kernel_error": kernel_error,
+        "versions": {"torch": torch.__version__, "transformers": transformers_version()},
+    }
+    expert_ms = time_expert(om, cfg, device, compute)
+    if args.modes:
+        return gpu_modes.run(om, cfg, args, out, meta, expert_ms)
+    return four_policies(om, cfg, args, out, meta, expert_ms, t0)
+
+
+def four_policies(om, cfg, args, out: Path, meta: dict, expert_ms: float, t0: float) -> int:
+    """The four standard policies at 50% and 25% on the host-driven path (the default run):
+    measured vs the latency model calibrated from this machine (module docstring)."""
+    E, k = cfg.num_experts, cfg.num_experts_per_tok
+    prompt = torch.randint(
+        0, cfg.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(1)
+    )
+    # Calibration: copy bandwidth (expert_ms: one expert's GEMV), dense time per layer.
+    copy = run_copy_overlap(
+        (3, cfg.hidden_size, cfg.intermediate_size), 8, 4, 5, backend=om.runtime.store.backend
+    )
 
     def run(policy: Policy, slots_per_layer: int) -> dict:
         om.configure(policy, slots=slots_per_layer)
@@ -176,13 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     profile.save(out / "decode_profile.json")
     result = {
         "status": "running",
-        "shape": "tiny" if args.tiny else "OLMoE-1B-7B",
-        "device": device,
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
-        "backend": om.runtime.store.backend,
-        "compute": om.runtime.ops.path,
-        "kernel_error": kernel_error,
-        "versions": {"torch": torch.__version__, "transformers": transformers_version()},
+        **meta,
         "tokens": args.tokens,
         "prompt_tokens": args.prompt,
         "copy": copy.as_dict(),

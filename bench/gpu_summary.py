@@ -1,6 +1,6 @@
 """summary.md of a bench/gpu_bench.sh run: each stage's status and seconds, the checks with
-PASS/FAIL, and the key tables (per expert format too). Standard library only (runs after
-every stage, and whatever else failed).
+PASS/FAIL, and the key tables (per expert format too; gather vs DMA; the decode modes).
+Standard library only (runs after every stage, and whatever else failed).
 
     python bench/gpu_summary.py --out OUT [--quiet]
 """
@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-# (name, goal text, file, how to read the value, threshold, direction)
+# (name, goal text, file, how to read the value, threshold, direction, shown as)
 GOALS = (
-    ("copy engine vs pinned peak", ">= 0.90", "copy.json", "engine_vs_peak", 0.90, "min"),
-    ("copy/compute overlap", ">= 0.90", "copy.json", "overlap_efficiency", 0.90, "min"),
+    ("copy engine vs pinned peak", ">= 0.90", "copy.json", "engine_vs_peak", 0.90, "min", "x"),
+    ("copy/compute overlap", ">= 0.90", "copy.json", "overlap_efficiency", 0.90, "min", "x"),
     (
         "latency model error (trace replay, max |modeled/measured - 1|)",
         "<= 10%",
@@ -23,6 +23,7 @@ GOALS = (
         "checks.max_abs_model_error",
         0.10,
         "max",
+        "pct",
     ),
     (
         "psr-vs-exact speedup, measured vs modeled (max |error|)",
@@ -31,6 +32,7 @@ GOALS = (
         "checks.max_abs_psr_speedup_error",
         0.10,
         "max",
+        "pct",
     ),
     (
         "int8 copy time / bf16 copy time vs the modeled bytes ratio (|time ratio / bytes ratio"
@@ -40,6 +42,44 @@ GOALS = (
         "formats.int8.abs_ratio_error",
         0.10,
         "max",
+        "pct",
+    ),
+    # Issue 20's goals, from the decode modes (bench/gpu_modes.py): graphs rows only.
+    (
+        "graphs: measured / host-free modeled ms/token (max over policies and residencies)",
+        "<= 1.25",
+        "modes.json",
+        "checks.graphs_vs_host_free_max",
+        1.25,
+        "max",
+        "x",
+    ),
+    (
+        "graphs: psr-vs-exact speedup / modeled host-free speedup (min over residencies)",
+        ">= 0.90",
+        "modes.json",
+        "checks.psr_speedup_fraction_min",
+        0.90,
+        "min",
+        "x",
+    ),
+    (
+        "graphs: host time / ms per token (max)",
+        "<= 10%",
+        "modes.json",
+        "checks.graphs_host_share_max",
+        0.10,
+        "max",
+        "pct",
+    ),
+    (
+        "decode modes agree: configurations whose tokens or hit/miss/prefetch counts differ",
+        "0",
+        "modes.json",
+        "checks.mode_mismatches",
+        0,
+        "max",
+        "count",
     ),
 )
 
@@ -83,15 +123,17 @@ def stages(out: Path) -> list[dict]:
     return rows
 
 
-def fmt(v, pct: bool) -> str:
+def fmt(v, shown: str) -> str:
     if v is None:
         return "-"
-    return f"{v:.1%}" if pct else f"{v:.3f}"
+    if shown == "count":
+        return f"{v:.0f}"
+    return f"{v:.1%}" if shown == "pct" else f"{v:.3f}"
 
 
 def checks(out: Path) -> list[dict]:
     res = []
-    for name, goal, file, path, thr, how in GOALS:
+    for name, goal, file, path, thr, how, shown in GOALS:
         d = load(out, file)
         v = dig(d, path) if d is not None else None
         if isinstance(v, (int, float)) and v == v:  # not NaN
@@ -104,7 +146,7 @@ def checks(out: Path) -> list[dict]:
                 "check": name,
                 "goal": goal,
                 "value": v,
-                "shown": fmt(v, how == "max"),
+                "shown": fmt(v, shown),
                 "verdict": verdict,
                 "source": f"{file}: {path}",
             }
@@ -162,6 +204,56 @@ def format_replay_lines(d: dict) -> list[str]:
     return lines
 
 
+def gather_lines(out: Path) -> list[str]:
+    """The gather-vs-DMA table (gather.md) and each format's best CTA setting."""
+    g = load(out, "gather.json")
+    if not isinstance(g, dict) or not (out / "gather.md").is_file():
+        return []
+    H, F = (g.get("shape") or ["?", "?"])[:2]
+    lines = [
+        "",
+        f"## Gather vs DMA ({H} x {F} rows, {g.get('k')} per call, {g.get('backend')}) "
+        f"[{g.get('status')}]",
+        "",
+        (out / "gather.md").read_text().strip(),
+    ]
+    best = g.get("best")
+    if isinstance(best, dict) and best:
+        bits = []
+        for fmt_name, b in best.items():
+            try:
+                ctas = b["setting"] if b["ctas"] is None else f"{b['ctas']} CTAs"
+                bits.append(
+                    f"{fmt_name} at {ctas}: {b['gather_gbps']:.2f} GB/s, "
+                    f"{b['gather_vs_dma']:.2f}x DMA"
+                )
+            except (KeyError, TypeError, ValueError):
+                bits.append(f"{fmt_name} (incomplete)")
+        lines += ["", "best gather per format: " + "; ".join(bits)]
+    return lines
+
+
+def modes_lines(out: Path) -> list[str]:
+    """The decode modes' tables (modes.md) and the host-aware model's error per mode."""
+    d = load(out, "modes.json")
+    if not isinstance(d, dict) or not (out / "modes.md").is_file():
+        return []
+    lines = [
+        "",
+        f"## Decode modes: host-driven, sync-free eager, graphs ({d.get('shape')}) "
+        f"[{d.get('status')}]",
+        "",
+        (out / "modes.md").read_text().strip(),
+    ]
+    errs = dig(d, "checks.max_abs_model_error")
+    if isinstance(errs, dict) and errs:
+        lines.append(
+            "\nhost-aware model, max |modeled / measured - 1| per mode: "
+            + ", ".join(f"{m} {fmt(v, 'pct')}" for m, v in errs.items())
+        )
+    return lines
+
+
 def summary(out: Path) -> str:
     mode = (out / "MODE").read_text().strip() if (out / "MODE").is_file() else "?"
     v = load(out, "versions.json") or {}
@@ -206,6 +298,8 @@ def summary(out: Path) -> str:
         lines.append(
             f"| {c['check']} | {c['goal']} | {c['shown']} | {c['verdict']} | {c['source']} |"
         )
+    lines += gather_lines(out)
+    lines += modes_lines(out)
     copy = load(out, "copy.json")
     if isinstance(copy, dict):
         lines += [

@@ -16,7 +16,7 @@ import pytest
 
 import psr_kernels as pk
 from psr.eval.latency import Profile, simulate
-from psr.eval.microbench import COPY_FORMATS
+from psr.eval.microbench import COPY_FORMATS, format_row_bytes
 from psr.runtime import Trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,6 +24,8 @@ BENCH = ROOT / "bench"
 POLICIES = {"exact", "exact-prefetch", "cache-prior", "psr"}
 FORMATS = ["int8", "int4", "fp8"]  # gpu_replay.py's default --formats, in order
 TINY_HF = (64, 32)
+GATHER_CTAS = ["8", "default"]  # the rehearsal's CTA settings (the GPU run: 8 .. 512, default)
+MODES = ["host", "device", "graphs"]
 
 
 def _env() -> dict[str, str]:
@@ -55,13 +57,26 @@ def _run(args: list[str], timeout: float = 300) -> str:
     return p.stdout
 
 
+def _bench_module(name: str):
+    sys.path.insert(0, str(BENCH))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
 @pytest.fixture(scope="module")
 def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One tiny replay (bf16 and every quantized format), one tiny decode (the scripts'
-    --tiny mode) and the rehearsal's copy stage, shared by the tests."""
+    --tiny mode), the rehearsal's copy stage, gather vs DMA (two CTA settings) and the
+    decode modes (exact and psr at 50%: the checks need both), shared by the tests."""
     d = tmp_path_factory.mktemp("gpu_bench")
     _run([str(BENCH / "gpu_replay.py"), "--tiny", "--out", str(d), "--prompts", "1"])
     _run([str(BENCH / "gpu_decode.py"), "--tiny", "--out", str(d), "--tokens", "4"])
+    gather = [str(BENCH / "gpu_gather.py"), "--tiny", "--out", str(d)]
+    _run([*gather, "--ctas", ",".join(GATHER_CTAS)])
+    modes = [str(BENCH / "gpu_decode.py"), "--tiny", "--out", str(d), "--tokens", "6"]
+    _run([*modes, "--modes", ",".join(MODES), "--policies", "exact,psr", "--residencies", "0.5"])
     copy = ["-m", "psr.cli", "bench", "copy", "--backend", "cpu", "--shape", "3x64x32"]
     _run(
         [*copy, "--experts", "8", "--slots", "4", "--repeats", "3", "--json", str(d / "copy.json")]
@@ -243,6 +258,173 @@ def test_decode_writes_every_field(out: Path) -> None:
 
 
 @pytest.mark.slow
+def test_gather_writes_every_field(out: Path) -> None:
+    """gather.json: per expert format and CTA setting, the gather (inline, side + join) and
+    DMA GB/s of the same rows, the slots checked against their host rows."""
+    g = json.loads((out / "gather.json").read_text())
+    assert g["status"] == "complete" and g["backend"] == "cpu" and g["k"] == 8
+    assert g["shape"] == list(TINY_HF) and g["settings"] == GATHER_CTAS
+    rows = g["rows"]
+    assert [(r["format"], r["setting"]) for r in rows] == [
+        (f, c) for f in COPY_FORMATS for c in GATHER_CTAS
+    ]
+    for r in rows:
+        assert r["row_bytes"] == format_row_bytes(r["format"], *TINY_HF)
+        assert r["verified"] is True and r["ctas"] is None  # the CPU backend has no CTAs
+        for key in ("gather", "side", "dma"):
+            assert _finite(r[f"{key}_gbps"]) and r[f"{key}_gbps"] > 0, (r["format"], key)
+            # GB/s is k rows over the median time
+            assert r[f"{key}_gbps"] == pytest.approx(8 * r["row_bytes"] / r[f"{key}_ms"] / 1e6)
+        assert r["gather_vs_dma"] == pytest.approx(r["gather_gbps"] / r["dma_gbps"])
+        assert r["side_vs_dma"] == pytest.approx(r["side_gbps"] / r["dma_gbps"])
+    assert set(g["best"]) == set(COPY_FORMATS)
+    for fmt, b in g["best"].items():
+        assert b["gather_gbps"] == max(r["gather_gbps"] for r in rows if r["format"] == fmt)
+    assert "| format | row MB | CTAs per row | gather GB/s |" in (out / "gather.md").read_text()
+
+
+def test_gather_ctas_mirror_the_backend() -> None:
+    """gpu_gather's "default" column names the CUDA backend's own choice: its formula is
+    the one in cuda_backend.cu, and $PSR_GATHER_CTAS is set only while a store is used."""
+    gg = _bench_module("gpu_gather")
+    src = (ROOT / "csrc/cuda/cuda_backend.cu").read_text()
+    assert "const size_t per_cta = 256 * 16 * 4;" in src and "std::min<size_t>(1024," in src
+    assert gg.default_ctas(3 * 2048 * 1024 * 2) == 768  # an OLMoE bf16 row
+    assert gg.default_ctas(1) == 1 and gg.default_ctas(10**10) == 1024
+    before = os.environ.get(gg.ENV)
+    with gg.gather_ctas("32"):
+        assert os.environ[gg.ENV] == "32"
+        with gg.gather_ctas("default"):
+            assert gg.ENV not in os.environ
+        assert os.environ[gg.ENV] == "32"
+    assert os.environ.get(gg.ENV) == before
+
+
+@pytest.mark.slow
+def test_modes_writes_every_field(out: Path) -> None:
+    """modes.json: exact and psr in the three decode modes, each with its time, profiler
+    counts, host time and modeled figures; the modes give the same tokens and counts."""
+    d = json.loads((out / "modes.json").read_text())
+    assert d["status"] == "complete" and d["shape"] == "tiny" and d["modes"] == MODES
+    assert d["host_model"] == "available" and d["cpu_graphs"] == "uncompiled"
+    cal = d["calibration"]
+    for key in ("gather_gbps", "dma_gbps", "expert_ms", "full_ms_per_token", "launch_us"):
+        assert _finite(cal[key]) and cal[key] > 0, key
+    assert cal["gather_verified"] is True and cal["full_mode"] == "graphs"
+    # The saved profiles price the host step's copies at the DMA's rate, the device step's
+    # at the gather's.
+    host_p = Profile.load(out / "modes_profile_host.json")
+    device_p = Profile.load(out / "modes_profile_device.json")
+    assert host_p.h2d_gbps == cal["dma_gbps"] and device_p.h2d_gbps == cal["gather_gbps"]
+    rows = d["rows"]
+    assert [(r["policy_name"], r["mode"]) for r in rows] == [
+        (p, m) for p in ("exact", "psr") for m in MODES
+    ]
+    for r in rows:
+        assert r["status"] == "ok" and r["residency"] == 0.5, r
+        for key in (
+            "ms_per_token",
+            "ms_per_token_median",
+            "kernels_per_token",
+            "profiled_ms_per_token",
+            "host_ms",
+            "host_share",
+            "modeled_host_free_ms",
+            "modeled_host_aware_ms",
+            "model_error",
+            "speedup_vs_exact",
+            "modeled_host_free_speedup_vs_exact",
+        ):
+            assert _finite(r[key]) and r[key] > -1, (r["mode"], key)
+        assert r["api_calls_per_token"] == 0 and r["blocked_ms"] == 0  # no CUDA here
+        assert r["host_ms"] == pytest.approx(r["profiled_ms_per_token"])  # host is all
+        assert r["timed_tokens"] == 6 - 1 - d["first_timed_token"]
+        assert r["measured_vs_host_free"] == pytest.approx(
+            r["ms_per_token"] / r["modeled_host_free_ms"]
+        )
+        assert r["model_error"] == pytest.approx(r["modeled_host_aware_ms"] / r["ms_per_token"] - 1)
+        assert r["speedup_fraction"] == pytest.approx(
+            r["speedup_vs_exact"] / r["modeled_host_free_speedup_vs_exact"]
+        )
+        if r["mode"] == "graphs":  # captured once, in the warm-up; replayed after
+            assert r["graphs_used"] and r["captures"] == 1, r["graph_status"]
+            assert " graph: " in r["host_model"]  # the latency model's graph mode
+        else:
+            assert not r["graphs_used"] and r["captures"] == 0
+            assert r["graph_status"] == "off" and r["host_model"].startswith("host-aware(")
+    for e in d["equal"]:  # the three modes decode alike: tokens, hits, misses, prefetches
+        assert e["modes"] == MODES and e["tokens_equal"] and e["counts_equal"], e
+    c = d["checks"]
+    for key in ("graphs_vs_host_free_max", "psr_speedup_fraction_min", "graphs_host_share_max"):
+        assert _finite(c[key]), key
+    assert c["mode_mismatches"] == 0
+    assert set(c["max_abs_model_error"]) == set(MODES)
+    md = (out / "modes.md").read_text()
+    assert "| residency | policy | mode | ms/tok | host-free ms |" in md
+    assert "| 50% | psr(" in md and "| graphs |" in md and "tokens equal" in md
+
+
+def test_modes_checks_read_graphs_rows_only() -> None:
+    """The goals read the graphs rows where graphs ran: a graphs row that fell back to
+    eager decoding (graph_status off) is no graphs measurement."""
+    gm = _bench_module("gpu_modes")
+
+    def row(mode: str, policy: str, ms: float, used: bool = True) -> dict:
+        return {
+            "status": "ok",
+            "mode": mode,
+            "graphs_used": used,
+            "policy_name": policy,
+            "residency": 0.5,
+            "ms_per_token": ms,
+            "modeled_host_free_ms": 2.0 if policy == "exact" else 1.0,
+            "measured_vs_host_free": ms / (2.0 if policy == "exact" else 1.0),
+            "host_share": 0.05,
+            "model_error": 0.1,
+        }
+
+    rows = [row("graphs", "exact", 2.2), row("graphs", "psr", 1.25), row("host", "psr", 9.0)]
+    gm.add_speedups(rows)
+    same = {"modes": ["host", "graphs"], "tokens_equal": True, "counts_equal": True}
+    c = gm.checks(rows, [same])
+    assert c["graphs_vs_host_free_max"] == pytest.approx(1.25)  # psr: 1.25 / 1.0
+    assert c["psr_speedup_fraction_min"] == pytest.approx((2.2 / 1.25) / 2.0)
+    assert c["graphs_host_share_max"] == 0.05 and c["mode_mismatches"] == 0
+    differ = {**same, "counts_equal": False}
+    assert gm.checks(rows, [same, differ])["mode_mismatches"] == 1
+    assert gm.checks(rows, [{**same, "modes": ["host"]}])["mode_mismatches"] is None
+    eager = [row("graphs", "exact", 2.2, used=False), row("graphs", "psr", 1.25, used=False)]
+    gm.add_speedups(eager)
+    c = gm.checks(eager, [same])
+    assert c["graphs_vs_host_free_max"] is None and c["psr_speedup_fraction_min"] is None
+
+
+def test_modes_helpers() -> None:
+    """The streamer's time stamps and profiler window, and the top-level op count."""
+    gm = _bench_module("gpu_modes")
+    calls: list[str] = []
+
+    class Prof:
+        def start(self) -> None:
+            calls.append(f"start@{len(clock.stamps)}")
+
+        def stop(self) -> None:
+            calls.append(f"stop@{len(clock.stamps)}")
+
+    clock = gm.Clock(Prof(), start=2, stop=4)
+    for i in range(7):  # the prompt, then 6 new tokens
+        clock.put(i)
+    assert len(clock.stamps) == 6 and calls == ["start@2", "stop@5"]  # around tokens 2..4
+    wall, n = clock.seconds(2, 4)
+    assert n == 2 and wall == clock.stamps[4] - clock.stamps[2]
+    with pytest.raises(ValueError, match="too few tokens"):
+        clock.seconds(5)
+    # (thread, start, end): nested ops do not count; a later op on its own does
+    ops = [(1, 0, 10), (1, 2, 5), (1, 6, 9), (1, 10, 12), (2, 3, 4)]
+    assert gm.top_level(ops) == 3
+
+
+@pytest.mark.slow
 def test_summary_gives_every_check_a_verdict(out: Path) -> None:
     (out / "stages.tsv").write_text("replay\tok\t0\t1.0\t240\t\ndecode\ttimeout\t124\t9.0\t9\t\n")
     (out / "MODE").write_text("rehearsal (test)")
@@ -251,11 +433,22 @@ def test_summary_gives_every_check_a_verdict(out: Path) -> None:
     assert "| decode | timeout |" in text and "## Trace replay" in text
     assert "Copy per expert format (64 x 32 rows" in text and "| int4 |" in text
     assert "| format | bytes ratio |" in text and "* int8: complete;" in text
+    assert "## Gather vs DMA (64 x 32 rows, 8 per call, cpu) [complete]" in text
+    assert "best gather per format: bf16 at " in text
+    assert "## Decode modes: host-driven, sync-free eager, graphs (tiny) [complete]" in text
+    assert "host-aware model, max |modeled / measured - 1| per mode: host " in text
     checks = json.loads((out / "checks.json").read_text())
-    assert len(checks) == 5
+    assert len(checks) == 9
     for c in checks:  # every stage they read ran: a verdict, never NO DATA
         assert c["verdict"] in ("PASS", "FAIL"), c
-    assert checks[-1]["source"] == "copy.json: formats.int8.abs_ratio_error"
+    assert checks[4]["source"] == "copy.json: formats.int8.abs_ratio_error"
+    assert [c["source"] for c in checks[5:]] == [
+        "modes.json: checks.graphs_vs_host_free_max",
+        "modes.json: checks.psr_speedup_fraction_min",
+        "modes.json: checks.graphs_host_share_max",
+        "modes.json: checks.mode_mismatches",
+    ]
+    assert checks[-1]["verdict"] == "PASS" and checks[-1]["shown"] == "0"  # the modes agree
 
 
 def test_summary_verdicts(tmp_path: Path) -> None:
@@ -271,11 +464,23 @@ def test_summary_verdicts(tmp_path: Path) -> None:
         json.dumps({"checks": {"max_abs_model_error": 0.04, "max_abs_psr_speedup_error": None}})
     )
     got = [c["verdict"] for c in gpu_summary.checks(tmp_path)]
-    assert got == ["PASS", "FAIL", "PASS", "NO DATA", "NO DATA"]  # a copy.json before formats
+    # a copy.json before formats; no modes.json
+    assert got == ["PASS", "FAIL", "PASS", "NO DATA", "NO DATA"] + ["NO DATA"] * 4
     for err, verdict in ((0.04, "PASS"), (0.15, "FAIL")):
         int8 = {"abs_ratio_error": err, "ratio_error": -err}
         (tmp_path / "copy.json").write_text(json.dumps({"formats": {"int8": int8}}))
-        assert gpu_summary.checks(tmp_path)[-1]["verdict"] == verdict
+        assert gpu_summary.checks(tmp_path)[4]["verdict"] == verdict
+    # Issue 20's goals: graphs within 1.25x of the host-free model, >= 0.9 of the modeled
+    # speedup, host under 10%, the modes agreeing.
+    for values, verdicts in (
+        ((1.2, 0.95, 0.08, 0), ["PASS"] * 4),
+        ((1.3, 0.85, 0.12, 1), ["FAIL"] * 4),
+        ((1.25, 0.9, 0.1, None), ["PASS", "PASS", "PASS", "NO DATA"]),
+    ):
+        keys = ("graphs_vs_host_free_max", "psr_speedup_fraction_min", "graphs_host_share_max")
+        mode_checks = dict(zip((*keys, "mode_mismatches"), values, strict=True))
+        (tmp_path / "modes.json").write_text(json.dumps({"checks": mode_checks}))
+        assert [c["verdict"] for c in gpu_summary.checks(tmp_path)[5:]] == verdicts
 
 
 def test_build_fallbacks_are_prepared() -> None:
