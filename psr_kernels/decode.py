@@ -20,6 +20,7 @@ same sync-free step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping
 from types import MappingProxyType
@@ -354,21 +355,31 @@ def decode_step_ref(
     lo, E = layout, layout.num_experts
     mask = state[layer, lo.member : lo.member + E] != 0 if spec.lam > 0 else None
     w, ids = route_ref(logits, spec, mask=mask, bias=bias, check_finite=False)
-    _flag(state, lo, layer, logits)
-    cache_use_ref(state, lo, layer, ids)
-    if n:
-        assert residual is not None and norm_weight is not None and gate_weight is not None
-        pred, _ = predict_next_ref(
-            residual, norm_weight, gate_weight, n, spec, eps=eps, bias=next_bias,
-            check_finite=False,
-        )  # fmt: skip
-        _flag(state, lo, layer + 1, residual)
-        cache_prefetch_ref(state, lo, layer + 1, pred, n)
+    with _no_autograd():  # no tensor made in here leaves this function
+        _flag(state, lo, layer, logits)
+        cache_use_ref(state, lo, layer, ids)
+        if n:
+            assert residual is not None and norm_weight is not None and gate_weight is not None
+            pred, _ = predict_next_ref(
+                residual, norm_weight, gate_weight, n, spec, eps=eps, bias=next_bias,
+                check_finite=False,
+            )  # fmt: skip
+            _flag(state, lo, layer + 1, residual)
+            cache_prefetch_ref(state, lo, layer + 1, pred, n)
     return w.to(out_dtype), ids
 
 
+def _no_autograd() -> contextlib.AbstractContextManager[None]:
+    """Inference mode in eager code: it spares the reference's many small ops autograd's
+    per-op bookkeeping (about 15% of their time on the CPU). Not under torch.compile,
+    whose inductor cannot take inference tensors (psr.runtime.graphs compiles the step)."""
+    return contextlib.nullcontext() if torch.compiler.is_compiling() else torch.inference_mode()
+
+
 def _flag(state: torch.Tensor, layout: CacheLayout, layer: int, x: torch.Tensor) -> None:
-    """The row's non-finite flag |= any(not finite(x)), as tensor ops."""
-    bad = torch.logical_not(torch.isfinite(x).all()).to(state.dtype)
+    """The row's non-finite flag |= any(not finite(x)), as tensor ops: x - x is 0 where
+    x is finite and NaN elsewhere, so its sum is NaN (unequal to itself) exactly when some
+    x is not finite (three cheap ops; `isfinite` alone is four)."""
+    s = (x - x).sum()
     at = layout.header + FLAG
-    state[layer, at] = torch.maximum(state[layer, at], bad)
+    state[layer, at : at + 1].bitwise_or_(s != s)

@@ -71,14 +71,16 @@ def gate_weights_ref(
         if renormalize:
             denom = w.sum(-1, keepdim=True)
             w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
-    return (w * scaling).contiguous()
+    # w is a fresh contiguous tensor; w * 1.0 would be the same bits (one op saved per call).
+    return w if scaling == 1.0 else (w * scaling).contiguous()
 
 
 def biased_scores_ref(z: torch.Tensor, mask: torch.Tensor | None, lam: float) -> torch.Tensor:
     """z' = z + lam * D * m with D the per-row spread of z."""
     if mask is None:
         return z
-    spread = z.max(dim=-1).values - z.min(dim=-1).values
+    lo, hi = torch.aminmax(z, dim=-1)  # one op for both
+    spread = hi - lo
     return z + lam * spread[:, None] * mask_2d(mask).float()
 
 
@@ -163,7 +165,8 @@ def predict_next_ref(
         return no_prediction(T, ids_dtype, residual.device)
     E = gate_weight.shape[0]
     logits = rms_norm_ref(residual, norm_weight, eps) @ gate_weight.float().t()
-    z, _ = scores_ref(logits, unbiased.scoring, bias)
+    # Selection scores only: a softmax's weight source is not needed here.
+    z = logits if unbiased.scoring == "softmax" else scores_ref(logits, unbiased.scoring, bias)[0]
     ids = topk_ref(group_limit_ref(z, unbiased.n_group, unbiased.topk_group), n)
     m = mask_2d(mask)
     if m is None:
