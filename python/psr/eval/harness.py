@@ -7,8 +7,13 @@ Used by `psr demo`, `psr eval` and `psr bench sweep` (`runs.py`).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -26,7 +31,8 @@ from psr.eval.quality import (
 )
 from psr.models.embedded import heldout_sets, tokenizer_of
 from psr.models.loader import load
-from psr.policy import Policy
+from psr.policy import Policy, parse_policy
+from psr.runtime.trace import HostSchedule
 
 
 @dataclass(frozen=True)
@@ -122,9 +128,12 @@ def run_config(
     profiles: Sequence[str] = DEFAULT_PROFILES,
     *,
     progress: bool = False,
+    schedule: HostSchedule | None = None,
 ) -> dict[str, Any]:
     """One config: score the windows (teacher forced, decode path: NLL, counts and the
-    trace the latency model replays), generate greedily from the prompts, score cloze."""
+    trace the latency model replays), generate greedily from the prompts, score cloze.
+    Modeled latency host-free (`latency`) and, given the configuration's measured decode
+    schedule (`measure_schedules`), host-aware too (`latency_host`)."""
     model = load(
         path,
         rc.policy,
@@ -146,7 +155,7 @@ def run_config(
     cz = cloze_scores(model, data.cloze, bar) if data.cloze else []
     bar.close()
     model.close()
-    return {
+    out = {
         "config": rc.as_dict(),
         "label": rc.label,
         "stats": stats,
@@ -156,6 +165,189 @@ def run_config(
         "cloze_items": cz,
         "trace": rec.trace,  # serialised only when a report keeps traces (seconds per run)
     }
+    if schedule is not None:
+        add_host_latency(out, schedule, profiles)
+    return out
+
+
+# --- host schedules ------------------------------------------------------------------
+# New tokens a schedule measurement decodes (measure_schedule drops the first decode
+# forward, which hands the caches over to the device step, and merges the others), and
+# the prompt tokens it prefills: a few, the schedule does not depend on them.
+SCHEDULE_TOKENS = 3
+SCHEDULE_PROMPT_TOKENS = 8
+
+
+def schedule_key(rc: RunConfig, decode: str = "device") -> tuple[Any, ...]:
+    """What decides a configuration's decode schedule: whether its policy predicts
+    (n > 0), what its bias reads, the expert format's kernels, and for the host-driven
+    step whether it biases at all (lam > 0: a mask built on the host). Not the residency
+    or lam's value, which change no call, launch or sync, nor, in the device step, whether
+    lam is 0 (the fused routing kernel always reads the device membership; a policy whose
+    bias reads the physical slots always takes the host-driven step)."""
+    p = rc.policy
+    biased = p.lam > 0 if decode == "host" or p.mask != "logical" else None
+    return (decode, biased, p.n > 0, p.mask, rc.expert_format or "native")
+
+
+def schedule_prompt(data: EvalData) -> list[int]:
+    """The prompt a schedule measurement decodes from: the data's first prompt, else the
+    first window's prompt part (a few tokens of either)."""
+    if data.prompts:
+        return data.prompts[0][:SCHEDULE_PROMPT_TOKENS]
+    if data.windows:
+        return data.windows[0][: min(data.prompt_len, SCHEDULE_PROMPT_TOKENS)]
+    raise ValueError("no prompt or window to measure a decode schedule from")
+
+
+def _triton_here() -> bool:
+    """This process can run the Triton kernels: on CUDA, or under TRITON_INTERPRET=1."""
+    import torch
+
+    from psr_kernels.dispatch import resolve_compute
+
+    try:
+        resolve_compute("triton", "cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        return False
+    return True
+
+
+def _measure_one(path: str, rc: RunConfig, prompt: list[int], decode: str) -> HostSchedule:
+    import torch
+
+    from psr.eval.host_path import measure_schedule
+
+    model = load(
+        path,
+        rc.policy,
+        rc.residency,
+        dtype="float32",
+        expert_format=rc.expert_format,
+        compute="triton",
+        decode=decode,
+        progress=False,
+    )
+    try:
+        return measure_schedule(model, torch.tensor([prompt]), SCHEDULE_TOKENS)
+    finally:
+        model.close()
+
+
+class ScheduleJob:
+    """Each configuration's host schedule on psr's deployed GPU path (the Triton kernels,
+    `decode` steps; the path a latency profile prices), from a real decode of `prompt`
+    (psr.eval.host_path.measure_schedule), measured once per schedule_key.
+
+    A process that can run Triton measures them at once. One that cannot (a CPU without
+    TRITON_INTERPRET=1) starts one child process that measures them under Triton's
+    interpreter (the same calls, launches and syncs), beside the caller's own work until
+    `result()` is asked for."""
+
+    def __init__(
+        self,
+        path: str,
+        configs: Sequence[RunConfig],
+        prompt: list[int],
+        decode: str = "device",
+        progress: bool = False,
+    ) -> None:
+        self.configs, self.decode = list(configs), decode
+        reps: dict[tuple[Any, ...], RunConfig] = {}
+        for rc in configs:
+            reps.setdefault(schedule_key(rc, decode), rc)
+        self.todo = list(reps.values())
+        self.got: list[HostSchedule] | None = None
+        self.child: subprocess.Popen[bytes] | None = None
+        if _triton_here():
+            bar = tqdm(self.todo, desc="decode schedules", leave=False, disable=not progress)
+            self.got = [_measure_one(path, rc, prompt, decode) for rc in bar]
+            return
+        request = {
+            "path": path,
+            "prompt": prompt,
+            "decode": decode,
+            "configs": [[rc.policy.spec(), rc.residency, rc.expert_format] for rc in self.todo],
+        }
+        # Files, not pipes: the child never blocks on output nobody reads yet.
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.child = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from psr.eval.harness import _schedule_child; _schedule_child()",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=self.out,
+            stderr=self.err,
+            env={**os.environ, "TRITON_INTERPRET": "1"},
+        )
+        assert self.child.stdin is not None
+        self.child.stdin.write(json.dumps(request).encode())
+        self.child.stdin.close()
+
+    def cancel(self) -> None:
+        """Stop the child process, if one is still measuring (the caller failed)."""
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+
+    def result(self) -> dict[RunConfig, HostSchedule]:
+        """The schedules by configuration (waits for the child process, if any)."""
+        if self.got is None:
+            assert self.child is not None
+            code = self.child.wait()
+            self.out.seek(0)
+            self.err.seek(0)
+            out, err = self.out.read().decode(), self.err.read().decode()
+            self.out.close()
+            self.err.close()
+            if code != 0:
+                raise RuntimeError(
+                    "measuring the decode schedules under Triton's interpreter failed "
+                    f"(exit {code}):\n{err[-2000:]}"
+                )
+            self.got = [HostSchedule.from_json(d) for d in json.loads(out.strip().splitlines()[-1])]
+        by_key = {
+            schedule_key(rc, self.decode): s for rc, s in zip(self.todo, self.got, strict=True)
+        }
+        return {rc: by_key[schedule_key(rc, self.decode)] for rc in self.configs}
+
+
+def measure_schedules(
+    path: str,
+    configs: Sequence[RunConfig],
+    prompt: list[int],
+    decode: str = "device",
+    progress: bool = False,
+) -> dict[RunConfig, HostSchedule]:
+    """ScheduleJob(...).result(): each configuration's measured decode schedule."""
+    return ScheduleJob(path, configs, prompt, decode, progress).result()
+
+
+def add_host_latency(
+    result: dict[str, Any], schedule: HostSchedule, profiles: Sequence[str] = DEFAULT_PROFILES
+) -> None:
+    """A run_config result's trace gets its measured schedule, and the result its
+    host-aware modeled latency (`latency_host`)."""
+    trace = result["trace"]
+    trace.host = schedule
+    result["latency_host"] = {p: simulate(trace, p, host=True).as_dict() for p in profiles}
+
+
+def _schedule_child() -> None:
+    """measure_schedules' child process: a request as JSON on stdin, the schedules as one
+    JSON line on stdout."""
+    req = json.loads(sys.stdin.read())
+    out = [
+        asdict(
+            _measure_one(
+                req["path"], RunConfig(parse_policy(p), rho, fmt), req["prompt"], req["decode"]
+            )
+        )
+        for p, rho, fmt in req["configs"]
+    ]
+    print(json.dumps(out))
 
 
 def compare(results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES) -> None:
@@ -174,6 +366,11 @@ def compare(results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PRO
         r["speedup"] = {
             p: ref["latency"][p]["ms_per_token"] / r["latency"][p]["ms_per_token"] for p in profiles
         }
+        if r.get("latency_host") and ref.get("latency_host"):
+            r["speedup_host"] = {
+                p: ref["latency_host"][p]["ms_per_token"] / r["latency_host"][p]["ms_per_token"]
+                for p in profiles
+            }
         if r["generated"]:
             agree = [
                 greedy_agreement(a, b)

@@ -1,25 +1,41 @@
-"""What psr's MoE path asks of the host during decode, counted exactly on any machine.
+"""What psr's decode step asks of the host, counted exactly on any machine.
 
-`HostProbe(model)` wraps the runtime's router and experts hooks; inside them it counts, per
-decode forward and MoE layer:
-  reads     host reads of device data (`item`, `tolist`, `__bool__`, `__int__`,
+`HostProbe(model)` is active for everything run inside its `with` block. Per decode
+forward it records, in the order the host issues them, three kinds of cells:
+  layers    per MoE layer, what psr's router and experts hooks do (the MoE path);
+  dense     what the forward does outside those hooks (attention, norms, residual adds,
+            embeddings, lm_head, the model's MoE-block glue, psr's forward wrapper);
+  token     what ran between the previous forward and this one (the generation loop's
+            argmax and cat, and its read of the new token).
+Each cell counts, and logs as `HostOp`s (psr.runtime.trace.HOST_OP_KINDS):
+  reads     ("sync") host reads of device data (`item`, `tolist`, `__bool__`, `__int__`,
             `__float__`, `__index__`, `numpy`, `cpu`): each makes the host wait for the
-            device queue on a GPU; recorded with the psr source line that made it;
+            device queue on a GPU; recorded with the source line that made it;
   h2d       tensors built from host data (`torch.tensor`, `torch.as_tensor`), which on a
             GPU copy synchronously from pageable memory;
-  kernels   device work launched: aten ops that are not views or allocations
-            (a TorchDispatchMode), Triton kernel launches, and the store's gathers.
+  launches  device work launched: aten ops that are not views or allocations (a
+            TorchDispatchMode), Triton kernel launches;
+  store     the expert store's calls: "copy" (enqueue_copies: "miss" or "prefetch"),
+            "wait" (acquire), "release", "gather" (its stream "compute" or "side"; a
+            launch on CUDA, counted in `kernels`), "join".
 The same counts hold on a GPU: which calls read, copy or launch does not depend on the
-device, only what each costs. `host_ms_per_layer(model, ...)` times the hooks without
-the probe (the probe's own modes would inflate it).
+device, only what each costs. A forward counts as a decode forward when psr's hooks ran
+in decode mode in it; the prefill forward and anything outside forwards are dropped.
+
+`HostProbe.schedule()` turns a probe into the `HostSchedule` the latency model replays
+(rule in its docstring); `measure_schedule(model, prompt)` decodes under a probe and
+returns it. `host_ms_per_layer(model, ...)` times the hooks without the probe (the
+probe's own modes would inflate it).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,40 +45,114 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from psr.runtime.trace import HostOp, HostSchedule
+
 READS = frozenset(
     {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"}
 )
 H2D = frozenset({"tensor", "as_tensor"})
-_ALLOC = frozenset({"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided"})
-_ROOT = Path(__file__).resolve().parents[2]  # python/
+# Not launches: allocations, the scalar read (counted as a read), and the alias that
+# torch.tensor makes of its fresh tensor (counted as h2d).
+_NOT_LAUNCHES = frozenset(
+    {
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "new_empty",
+        "new_empty_strided",
+        "_local_scalar_dense",
+        "lift_fresh",
+    }
+)
+STORE_KINDS = ("copy", "wait", "release", "gather", "join")
+# ExpertStore method -> HostOp kind (methods absent from an older store are skipped).
+_STORE_METHODS = {
+    "enqueue_copies": "copy",
+    "acquire": "wait",
+    "release": "release",
+    "gather": "gather",
+    "join": "join",
+}
+# Callers whose copies are misses / prefetches (this runtime's and the pre-rebuild one's).
+_MISS_CALLERS = frozenset({"use", "_use"})
+_PREFETCH_CALLERS = frozenset({"prefetch", "_insert_prefetch"})
+_SKIP_FILES = frozenset({"host_path.py", "contextlib.py", "functools.py"})
 
 
 @dataclass
 class LayerCounts:
-    """One MoE layer's share of one decode forward."""
+    """One cell of one decode forward: a MoE layer's hooks, the dense part or the loop."""
 
-    reads: list[str] = field(default_factory=list)  # each read's psr source line
+    reads: list[str] = field(default_factory=list)  # each read's kind @ source line
     h2d: int = 0
     aten: Counter[str] = field(default_factory=Counter)
     triton: Counter[str] = field(default_factory=Counter)
     gathers: int = 0
+    events: list[HostOp] = field(default_factory=list)  # everything above, in issue order
+
+    @property
+    def launches(self) -> int:
+        """aten ops and Triton kernels (the store's gathers not included)."""
+        return sum(self.aten.values()) + sum(self.triton.values())
 
     @property
     def kernels(self) -> int:
-        return sum(self.aten.values()) + sum(self.triton.values()) + self.gathers
+        """Device work launched: aten ops, Triton kernels and the store's gathers."""
+        return self.launches + self.gathers
+
+    @property
+    def store_calls(self) -> int:
+        return sum(e.kind in STORE_KINDS for e in self.events)
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.events]
+
+
+def _site(path: Path) -> str | None:
+    """A frame's file as the repository or package names it, None for torch's own."""
+    parts = path.parts
+    if path.name in _SKIP_FILES:
+        return None
+    for i, part in enumerate(parts):
+        if part == "psr" and i > 0 and parts[i - 1] == "python":
+            return "/".join(parts[i - 1 :])
+        if part in ("psr", "psr_kernels"):
+            return "/".join(parts[i:])
+    if "torch" in parts:
+        return None
+    if "site-packages" in parts:
+        return "/".join(parts[parts.index("site-packages") + 1 :])
+    return str(path)
 
 
 def _where() -> str:
-    """The innermost psr source line of the current call stack (file:line)."""
+    """The innermost non-torch source line of the current call stack (file:line), and for
+    a line in psr_kernels the psr line that called it."""
+    inner = None
     for frame in reversed(traceback.extract_stack()):
-        path = Path(frame.filename).resolve()
-        if "psr" in path.parts and path.name != "host_path.py":
-            try:
-                rel = path.relative_to(_ROOT)
-            except ValueError:
-                rel = path
-            return f"{rel}:{frame.lineno}"
-    return "?"
+        site = _site(Path(frame.filename))
+        if site is None:
+            continue
+        here = f"{site}:{frame.lineno}"
+        if inner is None:
+            if not site.startswith("psr_kernels/"):
+                return here
+            inner = f"{here} ({frame.name})"
+        elif site.startswith("python/psr/") or site.startswith("psr/"):
+            return f"{inner} < {here}"
+    return inner or "?"
+
+
+def _copy_kind() -> str:
+    """'miss' or 'prefetch': which bookkeeping call issued the store copy being made."""
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name in _MISS_CALLERS:
+            return "miss"
+        if f.f_code.co_name in _PREFETCH_CALLERS:
+            return "prefetch"
+        f = f.f_back  # type: ignore[assignment]
+    return ""
 
 
 class _Reads(TorchFunctionMode):
@@ -72,11 +162,14 @@ class _Reads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         name = getattr(func, "__name__", "")
-        cur = None if self.probe.inside_launch else self.probe.current
+        cur = self.probe.current
         if cur is not None and name in READS:
-            cur.reads.append(f"{name} @ {_where()}")
+            site = f"{name} @ {_where()}"
+            cur.reads.append(site)
+            cur.events.append(HostOp("sync", site))
         elif cur is not None and name in H2D:
             cur.h2d += 1
+            cur.events.append(HostOp("h2d", f"{name} @ {_where()}"))
         return func(*args, **(kwargs or {}))
 
 
@@ -86,59 +179,165 @@ class _Kernels(TorchDispatchMode):
         self.probe = probe
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        cur = None if self.probe.inside_launch else self.probe.current
+        cur = self.probe.current
         packet = func.overloadpacket.__name__
-        if (
-            cur is not None
-            and not func.is_view
-            and packet not in _ALLOC
-            and packet != "_local_scalar_dense"  # a read, counted as such
-        ):
+        if cur is not None and not func.is_view and packet not in _NOT_LAUNCHES:
             cur.aten[packet] += 1
+            cur.events.append(HostOp("launch", packet))
         return func(*args, **(kwargs or {}))
 
 
+# Counts a patched call: (the object, the cell it counts in, its args, its kwargs).
+_Count = Callable[[Any, LayerCounts, tuple[Any, ...], dict[str, Any]], None]
+
+
+@dataclass
+class _Forward:
+    layers: list[LayerCounts]
+    dense: LayerCounts
+    token: LayerCounts
+    decoded: bool = False
+
+
+def _scs(a: Sequence[HostOp], b: Sequence[HostOp]) -> list[HostOp]:
+    """The shortest common supersequence of two op lists (ops equal by kind, what and
+    stream), ties resolved toward `a`'s order."""
+    m, n = len(a), len(b)
+    lcs = [[0] * (n + 1) for _ in range(m + 1)]
+    for i in range(m - 1, -1, -1):
+        for j in range(n - 1, -1, -1):
+            lcs[i][j] = lcs[i + 1][j + 1] + 1 if a[i] == b[j] else max(lcs[i + 1][j], lcs[i][j + 1])
+    out: list[HostOp] = []
+    i = j = 0
+    while i < m and j < n:
+        if a[i] == b[j]:
+            out.append(a[i])
+            i, j = i + 1, j + 1
+        elif lcs[i + 1][j] >= lcs[i][j + 1]:
+            out.append(a[i])
+            i += 1
+        else:
+            out.append(b[j])
+            j += 1
+    return out + list(a[i:]) + list(b[j:])
+
+
+def merge_ops(cells: Sequence[Sequence[HostOp]]) -> list[HostOp]:
+    """One ordered op list that contains every cell's list as a subsequence (folded
+    pairwise shortest common supersequences); the cells' common list when they agree."""
+    out: list[HostOp] = []
+    for ops in cells:
+        out = _scs(out, ops) if out else list(ops)
+    return [HostOp(o.kind, o.what, o.stream) for o in out]
+
+
+def op_rates(merged: Sequence[HostOp], cells: Sequence[Sequence[HostOp]]) -> list[float]:
+    """Per op of `merged` (merge_ops of `cells`), the fraction of cells that issued it
+    (each cell matched as a subsequence, leftmost)."""
+    hits = [0] * len(merged)
+    for ops in cells:
+        j = 0
+        for op in ops:
+            while j < len(merged) and merged[j] != op:
+                j += 1
+            if j == len(merged):
+                raise ValueError(f"a cell's op {op} is not in the merged list in its order")
+            hits[j] += 1
+            j += 1
+    return [h / max(len(cells), 1) for h in hits]
+
+
 class HostProbe:
-    """Count a model's MoE-path host work per decode forward and MoE layer (module
-    docstring). Use as a context manager around decoding; `steps` holds, per decode
-    forward (layer 0 routing starts one), a list of LayerCounts by MoE layer."""
+    """Count a model's host work per decode forward (module docstring). Use as a context
+    manager around decoding. Per decode forward, `steps` holds a list of LayerCounts by
+    MoE layer, `dense` and `token` one LayerCounts each, `modes` the step that ran
+    ("device" or "host")."""
 
     def __init__(self, model: Any) -> None:
+        self.model = model
         self.rt = model.runtime
         self.steps: list[list[LayerCounts]] = []
-        self.current: LayerCounts | None = None
-        # Inside a Triton launch: the interpreter's own tensor traffic is not psr's work.
+        self.dense: list[LayerCounts] = []
+        self.token: list[LayerCounts] = []
+        self.modes: list[str] = []
+        # Inside a Triton launch or a store call: their own tensor traffic is not counted.
         self.inside_launch = False
+        self._hooked: LayerCounts | None = None
+        self._fwd: _Forward | None = None
+        self._between = LayerCounts()  # ops since the last forward ended
         self._undo: list[Callable[[], None]] = []
 
-    def _layer(self, index: int) -> LayerCounts:
-        if index == 0 or not self.steps:
-            self.steps.append([LayerCounts() for _ in self.rt.layers])
-        return self.steps[-1][index]
+    @property
+    def current(self) -> LayerCounts | None:
+        """The cell the op being made counts in (None: not counted)."""
+        if self.inside_launch:
+            return None
+        if self._hooked is not None:
+            return self._hooked
+        if self._fwd is not None:
+            return self._fwd.dense
+        return self._between
 
+    # --- patching --------------------------------------------------------------------
     def _hook(self, name: str) -> None:
-        inner = getattr(self.rt, name)
+        rt = self.rt
+        inner = getattr(rt, name)
 
         def hooked(L: Any, *args: Any) -> Any:
-            if not self.rt.decoding or self.current is not None:
+            fwd = self._fwd
+            if fwd is None or self._hooked is not None or not rt.decoding:
                 return inner(L, *args)
-            self.current = self._layer(L.index) if name == "route" else self.steps[-1][L.index]
+            fwd.decoded = True
+            self._hooked = fwd.layers[L.index]
             try:
-                with _Reads(self), _Kernels(self):
-                    return inner(L, *args)
+                return inner(L, *args)
             finally:
-                self.current = None
+                self._hooked = None
 
-        setattr(self.rt, name, hooked)
-        self._undo.append(lambda: delattr(self.rt, name))
+        setattr(rt, name, hooked)
+        self._undo.append(lambda: delattr(rt, name))
 
-    def _patch_class(self, cls: Any, attr: str, count: Callable[[Any], None]) -> None:
+    def _wrap_forward(self) -> None:
+        hf = self.model.hf
+        own = hf.__dict__.get("forward")  # psr's forward wrapper is an instance attribute
+        inner = hf.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if self._fwd is not None:
+                return inner(*args, **kwargs)
+            fwd = _Forward([LayerCounts() for _ in self.rt.layers], LayerCounts(), self._between)
+            self._fwd = fwd
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._fwd = None
+                self._between = LayerCounts()
+                if fwd.decoded:
+                    self.steps.append(fwd.layers)
+                    self.dense.append(fwd.dense)
+                    self.token.append(fwd.token)
+                    # The pre-rebuild runtime has one step: the host-driven one.
+                    self.modes.append(getattr(getattr(self.rt, "_step", None), "name", "host"))
+
+        hf.forward = forward
+
+        def undo() -> None:
+            if own is None:
+                del hf.forward
+            else:
+                hf.forward = own
+
+        self._undo.append(undo)
+
+    def _patch_class(self, cls: Any, attr: str, count: _Count) -> None:
         orig = getattr(cls, attr)
 
         def wrapper(obj: Any, *args: Any, **kwargs: Any) -> Any:
-            if self.current is None or self.inside_launch:
+            cur = self.current
+            if cur is None:
                 return orig(obj, *args, **kwargs)
-            count(obj)
+            count(obj, cur, args, kwargs)
             self.inside_launch = True
             try:
                 return orig(obj, *args, **kwargs)
@@ -154,20 +353,42 @@ class HostProbe:
 
         from psr.store import ExpertStore
 
-        def launch(fn: Any) -> None:
-            assert self.current is not None
+        def launch(fn: Any, cur: LayerCounts, args: Any, kwargs: Any) -> None:
             name = getattr(getattr(fn, "fn", fn), "__name__", "triton")
-            self.current.triton[name] += 1
+            cur.triton[name] += 1
+            cur.events.append(HostOp("launch", name))
 
-        def gather(_: Any) -> None:
-            assert self.current is not None
-            self.current.gathers += 1
+        def store_op(kind: str) -> _Count:
+            def count(_: Any, cur: LayerCounts, args: Any, kwargs: Any) -> None:
+                if kind == "gather":
+                    cur.gathers += 1
+                    side = bool(kwargs["side"])  # keyword-only
+                    cur.events.append(
+                        HostOp(
+                            "gather", "prefetch" if side else "miss", "side" if side else "compute"
+                        )
+                    )
+                else:
+                    cur.events.append(HostOp(kind, _copy_kind() if kind == "copy" else ""))
 
-        self._patch_class(JITFunction, "run", launch)
-        self._patch_class(InterpretedFunction, "run", launch)
-        self._patch_class(ExpertStore, "gather", gather)
-        self._hook("route")
-        self._hook("experts")
+            return count
+
+        try:
+            self._patch_class(JITFunction, "run", launch)
+            self._patch_class(InterpretedFunction, "run", launch)
+            for method, kind in _STORE_METHODS.items():
+                if hasattr(ExpertStore, method):
+                    self._patch_class(ExpertStore, method, store_op(kind))
+            self._hook("route")
+            self._hook("experts")
+            self._wrap_forward()
+            modes: list[Any] = [_Reads(self), _Kernels(self)]
+            for mode in modes:
+                mode.__enter__()
+                self._undo.append(functools.partial(mode.__exit__, None, None, None))
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -176,37 +397,135 @@ class HostProbe:
         self._undo.clear()
 
     # --- summaries -------------------------------------------------------------------
-    def per_token(self) -> dict[str, float]:
-        """Means per decode forward: reads, h2d, kernels (and their split)."""
-        n = max(len(self.steps), 1)
-        cells = [c for step in self.steps for c in step]
+    def _steady(self, first: int) -> list[int]:
+        """The decode forwards after the first `first` (all of them if none is left)."""
+        idx = list(range(first, len(self.steps)))
+        return idx or list(range(len(self.steps)))
+
+    def per_token(self, first: int = 0) -> dict[str, float]:
+        """Means per decode forward (after the first `first`): the MoE path's reads, h2d,
+        kernels (aten + Triton + gathers) and store calls; the dense part's launches, reads
+        and h2d; the loop's launches and reads."""
+        idx = self._steady(first)
+        n = max(len(idx), 1)
+        cells = [c for i in idx for c in self.steps[i]]
+        dense = [self.dense[i] for i in idx]
+        token = [self.token[i] for i in idx]
         return {
-            "tokens": len(self.steps),
+            "tokens": len(idx),
             "reads": sum(len(c.reads) for c in cells) / n,
             "h2d": sum(c.h2d for c in cells) / n,
             "kernels": sum(c.kernels for c in cells) / n,
             "aten": sum(sum(c.aten.values()) for c in cells) / n,
             "triton": sum(sum(c.triton.values()) for c in cells) / n,
             "gathers": sum(c.gathers for c in cells) / n,
+            "store_calls": sum(c.store_calls for c in cells) / n,
+            "dense_kernels": sum(c.kernels for c in dense) / n,
+            "dense_reads": sum(len(c.reads) for c in dense) / n,
+            "dense_h2d": sum(c.h2d for c in dense) / n,
+            "token_kernels": sum(c.kernels for c in token) / n,
+            "token_reads": sum(len(c.reads) for c in token) / n,
         }
 
-    def read_sites(self) -> Counter[str]:
-        """Every read's kind and psr source line, with how often it happened."""
-        return Counter(r for step in self.steps for c in step for r in c.reads)
+    def read_sites(self, part: str = "moe", first: int = 0) -> Counter[str]:
+        """Every read's kind and source line, with how often it happened, in the MoE path
+        (`part` "moe"), the dense part ("dense") or the loop ("token")."""
+        idx = self._steady(first)
+        if part == "moe":
+            cells = [c for i in idx for c in self.steps[i]]
+        elif part in ("dense", "token"):
+            cells = [getattr(self, part)[i] for i in idx]
+        else:
+            raise ValueError(f"part must be 'moe', 'dense' or 'token', got {part!r}")
+        return Counter(r for c in cells for r in c.reads)
+
+    def role_cells(self, first: int = 1) -> dict[str, list[list[HostOp]]]:
+        """The op lists a schedule merges, by role: "moe_layer" (every MoE layer but the
+        last, per decode forward after the first `first`), "last_moe_layer", "token" (the
+        loop's ops, then the dense part's reads, host-built tensors and store calls)."""
+        if len(self.steps) <= first:
+            raise ValueError(
+                f"{len(self.steps)} decode forwards probed: a schedule needs one after the "
+                f"first {first} (decode at least {first + 2} new tokens)"
+            )
+        idx = self._steady(first)
+        n = len(self.rt.layers)
+        last = [self.steps[i][n - 1].events for i in idx]
+        inner = [self.steps[i][j].events for i in idx for j in range(n - 1)]
+        token = [
+            self.token[i].events + [e for e in self.dense[i].events if e.kind != "launch"]
+            for i in idx
+        ]
+        return {"moe_layer": inner or last, "last_moe_layer": last, "token": token}
+
+    def uniform(self, first: int = 1) -> dict[str, bool]:
+        """Per role, whether every cell issued the same ops in the same order."""
+        return {
+            role: all(c == cells[0] for c in cells)
+            for role, cells in self.role_cells(first).items()
+        }
+
+    def schedule(self, first: int = 1) -> HostSchedule:
+        """The host's work per decode token, for the latency model.
+
+        Tokens: the decode forwards after the first `first` (the first decode forward also
+        hands the caches over to the device step). Per role (role_cells), the ops are the
+        merge of its cells, one per layer and token (merge_ops): when every cell issued the
+        same ops this is that list (the device step: always); otherwise an ordered list
+        that contains each cell's, so every op that any token issued is priced every token.
+        The host step skips a store copy call when a layer has nothing to copy: the
+        schedule keeps that call, at most one store call per layer and token too many; how
+        many copies each call issues comes from the trace. `op_rates` says how often each
+        op happened. `moe_layer` is a MoE layer that predicts the next one when the policy
+        predicts (n > 0; else any but the last), `last_moe_layer` the last one;
+        `dense_launches` the dense part's launches per decode forward over the decoder
+        layers; `token` the loop's ops (argmax, cat, its read of the token) and any read,
+        host-built tensor or store call of the dense part."""
+        idx = self._steady(first)
+        cells = self.role_cells(first)
+        modes = sorted({self.modes[i] for i in idx})
+        if len(modes) != 1:
+            raise ValueError(f"the probed decode forwards took different steps: {modes}")
+        dense = sum(self.dense[i].launches for i in idx) / len(idx)
+        return HostSchedule(
+            modes[0],
+            moe_layer=merge_ops(cells["moe_layer"]),
+            last_moe_layer=merge_ops(cells["last_moe_layer"]),
+            dense_launches=dense / self.rt.num_decoder_layers,
+            token=merge_ops(cells["token"]),
+        )
+
+
+def measure_schedule(model: Any, prompt: torch.Tensor, new_tokens: int = 4) -> HostSchedule:
+    """Decode `new_tokens` greedily under a HostProbe; its schedule (at least 3 new tokens:
+    the first decode forward is not used)."""
+    if new_tokens < 3:
+        raise ValueError(
+            f"new_tokens must be >= 3 (two decode forwards after the first), got {new_tokens}"
+        )
+    with HostProbe(model) as probe:
+        model.generate(prompt, max_new_tokens=new_tokens)
+    return probe.schedule()
 
 
 @contextmanager
-def _timed_hooks(rt: Any, sink: list[float]) -> Iterator[None]:
+def _timed_hooks(rt: Any, samples: list[float]) -> Iterator[None]:
+    """Per decode MoE layer, the wall time of its route and experts hooks (seconds)."""
     inner = {name: getattr(rt, name) for name in ("route", "experts")}
 
     def wrap(name: str) -> Callable[..., Any]:
         def timed(*args: Any) -> Any:
+            decoding = rt.decoding  # before the call: prefill seeds the caches in it
             t = time.perf_counter()
             try:
                 return inner[name](*args)
             finally:
-                if rt.decoding:
-                    sink.append(time.perf_counter() - t)
+                if decoding:
+                    dt = time.perf_counter() - t
+                    if name == "route":
+                        samples.append(dt)
+                    else:
+                        samples[-1] += dt
 
         return timed
 
@@ -219,11 +538,18 @@ def _timed_hooks(rt: Any, sink: list[float]) -> Iterator[None]:
             delattr(rt, name)
 
 
-def host_ms_per_layer(model: Any, prompt: torch.Tensor, new_tokens: int) -> float:
-    """Host time in psr's hooks per decode token and MoE layer (ms): wall time of the
-    router and experts hooks while decoding, without the probe's modes."""
-    sink: list[float] = []
-    with _timed_hooks(model.runtime, sink):
+def host_ms_samples(model: Any, prompt: torch.Tensor, new_tokens: int) -> list[float]:
+    """Per decode token and MoE layer, the wall time (ms) in psr's router and experts
+    hooks while decoding `new_tokens` greedily, without the probe's modes. On a shared
+    machine their median is steadier than their mean."""
+    samples: list[float] = []
+    with _timed_hooks(model.runtime, samples):
         model.generate(prompt, max_new_tokens=new_tokens)
-    tokens = max(new_tokens - 1, 1)
-    return sum(sink) * 1e3 / tokens / len(model.runtime.layers)
+    return [x * 1e3 for x in samples]
+
+
+def host_ms_per_layer(model: Any, prompt: torch.Tensor, new_tokens: int) -> float:
+    """Host time in psr's hooks per decode token and MoE layer (ms): the mean of
+    host_ms_samples."""
+    samples = host_ms_samples(model, prompt, new_tokens)
+    return sum(samples) / max(len(samples), 1)

@@ -1,10 +1,38 @@
-"""Latency model: replay a routing trace through a two-stream schedule.
+"""Latency model: replay a routing trace through a two-stream schedule, and optionally a
+host thread that issues it.
 
-One copy stream runs host->device expert copies in issue order; one compute stream
-runs each decoder layer's dense work, then its routed experts. Dependencies are the
-runtime's: a layer's experts wait for the copies into the slots they read; a copy into
-a slot waits for the last compute that read the slot (write-after-read); copies are
-issued when their layer has routed (batch 1: routing is on the critical path).
+Host-free (the default, what every published psr figure used): one copy stream runs
+host->device expert copies in issue order; one compute stream runs each decoder layer's
+dense work, then its routed experts. Dependencies are the runtime's: a layer's experts
+wait for the copies into the slots they read; a copy into a slot waits for the last
+compute that read the slot (write-after-read); copies are issued when their layer has
+routed (batch 1: routing is on the critical path). The host costs nothing.
+
+Host-aware (`simulate(..., host=True)` on a trace whose `host` schedule was measured from
+a real decode, psr.eval.host_path.measure_schedule): one host thread replays the
+schedule's ops in order, each at its profile cost, and GPU work cannot start before the
+host issued it:
+  launch   host launch_us (eager) or triton_launch_us; enqueues its GPU work on the
+           compute stream: a decoder layer's dense_ms_per_layer is spread over its
+           dense launches; a MoE layer's expert time over its FFN launches (those after
+           the layer's last sync/h2d/copy/wait/gather/join); any other launch (routing,
+           prediction, sampling) runs small_kernel_us;
+  sync     the host waits until the compute stream is idle, then sync_us;
+  h2d      a launch, then a sync (a tensor built from host data copies synchronously);
+  copy     a store call (store_call_us) issuing the step's host-chosen copies of that
+           kind (`what`: "miss" | "prefetch"; else all) on the copy stream at the host's
+           time, each after the last read of its slot;
+  wait     a store call; the compute stream waits for this layer's copies (acquire);
+  release  a store call (host cost only);
+  gather   a store call launching a device-indexed copy: on the compute stream, the
+           layer's miss copies inline (copy time each); on the side stream (forked from
+           the compute stream: after everything issued to it so far), the next layer's
+           prefetch copies;
+  join     a store call; the compute stream waits for the side stream.
+Each MoE layer adds its Python (python_us_per_layer for the host-driven step,
+device_python_us_per_layer for the device step) spread over its ops; each token adds
+token_us, then the schedule's per-token ops (the loop's sampling and read of the token).
+A token ends when both the host and the compute stream are done with it.
 
 Hardware profiles set the costs of a *modeled* expert (by default OLMoE-1B-7B's,
 3 x 2048 x 1024 bf16 = 12.6 MB), so traces of psr's small embedded model are priced
@@ -16,10 +44,22 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from psr.runtime.trace import Trace
+from psr.runtime.trace import HOST_OP_KINDS, HostOp, HostSchedule, LayerStep, Trace
 
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2
+HOST_FREE = "host-free"
+
+# The host costs every built-in profile uses: the published per-op figures issue 19 cites
+# (~6 us per eager aten op, ~9 us per Triton launch, 12-15 us per sync once the device is
+# idle), a C++ store call, and psr's own Python (measured with psr.eval.host_path on the
+# embedded model; see docs/design.md).
+_HOST_NOTE = (
+    "host: 6 us per eager launch, 9 per Triton launch, 13 per sync (issue 19's published "
+    "figures), 4 per store call, Python 40 us (host step) / 10 us (device step) per MoE "
+    "layer and 40 us per token: the same host for every built-in profile"
+)
 
 
 @dataclass(frozen=True)
@@ -32,15 +72,43 @@ class Profile:
     dense_ms_per_layer: float  # attention, norms, router: per decoder layer
     expert_bytes: int = OLMOE_EXPERT_BYTES
     notes: str = ""
+    # The host (host-aware model only; module docstring).
+    launch_us: float = 6.0  # an eager (aten) op: Python, dispatch, launch
+    triton_launch_us: float = 9.0  # a Triton kernel launch
+    sync_us: float = 13.0  # a host read of device data once the device is idle
+    store_call_us: float = 4.0  # a C++ store call: copies, acquire, release, gather, join
+    python_us_per_layer: float = 40.0  # psr's Python per MoE layer, host-driven step
+    device_python_us_per_layer: float = 10.0  # ... the device (sync-free) step
+    token_us: float = 40.0  # the generation loop's Python per token
+    small_kernel_us: float = 2.0  # GPU time of a routing/prediction/sampling kernel
+    gather_gbps: float | None = None  # device-indexed gathers; None: as h2d copies
+    graph_launch_us: float = 10.0  # replaying one captured decode token (graph mode)
 
     def copy_s(self) -> float:
         return self.expert_bytes / (self.h2d_gbps * 1e9) + self.copy_overhead_us * 1e-6
+
+    def gather_s(self) -> float:
+        """One expert copied by a gather kernel."""
+        if self.gather_gbps is None:
+            return self.copy_s()
+        return self.expert_bytes / (self.gather_gbps * 1e9)
 
     def expert_s(self) -> float:
         return self.expert_bytes / (self.hbm_gbps * 1e9) + self.expert_overhead_us * 1e-6
 
     def dense_s(self) -> float:
         return self.dense_ms_per_layer * 1e-3
+
+    def host_label(self, mode: str) -> str:
+        """How a host-aware result names its host model, e.g.
+        'host-aware(h200 device: 6/9/13 µs)' (eager launch / Triton launch / sync), or for
+        graphs 'host-aware(h200 graph: 10/13 µs)' (graph launch / sync)."""
+        if mode == "graph":
+            return f"host-aware({self.name} graph: {self.graph_launch_us:g}/{self.sync_us:g} µs)"
+        return (
+            f"host-aware({self.name} {mode}: {self.launch_us:g}/{self.triton_launch_us:g}/"
+            f"{self.sync_us:g} µs)"
+        )
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -58,7 +126,8 @@ PROFILES = {
         hbm_gbps=900.0,
         expert_overhead_us=5.0,
         dense_ms_per_layer=0.3,
-        notes="RTX 4090, PCIe 4.0 x16: 0.5 ms per OLMoE expert copy, 0.3 ms dense per layer",
+        notes="RTX 4090, PCIe 4.0 x16: 0.5 ms per OLMoE expert copy, 0.3 ms dense per layer; "
+        + _HOST_NOTE,
     ),
     "h200": Profile(
         "h200",
@@ -67,7 +136,7 @@ PROFILES = {
         hbm_gbps=4000.0,
         expert_overhead_us=4.0,
         dense_ms_per_layer=0.08,
-        notes="H200 (PCIe 5.0 x16 host link, HBM3e): 0.23 ms per OLMoE expert copy",
+        notes="H200 (PCIe 5.0 x16 host link, HBM3e): 0.23 ms per OLMoE expert copy; " + _HOST_NOTE,
     ),
 }
 
@@ -90,13 +159,15 @@ class LatencyResult:
     profile: str
     tokens: int
     ms_per_token: float
-    lower_bound_ms: float  # max(compute, bytes copied / bandwidth) per token
+    lower_bound_ms: float  # max(compute, bytes copied / bandwidth[, host busy]) per token
     compute_ms: float  # per token, no stalls
-    copy_ms: float  # per token, copy stream busy
-    stall_ms: float  # per token, compute waiting on copies
+    copy_ms: float  # per token, copy link busy (copy stream and gathers)
+    stall_ms: float  # per token, compute waiting on (or, gathers, running) copies
     per_token_ms: list[float]
+    host_ms: float = 0.0  # per token, host busy (host-aware model)
+    host_model: str = HOST_FREE  # "host-free" or Profile.host_label
 
-    def as_dict(self, with_tokens: bool = False) -> dict:
+    def as_dict(self, with_tokens: bool = False) -> dict[str, Any]:
         d = asdict(self)
         if not with_tokens:
             d.pop("per_token_ms")
@@ -108,13 +179,18 @@ def simulate(
     profile: str | Profile,
     expert_bytes: int | None = None,
     draft_s: float = 0.0,
+    *,
+    host: bool = False,
 ) -> LatencyResult:
     """Modeled decode latency of `trace` under `profile` (see module docstring).
+
+    `host`: replay the trace's measured host schedule (`trace.host`) on a host thread;
+    without one (or with host=False) the model is host-free.
 
     Speculative traces (`trace.emitted`): each step is a verify block whose dense work is
     priced as one token's (batch-1 weight reads dominate), whose experts are its set, and
     which the drafter's `draft_s` precedes on the compute stream; ms per token divides by
-    the tokens the steps emitted."""
+    the tokens the steps emitted (host-free only)."""
     p = get_profile(profile)
     if trace.bytes_ratio != 1.0:  # a quantized format moves and reads fewer bytes
         p = replace(p, expert_bytes=round(p.expert_bytes * trace.bytes_ratio))
@@ -124,12 +200,24 @@ def simulate(
         )
     if expert_bytes is not None:
         p = replace(p, expert_bytes=expert_bytes)
+    if host and trace.host is not None:
+        if trace.emitted:
+            raise ValueError(
+                "the host-aware model prices decode tokens, not speculative verify blocks; "
+                "simulate this trace with host=False"
+            )
+        return _HostAware(trace, p, trace.host).run()
+    return _host_free(trace, p, draft_s)
+
+
+def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
     t_copy, t_exp, t_dense = p.copy_s(), p.expert_s(), p.dense_s()
     moe_at = {d: i for i, d in enumerate(trace.moe_layers)}
     ready: dict[tuple[int, int], float] = {}  # (layer, slot) -> copy done
     last_read: dict[tuple[int, int], float] = {}  # (layer, slot) -> last reader done
     now = copy_free = 0.0
-    per_token, compute, copy_busy, stall = [], 0.0, 0.0, 0.0
+    per_token: list[float] = []
+    compute = copy_busy = stall = 0.0
     for steps in trace.tokens:
         start = now
         if trace.emitted:
@@ -174,11 +262,278 @@ def simulate(
     )
 
 
+# Ops after which a MoE layer's launches are its FFN (the expert kernels): the last of
+# these in a layer is the last thing before the experts run.
+_BEFORE_FFN = frozenset({"sync", "h2d", "copy", "wait", "gather", "join"})
+_TOKEN_KINDS = frozenset({"launch", "sync", "h2d"})
+_STORE_CALLS = frozenset({"wait", "release", "gather", "join"})  # "copy": when it copies
+
+
+def is_triton(op: HostOp) -> bool:
+    """A Triton launch (named 'triton:<fn>' or, as psr_kernels names them, '<fn>_kernel')
+    rather than an eager aten op."""
+    return op.what.startswith("triton") or op.what.endswith("_kernel")
+
+
+@dataclass(frozen=True)
+class _Op:
+    """A schedule op priced by a profile (seconds)."""
+
+    kind: str
+    host_s: float  # the host's own cost: its share of the layer's Python, launch, store call
+    gpu_s: float = 0.0  # a launch's or gather kernel's own GPU time (not an FFN's)
+    ffn: bool = False  # an FFN launch: carries a share of the layer's expert time
+    what: str = ""
+    side: bool = False  # a gather on the side stream
+
+
+@dataclass(frozen=True)
+class _Plan:
+    ops: tuple[_Op, ...]
+    ffn_launches: int
+
+
+def _plan(ops: list[HostOp], p: Profile, python_s: float, where: str) -> _Plan:
+    """Price a schedule's ops; `python_s` is spread evenly over them."""
+    kinds = _TOKEN_KINDS if where == "token" else frozenset(HOST_OP_KINDS)
+    for o in ops:
+        if o.kind not in kinds:
+            raise ValueError(
+                f"host schedule {where}: op kind {o.kind!r} is not one of "
+                f"{', '.join(sorted(kinds))}"
+            )
+        if o.kind == "gather" and o.stream not in ("compute", "side"):
+            raise ValueError(
+                f"host schedule {where}: a gather's stream is 'compute' or 'side', got {o.stream!r}"
+            )
+    first_ffn = 1 + max((i for i, o in enumerate(ops) if o.kind in _BEFORE_FFN), default=-1)
+    share = python_s / len(ops) if ops else 0.0
+    small = p.small_kernel_us * 1e-6
+    out = []
+    for i, o in enumerate(ops):
+        if o.kind == "launch":
+            ffn = where != "token" and i >= first_ffn
+            cost = p.triton_launch_us if is_triton(o) else p.launch_us
+            out.append(_Op("launch", share + cost * 1e-6, 0.0 if ffn else small, ffn))
+        elif o.kind == "h2d":  # an eager op whose copy the host waits for
+            out.append(_Op("h2d", share + p.launch_us * 1e-6))
+        elif o.kind in _STORE_CALLS:
+            gpu = small if o.kind == "gather" else 0.0
+            out.append(_Op(o.kind, share + p.store_call_us * 1e-6, gpu, side=o.stream == "side"))
+        else:  # sync; copy (its store call is priced when it copies)
+            out.append(_Op(o.kind, share, what=o.what))
+    return _Plan(tuple(out), sum(op.ffn for op in out))
+
+
+class _HostAware:
+    """One host thread issuing a measured schedule to a compute stream, a copy stream
+    (host-issued copies) and a side stream (forked gathers): module docstring."""
+
+    def __init__(self, trace: Trace, p: Profile, sched: HostSchedule) -> None:
+        self.trace, self.p, self.mode = trace, p, sched.mode
+        self.label = p.host_label(sched.mode)
+        self.lead_s = 0.0  # host time before a token's GPU work can start
+        if sched.mode == "graph":
+            # The GPU replays the captured ops in their order; the host pays the loop's
+            # Python and one graph launch before the token's work, and its read after.
+            self.lead_s = (p.token_us + p.graph_launch_us) * 1e-6
+            p = replace(
+                p,
+                launch_us=0.0,
+                triton_launch_us=0.0,
+                store_call_us=0.0,
+                device_python_us_per_layer=0.0,
+                token_us=0.0,
+            )
+            self.p = p
+        py = p.python_us_per_layer if sched.mode == "host" else p.device_python_us_per_layer
+        self.layer_plan = _plan(sched.moe_layer, p, py * 1e-6, "moe_layer")
+        last = sched.last_moe_layer or sched.moe_layer
+        self.last_plan = _plan(last, p, py * 1e-6, "last_moe_layer")
+        self.token_plan = _plan(sched.token, p, 0.0, "token")
+        # A decoder layer's dense part: k launches of equal host cost and GPU time.
+        dl = sched.dense_launches
+        if dl < 0:
+            raise ValueError(f"host schedule: dense_launches must be >= 0, got {dl}")
+        self.dense_k = max(1, round(dl))
+        self.dense_c = dl * p.launch_us * 1e-6 / self.dense_k
+        self.dense_g = p.dense_s() / self.dense_k
+        self.t_copy, self.t_gather, self.t_exp = p.copy_s(), p.gather_s(), p.expert_s()
+        # Clocks: the host, the compute stream, the copy stream, the side stream.
+        self.h = self.cf = self.copy_free = self.sf = 0.0
+        self.ready: dict[tuple[int, int], float] = {}  # (layer, slot) -> copy done
+        self.last_read: dict[tuple[int, int], float] = {}  # (layer, slot) -> reader done
+        self.host_busy = self.compute = self.copy_busy = self.stall = 0.0
+
+    def _host(self, s: float) -> None:
+        self.h += s
+        self.host_busy += s
+
+    def _sync(self) -> None:
+        """The host waits for the compute stream to drain, then reads."""
+        self.h = max(self.h, self.cf)
+        self._host(self.p.sync_us * 1e-6)
+
+    def _compute_waits(self, done: float) -> None:
+        """The compute stream waits for an event that completes at `done`."""
+        idle_from = max(self.cf, self.h)  # nothing it could run before the host issues it
+        if done > idle_from:
+            self.stall += done - idle_from
+        self.cf = max(self.cf, done)
+
+    def _dense(self) -> None:
+        k, c, g = self.dense_k, self.dense_c, self.dense_g
+        # k equal launches (host c, GPU g each) in closed form: the last one ends after the
+        # stream's queue, the first launch's issue or the last launch's issue, plus its work.
+        self.cf = max(self.cf + k * g, self.h + c + k * g, self.h + k * c + g)
+        self._host(k * c)
+        self.compute += k * g
+
+    def _host_copies(self, step: LayerStep, kinds: tuple[str, ...], done: set[str]) -> None:
+        """One store call issuing the step's copies of `kinds` on the copy stream now."""
+        todo = [c for c in step.copies if c.kind in kinds and c.kind not in done]
+        done.update(kinds)
+        if not todo:
+            return
+        self._host(self.p.store_call_us * 1e-6)
+        for c in todo:
+            key = (c.layer, c.slot)
+            begin = max(self.copy_free, self.h, self.last_read.get(key, 0.0))
+            self.copy_free = begin + self.t_copy
+            self.copy_busy += self.t_copy
+            self.ready[key] = self.copy_free
+
+    def _gather(self, op: _Op, step: LayerStep, done: set[str]) -> None:
+        kind = "prefetch" if op.side else "miss"
+        copies = [c for c in step.copies if c.kind == kind]
+        done.add(kind)
+        busy = len(copies) * self.t_gather
+        self.copy_busy += busy
+        if op.side:  # forked from the compute stream: after everything issued to it
+            self.sf = max(self.sf, self.h, self.cf) + op.gpu_s + busy
+            end = self.sf
+        else:  # inline on the compute stream: the copies are its stall
+            self.cf = max(self.cf, self.h) + op.gpu_s + busy
+            self.compute += op.gpu_s
+            self.stall += busy
+            end = self.cf
+        for c in copies:
+            self.ready[(c.layer, c.slot)] = end
+
+    def _layer(self, m: int, step: LayerStep, plan: _Plan) -> None:
+        ffn_total = len(step.experts) * self.t_exp
+        ffn_g = ffn_total / plan.ffn_launches if plan.ffn_launches else 0.0
+        done: set[str] = set()
+        for op in plan.ops:
+            self._host(op.host_s)
+            kind = op.kind
+            if kind == "launch":
+                self.cf = max(self.cf, self.h) + (ffn_g if op.ffn else op.gpu_s)
+                self.compute += 0.0 if op.ffn else op.gpu_s
+            elif kind in ("sync", "h2d"):
+                self._sync()
+            elif kind == "copy":
+                kinds = (op.what,) if op.what in ("miss", "prefetch") else ("miss", "prefetch")
+                self._host_copies(step, kinds, done)
+            elif kind == "wait":
+                # Copies the schedule did not issue (its measured token had none there) are
+                # issued by the acquire at the latest.
+                self._host_copies(step, ("miss", "prefetch"), done)
+                need = max((self.ready.get((m, s), 0.0) for s in step.slots), default=0.0)
+                self._compute_waits(need)
+            elif kind == "gather":
+                self._gather(op, step, done)
+            elif kind == "join":
+                self._compute_waits(self.sf)
+            # release: the store call only
+        if not plan.ffn_launches:  # no FFN launch in the schedule: the experts run here
+            self.cf = max(self.cf, self.h) + ffn_total
+        self.compute += ffn_total
+        for s in step.slots:
+            self.last_read[(m, s)] = self.cf
+        missing = [c for c in step.copies if c.kind not in done]
+        if missing:
+            raise ValueError(
+                f"host schedule ({self.mode} step) issues no {missing[0].kind} copies at MoE "
+                f"layer {m}, but the trace has {len(missing)} there"
+            )
+
+    def _token_ops(self) -> None:
+        self._host(self.p.token_us * 1e-6)
+        for op in self.token_plan.ops:
+            self._host(op.host_s)
+            if op.kind == "launch":
+                self.cf = max(self.cf, self.h) + op.gpu_s
+                self.compute += op.gpu_s
+            else:  # sync, h2d
+                self._sync()
+
+    def run(self) -> LatencyResult:
+        trace, p = self.trace, self.p
+        moe_at = {d: i for i, d in enumerate(trace.moe_layers)}
+        last_m = len(trace.moe_layers) - 1
+        per_token: list[float] = []
+        end = 0.0
+        for steps in trace.tokens:
+            by_layer = {s.layer: s for s in steps}
+            self._host(self.lead_s)
+            for d in range(trace.num_decoder_layers):
+                self._dense()
+                m = moe_at.get(d)
+                if m is None:
+                    continue
+                step = by_layer.get(m)
+                if step is None:
+                    raise ValueError(f"trace token {len(per_token)} has no step for MoE layer {m}")
+                self._layer(m, step, self.last_plan if m == last_m else self.layer_plan)
+            self._token_ops()
+            new_end = max(self.h, self.cf)  # the token is done on the host and the device
+            per_token.append((new_end - end) * 1e3)
+            end = new_end
+        n = max(len(trace.tokens), 1)
+        comp, copy, busy = (x / n * 1e3 for x in (self.compute, self.copy_busy, self.host_busy))
+        return LatencyResult(
+            profile=p.name,
+            tokens=len(trace.tokens),
+            ms_per_token=sum(per_token) / n,
+            lower_bound_ms=max(comp, copy, busy),
+            compute_ms=comp,
+            copy_ms=copy,
+            stall_ms=self.stall / n * 1e3,
+            per_token_ms=per_token,
+            host_ms=busy,
+            host_model=self.label,
+        )
+
+
+# Host figures a GPU run can measure (the Profile fields of the same names).
+HOST_KEYS = (
+    "graph_launch_us",
+    "launch_us",
+    "triton_launch_us",
+    "sync_us",
+    "store_call_us",
+    "python_us_per_layer",
+    "device_python_us_per_layer",
+    "token_us",
+    "small_kernel_us",
+    "gather_gbps",
+)
+_DEVICE_KEYS = ("h2d_gbps", "expert_ms", "dense_ms_per_layer", "expert_bytes")
+
+
 def calibrate(name: str, measured: dict[str, float], base: str | Profile = "h200") -> Profile:
     """A profile from measured GPU figures: keys h2d_gbps, expert_ms, dense_ms_per_layer,
-    expert_bytes (any subset; the rest from `base`)."""
+    expert_bytes, and the host's HOST_KEYS (launch_us, sync_us, ...), any subset; the rest
+    from `base`."""
+    unknown = sorted(set(measured) - set(_DEVICE_KEYS) - set(HOST_KEYS))
+    if unknown:
+        raise ValueError(
+            f"calibrate: unknown measured figure(s) {', '.join(unknown)}; "
+            f"known: {', '.join(_DEVICE_KEYS + HOST_KEYS)}"
+        )
     p = get_profile(base)
-    kw: dict = {"name": name, "notes": f"calibrated from a measured run (base {p.name})"}
+    kw: dict[str, Any] = {"name": name, "notes": f"calibrated from a measured run (base {p.name})"}
     eb = int(measured.get("expert_bytes", p.expert_bytes))
     kw["expert_bytes"] = eb
     if "h2d_gbps" in measured:
@@ -189,6 +544,13 @@ def calibrate(name: str, measured: dict[str, float], base: str | Profile = "h200
         kw["expert_overhead_us"] = 0.0
     if "dense_ms_per_layer" in measured:
         kw["dense_ms_per_layer"] = measured["dense_ms_per_layer"]
+    host = {k: float(measured[k]) for k in HOST_KEYS if k in measured}
+    for k, v in host.items():
+        if not v >= 0 or (k == "gather_gbps" and v == 0):
+            raise ValueError(f"calibrate: {k} must be a number >= 0 (gather_gbps > 0), got {v}")
+    if host:
+        kw["notes"] += f"; host measured: {', '.join(sorted(host))}"
+    kw.update(host)
     return replace(p, **kw)
 
 

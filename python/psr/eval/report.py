@@ -43,11 +43,41 @@ def has_quality(results: list[dict[str, Any]]) -> bool:
     return any("delta_nll" in r for r in results)
 
 
+def has_host_aware(results: list[dict[str, Any]]) -> bool:
+    """Some result carries host-aware modeled latency (`latency_host`)."""
+    return any(r.get("latency_host") for r in results)
+
+
+def host_note(results: list[dict[str, Any]]) -> str:
+    """What the tables' host-free and host-aware columns mean, naming the host models the
+    results used ('' when none is host-aware)."""
+    labels = sorted(
+        {lat["host_model"] for r in results for lat in (r.get("latency_host") or {}).values()}
+    )
+    if not labels:
+        return ""
+    return (
+        "ms/tok (host-free): copies and compute only, the host free (the model every earlier "
+        "psr figure used); ms/tok (host-aware): the same trace with each configuration's "
+        "measured decode schedule replayed on one host thread that launches every kernel, "
+        f"makes every sync and store call in order: {', '.join(labels)} "
+        "(eager launch / Triton launch / sync)"
+    )
+
+
 def markdown_table(
     results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES
 ) -> str:
+    host = has_host_aware(results)
+    p0 = profiles[0]
     cols = ["residency", "policy", "misses/tok", "hit rate", "prefetch used"]
-    cols += [f"{p} ms/tok" for p in profiles] + [f"speedup ({profiles[0]})", "greedy agree"]
+    cols += [f"{p} ms/tok (host-free)" for p in profiles]
+    if host:
+        cols += [f"{p} ms/tok (host-aware)" for p in profiles]
+    cols += [f"speedup ({p0}, host-free)"]
+    if host:
+        cols += [f"speedup ({p0}, host-aware)"]
+    cols += ["greedy agree"]
     has_nll = has_quality(results)
     has_cloze = any("delta_cloze_pts" in r for r in results)
     if has_nll:
@@ -66,10 +96,12 @@ def markdown_table(
             used,
         ]
         row += [f"{r['latency'][p]['ms_per_token']:.2f}" for p in profiles]
-        row += [
-            f"{r['speedup'][profiles[0]]:.2f}x" if profiles[0] in r.get("speedup", {}) else "-",
-            f"{r['greedy_agreement']:.2f}" if r.get("greedy_agreement") is not None else "-",
-        ]
+        aware = r.get("latency_host") or {}
+        if host:
+            row += [f"{aware[p]['ms_per_token']:.2f}" if p in aware else "-" for p in profiles]
+        speedups = [r.get("speedup", {})] + ([r.get("speedup_host", {})] if host else [])
+        row += [f"{sp[p0]:.2f}x" if p0 in sp else "-" for sp in speedups]
+        row.append(f"{r['greedy_agreement']:.2f}" if r.get("greedy_agreement") is not None else "-")
         for key, on in (("delta_nll", has_nll), ("delta_cloze_pts", has_cloze)):
             if on:
                 d = r.get(key)
@@ -102,7 +134,10 @@ def save(
     ]
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
     paths["json"].write_text(json.dumps({"results": slim, **(extra or {})}, indent=1))
-    paths["md"].write_text(markdown_table(results, profiles) + "\n")
+    note = host_note(results)
+    paths["md"].write_text(
+        markdown_table(results, profiles) + "\n" + (f"\n{note}\n" if note else "")
+    )
     plots.plot(results, paths["png"], profiles, budget=budget)
     if has_quality(results):
         paths["frontier"] = out / f"{name}_frontier.png"

@@ -27,8 +27,16 @@ from psr.eval.defaults import (
     WINDOW_TOKENS,
     WINDOWS,
 )
-from psr.eval.harness import EvalData, RunConfig, compare, run_config
-from psr.eval.report import markdown_table, save
+from psr.eval.harness import (
+    EvalData,
+    RunConfig,
+    ScheduleJob,
+    add_host_latency,
+    compare,
+    run_config,
+    schedule_prompt,
+)
+from psr.eval.report import host_note, markdown_table, save
 from psr.models.embedded import DEFAULT_MODEL
 from psr.points import operating_points, operating_points_with_source, write_operating_points
 from psr.policy import DEFAULT_N, Policy, make_policy, standard_policies
@@ -76,10 +84,24 @@ def run_all(
     desc: str,
     profiles: Sequence[str] = DEFAULT_PROFILES,
     progress: bool = True,
+    host: bool = False,
 ) -> list[dict[str, Any]]:
+    """Every configuration through `run_config`, then `compare`. `host`: each one's decode
+    schedule measured (measure_schedules) and its latency modeled host-aware too."""
+    # Measured first: in a child process (a CPU without Triton) beside the scoring.
+    job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
     results = []
-    for rc in tqdm(configs, desc=desc, disable=not progress):
-        results.append(run_config(path, rc, data, profiles, progress=progress))
+    try:
+        for rc in tqdm(configs, desc=desc, disable=not progress):
+            results.append(run_config(path, rc, data, profiles, progress=progress))
+    except BaseException:
+        if job is not None:
+            job.cancel()
+        raise
+    if job is not None:
+        schedules = job.result()
+        for rc, r in zip(configs, results, strict=True):
+            add_host_latency(r, schedules[rc], profiles)
     compare(results, profiles)
     return results
 
@@ -126,14 +148,15 @@ def demo(
     psr_rows = [rc for rc in configs if rc.policy.name == "psr"]
     for rc in psr_rows:
         configs.insert(configs.index(rc) + 1, RunConfig(rc.policy, rc.residency, "int8"))
-    results = run_all(path, configs, data, "psr demo", progress=progress)
+    results = run_all(path, configs, data, "psr demo", progress=progress, host=True)
     extra = {"model": path, "data": describe(data), "operating_points": sources}
     paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
     print(f"psr demo: embedded model ({path})")
     print(f"measured on {describe(data)}")
     print(f"operating points: {'; '.join(sources)}")
-    print("latency modeled for an OLMoE-1B-7B-sized expert\n")
+    print("latency modeled for an OLMoE-1B-7B-sized expert, host-free and host-aware\n")
     print(markdown_table(results))
+    print(f"\n{host_note(results)}")
     written = ", ".join(str(v) for v in paths.values())
     print(f"\nwrote {written} ({time.time() - t0:.0f} s)")
     return results
@@ -163,10 +186,11 @@ def evaluate(
         gen_tokens=gen_tokens,
         cloze=cloze,
     )
-    results = run_all(path, configs, data, "psr eval", progress=progress)
+    results = run_all(path, configs, data, "psr eval", progress=progress, host=True)
     paths = save(results, out, "eval", {"model": path, "data": describe(data)}, traces=traces)
     print(f"measured on {describe(data)}\n")
     print(markdown_table(results))
+    print(f"\n{host_note(results)}")
     print(f"\nwrote {', '.join(str(v) for v in paths.values())}")
     return results
 
@@ -388,7 +412,10 @@ def tune(
     }
     written = write_operating_points(path, chosen, meta, write)
     save(replicated, f"{out}/replicate", "replicate", {"model": path, **meta}, profiles)
-    print(f"\noperating points (selected on A, replicated on B, budget {budget} nats/token):")
+    print(
+        f"\noperating points (selected on A, replicated on B, budget {budget} nats/token; "
+        f"speedups modeled host-free on {profile}):"
+    )
     for row in log:
         print(
             f"  {row['residency']:.1%} {row['policy']:<22} A: {row['A']['mean']:+.4f} "

@@ -62,6 +62,17 @@ class HostSchedule:
     dense_launches: float = 0.0  # eager launches per decoder layer outside the MoE path
     token: list[HostOp] = field(default_factory=list)  # per token outside the layers
 
+    def as_graph(self) -> HostSchedule:
+        """The same GPU work replayed as one captured graph per token (runtime/graphs.py):
+        a device-step schedule whose ops the GPU replays in order, with the host's work
+        per token one graph launch and the read of the new token."""
+        if self.mode != "device":
+            raise ValueError(f"only the device step is captured in graphs, not {self.mode!r}")
+        token = [HostOp("launch", "graph"), HostOp("sync", "token")]
+        return HostSchedule(
+            "graph", self.moe_layer, self.last_moe_layer, self.dense_launches, token
+        )
+
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> HostSchedule:
         ops = {

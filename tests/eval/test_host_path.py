@@ -1,0 +1,162 @@
+"""psr.eval.host_path: the host's work per decode token, as HostProbe logs it and as the
+HostSchedule the latency model replays. The sync-free step's MoE layer is exactly the
+router GEMV, the fused decode kernel, the join, the miss and prefetch gathers and the two
+FFN kernels on the Triton path; the host-driven step reads, builds host tensors and
+issues store copies; both share the dense part and the loop; schedules survive Trace
+JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model, write_checkpoint
+
+import psr
+from psr.eval.host_path import HostProbe, measure_schedule, merge_ops, op_rates
+from psr.runtime.trace import HostOp, HostSchedule, Trace
+from psr.store import ExpertStore
+
+PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
+EMBEDDED_PROMPT = torch.tensor([[5, 17, 33, 2, 9]])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("host_path") / "olmoe")
+
+
+def _model(which: str, tiny: Path, decode: str, compute: str) -> psr.OffloadedModel:
+    if which == "tiny":
+        return psr.load(
+            tiny, "psr", 0.5, lam=0.5, n=2, decode=decode, compute=compute, progress=False
+        )
+    return psr.load(
+        psr.DEFAULT_MODEL,
+        "psr",
+        0.5,
+        lam=0.1,
+        n=2,
+        dtype="float32",
+        decode=decode,
+        compute=compute,
+        progress=False,
+    )
+
+
+def _ops(ops: list[HostOp]) -> list[tuple[str, str, str]]:
+    return [(o.kind, o.what, o.stream) for o in ops]
+
+
+@pytest.mark.parametrize("which", ["tiny", pytest.param("embedded", marks=pytest.mark.slow)])
+def test_device_and_host_schedules_on_the_triton_path(tiny, which) -> None:
+    prompt = PROMPT if which == "tiny" else EMBEDDED_PROMPT
+    dev = _model(which, tiny, "device", "triton")
+    assert dev.runtime.ops.path == "triton"
+    sd = measure_schedule(dev, prompt, new_tokens=3)
+    ffn = [("launch", "_gate_up_kernel", "compute"), ("launch", "_down_kernel", "compute")]
+    head = [("launch", "mm", "compute"), ("launch", "_decode_kernel", "compute")]
+    assert sd.mode == "device"
+    assert _ops(sd.moe_layer) == [
+        *head,
+        ("join", "", "compute"),
+        ("gather", "miss", "compute"),
+        ("gather", "prefetch", "side"),
+        *ffn,
+    ]
+    assert _ops(sd.last_moe_layer) == [
+        *head,
+        ("join", "", "compute"),
+        ("gather", "miss", "compute"),
+        *ffn,
+    ]
+
+    host = _model(which, tiny, "host", "triton")
+    sh = measure_schedule(host, prompt, new_tokens=4 if which == "tiny" else 3)
+    kinds = [o.kind for o in sh.moe_layer]
+    assert sh.mode == "host"
+    assert kinds.count("sync") >= 3 and "h2d" in kinds  # mask, ids, prediction reads
+    assert "copy" in kinds and kinds.index("wait") < kinds.index("release")
+    assert not any(o.kind in ("gather", "join") for o in sh.moe_layer)
+
+    # The dense part and the loop do not depend on the decode step.
+    assert sd.dense_launches > 0 and sd.dense_launches == sh.dense_launches
+    for s in (sd, sh):
+        assert [(o.kind, o.what.split(" @ ")[0]) for o in s.token] == [
+            ("launch", "argmax"),
+            ("launch", "cat"),
+            ("sync", "__int__"),
+        ]
+        assert "python/psr/runtime/generate.py:" in s.token[-1].what
+
+
+def test_torch_path_counts_and_probe_cleanup(tiny) -> None:
+    """The torch path's device step: no read or host-built tensor anywhere in the MoE
+    path, the store calls in the device step's order; per-token counts agree with the
+    schedule; the probe undoes every patch."""
+    model = _model("tiny", tiny, "device", "torch")
+    rt, hf_forward = model.runtime, model.hf.forward
+    gather = ExpertStore.gather
+    with HostProbe(model) as probe:
+        want = model.generate(PROMPT, max_new_tokens=5)
+    assert probe.modes == ["device"] * 4
+    assert probe.uniform() == {"moe_layer": True, "last_moe_layer": True, "token": True}
+    s = probe.schedule()
+    for ops in (s.moe_layer, s.last_moe_layer):
+        assert not any(o.kind in ("sync", "h2d", "copy", "wait", "release") for o in ops)
+    store_ops = [(o.kind, o.stream) for o in s.moe_layer if o.kind != "launch"]
+    assert store_ops == [("join", "compute"), ("gather", "compute"), ("gather", "side")]
+    pt = probe.per_token(first=1)
+    layers = len(rt.layers)
+    per_layer = [len(s.moe_layer)] * (layers - 1) + [len(s.last_moe_layer)]
+    assert pt["kernels"] + pt["store_calls"] - pt["gathers"] == sum(per_layer)
+    assert pt["reads"] == 0 and pt["h2d"] == 0 and pt["token_reads"] == 1
+    assert pt["dense_kernels"] == s.dense_launches * rt.num_decoder_layers
+    assert probe.read_sites("token", first=1).total() == pt["tokens"]
+
+    assert ExpertStore.gather is gather and model.hf.forward == hf_forward
+    assert "route" not in vars(rt) and "experts" not in vars(rt)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=5), want)
+
+
+def test_schedule_round_trips_through_trace_json(tiny, tmp_path) -> None:
+    model = _model("tiny", tiny, "host", "torch")
+    schedule = measure_schedule(model, PROMPT, new_tokens=4)
+    rec = model.record_trace()
+    model.generate(PROMPT, max_new_tokens=4)
+    trace = rec.trace
+    trace.host = schedule
+    trace.save(tmp_path / "t.json")
+    back = Trace.load(tmp_path / "t.json")
+    assert back.host == schedule and back.tokens == trace.tokens
+    assert HostSchedule.from_json(json.loads(json.dumps(trace.to_json()))["host"]) == schedule
+    assert Trace.from_json({**trace.to_json(), "host": None}).host is None
+
+
+def test_merge_keeps_every_cells_ops_in_order() -> None:
+    a, b = HostOp("launch", "mm"), HostOp("launch", "bmm")
+    miss, pre = HostOp("copy", "miss"), HostOp("copy", "prefetch")
+    cells = [[a, miss, b], [a, b, pre], [a, b]]
+    merged = merge_ops(cells)
+    assert merged == [a, miss, b, pre]
+    assert op_rates(merged, cells) == [1.0, 1 / 3, 1.0, 1 / 3]
+    assert merge_ops([[a, b], [a, b]]) == [a, b]
+    side = HostOp("gather", "prefetch", "side")
+    assert merge_ops([[a, side], [a, HostOp("gather", "prefetch")]]) == [
+        a,
+        side,
+        HostOp("gather", "prefetch"),
+    ]
+
+
+def test_schedule_needs_a_decode_forward_after_the_first(tiny) -> None:
+    model = _model("tiny", tiny, "device", "torch")
+    with HostProbe(model) as probe:
+        model.generate(PROMPT, max_new_tokens=2)
+    assert len(probe.steps) == 1
+    with pytest.raises(ValueError, match="decode at least 3 new tokens"):
+        probe.schedule()
+    with pytest.raises(ValueError, match=">= 3"):
+        measure_schedule(model, PROMPT, new_tokens=2)
