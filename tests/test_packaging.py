@@ -145,16 +145,22 @@ def test_cuda_mode(setup_py: ModuleType, env: dict[str, str], mode: str) -> None
 
 
 @pytest.mark.parametrize(
-    "env",
+    ("env", "match"),
     [
-        {"PSR_CUDA": "maybe"},
-        {"PSR_CUDA": "1", "PSR_SKIP_CUDA_BUILD": "1"},
-        {"PSR_CUDA": "0", "PSR_FORCE_CUDA": "1"},
-        {"PSR_SKIP_CUDA_BUILD": "1", "PSR_FORCE_CUDA": "1"},
+        ({"PSR_CUDA": "maybe"}, r"PSR_CUDA='maybe': expected auto, 0 or 1"),
+        (
+            {"PSR_CUDA": "1", "PSR_SKIP_CUDA_BUILD": "1"},
+            r"^PSR_CUDA=1 contradicts PSR_SKIP_CUDA_BUILD=1$",
+        ),
+        ({"PSR_CUDA": "0", "PSR_FORCE_CUDA": "1"}, r"^PSR_CUDA=0 contradicts PSR_FORCE_CUDA=1$"),
+        (
+            {"PSR_SKIP_CUDA_BUILD": "1", "PSR_FORCE_CUDA": "1"},
+            r"^PSR_SKIP_CUDA_BUILD=1 \(alias of PSR_CUDA=0\) contradicts PSR_FORCE_CUDA=1$",
+        ),
     ],
 )
-def test_cuda_mode_rejects(setup_py: ModuleType, env: dict[str, str]) -> None:
-    with pytest.raises(ValueError):
+def test_cuda_mode_rejects(setup_py: ModuleType, env: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
         setup_py.cuda_mode(env)
 
 

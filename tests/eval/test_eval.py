@@ -92,7 +92,7 @@ def test_runs_compare_and_save(ckpt, tmp_path) -> None:
     # Counts and the modeled latency come from the scored (likelihood) stream itself.
     assert ps["stats"]["tokens"] == data.scored_tokens == 3 * (40 - 16)
     assert ps["latency"]["rtx4090"]["tokens"] == data.scored_tokens
-    assert ps["stats"]["misses"] <= ex["stats"]["misses"]
+    assert ps["stats"]["misses"] < ex["stats"]["misses"]  # lam=0.8 steers toward the cache
     # Speedup is the ratio of the two modeled latencies.
     assert ps["speedup"]["h200"] == pytest.approx(
         ex["latency"]["h200"]["ms_per_token"] / ps["latency"]["h200"]["ms_per_token"]

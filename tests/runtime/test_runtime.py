@@ -261,9 +261,14 @@ def test_offload_swaps_blocks_in_place_and_hf_generate_still_works(references) -
 
 def test_sampling_is_seeded(ckpts) -> None:
     model = load(ckpts["olmoe", "per_expert"], "psr")
-    a = model.generate(PROMPT, 6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=3)
-    b = model.generate(PROMPT, 6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=3)
+    kw = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9)
+    a = model.generate(PROMPT, 6, seed=3, **kw)
+    b = model.generate(PROMPT, 6, seed=3, **kw)
     assert a.tolist() == b.tolist()
+    # It samples, from the seed: greedy decoding or an ignored seed would give one sequence.
+    runs = {tuple(model.generate(PROMPT, 6, seed=s, **kw)[0].tolist()) for s in range(4)}
+    runs.add(tuple(model.generate(PROMPT, 6)[0].tolist()))
+    assert len(runs) == 5
 
 
 # --- bad input ---------------------------------------------------------------------------
