@@ -87,14 +87,39 @@ def test_serve_takes_generates_load_options_and_defaults() -> None:
 def test_bench_serve_prints_its_table(tmp_path, capsys) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench", "serve", "--dtype", "float32", "--requests", "2", "--max-tokens", "4"]
-    code, text, _ = run([*argv, "--json", str(out), "--quiet"], capsys)
+    code, text, _ = run([*argv, "--rounds", "2", "--json", str(out), "--quiet"], capsys)
     assert code == 0
-    assert "| model.generate | 4 | " in text
+    assert "| model.generate | 8 | " in text  # 2 rounds x (before + after) x 2 prompts
     for row in ("server, sequential", "server, 2 concurrent"):
-        assert f"| {row} | 2 | " in text
+        assert f"| {row} | 4 | " in text
+    assert "with a Student-t 95% interval over the 2 rounds" in text
     assert "greedy outputs equal to model.generate, token for token: yes" in text
     result = json.loads(Path(out).read_text())
     assert result["greedy_equal"] is True
-    ref, seq, conc = result["runs"]
-    assert ref["tokens"] == 2 * seq["tokens"] == 2 * conc["tokens"]  # generate: before and after
-    assert len(seq["outputs"]) == 2 and seq["outputs"] == conc["outputs"] == ref["outputs"][:2]
+    assert len(result["rounds"]) == 2
+    for ref, seq, conc in result["rounds"]:
+        assert ref["tokens"] == 2 * seq["tokens"] == 2 * conc["tokens"]  # before and after
+        assert len(seq["outputs"]) == 2 and seq["outputs"] == conc["outputs"] == ref["outputs"][:2]
+    for name in ("server, sequential", "server, 2 concurrent"):
+        o = result["overheads"][name]
+        assert len(o["rounds"]) == 2 and o["lo"] < o["mean"] < o["hi"]
+        assert o["mean"] == pytest.approx(sum(o["rounds"]) / 2)
+        # the row shows the same figures
+        assert f"| {o['mean'] * 100:+.1f}% [{o['lo'] * 100:+.1f}, {o['hi'] * 100:+.1f}] |" in text
+
+
+def test_bench_overhead_interval_is_student_t_over_rounds() -> None:
+    from psr.serve.bench import Overhead
+
+    one = Overhead.of([0.04])
+    assert (one.mean, one.lo, one.hi, str(one)) == (0.04, None, None, "+4.0%")
+    two = Overhead.of([0.01, 0.03])
+    # t(0.975, 1 df) = 12.7062; sd = 0.01 * sqrt(2); half = t * sd / sqrt(2) = 0.127062
+    assert two.mean == pytest.approx(0.02)
+    assert (two.lo, two.hi) == (
+        pytest.approx(0.02 - 0.127062, abs=1e-6),
+        pytest.approx(0.02 + 0.127062, abs=1e-6),
+    )
+    five = Overhead.of([0.02, 0.03, 0.01, 0.02, 0.02])  # t(0.975, 4 df) = 2.7764
+    assert five.hi - five.mean == pytest.approx(2.7764 * 0.0070711 / 5**0.5, rel=1e-4)
+    assert str(five) == "+2.0% [+1.1, +2.9]"

@@ -85,6 +85,13 @@ def add_bench_serve(bsub: Any) -> None:
     b.add_argument("--requests", type=positive_int, default=8, help="prompts (N)")
     b.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request")
     b.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=3,
+        help="repeat the three runs R times; the overhead gets a 95%% interval over rounds "
+        "(R >= 2)",
+    )
+    b.add_argument(
         "--json", default=None, help="also write the result as JSON here (default: no JSON)"
     )
     b.add_argument("--quiet", action="store_true", help=QUIET_HELP)
@@ -184,7 +191,13 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from psr.serve.bench import bench_serve
 
     model = load(path, **load_options(args), progress=progress(args))
-    result = bench_serve(model, requests=args.requests, max_tokens=args.max_tokens)
+    result = bench_serve(
+        model,
+        requests=args.requests,
+        max_tokens=args.max_tokens,
+        rounds=args.rounds,
+        progress=progress(args),
+    )
     print(result.table())
     if out is not None:
         out.write_text(json.dumps(result.as_dict(), indent=2))

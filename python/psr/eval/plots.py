@@ -1,12 +1,13 @@
 """Figures of evaluation results, drawn with matplotlib's object API on the Agg canvas (no
 pyplot state, no backend switch); the tables and JSON files are `psr.eval.report`'s.
 
-* `plot` (`name.png`): modeled ms/token per policy as horizontal bars grouped by residency,
-  the speedup vs exact written on each bar; beside it, when the results carry Δ nats/token,
-  the latency-quality frontier panel.
-* `plot_frontier` (`name_frontier.png`): two panels, modeled ms/token and expert misses/token
-  against Δ nats/token vs exact with 95% CI error bars, a Pareto front per residency (step line
-  through its non-dominated points, ringed), a vertical line at Δ = 0 and the quality budget.
+* `plot` (`name.png`): modeled host-free ms/token per policy as horizontal bars grouped by
+  residency, the speedup vs exact written on each bar; beside it, when the results carry
+  Δ nats/token, the latency-quality frontier panel.
+* `plot_frontier` (`name_frontier.png`): two panels, modeled host-free ms/token and expert
+  misses/token against Δ nats/token vs exact with 95% CI error bars, a Pareto front per
+  residency (step line through its non-dominated points, ringed), a vertical line at Δ = 0
+  and the quality budget.
 
 Only the points on a front are labelled; labels are placed greedily where they overlap no
 marker and no other label, and when that is impossible the figure switches to numbers with a
@@ -97,7 +98,7 @@ def overview_figure(
         qax = fig.add_subplot(gs[0, 1])
         fronts = _frontier_panel(qax, results, profile, "ms", budget, xscale)
         panels.append((qax, "ms", profile, fronts))
-    title = f"psr: modeled decode latency on {profile}"
+    title = f"psr: modeled decode latency on {profile} (host-free)"
     _finish(fig, results, panels, budget, title + (" and its quality cost" if quality else ""))
     return fig
 
@@ -205,7 +206,7 @@ def _bars(ax, results: list[dict[str, Any]], profile: str, fontsize: float = 8.5
     ax.tick_params(axis="y", length=0)
     ax.set_ylim(y - 0.4, -0.8)
     ax.set_xlim(0, top * 1.3)
-    ax.set_xlabel(f"modeled ms/token on {profile} (lower is better)")
+    ax.set_xlabel(f"modeled ms/token on {profile}, host-free (lower is better)")
     ax.set_title(f"decode latency, speedup vs exact at the same residency ({profile})", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
@@ -296,8 +297,8 @@ def _frontier_panel(
     ax.set_ylim(y0, y1)
     ax.set_xlabel(DELTA_LABEL)
     if metric == "ms":
-        ax.set_ylabel(f"modeled ms/token on {profile}")
-        ax.set_title(f"modeled decode latency ({profile}) vs quality", fontsize=10)
+        ax.set_ylabel(f"modeled ms/token on {profile}, host-free")
+        ax.set_title(f"modeled decode latency ({profile}, host-free) vs quality", fontsize=10)
     else:
         ax.set_ylabel("expert misses/token")
         ax.set_title("expert misses vs quality", fontsize=10)

@@ -201,7 +201,7 @@ def markdown(rows: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFI
         "slots",
         "accepted / block",
         "copies / token",
-        f"{p0} ms/tok",
+        f"{p0} ms/tok (host-free)",
         "vs exact",
         "vs best AR",
         "Δ nats/tok [95% CI]",

@@ -10,6 +10,10 @@ run in a process of their own (one asyncio loop), as real clients do. Time to fi
 from the call (request sent) to the first token; ms/token is the median over requests
 of the mean time between a request's consecutive tokens; overhead/token compares it with
 model.generate's.
+The three are repeated in R rounds (A B C A per round). Each round pairs its server runs
+with the model.generate calls around them, so a drift in the machine's speed cancels;
+the overhead is the mean of the rounds' overheads with a Student-t 95% interval over
+rounds (R >= 2).
 Every greedy output must equal model.generate's, token for token.
 """
 
@@ -72,25 +76,73 @@ class Run:
         return statistics.median(self.ms_per_token) if self.ms_per_token else float("nan")
 
 
+@dataclass(frozen=True)
+class Overhead:
+    """A server run's overhead per token against model.generate's, over rounds: the mean
+    of the rounds' relative differences, with a Student-t 95% interval (None: 1 round)."""
+
+    mean: float
+    lo: float | None
+    hi: float | None
+    rounds: list[float]
+
+    @classmethod
+    def of(cls, rounds: list[float]) -> Overhead:
+        mean = statistics.fmean(rounds)
+        if len(rounds) < 2:
+            return cls(mean, None, None, rounds)
+        from scipy.stats import t  # type: ignore[import-untyped]
+
+        half = t.ppf(0.975, len(rounds) - 1) * statistics.stdev(rounds) / len(rounds) ** 0.5
+        return cls(mean, mean - half, mean + half, rounds)
+
+    def __str__(self) -> str:
+        if self.lo is None or self.hi is None:
+            return f"{self.mean * 100:+.1f}%"
+        return f"{self.mean * 100:+.1f}% [{self.lo * 100:+.1f}, {self.hi * 100:+.1f}]"
+
+
 @dataclass
 class BenchResult:
+    """`rounds[i]` holds round i's runs: model.generate (2N calls), sequential, concurrent."""
+
     requests: int
     max_tokens: int
     policy: str
-    runs: list[Run]
+    rounds: list[list[Run]]
+
+    @property
+    def runs(self) -> list[Run]:
+        """Each way of decoding, its rounds merged."""
+        merged = [Run(r.name) for r in self.rounds[0]]
+        for runs in self.rounds:
+            for into, run in zip(merged, runs, strict=True):
+                into.merge(run)
+        return merged
+
+    def overheads(self) -> list[Overhead]:
+        """Per server run (sequential, concurrent): its overhead over the rounds."""
+        per: list[list[float]] = [[] for _ in self.rounds[0][1:]]
+        for ref, *served in self.rounds:
+            base = ref.decode_ms_per_token()
+            for into, run in zip(per, served, strict=True):
+                into.append(run.decode_ms_per_token() / base - 1)
+        return [Overhead.of(p) for p in per]
 
     @property
     def greedy_equal(self) -> bool:
-        ref = self.runs[0].outputs
-        want = ref[: self.requests]
-        return ref[self.requests :] == want and all(r.outputs == want for r in self.runs[1:])
+        want = self.rounds[0][0].outputs[: self.requests]
+        return all(
+            ref.outputs == want * 2 and all(r.outputs == want for r in served)
+            for ref, *served in self.rounds
+        )
 
     def table(self) -> str:
-        base = self.runs[0].decode_ms_per_token()
+        runs = self.runs
+        overs = ["-", *map(str, self.overheads())]
         rows = []
-        for r in self.runs:
+        for r, over in zip(runs, overs, strict=True):
             ms = r.decode_ms_per_token()
-            over = "-" if r is self.runs[0] else f"{(ms - base) / base * 100:+.1f}%"
             ttft = sorted(r.ttft_s)
             rows.append(
                 [
@@ -104,6 +156,7 @@ class BenchResult:
                     over,
                 ]
             )
+        n = len(self.rounds)
         head = [
             "run",
             "requests",
@@ -112,18 +165,24 @@ class BenchResult:
             "TTFT max (ms)",
             "ms/token",
             "tokens/s",
-            "overhead/token",
+            "overhead/token" + (" [95% interval]" if n > 1 else ""),
         ]
         lines = [
             f"psr bench serve: {self.requests} prompts x {self.max_tokens} tokens, greedy, "
-            f"policy {self.policy}",
+            f"policy {self.policy}, {n} round{'s' if n > 1 else ''}",
             "",
             markdown_table(head, rows),
             "",
             "TTFT: from the call (request sent) to the first token; concurrent requests "
             "queue (batch 1). ms/token: median over requests of the mean time between a "
-            "request's consecutive tokens; overhead/token: against model.generate's "
-            "(called before and after the server's runs). tokens/s: all tokens / wall time.",
+            "request's consecutive tokens. overhead/token: against model.generate's, called "
+            "before and after the server's runs in each round; the mean over rounds"
+            + (
+                f" with a Student-t 95% interval over the {n} rounds"
+                if n > 1
+                else " (one round: no interval; --rounds 2 or more gives one)"
+            )
+            + ". tokens/s: all tokens / wall time.",
             "greedy outputs equal to model.generate, token for token: "
             + ("yes" if self.greedy_equal else "NO"),
         ]
@@ -135,7 +194,10 @@ class BenchResult:
             "max_tokens": self.max_tokens,
             "policy": self.policy,
             "greedy_equal": self.greedy_equal,
-            "runs": [asdict(r) | {"tokens": r.tokens} for r in self.runs],
+            "overheads": {
+                r.name: asdict(o) for r, o in zip(self.rounds[0][1:], self.overheads(), strict=True)
+            },
+            "rounds": [[asdict(r) | {"tokens": r.tokens} for r in runs] for runs in self.rounds],
         }
 
 
@@ -179,11 +241,21 @@ def _free_port() -> int:
 
 
 def bench_serve(
-    model: Any, *, requests: int = 8, max_tokens: int = 64, prompts: tuple[str, ...] = PROMPTS
+    model: Any,
+    *,
+    requests: int = 8,
+    max_tokens: int = 64,
+    rounds: int = 3,
+    prompts: tuple[str, ...] = PROMPTS,
+    progress: bool = True,
 ) -> BenchResult:
     """Decode `requests` prompts (cycling through `prompts`) with model.generate and
-    through a local server, sequentially and concurrently (see the module docstring)."""
+    through a local server, sequentially and concurrently, `rounds` times (see the module
+    docstring)."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
     import uvicorn
+    from tqdm.auto import tqdm
 
     from psr.serve.app import create_app
     from psr.serve.engine import Engine
@@ -221,23 +293,26 @@ def bench_serve(
         clients = _Clients(f"http://127.0.0.1:{port}", max_tokens)
         generate(ids[0][:4], Run("warm-up"))  # first-call allocations, both ways
         clients.run([ids[0][:4]], "warm-up")
-        # model.generate before and after the server's runs: a drift in the machine's
-        # speed shows in both (A B A), and the model changes threads only between runs.
-        ref = Run("model.generate")
-        for prompt in ids:
-            generate(prompt, ref)
-        seq = Run("server, sequential")
-        for prompt in ids:
-            seq.merge(clients.run([prompt], seq.name))
-        conc = clients.run(ids, f"server, {requests} concurrent")
-        for prompt in ids:
-            generate(prompt, ref)
+        done: list[list[Run]] = []
+        for _ in tqdm(range(rounds), desc="bench serve rounds", disable=not progress):
+            # model.generate before and after the server's runs: a drift in the machine's
+            # speed shows in both (A B C A), and the model changes threads only between runs.
+            ref = Run("model.generate")
+            for prompt in ids:
+                generate(prompt, ref)
+            seq = Run("server, sequential")
+            for prompt in ids:
+                seq.merge(clients.run([prompt], seq.name))
+            conc = clients.run(ids, f"server, {requests} concurrent")
+            for prompt in ids:
+                generate(prompt, ref)
+            done.append([ref, seq, conc])
     finally:
         if clients is not None:
             clients.close()
         server.should_exit = True
         thread.join(30)
-    return BenchResult(requests, max_tokens, model.policy.describe(), [ref, seq, conc])
+    return BenchResult(requests, max_tokens, model.policy.describe(), done)
 
 
 class _Clients:
