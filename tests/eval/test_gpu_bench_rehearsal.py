@@ -351,7 +351,9 @@ def test_modes_writes_every_field(out: Path) -> None:
             assert " graph: " in r["host_model"]  # the latency model's graph mode
         else:
             assert not r["graphs_used"] and r["captures"] == 0
-            assert r["graph_status"] == "off" and r["host_model"].startswith("host-aware(")
+            assert r["graph_status"] == "off (graphs=False)" and r["host_model"].startswith(
+                "host-aware("
+            )
     for e in d["equal"]:  # the three modes decode alike: tokens, hits, misses, prefetches
         assert e["modes"] == MODES and e["tokens_equal"] and e["counts_equal"], e
     c = d["checks"]

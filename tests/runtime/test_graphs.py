@@ -6,7 +6,9 @@ not used, and why."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 import psr
 from psr.eval.host_path import READS
-from psr.runtime.graphs import DecodeGraph, bucket
+from psr.runtime.graphs import MAX_GRAPHS, DecodeGraph, bucket
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
 COUNTS = ("tokens", "routed", "hits", "misses", "prefetches", "prefetch_used", "copies")
@@ -59,13 +61,30 @@ def test_the_decode_forward_traces_whole(ckpt, policy, kw, fmt) -> None:
     ]
 
 
+COMPILED = [  # (policy, policy kwargs, expert format, copy delay in µs)
+    ("psr", {"lam": 0.5, "n": 2}, "native", 0),
+    ("exact", {}, "int8", 0),
+    ("cache-prior", {"lam": 0.5}, "int8", 0),
+    ("psr", {"lam": 0.5, "n": 2}, "int8", 3000),
+]
+
+
 @pytest.mark.slow
-def test_graphs_on_the_cpu_give_the_eager_tokens_and_counts(ckpt) -> None:
+@pytest.mark.parametrize(
+    ("policy", "kw", "fmt", "delay_us"),
+    COMPILED,
+    ids=[f"{p}-{f}" + (f"-delay{d}us" if d else "") for p, _, f, d in COMPILED],
+)
+def test_graphs_on_the_cpu_give_the_eager_tokens_and_counts(
+    ckpt, monkeypatch, policy, kw, fmt, delay_us
+) -> None:
     """graphs=True on the CPU: inductor compiles the decode forward (fullgraph) once per
     static-cache length; greedy and seeded sampling give eager's tokens, and the counts
-    are eager's."""
-    kw = dict(lam=0.5, n=2)
-    eager, graphed = _load(ckpt, "psr", **kw), _load(ckpt, "psr", graphs=True, **kw)
+    are eager's, also when every copy is delayed (the store's worker sleeps
+    PSR_COPY_DELAY_US before each: copy timing changes, the output must not)."""
+    eager = _load(ckpt, policy, expert_format=fmt, **kw)
+    monkeypatch.setenv("PSR_COPY_DELAY_US", str(delay_us))
+    graphed = _load(ckpt, policy, expert_format=fmt, graphs=True, **kw)
     for m in (eager, graphed):
         m.greedy = m.generate(PROMPT, max_new_tokens=10)
         m.sampled = m.generate(PROMPT, max_new_tokens=12, do_sample=True, top_k=20, seed=7)
@@ -74,6 +93,35 @@ def test_graphs_on_the_cpu_give_the_eager_tokens_and_counts(ckpt) -> None:
     assert graphed.sampled.tolist() == eager.sampled.tolist()
     assert {k: graphed.stats[k] for k in COUNTS} == {k: eager.stats[k] for k in COUNTS}
     assert graphed.stats["captures"] == 1 and eager.stats["captures"] == 0  # reused
+    if delay_us:  # the delay was felt: the graphed model waited for its copies
+        assert graphed.stats["stall_s"] > eager.stats["stall_s"]
+
+
+@contextmanager
+def _uncompiled():
+    """torch.compile as the identity: the graph path (static cache, capture bookkeeping,
+    replay) runs the eager forward, in seconds rather than an inductor compile."""
+    with mock.patch.object(torch, "compile", lambda fn=None, **kw: fn):
+        yield
+
+
+def test_a_capture_is_kept_per_length(ckpt, monkeypatch) -> None:
+    """Requests of mixed lengths capture once per static-cache length, not once per
+    switch; beyond MAX_GRAPHS lengths the least recently used one is dropped."""
+    with _uncompiled():
+        model = _load(ckpt, "psr", lam=0.5, n=2, graphs=True)
+        captures = []
+        for new in (4, 60, 4, 60, 4):  # 16, 72, ... tokens: static caches of 64 and 128
+            model.generate(PROMPT, max_new_tokens=new)
+            captures.append(model.stats["captures"])
+        assert captures == [1, 2, 2, 2, 2]
+        assert list(model._graphs) == [128, 64]  # least recently used first
+        assert MAX_GRAPHS >= 2  # (the tiny model's context of 128 has only these two)
+        monkeypatch.setattr("psr.runtime.model.MAX_GRAPHS", 1)
+        for new in (60, 4, 60):  # one kept: each switch drops the other and captures
+            model.generate(PROMPT, max_new_tokens=new)
+            captures.append(model.stats["captures"])
+        assert captures[5:] == [2, 3, 4] and list(model._graphs) == [128]
 
 
 def _reads(model: psr.OffloadedModel, new: int) -> int:
@@ -107,6 +155,17 @@ def test_the_host_reads_each_new_token_once(ckpt, sample) -> None:
     assert long - short == 12 - 4
 
 
+def test_the_host_reads_each_new_token_once_with_graphs(ckpt) -> None:
+    """The same on the graph path (static cache, replays; the forward left uncompiled)."""
+    with _uncompiled():
+        model = _load(ckpt, "psr", lam=0.5, n=2, graphs=True)
+        _reads(model, 2)
+        short, long = _reads(model, 4), _reads(model, 12)
+    assert model.graph_status == "on (static cache of 64 tokens)"
+    assert model.stats["captures"] == 1  # the same capture replayed by all three calls
+    assert long - short == 12 - 4
+
+
 def test_graphs_say_why_they_are_off(ckpt) -> None:
     model = _load(ckpt, "psr", lam=0.5, n=2, graphs=True, decode="host")
     model.generate(PROMPT, max_new_tokens=2)
@@ -117,6 +176,9 @@ def test_graphs_say_why_they_are_off(ckpt) -> None:
     model = _load(ckpt, "psr", lam=0.5, n=2)  # auto: off on the CPU
     model.generate(PROMPT, max_new_tokens=2)
     assert model.graph_status == "off (graphs='auto': on for CUDA only)"
+    model = _load(ckpt, "psr", lam=0.5, n=2, graphs=False)
+    model.generate(PROMPT, max_new_tokens=2)
+    assert model.graph_status == "off (graphs=False)"
     with pytest.raises(ValueError, match="graphs must be True, False or 'auto'; got 'yes'"):
         _load(ckpt, "psr", graphs="yes")
 

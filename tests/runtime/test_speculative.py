@@ -201,13 +201,17 @@ def test_load_with_a_drafter_pays_its_memory_in_slots_and_decodes(ckpt, tmp_path
     lost = -(-m.drafter.memory_bytes // row)
     assert m.runtime.capacity == plain.runtime.capacity - lost and lost >= 1
     assert m.block_k == min(2 * 2, m.runtime.capacity)
+    m.graphs = True  # asked for, but verify blocks are host-driven: the status says so
     out = m.generate(PROMPT, 10)
+    assert m.graph_status == "off: speculative verify blocks (host-driven step)"
     assert out.shape[1] == len(PROMPT) + 10 and m.spec_stats.emitted == 10
     assert m.spec_stats.blocks == m.stats["tokens"]
     logits = m.score(torch.tensor([[*PROMPT, 1, 2, 3, 4, 5, 6]]), len(PROMPT), block=3)
     assert logits.shape == (1, len(PROMPT) + 6, 64)
     m.set_speculative(None, None)  # back to autoregressive decoding
+    m.graphs = False
     assert m.generate(PROMPT, 4).shape[1] == len(PROMPT) + 4 and m.drafter is None
+    assert m.graph_status == "off (graphs=False)"
 
 
 def test_a_drafter_too_big_for_the_slots_is_refused(ckpt, tmp_path) -> None:

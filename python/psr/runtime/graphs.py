@@ -12,8 +12,8 @@ with events. So the forward can be captured:
         the host.
 The first decode token of a sequence runs eagerly (it hands the caches over to the device
 step and warms up the kernels); every later one replays. A capture is kept per static
-cache length (`bucket`) and model state; a longer sequence, or a reconfigured runtime,
-captures again (`captures` counts them).
+cache length (`bucket`; the MAX_GRAPHS most recently used lengths) and model state; a new
+length, or a reconfigured runtime, captures again (`captures` counts them).
 """
 
 from __future__ import annotations
@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from psr.runtime.engine import OffloadRuntime
 
 MIN_BUCKET = 64  # static caches come in powers of two from here (fewer captures)
+# Static caches (and captures) kept per model, one per length, least recently used dropped:
+# requests of mixed lengths (a server's) capture once per length, not once per switch.
+# Each holds a KV cache of its length; together at most ~2x the longest one's.
+MAX_GRAPHS = 4
+SPECULATIVE = "speculative verify blocks (host-driven step)"
 
 
 def bucket(length: int, limit: int | None) -> int:
@@ -53,7 +58,7 @@ def graphs_unavailable(runtime: OffloadRuntime) -> str | None:
     if runtime.recorder is not None:
         return "a trace is being recorded (host-driven step)"
     if runtime.block_k is not None:
-        return "speculative verify blocks (host-driven step)"
+        return SPECULATIVE
     return None
 
 

@@ -9,6 +9,7 @@ print(model.stats.table())
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from numbers import Integral
 from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
@@ -19,7 +20,7 @@ from torch import nn
 from psr.policy import Policy, make_policy
 from psr.runtime import generate as gen
 from psr.runtime.engine import OffloadRuntime
-from psr.runtime.graphs import DecodeGraph, bucket, graphs_unavailable
+from psr.runtime.graphs import MAX_GRAPHS, SPECULATIVE, DecodeGraph, bucket, graphs_unavailable
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 from psr.store import StoreError
@@ -71,7 +72,7 @@ class OffloadedModel(nn.Module):
         # "auto" (on for CUDA); `graph_status` says whether the last generate used them.
         self.graphs: bool | str = "auto"
         self.graph_status = "not used yet"
-        self._graph: DecodeGraph | None = None
+        self._graphs: OrderedDict[int, DecodeGraph] = OrderedDict()  # by length, LRU last
         # Speculative decoding (set_speculative): the drafter and experts per verify block.
         self.drafter: Any = None
         self.block_k: int | None = None
@@ -306,17 +307,21 @@ class OffloadedModel(nn.Module):
         auto = self.graphs == "auto"
         on = self.runtime.store.backend == "cuda" if auto else bool(self.graphs)
         if not on:
-            self.graph_status = "off (graphs='auto': on for CUDA only)" if auto else "off"
+            self.graph_status = (
+                "off (graphs='auto': on for CUDA only)" if auto else "off (graphs=False)"
+            )
             return None
         reason = graphs_unavailable(self.runtime)
         if reason is not None:
             self.graph_status = f"off: {reason}"
             return None
         size = bucket(length, getattr(self.config, "max_position_embeddings", None))
-        if self._graph is None or self._graph.max_len != size:
-            self._graph = DecodeGraph(self.hf, self.runtime, size)  # one static cache at a time
+        graph = self._graphs.pop(size, None) or DecodeGraph(self.hf, self.runtime, size)
+        self._graphs[size] = graph  # most recently used last
+        while len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
         self.graph_status = f"on (static cache of {size} tokens)"
-        return self._graph
+        return graph
 
     @torch.no_grad()
     def generate(
@@ -379,6 +384,7 @@ class OffloadedModel(nn.Module):
         with self.runtime.lock:
             self._check_open()
             if self.drafter is not None:
+                self.graph_status = f"off: {SPECULATIVE}"
                 return self._call(self._generate_speculative, ids, settings, streamer)
             graph = self._decode_graph(ids.shape[1] + settings.max_new_tokens)
             captures = 0 if graph is None else graph.captures
