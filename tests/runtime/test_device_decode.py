@@ -92,6 +92,45 @@ def test_no_host_read_in_the_moe_path_while_decoding(ckpts, policy, kw, compute)
     assert sum(probe.read_sites().values()) >= 3 * len(host.runtime.layers)
 
 
+@pytest.mark.parametrize("compute", ["torch", "triton"])
+def test_kernel_arguments_are_checked_once_per_layer(ckpts, monkeypatch, compute) -> None:
+    """The decode step's and the experts' argument checks run on a layer's first decode
+    token only (a layer's arguments keep their shapes, dtypes and devices); later tokens
+    launch unchecked, and decode as a model whose every call is checked."""
+    import sys
+
+    dec, ffn = sys.modules["psr_kernels.decode"], sys.modules["psr_kernels.expert_ffn"]
+    calls = {"decode": 0, "ffn": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    kw = dict(lam=0.5, n=2, compute=compute)
+    model = _load(ckpts["olmoe"], "psr", "device", **kw)
+    monkeypatch.setattr(dec, "_check", counting("decode", dec._check))
+    monkeypatch.setattr(ffn, "_check_ffn", counting("ffn", ffn._check_ffn))
+    got = _decode(model)
+    layers = len(model.runtime.layers)
+    assert calls == {"decode": layers, "ffn": layers}, calls  # over generate and decode_logits
+
+    # the same tokens, logits and counts as with every call checked
+    class Never(set):  # a layer never counts as checked: every call checks
+        def add(self, _layer: object) -> None:
+            pass
+
+    everyone = _load(ckpts["olmoe"], "psr", "device", **kw)
+    everyone.runtime.device_step.checked = Never()
+    calls.update(decode=0, ffn=0)
+    want = _decode(everyone)
+    # every decode step: generate's NEW - 1, decode_logits' NEW (teacher-forced)
+    assert calls["decode"] == calls["ffn"] == (2 * NEW - 1) * layers
+    assert got[0] == want[0] and torch.equal(got[1], want[1]) and got[2] == want[2]
+
+
 def test_recording_and_variants_take_the_host_step_with_the_same_results(ckpts) -> None:
     path, kw = ckpts["mixtral"], dict(lam=0.5, n=2)
     plain = _decode(_load(path, "psr", "device", **kw))

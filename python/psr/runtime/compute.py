@@ -28,9 +28,11 @@ class ExpertCompute:
         slots: torch.Tensor,
         weights: torch.Tensor,
         slot_table: torch.Tensor | None = None,
+        checked: bool = False,
     ) -> torch.Tensor:
         """The routed experts of `x` read from slab rows (`slots`, or expert ids looked up
-        in the device `slot_table`)."""
+        in the device `slot_table`); `checked`: arguments like these passed the kernel's
+        checks before (skip them)."""
         c = self.spec
         return self.ops.expert_ffn(
             x,
@@ -44,6 +46,7 @@ class ExpertCompute:
             out_dtype=x.dtype,
             check_slots=False,
             slot_table=slot_table,
+            checked=checked,
         )
 
     def row(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,9 @@ class DeviceDecode(Step):
         self.pending: dict[int, torch.Tensor] = {}
         self._seen = torch.zeros(L, len(cs.COUNT_NAMES), dtype=torch.int64)
         self.bad_layers: list[int] = []
+        # Layers whose kernel arguments were checked (on their first call): a layer's
+        # arguments keep their shapes, dtypes and devices, so later calls skip the checks.
+        self.checked: set[int] = set()
 
     # --- the step --------------------------------------------------------------------
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
@@ -92,6 +95,7 @@ class DeviceDecode(Step):
             bias=layer.bias,
             out_dtype=out_dtype,
             n=n,
+            checked=i in self.checked,
             **kw,
         )
         store, key, slabs = rt.store, self.store_key, self.slabs
@@ -109,7 +113,10 @@ class DeviceDecode(Step):
         i = layer.index
         if ids is not self.pending.pop(i, None):
             raise RuntimeError(f"MoE layer {i}: experts called without a matching route")
-        return self.rt.compute.slab(x, self.slabs[i], ids, weights, self.slot_table[i])
+        checked = i in self.checked
+        y = self.rt.compute.slab(x, self.slabs[i], ids, weights, self.slot_table[i], checked)
+        self.checked.add(i)  # route's and this call's arguments passed their checks
+        return y
 
     # --- hand-over between the host and the device caches ----------------------------
     def begin(self) -> None:
