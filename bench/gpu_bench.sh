@@ -17,7 +17,7 @@
 # 180->120) and decode, which the modes stage now largely covers, moved last:
 #   versions  60/10   python, torch(+cuda), triton, transformers, nvidia-smi, nvcc, build tools
 #   build    300/60   psr._C with the CUDA backend for sm_90 (pip -e ., else direct compile)
-#   gpu_tests 150/40  every test marked gpu (tests/store/test_gpu.py): pytest, or a mini runner
+#   gpu_tests 150/40  every test under tests/ marked gpu: pytest -m gpu, or a mini runner
 #   gather    45/15   the store's gather kernel (mapped host memory) vs DMA, GB/s per expert
 #                     format and per CTAs per row ($PSR_GATHER_CTAS), 8 rows per call
 #   modes    180/100  decoding the OLMoE-1B-7B-shaped model host-driven / sync-free eager /

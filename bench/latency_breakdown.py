@@ -98,9 +98,9 @@ def host_aware(args: argparse.Namespace) -> int:
         f"path; host models {', '.join(labels)} (eager launch / Triton launch / sync).",
         "",
         "| residency | policy | decode step | "
-        + " | ".join(f"{p} ms/tok host-free | {p} ms/tok host-aware" for p in profiles)
-        + f" | {g} aware / free | {g} host busy ms | {g} speedup host-free | "
-        f"{g} speedup host-aware | speedup kept |",
+        + " | ".join(f"{p} ms/tok (host-free) | {p} ms/tok (host-aware)" for p in profiles)
+        + f" | {g} aware / free | {g} host busy ms | {g} speedup (host-free) | "
+        f"{g} speedup (host-aware) | speedup kept |",
         "|" + "---|" * (3 + 2 * len(profiles) + 5),
     ]
     checks = []
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"Modeled host-free on {PROFILE}, {args.windows} windows x 128 decode tokens of set A.",
         "",
-        "| residency | config | ms/token | compute ms | copy link busy ms | stall ms "
+        "| residency | config | ms/tok (host-free) | compute ms | copy link busy ms | stall ms "
         "| misses/tok | prefetches/tok | copies/tok |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

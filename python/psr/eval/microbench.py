@@ -27,8 +27,11 @@ import torch
 
 import psr_kernels as pk
 from psr.store import ExpertStore, LayerSpec
+from psr.vocab import QUANT_FORMATS
 
-COPY_FORMATS: tuple[str, ...] = ("bf16", "int8", "fp8", "int4")
+# The expert formats with rows of their own byte size (not "native"), bf16 first: the
+# reference the others' copy times are compared to.
+COPY_FORMATS: tuple[str, ...] = ("bf16", *QUANT_FORMATS)
 
 
 @dataclass
