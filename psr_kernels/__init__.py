@@ -32,6 +32,7 @@ predict_next, expert_ffn} (primitive schemas: RouteSpec's fields as arguments), 
 `make_vllm_routing_function` for vLLM's FusedMoE.
 """
 
+from psr_kernels._common import NonFiniteError
 from psr_kernels.block_routing import block_scores_ref, route_block, route_block_ref
 from psr_kernels.cache_state import CacheLayout, cache_prefetch, cache_use
 from psr_kernels.cache_state_ref import cache_prefetch_ref, cache_use_ref
@@ -82,6 +83,7 @@ __all__ = [
     "Compute",
     "ComputePath",
     "KernelOps",
+    "NonFiniteError",
     "QuantLayout",
     "RouteSpec",
     "biased_scores_ref",

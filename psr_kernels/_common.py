@@ -43,11 +43,15 @@ def check_float(op: str, name: str, t: torch.Tensor, ndim: int | tuple[int, ...]
         raise TypeError(f"{op}: {name} dtype must be float32, bfloat16 or float16, got {t.dtype}")
 
 
+class NonFiniteError(ValueError):
+    """Router inputs with NaN or inf (a caller may re-raise it in its own words)."""
+
+
 def check_finite(op: str, name: str, t: torch.Tensor) -> None:
     """NaN/inf router scores would route silently to garbage: refuse them."""
     if not bool(torch.isfinite(t).all()):
         bad = "NaN" if bool(torch.isnan(t).any()) else "inf"
-        raise ValueError(
+        raise NonFiniteError(
             f"{op}: {name} contains {bad} (pass check_finite=False to skip this check)"
         )
 

@@ -57,7 +57,16 @@ def test_device_step_equals_host_step(ckpts, family, policy, kw) -> None:
     assert dev_model.stats.per_token == []  # device counts stay on the device until read
 
 
-@pytest.mark.parametrize(("family", "fmt"), [("olmoe", None), ("qwen3_moe", "int8")])
+TRITON_CASES = [  # every family and expert format once
+    ("olmoe", None),
+    ("qwen3_moe", "int8"),
+    ("qwen2_moe", None),
+    ("mixtral", "int4"),
+    ("deepseek_v3", "fp8"),
+]
+
+
+@pytest.mark.parametrize(("family", "fmt"), TRITON_CASES)
 def test_device_step_equals_host_step_on_the_triton_path(ckpts, family, fmt) -> None:
     kw = dict(lam=0.5, n=2, compute="triton", expert_format=fmt)
     host_model = _load(ckpts[family], "psr", "host", **kw)
@@ -208,7 +217,8 @@ def test_device_caches_equal_a_replay_of_their_own_routing(ckpts) -> None:
 
 def test_non_finite_router_input_raises_after_the_call(ckpts) -> None:
     """Router logits that turn non-finite during decoding (prefill checks its own on the
-    host) set the device flag; the call's end raises the error once, naming the layer."""
+    host) set the device flag; the call's end raises the error once, naming the layer.
+    The host step and prefill raise the same error at once."""
     from psr.runtime.kv import cache_kwarg, output_cache
 
     model = _load(ckpts["olmoe"], "psr", "device", lam=0.5, n=2)
@@ -223,11 +233,24 @@ def test_non_finite_router_input_raises_after_the_call(ckpts) -> None:
         with pytest.raises(ValueError, match=r"MoE layer 1: router logits contain NaN or inf"):
             rt.end_call()
         rt.end_call()  # reported once
-    host = _load(ckpts["olmoe"], "psr", "host", lam=0.5, n=2)
+    # The host step and prefill check on the host, at once, and say it the same way.
+    for n in (2, 0):
+        host = _load(ckpts["olmoe"], "psr", "host", lam=0.5, n=n)
+        rt, hf = host.runtime, host.hf
+        with torch.no_grad(), rt.lock:
+            out = hf(input_ids=PROMPT, use_cache=True)
+            rt.layers[1].router.weight[3, 0] = float("nan")
+            nxt = out.logits[0, -1].argmax().view(1, 1)
+            with pytest.raises(ValueError) as err:
+                hf(input_ids=nxt, use_cache=True, **{cache_kwarg(hf): output_cache(out)})
+        want = "MoE layer 1: router logits contain NaN or inf (found while decoding; layers [1])"
+        assert str(err.value) == want
     with torch.no_grad():
         host.runtime.layers[1].router.weight[3, 0] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
+    with pytest.raises(ValueError) as err:
         host.generate(PROMPT, max_new_tokens=3)
+    want = "MoE layer 1: router logits contain NaN or inf (found in prefill; layers [1])"
+    assert str(err.value) == want
 
 
 def test_decode_mode_is_validated(ckpts) -> None:
@@ -256,3 +279,25 @@ def test_device_step_on_cuda_equals_host_step(tmp_path, policy, kw) -> None:
         assert dev[0] == host[0] and dev[2] == host[2]
         torch.testing.assert_close(dev[1], host[1], rtol=1e-5, atol=1e-5)
         assert probe.read_sites() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
+def test_graphs_on_cuda_equal_the_eager_device_step(tmp_path, policy, kw) -> None:
+    """On a GPU, graphs on (a CUDAGraph replay per decode token) give the eager device
+    step's tokens and counts, run after run, with one capture per run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
+    eager = _load(path, policy, "device", device="cuda", graphs=False, **kw)
+    want = (
+        eager.generate(PROMPT, max_new_tokens=NEW)[0].tolist(),
+        {k: eager.stats[k] for k in COUNTS},
+    )
+    assert eager.graph_status == "off (graphs=False)"
+    for _ in range(2):
+        model = _load(path, policy, "device", device="cuda", graphs=True, **kw)
+        tokens = model.generate(PROMPT, max_new_tokens=NEW)[0].tolist()
+        assert model.graph_status.startswith("on (static cache of"), model.graph_status
+        assert model.stats["captures"] == 1
+        assert (tokens, {k: model.stats[k] for k in COUNTS}) == want

@@ -53,8 +53,8 @@ HOST_FREE = "host-free"
 
 # The host costs every built-in profile uses: the published per-op figures issue 19 cites
 # (~6 us per eager aten op, ~9 us per Triton launch, 12-15 us per sync once the device is
-# idle), a C++ store call, and psr's own Python (measured with psr.eval.host_path on the
-# embedded model; see docs/design.md).
+# idle), a C++ store call, and psr's own Python per MoE layer: our estimates, not
+# measurements (docs/design.md); the GPU run calibrates launch_us and sync_us.
 _HOST_NOTE = (
     "host: 6 us per eager launch, 9 per Triton launch, 13 per sync (issue 19's published "
     "figures), 4 per store call, Python 40 us (host step) / 10 us (device step) per MoE "

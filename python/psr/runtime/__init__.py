@@ -12,8 +12,8 @@ decoding loop; `stats` and `trace` record what happened. Imports only psr.cache,
 psr.policy, psr.vocab, psr.store and psr_kernels (never psr.models, psr.eval or the CLI).
 
 Exports load lazily (PEP 562), as `psr`'s do: importing the package, or its pure-data
-modules (`trace`, `stats`, `spec`), imports neither torch nor triton; the engine loads
-when one of its names is first used.
+modules `trace` and `stats`, imports neither torch nor triton (`spec` needs psr_kernels);
+the engine loads when one of its names is first used.
 """
 
 from __future__ import annotations

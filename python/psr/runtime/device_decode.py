@@ -30,7 +30,7 @@ import torch
 
 from psr.runtime import store_ops
 from psr.runtime.layer import MoELayer
-from psr.runtime.step import Routed, Step
+from psr.runtime.step import Routed, Step, non_finite
 from psr_kernels import cache_state as cs
 
 if TYPE_CHECKING:
@@ -204,7 +204,4 @@ class DeviceDecode(Step):
         """Raise, once, for router inputs that were not finite since the last check."""
         if self.bad_layers:
             bad, self.bad_layers = sorted(set(self.bad_layers)), []
-            raise ValueError(
-                f"MoE layer {bad[0]}: router logits contain NaN or inf (found after decoding; "
-                f"layers {bad})"
-            )
+            raise non_finite(bad, "found after decoding")

@@ -17,7 +17,7 @@ import torch
 
 import psr_kernels as pk
 from psr.runtime.layer import MoELayer, weight_of
-from psr.runtime.step import Routed, Step
+from psr.runtime.step import Routed, Step, non_finite
 
 if TYPE_CHECKING:
     from psr.runtime.engine import OffloadRuntime
@@ -40,11 +40,18 @@ class HostDecode(Step):
         logits = self.logits(layer, x)
         lam = rt.steering.lam(layer)
         mask = rt.book.mask(layer, rt.policy, x.device) if lam > 0 else None
-        w, ids = rt.ops.route(logits, rt.spec.route_spec(lam), mask=mask, bias=layer.bias)
+        try:
+            w, ids = rt.ops.route(logits, rt.spec.route_spec(lam), mask=mask, bias=layer.bias)
+        except pk.NonFiniteError as e:
+            raise non_finite([layer.index], "found while decoding") from e
         routed = ids[0].tolist()
         rt.book.use(layer, routed, physical=True)
         self.pending[layer.index] = (routed, ids)
-        for target, n, pred in rt.steering.predictions(layer, layer.need_residual()):
+        try:
+            predictions = rt.steering.predictions(layer, layer.need_residual())
+        except pk.NonFiniteError as e:  # the next layer's router input
+            raise non_finite([layer.index + 1], "found while predicting it") from e
+        for target, n, pred in predictions:
             rt.book.prefetch(rt.layers[target], pred[0], n, physical=True)
         return self.out(logits, w, ids)
 

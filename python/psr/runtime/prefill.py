@@ -19,8 +19,9 @@ import torch
 from psr.cache import prefill_state
 from psr.runtime.layer import MoELayer
 from psr.runtime.slots import SlotMap
-from psr.runtime.step import Routed, Step
+from psr.runtime.step import Routed, Step, non_finite
 from psr.store import ExpertStore
+from psr_kernels import NonFiniteError
 
 # (slab row [3HF], x [T, H]) -> y [T, H]
 RowFFN = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -117,7 +118,10 @@ class PrefillStep(Step):
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         rt = self.rt
         logits = self.logits(layer, x)
-        w, ids = rt.ops.route(logits, rt.spec.route_spec(), bias=layer.bias)
+        try:
+            w, ids = rt.ops.route(logits, rt.spec.route_spec(), bias=layer.bias)
+        except NonFiniteError as e:
+            raise non_finite([layer.index], "found in prefill") from e
         layer.history.extend(ids.tolist())
         return self.out(logits, w, ids)
 

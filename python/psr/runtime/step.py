@@ -19,6 +19,13 @@ if TYPE_CHECKING:
 Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logits, weights, ids)
 
 
+def non_finite(layers: list[int], when: str) -> ValueError:
+    """The one error for router inputs with NaN or inf, whichever step found them."""
+    return ValueError(
+        f"MoE layer {layers[0]}: router logits contain NaN or inf ({when}; layers {layers})"
+    )
+
+
 class Step:
     name = "step"
 
