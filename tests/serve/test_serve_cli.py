@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 from pathlib import Path
 
 import pytest
@@ -92,23 +93,41 @@ def test_bench_serve_prints_its_table(tmp_path, capsys) -> None:
     assert "| model.generate | 8 | " in text  # 2 rounds x (before + after) x 2 prompts
     for row in ("server, sequential", "server, 2 concurrent"):
         assert f"| {row} | 4 | " in text
-    assert "with a Student-t 95% interval over the 2 rounds" in text
+    assert "with a Student-t 95% interval over the 4 pairs" in text
+    assert "| decode thread CPU ms/token | event loop CPU ms/token |" in text
     assert "greedy outputs equal to model.generate, token for token: yes" in text
     result = json.loads(Path(out).read_text())
     assert result["greedy_equal"] is True
     assert len(result["rounds"]) == 2
+    pairs = {"server, sequential": [], "server, 2 concurrent": []}
     for ref, seq, conc in result["rounds"]:
-        assert ref["tokens"] == 2 * seq["tokens"] == 2 * conc["tokens"]  # before and after
+        assert ref["tokens"] == 2 * seq["tokens"] == 2 * conc["tokens"]  # the pairs
         assert len(seq["outputs"]) == 2 and seq["outputs"] == conc["outputs"] == ref["outputs"][:2]
-    for name in ("server, sequential", "server, 2 concurrent"):
+        assert ref["outputs"][2:] == ref["outputs"][:2]
+        # CPU time: the decoding thread's in every run, the event loop's in the server's
+        assert min(r["decode_cpu_s"] for r in (ref, seq, conc)) > 0
+        assert ref["loop_cpu_s"] == 0 and seq["loop_cpu_s"] > 0 and conc["loop_cpu_s"] > 0
+        for r in (ref, seq, conc):  # every gap kept; per request, its median
+            at, medians = 0, []
+            for o in r["outputs"]:
+                medians.append(statistics.median(r["gaps_ms"][at : at + len(o) - 1]))
+                at += len(o) - 1
+            assert at == len(r["gaps_ms"]) and r["request_ms"] == medians
+        pairs["server, sequential"] += [
+            b / a - 1 for a, b in zip(ref["request_ms"][:2], seq["request_ms"], strict=True)
+        ]
+        pairs["server, 2 concurrent"] += [
+            b / a - 1 for a, b in zip(ref["request_ms"][2:], conc["request_ms"], strict=True)
+        ]
+    for name, want in pairs.items():
         o = result["overheads"][name]
-        assert len(o["rounds"]) == 2 and o["lo"] < o["mean"] < o["hi"]
-        assert o["mean"] == pytest.approx(sum(o["rounds"]) / 2)
+        assert o["values"] == pytest.approx(want) and len(want) == 4
+        assert o["lo"] < o["mean"] < o["hi"] and o["mean"] == pytest.approx(sum(want) / 4)
         # the row shows the same figures
         assert f"| {o['mean'] * 100:+.1f}% [{o['lo'] * 100:+.1f}, {o['hi'] * 100:+.1f}] |" in text
 
 
-def test_bench_overhead_interval_is_student_t_over_rounds() -> None:
+def test_bench_overhead_interval_is_student_t_over_pairs() -> None:
     from psr.serve.bench import Overhead
 
     one = Overhead.of([0.04])

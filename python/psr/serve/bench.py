@@ -6,20 +6,22 @@ One loaded model decodes N prompts three ways, greedy, `max_tokens` each:
   sequential          N streaming requests, one after another, against a local server
   concurrent          N streaming requests at once (they queue: batch 1)
 The server runs in this process (uvicorn in a thread, over the same model); the clients
-run in a process of their own (one asyncio loop), as real clients do. Time to first token is taken
-from the call (request sent) to the first token; ms/token is the median over requests
-of the mean time between a request's consecutive tokens; overhead/token compares it with
+run in a process of their own (one asyncio loop), as real clients do. Time to first token
+is taken from the call (request sent) to the first token; ms/token is the median of every
+gap between two consecutive tokens (of all requests); overhead/token compares it with
 model.generate's.
-The three are repeated in R rounds (A B C A per round). Each round pairs its server runs
-with the model.generate calls around them, so a drift in the machine's speed cancels;
-the overhead is the mean of the rounds' overheads with a Student-t 95% interval over
-rounds (R >= 2).
+The three are repeated in R rounds. Every server request is paired with a model.generate
+call on its prompt next to it in time (sequential: just before or after, alternating;
+concurrent: the calls right after the batch, in its order), so a shared machine's slow
+spells hit both; a run's overhead is the mean of its requests' relative differences from
+their pairs (median gaps), with a Student-t 95% interval over the R x N requests.
 Every greedy output must equal model.generate's, token for token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import socket
 import statistics
@@ -56,7 +58,11 @@ class Run:
     name: str
     wall_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
-    ms_per_token: list[float] = field(default_factory=list)
+    ms_per_token: list[float] = field(default_factory=list)  # per request: mean gap
+    gaps_ms: list[float] = field(default_factory=list)  # every gap between two tokens
+    request_ms: list[float] = field(default_factory=list)  # per request: its median gap
+    decode_cpu_s: float = 0.0  # CPU time of the thread that decoded (prefill included)
+    loop_cpu_s: float = 0.0  # CPU time of the server's event-loop thread (server runs)
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -68,33 +74,40 @@ class Run:
         self.wall_s += other.wall_s
         self.ttft_s += other.ttft_s
         self.ms_per_token += other.ms_per_token
+        self.gaps_ms += other.gaps_ms
+        self.request_ms += other.request_ms
+        self.decode_cpu_s += other.decode_cpu_s
+        self.loop_cpu_s += other.loop_cpu_s
         self.outputs += other.outputs
 
     def decode_ms_per_token(self) -> float:
-        """The median over requests (a busy machine's outliers aside) of each request's
-        mean time between consecutive tokens."""
-        return statistics.median(self.ms_per_token) if self.ms_per_token else float("nan")
+        """The median gap between consecutive tokens, over every token of every request:
+        a machine's passing interruptions (this is a shared CPU) move it far less than a
+        mean over the request does."""
+        return statistics.median(self.gaps_ms) if self.gaps_ms else float("nan")
 
 
 @dataclass(frozen=True)
 class Overhead:
-    """A server run's overhead per token against model.generate's, over rounds: the mean
-    of the rounds' relative differences, with a Student-t 95% interval (None: 1 round)."""
+    """A server run's overhead per token against model.generate's: the mean of its
+    requests' relative differences from their pairs, with a Student-t 95% interval over
+    the requests (None: a single one)."""
 
     mean: float
     lo: float | None
     hi: float | None
-    rounds: list[float]
+    values: list[float]  # per request
 
     @classmethod
-    def of(cls, rounds: list[float]) -> Overhead:
-        mean = statistics.fmean(rounds)
-        if len(rounds) < 2:
-            return cls(mean, None, None, rounds)
+    def of(cls, values: list[float]) -> Overhead:
+        mean = statistics.fmean(values)
+        if len(values) < 2:
+            return cls(mean, None, None, values)
         from scipy.stats import t  # type: ignore[import-untyped]
 
-        half = t.ppf(0.975, len(rounds) - 1) * statistics.stdev(rounds) / len(rounds) ** 0.5
-        return cls(mean, mean - half, mean + half, rounds)
+        n = len(values)
+        half = t.ppf(0.975, n - 1) * statistics.stdev(values) / n**0.5
+        return cls(mean, mean - half, mean + half, values)
 
     def __str__(self) -> str:
         if self.lo is None or self.hi is None:
@@ -121,13 +134,16 @@ class BenchResult:
         return merged
 
     def overheads(self) -> list[Overhead]:
-        """Per server run (sequential, concurrent): its overhead over the rounds."""
-        per: list[list[float]] = [[] for _ in self.rounds[0][1:]]
-        for ref, *served in self.rounds:
-            base = ref.decode_ms_per_token()
-            for into, run in zip(per, served, strict=True):
-                into.append(run.decode_ms_per_token() / base - 1)
-        return [Overhead.of(p) for p in per]
+        """Per server run (sequential, concurrent): each request's median gap against its
+        pair's, model.generate on the same prompt next to it in time (sequential: just
+        before or after it; concurrent: the calls right after the batch, in its order)."""
+        n = self.requests
+        seq: list[float] = []
+        conc: list[float] = []
+        for ref, s, c in self.rounds:
+            seq += [b / a - 1 for a, b in zip(ref.request_ms[:n], s.request_ms, strict=True)]
+            conc += [b / a - 1 for a, b in zip(ref.request_ms[n:], c.request_ms, strict=True)]
+        return [Overhead.of(seq), Overhead.of(conc)]
 
     @property
     def greedy_equal(self) -> bool:
@@ -144,6 +160,7 @@ class BenchResult:
         for r, over in zip(runs, overs, strict=True):
             ms = r.decode_ms_per_token()
             ttft = sorted(r.ttft_s)
+            server = r is not runs[0]
             rows.append(
                 [
                     r.name,
@@ -153,10 +170,13 @@ class BenchResult:
                     f"{ttft[-1] * 1e3:.1f}",
                     f"{ms:.2f}",
                     f"{r.tokens / r.wall_s:.1f}",
+                    f"{r.decode_cpu_s / r.tokens * 1e3:.2f}",
+                    f"{r.loop_cpu_s / r.tokens * 1e3:.3f}" if server else "-",
                     over,
                 ]
             )
         n = len(self.rounds)
+        pairs = n * self.requests
         head = [
             "run",
             "requests",
@@ -165,7 +185,9 @@ class BenchResult:
             "TTFT max (ms)",
             "ms/token",
             "tokens/s",
-            "overhead/token" + (" [95% interval]" if n > 1 else ""),
+            "decode thread CPU ms/token",
+            "event loop CPU ms/token",
+            "overhead/token" + (" [95% interval]" if pairs > 1 else ""),
         ]
         lines = [
             f"psr bench serve: {self.requests} prompts x {self.max_tokens} tokens, greedy, "
@@ -174,15 +196,19 @@ class BenchResult:
             markdown_table(head, rows),
             "",
             "TTFT: from the call (request sent) to the first token; concurrent requests "
-            "queue (batch 1). ms/token: median over requests of the mean time between a "
-            "request's consecutive tokens. overhead/token: against model.generate's, called "
-            "before and after the server's runs in each round; the mean over rounds"
+            "queue (batch 1). ms/token: the median gap between two consecutive tokens, over "
+            "all tokens of all requests. overhead/token: each request's median gap against "
+            "that of model.generate on its prompt next to it in time (its pair); the mean "
+            "over requests"
             + (
-                f" with a Student-t 95% interval over the {n} rounds"
-                if n > 1
-                else " (one round: no interval; --rounds 2 or more gives one)"
+                f" with a Student-t 95% interval over the {pairs} pairs"
+                if pairs > 1
+                else " (one pair: no interval)"
             )
-            + ". tokens/s: all tokens / wall time.",
+            + ". tokens/s: all tokens / wall time. CPU ms/token: CPU time of the thread that "
+            "decodes (model.generate's caller; the server's worker) and of the server's event "
+            "loop (HTTP, SSE chunks), per token: what the server adds, without the wall "
+            "clock's noise.",
             "greedy outputs equal to model.generate, token for token: "
             + ("yes" if self.greedy_equal else "NO"),
         ]
@@ -231,6 +257,15 @@ def _record(run: Run, start: float, times: list[float], tokens: list[int]) -> No
     ms = _ms_per_token(times)
     if ms is not None:
         run.ms_per_token.append(ms)
+    gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
+    run.gaps_ms += gaps
+    run.request_ms.append(statistics.median(gaps) if gaps else float("nan"))
+
+
+def _thread_cpu(t: threading.Thread) -> float:
+    """CPU seconds `t` has used so far (its POSIX thread CPU clock)."""
+    assert t.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(t.ident))
 
 
 def _free_port() -> int:
@@ -266,10 +301,22 @@ def bench_serve(
 
     def generate(prompt: list[int], run: Run) -> None:
         timer = _Timer()
-        start = time.perf_counter()
+        cpu, start = time.thread_time(), time.perf_counter()
         model.generate(prompt, max_new_tokens=max_tokens, eos_token_id=eos, streamer=timer)
         run.wall_s += time.perf_counter() - start
+        run.decode_cpu_s += time.thread_time() - cpu
         _record(run, start, timer.times, timer.tokens)
+
+    def served(prompts: list[list[int]], name: str) -> Run:
+        """`prompts` at once through the server, with its threads' CPU time."""
+        assert clients is not None and engine.thread is not None
+        threads = (engine.thread, thread)
+        before = [_thread_cpu(t) for t in threads]
+        run = clients.run(prompts, name)
+        run.decode_cpu_s, run.loop_cpu_s = (
+            _thread_cpu(t) - b for t, b in zip(threads, before, strict=True)
+        )
+        return run
 
     engine = Engine(lambda: model, max_queue=requests)
     port = _free_port()
@@ -295,15 +342,17 @@ def bench_serve(
         clients.run([ids[0][:4]], "warm-up")
         done: list[list[Run]] = []
         for _ in tqdm(range(rounds), desc="bench serve rounds", disable=not progress):
-            # model.generate before and after the server's runs: a drift in the machine's
-            # speed shows in both (A B C A), and the model changes threads only between runs.
-            ref = Run("model.generate")
-            for prompt in ids:
-                generate(prompt, ref)
-            seq = Run("server, sequential")
-            for prompt in ids:
-                seq.merge(clients.run([prompt], seq.name))
-            conc = clients.run(ids, f"server, {requests} concurrent")
+            # Each server request next to a model.generate call on its prompt (its pair):
+            # a shared machine's slow spells hit both. Sequential: the pair's order
+            # alternates; concurrent: the batch, then its pairs in its order.
+            ref, seq = Run("model.generate"), Run("server, sequential")
+            for i, prompt in enumerate(ids):
+                if i % 2 == 0:
+                    generate(prompt, ref)
+                seq.merge(served([prompt], seq.name))
+                if i % 2 == 1:
+                    generate(prompt, ref)
+            conc = served(ids, f"server, {requests} concurrent")
             for prompt in ids:
                 generate(prompt, ref)
             done.append([ref, seq, conc])

@@ -187,6 +187,11 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The worker thread (None before `start`)."""
+        return self._thread
+
     # -------------------------------------------------------------- event loop side
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
