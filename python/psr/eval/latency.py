@@ -42,6 +42,7 @@ like the offloaded model it stands in for, as the spec's latency model does.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,23 @@ def simulate(
     return _host_free(trace, p, draft_s)
 
 
+def _decoder_layers(
+    moe_at: dict[int, int], trace: Trace, steps: list[LayerStep], token: int
+) -> Iterator[LayerStep | None]:
+    """One token's decoder layers in order (both models walk them): each MoE layer's step
+    (`moe_at`: decoder layer -> MoE layer), None for a dense layer."""
+    by_layer = {s.layer: s for s in steps}
+    for d in range(trace.num_decoder_layers):
+        m = moe_at.get(d)
+        if m is None:
+            yield None
+            continue
+        step = by_layer.get(m)
+        if step is None:
+            raise ValueError(f"trace token {token} has no step for MoE layer {m}")
+        yield step
+
+
 def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
     t_copy, t_exp, t_dense = p.copy_s(), p.expert_s(), p.dense_s()
     moe_at = {d: i for i, d in enumerate(trace.moe_layers)}
@@ -223,16 +241,12 @@ def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
         if trace.emitted:
             now += draft_s
             compute += draft_s
-        by_layer = {s.layer: s for s in steps}
-        for d in range(trace.num_decoder_layers):
+        for step in _decoder_layers(moe_at, trace, steps, len(per_token)):
             now += t_dense
             compute += t_dense
-            m = moe_at.get(d)
-            if m is None:
-                continue
-            step = by_layer.get(m)
             if step is None:
-                raise ValueError(f"trace token {len(per_token)} has no step for MoE layer {m}")
+                continue
+            m = step.layer
             for c in step.copies:  # issued once the layer has routed
                 key = (c.layer, c.slot)
                 begin = max(copy_free, now, last_read.get(key, 0.0))
@@ -475,16 +489,12 @@ class _HostAware:
         per_token: list[float] = []
         end = 0.0
         for steps in trace.tokens:
-            by_layer = {s.layer: s for s in steps}
             self._host(self.lead_s)
-            for d in range(trace.num_decoder_layers):
+            for step in _decoder_layers(moe_at, trace, steps, len(per_token)):
                 self._dense()
-                m = moe_at.get(d)
-                if m is None:
-                    continue
-                step = by_layer.get(m)
                 if step is None:
-                    raise ValueError(f"trace token {len(per_token)} has no step for MoE layer {m}")
+                    continue
+                m = step.layer
                 self._layer(m, step, self.last_plan if m == last_m else self.layer_plan)
             self._token_ops()
             new_end = max(self.h, self.cf)  # the token is done on the host and the device
