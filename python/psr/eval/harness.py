@@ -14,7 +14,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
@@ -34,6 +34,9 @@ from psr.models.loader import load
 from psr.policy import Policy, parse_policy
 from psr.runtime.trace import HostSchedule
 
+if TYPE_CHECKING:
+    from psr.runtime.model import OffloadedModel
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -47,6 +50,19 @@ class RunConfig:
     def label(self) -> str:
         fmt = f" + {self.expert_format}" if self.expert_format else ""
         return self.policy.describe() + fmt
+
+    def load(self, path: str, **kw: Any) -> OffloadedModel:
+        """This configuration of the checkpoint at `path`, as every evaluation loads it
+        (float32, no progress bars); `kw`: further `psr.load` options."""
+        return load(
+            path,
+            self.policy,
+            self.residency,
+            dtype="float32",
+            expert_format=self.expert_format,
+            progress=False,
+            **kw,
+        )
 
     def as_dict(self) -> dict[str, Any]:
         """`{policy, residency, lam, n, expert_format}` (None where it has none)."""
@@ -134,14 +150,7 @@ def run_config(
     trace the latency model replays), generate greedily from the prompts, score cloze.
     Modeled latency host-free (`latency`) and, given the configuration's measured decode
     schedule (`measure_schedules`), host-aware too (`latency_host`)."""
-    model = load(
-        path,
-        rc.policy,
-        rc.residency,
-        dtype="float32",
-        expert_format=rc.expert_format,
-        progress=False,
-    )
+    model = rc.load(path)
     total = len(data.windows) + len(data.prompts) + len(data.cloze)
     bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
     rec = model.record_trace()
@@ -218,16 +227,7 @@ def _measure_one(path: str, rc: RunConfig, prompt: list[int], decode: str) -> Ho
 
     from psr.eval.host_path import measure_schedule
 
-    model = load(
-        path,
-        rc.policy,
-        rc.residency,
-        dtype="float32",
-        expert_format=rc.expert_format,
-        compute="triton",
-        decode=decode,
-        progress=False,
-    )
+    model = rc.load(path, compute="triton", decode=decode)
     try:
         return measure_schedule(model, torch.tensor([prompt]), SCHEDULE_TOKENS)
     finally:
