@@ -58,7 +58,6 @@ class Run:
     name: str
     wall_s: float = 0.0
     ttft_s: list[float] = field(default_factory=list)
-    ms_per_token: list[float] = field(default_factory=list)  # per request: mean gap
     gaps_ms: list[float] = field(default_factory=list)  # every gap between two tokens
     request_ms: list[float] = field(default_factory=list)  # per request: its median gap
     decode_cpu_s: float = 0.0  # CPU time of the thread that decoded (prefill included)
@@ -73,7 +72,6 @@ class Run:
         """Append `other`'s requests (and its wall time)."""
         self.wall_s += other.wall_s
         self.ttft_s += other.ttft_s
-        self.ms_per_token += other.ms_per_token
         self.gaps_ms += other.gaps_ms
         self.request_ms += other.request_ms
         self.decode_cpu_s += other.decode_cpu_s
@@ -247,16 +245,9 @@ class _Timer:
         pass
 
 
-def _ms_per_token(times: list[float]) -> float | None:
-    return (times[-1] - times[0]) / (len(times) - 1) * 1e3 if len(times) > 1 else None
-
-
 def _record(run: Run, start: float, times: list[float], tokens: list[int]) -> None:
     run.outputs.append(tokens)
     run.ttft_s.append(times[0] - start if times else float("nan"))
-    ms = _ms_per_token(times)
-    if ms is not None:
-        run.ms_per_token.append(ms)
     gaps = [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
     run.gaps_ms += gaps
     run.request_ms.append(statistics.median(gaps) if gaps else float("nan"))
