@@ -88,8 +88,8 @@ def add_bench_serve(bsub: Any) -> None:
         "--rounds",
         type=positive_int,
         default=3,
-        help="repeat the three runs R times; the overhead gets a 95%% interval over rounds "
-        "(R >= 2)",
+        help="repeat the three runs R times: R x N request pairs behind the overhead's 95%% "
+        "interval",
     )
     b.add_argument(
         "--json", default=None, help="also write the result as JSON here (default: no JSON)"
