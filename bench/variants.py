@@ -89,7 +89,7 @@ class Confident(Steering):
         for target, n, ids in super().predictions(layer, residual):
             nxt = self.rt.layers[target]
             h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
-            probs = torch.softmax(h @ nxt.router.weight.float().t(), -1)
+            probs = torch.softmax(h @ nxt.gate_weight.float().t(), -1)
             kept = [[e for e in row if float(probs[i, e]) >= self.tau] for i, row in enumerate(ids)]
             out.append((target, n, kept))
         return out

@@ -67,7 +67,14 @@ from psr_kernels.quant import (
     dequantize_expert,
     quantize_expert,
 )
-from psr_kernels.routing import SCORINGS, RouteSpec, predict_next, route, route_hidden
+from psr_kernels.routing import (
+    GROUP_SCORES,
+    SCORINGS,
+    RouteSpec,
+    predict_next,
+    route,
+    route_hidden,
+)
 from psr_kernels.routing_ref import (
     biased_scores_ref,
     predict_next_ref,
@@ -77,6 +84,7 @@ from psr_kernels.routing_ref import (
 )
 
 __all__ = [
+    "GROUP_SCORES",
     "QUANT_FORMATS",
     "SCORINGS",
     "CacheLayout",

@@ -75,7 +75,7 @@ def route_block_ref(
     allowed = torch.zeros(E, dtype=torch.bool, device=logits.device)
     allowed[chosen] = True
     ids = topk_ref(z.masked_fill(~allowed[None, :], _NEG_INF), top_k)
-    w = gate_weights_ref(src, ids, spec.scoring, spec.renormalize, spec.scaling)
+    w = gate_weights_ref(src, ids, spec.scoring, spec.renormalize, spec.scaling, spec.norm_min)
     return chosen.sort().values, w, ids.contiguous()
 
 

@@ -42,6 +42,9 @@ from psr_kernels._common import check_finite as _require_finite
 from psr_kernels._common import check_float, check_launchable, pow2
 
 SCORINGS = ("softmax", "topk_softmax", "sigmoid")
+# How a group-limited router scores a group: the sum of its top two scores (DeepSeek-V3,
+# GLM-4.5, dots1) or its maximum (DeepSeek-V2's `group_limited_greedy`).
+GROUP_SCORES = ("top2", "max")
 _NEG_INF = float("-inf")
 
 
@@ -158,12 +161,50 @@ def router_logits(
 
 
 @triton.jit
+def _group_limit(
+    sel,
+    cols,
+    E,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    GROUP_MAX: tl.constexpr,
+    NG_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """`sel` outside the TOPK_GROUP groups with the largest top-2 sums (DeepSeek-V3) or,
+    GROUP_MAX, the largest maxima (DeepSeek-V2's group_limited_greedy) set to -inf."""
+    neg_inf = float("-inf")
+    gsize = E // N_GROUP
+    gid = cols // gsize
+    gar = tl.arange(0, NG_P2)
+    gscore = tl.full([BLOCK_T, NG_P2], neg_inf, dtype=tl.float32)
+    for g in tl.static_range(N_GROUP):
+        v = tl.where((gid == g)[None, :], sel, neg_inf)
+        a1 = tl.max(v, axis=1)
+        if GROUP_MAX:
+            gs = a1
+        else:
+            i1 = tl.min(tl.where(v == a1[:, None], cols[None, :], BLOCK_E), axis=1)
+            gs = a1 + tl.max(tl.where(cols[None, :] == i1[:, None], neg_inf, v), axis=1)
+        gscore = tl.where(gar[None, :] == g, gs[:, None], gscore)
+    keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
+    for _ in tl.static_range(TOPK_GROUP):
+        gm = tl.max(gscore, axis=1)
+        gi = tl.min(tl.where(gscore == gm[:, None], gar[None, :], NG_P2), axis=1)
+        keep = keep | (gid[None, :] == gi[:, None])
+        gscore = tl.where(gar[None, :] == gi[:, None], neg_inf, gscore)
+    return tl.where(keep, sel, neg_inf)
+
+
+@triton.jit
 def select_experts(
     x,  # [BLOCK_T, BLOCK_E] fp32 router logits
     mk,  # [BLOCK_T, BLOCK_E] fp32 cache membership (1.0 / 0.0), read when HAS_MASK
     bias_ptr,
     lam,
     scaling,
+    norm_min,
     cols,
     E,
     K: tl.constexpr,
@@ -176,6 +217,7 @@ def select_experts(
     WITH_INCACHE: tl.constexpr,
     N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
+    GROUP_MAX: tl.constexpr,
     NG_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -199,6 +241,8 @@ def select_experts(
             xm = tl.where(cmask[None, :], x, neg_inf)
             ex = tl.exp(xm - tl.max(xm, axis=1)[:, None])
             src = ex / tl.sum(ex, axis=1)[:, None]
+            if HAS_BIAS:  # ERNIE: selection on the probabilities plus the correction bias
+                z = src + tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         else:
             src = x
 
@@ -210,25 +254,9 @@ def select_experts(
         z = z + lam * spread[:, None] * mk
     sel = tl.where(cmask[None, :], z, neg_inf)
 
-    # 4a. group limit: keep the TOPK_GROUP groups with the largest top-2 sums
+    # 4a. group limit (DeepSeek-style routers)
     if N_GROUP > 1:
-        gsize = E // N_GROUP
-        gid = cols // gsize
-        gar = tl.arange(0, NG_P2)
-        gscore = tl.full([BLOCK_T, NG_P2], neg_inf, dtype=tl.float32)
-        for g in tl.static_range(N_GROUP):
-            v = tl.where((gid == g)[None, :], sel, neg_inf)
-            a1 = tl.max(v, axis=1)
-            i1 = tl.min(tl.where(v == a1[:, None], cols[None, :], BLOCK_E), axis=1)
-            a2 = tl.max(tl.where(cols[None, :] == i1[:, None], neg_inf, v), axis=1)
-            gscore = tl.where(gar[None, :] == g, (a1 + a2)[:, None], gscore)
-        keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
-        for _ in tl.static_range(TOPK_GROUP):
-            gm = tl.max(gscore, axis=1)
-            gi = tl.min(tl.where(gscore == gm[:, None], gar[None, :], NG_P2), axis=1)
-            keep = keep | (gid[None, :] == gi[:, None])
-            gscore = tl.where(gar[None, :] == gi[:, None], neg_inf, gscore)
-        sel = tl.where(keep, sel, neg_inf)
+        sel = _group_limit(sel, cols, E, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, BLOCK_T, BLOCK_E)
 
     # 4b. top-k, ties to the lower id; gather weight source and cache flags
     kar = tl.arange(0, BLOCK_K)
@@ -259,6 +287,8 @@ def select_experts(
             denom = tl.sum(w, axis=1)
             if IS_SIGMOID:
                 denom = denom + 1e-20
+            # ERNIE's moe_norm_min (0 elsewhere: a no-op on the positive sums)
+            denom = tl.maximum(denom, norm_min)
             w = w / denom[:, None]
     w = w * scaling
     return ids, w, inc, chosen
@@ -291,6 +321,7 @@ def _route_kernel(
     H,
     lam,
     scaling,
+    norm_min,
     K: tl.constexpr,
     FROM_HIDDEN: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -304,6 +335,7 @@ def _route_kernel(
     STORE_INCACHE: tl.constexpr,
     N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
+    GROUP_MAX: tl.constexpr,
     NG_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -354,6 +386,7 @@ def _route_kernel(
         bias_ptr,
         lam,
         scaling,
+        norm_min,
         cols,
         E,
         K,
@@ -366,6 +399,7 @@ def _route_kernel(
         STORE_INCACHE,
         N_GROUP,
         TOPK_GROUP,
+        GROUP_MAX,
         NG_P2,
         BLOCK_T,
         BLOCK_E,
@@ -389,8 +423,11 @@ class RouteSpec:
 
     `top_k` experts per token, `lam` the bias strength (0: the model's exact routing),
     `scoring` one of `SCORINGS`, `renormalize` (`norm_topk_prob`), the group limit
-    `n_group` / `topk_group` (DeepSeek-V3; `n_group = 1` is none) and `scaling`
-    (`routed_scaling_factor`). Frozen, so hashable: launch configurations are cached
+    `n_group` / `topk_group` (DeepSeek-V3; `n_group = 1` is none) with `group_score`
+    (one of `GROUP_SCORES`), `scaling` (`routed_scaling_factor`) and `norm_min`, the
+    floor of the renormalising sum (ERNIE's `moe_norm_min`; 0: none). A correction bias
+    (`bias=`) is added to the selection scores of sigmoid routers and, for softmax
+    routers (ERNIE), to the probabilities. Frozen, so hashable: launch configurations are cached
     on it. `check` validates it against a problem; `constexprs` gives the kernel's
     compile-time flags that follow from it.
     """
@@ -402,6 +439,8 @@ class RouteSpec:
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0
+    group_score: str = "top2"
+    norm_min: float = 0.0
 
     def check(
         self,
@@ -432,9 +471,12 @@ class RouteSpec:
                 raise ValueError(
                     f"{op}: mask must have shape [{E}] or [{T}, {E}], got {list(mask.shape)}"
                 )
+        self._check_normalisation(op)
         if bias is not None:
-            if self.scoring != "sigmoid":
-                raise ValueError(f"{op}: bias (e_score_correction_bias) needs scoring='sigmoid'")
+            if self.scoring == "topk_softmax":
+                raise ValueError(
+                    f"{op}: bias (e_score_correction_bias) needs scoring 'sigmoid' or 'softmax'"
+                )
             check_float(op, "bias", bias, 1)
             if bias.shape[0] != E:
                 raise ValueError(f"{op}: bias must have shape [{E}], got {list(bias.shape)}")
@@ -452,6 +494,15 @@ class RouteSpec:
                     f"experts of the {topk_group} selected groups"
                 )
 
+    def _check_normalisation(self, op: str) -> None:
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(
+                f"{op}: unknown group_score {self.group_score!r}; expected one of {GROUP_SCORES}"
+            )
+        nm = self.norm_min
+        if not (isinstance(nm, (int, float)) and math.isfinite(nm) and nm >= 0):
+            raise ValueError(f"{op}: norm_min must be a finite number >= 0, got {nm!r}")
+
     def constexprs(self) -> dict[str, int | bool]:
         """The kernel's compile-time flags that follow from the spec alone."""
         n_group = max(1, self.n_group)
@@ -463,6 +514,7 @@ class RouteSpec:
             RENORM=bool(self.renormalize),
             N_GROUP=n_group,
             TOPK_GROUP=self.topk_group if n_group > 1 else 1,
+            GROUP_MAX=n_group > 1 and self.group_score == "max",
             NG_P2=pow2(n_group, 2),
         )
 
@@ -684,6 +736,7 @@ def _launch(
         H=H,
         lam=float(spec.lam),
         scaling=float(spec.scaling),
+        norm_min=float(spec.norm_min),
         **cfg,
     )
     return _Routed(weights, ids, logits, in_cache)

@@ -34,17 +34,22 @@ def scores_ref(
         s = torch.sigmoid(x)
         return (s + bias.float() if bias is not None else s), s
     if scoring == "softmax":
-        return x, torch.softmax(x, dim=-1)
+        p = torch.softmax(x, dim=-1)
+        # ERNIE: the correction bias is added to the probabilities for selection.
+        return (p + bias.float() if bias is not None else x), p
     return x, x
 
 
-def group_limit_ref(sel: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
-    """`sel` with every group outside the `topk_group` of largest top-2 sums at -inf."""
+def group_limit_ref(
+    sel: torch.Tensor, n_group: int, topk_group: int, group_score: str = "top2"
+) -> torch.Tensor:
+    """`sel` with every group outside the `topk_group` of largest group scores at -inf: a
+    group's top-2 sum, or (`group_score="max"`) its maximum."""
     if n_group <= 1:
         return sel
     T, E = sel.shape
-    top2 = sel.view(T, n_group, E // n_group).sort(dim=-1, descending=True).values[..., :2]
-    gscore = top2.sum(-1)
+    top = sel.view(T, n_group, E // n_group).sort(dim=-1, descending=True).values
+    gscore = top[..., 0] if group_score == "max" else top[..., :2].sum(-1)
     order = torch.sort(gscore, dim=-1, descending=True, stable=True).indices[:, :topk_group]
     keep = torch.zeros(T, n_group, dtype=torch.bool, device=sel.device)
     keep.scatter_(1, order, True)
@@ -59,10 +64,16 @@ def topk_ref(sel: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def gate_weights_ref(
-    src: torch.Tensor, ids: torch.Tensor, scoring: str, renormalize: bool, scaling: float
+    src: torch.Tensor,
+    ids: torch.Tensor,
+    scoring: str,
+    renormalize: bool,
+    scaling: float,
+    norm_min: float = 0.0,
 ) -> torch.Tensor:
     """Gate weights of chosen `ids` from the unbiased weight source, normalised as the
-    model does (top-k softmax, `norm_topk_prob`, `routed_scaling_factor`)."""
+    model does (top-k softmax, `norm_topk_prob` with ERNIE's floor `norm_min`,
+    `routed_scaling_factor`)."""
     val = src.gather(1, ids)
     if scoring == "topk_softmax":
         w = torch.softmax(val, dim=-1)
@@ -70,7 +81,9 @@ def gate_weights_ref(
         w = val
         if renormalize:
             denom = w.sum(-1, keepdim=True)
-            w = w / (denom + 1e-20 if scoring == "sigmoid" else denom)
+            if scoring == "sigmoid":
+                denom = denom + 1e-20
+            w = w / (denom.clamp(min=norm_min) if norm_min > 0 else denom)
     # w is a fresh contiguous tensor; w * 1.0 would be the same bits (one op saved per call).
     return w if scaling == 1.0 else (w * scaling).contiguous()
 
@@ -102,9 +115,11 @@ def route_ref(
     if check_finite:
         _require_finite(op, "logits", logits)
     z, src = scores_ref(logits, spec.scoring, bias)
-    sel = group_limit_ref(biased_scores_ref(z, mask, spec.lam), spec.n_group, spec.topk_group)
+    sel = group_limit_ref(
+        biased_scores_ref(z, mask, spec.lam), spec.n_group, spec.topk_group, spec.group_score
+    )
     ids = topk_ref(sel, spec.top_k)
-    w = gate_weights_ref(src, ids, spec.scoring, spec.renormalize, spec.scaling)
+    w = gate_weights_ref(src, ids, spec.scoring, spec.renormalize, spec.scaling, spec.norm_min)
     return w, ids.to(ids_dtype).contiguous()
 
 
@@ -166,8 +181,10 @@ def predict_next_ref(
     E = gate_weight.shape[0]
     logits = rms_norm_ref(residual, norm_weight, eps) @ gate_weight.float().t()
     # Selection scores only: a softmax's weight source is not needed here.
-    z = logits if unbiased.scoring == "softmax" else scores_ref(logits, unbiased.scoring, bias)[0]
-    ids = topk_ref(group_limit_ref(z, unbiased.n_group, unbiased.topk_group), n)
+    plain = unbiased.scoring == "softmax" and bias is None
+    z = logits if plain else scores_ref(logits, unbiased.scoring, bias)[0]
+    g = unbiased
+    ids = topk_ref(group_limit_ref(z, g.n_group, g.topk_group, g.group_score), n)
     m = mask_2d(mask)
     if m is None:
         incache = torch.zeros_like(ids, dtype=torch.bool)

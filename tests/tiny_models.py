@@ -84,10 +84,137 @@ def tiny_config(family: str):
             norm_topk_prob=True,
             rope_interleave=False,
         )
-    raise KeyError(family)
+    return _new_family_config(family)
+
+
+def _new_family_config(family: str):
+    """The families added with the family table (tests/runtime/test_families.py)."""
+    import transformers
+
+    mla = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8)
+    groups = dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1)
+    linear_attn = dict(
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+    )
+    cfgs = {
+        # hybrid attention, sigmoid-gated shared expert, one dense layer (mlp_only_layers)
+        "qwen3_next": lambda: transformers.Qwen3NextConfig(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            head_dim=8,
+            mlp_only_layers=[1],
+            **linear_attn,
+        ),
+        "qwen3_5_moe_text": lambda: transformers.Qwen3_5MoeTextConfig(
+            **COMMON,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            head_dim=8,
+            **linear_attn,
+        ),
+        "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
+            **COMMON, intermediate_size=16, num_hidden_layers=3, num_experts=8, moe_topk=2, head_dim=8
+        ),
+        "granitemoe": lambda: transformers.GraniteMoeConfig(
+            **COMMON,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        "glm4_moe": lambda: transformers.Glm4MoeConfig(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=4,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.0,
+            norm_topk_prob=True,
+            head_dim=8,
+            **groups,
+        ),
+        "dots1": lambda: transformers.Dots1Config(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+            routed_scaling_factor=1.5,
+            norm_topk_prob=True,
+            head_dim=8,
+            **groups,
+        ),
+        "minimax_m2": lambda: transformers.MiniMaxM2Config(
+            **COMMON,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=8,
+        ),
+        # softmax with DeepSeek-V2's group_limited_greedy (group score: the maximum)
+        "deepseek_v2": lambda: transformers.DeepseekV2Config(
+            **dict(COMMON, num_key_value_heads=4),
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=1.5,
+            n_shared_experts=1,
+            v_head_dim=8,
+            **mla,
+        ),
+        "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
+            **COMMON,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_hidden_layers=3,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=2,
+        ),
+    }
+    if family not in cfgs:
+        raise KeyError(family)
+    return cfgs[family]()
 
 
 FAMILIES = ("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+# The families added with the family table: tested in tests/runtime/test_families.py (the
+# five above run through every runtime test).
+NEW_FAMILIES = (
+    "qwen3_next",
+    "qwen3_5_moe_text",
+    "hunyuan_v1_moe",
+    "granitemoe",
+    "glm4_moe",
+    "dots1",
+    "minimax_m2",
+    "deepseek_v2",
+    "ernie4_5_moe",
+)
 
 
 def _kv_kwarg() -> str:
@@ -103,6 +230,10 @@ def _kv_kwarg() -> str:
 KV_KWARG = _kv_kwarg()
 
 
+# The router weights of the families (sharpened so routing is decisive).
+ROUTER_WEIGHTS = ("mlp.gate.weight", "router.weight", "gate.wg.weight")
+
+
 def tiny_model(family: str, seed: int = 0):
     """A random model whose routers are sharp enough for routing choices to matter."""
     import transformers
@@ -111,8 +242,10 @@ def tiny_model(family: str, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(ROUTER_WEIGHTS):
                 p.normal_(0, 0.5)
+            elif name.endswith("e_score_correction_bias"):  # ERNIE's is a parameter
+                p.normal_(0, 0.05)
             elif "experts" in name or "embed" in name or "lm_head" in name:
                 p.normal_(0, 0.2)
         for name, b in model.named_buffers():

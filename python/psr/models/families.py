@@ -1,11 +1,22 @@
-"""Model families psr can offload: router semantics and expert tensor names.
+"""The model families psr offloads: one declarative entry per family.
 
-Adding a family means describing its router here (a `MoESpec`) and where its expert
-weights live; attention, norms and the KV cache stay transformers' own modules.
+An entry says where a decoder layer's MoE block, router and experts live in the
+transformers model (transformers 5.x gives every family a router module returning
+`(logits, weights, ids)` and an experts module called as `experts(x, ids, weights)`, so
+psr swaps those two and leaves attention, norms, shared experts and the KV cache to
+transformers), which router kind it has (`ROUTER_KINDS`: how psr's routing kernels
+reproduce and bias it), its expert kind, the config keys its sizes come from, and how
+its experts are named on disk. The loader, the wiring (`hf.py`), `save_pretrained` /
+`restore`, `psr inspect` and the runtime's `MoESpec` read only the entry.
+
+Adding a family: an entry in `FAMILIES` plus its tiny checkpoint in the tests
+(docs/design.md, "Adding a family").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,126 +24,412 @@ from torch import nn
 
 from psr.runtime.spec import MoESpec
 
-SUPPORTED = ("olmoe", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+# Router kinds: how the family's router turns logits into (weights, ids), as psr's
+# routing kernels reproduce it (`scoring` of psr_kernels.RouteSpec), with the logical
+# cache's bias added where the family's own top-k selection happens.
+ROUTER_KINDS: dict[str, str] = {
+    "softmax_topk": "softmax over all experts, then top-k (renormalised or not)",
+    "topk_softmax": "top-k of the logits, then softmax over the k",
+    "sigmoid_topk": "sigmoid + correction bias for selection, optional group-limited top-k "
+    "(group score: top-2 sum)",
+    "softmax_group_max": "softmax, group-limited top-k with the group's maximum as its score "
+    "(DeepSeek-V2 group_limited_greedy)",
+    "softmax_bias": "softmax, the correction bias added to the probabilities for selection, "
+    "renormalised with a floor (ERNIE moe_norm_min)",
+}
+_SCORING = {
+    "softmax_topk": "softmax",
+    "topk_softmax": "topk_softmax",
+    "sigmoid_topk": "sigmoid",
+    "softmax_group_max": "softmax",
+    "softmax_bias": "softmax",
+}
+
+# Expert kinds: the expert FFN psr's kernels compute. SwiGLU: down(act(gate x) * up x),
+# act = SiLU, no biases.
+EXPERT_KINDS: dict[str, str] = {"swiglu": "down(silu(gate x) * up x), no biases"}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture (a transformers `model_type`) as psr offloads it.
+
+    Module paths are attribute names inside a decoder layer (`block`) and inside the MoE
+    block (`router`, `experts`, `bias`); disk names are relative to
+    `model.layers.{i}.{disk_block}`."""
+
+    model_type: str
+    router_kind: str
+    # config keys: (experts per layer, experts per token, hidden size, expert FFN size)
+    keys: tuple[str, str, str, str]
+    route: Callable[[Any], dict[str, Any]] = field(default=lambda cfg: {})  # MoESpec extras
+    expert_kind: str = "swiglu"
+    block: str = "mlp"  # the decoder layer's MoE block attribute
+    router: str = "gate"  # the router module inside the block
+    router_weight: str = "weight"  # the router's weight inside the router module
+    bias: str | None = None  # the correction bias inside the block, if any
+    disk_block: str | None = None  # the block's name on disk when it differs (Mixtral)
+    # per-expert tensors on disk: `experts.{e}.{name}.weight` for (gate, up, down)
+    per_expert: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
+    # fused tensors on disk: gate_up [E, 2F, H] (gate rows first) and down [E, H, F]
+    fused: tuple[str, str] | None = ("experts.gate_up_proj", "experts.down_proj")
+    # other on-disk renames inside the block: (model name, disk name)
+    renames: tuple[tuple[str, str], ...] = ()
+    # config checks: (key, the values it may take) for keys psr relies on
+    allowed: tuple[tuple[str, tuple[Any, ...]], ...] = (("hidden_act", ("silu",)),)
+    groups: bool = False  # n_group / topk_group in the config
+    notes: str = ""
+
+    @property
+    def scoring(self) -> str:
+        return _SCORING[self.router_kind]
+
+    def disk_prefix(self, layer: int) -> str:
+        return f"model.layers.{layer}.{self.disk_block or self.block}"
+
+
+def _renorm(cfg: Any) -> dict[str, Any]:
+    return {"renormalize": bool(getattr(cfg, "norm_topk_prob", False))}
+
+
+def _deepseek_v3_like(cfg: Any) -> dict[str, Any]:
+    return {
+        "renormalize": bool(getattr(cfg, "norm_topk_prob", False)),
+        "n_group": int(cfg.n_group or 1),
+        "topk_group": int(cfg.topk_group or 1),
+        "scaling": float(cfg.routed_scaling_factor),
+        "logits_fp32": True,
+        "weights_in_logits_dtype": False,
+    }
+
+
+def _deepseek_v2(cfg: Any) -> dict[str, Any]:
+    grouped = cfg.topk_method == "group_limited_greedy"
+    return {
+        "n_group": int(cfg.n_group or 1) if grouped else 1,
+        "topk_group": int(cfg.topk_group or 1) if grouped else 1,
+        "group_score": "max",
+        "scaling": float(cfg.routed_scaling_factor),
+        "logits_fp32": True,
+        "weights_in_logits_dtype": False,
+    }
+
+
+def _ernie(cfg: Any) -> dict[str, Any]:
+    return {
+        "renormalize": True,
+        "norm_min": float(cfg.moe_norm_min),
+        "logits_fp32": True,
+        "weights_in_logits_dtype": False,
+    }
+
+
+_QWEN_KEYS = ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
+_DSV3_KEYS = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
+_MIXTRAL_KEYS = ("num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size")
+_MIXTRAL_DISK = dict(disk_block="block_sparse_moe", per_expert=("w1", "w3", "w2"))
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family(
+            "olmoe",
+            "softmax_topk",
+            ("num_experts", "num_experts_per_tok", "hidden_size", "intermediate_size"),
+            _renorm,
+        ),
+        Family("qwen2_moe", "softmax_topk", _QWEN_KEYS, _renorm, notes="sigmoid-gated shared"),
+        Family("qwen3_moe", "softmax_topk", _QWEN_KEYS, _renorm),
+        Family(
+            "qwen3_next",
+            "softmax_topk",
+            _QWEN_KEYS,
+            _renorm,
+            notes="hybrid attention (Gated DeltaNet layers); sigmoid-gated shared expert",
+        ),
+        Family(
+            "qwen3_5_moe_text",
+            "softmax_topk",
+            _QWEN_KEYS,
+            lambda cfg: {"renormalize": True},
+            notes="the text model of Qwen3.5-MoE; hybrid attention; sigmoid-gated shared expert",
+        ),
+        Family(
+            "hunyuan_v1_moe",
+            "softmax_topk",
+            ("num_experts", "moe_topk", "hidden_size", "intermediate_size"),
+            lambda cfg: {"renormalize": True},
+            router_weight="wg.weight",
+            notes="shared MLP beside the routed experts",
+        ),
+        Family(
+            "mixtral",
+            "topk_softmax",
+            _MIXTRAL_KEYS,
+            lambda cfg: {"renormalize": True, "weights_in_logits_dtype": False},
+            **_MIXTRAL_DISK,  # type: ignore[arg-type]
+        ),
+        Family(
+            "granitemoe",
+            "topk_softmax",
+            _MIXTRAL_KEYS,
+            lambda cfg: {"renormalize": True},
+            block="block_sparse_moe",
+            router="router",
+            per_expert=None,
+            fused=("input_linear.weight", "output_linear.weight"),
+            renames=(("router.weight", "router.layer.weight"),),
+        ),
+        Family(
+            "deepseek_v3",
+            "sigmoid_topk",
+            _DSV3_KEYS,
+            _deepseek_v3_like,
+            bias="gate.e_score_correction_bias",
+            groups=True,
+            allowed=(("hidden_act", ("silu",)), ("topk_method", ("noaux_tc",))),
+        ),
+        Family(
+            "glm4_moe",
+            "sigmoid_topk",
+            _DSV3_KEYS,
+            _deepseek_v3_like,
+            bias="gate.e_score_correction_bias",
+            groups=True,
+        ),
+        Family(
+            "dots1",
+            "sigmoid_topk",
+            _DSV3_KEYS,
+            _deepseek_v3_like,
+            bias="gate.e_score_correction_bias",
+            groups=True,
+        ),
+        Family(
+            "minimax_m2",
+            "sigmoid_topk",
+            _MIXTRAL_KEYS,
+            lambda cfg: {
+                "renormalize": True,
+                "logits_fp32": True,
+                "weights_in_logits_dtype": False,
+            },
+            bias="e_score_correction_bias",
+            **_MIXTRAL_DISK,  # type: ignore[arg-type]
+        ),
+        Family(
+            "deepseek_v2",
+            "softmax_group_max",
+            _DSV3_KEYS,
+            _deepseek_v2,
+            groups=True,
+            allowed=(
+                ("hidden_act", ("silu",)),
+                ("topk_method", ("greedy", "group_limited_greedy")),
+            ),
+        ),
+        Family(
+            "ernie4_5_moe",
+            "softmax_bias",
+            ("moe_num_experts", "moe_k", "hidden_size", "moe_intermediate_size"),
+            _ernie,
+            bias="gate.moe_statics.e_score_correction_bias",
+            renames=(("gate.moe_statics.", "moe_statics."),),
+        ),
+    )
+}
+
+# Families transformers has that psr does not offload yet: what each lacks.
+NOT_YET: dict[str, str] = {
+    "gpt_oss": "expert kind (interleaved gate/up with biases, clamped SwiGLU) and a router "
+    "with a bias",
+    "llama4_text": "router kind (sigmoid top-1 scaling the expert's input) and Llama 4's "
+    "block (its router returns the full score matrix)",
+    "llama4": "the multimodal Llama 4 (load its text model, model_type llama4_text; not yet "
+    "supported either)",
+    "phimoe": "router kind (PhiMoE's sparsemixer)",
+    "qwen3_5_moe": "the multimodal Qwen3.5-MoE checkpoint (its text model, qwen3_5_moe_text, "
+    "is supported)",
+}
+
+SUPPORTED = tuple(FAMILIES)
 
 
 def unsupported(model_type: str) -> ValueError:
+    why = NOT_YET.get(model_type)
+    if why is not None:
+        return ValueError(f"architecture {model_type!r} is not supported yet: psr lacks its {why}")
     return ValueError(
         f"unsupported architecture {model_type!r}; psr supports: {', '.join(SUPPORTED)} "
         "(Moonlight-16B-A3B loads as deepseek_v3)"
     )
 
 
-# config.json keys each family's MoESpec reads: (experts, top-k, hidden, expert FFN).
-_REQUIRED = {
-    "olmoe": ("num_experts", "num_experts_per_tok", "hidden_size", "intermediate_size"),
-    "qwen2_moe": ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
-    "qwen3_moe": ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size"),
-    "mixtral": ("num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size"),
-    "deepseek_v3": (
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "hidden_size",
-        "moe_intermediate_size",
-    ),
-}
+def family_of(model_type: object) -> Family:
+    fam = FAMILIES.get(str(model_type))
+    if fam is None:
+        raise unsupported(str(model_type))
+    return fam
+
+
+def _find(raw: dict[str, Any], key: str, aliases: dict[str, str]) -> str | None:
+    names = [key, *(a for a, k in aliases.items() if k == key)]
+    if key in aliases:
+        names.append(aliases[key])
+    return next((n for n in names if n in raw), None)
+
+
+def _positive_int(raw: dict[str, Any], found: str, mt: str, where: str) -> int:
+    v = raw[found]
+    if isinstance(v, list) and v and all(x == v[0] for x in v):
+        v = v[0]  # Hunyuan may list a per-layer value; psr needs one for all layers
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{where} ({mt}): {found} must be a positive int, got {v!r}")
+    return v
 
 
 def check_config(
     raw: dict[str, Any], aliases: dict[str, str] | None = None, where: str = "config.json"
 ) -> None:
-    """The raw config names a supported family and sets its MoE sizes explicitly, as
-    positive ints with top-k <= experts (transformers would fill in silent defaults).
-    `aliases`: the config class's `attribute_map` (alias -> attribute), e.g. Qwen3-MoE
-    saves `num_experts` as `num_local_experts`."""
+    """The raw config names a supported family and sets what its entry needs explicitly
+    (transformers would fill in silent defaults): positive sizes, top-k <= experts, an
+    activation and methods psr computes, groups that divide the experts. `aliases`: the
+    config class's `attribute_map` (alias -> attribute), e.g. Qwen3-MoE saves
+    `num_experts` as `num_local_experts`. Raises a one-line ValueError naming the key."""
     mt = raw.get("model_type")
-    if mt not in SUPPORTED:
-        raise unsupported(str(mt))
+    fam = family_of(mt)
     aliases = aliases or {}
     values = {}
-    for key in _REQUIRED[mt]:
-        names = [key, *(a for a, k in aliases.items() if k == key)]
-        if key in aliases:
-            names.append(aliases[key])
-        found = next((n for n in names if n in raw), None)
+    for key in fam.keys:
+        found = _find(raw, key, aliases)
         if found is None:
             raise ValueError(f"{where} ({mt}) lacks {key!r}")
-        v = values[key] = raw[found]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"{where} ({mt}): {found} must be a positive int, got {v!r}")
-    experts, top_k = _REQUIRED[mt][:2]
+        values[key] = _positive_int(raw, found, str(mt), where)
+    experts, top_k = fam.keys[:2]
     if values[top_k] > values[experts]:
         raise ValueError(
             f"{where} ({mt}): {top_k}={values[top_k]} experts per token exceeds "
             f"{experts}={values[experts]}"
         )
+    for key, ok in fam.allowed:
+        if key in raw and raw[key] not in ok:
+            raise ValueError(
+                f"{where} ({mt}): {key}={raw[key]!r} is not supported (psr computes "
+                f"{', '.join(map(repr, ok))})"
+            )
+    if fam.groups:
+        _check_groups(raw, values[experts], values[top_k], str(mt), where)
+
+
+def _check_groups(raw: dict[str, Any], E: int, k: int, mt: str, where: str) -> None:
+    if raw.get("topk_method") == "greedy":
+        return  # DeepSeek-V2 without the group limit
+    n_group, topk_group = raw.get("n_group") or 1, raw.get("topk_group") or 1
+    for key, v in (("n_group", n_group), ("topk_group", topk_group)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where} ({mt}): {key} must be a positive int, got {v!r}")
+    if E % n_group:
+        raise ValueError(f"{where} ({mt}): n_group={n_group} does not divide the {E} experts")
+    if topk_group > n_group:
+        raise ValueError(f"{where} ({mt}): topk_group={topk_group} exceeds n_group={n_group}")
+    if n_group > 1 and k > topk_group * (E // n_group):
+        raise ValueError(
+            f"{where} ({mt}): num_experts_per_tok={k} exceeds the {topk_group * (E // n_group)} "
+            f"experts of topk_group={topk_group} groups"
+        )
+
+
+def _attr(cfg: Any, key: str) -> int:
+    v = getattr(cfg, key)
+    return int(v[0]) if isinstance(v, list) else int(v)
 
 
 def moe_spec(cfg: Any) -> MoESpec:
-    """The MoESpec of a transformers config."""
-    mt = getattr(cfg, "model_type", None)
-    if mt in ("olmoe", "qwen2_moe", "qwen3_moe"):
-        return MoESpec(
-            family=mt,
-            num_experts=cfg.num_experts,
-            top_k=cfg.num_experts_per_tok,
-            hidden_size=cfg.hidden_size,
-            ffn_size=cfg.moe_intermediate_size if mt != "olmoe" else cfg.intermediate_size,
-            renormalize=bool(cfg.norm_topk_prob),
-        )
-    if mt == "mixtral":
-        return MoESpec(
-            family=mt,
-            num_experts=cfg.num_local_experts,
-            top_k=cfg.num_experts_per_tok,
-            hidden_size=cfg.hidden_size,
-            ffn_size=cfg.intermediate_size,
-            renormalize=True,
-            weights_in_logits_dtype=False,
-        )
-    if mt == "deepseek_v3":
-        return MoESpec(
-            family=mt,
-            num_experts=cfg.n_routed_experts,
-            top_k=cfg.num_experts_per_tok,
-            hidden_size=cfg.hidden_size,
-            ffn_size=cfg.moe_intermediate_size,
-            scoring="sigmoid",
-            renormalize=bool(cfg.norm_topk_prob),
-            n_group=int(cfg.n_group or 1),
-            topk_group=int(cfg.topk_group or 1),
-            scaling=float(cfg.routed_scaling_factor),
-            logits_fp32=True,
-            weights_in_logits_dtype=False,
-        )
-    raise unsupported(str(mt))
+    """The MoESpec of a transformers config, from its family's entry."""
+    fam = family_of(getattr(cfg, "model_type", None))
+    E, k, H, F = (_attr(cfg, key) for key in fam.keys)
+    return MoESpec(
+        family=fam.model_type,
+        num_experts=E,
+        top_k=k,
+        hidden_size=H,
+        ffn_size=F,
+        scoring=fam.scoring,
+        **fam.route(cfg),
+    )
+
+
+# --- on-disk names ----------------------------------------------------------------------
 
 
 def expert_tensor_names(family: str, layer: int, expert: int) -> list[tuple[str, str, str]]:
-    """Candidate (gate, up, down) per-expert tensor names on disk, most likely first
-    (Mixtral: `block_sparse_moe.experts.{e}.w1/w3/w2`)."""
-    p = f"model.layers.{layer}"
-    out = [tuple(f"{p}.mlp.experts.{expert}.{m}_proj.weight" for m in ("gate", "up", "down"))]
-    if family == "mixtral":
-        out.insert(
-            0,
-            tuple(f"{p}.block_sparse_moe.experts.{expert}.{w}.weight" for w in ("w1", "w3", "w2")),
-        )
-    return out
+    """Candidate (gate, up, down) per-expert tensor names on disk, most likely first."""
+    fam = FAMILIES[family]
+    out = []
+    for p in dict.fromkeys((fam.disk_prefix(layer), f"model.layers.{layer}.{fam.block}")):
+        if fam.per_expert is not None:
+            out.append(tuple(f"{p}.experts.{expert}.{m}.weight" for m in fam.per_expert))
+        if fam.per_expert != ("gate_proj", "up_proj", "down_proj"):
+            out.append(
+                tuple(f"{p}.experts.{expert}.{m}_proj.weight" for m in ("gate", "up", "down"))
+            )
+    return out  # type: ignore[return-value]
 
 
-def fused_expert_names(layer: int) -> tuple[str, str]:
-    """Fused layout: gate_up_proj [E, 2F, H] (gate rows first), down_proj [E, H, F]."""
-    p = f"model.layers.{layer}.mlp.experts"
-    return f"{p}.gate_up_proj", f"{p}.down_proj"
+def fused_expert_names(family: str, layer: int) -> list[tuple[str, str]]:
+    """Candidate fused names on disk: gate_up_proj [E, 2F, H] (gate rows first), down_proj
+    [E, H, F]; the family's own first, then transformers' module names."""
+    fam = FAMILIES[family]
+    p = f"model.layers.{layer}.{fam.block}"
+    out = [(f"{p}.experts.gate_up_proj", f"{p}.experts.down_proj")]
+    if fam.fused is not None:
+        d = fam.disk_prefix(layer)
+        out.insert(0, (f"{d}.{fam.fused[0]}", f"{d}.{fam.fused[1]}"))
+    return list(dict.fromkeys(out))
 
 
 def disk_names(family: str, param_name: str) -> list[str]:
-    """Candidate on-disk names of a non-expert parameter of the transformers model."""
+    """Candidate on-disk names of a non-expert tensor of the transformers model: its own
+    name, then the family's renames (the MoE block's disk name, a router's)."""
+    fam = FAMILIES[family]
     out = [param_name]
-    if family == "mixtral" and ".mlp.gate." in param_name:
-        out.append(param_name.replace(".mlp.gate.", ".block_sparse_moe.gate."))
-    return out
+    head, sep, rest = param_name.partition(f".{fam.block}.")
+    if not sep or not head.startswith("model.layers."):
+        return out
+    block = fam.disk_block or fam.block
+    for model_name, disk_name in fam.renames:
+        if rest.startswith(model_name):
+            out.append(f"{head}.{block}.{disk_name}{rest[len(model_name) :]}")
+    if block != fam.block:
+        out.append(f"{head}.{block}.{rest}")
+    return list(dict.fromkeys(out))
+
+
+# --- modules of a built model -----------------------------------------------------------
+
+
+def moe_block(layer: nn.Module, fam: Family) -> nn.Module | None:
+    """The decoder layer's routed MoE block, or None for a dense layer."""
+    block = getattr(layer, fam.block, None)
+    if block is None or not hasattr(block, "experts") or not hasattr(block, fam.router):
+        return None
+    return block
+
+
+def router_weight(router: nn.Module, fam: Family) -> torch.Tensor:
+    w = router.get_parameter(fam.router_weight)
+    return w
+
+
+def correction_bias(block: nn.Module, fam: Family) -> torch.Tensor | None:
+    if fam.bias is None:
+        return None
+    owner, _, name = fam.bias.rpartition(".")
+    mod = block.get_submodule(owner) if owner else block
+    t = getattr(mod, name)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fam.model_type}: {fam.bias} is not a tensor")
+    return t.view(-1)  # ERNIE keeps it as [1, E]
 
 
 def expert_parts(experts: nn.Module, e: int) -> list[torch.Tensor]:

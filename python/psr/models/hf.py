@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import psr_kernels as pk
+from psr.models.families import Family, correction_bias, family_of, moe_block, router_weight
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.layer import MoELayer
 from psr.runtime.modules import OffloadedExperts, PSRRouter
@@ -32,18 +33,36 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def model_family(model: nn.Module) -> Family:
+    """The family entry of a transformers model (its config's model_type)."""
+    return family_of(getattr(getattr(model, "config", None), "model_type", None))
+
+
 def moe_layer_indices(model: nn.Module) -> list[int]:
-    """Decoder indices of the layers with a routed MoE block (`mlp.gate` + `mlp.experts`)."""
+    """Decoder indices of the layers with a routed MoE block (the family's block with its
+    router and experts; dense layers have none)."""
+    fam = model_family(model)
     out = []
     for i, layer in enumerate(decoder_layers(model)):
-        mlp = getattr(layer, "mlp", None)
-        if mlp is not None and hasattr(mlp, "experts") and hasattr(mlp, "gate"):
+        if moe_block(layer, fam) is not None:
             if not hasattr(layer, "post_attention_layernorm"):
                 raise TypeError(f"decoder layer {i} has no post_attention_layernorm")
             out.append(i)
     if not out:
-        raise TypeError(f"{type(model).__name__} has no MoE layers (mlp.gate + mlp.experts)")
+        raise TypeError(
+            f"{type(model).__name__} has no MoE layers ({fam.block}.{fam.router} + "
+            f"{fam.block}.experts)"
+        )
     return out
+
+
+def block_of(model: nn.Module, decoder_index: int) -> nn.Module:
+    """Decoder layer `decoder_index`'s MoE block."""
+    fam = model_family(model)
+    block = moe_block(decoder_layers(model)[decoder_index], fam)
+    if block is None:
+        raise TypeError(f"decoder layer {decoder_index} has no MoE block")
+    return block
 
 
 @dataclass
@@ -84,9 +103,23 @@ def install(
     `uninstall` can rebuild it from the store. Its state dict (`save_pretrained`) names the
     router and the experts as the original modules do."""
     layers = decoder_layers(model)
+    fam = model_family(model)
+    wiring = []
+    for d in moe_idx:
+        block = block_of(model, d)
+        router = getattr(block, fam.router)
+        wiring.append(
+            (
+                d,
+                router,
+                layers[d].post_attention_layernorm,
+                router_weight(router, fam),
+                correction_bias(block, fam),
+            )
+        )
     runtime = OffloadRuntime(
         spec,
-        [(d, layers[d].mlp.gate, layers[d].post_attention_layernorm) for d in moe_idx],
+        wiring,
         store,
         policy,
         capacity,
@@ -98,16 +131,16 @@ def install(
     quantized = runtime.expert_format is not None
     found = []  # checked for every layer before any is changed
     for L in runtime.layers:
-        experts = layers[L.decoder_index].mlp.experts
+        experts = block_of(model, L.decoder_index).experts
         names = packed_names(experts, spec.num_experts)
         if not quantized:
             _check_layout(experts, store.host(L.index), spec)
         real = [experts.get_parameter(n) for n in names if not experts.get_parameter(n).is_meta]
         # psr.load builds the model on the meta device and never materialises its experts.
-        found.append((experts, names, real[0].device if real else L.router.weight.device))
+        found.append((experts, names, real[0].device if real else L.gate_weight.device))
     swaps = []
     for L, (experts, names, device) in zip(runtime.layers, found, strict=True):
-        layer = layers[L.decoder_index]
+        layer, block = layers[L.decoder_index], block_of(model, L.decoder_index)
         for name in names:  # the store holds the weights now: free them
             p = experts.get_parameter(name)
             _set_parameter(experts, name, torch.empty_like(p, device="meta"), p.requires_grad)
@@ -115,8 +148,8 @@ def install(
         router.register_state_dict_post_hook(_unwrap_router_state)
         offloaded = OffloadedExperts(runtime, L)
         offloaded.register_state_dict_post_hook(_experts_state_hook(store, L, spec, experts))
-        layer.mlp.gate = router
-        layer.mlp.experts = offloaded
+        setattr(block, fam.router, router)
+        block.experts = offloaded
         hook = layer.post_attention_layernorm.register_forward_pre_hook(
             lambda mod, args, L=L: runtime.capture_residual(L, args[0])
         )
@@ -142,10 +175,11 @@ def uninstall(model: nn.Module) -> None:
                 "psr.restore: the expert store is closed (close() freed the experts), so the "
                 "model's experts cannot be rebuilt; reload the model instead"
             )
-        layers = decoder_layers(model)
+        fam = model_family(model)
         for sw in inst.swaps:
-            mlp = layers[sw.decoder_index].mlp
-            if not (isinstance(mlp.gate, PSRRouter) and isinstance(mlp.experts, OffloadedExperts)):
+            mlp = block_of(model, sw.decoder_index)
+            ok = isinstance(getattr(mlp, fam.router), PSRRouter)
+            if not (ok and isinstance(mlp.experts, OffloadedExperts)):
                 raise RuntimeError(
                     f"psr.restore: decoder layer {sw.decoder_index}'s router or experts module "
                     "was replaced after offloading; cannot restore"
@@ -165,8 +199,9 @@ def uninstall(model: nn.Module) -> None:
         for sw, out in zip(inst.swaps, weights, strict=True):
             for name, t in out.items():
                 _set_parameter(sw.experts, name, t, sw.experts.get_parameter(name).requires_grad)
-            mlp = layers[sw.decoder_index].mlp
-            mlp.gate, mlp.experts = sw.router, sw.experts
+            mlp = block_of(model, sw.decoder_index)
+            setattr(mlp, fam.router, sw.router)
+            mlp.experts = sw.experts
             sw.hook.remove()
         del model.forward  # the class's forward again
         del model.psr_runtime, model.psr_installation

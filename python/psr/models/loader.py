@@ -33,12 +33,14 @@ from psr.models.families import (
     expert_tensor_names,
     fused_expert_names,
     moe_spec,
+    router_weight,
 )
 from psr.models.hf import (
-    decoder_layers,
+    block_of,
     install,
     keep_fp32,
     materialize_rotary,
+    model_family,
     moe_layer_indices,
     set_tensor,
     uninstall,
@@ -46,7 +48,6 @@ from psr.models.hf import (
 from psr.models.quant_cache import QuantCache, resolve_root
 from psr.points import resolve_policy
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
-from psr.runtime.layer import weight_of
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import MoESpec, resolve_capacity
 from psr.store import ExpertStore, LayerSpec, current_backend
@@ -194,14 +195,14 @@ def offload(
     vocab.graphs_choice(graphs)
     fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
-    layers = decoder_layers(hf_model)
-    first = expert_parts(layers[moe_idx[0]].get_submodule("mlp.experts"), 0)
+    first = expert_parts(block_of(hf_model, moe_idx[0]).experts, 0)
     dtype = first[0].dtype
     if not dtype.is_floating_point:
         raise TypeError(f"expert weights must be floating point, got {dtype}")
-    device = weight_of(layers[moe_idx[0]].get_submodule("mlp.gate")).device
+    fam = model_family(hf_model)
+    device = router_weight(getattr(block_of(hf_model, moe_idx[0]), fam.router), fam).device
     store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries, fmt)
-    readers = [_module_reader(layers[d].get_submodule("mlp.experts")) for d in moe_idx]
+    readers = [_module_reader(block_of(hf_model, d).experts) for d in moe_idx]
     _fill_store(store, spec, readers, fmt, progress, shown_format=fmt)
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode)
     om = OffloadedModel(hf_model, runtime, restorer=restore)
@@ -226,7 +227,8 @@ def restore(model: nn.Module) -> nn.Module:
 def _expert_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
     """Checks decoder layer `d`'s expert tensors; returns expert id -> its matrices."""
     E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
-    gu_name, dn_name = fused_expert_names(d)
+    fused = fused_expert_names(spec.family, d)
+    gu_name, dn_name = next(((g, n) for g, n in fused if g in ckpt and n in ckpt), fused[-1])
     if gu_name in ckpt and dn_name in ckpt:
         for name, shape in ((gu_name, [E, 2 * Fd, H]), (dn_name, [E, H, Fd])):
             ckpt.require_float(name, "expert weight")
@@ -430,7 +432,8 @@ def _build_model(ckpt: Checkpoint, opts: LoadOptions) -> tuple[nn.Module, list[i
         model = transformers.AutoModelForCausalLM.from_config(opts.config, dtype=dt)
     model.eval()
     moe_idx = moe_layer_indices(model)
-    expert_prefixes = tuple(f"model.layers.{d}.mlp.experts." for d in moe_idx)
+    block = model_family(model).block
+    expert_prefixes = tuple(f"model.layers.{d}.{block}.experts." for d in moe_idx)
     state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
     tied = bool(getattr(opts.config, "tie_word_embeddings", False))
     for name in state_names:

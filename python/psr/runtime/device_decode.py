@@ -81,7 +81,7 @@ class DeviceDecode(Step):
             kw = dict(
                 residual=layer.need_residual(),
                 norm_weight=nxt.norm_weight,
-                gate_weight=nxt.router.weight,
+                gate_weight=nxt.gate_weight,
                 eps=nxt.norm_eps,
                 next_bias=nxt.bias,
             )

@@ -61,7 +61,9 @@ class OffloadRuntime:
 
     Args:
         spec: the model's MoE routing semantics and expert shapes.
-        layers: per MoE layer, `(decoder index, router module, post-attention norm)`.
+        layers: per MoE layer, `(decoder index, router module, post-attention norm, router
+            weight [E, H], correction bias [E] or None)` (the family says where the last
+            two live).
         store: holds every expert; its slab has at least `capacity` slots per layer.
         compute: 'auto' | 'triton' | 'torch' (psr_kernels.kernel_ops).
         num_decoder_layers: all decoder layers, dense ones included (for traces).
@@ -76,7 +78,7 @@ class OffloadRuntime:
     def __init__(
         self,
         spec: MoESpec,
-        layers: Sequence[tuple[int, nn.Module, nn.Module]],
+        layers: Sequence[tuple[int, nn.Module, nn.Module, torch.Tensor, torch.Tensor | None]],
         store: ExpertStore,
         policy: Policy,
         capacity: int,
@@ -105,12 +107,14 @@ class OffloadRuntime:
                 d,
                 i,
                 router,
+                gate_weight,
+                bias,
                 weight_of(norm),
                 norm_eps(norm),
                 LogicalCache(capacity, spec.num_experts),
                 SlotMap([]),
             )
-            for i, (d, router, norm) in enumerate(layers)
+            for i, (d, router, norm, gate_weight, bias) in enumerate(layers)
         ]
         for L in self.layers:
             L.slots.reset(store.slot_experts(L.index)[:capacity])

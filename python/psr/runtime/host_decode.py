@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import psr_kernels as pk
-from psr.runtime.layer import MoELayer, weight_of
+from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class VerifyBlock(HostDecode):
             return None
         nxt = rt.layers[layer.index + 1]
         h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
-        logits = h @ weight_of(nxt.router).float().t()
+        logits = h @ nxt.gate_weight.float().t()
         score = pk.block_scores_ref(logits, rt.spec.scoring, nxt.bias)
         # Ties to the lower id, as everywhere.
         return torch.sort(score, descending=True, stable=True).indices[:n].tolist()

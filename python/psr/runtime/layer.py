@@ -19,7 +19,9 @@ class MoELayer:
 
     decoder_index: int  # index among the model's decoder layers
     index: int  # index among MoE layers (= store layer)
-    router: nn.Module  # the model's router (weight, e_score_correction_bias)
+    router: nn.Module  # the model's router module (kept for state dicts and restore)
+    gate_weight: torch.Tensor  # the router's weight [E, H], wherever the family keeps it
+    correction_bias: torch.Tensor | None  # e_score_correction_bias [E], if the router has one
     # This layer's post-attention RMSNorm, for predictions into it: its weight and eps,
     # not the module (the module's residual hook refers to the runtime: no cycle).
     norm_weight: torch.Tensor
@@ -32,7 +34,7 @@ class MoELayer:
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return getattr(self.router, "e_score_correction_bias", None)
+        return self.correction_bias
 
     def need_residual(self) -> torch.Tensor:
         if self.residual is None:

@@ -19,8 +19,10 @@ class PSRRouter(nn.Module):
         self.inner = layer.router  # keeps the router's parameters registered
 
     def forward(
-        self, hidden_states: torch.Tensor
+        self, hidden_states: torch.Tensor, *extra: object
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # `extra`: what some blocks pass their router besides the hidden state (MiniMax-M2
+        # its correction bias); psr's routing reads the layer's own (MoELayer.bias).
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         return self.runtime.route(self.layer, x)
 

@@ -28,6 +28,8 @@ class MoESpec:
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0
+    group_score: str = "top2"  # 'top2' | 'max' (psr_kernels.GROUP_SCORES)
+    norm_min: float = 0.0  # floor of the renormalising sum (ERNIE's moe_norm_min)
     # Router GEMV in fp32 (DeepSeek-V3 casts hidden and weight to fp32).
     logits_fp32: bool = False
     # OLMoE / Qwen cast the top-k weights back to the logits dtype.
@@ -67,6 +69,8 @@ def _route_spec(spec: MoESpec, lam: float) -> RouteSpec:
         n_group=spec.n_group,
         topk_group=spec.topk_group,
         scaling=spec.scaling,
+        group_score=spec.group_score,
+        norm_min=spec.norm_min,
     )
 
 

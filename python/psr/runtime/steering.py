@@ -48,7 +48,7 @@ class Steering:
         ids, _ = self.rt.ops.predict_next(
             residual,
             nxt.norm_weight,
-            nxt.router.weight,
+            nxt.gate_weight,
             n,
             self.rt.spec.route_spec(),
             eps=nxt.norm_eps,

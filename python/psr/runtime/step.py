@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from psr.runtime.layer import MoELayer, weight_of
+from psr.runtime.layer import MoELayer
 
 if TYPE_CHECKING:
     from psr.runtime.engine import OffloadRuntime
@@ -45,8 +45,9 @@ class Step:
     # --- shared by the modes -------------------------------------------------------
     def logits(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         """The router's logits, computed as the model computes them."""
-        w = weight_of(layer.router)
-        if self.rt.spec.logits_fp32:
+        w = layer.gate_weight
+        # fp32 where the model computes it so (DeepSeek casts; a router kept in fp32).
+        if self.rt.spec.logits_fp32 or w.dtype == torch.float32:
             return F.linear(x.float(), w.float())
         return F.linear(x, w)
 
