@@ -126,7 +126,12 @@ def _new_family_config(family: str):
             **linear_attn,
         ),
         "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
-            **COMMON, intermediate_size=16, num_hidden_layers=3, num_experts=8, moe_topk=2, head_dim=8
+            **COMMON,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_experts=8,
+            moe_topk=2,
+            head_dim=8,
         ),
         "granitemoe": lambda: transformers.GraniteMoeConfig(
             **COMMON,

@@ -86,6 +86,63 @@ def test_route_sigmoid_group_limited_matches_reference(
         assert all(len(set(r.tolist())) <= topk_group for r in groups)
 
 
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+@pytest.mark.parametrize(
+    ("E", "k", "n_group", "topk_group", "T"), [(64, 6, 8, 3, 3), (60, 2, 6, 2, 5), (8, 2, 4, 2, 3)]
+)
+def test_route_softmax_group_max_matches_reference(
+    E, k, n_group, topk_group, T, dtype, atol, rtol
+) -> None:
+    """DeepSeek-V2's group_limited_greedy: softmax scores, groups ranked by their maximum."""
+    gen = torch.Generator().manual_seed(E + 3 * k)
+    logits = torch.randn(T, E, generator=gen).to(dtype)
+    mask = rand_mask(T, E, gen, per_token=True)
+    for lam in (0.0, 0.3):
+        spec = pk.RouteSpec(
+            k, lam, "softmax", False, n_group, topk_group, scaling=1.5, group_score="max"
+        )
+        w, ids = pk.route(logits, spec, mask=mask)
+        w_ref, ids_ref = pk.route_ref(logits, spec, mask=mask)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=rtol, atol=atol)
+        groups = ids // (E // n_group)
+        assert all(len(set(r.tolist())) <= topk_group for r in groups)
+    # The maximum and the top-2 sum rank groups differently on some rows.
+    top2 = pk.RouteSpec(k, 0.0, "softmax", False, n_group, topk_group, group_score="top2")
+    one = pk.RouteSpec(k, 0.0, "softmax", False, n_group, topk_group, group_score="max")
+    x = torch.randn(64, E, generator=gen)
+    assert not torch.equal(pk.route_ref(x, top2)[1], pk.route_ref(x, one)[1])
+
+
+@pytest.mark.parametrize(("dtype", "atol", "rtol"), DTYPE_TOLS)
+@pytest.mark.parametrize(("E", "k", "T", "norm_min"), [(8, 2, 3, 1e-12), (60, 6, 4, 0.5)])
+def test_route_softmax_with_correction_bias_matches_reference(
+    E, k, T, norm_min, dtype, atol, rtol
+) -> None:
+    """ERNIE: selection on softmax probabilities + the correction bias, weights from the
+    probabilities renormalised by max(sum, moe_norm_min)."""
+    gen = torch.Generator().manual_seed(E * k)
+    logits = torch.randn(T, E, generator=gen).to(dtype)
+    bias = (torch.randn(E, generator=gen) * 0.1).to(dtype)
+    mask = rand_mask(T, E, gen, per_token=False)
+    for lam in (0.0, 0.4):
+        spec = pk.RouteSpec(k, lam, "softmax", True, norm_min=norm_min)
+        w, ids = pk.route(logits, spec, mask=mask, bias=bias)
+        w_ref, ids_ref = pk.route_ref(logits, spec, mask=mask, bias=bias)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=rtol, atol=atol)
+    # The bias moves the selection; a floor above the sum scales the weights down.
+    p = torch.softmax(logits.float(), -1)
+    exact = pk.route_ref(
+        logits, pk.RouteSpec(k, 0.0, "softmax", True, norm_min=norm_min), bias=bias
+    )
+    sel = torch.sort(p + bias.float(), dim=-1, descending=True, stable=True).indices[:, :k]
+    assert torch.equal(exact[1], sel)
+    chosen = p.gather(1, sel)
+    want = chosen / chosen.sum(-1, keepdim=True).clamp(min=norm_min)
+    torch.testing.assert_close(exact[0], want, rtol=1e-6, atol=1e-7)
+
+
 def _hf_router(kind: str, E: int, k: int, H: int, **extra):
     transformers = pytest.importorskip("transformers")
     if kind == "olmoe":
