@@ -43,7 +43,15 @@ _EXPORTS = {
         "set_backend",
     ),
     "psr.runtime": ("MoESpec", "OffloadedModel", "Stats", "Trace"),
-    "psr.models": ("DEFAULT_MODEL", "CheckpointError", "load", "offload", "restore"),
+    "psr.models": (
+        "DEFAULT_MODEL",
+        "CheckpointError",
+        "Inspection",
+        "inspect",
+        "load",
+        "offload",
+        "restore",
+    ),
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = [
@@ -54,6 +62,7 @@ __all__ = [
     "CheckpointError",
     "CopyError",
     "ExpertStore",
+    "Inspection",
     "LayerSpec",
     "LogicalCache",
     "MoESpec",
@@ -64,6 +73,7 @@ __all__ = [
     "Trace",
     "backend_info",
     "current_backend",
+    "inspect",
     "load",
     "make_policy",
     "offload",

@@ -291,9 +291,9 @@ def model_config(path: str | Path, option: str = "--model") -> dict[str, Any]:
         raise CheckpointError(f"{option}: config.json in {path} is not a JSON object")
     mt = cfg.get("model_type")
     if mt not in SUPPORTED:
-        raise ValueError(
-            f"{option} {path}: unsupported architecture {mt!r}; psr supports {', '.join(SUPPORTED)}"
-        )
+        from psr.models.families import unsupported
+
+        raise ValueError(f"{option} {path}: {unsupported(str(mt))}")
     return cfg
 
 

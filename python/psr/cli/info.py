@@ -1,9 +1,11 @@
-"""`psr info`: what the extension was built with and can use."""
+"""`psr info`: what the extension was built with and can use; `psr inspect`: what psr
+would load from a checkpoint."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from psr.cli.args import command
@@ -12,6 +14,15 @@ from psr.cli.args import command
 def add_info(sub: Any) -> None:
     info = command(sub, "info", "what the extension was built with and can use")
     info.set_defaults(fn=run_info)
+    ins = command(
+        sub,
+        "inspect",
+        "what psr would load from a checkpoint, before loading it: family, router and expert "
+        "kinds, sparse layers, expert bytes per format, host and device memory, graphs",
+    )
+    ins.add_argument("--model", help="checkpoint folder (default: the embedded model)")
+    ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ins.set_defaults(fn=run_inspect)
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -19,3 +30,17 @@ def run_info(args: argparse.Namespace) -> int:
 
     print(json.dumps(backend_info(), indent=2))
     return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    """Exit 0 for a checkpoint psr loads, 1 (with the one line saying what is missing)
+    for one it does not."""
+    from psr.models import DEFAULT_MODEL
+    from psr.models.inspect import inspect
+
+    path = args.model or DEFAULT_MODEL
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"--model {path}: no such folder")
+    found = inspect(path)
+    print(json.dumps(found.to_dict(), indent=2) if args.json else found.table())
+    return 0 if found.supported else 1

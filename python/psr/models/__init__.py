@@ -4,6 +4,7 @@
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.models.embedded import DEFAULT_MODEL
 from psr.models.families import SUPPORTED, moe_spec
+from psr.models.inspect import Inspection, inspect
 from psr.models.loader import load, offload, restore
 
 __all__ = [
@@ -11,6 +12,8 @@ __all__ = [
     "SUPPORTED",
     "Checkpoint",
     "CheckpointError",
+    "Inspection",
+    "inspect",
     "load",
     "moe_spec",
     "offload",

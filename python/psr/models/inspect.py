@@ -1,0 +1,197 @@
+"""`psr.inspect(path)`: what psr would do with a checkpoint, before loading it.
+
+Reads config.json and builds the transformers model on the meta device (no weight is
+read, no memory is taken): the family and its router and expert kinds, which layers are
+sparse, the expert shapes, the bytes of one expert in each format, the host memory every
+format needs and the device memory per residency, and whether decode graphs apply. For an
+unsupported checkpoint, the one line that says which part psr lacks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import psr_kernels as pk
+from psr.models.checkpoint import read_config
+from psr.models.families import (
+    EXPERT_KINDS,
+    FAMILIES,
+    ROUTER_KINDS,
+    check_config,
+    moe_block,
+    moe_spec,
+)
+
+RESIDENCIES = (0.25, 0.5, 1.0)
+FORMATS = ("native", "bf16", "int8", "fp8", "int4")
+GROUP_SIZE = 128  # int4's group (psr.models.loader.GROUP_SIZE)
+
+
+@dataclass
+class Inspection:
+    """What `psr.inspect` found (`to_dict` for JSON, `table` for people)."""
+
+    path: str
+    model_type: str
+    supported: bool
+    missing: str | None = None  # for an unsupported checkpoint: what psr lacks
+    family: str | None = None
+    router_kind: str | None = None
+    expert_kind: str | None = None
+    dtype: str | None = None
+    num_layers: int = 0
+    sparse_layers: list[int] = field(default_factory=list)
+    dense_layers: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    top_k: int = 0
+    hidden_size: int = 0
+    ffn_size: int = 0
+    shared_experts: bool = False
+    attention: list[str] = field(default_factory=list)  # layer kinds, where the config says
+    expert_bytes: dict[str, int] = field(default_factory=dict)  # one expert, per format
+    host_bytes: dict[str, int] = field(default_factory=dict)  # every expert, per format
+    dense_bytes: int = 0  # everything but the routed experts, in the model dtype
+    device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # format -> res
+    graphs: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        if not self.supported:
+            return f"{self.path}: {self.missing}"
+        lines = [
+            f"{self.path}: {self.family} ({self.dtype})",
+            f"  router     {self.router_kind}: {ROUTER_KINDS[str(self.router_kind)]}",
+            f"  experts    {self.expert_kind}: {EXPERT_KINDS[str(self.expert_kind)]}"
+            + ("; shared experts on the device" if self.shared_experts else ""),
+            f"  layers     {self.num_layers}: {len(self.sparse_layers)} sparse "
+            f"{_ranges(self.sparse_layers)}, {len(self.dense_layers)} dense "
+            f"{_ranges(self.dense_layers)}",
+            f"  MoE        {self.num_experts} experts, top-{self.top_k}, hidden "
+            f"{self.hidden_size}, expert FFN {self.ffn_size}",
+        ]
+        if self.attention:
+            kinds = sorted(set(self.attention))
+            lines.append(
+                "  attention  " + ", ".join(f"{self.attention.count(k)} {k}" for k in kinds)
+            )
+        lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
+        cols = ["format", "one expert", "host (all experts)"]
+        cols += [f"device @ residency {r:g}" for r in RESIDENCIES]
+        rows = [
+            [fmt, _size(self.expert_bytes[fmt]), _size(self.host_bytes[fmt])]
+            + [_size(self.device_bytes[fmt][f"{r:g}"]) for r in RESIDENCIES]
+            for fmt in FORMATS
+        ]
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        for r in [cols, *rows]:
+            lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
+        lines.append("  (device: the dense part + the expert slab; the KV cache comes on top)")
+        lines.append(f"  graphs     {self.graphs}")
+        return "\n".join(lines)
+
+
+def _size(n: int) -> str:
+    """Bytes in the unit that reads best (KiB to TiB)."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def _ranges(idx: list[int]) -> str:
+    """[0, 1, 2, 5] -> "[0-2, 5]"."""
+    out, i = [], 0
+    while i < len(idx):
+        j = i
+        while j + 1 < len(idx) and idx[j + 1] == idx[j] + 1:
+            j += 1
+        out.append(str(idx[i]) if i == j else f"{idx[i]}-{idx[j]}")
+        i = j + 1
+    return "[" + ", ".join(out) + "]"
+
+
+def _expert_bytes(fmt: str, dtype: torch.dtype, H: int, F: int) -> int:
+    if fmt == "native":
+        return 3 * H * F * dtype.itemsize
+    if fmt == "bf16":
+        return 3 * H * F * 2
+    return int(pk.QuantLayout.of(fmt, H, F, GROUP_SIZE).nbytes)
+
+
+def _graphs(config: Any) -> str:
+    try:
+        from transformers import StaticCache
+
+        StaticCache(config=config, max_cache_len=16)
+    except Exception as e:  # a cache transformers cannot make static: eager decode
+        return f"off: no static KV cache for this model ({type(e).__name__}: {e})"
+    return "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
+
+
+def inspect(path: str | Path) -> Inspection:
+    """What psr would load from the checkpoint folder `path` (no weight is read)."""
+    import transformers
+
+    raw = read_config(path)
+    mt = str(raw.get("model_type"))
+    try:
+        cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
+        check_config(raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
+    except ValueError as e:
+        return Inspection(str(path), mt, supported=False, missing=str(e))
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    spec = moe_spec(config)
+    fam = FAMILIES[mt]
+    dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt or "float32"), None)
+    dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    layers = model.model.layers
+    blocks = [moe_block(layer, fam) for layer in layers]
+    sparse = [i for i, b in enumerate(blocks) if b is not None]
+    expert_ids = {id(p) for b in blocks if b is not None for p in b.experts.parameters()}
+    dense = sum(p.numel() * p.dtype.itemsize for p in model.parameters() if id(p) not in expert_ids)
+    H, F, E = spec.hidden_size, spec.ffn_size, spec.num_experts
+    per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
+    n = len(sparse)
+    device = {
+        fmt: {f"{r:g}": dense + n * math.floor(r * E + 0.5) * per[fmt] for r in RESIDENCIES}
+        for fmt in FORMATS
+    }
+    shared = any(
+        hasattr(b, name)
+        for b in blocks
+        if b is not None
+        for name in ("shared_expert", "shared_experts", "shared_mlp")
+    )
+    return Inspection(
+        path=str(path),
+        model_type=mt,
+        supported=True,
+        family=fam.model_type,
+        router_kind=fam.router_kind,
+        expert_kind=fam.expert_kind,
+        dtype=str(dtype).removeprefix("torch."),
+        num_layers=len(layers),
+        sparse_layers=sparse,
+        dense_layers=[i for i, b in enumerate(blocks) if b is None],
+        num_experts=E,
+        top_k=spec.top_k,
+        hidden_size=H,
+        ffn_size=F,
+        shared_experts=shared,
+        attention=list(getattr(config, "layer_types", None) or []),
+        expert_bytes=per,
+        host_bytes={fmt: per[fmt] * E * n for fmt in FORMATS},
+        dense_bytes=dense,
+        device_bytes=device,
+        graphs=_graphs(config),
+    )

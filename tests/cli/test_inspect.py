@@ -1,0 +1,73 @@
+"""`psr.inspect` / `psr inspect`: what psr would load, read from config.json alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import FAMILIES, NEW_FAMILIES, tiny_config, tiny_model
+
+import psr
+import psr_kernels as pk
+from psr.models.families import FAMILIES as TABLE
+from psr.models.hf import moe_layer_indices
+
+
+@pytest.mark.parametrize("family", FAMILIES + NEW_FAMILIES)
+def test_inspect_agrees_with_the_built_model(tmp_path, family) -> None:
+    tiny_config(family).save_pretrained(tmp_path)  # config only: no weights to read
+    found = psr.inspect(tmp_path)
+    assert found.supported and found.family == family
+    assert found.router_kind == TABLE[family].router_kind
+    model = tiny_model(family)
+    assert found.sparse_layers == moe_layer_indices(model)
+    assert sorted(found.sparse_layers + found.dense_layers) == list(range(found.num_layers))
+    spec = psr.models.moe_spec(model.config)
+    H, F, E = spec.hidden_size, spec.ffn_size, spec.num_experts
+    assert (found.hidden_size, found.ffn_size, found.num_experts) == (H, F, E)
+    n = len(found.sparse_layers)
+    assert found.expert_bytes["bf16"] == 3 * H * F * 2
+    assert found.expert_bytes["int4"] == pk.QuantLayout.of("int4", H, F, 128).nbytes
+    assert found.host_bytes["int8"] == n * E * found.expert_bytes["int8"]
+    experts = {id(p) for i in found.sparse_layers for p in _block(model, i).experts.parameters()}
+    dense = sum(p.numel() * 4 for p in model.parameters() if id(p) not in experts)
+    assert found.dense_bytes == dense  # fp32 tiny models
+    half = found.device_bytes["native"]["0.5"]
+    assert half == dense + n * round(0.5 * E) * found.expert_bytes["native"]
+    json.dumps(found.to_dict())  # serialisable
+
+
+def _block(model: torch.nn.Module, i: int) -> torch.nn.Module:
+    from psr.models.hf import block_of
+
+    return block_of(model, i)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "psr.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_table_json_and_unsupported(tmp_path: Path) -> None:
+    tiny_config("deepseek_v2").save_pretrained(tmp_path / "v2")
+    out = _cli("inspect", "--model", str(tmp_path / "v2"))
+    assert out.returncode == 0, out.stderr
+    assert "softmax_group_max" in out.stdout and "1 dense [0]" in out.stdout
+    js = json.loads(_cli("inspect", "--model", str(tmp_path / "v2"), "--json").stdout)
+    assert js["family"] == "deepseek_v2" and js["sparse_layers"] == [1, 2]
+    (tmp_path / "oss").mkdir()
+    (tmp_path / "oss" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
+    bad = _cli("inspect", "--model", str(tmp_path / "oss"))
+    assert bad.returncode == 1
+    assert bad.stdout.strip().endswith(
+        "architecture 'gpt_oss' is not supported yet: psr lacks its expert kind (interleaved "
+        "gate/up with biases, clamped SwiGLU) and a router with a bias"
+    )
+    assert len(bad.stdout.strip().splitlines()) == 1
+    missing = _cli("inspect", "--model", str(tmp_path / "nowhere"))
+    assert missing.returncode != 0 and "no such folder" in missing.stderr
