@@ -195,14 +195,14 @@ def offload(
     vocab.graphs_choice(graphs)
     fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
-    first = expert_parts(block_of(hf_model, moe_idx[0]).experts, 0)
+    first = expert_parts(block_of(hf_model, moe_idx[0]).get_submodule("experts"), 0)
     dtype = first[0].dtype
     if not dtype.is_floating_point:
         raise TypeError(f"expert weights must be floating point, got {dtype}")
     fam = model_family(hf_model)
     device = router_weight(getattr(block_of(hf_model, moe_idx[0]), fam.router), fam).device
     store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries, fmt)
-    readers = [_module_reader(block_of(hf_model, d).experts) for d in moe_idx]
+    readers = [_module_reader(block_of(hf_model, d).get_submodule("experts")) for d in moe_idx]
     _fill_store(store, spec, readers, fmt, progress, shown_format=fmt)
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode)
     om = OffloadedModel(hf_model, runtime, restorer=restore)
