@@ -142,7 +142,7 @@ DRIVER = ("psr.runtime.generate", "psr.runtime.model", "psr.runtime.speculative"
 # both). These are named so that a rename shows here.
 ENGINE = sorted(m for m in MODULES if m.startswith("psr.runtime.") and m not in DRIVER)
 NAMED_ENGINE = (
-    "accounting bookkeeping compute device_decode engine guard host_decode kv layer "
+    "accounting bookkeeping compute context device_decode engine guard host_decode kv layer "
     "prefill slots spec stats steering step window"
 ).split()
 
@@ -156,6 +156,20 @@ def test_the_engine_modules_are_the_named_ones() -> None:
 def test_the_engine_never_imports_the_generation_driver(module: str) -> None:
     bad = _named(IMPORTS[module], DRIVER)
     assert not bad, f"{module} imports the generation driver: {bad}"
+
+
+# The steps and the steering: the engine imports them, so they see it only through the
+# protocols of psr.runtime.context (no import of psr.runtime.engine, not even for types).
+STEPS = tuple(
+    f"psr.runtime.{n}"
+    for n in ("device_decode", "host_decode", "prefill", "window", "steering", "step", "context")
+)
+
+
+@pytest.mark.parametrize("module", STEPS)
+def test_the_steps_never_import_the_engine(module: str) -> None:
+    bad = _named(IMPORTS[module], ("psr.runtime.engine",))
+    assert not bad, f"{module} imports the engine (use psr.runtime.context): {bad}"
 
 
 TORCH_FREE = (

@@ -34,13 +34,13 @@ from psr.runtime.step import Routed, Step, non_finite
 from psr_kernels import cache_state as cs
 
 if TYPE_CHECKING:
-    from psr.runtime.engine import OffloadRuntime
+    from psr.runtime.context import StepContext
 
 
 class DeviceDecode(Step):
     name = "device"
 
-    def __init__(self, runtime: OffloadRuntime) -> None:
+    def __init__(self, runtime: StepContext) -> None:
         super().__init__(runtime)
         rt = runtime
         spec, store = rt.spec, rt.store

@@ -20,13 +20,13 @@ from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
 
 if TYPE_CHECKING:
-    from psr.runtime.engine import OffloadRuntime
+    from psr.runtime.context import StepContext
 
 
 class HostDecode(Step):
     name = "host"
 
-    def __init__(self, runtime: OffloadRuntime) -> None:
+    def __init__(self, runtime: StepContext) -> None:
         super().__init__(runtime)
         # MoE layer -> (routed ids as the host saw them, the ids tensor the router returned)
         self.pending: dict[int, tuple[list[int], torch.Tensor]] = {}

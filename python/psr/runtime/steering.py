@@ -15,21 +15,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from psr.runtime.context import Prediction
+
 if TYPE_CHECKING:
-    from psr.runtime.engine import OffloadRuntime
+    from psr.runtime.context import RoutingContext
     from psr.runtime.layer import MoELayer
 
-# (target MoE layer, at most how many to insert, per residual row the predicted ids)
-Prediction = tuple[int, int, list[list[int]]]
+__all__ = ["Prediction", "Steering"]
 
 
 class Steering:
     spec_rule = True  # False in subclasses: they run the host-driven decode step
 
-    def __init__(self, runtime: OffloadRuntime) -> None:
+    def __init__(self, runtime: RoutingContext) -> None:
         # A weak proxy: the runtime holds its steps (and steering), so a strong reference
         # back would be a cycle that keeps a dropped model's store alive until the GC runs.
-        self.rt: OffloadRuntime = weakref.proxy(runtime)
+        self.rt: RoutingContext = weakref.proxy(runtime)
 
     def lam(self, layer: MoELayer) -> float:
         """The bias strength of a layer's routing."""

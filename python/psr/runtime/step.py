@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from psr.runtime.layer import MoELayer
 
 if TYPE_CHECKING:
-    from psr.runtime.engine import OffloadRuntime
+    from psr.runtime.context import StepContext
 
 Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logits, weights, ids)
 
@@ -29,10 +29,10 @@ def non_finite(layers: list[int], when: str) -> ValueError:
 class Step:
     name = "step"
 
-    def __init__(self, runtime: OffloadRuntime) -> None:
+    def __init__(self, runtime: StepContext) -> None:
         # A weak proxy: the runtime holds its steps (and steering), so a strong reference
         # back would be a cycle that keeps a dropped model's store alive until the GC runs.
-        self.rt: OffloadRuntime = weakref.proxy(runtime)
+        self.rt: StepContext = weakref.proxy(runtime)
 
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         raise NotImplementedError

@@ -22,7 +22,7 @@ from psr.runtime.prefill import PrefillPlan, plan_prefill, run_prefill
 from psr.runtime.step import Routed, Step
 
 if TYPE_CHECKING:
-    from psr.runtime.engine import OffloadRuntime
+    from psr.runtime.context import StepContext
 
 
 @dataclass
@@ -48,7 +48,7 @@ class Scoring:
 class ScoringWindow(Step):
     name = "window"
 
-    def __init__(self, runtime: OffloadRuntime, scoring: Scoring) -> None:
+    def __init__(self, runtime: StepContext, scoring: Scoring) -> None:
         super().__init__(runtime)
         self.sc = scoring
         self.blocks = VerifyBlock(runtime)  # block mode's set routing and prediction
