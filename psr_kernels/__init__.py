@@ -33,6 +33,7 @@ predict_next, expert_ffn} (primitive schemas: RouteSpec's fields as arguments), 
 """
 
 from psr_kernels._common import NonFiniteError
+from psr_kernels.activation import ACTIVATIONS, SILU, Activation
 from psr_kernels.block_routing import block_scores_ref, route_block, route_block_ref
 from psr_kernels.cache_state import CacheLayout, cache_prefetch, cache_use
 from psr_kernels.cache_state_ref import cache_prefetch_ref, cache_use_ref
@@ -84,9 +85,12 @@ from psr_kernels.routing_ref import (
 )
 
 __all__ = [
+    "ACTIVATIONS",
     "GROUP_SCORES",
     "QUANT_FORMATS",
     "SCORINGS",
+    "SILU",
+    "Activation",
     "CacheLayout",
     "Compute",
     "ComputePath",

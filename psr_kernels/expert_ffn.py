@@ -22,6 +22,7 @@ plain-torch references, both computing through `swiglu_ref`.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import NamedTuple
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from psr_kernels._common import check_float, check_launchable, load_slot, pow2
+from psr_kernels.activation import SILU, Activation, glu
 from psr_kernels.quant import FORMATS as QUANT_FORMATS
 from psr_kernels.quant import (
     QuantLayout,
@@ -50,13 +52,18 @@ def _gate_up_kernel(
     slots_ptr,
     table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     h_ptr,
+    bias_ptr,  # [T*K, 2F + H] fp32 per routed expert: gate, up, down biases (HAS_BIAS)
     T,
     H,
     F,
     C,
     up_offset,  # element offsets of `up` and `down` in a slab row (`_layout`)
+    alpha,  # the clamped SwiGLU's (ACT == 1)
+    limit,
     K: tl.constexpr,
     HAS_TABLE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -79,7 +86,7 @@ def _gate_up_kernel(
         u = tl.load(base + up_offset + offs, mask=wm, other=0.0).to(tl.float32)
         acc_g += tl.sum(g * x[None, :], axis=1)
         acc_u += tl.sum(u * x[None, :], axis=1)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = glu(acc_g, acc_u, bias_ptr + tk * (2 * F + H), fs, fm, F, alpha, limit, HAS_BIAS, ACT)
     tl.store(h_ptr + tk * F + fs, h, mask=fm)
 
 
@@ -93,6 +100,7 @@ def _down_kernel(
     w_ptr,
     y_ptr,
     s_yt,
+    bias_ptr,  # [T*K, 2F + H] fp32 (HAS_BIAS): the down bias at 2F
     T,
     H,
     F,
@@ -100,6 +108,7 @@ def _down_kernel(
     down_offset,
     K: tl.constexpr,
     HAS_TABLE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -123,6 +132,8 @@ def _down_kernel(
                 other=0.0,
             ).to(tl.float32)
             acc += tl.sum(d * hv[None, :], axis=1)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
         y += wj * acc
     tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
 
@@ -288,6 +299,8 @@ def _launch_float_ffn(
     y: torch.Tensor,
     h: torch.Tensor,
     table: torch.Tensor | None = None,
+    act: Activation = SILU,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Run the two float-row kernels on checked arguments and buffers."""
     T, H = x.shape
@@ -304,13 +317,18 @@ def _launch_float_ffn(
         slots_ptr=slots,
         table_ptr=slots if table is None else table,
         h_ptr=h,
+        bias_ptr=h if bias is None else bias,
         T=T,
         H=H,
         F=F,
         C=C,
         up_offset=lay.up,
+        alpha=float(act.alpha),
+        limit=float(act.limit) if math.isfinite(act.limit) else 0.0,
         K=K,
         HAS_TABLE=table is not None,
+        HAS_BIAS=bias is not None,
+        ACT=act.code,
         **c1,
     )
     _down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
@@ -322,6 +340,7 @@ def _launch_float_ffn(
         w_ptr=weights,
         y_ptr=y,
         s_yt=y.stride(0),
+        bias_ptr=h if bias is None else bias,
         T=T,
         H=H,
         F=F,
@@ -329,6 +348,7 @@ def _launch_float_ffn(
         down_offset=lay.down,
         K=K,
         HAS_TABLE=table is not None,
+        HAS_BIAS=bias is not None,
         **c2,
     )
 
@@ -347,8 +367,10 @@ def expert_ffn(
     check_slots: bool = True,
     slot_table: torch.Tensor | None = None,
     checked: bool = False,
+    act: Activation = SILU,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed SwiGLU experts of `x [T, H]` read from slab slots.
+    """Routed gated-MLP experts of `x [T, H]` read from slab slots.
 
     Args:
         slab: `[C, 3*H*F]` float rows (`pack_expert`; fmt None), or `[C, nbytes]` uint8
@@ -366,6 +388,10 @@ def expert_ffn(
         checked: the caller checked arguments of these shapes, dtypes, devices and
             alignment on an earlier call (the runtime's first per layer) and passes the
             same again: skip the checks (~12 µs of host time per call).
+        act: the expert kind's gated activation (`Activation`; default SwiGLU).
+        bias: `[T, k, 2F + H]` fp32 biases of each routed expert (gate F, up F, down H),
+            for expert kinds with biases (gpt-oss); the runtime keeps every expert's
+            biases on the device and gathers them by the routed ids.
     Returns `[T, H]`, contiguous.
     """
     op = "expert_ffn"
@@ -374,7 +400,8 @@ def expert_ffn(
     else:
         lay = _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
         _check_table(op, slot_table, slots)
-        check_launchable(op, x, slab, slots, weights, slot_table)
+        _check_bias(op, bias, slots, hidden_size, ffn_size)
+        check_launchable(op, x, slab, slots, weights, slot_table, bias)
         if lay is not None:
             check_aligned(op, slab)
     T, H = x.shape
@@ -390,10 +417,25 @@ def expert_ffn(
     slots, weights = slots.contiguous(), weights.contiguous()
     h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
     if lay is None:
-        _launch_float_ffn(x, slab, slots, weights, y, h, slot_table)
+        _launch_float_ffn(x, slab, slots, weights, y, h, slot_table, act, bias)
     else:
-        launch_quant_ffn(lay, x, slab, slots, weights, y, h, slot_table)
+        launch_quant_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias)
     return y
+
+
+def _check_bias(
+    op: str, bias: torch.Tensor | None, slots: torch.Tensor, hidden_size: int, ffn_size: int
+) -> None:
+    if bias is None:
+        return
+    want = [*slots.shape, 2 * ffn_size + hidden_size]
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32:
+        raise TypeError(f"{op}: bias must be a float32 tensor {want}")
+    if list(bias.shape) != want or not bias.is_contiguous():
+        raise ValueError(
+            f"{op}: bias must be a contiguous [T, k, 2F + H] = {want} tensor (gate, up, down "
+            f"biases of each routed expert), got {list(bias.shape)}"
+        )
 
 
 # --------------------------------------------------------------------------- references
@@ -405,16 +447,32 @@ def swiglu_ref(
     up: torch.Tensor,
     down: torch.Tensor,
     dtype: torch.dtype = torch.float32,
+    act: Activation = SILU,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The SwiGLU expert, silu(x @ gate^T) * (x @ up^T) @ down^T, computed in `dtype`:
-    the one place the references write it (the kernels compute in fp32).
+    """The gated expert, act(x @ gate^T, x @ up^T) @ down^T (SwiGLU by default; `act`),
+    computed in `dtype`: the one place the references write it (the kernels compute in
+    fp32).
 
     `gate`, `up` `[..., F, H]` and `down` `[..., H, F]` are one expert or a batch of
-    them; `x` `[..., N, H]` broadcasts against their batch dims. Returns `[..., N, H]`
-    in `dtype` (for 2-D operands, bit-identical to HF's `F.linear` MLP).
+    them; `x` `[..., N, H]` broadcasts against their batch dims; `bias` `[..., 2F + H]`
+    (gate, up, down biases) likewise. Returns `[..., N, H]` in `dtype` (for 2-D operands
+    and SwiGLU, bit-identical to HF's `F.linear` MLP).
     """
     x, gate, up, down = (t.to(dtype) for t in (x, gate, up, down))
-    return (torch.nn.functional.silu(x @ gate.mT) * (x @ up.mT)) @ down.mT
+    g, u = x @ gate.mT, x @ up.mT
+    if bias is not None:
+        F = gate.shape[-2]
+        b = bias.to(dtype).unsqueeze(-2)  # [..., 1, 2F + H]: over the N rows
+        g, u = g + b[..., :F], u + b[..., F : 2 * F]
+    if act.kind == "clamped":
+        g = g.clamp(max=act.limit)
+        u = u.clamp(-act.limit, act.limit)
+        h = g * torch.sigmoid(g * act.alpha) * (u + 1)
+    else:
+        h = torch.nn.functional.silu(g) * u
+    y = h @ down.mT
+    return y if bias is None else y + b[..., 2 * gate.shape[-2] :]
 
 
 def _expert_matrices(
@@ -435,9 +493,11 @@ def expert_row_ffn_ref(
     *,
     fmt: str | None = None,
     group_size: int = 128,
+    act: Activation = SILU,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One expert of `x [N, H]` from its slab (or host) row, in plain torch: the
-    runtime's prefill and scoring path on the CPU.
+    runtime's prefill and scoring path on the CPU (`bias`: the expert's `[2F + H]`).
 
     Float rows of x's dtype compute in that dtype (as the model's own MLP does); other
     float rows (e.g. bf16 rows for fp32 x) and quantized rows (`fmt`) in fp32, as the
@@ -446,7 +506,7 @@ def expert_row_ffn_ref(
     _check_fmt_arg("expert_row_ffn_ref", fmt)
     gate, up, down = _expert_matrices(row, hidden_size, ffn_size, fmt, group_size)
     dtype = x.dtype if fmt is None and row.dtype == x.dtype else torch.float32
-    return swiglu_ref(x, gate, up, down, dtype).to(x.dtype)
+    return swiglu_ref(x, gate, up, down, dtype, act, bias).to(x.dtype)
 
 
 def expert_ffn_ref(
@@ -463,6 +523,8 @@ def expert_ffn_ref(
     check_slots: bool = True,
     slot_table: torch.Tensor | None = None,
     checked: bool = False,
+    act: Activation = SILU,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch reference of `expert_ffn` (same arguments): the stored weights
     (dequantized for a quantized `fmt`) in fp32 math."""
@@ -470,12 +532,13 @@ def expert_ffn_ref(
     if not checked:
         _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
         _check_table(op, slot_table, slots)
+        _check_bias(op, bias, slots, hidden_size, ffn_size)
     if check_slots:
         _check_slot_range(op, slots, slab.shape[0], slot_table)
     if slot_table is not None:
         slots = slot_table[slots.long()]
     # gate/up [T, k, F, H], down [T, k, H, F]; x as [T, 1, 1, H]: one row per expert.
     gate, up, down = _expert_matrices(slab[slots.long()], hidden_size, ffn_size, fmt, group_size)
-    out = swiglu_ref(x[:, None, None, :], gate, up, down).squeeze(-2)  # [T, k, H]
+    out = swiglu_ref(x[:, None, None, :], gate, up, down, act=act, bias=bias).squeeze(-2)
     y = (out * weights.float()[..., None]).sum(1)
     return y.to(out_dtype or x.dtype).contiguous()

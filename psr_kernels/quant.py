@@ -42,6 +42,7 @@ partial dot product of the raw codes is scaled once per row.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -51,6 +52,7 @@ import triton
 import triton.language as tl
 
 from psr_kernels._common import check_launchable, load_slot, pow2
+from psr_kernels.activation import SILU, Activation, glu
 
 FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
 _FMT_CODE = {"int8": 0, "fp8": 1, "int4": 2}  # the kernels' FMT constexpr
@@ -318,10 +320,13 @@ def _quant_gate_up_kernel(
     slots_ptr,
     table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     h_ptr,
+    bias_ptr,  # [T*K, 2F + H] fp32 per routed expert (HAS_BIAS)
     T,
     H,
     F,
     C,
+    alpha,  # the clamped SwiGLU's (ACT == 1)
+    limit,
     gate_off,  # byte offsets of the parts in a slab row (QuantLayout), multiples of 16
     up_off,
     gate_s_off,
@@ -331,6 +336,8 @@ def _quant_gate_up_kernel(
     NG,  # groups per row
     K: tl.constexpr,
     HAS_TABLE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -351,7 +358,7 @@ def _quant_gate_up_kernel(
         du = _qdot(base + up_off, fs, rm, h0, H, RB, x_row, FMT, BLOCK_H)
         acc_g += dg * _tile_scales(base + gate_s_off, fs, rm, h0, G, NG)
         acc_u += du * _tile_scales(base + up_s_off, fs, rm, h0, G, NG)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = glu(acc_g, acc_u, bias_ptr + tk * (2 * F + H), fs, fm, F, alpha, limit, HAS_BIAS, ACT)
     tl.store(h_ptr + tk * F + fs, h, mask=fm)
 
 
@@ -365,6 +372,7 @@ def _quant_down_kernel(
     w_ptr,
     y_ptr,
     s_yt,
+    bias_ptr,  # [T*K, 2F + H] fp32 (HAS_BIAS): the down bias at 2F
     T,
     H,
     F,
@@ -376,6 +384,7 @@ def _quant_down_kernel(
     NG,
     K: tl.constexpr,
     HAS_TABLE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -395,6 +404,8 @@ def _quant_down_kernel(
         for f0 in range(0, F, BLOCK_F):
             d = _qdot(base + down_off, hs, rm, f0, F, RB, h_row, FMT, BLOCK_F)
             acc += d * _tile_scales(base + down_s_off, hs, rm, f0, G, NG)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
         y += wj * acc
     tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
 
@@ -469,9 +480,14 @@ def launch_quant_ffn(
     y: torch.Tensor,
     h: torch.Tensor,
     table: torch.Tensor | None = None,
+    act: Activation = SILU,
+    bias: torch.Tensor | None = None,
 ) -> None:
     """Run the two quantized-row kernels on checked arguments and buffers (`expert_ffn`
-    with `fmt`): h = silu(gate x) * up x, then y = sum_j w_j * down_j h_j."""
+    with `fmt`): h = act(gate x, up x) (SwiGLU, or the kind's `act`), then
+    y = sum_j w_j * (down_j h_j + bias_j)."""
+    code, alpha = act.code, float(act.alpha)
+    limit = float(act.limit) if math.isfinite(act.limit) else 0.0
     T, H = x.shape
     K = slots.shape[1]
     C = slab.shape[0]
@@ -485,10 +501,13 @@ def launch_quant_ffn(
         slots_ptr=slots,
         table_ptr=slots if table is None else table,
         h_ptr=h,
+        bias_ptr=h if bias is None else bias,
         T=T,
         H=H,
         F=F,
         C=C,
+        alpha=alpha,
+        limit=limit,
         gate_off=lay.gate,
         up_off=lay.up,
         gate_s_off=lay.gate_scale,
@@ -498,6 +517,8 @@ def launch_quant_ffn(
         NG=lay.groups_h,
         K=K,
         HAS_TABLE=table is not None,
+        HAS_BIAS=bias is not None,
+        ACT=code,
         **c1,
     )
     _quant_down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
@@ -509,6 +530,7 @@ def launch_quant_ffn(
         w_ptr=weights,
         y_ptr=y,
         s_yt=y.stride(0),
+        bias_ptr=h if bias is None else bias,
         T=T,
         H=H,
         F=F,
@@ -520,6 +542,7 @@ def launch_quant_ffn(
         NG=lay.groups_f,
         K=K,
         HAS_TABLE=table is not None,
+        HAS_BIAS=bias is not None,
         **c2,
     )
 

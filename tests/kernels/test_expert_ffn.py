@@ -210,3 +210,78 @@ def test_slot_table_reads_the_same_experts_as_their_slots(fmt, w_dtype) -> None:
         pk.expert_ffn(x, slab, ids + E, w, H, F, slot_table=table, **kw)
     with pytest.raises(ValueError, match="slot_table must be a contiguous 1-D tensor"):
         pk.expert_ffn(x, slab, ids, w, H, F, slot_table=table[None], **kw)
+
+
+# --------------------------------------------------------------------------- expert kinds
+
+GPT_OSS = pk.Activation("clamped", alpha=1.702, limit=7.0)
+
+
+def _gpt_oss_experts(E: int, H: int, F: int, seed: int):
+    """transformers' GptOssExperts with random weights and biases, and the same experts as
+    psr rows (gate/up de-interleaved and transposed) plus their [E, 2F + H] biases."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from psr.models.families import gpt_oss_expert
+
+    cfg = transformers.GptOssConfig(num_local_experts=E, hidden_size=H, intermediate_size=F)
+    ex = GptOssExperts(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.8)  # clamps at +-7 do bite
+    rows, biases = [], []
+    for e in range(E):
+        gate, up, down, bias = gpt_oss_expert(
+            ex.gate_up_proj[e], ex.gate_up_proj_bias[e], ex.down_proj[e], ex.down_proj_bias[e]
+        )
+        rows.append(pk.pack_expert(gate, up, down))
+        biases.append(bias)
+    return ex, torch.stack(rows).detach(), torch.stack(biases).detach()
+
+
+@pytest.mark.parametrize("fmt", [None, "int8", "fp8", "int4"])
+def test_gpt_oss_experts_match_transformers(fmt) -> None:
+    """The clamped SwiGLU with biases (gpt-oss's expert kind): reference and kernels against
+    transformers' own GptOssExperts, float rows and every quantized format."""
+    E, H, F, T, k = 6, 64, 48, 3, 2
+    ex, rows, bias_table = _gpt_oss_experts(E, H, F, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=gen)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=gen), -1)
+    with torch.no_grad():
+        hf = ex(x, ids, w)
+    assert (ex.gate_up_proj.abs() * 3 > 7).any()  # the inputs reach the clamp
+    slab = (
+        rows
+        if fmt is None
+        else torch.stack(
+            [pk.quantize_expert(*pk.unpack_expert(r, H, F), fmt, group_size=16) for r in rows]
+        )
+    )
+    bias = bias_table[ids].contiguous()  # [T, k, 2F + H], gathered by the routed ids
+    kw = dict(fmt=fmt, group_size=16, act=GPT_OSS, bias=bias)
+    ref = pk.expert_ffn_ref(x, slab, ids, w, H, F, **kw)
+    got = pk.expert_ffn(x, slab, ids, w, H, F, **kw)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)  # fp32 sums of ~1e2
+    if fmt is None:
+        torch.testing.assert_close(ref, hf, rtol=1e-5, atol=1e-4)  # sums of ~1e2: fp32 order
+    else:  # quantized weights: close, and biases still applied (a wrong bias is far off)
+        err = (ref - hf).abs().max().item()
+        assert err < 0.1 * hf.abs().max().item(), err
+    # Without the activation or the biases the result is not transformers'.
+    plain = pk.expert_ffn_ref(x, rows, ids, w, H, F, bias=bias)
+    assert not torch.allclose(plain, hf, atol=1e-3)
+
+
+def test_expert_ffn_bias_and_activation_errors() -> None:
+    slab, _ = make_slab(4, 32, 16, torch.float32)
+    x, slots, w = torch.randn(1, 32), torch.tensor([[0, 1]]), torch.ones(1, 2)
+    with pytest.raises(ValueError, match=r"bias must be a contiguous \[T, k, 2F \+ H\]"):
+        pk.expert_ffn_ref(x, slab, slots, w, 32, 16, bias=torch.zeros(1, 2, 63))
+    with pytest.raises(TypeError, match="bias must be a float32 tensor"):
+        pk.expert_ffn_ref(x, slab, slots, w, 32, 16, bias=torch.zeros(1, 2, 64).half())
+    with pytest.raises(ValueError, match="unknown activation 'gelu'"):
+        pk.Activation("gelu")

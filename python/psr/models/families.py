@@ -432,6 +432,34 @@ def correction_bias(block: nn.Module, fam: Family) -> torch.Tensor | None:
     return t.view(-1)  # ERNIE keeps it as [1, E]
 
 
+def gpt_oss_expert(
+    gate_up: torch.Tensor, gate_up_bias: torch.Tensor, down: torch.Tensor, down_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One gpt-oss expert as psr keeps it: `gate [F, H]`, `up [F, H]`, `down [H, F]` and its
+    biases `[2F + H]` (gate, up, down), from transformers' `gate_up_proj [H, 2F]` (gate and
+    up columns interleaved), `gate_up_proj_bias [2F]`, `down_proj [F, H]`, `down_proj_bias
+    [H]`."""
+    gate, up = gate_up[:, 0::2].t().contiguous(), gate_up[:, 1::2].t().contiguous()
+    bias = torch.cat([gate_up_bias[0::2], gate_up_bias[1::2], down_bias]).float()
+    return gate, up, down.t().contiguous(), bias
+
+
+def gpt_oss_module_tensors(
+    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, bias: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The inverse of `gpt_oss_expert` over a batch of experts (`gate`, `up` `[E, F, H]`,
+    `down` `[E, H, F]`, `bias` `[E, 2F + H]`): GptOssExperts' four parameters."""
+    E, F, H = gate.shape
+    gate_up = torch.stack([gate.mT, up.mT], dim=-1).reshape(E, H, 2 * F)
+    gate_up_bias = torch.stack([bias[:, :F], bias[:, F : 2 * F]], dim=-1).reshape(E, 2 * F)
+    return {
+        "gate_up_proj": gate_up,
+        "gate_up_proj_bias": gate_up_bias,
+        "down_proj": down.mT.contiguous(),
+        "down_proj_bias": bias[:, 2 * F :].contiguous(),
+    }
+
+
 def expert_parts(experts: nn.Module, e: int) -> list[torch.Tensor]:
     """Expert `e`'s weights from a built experts module, in packing order: fused
     `[gate_up, down]`, Mixtral `[w1, w3, w2]`, else `[gate, up, down]`."""
