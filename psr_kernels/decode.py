@@ -64,6 +64,7 @@ def _decode_kernel(
     stride_ge,
     stride_gh,
     next_bias_ptr,  # next layer's e_score_correction_bias (HAS_NEXT_BIAS)
+    next_gbias_ptr,  # next layer's router bias (HAS_NEXT_GATE_BIAS: gpt-oss)
     state_ptr,  # [layers, W] int32 device caches
     layer,
     H,
@@ -83,6 +84,7 @@ def _decode_kernel(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_NEXT_BIAS: tl.constexpr,
+    HAS_NEXT_GATE_BIAS: tl.constexpr,
     E: tl.constexpr,
     S: tl.constexpr,
     W: tl.constexpr,
@@ -110,9 +112,10 @@ def _decode_kernel(
     elif N > 0:
         _predict_prefetch(
             res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr,
-            state_ptr + (layer + 1) * W, H, N, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID, N_GROUP,
-            TOPK_GROUP, GROUP_MAX, NG_P2, HAS_NEXT_BIAS, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF,
-            OFF_SLOT_EXPERT, OFF_HEADER, OFF_PF, PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N, BLOCK_H,
+            next_gbias_ptr, state_ptr + (layer + 1) * W, H, N, IS_SOFTMAX, IS_TOPK_SOFTMAX,
+            IS_SIGMOID, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, HAS_NEXT_BIAS, HAS_NEXT_GATE_BIAS,
+            E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER, OFF_PF,
+            PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N, BLOCK_H,
         )  # fmt: skip
 
 
@@ -133,8 +136,8 @@ def _route_use(
     cols = tl.arange(0, BLOCK_E)
     valid = (rows < 1)[:, None] & (cols < E)[None, :]
     x = router_logits(
-        logits_ptr, 0, stride_le, logits_ptr, 0, 0, logits_ptr, 0.0, rows, cols, 1, E, 0,
-        False, False, 2, BLOCK_E, 16,
+        logits_ptr, 0, stride_le, logits_ptr, 0, 0, logits_ptr, 0.0, logits_ptr, rows, cols, 1,
+        E, 0, False, False, False, 2, BLOCK_E, 16,
     )  # fmt: skip
     mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
     if HAS_MASK:
@@ -160,11 +163,12 @@ def _route_use(
 
 @triton.jit
 def _predict_prefetch(
-    res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr, row_ptr,
-    H, N: tl.constexpr, IS_SOFTMAX: tl.constexpr, IS_TOPK_SOFTMAX: tl.constexpr,
-    IS_SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr, HAS_NEXT_BIAS: tl.constexpr,
-    E: tl.constexpr, S: tl.constexpr,
+    res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr,
+    next_gbias_ptr, row_ptr, H, N: tl.constexpr, IS_SOFTMAX: tl.constexpr,
+    IS_TOPK_SOFTMAX: tl.constexpr, IS_SIGMOID: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr,
+    HAS_NEXT_BIAS: tl.constexpr, HAS_NEXT_GATE_BIAS: tl.constexpr, E: tl.constexpr,
+    S: tl.constexpr,
     OFF_MEMBER: tl.constexpr, OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr,
     OFF_SLOT_EXPERT: tl.constexpr, OFF_HEADER: tl.constexpr, OFF_PF: tl.constexpr,
     PF_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -175,8 +179,8 @@ def _predict_prefetch(
     cols = tl.arange(0, BLOCK_E)
     valid = (rows < 1)[:, None] & (cols < E)[None, :]
     x = router_logits(
-        res_ptr, 0, stride_rh, gate_ptr, stride_ge, stride_gh, norm_ptr, eps, rows, cols,
-        1, E, H, True, True, 2, BLOCK_E, BLOCK_H,
+        res_ptr, 0, stride_rh, gate_ptr, stride_ge, stride_gh, norm_ptr, eps, next_gbias_ptr,
+        rows, cols, 1, E, H, True, True, HAS_NEXT_GATE_BIAS, 2, BLOCK_E, BLOCK_H,
     )  # fmt: skip
     mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
     ids, _, _, _ = select_experts(
@@ -203,6 +207,7 @@ def decode_config(
     has_mask: bool,
     has_bias: bool,
     has_next_bias: bool,
+    has_next_gate_bias: bool = False,
 ) -> Mapping[str, int | bool]:
     """Every compile-time argument of one decode-step launch, and `num_warps` (cached:
     a read-only mapping, computed once per model and policy)."""
@@ -218,6 +223,7 @@ def decode_config(
         HAS_MASK=has_mask,
         HAS_BIAS=has_bias,
         HAS_NEXT_BIAS=has_next_bias,
+        HAS_NEXT_GATE_BIAS=has_next_gate_bias,
         num_warps=4,
     )
     return MappingProxyType(cfg)
@@ -278,6 +284,7 @@ def decode_step(
     eps: float = 1e-6,
     next_bias: torch.Tensor | None = None,
     checked: bool = False,
+    next_gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's routing and cache updates for MoE layer `layer` (module
     docstring), in one launch.
@@ -290,7 +297,8 @@ def decode_step(
             casts them back).
         n: experts to predict and prefetch into layer + 1 (0: none), from `residual`
             `[1, H]` normed with `norm_weight` / `eps` and scored by `gate_weight` `[E, H]`
-            (and `next_bias`), as `predict_next` does.
+            (and `next_bias`; `next_gate_bias`: that router's own bias), as
+            `predict_next` does.
         checked: the caller checked arguments of these shapes, dtypes and devices on an
             earlier call (the runtime's first per layer) and passes the same again: skip
             the checks, ~15 µs of host time per call (a decode step's arguments are fixed
@@ -301,7 +309,9 @@ def decode_step(
     op = "decode_step"
     if not checked:
         _check(op, logits, spec, state, layout, layer, n, residual, norm_weight, gate_weight)
-        check_launchable(op, logits, state, bias, residual, norm_weight, gate_weight, next_bias)
+        check_launchable(
+            op, logits, state, bias, residual, norm_weight, gate_weight, next_bias, next_gate_bias
+        )
     k = spec.top_k
     weights = torch.empty(1, k, dtype=out_dtype, device=logits.device)
     ids = torch.empty(1, k, dtype=torch.int64, device=logits.device)
@@ -318,6 +328,7 @@ def decode_step(
         has_mask=spec.lam > 0,
         has_bias=bias is not None,
         has_next_bias=next_bias is not None,
+        has_next_gate_bias=next_gate_bias is not None,
     )
     dummy = logits
     _decode_kernel[(2 if n else 1,)](
@@ -334,6 +345,7 @@ def decode_step(
         stride_ge=stride_ge,
         stride_gh=stride_gh,
         next_bias_ptr=next_bias if next_bias is not None else dummy,
+        next_gbias_ptr=next_gate_bias if next_gate_bias is not None else dummy,
         state_ptr=state,
         layer=layer,
         H=H,
@@ -361,6 +373,7 @@ def decode_step_ref(
     eps: float = 1e-6,
     next_bias: torch.Tensor | None = None,
     checked: bool = False,
+    next_gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `decode_step` (same arguments and results): the routing
     and cache references in the kernel's order, with no host read."""
@@ -377,7 +390,7 @@ def decode_step_ref(
             assert residual is not None and norm_weight is not None and gate_weight is not None
             pred, _ = predict_next_ref(
                 residual, norm_weight, gate_weight, n, spec, eps=eps, bias=next_bias,
-                check_finite=False,
+                check_finite=False, gate_bias=next_gate_bias,
             )  # fmt: skip
             _flag(state, lo, layer + 1, residual)
             cache_prefetch_ref(state, lo, layer + 1, pred, n)

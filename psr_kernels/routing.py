@@ -103,6 +103,7 @@ def router_logits(
     stride_gh,
     norm_ptr,
     eps,
+    gbias_ptr,
     rows,
     cols,
     T,
@@ -110,13 +111,14 @@ def router_logits(
     H,
     FROM_HIDDEN: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     """Stage 1: the [BLOCK_T, BLOCK_E] fp32 router logits of `rows`: loaded (x is the
     logits), or the GEMV of the hidden state x with the router weight (`FROM_HIDDEN`),
-    after an RMS norm (`HAS_NORM`)."""
+    after an RMS norm (`HAS_NORM`), plus the router's own bias (`HAS_GATE_BIAS`: gpt-oss)."""
     rmask = rows < T
     cmask = cols < E
     if FROM_HIDDEN:
@@ -151,6 +153,8 @@ def router_logits(
             BLOCK_E,
             BLOCK_H,
         )
+        if HAS_GATE_BIAS:
+            x += tl.load(gbias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     else:
         x = tl.load(
             x_ptr + rows[:, None] * stride_xt + cols[None, :] * stride_xh,
@@ -305,6 +309,7 @@ def _route_kernel(
     stride_gh,
     norm_ptr,  # RMS-norm weight [H] (HAS_NORM)
     eps,
+    gbias_ptr,  # the router's bias [E] (HAS_GATE_BIAS)
     mask_ptr,  # cache mask [T or 1, E] viewed as uint8 (HAS_MASK)
     stride_mt,  # 0 for a mask broadcast over tokens
     stride_me,
@@ -325,6 +330,7 @@ def _route_kernel(
     K: tl.constexpr,
     FROM_HIDDEN: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    HAS_GATE_BIAS: tl.constexpr,
     IS_SOFTMAX: tl.constexpr,
     IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
@@ -360,6 +366,7 @@ def _route_kernel(
         stride_gh,
         norm_ptr,
         eps,
+        gbias_ptr,
         rows,
         cols,
         T,
@@ -367,6 +374,7 @@ def _route_kernel(
         H,
         FROM_HIDDEN,
         HAS_NORM,
+        HAS_GATE_BIAS,
         BLOCK_T,
         BLOCK_E,
         BLOCK_H,
@@ -537,14 +545,24 @@ def mask_2d(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None else (mask if mask.dim() == 2 else mask[None, :])
 
 
-def check_gemv(op: str, hidden: torch.Tensor, gate_weight: torch.Tensor) -> tuple[int, int, int]:
-    """`(T, H, E)` of a hidden state `[T, H]` and a router weight `[E, H]` that fit."""
+def check_gemv(
+    op: str,
+    hidden: torch.Tensor,
+    gate_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+) -> tuple[int, int, int]:
+    """`(T, H, E)` of a hidden state `[T, H]` and a router weight `[E, H]` (and bias `[E]`)
+    that fit."""
     check_float(op, "hidden", hidden, 2)
     check_float(op, "gate_weight", gate_weight, 2)
     T, H = hidden.shape
     E, Hg = gate_weight.shape
     if Hg != H:
         raise ValueError(f"{op}: gate_weight is [{E}, {Hg}] but hidden size is {H}")
+    if gate_bias is not None:
+        check_float(op, "gate_bias", gate_bias, 1)
+        if gate_bias.shape[0] != E:
+            raise ValueError(f"{op}: gate_bias has {gate_bias.shape[0]} elements, expected {E}")
     return T, H, E
 
 
@@ -559,12 +577,13 @@ def check_predict(
     mask: torch.Tensor | None,
     bias: torch.Tensor | None,
     check_finite: bool,
+    gate_bias: torch.Tensor | None = None,
 ) -> tuple[int, RouteSpec]:
     """Shared argument checks of predict_next and its reference; returns (T, the spec
     they route with): the router of `spec`, unbiased (lam 0), unnormalised, and with
     `top_k = max(n, 1)`."""
     require_spec(op, spec)
-    T, H, E = check_gemv(op, residual, gate_weight)
+    T, H, E = check_gemv(op, residual, gate_weight, gate_bias)
     check_float(op, "norm_weight", norm_weight, 1)
     if norm_weight.shape[0] != H:
         raise ValueError(
@@ -573,7 +592,11 @@ def check_predict(
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
     unbiased = RouteSpec(
-        top_k=max(n, 1), scoring=spec.scoring, n_group=spec.n_group, topk_group=spec.topk_group
+        top_k=max(n, 1),
+        scoring=spec.scoring,
+        n_group=spec.n_group,
+        topk_group=spec.topk_group,
+        group_score=spec.group_score,
     )
     unbiased.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias, k_name="n")
     if check_finite and n > 0:
@@ -630,6 +653,7 @@ def route_kernel_config(
     num_experts: int,
     hidden_size: int | None = None,
     has_norm: bool = False,
+    has_gate_bias: bool = False,
     has_mask: bool = False,
     has_bias: bool = False,
     store_logits: bool = False,
@@ -645,6 +669,7 @@ def route_kernel_config(
         dict(
             FROM_HIDDEN=hidden_size is not None,
             HAS_NORM=has_norm,
+            HAS_GATE_BIAS=has_gate_bias,
             HAS_MASK=has_mask,
             HAS_BIAS=has_bias,
             STORE_LOGITS=store_logits,
@@ -670,6 +695,7 @@ def _launch(
     gate_weight: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
+    gate_bias: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     ids_dtype: torch.dtype = torch.int64,
@@ -705,6 +731,7 @@ def _launch(
         num_experts=E,
         hidden_size=H if from_hidden else None,
         has_norm=norm_weight is not None,
+        has_gate_bias=gate_bias is not None,
         has_mask=m is not None,
         has_bias=bias is not None,
         store_logits=store_logits,
@@ -720,6 +747,7 @@ def _launch(
         stride_gh=gate_weight.stride(1) if gate_weight is not None else 0,
         norm_ptr=norm_weight if norm_weight is not None else dummy,
         eps=float(eps),
+        gbias_ptr=gate_bias if gate_bias is not None else dummy,
         mask_ptr=m.view(torch.uint8) if m is not None else dummy,
         # A broadcast [1, E] mask uses row stride 0.
         stride_mt=0 if m is None or m.shape[0] == 1 else m.stride(0),
@@ -796,19 +824,22 @@ def route_hidden(
     bias: torch.Tensor | None = None,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
+    gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`route` fused with the router GEMV: logits = hidden @ gate_weight^T in fp32.
+    """`route` fused with the router GEMV: logits = hidden @ gate_weight^T (+ gate_bias)
+    in fp32.
 
-    `hidden` is `[T, H]`, `gate_weight` the router weight `[E, H]`; the other arguments
-    are `route`'s (`check_finite` checks `hidden`).
+    `hidden` is `[T, H]`, `gate_weight` the router weight `[E, H]`, `gate_bias` its bias
+    `[E]` (gpt-oss's router has one); the other arguments are `route`'s (`check_finite`
+    checks `hidden`).
 
     Returns `(weights [T, k] fp32, ids [T, k], logits [T, E] fp32)`, contiguous.
     """
     op = "route_hidden"
     require_spec(op, spec)
-    T, _, E = check_gemv(op, hidden, gate_weight)
+    T, _, E = check_gemv(op, hidden, gate_weight, gate_bias)
     spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
-    check_launchable(op, hidden, gate_weight, mask, bias)
+    check_launchable(op, hidden, gate_weight, mask, bias, gate_bias)
     if check_finite:
         _require_finite(op, "hidden", hidden)
     out = _launch(
@@ -816,6 +847,7 @@ def route_hidden(
         hidden,
         num_experts=E,
         gate_weight=gate_weight,
+        gate_bias=gate_bias,
         mask=mask,
         bias=bias,
         ids_dtype=ids_dtype,
@@ -837,8 +869,10 @@ def predict_next(
     bias: torch.Tensor | None = None,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
+    gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predict the next MoE layer's experts (the spec's `prefetch` rule), in one kernel.
+    """Predict the next MoE layer's experts (the spec's `prefetch` rule), in one kernel
+    (`gate_bias`: the next router's own bias, where it has one).
 
     RMS-norms `residual` (the hidden state entering this layer's MoE block) with the
     next layer's norm weight (`eps` its epsilon), scores it with the next layer's
@@ -865,8 +899,9 @@ def predict_next(
         mask=mask,
         bias=bias,
         check_finite=check_finite,
+        gate_bias=gate_bias,
     )
-    dev = check_launchable(op, residual, norm_weight, gate_weight, mask, bias)
+    dev = check_launchable(op, residual, norm_weight, gate_weight, mask, bias, gate_bias)
     if n == 0:
         return no_prediction(T, ids_dtype, dev)
     out = _launch(
@@ -876,6 +911,7 @@ def predict_next(
         gate_weight=gate_weight,
         norm_weight=norm_weight,
         eps=eps,
+        gate_bias=gate_bias,
         mask=mask,
         bias=bias,
         ids_dtype=ids_dtype,

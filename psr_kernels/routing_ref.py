@@ -132,12 +132,15 @@ def route_hidden_ref(
     bias: torch.Tensor | None = None,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
+    gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `route_hidden` (`check_finite` checks the logits)."""
     op = "route_hidden_ref"
     require_spec(op, spec)
-    check_gemv(op, hidden, gate_weight)
+    check_gemv(op, hidden, gate_weight, gate_bias)
     logits = hidden.float() @ gate_weight.float().t()
+    if gate_bias is not None:
+        logits = logits + gate_bias.float()
     w, ids = route_ref(
         logits, spec, mask=mask, bias=bias, ids_dtype=ids_dtype, check_finite=check_finite
     )
@@ -162,6 +165,7 @@ def predict_next_ref(
     bias: torch.Tensor | None = None,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
+    gate_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `predict_next`."""
     op = "predict_next_ref"
@@ -175,11 +179,14 @@ def predict_next_ref(
         mask=mask,
         bias=bias,
         check_finite=check_finite,
+        gate_bias=gate_bias,
     )
     if n == 0:
         return no_prediction(T, ids_dtype, residual.device)
     E = gate_weight.shape[0]
     logits = rms_norm_ref(residual, norm_weight, eps) @ gate_weight.float().t()
+    if gate_bias is not None:
+        logits = logits + gate_bias.float()
     # Selection scores only: a softmax's weight source is not needed here.
     plain = unbiased.scoring == "softmax" and bias is None
     z = logits if plain else scores_ref(logits, unbiased.scoring, bias)[0]
