@@ -189,6 +189,18 @@ def _new_family_config(family: str):
             v_head_dim=8,
             **mla,
         ),
+        # sliding-window + full attention with sinks; clamped SwiGLU experts with biases
+        "gpt_oss": lambda: transformers.GptOssConfig(
+            **COMMON,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            head_dim=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=4,
+            swiglu_limit=1.5,
+        ),
         "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
             **COMMON,
             intermediate_size=48,
@@ -219,6 +231,7 @@ NEW_FAMILIES = (
     "minimax_m2",
     "deepseek_v2",
     "ernie4_5_moe",
+    "gpt_oss",
 )
 
 
@@ -251,6 +264,8 @@ def tiny_model(family: str, seed: int = 0):
                 p.normal_(0, 0.5)
             elif name.endswith("e_score_correction_bias"):  # ERNIE's is a parameter
                 p.normal_(0, 0.05)
+            elif name.endswith("mlp.router.bias"):  # gpt-oss's router has a bias
+                p.normal_(0, 0.3)
             elif "experts" in name or "embed" in name or "lm_head" in name:
                 p.normal_(0, 0.2)
         for name, b in model.named_buffers():

@@ -60,13 +60,13 @@ def test_cli_table_json_and_unsupported(tmp_path: Path) -> None:
     assert "softmax_group_max" in out.stdout and "1 dense [0]" in out.stdout
     js = json.loads(_cli("inspect", "--model", str(tmp_path / "v2"), "--json").stdout)
     assert js["family"] == "deepseek_v2" and js["sparse_layers"] == [1, 2]
-    (tmp_path / "oss").mkdir()
-    (tmp_path / "oss" / "config.json").write_text(json.dumps({"model_type": "gpt_oss"}))
-    bad = _cli("inspect", "--model", str(tmp_path / "oss"))
+    (tmp_path / "phi").mkdir()
+    (tmp_path / "phi" / "config.json").write_text(json.dumps({"model_type": "phimoe"}))
+    bad = _cli("inspect", "--model", str(tmp_path / "phi"))
     assert bad.returncode == 1
     assert bad.stdout.strip().endswith(
-        "architecture 'gpt_oss' is not supported yet: psr lacks its expert kind (interleaved "
-        "gate/up with biases, clamped SwiGLU) and a router with a bias"
+        "architecture 'phimoe' is not supported yet: psr lacks its router kind (PhiMoE's "
+        "sparsemixer)"
     )
     assert len(bad.stdout.strip().splitlines()) == 1
     missing = _cli("inspect", "--model", str(tmp_path / "nowhere"))

@@ -29,7 +29,8 @@ from psr.runtime.spec import MoESpec
 # cache's bias added where the family's own top-k selection happens.
 ROUTER_KINDS: dict[str, str] = {
     "softmax_topk": "softmax over all experts, then top-k (renormalised or not)",
-    "topk_softmax": "top-k of the logits, then softmax over the k",
+    "topk_softmax": "top-k of the logits (gpt-oss: with the router's bias), then softmax "
+    "over the k",
     "sigmoid_topk": "sigmoid + correction bias for selection, optional group-limited top-k "
     "(group score: top-2 sum)",
     "softmax_group_max": "softmax, group-limited top-k with the group's maximum as its score "
@@ -47,7 +48,11 @@ _SCORING = {
 
 # Expert kinds: the expert FFN psr's kernels compute. SwiGLU: down(act(gate x) * up x),
 # act = SiLU, no biases.
-EXPERT_KINDS: dict[str, str] = {"swiglu": "down(silu(gate x) * up x), no biases"}
+EXPERT_KINDS: dict[str, str] = {
+    "swiglu": "down(silu(gate x) * up x), no biases",
+    "gpt_oss": "biases on both projections, gate/up columns interleaved, clamped SwiGLU "
+    "(g = min(gate, limit), u = clamp(up, +-limit), g sigmoid(alpha g) (u + 1))",
+}
 
 
 @dataclass(frozen=True)
@@ -68,11 +73,15 @@ class Family:
     router: str = "gate"  # the router module inside the block
     router_weight: str = "weight"  # the router's weight inside the router module
     bias: str | None = None  # the correction bias inside the block, if any
+    router_bias: str | None = None  # the router's own bias inside the router module
     disk_block: str | None = None  # the block's name on disk when it differs (Mixtral)
     # per-expert tensors on disk: `experts.{e}.{name}.weight` for (gate, up, down)
     per_expert: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     # fused tensors on disk: gate_up [E, 2F, H] (gate rows first) and down [E, H, F]
     fused: tuple[str, str] | None = ("experts.gate_up_proj", "experts.down_proj")
+    # "standard" (gate and up as [F, H] rows) or "gpt_oss" (gate_up_proj [E, H, 2F] with
+    # gate/up columns interleaved, down_proj [E, F, H], and their biases)
+    expert_layout: str = "standard"
     # other on-disk renames inside the block: (model name, disk name)
     renames: tuple[tuple[str, str], ...] = ()
     # config checks: (key, the values it may take) for keys psr relies on
@@ -229,6 +238,26 @@ FAMILIES: dict[str, Family] = {
             ),
         ),
         Family(
+            "gpt_oss",
+            "topk_softmax",
+            _MIXTRAL_KEYS,
+            lambda cfg: {
+                "activation": "clamped",
+                "act_alpha": float(cfg.swiglu_alpha),
+                "act_limit": float(cfg.swiglu_limit),
+                "expert_bias": True,
+                "router_bias": True,
+            },
+            expert_kind="gpt_oss",
+            router="router",
+            router_bias="bias",
+            per_expert=None,
+            fused=None,
+            expert_layout="gpt_oss",
+            allowed=(),
+            notes="sliding-window and full attention layers with sinks (transformers' own)",
+        ),
+        Family(
             "ernie4_5_moe",
             "softmax_bias",
             ("moe_num_experts", "moe_k", "hidden_size", "moe_intermediate_size"),
@@ -241,8 +270,6 @@ FAMILIES: dict[str, Family] = {
 
 # Families transformers has that psr does not offload yet: what each lacks.
 NOT_YET: dict[str, str] = {
-    "gpt_oss": "expert kind (interleaved gate/up with biases, clamped SwiGLU) and a router "
-    "with a bias",
     "llama4_text": "router kind (sigmoid top-1 scaling the expert's input) and Llama 4's "
     "block (its router returns the full score matrix)",
     "llama4": "the multimodal Llama 4 (load its text model, model_type llama4_text; not yet "
@@ -421,6 +448,11 @@ def router_weight(router: nn.Module, fam: Family) -> torch.Tensor:
     return w
 
 
+def router_bias(router: nn.Module, fam: Family) -> torch.Tensor | None:
+    """The router's own bias (gpt-oss), or None."""
+    return None if fam.router_bias is None else router.get_parameter(fam.router_bias)
+
+
 def correction_bias(block: nn.Module, fam: Family) -> torch.Tensor | None:
     if fam.bias is None:
         return None
@@ -439,9 +471,17 @@ def gpt_oss_expert(
     biases `[2F + H]` (gate, up, down), from transformers' `gate_up_proj [H, 2F]` (gate and
     up columns interleaved), `gate_up_proj_bias [2F]`, `down_proj [F, H]`, `down_proj_bias
     [H]`."""
-    gate, up = gate_up[:, 0::2].t().contiguous(), gate_up[:, 1::2].t().contiguous()
+    gate, up, down = gpt_oss_matrices(gate_up, down)
     bias = torch.cat([gate_up_bias[0::2], gate_up_bias[1::2], down_bias]).float()
-    return gate, up, down.t().contiguous(), bias
+    return gate, up, down, bias
+
+
+def gpt_oss_matrices(
+    gate_up: torch.Tensor, down: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gpt_oss_expert`'s matrices alone: gate, up `[F, H]` and down `[H, F]`."""
+    gate, up = gate_up[:, 0::2].t().contiguous(), gate_up[:, 1::2].t().contiguous()
+    return gate, up, down.t().contiguous()
 
 
 def gpt_oss_module_tensors(
@@ -462,10 +502,24 @@ def gpt_oss_module_tensors(
 
 def expert_parts(experts: nn.Module, e: int) -> list[torch.Tensor]:
     """Expert `e`'s weights from a built experts module, in packing order: fused
-    `[gate_up, down]`, Mixtral `[w1, w3, w2]`, else `[gate, up, down]`."""
+    `[gate_up, down]`, Mixtral `[w1, w3, w2]`, gpt-oss's de-interleaved `[gate, up, down]`
+    (its biases: `module_bias_table`), else `[gate, up, down]`."""
+    if hasattr(experts, "gate_up_proj_bias"):
+        p = experts.get_parameter
+        return list(gpt_oss_matrices(p("gate_up_proj")[e], p("down_proj")[e]))
     if hasattr(experts, "gate_up_proj"):
         return [experts.gate_up_proj[e], experts.down_proj[e]]
     ex = experts[e]
     if hasattr(ex, "w1"):
         return [ex.w1.weight, ex.w3.weight, ex.w2.weight]
     return [ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight]
+
+
+def module_bias_table(experts: nn.Module) -> torch.Tensor | None:
+    """A built gpt-oss experts module's biases `[E, 2F + H]` fp32 (gate, up, down), or None
+    for experts without biases."""
+    if not hasattr(experts, "gate_up_proj_bias"):
+        return None
+    gub = experts.get_parameter("gate_up_proj_bias").detach()
+    db = experts.get_parameter("down_proj_bias").detach()
+    return torch.cat([gub[:, 0::2], gub[:, 1::2], db], dim=1).float()

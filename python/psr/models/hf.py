@@ -17,9 +17,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 import psr_kernels as pk
-from psr.models.families import Family, correction_bias, family_of, moe_block, router_weight
+from psr.models.families import (
+    Family,
+    correction_bias,
+    family_of,
+    gpt_oss_module_tensors,
+    moe_block,
+    router_bias,
+    router_weight,
+)
 from psr.runtime.engine import OffloadRuntime
-from psr.runtime.layer import MoELayer
+from psr.runtime.layer import MoELayer, Wiring
 from psr.runtime.modules import OffloadedExperts, PSRRouter
 from psr.runtime.spec import MoESpec
 from psr.store import ExpertStore
@@ -95,8 +103,11 @@ def install(
     moe_idx: list[int],
     expert_format: str | None = None,
     decode: str = "device",
+    expert_biases: list[torch.Tensor] | None = None,
 ) -> OffloadRuntime:
     """Swap each MoE layer's router and experts for psr's and hook the model's forward.
+    `expert_biases`: per MoE layer, its experts' biases `[E, 2F + H]` on the compute
+    device, for expert kinds with biases (gpt-oss).
 
     The replaced experts module is kept, outside the module tree, with its packed
     parameters moved to the meta device (no memory; `store` now holds the weights), so
@@ -104,17 +115,21 @@ def install(
     router and the experts as the original modules do."""
     layers = decoder_layers(model)
     fam = model_family(model)
+    if spec.expert_bias and (expert_biases is None or len(expert_biases) != len(moe_idx)):
+        raise ValueError(f"{fam.model_type}: its experts have biases; pass one table per layer")
     wiring = []
-    for d in moe_idx:
+    for i, d in enumerate(moe_idx):
         block = block_of(model, d)
         router = getattr(block, fam.router)
         wiring.append(
-            (
+            Wiring(
                 d,
                 router,
                 layers[d].post_attention_layernorm,
                 router_weight(router, fam),
                 correction_bias(block, fam),
+                router_bias(router, fam),
+                expert_biases[i] if spec.expert_bias and expert_biases else None,
             )
         )
     runtime = OffloadRuntime(
@@ -134,7 +149,7 @@ def install(
         experts = block_of(model, L.decoder_index).experts
         names = packed_names(experts, spec.num_experts)
         if not quantized:
-            _check_layout(experts, store.host(L.index), spec)
+            _check_layout(experts, store.host(L.index), spec, L.expert_bias)
         real = [experts.get_parameter(n) for n in names if not experts.get_parameter(n).is_meta]
         # psr.load builds the model on the meta device and never materialises its experts.
         found.append((experts, names, real[0].device if real else L.gate_weight.device))
@@ -189,7 +204,8 @@ def uninstall(model: nn.Module) -> None:
         # Materialise every layer before changing anything.
         weights = []
         for sw, L in zip(inst.swaps, runtime.layers, strict=True):
-            views = expert_tensors(sw.experts, runtime.store.host(L.index), runtime.spec)
+            host = runtime.store.host(L.index)
+            views = expert_tensors(sw.experts, host, runtime.spec, L.expert_bias)
             out = {}
             for name, view in views.items():
                 meta = sw.experts.get_parameter(name)
@@ -215,7 +231,9 @@ def packed_names(experts: nn.Module, num_experts: int) -> list[str]:
     """Parameters of an experts module that psr packs into the store, in packing order:
     fused `gate_up_proj [E, 2F, H]`, `down_proj [E, H, F]`, or per expert Mixtral's
     `{e}.w1/w3/w2.weight`, others' `{e}.gate_proj/up_proj/down_proj.weight` (families.py's
-    `expert_parts` reads them in the same order)."""
+    `expert_parts` reads them in the same order); gpt-oss's four (with its biases)."""
+    if hasattr(experts, "gate_up_proj_bias"):
+        return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
     if hasattr(experts, "gate_up_proj"):
         return ["gate_up_proj", "down_proj"]
     mixtral = hasattr(experts[0], "w1")
@@ -224,9 +242,14 @@ def packed_names(experts: nn.Module, num_experts: int) -> list[str]:
 
 
 def expert_tensors(
-    experts: nn.Module, host: torch.Tensor, spec: MoESpec
+    experts: nn.Module,
+    host: torch.Tensor,
+    spec: MoESpec,
+    bias_table: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`experts`' packed parameters as views of its layer's host rows `[E, 3HF]` (no copy)."""
+    """`experts`' packed parameters as views of its layer's host rows `[E, 3HF]` (no copy),
+    or, for gpt-oss's interleaved layout, rebuilt from them and the layer's `bias_table`
+    (a copy)."""
     if host.dtype == torch.uint8:
         raise RuntimeError(
             "psr: the host store holds quantized experts (expert_format); restoring or "
@@ -236,6 +259,10 @@ def expert_tensors(
     H, F = spec.hidden_size, spec.ffn_size
     gate, up, down = pk.unpack_expert(host, H, F)  # [E, F, H], [E, F, H], [E, H, F]
     names = packed_names(experts, spec.num_experts)
+    if "gate_up_proj_bias" in names:
+        if bias_table is None:
+            raise RuntimeError(f"{spec.family}: its experts' biases are missing")
+        return gpt_oss_module_tensors(gate, up, down, bias_table.to(host.device))
     if names[0] == "gate_up_proj":
         # A row packs gate, up, down back to back (docs/design.md), so gate_up [2F, H] is
         # the row's first 2FH elements: gate rows first, as the fused layout has them.
@@ -245,8 +272,10 @@ def expert_tensors(
     return dict(zip(names, mats, strict=True))
 
 
-def _check_layout(experts: nn.Module, host: torch.Tensor, spec: MoESpec) -> None:
-    for name, view in expert_tensors(experts, host, spec).items():
+def _check_layout(
+    experts: nn.Module, host: torch.Tensor, spec: MoESpec, bias_table: torch.Tensor | None
+) -> None:
+    for name, view in expert_tensors(experts, host, spec, bias_table).items():
         want = experts.get_parameter(name).shape
         if view.shape != want:
             raise TypeError(
@@ -287,7 +316,8 @@ def _experts_state_hook(
                 "psr: the expert store is closed (close() freed the experts); the model's "
                 "state dict cannot include them"
             )
-        for name, view in expert_tensors(experts, store.host(L.index), spec).items():
+        tensors = expert_tensors(experts, store.host(L.index), spec, L.expert_bias)
+        for name, view in tensors.items():
             state[prefix + name] = torch.from_dlpack(view)
 
     return hook

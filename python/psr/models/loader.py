@@ -31,7 +31,10 @@ from psr.models.families import (
     disk_names,
     expert_parts,
     expert_tensor_names,
+    family_of,
     fused_expert_names,
+    gpt_oss_matrices,
+    module_bias_table,
     moe_spec,
     router_weight,
 )
@@ -202,9 +205,11 @@ def offload(
     fam = model_family(hf_model)
     device = router_weight(getattr(block_of(hf_model, moe_idx[0]), fam.router), fam).device
     store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries, fmt)
-    readers = [_module_reader(block_of(hf_model, d).get_submodule("experts")) for d in moe_idx]
+    modules = [block_of(hf_model, d).get_submodule("experts") for d in moe_idx]
+    readers = [_module_reader(m) for m in modules]
     _fill_store(store, spec, readers, fmt, progress, shown_format=fmt)
-    runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode)
+    biases = _on(device, [module_bias_table(m) for m in modules]) if spec.expert_bias else None
+    runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode, biases)
     om = OffloadedModel(hf_model, runtime, restorer=restore)
     om.graphs = graphs
     return om
@@ -224,8 +229,66 @@ def restore(model: nn.Module) -> nn.Module:
     return hf
 
 
+def _on(device: torch.device, tables: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    out = []
+    for t in tables:
+        if t is None:
+            raise CheckpointError("experts of this family have biases, but a layer has none")
+        out.append(t.to(device, torch.float32).contiguous())
+    return out
+
+
+def _gpt_oss_names(d: int) -> dict[str, str]:
+    p = f"model.layers.{d}.mlp.experts"
+    return {
+        n: f"{p}.{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    }
+
+
+def _check_gpt_oss(ckpt: Checkpoint, spec: MoESpec, d: int) -> dict[str, str]:
+    """gpt-oss's expert tensors of decoder layer `d`, checked (names and shapes)."""
+    E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
+    want = {"gate_up_proj": [E, H, 2 * F], "gate_up_proj_bias": [E, 2 * F]}
+    want |= {"down_proj": [E, F, H], "down_proj_bias": [E, H]}
+    names = _gpt_oss_names(d)
+    for key, name in names.items():
+        if name not in ckpt:
+            raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
+        ckpt.require_float(name, "expert weight")
+        if ckpt.shape(name) != want[key]:
+            raise CheckpointError(
+                f"tensor {name!r} has shape {ckpt.shape(name)}, expected {want[key]}"
+            )
+    return names
+
+
+def _gpt_oss_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
+    n = _check_gpt_oss(ckpt, spec, d)
+
+    def read(e: int) -> list[torch.Tensor]:
+        gu, dn = ckpt.get_row(n["gate_up_proj"], e), ckpt.get_row(n["down_proj"], e)
+        return list(gpt_oss_matrices(gu, dn))
+
+    return read
+
+
+def _bias_tables(
+    ckpt: Checkpoint, spec: MoESpec, moe_idx: list[int], device: torch.device
+) -> list[torch.Tensor]:
+    """Per MoE layer, its experts' biases `[E, 2F + H]` fp32 on `device` (gpt-oss): small
+    (2F + H values an expert), kept on the device, never copied."""
+    out = []
+    for d in moe_idx:
+        n = _check_gpt_oss(ckpt, spec, d)
+        gub, db = ckpt.get(n["gate_up_proj_bias"]), ckpt.get(n["down_proj_bias"])
+        out.append(torch.cat([gub[:, 0::2], gub[:, 1::2], db], dim=1).float())
+    return _on(device, list(out))
+
+
 def _expert_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
     """Checks decoder layer `d`'s expert tensors; returns expert id -> its matrices."""
+    if family_of(spec.family).expert_layout == "gpt_oss":
+        return _gpt_oss_reader(ckpt, spec, d)
     E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
     fused = fused_expert_names(spec.family, d)
     gu_name, dn_name = next(((g, n) for g, n in fused if g in ckpt and n in ckpt), fused[-1])
@@ -604,9 +667,12 @@ def load(
         store = make_store(spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, fmt)
         cache = _quant_cache(path, ckpt, opts, moe_idx, store.expert_bytes[0])
         _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
+        biases = _bias_tables(ckpt, spec, moe_idx, opts.device) if spec.expert_bias else None
     finally:
         ckpt.close()
-    runtime = install(model, spec, store, opts.policy, C, opts.compute, moe_idx, fmt, opts.decode)
+    runtime = install(
+        model, spec, store, opts.policy, C, opts.compute, moe_idx, fmt, opts.decode, biases
+    )
     _check_all_loaded(model)
     om = OffloadedModel(model, runtime, _tokenizer(path), str(path), restorer=restore)
     om.policy_source = opts.policy_source

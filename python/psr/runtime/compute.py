@@ -29,10 +29,11 @@ class ExpertCompute:
         weights: torch.Tensor,
         slot_table: torch.Tensor | None = None,
         checked: bool = False,
+        bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The routed experts of `x` read from slab rows (`slots`, or expert ids looked up
         in the device `slot_table`); `checked`: arguments like these passed the kernel's
-        checks before (skip them)."""
+        checks before (skip them); `bias`: the routed experts' biases `[T, k, 2F + H]`."""
         c = self.spec
         return self.ops.expert_ffn(
             x,
@@ -47,17 +48,34 @@ class ExpertCompute:
             check_slots=False,
             slot_table=slot_table,
             checked=checked,
+            act=c.act,
+            bias=bias,
         )
 
-    def row(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One expert of `x` from its slab (or host) row: prefill and scoring on the CPU."""
+    def row(
+        self, row: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One expert of `x` from its slab (or host) row: prefill and scoring on the CPU
+        (`bias`: the expert's `[2F + H]`, for experts with biases)."""
         c = self.spec
         return pk.expert_row_ffn_ref(
-            x, row, c.hidden_size, c.ffn_size, fmt=self.expert_format, group_size=self.group_size
+            x,
+            row,
+            c.hidden_size,
+            c.ffn_size,
+            fmt=self.expert_format,
+            group_size=self.group_size,
+            act=c.act,
+            bias=bias,
         )
 
     def host_rows(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, host: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        host: torch.Tensor,
+        bias_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Routed experts of many decode tokens read from the host copies (a scored
         window: no copies): on the torch path each expert once over the tokens that chose
@@ -68,7 +86,8 @@ class ExpertCompute:
             out = torch.zeros_like(x)
             for e in torch.unique(ids).tolist():
                 tok, pos = torch.where(ids == e)
-                y = self.row(host[e].to(x.device), x[tok]) * w[tok, pos, None]
+                b = None if bias_table is None else bias_table[e]
+                y = self.row(host[e].to(x.device), x[tok], b) * w[tok, pos, None]
                 out.index_add_(0, tok, y.to(out.dtype))
             return out
         used = torch.unique(ids)
@@ -76,9 +95,16 @@ class ExpertCompute:
         local = torch.full((self.spec.num_experts,), -1, dtype=torch.long, device=x.device)
         local[used.to(x.device)] = torch.arange(len(used), device=x.device)
         slots = local[ids.to(x.device)]
+        bias = None if bias_table is None else bias_table[ids.long()].contiguous()
         return torch.cat(
             [
-                self.slab(x[i : i + 64], rows, slots[i : i + 64], w[i : i + 64])
+                self.slab(
+                    x[i : i + 64],
+                    rows,
+                    slots[i : i + 64],
+                    w[i : i + 64],
+                    bias=None if bias is None else bias[i : i + 64],
+                )
                 for i in range(0, x.shape[0], 64)
             ]
         )

@@ -84,6 +84,7 @@ class DeviceDecode(Step):
                 gate_weight=nxt.gate_weight,
                 eps=nxt.norm_eps,
                 next_bias=nxt.bias,
+                next_gate_bias=nxt.gate_bias,
             )
         out_dtype = logits.dtype if rt.spec.weights_in_logits_dtype else torch.float32
         w, ids = rt.ops.decode_step(
@@ -114,7 +115,9 @@ class DeviceDecode(Step):
         if ids is not self.pending.pop(i, None):
             raise RuntimeError(f"MoE layer {i}: experts called without a matching route")
         checked = i in self.checked
-        y = self.rt.compute.slab(x, self.slabs[i], ids, weights, self.slot_table[i], checked)
+        y = self.rt.compute.slab(
+            x, self.slabs[i], ids, weights, self.slot_table[i], checked, layer.biases(ids)
+        )
         self.checked.add(i)  # route's and this call's arguments passed their checks
         return y
 

@@ -30,7 +30,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
 import psr_kernels as pk
 from psr.cache import LogicalCache
@@ -41,7 +40,7 @@ from psr.runtime.compute import ExpertCompute
 from psr.runtime.device_decode import DeviceDecode
 from psr.runtime.guard import SequenceGuard
 from psr.runtime.host_decode import HostDecode, VerifyBlock
-from psr.runtime.layer import MoELayer, norm_eps, weight_of
+from psr.runtime.layer import MoELayer, Wiring, norm_eps, weight_of
 from psr.runtime.prefill import PrefillStep
 from psr.runtime.slots import SlotMap
 from psr.runtime.spec import MoESpec, resolve_capacity
@@ -53,7 +52,7 @@ from psr.runtime.window import Scoring, ScoringWindow
 from psr.store import ExpertStore
 from psr.vocab import DECODE_MODES, decode_mode
 
-__all__ = ["DECODE_MODES", "MoELayer", "OffloadRuntime", "norm_eps"]
+__all__ = ["DECODE_MODES", "MoELayer", "OffloadRuntime", "Wiring", "norm_eps"]
 
 
 class OffloadRuntime:
@@ -61,9 +60,7 @@ class OffloadRuntime:
 
     Args:
         spec: the model's MoE routing semantics and expert shapes.
-        layers: per MoE layer, `(decoder index, router module, post-attention norm, router
-            weight [E, H], correction bias [E] or None)` (the family says where the last
-            two live).
+        layers: per MoE layer, its `Wiring` (the family says where each part lives).
         store: holds every expert; its slab has at least `capacity` slots per layer.
         compute: 'auto' | 'triton' | 'torch' (psr_kernels.kernel_ops).
         num_decoder_layers: all decoder layers, dense ones included (for traces).
@@ -78,7 +75,7 @@ class OffloadRuntime:
     def __init__(
         self,
         spec: MoESpec,
-        layers: Sequence[tuple[int, nn.Module, nn.Module, torch.Tensor, torch.Tensor | None]],
+        layers: Sequence[Wiring],
         store: ExpertStore,
         policy: Policy,
         capacity: int,
@@ -104,17 +101,19 @@ class OffloadRuntime:
         self.num_decoder_layers = num_decoder_layers
         self.layers = [
             MoELayer(
-                d,
+                w.decoder_index,
                 i,
-                router,
-                gate_weight,
-                bias,
-                weight_of(norm),
-                norm_eps(norm),
+                w.router,
+                w.gate_weight,
+                w.correction_bias,
+                weight_of(w.norm),
+                norm_eps(w.norm),
                 LogicalCache(capacity, spec.num_experts),
                 SlotMap([]),
+                gate_bias=w.gate_bias,
+                expert_bias=w.expert_bias,
             )
-            for i, (d, router, norm, gate_weight, bias) in enumerate(layers)
+            for i, w in enumerate(layers)
         ]
         for L in self.layers:
             L.slots.reset(store.slot_experts(L.index)[:capacity])
@@ -171,6 +170,8 @@ class OffloadRuntime:
                 raise ValueError("block mode steers by the spec's rule only")
             if self.spec.n_group > 1:
                 raise ValueError("block mode does not support group-limited routers")
+            if self.spec.expert_bias:
+                raise ValueError("block mode does not support experts with biases (gpt-oss)")
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
         self.block_k = block_k

@@ -79,7 +79,7 @@ class HostDecode(Step):
             rt.acct.recorder.read(layer.index, slots)
         st = self.slot_ids(layer, ids, routed, slots)
         with rt.store.reading(layer.index, slots, routed) as slab:
-            return rt.compute.slab(x, slab, st, weights.float())
+            return rt.compute.slab(x, slab, st, weights.float(), bias=layer.biases(ids))
 
 
 class VerifyBlock(HostDecode):
@@ -128,6 +128,8 @@ class VerifyBlock(HostDecode):
         nxt = rt.layers[layer.index + 1]
         h = pk.rms_norm_ref(residual, nxt.norm_weight, nxt.norm_eps)
         logits = h @ nxt.gate_weight.float().t()
+        if nxt.gate_bias is not None:
+            logits = logits + nxt.gate_bias.float()
         score = pk.block_scores_ref(logits, rt.spec.scoring, nxt.bias)
         # Ties to the lower id, as everywhere.
         return torch.sort(score, descending=True, stable=True).indices[:n].tolist()

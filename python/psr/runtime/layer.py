@@ -12,6 +12,20 @@ from psr.cache import LogicalCache
 from psr.runtime.slots import SlotMap
 
 
+@dataclass(frozen=True)
+class Wiring:
+    """One MoE layer as the family entry finds it in the model: what the runtime builds its
+    `MoELayer` from."""
+
+    decoder_index: int
+    router: nn.Module
+    norm: nn.Module  # the post-attention RMSNorm (its weight and eps serve predictions)
+    gate_weight: torch.Tensor
+    correction_bias: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    expert_bias: torch.Tensor | None = None
+
+
 @dataclass
 class MoELayer:
     """Runtime state of one MoE layer (the host-side caches; the device-side ones live in
@@ -31,6 +45,16 @@ class MoELayer:
     history: list[list[int]] = field(default_factory=list)  # prefill's routed ids per token
     seeded: bool = False
     residual: torch.Tensor | None = None  # the state entering the MoE block, this forward
+    gate_bias: torch.Tensor | None = None  # the router's own bias [E] (gpt-oss)
+    # Every expert's biases [E, 2F + H] fp32 on the device (gate, up, down; gpt-oss): the
+    # copies move the matrices, the FFN gathers these by the routed ids.
+    expert_bias: torch.Tensor | None = None
+
+    def biases(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts' biases `[..., 2F + H]` (None for experts without)."""
+        if self.expert_bias is None:
+            return None
+        return self.expert_bias[ids.to(self.expert_bias.device).long()].contiguous()
 
     @property
     def bias(self) -> torch.Tensor | None:

@@ -17,14 +17,15 @@ from dataclasses import dataclass
 import torch
 
 from psr.cache import prefill_state
+from psr.runtime.context import StepContext
 from psr.runtime.layer import MoELayer
 from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
 from psr.store import ExpertStore
 from psr_kernels import NonFiniteError
 
-# (slab row [3HF], x [T, H]) -> y [T, H]
-RowFFN = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# One expert's FFN over some tokens: (its row, the tokens' x, its expert id) -> y.
+RowFFN = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass
@@ -79,6 +80,13 @@ def plan_prefill(
     return PrefillPlan(reads, seed, init)
 
 
+def row_ffn(rt: StepContext, layer: MoELayer) -> RowFFN:
+    """`layer`'s experts one at a time from their rows, with their biases where they have
+    them (prefill and scored windows)."""
+    table = layer.expert_bias
+    return lambda row, x, e: rt.compute.row(row, x, None if table is None else table[e])
+
+
 def run_prefill(
     store: ExpertStore,
     layer: int,
@@ -98,10 +106,10 @@ def run_prefill(
             store.enqueue_copies(layer, [slot], [e])
         tok, pos = torch.where(ids == e)
         if host is not None:
-            y = ffn(host[e].to(x.device), x[tok]) * weights[tok, pos, None]
+            y = ffn(host[e].to(x.device), x[tok], e) * weights[tok, pos, None]
         else:
             with store.reading(layer, [slot], [e]) as slab:
-                y = ffn(slab[slot], x[tok]) * weights[tok, pos, None]
+                y = ffn(slab[slot], x[tok], e) * weights[tok, pos, None]
         out.index_add_(0, tok, y.to(out.dtype))
     if plan.seed and physical:
         store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])
@@ -130,7 +138,7 @@ class PrefillStep(Step):
     ) -> torch.Tensor:
         rt = self.rt
         plan = plan_prefill(layer.slots, layer.history, ids.flatten().tolist())
-        out = run_prefill(rt.store, layer.index, plan, x, ids, weights, rt.compute.row)
+        out = run_prefill(rt.store, layer.index, plan, x, ids, weights, row_ffn(rt, layer))
         layer.cache.reset(plan.init)
         layer.seeded = True
         if rt.decoding:

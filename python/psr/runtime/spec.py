@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from numbers import Real
 
 from psr.policy import Policy
-from psr_kernels import RouteSpec
+from psr_kernels import Activation, RouteSpec
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,14 @@ class MoESpec:
     # OLMoE / Qwen cast the top-k weights back to the logits dtype.
     weights_in_logits_dtype: bool = True
     family: str = ""
+    # The expert kind: its gated activation ('silu' | 'clamped': psr_kernels.Activation,
+    # with `act_alpha` / `act_limit`) and whether each expert has biases (gpt-oss; they
+    # stay on the device, [E, 2F + H] per layer); whether the router has a bias.
+    activation: str = "silu"
+    act_alpha: float = 1.0
+    act_limit: float = math.inf
+    expert_bias: bool = False
+    router_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "ffn_size"):
@@ -46,6 +54,11 @@ class MoESpec:
                 f"{self.family or 'model'}: top_k={self.top_k} experts per token exceeds "
                 f"num_experts={self.num_experts}"
             )
+
+    @property
+    def act(self) -> Activation:
+        """The experts' activation as the kernels take it."""
+        return Activation(self.activation, self.act_alpha, self.act_limit)
 
     @property
     def expert_numel(self) -> int:

@@ -54,6 +54,7 @@ class Steering:
             self.rt.spec.route_spec(),
             eps=nxt.norm_eps,
             bias=nxt.bias,
+            gate_bias=nxt.gate_bias,
         )
         return ids.tolist()
 

@@ -45,11 +45,11 @@ class Step:
     # --- shared by the modes -------------------------------------------------------
     def logits(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         """The router's logits, computed as the model computes them."""
-        w = layer.gate_weight
+        w, b = layer.gate_weight, layer.gate_bias
         # fp32 where the model computes it so (DeepSeek casts; a router kept in fp32).
         if self.rt.spec.logits_fp32 or w.dtype == torch.float32:
-            return F.linear(x.float(), w.float())
-        return F.linear(x, w)
+            return F.linear(x.float(), w.float(), None if b is None else b.float())
+        return F.linear(x, w, b)
 
     def out(self, logits: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> Routed:
         """What the router returns: weights cast back to the logits' dtype where the model

@@ -18,7 +18,7 @@ import torch
 
 from psr.runtime.host_decode import VerifyBlock
 from psr.runtime.layer import MoELayer
-from psr.runtime.prefill import PrefillPlan, plan_prefill, run_prefill
+from psr.runtime.prefill import PrefillPlan, plan_prefill, row_ffn, run_prefill
 from psr.runtime.step import Routed, Step
 
 if TYPE_CHECKING:
@@ -123,9 +123,10 @@ class ScoringWindow(Step):
         P = self.sc.prompt_len
         plan = self.plans.pop(L.index)
         head = run_prefill(
-            rt.store, L.index, plan, x[:P], ids[:P], weights[:P], rt.compute.row, False
+            rt.store, L.index, plan, x[:P], ids[:P], weights[:P], row_ffn(rt, L), False
         )
         if x.shape[0] == P:
             return head
-        tail = rt.compute.host_rows(x[P:], ids[P:], weights[P:], rt.store.host(L.index))
+        host = rt.store.host(L.index)
+        tail = rt.compute.host_rows(x[P:], ids[P:], weights[P:], host, L.expert_bias)
         return torch.cat([head, tail])
