@@ -71,11 +71,13 @@ def _decode_kernel(
     lam,
     scaling,
     norm_min,
+    mixer_eps,
     N: tl.constexpr,  # experts to predict into layer + 1 (0: program 1 does nothing)
     K: tl.constexpr,
     IS_SOFTMAX: tl.constexpr,
     IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
+    IS_SPARSEMIXER: tl.constexpr,
     RENORM: tl.constexpr,
     N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -105,7 +107,8 @@ def _decode_kernel(
     if tl.program_id(0) == 0:
         _route_use(
             logits_ptr, stride_le, bias_ptr, weights_ptr, ids_ptr, state_ptr + layer * W, lam,
-            scaling, norm_min, K, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID, RENORM, N_GROUP,
+            scaling, norm_min, mixer_eps, K, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID,
+            IS_SPARSEMIXER, RENORM, N_GROUP,
             TOPK_GROUP, GROUP_MAX, NG_P2, HAS_MASK, HAS_BIAS, E, S, OFF_MEMBER, OFF_PENDING,
             OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
         )  # fmt: skip
@@ -113,7 +116,8 @@ def _decode_kernel(
         _predict_prefetch(
             res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr,
             next_gbias_ptr, state_ptr + (layer + 1) * W, H, N, IS_SOFTMAX, IS_TOPK_SOFTMAX,
-            IS_SIGMOID, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, HAS_NEXT_BIAS, HAS_NEXT_GATE_BIAS,
+            IS_SIGMOID, IS_SPARSEMIXER, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, HAS_NEXT_BIAS,
+            HAS_NEXT_GATE_BIAS,
             E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER, OFF_PF,
             PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N, BLOCK_H,
         )  # fmt: skip
@@ -122,8 +126,9 @@ def _decode_kernel(
 @triton.jit
 def _route_use(
     logits_ptr, stride_le, bias_ptr, weights_ptr, ids_ptr, row_ptr, lam, scaling, norm_min,
-    K: tl.constexpr, IS_SOFTMAX: tl.constexpr, IS_TOPK_SOFTMAX: tl.constexpr,
-    IS_SIGMOID: tl.constexpr, RENORM: tl.constexpr, N_GROUP: tl.constexpr,
+    mixer_eps, K: tl.constexpr, IS_SOFTMAX: tl.constexpr, IS_TOPK_SOFTMAX: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, IS_SPARSEMIXER: tl.constexpr, RENORM: tl.constexpr,
+    N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr, E: tl.constexpr, S: tl.constexpr, OFF_MEMBER: tl.constexpr,
@@ -144,9 +149,9 @@ def _route_use(
         member = tl.load(row_ptr + OFF_MEMBER + cols, mask=cols < E, other=0)
         mk = tl.where(valid, member.to(tl.float32)[None, :], 0.0)
     ids, w, _, chosen = select_experts(
-        x, mk, bias_ptr, lam, scaling, norm_min, cols, E, K, IS_SOFTMAX, IS_TOPK_SOFTMAX,
-        IS_SIGMOID, RENORM, HAS_MASK, HAS_BIAS, False, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, 2,
-        BLOCK_E, BLOCK_K,
+        x, mk, bias_ptr, lam, scaling, norm_min, mixer_eps, cols, E, K, IS_SOFTMAX,
+        IS_TOPK_SOFTMAX, IS_SIGMOID, IS_SPARSEMIXER, RENORM, HAS_MASK, HAS_BIAS, False, N_GROUP,
+        TOPK_GROUP, GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_K,
     )  # fmt: skip
     kar = tl.arange(0, BLOCK_K)
     om = (rows < 1)[:, None] & (kar < K)[None, :]
@@ -165,7 +170,8 @@ def _route_use(
 def _predict_prefetch(
     res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr,
     next_gbias_ptr, row_ptr, H, N: tl.constexpr, IS_SOFTMAX: tl.constexpr,
-    IS_TOPK_SOFTMAX: tl.constexpr, IS_SIGMOID: tl.constexpr, N_GROUP: tl.constexpr,
+    IS_TOPK_SOFTMAX: tl.constexpr, IS_SIGMOID: tl.constexpr, IS_SPARSEMIXER: tl.constexpr,
+    N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr,
     HAS_NEXT_BIAS: tl.constexpr, HAS_NEXT_GATE_BIAS: tl.constexpr, E: tl.constexpr,
     S: tl.constexpr,
@@ -184,9 +190,9 @@ def _predict_prefetch(
     )  # fmt: skip
     mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
     ids, _, _, _ = select_experts(
-        x, mk, next_bias_ptr, 0.0, 1.0, 0.0, cols, E, N, IS_SOFTMAX, IS_TOPK_SOFTMAX,
-        IS_SIGMOID, False, False, HAS_NEXT_BIAS, False, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, 2,
-        BLOCK_E, BLOCK_N,
+        x, mk, next_bias_ptr, 0.0, 1.0, 0.0, 0.0, cols, E, N, IS_SOFTMAX, IS_TOPK_SOFTMAX,
+        IS_SIGMOID, IS_SPARSEMIXER, False, False, HAS_NEXT_BIAS, False, N_GROUP, TOPK_GROUP,
+        GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_N,
     )  # fmt: skip
     flag = row_ptr + OFF_HEADER + 7
     tl.store(flag, tl.maximum(tl.load(flag), _not_finite(x, valid)))
@@ -352,6 +358,7 @@ def decode_step(
         lam=float(spec.lam),
         scaling=float(spec.scaling),
         norm_min=float(spec.norm_min),
+        mixer_eps=float(spec.mixer_eps),
         **cfg,
     )
     return weights, ids

@@ -41,7 +41,7 @@ import triton.language as tl
 from psr_kernels._common import check_finite as _require_finite
 from psr_kernels._common import check_float, check_launchable, pow2
 
-SCORINGS = ("softmax", "topk_softmax", "sigmoid")
+SCORINGS = ("softmax", "topk_softmax", "sigmoid", "sparsemixer")
 # How a group-limited router scores a group: the sum of its top two scores (DeepSeek-V3,
 # GLM-4.5, dots1) or its maximum (DeepSeek-V2's `group_limited_greedy`).
 GROUP_SCORES = ("top2", "max")
@@ -202,6 +202,37 @@ def _group_limit(
 
 
 @triton.jit
+def _sparsemixer_weights(
+    x,
+    ids,
+    val,
+    cols,
+    cmask,
+    kar,
+    eps,
+    K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """PhiMoE's sparsemixer weights (eval): for the j-th chosen expert, of logit c, the
+    softmax at c over the experts not masked by (c - x) / max(|x|, c) > 2 eps, the earlier
+    choices excluded."""
+    neg_inf = float("-inf")
+    w = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for j in tl.static_range(K):
+        c = tl.sum(tl.where(kar[None, :] == j, val, 0.0), axis=1)
+        factor = tl.maximum(tl.abs(x), c[:, None])
+        allowed = cmask[None, :] & (((c[:, None] - x) / factor > 2.0 * eps) == 0)
+        for i in tl.static_range(j):
+            prev = tl.sum(tl.where(kar[None, :] == i, ids, 0), axis=1)
+            allowed = allowed & (cols[None, :] != prev[:, None])
+        mx = tl.max(tl.where(allowed, x, neg_inf), axis=1)
+        den = tl.sum(tl.where(allowed, tl.exp(x - mx[:, None]), 0.0), axis=1)
+        w = tl.where(kar[None, :] == j, (tl.exp(c - mx) / den)[:, None], w)
+    return w
+
+
+@triton.jit
 def select_experts(
     x,  # [BLOCK_T, BLOCK_E] fp32 router logits
     mk,  # [BLOCK_T, BLOCK_E] fp32 cache membership (1.0 / 0.0), read when HAS_MASK
@@ -209,12 +240,14 @@ def select_experts(
     lam,
     scaling,
     norm_min,
+    mixer_eps,
     cols,
     E,
     K: tl.constexpr,
     IS_SOFTMAX: tl.constexpr,
     IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
+    IS_SPARSEMIXER: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -281,7 +314,9 @@ def select_experts(
 
     # 5. gate weights from the unbiased scores
     kvalid = kar[None, :] < K
-    if IS_TOPK_SOFTMAX:
+    if IS_SPARSEMIXER:
+        w = _sparsemixer_weights(x, ids, val, cols, cmask, kar, mixer_eps, K, BLOCK_T, BLOCK_K)
+    elif IS_TOPK_SOFTMAX:
         vm = tl.where(kvalid, val, neg_inf)
         ev = tl.exp(vm - tl.max(vm, axis=1)[:, None])
         w = ev / tl.sum(ev, axis=1)[:, None]
@@ -327,6 +362,7 @@ def _route_kernel(
     lam,
     scaling,
     norm_min,
+    mixer_eps,
     K: tl.constexpr,
     FROM_HIDDEN: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -334,6 +370,7 @@ def _route_kernel(
     IS_SOFTMAX: tl.constexpr,
     IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
+    IS_SPARSEMIXER: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -348,7 +385,7 @@ def _route_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    tl.static_assert(IS_SOFTMAX + IS_TOPK_SOFTMAX + IS_SIGMOID == 1, "one scoring")
+    tl.static_assert(IS_SOFTMAX + IS_TOPK_SOFTMAX + IS_SIGMOID + IS_SPARSEMIXER == 1, "one scoring")
     tl.static_assert(FROM_HIDDEN or not (HAS_NORM or STORE_LOGITS), "norm/logits need hidden")
     tl.static_assert(HAS_MASK or not STORE_INCACHE, "in-cache flags need a mask")
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -395,12 +432,14 @@ def _route_kernel(
         lam,
         scaling,
         norm_min,
+        mixer_eps,
         cols,
         E,
         K,
         IS_SOFTMAX,
         IS_TOPK_SOFTMAX,
         IS_SIGMOID,
+        IS_SPARSEMIXER,
         RENORM,
         HAS_MASK,
         HAS_BIAS,
@@ -449,6 +488,7 @@ class RouteSpec:
     scaling: float = 1.0
     group_score: str = "top2"
     norm_min: float = 0.0
+    mixer_eps: float = 0.0  # PhiMoE's sparsemixer threshold (router_jitter_noise)
 
     def check(
         self,
@@ -481,7 +521,7 @@ class RouteSpec:
                 )
         self._check_normalisation(op)
         if bias is not None:
-            if self.scoring == "topk_softmax":
+            if self.scoring in ("topk_softmax", "sparsemixer"):
                 raise ValueError(
                     f"{op}: bias (e_score_correction_bias) needs scoring 'sigmoid' or 'softmax'"
                 )
@@ -507,9 +547,15 @@ class RouteSpec:
             raise ValueError(
                 f"{op}: unknown group_score {self.group_score!r}; expected one of {GROUP_SCORES}"
             )
-        nm = self.norm_min
-        if not (isinstance(nm, (int, float)) and math.isfinite(nm) and nm >= 0):
-            raise ValueError(f"{op}: norm_min must be a finite number >= 0, got {nm!r}")
+        for name in ("norm_min", "mixer_eps"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"{op}: {name} must be a finite number >= 0, got {v!r}")
+        if self.scoring == "sparsemixer" and (self.top_k != 2 or self.n_group != 1):
+            raise ValueError(
+                f"{op}: the sparsemixer routes top-2 without groups (got top_k={self.top_k}, "
+                f"n_group={self.n_group})"
+            )
 
     def constexprs(self) -> dict[str, int | bool]:
         """The kernel's compile-time flags that follow from the spec alone."""
@@ -519,6 +565,7 @@ class RouteSpec:
             IS_SOFTMAX=self.scoring == "softmax",
             IS_TOPK_SOFTMAX=self.scoring == "topk_softmax",
             IS_SIGMOID=self.scoring == "sigmoid",
+            IS_SPARSEMIXER=self.scoring == "sparsemixer",
             RENORM=bool(self.renormalize),
             N_GROUP=n_group,
             TOPK_GROUP=self.topk_group if n_group > 1 else 1,
@@ -593,7 +640,8 @@ def check_predict(
         raise ValueError(f"{op}: n must be an int >= 0, got {n!r}")
     unbiased = RouteSpec(
         top_k=max(n, 1),
-        scoring=spec.scoring,
+        # The sparsemixer picks in logit order: as a top-k of the logits, any n long.
+        scoring="topk_softmax" if spec.scoring == "sparsemixer" else spec.scoring,
         n_group=spec.n_group,
         topk_group=spec.topk_group,
         group_score=spec.group_score,
@@ -765,6 +813,7 @@ def _launch(
         lam=float(spec.lam),
         scaling=float(spec.scaling),
         norm_min=float(spec.norm_min),
+        mixer_eps=float(spec.mixer_eps),
         **cfg,
     )
     return _Routed(weights, ids, logits, in_cache)

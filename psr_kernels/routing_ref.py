@@ -70,12 +70,15 @@ def gate_weights_ref(
     renormalize: bool,
     scaling: float,
     norm_min: float = 0.0,
+    mixer_eps: float = 0.0,
 ) -> torch.Tensor:
     """Gate weights of chosen `ids` from the unbiased weight source, normalised as the
-    model does (top-k softmax, `norm_topk_prob` with ERNIE's floor `norm_min`,
-    `routed_scaling_factor`)."""
+    model does (top-k softmax, `norm_topk_prob` with ERNIE's floor `norm_min`, PhiMoE's
+    sparsemixer, `routed_scaling_factor`)."""
     val = src.gather(1, ids)
-    if scoring == "topk_softmax":
+    if scoring == "sparsemixer":
+        w = sparsemixer_weights_ref(src, ids, mixer_eps)
+    elif scoring == "topk_softmax":
         w = torch.softmax(val, dim=-1)
     else:
         w = val
@@ -86,6 +89,22 @@ def gate_weights_ref(
             w = w / (denom.clamp(min=norm_min) if norm_min > 0 else denom)
     # w is a fresh contiguous tensor; w * 1.0 would be the same bits (one op saved per call).
     return w if scaling == 1.0 else (w * scaling).contiguous()
+
+
+def sparsemixer_weights_ref(x: torch.Tensor, ids: torch.Tensor, eps: float) -> torch.Tensor:
+    """PhiMoE's sparsemixer weights (eval mode) of the chosen `ids` from the logits `x`: for
+    the j-th choice, of logit c, the softmax at c over the experts that
+    (c - x) / max(|x|, c) > 2 eps does not mask, the earlier choices excluded (for the
+    model's own choices, transformers' `sparsemixer`)."""
+    out = []
+    excluded = torch.zeros_like(x, dtype=torch.bool)
+    for j in range(ids.shape[1]):
+        c = x.gather(1, ids[:, j : j + 1])
+        masked = ((c - x) / x.abs().clamp(min=c)) > 2 * eps
+        gates = torch.softmax(x.masked_fill(masked | excluded, float("-inf")), dim=-1)
+        out.append(gates.gather(1, ids[:, j : j + 1]))
+        excluded = excluded.scatter(1, ids[:, j : j + 1], True)
+    return torch.cat(out, dim=1)
 
 
 def biased_scores_ref(z: torch.Tensor, mask: torch.Tensor | None, lam: float) -> torch.Tensor:
@@ -119,7 +138,9 @@ def route_ref(
         biased_scores_ref(z, mask, spec.lam), spec.n_group, spec.topk_group, spec.group_score
     )
     ids = topk_ref(sel, spec.top_k)
-    w = gate_weights_ref(src, ids, spec.scoring, spec.renormalize, spec.scaling, spec.norm_min)
+    w = gate_weights_ref(
+        src, ids, spec.scoring, spec.renormalize, spec.scaling, spec.norm_min, spec.mixer_eps
+    )
     return w, ids.to(ids_dtype).contiguous()
 
 

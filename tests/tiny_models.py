@@ -201,6 +201,14 @@ def _new_family_config(family: str):
             sliding_window=4,
             swiglu_limit=1.5,
         ),
+        "phimoe": lambda: transformers.PhimoeConfig(
+            **COMMON,
+            intermediate_size=16,
+            num_hidden_layers=3,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_jitter_noise=0.3,  # the threshold masks some experts at this scale
+        ),
         "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
             **COMMON,
             intermediate_size=48,
@@ -232,6 +240,7 @@ NEW_FAMILIES = (
     "deepseek_v2",
     "ernie4_5_moe",
     "gpt_oss",
+    "phimoe",
 )
 
 

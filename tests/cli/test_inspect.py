@@ -60,13 +60,14 @@ def test_cli_table_json_and_unsupported(tmp_path: Path) -> None:
     assert "softmax_group_max" in out.stdout and "1 dense [0]" in out.stdout
     js = json.loads(_cli("inspect", "--model", str(tmp_path / "v2"), "--json").stdout)
     assert js["family"] == "deepseek_v2" and js["sparse_layers"] == [1, 2]
-    (tmp_path / "phi").mkdir()
-    (tmp_path / "phi" / "config.json").write_text(json.dumps({"model_type": "phimoe"}))
-    bad = _cli("inspect", "--model", str(tmp_path / "phi"))
+    (tmp_path / "l4").mkdir()
+    (tmp_path / "l4" / "config.json").write_text(json.dumps({"model_type": "llama4_text"}))
+    bad = _cli("inspect", "--model", str(tmp_path / "l4"))
     assert bad.returncode == 1
     assert bad.stdout.strip().endswith(
-        "architecture 'phimoe' is not supported yet: psr lacks its router kind (PhiMoE's "
-        "sparsemixer)"
+        "architecture 'llama4_text' is not supported yet: psr lacks its router kind (sigmoid "
+        "top-1 scaling the expert's input) and Llama 4's block (its router returns the full "
+        "score matrix)"
     )
     assert len(bad.stdout.strip().splitlines()) == 1
     missing = _cli("inspect", "--model", str(tmp_path / "nowhere"))

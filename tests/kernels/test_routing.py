@@ -410,3 +410,30 @@ def test_launch_config_is_computed_once_per_shape() -> None:
     cfg = route_kernel_config(spec, num_tokens=3, num_experts=40, has_mask=True)
     with pytest.raises(TypeError):
         cfg["BLOCK_T"] = 1  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("E", "T", "eps"), [(8, 5, 0.3), (16, 3, 0.01), (60, 2, 0.1)])
+def test_sparsemixer_matches_phimoe_and_its_reference(E, T, eps) -> None:
+    """PhiMoE's router: at lam 0, transformers' own `sparsemixer` (eval); biased, the
+    kernel equals the reference, and the weights of a substituted pick follow the same
+    threshold rule around the picked logit."""
+    pytest.importorskip("transformers")
+    from transformers.models.phimoe.modeling_phimoe import sparsemixer
+
+    gen = torch.Generator().manual_seed(E + T)
+    logits = torch.randn(T, E, generator=gen) * 2
+    hf_w, hf_ids = sparsemixer(logits, jitter_eps=eps, training=False, top_k=2)
+    spec = pk.RouteSpec(2, scoring="sparsemixer", mixer_eps=eps)
+    for fn in (pk.route, pk.route_ref):
+        w, ids = fn(logits, spec)
+        assert torch.equal(ids, hf_ids.long())
+        torch.testing.assert_close(w, hf_w, rtol=1e-6, atol=1e-7)
+    mask = rand_mask(T, E, gen, per_token=True)
+    biased = pk.RouteSpec(2, lam=0.5, scoring="sparsemixer", mixer_eps=eps)
+    w, ids = pk.route(logits, biased, mask=mask)
+    w_ref, ids_ref = pk.route_ref(logits, biased, mask=mask)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(ids_ref, hf_ids.long())  # the bias moved some picks
+    with pytest.raises(ValueError, match="sparsemixer routes top-2"):
+        pk.route_ref(logits, pk.RouteSpec(3, scoring="sparsemixer"))

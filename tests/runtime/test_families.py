@@ -21,7 +21,7 @@ PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
 NEW = 6
 # One family per new router kind (and MiniMax-M2: a correction bias kept on the block;
 # gpt-oss: its expert kind and its router's bias).
-TRITON_CASES = ("deepseek_v2", "ernie4_5_moe", "minimax_m2", "gpt_oss")
+TRITON_CASES = ("deepseek_v2", "ernie4_5_moe", "minimax_m2", "gpt_oss", "phimoe")
 
 
 def hf_logits(model: nn.Module, ids: torch.Tensor = PROMPT) -> torch.Tensor:
@@ -235,7 +235,6 @@ def test_config_without_a_needed_key(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("model_type", "match"),
     [
-        ("phimoe", "not supported yet: psr lacks its router kind .PhiMoE's sparsemixer"),
         ("llama4_text", "not supported yet: psr lacks its router kind"),
         ("mamba", "unsupported architecture 'mamba'; psr supports: olmoe"),
     ],

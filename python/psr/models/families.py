@@ -37,6 +37,8 @@ ROUTER_KINDS: dict[str, str] = {
     "(DeepSeek-V2 group_limited_greedy)",
     "softmax_bias": "softmax, the correction bias added to the probabilities for selection, "
     "renormalised with a floor (ERNIE moe_norm_min)",
+    "sparsemixer": "PhiMoE's sparsemixer: top-1, then a second pick; each weight a softmax "
+    "over the experts within a relative threshold of the pick",
 }
 _SCORING = {
     "softmax_topk": "softmax",
@@ -44,6 +46,7 @@ _SCORING = {
     "sigmoid_topk": "sigmoid",
     "softmax_group_max": "softmax",
     "softmax_bias": "softmax",
+    "sparsemixer": "sparsemixer",
 }
 
 # Expert kinds: the expert FFN psr's kernels compute. SwiGLU: down(act(gate x) * up x),
@@ -258,6 +261,18 @@ FAMILIES: dict[str, Family] = {
             notes="sliding-window and full attention layers with sinks (transformers' own)",
         ),
         Family(
+            "phimoe",
+            "sparsemixer",
+            _MIXTRAL_KEYS,
+            lambda cfg: {"mixer_eps": float(cfg.router_jitter_noise)},
+            router="router",
+            renames=(("router.weight", "gate.weight"),),
+            allowed=(("hidden_act", ("silu",)), ("num_experts_per_tok", (2,))),
+            notes="LayerNorm blocks: predictions RMS-norm with the LayerNorm's weight (an "
+            "approximation of the next router's input; routing itself is exact)",
+            **_MIXTRAL_DISK,  # type: ignore[arg-type]
+        ),
+        Family(
             "ernie4_5_moe",
             "softmax_bias",
             ("moe_num_experts", "moe_k", "hidden_size", "moe_intermediate_size"),
@@ -274,7 +289,6 @@ NOT_YET: dict[str, str] = {
     "block (its router returns the full score matrix)",
     "llama4": "the multimodal Llama 4 (load its text model, model_type llama4_text; not yet "
     "supported either)",
-    "phimoe": "router kind (PhiMoE's sparsemixer)",
     "qwen3_5_moe": "the multimodal Qwen3.5-MoE checkpoint (its text model, qwen3_5_moe_text, "
     "is supported)",
 }

@@ -172,6 +172,8 @@ class OffloadRuntime:
                 raise ValueError("block mode does not support group-limited routers")
             if self.spec.expert_bias:
                 raise ValueError("block mode does not support experts with biases (gpt-oss)")
+            if self.spec.scoring == "sparsemixer":
+                raise ValueError("block mode does not support PhiMoE's sparsemixer router")
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
         self.block_k = block_k

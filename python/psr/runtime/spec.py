@@ -30,6 +30,7 @@ class MoESpec:
     scaling: float = 1.0
     group_score: str = "top2"  # 'top2' | 'max' (psr_kernels.GROUP_SCORES)
     norm_min: float = 0.0  # floor of the renormalising sum (ERNIE's moe_norm_min)
+    mixer_eps: float = 0.0  # PhiMoE's sparsemixer threshold (router_jitter_noise)
     # Router GEMV in fp32 (DeepSeek-V3 casts hidden and weight to fp32).
     logits_fp32: bool = False
     # OLMoE / Qwen cast the top-k weights back to the logits dtype.
@@ -84,6 +85,7 @@ def _route_spec(spec: MoESpec, lam: float) -> RouteSpec:
         scaling=spec.scaling,
         group_score=spec.group_score,
         norm_min=spec.norm_min,
+        mixer_eps=spec.mixer_eps,
     )
 
 
