@@ -78,6 +78,7 @@ def _decode_kernel(
     IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
     IS_SPARSEMIXER: tl.constexpr,
+    IS_TOPK_SIGMOID: tl.constexpr,
     RENORM: tl.constexpr,
     N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
@@ -108,18 +109,17 @@ def _decode_kernel(
         _route_use(
             logits_ptr, stride_le, bias_ptr, weights_ptr, ids_ptr, state_ptr + layer * W, lam,
             scaling, norm_min, mixer_eps, K, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID,
-            IS_SPARSEMIXER, RENORM, N_GROUP,
-            TOPK_GROUP, GROUP_MAX, NG_P2, HAS_MASK, HAS_BIAS, E, S, OFF_MEMBER, OFF_PENDING,
-            OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
+            IS_SPARSEMIXER, IS_TOPK_SIGMOID, RENORM, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2,
+            HAS_MASK, HAS_BIAS, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT,
+            OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
         )  # fmt: skip
     elif N > 0:
         _predict_prefetch(
             res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr,
             next_gbias_ptr, state_ptr + (layer + 1) * W, H, N, IS_SOFTMAX, IS_TOPK_SOFTMAX,
-            IS_SIGMOID, IS_SPARSEMIXER, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, HAS_NEXT_BIAS,
-            HAS_NEXT_GATE_BIAS,
-            E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER, OFF_PF,
-            PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N, BLOCK_H,
+            IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2,
+            HAS_NEXT_BIAS, HAS_NEXT_GATE_BIAS, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF,
+            OFF_SLOT_EXPERT, OFF_HEADER, OFF_PF, PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N, BLOCK_H,
         )  # fmt: skip
 
 
@@ -127,30 +127,28 @@ def _decode_kernel(
 def _route_use(
     logits_ptr, stride_le, bias_ptr, weights_ptr, ids_ptr, row_ptr, lam, scaling, norm_min,
     mixer_eps, K: tl.constexpr, IS_SOFTMAX: tl.constexpr, IS_TOPK_SOFTMAX: tl.constexpr,
-    IS_SIGMOID: tl.constexpr, IS_SPARSEMIXER: tl.constexpr, RENORM: tl.constexpr,
-    N_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, E: tl.constexpr, S: tl.constexpr, OFF_MEMBER: tl.constexpr,
-    OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr, OFF_SLOT_EXPERT: tl.constexpr,
-    OFF_HEADER: tl.constexpr, OFF_MISS: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    IS_SIGMOID: tl.constexpr, IS_SPARSEMIXER: tl.constexpr, IS_TOPK_SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr,
+    NG_P2: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, E: tl.constexpr,
+    S: tl.constexpr, OFF_MEMBER: tl.constexpr, OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr,
+    OFF_SLOT_EXPERT: tl.constexpr, OFF_HEADER: tl.constexpr, OFF_MISS: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program 0: route the token on this layer's cache, write weights and ids, `use`."""
     rows = tl.arange(0, 2)  # one token; row 1 is masked padding (tiles need >= 2 rows)
     cols = tl.arange(0, BLOCK_E)
     valid = (rows < 1)[:, None] & (cols < E)[None, :]
     x = router_logits(
-        logits_ptr, 0, stride_le, logits_ptr, 0, 0, logits_ptr, 0.0, logits_ptr, rows, cols, 1,
-        E, 0, False, False, False, 2, BLOCK_E, 16,
+        logits_ptr, 0, stride_le, logits_ptr, 0, 0, logits_ptr, 0.0, logits_ptr, rows, cols, 1, E,
+        0, False, False, False, 2, BLOCK_E, 16,
     )  # fmt: skip
     mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
     if HAS_MASK:
         member = tl.load(row_ptr + OFF_MEMBER + cols, mask=cols < E, other=0)
         mk = tl.where(valid, member.to(tl.float32)[None, :], 0.0)
     ids, w, _, chosen = select_experts(
-        x, mk, bias_ptr, lam, scaling, norm_min, mixer_eps, cols, E, K, IS_SOFTMAX,
-        IS_TOPK_SOFTMAX, IS_SIGMOID, IS_SPARSEMIXER, RENORM, HAS_MASK, HAS_BIAS, False, N_GROUP,
+        x, mk, bias_ptr, lam, scaling, norm_min, mixer_eps, cols, E, K, IS_SOFTMAX, IS_TOPK_SOFTMAX,
+        IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, RENORM, HAS_MASK, HAS_BIAS, False, N_GROUP,
         TOPK_GROUP, GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_K,
     )  # fmt: skip
     kar = tl.arange(0, BLOCK_K)
@@ -161,8 +159,8 @@ def _route_use(
     tl.store(flag, tl.maximum(tl.load(flag), _not_finite(x, valid)))
     routed = tl.max(tl.where(valid, chosen.to(tl.int32), 0), axis=0) != 0
     cache_use_step(
-        row_ptr, routed, E, S, K, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT,
-        OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
+        row_ptr, routed, E, S, K, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER,
+        OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
     )  # fmt: skip
 
 
@@ -171,35 +169,33 @@ def _predict_prefetch(
     res_ptr, stride_rh, norm_ptr, eps, gate_ptr, stride_ge, stride_gh, next_bias_ptr,
     next_gbias_ptr, row_ptr, H, N: tl.constexpr, IS_SOFTMAX: tl.constexpr,
     IS_TOPK_SOFTMAX: tl.constexpr, IS_SIGMOID: tl.constexpr, IS_SPARSEMIXER: tl.constexpr,
-    N_GROUP: tl.constexpr,
-    TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr,
-    HAS_NEXT_BIAS: tl.constexpr, HAS_NEXT_GATE_BIAS: tl.constexpr, E: tl.constexpr,
-    S: tl.constexpr,
-    OFF_MEMBER: tl.constexpr, OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr,
-    OFF_SLOT_EXPERT: tl.constexpr, OFF_HEADER: tl.constexpr, OFF_PF: tl.constexpr,
-    PF_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
+    IS_TOPK_SIGMOID: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr, HAS_NEXT_BIAS: tl.constexpr,
+    HAS_NEXT_GATE_BIAS: tl.constexpr, E: tl.constexpr, S: tl.constexpr, OFF_MEMBER: tl.constexpr,
+    OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr, OFF_SLOT_EXPERT: tl.constexpr,
+    OFF_HEADER: tl.constexpr, OFF_PF: tl.constexpr, PF_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Program 1: predict the next layer's first N experts, `prefetch` them into its row."""
     rows = tl.arange(0, 2)
     cols = tl.arange(0, BLOCK_E)
     valid = (rows < 1)[:, None] & (cols < E)[None, :]
     x = router_logits(
-        res_ptr, 0, stride_rh, gate_ptr, stride_ge, stride_gh, norm_ptr, eps, next_gbias_ptr,
-        rows, cols, 1, E, H, True, True, HAS_NEXT_GATE_BIAS, 2, BLOCK_E, BLOCK_H,
+        res_ptr, 0, stride_rh, gate_ptr, stride_ge, stride_gh, norm_ptr, eps, next_gbias_ptr, rows,
+        cols, 1, E, H, True, True, HAS_NEXT_GATE_BIAS, 2, BLOCK_E, BLOCK_H,
     )  # fmt: skip
     mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
     ids, _, _, _ = select_experts(
         x, mk, next_bias_ptr, 0.0, 1.0, 0.0, 0.0, cols, E, N, IS_SOFTMAX, IS_TOPK_SOFTMAX,
-        IS_SIGMOID, IS_SPARSEMIXER, False, False, HAS_NEXT_BIAS, False, N_GROUP, TOPK_GROUP,
-        GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_N,
+        IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, False, False, HAS_NEXT_BIAS, False, N_GROUP,
+        TOPK_GROUP, GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_N,
     )  # fmt: skip
     flag = row_ptr + OFF_HEADER + 7
     tl.store(flag, tl.maximum(tl.load(flag), _not_finite(x, valid)))
     pred = tl.sum(tl.where((rows < 1)[:, None], ids, 0), axis=0)
     cache_prefetch_step(
-        row_ptr, pred, N, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT,
-        OFF_HEADER, OFF_PF, PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N,
+        row_ptr, pred, N, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER,
+        OFF_PF, PF_ROWS, BLOCK_E, BLOCK_S, BLOCK_N,
     )  # fmt: skip
 
 

@@ -41,7 +41,7 @@ import triton.language as tl
 from psr_kernels._common import check_finite as _require_finite
 from psr_kernels._common import check_float, check_launchable, pow2
 
-SCORINGS = ("softmax", "topk_softmax", "sigmoid", "sparsemixer")
+SCORINGS = ("softmax", "topk_softmax", "sigmoid", "sparsemixer", "topk_sigmoid")
 # How a group-limited router scores a group: the sum of its top two scores (DeepSeek-V3,
 # GLM-4.5, dots1) or its maximum (DeepSeek-V2's `group_limited_greedy`).
 GROUP_SCORES = ("top2", "max")
@@ -233,6 +233,38 @@ def _sparsemixer_weights(
 
 
 @triton.jit
+def _gate_weights(
+    x, ids, val, cols, cmask, kar, scaling, norm_min, mixer_eps, K: tl.constexpr,
+    IS_TOPK_SOFTMAX: tl.constexpr, IS_SIGMOID: tl.constexpr, IS_SPARSEMIXER: tl.constexpr,
+    IS_TOPK_SIGMOID: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Stage 5: the chosen experts' gate weights from their unbiased scores `val`, as the
+    model normalises them."""
+    neg_inf = float("-inf")
+    kvalid = kar[None, :] < K
+    if IS_SPARSEMIXER:
+        w = _sparsemixer_weights(x, ids, val, cols, cmask, kar, mixer_eps, K, BLOCK_T, BLOCK_K)
+    elif IS_TOPK_SIGMOID:  # Llama 4: top-k of the logits, each weight sigmoid(its logit)
+        w = tl.where(kvalid, 1.0 / (1.0 + tl.exp(-val)), 0.0)
+    elif IS_TOPK_SOFTMAX:
+        vm = tl.where(kvalid, val, neg_inf)
+        ev = tl.exp(vm - tl.max(vm, axis=1)[:, None])
+        w = ev / tl.sum(ev, axis=1)[:, None]
+    else:
+        w = tl.where(kvalid, val, 0.0)
+        if RENORM:
+            denom = tl.sum(w, axis=1)
+            if IS_SIGMOID:
+                denom = denom + 1e-20
+            # ERNIE's moe_norm_min (0 elsewhere: a no-op on the positive sums)
+            denom = tl.maximum(denom, norm_min)
+            w = w / denom[:, None]
+    w = w * scaling
+    return w
+
+
+@triton.jit
 def select_experts(
     x,  # [BLOCK_T, BLOCK_E] fp32 router logits
     mk,  # [BLOCK_T, BLOCK_E] fp32 cache membership (1.0 / 0.0), read when HAS_MASK
@@ -248,6 +280,7 @@ def select_experts(
     IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
     IS_SPARSEMIXER: tl.constexpr,
+    IS_TOPK_SIGMOID: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -313,23 +346,10 @@ def select_experts(
         sel = tl.where(hit, neg_inf, sel)
 
     # 5. gate weights from the unbiased scores
-    kvalid = kar[None, :] < K
-    if IS_SPARSEMIXER:
-        w = _sparsemixer_weights(x, ids, val, cols, cmask, kar, mixer_eps, K, BLOCK_T, BLOCK_K)
-    elif IS_TOPK_SOFTMAX:
-        vm = tl.where(kvalid, val, neg_inf)
-        ev = tl.exp(vm - tl.max(vm, axis=1)[:, None])
-        w = ev / tl.sum(ev, axis=1)[:, None]
-    else:
-        w = tl.where(kvalid, val, 0.0)
-        if RENORM:
-            denom = tl.sum(w, axis=1)
-            if IS_SIGMOID:
-                denom = denom + 1e-20
-            # ERNIE's moe_norm_min (0 elsewhere: a no-op on the positive sums)
-            denom = tl.maximum(denom, norm_min)
-            w = w / denom[:, None]
-    w = w * scaling
+    w = _gate_weights(
+        x, ids, val, cols, cmask, kar, scaling, norm_min, mixer_eps, K, IS_TOPK_SOFTMAX,
+        IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, RENORM, BLOCK_T, BLOCK_K,
+    )  # fmt: skip
     return ids, w, inc, chosen
 
 
@@ -371,6 +391,7 @@ def _route_kernel(
     IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr,
     IS_SPARSEMIXER: tl.constexpr,
+    IS_TOPK_SIGMOID: tl.constexpr,
     RENORM: tl.constexpr,
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -385,7 +406,10 @@ def _route_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    tl.static_assert(IS_SOFTMAX + IS_TOPK_SOFTMAX + IS_SIGMOID + IS_SPARSEMIXER == 1, "one scoring")
+    tl.static_assert(
+        IS_SOFTMAX + IS_TOPK_SOFTMAX + IS_SIGMOID + IS_SPARSEMIXER + IS_TOPK_SIGMOID == 1,
+        "one scoring",
+    )
     tl.static_assert(FROM_HIDDEN or not (HAS_NORM or STORE_LOGITS), "norm/logits need hidden")
     tl.static_assert(HAS_MASK or not STORE_INCACHE, "in-cache flags need a mask")
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -440,6 +464,7 @@ def _route_kernel(
         IS_TOPK_SOFTMAX,
         IS_SIGMOID,
         IS_SPARSEMIXER,
+        IS_TOPK_SIGMOID,
         RENORM,
         HAS_MASK,
         HAS_BIAS,
@@ -521,7 +546,7 @@ class RouteSpec:
                 )
         self._check_normalisation(op)
         if bias is not None:
-            if self.scoring in ("topk_softmax", "sparsemixer"):
+            if self.scoring in ("topk_softmax", "sparsemixer", "topk_sigmoid"):
                 raise ValueError(
                     f"{op}: bias (e_score_correction_bias) needs scoring 'sigmoid' or 'softmax'"
                 )
@@ -566,6 +591,7 @@ class RouteSpec:
             IS_TOPK_SOFTMAX=self.scoring == "topk_softmax",
             IS_SIGMOID=self.scoring == "sigmoid",
             IS_SPARSEMIXER=self.scoring == "sparsemixer",
+            IS_TOPK_SIGMOID=self.scoring == "topk_sigmoid",
             RENORM=bool(self.renormalize),
             N_GROUP=n_group,
             TOPK_GROUP=self.topk_group if n_group > 1 else 1,
@@ -641,7 +667,7 @@ def check_predict(
     unbiased = RouteSpec(
         top_k=max(n, 1),
         # The sparsemixer picks in logit order: as a top-k of the logits, any n long.
-        scoring="topk_softmax" if spec.scoring == "sparsemixer" else spec.scoring,
+        scoring="topk_softmax" if spec.scoring in ("sparsemixer", "topk_sigmoid") else spec.scoring,
         n_group=spec.n_group,
         topk_group=spec.topk_group,
         group_score=spec.group_score,

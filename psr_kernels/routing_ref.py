@@ -78,6 +78,8 @@ def gate_weights_ref(
     val = src.gather(1, ids)
     if scoring == "sparsemixer":
         w = sparsemixer_weights_ref(src, ids, mixer_eps)
+    elif scoring == "topk_sigmoid":
+        w = torch.sigmoid(val)
     elif scoring == "topk_softmax":
         w = torch.softmax(val, dim=-1)
     else:
