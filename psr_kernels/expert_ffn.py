@@ -53,6 +53,7 @@ def _gate_up_kernel(
     table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     h_ptr,
     bias_ptr,  # [T*K, 2F + H] fp32 per routed expert: gate, up, down biases (HAS_BIAS)
+    w_ptr,  # [T, K] gate weights, scaling the expert's input (SCALE_INPUT: Llama 4)
     T,
     H,
     F,
@@ -64,6 +65,7 @@ def _gate_up_kernel(
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
@@ -86,6 +88,9 @@ def _gate_up_kernel(
         u = tl.load(base + up_offset + offs, mask=wm, other=0.0).to(tl.float32)
         acc_g += tl.sum(g * x[None, :], axis=1)
         acc_u += tl.sum(u * x[None, :], axis=1)
+    if SCALE_INPUT:  # gate (w x) = w (gate x): the weight scales the sums, not the output
+        wk = tl.load(w_ptr + tk).to(tl.float32)
+        acc_g, acc_u = acc_g * wk, acc_u * wk
     h = glu(acc_g, acc_u, bias_ptr + tk * (2 * F + H), fs, fm, F, alpha, limit, HAS_BIAS, ACT)
     tl.store(h_ptr + tk * F + fs, h, mask=fm)
 
@@ -109,6 +114,7 @@ def _down_kernel(
     K: tl.constexpr,
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -119,7 +125,7 @@ def _down_kernel(
     for j in range(K):
         slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
         ok = (slot >= 0) & (slot < C)
-        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        wj = 1.0 if SCALE_INPUT else tl.load(w_ptr + t * K + j).to(tl.float32)
         base = slab_ptr + slot * s_slot + down_offset
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for f0 in range(0, F, BLOCK_F):
@@ -301,6 +307,7 @@ def _launch_float_ffn(
     table: torch.Tensor | None = None,
     act: Activation = SILU,
     bias: torch.Tensor | None = None,
+    scale_input: bool = False,
 ) -> None:
     """Run the two float-row kernels on checked arguments and buffers."""
     T, H = x.shape
@@ -318,6 +325,7 @@ def _launch_float_ffn(
         table_ptr=slots if table is None else table,
         h_ptr=h,
         bias_ptr=h if bias is None else bias,
+        w_ptr=weights,
         T=T,
         H=H,
         F=F,
@@ -329,6 +337,7 @@ def _launch_float_ffn(
         HAS_TABLE=table is not None,
         HAS_BIAS=bias is not None,
         ACT=act.code,
+        SCALE_INPUT=scale_input,
         **c1,
     )
     _down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
@@ -349,6 +358,7 @@ def _launch_float_ffn(
         K=K,
         HAS_TABLE=table is not None,
         HAS_BIAS=bias is not None,
+        SCALE_INPUT=scale_input,
         **c2,
     )
 
@@ -369,6 +379,7 @@ def expert_ffn(
     checked: bool = False,
     act: Activation = SILU,
     bias: torch.Tensor | None = None,
+    scale_input: bool = False,
 ) -> torch.Tensor:
     """Routed gated-MLP experts of `x [T, H]` read from slab slots.
 
@@ -392,6 +403,8 @@ def expert_ffn(
         bias: `[T, k, 2F + H]` fp32 biases of each routed expert (gate F, up F, down H),
             for expert kinds with biases (gpt-oss); the runtime keeps every expert's
             biases on the device and gathers them by the routed ids.
+        scale_input: the gate weight scales each expert's input instead of its output,
+            y = sum_j expert_j(w_j x) (Llama 4).
     Returns `[T, H]`, contiguous.
     """
     op = "expert_ffn"
@@ -417,9 +430,9 @@ def expert_ffn(
     slots, weights = slots.contiguous(), weights.contiguous()
     h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
     if lay is None:
-        _launch_float_ffn(x, slab, slots, weights, y, h, slot_table, act, bias)
+        _launch_float_ffn(x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
     else:
-        launch_quant_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias)
+        launch_quant_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
     return y
 
 
@@ -525,6 +538,7 @@ def expert_ffn_ref(
     checked: bool = False,
     act: Activation = SILU,
     bias: torch.Tensor | None = None,
+    scale_input: bool = False,
 ) -> torch.Tensor:
     """Plain-torch reference of `expert_ffn` (same arguments): the stored weights
     (dequantized for a quantized `fmt`) in fp32 math."""
@@ -539,6 +553,8 @@ def expert_ffn_ref(
         slots = slot_table[slots.long()]
     # gate/up [T, k, F, H], down [T, k, H, F]; x as [T, 1, 1, H]: one row per expert.
     gate, up, down = _expert_matrices(slab[slots.long()], hidden_size, ffn_size, fmt, group_size)
-    out = swiglu_ref(x[:, None, None, :], gate, up, down, act=act, bias=bias).squeeze(-2)
-    y = (out * weights.float()[..., None]).sum(1)
+    w = weights.float()[..., None, None]  # [T, k, 1, 1]
+    xin = x[:, None, None, :] * w if scale_input else x[:, None, None, :]
+    out = swiglu_ref(xin, gate, up, down, act=act, bias=bias).squeeze(-2)  # [T, k, H]
+    y = out.sum(1) if scale_input else (out * w[..., 0]).sum(1)
     return y.to(out_dtype or x.dtype).contiguous()

@@ -321,6 +321,7 @@ def _quant_gate_up_kernel(
     table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
     h_ptr,
     bias_ptr,  # [T*K, 2F + H] fp32 per routed expert (HAS_BIAS)
+    w_ptr,  # [T, K] gate weights scaling the input (SCALE_INPUT)
     T,
     H,
     F,
@@ -338,6 +339,7 @@ def _quant_gate_up_kernel(
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -358,6 +360,9 @@ def _quant_gate_up_kernel(
         du = _qdot(base + up_off, fs, rm, h0, H, RB, x_row, FMT, BLOCK_H)
         acc_g += dg * _tile_scales(base + gate_s_off, fs, rm, h0, G, NG)
         acc_u += du * _tile_scales(base + up_s_off, fs, rm, h0, G, NG)
+    if SCALE_INPUT:
+        wk = tl.load(w_ptr + tk).to(tl.float32)
+        acc_g, acc_u = acc_g * wk, acc_u * wk
     h = glu(acc_g, acc_u, bias_ptr + tk * (2 * F + H), fs, fm, F, alpha, limit, HAS_BIAS, ACT)
     tl.store(h_ptr + tk * F + fs, h, mask=fm)
 
@@ -385,6 +390,7 @@ def _quant_down_kernel(
     K: tl.constexpr,
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
     FMT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -397,7 +403,7 @@ def _quant_down_kernel(
         slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
         ok = (slot >= 0) & (slot < C)
         rm = ok & hm
-        wj = tl.load(w_ptr + t * K + j).to(tl.float32)
+        wj = 1.0 if SCALE_INPUT else tl.load(w_ptr + t * K + j).to(tl.float32)
         base = slab_ptr + slot * s_slot
         h_row = h_ptr + (t * K + j) * F
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -482,6 +488,7 @@ def launch_quant_ffn(
     table: torch.Tensor | None = None,
     act: Activation = SILU,
     bias: torch.Tensor | None = None,
+    scale_input: bool = False,
 ) -> None:
     """Run the two quantized-row kernels on checked arguments and buffers (`expert_ffn`
     with `fmt`): h = act(gate x, up x) (SwiGLU, or the kind's `act`), then
@@ -502,6 +509,7 @@ def launch_quant_ffn(
         table_ptr=slots if table is None else table,
         h_ptr=h,
         bias_ptr=h if bias is None else bias,
+        w_ptr=weights,
         T=T,
         H=H,
         F=F,
@@ -519,6 +527,7 @@ def launch_quant_ffn(
         HAS_TABLE=table is not None,
         HAS_BIAS=bias is not None,
         ACT=code,
+        SCALE_INPUT=scale_input,
         **c1,
     )
     _quant_down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
@@ -543,6 +552,7 @@ def launch_quant_ffn(
         K=K,
         HAS_TABLE=table is not None,
         HAS_BIAS=bias is not None,
+        SCALE_INPUT=scale_input,
         **c2,
     )
 

@@ -209,6 +209,17 @@ def _new_family_config(family: str):
             num_experts_per_tok=2,
             router_jitter_noise=0.3,  # the threshold masks some experts at this scale
         ),
+        # top-1 sigmoid router scaling the experts' input; shared expert; every 2nd layer MoE
+        "llama4_text": lambda: transformers.Llama4TextConfig(
+            **COMMON,
+            intermediate_size=16,
+            intermediate_size_mlp=48,
+            num_hidden_layers=4,
+            num_local_experts=8,
+            num_experts_per_tok=1,
+            head_dim=8,
+            interleave_moe_layer_step=2,
+        ),
         "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
             **COMMON,
             intermediate_size=48,
@@ -241,6 +252,7 @@ NEW_FAMILIES = (
     "ernie4_5_moe",
     "gpt_oss",
     "phimoe",
+    "llama4_text",
 )
 
 

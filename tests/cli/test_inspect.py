@@ -61,13 +61,12 @@ def test_cli_table_json_and_unsupported(tmp_path: Path) -> None:
     js = json.loads(_cli("inspect", "--model", str(tmp_path / "v2"), "--json").stdout)
     assert js["family"] == "deepseek_v2" and js["sparse_layers"] == [1, 2]
     (tmp_path / "l4").mkdir()
-    (tmp_path / "l4" / "config.json").write_text(json.dumps({"model_type": "llama4_text"}))
+    (tmp_path / "l4" / "config.json").write_text(json.dumps({"model_type": "llama4"}))
     bad = _cli("inspect", "--model", str(tmp_path / "l4"))
     assert bad.returncode == 1
     assert bad.stdout.strip().endswith(
-        "architecture 'llama4_text' is not supported yet: psr lacks its router kind (sigmoid "
-        "top-1 scaling the expert's input) and Llama 4's block (its router returns the full "
-        "score matrix)"
+        "architecture 'llama4' is not supported yet: psr lacks the multimodal Llama 4 "
+        "checkpoint (its text model, llama4_text, is supported)"
     )
     assert len(bad.stdout.strip().splitlines()) == 1
     missing = _cli("inspect", "--model", str(tmp_path / "nowhere"))

@@ -21,7 +21,7 @@ PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
 NEW = 6
 # One family per new router kind (and MiniMax-M2: a correction bias kept on the block;
 # gpt-oss: its expert kind and its router's bias).
-TRITON_CASES = ("deepseek_v2", "ernie4_5_moe", "minimax_m2", "gpt_oss", "phimoe")
+TRITON_CASES = ("deepseek_v2", "ernie4_5_moe", "minimax_m2", "gpt_oss", "phimoe", "llama4_text")
 
 
 def hf_logits(model: nn.Module, ids: torch.Tensor = PROMPT) -> torch.Tensor:
@@ -93,6 +93,7 @@ def test_dense_layers_are_left_to_transformers(ckpts) -> None:
     """Layers the config makes dense (first_k_dense_replace, mlp_only_layers,
     moe_layer_start_index) get no psr module; the rest do."""
     want = {"glm4_moe": [1, 2, 3], "qwen3_next": [0, 2], "ernie4_5_moe": [1, 2]}
+    want |= {"llama4_text": [1, 3]}  # interleave_moe_layer_step=2
     for fam, idx in want.items():
         with load(ckpts[fam, "per_expert"]) as model:
             assert [L.decoder_index for L in model.runtime.layers] == idx
@@ -235,7 +236,8 @@ def test_config_without_a_needed_key(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("model_type", "match"),
     [
-        ("llama4_text", "not supported yet: psr lacks its router kind"),
+        ("llama4", "not supported yet: psr lacks the multimodal Llama 4 checkpoint"),
+        ("qwen3_5_moe", "not supported yet: psr lacks the multimodal Qwen3.5-MoE"),
         ("mamba", "unsupported architecture 'mamba'; psr supports: olmoe"),
     ],
 )

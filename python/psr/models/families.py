@@ -39,6 +39,7 @@ ROUTER_KINDS: dict[str, str] = {
     "renormalised with a floor (ERNIE moe_norm_min)",
     "sparsemixer": "PhiMoE's sparsemixer: top-1, then a second pick; each weight a softmax "
     "over the experts within a relative threshold of the pick",
+    "topk_sigmoid": "top-k of the logits, each weight the sigmoid of its logit (Llama 4)",
 }
 _SCORING = {
     "softmax_topk": "softmax",
@@ -47,6 +48,7 @@ _SCORING = {
     "softmax_group_max": "softmax",
     "softmax_bias": "softmax",
     "sparsemixer": "sparsemixer",
+    "topk_sigmoid": "topk_sigmoid",
 }
 
 # Expert kinds: the expert FFN psr's kernels compute. SwiGLU: down(act(gate x) * up x),
@@ -55,6 +57,7 @@ EXPERT_KINDS: dict[str, str] = {
     "swiglu": "down(silu(gate x) * up x), no biases",
     "gpt_oss": "biases on both projections, gate/up columns interleaved, clamped SwiGLU "
     "(g = min(gate, limit), u = clamp(up, +-limit), g sigmoid(alpha g) (u + 1))",
+    "scaled_input": "SwiGLU whose input the router's weight scales: expert(w x) (Llama 4)",
 }
 
 
@@ -82,9 +85,13 @@ class Family:
     per_expert: tuple[str, str, str] | None = ("gate_proj", "up_proj", "down_proj")
     # fused tensors on disk: gate_up [E, 2F, H] (gate rows first) and down [E, H, F]
     fused: tuple[str, str] | None = ("experts.gate_up_proj", "experts.down_proj")
-    # "standard" (gate and up as [F, H] rows) or "gpt_oss" (gate_up_proj [E, H, 2F] with
-    # gate/up columns interleaved, down_proj [E, F, H], and their biases)
+    # "standard" (gate and up as [F, H] rows), "gpt_oss" (gate_up_proj [E, H, 2F] with
+    # gate/up columns interleaved, down_proj [E, F, H], and their biases) or "llama4"
+    # (gate_up_proj [E, H, 2F], gate columns first, down_proj [E, F, H])
     expert_layout: str = "standard"
+    # psr runs the block's forward itself (Llama 4's block calls its router and experts
+    # in its own way): shared expert + routed experts, returning (out, logits)
+    own_forward: bool = False
     # other on-disk renames inside the block: (model name, disk name)
     renames: tuple[tuple[str, str], ...] = ()
     # config checks: (key, the values it may take) for keys psr relies on
@@ -273,6 +280,20 @@ FAMILIES: dict[str, Family] = {
             **_MIXTRAL_DISK,  # type: ignore[arg-type]
         ),
         Family(
+            "llama4_text",
+            "topk_sigmoid",
+            _MIXTRAL_KEYS,
+            lambda cfg: {"input_scaled": True},
+            expert_kind="scaled_input",
+            block="feed_forward",
+            router="router",
+            per_expert=None,
+            fused=None,
+            expert_layout="llama4",
+            own_forward=True,
+            notes="dense layers by interleave_moe_layer_step; shared expert; chunked attention",
+        ),
+        Family(
             "ernie4_5_moe",
             "softmax_bias",
             ("moe_num_experts", "moe_k", "hidden_size", "moe_intermediate_size"),
@@ -285,10 +306,7 @@ FAMILIES: dict[str, Family] = {
 
 # Families transformers has that psr does not offload yet: what each lacks.
 NOT_YET: dict[str, str] = {
-    "llama4_text": "router kind (sigmoid top-1 scaling the expert's input) and Llama 4's "
-    "block (its router returns the full score matrix)",
-    "llama4": "the multimodal Llama 4 (load its text model, model_type llama4_text; not yet "
-    "supported either)",
+    "llama4": "the multimodal Llama 4 checkpoint (its text model, llama4_text, is supported)",
     "qwen3_5_moe": "the multimodal Qwen3.5-MoE checkpoint (its text model, qwen3_5_moe_text, "
     "is supported)",
 }
@@ -299,7 +317,7 @@ SUPPORTED = tuple(FAMILIES)
 def unsupported(model_type: str) -> ValueError:
     why = NOT_YET.get(model_type)
     if why is not None:
-        return ValueError(f"architecture {model_type!r} is not supported yet: psr lacks its {why}")
+        return ValueError(f"architecture {model_type!r} is not supported yet: psr lacks {why}")
     return ValueError(
         f"unsupported architecture {model_type!r}; psr supports: {', '.join(SUPPORTED)} "
         "(Moonlight-16B-A3B loads as deepseek_v3)"
@@ -491,11 +509,35 @@ def gpt_oss_expert(
 
 
 def gpt_oss_matrices(
-    gate_up: torch.Tensor, down: torch.Tensor
+    gate_up: torch.Tensor, down: torch.Tensor, interleaved: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`gpt_oss_expert`'s matrices alone: gate, up `[F, H]` and down `[H, F]`."""
-    gate, up = gate_up[:, 0::2].t().contiguous(), gate_up[:, 1::2].t().contiguous()
-    return gate, up, down.t().contiguous()
+    """`gpt_oss_expert`'s matrices alone: gate, up `[F, H]` and down `[H, F]` from
+    `gate_up [H, 2F]` (columns interleaved; `interleaved=False`: Llama 4's, gate columns
+    first) and `down [F, H]`."""
+    if interleaved:
+        gate, up = gate_up[:, 0::2], gate_up[:, 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+    return gate.t().contiguous(), up.t().contiguous(), down.t().contiguous()
+
+
+def transposed_module_tensors(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    bias: torch.Tensor | None,
+    interleaved: bool,
+) -> dict[str, torch.Tensor]:
+    """gpt-oss's (`interleaved`, with `bias`) or Llama 4's experts parameters from psr's
+    matrices (`gate`, `up` `[E, F, H]`, `down` `[E, H, F]`)."""
+    if bias is not None:
+        return gpt_oss_module_tensors(gate, up, down, bias)
+    if interleaved:
+        raise ValueError("gpt-oss experts need their biases")
+    return {
+        "gate_up_proj": torch.cat([gate.mT, up.mT], dim=-1),
+        "down_proj": down.mT.contiguous(),
+    }
 
 
 def gpt_oss_module_tensors(
@@ -514,13 +556,14 @@ def gpt_oss_module_tensors(
     }
 
 
-def expert_parts(experts: nn.Module, e: int) -> list[torch.Tensor]:
+def expert_parts(experts: nn.Module, e: int, fam: Family | None = None) -> list[torch.Tensor]:
     """Expert `e`'s weights from a built experts module, in packing order: fused
-    `[gate_up, down]`, Mixtral `[w1, w3, w2]`, gpt-oss's de-interleaved `[gate, up, down]`
-    (its biases: `module_bias_table`), else `[gate, up, down]`."""
-    if hasattr(experts, "gate_up_proj_bias"):
+    `[gate_up, down]`, Mixtral `[w1, w3, w2]`, gpt-oss's de-interleaved and Llama 4's
+    `[gate, up, down]` (gpt-oss's biases: `module_bias_table`), else `[gate, up, down]`."""
+    if fam is not None and fam.expert_layout in ("gpt_oss", "llama4"):
         p = experts.get_parameter
-        return list(gpt_oss_matrices(p("gate_up_proj")[e], p("down_proj")[e]))
+        inter = fam.expert_layout == "gpt_oss"
+        return list(gpt_oss_matrices(p("gate_up_proj")[e], p("down_proj")[e], inter))
     if hasattr(experts, "gate_up_proj"):
         return [experts.gate_up_proj[e], experts.down_proj[e]]
     ex = experts[e]

@@ -21,10 +21,10 @@ from psr.models.families import (
     Family,
     correction_bias,
     family_of,
-    gpt_oss_module_tensors,
     moe_block,
     router_bias,
     router_weight,
+    transposed_module_tensors,
 )
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.layer import MoELayer, Wiring
@@ -82,6 +82,7 @@ class _Swap:
     experts: nn.Module  # the model's experts module, its packed parameters on the meta device
     device: torch.device  # where its parameters go back to
     hook: RemovableHandle  # the residual-capturing pre-hook on post_attention_layernorm
+    own_forward: bool = False  # psr set the block's forward (Family.own_forward)
 
 
 @dataclass
@@ -165,14 +166,32 @@ def install(
         offloaded.register_state_dict_post_hook(_experts_state_hook(store, L, spec, experts))
         setattr(block, fam.router, router)
         block.experts = offloaded
+        if fam.own_forward:
+            block.forward = functools.partial(_scaled_block_forward, weakref.ref(block))
         hook = layer.post_attention_layernorm.register_forward_pre_hook(
             lambda mod, args, L=L: runtime.capture_residual(L, args[0])
         )
-        swaps.append(_Swap(L.decoder_index, L.router, experts, device, hook))
+        swaps.append(_Swap(L.decoder_index, L.router, experts, device, hook, fam.own_forward))
     forward = _wrap_forward(model, runtime)
     model.psr_runtime = runtime
     model.psr_installation = Installation(swaps, forward)
     return runtime
+
+
+def _scaled_block_forward(
+    ref: weakref.ReferenceType[nn.Module], hidden_states: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's MoE block with psr's router and experts (Family.own_forward): the shared
+    expert plus the routed experts, each on its input scaled by the router's weight (the
+    experts kind computes that), returning `(out, router logits)` as the block does."""
+    block = ref()
+    if block is None:
+        raise RuntimeError("psr: the MoE block behind this forward was freed")
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    logits, w, ids = block.router(x)
+    out = block.shared_expert(x)
+    out.add_(block.experts(x, ids, w).to(out.dtype))
+    return out, logits
 
 
 def uninstall(model: nn.Module) -> None:
@@ -218,6 +237,8 @@ def uninstall(model: nn.Module) -> None:
             mlp = block_of(model, sw.decoder_index)
             setattr(mlp, fam.router, sw.router)
             mlp.experts = sw.experts
+            if sw.own_forward:
+                del mlp.forward  # the class's forward again
             sw.hook.remove()
         del model.forward  # the class's forward again
         del model.psr_runtime, model.psr_installation
@@ -231,7 +252,8 @@ def packed_names(experts: nn.Module, num_experts: int) -> list[str]:
     """Parameters of an experts module that psr packs into the store, in packing order:
     fused `gate_up_proj [E, 2F, H]`, `down_proj [E, H, F]`, or per expert Mixtral's
     `{e}.w1/w3/w2.weight`, others' `{e}.gate_proj/up_proj/down_proj.weight` (families.py's
-    `expert_parts` reads them in the same order); gpt-oss's four (with its biases)."""
+    `expert_parts` reads them in the same order); gpt-oss's four (with its biases), Llama
+    4's two (transposed)."""
     if hasattr(experts, "gate_up_proj_bias"):
         return ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]
     if hasattr(experts, "gate_up_proj"):
@@ -259,10 +281,12 @@ def expert_tensors(
     H, F = spec.hidden_size, spec.ffn_size
     gate, up, down = pk.unpack_expert(host, H, F)  # [E, F, H], [E, F, H], [E, H, F]
     names = packed_names(experts, spec.num_experts)
-    if "gate_up_proj_bias" in names:
-        if bias_table is None:
+    layout = family_of(spec.family).expert_layout
+    if layout in ("gpt_oss", "llama4"):  # transposed layouts: rebuilt (a copy)
+        if layout == "gpt_oss" and bias_table is None:
             raise RuntimeError(f"{spec.family}: its experts' biases are missing")
-        return gpt_oss_module_tensors(gate, up, down, bias_table.to(host.device))
+        bias = None if bias_table is None else bias_table.to(host.device)
+        return transposed_module_tensors(gate, up, down, bias, layout == "gpt_oss")
     if names[0] == "gate_up_proj":
         # A row packs gate, up, down back to back (docs/design.md), so gate_up [2F, H] is
         # the row's first 2FH elements: gate rows first, as the fused layout has them.

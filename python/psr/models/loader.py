@@ -27,6 +27,7 @@ import psr_kernels as pk
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.models.families import (
     SUPPORTED,
+    Family,
     check_config,
     disk_names,
     expert_parts,
@@ -153,9 +154,9 @@ def _fill_store(
                 bar.update()
 
 
-def _module_reader(experts: nn.Module) -> ExpertReader:
+def _module_reader(experts: nn.Module, fam: Family) -> ExpertReader:
     """A built experts module's weights, expert by expert, as contiguous CPU tensors."""
-    return lambda e: [t.detach().to("cpu").contiguous() for t in expert_parts(experts, e)]
+    return lambda e: [t.detach().to("cpu").contiguous() for t in expert_parts(experts, e, fam)]
 
 
 @torch.no_grad()
@@ -198,15 +199,15 @@ def offload(
     vocab.graphs_choice(graphs)
     fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
-    first = expert_parts(block_of(hf_model, moe_idx[0]).get_submodule("experts"), 0)
+    fam = model_family(hf_model)
+    first = expert_parts(block_of(hf_model, moe_idx[0]).get_submodule("experts"), 0, fam)
     dtype = first[0].dtype
     if not dtype.is_floating_point:
         raise TypeError(f"expert weights must be floating point, got {dtype}")
-    fam = model_family(hf_model)
     device = router_weight(getattr(block_of(hf_model, moe_idx[0]), fam.router), fam).device
     store = make_store(spec, C, len(moe_idx), dtype, device, copy_retries, fmt)
     modules = [block_of(hf_model, d).get_submodule("experts") for d in moe_idx]
-    readers = [_module_reader(m) for m in modules]
+    readers = [_module_reader(m, fam) for m in modules]
     _fill_store(store, spec, readers, fmt, progress, shown_format=fmt)
     biases = _on(device, [module_bias_table(m) for m in modules]) if spec.expert_bias else None
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode, biases)
@@ -238,19 +239,15 @@ def _on(device: torch.device, tables: list[torch.Tensor | None]) -> list[torch.T
     return out
 
 
-def _gpt_oss_names(d: int) -> dict[str, str]:
-    p = f"model.layers.{d}.mlp.experts"
-    return {
-        n: f"{p}.{n}" for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-    }
-
-
-def _check_gpt_oss(ckpt: Checkpoint, spec: MoESpec, d: int) -> dict[str, str]:
-    """gpt-oss's expert tensors of decoder layer `d`, checked (names and shapes)."""
+def _check_transposed(ckpt: Checkpoint, spec: MoESpec, d: int) -> dict[str, str]:
+    """The expert tensors of decoder layer `d` in gpt-oss's or Llama 4's layout
+    (`gate_up_proj [E, H, 2F]`, `down_proj [E, F, H]`, gpt-oss's biases), checked."""
     E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
-    want = {"gate_up_proj": [E, H, 2 * F], "gate_up_proj_bias": [E, 2 * F]}
-    want |= {"down_proj": [E, F, H], "down_proj_bias": [E, H]}
-    names = _gpt_oss_names(d)
+    want = {"gate_up_proj": [E, H, 2 * F], "down_proj": [E, F, H]}
+    if spec.expert_bias:
+        want |= {"gate_up_proj_bias": [E, 2 * F], "down_proj_bias": [E, H]}
+    p = f"model.layers.{d}.{family_of(spec.family).block}.experts"
+    names = {n: f"{p}.{n}" for n in want}
     for key, name in names.items():
         if name not in ckpt:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {ckpt.path}")
@@ -262,12 +259,13 @@ def _check_gpt_oss(ckpt: Checkpoint, spec: MoESpec, d: int) -> dict[str, str]:
     return names
 
 
-def _gpt_oss_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
-    n = _check_gpt_oss(ckpt, spec, d)
+def _transposed_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
+    n = _check_transposed(ckpt, spec, d)
+    interleaved = family_of(spec.family).expert_layout == "gpt_oss"
 
     def read(e: int) -> list[torch.Tensor]:
         gu, dn = ckpt.get_row(n["gate_up_proj"], e), ckpt.get_row(n["down_proj"], e)
-        return list(gpt_oss_matrices(gu, dn))
+        return list(gpt_oss_matrices(gu, dn, interleaved))
 
     return read
 
@@ -279,7 +277,7 @@ def _bias_tables(
     (2F + H values an expert), kept on the device, never copied."""
     out = []
     for d in moe_idx:
-        n = _check_gpt_oss(ckpt, spec, d)
+        n = _check_transposed(ckpt, spec, d)
         gub, db = ckpt.get(n["gate_up_proj_bias"]), ckpt.get(n["down_proj_bias"])
         out.append(torch.cat([gub[:, 0::2], gub[:, 1::2], db], dim=1).float())
     return _on(device, list(out))
@@ -287,8 +285,8 @@ def _bias_tables(
 
 def _expert_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
     """Checks decoder layer `d`'s expert tensors; returns expert id -> its matrices."""
-    if family_of(spec.family).expert_layout == "gpt_oss":
-        return _gpt_oss_reader(ckpt, spec, d)
+    if family_of(spec.family).expert_layout in ("gpt_oss", "llama4"):
+        return _transposed_reader(ckpt, spec, d)
     E, H, Fd = spec.num_experts, spec.hidden_size, spec.ffn_size
     fused = fused_expert_names(spec.family, d)
     gu_name, dn_name = next(((g, n) for g, n in fused if g in ckpt and n in ckpt), fused[-1])

@@ -50,7 +50,21 @@ class ExpertCompute:
             checked=checked,
             act=c.act,
             bias=bias,
+            scale_input=c.input_scaled,
         )
+
+    def weighted_row(
+        self,
+        row: torch.Tensor,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One expert's contribution to tokens `x [N, H]` with their gate weights `w [N]`:
+        w * expert(x), or expert(w x) where the kind scales the input (Llama 4)."""
+        if self.spec.input_scaled:
+            return self.row(row, x * w[:, None].to(x.dtype), bias)
+        return self.row(row, x, bias) * w[:, None]
 
     def row(
         self, row: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -87,7 +101,7 @@ class ExpertCompute:
             for e in torch.unique(ids).tolist():
                 tok, pos = torch.where(ids == e)
                 b = None if bias_table is None else bias_table[e]
-                y = self.row(host[e].to(x.device), x[tok], b) * w[tok, pos, None]
+                y = self.weighted_row(host[e].to(x.device), x[tok], w[tok, pos], b)
                 out.index_add_(0, tok, y.to(out.dtype))
             return out
         used = torch.unique(ids)

@@ -24,8 +24,9 @@ from psr.runtime.step import Routed, Step, non_finite
 from psr.store import ExpertStore
 from psr_kernels import NonFiniteError
 
-# One expert's FFN over some tokens: (its row, the tokens' x, its expert id) -> y.
-RowFFN = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# One expert's weighted FFN over some tokens: (its row, the tokens' x, its expert id, their
+# gate weights) -> its contribution to y.
+RowFFN = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -83,8 +84,8 @@ def plan_prefill(
 def row_ffn(rt: StepContext, layer: MoELayer) -> RowFFN:
     """`layer`'s experts one at a time from their rows, with their biases where they have
     them (prefill and scored windows)."""
-    table = layer.expert_bias
-    return lambda row, x, e: rt.compute.row(row, x, None if table is None else table[e])
+    table, compute = layer.expert_bias, rt.compute
+    return lambda row, x, e, w: compute.weighted_row(row, x, w, None if table is None else table[e])
 
 
 def run_prefill(
@@ -106,10 +107,10 @@ def run_prefill(
             store.enqueue_copies(layer, [slot], [e])
         tok, pos = torch.where(ids == e)
         if host is not None:
-            y = ffn(host[e].to(x.device), x[tok], e) * weights[tok, pos, None]
+            y = ffn(host[e].to(x.device), x[tok], e, weights[tok, pos])
         else:
             with store.reading(layer, [slot], [e]) as slab:
-                y = ffn(slab[slot], x[tok], e) * weights[tok, pos, None]
+                y = ffn(slab[slot], x[tok], e, weights[tok, pos])
         out.index_add_(0, tok, y.to(out.dtype))
     if plan.seed and physical:
         store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])

@@ -44,6 +44,8 @@ class MoESpec:
     act_limit: float = math.inf
     expert_bias: bool = False
     router_bias: bool = False
+    # The gate weight scales each expert's input, not its output (Llama 4).
+    input_scaled: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k", "hidden_size", "ffn_size"):
