@@ -160,3 +160,30 @@ def test_schedule_needs_a_decode_forward_after_the_first(tiny) -> None:
         probe.schedule()
     with pytest.raises(ValueError, match=">= 3"):
         measure_schedule(model, PROMPT, new_tokens=2)
+
+
+# One family per router kind and expert kind the family table added (the old five's
+# schedule is pinned above): each keeps the device step free of host reads.
+NEW_KINDS = {
+    "deepseek_v2": "softmax_group_max",
+    "ernie4_5_moe": "softmax_bias",
+    "phimoe": "sparsemixer",
+    "llama4_text": "topk_sigmoid + scaled_input",
+    "gpt_oss": "router bias + gpt_oss experts",
+}
+
+
+@pytest.mark.parametrize("family", sorted(NEW_KINDS))
+def test_new_router_and_expert_kinds_stay_sync_free(tmp_path, family) -> None:
+    path = write_checkpoint(tiny_model(family), tmp_path / family)
+    model = psr.load(path, "psr", 0.5, lam=0.5, n=2, compute="triton", progress=False)
+    with HostProbe(model) as probe:
+        model.generate(PROMPT, max_new_tokens=3)
+    assert set(probe.modes) == {"device"}
+    s = probe.schedule()
+    for ops in (s.moe_layer, s.last_moe_layer):
+        assert not any(o.kind in ("sync", "h2d", "copy", "wait", "release") for o in ops)
+        launched = [o.what for o in ops if o.kind == "launch"]
+        assert "_decode_kernel" in launched and "_gate_up_kernel" in launched
+    pt = probe.per_token(first=1)
+    assert pt["reads"] == 0 and pt["h2d"] == 0 and pt["token_reads"] == 1
