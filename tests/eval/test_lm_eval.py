@@ -209,3 +209,26 @@ def test_psr_policy_scores_continuations_as_decode_steps(setup, monkeypatch) -> 
         [Instance("loglikelihood", {}, ("now is the winter of our ", "discontent"), 0)]
     )
     assert lm.model.stats["tokens"] == len(cont) - 1 > 0
+
+
+# Families with their own block, router or expert kind: lm_eval's `--model psr` equals its
+# `--model hf` on the same checkpoint (the adapter is family-agnostic; this checks it is).
+ROUTER_KIND_FAMILIES = ["gpt_oss", "llama4_text", "phimoe"]  # own blocks and expert kinds
+
+
+@pytest.mark.parametrize("family", ROUTER_KIND_FAMILIES)
+def test_psr_matches_lm_eval_hf_per_router_kind(setup, tmp_path, monkeypatch, family) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, tm = setup
+    ckpt = write_checkpoint(tiny_model(family), tmp_path / family)
+    write_bpe_tokenizer(ckpt)
+    task = ["psr_t_newline"]
+    hf = _evaluate("hf", f"pretrained={ckpt},dtype=float32", tm, task)
+    ps = _evaluate("psr", f"pretrained={ckpt},policy=exact,residency=0.5,dtype=float32", tm, task)
+    a = sorted(hf["samples"][task[0]], key=lambda s: s["doc_id"])
+    b = sorted(ps["samples"][task[0]], key=lambda s: s["doc_id"])
+    x = [v for s in a for v in _numbers(s["resps"])]
+    y = [v for s in b for v in _numbers(s["resps"])]
+    assert len(x) == len(y) > 0
+    assert max(abs(u - v) for u, v in zip(x, y, strict=True)) < 1e-4

@@ -212,3 +212,38 @@ def test_psr_kernels_imports_without_psr() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "torch.Size([1, 2])" in out.stdout
+
+
+def test_vllm_hook_per_router_kind() -> None:
+    """For every family's router, the hook either reproduces it on vLLM's gating output
+    (the router logits, gpt-oss's bias included) or refuses to be built. ERNIE's
+    softmax + correction bias is the one kind the hook cannot express (vLLM passes no
+    bias to a custom routing function): psr documents it as unsupported there."""
+    from tiny_models import FAMILIES, NEW_FAMILIES, tiny_config
+
+    from psr.models.families import FAMILIES as TABLE
+    from psr.models.families import moe_spec
+
+    built = set()
+    for family in FAMILIES + NEW_FAMILIES:
+        spec = moe_spec(tiny_config(family))
+        kind = TABLE[family].router_kind
+        kw = dict(scoring=spec.scoring, scaling=spec.scaling)
+        kw |= dict(n_group=spec.n_group, topk_group=spec.topk_group)
+        if kind in ("softmax_topk", "topk_softmax"):
+            fn = pk.make_vllm_routing_function(lam=0.0, **kw)
+            logits = torch.randn(5, spec.num_experts, generator=torch.Generator().manual_seed(7))
+            w, ids = fn(
+                hidden_states=None, gating_output=logits, topk=spec.top_k,
+                renormalize=spec.renormalize,
+            )  # fmt: skip
+            w_ref, ids_ref = pk.route_ref(logits, spec.route_spec(0.0))
+            assert torch.equal(ids.long(), ids_ref), family
+            torch.testing.assert_close(w, w_ref)
+            built.add(kind)
+        elif kind == "softmax_bias":
+            continue
+        else:
+            with pytest.raises(ValueError, match="vLLM|grouped|supported"):
+                pk.make_vllm_routing_function(**kw)
+    assert built == {"softmax_topk", "topk_softmax"}
