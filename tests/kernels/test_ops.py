@@ -244,6 +244,6 @@ def test_vllm_hook_per_router_kind() -> None:
         elif kind == "softmax_bias":
             continue
         else:
-            with pytest.raises(ValueError, match="vLLM|grouped|supported"):
+            with pytest.raises(ValueError, match=r"vLLM|grouped|supported"):
                 pk.make_vllm_routing_function(**kw)
     assert built == {"softmax_topk", "topk_softmax"}
