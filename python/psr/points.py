@@ -24,6 +24,7 @@ from typing import Any
 from psr.policy import Policy, make_policy
 
 OPERATING_POINTS_FILE = "operating_points.json"
+FAMILIES = ("cache-prior", "psr")  # the policies with tuned operating points
 # `model.policy_source` besides "tuned (<file>)" (tuned_source).
 UNTUNED = "untuned default"  # a biased policy at psr.policy's DEFAULT_LAM: nothing measured
 GIVEN = "given"  # lam / n or a Policy passed, or a policy without bias (exact routing)
@@ -104,11 +105,13 @@ def operating_points(model_dir: str | Path, residency: float) -> dict[str, Polic
 def operating_points_with_source(
     model_dir: str | Path, residency: float
 ) -> tuple[dict[str, Policy], str]:
-    """(points, where they came from): the user's tuned file, the shipped file, or
-    'defaults' (psr.policy's DEFAULT_LAM / DEFAULT_N, also for a family the file lacks)."""
-    points, source, _ = _find_points(model_dir, residency)
-    defaults = {"cache-prior": make_policy("cache-prior"), "psr": make_policy("psr")}
-    return defaults | points, source
+    """(points, where they came from): per family the user's tuned file, else the shipped
+    file, else 'defaults' (psr.policy's DEFAULT_LAM / DEFAULT_N); the sources joined by
+    ' + ' when the families' differ."""
+    found = _find_points(model_dir, residency)
+    points = {fam: found[fam][0] if fam in found else make_policy(fam) for fam in FAMILIES}
+    sources = dict.fromkeys(found[fam][1] if fam in found else "defaults" for fam in FAMILIES)
+    return points, " + ".join(sources)
 
 
 def _check_owner(f: Path, raw: dict[str, Any], model_dir: str | Path) -> None:
@@ -129,9 +132,11 @@ def _check_owner(f: Path, raw: dict[str, Any], model_dir: str | Path) -> None:
 
 def _find_points(
     model_dir: str | Path, residency: float
-) -> tuple[dict[str, Policy], str, float | None]:
-    """`operating_points_with_source` plus the quality budget the points were tuned for
-    (None: the defaults, or a file that does not record one); each file is read once."""
+) -> dict[str, tuple[Policy, str, float | None]]:
+    """Per family tuned at this residency: (its point, the file it came from, the quality
+    budget that file was tuned for, None if it records none). The user's file first, then
+    the shipped one; each file is read once."""
+    found: dict[str, tuple[Policy, str, float | None]] = {}
     for f in (user_points_file(model_dir), Path(model_dir) / OPERATING_POINTS_FILE):
         if f.is_file():
             try:
@@ -140,10 +145,11 @@ def _find_points(
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"corrupt operating points file {f}: {e}") from None
             _check_owner(f, raw, model_dir)
-            if pts is not None:
-                budget = raw.get("budget_nats")
-                return pts, str(f), float(budget) if isinstance(budget, (int, float)) else None
-    return {}, "defaults", None
+            budget = raw.get("budget_nats")
+            tuned = float(budget) if isinstance(budget, (int, float)) else None
+            for fam, pol in (pts or {}).items():
+                found.setdefault(fam, (pol, str(f), tuned))
+    return found
 
 
 def tune_command(model_dir: str | Path, residency: float | None = None) -> str:
@@ -217,9 +223,9 @@ def resolve_policy(
         and model_dir is not None
         and residency is not None
     ):
-        points, source, tuned = _find_points(model_dir, residency)
-        if name not in points:
-            source, tuned = "defaults", None
+        point, source, tuned = _find_points(model_dir, residency).get(
+            name, (None, "defaults", None)
+        )
         if quality_budget is not None:
             if tuned is None:
                 raise ValueError(
@@ -233,8 +239,8 @@ def resolve_policy(
                     f"nats/token, above the {quality_budget:g} asked for; run: "
                     f"{tune_command(model_dir, residency)} --budget {quality_budget:g}"
                 )
-        if source != "defaults":
-            return points[name], tuned_source(source)
+        if point is not None:
+            return point, tuned_source(source)
     pol = make_policy(name, lam, n)
     if isinstance(name, Policy) or lam is not None or pol.lam == 0:
         return pol, GIVEN

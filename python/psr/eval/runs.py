@@ -307,12 +307,10 @@ def sweep(
     return extra
 
 
-def load_selection(
-    file: str | Path, path: str, residencies: Sequence[float], set_a: str
-) -> dict[str, Any]:
+def load_selection(file: str | Path, path: str, residencies: Sequence[float]) -> dict[str, Any]:
     """An earlier `psr sweep`/`psr tune` selection (`sweep.json`) checked for reuse: measured
-    on set A (described as `set_a`: the same text, split the same way) of the same model, at
-    every residency in `residencies`."""
+    on a set A of the same model, at every residency in `residencies` (check_selection_set:
+    on the same set A)."""
     try:
         sel = json.loads(Path(file).read_text())
         results, data = sel["results"], sel["data"]
@@ -321,12 +319,19 @@ def load_selection(
         raise ValueError(f"--select-from {file}: not a readable sweep.json ({e})") from None
     if Path(sel.get("model", "")).resolve() != Path(path).resolve():
         raise ValueError(f"--select-from {file}: measured on {sel.get('model')}, not {path}")
-    if not str(data).startswith(f"{set_a}:"):
-        raise ValueError(f"--select-from {file}: not measured on {set_a} ({data})")
+    if "set A" not in str(data):
+        raise ValueError(f"--select-from {file}: not measured on a set A ({data})")
     missing = [f"{rho:g}" for rho in residencies if rho not in have]
     if missing:
         raise ValueError(f"--select-from {file}: no results at residency {', '.join(missing)}")
     return sel
+
+
+def check_selection_set(sel: dict[str, Any], file: str | Path, set_a: str) -> None:
+    """A reused selection was measured on set A as described by `set_a` (the same text, split
+    the same way), not on another text."""
+    if not str(sel["data"]).startswith(f"{set_a}:"):
+        raise ValueError(f"--select-from {file}: not measured on {set_a} ({sel['data']})")
 
 
 def tuning_sets(
@@ -442,9 +447,11 @@ def tune(
     (psr.points.model_key), or to `write`, for `psr.load` to use. `select_from`: the
     `sweep.json` of an earlier selection run on the same set A (resumes a tune whose
     replication was interrupted; it must cover every residency asked for)."""
+    if select_from is not None:
+        sel = load_selection(select_from, path, residencies)
     sets, windows = tuning_sets(path, text, budget, windows, window_tokens)
     if select_from is not None:
-        sel = load_selection(select_from, path, residencies, sets["A"][0])
+        check_selection_set(sel, select_from, sets["A"][0])
     else:
         sel = sweep(
             path,
