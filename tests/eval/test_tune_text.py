@@ -220,3 +220,18 @@ def test_tune_on_the_users_text_on_the_embedded_model(tmp_path, caplog) -> None:
     cp = psr.load(psr.DEFAULT_MODEL, "cache-prior", 0.5, progress=False)
     assert cp.policy_source.endswith("default_model/operating_points.json)")
     assert _untuned_warnings(caplog) == []
+
+
+def test_interval_note_says_how_many_more_tokens_narrow_set_a_below_the_budget() -> None:
+    from psr.eval.runs import interval_note
+
+    def row(policy: str, mean: float, lo: float, hi: float) -> dict:
+        return {"config": {"policy": policy}, "delta_nll": {"mean": mean, "lo": lo, "hi": hi}}
+
+    narrow = [row("psr", 0.004, 0.001, 0.008), row("cache-prior", 0.02, 0.0, 0.05)]
+    assert interval_note(narrow, 0.01, 1000) is None  # the wide one is past the budget anyway
+    wide = [*narrow, row("psr", 0.006, -0.004, 0.016), row("exact", 0.0, -1.0, 1.0)]
+    note = interval_note(wide, 0.01, 1000)
+    # width 0.02 = 2x the budget: 4x the tokens, i.e. 3,000 more per set
+    assert note is not None and "up to 0.0200 nats/token wide" in note
+    assert "about 3,000 more decode-path tokens per set" in note
