@@ -112,11 +112,13 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def tuning_args(c: argparse.ArgumentParser, rho: str) -> None:
+def tuning_args(
+    c: argparse.ArgumentParser, rho: str, model_help: str = "checkpoint folder with heldout.txt"
+) -> None:
     """The options of `psr tune` and `psr bench sweep`; `rho`: the default residencies."""
     from psr.eval.defaults import BUDGET, PROFILE, SWEEP_LAMS, SWEEP_NS, WINDOWS
 
-    c.add_argument("--model", default=None, help=f"checkpoint folder with heldout.txt {EMBEDDED}")
+    c.add_argument("--model", default=None, help=f"{model_help} {EMBEDDED}")
     c.add_argument("--residency", type=residencies, default=rho, help="comma list, each in (0, 1]")
     c.add_argument(
         "--lams",
@@ -169,7 +171,7 @@ def add_tune(sub: Any) -> None:
         "choose Cache-Prior and PSR operating points per residency: selected on held-out "
         "set A within a quality budget, replicated on set B; psr.load uses them",
     )
-    tuning_args(tu, "0.5,0.375,0.25")
+    tuning_args(tu, "0.5,0.375,0.25", "checkpoint folder (with heldout.txt unless --text)")
     tu.add_argument("--out", default="psr-results/tune", help="folder for the sweep reports")
     tu.add_argument(
         "--write",
