@@ -504,7 +504,11 @@ def tune(
         )
     for rho, fams in chosen.items():
         for fam in sorted({"cache-prior", "psr"} - set(fams)):
-            print(f"  {float(rho):.1%} {fam}: no point held within budget; none written")
+            tried = any(
+                f"{r['residency']:g}" == rho and r["policy"].startswith(fam + "(") for r in log
+            )
+            why = "none of set A's candidates held on set B" if tried else "no candidate on set A"
+            print(f"  {float(rho):.1%} {fam}: {why} within budget; no point written")
     if note:
         print(f"note: {note}")
     print(f"wrote {written} (psr.load uses it for {path})")
