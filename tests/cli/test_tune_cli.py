@@ -47,7 +47,11 @@ def test_bad_text_is_one_line_with_the_token_counts(ckpt, tmp_path, capsys) -> N
     base = ["tune", "--model", str(ckpt), "--residency", "0.5", "--quiet"]
     base += ["--out", str(tmp_path / "o"), "--text"]
     err = fails([*base, str(tmp_path / "empty.txt")], capsys)
-    assert err.endswith("empty.txt: no text (empty)")
+    assert err.endswith(
+        "empty.txt: no text (empty), 0 tokens; the 0.01 nats/token budget needs 47 windows of "
+        "160 tokens in each set (7,520 per set, 15,040 in all) for a 95% interval narrower "
+        "than the budget"
+    )
     err = fails([*base, str(tmp_path / "latin1.txt")], capsys)
     assert "latin1.txt: not UTF-8 (byte 3: b'\\xe9')" in err
     err = fails([*base, str(tmp_path / "short.txt"), "--windows", "47"], capsys)

@@ -345,12 +345,15 @@ def tuning_sets(
     model's heldout.txt), and the windows per configuration: at most `windows`, and enough
     for the budget (psr.eval.text.check_sets), else a one-line error saying how many
     tokens the text has and how many the budget needs."""
-    from psr.eval.text import check_sets, text_sets
+    from psr.eval.text import EmptyText, check_sets, needs, text_sets
 
     if text is not None:
         if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
             raise ValueError(f"--text: {path} has no tokenizer to read the text with")
-        sets, source = text_sets(text), f"--text {text}"
+        try:
+            sets, source = text_sets(text), f"--text {text}"
+        except EmptyText as e:
+            raise EmptyText(f"{e}; {needs(budget, window_tokens, PROMPT_TOKENS)}") from None
         tok = tokenizer_of(path)
     else:
         tok, sets, source = tokenizer_of(path), heldout_sets(path), f"{path}/heldout.txt"

@@ -36,6 +36,10 @@ class TextError(ValueError):
     """The tuning text is missing, unreadable, empty, not UTF-8 or too short."""
 
 
+class EmptyText(TextError):
+    """The tuning text holds no text (check_sets' caller adds what the budget needs)."""
+
+
 def _decode(f: Path, data: bytes) -> str:
     try:
         return data.decode("utf-8-sig")  # a leading byte-order mark is UTF-8 too
@@ -84,7 +88,7 @@ def read_documents(path: str | Path) -> list[tuple[str, str]]:
         docs += _jsonl(f, text) if f.suffix == ".jsonl" else [(f.name, text)]
     docs = [(name, t) for name, t in docs if t.strip()]
     if not docs:
-        raise TextError(f"--text {path}: no text (empty)")
+        raise EmptyText(f"--text {path}: no text (empty), 0 tokens")
     return docs
 
 
@@ -142,6 +146,17 @@ def windows_needed(budget: float, scored_per_window: int) -> int:
     return max(MIN_WINDOWS, math.ceil(tokens_needed(budget) / scored_per_window))
 
 
+def needs(budget: float, window_tokens: int, prompt_tokens: int) -> str:
+    """What a budget needs of each set, in words."""
+    need = windows_needed(budget, window_tokens - prompt_tokens)
+    per_set = need * window_tokens
+    return (
+        f"the {budget:g} nats/token budget needs {need} windows of {window_tokens} tokens in "
+        f"each set ({per_set:,} per set, {2 * per_set:,} in all) for a 95% interval narrower "
+        "than the budget"
+    )
+
+
 def check_sets(
     tokenizer: Any,
     sets: dict[str, tuple[str, str]],
@@ -154,6 +169,7 @@ def check_sets(
     """The windows each set holds for the budget (at most `windows`); a TextError that says
     how many tokens the text has and how many the budget needs when it is too short."""
     need = windows_needed(budget, window_tokens - prompt_tokens)
+    per_set = need * window_tokens
     if windows < need:
         raise TextError(
             f"--windows {windows}: the {budget:g} nats/token budget needs {need} windows per "
@@ -161,14 +177,11 @@ def check_sets(
             "larger --budget"
         )
     have = {s: len(tokenizer(t)["input_ids"]) for s, (_, t) in sets.items()}
-    per_set = need * window_tokens
     short = sum(max(0, per_set - h) for h in have.values())
     if short:
         raise TextError(
             f"{source}: {sum(have.values()):,} tokens (set A {have['A']:,}, set B "
-            f"{have['B']:,}); the {budget:g} nats/token budget needs {need} windows of "
-            f"{window_tokens} tokens in each set ({per_set:,} per set, {2 * per_set:,} in all) "
-            f"for a 95% interval narrower than the budget: about {short:,} more tokens, or a "
-            "larger --budget"
+            f"{have['B']:,}); {needs(budget, window_tokens, prompt_tokens)}: about "
+            f"{short:,} more tokens, or a larger --budget"
         )
     return min(windows, *(h // window_tokens for h in have.values()))
