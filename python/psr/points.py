@@ -1,24 +1,35 @@
 """A model's operating points: the tuned Cache-Prior and PSR policy of one model at one
 residency (`psr tune`), read from and written to files.
 
-Lookup order: the user's tuned file (written by `psr tune`), then the file shipped beside
-the model (`operating_points.json`), then psr.policy's defaults. Shipped files are never
-written by psr. Kept apart from psr.policy so that module stays pure bookkeeping; this one
-is in the same layer (no torch, no store), but reads, hashes and writes files.
+Lookup order: the user's tuned file (written by `psr tune`, named by the checkpoint's
+`model_key`), then the file shipped beside the model (`operating_points.json`), then
+psr.policy's defaults (the untuned default, which `psr.load` warns about). A file psr
+wrote records its checkpoint's key, and a file tuned for another checkpoint is refused,
+never applied. Shipped files are never written by psr. Kept apart from psr.policy so that
+module stays pure bookkeeping; this one is in the same layer (no torch, no store), but
+reads, hashes and writes files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
 from psr.policy import Policy, make_policy
 
 OPERATING_POINTS_FILE = "operating_points.json"
+FAMILIES = ("cache-prior", "psr")  # the policies with tuned operating points
+# `model.policy_source` besides "tuned (<file>)" (tuned_source).
+UNTUNED = "untuned default"  # a biased policy at psr.policy's DEFAULT_LAM: nothing measured
+GIVEN = "given"  # lam / n or a Policy passed, or a policy without bias (exact routing)
+
+log = logging.getLogger("psr")
 
 
 def _points_home() -> Path:
@@ -31,16 +42,41 @@ def _points_home() -> Path:
     return Path(platformdirs.user_data_dir("psr")) / "operating_points"
 
 
+def _canonical_json(f: Path) -> bytes:
+    """A JSON file's content independent of its formatting (its raw bytes if not JSON)."""
+    raw = f.read_bytes()
+    try:
+        return json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
+    except ValueError:
+        return raw
+
+
+def _safetensors_header(f: Path) -> bytes:
+    """A safetensors file's JSON header (names, dtypes, shapes, offsets): its first 8 + N
+    bytes; the tensors' bytes are never read."""
+    size = f.stat().st_size
+    with f.open("rb") as fh:
+        head = fh.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= size - 8:
+            raise ValueError(f"{f} is not a safetensors file (header of {n} bytes in {size})")
+        return fh.read(n)
+
+
 def model_key(model_dir: str | Path) -> str:
-    """A model's identity for tuned files: folder name + hash of its config and weight
-    file sizes (cheap; a retrained model gets a new key)."""
+    """A checkpoint's identity for its tuned points: a hash of its config.json, its weights
+    index and every safetensors file's header (names, dtypes, shapes, offsets), so it is
+    cheap (the tensors' bytes are never read) and the same wherever the folder lies. Two
+    checkpoints with the same config and tensor layout (a fine-tune saved unchanged) share
+    a key."""
     d = Path(model_dir)
-    h = hashlib.sha256()
-    cfg = d / "config.json"
-    h.update(cfg.read_bytes() if cfg.is_file() else b"")
+    h = hashlib.sha256(b"psr model key v2\0")
+    for name in ("config.json", "model.safetensors.index.json"):
+        f = d / name
+        h.update(f"{name}:".encode() + (_canonical_json(f) if f.is_file() else b"") + b"\0")
     for f in sorted(d.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size}".encode())
-    return f"{d.resolve().name}-{h.hexdigest()[:12]}"
+        h.update(f"{f.name}:".encode() + _safetensors_header(f) + b"\0")
+    return h.hexdigest()[:16]
 
 
 def user_points_file(model_dir: str | Path) -> Path:
@@ -49,13 +85,15 @@ def user_points_file(model_dir: str | Path) -> Path:
 
 
 def _parse_points(raw: dict[str, Any], residency: float) -> dict[str, Policy] | None:
-    at = raw.get("points", {}).get(f"{residency:g}")
-    if at is None:
-        return None
-    return {
-        "cache-prior": make_policy("cache-prior", at["cache-prior"]["lam"]),
-        "psr": make_policy("psr", at["psr"]["lam"], int(at["psr"]["n"])),
-    }
+    """The families tuned at this residency (`psr tune` leaves out a family none of whose
+    candidates held within budget); None when there are none."""
+    at = raw.get("points", {}).get(f"{residency:g}") or {}
+    out = {}
+    if "cache-prior" in at:
+        out["cache-prior"] = make_policy("cache-prior", at["cache-prior"]["lam"])
+    if "psr" in at:
+        out["psr"] = make_policy("psr", at["psr"]["lam"], int(at["psr"]["n"]))
+    return out or None
 
 
 def operating_points(model_dir: str | Path, residency: float) -> dict[str, Policy]:
@@ -67,17 +105,38 @@ def operating_points(model_dir: str | Path, residency: float) -> dict[str, Polic
 def operating_points_with_source(
     model_dir: str | Path, residency: float
 ) -> tuple[dict[str, Policy], str]:
-    """(points, where they came from): the user's tuned file, the shipped file, or
-    'defaults' (psr.policy's DEFAULT_LAM / DEFAULT_N)."""
-    points, source, _ = _find_points(model_dir, residency)
-    return points, source
+    """(points, where they came from): per family the user's tuned file, else the shipped
+    file, else 'defaults' (psr.policy's DEFAULT_LAM / DEFAULT_N); the sources joined by
+    ' + ' when the families' differ."""
+    found = _find_points(model_dir, residency)
+    points = {fam: found[fam][0] if fam in found else make_policy(fam) for fam in FAMILIES}
+    sources = dict.fromkeys(found[fam][1] if fam in found else "defaults" for fam in FAMILIES)
+    return points, " + ".join(sources)
+
+
+def _check_owner(f: Path, raw: dict[str, Any], model_dir: str | Path) -> None:
+    """A points file psr wrote names its checkpoint (`model_key`): one written for another
+    checkpoint is never applied. A file without a key (written by hand) is the folder's own."""
+    key = raw.get("model_key")
+    if key is None:
+        return
+    mine = model_key(model_dir)
+    if key != mine:
+        raise ValueError(
+            f"the operating points in {f} were tuned for another checkpoint, "
+            f"{raw.get('model', '?')} (model key {key}), not {model_dir} (model key {mine}); "
+            f"they are never applied to another model: remove the file or run: "
+            f"{tune_command(model_dir)}"
+        )
 
 
 def _find_points(
     model_dir: str | Path, residency: float
-) -> tuple[dict[str, Policy], str, float | None]:
-    """`operating_points_with_source` plus the quality budget the points were tuned for
-    (None: the defaults, or a file that does not record one); each file is read once."""
+) -> dict[str, tuple[Policy, str, float | None]]:
+    """Per family tuned at this residency: (its point, the file it came from, the quality
+    budget that file was tuned for, None if it records none). The user's file first, then
+    the shipped one; each file is read once."""
+    found: dict[str, tuple[Policy, str, float | None]] = {}
     for f in (user_points_file(model_dir), Path(model_dir) / OPERATING_POINTS_FILE):
         if f.is_file():
             try:
@@ -85,11 +144,57 @@ def _find_points(
                 pts = _parse_points(raw, residency)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"corrupt operating points file {f}: {e}") from None
-            if pts is not None:
-                budget = raw.get("budget_nats")
-                return pts, str(f), float(budget) if isinstance(budget, (int, float)) else None
-    defaults = {"cache-prior": make_policy("cache-prior"), "psr": make_policy("psr")}
-    return defaults, "defaults", None
+            _check_owner(f, raw, model_dir)
+            budget = raw.get("budget_nats")
+            tuned = float(budget) if isinstance(budget, (int, float)) else None
+            for fam, pol in (pts or {}).items():
+                found.setdefault(fam, (pol, str(f), tuned))
+    return found
+
+
+def tune_command(model_dir: str | Path, residency: float | None = None) -> str:
+    """The `psr tune` command that measures a model's operating point: on its heldout.txt
+    when it ships one, else on the user's text (`--text`)."""
+    cmd = f"psr tune --model {shlex.quote(str(model_dir))}"
+    if not (Path(model_dir) / "heldout.txt").is_file():
+        cmd += " --text YOUR_TEXT"
+    return cmd + (f" --residency {residency:g}" if residency is not None else "")
+
+
+def tuned_source(file: str | Path) -> str:
+    """`model.policy_source` of an operating point read from `file`."""
+    return f"tuned ({file})"
+
+
+def _warn_untuned(policy: Policy, model_dir: str | Path, residency: float) -> None:
+    log.warning(
+        "psr: %s is the untuned default: its quality cost was not measured for %s at "
+        "residency %g; measure it and tune the point with: %s",
+        policy.describe(),
+        model_dir,
+        residency,
+        tune_command(model_dir, residency),
+    )
+
+
+def _check_budget(
+    name: str | Policy,
+    lam: float | None,
+    n: int | None,
+    model_dir: str | Path | None,
+    residency: float | None,
+    quality_budget: float,
+) -> None:
+    if isinstance(quality_budget, bool) or not isinstance(quality_budget, (int, float)):
+        raise ValueError(f"quality_budget must be a number, got {quality_budget!r}")
+    if not (math.isfinite(quality_budget) and quality_budget >= 0):
+        raise ValueError(f"quality_budget must be finite and >= 0, got {quality_budget!r}")
+    if not isinstance(name, str) or name not in ("cache-prior", "psr"):
+        raise ValueError(f"quality_budget applies to 'cache-prior' or 'psr', not {name!r}")
+    if (lam, n) != (None, None):
+        raise ValueError("quality_budget chooses lam and n: pass neither")
+    if model_dir is None or residency is None:
+        raise ValueError("quality_budget needs the model folder and residency to look up")
 
 
 def resolve_policy(
@@ -101,22 +206,15 @@ def resolve_policy(
     residency: float | None = None,
     quality_budget: float | None = None,
 ) -> tuple[Policy, str]:
-    """The policy `psr.load` runs, and its source: `cache-prior` / `psr` without lam and
-    n take the model's operating point at this residency when one exists (tuned or
-    shipped); anything else is `make_policy`. With `quality_budget` (nats/token) the
-    operating point is required, and must have been tuned for that budget or a tighter
-    one."""
+    """The policy `psr.load` runs, and its source (`model.policy_source`):
+    `cache-prior` / `psr` without lam and n take the model's operating point at this
+    residency when one exists (tuned or shipped): "tuned (<file>)". A biased policy whose
+    lam is psr.policy's DEFAULT_LAM is the "untuned default", and with a model folder a
+    one-line warning (logger "psr") names the `psr tune` command that measures it; anything
+    else is "given". With `quality_budget` (nats/token) the operating point is required,
+    and must have been tuned for that budget or a tighter one."""
     if quality_budget is not None:
-        if isinstance(quality_budget, bool) or not isinstance(quality_budget, (int, float)):
-            raise ValueError(f"quality_budget must be a number, got {quality_budget!r}")
-        if not (math.isfinite(quality_budget) and quality_budget >= 0):
-            raise ValueError(f"quality_budget must be finite and >= 0, got {quality_budget!r}")
-        if not isinstance(name, str) or name not in ("cache-prior", "psr"):
-            raise ValueError(f"quality_budget applies to 'cache-prior' or 'psr', not {name!r}")
-        if (lam, n) != (None, None):
-            raise ValueError("quality_budget chooses lam and n: pass neither")
-        if model_dir is None or residency is None:
-            raise ValueError("quality_budget needs the model folder and residency to look up")
+        _check_budget(name, lam, n, model_dir, residency, quality_budget)
     if (
         isinstance(name, str)
         and name in ("cache-prior", "psr")
@@ -125,23 +223,30 @@ def resolve_policy(
         and model_dir is not None
         and residency is not None
     ):
-        points, source, tuned = _find_points(model_dir, residency)
+        point, source, tuned = _find_points(model_dir, residency).get(
+            name, (None, "defaults", None)
+        )
         if quality_budget is not None:
             if tuned is None:
                 raise ValueError(
                     f"no operating point of {model_dir} at residency {residency:g} was tuned "
-                    f"for a quality budget; run: psr tune --model {model_dir} "
-                    f"--residency {residency:g} --budget {quality_budget:g}"
+                    f"for a quality budget; run: {tune_command(model_dir, residency)} "
+                    f"--budget {quality_budget:g}"
                 )
             if tuned > quality_budget:
                 raise ValueError(
                     f"the operating points in {source} were tuned for a budget of {tuned:g} "
-                    f"nats/token, above the {quality_budget:g} asked for; run: psr tune "
-                    f"--model {model_dir} --residency {residency:g} --budget {quality_budget:g}"
+                    f"nats/token, above the {quality_budget:g} asked for; run: "
+                    f"{tune_command(model_dir, residency)} --budget {quality_budget:g}"
                 )
-        if source != "defaults":
-            return points[name], source
-    return make_policy(name, lam, n), "arguments" if (lam, n) != (None, None) else "defaults"
+        if point is not None:
+            return point, tuned_source(source)
+    pol = make_policy(name, lam, n)
+    if isinstance(name, Policy) or lam is not None or pol.lam == 0:
+        return pol, GIVEN
+    if model_dir is not None and residency is not None and pol.name in ("cache-prior", "psr"):
+        _warn_untuned(pol, model_dir, residency)
+    return pol, UNTUNED
 
 
 def write_operating_points(

@@ -15,7 +15,12 @@ from typing import Any
 
 POLICIES = ("exact", "exact-prefetch", "cache-prior", "psr", "cache-prior-async")
 DEFAULT_POLICY = "psr"
-DEFAULT_LAM = 0.2
+# The untuned default bias: what cache-prior / psr use without a tuned operating point
+# (docs/design.md, "The untuned default"). Small on purpose: on the embedded model lam 0.03
+# costs +0.0015 nats/token, and the quality cost grows convexly from 0 with lam, so a model
+# that pays +0.04 nats/token at lam 0.15 (the worst published figure) pays at most 0.008
+# here, inside the 0.01 budget. `psr tune` measures a model's own, usually larger, point.
+DEFAULT_LAM = 0.03
 DEFAULT_N = 1
 DEFAULT_RESIDENCY = 0.5
 # What `parse_policies` adds when a spec omits a policy that a comparison needs.

@@ -44,10 +44,11 @@ def test_generate_prints_text_then_stats(ckpt, capsys, tmp_path) -> None:
     assert rc == 0
     out = capsys.readouterr().out
     assert out.startswith("To be, or not")
-    assert "policy psr(lam=0.3, n=1) (arguments), 4 of 8 experts resident per layer" in out
+    assert "policy psr(lam=0.3, n=1) (given), 4 of 8 experts resident per layer" in out
     assert "hit rate" in out and "prefetch copies" in out
     data = json.loads(out_json.read_text())
     assert len(data["tokens"]) == len("To be, or not") + 6
+    assert (data["policy"], data["policy_source"]) == ("psr(lam=0.3, n=1)", "given")
     assert data["stats"]["tokens"] == 5
 
 

@@ -147,7 +147,7 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
     points, source = operating_points_with_source(ckpt, 0.5)
     assert source == str(f) and points == res["points"]["0.5"]
     model = psr.load(ckpt, "psr", residency=0.5, progress=False)
-    assert model.policy == res["points"]["0.5"]["psr"] and model.policy_source == str(f)
+    assert model.policy == res["points"]["0.5"]["psr"] and model.policy_source == f"tuned ({f})"
     assert psr.load(ckpt, "psr", residency=0.5, lam=0.1, progress=False).policy.lam == 0.1
     # quality_budget: the tuned point when tuned for that budget or a tighter one.
     tight = psr.load(ckpt, "psr", residency=0.5, quality_budget=12.0, progress=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from psr.cli.args import (
@@ -13,6 +14,7 @@ from psr.cli.args import (
     command,
     eval_model,
     expert_format,
+    model_config,
     nonempty,
     nonnegative_float,
     nonnegative_int,
@@ -110,11 +112,13 @@ def run_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def tuning_args(c: argparse.ArgumentParser, rho: str) -> None:
+def tuning_args(
+    c: argparse.ArgumentParser, rho: str, model_help: str = "checkpoint folder with heldout.txt"
+) -> None:
     """The options of `psr tune` and `psr bench sweep`; `rho`: the default residencies."""
     from psr.eval.defaults import BUDGET, PROFILE, SWEEP_LAMS, SWEEP_NS, WINDOWS
 
-    c.add_argument("--model", default=None, help=f"checkpoint folder with heldout.txt {EMBEDDED}")
+    c.add_argument("--model", default=None, help=f"{model_help} {EMBEDDED}")
     c.add_argument("--residency", type=residencies, default=rho, help="comma list, each in (0, 1]")
     c.add_argument(
         "--lams",
@@ -167,7 +171,7 @@ def add_tune(sub: Any) -> None:
         "choose Cache-Prior and PSR operating points per residency: selected on held-out "
         "set A within a quality budget, replicated on set B; psr.load uses them",
     )
-    tuning_args(tu, "0.5,0.375,0.25")
+    tuning_args(tu, "0.5,0.375,0.25", "checkpoint folder (with heldout.txt unless --text)")
     tu.add_argument("--out", default="psr-results/tune", help="folder for the sweep reports")
     tu.add_argument(
         "--write",
@@ -179,11 +183,33 @@ def add_tune(sub: Any) -> None:
         default=None,
         help="reuse an earlier selection's sweep.json (set A) and only replicate on set B",
     )
+    tu.add_argument(
+        "--text",
+        default=None,
+        metavar="FILE|DIR",
+        help="tune on your own text instead of the model's heldout.txt: plain text, JSONL "
+        "with a 'text' field, or a folder of .txt / .jsonl files (sorted); split into a "
+        "selection set A and a replication set B, each long enough for the budget",
+    )
     tu.set_defaults(fn=run_tune)
 
 
+def tune_model(model: str | None, text: str | None) -> str:
+    """`psr tune`'s checkpoint: with --text any supported checkpoint folder (its tokenizer
+    reads the text), else one with its held-out text."""
+    if text is None:
+        return eval_model(model)
+    from psr.models import DEFAULT_MODEL
+
+    path = model or DEFAULT_MODEL
+    model_config(path)
+    if not Path(text).exists():
+        raise FileNotFoundError(f"--text {text}: no such file or folder")
+    return path
+
+
 def run_tune(args: argparse.Namespace) -> int:
-    path = eval_model(args.model)
+    path = tune_model(args.model, args.text)
     writable_dir(args.out, "--out")
     check_profile(args.profile)
     if args.write:
@@ -202,5 +228,6 @@ def run_tune(args: argparse.Namespace) -> int:
         write=args.write,
         progress=progress(args),
         select_from=args.select_from,
+        text=args.text,
     )
     return 0

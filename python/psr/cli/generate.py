@@ -289,7 +289,12 @@ def run_generate(args: argparse.Namespace) -> int:
         }
     print(model.stats.table())
     if out is not None:
-        result: dict[str, Any] = {"tokens": gen[0].tolist(), "stats": model.stats.summary()}
+        result: dict[str, Any] = {
+            "tokens": gen[0].tolist(),
+            "policy": model.policy.describe(),
+            "policy_source": model.policy_source,
+            "stats": model.stats.summary(),
+        }
         if speculative is not None:
             result["speculative"] = speculative
         out.write_text(json.dumps(result, indent=2))

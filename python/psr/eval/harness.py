@@ -130,7 +130,14 @@ class EvalData:
     @classmethod
     def from_heldout(cls, path: str, split: str = "A", **kw: Any) -> EvalData:
         """From held-out set `split` ('A': selection, 'B': replication) of a model."""
-        sets = heldout_sets(path)
+        return cls.from_sets(path, heldout_sets(path), split, **kw)
+
+    @classmethod
+    def from_sets(
+        cls, path: str, sets: dict[str, tuple[str, str]], split: str = "A", **kw: Any
+    ) -> EvalData:
+        """From set `split` of `sets` (`{"A": (description, text), "B": ...}`: a model's
+        held-out sets, or the user's text's, psr.eval.text.text_sets), in `path`'s tokens."""
         if split not in sets:
             raise ValueError(f"held-out split must be one of {sorted(sets)}, got {split!r}")
         desc, text = sets[split]

@@ -37,9 +37,9 @@ from psr.eval.harness import (
     schedule_prompt,
 )
 from psr.eval.report import host_note, markdown_table, save
-from psr.models.embedded import DEFAULT_MODEL
+from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
 from psr.points import operating_points, operating_points_with_source, write_operating_points
-from psr.policy import DEFAULT_N, Policy, make_policy, standard_policies
+from psr.policy import Policy, make_policy, standard_policies
 
 
 def policy_grid(path: str, residencies: Sequence[float]) -> tuple[list[RunConfig], list[str]]:
@@ -259,12 +259,15 @@ def sweep(
     profile: str = PROFILE,
     progress: bool = True,
     window_tokens: int = WINDOW_TOKENS,
+    sets: dict[str, tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
-    """lam x n per residency on held-out set `split`: the Pareto front of modeled latency
-    against Δ nats/token, and per family the fastest point whose 95% upper bound is
-    within `budget` (the candidates `tune` replicates)."""
-    data = EvalData.from_heldout(
+    """lam x n per residency on held-out set `split` (of `sets`, default the model's
+    heldout.txt): the Pareto front of modeled latency against Δ nats/token, and per family
+    the fastest point whose 95% upper bound is within `budget` (the candidates `tune`
+    replicates)."""
+    data = EvalData.from_sets(
         path,
+        sets if sets is not None else heldout_sets(path),
         split,
         windows=windows,
         window_tokens=window_tokens,
@@ -306,7 +309,8 @@ def sweep(
 
 def load_selection(file: str | Path, path: str, residencies: Sequence[float]) -> dict[str, Any]:
     """An earlier `psr sweep`/`psr tune` selection (`sweep.json`) checked for reuse: measured
-    on held-out set A of the same model, at every residency in `residencies`."""
+    on a set A of the same model, at every residency in `residencies` (check_selection_set:
+    on the same set A)."""
     try:
         sel = json.loads(Path(file).read_text())
         results, data = sel["results"], sel["data"]
@@ -315,59 +319,81 @@ def load_selection(file: str | Path, path: str, residencies: Sequence[float]) ->
         raise ValueError(f"--select-from {file}: not a readable sweep.json ({e})") from None
     if Path(sel.get("model", "")).resolve() != Path(path).resolve():
         raise ValueError(f"--select-from {file}: measured on {sel.get('model')}, not {path}")
-    if "held-out set A" not in str(data):
-        raise ValueError(f"--select-from {file}: not measured on held-out set A ({data})")
+    if "set A" not in str(data):
+        raise ValueError(f"--select-from {file}: not measured on a set A ({data})")
     missing = [f"{rho:g}" for rho in residencies if rho not in have]
     if missing:
         raise ValueError(f"--select-from {file}: no results at residency {', '.join(missing)}")
     return sel
 
 
-def tune(
+def check_selection_set(sel: dict[str, Any], file: str | Path, set_a: str) -> None:
+    """A reused selection was measured on set A as described by `set_a` (the same text, split
+    the same way), not on another text."""
+    if not str(sel["data"]).startswith(f"{set_a}:"):
+        raise ValueError(f"--select-from {file}: not measured on {set_a} ({sel['data']})")
+
+
+def tuning_sets(
     path: str,
-    out: str,
-    residencies: Sequence[float] = (0.5, 0.375, 0.25),
-    budget: float = BUDGET,
-    profile: str = PROFILE,
-    lams: Sequence[float] = SWEEP_LAMS,
-    ns: Sequence[int] = SWEEP_NS,
-    windows: int = WINDOWS,
-    write: str | None = None,
-    progress: bool = True,
+    text: str | Path | None,
+    budget: float,
+    windows: int,
     window_tokens: int = WINDOW_TOKENS,
-    select_from: str | None = None,
-) -> dict[str, Any]:
-    """Operating points per residency: select on held-out set A (the fastest Cache-Prior
-    and PSR point whose quality cost's 95% upper bound is within `budget`, modeled on
-    `profile`), then replicate on set B: a point is kept only if it is within budget
-    there too; else the next-fastest candidate from A is tried. Writes the points to the
-    user's folder (or `write`) for `psr.load` and the demo to use. `select_from`: the
-    `sweep.json` of an earlier selection run on set A (resumes a tune whose replication
-    was interrupted; it must cover every residency asked for)."""
-    if select_from is not None:
-        sel = load_selection(select_from, path, residencies)
+) -> tuple[dict[str, tuple[str, str]], int]:
+    """The selection and replication sets `tune` measures on (the user's `text`, else the
+    model's heldout.txt), and the windows per configuration: at most `windows`, and enough
+    for the budget (psr.eval.text.check_sets), else a one-line error saying how many
+    tokens the text has and how many the budget needs."""
+    from psr.eval.text import EmptyText, check_sets, needs, text_sets
+
+    if text is not None:
+        if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"--text: {path} has no tokenizer to read the text with")
+        try:
+            sets, source = text_sets(text), f"--text {text}"
+        except EmptyText as e:
+            raise EmptyText(f"{e}; {needs(budget, window_tokens, PROMPT_TOKENS)}") from None
+        tok = tokenizer_of(path)
     else:
-        sel = sweep(
-            path,
-            f"{out}/select",
-            residencies,
-            lams,
-            ns,
-            budget,
-            windows,
-            "A",
-            profile,
-            progress,
-            window_tokens,
-        )
-    data_b = EvalData.from_heldout(
-        path,
-        "B",
-        windows=windows,
-        window_tokens=window_tokens,
-        prompt_tokens=PROMPT_TOKENS,
-        prompts=0,
+        tok, sets, source = tokenizer_of(path), heldout_sets(path), f"{path}/heldout.txt"
+    used = check_sets(tok, sets, source, budget, windows, window_tokens, PROMPT_TOKENS)
+    return sets, used
+
+
+def interval_note(results: list[dict[str, Any]], budget: float, tokens: int) -> str | None:
+    """When the 95% intervals on set A of the points that could be chosen (mean Δ within the
+    budget) are wider than the budget, a line saying so and how many more tokens per set
+    would narrow them below it (the width falls as 1 / sqrt(tokens)); else None."""
+    widths = [
+        r["delta_nll"]["hi"] - r["delta_nll"]["lo"]
+        for r in results
+        if r["config"]["policy"] in ("cache-prior", "psr")
+        and r.get("delta_nll", {}).get("mean", math.inf) <= budget
+    ]
+    if not widths or max(widths) <= budget:
+        return None
+    w = max(widths)
+    more = math.ceil(tokens * ((w / budget) ** 2 - 1))
+    return (
+        f"the 95% intervals on set A are up to {w:.4f} nats/token wide, wider than the "
+        f"{budget:g} budget, so points near it are kept only when clearly inside: about "
+        f"{more:,} more decode-path tokens per set would narrow them below it"
     )
+
+
+def _replicate(
+    path: str,
+    sel: dict[str, Any],
+    data_b: EvalData,
+    residencies: Sequence[float],
+    budget: float,
+    profile: str,
+    progress: bool,
+) -> tuple[dict[str, dict[str, Policy]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """Per residency and family, set A's fastest candidates within budget measured on set B,
+    fastest first, until one is within budget there too: (chosen points, log, results). A
+    family with none is left out: no point is written that was not measured to hold."""
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     chosen: dict[str, dict[str, Policy]] = {}
     log: list[dict[str, Any]] = []
@@ -377,7 +403,6 @@ def tune(
         replicated.append(exact_b)
         chosen[f"{rho:g}"] = {}
         for fam in ("cache-prior", "psr"):
-            pick = None
             for cand in choose(sel["results"], rho, fam, budget, profile)[:3]:
                 pol = make_policy(fam, cand["config"]["lam"], cand["config"]["n"])
                 rb = run_config(path, RunConfig(pol, rho), data_b, profiles, progress=progress)
@@ -396,21 +421,78 @@ def tune(
                     }
                 )
                 if ok:
-                    pick = pol
+                    chosen[f"{rho:g}"][fam] = pol
                     break
-            # Nothing replicates within budget: the family's most conservative point.
-            chosen[f"{rho:g}"][fam] = pick or make_policy(
-                fam, min(lams), None if fam == "cache-prior" else DEFAULT_N
-            )
+    return chosen, log, replicated
+
+
+def tune(
+    path: str,
+    out: str,
+    residencies: Sequence[float] = (0.5, 0.375, 0.25),
+    budget: float = BUDGET,
+    profile: str = PROFILE,
+    lams: Sequence[float] = SWEEP_LAMS,
+    ns: Sequence[int] = SWEEP_NS,
+    windows: int = WINDOWS,
+    write: str | None = None,
+    progress: bool = True,
+    window_tokens: int = WINDOW_TOKENS,
+    select_from: str | None = None,
+    text: str | Path | None = None,
+) -> dict[str, Any]:
+    """Operating points per residency: select on set A (the fastest Cache-Prior and PSR
+    point whose quality cost's 95% upper bound is within `budget`, modeled on `profile`),
+    then replicate on set B: a point is kept only if it is within budget there too; else
+    the next-fastest candidate from A is tried (a family with none gets no point). The sets
+    are the user's `text` (psr.eval.text) or the model's heldout.txt, with enough tokens
+    for the budget. Writes the points to the user's folder, keyed by the checkpoint
+    (psr.points.model_key), or to `write`, for `psr.load` to use. `select_from`: the
+    `sweep.json` of an earlier selection run on the same set A (resumes a tune whose
+    replication was interrupted; it must cover every residency asked for)."""
+    if select_from is not None:
+        sel = load_selection(select_from, path, residencies)
+    sets, windows = tuning_sets(path, text, budget, windows, window_tokens)
+    if select_from is not None:
+        check_selection_set(sel, select_from, sets["A"][0])
+    else:
+        sel = sweep(
+            path,
+            f"{out}/select",
+            residencies,
+            lams,
+            ns,
+            budget,
+            windows,
+            "A",
+            profile,
+            progress,
+            window_tokens,
+            sets,
+        )
+    scored = windows * (window_tokens - PROMPT_TOKENS)
+    note = interval_note(sel["results"], budget, scored)
+    data_b = EvalData.from_sets(
+        path,
+        sets,
+        "B",
+        windows=windows,
+        window_tokens=window_tokens,
+        prompt_tokens=PROMPT_TOKENS,
+        prompts=0,
+    )
+    chosen, log, replicated = _replicate(path, sel, data_b, residencies, budget, profile, progress)
     meta = {
         "budget_nats": budget,
         "profile": profile,
         "selected_on": sel["data"],
         "replicated_on": describe(data_b),
         "replication": log,
+        "interval_note": note,
         "source": "psr tune",
     }
     written = write_operating_points(path, chosen, meta, write)
+    profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     save(replicated, f"{out}/replicate", "replicate", {"model": path, **meta}, profiles)
     print(
         f"\noperating points (selected on A, replicated on B, budget {budget} nats/token; "
@@ -423,7 +505,16 @@ def tune(
             f"B: {row['B']['mean']:+.4f} [{row['B']['lo']:+.4f}, {row['B']['hi']:+.4f}] "
             f"{row['speedup_B']:.2f}x  {'kept' if row['replicated'] else 'not replicated'}"
         )
-    print(f"wrote {written}")
+    for rho, fams in chosen.items():
+        for fam in sorted({"cache-prior", "psr"} - set(fams)):
+            tried = any(
+                f"{r['residency']:g}" == rho and r["policy"].startswith(fam + "(") for r in log
+            )
+            why = "none of set A's candidates held on set B" if tried else "no candidate on set A"
+            print(f"  {float(rho):.1%} {fam}: {why} within budget; no point written")
+    if note:
+        print(f"note: {note}")
+    print(f"wrote {written} (psr.load uses it for {path})")
     return {"points": chosen, "file": str(written), **meta}
 
 

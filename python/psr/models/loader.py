@@ -405,7 +405,7 @@ class LoadOptions:
     config: Any  # the checkpoint's transformers config
     spec: MoESpec
     policy: Policy
-    policy_source: str  # a points file, "arguments" or "defaults" (psr.points.resolve_policy)
+    policy_source: str  # "tuned (<file>)", "untuned default", "given" (psr.points.resolve_policy)
     capacity: int  # expert slots per layer, before a drafter takes its share
     dtype: torch.dtype
     device: torch.device

@@ -66,8 +66,9 @@ class OffloadedModel(nn.Module):
         self.tokenizer = tokenizer
         self.path = path
         self._restorer = restorer
-        # Where the policy's lam / n came from: "arguments", "defaults" or a points file.
-        self.policy_source = "arguments"
+        # Where the policy's lam / n came from (psr.points.resolve_policy): "tuned (<file>)",
+        # "untuned default" or "given"; psr.load sets it.
+        self.policy_source = "given"
         # Graphs: a decode token as one captured forward (runtime/graphs.py): True, False or
         # "auto" (on for CUDA); `graph_status` says whether the last generate used them.
         self.graphs: bool | str = "auto"
