@@ -152,6 +152,13 @@ def _find_points(
     return found
 
 
+def tuned_points(model_dir: str | Path, residency: float) -> dict[str, tuple[Policy, str]]:
+    """Per policy family tuned for this checkpoint at `residency`: (its point, the file);
+    families absent take the untuned default. Raises ValueError for a corrupt file or one
+    tuned for another checkpoint."""
+    return {fam: (pol, f) for fam, (pol, f, _) in _find_points(model_dir, residency).items()}
+
+
 def tune_command(model_dir: str | Path, residency: float | None = None) -> str:
     """The `psr tune` command that measures a model's operating point: on its heldout.txt
     when it ships one, else on the user's text (`--text`)."""

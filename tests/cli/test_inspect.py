@@ -39,6 +39,9 @@ def test_inspect_agrees_with_the_built_model(tmp_path, family) -> None:
     half = found.device_bytes["native"]["0.5"]
     assert half == dense + n * round(0.5 * E) * found.expert_bytes["native"]
     json.dumps(found.to_dict())  # serialisable
+    # No tuned point for a fresh checkpoint: psr.load would take the untuned default.
+    assert all("untuned default" in v for v in found.operating_points.values())
+    assert set(found.operating_points) == {"cache-prior", "psr"}
 
 
 def _block(model: torch.nn.Module, i: int) -> torch.nn.Module:
@@ -50,6 +53,13 @@ def _block(model: torch.nn.Module, i: int) -> torch.nn.Module:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "psr.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_embedded_model_shows_its_tuned_points() -> None:
+    found = psr.inspect(psr.DEFAULT_MODEL)
+    assert all(
+        "tuned (" in v and "operating_points.json" in v for v in found.operating_points.values()
     )
 
 

@@ -58,6 +58,9 @@ class Inspection:
     dense_bytes: int = 0  # everything but the routed experts, in the model dtype
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # format -> res
     graphs: str = ""
+    # what psr.load(path, policy) uses at the default residency, per biased policy: the
+    # tuned point and its file, or the untuned default and the command that measures it
+    operating_points: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -67,7 +70,7 @@ class Inspection:
             return f"{self.path}: {self.missing}"
         lines = [
             f"{self.path}: {self.family} ({self.dtype})",
-            f"  router     {self.router_kind}: {ROUTER_KINDS[str(self.router_kind)]}",
+            f"  router      {self.router_kind}: {ROUTER_KINDS[str(self.router_kind)]}",
             f"  experts    {self.expert_kind}: {EXPERT_KINDS[str(self.expert_kind)]}"
             + ("; shared experts on the device" if self.shared_experts else ""),
             f"  layers     {self.num_layers}: {len(self.sparse_layers)} sparse "
@@ -94,6 +97,8 @@ class Inspection:
             lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
         lines.append("  (device: the dense part + the expert slab; the KV cache comes on top)")
         lines.append(f"  graphs     {self.graphs}")
+        for name, point in self.operating_points.items():
+            lines.append(f"  {name:<11} {point}")
         return "\n".join(lines)
 
 
@@ -194,4 +199,26 @@ def inspect(path: str | Path) -> Inspection:
         dense_bytes=dense,
         device_bytes=device,
         graphs=_graphs(config),
+        operating_points=_operating_points(path),
     )
+
+
+def _operating_points(path: str | Path) -> dict[str, str]:
+    """Per biased policy, the point `psr.load(path, policy)` takes at the default
+    residency, and where it comes from."""
+    from psr.points import tune_command, tuned_points
+    from psr.policy import DEFAULT_RESIDENCY, make_policy
+
+    try:
+        found = tuned_points(path, DEFAULT_RESIDENCY)
+    except ValueError as e:  # a corrupt file, or one tuned for another checkpoint
+        return {"points": str(e)}
+    out = {}
+    for fam in ("cache-prior", "psr"):
+        if fam in found:
+            pol, file = found[fam]
+            out[fam] = f"{pol.describe()}: tuned ({file})"
+        else:
+            cmd = tune_command(path, DEFAULT_RESIDENCY)
+            out[fam] = f"{make_policy(fam).describe()}: untuned default (measure it: {cmd})"
+    return out
