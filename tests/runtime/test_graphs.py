@@ -183,6 +183,24 @@ def test_graphs_say_why_they_are_off(ckpt) -> None:
         _load(ckpt, "psr", graphs="yes")
 
 
+def test_a_model_without_a_static_cache_decodes_eagerly_and_says_why(ckpt, monkeypatch) -> None:
+    """A family whose cache transformers cannot make static: graphs off with the reason,
+    the eager device step's tokens."""
+    import transformers
+
+    want = _load(ckpt, "psr", lam=0.5, n=2, graphs=False).generate(PROMPT, max_new_tokens=3)
+
+    def no_static(*args, **kwargs):
+        raise ValueError("no static layer for linear attention")
+
+    monkeypatch.setattr(transformers, "StaticCache", no_static)
+    model = _load(ckpt, "psr", lam=0.5, n=2, graphs=True)
+    assert torch.equal(model.generate(PROMPT, max_new_tokens=3), want)
+    assert model.graph_status == (
+        "off: no static KV cache for this model (no static layer for linear attention)"
+    )
+
+
 def test_static_cache_lengths_come_in_buckets() -> None:
     assert [bucket(n, None) for n in (1, 64, 65, 200, 1000)] == [64, 64, 128, 256, 1024]
     assert bucket(300, 256) == 300 and bucket(100, 4096) == 128  # the context caps, not cuts

@@ -317,7 +317,13 @@ class OffloadedModel(nn.Module):
             self.graph_status = f"off: {reason}"
             return None
         size = bucket(length, getattr(self.config, "max_position_embeddings", None))
-        graph = self._graphs.pop(size, None) or DecodeGraph(self.hf, self.runtime, size)
+        try:
+            graph = self._graphs.pop(size, None) or DecodeGraph(self.hf, self.runtime, size)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            # A model whose cache transformers cannot make static (a hybrid attention it
+            # lacks a static layer for): the eager device step, and the reason said.
+            self.graph_status = f"off: no static KV cache for this model ({e})"
+            return None
         self._graphs[size] = graph  # most recently used last
         while len(self._graphs) > MAX_GRAPHS:
             self._graphs.popitem(last=False)
