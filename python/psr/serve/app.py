@@ -499,6 +499,7 @@ def _prepare(
     if not engine.ready.is_set():
         raise _unavailable(engine)
     echo, template, grammar = "", None, None
+    _check_length(engine, req)
     with engine.request_lock:
         if isinstance(req, ChatRequest):
             ids, template = _chat_ids(engine, req.messages, opts.chat_template)
@@ -527,6 +528,30 @@ def _prepare(
     if not ids:
         raise bad_request("the prompt encodes to no tokens", "prompt")
     return _Prepared(kind, rid, req, ids, echo, template, grammar)
+
+
+def _check_length(engine: Engine, req: CompletionRequest | ChatRequest) -> None:
+    """Refuse, without tokenizing, text that has more tokens than the context for certain
+    (a 4 MB prompt takes seconds to tokenize, all to be refused)."""
+    ctx, per = engine.context, engine.bytes_per_token
+    if ctx is None or per is None:
+        return
+    if isinstance(req, ChatRequest):
+        size = sum(len(m["content"].encode()) for m in req.messages)
+    elif isinstance(req.prompt, str):
+        size = len(req.prompt.encode())
+    else:
+        return
+    least = -(-size // per)  # tokens at least (a token stands for at most `per` bytes)
+    room = req.sampling.max_tokens or 1
+    if least + room > ctx:
+        param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        raise bad_request(
+            f"the prompt is {size} bytes, so at least {least} tokens (at most {per} bytes "
+            f"per token), beyond the model's context of {ctx} tokens",
+            param,
+            code="context_length_exceeded",
+        )
 
 
 def _check_vocab(engine: Engine, ids: list[int], param: str) -> None:

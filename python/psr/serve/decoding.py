@@ -68,7 +68,11 @@ class Grammars:
         """The llguidance grammar of `s`, checked (GrammarError names the problem)."""
         M = self.ll.LLMatcher
         if s.kind == "json":
-            g = M.grammar_from_json_schema(s.spec or '{"type": "object"}')
+            # Compact JSON (vLLM's disable-any-whitespace): free whitespace lets a model
+            # spend its tokens on newlines, never closing the object.
+            g = M.grammar_from_json_schema(
+                s.spec or '{"type": "object"}', defaults={"whitespace_flexible": False}
+            )
         elif s.kind == "regex":
             g = M.grammar_from_regex(s.spec or "")
         else:

@@ -34,6 +34,23 @@ from psr.serve.stops import Detokenizer, StopBuffer
 log = logging.getLogger("psr.serve")
 
 
+def max_bytes_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token stands for: the longest vocab
+    entry's (byte-level BPE spells each byte with one or two UTF-8 bytes, SentencePiece a
+    space with three), doubled where a normalizer may shrink text first (NFC composing
+    characters). None: the tokenizer's vocabulary is not readable."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return None
+    if not vocab:
+        return None
+    longest = max(len(str(k).encode()) for k in vocab)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None) if backend is not None else None
+    return longest * (2 if normalizer is not None else 1)
+
+
 class QueueFull(Exception):
     """The queue holds --max-queue requests already."""
 
@@ -226,6 +243,9 @@ class Engine:
         self.request_tokenizer: Any = None
         self.request_lock = threading.Lock()
         self._grammars: Grammars | None = None
+        # At most this many bytes of text per token (see max_bytes_per_token): a prompt of
+        # more than context x this many bytes cannot fit, and is refused untokenized.
+        self.bytes_per_token: int | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.context: int | None = None
         self._cond = threading.Condition()
@@ -339,6 +359,7 @@ class Engine:
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else eos or ())
         self.context = getattr(model.config, "max_position_embeddings", None)
         self.request_tokenizer = copy.deepcopy(tok)
+        self.bytes_per_token = max_bytes_per_token(tok)
         self.ready.set()
         log.info("model loaded: %s, policy %s", model.path, model.policy.describe())
         while True:
