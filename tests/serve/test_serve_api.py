@@ -10,6 +10,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -560,3 +561,18 @@ def test_load_streams_full_queue_disconnects_then_the_same_text(server, model, t
         extra_body={"return_token_ids": True},
     )
     assert token_ids(r.choices[0]) == want
+
+
+def test_the_readmes_key_logprobs_and_schema_snippet(server, capsys) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    serving = readme.split("## Serving\n", 1)[1].split("\n## ", 1)[0]
+    assert "PSR_API_KEY=sk-local" in serving
+    (code,) = re.findall(r"```python\n(.*?)```", serving, re.S)
+    code = code.replace("http://127.0.0.1:8000", server.url).replace("sk-local", KEY)
+    ns: dict = {}
+    exec(compile(code, "README.md", "exec"), ns)
+    assert capsys.readouterr().out
+    assert ns["reply"].choices[0].logprobs.content[0].logprob < 0
+    person = json.loads(ns["person"].choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["name"], str)
+    assert len(person["name"]) <= 8 and isinstance(person["age"], int) and 0 <= person["age"] <= 120

@@ -543,8 +543,7 @@ def _check_length(engine: Engine, req: CompletionRequest | ChatRequest) -> None:
     else:
         return
     least = -(-size // per)  # tokens at least (a token stands for at most `per` bytes)
-    room = req.sampling.max_tokens or 1
-    if least + room > ctx:
+    if least >= ctx:  # no room for one new token (shorter ones: _params' exact check)
         param = "messages" if isinstance(req, ChatRequest) else "prompt"
         raise bad_request(
             f"the prompt is {size} bytes, so at least {least} tokens (at most {per} bytes "

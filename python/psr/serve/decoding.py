@@ -95,7 +95,9 @@ class GrammarMask:
 
         self.lt = lt
         self.matcher = matcher
-        self.bitmask = lt.allocate_token_bitmask(1, vocab_size)
+        self.vocab_size = vocab_size
+        self.bitmask = lt.allocate_token_bitmask(1, vocab_size)  # int32 words, bit j: id
+        self._shifts: torch.Tensor | None = None
         self.seconds = 0.0
         self.masks = 0
 
@@ -111,8 +113,13 @@ class GrammarMask:
     def __call__(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         self.lt.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        mask = self.bitmask.to(scores.device, non_blocking=True)
-        self.lt.apply_token_bitmask_inplace(scores, mask)
+        # Unpacked on the logits' device (llguidance's own apply compiles with
+        # torch.compile on first use: seconds on a CPU).
+        if self._shifts is None or self._shifts.device != scores.device:
+            self._shifts = torch.arange(32, device=scores.device, dtype=torch.int32)
+        words = self.bitmask.to(scores.device, non_blocking=True)
+        allowed = ((words[..., None] >> self._shifts) & 1).view(1, -1)[:, : scores.shape[-1]]
+        scores = scores.masked_fill(allowed == 0, float("-inf"))
         self.seconds += time.perf_counter() - t0
         self.masks += 1
         return scores
