@@ -103,3 +103,36 @@ def test_sampling_fields_parsed() -> None:
     assert s.structured.kind == "regex"
     with pytest.raises(APIError, match="one of"):
         parse_completion({"prompt": "x", "guided_regex": "a", "guided_json": {}})
+
+
+def test_an_unexpected_failure_is_a_counted_500(monkeypatch) -> None:
+    """A bug in a handler (not bad input): a 500 in OpenAI's shape, counted as an error."""
+    from types import SimpleNamespace
+
+    from servers import InProcessServer
+    from transformers import AutoTokenizer
+
+    import psr.serve.app as app_module
+    from psr.models import DEFAULT_MODEL
+
+    fake = SimpleNamespace(
+        tokenizer=AutoTokenizer.from_pretrained(DEFAULT_MODEL),
+        config=SimpleNamespace(vocab_size=2048, max_position_embeddings=512, eos_token_id=0),
+        path="fake",
+        policy=SimpleNamespace(describe=lambda: "fake"),
+        drafter=None,
+    )
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app_module, "_tokenize", broken)
+    server = InProcessServer(lambda: fake, name="fake")
+    try:
+        assert server.engine.ready.wait(60)
+        before = server.metrics()['psr_requests_total{outcome="error"}']
+        r = httpx.post(f"{server.url}/tokenize", json={"prompt": "x"}, timeout=30)
+        assert r.status_code == 500 and "a bug" in r.json()["error"]["message"]
+        assert server.metrics()['psr_requests_total{outcome="error"}'] == before + 1
+    finally:
+        server.close()
