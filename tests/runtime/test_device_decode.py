@@ -67,23 +67,36 @@ def _rows(model: psr.OffloadedModel) -> list[tuple[float, ...]]:
     return [tuple(r[k] for k in ROW_KEYS) for r in model.stats.per_token]
 
 
-def test_per_token_records_without_a_read_per_token(ckpts) -> None:
-    """More tokens than the snapshot buffer's first size (it grows on the device), stats
-    read mid-way (the records so far), and the sums of the rows equal the totals."""
+def dev_context(ckpts) -> int:
+    import json
+
+    return int(json.loads((ckpts["olmoe"] / "config.json").read_text())["max_position_embeddings"])
+
+
+def test_per_token_records_without_a_read_per_token(ckpts, monkeypatch) -> None:
+    """More tokens than the snapshot buffer's first size (it grows on the device) and its
+    largest (the stats are read then), stats read mid-way (the records so far), and the
+    sums of the rows equal the totals."""
     from psr.runtime import device_decode
+
+    monkeypatch.setattr(device_decode, "SNAPSHOT_ROWS", 16)  # small: the context is 128
+    monkeypatch.setattr(device_decode, "MAX_SNAPSHOT_ROWS", 40)
 
     kw = dict(lam=0.5, n=2)
     host = _load(ckpts["olmoe"], "psr", "host", **kw)
     dev = _load(ckpts["olmoe"], "psr", "device", **kw)
-    n = device_decode.SNAPSHOT_ROWS + 6
+    n = 2 * device_decode.MAX_SNAPSHOT_ROWS + 6  # past the first size, twice past the largest
+    assert PROMPT.shape[1] + n <= dev_context(ckpts)
     seen: dict[str, list[int]] = {"host": [], "device": []}
 
     class Reader:  # reads the stats while decoding: the records made so far
         def __init__(self, m: psr.OffloadedModel, name: str) -> None:
-            self.m, self.name = m, name
+            self.m, self.name, self.calls = m, name, 0
 
         def put(self, _value: torch.Tensor) -> None:
-            seen[self.name].append(len(self.m.stats.per_token))
+            self.calls += 1
+            if self.calls in (5, 10):  # then 76 tokens: past 40 (read), never 128 rows
+                seen[self.name].append(len(self.m.stats.per_token))
 
         def end(self) -> None:
             pass
@@ -92,6 +105,8 @@ def test_per_token_records_without_a_read_per_token(ckpts) -> None:
         m.generate(PROMPT, max_new_tokens=n, eos_token_id=None, streamer=Reader(m, name))
         m.generate(PROMPT[:, :5], max_new_tokens=3)
     assert seen["device"] == seen["host"]
+    assert len(seen["device"]) == 2
+    assert dev.runtime.device_step._snaps.shape[0] == 64  # grew 16 -> 64, read at 40
     assert _rows(dev) == _rows(host) and len(_rows(dev)) == n - 1 + 2
     totals = dev.stats.totals
     for i, k in enumerate(ROW_KEYS):

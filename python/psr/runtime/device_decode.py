@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 
 SNAPSHOT_ROWS = 64  # per-token snapshots held on the device before the buffer doubles
+# ... up to this many: then the stats are read (one read per this many tokens), so a long
+# generation's buffer stays small (4096 x layers x 6 int32).
+MAX_SNAPSHOT_ROWS = 4096
 
 
 class DeviceDecode(Step):
@@ -196,6 +199,8 @@ class DeviceDecode(Step):
     def snapshot(self) -> None:
         """A decode token begins: its layers' counters copied into the snapshot buffer (a
         device copy, no read)."""
+        if self._n_snaps + 1 >= MAX_SNAPSHOT_ROWS:
+            self.drain()
         n = self._n_snaps
         if n + 1 >= self._snaps.shape[0]:  # keep a row for the read
             grown = torch.zeros(
