@@ -39,3 +39,32 @@ def test_bad_grammars_name_the_problem(grammars) -> None:
         grammars.grammar(Structured("regex", "[a-"))
     with pytest.raises(GrammarError):
         grammars.grammar(Structured("lark", "start: missing_rule"))
+
+
+def test_logprobs_and_penalties_keep_one_read_per_token(tmp_path) -> None:
+    """psr.eval.host_path's probe over a decode with logprobs and every penalty: the token
+    loop still reads the device once per token (the token, its logprob and the top ones
+    in one read) and the MoE path not at all."""
+    from tiny_models import tiny_model, write_checkpoint
+
+    import psr
+    from psr.eval.host_path import HostProbe
+    from psr.serve.decoding import LogprobSink, Penalties, Processors
+    from psr.serve.protocol import Sampling
+
+    prompt = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path / "m")
+    model = psr.load(path, "psr", 0.5, lam=0.5, n=2, decode="device", progress=False)
+    s = Sampling(None, 0, 1, 0, None, (), repetition_penalty=1.3, presence_penalty=0.5)
+    sink = LogprobSink(3)
+    with HostProbe(model) as probe:
+        out = model.generate(
+            prompt,
+            max_new_tokens=6,
+            logprobs=sink,
+            logits_processor=Processors([Penalties(s, prompt.shape[1])]),
+        )
+    per = probe.per_token()
+    assert per["token_reads"] == 1 and per["reads"] == 0 and per["h2d"] == 0
+    assert [t for t, _, _ in sink.rows] == out[0, prompt.shape[1] :].tolist()
+    assert all(len(top) == 3 and lp <= 0 for _, lp, top in sink.rows)
