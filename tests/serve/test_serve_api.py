@@ -303,17 +303,28 @@ def test_min_p_and_ignore_eos(server, model, tok) -> None:
         extra_body={"min_p": 0.3, "return_token_ids": True},
     )
     assert token_ids(r.choices[0]) == want
-    # ignore_eos: the EOS token is an ordinary token, generation runs to max_tokens.
-    eos = tok.eos_token_id
-    want = model.generate(ids, max_new_tokens=8, eos_token_id=None)[0, len(ids) :].tolist()
+    # ignore_eos: "THE END" makes the model end at once (EOS first); with ignore_eos the
+    # EOS is an ordinary token and generation runs to max_tokens.
+    eos, end = tok.eos_token_id, tok("THE END")["input_ids"]
+    assert eos is not None and greedy(model, end, 8) == [eos]
+    plain = c.completions.create(
+        model=NAME,
+        prompt="THE END",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert token_ids(plain.choices[0]) == [eos] and plain.choices[0].finish_reason == "stop"
+    want = model.generate(end, max_new_tokens=8, eos_token_id=None)[0, len(end) :].tolist()
+    assert len(want) == 8 and want[0] == eos
     r = c.completions.create(
         model=NAME,
-        prompt=PROMPT,
+        prompt="THE END",
         max_tokens=8,
         temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True},
     )
-    assert token_ids(r.choices[0]) == want and eos is not None
+    assert token_ids(r.choices[0]) == want
     assert r.choices[0].finish_reason == "length"
 
 
