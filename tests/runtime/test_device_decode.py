@@ -48,13 +48,70 @@ def _decode(model: psr.OffloadedModel) -> tuple[list[int], torch.Tensor, dict[st
 @pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_device_step_equals_host_step(ckpts, family, policy, kw) -> None:
-    host = _decode(_load(ckpts[family], policy, "host", **kw))
+    host_model = _load(ckpts[family], policy, "host", **kw)
+    host = _decode(host_model)
     dev_model = _load(ckpts[family], policy, "device", **kw)
     dev = _decode(dev_model)
     assert dev[0] == host[0]
     assert torch.equal(dev[1], host[1])  # bit-identical logits: the same kernels and order
     assert dev[2] == host[2]
-    assert dev_model.stats.per_token == []  # device counts stay on the device until read
+    # per-token records, row by row: the device step's come from its on-device snapshots
+    assert _rows(dev_model) == _rows(host_model)
+    assert len(_rows(dev_model)) == 2 * NEW - 1  # generate's NEW - 1, decode_logits' NEW
+
+
+ROW_KEYS = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
+
+
+def _rows(model: psr.OffloadedModel) -> list[tuple[float, ...]]:
+    return [tuple(r[k] for k in ROW_KEYS) for r in model.stats.per_token]
+
+
+def dev_context(ckpts) -> int:
+    import json
+
+    return int(json.loads((ckpts["olmoe"] / "config.json").read_text())["max_position_embeddings"])
+
+
+def test_per_token_records_without_a_read_per_token(ckpts, monkeypatch) -> None:
+    """More tokens than the snapshot buffer's first size (it grows on the device) and its
+    largest (the stats are read then), stats read mid-way (the records so far), and the
+    sums of the rows equal the totals."""
+    from psr.runtime import device_decode
+
+    monkeypatch.setattr(device_decode, "SNAPSHOT_ROWS", 16)  # small: the context is 128
+    monkeypatch.setattr(device_decode, "MAX_SNAPSHOT_ROWS", 40)
+
+    kw = dict(lam=0.5, n=2)
+    host = _load(ckpts["olmoe"], "psr", "host", **kw)
+    dev = _load(ckpts["olmoe"], "psr", "device", **kw)
+    n = 2 * device_decode.MAX_SNAPSHOT_ROWS + 6  # past the first size, twice past the largest
+    assert PROMPT.shape[1] + n <= dev_context(ckpts)
+    seen: dict[str, list[int]] = {"host": [], "device": []}
+
+    class Reader:  # reads the stats while decoding: the records made so far
+        def __init__(self, m: psr.OffloadedModel, name: str) -> None:
+            self.m, self.name, self.calls = m, name, 0
+
+        def put(self, _value: torch.Tensor) -> None:
+            self.calls += 1
+            if self.calls in (5, 10):  # then 76 tokens: past 40 (read), never 128 rows
+                seen[self.name].append(len(self.m.stats.per_token))
+
+        def end(self) -> None:
+            pass
+
+    for m, name in ((host, "host"), (dev, "device")):
+        m.generate(PROMPT, max_new_tokens=n, eos_token_id=None, streamer=Reader(m, name))
+        m.generate(PROMPT[:, :5], max_new_tokens=3)
+    assert seen["device"] == seen["host"]
+    assert len(seen["device"]) == 2
+    assert dev.runtime.device_step._snaps.shape[0] == 64  # grew 16 -> 64, read at 40
+    assert _rows(dev) == _rows(host) and len(_rows(dev)) == n - 1 + 2
+    totals = dev.stats.totals
+    for i, k in enumerate(ROW_KEYS):
+        assert sum(r[i] for r in _rows(dev)) == totals[k]
+    assert all(r["time_s"] > 0 for r in dev.stats.per_token)  # CPU: the host's time
 
 
 TRITON_CASES = [  # every family and expert format once

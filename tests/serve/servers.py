@@ -36,14 +36,17 @@ class _Base:
     def http(self, **kw: Any) -> httpx.Client:
         return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 120), **kw)
 
-    def metrics(self) -> dict[str, float]:
-        """`/metrics` as {'name{labels}': value}."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+    def metrics(self, **kw: Any) -> dict[str, float]:
+        """`/metrics` as {'name{labels}': value}, without the `model_name` label every
+        series carries (checked to be there)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30, **kw).text
         out = {}
         for line in text.splitlines():
             if line and not line.startswith("#"):
                 key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
+                assert 'model_name="' in key, line
+                key = re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")
+                out[key.replace(",}", "}")] = float(value)
         return out
 
     def wait_until(self, what: Callable[[dict[str, float]], bool], timeout: float = 60) -> None:
@@ -108,17 +111,24 @@ class RemoteServer(_Base):
 class InProcessServer(_Base):
     """The app over `loader` (an Engine's), served by uvicorn in a daemon thread."""
 
-    def __init__(self, loader: Callable[[], Any], name: str = "test", max_queue: int = 16) -> None:
+    def __init__(
+        self,
+        loader: Callable[[], Any],
+        name: str = "test",
+        max_queue: int = 16,
+        options: Any = None,
+    ) -> None:
         import uvicorn
 
         from psr.serve.app import create_app
         from psr.serve.engine import Engine
+        from psr.serve.metrics import Metrics
 
-        self.engine = Engine(loader, max_queue=max_queue)
+        self.engine = Engine(loader, max_queue=max_queue, metrics=Metrics(name))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            create_app(self.engine, served_name=name),
+            create_app(self.engine, served_name=name, options=options),
             host="127.0.0.1",
             port=self.port,
             log_level="warning",

@@ -89,13 +89,14 @@ class FakeModel:
 
 
 def requests(engine: Engine, outcome: str) -> float:
-    v = engine.metrics.registry.get_sample_value("psr_requests_total", {"outcome": outcome})
+    labels = {"model_name": "", "outcome": outcome}
+    v = engine.metrics.registry.get_sample_value("psr_requests_total", labels)
     assert v is not None
     return v
 
 
 def sample(engine: Engine, name: str) -> float:
-    v = engine.metrics.registry.get_sample_value(name)
+    v = engine.metrics.registry.get_sample_value(name, {"model_name": ""})
     assert v is not None
     return v
 

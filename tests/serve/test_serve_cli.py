@@ -45,6 +45,11 @@ def run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["serve", "--host", ""], 2, "argument --host: expected a non-empty string"),
         (["serve", "--policy", "exact", "--lam", "0.3"], 2, "--policy exact: "),
         (["serve", "--model", "/no/such/folder"], 1, "--model /no/such/folder: no such folder"),
+        (["serve", "--max-body", "0"], 2, "argument --max-body: expected an integer >= 1"),
+        (["serve", "--api-key-file", "/no/such/keys"], 1, "--api-key-file /no/such/keys: "),
+        (["serve", "--chat-template", "/no/such.jinja"], 1, "--chat-template /no/such.jinja: "),
+        (["serve", "--api-key", "two words"], 1, "--api-key: a key must be non-empty"),
+        (["serve", "--allowed-origins", ","], 1, "--allowed-origins: give origins"),
         (["bench", "serve", "--requests", "0"], 2, "argument --requests: expected an integer >= 1"),
         (["bench", "serve", "--max-tokens", "x"], 2, "argument --max-tokens: expected an integer"),
     ],
@@ -70,6 +75,21 @@ def test_a_taken_port_fails_before_loading(capsys, no_load) -> None:
         port = s.getsockname()[1]
         code, _, err = run(["serve", "--port", str(port)], capsys)
     assert code == 1 and f"--port {port}: cannot listen" in err and err.count("\n") == 1
+
+
+def test_listening_beyond_loopback_without_a_key_warns(caplog, no_load) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for host, warns in (("0.0.0.0", True), ("127.0.0.1", False)):
+        caplog.clear()
+        # no_load: the server gets as far as loading, and stops
+        with pytest.raises(AssertionError, match="reached a model load"):
+            main(["serve", "--host", host, "--port", str(port)])
+        assert ("without an API key" in caplog.text) == warns
+    with pytest.raises(AssertionError, match="reached a model load"):
+        main(["serve", "--host", "0.0.0.0", "--port", str(port), "--api-key", "k"])
+    assert "without an API key" not in caplog.text
 
 
 def test_serve_takes_generates_load_options_and_defaults() -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import logging
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -70,8 +73,56 @@ def add_serve(sub: Any) -> None:
         default=16,
         help="requests that may wait while one decodes; more are answered 429",
     )
+    _access_args(s)
+    s.add_argument(
+        "--max-body",
+        type=positive_int,
+        default=8 * 2**20,
+        help="largest request body in bytes; larger ones are answered 413 (default 8 MiB)",
+    )
+    s.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse unknown request fields with a 400 (default: ignored, with a Warning "
+        "header and a log line, as vLLM)",
+    )
+    s.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template file, used instead of the checkpoint's (or the fallback)",
+    )
     s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(fn=run_serve)
+
+
+def _access_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require Authorization: Bearer KEY on /v1 routes (repeatable; default: "
+        "$PSR_API_KEY if set, else no key)",
+    )
+    s.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="more keys, one per line (blank lines and # comments skipped)",
+    )
+    s.add_argument(
+        "--protect-all",
+        action="store_true",
+        help="/health and /metrics need the key too (default: they are open)",
+    )
+    s.add_argument(
+        "--allowed-origins",
+        default=None,
+        metavar="ORIGINS",
+        help="answer CORS requests (preflight included) from these comma-separated "
+        "origins, or * for any (default: no CORS)",
+    )
 
 
 def add_bench_serve(bsub: Any) -> None:
@@ -139,24 +190,96 @@ def _check_bind(host: str, port: int) -> None:
             ) from None
 
 
+def api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """The keys from --api-key, --api-key-file and $PSR_API_KEY (when no --api-key)."""
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("PSR_API_KEY"):
+        keys.append(os.environ["PSR_API_KEY"])
+    if args.api_key_file is not None:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except OSError as e:
+            raise OSError(f"--api-key-file {args.api_key_file}: {e.strerror or e}") from None
+        found = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {args.api_key_file}: no keys in it")
+        keys += found
+    if any(not k.strip() or any(c.isspace() for c in k) for k in keys):
+        raise ValueError("--api-key: a key must be non-empty, without whitespace")
+    return tuple(dict.fromkeys(keys))
+
+
+def _origins(value: str | None) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    out = tuple(o.strip().rstrip("/") for o in value.split(",") if o.strip())
+    if not out:
+        raise ValueError("--allowed-origins: give origins (https://host:port) or *")
+    return out
+
+
+def _chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise OSError(f"--chat-template {path}: {e.strerror or e}") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return text
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve_options(args: argparse.Namespace) -> Any:
+    """The app's options (psr.serve.app.Options) from the command line."""
+    from psr.serve.access import Access
+    from psr.serve.app import Options
+
+    return Options(
+        access=Access(api_keys(args), args.protect_all),
+        allowed_origins=_origins(args.allowed_origins),
+        max_body=args.max_body,
+        strict=args.strict,
+        chat_template=_chat_template(args.chat_template),
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     path = _check(args)
+    options = serve_options(args)
     _check_bind(args.host, args.port)
     name = args.served_model_name or Path(path).resolve().name
+    if not options.access.keys and not is_loopback(args.host):
+        logging.getLogger("psr.serve").warning(
+            "listening on %s without an API key: anyone who can reach it can use the model "
+            "(--api-key or PSR_API_KEY)",
+            args.host,
+        )
 
     import uvicorn
 
     from psr.models import load
     from psr.serve.app import create_app
     from psr.serve.engine import Engine
+    from psr.serve.metrics import Metrics
 
     show_progress = progress(args)
     engine = Engine(
         lambda: load(path, **load_options(args), progress=show_progress),
         max_queue=args.max_queue,
+        metrics=Metrics(name),
     )
     config = uvicorn.Config(
-        create_app(engine, served_name=name),
+        create_app(engine, served_name=name, options=options),
         host=args.host,
         port=args.port,
         log_config=_log_config(),

@@ -13,7 +13,12 @@ Per MoE layer l and decode token, in stream order:
      l's experts, and every earlier read of l + 1's slots is before the fork;
   6. the experts, reading their slots through the device slot map.
 Counts accumulate in the state and are read when `stats` is read or a call ends; router
-inputs that are not finite set a flag checked then (`check`). A gather cannot fail
+inputs that are not finite set a flag checked then (`check`). Per-token records without a
+read per token: before each decode forward (`snapshot`) the counter columns of every
+layer's row are copied, on the device, into the next row of a preallocated buffer (grown
+on the device when full); reading the stats reads the buffer with the counts (the same
+one read), and token t's record is the difference of snapshots t + 1 and t, summed over
+layers: `stats.per_token` holds what the host-driven step records. A gather cannot fail
 recoverably (no retries): the store's copy retries belong to the host-driven path.
 
 The caches are handed over from the host ones when a sequence's first decode step runs
@@ -35,6 +40,12 @@ from psr_kernels import cache_state as cs
 
 if TYPE_CHECKING:
     from psr.runtime.context import StepContext
+
+
+SNAPSHOT_ROWS = 64  # per-token snapshots held on the device before the buffer doubles
+# ... up to this many: then the stats are read (one read per this many tokens), so a long
+# generation's buffer stays small (4096 x layers x 6 int32).
+MAX_SNAPSHOT_ROWS = 4096
 
 
 class DeviceDecode(Step):
@@ -62,6 +73,13 @@ class DeviceDecode(Step):
         self.live = False  # the state holds the current sequence's caches
         self.pending: dict[int, torch.Tensor] = {}
         self._seen = torch.zeros(L, len(cs.COUNT_NAMES), dtype=torch.int64)
+        # Counter columns (COUNTS .. FLAG) of every layer, one row per decode token since
+        # the last read, and one more for the read itself.
+        self._cols = slice(lo.header + cs.COUNTS, lo.header + cs.FLAG + 1)
+        width = cs.FLAG + 1 - cs.COUNTS
+        self._snaps = torch.zeros(SNAPSHOT_ROWS, L, width, dtype=st.dtype, device=st.device)
+        self._n_snaps = 0
+        self._times: list[float] = []  # host seconds per snapshotted token (CPU only)
         self.bad_layers: list[int] = []
         # Layers whose kernel arguments were checked (on their first call): a layer's
         # arguments keep their shapes, dtypes and devices, so later calls skip the checks.
@@ -181,15 +199,57 @@ class DeviceDecode(Step):
         self.live = False
 
     # --- counts and the non-finite flag ----------------------------------------------
+    def snapshot(self) -> None:
+        """A decode token begins: its layers' counters copied into the snapshot buffer (a
+        device copy, no read)."""
+        if self._n_snaps + 1 >= MAX_SNAPSHOT_ROWS:
+            self.drain()
+        n = self._n_snaps
+        if n + 1 >= self._snaps.shape[0]:  # keep a row for the read
+            grown = torch.zeros(
+                2 * self._snaps.shape[0],
+                *self._snaps.shape[1:],
+                dtype=self._snaps.dtype,
+                device=self._snaps.device,
+            )
+            grown[:n].copy_(self._snaps[:n])
+            self._snaps = grown
+        self._snaps[n].copy_(self.state[:, self._cols])
+        self._n_snaps = n + 1
+
+    def token_time(self, seconds: float) -> None:
+        """The host-measured time of the token snapshotted last (CPU: the forward is
+        synchronous)."""
+        if len(self._times) < self._n_snaps:
+            self._times += [0.0] * (self._n_snaps - 1 - len(self._times)) + [seconds]
+
+    def _records(self, snaps: torch.Tensor) -> None:
+        """Per-token records from `snaps` (n + 1 rows: n tokens' snapshots, then now)."""
+        names = cs.COUNT_NAMES
+        per = (snaps[1:, :, : len(names)] - snaps[:-1, :, : len(names)]).sum(1).tolist()
+        times = self._times + [0.0] * (len(per) - len(self._times))
+        eb = self.rt.acct.expert_bytes
+        stats = self.rt.acct.stats
+        for row, t in zip(per, times, strict=True):
+            rec = dict(zip(names, row, strict=True))
+            copies = rec["misses"] + rec["prefetches"]
+            stats.add_record(rec | {"copies": copies, "bytes_copied": copies * eb}, t)
+        self._n_snaps, self._times = 0, []
+
     def drain(self, rows: torch.Tensor | None = None) -> None:
-        """Add the counts accumulated since the last read to the stats (one device read),
-        and collect the layers whose router inputs were not finite."""
-        lo = self.layout
-        hdr = lo.header
+        """Add the counts accumulated since the last read to the stats, and each
+        snapshotted token's record (one device read), and collect the layers whose router
+        inputs were not finite."""
+        n = self._n_snaps
         if rows is None:
-            rows = self.state[:, hdr + cs.COUNTS : hdr + cs.FLAG + 1].cpu()
-        else:
-            rows = rows[:, hdr + cs.COUNTS : hdr + cs.FLAG + 1]
+            self._snaps[n].copy_(self.state[:, self._cols])
+            snaps = self._snaps[: n + 1].cpu()  # the one read: snapshots and counts
+            rows = snaps[n]
+        else:  # the whole state, read after a sync: the snapshots are one more read
+            rows = rows[:, self._cols]
+            snaps = torch.cat([self._snaps[:n].cpu(), rows[None]])
+        if n:
+            self._records(snaps)
         counts = rows[:, : len(cs.COUNT_NAMES)].to(torch.int64)
         delta = (counts - self._seen).sum(0).tolist()
         self._seen = counts
@@ -201,7 +261,7 @@ class DeviceDecode(Step):
         flags = rows[:, -1]
         if bool(flags.any()):
             self.bad_layers += [i for i in range(len(flags)) if flags[i]]
-            self.state[:, hdr + cs.FLAG] = 0
+            self.state[:, self.layout.header + cs.FLAG] = 0
 
     def check(self) -> None:
         """Raise, once, for router inputs that were not finite since the last check."""

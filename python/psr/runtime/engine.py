@@ -299,6 +299,7 @@ class OffloadRuntime:
         if self._step is self._device:
             # Counted here, outside the forward: a compiled decode step has no host state.
             self.acct.stats.count_token()
+            self._device.snapshot()  # its per-token record, read with the counts
             if self._call_t0 is None:
                 self._call_t0 = time.perf_counter()
         return self._step.name
@@ -314,6 +315,8 @@ class OffloadRuntime:
         else:
             if self.store.backend == "cuda":  # the host path's per-token time is the GPU's
                 torch.cuda.synchronize(self.store.device)
+            elif self._step is self._device:
+                self._device.token_time(seconds)
             self.end_step(seconds)
 
     def end_step(self, seconds: float) -> None:

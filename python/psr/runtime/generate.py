@@ -208,6 +208,17 @@ def next_token(
     return torch.multinomial(torch.softmax(scores, -1), 1, generator=gen).view(1, 1)
 
 
+def token_readout(raw: torch.Tensor, nxt: torch.Tensor, top: int) -> torch.Tensor:
+    """`[token, its logprob, top logprobs..., their ids...]` (float32, on the device) from
+    the raw logits `[V]`: what one host read returns when logprobs are asked for."""
+    lp = torch.log_softmax(raw.float(), -1)
+    parts = [nxt.view(1).float(), lp[nxt.view(1)]]
+    if top:
+        values, indices = lp.topk(top)
+        parts += [values, indices.float()]  # ids < 2**24: exact in float32
+    return torch.cat(parts)
+
+
 @torch.no_grad()
 def generate(
     hf: nn.Module,
@@ -218,6 +229,8 @@ def generate(
     streamer: Any = None,
     progress: bool = False,
     graph: Any = None,
+    logits_processor: Any = None,
+    logprobs: Any = None,
 ) -> torch.Tensor:
     """Greedy or sampled decoding of `ids [1, T]`; returns `[1, T + new]`.
 
@@ -229,7 +242,13 @@ def generate(
     sequence, streaming). `graph` (a psr.runtime.graphs.DecodeGraph): decode tokens are
     replays of one captured forward over its static cache; else the model's forward with
     transformers' dynamic cache. `streamer` (transformers' protocol) gets the prompt, then
-    each new token, then end()."""
+    each new token, then end().
+
+    `logits_processor` (transformers' `(ids, scores [1, V]) -> scores`, on the device) runs
+    on the float32 logits before the warpers and the arg-max. `logprobs` (an object with
+    an int `top` and `add(token, logprob, top)`, top a list of (id, logprob)) gets each
+    chosen token's log-softmax of the raw logits and the `top` largest, computed on the
+    device and read with the token in the same single host read."""
     s = settings
     eos = set(s.eos_token_ids)
     warp = warpers(s) if s.do_sample else None
@@ -248,9 +267,22 @@ def generate(
             logits = out.logits[0, -1]
         bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
         for i in bar:
+            raw = logits
+            if logits_processor is not None:
+                logits = logits_processor(ids, logits.float()[None])[0]
             nxt = next_token(logits, ids, warp, gen)
             ids = torch.cat([ids, nxt], dim=1)
-            token = int(nxt)  # the one host read per token: end of sequence, streaming
+            if logprobs is None:
+                token = int(nxt)  # the one host read per token: end of sequence, streaming
+            else:
+                k = logprobs.top
+                row = token_readout(raw, nxt, k).tolist()  # the same one read, wider
+                token = int(row[0])
+                logprobs.add(
+                    token,
+                    row[1],
+                    [(int(t), v) for v, t in zip(row[2 : 2 + k], row[2 + k :], strict=True)],
+                )
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
             if token in eos or i == s.max_new_tokens - 1:

@@ -346,6 +346,8 @@ class OffloadedModel(nn.Module):
         generation_config: Any = None,
         seed: int = 0,
         progress: bool = False,
+        logits_processor: Any = None,
+        logprobs: Any = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Greedy (default) or sampled decoding with a KV cache; returns `[1, T + new]` ids.
@@ -359,7 +361,8 @@ class OffloadedModel(nn.Module):
         transformers' temperature / top-k / top-p / min-p warpers and draws with a
         generator seeded by `seed` (reproducible; `torch.manual_seed` is not touched).
         `eos_token_id`: an id or a list; `streamer`: transformers' TextStreamer protocol
-        (put the prompt, then each new token; end)."""
+        (put the prompt, then each new token; end). `logits_processor` and `logprobs`: see
+        `psr.runtime.generate.generate` (not with a speculative drafter)."""
         ids = self._ids(input_ids)
         if attention_mask is not None:
             mask = torch.as_tensor(attention_mask)
@@ -391,6 +394,10 @@ class OffloadedModel(nn.Module):
         with self.runtime.lock:
             self._check_open()
             if self.drafter is not None:
+                if logits_processor is not None or logprobs is not None:
+                    raise ValueError(
+                        "speculative decoding takes no logits_processor and reports no logprobs"
+                    )
                 self.graph_status = f"off: {SPECULATIVE}"
                 return self._call(self._generate_speculative, ids, settings, streamer)
             graph = self._decode_graph(ids.shape[1] + settings.max_new_tokens)
@@ -405,6 +412,8 @@ class OffloadedModel(nn.Module):
                     streamer=streamer,
                     progress=progress,
                     graph=graph,
+                    logits_processor=logits_processor,
+                    logprobs=logprobs,
                 )
             finally:
                 if graph is not None:

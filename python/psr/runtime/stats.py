@@ -48,9 +48,16 @@ class Stats(Mapping[str, float]):
         self.totals["tokens"] += 1
         return rec
 
+    def add_record(self, counts: Mapping[str, float], time_s: float = 0.0) -> None:
+        """A decode step's record whose counts are already in the totals (the device
+        decode step's, made from its snapshots when the stats are read)."""
+        rec = {k: 0 for k in COUNT_KEYS} | {"stall_s": 0.0, "time_s": time_s}
+        rec.update(counts)
+        self.per_token.append(rec)
+
     def count_token(self) -> None:
-        """A decode step counted in the totals only (the device decode step keeps no
-        per-token record: its counts stay on the device until read)."""
+        """A decode step counted in the totals (the device decode step: its record is
+        added when its counts are read, `add_record`)."""
         self.totals["tokens"] += 1
 
     def add(self, rec: dict[str, float] | None, key: str, value: float) -> None:

@@ -1,13 +1,15 @@
 """The FastAPI app: OpenAI's endpoints over an `Engine`.
 
   GET  /health                200 once the model is loaded, 503 while it loads
-  GET  /v1/models             the served model (`id`: the served name)
+  GET  /v1/models             the served model (`id`: the served name, `max_model_len`)
   POST /v1/completions        OpenAI's request and response shapes, streamed (SSE) or not
   POST /v1/chat/completions   the same, for chat messages
+  POST /tokenize, /detokenize vLLM's: text or messages into ids, ids into text
   GET  /metrics               Prometheus text format
 
-A request is checked (protocol), tokenized and queued in the event loop; the engine's
-worker decodes it. The response starts with the first token, so a request that fails
+A request's body is read up to `max_body` bytes (else 413), then checked (protocol),
+templated and tokenized in a thread off the event loop, and queued; the engine's worker
+decodes it. The response starts with the first token, so a request that fails
 before it (a copy failure in prefill) is a 500, and one that cannot be queued a 429; a
 failure mid-stream ends the stream with an OpenAI error object, then `[DONE]`. A client
 that goes away, queued or mid-stream, cancels its request: a queued one leaves the queue,
@@ -24,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -32,6 +34,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from psr.serve import chat
+from psr.serve.access import Access, AccessMiddleware
+from psr.serve.decoding import GrammarError
 from psr.serve.engine import (
     Delta,
     Disconnected,
@@ -40,6 +44,7 @@ from psr.serve.engine import (
     Failed,
     Finished,
     Job,
+    Logprob,
     NotReady,
     Params,
     QueueFull,
@@ -51,6 +56,7 @@ from psr.serve.protocol import (
     ChatRequest,
     CompletionRequest,
     bad_request,
+    check_unicode,
     parse_chat,
     parse_completion,
 )
@@ -59,7 +65,26 @@ log = logging.getLogger("psr.serve")
 
 RETRY_AFTER_S = 1
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_OUTCOME = {404: "invalid", 429: "rejected", 503: "unavailable"}
+# How a request answered before decoding counts in psr_requests_total.
+_OUTCOME = {401: "unauthorized", 413: "too_large", 429: "rejected", 503: "unavailable"}
+DEFAULT_MAX_BODY = 8 * 2**20
+
+
+def outcome_of(status: int) -> str:
+    if status >= 500 and status != 503:
+        return "error"
+    return _OUTCOME.get(status, "invalid")
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the app answers: keys, CORS origins, the body limit, strictness, template."""
+
+    access: Access = field(default_factory=Access)
+    allowed_origins: tuple[str, ...] = ()  # empty: no CORS headers
+    max_body: int = DEFAULT_MAX_BODY
+    strict: bool = False  # unknown fields: 400 (else ignored, with a warning header)
+    chat_template: str | None = None  # a Jinja template overriding the checkpoint's
 
 
 def error_response(e: APIError) -> JSONResponse:
@@ -86,18 +111,22 @@ class _Prepared:
     request: CompletionRequest | ChatRequest
     prompt_ids: list[int]
     echo: str  # completions with echo: the prompt's text
-    template: str | None  # chat: "checkpoint" or "fallback"
+    template: str | None  # chat: "checkpoint", "fallback" or "file"
+    grammar: str | None = None  # the structured output's grammar, compiled
 
 
 class _Responder:
     """OpenAI's response objects for one request, whole or in chunks."""
 
-    def __init__(self, p: _Prepared, model_name: str) -> None:
+    def __init__(self, p: _Prepared, model_name: str, engine: Engine) -> None:
         self.p = p
         self.model_name = model_name
+        self.engine = engine
+        self.logprobs = p.request.sampling.logprobs
         self.created = int(time.time())
         self.chat = p.kind == "chat"
         self.token_ids = p.request.return_token_ids
+        self.offset = 0  # completions' text_offset of the next streamed token
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.p.id, "object": obj, "created": self.created, "model": self.model_name}
@@ -116,6 +145,31 @@ class _Responder:
             out["chat_template"] = self.p.template
         return out
 
+    def _logprobs(self, rows: list[Logprob], offset: int = 0) -> dict[str, Any] | None:
+        """OpenAI's logprobs object: chat's `content` list, or completions' four lists."""
+        if self.logprobs is None:
+            return None
+        if self.chat:
+
+            def entry(token: str, lp: float) -> dict[str, Any]:
+                return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+            content = [
+                entry(r.token, r.logprob) | {"top_logprobs": [entry(t, v) for t, v in r.top]}
+                for r in rows
+            ]
+            return {"content": content}
+        offsets, at = [], offset
+        for r in rows:
+            offsets.append(at)
+            at += len(r.token)
+        return {
+            "tokens": [r.token for r in rows],
+            "token_logprobs": [r.logprob for r in rows],
+            "top_logprobs": [dict(r.top) for r in rows],
+            "text_offset": offsets,
+        }
+
     def whole(self, deltas: list[Delta], f: Finished) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
         choice: dict[str, Any] = {"index": 0}
@@ -123,7 +177,11 @@ class _Responder:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = self.p.echo + text
-        choice |= {"logprobs": None, "finish_reason": f.finish_reason}
+        rows = [r for d in deltas for r in d.logprobs]
+        choice |= {
+            "logprobs": self._logprobs(rows, len(self.p.echo)),
+            "finish_reason": f.finish_reason,
+        }
         out = self._head("chat.completion" if self.chat else "text_completion")
         if self.token_ids:
             choice["token_ids"] = [t for d in deltas for t in d.token_ids]
@@ -141,6 +199,7 @@ class _Responder:
         token_ids: tuple[int, ...] = (),
         finish: Finished | None = None,
         first: bool = False,
+        logprobs: tuple[Logprob, ...] = (),
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
@@ -151,9 +210,11 @@ class _Responder:
         else:
             choice["text"] = text or ""
         choice |= {
-            "logprobs": None,
+            "logprobs": self._logprobs(list(logprobs), self.offset) if logprobs else None,
             "finish_reason": None if finish is None else finish.finish_reason,
         }
+        if text:
+            self.offset += len(text)
         out = self._head("chat.completion.chunk" if self.chat else "text_completion")
         if self.token_ids:
             choice["token_ids"] = list(token_ids)
@@ -182,8 +243,8 @@ class _Responder:
         ev = first
         while True:
             if isinstance(ev, Delta):
-                if ev.text or (self.token_ids and ev.token_ids):
-                    yield _sse(self.chunk(ev.text, ev.token_ids))
+                if ev.text or ev.logprobs or (self.token_ids and ev.token_ids):
+                    yield _sse(self.chunk(ev.text, ev.token_ids, logprobs=ev.logprobs))
             elif isinstance(ev, Finished):
                 yield _sse(self.chunk(None if self.chat else "", finish=ev))
                 if self.p.request.include_usage:
@@ -199,9 +260,10 @@ class _Responder:
             ev = await events()
 
 
-def create_app(engine: Engine, *, served_name: str) -> FastAPI:
+def create_app(engine: Engine, *, served_name: str, options: Options | None = None) -> FastAPI:
     """The server's app; its lifespan starts the engine (the model loads in its worker)
     and stops it."""
+    opts = options or Options()
     created = int(time.time())
 
     @asynccontextmanager
@@ -215,18 +277,48 @@ def create_app(engine: Engine, *, served_name: str) -> FastAPI:
     app = FastAPI(
         title="psr serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    _add_middleware(app, engine, opts)
+    _add_handlers(app, engine)
+    _add_info_routes(app, engine, served_name, created)
+    _add_generation_routes(app, engine, served_name, opts)
+    return app
 
+
+def _add_middleware(app: FastAPI, engine: Engine, opts: Options) -> None:
+    app.add_middleware(
+        AccessMiddleware,
+        access=opts.access,
+        on_unauthorized=lambda: engine.metrics.count("unauthorized"),
+    )
+    if opts.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        # Added last, so outermost: a preflight is answered before the key check.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(opts.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Warning"],
+        )
+
+
+def _add_handlers(app: FastAPI, engine: Engine) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{exc.detail}: {request.method} {request.url.path}"
+        engine.metrics.count(outcome_of(exc.status_code))
         return error_response(APIError(exc.status_code, message, headers=exc.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not bad input: OpenAI's body all the same (Starlette logs the traceback).
         log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
+        engine.metrics.count("error")
         return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
+
+def _add_info_routes(app: FastAPI, engine: Engine, served_name: str, created: int) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine.ready.is_set():
@@ -235,7 +327,15 @@ def create_app(engine: Engine, *, served_name: str) -> FastAPI:
         return JSONResponse({"status": status}, status_code=503)
 
     def card() -> dict[str, Any]:
-        return {"id": served_name, "object": "model", "created": created, "owned_by": "psr"}
+        out: dict[str, Any] = {
+            "id": served_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "psr",
+        }
+        if engine.ready.is_set():
+            out["max_model_len"] = engine.context
+        return out
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -251,6 +351,8 @@ def create_app(engine: Engine, *, served_name: str) -> FastAPI:
     async def metrics() -> Response:
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
+
+def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts: Options) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _generate(request, "completion")
@@ -259,11 +361,44 @@ def create_app(engine: Engine, *, served_name: str) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat")
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _guarded(request, lambda b: _tokenize(engine, served_name, opts, b))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _guarded(request, lambda b: _detokenize(engine, served_name, b))
+
+    async def _guarded(request: Request, fn: Callable[[Any], dict[str, Any]]) -> Response:
+        rid = _request_id(request)
+        try:
+            body = await _body(request, opts.max_body)
+            if not engine.ready.is_set():
+                raise _unavailable(engine)
+            out = await asyncio.to_thread(fn, body)
+        except APIError as e:
+            engine.metrics.count(outcome_of(e.status))
+            log.info("[%s] %s %d: %s", rid, request.url.path, e.status, e.message)
+            return error_response(e)
+        return JSONResponse(out)
+
     async def _generate(request: Request, kind: str) -> Response:
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
+        request_id = _request_id(request)
         try:
-            p = _prepare(engine, served_name, rid, kind, await _body(request))
-            job = Job(rid, p.prompt_ids, _params(engine, p), p.request.sampling.stop)
+            body = await _body(request, opts.max_body)
+            # Checks, the template, tokenizing and the grammar: in a thread (a long
+            # prompt must not stall the streams the event loop is writing).
+            p = await asyncio.to_thread(_prepare, engine, served_name, rid, kind, body, opts)
+            job = Job(
+                rid,
+                p.prompt_ids,
+                _params(engine, p),
+                p.request.sampling.stop,
+                sampling=p.request.sampling,
+                grammar=p.grammar,
+                request_id=request_id,
+            )
             try:
                 engine.submit(job)
             except QueueFull:
@@ -277,12 +412,20 @@ def create_app(engine: Engine, *, served_name: str) -> FastAPI:
             except NotReady:
                 raise _unavailable(engine) from None
         except APIError as e:
-            engine.metrics.count(_OUTCOME.get(e.status, "invalid"))
-            log.info("%s %d: %s", rid, e.status, e.message)
+            engine.metrics.count(outcome_of(e.status))
+            log.info("%s [%s] %d: %s", rid, request_id, e.status, e.message)
             return error_response(e)
-        return await _respond(engine, job, p, served_name, request)
+        if p.request.ignored:
+            names = ", ".join(p.request.ignored)
+            log.warning("%s [%s] ignored unknown fields: %s", rid, request_id, names)
+        response = await _respond(engine, job, p, served_name, request)
+        if p.request.ignored:
+            response.headers["Warning"] = f'299 psr "unknown fields ignored: {names}"'
+        return response
 
-    return app
+
+def _request_id(request: Request) -> str:
+    return str(request.scope.get("state", {}).get("request_id", ""))
 
 
 def _unknown_model(name: str, served: str) -> APIError:
@@ -302,62 +445,180 @@ def _unavailable(engine: Engine) -> APIError:
     return APIError(503, "the model is loading; retry when /health answers 200", code="loading")
 
 
-async def _body(request: Request) -> Any:
-    raw = await request.body()
+def _too_large(limit: int) -> APIError:
+    return APIError(
+        413,
+        f"the request body exceeds the server's limit of {limit} bytes (--max-body)",
+        type="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+async def _body(request: Request, limit: int) -> Any:
+    """The JSON body, read up to `limit` bytes (413 beyond: by Content-Length before
+    reading, else while reading), decoded in a thread."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        return json.loads(raw)
+        return json.loads(raw) if len(raw) < 2**16 else await asyncio.to_thread(json.loads, raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
 
 
-def _prepare(engine: Engine, served: str, rid: str, kind: str, body: Any) -> _Prepared:
-    """Check and tokenize a request (in the event loop: no decoding here)."""
+def _encode(engine: Engine, text: str, special: bool = True) -> list[int]:
+    """Text into ids with the requests' tokenizer (hold engine.request_lock)."""
+    return list(engine.request_tokenizer(text, add_special_tokens=special)["input_ids"])
+
+
+def _chat_ids(engine: Engine, messages: list[dict[str, str]], template: str | None) -> Any:
+    try:
+        return chat.prompt_ids(engine.request_tokenizer, messages, template)
+    except Exception as e:  # a checkpoint's template may refuse a conversation
+        raise bad_request(f"the chat template failed: {e}", "messages") from None
+
+
+def _prepare(
+    engine: Engine, served: str, rid: str, kind: str, body: Any, opts: Options
+) -> _Prepared:
+    """Check and tokenize a request (in a worker thread of the event loop's pool)."""
     req: CompletionRequest | ChatRequest
-    req = parse_completion(body) if kind == "completion" else parse_chat(body)
+    if kind == "completion":
+        req = parse_completion(body, opts.strict)
+    else:
+        req = parse_chat(body, opts.strict)
     if req.model is not None and req.model != served:
         raise _unknown_model(req.model, served)
     if not engine.ready.is_set():
         raise _unavailable(engine)
-    tok = engine.model.tokenizer
-    echo, template = "", None
-    if isinstance(req, ChatRequest):
-        try:
-            with engine.tokenizer_lock:
-                ids, template = chat.prompt_ids(tok, req.messages)
-        except Exception as e:  # a checkpoint's template may refuse a conversation
-            raise bad_request(f"the chat template failed: {e}", "messages") from None
-    elif isinstance(req.prompt, str):
-        with engine.tokenizer_lock:
-            ids = list(tok(req.prompt)["input_ids"])
-        if req.echo:
-            echo = req.prompt
-    else:
-        ids = req.prompt
-        vocab = engine.model.config.vocab_size
-        if max(ids) >= vocab:
-            raise bad_request(
-                f"prompt token id {max(ids)} is outside the vocabulary of {vocab}", "prompt"
-            )
-        if req.echo:
-            echo = engine.decode_text(ids)
+    echo, template, grammar = "", None, None
+    _check_length(engine, req)
+    with engine.request_lock:
+        if isinstance(req, ChatRequest):
+            ids, template = _chat_ids(engine, req.messages, opts.chat_template)
+        elif isinstance(req.prompt, str):
+            ids = _encode(engine, req.prompt)
+            if req.echo:
+                echo = req.prompt
+        else:
+            ids = req.prompt
+            _check_vocab(engine, ids, "prompt")
+            if req.echo:
+                echo = engine.request_decode(ids)
+        structured = req.sampling.structured
+        if structured is not None:
+            try:
+                grammar = engine.grammars().grammar(structured)
+            except ImportError:
+                raise bad_request(
+                    "structured output needs llguidance on the server: pip install 'psr[serve]'",
+                    "response_format",
+                ) from None
+            except GrammarError as e:
+                raise bad_request(
+                    f"the structured output's grammar: {e}", "response_format"
+                ) from None
     if not ids:
         raise bad_request("the prompt encodes to no tokens", "prompt")
-    return _Prepared(kind, rid, req, ids, echo, template)
+    return _Prepared(kind, rid, req, ids, echo, template, grammar)
+
+
+def _check_length(engine: Engine, req: CompletionRequest | ChatRequest) -> None:
+    """Refuse, without tokenizing, text that has more tokens than the context for certain
+    (a 4 MB prompt takes seconds to tokenize, all to be refused)."""
+    ctx, per = engine.context, engine.bytes_per_token
+    if ctx is None or per is None:
+        return
+    if isinstance(req, ChatRequest):
+        size = sum(len(m["content"].encode()) for m in req.messages)
+    elif isinstance(req.prompt, str):
+        size = len(req.prompt.encode())
+    else:
+        return
+    least = -(-size // per)  # tokens at least (a token stands for at most `per` bytes)
+    if least >= ctx:  # no room for one new token (shorter ones: _params' exact check)
+        param = "messages" if isinstance(req, ChatRequest) else "prompt"
+        raise bad_request(
+            f"the prompt is {size} bytes, so at least {least} tokens (at most {per} bytes "
+            f"per token), beyond the model's context of {ctx} tokens",
+            param,
+            code="context_length_exceeded",
+        )
+
+
+def _check_vocab(engine: Engine, ids: list[int], param: str) -> None:
+    vocab = engine.model.config.vocab_size
+    if ids and max(ids) >= vocab:
+        raise bad_request(f"token id {max(ids)} is outside the vocabulary of {vocab}", param)
+
+
+def _tokenize(engine: Engine, served: str, opts: Options, body: Any) -> dict[str, Any]:
+    """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} (add_generation_prompt),
+    `add_special_tokens` (default true, prompts only) -> count, max_model_len, tokens."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    for key, value in body.items():
+        check_unicode(value, key)
+    model = body.get("model")
+    if model is not None and model != served:
+        raise _unknown_model(str(model), served)
+    special = body.get("add_special_tokens", True)
+    if not isinstance(special, bool):
+        raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
+    with engine.request_lock:
+        if "messages" in body:
+            req = parse_chat({"messages": body["messages"]})
+            ids, _ = _chat_ids(engine, req.messages, opts.chat_template)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad_request("prompt must be a string (or give messages)", "prompt")
+            ids = _encode(engine, prompt, special)
+    return {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
+
+
+def _detokenize(engine: Engine, served: str, body: Any) -> dict[str, Any]:
+    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != served:
+        raise _unknown_model(str(model), served)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+    ):
+        raise bad_request("tokens must be a list of token ids (integers >= 0)", "tokens")
+    _check_vocab(engine, ids, "tokens")
+    with engine.request_lock:
+        return {"prompt": engine.request_decode(ids, skip_special=False)}
 
 
 def _params(engine: Engine, p: _Prepared) -> Params:
     s = p.request.sampling
     n, ctx = len(p.prompt_ids), engine.context
     max_tokens = s.max_tokens
-    param = "max_tokens"
-    if max_tokens is None:  # chat: the rest of the context
+    if max_tokens is None and ctx is not None and n >= ctx:  # chat: the rest of the context
+        raise bad_request(
+            f"the prompt is {n} tokens, which fills the model's context of {ctx} tokens: "
+            "no room for a completion (shorten the messages)",
+            "messages",
+            code="context_length_exceeded",
+        )
+    if max_tokens is None:
         max_tokens = COMPLETION_MAX_TOKENS if ctx is None else ctx - n
-        param = "messages"
-    if ctx is not None and (max_tokens < 1 or n + max_tokens > ctx):
+    if ctx is not None and n + max_tokens > ctx:
         raise bad_request(
             f"the prompt's {n} tokens + max_tokens {max_tokens} exceed the model's context of "
             f"{ctx} tokens",
-            param,
+            "max_tokens",
             code="context_length_exceeded",
         )
     if not s.greedy and engine.model.drafter is not None:
@@ -365,10 +626,20 @@ def _params(engine: Engine, p: _Prepared) -> Params:
             "this server decodes speculatively, which is greedy: temperature must be 0",
             "temperature",
         )
+    if engine.model.drafter is not None and (
+        s.logprobs is not None
+        or p.grammar is not None
+        or s.repetition_penalty != 1.0
+        or s.presence_penalty
+        or s.frequency_penalty
+    ):
+        raise bad_request(
+            "this server decodes speculatively: no logprobs, penalties or structured output"
+        )
     if s.greedy:
         return Params(max_tokens)
     seed = secrets.randbelow(2**63) if s.seed is None else s.seed
-    return Params(max_tokens, True, s.temperature, s.top_k, s.top_p, seed)
+    return Params(max_tokens, True, s.temperature, s.top_k, s.top_p, seed, s.min_p)
 
 
 async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
@@ -385,7 +656,7 @@ async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
 async def _respond(
     engine: Engine, job: Job, p: _Prepared, served: str, request: Request
 ) -> Response:
-    r = _Responder(p, served)
+    r = _Responder(p, served, engine)
     watch = asyncio.create_task(_watch_disconnect(request, engine, job))
     handed_over = False
     try:

@@ -16,6 +16,10 @@ concurrent: the calls right after the batch, in its order), so a shared machine'
 spells hit both; a run's overhead is the mean of its requests' relative differences from
 their pairs (median gaps), with a Student-t 95% interval over the R x N requests.
 Every greedy output must equal model.generate's, token for token.
+Structured output's cost: the N prompts decoded by model.generate under a JSON-object
+grammar mask (llguidance, as the server applies it), its host time per token (computing
+the mask, consuming the token) next to the whole token's time, and the same prompts
+decoded without it.
 """
 
 from __future__ import annotations
@@ -121,6 +125,7 @@ class BenchResult:
     max_tokens: int
     policy: str
     rounds: list[list[Run]]
+    grammar: dict[str, float] | None = None  # structured output's mask cost (_grammar_cost)
 
     @property
     def runs(self) -> list[Run]:
@@ -210,6 +215,14 @@ class BenchResult:
             "greedy outputs equal to model.generate, token for token: "
             + ("yes" if self.greedy_equal else "NO"),
         ]
+        g = self.grammar
+        if g is not None:
+            lines.append(
+                f"grammar mask (JSON object, llguidance): {g['mask_ms_per_token']:.3f} ms/token "
+                f"of host time over {g['tokens']:.0f} tokens; model.generate "
+                f"{g['ms_per_token_masked']:.2f} ms/token with the mask, "
+                f"{g['ms_per_token_plain']:.2f} without (the same prompts)"
+            )
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -222,7 +235,63 @@ class BenchResult:
                 r.name: asdict(o) for r, o in zip(self.rounds[0][1:], self.overheads(), strict=True)
             },
             "rounds": [[asdict(r) | {"tokens": r.tokens} for r in runs] for runs in self.rounds],
+            "grammar": self.grammar,
         }
+
+
+def _grammar_cost(model: Any, ids: list[list[int]], max_tokens: int) -> dict[str, float]:
+    """model.generate on `ids` with a JSON-object grammar mask and without, alternating
+    per prompt: the mask's host seconds per token, and each way's ms per token."""
+    from psr.serve.decoding import Grammars
+    from psr.serve.protocol import Structured
+
+    tok = model.tokenizer
+    eos = getattr(tok, "eos_token_id", None)
+    grammars = Grammars(tok, model.config.vocab_size, () if eos is None else (eos,))
+    grammar = grammars.grammar(Structured("json", None))
+    seconds = {"masked": 0.0, "plain": 0.0}
+    tokens = {"masked": 0, "plain": 0}
+    mask_s, masks = 0.0, 0
+    for prompt in ids:
+        for way in ("masked", "plain"):
+            mask = grammars.mask(grammar) if way == "masked" else None
+            timer = _Timer()
+            t0 = time.perf_counter()
+            model.generate(
+                prompt,
+                max_new_tokens=max_tokens,
+                eos_token_id=eos,
+                streamer=_Feed(timer, mask),
+                logits_processor=mask,
+            )
+            seconds[way] += time.perf_counter() - t0
+            tokens[way] += len(timer.tokens)
+            if mask is not None:
+                mask_s, masks = mask_s + mask.seconds, masks + mask.masks
+    return {
+        "mask_ms_per_token": mask_s * 1e3 / max(masks, 1),
+        "tokens": float(masks),
+        "ms_per_token_masked": seconds["masked"] * 1e3 / max(tokens["masked"], 1),
+        "ms_per_token_plain": seconds["plain"] * 1e3 / max(tokens["plain"], 1),
+    }
+
+
+class _Feed:
+    """A streamer that feeds each token to the grammar mask (as the server's does)."""
+
+    def __init__(self, timer: _Timer, mask: Any) -> None:
+        self.timer, self.mask, self._prompt = timer, mask, True
+
+    def put(self, value: Any) -> None:
+        self.timer.put(value)
+        if self._prompt:
+            self._prompt = False
+        elif self.mask is not None:
+            for t in value.reshape(-1).tolist():
+                self.mask.consume(int(t))
+
+    def end(self) -> None:
+        pass
 
 
 class _Timer:
@@ -347,12 +416,13 @@ def bench_serve(
             for prompt in ids:
                 generate(prompt, ref)
             done.append([ref, seq, conc])
+        grammar = _grammar_cost(model, ids, max_tokens) if model.drafter is None else None
     finally:
         if clients is not None:
             clients.close()
         server.should_exit = True
         thread.join(30)
-    return BenchResult(requests, max_tokens, model.policy.describe(), done)
+    return BenchResult(requests, max_tokens, model.policy.describe(), done, grammar)
 
 
 class _Clients:

@@ -17,6 +17,7 @@ model's stats are cumulative; the worker takes each request's differences around
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -25,10 +26,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from psr.serve.decoding import GrammarMask, Grammars, LogprobSink, Penalties, Processors
 from psr.serve.metrics import Metrics
+from psr.serve.protocol import Sampling
 from psr.serve.stops import Detokenizer, StopBuffer
 
 log = logging.getLogger("psr.serve")
+
+
+def max_bytes_per_token(tokenizer: Any) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token stands for: the longest vocab
+    entry's (byte-level BPE spells each byte with one or two UTF-8 bytes, SentencePiece a
+    space with three), doubled where a normalizer may shrink text first (NFC composing
+    characters). None: the tokenizer's vocabulary is not readable."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:
+        return None
+    if not vocab:
+        return None
+    longest = max(len(str(k).encode()) for k in vocab)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None) if backend is not None else None
+    return longest * (2 if normalizer is not None else 1)
 
 
 class QueueFull(Exception):
@@ -49,6 +69,7 @@ class Params:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    min_p: float = 0.0
 
     def generate_kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "do_sample": self.do_sample}
@@ -59,7 +80,18 @@ class Params:
                 "top_p": self.top_p,
                 "seed": self.seed,
             }
+            if self.min_p > 0:
+                kw["min_p"] = self.min_p
         return kw
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's logprob entry: its text and logprob, and the most likely tokens'."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
 
 
 # ------------------------------------------------------------------ events: worker -> loop
@@ -71,6 +103,7 @@ class Delta:
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[Logprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,7 +137,11 @@ class Job:
     prompt_ids: list[int]
     params: Params
     stops: tuple[str, ...] = ()
+    sampling: Sampling | None = None  # penalties, ignore_eos, logprobs
+    grammar: str | None = None  # an llguidance grammar (checked) the output must follow
+    request_id: str = ""  # X-Request-Id, for the log line
     arrived: float = field(default_factory=time.perf_counter)
+    started: float | None = None  # when the worker took it
     # Created in the event loop's thread (submit runs there); filled by the worker.
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     _cancelled: threading.Event = field(default_factory=threading.Event)
@@ -124,14 +161,25 @@ class _StopString(Exception):
     pass
 
 
+class _GrammarDone(Exception):
+    pass
+
+
 class _Streamer:
     """transformers' streamer protocol, as `model.generate` drives it: put(prompt), then
     put(tokens) per step (one token; several at once when decoding speculatively), end()."""
 
     def __init__(
-        self, job: Job, detok: Detokenizer, stops: StopBuffer, emit: Callable[[Event], None]
+        self,
+        job: Job,
+        detok: Detokenizer,
+        stops: StopBuffer,
+        emit: Callable[[Event], None],
+        sink: LogprobSink | None = None,
+        grammar: GrammarMask | None = None,
     ) -> None:
         self.job, self.detok, self.stops, self.emit = job, detok, stops, emit
+        self.sink, self.grammar = sink, grammar
         self.tokens: list[int] = []
         self.times: list[float] = []
         self._prompt_seen = False
@@ -145,12 +193,23 @@ class _Streamer:
                 raise _Cancelled
             self.tokens.append(int(t))
             self.times.append(time.perf_counter())
-            self.emit(Delta(self.stops.feed(self.detok.add(int(t))), (int(t),)))
+            lp = () if self.sink is None else (self._logprob(len(self.tokens) - 1),)
+            self.emit(Delta(self.stops.feed(self.detok.add(int(t))), (int(t),), lp))
             if self.stops.stopped:
                 raise _StopString
+            if self.grammar is not None:
+                self.grammar.consume(int(t))  # the next mask follows this token
+                if self.grammar.done:
+                    raise _GrammarDone
 
     def end(self) -> None:
         pass
+
+    def _logprob(self, i: int) -> Logprob:
+        assert self.sink is not None
+        token, lp, top = self.sink.rows[i]
+        piece = self.detok.piece
+        return Logprob(piece(token), lp, tuple((piece(t), v) for t, v in top))
 
 
 class Engine:
@@ -178,6 +237,15 @@ class Engine:
         # Fast tokenizers must not be used from two threads at once: the event loop
         # encodes prompts while the worker decodes tokens.
         self.tokenizer_lock = threading.Lock()
+        # Requests are tokenized (and templated, and grammars compiled) in threads off the
+        # event loop with a tokenizer of their own, so a long prompt never holds the lock
+        # the worker's detokenizing takes: it waits only for other requests' tokenizing.
+        self.request_tokenizer: Any = None
+        self.request_lock = threading.Lock()
+        self._grammars: Grammars | None = None
+        # At most this many bytes of text per token (see max_bytes_per_token): a prompt of
+        # more than context x this many bytes cannot fit, and is refused untokenized.
+        self.bytes_per_token: int | None = None
         self.eos_token_ids: tuple[int, ...] = ()
         self.context: int | None = None
         self._cond = threading.Condition()
@@ -248,6 +316,19 @@ class Engine:
             text: str = self.model.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
 
+    def request_decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of `ids` with the requests' tokenizer (hold `request_lock`)."""
+        text: str = self.request_tokenizer.decode(list(ids), skip_special_tokens=skip_special)
+        return text
+
+    def grammars(self) -> Grammars:
+        """llguidance over the requests' tokenizer, made on first use (hold `request_lock`)."""
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.request_tokenizer, self.model.config.vocab_size, self.eos_token_ids
+            )
+        return self._grammars
+
     # -------------------------------------------------------------- worker side
 
     def _emit(self, job: Job, event: Event) -> None:
@@ -277,6 +358,8 @@ class Engine:
             eos = getattr(model.config, "eos_token_id", None)
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else eos or ())
         self.context = getattr(model.config, "max_position_embeddings", None)
+        self.request_tokenizer = copy.deepcopy(tok)
+        self.bytes_per_token = max_bytes_per_token(tok)
         self.ready.set()
         log.info("model loaded: %s, policy %s", model.path, model.policy.describe())
         while True:
@@ -286,6 +369,7 @@ class Engine:
                 if self._stopping:
                     return
                 job = self._queue.popleft()
+                job.started = time.perf_counter()
                 self._running = job
                 self.metrics.queue_depth.set(len(self._queue))
                 self.metrics.running.set(1)
@@ -296,24 +380,48 @@ class Engine:
                     self._running = None
                     self.metrics.running.set(0)
 
+    def _processors(self, job: Job) -> tuple[Processors | None, GrammarMask | None]:
+        items: list[Any] = []
+        if job.sampling is not None:
+            pen = Penalties(job.sampling, len(job.prompt_ids))
+            if pen.active:
+                items.append(pen)
+        mask = None
+        if job.grammar is not None:
+            with self.request_lock:
+                mask = self.grammars().mask(job.grammar)
+            items.append(mask)
+        return (Processors(items) if items else None), mask
+
     def _decode(self, job: Job) -> None:
         model = self.model
         detok = Detokenizer(self.decode_text, job.prompt_ids)
         stops = StopBuffer(job.stops)
-        streamer = _Streamer(job, detok, stops, lambda ev: self._emit(job, ev))
+        s = job.sampling
+        sink = None if s is None or s.logprobs is None else LogprobSink(s.logprobs)
+        processors, mask = self._processors(job)
+        streamer = _Streamer(job, detok, stops, lambda ev: self._emit(job, ev), sink, mask)
+        ignore_eos = s is not None and s.ignore_eos
         before = dict(model.stats.totals)
         finish: str | None = None
         error: Exception | None = None
+        extra: dict[str, Any] = {}
+        if processors is not None:
+            extra["logits_processor"] = processors
+        if sink is not None:
+            extra["logprobs"] = sink
         try:
             model.generate(
                 job.prompt_ids,
                 **job.params.generate_kwargs(),
-                eos_token_id=list(self.eos_token_ids) or None,
+                eos_token_id=None if ignore_eos else (list(self.eos_token_ids) or None),
                 streamer=streamer,
+                **extra,
             )
             final = streamer.tokens[-1] if streamer.tokens else None
-            finish = "stop" if final in self.eos_token_ids else "length"
-        except _StopString:
+            eos = final in self.eos_token_ids and not ignore_eos
+            finish = "stop" if eos else "length"
+        except (_StopString, _GrammarDone):
             finish = "stop"
         except _Cancelled:
             pass
@@ -331,7 +439,13 @@ class Engine:
                 tail += stops.flush()
             if tail:
                 self._emit(job, Delta(tail, ()))
-            last = Finished(finish, len(job.prompt_ids), n, self._psr_figures(model, diff))
+            figures = self._psr_figures(model, diff)
+            if mask is not None:
+                figures["grammar_mask_ms_per_token"] = round(
+                    mask.seconds * 1e3 / max(mask.masks, 1), 4
+                )
+                self.metrics.grammar.observe(mask.seconds / max(mask.masks, 1))
+            last = Finished(finish, len(job.prompt_ids), n, figures)
             outcome = finish
         elif error is not None:
             last = Failed(f"{type(error).__name__}: {error}")
@@ -342,7 +456,9 @@ class Engine:
         # Counted and logged before the answer goes out: a client that has its response
         # finds the request in /metrics.
         self.metrics.count(outcome)
-        self.metrics.add_request(diff, len(job.prompt_ids), n, streamer.times, job.arrived)
+        self.metrics.add_request(
+            diff, len(job.prompt_ids), n, streamer.times, job.arrived, job.started
+        )
         self._log(job, outcome, n, streamer.times, diff, error)
         self._emit(job, last)
 
@@ -373,8 +489,9 @@ class Engine:
     ) -> None:
         ttft = f"{(times[0] - job.arrived) * 1e3:.0f} ms" if times else "-"
         rate = f"{(n - 1) / (times[-1] - times[0]):.1f}" if n > 1 and times[-1] > times[0] else "-"
+        rid = f" [{job.request_id}]" if job.request_id else ""
         line = (
-            f"{job.id} {outcome}: prompt {len(job.prompt_ids)} + completion {n} tokens, "
+            f"{job.id}{rid} {outcome}: prompt {len(job.prompt_ids)} + completion {n} tokens, "
             f"ttft {ttft}, {rate} tokens/s, hits {int(d['hits'])} misses {int(d['misses'])}"
         )
         if error is not None:

@@ -3,7 +3,10 @@
 Counters grow by each request's own figures (differences of the model's cumulative
 stats, taken by the worker around the request): routed experts, hits, misses, prefetches
 and prefetches used are counted over decode steps; copied bytes and stall seconds by
-phase (prefill, decode).
+phase (prefill, decode). Every series carries a `model_name` label (the served name), and
+the latency histograms are vLLM's: time to first token, time per output token, end to end
+and queue time (`_created` series are turned off: prometheus_client's process-wide
+switch, which a server process owns).
 """
 
 from __future__ import annotations
@@ -12,60 +15,113 @@ from itertools import pairwise
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 
 __all__ = ["CONTENT_TYPE", "OUTCOMES", "Metrics"]
 
 # How a request ended: stop / length (finish_reason), cancelled (client gone), error (500),
-# rejected (429, queue full), invalid (4xx before decoding), unavailable (503, loading).
-OUTCOMES = ("stop", "length", "cancelled", "error", "rejected", "invalid", "unavailable")
+# rejected (429, queue full), invalid (4xx before decoding), unavailable (503, loading),
+# unauthorized (401), too_large (413: the body limit).
+OUTCOMES = (
+    "stop",
+    "length",
+    "cancelled",
+    "error",
+    "rejected",
+    "invalid",
+    "unavailable",
+    "unauthorized",
+    "too_large",
+)
 PHASES = ("prefill", "decode")
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_MASK_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
+
+
+class _Labelled:
+    """A metric family with its `model_name` label bound."""
+
+    def __init__(self, metric: Any, model_name: str) -> None:
+        self.metric, self.model_name = metric, model_name
+
+    def labels(self, *values: str) -> Any:
+        return self.metric.labels(self.model_name, *values)
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("psr_requests", "Requests, by outcome", ["outcome"], registry=r)
-        for o in OUTCOMES:
-            self.requests.labels(o)
-        self.prompt_tokens = Counter("psr_prompt_tokens", "Prompt tokens prefilled", registry=r)
-        self.generated_tokens = Counter(
-            "psr_generated_tokens", "Completion tokens generated", registry=r
+        r, m = self.registry, model_name
+        M = ["model_name"]
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, M, registry=r).labels(m)
+
+        def by(kind: Any, name: str, doc: str, label: str, values: tuple[str, ...]) -> Any:
+            fam = _Labelled(kind(name, doc, [*M, label], registry=r), m)
+            for v in values:
+                fam.labels(v)
+            return fam
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+            return Histogram(name, doc, M, buckets=buckets, registry=r).labels(m)
+
+        self.requests = by(Counter, "psr_requests", "Requests, by outcome", "outcome", OUTCOMES)
+        self.prompt_tokens = counter("psr_prompt_tokens", "Prompt tokens prefilled")
+        self.generated_tokens = counter("psr_generated_tokens", "Completion tokens generated")
+        self.routed = counter(
+            "psr_routed_experts", "Experts routed in decode steps (layers x top-k)"
         )
-        self.routed = Counter(
-            "psr_routed_experts", "Experts routed in decode steps (layers x top-k)", registry=r
+        self.hits = counter("psr_expert_hits", "Routed experts found on the device")
+        self.misses = counter("psr_expert_misses", "Routed experts copied in on demand")
+        self.prefetches = counter("psr_prefetches", "Predicted experts copied ahead")
+        self.prefetches_used = counter("psr_prefetches_used", "Prefetched experts that were routed")
+        self.copied_bytes = by(
+            Counter, "psr_copied_bytes", "Expert bytes copied to the device", "phase", PHASES
         )
-        self.hits = Counter("psr_expert_hits", "Routed experts found on the device", registry=r)
-        self.misses = Counter("psr_expert_misses", "Routed experts copied in on demand", registry=r)
-        self.prefetches = Counter("psr_prefetches", "Predicted experts copied ahead", registry=r)
-        self.prefetches_used = Counter(
-            "psr_prefetches_used", "Prefetched experts that were routed", registry=r
+        self.stall = by(
+            Counter, "psr_stall_seconds", "Time spent waiting for expert copies", "phase", PHASES
         )
-        self.copied_bytes = Counter(
-            "psr_copied_bytes", "Expert bytes copied to the device", ["phase"], registry=r
-        )
-        self.stall = Counter(
-            "psr_stall_seconds", "Time spent waiting for expert copies", ["phase"], registry=r
-        )
-        for p in PHASES:
-            self.copied_bytes.labels(p)
-            self.stall.labels(p)
-        self.queue_depth = Gauge("psr_queue_depth", "Requests waiting to decode", registry=r)
-        self.running = Gauge("psr_running_requests", "Requests decoding (0 or 1)", registry=r)
-        self.ttft = Histogram(
+        self.queue_depth = Gauge(
+            "psr_queue_depth", "Requests waiting to decode", M, registry=r
+        ).labels(m)
+        self.running = Gauge(
+            "psr_running_requests", "Requests decoding (0 or 1)", M, registry=r
+        ).labels(m)
+        self.ttft = histogram(
             "psr_time_to_first_token_seconds",
             "From a request's arrival to its first token (queueing included)",
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+            _TTFT_BUCKETS,
         )
-        self.tpot = Histogram(
+        self.tpot = histogram(
             "psr_time_per_output_token_seconds",
             "Between consecutive tokens of a request",
-            buckets=_TPOT_BUCKETS,
-            registry=r,
+            _TPOT_BUCKETS,
+        )
+        self.e2e = histogram(
+            "psr_e2e_request_latency_seconds",
+            "From a decoded request's arrival to its last token",
+            _E2E_BUCKETS,
+        )
+        self.queue_time = histogram(
+            "psr_request_queue_time_seconds",
+            "From a decoded request's arrival to the worker taking it",
+            _TTFT_BUCKETS,
+        )
+        self.grammar = histogram(
+            "psr_grammar_mask_seconds_per_token",
+            "Structured output: the grammar mask's host time per token, per request",
+            _MASK_BUCKETS,
         )
 
     def count(self, outcome: str) -> None:
@@ -78,9 +134,11 @@ class Metrics:
         completion_tokens: int,
         token_times: list[float],
         arrived: float,
+        started: float | None = None,
     ) -> None:
         """One decoded request: `stats` its stats differences, `token_times` when each of
-        its tokens was made (perf_counter), `arrived` when it was accepted."""
+        its tokens was made (perf_counter), `arrived` when it was accepted, `started` when
+        the worker took it."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(completion_tokens)
         self.routed.inc(stats["routed"])
@@ -92,8 +150,11 @@ class Metrics:
         self.copied_bytes.labels("decode").inc(stats["bytes_copied"])
         self.stall.labels("prefill").inc(stats["prefill_stall_s"])
         self.stall.labels("decode").inc(stats["stall_s"])
+        if started is not None:
+            self.queue_time.observe(started - arrived)
         if token_times:
             self.ttft.observe(token_times[0] - arrived)
+            self.e2e.observe(token_times[-1] - arrived)
         for a, b in pairwise(token_times):
             self.tpot.observe(b - a)
 

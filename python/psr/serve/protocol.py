@@ -1,14 +1,19 @@
 """OpenAI request bodies, checked: `parse_completion` / `parse_chat` turn a decoded JSON
 body into a request, or raise `APIError`, whose `body()` is OpenAI's error object.
 
-Every parameter OpenAI defines is either honoured or refused with a 400 that names it;
-none is silently ignored. Extensions, as vLLM and llama.cpp accept them: `top_k`, and
-`return_token_ids` (the prompt's and the completion's token ids in the response).
-Torch-free: no model is needed to check a request.
+Every parameter OpenAI defines is either honoured or refused with a 400 that names it.
+Fields nobody defines are ignored and listed in the request's `ignored` (the app answers
+with a warning header and a log line, as vLLM does), or refused with a 400 under
+`strict`. Extensions, as vLLM accepts them: `top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `return_token_ids` (the prompt's and the completion's token ids), and
+structured output by `guided_json` / `guided_regex` / `guided_grammar` (Lark) beside
+OpenAI's `response_format`. Strings anywhere in a body must be valid Unicode (no lone
+surrogates): a 400 naming the field. Torch-free: no model is needed to check a request.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -66,6 +71,15 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 @dataclass(frozen=True)
+class Structured:
+    """A grammar the output must follow: `kind` "json" (`spec` a JSON schema as text, or
+    None: any JSON object), "regex" or "lark" (`spec` the pattern / grammar)."""
+
+    kind: str
+    spec: str | None
+
+
+@dataclass(frozen=True)
 class Sampling:
     """How to decode one request: what `model.generate` and the stop strings take."""
 
@@ -75,6 +89,13 @@ class Sampling:
     top_k: int  # 0: off
     seed: int | None  # None: a fresh random seed per request
     stop: tuple[str, ...]
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off (vLLM's: prompt and output tokens)
+    presence_penalty: float = 0.0  # OpenAI's: output tokens
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: the token's and the k most likely
+    structured: Structured | None = None
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +111,7 @@ class CompletionRequest:
     include_usage: bool
     echo: bool
     return_token_ids: bool
+    ignored: tuple[str, ...] = ()  # unknown fields, ignored (not strict)
 
 
 @dataclass(frozen=True)
@@ -100,6 +122,7 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    ignored: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------ field checks
@@ -156,22 +179,68 @@ def _short(v: Any) -> str:
     return r if len(r) <= 60 else r[:57] + "..."
 
 
-def _check_keys(body: dict[str, Any], known: frozenset[str]) -> None:
-    for key in body:
-        if key not in known:
-            raise bad_request(f"unrecognized request argument supplied: {key}", key)
+def _check_keys(body: dict[str, Any], known: frozenset[str], strict: bool) -> tuple[str, ...]:
+    """The unknown fields (ignored), or under `strict` a 400 for the first."""
+    unknown = tuple(key for key in body if key not in known)
+    if unknown and strict:
+        raise bad_request(f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    return unknown
+
+
+def check_unicode(v: Any, where: str) -> None:
+    """A 400 naming the field if any string in `v` (keys too) is not valid Unicode: a lone
+    surrogate such as "\\ud800" that JSON allows and no tokenizer can encode."""
+    if isinstance(v, str):
+        if not v.isascii():
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad_request(
+                    f"{where} is not valid Unicode: {e.reason} at character {e.start} "
+                    f"({v[e.start]!r})",
+                    where.split(".")[0].split("[")[0],
+                ) from None
+    elif isinstance(v, list):
+        for i, x in enumerate(v):
+            check_unicode(x, f"{where}[{i}]")
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            check_unicode(k, f"{where} (a key)")
+            check_unicode(x, f"{where}.{k}")
+
+
+def _check_all_unicode(body: dict[str, Any]) -> None:
+    for key, value in body.items():
+        check_unicode(key, "a field name")
+        check_unicode(value, key)
 
 
 # Accepted and without effect on decoding: end-user and bookkeeping tags.
 _METADATA = frozenset({"user", "metadata"})
-_SAMPLING = frozenset({"temperature", "top_p", "top_k", "seed", "stop", "max_tokens"})
+_SAMPLING = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "max_tokens",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "ignore_eos",
+        "logprobs",
+        "guided_json",
+        "guided_regex",
+        "guided_grammar",
+    }
+)
 _STREAM = frozenset({"stream", "stream_options"})
 # Checked by _common_refusals: accepted only with values that change nothing.
-_REFUSED_COMMON = frozenset(
-    {"n", "logit_bias", "logprobs", "presence_penalty", "frequency_penalty"}
-)
+_REFUSED_COMMON = frozenset({"n", "logit_bias"})
 COMPLETION_KEYS = frozenset(
-    {"model", "prompt", "echo", "best_of", "suffix", "return_token_ids"}
+    {"model", "prompt", "echo", "best_of", "suffix", "return_token_ids", "response_format"}
     | _METADATA
     | _SAMPLING
     | _STREAM
@@ -205,7 +274,16 @@ def _model(body: dict[str, Any]) -> str | None:
     return v
 
 
-def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
+def _ranged(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
+    v = _number(body, key)
+    if v is None:
+        return default
+    if not lo <= v <= hi:
+        raise bad_request(f"{key} must be in [{lo}, {hi}], got {v}", key)
+    return v
+
+
+def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None) -> Sampling:
     temperature = _number(body, "temperature")
     if temperature is not None and temperature < 0:
         raise bad_request(f"temperature must be >= 0, got {temperature}", "temperature")
@@ -213,6 +291,9 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
     if top_p is not None and not 0 < top_p <= 1:
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = _int(body, "top_k", -1)
+    rep = _number(body, "repetition_penalty")
+    if rep is not None and rep <= 0:
+        raise bad_request(f"repetition_penalty must be > 0, got {rep}", "repetition_penalty")
     return Sampling(
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,  # OpenAI's default
@@ -220,6 +301,70 @@ def _sampling(body: dict[str, Any], max_tokens: int | None) -> Sampling:
         top_k=0 if top_k in (None, -1) else top_k,  # -1 and 0: keep every token
         seed=_int(body, "seed", 0, SEED_LIMIT),
         stop=_stop(body.get("stop")),
+        min_p=_ranged(body, "min_p", 0.0, 1.0, 0.0),
+        repetition_penalty=1.0 if rep is None else rep,
+        presence_penalty=_ranged(body, "presence_penalty", -2.0, 2.0, 0.0),
+        frequency_penalty=_ranged(body, "frequency_penalty", -2.0, 2.0, 0.0),
+        ignore_eos=_bool(body, "ignore_eos"),
+        logprobs=logprobs,
+        structured=_structured(body),
+    )
+
+
+def _structured(body: dict[str, Any]) -> Structured | None:
+    """`response_format` (OpenAI) or vLLM's guided_* fields: at most one grammar."""
+    found: list[Structured] = []
+    rf = _response_format(body.get("response_format"))
+    if rf is not None:
+        found.append(rf)
+    gj = body.get("guided_json")
+    if gj is not None:
+        if isinstance(gj, str):
+            gj = _json_text(gj, "guided_json")
+        if not isinstance(gj, dict):
+            raise bad_request("guided_json must be a JSON schema (an object)", "guided_json")
+        found.append(Structured("json", json.dumps(gj)))
+    for key, kind in (("guided_regex", "regex"), ("guided_grammar", "lark")):
+        v = body.get(key)
+        if v is not None:
+            if not isinstance(v, str) or not v:
+                raise bad_request(f"{key} must be a non-empty string", key)
+            found.append(Structured(kind, v))
+    if len(found) > 1:
+        raise bad_request(
+            "give one of response_format, guided_json, guided_regex, guided_grammar",
+            "response_format",
+        )
+    return found[0] if found else None
+
+
+def _json_text(v: str, key: str) -> Any:
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"{key} is not valid JSON: {e}", key) from None
+
+
+def _response_format(v: Any) -> Structured | None:
+    if v is None:
+        return None
+    kind = v.get("type") if isinstance(v, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Structured("json", None)
+    if kind == "json_schema":
+        js = v.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise bad_request(
+                "response_format json_schema needs json_schema.schema (an object)",
+                "response_format",
+            )
+        return Structured("json", json.dumps(schema))
+    raise bad_request(
+        f"response_format {kind or _short(v)!s} is not supported: text, json_object or json_schema",
+        "response_format",
     )
 
 
@@ -254,39 +399,42 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
 def _common_refusals(body: dict[str, Any]) -> None:
     _refuse_unless(body, "n", (1,), "psr decodes one sequence per request (n must be 1)")
     _refuse_unless(body, "logit_bias", ({},), "psr's decoding takes no logit bias")
-    for key in ("presence_penalty", "frequency_penalty"):
-        _refuse_unless(body, key, (0, 0.0), "psr's decoding applies no penalties")
 
 
 def _check_body(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_all_unicode(body)
     return body
+
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 # ------------------------------------------------------------------ the two requests
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, strict: bool = False) -> CompletionRequest:
     """A /v1/completions body, checked (APIError 400 naming the parameter)."""
     body = _check_body(body)
-    _check_keys(body, COMPLETION_KEYS)
+    ignored = _check_keys(body, COMPLETION_KEYS, strict)
     _common_refusals(body)
     _refuse_unless(body, "best_of", (1,), "psr decodes one sequence per request")
     _refuse_unless(body, "suffix", ("",), "psr does not insert text (no suffix)")
-    _refuse_unless(
-        body, "logprobs", (), "psr's generate returns no logits, so no logprobs are reported"
-    )
+    logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
     max_tokens = _int(body, "max_tokens", 1)
     stream, include_usage = _stream(body)
     return CompletionRequest(
         model=_model(body),
         prompt=_prompt(body.get("prompt")),
-        sampling=_sampling(body, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens),
+        sampling=_sampling(
+            body, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, logprobs
+        ),
         stream=stream,
         include_usage=include_usage,
         echo=_bool(body, "echo"),
         return_token_ids=_bool(body, "return_token_ids"),
+        ignored=ignored,
     )
 
 
@@ -321,22 +469,21 @@ def _prompt(v: Any) -> str | list[int]:
 _ROLES = ("system", "developer", "user", "assistant")
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, strict: bool = False) -> ChatRequest:
     """A /v1/chat/completions body, checked (APIError 400 naming the parameter)."""
     body = _check_body(body)
-    _check_keys(body, CHAT_KEYS)
+    ignored = _check_keys(body, CHAT_KEYS, strict)
     _common_refusals(body)
-    _refuse_unless(
-        body, "logprobs", (False,), "psr's generate returns no logits, so no logprobs are reported"
-    )
-    _refuse_unless(body, "top_logprobs", (), "psr reports no logprobs")
+    want = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_LOGPROBS + 1)
+    if top is not None and not want:
+        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     for key in ("tools", "functions"):
         _refuse_unless(body, key, ([],), "psr serves no tool or function calls")
     for key in ("tool_choice", "function_call"):
         _refuse_unless(body, key, ("none",), "psr serves no tool or function calls")
     if body.get("parallel_tool_calls") is not None:
         _bool(body, "parallel_tool_calls")  # a well-typed flag; without tools it changes nothing
-    _response_format(body.get("response_format"))
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
     max_tokens = _int(body, "max_tokens", 1)
@@ -346,21 +493,11 @@ def parse_chat(body: Any) -> ChatRequest:
     return ChatRequest(
         model=_model(body),
         messages=_messages(body.get("messages")),
-        sampling=_sampling(body, max_tokens),
+        sampling=_sampling(body, max_tokens, (top or 0) if want else None),
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_bool(body, "return_token_ids"),
-    )
-
-
-def _response_format(v: Any) -> None:
-    if v is None or v == {"type": "text"}:
-        return
-    kind = v.get("type") if isinstance(v, dict) else None
-    raise bad_request(
-        f"response_format {kind or _short(v)!s} is not supported: psr decodes free text "
-        "(no JSON mode or schema)",
-        "response_format",
+        ignored=ignored,
     )
 
 

@@ -26,6 +26,14 @@ class Detokenizer:
         self._ids = list(prompt[-CONTEXT_TOKENS:])
         self._prefix = 0  # the window starts here ...
         self._read = len(self._ids)  # ... and its text up to here has been returned
+        self._pieces: dict[int, str] = {}
+
+    def piece(self, token: int) -> str:
+        """One token's own text (logprobs name tokens by it), cached per request."""
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self._decode([token])
+        return text
 
     def add(self, token: int) -> str:
         """The text `token` adds ("" while it ends inside a character)."""
