@@ -308,6 +308,32 @@ def write_checkpoint(model, path: Path, layout: str = "per_expert", **save_kw) -
     return path
 
 
+def write_layouts(families, root: Path) -> dict[tuple[str, str], Path]:
+    """(family, layout) -> a checkpoint folder of each family's tiny model in both expert
+    layouts (`write_checkpoint`'s per_expert and fused)."""
+    out = {}
+    for fam in families:
+        model = tiny_model(fam)
+        for layout in ("per_expert", "fused"):
+            out[fam, layout] = write_checkpoint(model, root / f"{fam}-{layout}", layout)
+    return out
+
+
+def hf_references(ckpts, families, prompt, new_tokens: int):  # type: ignore[no-untyped-def]
+    """transformers' own (logits of `prompt`, greedy tokens) per family, from its
+    per-expert checkpoint in `ckpts` (`write_layouts`)."""
+    import transformers
+
+    refs = {}
+    for fam in families:
+        m = transformers.AutoModelForCausalLM.from_pretrained(ckpts[fam, "per_expert"]).eval()
+        with torch.no_grad():
+            logits = m(input_ids=prompt).logits
+            toks = m.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+        refs[fam] = (logits, toks)
+    return refs
+
+
 def write_tokenizer(path: Path, vocab_size: int = 64) -> None:
     """A character-level tokenizer (letters, digits, punctuation), saved beside the checkpoint."""
     import string

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import NEW_FAMILIES, tiny_model, write_checkpoint
+from tiny_models import NEW_FAMILIES, hf_references, tiny_model, write_layouts
 from torch import nn
 
 import psr
@@ -31,25 +31,12 @@ def hf_logits(model: nn.Module, ids: torch.Tensor = PROMPT) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    root = tmp_path_factory.mktemp("families")
-    out = {}
-    for fam in NEW_FAMILIES:
-        model = tiny_model(fam)
-        for layout in ("per_expert", "fused"):
-            out[fam, layout] = write_checkpoint(model, root / f"{fam}-{layout}", layout)
-    return out
+    return write_layouts(NEW_FAMILIES, tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="module")
 def references(ckpts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    import transformers
-
-    refs = {}
-    for fam in NEW_FAMILIES:
-        m = transformers.AutoModelForCausalLM.from_pretrained(ckpts[fam, "per_expert"]).eval()
-        with torch.no_grad():
-            refs[fam] = (hf_logits(m), m.generate(PROMPT, max_new_tokens=NEW, do_sample=False))
-    return refs
+    return hf_references(ckpts, NEW_FAMILIES, PROMPT, NEW)
 
 
 def load(path: Path, policy: str = "exact", residency: float = 0.5, **kw) -> psr.OffloadedModel:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import FAMILIES, bench_module, tiny_model, write_checkpoint
+from tiny_models import (
+    FAMILIES,
+    bench_module,
+    hf_references,
+    tiny_model,
+    write_checkpoint,
+    write_layouts,
+)
 
 import psr
 
@@ -20,29 +27,14 @@ NEW = 8
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """(family, layout) -> checkpoint folder, plus the reference model's outputs."""
-    root = tmp_path_factory.mktemp("ckpt")
-    out = {}
-    for fam in FAMILIES:
-        model = tiny_model(fam)
-        for layout in ("per_expert", "fused"):
-            out[fam, layout] = write_checkpoint(model, root / f"{fam}-{layout}", layout)
-    return out
+    """(family, layout) -> checkpoint folder."""
+    return write_layouts(FAMILIES, tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="module")
 def references(ckpts) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """transformers' own logits and greedy tokens for each family."""
-    import transformers
-
-    refs = {}
-    for fam in FAMILIES:
-        m = transformers.AutoModelForCausalLM.from_pretrained(ckpts[fam, "per_expert"]).eval()
-        with torch.no_grad():
-            logits = m(PROMPT).logits
-            toks = m.generate(PROMPT, max_new_tokens=NEW, do_sample=False)
-        refs[fam] = (logits, toks)
-    return refs
+    return hf_references(ckpts, FAMILIES, PROMPT, NEW)
 
 
 def load(path, policy="exact", residency=0.5, **kw) -> psr.OffloadedModel:

@@ -143,6 +143,20 @@ def _ernie(cfg: Any) -> dict[str, Any]:
     }
 
 
+def _deepseek_v3_family(model_type: str, **kw: Any) -> Family:
+    """DeepSeek-V3's router and layout (GLM-4.5 and dots1 share them): sigmoid scores plus
+    the gate's correction bias, group-limited top-k, shared experts, dense first layers."""
+    return Family(
+        model_type,
+        "sigmoid_topk",
+        _DSV3_KEYS,
+        _deepseek_v3_like,
+        bias="gate.e_score_correction_bias",
+        groups=True,
+        **kw,
+    )
+
+
 _QWEN_KEYS = ("num_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
 _DSV3_KEYS = ("n_routed_experts", "num_experts_per_tok", "hidden_size", "moe_intermediate_size")
 _MIXTRAL_KEYS = ("num_local_experts", "num_experts_per_tok", "hidden_size", "intermediate_size")
@@ -199,31 +213,11 @@ FAMILIES: dict[str, Family] = {
             fused=("input_linear.weight", "output_linear.weight"),
             renames=(("router.weight", "router.layer.weight"),),
         ),
-        Family(
-            "deepseek_v3",
-            "sigmoid_topk",
-            _DSV3_KEYS,
-            _deepseek_v3_like,
-            bias="gate.e_score_correction_bias",
-            groups=True,
-            allowed=(("hidden_act", ("silu",)), ("topk_method", ("noaux_tc",))),
+        _deepseek_v3_family(
+            "deepseek_v3", allowed=(("hidden_act", ("silu",)), ("topk_method", ("noaux_tc",)))
         ),
-        Family(
-            "glm4_moe",
-            "sigmoid_topk",
-            _DSV3_KEYS,
-            _deepseek_v3_like,
-            bias="gate.e_score_correction_bias",
-            groups=True,
-        ),
-        Family(
-            "dots1",
-            "sigmoid_topk",
-            _DSV3_KEYS,
-            _deepseek_v3_like,
-            bias="gate.e_score_correction_bias",
-            groups=True,
-        ),
+        _deepseek_v3_family("glm4_moe"),
+        _deepseek_v3_family("dots1"),
         Family(
             "minimax_m2",
             "sigmoid_topk",
