@@ -33,7 +33,7 @@ from psr_kernels.routing import SCORINGS, RouteSpec
 _ROUTE_ARGS = (
     "int top_k, Tensor? mask=None, float lam=0.0, str scoring='softmax', "
     "bool renormalize=False, Tensor? bias=None, int n_group=1, int topk_group=1, "
-    "float scaling=1.0, str group_score='top2', float norm_min=0.0"
+    "float scaling=1.0, str group_score='top2', float norm_min=0.0, float mixer_eps=0.0"
 )
 
 
@@ -49,10 +49,20 @@ def _route_args(
     scaling: float = 1.0,
     group_score: str = "top2",
     norm_min: float = 0.0,
+    mixer_eps: float = 0.0,
 ) -> tuple[RouteSpec, Tensor | None, Tensor | None]:
     """`(spec, mask, bias)` of the route ops' primitive arguments (`_ROUTE_ARGS`)."""
     spec = RouteSpec(
-        top_k, lam, scoring, renormalize, n_group, topk_group, scaling, group_score, norm_min
+        top_k,
+        lam,
+        scoring,
+        renormalize,
+        n_group,
+        topk_group,
+        scaling,
+        group_score,
+        norm_min,
+        mixer_eps,
     )
     return spec, mask, bias
 

@@ -81,8 +81,11 @@ def test_device_and_host_schedules_on_the_triton_path(tiny, which) -> None:
     assert "copy" in kinds and kinds.index("wait") < kinds.index("release")
     assert not any(o.kind in ("gather", "join") for o in sh.moe_layer)
 
-    # The dense part and the loop do not depend on the decode step.
-    assert sd.dense_launches > 0 and sd.dense_launches == sh.dense_launches
+    # The dense part and the loop do not depend on the decode step, but for the device
+    # step's one per-token copy of its counters (the per-token stats' snapshot).
+    layers = dev.runtime.num_decoder_layers
+    assert sd.dense_launches > 0
+    assert sd.dense_launches * layers == pytest.approx(sh.dense_launches * layers + 1)
     for s in (sd, sh):
         assert [(o.kind, o.what.split(" @ ")[0]) for o in s.token] == [
             ("launch", "argmax"),

@@ -49,7 +49,8 @@ SCRIPT = textwrap.dedent(
     types = {"x_ptr": p("bf16"), "gate_ptr": p("bf16"), "norm_ptr": p("bf16"), "eps": "fp32",
              "mask_ptr": p("u8"), "bias_ptr": p("fp32"), "weights_ptr": p("fp32"),
              "ids_ptr": p("i64"), "logits_ptr": p("fp32"), "incache_ptr": p("u8"),
-             "lam": "fp32", "scaling": "fp32"}
+             "lam": "fp32", "scaling": "fp32", "norm_min": "fp32", "mixer_eps": "fp32",
+             "gbias_ptr": p("bf16")}
     for arch, (E, k, H, F, grouped), (op, T) in itertools.product((80, 90), shapes, ops):
         group = dict(n_group=8, topk_group=4) if grouped else {}
         scoring = "sigmoid" if grouped else "softmax"
@@ -65,25 +66,54 @@ SCRIPT = textwrap.dedent(
         warps = cfg.pop("num_warps")
         compile_(_route_kernel, types, cfg, warps, arch)
         n += 1
+    # The router kinds the family table added, once each (OLMoE's shape, decode): DeepSeek-V2's
+    # group max, ERNIE's softmax + bias with its floor, PhiMoE's sparsemixer, Llama 4's
+    # top-k sigmoid, gpt-oss's router bias in the fused GEMV.
+    kinds = [
+        (RouteSpec(8, 0.3, "softmax", n_group=8, topk_group=4, group_score="max"), {}),
+        (RouteSpec(8, 0.3, "softmax", True, norm_min=1e-12), dict(has_bias=True)),
+        (RouteSpec(2, 0.3, "sparsemixer", mixer_eps=0.01), {}),
+        (RouteSpec(1, 0.3, "topk_sigmoid"), {}),
+        (RouteSpec(4, 0.3, "topk_softmax"), dict(has_gate_bias=True)),
+    ]
+    for arch, (spec, kw) in itertools.product((90,), kinds):  # sm_80 shares the code paths
+        cfg = dict(route_kernel_config(
+            spec, num_tokens=1, num_experts=64, hidden_size=2048, has_mask=True,
+            store_logits=True, **kw,
+        ))
+        warps = cfg.pop("num_warps")
+        compile_(_route_kernel, types, cfg, warps, arch)
+        n += 1
     # The expert FFN reads slot ids (host step) or expert ids through the device slot map
     # (HAS_TABLE: the device step, its bf16 gate weights widened in-kernel).
-    for arch, (E, k, H, F, _), table in itertools.product((80, 90), shapes, (False, True)):
+    # Expert kinds: SwiGLU everywhere; gpt-oss's (clamped, biases) and Llama 4's (the
+    # weight scales the input) at the first shape.
+    swiglu = dict(ACT=0, HAS_BIAS=False, SCALE_INPUT=False)
+    expert_kinds = [swiglu, dict(ACT=1, HAS_BIAS=True, SCALE_INPUT=False),
+                    dict(ACT=0, HAS_BIAS=False, SCALE_INPUT=True)]
+    ffn_types = {"bias_ptr": p("fp32"), "alpha": "fp32", "limit": "fp32"}
+    cases = [(a, s, t, swiglu) for a in (80, 90) for s in shapes for t in (False, True)]
+    cases += [(90, shapes[0], True, kind) for kind in expert_kinds[1:]]
+    for arch, (E, k, H, F, _), table, kind in cases:
         c1, c2 = map(dict, ffn_launch_config(1, H, F))  # the cached mappings are read-only
         w1, w2 = c1.pop("num_warps"), c2.pop("num_warps")
         ids = {"slots_ptr": p("i64"), "table_ptr": p("i32")}
+        w_ptr = {"w_ptr": p("bf16" if table else "fp32")}
+        down_kind = {k2: v for k2, v in kind.items() if k2 != "ACT"}
         compile_(_gate_up_kernel, {"x_ptr": p("bf16"), "slab_ptr": p("bf16"),
-                                   "h_ptr": p("fp32"), **ids},
-                 dict(K=k, HAS_TABLE=table, **c1), w1, arch)
+                                   "h_ptr": p("fp32"), **ids, **ffn_types, **w_ptr},
+                 dict(K=k, HAS_TABLE=table, **kind, **c1), w1, arch)
         compile_(_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("bf16"), **ids,
-                                "w_ptr": p("bf16" if table else "fp32"), "y_ptr": p("bf16")},
-                 dict(K=k, HAS_TABLE=table, **c2), w2, arch)
+                                **w_ptr, "y_ptr": p("bf16"), **ffn_types},
+                 dict(K=k, HAS_TABLE=table, **down_kind, **c2), w2, arch)
         n += 2
     # The device step: the fused decode kernel (with and without the next layer's
     # prediction) and the standalone cache kernels, at half residency, n = 2.
     dtypes = {"logits_ptr": p("bf16"), "bias_ptr": p("fp32"), "weights_ptr": p("bf16"),
               "ids_ptr": p("i64"), "res_ptr": p("bf16"), "norm_ptr": p("bf16"), "eps": "fp32",
               "gate_ptr": p("bf16"), "next_bias_ptr": p("fp32"), "state_ptr": p("i32"),
-              "lam": "fp32", "scaling": "fp32"}
+              "lam": "fp32", "scaling": "fp32", "norm_min": "fp32", "mixer_eps": "fp32",
+              "next_gbias_ptr": p("bf16")}
     for arch, (E, k, H, F, grouped), pred in itertools.product((80, 90), shapes, (0, 2)):
         group = dict(n_group=8, topk_group=4) if grouped else {}
         spec = RouteSpec(k, 0.3, "sigmoid" if grouped else "softmax", True, **group)
@@ -104,11 +134,12 @@ SCRIPT = textwrap.dedent(
         w1, w2 = c1.pop("num_warps"), c2.pop("num_warps")
         ids = {"slots_ptr": p("i64"), "table_ptr": p("i32")}
         compile_(_quant_gate_up_kernel, {"x_ptr": p("bf16"), "slab_ptr": p("u8"),
-                                         "h_ptr": p("fp32"), **ids},
-                 dict(K=8, HAS_TABLE=True, **c1), w1, arch)
+                                         "h_ptr": p("fp32"), **ids, **ffn_types,
+                                         "w_ptr": p("fp32")},
+                 dict(K=8, HAS_TABLE=True, **swiglu, **c1), w1, arch)
         compile_(_quant_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("u8"), **ids,
-                                      "w_ptr": p("fp32"), "y_ptr": p("bf16")},
-                 dict(K=8, HAS_TABLE=True, **c2), w2, arch)
+                                      "w_ptr": p("fp32"), "y_ptr": p("bf16"), **ffn_types},
+                 dict(K=8, HAS_TABLE=True, HAS_BIAS=False, SCALE_INPUT=False, **c2), w2, arch)
         n += 2
     for arch in (80, 90):
         compile_(_fp8_decode_kernel, {"c_ptr": p("u8"), "out_ptr": p("fp32")},
@@ -128,4 +159,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 98" in r.stdout
+    assert "compiled 107" in r.stdout
