@@ -77,9 +77,10 @@ SCRIPT = textwrap.dedent(
         (RouteSpec(4, 0.3, "topk_softmax"), dict(has_gate_bias=True)),
     ]
     for arch, (spec, kw) in itertools.product((90,), kinds):  # sm_80 shares the code paths
+        gemv = kw.get("has_gate_bias", False)  # the router bias needs the fused GEMV
         cfg = dict(route_kernel_config(
-            spec, num_tokens=1, num_experts=64, hidden_size=2048, has_mask=True,
-            store_logits=True, **kw,
+            spec, num_tokens=1, num_experts=64, hidden_size=2048 if gemv else None,
+            has_mask=True, store_logits=gemv, **kw,
         ))
         warps = cfg.pop("num_warps")
         compile_(_route_kernel, types, cfg, warps, arch)
