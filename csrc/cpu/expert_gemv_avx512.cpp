@@ -24,45 +24,48 @@ inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// e4m3fn codes (int32 lanes) to fp32, by integer arithmetic.
-inline __m512 fp8_to_f32(__m512i c) {
-  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(c, 3), _mm512_set1_epi32(0xF));
-  const __m512i m = _mm512_and_si512(c, _mm512_set1_epi32(7));
-  const __m512i mag7 = _mm512_and_si512(c, _mm512_set1_epi32(0x7F));
-  __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag7, 20), _mm512_set1_epi32(120 << 23));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(0.001953125f));
-  __m512 mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
-                                    _mm512_castsi512_ps(normal), sub);
-  mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(mag7, _mm512_set1_epi32(0x7F)), mag,
-                             _mm512_set1_ps(__builtin_nanf("")));
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag), sign));
+// e4m3fn codes to fp32 / 256, exactly: each code shifted into an fp16 (sign, then the
+// 4-bit exponent and 3-bit mantissa at fp16's 5-bit exponent and mantissa top, so its value
+// is the code's times 2^-8, subnormals included) and widened by the F16C conversion;
+// codes 0x7F / 0xFF (e4m3fn's NaNs) become NaN. The row kernel multiplies by 256 once.
+inline __m512 fp8_to_f32_div256(__m128i c) {
+  const __m256i w = _mm256_cvtepi8_epi16(c);  // sign copied into bits 8..15
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(-16385));
+  const __m512 f = _mm512_cvtph_ps(h);  // -16385 = 0xBFFF: clears bit 14 (a sign copy)
+  const __mmask16 nan =
+      _mm_cmpeq_epi8_mask(_mm_and_si128(c, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(__builtin_nanf("")));
 }
 
 struct LoadF32 {
+  static constexpr float kScale = 1.f;
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p) + i);
   }
 };
 struct LoadBF16 {
+  static constexpr float kScale = 1.f;
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     const __m256i b = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(p) + i);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
   }
 };
 struct LoadF16 {
+  static constexpr float kScale = 1.f;
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(p) + i));
   }
 };
 struct LoadI8 {
+  static constexpr float kScale = 1.f;
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p + i)));
   }
 };
-struct LoadFP8 {
+struct LoadFP8 {  // the codes' values / 256 (dot4 scales the sums back)
+  static constexpr float kScale = 256.f;
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
-    return fp8_to_f32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p + i)));
+    return fp8_to_f32_div256(_mm_maskz_loadu_epi8(m, p + i));
   }
 };
 
@@ -77,33 +80,34 @@ void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, fl
     a2 = _mm512_fmadd_ps(Load::at(w[2], i, m), x, a2);
     a3 = _mm512_fmadd_ps(Load::at(w[3], i, m), x, a3);
   }
-  out[0] = _mm512_reduce_add_ps(a0);
-  out[1] = _mm512_reduce_add_ps(a1);
-  out[2] = _mm512_reduce_add_ps(a2);
-  out[3] = _mm512_reduce_add_ps(a3);
+  out[0] = _mm512_reduce_add_ps(a0) * Load::kScale;  // a power of two: exact
+  out[1] = _mm512_reduce_add_ps(a1) * Load::kScale;
+  out[2] = _mm512_reduce_add_ps(a2) * Load::kScale;
+  out[3] = _mm512_reduce_add_ps(a3) * Load::kScale;
 }
 
 // int4: 16 bytes = 32 elements per step; low nibbles times v (even elements), high times v2.
-inline __m512 nib_fma(const uint8_t* p, int64_t i, __mmask16 m, __m512 ve, __m512 vo, __m512 a) {
+// A nibble becomes its signed value by one in-register table lookup (vpermps reads the low
+// four bits of each lane): no masking, sign extension or int -> float conversion.
+inline __m512 nib_fma(const uint8_t* p, int64_t i, __mmask16 m, __m512 ve, __m512 vo, __m512 a,
+                      __m512 lut) {
   const __m512i b = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p + i));
-  const __m512i k8 = _mm512_set1_epi32(8);
-  const __m512i lo =
-      _mm512_sub_epi32(_mm512_xor_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xF)), k8), k8);
-  const __m512i hi = _mm512_sub_epi32(_mm512_xor_si512(_mm512_srli_epi32(b, 4), k8), k8);
-  a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), ve, a);
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), vo, a);
+  a = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, lut), ve, a);
+  return _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), vo, a);
 }
 
 void dot4_int4(const uint8_t* const w[4], int64_t n, const float* v, const float* v2,
                float out[4]) {
+  // lut[n] = the signed value of nibble n: 0..7, then -8..-1.
+  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
     const __m512 ve = _mm512_maskz_loadu_ps(m, v + i), vo = _mm512_maskz_loadu_ps(m, v2 + i);
-    a0 = nib_fma(w[0], i, m, ve, vo, a0);
-    a1 = nib_fma(w[1], i, m, ve, vo, a1);
-    a2 = nib_fma(w[2], i, m, ve, vo, a2);
-    a3 = nib_fma(w[3], i, m, ve, vo, a3);
+    a0 = nib_fma(w[0], i, m, ve, vo, a0, lut);
+    a1 = nib_fma(w[1], i, m, ve, vo, a1, lut);
+    a2 = nib_fma(w[2], i, m, ve, vo, a2, lut);
+    a3 = nib_fma(w[3], i, m, ve, vo, a3, lut);
   }
   out[0] = _mm512_reduce_add_ps(a0);
   out[1] = _mm512_reduce_add_ps(a1);

@@ -74,6 +74,34 @@ def test_matches_reference(fmt, dtype, H, F) -> None:
             assert torch.equal(y, outs[0]), isa
 
 
+@pytest.mark.parametrize("fmt", QUANT)
+def test_every_code_decodes_exactly(fmt) -> None:
+    """A gate row holding every code of the format (e4m3's subnormals and NaNs included), up
+    and down codes of 1.0, scales 1, F = 1, and one-hot tokens: token j's output is
+    silu(code j's value), compared per token with the reference's decoder."""
+    H = 32 if fmt == "int4" else 256
+    lay = pk.QuantLayout.of(fmt, H, 1, group_size=16)
+    row = torch.zeros(lay.nbytes, dtype=torch.uint8)
+    if fmt == "int4":  # every nibble, low and high: 0x10, 0x32, ..., 0xFE, twice
+        codes = torch.tensor([0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE] * 2)
+    else:
+        codes = torch.arange(256)
+    one = {"int8": 0x01, "fp8": 0x38, "int4": 0x11}[fmt]
+    row[lay.gate : lay.gate + lay.row_bytes_h] = codes.to(torch.uint8)
+    row[lay.up : lay.up + lay.row_bytes_h] = one
+    row[lay.down : lay.down + H * lay.row_bytes_f] = 0x01 if fmt == "int4" else one
+    scales = ((lay.gate_scale, lay.groups_h), (lay.up_scale, lay.groups_h), (lay.down_scale, H))
+    for at, n in scales:
+        row[at : at + 4 * n] = torch.ones(n).view(torch.uint8)
+    slab = row[None]
+    x = torch.eye(H)
+    slots, w = torch.zeros(H, 1, dtype=torch.long), torch.ones(H, 1)
+    ref = pk.expert_ffn_ref(x, slab, slots, w, H, 1, fmt=fmt, group_size=16)
+    for isa in ISAS:
+        y = store.cpu_expert_ffn(x, slab, slots, w, H, 1, fmt=fmt, group_size=16, isa=isa)
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize(("fmt", "dtype"), FORMATS, ids=FMT_IDS)
 def test_deterministic_and_batch_one(fmt, dtype) -> None:
     """Repeated calls are bit-identical; each token of a T > 1 call equals its own T = 1
