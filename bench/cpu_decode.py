@@ -6,8 +6,9 @@
 The model: Qwen3-MoE with hidden 2048, 128 experts of FFN 768, top-8, 32 query / 4 KV heads
 of 128, `--layers` decoder layers, a small vocabulary; random weights (std 0.02, norms 1),
 written once as a bf16 safetensors checkpoint and, from the same tensors, as a GGUF file
-(qwen3moe, llama.cpp's tensor names: F32 dense tensors, Q8_0 experts, written with the
-`gguf` package). psr: `psr.load(..., device="cpu", dtype=float32, policy="exact",
+(qwen3moe, llama.cpp's tensor names: Q8_0 experts, dense matrices F32 or BF16 by `--dense`,
+written with the `gguf` package). psr: `psr.load(..., device="cpu", dtype=float32 (or
+bfloat16 with --dense bf16), policy="exact",
 residency=1.0)` with bf16 / int8 / int4 experts (every expert has a slot: no copies once
 they are loaded); llama.cpp through `llama-cpp-python` (bench-only: `pip install -e .[bench]`).
 Both decode greedily from the same prompt ids with 1 and 2 threads (psr:
@@ -117,8 +118,9 @@ def write_checkpoint(path: Path, layers: int, vocab: int) -> None:
     (path / "config.json").write_text(json.dumps(_config(layers, vocab), indent=1))
 
 
-def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int) -> None:
-    """The checkpoint's tensors as a llama.cpp qwen3moe GGUF: F32 dense, Q8_0 experts."""
+def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int, dense: str) -> None:
+    """The checkpoint's tensors as a llama.cpp qwen3moe GGUF: Q8_0 experts, the dense
+    matrices F32 or BF16 (`dense`; norms F32)."""
     import gguf
     import numpy as np
     from safetensors import safe_open
@@ -128,6 +130,14 @@ def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int) -> None:
     def get(name: str) -> np.ndarray:
         with safe_open(str(ckpt / files[name]), "pt") as f:
             return f.get_tensor(name).float().numpy()
+
+    def add_dense(name: str, src: str) -> None:
+        if dense == "f32" or src.endswith("norm.weight"):
+            w.add_tensor(name, get(src))
+        else:  # bf16 bits as uint16 (the checkpoint's values exactly)
+            with safe_open(str(ckpt / files[src]), "pt") as f:
+                bits = f.get_tensor(src).view(torch.int16).numpy().view(np.uint16)
+            w.add_tensor(name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
 
     w = gguf.GGUFWriter(str(out), "qwen3moe")
     w.add_context_length(SHAPE["max_position_embeddings"])
@@ -143,7 +153,7 @@ def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int) -> None:
     w.add_expert_count(SHAPE["num_experts"])
     w.add_expert_used_count(SHAPE["num_experts_per_tok"])
     w.add_expert_feed_forward_length(SHAPE["moe_intermediate_size"])
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)  # the experts' (the bulk of the bytes)
     # An SPM vocabulary: specials, the 256 byte tokens llama.cpp looks up, fillers.
     toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     toks += [f"t{i}" for i in range(vocab - len(toks))]
@@ -155,9 +165,9 @@ def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int) -> None:
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     q8 = gguf.GGMLQuantizationType.Q8_0
-    w.add_tensor("token_embd.weight", get("model.embed_tokens.weight"))
-    w.add_tensor("output_norm.weight", get("model.norm.weight"))
-    w.add_tensor("output.weight", get("lm_head.weight"))
+    add_dense("token_embd.weight", "model.embed_tokens.weight")
+    add_dense("output_norm.weight", "model.norm.weight")
+    add_dense("output.weight", "lm_head.weight")
     names = dict(
         attn_norm="input_layernorm", ffn_norm="post_attention_layernorm",
         attn_q="self_attn.q_proj", attn_k="self_attn.k_proj", attn_v="self_attn.v_proj",
@@ -167,14 +177,13 @@ def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int) -> None:
     E = SHAPE["num_experts"]
     for i in range(layers):
         for g, h in names.items():
-            w.add_tensor(f"blk.{i}.{g}.weight", get(f"model.layers.{i}.{h}.weight"))
+            add_dense(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
         for g, h in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
             key = f"model.layers.{i}.mlp.experts.{{}}.{h}.weight"
             stack = np.stack([get(key.format(e)) for e in range(E)])
             w.add_tensor(
                 f"blk.{i}.ffn_{g}_exps.weight",
-                gguf.quants.quantize(stack, q8),
-                raw_shape=stack.shape,
+                gguf.quants.quantize(stack, q8),  # bytes [E, rows, 34 * cols / 32]
                 raw_dtype=q8,
             )
     w.write_header_to_file()
@@ -198,12 +207,12 @@ class _Timed:
 
 
 class PsrRun:
-    def __init__(self, ckpt: Path, fmt: str, torch_experts: bool) -> None:
+    def __init__(self, ckpt: Path, fmt: str, torch_experts: bool, dtype: torch.dtype) -> None:
         import psr
 
         os.environ["PSR_CPU_EXPERTS"] = "torch" if torch_experts else "auto"
         self.model = psr.load(
-            str(ckpt), "exact", residency=1.0, device="cpu", dtype=torch.float32,
+            str(ckpt), "exact", residency=1.0, device="cpu", dtype=dtype,
             expert_format=fmt, progress=False,
         )  # fmt: skip
         os.environ.pop("PSR_CPU_EXPERTS")
@@ -219,14 +228,16 @@ class PsrRun:
         if threads not in self.warm:  # the first run loads every expert it routes to
             self.model.generate(ids, max_new_tokens=n + 1)
             self.warm.add(threads)
+        self.timer.seconds = 0.0
         t0 = time.perf_counter()
         self.model.generate(ids, max_new_tokens=1)
         t1 = time.perf_counter()
-        self.timer.seconds = 0.0
+        moe1, self.timer.seconds = self.timer.seconds, 0.0
         out = self.model.generate(ids, max_new_tokens=n + 1)
         t2 = time.perf_counter()
-        dec = (t2 - t1) - (t1 - t0)
-        return n / dec, self.timer.seconds / (t2 - t1), out[0, len(prompt) :].tolist()
+        dec = (t2 - t1) - (t1 - t0)  # the n decode tokens: prefill and first token cancel
+        share = (self.timer.seconds - moe1) / dec
+        return n / dec, share, out[0, len(prompt) :].tolist()
 
 
 class LlamaRun:
@@ -270,7 +281,10 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--torch-experts", action="store_true", help="also psr's reference path")
+    ap.add_argument(
+        "--torch-experts", default="", help="formats also run on psr's torch reference path"
+    )
+    ap.add_argument("--dense", choices=["f32", "bf16"], default="f32", help="dense weights")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--work", type=Path, default=Path("/tmp/psr-cpu-decode"))
     ap.add_argument("--out", type=Path, default=None)
@@ -282,15 +296,16 @@ def main() -> None:
         write_checkpoint(ckpt, a.layers, a.vocab)
     runs: dict[str, Any] = {}
     if not a.no_llama:
-        gg = a.work / f"qwen3moe-{a.layers}l-q8_0.gguf"
+        gg = a.work / f"qwen3moe-{a.layers}l-{a.dense}-q8_0.gguf"
         if not gg.exists():
             print(f"writing {gg}", flush=True)
-            write_gguf(ckpt, gg, a.layers, a.vocab)
+            write_gguf(ckpt, gg, a.layers, a.vocab, a.dense)
         runs["llama.cpp Q8_0"] = LlamaRun(gg, threads)
+    dtype = torch.float32 if a.dense == "f32" else torch.bfloat16
     for fmt in a.formats.split(","):
-        runs[f"psr {fmt}"] = PsrRun(ckpt, fmt, False)
-        if a.torch_experts:
-            runs[f"psr {fmt} (torch experts)"] = PsrRun(ckpt, fmt, True)
+        runs[f"psr {fmt}"] = PsrRun(ckpt, fmt, False, dtype)
+        if fmt in a.torch_experts.split(","):
+            runs[f"psr {fmt} (torch experts)"] = PsrRun(ckpt, fmt, True, dtype)
     prompt = list(range(300, 308))
     res: dict[tuple[str, int], list[tuple[float, float]]] = {}
     tokens: dict[tuple[str, int], list[int]] = {}
