@@ -419,8 +419,8 @@ struct Matrix {
 
 // out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
 // odd half), scales applied once per row or group, groups summed in order.
-void dot_rows(DotFn dot, Fmt fmt, const uint8_t* base, const Matrix& m, const int64_t rows[4],
-              const float* v, const float* v2, float out[4]) {
+void dot_rows(DotFn dot, GroupDotFn gdot, Fmt fmt, const uint8_t* base, const Matrix& m,
+              const int64_t rows[4], const float* v, const float* v2, float out[4]) {
   const uint8_t* w[4];
   for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
   if (!quantized(fmt)) {
@@ -441,6 +441,10 @@ void dot_rows(DotFn dot, Fmt fmt, const uint8_t* base, const Matrix& m, const in
     return;
   }
   const int64_t step = i4 ? m.group / 2 : m.group;  // bytes (and v entries) per group
+  if (gdot && i4) {
+    gdot(w, ng, step, v, v2, s, out);
+    return;
+  }
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int64_t g = 0; g < ng; ++g) {
     const uint8_t* wg[4];
@@ -489,6 +493,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   for (Isa i : supported_isas()) ok |= i == isa;
   if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
   const DotFn dot = dot_for(isa, fmt);
+  const GroupDotFn gdot = isa == Isa::avx512 ? avx512_int4_groups() : nullptr;
   if (T == 0) return;
   if (K == 0) {
     std::fill(c.y, c.y + T * H, 0.f);
@@ -519,8 +524,8 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         int64_t q[4];
         quad(r0, F, q);
         float g[4], u[4];
-        dot_rows(dot, fmt, rows[tj], gate, q, v, v2, g);
-        dot_rows(dot, fmt, rows[tj], up, q, v, v2, u);
+        dot_rows(dot, gdot, fmt, rows[tj], gate, q, v, v2, g);
+        dot_rows(dot, gdot, fmt, rows[tj], up, q, v, v2, u);
         for (int r = 0; r < 4 && r0 + r < F; ++r)
           ht[vec_pos(fmt, F, r0 + r)] = activate(c, g[r], u[r]);
       }
@@ -536,7 +541,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         for (int64_t j = 0; j < K; ++j) {
           const float* v = h.data() + (t * K + j) * hl;
           float d[4];
-          dot_rows(dot, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
+          dot_rows(dot, gdot, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
           const float wj = c.weights[t * K + j];
           for (int r = 0; r < 4; ++r) acc[r] += wj * d[r];
         }

@@ -87,6 +87,11 @@ int max_threads();
 // (high nibble, times v2[i]). Rows may repeat; nothing past w_r + (bytes of n) is read.
 using DotFn = void (*)(const uint8_t* const w[4], int64_t n, const float* v, const float* v2,
                        float out[4]);
+// int4 with several scale groups: out[r] = sum_g s_r[g] * (partial dot of group g), the
+// group sums kept in vector lanes (one horizontal sum per row). gbytes: bytes per group.
+using GroupDotFn = void (*)(const uint8_t* const w[4], int64_t ng, int64_t gbytes, const float* v,
+                            const float* v2, const float* const s[4], float out[4]);
+GroupDotFn avx512_int4_groups();  // nullptr where not compiled
 DotFn scalar_dot(Fmt f);
 DotFn avx2_dot(Fmt f);    // nullptr where not compiled
 DotFn avx512_dot(Fmt f);  // nullptr where not compiled

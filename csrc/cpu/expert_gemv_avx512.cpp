@@ -115,7 +115,39 @@ void dot4_int4(const uint8_t* const w[4], int64_t n, const float* v, const float
   out[3] = _mm512_reduce_add_ps(a3);
 }
 
+// Scale groups of gbytes bytes: each group's sum stays in lanes and is scaled there.
+void dot4_int4_groups(const uint8_t* const w[4], int64_t ng, int64_t gbytes, const float* v,
+                      const float* v2, const float* const s[4], float out[4]) {
+  const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 g0 = _mm512_setzero_ps(), g1 = g0, g2 = g0, g3 = g0;
+    const int64_t at = g * gbytes;
+    for (int64_t i = 0; i < gbytes; i += 16) {
+      const __mmask16 m = tail_mask(gbytes - i);
+      const __m512 ve = _mm512_maskz_loadu_ps(m, v + at + i);
+      const __m512 vo = _mm512_maskz_loadu_ps(m, v2 + at + i);
+      g0 = nib_fma(w[0] + at, i, m, ve, vo, g0, lut);
+      g1 = nib_fma(w[1] + at, i, m, ve, vo, g1, lut);
+      g2 = nib_fma(w[2] + at, i, m, ve, vo, g2, lut);
+      g3 = nib_fma(w[3] + at, i, m, ve, vo, g3, lut);
+    }
+    float sc[4];
+    for (int r = 0; r < 4; ++r) __builtin_memcpy(&sc[r], s[r] + g, 4);
+    a0 = _mm512_fmadd_ps(g0, _mm512_set1_ps(sc[0]), a0);
+    a1 = _mm512_fmadd_ps(g1, _mm512_set1_ps(sc[1]), a1);
+    a2 = _mm512_fmadd_ps(g2, _mm512_set1_ps(sc[2]), a2);
+    a3 = _mm512_fmadd_ps(g3, _mm512_set1_ps(sc[3]), a3);
+  }
+  out[0] = _mm512_reduce_add_ps(a0);
+  out[1] = _mm512_reduce_add_ps(a1);
+  out[2] = _mm512_reduce_add_ps(a2);
+  out[3] = _mm512_reduce_add_ps(a3);
+}
+
 }  // namespace
+
+const GroupDotFn kAvx512Int4Groups = dot4_int4_groups;
 
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
@@ -135,12 +167,14 @@ DotFn avx512_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx512Dots[i] : nullptr;
 }
+GroupDotFn avx512_int4_groups() { return kAvx512Int4Groups; }
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
 
 namespace psr::cpu {
 DotFn avx512_dot(Fmt) { return nullptr; }
+GroupDotFn avx512_int4_groups() { return nullptr; }
 }  // namespace psr::cpu
 
 #endif
