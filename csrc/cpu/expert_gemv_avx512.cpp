@@ -42,11 +42,18 @@ struct LoadF32 {
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     return _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(p) + i);
   }
+  static __m512 full(const uint8_t* p, int64_t i) {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p) + i);
+  }
 };
 struct LoadBF16 {
   static constexpr float kScale = 1.f;
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     const __m256i b = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(p) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+  static __m512 full(const uint8_t* p, int64_t i) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
   }
 };
@@ -55,11 +62,18 @@ struct LoadF16 {
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(p) + i));
   }
+  static __m512 full(const uint8_t* p, int64_t i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i)));
+  }
 };
 struct LoadI8 {
   static constexpr float kScale = 1.f;
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p + i)));
+  }
+  static __m512 full(const uint8_t* p, int64_t i) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i))));
   }
 };
 struct LoadFP8 {  // the codes' values / 256 (dot4 scales the sums back)
@@ -67,12 +81,23 @@ struct LoadFP8 {  // the codes' values / 256 (dot4 scales the sums back)
   static __m512 at(const uint8_t* p, int64_t i, __mmask16 m) {
     return fp8_to_f32_div256(_mm_maskz_loadu_epi8(m, p + i));
   }
+  static __m512 full(const uint8_t* p, int64_t i) {
+    return fp8_to_f32_div256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i)));
+  }
 };
 
 template <class Load>
 void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-  for (int64_t i = 0; i < n; i += 16) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // whole chunks: plain loads (folded into the widening)
+    const __m512 x = _mm512_loadu_ps(v + i);
+    a0 = _mm512_fmadd_ps(Load::full(w[0], i), x, a0);
+    a1 = _mm512_fmadd_ps(Load::full(w[1], i), x, a1);
+    a2 = _mm512_fmadd_ps(Load::full(w[2], i), x, a2);
+    a3 = _mm512_fmadd_ps(Load::full(w[3], i), x, a3);
+  }
+  if (i < n) {  // the tail: masked loads touch nothing past the row
     const __mmask16 m = tail_mask(n - i);
     const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
     a0 = _mm512_fmadd_ps(Load::at(w[0], i, m), x, a0);
