@@ -14,9 +14,10 @@ they are loaded); llama.cpp through `llama-cpp-python` (bench-only: `pip install
 Both decode greedily from the same prompt ids with 1 and 2 threads (psr:
 torch.set_num_threads, which the CPU expert kernels follow; llama.cpp: n_threads).
 
-Decode tok/s = new tokens / (time of prompt + N tokens - time of prompt + 1 token), per
-run; rounds interleave every configuration (A B A B ...) and the table shows medians.
-psr's MoE share is the time in its expert calls over the decode time. `--torch-experts`
+Decode tok/s = N / (time from the first new token to the (N+1)-th), per run (psr: a
+streamer's timestamps; llama.cpp: after each token's eval); rounds interleave every
+configuration (A B A B ...) and the table shows medians. psr's MoE share is the time in
+its expert calls over that same span. `--torch-experts`
 adds psr with PSR_CPU_EXPERTS=torch (the old reference path) for A/B. On a shared
 machine the figures are noisy: the machine's load (`uptime`) is printed with them.
 """
@@ -222,22 +223,36 @@ class PsrRun:
         self.warm: set[int] = set()
 
     def decode(self, prompt: list[int], n: int, threads: int) -> tuple[float, float, list[int]]:
-        """(tok/s, MoE share, tokens) of n decode tokens after the prompt."""
+        """(tok/s, MoE share, tokens) of n decode tokens after the prompt and first token,
+        timed between the streamer's first and last new token."""
         torch.set_num_threads(threads)
         ids = torch.tensor([prompt])
         if threads not in self.warm:  # the first run loads every expert it routes to
             self.model.generate(ids, max_new_tokens=n + 1)
             self.warm.add(threads)
-        self.timer.seconds = 0.0
-        t0 = time.perf_counter()
-        self.model.generate(ids, max_new_tokens=1)
-        t1 = time.perf_counter()
-        moe1, self.timer.seconds = self.timer.seconds, 0.0
-        out = self.model.generate(ids, max_new_tokens=n + 1)
-        t2 = time.perf_counter()
-        dec = (t2 - t1) - (t1 - t0)  # the n decode tokens: prefill and first token cancel
-        share = (self.timer.seconds - moe1) / dec
-        return n / dec, share, out[0, len(prompt) :].tolist()
+        clock = _Clock(self.timer)
+        out = self.model.generate(ids, max_new_tokens=n + 1, streamer=clock)
+        dec, moe = clock.span()
+        return n / dec, moe / dec, out[0, len(prompt) :].tolist()
+
+
+class _Clock:
+    """A transformers-style streamer: (wall, MoE) time at each new token (the first put is
+    the prompt)."""
+
+    def __init__(self, timer: _Timed | None = None) -> None:
+        self.timer, self.marks = timer, []
+
+    def put(self, value: Any) -> None:
+        self.marks.append((time.perf_counter(), self.timer.seconds if self.timer else 0.0))
+
+    def end(self) -> None:
+        pass
+
+    def span(self) -> tuple[float, float]:
+        """Wall and MoE seconds from the first new token to the last."""
+        (t0, m0), (t1, m1) = self.marks[1], self.marks[-1]
+        return t1 - t0, m1 - m0
 
 
 class LlamaRun:
@@ -248,29 +263,30 @@ class LlamaRun:
         self.llm = {t: Llama(n_threads=t, n_threads_batch=t, **kw) for t in threads}
         self.warm: set[int] = set()
 
-    def _gen(self, llm: Any, prompt: list[int], n: int) -> list[int]:
+    def _gen(self, llm: Any, prompt: list[int], n: int, clock: _Clock) -> list[int]:
+        """n greedy tokens; the clock marks the prompt and each new token's logits."""
         import numpy as np
 
         llm.reset()
         llm.eval(prompt)
+        clock.put(None)
         out = []
-        for _ in range(n):
+        for i in range(n):
             tok = int(np.argmax(llm.eval_logits[-1]))
             out.append(tok)
-            llm.eval([tok])
+            clock.put(tok)
+            if i + 1 < n:
+                llm.eval([tok])
         return out
 
     def decode(self, prompt: list[int], n: int, threads: int) -> tuple[float, float, list[int]]:
         llm = self.llm[threads]
         if threads not in self.warm:
-            self._gen(llm, prompt, n + 1)
+            self._gen(llm, prompt, n + 1, _Clock())
             self.warm.add(threads)
-        t0 = time.perf_counter()
-        self._gen(llm, prompt, 1)
-        t1 = time.perf_counter()
-        out = self._gen(llm, prompt, n + 1)
-        t2 = time.perf_counter()
-        return n / ((t2 - t1) - (t1 - t0)), float("nan"), out
+        clock = _Clock()
+        out = self._gen(llm, prompt, n + 1, clock)
+        return n / clock.span()[0], float("nan"), out
 
 
 def main() -> None:
