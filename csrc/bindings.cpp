@@ -2,10 +2,12 @@
 // capsules (uint8, [rows, bytes]) that torch.from_dlpack views without a
 // copy; each capsule keeps its buffer (not the store) alive, so a view stays
 // valid after Store.close(). Every method that locks releases the GIL. The
-// module never links torch.
+// module never links torch. The CPU expert kernels (cpu/expert_gemv.h) take raw
+// addresses of tensors the caller keeps alive and checked (psr.store).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "cpu/expert_gemv.h"
 #include "store.h"
 
 namespace py = pybind11;
@@ -108,6 +110,67 @@ PYBIND11_MODULE(_C, m) {
 #endif
 
   using release_gil = py::call_guard<py::gil_scoped_release>;
+
+  m.def(
+      "cpu_isas",
+      [] {
+        std::vector<std::string> out;
+        for (auto i : psr::cpu::supported_isas()) out.emplace_back(psr::cpu::isa_name(i));
+        return out;
+      },
+      "ISA paths of the CPU expert kernels this CPU runs, best last");
+  m.def("cpu_max_threads", &psr::cpu::max_threads, "hardware threads (the kernels' cap)");
+  m.def(
+      "cpu_expert_ffn",
+      [](const std::vector<int64_t>& layout, uintptr_t x, int64_t tokens, uintptr_t rows,
+         int64_t num_rows, int64_t row_stride, uintptr_t ids, int id_bytes, int64_t k,
+         uintptr_t table, int table_bytes, int64_t table_len, uintptr_t weights, uintptr_t y,
+         int threads, const std::string& isa, int act, float alpha, float limit) {
+        if (layout.size() != 14)
+          throw std::invalid_argument("cpu_expert_ffn: layout must hold 14 integers");
+        psr::cpu::Layout L;
+        L.fmt = static_cast<psr::cpu::Fmt>(layout[0]);
+        L.hidden = layout[1];
+        L.ffn = layout[2];
+        L.gate = layout[3];
+        L.up = layout[4];
+        L.down = layout[5];
+        L.gate_s = layout[6];
+        L.up_s = layout[7];
+        L.down_s = layout[8];
+        L.rb_h = layout[9];
+        L.rb_f = layout[10];
+        L.group_h = layout[11];
+        L.group_f = layout[12];
+        L.row_bytes = layout[13];
+        psr::cpu::Call c;
+        c.x = reinterpret_cast<const float*>(x);
+        c.tokens = tokens;
+        c.rows = reinterpret_cast<const uint8_t*>(rows);
+        c.num_rows = num_rows;
+        c.row_stride = row_stride;
+        c.ids = reinterpret_cast<const void*>(ids);
+        c.id_bytes = id_bytes;
+        c.k = k;
+        c.table = reinterpret_cast<const void*>(table);
+        c.table_bytes = table_bytes;
+        c.table_len = table_len;
+        c.weights = reinterpret_cast<const float*>(weights);
+        c.y = reinterpret_cast<float*>(y);
+        c.act = static_cast<psr::cpu::Act>(act);
+        c.alpha = alpha;
+        c.limit = limit;
+        psr::cpu::expert_ffn(L, c, threads, psr::cpu::isa_from_name(isa));
+      },
+      py::arg("layout"), py::arg("x"), py::arg("tokens"), py::arg("rows"), py::arg("num_rows"),
+      py::arg("row_stride"), py::arg("ids"), py::arg("id_bytes"), py::arg("k"), py::arg("table"),
+      py::arg("table_bytes"), py::arg("table_len"), py::arg("weights"), py::arg("y"),
+      py::arg("threads"), py::arg("isa"), py::arg("act"), py::arg("alpha"), py::arg("limit"),
+      release_gil(),
+      "Routed experts of x read in place from packed rows (addresses of live, checked tensors)");
+  m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),
+        py::arg("reps"), release_gil(),
+        "STREAM triad on the kernels' thread pool: best bytes/s (12 n bytes per pass)");
   py::class_<psr::Store, std::shared_ptr<psr::Store>>(m, "Store")
       .def(py::init([](const std::vector<std::tuple<int64_t, int64_t, int64_t>>& layers,
                        const std::string& dtype, int64_t itemsize, const std::string& backend,

@@ -17,6 +17,32 @@ def cuda_compiled() -> bool: ...
 def cuda_device_count() -> int: ...
 def cuda_runtime_version() -> int: ...
 
+# CPU expert kernels (csrc/cpu/expert_gemv.h); psr.store.cpu_expert_ffn checks the tensors.
+def cpu_isas() -> list[str]: ...
+def cpu_max_threads() -> int: ...
+def cpu_expert_ffn(
+    layout: Sequence[int],
+    x: int,
+    tokens: int,
+    rows: int,
+    num_rows: int,
+    row_stride: int,
+    ids: int,
+    id_bytes: int,
+    k: int,
+    table: int,
+    table_bytes: int,
+    table_len: int,
+    weights: int,
+    y: int,
+    threads: int,
+    isa: str,
+    act: int,
+    alpha: float,
+    limit: float,
+) -> None: ...
+def cpu_triad(n: int, threads: int, reps: int) -> float: ...
+
 @type_check_only
 class _pybind11_type(type):
     """pybind11's metaclass of bound classes (pybind11_builtins.pybind11_type)."""

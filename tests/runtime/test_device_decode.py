@@ -176,6 +176,9 @@ def test_kernel_arguments_are_checked_once_per_layer(ckpts, monkeypatch, compute
         return wrapped
 
     kw = dict(lam=0.5, n=2, compute=compute)
+    # The torch path's experts would run the CPU kernels (which check every call in C++):
+    # this test is about the reference's Python checks.
+    monkeypatch.setenv("PSR_CPU_EXPERTS", "torch")
     model = _load(ckpts["olmoe"], "psr", "device", **kw)
     monkeypatch.setattr(dec, "_check", counting("decode", dec._check))
     monkeypatch.setattr(ffn, "_check_ffn", counting("ffn", ffn._check_ffn))

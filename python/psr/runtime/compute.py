@@ -1,12 +1,39 @@
 """Expert compute: the routed experts of a forward, read from slab slots (decode), from a
-slab or host row one expert at a time (prefill), or from host rows for a scored window."""
+slab or host row one expert at a time (prefill), or from host rows for a scored window.
+
+Decode on the CPU (the torch compute path with slabs in host memory) runs the C++ CPU
+expert kernels (`psr.store.cpu_expert_ffn`: every routed row read in place, vectorised,
+threaded over `torch.get_num_threads()`), not the torch reference: the one dispatch point
+is `ExpertCompute.slab`. `PSR_CPU_EXPERTS=torch` (read when a model is built) forces the
+reference (for A/B runs); `auto` (the default) or `kernels` take the kernels. The two
+round differently (each deterministic), so they may give different tokens. While
+torch.compile traces (graphs=True on the CPU) the reference runs: the kernels are no op
+the compiler knows.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 import psr_kernels as pk
 from psr.runtime.spec import MoESpec
+from psr.store import CPU_FLOAT_DTYPES, cpu_expert_ffn
+
+CPU_EXPERTS_ENV = "PSR_CPU_EXPERTS"
+CPU_EXPERTS_CHOICES: tuple[str, ...] = ("auto", "kernels", "torch")
+
+
+def cpu_experts_mode() -> str:
+    """`PSR_CPU_EXPERTS` (auto | kernels | torch; unset or empty: auto)."""
+    raw = os.environ.get(CPU_EXPERTS_ENV, "")
+    value = raw.strip().lower() or "auto"
+    if value not in CPU_EXPERTS_CHOICES:
+        raise ValueError(
+            f"{CPU_EXPERTS_ENV}={raw!r}: expected one of {', '.join(CPU_EXPERTS_CHOICES)}"
+        )
+    return value
 
 
 class ExpertCompute:
@@ -20,6 +47,17 @@ class ExpertCompute:
         self.ops = ops
         self.expert_format = expert_format
         self.group_size = group_size
+        # The CPU kernels serve the reference path's decode on the CPU (see the module doc).
+        self.cpu_kernels = ops.path == "torch" and cpu_experts_mode() != "torch"
+
+    def _on_cpu_kernels(self, x: torch.Tensor, slab: torch.Tensor) -> bool:
+        return (
+            self.cpu_kernels
+            and slab.device.type == "cpu"
+            and x.device.type == "cpu"
+            and (self.expert_format is not None or slab.dtype in CPU_FLOAT_DTYPES)
+            and not torch.compiler.is_compiling()
+        )
 
     def slab(
         self,
@@ -35,6 +73,19 @@ class ExpertCompute:
         in the device `slot_table`); `checked`: arguments like these passed the kernel's
         checks before (skip them); `bias`: the routed experts' biases `[T, k, 2F + H]`."""
         c = self.spec
+        if self._on_cpu_kernels(x, slab):
+            return cpu_expert_ffn(
+                x,
+                slab,
+                slots,
+                weights,
+                c.hidden_size,
+                c.ffn_size,
+                fmt=self.expert_format,
+                group_size=self.group_size,
+                slot_table=slot_table,
+                out_dtype=x.dtype,
+            )
         return self.ops.expert_ffn(
             x,
             slab,

@@ -1,0 +1,583 @@
+// CPU expert kernels (expert_gemv.h): validation, the thread pool, the two-phase driver,
+// the portable scalar row kernels and run-time ISA selection.
+#include "expert_gemv.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#if defined(__linux__)
+#include <pthread.h>
+#endif
+
+namespace psr::cpu {
+
+// --- scalar decoders and row kernels -----------------------------------------------------
+
+float bf16_to_f32(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t e = (h >> 10) & 0x1F, m = h & 0x3FF;
+  float mag;
+  if (e == 0) {
+    mag = std::ldexp(static_cast<float>(m), -24);  // subnormal (or zero)
+  } else if (e == 31) {
+    mag = m ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    const uint32_t bits = ((e + 112) << 23) | (m << 13);
+    std::memcpy(&mag, &bits, 4);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &mag, 4);
+  bits |= sign;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float fp8_e4m3_to_f32(uint8_t c) {
+  const uint32_t e = (c >> 3) & 0xF, m = c & 0x7;
+  float mag;
+  if ((c & 0x7F) == 0x7F) {
+    mag = std::numeric_limits<float>::quiet_NaN();  // e4m3fn: no inf, one NaN per sign
+  } else if (e == 0) {
+    mag = static_cast<float>(m) * 0.001953125f;  // m * 2^-9
+  } else {
+    const uint32_t bits = ((e + 120) << 23) | (m << 20);
+    std::memcpy(&mag, &bits, 4);
+  }
+  return (c & 0x80) ? -mag : mag;
+}
+
+namespace {
+
+template <class Load>
+void scalar_dot4(const uint8_t* const w[4], int64_t n, const float* v, float out[4], Load load) {
+  for (int r = 0; r < 4; ++r) {
+    float a = 0.f;
+    for (int64_t i = 0; i < n; ++i) a += load(w[r], i) * v[i];
+    out[r] = a;
+  }
+}
+
+void dot_f32(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  scalar_dot4(w, n, v, out, [](const uint8_t* p, int64_t i) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  });
+}
+void dot_bf16(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  scalar_dot4(w, n, v, out, [](const uint8_t* p, int64_t i) {
+    uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return bf16_to_f32(b);
+  });
+}
+void dot_f16(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  scalar_dot4(w, n, v, out, [](const uint8_t* p, int64_t i) {
+    uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return f16_to_f32(b);
+  });
+}
+void dot_int8(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  scalar_dot4(w, n, v, out, [](const uint8_t* p, int64_t i) {
+    return static_cast<float>(static_cast<int8_t>(p[i]));
+  });
+}
+void dot_fp8(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  scalar_dot4(w, n, v, out, [](const uint8_t* p, int64_t i) { return fp8_e4m3_to_f32(p[i]); });
+}
+void dot_int4(const uint8_t* const w[4], int64_t n, const float* v, const float* v2, float out[4]) {
+  for (int r = 0; r < 4; ++r) {
+    float a = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const int b = w[r][i];
+      a += static_cast<float>(((b & 0xF) ^ 8) - 8) * v[i];
+      a += static_cast<float>(((b >> 4) ^ 8) - 8) * v2[i];
+    }
+    out[r] = a;
+  }
+}
+
+}  // namespace
+
+DotFn scalar_dot(Fmt f) {
+  switch (f) {
+    case Fmt::f32:
+      return dot_f32;
+    case Fmt::bf16:
+      return dot_bf16;
+    case Fmt::f16:
+      return dot_f16;
+    case Fmt::int8:
+      return dot_int8;
+    case Fmt::fp8:
+      return dot_fp8;
+    case Fmt::int4:
+      return dot_int4;
+  }
+  return nullptr;
+}
+
+// --- ISA selection -----------------------------------------------------------------------
+
+namespace {
+
+bool cpu_has_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+bool cpu_has_avx512() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && cpu_has_avx2();
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out{Isa::scalar};
+  if (cpu_has_avx2() && avx2_dot(Fmt::f32)) out.push_back(Isa::avx2);
+  if (cpu_has_avx512() && avx512_dot(Fmt::f32)) out.push_back(Isa::avx512);
+  return out;
+}
+
+Isa best_isa() { return supported_isas().back(); }
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+Isa isa_from_name(const std::string& name) {
+  if (name == "auto") return best_isa();
+  for (Isa i : supported_isas())
+    if (name == isa_name(i)) return i;
+  std::string have;
+  for (Isa i : supported_isas()) have += std::string(have.empty() ? "" : ", ") + isa_name(i);
+  throw std::invalid_argument("cpu expert kernels: isa '" + name +
+                              "' is not available on this CPU (have: auto, " + have + ")");
+}
+
+static DotFn dot_for(Isa isa, Fmt f) {
+  DotFn d = nullptr;
+  if (isa == Isa::avx512) d = avx512_dot(f);
+  if (isa == Isa::avx2) d = avx2_dot(f);
+  return d ? d : scalar_dot(f);
+}
+
+int max_threads() {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n ? static_cast<int>(n) : 1;
+}
+
+// --- thread pool ---------------------------------------------------------------------------
+
+namespace {
+
+// A few persistent workers; the calling thread takes part 0. Work [0, n) is split in
+// `parts` contiguous ranges: which thread computes an item never changes what it computes.
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool;  // never destroyed: workers may outlive static destruction
+    return *pool;
+  }
+
+  void run(int parts, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+    if (parts <= 1 || n <= 1) {
+      fn(0, n);
+      return;
+    }
+    parts = static_cast<int>(std::min<int64_t>(parts, n));
+    {
+      std::unique_lock<std::mutex> g(mu_);
+      while (static_cast<int>(workers_->size()) < parts - 1) {
+        const int idx = static_cast<int>(workers_->size()) + 1;
+        workers_->emplace_back([this, idx] { loop(idx); });
+#if defined(__linux__)
+        pthread_setname_np(workers_->back().native_handle(), "psr-cpu-ffn");
+#endif
+      }
+      fn_ = &fn;
+      n_ = n;
+      parts_ = parts;
+      pending_ = parts - 1;
+      error_ = nullptr;
+      ++gen_;
+    }
+    cv_.notify_all();
+    std::exception_ptr mine;
+    try {
+      fn(0, n / parts);
+    } catch (...) {
+      mine = std::current_exception();
+    }
+    std::unique_lock<std::mutex> g(mu_);
+    done_.wait(g, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+    if (mine) std::rethrow_exception(mine);
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  std::mutex& call_mutex() { return call_mu_; }
+
+ private:
+  Pool() {
+    workers_ = new std::vector<std::thread>;
+#if defined(__linux__)
+    // A forked child has none of the parent's threads: start from no workers (the old
+    // thread objects are leaked on purpose, destroying them would terminate).
+    pthread_atfork(nullptr, nullptr, [] {
+      Pool& p = get();
+      p.workers_ = new std::vector<std::thread>;
+      p.gen_ = 0;
+    });
+#endif
+  }
+
+  void loop(int idx) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int64_t, int64_t)>* fn;
+      int64_t b = 0, e = 0;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait(g, [&] { return gen_ != seen; });
+        seen = gen_;
+        if (idx >= parts_) continue;
+        fn = fn_;
+        b = n_ * idx / parts_;
+        e = n_ * (idx + 1) / parts_;
+      }
+      std::exception_ptr err;
+      try {
+        (*fn)(b, e);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      std::lock_guard<std::mutex> g(mu_);
+      if (err && !error_) error_ = err;
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::mutex call_mu_;  // one call at a time
+  std::mutex mu_;
+  std::condition_variable cv_, done_;
+  std::vector<std::thread>* workers_;
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0;
+  int parts_ = 0;
+  int pending_ = 0;
+  uint64_t gen_ = 0;
+  std::exception_ptr error_;
+};
+
+void check_threads(int threads) {
+  if (threads < 1 || threads > max_threads())
+    throw std::invalid_argument("cpu expert kernels: threads must be in [1, " +
+                                std::to_string(max_threads()) + "] (this machine's hardware " +
+                                "threads), got " + std::to_string(threads));
+}
+
+// --- validation ------------------------------------------------------------------------------
+
+int64_t itemsize(Fmt f) {
+  switch (f) {
+    case Fmt::f32:
+      return 4;
+    case Fmt::bf16:
+    case Fmt::f16:
+      return 2;
+    default:
+      return 1;
+  }
+}
+
+bool quantized(Fmt f) { return f == Fmt::int8 || f == Fmt::fp8 || f == Fmt::int4; }
+
+[[noreturn]] void bad(const std::string& what) {
+  throw std::invalid_argument("cpu expert kernels: " + what);
+}
+
+void check_part(const char* name, int64_t at, int64_t rows, int64_t bytes, int64_t row_bytes) {
+  if (at < 0 || rows < 0 || bytes < 0 || at > row_bytes || rows * bytes > row_bytes - at)
+    bad(std::string("part ") + name + " (offset " + std::to_string(at) + ", " +
+        std::to_string(rows) + " x " + std::to_string(bytes) + " bytes) does not fit in a row of " +
+        std::to_string(row_bytes) + " bytes");
+}
+
+void check_group(const char* dim, int64_t K, int64_t group) {
+  if (group < 1 || K % group) bad(std::string("scale group must divide ") + dim);
+  if (K / group > 1 && group % 2) bad(std::string("int4 groups along ") + dim + " must be even");
+}
+
+void check_layout(const Layout& L) {
+  const int64_t H = L.hidden, F = L.ffn;
+  if (H < 1 || F < 1) bad("hidden and ffn sizes must be positive");
+  const int fi = static_cast<int>(L.fmt);
+  if (fi < 0 || fi > 5) bad("unknown format code " + std::to_string(fi));
+  const int64_t isz = itemsize(L.fmt);
+  const int64_t want_h = L.fmt == Fmt::int4 ? (H + 1) / 2 : H * isz;
+  const int64_t want_f = L.fmt == Fmt::int4 ? (F + 1) / 2 : F * isz;
+  if (L.rb_h != want_h || L.rb_f != want_f)
+    bad("row byte counts " + std::to_string(L.rb_h) + ", " + std::to_string(L.rb_f) +
+        " do not match the format (expected " + std::to_string(want_h) + ", " +
+        std::to_string(want_f) + ")");
+  check_part("gate", L.gate, F, L.rb_h, L.row_bytes);
+  check_part("up", L.up, F, L.rb_h, L.row_bytes);
+  check_part("down", L.down, H, L.rb_f, L.row_bytes);
+  if (!quantized(L.fmt)) return;
+  if (L.fmt == Fmt::int4) {
+    check_group("hidden", H, L.group_h);
+    check_group("ffn", F, L.group_f);
+  } else if (L.group_h != H || L.group_f != F) {
+    bad("int8/fp8 scales are per row: groups must equal the row lengths");
+  }
+  check_part("gate scales", L.gate_s, F, 4 * (H / L.group_h), L.row_bytes);
+  check_part("up scales", L.up_s, F, 4 * (H / L.group_h), L.row_bytes);
+  check_part("down scales", L.down_s, H, 4 * (F / L.group_f), L.row_bytes);
+}
+
+int64_t read_index(const void* p, int bytes, int64_t i) {
+  if (bytes == 4) return static_cast<const int32_t*>(p)[i];
+  return static_cast<const int64_t*>(p)[i];
+}
+
+// The row of each routed (token, expert), validated: never a read outside the rows.
+std::vector<const uint8_t*> routed_rows(const Layout& L, const Call& c) {
+  if (c.tokens < 0 || c.k < 0) bad("tokens and k must be non-negative");
+  if (!c.x || !c.y || !c.rows || (c.tokens * c.k != 0 && (!c.ids || !c.weights)))
+    bad("null pointer argument");
+  if (c.num_rows < 1) bad("no rows");
+  if (c.row_stride < L.row_bytes) bad("row stride is shorter than a row");
+  if ((c.id_bytes != 4 && c.id_bytes != 8) || (c.table && c.table_bytes != 4 && c.table_bytes != 8))
+    bad("ids and the slot table must be int32 or int64");
+  const int ai = static_cast<int>(c.act);
+  if (ai < 0 || ai > 1) bad("unknown activation code " + std::to_string(ai));
+  std::vector<const uint8_t*> out(static_cast<size_t>(c.tokens * c.k));
+  for (int64_t i = 0; i < c.tokens * c.k; ++i) {
+    int64_t slot = read_index(c.ids, c.id_bytes, i);
+    if (c.table) {
+      if (slot < 0 || slot >= c.table_len)
+        throw std::out_of_range("cpu expert kernels: expert id " + std::to_string(slot) +
+                                " out of range [0, " + std::to_string(c.table_len) + ")");
+      slot = read_index(c.table, c.table_bytes, slot);
+    }
+    if (slot < 0 || slot >= c.num_rows)
+      throw std::out_of_range("cpu expert kernels: slot " + std::to_string(slot) +
+                              " out of range [0, " + std::to_string(c.num_rows) + ")");
+    out[static_cast<size_t>(i)] = c.rows + slot * c.row_stride;
+  }
+  return out;
+}
+
+// --- the driver ----------------------------------------------------------------------------
+
+constexpr int64_t kBlock = 16;  // output rows per work item
+
+struct Matrix {
+  int64_t at;     // codes offset in the row
+  int64_t s_at;   // scales offset (quantized)
+  int64_t rb;     // bytes per row
+  int64_t K;      // input dim
+  int64_t group;  // scale group (quantized)
+};
+
+// out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
+// odd half), scales applied once per row or group, groups summed in order.
+void dot_rows(DotFn dot, GroupDotFn gdot, Fmt fmt, const uint8_t* base, const Matrix& m,
+              const int64_t rows[4], const float* v, const float* v2, float out[4]) {
+  const uint8_t* w[4];
+  for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
+  if (!quantized(fmt)) {
+    dot(w, m.K, v, v2, out);
+    return;
+  }
+  const bool i4 = fmt == Fmt::int4;
+  const int64_t ng = m.K / m.group;
+  const float* s[4];
+  for (int r = 0; r < 4; ++r) s[r] = reinterpret_cast<const float*>(base + m.s_at) + rows[r] * ng;
+  if (ng == 1) {
+    dot(w, m.rb, v, v2, out);
+    for (int r = 0; r < 4; ++r) {
+      float sc;
+      std::memcpy(&sc, s[r], 4);
+      out[r] *= sc;
+    }
+    return;
+  }
+  const int64_t step = i4 ? m.group / 2 : m.group;  // bytes (and v entries) per group
+  if (gdot && i4) {
+    gdot(w, ng, step, v, v2, s, out);
+    return;
+  }
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t g = 0; g < ng; ++g) {
+    const uint8_t* wg[4];
+    for (int r = 0; r < 4; ++r) wg[r] = w[r] + g * step;
+    float part[4];
+    dot(wg, step, v + g * step, i4 ? v2 + g * step : nullptr, part);
+    for (int r = 0; r < 4; ++r) {
+      float sc;
+      std::memcpy(&sc, s[r] + g, 4);
+      acc[r] += part[r] * sc;
+    }
+  }
+  for (int r = 0; r < 4; ++r) out[r] = acc[r];
+}
+
+inline float activate(const Call& c, float g, float u) {
+  if (c.act == Act::swiglu_oai) {
+    g = std::min(g, c.limit);
+    u = std::max(-c.limit, std::min(u, c.limit));
+    return (u + 1.f) * (g / (1.f + std::exp(-c.alpha * g)));
+  }
+  return g / (1.f + std::exp(-g)) * u;
+}
+
+// Four row indices of a block starting at r0 (of n rows); missing ones repeat the last.
+void quad(int64_t r0, int64_t n, int64_t rows[4]) {
+  for (int r = 0; r < 4; ++r) rows[r] = std::min(r0 + r, n - 1);
+}
+
+// Input vectors as the row kernels read them: int4 splits even / odd elements (each half
+// padded with a zero to ceil(K/2)); other formats use the vector as is.
+int64_t vec_len(Fmt fmt, int64_t K) { return fmt == Fmt::int4 ? 2 * ((K + 1) / 2) : K; }
+int64_t vec_pos(Fmt fmt, int64_t K, int64_t i) {
+  return fmt == Fmt::int4 ? (i % 2) * ((K + 1) / 2) + i / 2 : i;
+}
+
+}  // namespace
+
+void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
+  check_threads(threads);
+  check_layout(L);
+  const std::vector<const uint8_t*> rows = routed_rows(L, c);
+  const int64_t H = L.hidden, F = L.ffn, T = c.tokens, K = c.k;
+  const Fmt fmt = L.fmt;
+  bool ok = false;
+  for (Isa i : supported_isas()) ok |= i == isa;
+  if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
+  const DotFn dot = dot_for(isa, fmt);
+  const GroupDotFn gdot = isa == Isa::avx512 ? avx512_int4_groups() : nullptr;
+  if (T == 0) return;
+  if (K == 0) {
+    std::fill(c.y, c.y + T * H, 0.f);
+    return;
+  }
+  const bool i4 = fmt == Fmt::int4;
+  const int64_t xl = vec_len(fmt, H), hl = vec_len(fmt, F);
+  const Matrix gate{L.gate, L.gate_s, L.rb_h, H, L.group_h};
+  const Matrix up{L.up, L.up_s, L.rb_h, H, L.group_h};
+  const Matrix down{L.down, L.down_s, L.rb_f, F, L.group_f};
+  std::vector<float> xs;  // int4: each token's x split even / odd
+  if (i4) {
+    xs.assign(static_cast<size_t>(T * xl), 0.f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < H; ++i) xs[t * xl + vec_pos(fmt, H, i)] = c.x[t * H + i];
+  }
+  std::vector<float> h(static_cast<size_t>(T * K * hl), 0.f);
+
+  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  const int64_t fb = (F + kBlock - 1) / kBlock, hb = (H + kBlock - 1) / kBlock;
+  Pool::get().run(threads, T * K * fb, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t tj = item / fb, f0 = (item % fb) * kBlock, t = tj / K;
+      const float* v = i4 ? xs.data() + t * xl : c.x + t * H;
+      const float* v2 = i4 ? v + xl / 2 : nullptr;
+      float* ht = h.data() + tj * hl;
+      for (int64_t r0 = f0; r0 < std::min(F, f0 + kBlock); r0 += 4) {
+        int64_t q[4];
+        quad(r0, F, q);
+        float g[4], u[4];
+        dot_rows(dot, gdot, fmt, rows[tj], gate, q, v, v2, g);
+        dot_rows(dot, gdot, fmt, rows[tj], up, q, v, v2, u);
+        for (int r = 0; r < 4 && r0 + r < F; ++r)
+          ht[vec_pos(fmt, F, r0 + r)] = activate(c, g[r], u[r]);
+      }
+    }
+  });
+  Pool::get().run(threads, T * hb, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t t = item / hb, h0 = (item % hb) * kBlock;
+      for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += 4) {
+        int64_t q[4];
+        quad(r0, H, q);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int64_t j = 0; j < K; ++j) {
+          const float* v = h.data() + (t * K + j) * hl;
+          float d[4];
+          dot_rows(dot, gdot, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
+          const float wj = c.weights[t * K + j];
+          for (int r = 0; r < 4; ++r) acc[r] += wj * d[r];
+        }
+        for (int r = 0; r < 4 && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
+      }
+    }
+  });
+}
+
+double triad_bytes_per_s(int64_t n, int threads, int reps) {
+  check_threads(threads);
+  if (n < 1 || reps < 1) bad("triad: n and reps must be positive");
+  std::vector<float> a(static_cast<size_t>(n)), b(static_cast<size_t>(n), 1.f),
+      cc(static_cast<size_t>(n), 2.f);
+  const float s = 3.f;
+  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  auto pass = [&](int64_t lo, int64_t hi) {
+    float* pa = a.data();
+    const float* pb = b.data();
+    const float* pc = cc.data();
+    for (int64_t i = lo; i < hi; ++i) pa[i] = pb[i] + s * pc[i];
+  };
+  // Parts of [0, n) by thread, each thread touching its own range (first touch too).
+  const int64_t parts = threads;
+  auto split = [&](int64_t pb, int64_t pe) {
+    for (int64_t p = pb; p < pe; ++p) pass(n * p / parts, n * (p + 1) / parts);
+  };
+  Pool::get().run(threads, parts, split);  // warm-up
+  double best = 0.0;
+  for (int r = 0; r < reps; ++r) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Pool::get().run(threads, parts, split);
+    const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (dt > 0) best = std::max(best, 12.0 * static_cast<double>(n) / dt);
+  }
+  return best;
+}
+
+}  // namespace psr::cpu

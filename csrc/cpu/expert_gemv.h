@@ -1,0 +1,104 @@
+// CPU expert kernels: the batch-1 (and small-T) routed expert FFN read in place from
+// packed expert rows (the store's slab or host rows), for every expert format psr holds.
+//
+//   y[t] = sum_j w[t, j] * down_j( act(gate_j x[t], up_j x[t]) ),  expert j in row slot[t, j]
+//
+// Rows are never gathered: each thread reads the routed experts' rows where they live.
+// Two phases, each split statically over a small persistent thread pool:
+//   1. gate/up: items (token, expert, block of F rows) -> h[t, j, :] (fp32);
+//   2. down:    items (token, block of H rows), each summing its experts in order j = 0..k-1.
+// Every output element is computed by one thread in a fixed order, so results are
+// bit-identical run to run and for any thread count (for a given ISA path).
+//
+// Vector paths (AVX2+FMA+F16C, AVX-512 F/BW/VL) are compiled with target pragmas in
+// their own files and chosen at run time by CPU feature detection; a portable scalar
+// path runs everywhere. Arithmetic: fp32 (weights widened or dequantized on the fly,
+// scales applied once per row or group to the raw codes' partial dot product).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace psr::cpu {
+
+// Expert weight formats (psr_kernels.quant's byte layouts for the quantized ones).
+enum class Fmt : int { f32 = 0, bf16 = 1, f16 = 2, int8 = 3, fp8 = 4, int4 = 5 };
+// Activations between the projections; more kinds can be added here.
+//   swiglu:     h = silu(g) * u
+//   swiglu_oai: gpt-oss's clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit),
+//               h = (u + 1) * g * sigmoid(alpha * g)
+enum class Act : int { swiglu = 0, swiglu_oai = 1 };
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+
+// Where one expert's parts sit in its row (bytes from the row start). Float formats:
+// gate [F, H], up [F, H], down [H, F] of `itemsize`-byte elements, rows of H (F) elements.
+// Quantized: codes rows of rb_h (rb_f) bytes, fp32 scales [F, H / group_h], [H, F / group_f].
+struct Layout {
+  Fmt fmt = Fmt::f32;
+  int64_t hidden = 0;  // H
+  int64_t ffn = 0;     // F
+  int64_t gate = 0, up = 0, down = 0;
+  int64_t gate_s = 0, up_s = 0, down_s = 0;  // quantized only
+  int64_t rb_h = 0, rb_f = 0;                // bytes per gate/up row, per down row
+  int64_t group_h = 0, group_f = 0;          // scale groups (elements); = H, F for int8/fp8
+  int64_t row_bytes = 0;                     // bytes one expert occupies
+};
+
+struct Call {
+  const float* x = nullptr;       // [T, H] fp32, contiguous
+  int64_t tokens = 0;             // T
+  const uint8_t* rows = nullptr;  // row r at rows + r * row_stride
+  int64_t num_rows = 0;
+  int64_t row_stride = 0;     // bytes
+  const void* ids = nullptr;  // [T, k] int32 or int64 (id_bytes): slots, or expert ids
+  int id_bytes = 8;
+  int64_t k = 0;
+  const void* table = nullptr;  // optional [table_len] expert -> row (int32/int64)
+  int table_bytes = 4;
+  int64_t table_len = 0;
+  const float* weights = nullptr;  // [T, k] fp32 gate weights
+  float* y = nullptr;              // [T, H] fp32 out
+  Act act = Act::swiglu;
+  float alpha = 1.702f, limit = 7.0f;  // swiglu_oai
+};
+
+// Validates the layout, the call and every routed row (std::invalid_argument /
+// std::out_of_range with a one-line message), then computes y. Thread-safe (calls are
+// serialised on the pool). threads in [1, hardware threads].
+void expert_ffn(const Layout& lay, const Call& call, int threads, Isa isa);
+
+// ISA paths this CPU runs, best last (scalar always).
+std::vector<Isa> supported_isas();
+Isa best_isa();
+const char* isa_name(Isa isa);
+Isa isa_from_name(const std::string& name);  // "auto" = best_isa()
+
+// STREAM triad a[i] = b[i] + s * c[i] over n floats on the same pool: best bytes/s
+// (3 * 4 * n bytes per pass) of `reps` passes.
+double triad_bytes_per_s(int64_t n, int threads, int reps);
+
+int max_threads();
+
+// --- per-ISA row kernels (expert_gemv_*.cpp) -------------------------------------------
+// out[r] = sum_{i < n} w_r[i] * v[i] for four rows r (raw codes for quantized formats).
+// int4: n counts bytes; byte i holds elements 2i (low nibble, times v[i]) and 2i + 1
+// (high nibble, times v2[i]). Rows may repeat; nothing past w_r + (bytes of n) is read.
+using DotFn = void (*)(const uint8_t* const w[4], int64_t n, const float* v, const float* v2,
+                       float out[4]);
+// int4 with several scale groups: out[r] = sum_g s_r[g] * (partial dot of group g), the
+// group sums kept in vector lanes (one horizontal sum per row). gbytes: bytes per group.
+using GroupDotFn = void (*)(const uint8_t* const w[4], int64_t ng, int64_t gbytes, const float* v,
+                            const float* v2, const float* const s[4], float out[4]);
+GroupDotFn avx512_int4_groups();  // nullptr where not compiled
+DotFn scalar_dot(Fmt f);
+DotFn avx2_dot(Fmt f);    // nullptr where not compiled
+DotFn avx512_dot(Fmt f);  // nullptr where not compiled
+
+// Scalar decoders shared by the paths' tails.
+float bf16_to_f32(uint16_t b);
+float f16_to_f32(uint16_t h);
+float fp8_e4m3_to_f32(uint8_t c);
+
+}  // namespace psr::cpu
