@@ -47,8 +47,11 @@ class ExpertCompute:
         self.ops = ops
         self.expert_format = expert_format
         self.group_size = group_size
-        # The CPU kernels serve the reference path's decode on the CPU (see the module doc).
-        self.cpu_kernels = ops.path == "torch" and cpu_experts_mode() != "torch"
+        # The CPU kernels serve the reference path's decode on the CPU (see the module doc),
+        # for the expert kind they compute: SwiGLU without biases, weights on the output
+        # (gpt-oss's and Llama 4's kinds take the reference).
+        plain = spec.activation == "silu" and not spec.expert_bias and not spec.input_scaled
+        self.cpu_kernels = plain and ops.path == "torch" and cpu_experts_mode() != "torch"
 
     def _on_cpu_kernels(self, x: torch.Tensor, slab: torch.Tensor) -> bool:
         return (
