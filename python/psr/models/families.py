@@ -498,8 +498,14 @@ def gpt_oss_expert(
     up columns interleaved), `gate_up_proj_bias [2F]`, `down_proj [F, H]`, `down_proj_bias
     [H]`."""
     gate, up, down = gpt_oss_matrices(gate_up, down)
-    bias = torch.cat([gate_up_bias[0::2], gate_up_bias[1::2], down_bias]).float()
-    return gate, up, down, bias
+    return gate, up, down, gpt_oss_bias_table(gate_up_bias, down_bias)
+
+
+def gpt_oss_bias_table(gate_up_bias: torch.Tensor, down_bias: torch.Tensor) -> torch.Tensor:
+    """psr's biases `[..., 2F + H]` fp32 (gate, up, down) from gpt-oss's interleaved
+    `gate_up_proj_bias [..., 2F]` and `down_proj_bias [..., H]` (one expert or all)."""
+    gub = gate_up_bias
+    return torch.cat([gub[..., 0::2], gub[..., 1::2], down_bias], dim=-1).float()
 
 
 def gpt_oss_matrices(
@@ -571,6 +577,5 @@ def module_bias_table(experts: nn.Module) -> torch.Tensor | None:
     for experts without biases."""
     if not hasattr(experts, "gate_up_proj_bias"):
         return None
-    gub = experts.get_parameter("gate_up_proj_bias").detach()
-    db = experts.get_parameter("down_proj_bias").detach()
-    return torch.cat([gub[:, 0::2], gub[:, 1::2], db], dim=1).float()
+    p = experts.get_parameter
+    return gpt_oss_bias_table(p("gate_up_proj_bias").detach(), p("down_proj_bias").detach())

@@ -34,6 +34,7 @@ from psr.models.families import (
     expert_tensor_names,
     family_of,
     fused_expert_names,
+    gpt_oss_bias_table,
     gpt_oss_matrices,
     module_bias_table,
     moe_spec,
@@ -279,7 +280,7 @@ def _bias_tables(
     for d in moe_idx:
         n = _check_transposed(ckpt, spec, d)
         gub, db = ckpt.get(n["gate_up_proj_bias"]), ckpt.get(n["down_proj_bias"])
-        out.append(torch.cat([gub[:, 0::2], gub[:, 1::2], db], dim=1).float())
+        out.append(gpt_oss_bias_table(gub, db))
     return _on(device, list(out))
 
 

@@ -58,9 +58,10 @@ class MoESpec:
                 f"num_experts={self.num_experts}"
             )
 
-    @property
+    @functools.cached_property
     def act(self) -> Activation:
-        """The experts' activation as the kernels take it."""
+        """The experts' activation as the kernels take it (made once: every routed layer
+        of every decode token asks)."""
         return Activation(self.activation, self.act_alpha, self.act_limit)
 
     @property
