@@ -24,6 +24,10 @@ Slab layout: pack_expert(gate, up, down) -> row; unpack_expert(row, H, F) -> vie
 Quantized rows (`psr_kernels.quant`, fmt in QUANT_FORMATS = int8, fp8, int4):
 quantize_expert(gate, up, down, fmt) -> uint8 row; dequantize_expert(row, H, F, fmt) ->
 fp32 matrices; QuantLayout.of(fmt, H, F) -> byte offsets; bytes_ratio(fmt, H, F).
+GGUF's blocks as they are (`psr_kernels.ggml`, GGML_TYPES: F32 F16 BF16 Q8_0 Q4_0 Q4_1
+Q5_0 Q5_1 Q4_K Q5_K Q6_K MXFP4): fmt = ggml_format(gate, up, down) ("gguf:Q4_K,Q4_K,Q6_K");
+GGMLLayout.of(fmt, H, F); pack_ggml_expert(lay, [gate, up, down bytes]) -> row;
+dequantize_ggml(bytes, type, shape) -> fp32 (the reference; decode_ggml: the kernels').
 Compute dispatch (`psr_kernels.dispatch`): resolve_compute(compute, device) ->
 "triton" | "torch" and kernel_ops(compute, device) -> the ops of that path;
 compute is "auto" | "triton" | "torch", "auto" honouring the env default PSR_COMPUTE.
@@ -53,6 +57,19 @@ from psr_kernels.expert_ffn import (
     pack_expert,
     swiglu_ref,
     unpack_expert,
+)
+from psr_kernels.ggml import (
+    GGML_TYPES,
+    GGMLLayout,
+    decode_ggml,
+    dequantize_ggml,
+    dequantize_ggml_expert,
+    ggml_format,
+    ggml_row_bytes,
+    ggml_types,
+    is_ggml_format,
+    pack_ggml_expert,
+    pack_ggml_parts,
 )
 from psr_kernels.ops import (
     expert_ffn_op,
@@ -86,6 +103,7 @@ from psr_kernels.routing_ref import (
 
 __all__ = [
     "ACTIVATIONS",
+    "GGML_TYPES",
     "GROUP_SCORES",
     "QUANT_FORMATS",
     "SCORINGS",
@@ -94,6 +112,7 @@ __all__ = [
     "CacheLayout",
     "Compute",
     "ComputePath",
+    "GGMLLayout",
     "KernelOps",
     "NonFiniteError",
     "QuantLayout",
@@ -105,17 +124,26 @@ __all__ = [
     "cache_prefetch_ref",
     "cache_use",
     "cache_use_ref",
+    "decode_ggml",
     "decode_step",
     "decode_step_ref",
     "default_compute",
     "dequantize_expert",
+    "dequantize_ggml",
+    "dequantize_ggml_expert",
     "expert_ffn",
     "expert_ffn_op",
     "expert_ffn_ref",
     "expert_row_ffn_ref",
+    "ggml_format",
+    "ggml_row_bytes",
+    "ggml_types",
+    "is_ggml_format",
     "kernel_ops",
     "make_vllm_routing_function",
     "pack_expert",
+    "pack_ggml_expert",
+    "pack_ggml_parts",
     "predict_next",
     "predict_next_op",
     "predict_next_ref",

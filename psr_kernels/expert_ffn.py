@@ -33,6 +33,12 @@ import triton.language as tl
 
 from psr_kernels._common import check_float, check_launchable, load_slot, pow2
 from psr_kernels.activation import SILU, Activation, glu
+from psr_kernels.ggml import (
+    GGMLLayout,
+    dequantize_ggml_expert,
+    is_ggml_format,
+    launch_ggml_ffn,
+)
 from psr_kernels.quant import FORMATS as QUANT_FORMATS
 from psr_kernels.quant import (
     QuantLayout,
@@ -213,19 +219,46 @@ def ffn_launch_config(T: int, H: int, F: int) -> tuple[Mapping[str, int], Mappin
 
 
 def _check_fmt_arg(op: str, fmt: str | None) -> None:
-    if fmt is not None and (not isinstance(fmt, str) or fmt not in QUANT_FORMATS):
+    if fmt is None or is_ggml_format(fmt):
+        return
+    if not isinstance(fmt, str) or fmt not in QUANT_FORMATS:
         raise ValueError(
-            f"{op}: fmt must be None (float slab rows) or one of "
-            f"{', '.join(map(repr, QUANT_FORMATS))}, got {fmt!r}"
+            f"{op}: fmt must be None (float slab rows), one of "
+            f"{', '.join(map(repr, QUANT_FORMATS))} or a GGML row format 'gguf:GATE,UP,DOWN', "
+            f"got {fmt!r}"
         )
+
+
+RowLayout = QuantLayout | GGMLLayout
 
 
 @functools.lru_cache(maxsize=64)
 def _row_layout(
     fmt: str | None, hidden_size: int, ffn_size: int, group_size: int
-) -> QuantLayout | None:
-    """The row layout of a quantized `fmt` (None for float rows), once per shape."""
-    return None if fmt is None else QuantLayout.of(fmt, hidden_size, ffn_size, group_size)
+) -> RowLayout | None:
+    """The row layout of a quantized or GGML `fmt` (None for float rows), once per shape."""
+    if fmt is None:
+        return None
+    if is_ggml_format(fmt):
+        return GGMLLayout.of(fmt, hidden_size, ffn_size)
+    return QuantLayout.of(fmt, hidden_size, ffn_size, group_size)
+
+
+def _check_uint8_slab(
+    op: str, slab: torch.Tensor, fmt: str, hidden_size: int, ffn_size: int, group_size: int
+) -> RowLayout:
+    """The layout of `fmt`'s rows after checking `slab` is `[C, nbytes]` uint8 of them."""
+    if not is_ggml_format(fmt):
+        return check_quant_slab(op, slab, fmt, hidden_size, ffn_size, group_size)
+    if not isinstance(slab, torch.Tensor) or slab.dtype != torch.uint8 or slab.dim() != 2:
+        raise TypeError(f"{op}: slab must be a 2-D uint8 tensor [C, nbytes] for {fmt}")
+    lay = GGMLLayout.of(fmt, hidden_size, ffn_size)
+    if slab.shape[1] != lay.nbytes:
+        raise ValueError(
+            f"{op}: slab rows hold {slab.shape[1]} bytes, expected {lay.nbytes} "
+            f"({fmt}, H={hidden_size}, F={ffn_size})"
+        )
+    return lay
 
 
 def _check_ffn(
@@ -238,7 +271,7 @@ def _check_ffn(
     ffn_size: int,
     fmt: str | None,
     group_size: int,
-) -> QuantLayout | None:
+) -> RowLayout | None:
     """Shared argument checks of `expert_ffn` and its reference; returns the row layout
     of a quantized `fmt` (None for float rows)."""
     _check_fmt_arg(op, fmt)
@@ -259,7 +292,7 @@ def _check_ffn(
                 f"{op}: slab rows hold {slab.shape[1]} elements, expected 3 * H * F = {row}"
             )
     else:
-        lay = check_quant_slab(op, slab, fmt, hidden_size, ffn_size, group_size)
+        lay = _check_uint8_slab(op, slab, fmt, hidden_size, ffn_size, group_size)
     if slab.stride(1) != 1:
         raise ValueError(f"{op}: slab rows must be contiguous (stride(1) == 1)")
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64):
@@ -388,8 +421,10 @@ def expert_ffn(
             rows of a quantized `fmt` (`quantize_expert`; base and row stride 16-byte
             aligned).
         slots: `[T, k]` int slot of each routed expert; weights: `[T, k]` gate weights.
-        fmt: None (float rows) or one of QUANT_FORMATS ('int8', 'fp8', 'int4'): picks
-            the kernels. group_size: the int4 scale group (unused otherwise).
+        fmt: None (float rows), one of QUANT_FORMATS ('int8', 'fp8', 'int4') or a GGML
+            row format (`psr_kernels.ggml.ggml_format`, "gguf:Q4_K,Q4_K,Q6_K": a GGUF
+            file's blocks as they are): picks the kernels. group_size: the int4 scale
+            group (unused otherwise).
         out_dtype: output dtype (default x.dtype); accumulation is always fp32.
         check_slots: validate slot ids on the host (a sync); out-of-range slots are
             otherwise read as zeros rather than faulting.
@@ -431,6 +466,8 @@ def expert_ffn(
     h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
     if lay is None:
         _launch_float_ffn(x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
+    elif isinstance(lay, GGMLLayout):
+        launch_ggml_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
     else:
         launch_quant_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
     return y
@@ -495,6 +532,8 @@ def _expert_matrices(
     dequantized matrices of `fmt`'s rows."""
     if fmt is None:
         return unpack_expert(rows, hidden_size, ffn_size)
+    if is_ggml_format(fmt):
+        return dequantize_ggml_expert(rows, GGMLLayout.of(fmt, hidden_size, ffn_size))
     return dequantize_expert(rows, hidden_size, ffn_size, fmt, group_size=group_size)
 
 

@@ -1,0 +1,692 @@
+"""Experts in GGML blocks (the bytes of a GGUF file), run straight from the slab.
+
+    y[t] = sum_j w[t, j] * down_j( act(gate_j x[t], up_j x[t]) ),  expert j in slot slots[t, j]
+
+A GGUF file holds each expert matrix in one of GGML's block formats, blocks running along
+the input dimension (a row of K inputs is K / QK blocks of BS bytes). psr keeps those bytes
+as they are: a slab row is the expert's gate, up and down matrices back to back, each in its
+own type (a Q4_K_M file mixes them: down in Q6_K, gate/up in Q4_K), every part starting at
+a multiple of 16 bytes. The format of a row is the string `ggml_format(gate, up, down)`,
+"gguf:Q4_K,Q4_K,Q6_K": it goes wherever a quantized `fmt` goes (`expert_ffn(fmt=...)`).
+
+Types (`GGML_TYPES`, with GGML's type ids as the kernels' constexpr codes):
+
+    type   QK   BS   value of element i of a block
+    F32     1    4   the float
+    F16     1    2   the half
+    BF16    1    2   the bfloat16
+    Q8_0   32   34   d * q[i]                 d f16, q int8[32]
+    Q4_0   32   18   d * (n[i] - 8)           n: nibbles, low nibbles first (i < 16)
+    Q4_1   32   20   d * n[i] + m             d, m f16
+    Q5_0   32   22   d * (n[i] + 16 h[i] - 16)  h: bit i of a 32-bit little-endian word
+    Q5_1   32   24   d * (n[i] + 16 h[i]) + m
+    MXFP4  32   17   fp4_e2m1(n[i]) * 2^(e - 127)   e: one e8m0 byte
+    Q4_K  256  144   d sc[s] n[i] - dmin mn[s]     8 sub-blocks s of 32, 6-bit scales/mins
+    Q5_K  256  176   d sc[s] (n[i] + 16 h[i]) - dmin mn[s]
+    Q6_K  256  210   d sc[s] (q6[i] - 32)          16 sub-blocks of 16, int8 scales
+
+`dequantize_ggml(data, type, shape)` is the plain-torch reference of each (tested against
+gguf-py's own `dequantize`); the kernels decode each element of a weight tile from its
+block by integer arithmetic (`_ggml_tile`: GGML's layouts, one branch per type) and
+accumulate in fp32 with a fixed reduction order, as the other expert kernels do.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+import triton
+import triton.language as tl
+
+from psr_kernels._common import load_slot, pow2
+from psr_kernels.activation import SILU, Activation, glu
+
+# type name -> (GGML type id, elements per block, bytes per block)
+_TYPES: dict[str, tuple[int, int, int]] = {
+    "F32": (0, 1, 4),
+    "F16": (1, 1, 2),
+    "Q4_0": (2, 32, 18),
+    "Q4_1": (3, 32, 20),
+    "Q5_0": (6, 32, 22),
+    "Q5_1": (7, 32, 24),
+    "Q8_0": (8, 32, 34),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+    "BF16": (30, 1, 2),
+    "MXFP4": (39, 32, 17),
+}
+GGML_TYPES: tuple[str, ...] = tuple(_TYPES)
+FORMAT_PREFIX = "gguf:"
+_ALIGN = 16
+
+
+def ggml_block(type_name: str) -> tuple[int, int]:
+    """(elements, bytes) of one block of `type_name`."""
+    _check_type("ggml_block", type_name)
+    _, qk, bs = _TYPES[type_name]
+    return qk, bs
+
+
+def _check_type(op: str, type_name: str) -> None:
+    if type_name not in _TYPES:
+        raise ValueError(
+            f"{op}: GGML type {type_name!r} is not one psr's expert kernels compute "
+            f"(supported: {', '.join(GGML_TYPES)})"
+        )
+
+
+def ggml_row_bytes(type_name: str, k: int) -> int:
+    """Bytes of one row of `k` inputs in `type_name`; `k` must fill whole blocks."""
+    qk, bs = ggml_block(type_name)
+    if k < 1 or k % qk:
+        raise ValueError(f"a {type_name} row holds whole blocks of {qk} values; {k} inputs do not")
+    return k // qk * bs
+
+
+def ggml_format(gate: str, up: str, down: str) -> str:
+    """The `fmt` string of rows whose gate, up, down parts are in these GGML types."""
+    for t in (gate, up, down):
+        _check_type("ggml_format", t)
+    return f"{FORMAT_PREFIX}{gate},{up},{down}"
+
+
+def is_ggml_format(fmt: object) -> bool:
+    return isinstance(fmt, str) and fmt.startswith(FORMAT_PREFIX)
+
+
+def ggml_types(fmt: str) -> tuple[str, str, str]:
+    """(gate, up, down) types of a `ggml_format` string."""
+    parts = fmt[len(FORMAT_PREFIX) :].split(",") if is_ggml_format(fmt) else []
+    if len(parts) != 3 or any(p not in _TYPES for p in parts):
+        raise ValueError(
+            f"{fmt!r} is not a GGML row format: expected 'gguf:GATE,UP,DOWN' with types from "
+            f"{', '.join(GGML_TYPES)}"
+        )
+    return parts[0], parts[1], parts[2]
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclass(frozen=True)
+class GGMLLayout:
+    """Byte offsets of one expert's parts in a slab row of GGML blocks."""
+
+    fmt: str
+    hidden_size: int
+    ffn_size: int
+    types: tuple[str, str, str]  # gate, up, down
+    gate: int
+    up: int
+    down: int
+    rb_gate: int  # bytes per row of each part
+    rb_up: int
+    rb_down: int
+    nbytes: int  # row length, a multiple of 16
+
+    @property
+    def part_bytes(self) -> tuple[int, int, int]:
+        """Bytes of the gate, up and down matrices (without the alignment padding)."""
+        F, H = self.ffn_size, self.hidden_size
+        return F * self.rb_gate, F * self.rb_up, H * self.rb_down
+
+    @classmethod
+    def of(cls, fmt: str, hidden_size: int, ffn_size: int) -> GGMLLayout:
+        return _ggml_layout(fmt, int(hidden_size), int(ffn_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _ggml_layout(fmt: str, H: int, F: int) -> GGMLLayout:
+    tg, tu, td = ggml_types(fmt)
+    if H < 1 or F < 1:
+        raise ValueError(f"GGMLLayout: hidden_size and ffn_size must be positive, got {H}, {F}")
+    rbs = []
+    for part, t, k in (("gate", tg, H), ("up", tu, H), ("down", td, F)):
+        try:
+            rbs.append(ggml_row_bytes(t, k))
+        except ValueError as e:
+            raise ValueError(f"GGMLLayout: expert {part} rows: {e}") from None
+    offs, at = [], 0
+    for rows, rb in zip((F, F, H), rbs, strict=True):
+        offs.append(at)
+        at = _align(at + rows * rb)
+    return GGMLLayout(fmt, H, F, (tg, tu, td), *offs, *rbs, at)
+
+
+def pack_ggml_parts(lay: GGMLLayout, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The store's parts of one row: the gate, up, down bytes (uint8 views, as the file
+    holds them) with the zero padding between them, in order (no copy of the bytes)."""
+    want = lay.part_bytes
+    if len(parts) != 3:
+        raise ValueError(f"pack_ggml_parts: expected gate, up, down bytes, got {len(parts)} parts")
+    out: list[torch.Tensor] = []
+    at = 0
+    for name, p, n, off in zip(
+        ("gate", "up", "down"), parts, want, (lay.gate, lay.up, lay.down), strict=True
+    ):
+        if p.dtype != torch.uint8 or p.dim() != 1 or p.numel() != n:
+            raise ValueError(
+                f"pack_ggml_parts: {name} must be {n} uint8 bytes ({lay.types}, H="
+                f"{lay.hidden_size}, F={lay.ffn_size}), got {p.dtype} {list(p.shape)}"
+            )
+        if off > at:
+            out.append(torch.zeros(off - at, dtype=torch.uint8))
+        out.append(p)
+        at = off + n
+    if lay.nbytes > at:
+        out.append(torch.zeros(lay.nbytes - at, dtype=torch.uint8))
+    return out
+
+
+def pack_ggml_expert(lay: GGMLLayout, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One slab row (uint8 `[nbytes]`) of an expert's gate, up, down bytes."""
+    return torch.cat(pack_ggml_parts(lay, parts))
+
+
+# --------------------------------------------------------------------------- references
+
+
+def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
+    """The f16 at byte `at` of each block `b [..., BS]`, as fp32 `[..., 1]`."""
+    return b[..., at : at + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Low nibbles of 16 bytes then their high nibbles: `[..., 16]` -> `[..., 32]`."""
+    q = qs.to(torch.int32)
+    return torch.cat([q & 0xF, q >> 4], -1)
+
+
+def _bits32(qh: torch.Tensor) -> torch.Tensor:
+    """Bit i of the little-endian word in 4 bytes, i = 0..31: `[..., 4]` -> `[..., 32]`."""
+    i = torch.arange(32, device=qh.device)
+    return (qh.to(torch.int32)[..., i // 8] >> (i % 8)) & 1
+
+
+_FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _e8m0(e: torch.Tensor) -> torch.Tensor:
+    """2^(e - 127) as fp32 (e = 0: 2^-127, a subnormal; exact, as GGML's table)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e == 0, torch.full_like(e, 0x00400000), e << 23)
+    return bits.view(torch.float32)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 8 six-bit scales and mins packed in 12 bytes `[..., 12]`."""
+    s = s.to(torch.int32)
+    s0, s1, s2 = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat([s0 & 63, (s2 & 0xF) | ((s0 >> 6) << 4)], -1)
+    mn = torch.cat([s1 & 63, (s2 >> 4) | ((s1 >> 6) << 4)], -1)
+    return sc.float(), mn.float()
+
+
+def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: 128 bytes -> 8 sub-blocks of 32 (chunk j's low nibbles, then high)."""
+    q = qs.to(torch.int32).unflatten(-1, (4, 32))
+    return torch.stack([q & 0xF, q >> 4], -2).flatten(-3, -2)  # [..., 8, 32]
+
+
+def _q8_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * b[..., 2:34].contiguous().view(torch.int8).float()
+
+
+def _q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_nibbles(b[..., 2:18]) - 8).float()
+
+
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _nibbles(b[..., 4:20]).float() + _f16(b, 2)
+
+
+def _q5(b: torch.Tensor, at: int) -> torch.Tensor:
+    """Q5_0 / Q5_1's 5-bit codes: high bits at byte `at`, nibbles after them."""
+    return (_nibbles(b[..., at + 4 : at + 20]) | (_bits32(b[..., at : at + 4]) << 4)).float()
+
+
+def _q5_0(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * (_q5(b, 2) - 16)
+
+
+def _q5_1(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _q5(b, 4) + _f16(b, 2)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(_FP4, dtype=torch.float32, device=b.device)
+    return lut[_nibbles(b[..., 1:17])] * _e8m0(b[..., 0:1])
+
+
+def _qk_k(b: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K: d sc q - dmin mn over the 8 sub-blocks of codes `q [..., 8, 32]`."""
+    d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+    sc, mn = _k_scales(b[..., 4:16])
+    return (d * sc[..., None] * q.float() - dmin * mn[..., None]).flatten(-2)
+
+
+def _q4_k(b: torch.Tensor) -> torch.Tensor:
+    return _qk_k(b, _k_nibbles(b[..., 16:144]))
+
+
+def _q5_k(b: torch.Tensor) -> torch.Tensor:
+    i = torch.arange(8, device=b.device)[:, None]
+    hb = (b[..., None, 16:48].to(torch.int32) >> i) & 1  # bit s of qh[l]: sub-block s
+    return _qk_k(b, _k_nibbles(b[..., 48:176]) + 16 * hb)
+
+
+def _q6_k(b: torch.Tensor) -> torch.Tensor:
+    ql = b[..., 0:128].to(torch.int32).unflatten(-1, (2, 2, 32))  # [half, 2 x 32, l]
+    qh = b[..., 128:192].to(torch.int32).unflatten(-1, (2, 1, 32))
+    sh = torch.arange(4, device=b.device).view(4, 1) * 2
+    nib = torch.cat([ql & 0xF, ql >> 4], -2)  # groups g = 0..3 of 32 in each half
+    q = (nib | (((qh >> sh) & 3) << 4)) - 32  # [..., 2, 4, 32]
+    sc = b[..., 192:208].contiguous().view(torch.int8).float().unflatten(-1, (2, 4, 2, 1))
+    d = _f16(b, 208)[..., None, None, None]
+    return (d * sc * q.float().unflatten(-1, (2, 16))).flatten(-4)
+
+
+# One reference dequantizer per block type: fp32 values [..., QK] of blocks [..., BS].
+_BLOCK_REFS = {
+    "Q8_0": _q8_0,
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "MXFP4": _mxfp4,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
+_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def dequantize_ggml(data: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """fp32 values of `shape` (rows along the last dim) from GGML bytes `data` (uint8,
+    `[..., bytes]` flattened to the tensor's bytes): the plain-torch reference."""
+    _check_type("dequantize_ggml", type_name)
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
+        raise TypeError("dequantize_ggml: data must be a uint8 tensor")
+    k = int(shape[-1])
+    rows = math.prod(shape[:-1])
+    rb = ggml_row_bytes(type_name, k)
+    if data.numel() != rows * rb:
+        raise ValueError(
+            f"dequantize_ggml: {type_name} {list(shape)} needs {rows * rb} bytes, "
+            f"got {data.numel()}"
+        )
+    flat = data.reshape(-1)
+    if type_name in _FLOAT_TYPES:
+        return flat.contiguous().view(_FLOAT_TYPES[type_name]).float().reshape(shape)
+    bs = _TYPES[type_name][2]
+    return _BLOCK_REFS[type_name](flat.reshape(-1, bs)).reshape(shape)
+
+
+def dequantize_ggml_expert(
+    rows: torch.Tensor, lay: GGMLLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 `(gate [..., F, H], up [..., F, H], down [..., H, F])` of rows `[..., nbytes]`."""
+    if rows.dtype != torch.uint8 or rows.shape[-1] != lay.nbytes:
+        raise ValueError(
+            f"dequantize_ggml_expert: rows must be uint8 [..., {lay.nbytes}] ({lay.fmt}), got "
+            f"{rows.dtype} {list(rows.shape)}"
+        )
+    batch = tuple(rows.shape[:-1])
+    H, F = lay.hidden_size, lay.ffn_size
+    out = []
+    for t, off, n, shape in zip(
+        lay.types,
+        (lay.gate, lay.up, lay.down),
+        lay.part_bytes,
+        ((F, H), (F, H), (H, F)),
+        strict=True,
+    ):
+        part = rows[..., off : off + n].contiguous()
+        out.append(dequantize_ggml(part, t, (*batch, *shape)))
+    return out[0], out[1], out[2]
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _u8(p, m):
+    return tl.load(p, mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16_at(p, m):
+    """The little-endian f16 at byte pointers `p` (any alignment), as fp32."""
+    bits = _u8(p, m) | (_u8(p + 1, m) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _nib(byte, hi):
+    return tl.where(hi, byte >> 4, byte & 0xF)
+
+
+@triton.jit
+def _k_scale_min(s_ptr, sb, m):
+    """Q4_K / Q5_K's six-bit scale and min of sub-block `sb` (0..7) from 12 bytes."""
+    j = sb % 4
+    a = _u8(s_ptr + j, m)
+    b = _u8(s_ptr + j + 4, m)
+    c = _u8(s_ptr + j + 8, m)
+    lo = sb < 4
+    sc = tl.where(lo, a & 63, (c & 0xF) | ((a >> 6) << 4))
+    mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _ggml_tile(row, k, m, T: tl.constexpr):
+    """fp32 weights at columns `k` ([1, BK] int32) of rows starting at byte pointers
+    `row` ([R, 1]) in GGML type `T` (its type id); masked elements read as 0."""
+    if T == 0:  # F32
+        w = tl.load((row + 4 * k).to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
+    elif T == 1:  # F16
+        w = tl.load((row + 2 * k).to(tl.pointer_type(tl.float16)), mask=m, other=0.0)
+        w = w.to(tl.float32)
+    elif T == 30:  # BF16: the upper half of an fp32
+        b = tl.load((row + 2 * k).to(tl.pointer_type(tl.int16)), mask=m, other=0)
+        w = ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    elif T == 8:  # Q8_0
+        blk = row + (k // 32) * 34
+        q = tl.load((blk + 2 + k % 32).to(tl.pointer_type(tl.int8)), mask=m, other=0)
+        w = _f16_at(blk, m) * q.to(tl.float32)
+    elif T == 2 or T == 3:  # Q4_0, Q4_1
+        i = k % 32
+        bs: tl.constexpr = 18 if T == 2 else 20
+        qs: tl.constexpr = 2 if T == 2 else 4
+        blk = row + (k // 32) * bs
+        n = _nib(_u8(blk + qs + i % 16, m), i >= 16).to(tl.float32)
+        if T == 2:
+            w = _f16_at(blk, m) * (n - 8.0)
+        else:
+            w = _f16_at(blk, m) * n + _f16_at(blk + 2, m)
+    elif T == 6 or T == 7:  # Q5_0, Q5_1
+        i = k % 32
+        bs: tl.constexpr = 22 if T == 6 else 24
+        qh: tl.constexpr = 2 if T == 6 else 4
+        blk = row + (k // 32) * bs
+        hb = (_u8(blk + qh + i // 8, m) >> (i % 8)) & 1
+        q = (_nib(_u8(blk + qh + 4 + i % 16, m), i >= 16) | (hb << 4)).to(tl.float32)
+        if T == 6:
+            w = _f16_at(blk, m) * (q - 16.0)
+        else:
+            w = _f16_at(blk, m) * q + _f16_at(blk + 2, m)
+    elif T == 39:  # MXFP4: e2m1 codes times an e8m0 scale
+        i = k % 32
+        blk = row + (k // 32) * 17
+        n = _nib(_u8(blk + 1 + i % 16, m), i >= 16)
+        c = n & 7
+        mag = tl.where(c < 5, c, tl.where(c == 5, 6, tl.where(c == 6, 8, 12)))  # 2 |v|
+        v = tl.where(n >= 8, -mag, mag).to(tl.float32)
+        e = _u8(blk, m)
+        half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
+        w = v * half  # (2 v) * 2^(e - 128)
+    elif T == 12 or T == 13:  # Q4_K, Q5_K
+        i = k % 256
+        bs: tl.constexpr = 144 if T == 12 else 176
+        qs: tl.constexpr = 16 if T == 12 else 48
+        blk = row + (k // 256) * bs
+        j = i // 64
+        hi = (i % 64) >= 32
+        sb = 2 * j + hi.to(tl.int32)
+        l32 = i % 32
+        q = _nib(_u8(blk + qs + 32 * j + l32, m), hi)
+        if T == 13:
+            q += ((_u8(blk + 16 + l32, m) >> sb) & 1) << 4
+        sc, mn = _k_scale_min(blk + 4, sb, m)
+        w = _f16_at(blk, m) * sc * q.to(tl.float32) - _f16_at(blk + 2, m) * mn
+    else:  # Q6_K (14)
+        i = k % 256
+        blk = row + (k // 256) * 210
+        half = i // 128
+        g = (i % 128) // 32
+        l32 = i % 32
+        ql = _nib(_u8(blk + half * 64 + l32 + (g % 2) * 32, m), g >= 2)
+        qh = (_u8(blk + 128 + half * 32 + l32, m) >> (2 * g)) & 3
+        q = (ql | (qh << 4)) - 32
+        sc = tl.load(
+            (blk + 192 + half * 8 + 2 * g + l32 // 16).to(tl.pointer_type(tl.int8)), mask=m, other=0
+        )
+        w = _f16_at(blk + 208, m) * sc.to(tl.float32) * q.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _ggml_dot(part, rows, rmask, k0, K, RB, v_ptr, T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k w[rows, k] * v[k] over the tile k0 <= k < k0 + BLOCK_K of a GGML matrix at
+    byte pointer `part` (rows of RB bytes); v fp32/bf16/fp16 at `v_ptr`."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    km = ks < K
+    v = tl.load(v_ptr + ks, mask=km, other=0.0).to(tl.float32)
+    m = rmask[:, None] & km[None, :]
+    w = _ggml_tile(part + rows[:, None].to(tl.int64) * RB, ks[None, :], m, T)
+    return tl.sum(w * v[None, :], axis=1)
+
+
+@triton.jit
+def _ggml_gate_up_kernel(
+    x_ptr,
+    s_xt,
+    slab_ptr,
+    s_slot,
+    slots_ptr,
+    table_ptr,  # slot table [E] (HAS_TABLE): slots_ptr then holds expert ids
+    h_ptr,
+    bias_ptr,  # [T*K, 2F + H] fp32 per routed expert (HAS_BIAS)
+    w_ptr,  # [T, K] gate weights scaling the input (SCALE_INPUT)
+    T,
+    H,
+    F,
+    C,
+    alpha,
+    limit,
+    gate_off,
+    up_off,
+    RB_G,
+    RB_U,
+    K: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
+    T_GATE: tl.constexpr,
+    T_UP: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    tk = tl.program_id(0)
+    t = tk // K
+    fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    fm = fs < F
+    slot = load_slot(slots_ptr, tk, table_ptr, HAS_TABLE)
+    ok = (slot >= 0) & (slot < C)  # out-of-range slots read nothing (the wrapper checks)
+    rm = ok & fm
+    base = slab_ptr + slot.to(tl.int64) * s_slot
+    x_row = x_ptr + t * s_xt
+    acc_g = tl.zeros([BLOCK_F], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_F], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        acc_g += _ggml_dot(base + gate_off, fs, rm, h0, H, RB_G, x_row, T_GATE, BLOCK_H)
+        acc_u += _ggml_dot(base + up_off, fs, rm, h0, H, RB_U, x_row, T_UP, BLOCK_H)
+    if SCALE_INPUT:
+        wk = tl.load(w_ptr + tk).to(tl.float32)
+        acc_g, acc_u = acc_g * wk, acc_u * wk
+    h = glu(acc_g, acc_u, bias_ptr + tk * (2 * F + H), fs, fm, F, alpha, limit, HAS_BIAS, ACT)
+    tl.store(h_ptr + tk * F + fs, h, mask=fm)
+
+
+@triton.jit
+def _ggml_down_kernel(
+    h_ptr,
+    slab_ptr,
+    s_slot,
+    slots_ptr,
+    table_ptr,
+    w_ptr,
+    y_ptr,
+    s_yt,
+    bias_ptr,  # [T*K, 2F + H] fp32 (HAS_BIAS): the down bias at 2F
+    T,
+    H,
+    F,
+    C,
+    down_off,
+    RB_D,
+    K: tl.constexpr,
+    HAS_TABLE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SCALE_INPUT: tl.constexpr,
+    T_DOWN: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+):
+    t = tl.program_id(0)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = hs < H
+    y = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(K):
+        slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
+        ok = (slot >= 0) & (slot < C)
+        rm = ok & hm
+        wj = 1.0 if SCALE_INPUT else tl.load(w_ptr + t * K + j).to(tl.float32)
+        base = slab_ptr + slot.to(tl.int64) * s_slot
+        h_row = h_ptr + (t * K + j) * F
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for f0 in range(0, F, BLOCK_F):
+            acc += _ggml_dot(base + down_off, hs, rm, f0, F, RB_D, h_row, T_DOWN, BLOCK_F)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
+        y += wj * acc
+    tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+
+
+@functools.lru_cache(maxsize=256)
+def ggml_launch_config(lay: GGMLLayout) -> tuple[Mapping[str, int], Mapping[str, int]]:
+    """Constexprs (all but K) and warps of the gate/up and down kernels for `lay`."""
+    H, F = lay.hidden_size, lay.ffn_size
+    code = {t: _TYPES[t][0] for t in lay.types}
+    # 16 output rows a program, as the other quantized kernels (the decoded tiles stay in
+    # registers); reduction tiles of 128 columns.
+    gate_up = dict(
+        T_GATE=code[lay.types[0]],
+        T_UP=code[lay.types[1]],
+        BLOCK_F=16,
+        BLOCK_H=min(pow2(H, 16), 128),
+        num_warps=4,
+    )
+    down = dict(T_DOWN=code[lay.types[2]], BLOCK_H=16, BLOCK_F=min(pow2(F, 16), 128), num_warps=4)
+    return MappingProxyType(gate_up), MappingProxyType(down)
+
+
+def launch_ggml_ffn(
+    lay: GGMLLayout,
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    y: torch.Tensor,
+    h: torch.Tensor,
+    table: torch.Tensor | None = None,
+    act: Activation = SILU,
+    bias: torch.Tensor | None = None,
+    scale_input: bool = False,
+) -> None:
+    """Run the two GGML-row kernels on checked arguments and buffers (`expert_ffn` with a
+    `ggml_format` fmt)."""
+    T, H = x.shape
+    K = slots.shape[1]
+    C = slab.shape[0]
+    F = lay.ffn_size
+    c1, c2 = ggml_launch_config(lay)
+    _ggml_gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
+        x_ptr=x,
+        s_xt=x.stride(0),
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        table_ptr=slots if table is None else table,
+        h_ptr=h,
+        bias_ptr=h if bias is None else bias,
+        w_ptr=weights,
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        alpha=float(act.alpha),
+        limit=float(act.limit) if math.isfinite(act.limit) else 0.0,
+        gate_off=lay.gate,
+        up_off=lay.up,
+        RB_G=lay.rb_gate,
+        RB_U=lay.rb_up,
+        K=K,
+        HAS_TABLE=table is not None,
+        HAS_BIAS=bias is not None,
+        ACT=act.code,
+        SCALE_INPUT=scale_input,
+        **c1,
+    )
+    _ggml_down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
+        h_ptr=h,
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        table_ptr=slots if table is None else table,
+        w_ptr=weights,
+        y_ptr=y,
+        s_yt=y.stride(0),
+        bias_ptr=h if bias is None else bias,
+        T=T,
+        H=H,
+        F=F,
+        C=C,
+        down_off=lay.down,
+        RB_D=lay.rb_down,
+        K=K,
+        HAS_TABLE=table is not None,
+        HAS_BIAS=bias is not None,
+        SCALE_INPUT=scale_input,
+        **c2,
+    )
+
+
+@triton.jit
+def _ggml_decode_kernel(
+    src, out, R, K, RB, T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    rs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    m = (rs < R)[:, None] & (ks < K)[None, :]
+    w = _ggml_tile(src + rs[:, None].to(tl.int64) * RB, ks[None, :], m, T)
+    tl.store(out + rs[:, None].to(tl.int64) * K + ks[None, :], w, mask=m)
+
+
+def decode_ggml(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> torch.Tensor:
+    """fp32 `[R, K]` of a GGML matrix decoded by the kernels' element decoder (`_ggml_tile`),
+    on the device Triton runs on: for tests and for dequantizing dense tensors there."""
+    from psr_kernels._common import check_launchable
+
+    _check_type("decode_ggml", type_name)
+    R, K = int(shape[0]), int(shape[1])
+    rb = ggml_row_bytes(type_name, K)
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.numel() != R * rb:
+        raise ValueError(f"decode_ggml: {type_name} [{R}, {K}] needs {R * rb} uint8 bytes")
+    check_launchable("decode_ggml", data)
+    src = data.reshape(-1).contiguous()
+    if type_name in ("F32", "F16", "BF16") and src.data_ptr() % 4:
+        src = src.clone()
+    out = torch.empty(R, K, dtype=torch.float32, device=data.device)
+    grid = (triton.cdiv(R, 16), triton.cdiv(K, 128))
+    _ggml_decode_kernel[grid](src, out, R, K, rb, T=_TYPES[type_name][0], BLOCK_R=16, BLOCK_K=128)
+    return out
