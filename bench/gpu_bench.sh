@@ -28,6 +28,7 @@
 #   replay   180/130  embedded model's traces replayed on the GPU vs the latency model, in
 #                     bf16 (four policies) and int8, int4, fp8 (exact and psr)
 #   kernels   60/30   each Triton kernel vs its torch reference
+#   ggml      45/25   GGUF block formats' expert GEMV (Triton) vs bf16 and int4 rows, GB/s
 #   decode   120/70   real decoding, OLMoE-1B-7B shape (random weights), four policies
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,7 +85,7 @@ else
   R=()
 fi
 
-STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels decode}
+STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml decode}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 summarize() { timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/null 2>&1; }
@@ -171,6 +172,15 @@ fi
 
 # 7. Kernels against torch.
 stage kernels 60 "$PY" bench/bench_kernels.py --json "$OUT/kernels.json" ${R[@]+"${R[@]}"}
+
+# 7b. GGUF's block formats: each format's expert GEMV (Triton) beside bf16 and int4 rows at
+#     Qwen3-30B-A3B's expert shape, GB/s (issue 26).
+if [[ $REHEARSE == 1 ]]; then
+  stage ggml 60 env TRITON_INTERPRET=1 "$PY" bench/ggml_gemv.py --shape 256x256 --top-k 2 \
+    --mib 8 --calls 1 --rounds 1 --formats bf16,int4,Q4_K_M,Q8_0 --json "$OUT/ggml.json"
+else
+  stage ggml 45 "$PY" bench/ggml_gemv.py --json "$OUT/ggml.json"
+fi
 
 # 8. Real decoding of the OLMoE-1B-7B-shaped random model, four policies, 50% / 25%
 #    (host-driven, as before issue 20; the modes stage covers three of them in every mode).

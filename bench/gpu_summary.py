@@ -339,6 +339,12 @@ def summary(out: Path) -> str:
                 f"| {r['shape']} | {r['op']} | {r['kernel_us']:.1f} | {r['torch_ref_us']:.1f} | "
                 f"{r['speedup']:.2f}x |"
             )
+    g = load(out, "ggml.json")
+    if isinstance(g, dict) and g.get("rows"):
+        lines += ["", "## GGUF block formats: expert GEMV", "", "| format | bytes/expert | GB/s |"]
+        lines.append("|---|---|---|")
+        for r in g["rows"]:
+            lines.append(f"| {r['format']} | {r['row_bytes']} | {r['bytes_per_s'] / 1e9:.1f} |")
     t = out / "gpu_tests.log"
     if t.is_file():
         tail = [x for x in t.read_text(errors="replace").splitlines() if x.strip()][-1:]

@@ -28,6 +28,7 @@ GGUF's blocks as they are (`psr_kernels.ggml`, GGML_TYPES: F32 F16 BF16 Q8_0 Q4_
 Q5_0 Q5_1 Q4_K Q5_K Q6_K MXFP4): fmt = ggml_format(gate, up, down) ("gguf:Q4_K,Q4_K,Q6_K");
 GGMLLayout.of(fmt, H, F); pack_ggml_expert(lay, [gate, up, down bytes]) -> row;
 dequantize_ggml(bytes, type, shape) -> fp32 (the reference; decode_ggml: the kernels').
+Block-wise FP8 checkpoints (128 x 128 tile scales) as blocks: pack_fp8_b128 -> FP8_B128 rows.
 Compute dispatch (`psr_kernels.dispatch`): resolve_compute(compute, device) ->
 "triton" | "torch" and kernel_ops(compute, device) -> the ops of that path;
 compute is "auto" | "triton" | "torch", "auto" honouring the env default PSR_COMPUTE.
@@ -59,6 +60,7 @@ from psr_kernels.expert_ffn import (
     unpack_expert,
 )
 from psr_kernels.ggml import (
+    BLOCK_TYPES,
     GGML_TYPES,
     GGMLLayout,
     decode_ggml,
@@ -68,6 +70,7 @@ from psr_kernels.ggml import (
     ggml_row_bytes,
     ggml_types,
     is_ggml_format,
+    pack_fp8_b128,
     pack_ggml_expert,
     pack_ggml_parts,
 )
@@ -103,6 +106,7 @@ from psr_kernels.routing_ref import (
 
 __all__ = [
     "ACTIVATIONS",
+    "BLOCK_TYPES",
     "GGML_TYPES",
     "GROUP_SCORES",
     "QUANT_FORMATS",
@@ -142,6 +146,7 @@ __all__ = [
     "kernel_ops",
     "make_vllm_routing_function",
     "pack_expert",
+    "pack_fp8_b128",
     "pack_ggml_expert",
     "pack_ggml_parts",
     "predict_next",

@@ -24,6 +24,7 @@ Types (`GGML_TYPES`, with GGML's type ids as the kernels' constexpr codes):
     Q4_K  256  144   d sc[s] n[i] - dmin mn[s]     8 sub-blocks s of 32, 6-bit scales/mins
     Q5_K  256  176   d sc[s] (n[i] + 16 h[i]) - dmin mn[s]
     Q6_K  256  210   d sc[s] (q6[i] - 32)          16 sub-blocks of 16, int8 scales
+    FP8_B128 128 132  s * e4m3(c[i])           s fp32: the checkpoint's 128 x 128 tile scale
 
 `dequantize_ggml(data, type, shape)` is the plain-torch reference of each (tested against
 gguf-py's own `dequantize`); the kernels decode each element of a weight tile from its
@@ -45,6 +46,7 @@ import triton.language as tl
 
 from psr_kernels._common import load_slot, pow2
 from psr_kernels.activation import SILU, Activation, glu
+from psr_kernels.quant import _fp8_e4m3_to_f32
 
 # type name -> (GGML type id, elements per block, bytes per block)
 _TYPES: dict[str, tuple[int, int, int]] = {
@@ -60,8 +62,13 @@ _TYPES: dict[str, tuple[int, int, int]] = {
     "Q6_K": (14, 256, 210),
     "BF16": (30, 1, 2),
     "MXFP4": (39, 32, 17),
+    # psr's own block (no GGML type): a checkpoint's block-wise FP8 (DeepSeek-V3 / R1,
+    # Qwen3-FP8: e4m3 codes, one fp32 scale per 128 x 128 tile) as a block of 128 codes
+    # along the row behind their tile's scale, so each row holds its own scales.
+    "FP8_B128": (200, 128, 132),
 }
-GGML_TYPES: tuple[str, ...] = tuple(_TYPES)
+BLOCK_TYPES: tuple[str, ...] = tuple(_TYPES)  # every block type the kernels compute
+GGML_TYPES: tuple[str, ...] = tuple(t for t in _TYPES if _TYPES[t][0] < 200)  # GGUF's
 FORMAT_PREFIX = "gguf:"
 _ALIGN = 16
 
@@ -77,7 +84,7 @@ def _check_type(op: str, type_name: str) -> None:
     if type_name not in _TYPES:
         raise ValueError(
             f"{op}: GGML type {type_name!r} is not one psr's expert kernels compute "
-            f"(supported: {', '.join(GGML_TYPES)})"
+            f"(supported: {', '.join(BLOCK_TYPES)})"
         )
 
 
@@ -106,7 +113,7 @@ def ggml_types(fmt: str) -> tuple[str, str, str]:
     if len(parts) != 3 or any(p not in _TYPES for p in parts):
         raise ValueError(
             f"{fmt!r} is not a GGML row format: expected 'gguf:GATE,UP,DOWN' with types from "
-            f"{', '.join(GGML_TYPES)}"
+            f"{', '.join(BLOCK_TYPES)}"
         )
     return parts[0], parts[1], parts[2]
 
@@ -157,7 +164,9 @@ def _ggml_layout(fmt: str, H: int, F: int) -> GGMLLayout:
     for rows, rb in zip((F, F, H), rbs, strict=True):
         offs.append(at)
         at = _align(at + rows * rb)
-    return GGMLLayout(fmt, H, F, (tg, tu, td), *offs, *rbs, at)
+    return GGMLLayout(
+        fmt, H, F, (tg, tu, td), offs[0], offs[1], offs[2], rbs[0], rbs[1], rbs[2], at
+    )
 
 
 def pack_ggml_parts(lay: GGMLLayout, parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -188,6 +197,32 @@ def pack_ggml_parts(lay: GGMLLayout, parts: list[torch.Tensor]) -> list[torch.Te
 def pack_ggml_expert(lay: GGMLLayout, parts: list[torch.Tensor]) -> torch.Tensor:
     """One slab row (uint8 `[nbytes]`) of an expert's gate, up, down bytes."""
     return torch.cat(pack_ggml_parts(lay, parts))
+
+
+def pack_fp8_b128(codes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """FP8_B128 rows (uint8 `[R, K / 128 * 132]`) of a block-wise FP8 matrix as checkpoints
+    ship it: e4m3 `codes [R, K]` (uint8 or float8_e4m3fn) and `scale_inv
+    [ceil(R / 128), K / 128]` fp32 (w = code * scale_inv of its 128 x 128 tile). Lossless:
+    each row carries its tile row's scales; K must be a multiple of 128."""
+    if codes.dtype == torch.float8_e4m3fn:
+        codes = codes.view(torch.uint8)
+    if codes.dtype != torch.uint8 or codes.dim() != 2:
+        raise TypeError(f"pack_fp8_b128: codes must be 2-D e4m3 bytes, got {codes.dtype}")
+    R, K = codes.shape
+    if K % 128:
+        raise ValueError(f"pack_fp8_b128: rows of {K} inputs are not whole 128-blocks")
+    want = ((R + 127) // 128, K // 128)
+    if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want:
+        raise ValueError(
+            f"pack_fp8_b128: scale_inv must be {list(want)} for codes {[R, K]}, got "
+            f"{list(scale_inv.shape)}"
+        )
+    s = scale_inv.to(torch.float32).repeat_interleave(128, 0)[:R]  # [R, K / 128]
+    blocks = torch.cat(
+        [s.contiguous().view(torch.uint8).reshape(R, K // 128, 4), codes.reshape(R, K // 128, 128)],
+        -1,
+    )
+    return blocks.reshape(R, -1).contiguous()
 
 
 # --------------------------------------------------------------------------- references
@@ -231,7 +266,7 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _k_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """Q4_K / Q5_K: 128 bytes -> 8 sub-blocks of 32 (chunk j's low nibbles, then high)."""
-    q = qs.to(torch.int32).unflatten(-1, (4, 32))
+    q = qs.to(torch.int32).reshape(*qs.shape[:-1], 4, 32)
     return torch.stack([q & 0xF, q >> 4], -2).flatten(-3, -2)  # [..., 8, 32]
 
 
@@ -283,14 +318,21 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
-    ql = b[..., 0:128].to(torch.int32).unflatten(-1, (2, 2, 32))  # [half, 2 x 32, l]
-    qh = b[..., 128:192].to(torch.int32).unflatten(-1, (2, 1, 32))
+    lead = b.shape[:-1]
+    ql = b[..., 0:128].to(torch.int32).reshape(*lead, 2, 2, 32)  # [half, 2 x 32, l]
+    qh = b[..., 128:192].to(torch.int32).reshape(*lead, 2, 1, 32)
     sh = torch.arange(4, device=b.device).view(4, 1) * 2
     nib = torch.cat([ql & 0xF, ql >> 4], -2)  # groups g = 0..3 of 32 in each half
     q = (nib | (((qh >> sh) & 3) << 4)) - 32  # [..., 2, 4, 32]
-    sc = b[..., 192:208].contiguous().view(torch.int8).float().unflatten(-1, (2, 4, 2, 1))
+    sc = b[..., 192:208].contiguous().view(torch.int8).float().reshape(*lead, 2, 4, 2, 1)
     d = _f16(b, 208)[..., None, None, None]
-    return (d * sc * q.float().unflatten(-1, (2, 16))).flatten(-4)
+    out: torch.Tensor = (d * sc * q.float().reshape(*lead, 2, 4, 2, 16)).flatten(-4)
+    return out
+
+
+def _fp8_b128(b: torch.Tensor) -> torch.Tensor:
+    s = b[..., 0:4].contiguous().view(torch.float32)
+    return s * b[..., 4:132].contiguous().view(torch.float8_e4m3fn).float()
 
 
 # One reference dequantizer per block type: fp32 values [..., QK] of blocks [..., BS].
@@ -304,6 +346,7 @@ _BLOCK_REFS = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "FP8_B128": _fp8_b128,
 }
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -404,19 +447,16 @@ def _ggml_tile(row, k, m, T: tl.constexpr):
         w = _f16_at(blk, m) * q.to(tl.float32)
     elif T == 2 or T == 3:  # Q4_0, Q4_1
         i = k % 32
-        bs: tl.constexpr = 18 if T == 2 else 20
-        qs: tl.constexpr = 2 if T == 2 else 4
-        blk = row + (k // 32) * bs
-        n = _nib(_u8(blk + qs + i % 16, m), i >= 16).to(tl.float32)
+        blk = row + (k // 32) * (18 if T == 2 else 20)
+        n = _nib(_u8(blk + (2 if T == 2 else 4) + i % 16, m), i >= 16).to(tl.float32)
         if T == 2:
             w = _f16_at(blk, m) * (n - 8.0)
         else:
             w = _f16_at(blk, m) * n + _f16_at(blk + 2, m)
     elif T == 6 or T == 7:  # Q5_0, Q5_1
         i = k % 32
-        bs: tl.constexpr = 22 if T == 6 else 24
-        qh: tl.constexpr = 2 if T == 6 else 4
-        blk = row + (k // 32) * bs
+        qh = 2 if T == 6 else 4  # the high bits' byte; the nibbles follow them
+        blk = row + (k // 32) * (22 if T == 6 else 24)
         hb = (_u8(blk + qh + i // 8, m) >> (i % 8)) & 1
         q = (_nib(_u8(blk + qh + 4 + i % 16, m), i >= 16) | (hb << 4)).to(tl.float32)
         if T == 6:
@@ -435,9 +475,8 @@ def _ggml_tile(row, k, m, T: tl.constexpr):
         w = v * half  # (2 v) * 2^(e - 128)
     elif T == 12 or T == 13:  # Q4_K, Q5_K
         i = k % 256
-        bs: tl.constexpr = 144 if T == 12 else 176
-        qs: tl.constexpr = 16 if T == 12 else 48
-        blk = row + (k // 256) * bs
+        qs = 16 if T == 12 else 48  # the nibbles' byte
+        blk = row + (k // 256) * (144 if T == 12 else 176)
         j = i // 64
         hi = (i % 64) >= 32
         sb = 2 * j + hi.to(tl.int32)
@@ -447,6 +486,11 @@ def _ggml_tile(row, k, m, T: tl.constexpr):
             q += ((_u8(blk + 16 + l32, m) >> sb) & 1) << 4
         sc, mn = _k_scale_min(blk + 4, sb, m)
         w = _f16_at(blk, m) * sc * q.to(tl.float32) - _f16_at(blk + 2, m) * mn
+    elif T == 200:  # FP8_B128: an fp32 tile scale, then 128 e4m3 codes
+        blk = row + (k // 128) * 132
+        c = _u8(blk + 4 + k % 128, m)
+        s = tl.load(blk.to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
+        w = s * _fp8_e4m3_to_f32(c)
     else:  # Q6_K (14)
         i = k % 256
         blk = row + (k // 256) * 210

@@ -70,12 +70,29 @@ def model_key(model_dir: str | Path) -> str:
     checkpoints with the same config and tensor layout (a fine-tune saved unchanged) share
     a key."""
     d = Path(model_dir)
+    ggufs = [d] if d.is_file() else sorted(d.glob("*.gguf")) if d.is_dir() else []
+    if ggufs and not (d / "config.json").is_file():
+        return _gguf_key(ggufs)
     h = hashlib.sha256(b"psr model key v2\0")
     for name in ("config.json", "model.safetensors.index.json"):
         f = d / name
         h.update(f"{name}:".encode() + (_canonical_json(f) if f.is_file() else b"") + b"\0")
     for f in sorted(d.glob("*.safetensors")):
         h.update(f"{f.name}:".encode() + _safetensors_header(f) + b"\0")
+    return h.hexdigest()[:16]
+
+
+# A GGUF file's head holds its metadata (config, tokenizer) and tensor table (names,
+# types, shapes, offsets) before any weight: its first bytes identify the model.
+_GGUF_KEY_BYTES = 32 << 20
+
+
+def _gguf_key(files: list[Path]) -> str:
+    """model_key of GGUF files (one, or a split set): each file's size and head."""
+    h = hashlib.sha256(b"psr model key gguf v1\0")
+    for f in files:
+        with f.open("rb") as fh:
+            h.update(f"{f.stat().st_size}:".encode() + fh.read(_GGUF_KEY_BYTES) + b"\0")
     return h.hexdigest()[:16]
 
 

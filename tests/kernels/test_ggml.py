@@ -21,6 +21,10 @@ QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "BF16"}
 
 def random_blocks(t: str, R: int, K: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 `[R, bytes]`: R rows of K values in GGML type `t`."""
+    if t == "FP8_B128":
+        w = torch.from_numpy(rng.standard_normal((R, K)).astype(np.float32))
+        s = torch.from_numpy(rng.random(((R + 127) // 128, K // 128)).astype(np.float32)) + 0.01
+        return ggml.pack_fp8_b128(w.to(torch.float8_e4m3fn), s * 0.01).numpy()
     qt = gguf.GGMLQuantizationType[t]
     if t in ("Q4_K", "Q5_K", "Q6_K"):
         qk, bs = gguf.GGML_QUANT_SIZES[qt]
@@ -45,6 +49,10 @@ def random_blocks(t: str, R: int, K: int, rng: np.random.Generator) -> np.ndarra
 
 
 def gguf_dequant(raw: np.ndarray, t: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if t == "FP8_B128":  # psr's own block: its plain formula
+        b = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1, 132)
+        s = b[:, :4].contiguous().view(torch.float32)
+        return (s * b[:, 4:].contiguous().view(torch.float8_e4m3fn).float()).reshape(shape)
     out = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t]).astype(np.float32)
     return torch.from_numpy(out.reshape(shape))
 
@@ -78,6 +86,24 @@ def test_mxfp4_extreme_scales_and_every_code() -> None:
     torch.testing.assert_close(ggml.decode_ggml(data, "MXFP4", (1, 96)), want, rtol=0, atol=0)
 
 
+def test_fp8_b128_blocks_equal_the_checkpoint_s_tile_scaling() -> None:
+    """Block-wise FP8 (DeepSeek-V3's weight + weight_scale_inv) as FP8_B128 rows: every value
+    is its e4m3 code times its 128 x 128 tile's scale, through both decoders."""
+    g = torch.Generator().manual_seed(3)
+    R, K = 200, 256  # two tile rows, the second partial (as real out dims can be)
+    w = torch.randn(R, K, generator=g)
+    codes = w.to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(2, 2, generator=g) + 0.5
+    want = codes.float() * scale_inv.repeat_interleave(128, 0)[:R].repeat_interleave(128, 1)
+    rows = ggml.pack_fp8_b128(codes, scale_inv)
+    assert rows.shape == (R, 2 * 132)
+    data = rows.reshape(-1)
+    torch.testing.assert_close(ggml.dequantize_ggml(data, "FP8_B128", (R, K)), want, rtol=0, atol=0)
+    torch.testing.assert_close(ggml.decode_ggml(data, "FP8_B128", (R, K)), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"scale_inv must be \[2, 2\]"):
+        ggml.pack_fp8_b128(codes, scale_inv[:1])
+
+
 def _expert(types: tuple[str, str, str], H: int, F: int, rng: np.random.Generator):
     """One expert's row and its fp32 matrices by gguf-py."""
     lay = ggml.GGMLLayout.of(ggml.ggml_format(*types), H, F)
@@ -95,6 +121,7 @@ MIXES = [
     ("MXFP4", "Q4_1", "Q5_1"),
     ("F16", "BF16", "F32"),
     ("Q4_0", "Q4_0", "Q8_0"),
+    ("FP8_B128", "FP8_B128", "FP8_B128"),
 ]
 
 

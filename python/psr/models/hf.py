@@ -102,7 +102,7 @@ def install(
     capacity: int,
     compute: str,
     moe_idx: list[int],
-    expert_format: str | None = None,
+    expert_format: str | list[str] | None = None,
     decode: str = "device",
     expert_biases: list[torch.Tensor] | None = None,
 ) -> OffloadRuntime:
@@ -274,8 +274,9 @@ def expert_tensors(
     (a copy)."""
     if host.dtype == torch.uint8:
         raise RuntimeError(
-            "psr: the host store holds quantized experts (expert_format); restoring or "
-            "saving them would write lossy weights: load the checkpoint again without "
+            "psr: the host store holds quantized experts (an expert_format, or a GGUF "
+            "file's blocks); restoring or saving them as a transformers model would write "
+            "dequantized, lossy weights: load the original safetensors checkpoint without "
             "expert_format instead"
         )
     H, F = spec.hidden_size, spec.ffn_size

@@ -40,6 +40,7 @@ from psr.models.families import (
     moe_spec,
     router_weight,
 )
+from psr.models.gguf_load import fill_gguf_store, is_gguf, layer_formats, make_gguf_store
 from psr.models.hf import (
     block_of,
     install,
@@ -416,16 +417,17 @@ class LoadOptions:
     cache_root: Path | None  # the quantized-expert cache folder, or None: no cache
 
 
-def _check_checkpoint_config(path: str | Path) -> None:
-    """The folder's config.json names a supported family with what psr needs; a config
-    error is a checkpoint error, named as such."""
+def _check_checkpoint_config(path: str | Path, raw: dict[str, Any] | None = None) -> None:
+    """The folder's config.json (or a GGUF file's config, `raw`) names a supported family
+    with what psr needs; a config error is a checkpoint error, named as such."""
     import transformers
 
-    raw = read_config(path)
+    where = f"{path}/config.json" if raw is None else f"{path} (its GGUF metadata)"
+    raw = read_config(path) if raw is None else raw
     try:
         mt = raw.get("model_type")
         cls = transformers.CONFIG_MAPPING[mt] if mt in SUPPORTED else None
-        check_config(raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
+        check_config(raw, getattr(cls, "attribute_map", None), where)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 
@@ -453,11 +455,15 @@ def _resolve_options(
     expert_format: str | None,
     quality_budget: float | None,
     quant_cache: bool | str | Path | None,
+    config: Any = None,
 ) -> LoadOptions:
-    """Check and resolve `load`'s options, in the order their errors are reported."""
+    """Check and resolve `load`'s options, in the order their errors are reported
+    (`config`: a GGUF file's, else the folder's config.json is read)."""
     import transformers
 
-    config = transformers.AutoConfig.from_pretrained(str(path))
+    gguf = config is not None
+    if config is None:
+        config = transformers.AutoConfig.from_pretrained(str(path))
     spec = moe_spec(config)
     C = resolve_capacity(spec, make_policy(policy, lam, n), residency, slots)
     # cache-prior / psr without lam and n: the model's tuned operating point, if any.
@@ -475,6 +481,12 @@ def _resolve_options(
     vocab.compute_choice(compute)
     vocab.decode_mode(decode)
     fmt = vocab.expert_format(expert_format)
+    if gguf and (fmt is not None or quant_cache not in (None, False)):
+        raise ValueError(
+            f"{path}: a GGUF file's experts stay in the file's own blocks (its types per "
+            f"tensor); expert_format must be 'native' (got {expert_format!r}) and "
+            f"quant_cache off"
+        )
     cache_root = resolve_root(quant_cache, path)
     if cache_root is not None and not _quantized(fmt):
         raise ValueError(
@@ -484,16 +496,26 @@ def _resolve_options(
     return LoadOptions(config, spec, pol, pol_source, C, dt, dev, compute, decode, fmt, cache_root)
 
 
-def _build_model(ckpt: Checkpoint, opts: LoadOptions) -> tuple[nn.Module, list[int]]:
-    """The transformers model built on the meta device, then every tensor but the MoE
-    experts read from the checkpoint onto the compute device; and its MoE layers' indices."""
+def _meta_model(opts: LoadOptions) -> tuple[nn.Module, list[int]]:
+    """The transformers model built on the meta device (no memory), and its MoE layers."""
     import transformers
 
-    dt, dev = opts.dtype, opts.device
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(opts.config, dtype=dt)
+        model = transformers.AutoModelForCausalLM.from_config(opts.config, dtype=opts.dtype)
     model.eval()
-    moe_idx = moe_layer_indices(model)
+    return model, moe_layer_indices(model)
+
+
+def _build_model(
+    ckpt: Checkpoint | Any, opts: LoadOptions, meta: tuple[nn.Module, list[int]] | None = None
+) -> tuple[nn.Module, list[int]]:
+    """The transformers model built on the meta device (or `meta`, built already), then
+    every tensor but the MoE experts read from the checkpoint onto the compute device; and
+    its MoE layers' indices."""
+    dt, dev = opts.dtype, opts.device
+    built = meta if meta is not None else _meta_model(opts)
+    model: Any = built[0]  # transformers' model class (untyped)
+    moe_idx = built[1]
     block = model_family(model).block
     expert_prefixes = tuple(f"model.layers.{d}.{block}.experts." for d in moe_idx)
     state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
@@ -568,8 +590,18 @@ def _check_all_loaded(model: nn.Module) -> None:
         raise CheckpointError(f"tensors not loaded: {leftover[:5]}")
 
 
-def _tokenizer(path: str | Path) -> Any:
-    """The folder's tokenizer, or None when it ships none."""
+def open_gguf(path: str | Path) -> Any:
+    """The GGUF checkpoint at `path` (psr.models.gguf, which needs the gguf package)."""
+    from psr.models.gguf import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)
+
+
+def _tokenizer(path: str | Path, ckpt: Any = None) -> Any:
+    """The folder's tokenizer (a GGUF file's, from its metadata), or None when it ships
+    none."""
+    if ckpt is not None and hasattr(ckpt, "tokenizer"):
+        return ckpt.tokenizer()
     if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     import transformers
@@ -640,8 +672,13 @@ def load(
             it, such a policy without lam / n still takes the tuned point when one exists.
     """
     vocab.graphs_choice(graphs)
-    _check_checkpoint_config(path)
-    ckpt = Checkpoint(path)
+    gguf = is_gguf(path)
+    if gguf:
+        ckpt: Any = open_gguf(path)
+        _check_checkpoint_config(path, ckpt.config_dict)
+    else:
+        _check_checkpoint_config(path)
+        ckpt = Checkpoint(path)
     try:
         opts = _resolve_options(
             path,
@@ -657,15 +694,30 @@ def load(
             expert_format=expert_format,
             quality_budget=quality_budget,
             quant_cache=quant_cache,
+            config=ckpt.config if gguf else None,
         )
-        spec, fmt = opts.spec, opts.expert_format
-        model, moe_idx = _build_model(ckpt, opts)
+        spec = opts.spec
+        fmt: str | list[str] | None = opts.expert_format
+        meta = _meta_model(opts)
+        moe_idx = meta[1]
+        if gguf:  # every expert tensor checked before anything is loaded
+            fmt = layer_formats(ckpt, spec, moe_idx)
+            if speculative is not None:
+                raise ValueError(
+                    f"{path}: speculative decoding reads psr's drafter files beside a "
+                    "safetensors checkpoint; a GGUF file has none"
+                )
+        model, moe_idx = _build_model(ckpt, opts, meta)
         drafter, C = None, opts.capacity
         if speculative is not None:
             drafter, C = _load_drafter(path, speculative, block, model, len(moe_idx), opts)
-        store = make_store(spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, fmt)
-        cache = _quant_cache(path, ckpt, opts, moe_idx, store.expert_bytes[0])
-        _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
+        if isinstance(fmt, list):
+            store = make_gguf_store(spec, C, fmt, opts.device, copy_retries)
+            fill_gguf_store(store, ckpt, spec, moe_idx, fmt, progress)
+        else:
+            store = make_store(spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, fmt)
+            cache = _quant_cache(path, ckpt, opts, moe_idx, store.expert_bytes[0])
+            _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
         biases = _bias_tables(ckpt, spec, moe_idx, opts.device) if spec.expert_bias else None
     finally:
         ckpt.close()
@@ -673,7 +725,8 @@ def load(
         model, spec, store, opts.policy, C, opts.compute, moe_idx, fmt, opts.decode, biases
     )
     _check_all_loaded(model)
-    om = OffloadedModel(model, runtime, _tokenizer(path), str(path), restorer=restore)
+    tokenizer = _tokenizer(path, ckpt if gguf else None)
+    om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source = opts.policy_source
     om.graphs = graphs
     if drafter is not None:

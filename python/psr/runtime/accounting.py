@@ -13,9 +13,9 @@ class Accounting:
     counter read at token boundaries; prefill copies are the store's counters between the
     start of a sequence and the end of its prefill."""
 
-    def __init__(self, store: ExpertStore, expert_bytes: int) -> None:
+    def __init__(self, store: ExpertStore, expert_bytes: list[int]) -> None:
         self.store = store
-        self.expert_bytes = expert_bytes
+        self.expert_bytes = expert_bytes  # per MoE layer: one row's bytes (one copy)
         self.stats = Stats()
         self.recorder: TraceRecorder | None = None  # set to record decode traces
         self.token: dict[str, float] | None = None  # the open token's record
@@ -26,8 +26,8 @@ class Accounting:
         for key, value in counts.items():
             self.stats.add(self.token, key, value)
 
-    def count_copies(self, n: int) -> None:
-        self.count(copies=n, bytes_copied=n * self.expert_bytes)
+    def count_copies(self, n: int, layer: int) -> None:
+        self.count(copies=n, bytes_copied=n * self.expert_bytes[layer])
 
     # --- boundaries --------------------------------------------------------------
     def begin_sequence(self) -> None:

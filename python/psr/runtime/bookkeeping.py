@@ -68,7 +68,7 @@ class HostCaches:
         self.acct.count(
             routed=len(routed), hits=r.hits, misses=len(r.misses), prefetch_used=r.prefetch_used
         )
-        self.acct.count_copies(n)
+        self.acct.count_copies(n, layer.index)
 
     def prefetch(
         self,
@@ -81,4 +81,4 @@ class HostCaches:
         """Spec `prefetch` of at most `n` ids into `layer`'s cache, mirrored by copies."""
         k = self.copy(layer, layer.cache.prefetch(predicted, n), "prefetch", physical, at)
         self.acct.count(prefetches=k)
-        self.acct.count_copies(k)
+        self.acct.count_copies(k, layer.index)

@@ -133,7 +133,7 @@ class DeviceDecode(Step):
         if ids is not self.pending.pop(i, None):
             raise RuntimeError(f"MoE layer {i}: experts called without a matching route")
         checked = i in self.checked
-        y = self.rt.compute.slab(
+        y = self.rt.computes[i].slab(
             x, self.slabs[i], ids, weights, self.slot_table[i], checked, layer.biases(ids)
         )
         self.checked.add(i)  # route's and this call's arguments passed their checks
@@ -226,15 +226,24 @@ class DeviceDecode(Step):
     def _records(self, snaps: torch.Tensor) -> None:
         """Per-token records from `snaps` (n + 1 rows: n tokens' snapshots, then now)."""
         names = cs.COUNT_NAMES
-        per = (snaps[1:, :, : len(names)] - snaps[:-1, :, : len(names)]).sum(1).tolist()
+        diff = snaps[1:, :, : len(names)] - snaps[:-1, :, : len(names)]  # [tokens, layers, .]
+        per = diff.sum(1).tolist()
         times = self._times + [0.0] * (len(per) - len(self._times))
-        eb = self.rt.acct.expert_bytes
+        nbytes = self._copy_bytes(diff).tolist()
         stats = self.rt.acct.stats
-        for row, t in zip(per, times, strict=True):
+        for row, t, b in zip(per, times, nbytes, strict=True):
             rec = dict(zip(names, row, strict=True))
             copies = rec["misses"] + rec["prefetches"]
-            stats.add_record(rec | {"copies": copies, "bytes_copied": copies * eb}, t)
+            stats.add_record(rec | {"copies": copies, "bytes_copied": b}, t)
         self._n_snaps, self._times = 0, []
+
+    def _copy_bytes(self, counts: torch.Tensor) -> torch.Tensor:
+        """Bytes copied by per-layer counts `[..., layers, COUNT_NAMES]`: each layer's misses
+        and prefetches at its own row size (rows differ per layer in a mixed GGUF file)."""
+        names = cs.COUNT_NAMES
+        copies = counts[..., names.index("misses")] + counts[..., names.index("prefetches")]
+        eb = torch.tensor(self.rt.acct.expert_bytes, dtype=torch.int64)
+        return (copies.to(torch.int64) * eb).sum(-1)
 
     def drain(self, rows: torch.Tensor | None = None) -> None:
         """Add the counts accumulated since the last read to the stats, and each
@@ -251,12 +260,15 @@ class DeviceDecode(Step):
         if n:
             self._records(snaps)
         counts = rows[:, : len(cs.COUNT_NAMES)].to(torch.int64)
-        delta = (counts - self._seen).sum(0).tolist()
-        self._seen = counts
+        seen, self._seen = self._seen, counts
+        delta = (counts - seen).sum(0).tolist()
         acct = self.rt.acct
         got = dict(zip(cs.COUNT_NAMES, delta, strict=True))
         acct.count(**got)
-        acct.count_copies(got["misses"] + got["prefetches"])
+        acct.count(
+            copies=got["misses"] + got["prefetches"],
+            bytes_copied=int(self._copy_bytes(counts - seen)),
+        )
         acct.add_stall()
         flags = rows[:, -1]
         if bool(flags.any()):

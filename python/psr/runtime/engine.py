@@ -64,10 +64,12 @@ class OffloadRuntime:
         store: holds every expert; its slab has at least `capacity` slots per layer.
         compute: 'auto' | 'triton' | 'torch' (psr_kernels.kernel_ops).
         num_decoder_layers: all decoder layers, dense ones included (for traces).
-        expert_format: None (rows in a float dtype: gate, up, down back to back) or a
-            psr_kernels.quant format ('int8', 'fp8', 'int4'): uint8 rows read by the
-            dequantizing kernel. `bytes_ratio`: row bytes over the same expert in bf16,
-            how the latency model prices its copies (1.0 for float rows).
+        expert_format: None (rows in a float dtype: gate, up, down back to back), a
+            psr_kernels.quant format ('int8', 'fp8', 'int4') or a GGML row format
+            ('gguf:Q4_K,Q4_K,Q6_K': a GGUF file's blocks): uint8 rows read by the
+            dequantizing kernel; or one such format per MoE layer (a GGUF file mixes
+            types across layers). `bytes_ratio`: mean row bytes over the same expert in
+            bf16, how the latency model prices its copies (1.0 for float rows).
         decode: 'device' (default: the sync-free step wherever it applies) or 'host'
             (always the host-driven step).
     """
@@ -81,23 +83,31 @@ class OffloadRuntime:
         capacity: int,
         compute: str,
         num_decoder_layers: int,
-        expert_format: str | None = None,
+        expert_format: str | Sequence[str | None] | None = None,
         group_size: int = 128,
         decode: str = "device",
     ) -> None:
         self.spec = spec
-        self.expert_format = expert_format
-        self.group_size = group_size
-        self.bytes_ratio = (
-            1.0
-            if expert_format is None
-            else pk.bytes_ratio(expert_format, spec.hidden_size, spec.ffn_size, group_size)
+        formats: list[str | None] = (
+            [expert_format] * len(layers)
+            if expert_format is None or isinstance(expert_format, str)
+            else list(expert_format)
         )
+        if len(formats) != len(layers):
+            raise ValueError(f"{len(formats)} expert formats for {len(layers)} MoE layers")
+        self.expert_formats = formats
+        # The model's format where its layers share one, else the first layer's quantized
+        # one (a mixed GGUF file); None only when every layer has float rows.
+        uniform = len(set(formats)) == 1
+        self.expert_format = formats[0] if uniform else next(f for f in formats if f)
+        self.group_size = group_size
         self.store = store
         self.policy = policy
         self.capacity = capacity
         self.ops = pk.kernel_ops(compute, store.device)
-        self.compute = ExpertCompute(spec, self.ops, expert_format, group_size)
+        kinds = {f: ExpertCompute(spec, self.ops, f, group_size) for f in dict.fromkeys(formats)}
+        self.computes = [kinds[f] for f in formats]  # per MoE layer
+        self.compute = self.computes[0]
         self.num_decoder_layers = num_decoder_layers
         self.layers = [
             MoELayer(
@@ -117,9 +127,14 @@ class OffloadRuntime:
         ]
         for L in self.layers:
             L.slots.reset(store.slot_experts(L.index)[:capacity])
-        self.expert_bytes = store.expert_bytes[0]
+        layer_bytes = store.expert_bytes[: len(layers)]
+        # The mean row: what the latency model prices a copy at (rows differ per layer in
+        # a mixed GGUF file); the statistics count each layer's own bytes.
+        self.expert_bytes = round(sum(layer_bytes) / len(layer_bytes))
+        bf16 = 3 * spec.hidden_size * spec.ffn_size * 2
+        self.bytes_ratio = 1.0 if formats == [None] * len(formats) else self.expert_bytes / bf16
         self.max_capacity = store.layers[0].num_slots
-        self.acct = Accounting(store, self.expert_bytes)
+        self.acct = Accounting(store, layer_bytes)
         self.book = HostCaches(store, self.acct, spec.num_experts)
         self.steering = Steering(self)
         self.guard = SequenceGuard()

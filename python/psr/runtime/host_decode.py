@@ -79,7 +79,9 @@ class HostDecode(Step):
             rt.acct.recorder.read(layer.index, slots)
         st = self.slot_ids(layer, ids, routed, slots)
         with rt.store.reading(layer.index, slots, routed) as slab:
-            return rt.compute.slab(x, slab, st, weights.float(), bias=layer.biases(ids))
+            return rt.computes[layer.index].slab(
+                x, slab, st, weights.float(), bias=layer.biases(ids)
+            )
 
 
 class VerifyBlock(HostDecode):

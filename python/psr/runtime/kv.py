@@ -23,3 +23,26 @@ def output_cache(out: Any) -> Any:
         "cache" if "cache" in getattr(type(out), "__dataclass_fields__", {}) else "past_key_values"
     )
     return out[key] if key in out else None
+
+
+# Layer kinds that keep no per-token KV (recurrent state of a fixed size).
+_STATE_LAYERS = ("linear_attention", "mamba", "conv")
+
+
+def kv_bytes(config: Any, itemsize: int, tokens: int) -> int:
+    """Bytes of a KV cache holding `tokens`: keys and values of every attention layer
+    (`num_key_value_heads` x `head_dim` each, in the cache's `itemsize`); sliding-window
+    layers hold at most their window, layers of linear attention (Qwen3-Next's Gated
+    DeltaNet) a fixed state instead (not counted)."""
+    text = getattr(config, "text_config", None) or config
+    heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
+    per_token = 2 * heads * head_dim * itemsize  # one layer
+    kinds = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None)
+    total = 0
+    for kind in kinds:
+        if kind not in _STATE_LAYERS:
+            n = min(tokens, int(window)) if kind == "sliding_attention" and window else tokens
+            total += per_token * n
+    return total

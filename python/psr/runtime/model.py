@@ -111,6 +111,36 @@ class OffloadedModel(nn.Module):
     def closed(self) -> bool:
         return bool(self.runtime.store.closed)
 
+    def memory(self, context: int | None = None) -> dict[str, int]:
+        """Bytes by place: `host_experts` (every routed expert's row in host memory, as
+        copies move it), `device_slab` (the expert slots), `device_dense` (every other
+        weight and buffer on the compute device: attention, norms, embeddings, routers,
+        shared experts) and `device_kv` (a KV cache of `context` tokens, default the
+        config's max_position_embeddings, in the model dtype)."""
+        from psr.runtime.kv import kv_bytes
+
+        store = self.runtime.store
+        rows = store.expert_bytes
+        host = sum(L.num_experts * b for L, b in zip(store.layers, rows, strict=True))
+        slab = sum(L.num_slots * b for L, b in zip(store.layers, rows, strict=True))
+        seen: set[int] = set()
+        dense = 0
+        for t in [*self.hf.parameters(), *self.hf.buffers()]:
+            if t.is_meta or t.data_ptr() in seen:  # meta: replaced experts; shared: tied
+                continue
+            seen.add(t.data_ptr())
+            dense += t.numel() * t.element_size()
+        cfg = self.config
+        text = getattr(cfg, "text_config", None) or cfg
+        n = context if context is not None else int(getattr(text, "max_position_embeddings", 0))
+        itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
+        return {
+            "host_experts": host,
+            "device_slab": slab,
+            "device_dense": dense,
+            "device_kv": kv_bytes(cfg, itemsize, n),
+        }
+
     def restore(self) -> nn.Module:
         """`psr.restore(model)`: the transformers model with its own router and experts
         modules back (weights from the host store, on its device, in its dtype), psr's hooks

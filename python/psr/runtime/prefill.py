@@ -84,7 +84,7 @@ def plan_prefill(
 def row_ffn(rt: StepContext, layer: MoELayer) -> RowFFN:
     """`layer`'s experts one at a time from their rows, with their biases where they have
     them (prefill and scored windows)."""
-    table, compute = layer.expert_bias, rt.compute
+    table, compute = layer.expert_bias, rt.computes[layer.index]
     return lambda row, x, e, w: compute.weighted_row(row, x, w, None if table is None else table[e])
 
 

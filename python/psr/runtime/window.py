@@ -128,5 +128,5 @@ class ScoringWindow(Step):
         if x.shape[0] == P:
             return head
         host = rt.store.host(L.index)
-        tail = rt.compute.host_rows(x[P:], ids[P:], weights[P:], host, L.expert_bias)
+        tail = rt.computes[L.index].host_rows(x[P:], ids[P:], weights[P:], host, L.expert_bias)
         return torch.cat([head, tail])

@@ -1,0 +1,130 @@
+"""A GGUF file's experts into the store, in their blocks as the file holds them.
+
+Each MoE layer's rows are its experts' gate, up and down bytes back to back
+(`psr_kernels.ggml`), so a copy moves the file's bytes and the kernels dequantize inside
+the GEMV. Types may differ per part and per layer (Q4_K_M: down in Q6_K in some layers):
+each layer has its own row format and row size. Every expert tensor is checked (shape,
+type) before the store is made, so a bad file fails before any copy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+import psr_kernels as pk
+from psr.models.checkpoint import CheckpointError
+from psr.runtime.spec import MoESpec
+from psr.store import ExpertStore, LayerSpec
+
+PARTS = ("gate", "up", "down")
+
+
+class ExpertTensorLike(Protocol):
+    """One stacked expert matrix of a GGUF file (psr.models.gguf.ExpertTensor)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def ggml_type(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    def expert(self, e: int) -> torch.Tensor: ...
+
+
+class GGUFExperts(Protocol):
+    """What this module reads of a GGUF checkpoint (psr.models.gguf.GGUFCheckpoint)."""
+
+    @property
+    def path(self) -> Path: ...
+    def expert_tensors(self, decoder_layer: int) -> dict[str, ExpertTensorLike]: ...
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A .gguf file, or a folder without config.json that holds .gguf files."""
+    p = Path(path)
+    if p.is_file() or p.suffix == ".gguf":
+        return p.suffix == ".gguf"
+    return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
+
+
+def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[str]:
+    """Each MoE layer's row format (`gguf:GATE,UP,DOWN`), after checking its expert tensors'
+    shapes and types against the config."""
+    E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
+    want = {"gate": (E, F, H), "up": (E, F, H), "down": (E, H, F)}
+    out = []
+    for d in moe_idx:
+        parts = ckpt.expert_tensors(d)
+        missing = [p for p in PARTS if p not in parts]
+        if missing:
+            raise CheckpointError(
+                f"{ckpt.path}: decoder layer {d} has no routed-expert {missing[0]} tensor "
+                f"(blk.{d}.ffn_{missing[0]}_exps.weight)"
+            )
+        for p in PARTS:
+            t = parts[p]
+            if tuple(t.shape) != want[p]:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {t.name!r} has shape {list(t.shape)} "
+                    f"(experts, out, in), expected {list(want[p])}"
+                )
+            if t.ggml_type not in pk.GGML_TYPES:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {t.name!r} is {t.ggml_type}, a type psr's expert "
+                    f"kernels do not compute (supported: {', '.join(pk.GGML_TYPES)})"
+                )
+        fmt = pk.ggml_format(*(parts[p].ggml_type for p in PARTS))
+        try:
+            pk.GGMLLayout.of(fmt, H, F)
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path}: decoder layer {d}: {e}") from None
+        out.append(fmt)
+    return out
+
+
+def make_gguf_store(
+    spec: MoESpec,
+    capacity: int,
+    formats: list[str],
+    device: torch.device,
+    copy_retries: int | None = None,
+) -> ExpertStore:
+    """One store layer per MoE layer, its rows the layer's format's bytes (uint8)."""
+    cuda = device.type == "cuda"
+    rows = [pk.GGMLLayout.of(f, spec.hidden_size, spec.ffn_size).nbytes for f in formats]
+    return ExpertStore(
+        [LayerSpec(spec.num_experts, capacity, n) for n in rows],
+        torch.uint8,
+        backend="cuda" if cuda else "cpu",
+        device=device.index if cuda else None,
+        copy_retries=copy_retries,
+    )
+
+
+def fill_gguf_store(
+    store: ExpertStore,
+    ckpt: GGUFExperts,
+    spec: MoESpec,
+    moe_idx: list[int],
+    formats: list[str],
+    progress: bool,
+) -> None:
+    """Register every expert's bytes, straight from the file's memory map (no dequantized
+    or intermediate copy: the store's host memory is the one copy)."""
+    H, F = spec.hidden_size, spec.ffn_size
+    bar = tqdm(
+        list(enumerate(moe_idx)),
+        desc="experts <- gguf",
+        disable=not progress,
+        unit="layer",
+    )
+    for i, d in bar:
+        parts = ckpt.expert_tensors(d)
+        lay = pk.GGMLLayout.of(formats[i], H, F)
+        for e in range(spec.num_experts):
+            raw = [parts[p].expert(e).reshape(-1) for p in PARTS]
+            store.register(i, e, pk.pack_ggml_parts(lay, raw))
