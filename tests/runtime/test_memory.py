@@ -8,7 +8,7 @@ import pytest
 
 import psr
 import psr_kernels as pk
-from tests.tiny_models import tiny_model, write_checkpoint
+from tiny_models import tiny_model, write_checkpoint
 
 
 @pytest.mark.parametrize("fmt", ["native", "int8"])

@@ -16,6 +16,19 @@ import torch
 from safetensors import safe_open
 
 
+def dequantize_fp8_tiles(codes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """fp32 of a block-wise FP8 weight `[R, K]` and its `[ceil(R/128), ceil(K/128)]` scales
+    (DeepSeek-V3's `weight_scale_inv`: w = code * scale of its 128 x 128 tile)."""
+    R, K = codes.shape
+    want = (-(-R // 128), -(-K // 128))
+    if tuple(scale_inv.shape) != want:
+        raise CheckpointError(
+            f"an FP8 weight {[R, K]} needs scales {list(want)}, got {list(scale_inv.shape)}"
+        )
+    s = scale_inv.float().repeat_interleave(128, 0)[:R].repeat_interleave(128, 1)[:, :K]
+    return codes.float() * s
+
+
 class CheckpointError(ValueError):
     """A checkpoint folder, file or tensor is missing or corrupt."""
 
@@ -184,6 +197,21 @@ class Checkpoint:
         return self._open[file]
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor; a block-wise FP8 weight (e4m3 with its `weight_scale_inv`) comes
+        dequantized to fp32, and an FP8 weight without one is refused, never cast bare."""
+        t = self.get_raw(name)
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = f"{name}_scale_inv"
+            if scale not in self._where:
+                raise CheckpointError(
+                    f"tensor {name!r} in {self.path} is FP8 without its {scale!r}: psr loads "
+                    "block-wise FP8 (128 x 128 scales) and will not cast FP8 without its scales"
+                )
+            return dequantize_fp8_tiles(t, self.get_raw(scale))
+        return t
+
+    def get_raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored."""
         return self._handle(name).get_tensor(name)
 
     def get_row(self, name: str, i: int) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A GGUF file's experts into the store, in their blocks as the file holds them.
+"""Experts into the store in their blocks as the file holds them: a GGUF file's, or a
+pre-quantized checkpoint's (psr.models.prequant).
 
 Each MoE layer's rows are its experts' gate, up and down bytes back to back
 (`psr_kernels.ggml`), so a copy moves the file's bytes and the kernels dequantize inside
@@ -9,6 +10,7 @@ type) before the store is made, so a bad file fails before any copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
@@ -86,14 +88,14 @@ def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[
     return out
 
 
-def make_gguf_store(
+def make_block_store(
     spec: MoESpec,
     capacity: int,
     formats: list[str],
     device: torch.device,
     copy_retries: int | None = None,
 ) -> ExpertStore:
-    """One store layer per MoE layer, its rows the layer's format's bytes (uint8)."""
+    """One store layer per MoE layer, its rows the layer's block format's bytes (uint8)."""
     cuda = device.type == "cuda"
     rows = [pk.GGMLLayout.of(f, spec.hidden_size, spec.ffn_size).nbytes for f in formats]
     return ExpertStore(
@@ -105,26 +107,32 @@ def make_gguf_store(
     )
 
 
-def fill_gguf_store(
+PartsReader = Callable[[int], list[torch.Tensor]]  # expert id -> gate, up, down bytes
+
+
+def gguf_readers(ckpt: GGUFExperts, moe_idx: list[int]) -> list[PartsReader]:
+    """Per MoE layer, expert id -> its gate, up, down bytes straight from the file's map."""
+
+    def reader(d: int) -> PartsReader:
+        parts = ckpt.expert_tensors(d)
+        return lambda e: [parts[p].expert(e).reshape(-1) for p in PARTS]
+
+    return [reader(d) for d in moe_idx]
+
+
+def fill_block_store(
     store: ExpertStore,
-    ckpt: GGUFExperts,
     spec: MoESpec,
-    moe_idx: list[int],
+    readers: list[PartsReader],
     formats: list[str],
     progress: bool,
+    desc: str,
 ) -> None:
-    """Register every expert's bytes, straight from the file's memory map (no dequantized
-    or intermediate copy: the store's host memory is the one copy)."""
+    """Register every expert's block bytes (no dequantized or intermediate copy: the
+    store's host memory is the one copy)."""
     H, F = spec.hidden_size, spec.ffn_size
-    bar = tqdm(
-        list(enumerate(moe_idx)),
-        desc="experts <- gguf",
-        disable=not progress,
-        unit="layer",
-    )
-    for i, d in bar:
-        parts = ckpt.expert_tensors(d)
+    bar = tqdm(list(enumerate(readers)), desc=desc, disable=not progress, unit="layer")
+    for i, read in bar:
         lay = pk.GGMLLayout.of(formats[i], H, F)
         for e in range(spec.num_experts):
-            raw = [parts[p].expert(e).reshape(-1) for p in PARTS]
-            store.register(i, e, pk.pack_ggml_parts(lay, raw))
+            store.register(i, e, pk.pack_ggml_parts(lay, read(e)))

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 import psr.vocab as vocab
 import psr_kernels as pk
+from psr.models import prequant
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
 from psr.models.families import (
     SUPPORTED,
@@ -40,7 +41,14 @@ from psr.models.families import (
     moe_spec,
     router_weight,
 )
-from psr.models.gguf_load import fill_gguf_store, is_gguf, layer_formats, make_gguf_store
+from psr.models.gguf_load import (
+    PartsReader,
+    fill_block_store,
+    gguf_readers,
+    is_gguf,
+    layer_formats,
+    make_block_store,
+)
 from psr.models.hf import (
     block_of,
     install,
@@ -241,11 +249,13 @@ def _on(device: torch.device, tables: list[torch.Tensor | None]) -> list[torch.T
     return out
 
 
-def _check_transposed(ckpt: Checkpoint, spec: MoESpec, d: int) -> dict[str, str]:
+def _check_transposed(
+    ckpt: Checkpoint, spec: MoESpec, d: int, biases_only: bool = False
+) -> dict[str, str]:
     """The expert tensors of decoder layer `d` in gpt-oss's or Llama 4's layout
     (`gate_up_proj [E, H, 2F]`, `down_proj [E, F, H]`, gpt-oss's biases), checked."""
     E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
-    want = {"gate_up_proj": [E, H, 2 * F], "down_proj": [E, F, H]}
+    want = {} if biases_only else {"gate_up_proj": [E, H, 2 * F], "down_proj": [E, F, H]}
     if spec.expert_bias:
         want |= {"gate_up_proj_bias": [E, 2 * F], "down_proj_bias": [E, H]}
     p = f"model.layers.{d}.{family_of(spec.family).block}.experts"
@@ -273,13 +283,14 @@ def _transposed_reader(ckpt: Checkpoint, spec: MoESpec, d: int) -> ExpertReader:
 
 
 def _bias_tables(
-    ckpt: Checkpoint, spec: MoESpec, moe_idx: list[int], device: torch.device
+    ckpt: Checkpoint, spec: MoESpec, moe_idx: list[int], device: torch.device, blocks: bool
 ) -> list[torch.Tensor]:
     """Per MoE layer, its experts' biases `[E, 2F + H]` fp32 on `device` (gpt-oss): small
-    (2F + H values an expert), kept on the device, never copied."""
+    (2F + H values an expert), kept on the device, never copied. `blocks`: the weights
+    were read as blocks (MXFP4): only the biases are checked here."""
     out = []
     for d in moe_idx:
-        n = _check_transposed(ckpt, spec, d)
+        n = _check_transposed(ckpt, spec, d, biases_only=blocks)
         gub, db = ckpt.get(n["gate_up_proj_bias"]), ckpt.get(n["down_proj_bias"])
         out.append(gpt_oss_bias_table(gub, db))
     return _on(device, list(out))
@@ -415,6 +426,7 @@ class LoadOptions:
     decode: str  # "device" | "host" (psr.vocab.DECODE_MODES)
     expert_format: str | None  # None: the model's dtype
     cache_root: Path | None  # the quantized-expert cache folder, or None: no cache
+    prequant: str | None = None  # the checkpoint's own quantization (psr.models.prequant)
 
 
 def _check_checkpoint_config(path: str | Path, raw: dict[str, Any] | None = None) -> None:
@@ -464,6 +476,11 @@ def _resolve_options(
     gguf = config is not None
     if config is None:
         config = transformers.AutoConfig.from_pretrained(str(path))
+    method = None if gguf else prequant.quant_method(read_config(path), str(path))
+    if method is not None:
+        # psr dequantizes dense weights itself and keeps experts in their blocks: the model
+        # is built plain (transformers would swap in its own quantized modules).
+        del config.quantization_config
     spec = moe_spec(config)
     C = resolve_capacity(spec, make_policy(policy, lam, n), residency, slots)
     # cache-prior / psr without lam and n: the model's tuned operating point, if any.
@@ -481,11 +498,11 @@ def _resolve_options(
     vocab.compute_choice(compute)
     vocab.decode_mode(decode)
     fmt = vocab.expert_format(expert_format)
-    if gguf and (fmt is not None or quant_cache not in (None, False)):
+    if (gguf or method) and (fmt is not None or quant_cache not in (None, False)):
+        what = "a GGUF file's" if gguf else f"this {method} checkpoint's"
         raise ValueError(
-            f"{path}: a GGUF file's experts stay in the file's own blocks (its types per "
-            f"tensor); expert_format must be 'native' (got {expert_format!r}) and "
-            f"quant_cache off"
+            f"{path}: {what} experts stay in their own blocks (the types the file has); "
+            f"expert_format must be 'native' (got {expert_format!r}) and quant_cache off"
         )
     cache_root = resolve_root(quant_cache, path)
     if cache_root is not None and not _quantized(fmt):
@@ -493,7 +510,9 @@ def _resolve_options(
             f"quant_cache keeps quantized experts; expert_format={expert_format!r} is not "
             f"quantized (choose one of {', '.join(vocab.QUANT_FORMATS)})"
         )
-    return LoadOptions(config, spec, pol, pol_source, C, dt, dev, compute, decode, fmt, cache_root)
+    return LoadOptions(
+        config, spec, pol, pol_source, C, dt, dev, compute, decode, fmt, cache_root, method
+    )
 
 
 def _meta_model(opts: LoadOptions) -> tuple[nn.Module, list[int]]:
@@ -588,6 +607,33 @@ def _check_all_loaded(model: nn.Module) -> None:
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise CheckpointError(f"tensors not loaded: {leftover[:5]}")
+
+
+def _block_readers(
+    path: str | Path,
+    ckpt: Any,
+    opts: LoadOptions,
+    moe_idx: list[int],
+    gguf: bool,
+    speculative: str | None,
+) -> tuple[list[str], list[PartsReader], str] | None:
+    """(per MoE layer its row format and its experts' block reader, the progress label)
+    for a GGUF file or a pre-quantized checkpoint, every expert tensor checked; None for
+    float checkpoints (their experts stream as matrices)."""
+    spec = opts.spec
+    if gguf:
+        if speculative is not None:
+            raise ValueError(
+                f"{path}: speculative decoding reads psr's drafter files beside a "
+                "safetensors checkpoint; a GGUF file has none"
+            )
+        return layer_formats(ckpt, spec, moe_idx), gguf_readers(ckpt, moe_idx), "experts <- gguf"
+    method = opts.prequant
+    if method is None:
+        return None
+    E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
+    readers = [prequant.parts_reader(method, ckpt, spec.family, d, E, H, F) for d in moe_idx]
+    return [prequant.layer_format(method)] * len(moe_idx), readers, f"experts <- {method}"
 
 
 def open_gguf(path: str | Path) -> Any:
@@ -697,28 +743,28 @@ def load(
             config=ckpt.config if gguf else None,
         )
         spec = opts.spec
-        fmt: str | list[str] | None = opts.expert_format
         meta = _meta_model(opts)
         moe_idx = meta[1]
-        if gguf:  # every expert tensor checked before anything is loaded
-            fmt = layer_formats(ckpt, spec, moe_idx)
-            if speculative is not None:
-                raise ValueError(
-                    f"{path}: speculative decoding reads psr's drafter files beside a "
-                    "safetensors checkpoint; a GGUF file has none"
-                )
+        # Experts read as blocks (GGUF, pre-quantized): checked before anything is loaded.
+        blocks = _block_readers(path, ckpt, opts, moe_idx, gguf, speculative)
         model, moe_idx = _build_model(ckpt, opts, meta)
         drafter, C = None, opts.capacity
         if speculative is not None:
             drafter, C = _load_drafter(path, speculative, block, model, len(moe_idx), opts)
-        if isinstance(fmt, list):
-            store = make_gguf_store(spec, C, fmt, opts.device, copy_retries)
-            fill_gguf_store(store, ckpt, spec, moe_idx, fmt, progress)
+        fmt: str | list[str] | None = opts.expert_format
+        if blocks is not None:
+            fmt, readers, desc = blocks
+            store = make_block_store(spec, C, fmt, opts.device, copy_retries)
+            fill_block_store(store, spec, readers, fmt, progress, desc)
         else:
-            store = make_store(spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, fmt)
+            store = make_store(
+                spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, opts.expert_format
+            )
             cache = _quant_cache(path, ckpt, opts, moe_idx, store.expert_bytes[0])
-            _load_experts(ckpt, store, spec, moe_idx, progress, fmt, cache)
-        biases = _bias_tables(ckpt, spec, moe_idx, opts.device) if spec.expert_bias else None
+            _load_experts(ckpt, store, spec, moe_idx, progress, opts.expert_format, cache)
+        biases = None
+        if spec.expert_bias:
+            biases = _bias_tables(ckpt, spec, moe_idx, opts.device, blocks is not None)
     finally:
         ckpt.close()
     runtime = install(
