@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tiny_models import tiny_model, write_checkpoint
 
 import psr
 import psr_kernels as pk
-from tiny_models import tiny_model, write_checkpoint
 
 
 @pytest.mark.parametrize("fmt", ["native", "int8"])
