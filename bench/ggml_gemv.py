@@ -7,10 +7,9 @@ One batch-1 MoE layer's routed experts (`top_k` of them: gate/up then down) per 
 call over the next k rows of a buffer of `--mib` MiB (larger than the caches: the weights
 stream from memory). GB/s counts each routed row's bytes once, as the store holds and copies
 it (blocks, scales, padding). On CUDA every format runs its Triton kernel
-(`psr_kernels.expert_ffn`); on the CPU each runs what psr runs there today: the C++ kernels
-(`psr.store.cpu_expert_ffn`) for float, int8 and int4 rows, the torch reference (dequantize,
-then matmul) for GGUF's blocks, which have no CPU kernel yet. Rounds interleave the formats
-(A B A B) and the table shows medians with the machine's load.
+(`psr_kernels.expert_ffn`); on the CPU the C++ kernels (`psr.store.cpu_expert_ffn`, the best
+ISA path; `--torch-ref` adds the torch reference, dequantize then matmul, per GGUF format).
+Rounds interleave the formats (A B A B) and the table shows medians with the machine's load.
 """
 
 from __future__ import annotations
@@ -68,7 +67,9 @@ def time_call(fn, calls: int) -> float:
     return statistics.median(times)
 
 
-def runner(rows: torch.Tensor, fmt: str | None, H: int, F: int, k: int, dev: str):
+def runner(
+    rows: torch.Tensor, fmt: str | None, H: int, F: int, k: int, dev: str, ref: bool = False
+):
     """A batch-1 call over the next k rows each time (wrapping)."""
     x = torch.randn(1, H, device=dev)
     w = torch.rand(1, k, device=dev)
@@ -81,12 +82,12 @@ def runner(rows: torch.Tensor, fmt: str | None, H: int, F: int, k: int, dev: str
         if dev == "cuda":
             pk.expert_ffn(x, rows, slots, w, H, F, fmt=fmt, check_slots=False)
             torch.cuda.synchronize()
-        elif fmt is None or not pk.is_ggml_format(fmt):
+        elif ref:
+            pk.expert_ffn_ref(x, rows, slots, w, H, F, fmt=fmt, check_slots=False)
+        else:
             from psr.store import cpu_expert_ffn
 
             cpu_expert_ffn(x, rows, slots, w, H, F, fmt=fmt, group_size=128)
-        else:
-            pk.expert_ffn_ref(x, rows, slots, w, H, F, fmt=fmt, check_slots=False)
 
     return call
 
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--torch-ref", action="store_true", help="CPU: also the torch reference")
     a = ap.parse_args()
     H, F = (int(v) for v in a.shape.split("x"))
     dev = a.device
@@ -109,12 +111,17 @@ def main() -> None:
     names = a.formats.split(",")
     calls = {}
     nbytes = {}
-    for name in names:
+    for name in list(names):
         fmt, dt = fmt_of(name)
         rows = rows_of(buf, fmt, dt, H, F)
-        calls[name] = runner(rows, fmt, H, F, a.top_k, dev)
-        nbytes[name] = a.top_k * row_bytes(fmt, dt, H, F)
-        calls[name]()  # compile / warm
+        variants = [(name, False)]
+        if a.torch_ref and dev == "cpu" and fmt is not None and pk.is_ggml_format(fmt):
+            variants.append((f"{name} (torch ref)", True))
+            names.insert(names.index(name) + 1, f"{name} (torch ref)")
+        for label, ref in variants:
+            calls[label] = runner(rows, fmt, H, F, a.top_k, dev, ref)
+            nbytes[label] = a.top_k * row_bytes(fmt, dt, H, F)
+            calls[label]()  # compile / warm
     res: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(a.rounds):
         for name in names:

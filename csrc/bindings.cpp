@@ -126,8 +126,8 @@ PYBIND11_MODULE(_C, m) {
          int64_t num_rows, int64_t row_stride, uintptr_t ids, int id_bytes, int64_t k,
          uintptr_t table, int table_bytes, int64_t table_len, uintptr_t weights, uintptr_t y,
          int threads, const std::string& isa, int act, float alpha, float limit) {
-        if (layout.size() != 14)
-          throw std::invalid_argument("cpu_expert_ffn: layout must hold 14 integers");
+        if (layout.size() != 14 && layout.size() != 18)
+          throw std::invalid_argument("cpu_expert_ffn: layout must hold 14 (or 18) integers");
         psr::cpu::Layout L;
         L.fmt = static_cast<psr::cpu::Fmt>(layout[0]);
         L.hidden = layout[1];
@@ -143,6 +143,12 @@ PYBIND11_MODULE(_C, m) {
         L.group_h = layout[11];
         L.group_f = layout[12];
         L.row_bytes = layout[13];
+        if (layout.size() == 18) {  // GGML blocks: each part's type, up's row bytes
+          L.t_gate = static_cast<int>(layout[14]);
+          L.t_up = static_cast<int>(layout[15]);
+          L.t_down = static_cast<int>(layout[16]);
+          L.rb_up = layout[17];
+        }
         psr::cpu::Call c;
         c.x = reinterpret_cast<const float*>(x);
         c.tokens = tokens;

@@ -88,6 +88,12 @@ def _check_type(op: str, type_name: str) -> None:
         )
 
 
+def ggml_type_id(type_name: str) -> int:
+    """GGML's id of `type_name` (psr's own blocks: 200 and up), the kernels' constexpr."""
+    _check_type("ggml_type_id", type_name)
+    return _TYPES[type_name][0]
+
+
 def ggml_row_bytes(type_name: str, k: int) -> int:
     """Bytes of one row of `k` inputs in `type_name`; `k` must fill whole blocks."""
     qk, bs = ggml_block(type_name)

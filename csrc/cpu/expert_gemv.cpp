@@ -2,6 +2,8 @@
 // the portable scalar row kernels and run-time ISA selection.
 #include "expert_gemv.h"
 
+#include "ggml_dot.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -118,6 +120,15 @@ void dot_int4(const uint8_t* const w[4], int64_t n, const float* v, const float*
 
 }  // namespace
 
+BlockRowDotFn scalar_ggml_dot() { return g_row_dot; }
+
+int64_t ggml_row_bytes(int type, int64_t K) {
+  const int qk = g_block_len(type), bs = g_block_bytes(type);
+  if (qk == 0 || K < 1) return -1;
+  if (type == 0 || type == 1 || type == 30) return K * (type == 0 ? 4 : 2);  // any K
+  return K % qk ? -1 : K / qk * bs;
+}
+
 DotFn scalar_dot(Fmt f) {
   switch (f) {
     case Fmt::f32:
@@ -132,6 +143,8 @@ DotFn scalar_dot(Fmt f) {
       return dot_fp8;
     case Fmt::int4:
       return dot_int4;
+    case Fmt::ggml:
+      return nullptr;  // per part: the block row dots
   }
   return nullptr;
 }
@@ -345,11 +358,35 @@ void check_group(const char* dim, int64_t K, int64_t group) {
   if (K / group > 1 && group % 2) bad(std::string("int4 groups along ") + dim + " must be even");
 }
 
+void check_ggml_layout(const Layout& L) {
+  const int64_t H = L.hidden, F = L.ffn;
+  const int types[3] = {L.t_gate, L.t_up, L.t_down};
+  const int64_t want[3] = {ggml_row_bytes(L.t_gate, H), ggml_row_bytes(L.t_up, H),
+                           ggml_row_bytes(L.t_down, F)};
+  const int64_t have[3] = {L.rb_h, L.rb_up, L.rb_f};
+  const char* names[3] = {"gate", "up", "down"};
+  for (int p = 0; p < 3; ++p) {
+    if (want[p] < 0)
+      bad(std::string("GGML type ") + std::to_string(types[p]) + " of part " + names[p] +
+          " is unknown or its rows are not whole blocks");
+    if (have[p] != want[p])
+      bad(std::string("part ") + names[p] + " rows hold " + std::to_string(have[p]) +
+          " bytes, its type needs " + std::to_string(want[p]));
+  }
+  check_part("gate", L.gate, F, L.rb_h, L.row_bytes);
+  check_part("up", L.up, F, L.rb_up, L.row_bytes);
+  check_part("down", L.down, H, L.rb_f, L.row_bytes);
+}
+
 void check_layout(const Layout& L) {
   const int64_t H = L.hidden, F = L.ffn;
   if (H < 1 || F < 1) bad("hidden and ffn sizes must be positive");
   const int fi = static_cast<int>(L.fmt);
-  if (fi < 0 || fi > 5) bad("unknown format code " + std::to_string(fi));
+  if (fi < 0 || fi > 6) bad("unknown format code " + std::to_string(fi));
+  if (L.fmt == Fmt::ggml) {
+    check_ggml_layout(L);
+    return;
+  }
   const int64_t isz = itemsize(L.fmt);
   const int64_t want_h = L.fmt == Fmt::int4 ? (H + 1) / 2 : H * isz;
   const int64_t want_f = L.fmt == Fmt::int4 ? (F + 1) / 2 : F * isz;
@@ -415,14 +452,27 @@ struct Matrix {
   int64_t rb;     // bytes per row
   int64_t K;      // input dim
   int64_t group;  // scale group (quantized)
+  int type = 0;   // ggml: the part's block type
+};
+
+struct Dots {
+  DotFn dot;
+  GroupDotFn gdot;
+  BlockRowDotFn bdot;  // ggml
 };
 
 // out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
 // odd half), scales applied once per row or group, groups summed in order.
-void dot_rows(DotFn dot, GroupDotFn gdot, Fmt fmt, const uint8_t* base, const Matrix& m,
-              const int64_t rows[4], const float* v, const float* v2, float out[4]) {
+void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, const int64_t rows[4],
+              const float* v, const float* v2, float out[4]) {
+  const DotFn dot = ds.dot;
+  const GroupDotFn gdot = ds.gdot;
   const uint8_t* w[4];
   for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
+  if (fmt == Fmt::ggml) {
+    for (int r = 0; r < 4; ++r) out[r] = ds.bdot(m.type, w[r], m.K, v);
+    return;
+  }
   if (!quantized(fmt)) {
     dot(w, m.K, v, v2, out);
     return;
@@ -492,8 +542,11 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   bool ok = false;
   for (Isa i : supported_isas()) ok |= i == isa;
   if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
-  const DotFn dot = dot_for(isa, fmt);
-  const GroupDotFn gdot = isa == Isa::avx512 ? avx512_int4_groups() : nullptr;
+  BlockRowDotFn bdot = isa == Isa::avx512 ? avx512_ggml_dot()
+                       : isa == Isa::avx2 ? avx2_ggml_dot()
+                                          : nullptr;
+  const Dots ds{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
+                bdot ? bdot : scalar_ggml_dot()};
   if (T == 0) return;
   if (K == 0) {
     std::fill(c.y, c.y + T * H, 0.f);
@@ -501,9 +554,10 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   }
   const bool i4 = fmt == Fmt::int4;
   const int64_t xl = vec_len(fmt, H), hl = vec_len(fmt, F);
-  const Matrix gate{L.gate, L.gate_s, L.rb_h, H, L.group_h};
-  const Matrix up{L.up, L.up_s, L.rb_h, H, L.group_h};
-  const Matrix down{L.down, L.down_s, L.rb_f, F, L.group_f};
+  const bool gg = fmt == Fmt::ggml;
+  const Matrix gate{L.gate, L.gate_s, L.rb_h, H, L.group_h, L.t_gate};
+  const Matrix up{L.up, L.up_s, gg ? L.rb_up : L.rb_h, H, L.group_h, L.t_up};
+  const Matrix down{L.down, L.down_s, L.rb_f, F, L.group_f, L.t_down};
   std::vector<float> xs;  // int4: each token's x split even / odd
   if (i4) {
     xs.assign(static_cast<size_t>(T * xl), 0.f);
@@ -524,8 +578,8 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         int64_t q[4];
         quad(r0, F, q);
         float g[4], u[4];
-        dot_rows(dot, gdot, fmt, rows[tj], gate, q, v, v2, g);
-        dot_rows(dot, gdot, fmt, rows[tj], up, q, v, v2, u);
+        dot_rows(ds, fmt, rows[tj], gate, q, v, v2, g);
+        dot_rows(ds, fmt, rows[tj], up, q, v, v2, u);
         for (int r = 0; r < 4 && r0 + r < F; ++r)
           ht[vec_pos(fmt, F, r0 + r)] = activate(c, g[r], u[r]);
       }
@@ -541,7 +595,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         for (int64_t j = 0; j < K; ++j) {
           const float* v = h.data() + (t * K + j) * hl;
           float d[4];
-          dot_rows(dot, gdot, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
+          dot_rows(ds, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
           const float wj = c.weights[t * K + j];
           for (int r = 0; r < 4; ++r) acc[r] += wj * d[r];
         }

@@ -24,7 +24,8 @@
 namespace psr::cpu {
 
 // Expert weight formats (psr_kernels.quant's byte layouts for the quantized ones).
-enum class Fmt : int { f32 = 0, bf16 = 1, f16 = 2, int8 = 3, fp8 = 4, int4 = 5 };
+// ggml: GGUF's block types per part (t_gate, t_up, t_down: GGML type ids, ggml_dot.h).
+enum class Fmt : int { f32 = 0, bf16 = 1, f16 = 2, int8 = 3, fp8 = 4, int4 = 5, ggml = 6 };
 // Activations between the projections; more kinds can be added here.
 //   swiglu:     h = silu(g) * u
 //   swiglu_oai: gpt-oss's clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit),
@@ -44,6 +45,8 @@ struct Layout {
   int64_t rb_h = 0, rb_f = 0;                // bytes per gate/up row, per down row
   int64_t group_h = 0, group_f = 0;          // scale groups (elements); = H, F for int8/fp8
   int64_t row_bytes = 0;                     // bytes one expert occupies
+  int t_gate = 0, t_up = 0, t_down = 0;      // ggml: each part's block type
+  int64_t rb_up = 0;                         // ggml: bytes per up row (rb_h: gate's)
 };
 
 struct Call {
@@ -92,6 +95,12 @@ using DotFn = void (*)(const uint8_t* const w[4], int64_t n, const float* v, con
 using GroupDotFn = void (*)(const uint8_t* const w[4], int64_t ng, int64_t gbytes, const float* v,
                             const float* v2, const float* const s[4], float out[4]);
 GroupDotFn avx512_int4_groups();  // nullptr where not compiled
+// GGML block rows: sum_k w[k] v[k] over one row of K inputs of block type `type`.
+using BlockRowDotFn = float (*)(int type, const uint8_t* row, int64_t K, const float* v);
+BlockRowDotFn scalar_ggml_dot();
+BlockRowDotFn avx2_ggml_dot();                // nullptr where not compiled
+BlockRowDotFn avx512_ggml_dot();              // nullptr where not compiled
+int64_t ggml_row_bytes(int type, int64_t K);  // -1: unknown type or K not whole blocks
 DotFn scalar_dot(Fmt f);
 DotFn avx2_dot(Fmt f);    // nullptr where not compiled
 DotFn avx512_dot(Fmt f);  // nullptr where not compiled

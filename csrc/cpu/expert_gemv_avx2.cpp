@@ -17,6 +17,10 @@
 #pragma GCC target("avx2,fma,f16c")
 #endif
 
+// GGML block rows, compiled (and auto-vectorised) for this target.
+#define PSR_GGML_F16C 1
+#include "ggml_dot.h"
+
 namespace psr::cpu {
 namespace {
 
@@ -150,6 +154,7 @@ void dot4_int4(const uint8_t* const w[4], int64_t n, const float* v, const float
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
 
+const BlockRowDotFn kAvx2GgmlDot = g_row_dot;
 }  // namespace psr::cpu
 
 #if defined(__clang__)
@@ -160,6 +165,7 @@ const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8
 
 // Outside the target region: runs on any CPU (it only reads a table of addresses).
 namespace psr::cpu {
+BlockRowDotFn avx2_ggml_dot() { return kAvx2GgmlDot; }
 DotFn avx2_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx2Dots[i] : nullptr;
@@ -170,6 +176,7 @@ DotFn avx2_dot(Fmt f) {
 
 namespace psr::cpu {
 DotFn avx2_dot(Fmt) { return nullptr; }
+BlockRowDotFn avx2_ggml_dot() { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

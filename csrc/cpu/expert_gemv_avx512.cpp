@@ -17,6 +17,10 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 #endif
 
+// GGML block rows, compiled (and auto-vectorised) for this target.
+#define PSR_GGML_F16C 1
+#include "ggml_dot.h"
+
 namespace psr::cpu {
 namespace {
 
@@ -178,6 +182,7 @@ const GroupDotFn kAvx512Int4Groups = dot4_int4_groups;
 const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
 
+const BlockRowDotFn kAvx512GgmlDot = g_row_dot;
 }  // namespace psr::cpu
 
 #if defined(__clang__)
@@ -188,6 +193,7 @@ const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
 
 // Outside the target region: runs on any CPU (it only reads a table of addresses).
 namespace psr::cpu {
+BlockRowDotFn avx512_ggml_dot() { return kAvx512GgmlDot; }
 DotFn avx512_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx512Dots[i] : nullptr;
@@ -199,6 +205,7 @@ GroupDotFn avx512_int4_groups() { return kAvx512Int4Groups; }
 
 namespace psr::cpu {
 DotFn avx512_dot(Fmt) { return nullptr; }
+BlockRowDotFn avx512_ggml_dot() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
 }  // namespace psr::cpu
 

@@ -515,6 +515,7 @@ CPU_FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torc
 CPU_ACTIVATIONS: tuple[str, ...] = ("swiglu", "swiglu_oai")
 _CPU_FMT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "fp8": 4, "int4": 5}
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_CPU_GGML = 6  # csrc/cpu/expert_gemv.h Fmt::ggml: a block type per part
 
 
 def cpu_isas() -> list[str]:
@@ -548,6 +549,16 @@ def _cpu_layout(
                 hidden * isz, ffn * isz, hidden, ffn, row_bytes)  # fmt: skip
     import psr_kernels as pk  # here: importing the store needs no kernels (Triton)
 
+    if pk.is_ggml_format(fmt):  # GGUF's blocks: each part's type (18 integers)
+        g = pk.GGMLLayout.of(fmt, hidden, ffn)
+        if g.nbytes != row_bytes:
+            raise ValueError(
+                f"cpu_expert_ffn: rows hold {row_bytes} bytes, expected {g.nbytes} ({fmt}, "
+                f"H={hidden}, F={ffn})"
+            )
+        ids = [pk.ggml_type_id(t) for t in g.types]
+        return (_CPU_GGML, hidden, ffn, g.gate, g.up, g.down, 0, 0, 0, g.rb_gate, g.rb_down,
+                hidden, ffn, row_bytes, *ids, g.rb_up)  # fmt: skip
     lay = pk.QuantLayout.of(fmt, hidden, ffn, group_size)
     if lay.nbytes != row_bytes:
         raise ValueError(
@@ -573,10 +584,11 @@ def _check_cpu_rows(rows: object, fmt: str | None) -> torch.Tensor:
         raise ValueError(
             f"cpu_expert_ffn: float rows must be float32, bfloat16 or float16, got {rows.dtype}"
         )
-    if fmt is not None and (fmt not in FORMATS or rows.dtype != torch.uint8):
+    ggml = isinstance(fmt, str) and fmt.startswith("gguf:")
+    if fmt is not None and ((fmt not in FORMATS and not ggml) or rows.dtype != torch.uint8):
         raise ValueError(
-            f"cpu_expert_ffn: fmt must be None or one of {FORMATS} with uint8 rows, "
-            f"got {fmt!r} with {rows.dtype} rows"
+            f"cpu_expert_ffn: fmt must be None, one of {FORMATS} or a GGML row format "
+            f"('gguf:GATE,UP,DOWN') with uint8 rows, got {fmt!r} with {rows.dtype} rows"
         )
     if rows.shape[0] < 1 or rows.stride(1) != 1:
         raise ValueError("cpu_expert_ffn: rows must be non-empty with contiguous rows")

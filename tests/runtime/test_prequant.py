@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,6 @@ from tiny_models import tiny_config
 import psr
 import psr_kernels as pk
 
-gguf = pytest.importorskip("gguf")
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
 
 

@@ -51,11 +51,7 @@ class ExpertCompute:
         # for the expert kind they compute: SwiGLU without biases, weights on the output
         # (gpt-oss's and Llama 4's kinds take the reference).
         plain = spec.activation == "silu" and not spec.expert_bias and not spec.input_scaled
-        # No CPU kernels for GGUF's GGML blocks yet: the reference dequantizes them.
-        ggml = pk.is_ggml_format(expert_format)
-        self.cpu_kernels = (
-            plain and not ggml and ops.path == "torch" and cpu_experts_mode() != "torch"
-        )
+        self.cpu_kernels = plain and ops.path == "torch" and cpu_experts_mode() != "torch"
 
     def _on_cpu_kernels(self, x: torch.Tensor, slab: torch.Tensor) -> bool:
         return (

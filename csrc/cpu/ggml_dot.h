@@ -1,0 +1,259 @@
+// GGML block rows (GGUF's experts as the file holds them, psr_kernels.ggml) on the CPU: one
+// row's dot product with an fp32 vector, each block dequantized into registers-sized scratch
+// and multiplied in sixteen independent lanes (no reassociation: the same sum in the same
+// order on every path, which the compiler vectorises for the target of the file that
+// includes this header). Included inside a target pragma region by each ISA's file and
+// once plainly by the scalar one: everything here has internal linkage.
+//
+// Types (GGML's ids; FP8_B128 is psr's own): F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7,
+// Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30, MXFP4 39, FP8_B128 200. A file that defines
+// PSR_GGML_F16C (and includes <immintrin.h>) decodes the blocks' f16 scales with F16C.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "expert_gemv.h"
+
+namespace psr::cpu {
+namespace {
+
+inline float g_h2f(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(PSR_GGML_F16C)
+  return _cvtsh_ss(h);  // the AVX files' target has F16C: one instruction, inlined
+#else
+  return f16_to_f32(h);
+#endif
+}
+
+inline float g_e8m0(int e) {  // 2^(e - 127), e = 0 the subnormal 2^-127
+  const uint32_t bits = e == 0 ? 0x00400000u : static_cast<uint32_t>(e) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+constexpr float kFp4[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
+                            -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+inline void g_k_scale_min(int j, const uint8_t* q, int* sc, int* m) {
+  if (j < 4) {
+    *sc = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// Dequantize one block of `type` into out[QK]; returns QK.
+inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict out) {
+  switch (type) {
+    case 8: {  // Q8_0
+      const float d = g_h2f(b);
+      for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
+      return 32;
+    }
+    case 2:
+    case 3: {  // Q4_0, Q4_1
+      const float d = g_h2f(b);
+      const float m = type == 3 ? g_h2f(b + 2) : 0.f;
+      const uint8_t* qs = b + (type == 3 ? 4 : 2);
+      const float off = type == 2 ? -8.f : 0.f;
+      for (int i = 0; i < 16; ++i) {
+        out[i] = d * (static_cast<float>(qs[i] & 0xF) + off) + m;
+        out[i + 16] = d * (static_cast<float>(qs[i] >> 4) + off) + m;
+      }
+      return 32;
+    }
+    case 6:
+    case 7: {  // Q5_0, Q5_1
+      const float d = g_h2f(b);
+      const float m = type == 7 ? g_h2f(b + 2) : 0.f;
+      const uint8_t* hp = b + (type == 7 ? 4 : 2);
+      uint32_t qh;
+      std::memcpy(&qh, hp, 4);
+      const uint8_t* qs = hp + 4;
+      const float off = type == 6 ? -16.f : 0.f;
+      for (int i = 0; i < 16; ++i) {
+        const int lo = (qs[i] & 0xF) | (((qh >> i) & 1) << 4);
+        const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+        out[i] = d * (static_cast<float>(lo) + off) + m;
+        out[i + 16] = d * (static_cast<float>(hi) + off) + m;
+      }
+      return 32;
+    }
+    case 39: {  // MXFP4
+      const float s = g_e8m0(b[0]);
+      for (int i = 0; i < 16; ++i) {
+        out[i] = kFp4[b[1 + i] & 0xF] * s;
+        out[i + 16] = kFp4[b[1 + i] >> 4] * s;
+      }
+      return 32;
+    }
+    case 12:
+    case 13: {  // Q4_K, Q5_K
+      const float d = g_h2f(b), dmin = g_h2f(b + 2);
+      const uint8_t* sc = b + 4;
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (type == 12 ? 16 : 48);
+      for (int j = 0; j < 4; ++j) {
+        int s1, m1, s2, m2;
+        g_k_scale_min(2 * j, sc, &s1, &m1);
+        g_k_scale_min(2 * j + 1, sc, &s2, &m2);
+        const float d1 = d * static_cast<float>(s1), c1 = dmin * static_cast<float>(m1);
+        const float d2 = d * static_cast<float>(s2), c2 = dmin * static_cast<float>(m2);
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+          if (type == 13) {
+            lo += ((qh[l] >> (2 * j)) & 1) << 4;
+            hi += ((qh[l] >> (2 * j + 1)) & 1) << 4;
+          }
+          out[64 * j + l] = d1 * static_cast<float>(lo) - c1;
+          out[64 * j + 32 + l] = d2 * static_cast<float>(hi) - c2;
+        }
+      }
+      return 256;
+    }
+    case 14: {  // Q6_K: per half, four runs of 32 (contiguous: the compiler vectorises them)
+      const float d = g_h2f(b + 208);
+      for (int n = 0; n < 2; ++n) {
+        const uint8_t* __restrict qh = b + 128 + 32 * n;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * n);
+        for (int g = 0; g < 4; ++g) {
+          const uint8_t* __restrict ql = b + 64 * n + 32 * (g & 1);
+          const int shift = g < 2 ? 0 : 4;
+          const float s0 = d * static_cast<float>(sc[2 * g]);
+          const float s1 = d * static_cast<float>(sc[2 * g + 1]);
+          float* __restrict o = out + 128 * n + 32 * g;
+          for (int l = 0; l < 32; ++l) {
+            const int q = (((ql[l] >> shift) & 0xF) | (((qh[l] >> (2 * g)) & 3) << 4)) - 32;
+            o[l] = (l < 16 ? s0 : s1) * static_cast<float>(q);
+          }
+        }
+      }
+      return 256;
+    }
+    case 200: {  // FP8_B128: fp32 tile scale, then 128 e4m3 codes
+      float s;
+      std::memcpy(&s, b, 4);
+      for (int i = 0; i < 128; ++i) out[i] = s * fp8_e4m3_to_f32(b[4 + i]);
+      return 128;
+    }
+    default:
+      return 0;
+  }
+}
+
+// Bytes of one block of `type` (0: unknown); float types count 32-element chunks.
+inline int g_block_bytes(int type) {
+  switch (type) {
+    case 0:
+      return 128;
+    case 1:
+    case 30:
+      return 64;
+    case 2:
+      return 18;
+    case 3:
+      return 20;
+    case 6:
+      return 22;
+    case 7:
+      return 24;
+    case 8:
+      return 34;
+    case 12:
+      return 144;
+    case 13:
+      return 176;
+    case 14:
+      return 210;
+    case 39:
+      return 17;
+    case 200:
+      return 132;
+    default:
+      return 0;
+  }
+}
+
+inline int g_block_len(int type) {
+  switch (type) {
+    case 0:
+    case 1:
+    case 30:
+    case 2:
+    case 3:
+    case 6:
+    case 7:
+    case 8:
+    case 39:
+      return 32;
+    case 200:
+      return 128;
+    case 12:
+    case 13:
+    case 14:
+      return 256;
+    default:
+      return 0;
+  }
+}
+
+inline int g_float_chunk(int type, const uint8_t* __restrict p, float* __restrict out) {
+  for (int i = 0; i < 32; ++i) {
+    if (type == 0) {
+      std::memcpy(&out[i], p + 4 * i, 4);
+    } else {
+      if (type == 1) {
+        out[i] = g_h2f(p + 2 * i);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, p + 2 * i, 2);
+        out[i] = bf16_to_f32(h);
+      }
+    }
+  }
+  return 32;
+}
+
+// sum_k w[k] v[k] over a row of K inputs (a whole number of blocks: checked by the caller).
+inline float g_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
+  const int qk = g_block_len(type), bs = g_block_bytes(type);
+  alignas(64) float w[256];
+  float lanes[16] = {0.f};
+  const bool flt = type == 0 || type == 1 || type == 30;
+  int64_t k0 = 0;
+  for (; k0 + qk <= K; k0 += qk, row += bs) {
+    if (flt) {
+      g_float_chunk(type, row, w);
+    } else {
+      g_dequant(type, row, w);
+    }
+    for (int i = 0; i < qk; i += 16)
+      for (int l = 0; l < 16; ++l) lanes[l] += w[i + l] * v[k0 + i + l];
+  }
+  if (flt && k0 < K) {  // a float row's last partial chunk, element by element
+    const int isz = type == 0 ? 4 : 2;
+    for (int64_t i = 0; k0 + i < K; ++i) {
+      float f;
+      if (type == 0) {
+        std::memcpy(&f, row + 4 * i, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, row + isz * i, 2);
+        f = type == 1 ? f16_to_f32(h) : bf16_to_f32(h);
+      }
+      lanes[i % 16] += f * v[k0 + i];
+    }
+  }
+  float acc = 0.f;
+  for (int l = 0; l < 16; ++l) acc += lanes[l];
+  return acc;
+}
+
+}  // namespace
+}  // namespace psr::cpu
