@@ -1,0 +1,317 @@
+"""Tiny GGUF files written the way llama.cpp's convert_hf_to_gguf.py writes them, each with
+its float twin: the HF state dict whose tensors are gguf-py's own dequantization of the
+bytes written, so transformers on the twin is the reference psr is compared against.
+
+Independent of psr's reader: names come from gguf-py's tensor map (as the converter's),
+metadata from GGUFWriter's llama.cpp keys, and llama's q/k permutation is undone for the
+twin by inverting the permutation of row indices, not by psr's formula.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as QT
+from tiny_models import tiny_config
+
+ARCH_OF = {
+    "qwen3_moe": "qwen3moe",
+    "qwen2_moe": "qwen2moe",
+    "olmoe": "olmoe",
+    "mixtral": "llama",
+}
+KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+# a type per tensor kind: "gate" / "up" / "down" (routed experts; "experts" for all three),
+# "dense" (2-D non-expert matrices); a str, or layer -> type
+TypeSpec = str | Callable[[int], str]
+
+
+def gguf_tiny_model(
+    family: str,
+    hidden: int = 256,
+    ffn: int = 256,
+    layers: int = 2,
+    experts: int = 4,
+    vocab: int = 2112,
+    seed: int = 0,
+) -> Any:
+    """A tiny random transformers model of `family` sized for GGUF blocks (rows of 256)."""
+    import transformers
+
+    cfg = tiny_config(family)
+    over: dict[str, Any] = dict(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        vocab_size=vocab,
+        num_experts_per_tok=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
+    if family in ("qwen3_moe", "qwen2_moe"):
+        over |= dict(num_experts=experts, moe_intermediate_size=ffn, mlp_only_layers=[])
+        over |= dict(intermediate_size=3 * ffn, shared_expert_intermediate_size=2 * ffn)
+        over |= dict(norm_topk_prob=family == "qwen3_moe")
+    elif family == "olmoe":
+        over |= dict(num_experts=experts, intermediate_size=ffn)
+    elif family == "mixtral":
+        over |= dict(num_local_experts=experts, intermediate_size=ffn)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    cfg.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)  # not ones: a norm mapped wrong must show
+            elif "bias" in name:
+                p.normal_(0, 0.1)
+            else:
+                p.normal_(0, 0.05)
+    return model
+
+
+def _type(types: str | dict[str, TypeSpec], kind: str, layer: int) -> QT:
+    if isinstance(types, str):
+        spec: TypeSpec = types
+    else:
+        keys = (kind, "experts") if kind in ("gate", "up", "down") else (kind,)
+        spec = next((types[k] for k in keys if k in types), "F32")
+    name = spec(layer) if callable(spec) else spec
+    return QT[name]
+
+
+def _kquant_bytes(qt: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks with small positive f16 scales (valid; gguf-py has no writer)."""
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
+    n = raw.shape[0]
+    d = rng.uniform(0.5, 1.5, n).astype(np.float16)
+    if qt == QT.Q6_K:  # ql[128] qh[64] scales[16] d
+        raw[:, 208:210] = (d * np.float16(2e-5)).view(np.uint8).reshape(n, 2)
+    else:  # d, dmin, scales[12], ...
+        dmin = rng.uniform(0.5, 1.5, n).astype(np.float16)
+        raw[:, 0:2] = (d * np.float16(2e-4)).view(np.uint8).reshape(n, 2)
+        raw[:, 2:4] = (dmin * np.float16(1e-4)).view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, cols // block * size)
+
+
+def encode(w: torch.Tensor, qt: QT, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes to write, their float32 dequantization) of float tensor `w` as type `qt`."""
+    a = w.detach().float().numpy()
+    if qt == QT.F32:
+        data = a.astype(np.float32)
+        return data, data.copy()
+    if qt.name in KQUANTS:
+        rows = int(np.prod(a.shape[:-1]))
+        data = _kquant_bytes(qt, rows, a.shape[-1], rng)
+        data = data.reshape(*a.shape[:-1], -1)
+    else:
+        data = gguf.quants.quantize(a, qt)
+    deq = gguf.quants.dequantize(data, qt).astype(np.float32).reshape(a.shape)
+    return data, deq
+
+
+def llama_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf.py's LlamaModel.permute (HF q/k rows -> GGML rope order)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _row_order(rows: int, n_head: int) -> torch.Tensor:
+    """Index of each written row in the HF tensor (the permutation applied to arange)."""
+    return llama_permute(torch.arange(rows, dtype=torch.float64)[:, None], n_head)[:, 0].long()
+
+
+class _Writer:
+    def __init__(self, model: Any, types: str | dict[str, TypeSpec], seed: int) -> None:
+        self.model, self.cfg, self.types = model, model.config, types
+        self.arch = ARCH_OF[self.cfg.model_type]
+        enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
+        self.tmap = gguf.get_tensor_name_map(enum, self.cfg.num_hidden_layers)
+        self.rng = np.random.default_rng(seed)
+        self.tensors: list[tuple[str, np.ndarray, QT]] = []
+        self.twin: dict[str, torch.Tensor] = {}
+
+    def put(self, gname: str, w: torch.Tensor, qt: QT) -> torch.Tensor:
+        if w.dim() == 1:
+            qt = QT.F32  # llama.cpp keeps 1-D tensors (norms, biases) in F32
+        data, deq = encode(w, qt, self.rng)
+        self.tensors.append((gname, data, qt))
+        return torch.from_numpy(deq)
+
+    def dense(self, name: str, w: torch.Tensor) -> None:
+        gname = self.tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise KeyError(f"no GGUF name for {name}")
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        qt = _type(self.types, "dense", layer)
+        heads = 0
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            q = "q_proj" in name
+            heads = self.cfg.num_attention_heads if q else self.cfg.num_key_value_heads
+        hf_shape = w.shape
+        if name.endswith("shared_expert_gate.weight"):
+            w = w.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [n_embd]
+        if heads:
+            deq = self.put(gname, llama_permute(w, heads), qt)
+            twin = torch.empty_like(deq)
+            twin[_row_order(w.shape[0], heads)] = deq
+        else:
+            twin = self.put(gname, w, qt)
+        self.twin[name] = twin.reshape(hf_shape)
+
+    def experts(self, layer: int, prefix: str, sd: dict[str, torch.Tensor]) -> None:
+        gate_up, down = sd[prefix + "gate_up_proj"], sd[prefix + "down_proj"]
+        F = gate_up.shape[1] // 2
+        deq = {}
+        for part, w in (("gate", gate_up[:, :F]), ("up", gate_up[:, F:]), ("down", down)):
+            qt = _type(self.types, part, layer)
+            deq[part] = self.put(f"blk.{layer}.ffn_{part}_exps.weight", w.contiguous(), qt)
+        self.twin[prefix + "gate_up_proj"] = torch.cat([deq["gate"], deq["up"]], dim=1)
+        self.twin[prefix + "down_proj"] = deq["down"]
+
+    def collect(self) -> None:
+        sd = dict(self.model.state_dict())
+        tied = bool(self.cfg.tie_word_embeddings)
+        for layer in range(self.cfg.num_hidden_layers):
+            prefix = f"model.layers.{layer}.mlp.experts."
+            if prefix + "down_proj" in sd:
+                self.experts(layer, prefix, sd)
+        for name, w in sd.items():
+            if ".mlp.experts." in name or (tied and name == "lm_head.weight"):
+                continue
+            self.dense(name, w)
+        if tied:
+            self.twin["lm_head.weight"] = self.twin["model.embed_tokens.weight"]
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        c = self.cfg
+        w.add_name("psr tiny " + c.model_type)
+        w.add_block_count(c.num_hidden_layers)
+        w.add_context_length(c.max_position_embeddings)
+        w.add_embedding_length(c.hidden_size)
+        w.add_head_count(c.num_attention_heads)
+        w.add_head_count_kv(c.num_key_value_heads)
+        w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+        w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if c.model_type == "mixtral":
+            w.add_expert_count(c.num_local_experts)
+            w.add_feed_forward_length(c.intermediate_size)
+            w.add_rope_dimension_count(c.head_dim)
+        elif c.model_type == "olmoe":
+            w.add_expert_count(c.num_experts)
+            w.add_feed_forward_length(c.intermediate_size)
+        else:
+            w.add_expert_count(c.num_experts)
+            w.add_feed_forward_length(c.intermediate_size)
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+            if c.model_type == "qwen2_moe":
+                w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+
+
+def write_tokenizer(w: gguf.GGUFWriter, tok: Any, rows: int, chat_template: str | None) -> None:
+    """A byte-level BPE HF tokenizer as llama.cpp's converter writes it ("gpt2")."""
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    vocab = tok.get_vocab()
+    if len(vocab) > rows:
+        raise ValueError(f"tokenizer has {len(vocab)} tokens, the embedding {rows} rows")
+    by_id = {i: t for t, i in vocab.items()}
+    special = {a["content"] for a in spec["added_tokens"] if a["special"]}
+    tokens, kinds = [], []
+    for i in range(rows):
+        t = by_id.get(i)
+        if t is None:
+            tokens.append(f"[PAD{i}]")
+            kinds.append(gguf.TokenType.UNUSED)
+        else:
+            tokens.append(t)
+            kinds.append(gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(kinds)
+    w.add_token_merges(merges)
+    if tok.bos_token_id is not None:
+        w.add_bos_token_id(tok.bos_token_id)
+    if tok.eos_token_id is not None:
+        w.add_eos_token_id(tok.eos_token_id)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
+
+
+def write_gguf(
+    model: Any,
+    path: Path,
+    types: str | dict[str, TypeSpec] = "F32",
+    split: int = 1,
+    seed: int = 0,
+    tokenizer: Any = None,
+    chat_template: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """Write `model` (a transformers model, or a folder transformers loads) to `path` as
+    llama.cpp would; `split` > 1: that many parts named `STEM-0000i-of-0000N.gguf` with
+    llama.cpp's split.* keys. Returns the float twin: the model's state dict (its live
+    names) with every written tensor replaced by gguf-py's dequantization of its bytes."""
+    if isinstance(model, str | Path):
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(model).eval()
+    wr = _Writer(model, types, seed)
+    wr.collect()
+    per_part = -(-len(wr.tensors) // split) if split > 1 else 0
+    w = gguf.GGUFWriter(path, wr.arch, split_max_tensors=per_part)
+    wr.metadata(w)
+    if tokenizer is not None:
+        write_tokenizer(w, tokenizer, model.config.vocab_size, chat_template)
+    for gname, data, qt in wr.tensors:
+        if qt in (QT.F32, QT.F16):
+            w.add_tensor(gname, data)
+        else:
+            w.add_tensor(gname, data, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return wr.twin
+
+
+def twin_model(model: Any, twin: dict[str, torch.Tensor]) -> Any:
+    """A copy of `model` holding the twin's tensors."""
+    import copy
+
+    out = copy.deepcopy(model).eval()
+    out.load_state_dict(twin, strict=True)
+    return out
+
+
+def hf_tokenizer(chat_template: str | None = None) -> Any:
+    """psr's embedded default model's byte-level BPE tokenizer (2048 tokens), with two
+    added special tokens and an optional chat template."""
+    from transformers import AutoTokenizer
+
+    from psr.models.embedded import DEFAULT_MODEL
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
