@@ -27,6 +27,7 @@ ARCH_OF = {
     "mixtral": "llama",
 }
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
+RANDOM_ONLY = ("Q2_K", "Q3_K", "IQ4_XS")  # random bytes, no valid scales
 # a type per tensor kind: "gate" / "up" / "down" (routed experts; "experts" for all three),
 # "dense" (2-D non-expert matrices); a str, or layer -> type
 TypeSpec = str | Callable[[int], str]
@@ -40,6 +41,7 @@ def gguf_tiny_model(
     experts: int = 4,
     vocab: int = 2112,
     seed: int = 0,
+    head_dim: int | None = None,
 ) -> Any:
     """A tiny random transformers model of `family` sized for GGUF blocks (rows of 256)."""
     import transformers
@@ -50,7 +52,7 @@ def gguf_tiny_model(
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=hidden // 4,
+        head_dim=head_dim or hidden // 4,
         vocab_size=vocab,
         num_experts_per_tok=2,
         max_position_embeddings=256,
@@ -93,12 +95,15 @@ def _type(types: str | dict[str, TypeSpec], kind: str, layer: int) -> QT:
 
 
 def _kquant_bytes(qt: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks with small positive f16 scales (valid; gguf-py has no writer)."""
+    """Random K-quant blocks with small positive f16 scales (valid; gguf-py has no writer).
+    Other types gguf-py cannot quantize: random bytes (only for tests of refusals)."""
     block, size = gguf.GGML_QUANT_SIZES[qt]
     raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     n = raw.shape[0]
     d = rng.uniform(0.5, 1.5, n).astype(np.float16)
-    if qt == QT.Q6_K:  # ql[128] qh[64] scales[16] d
+    if qt.name not in KQUANTS:
+        pass
+    elif qt == QT.Q6_K:  # ql[128] qh[64] scales[16] d
         raw[:, 208:210] = (d * np.float16(2e-5)).view(np.uint8).reshape(n, 2)
     else:  # d, dmin, scales[12], ...
         dmin = rng.uniform(0.5, 1.5, n).astype(np.float16)
@@ -113,10 +118,12 @@ def encode(w: torch.Tensor, qt: QT, rng: np.random.Generator) -> tuple[np.ndarra
     if qt == QT.F32:
         data = a.astype(np.float32)
         return data, data.copy()
-    if qt.name in KQUANTS:
+    if qt.name in KQUANTS or qt.name in RANDOM_ONLY:
         rows = int(np.prod(a.shape[:-1]))
         data = _kquant_bytes(qt, rows, a.shape[-1], rng)
         data = data.reshape(*a.shape[:-1], -1)
+        if qt.name in RANDOM_ONLY:  # no valid scales: a file only to be refused
+            return data, np.full(a.shape, np.nan, np.float32)
     else:
         data = gguf.quants.quantize(a, qt)
     deq = gguf.quants.dequantize(data, qt).astype(np.float32).reshape(a.shape)
@@ -266,11 +273,13 @@ def write_gguf(
     seed: int = 0,
     tokenizer: Any = None,
     chat_template: str | None = None,
+    omit: tuple[str, ...] = (),
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a transformers model, or a folder transformers loads) to `path` as
     llama.cpp would; `split` > 1: that many parts named `STEM-0000i-of-0000N.gguf` with
-    llama.cpp's split.* keys. Returns the float twin: the model's state dict (its live
-    names) with every written tensor replaced by gguf-py's dequantization of its bytes."""
+    llama.cpp's split.* keys; `omit`: metadata keys left out. Returns the float twin: the
+    model's state dict (its live names) with every written tensor replaced by gguf-py's
+    dequantization of its bytes."""
     if isinstance(model, str | Path):
         import transformers
 
@@ -282,6 +291,8 @@ def write_gguf(
     wr.metadata(w)
     if tokenizer is not None:
         write_tokenizer(w, tokenizer, model.config.vocab_size, chat_template)
+    for key in omit:
+        del w.kv_data[0][key]
     for gname, data, qt in wr.tensors:
         if qt in (QT.F32, QT.F16):
             w.add_tensor(gname, data)

@@ -168,18 +168,12 @@ def _check_tensor_table(
 ) -> None:
     """Each tensor's type known to gguf-py, its rows whole blocks, its offset where the
     tensors before it end (as llama.cpp requires) and its data inside the file."""
-    expected = 0
+    expected, prev = 0, ""
     for f in fields:
         _, name_data, _, dims, raw_type, offset = f.parts
         name = bytes(name_data).decode("utf-8", "replace")
         shape = [int(d) for d in reversed(dims.tolist())]
-        try:
-            qt = QT(int(raw_type[0]))
-        except ValueError:
-            raise GGUFError(
-                f"GGUF file {path}: tensor {name!r} has GGML type {int(raw_type[0])}, which "
-                f"gguf-py {_gguf_version()} does not know"
-            ) from None
+        qt = _known_type(path, name, int(raw_type[0]))
         block, type_size = gguf.GGML_QUANT_SIZES[qt]
         if shape and shape[-1] % block:
             raise GGUFError(
@@ -189,10 +183,11 @@ def _check_tensor_table(
         n_bytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
         off = int(offset[0])
         if off != expected:
+            culprit = f"tensor {prev}" if prev else f"tensor {name!r} (the first)"
             raise GGUFError(
-                f"GGUF file {path}: tensor {name!r} starts at data byte {off}, but the tensors "
-                f"before it end at byte {expected} by their types and shapes: a tensor's byte "
-                "size disagrees with its type and shape"
+                f"GGUF file {path}: {culprit} has a byte size that disagrees with its type "
+                f"and shape: they make the next tensor start at data byte {expected}, the "
+                f"file puts {name!r} at {off}"
             )
         if start + off + n_bytes > size:
             raise GGUFError(
@@ -200,6 +195,17 @@ def _check_tensor_table(
                 f"bytes up to {start + off + n_bytes}, the file has {size}"
             )
         expected = off + _pad(n_bytes, align)
+        prev = f"{name!r} ({qt.name}, shape {shape}, {n_bytes} bytes)"
+
+
+def _known_type(path: Path, name: str, raw: int) -> QT:
+    try:
+        return QT(raw)
+    except ValueError:
+        raise GGUFError(
+            f"GGUF file {path}: tensor {name!r} has GGML type {raw}, which gguf-py "
+            f"{_gguf_version()} does not know"
+        ) from None
 
 
 def _gguf_version() -> str:
