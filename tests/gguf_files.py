@@ -25,6 +25,7 @@ ARCH_OF = {
     "qwen2_moe": "qwen2moe",
     "olmoe": "olmoe",
     "mixtral": "llama",
+    "glm4_moe": "glm4moe",
 }
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 RANDOM_ONLY = ("Q2_K", "Q3_K", "IQ4_XS")  # random bytes, no valid scales
@@ -66,21 +67,32 @@ def gguf_tiny_model(
         over |= dict(num_experts=experts, intermediate_size=ffn)
     elif family == "mixtral":
         over |= dict(num_local_experts=experts, intermediate_size=ffn)
+    elif family == "glm4_moe":  # layer 0 dense, q/k/v biases, q/k norms, partial rotary
+        over |= dict(n_routed_experts=experts, moe_intermediate_size=ffn, intermediate_size=3 * ffn)
+        over |= dict(n_group=2, topk_group=1, first_k_dense_replace=1, num_hidden_layers=layers + 1)
+        over |= dict(attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.0)
     for k, v in over.items():
         setattr(cfg, k, v)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
+    if family == "glm4_moe":
+        cfg.rope_parameters["partial_rotary_factor"] = 0.5
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
                 p.normal_(0, 0.5)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0, 0.05)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)  # not ones: a norm mapped wrong must show
             elif "bias" in name:
                 p.normal_(0, 0.1)
             else:
                 p.normal_(0, 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     return model
 
 
@@ -163,6 +175,8 @@ class _Writer:
 
     def dense(self, name: str, w: torch.Tensor) -> None:
         gname = self.tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if name.endswith("mlp.gate.e_score_correction_bias"):  # the converter's own rename
+            gname = f"blk.{name.split('.')[2]}.exp_probs_b.bias"
         if gname is None:
             raise KeyError(f"no GGUF name for {name}")
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
@@ -205,11 +219,31 @@ class _Writer:
             self.dense(name, w)
         if tied:
             self.twin["lm_head.weight"] = self.twin["model.embed_tokens.weight"]
+        if self.cfg.model_type == "glm4_moe":
+            self.nextn_layer(sd)
+
+    def nextn_layer(self, sd: dict[str, torch.Tensor]) -> None:
+        """A GLM MTP layer as llama.cpp writes it after the decoder layers (psr skips it)."""
+        L, H = self.cfg.num_hidden_layers, self.cfg.hidden_size
+        last = f"model.layers.{L - 1}."
+        for name, w in sd.items():
+            if name.startswith(last) and ".mlp.experts." not in name:
+                gname = self.tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+                if gname is not None:
+                    self.put(gname.replace(f"blk.{L - 1}.", f"blk.{L}."), w, QT.F32)
+        self.put(f"blk.{L}.exp_probs_b.bias", sd[last + "mlp.gate.e_score_correction_bias"], QT.F32)
+        gate_up, down = sd[last + "mlp.experts.gate_up_proj"], sd[last + "mlp.experts.down_proj"]
+        F = gate_up.shape[1] // 2
+        for part, w in (("gate", gate_up[:, :F]), ("up", gate_up[:, F:]), ("down", down)):
+            self.put(f"blk.{L}.ffn_{part}_exps.weight", w.contiguous(), QT.F32)
+        self.put(f"blk.{L}.nextn.eh_proj.weight", torch.zeros(H, 2 * H), QT.F32)
+        self.put(f"blk.{L}.nextn.enorm.weight", torch.ones(H), QT.F32)
+        self.put(f"blk.{L}.nextn.hnorm.weight", torch.ones(H), QT.F32)
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         c = self.cfg
         w.add_name("psr tiny " + c.model_type)
-        w.add_block_count(c.num_hidden_layers)
+        w.add_block_count(c.num_hidden_layers + (c.model_type == "glm4_moe"))  # + MTP layer
         w.add_context_length(c.max_position_embeddings)
         w.add_embedding_length(c.hidden_size)
         w.add_head_count(c.num_attention_heads)
@@ -219,7 +253,9 @@ class _Writer:
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
         w.add_expert_used_count(c.num_experts_per_tok)
-        if c.model_type == "mixtral":
+        if c.model_type == "glm4_moe":
+            self.glm4moe_metadata(w)
+        elif c.model_type == "mixtral":
             w.add_expert_count(c.num_local_experts)
             w.add_feed_forward_length(c.intermediate_size)
             w.add_rope_dimension_count(c.head_dim)
@@ -232,6 +268,21 @@ class _Writer:
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
             if c.model_type == "qwen2_moe":
                 w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+
+    def glm4moe_metadata(self, w: gguf.GGUFWriter) -> None:
+        c = self.cfg
+        w.add_expert_count(c.n_routed_experts)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(float(c.routed_scaling_factor))
+        w.add_expert_weights_norm(bool(c.norm_topk_prob))
+        w.add_expert_group_count(c.n_group)
+        w.add_expert_group_used_count(c.topk_group)
+        w.add_nextn_predict_layers(1)
+        w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
 
 
 def write_tokenizer(w: gguf.GGUFWriter, tok: Any, rows: int, chat_template: str | None) -> None:

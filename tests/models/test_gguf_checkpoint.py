@@ -24,7 +24,7 @@ from procfs import rss_bytes
 
 from psr.models.gguf import EXPERT_TYPES, GGUFCheckpoint, GGUFError
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -116,12 +116,26 @@ def test_config_mapping(files: dict, fam: str) -> None:
         ],
         "olmoe": ["num_experts", "intermediate_size", "norm_topk_prob"],
         "mixtral": ["num_local_experts", "intermediate_size"],
+        "glm4_moe": [
+            "n_routed_experts",
+            "moe_intermediate_size",
+            "intermediate_size",
+            "first_k_dense_replace",
+            "n_shared_experts",
+            "routed_scaling_factor",
+            "norm_topk_prob",
+            "n_group",
+            "topk_group",
+            "attention_bias",
+            "use_qk_norm",
+        ],
     }[fam]
     for k in keys:
         assert getattr(cfg, k) == getattr(src, k), k
-    assert cfg.rope_parameters["rope_theta"] == src.rope_parameters["rope_theta"]
+    assert cfg.rope_parameters == src.rope_parameters
     assert ck.config_dict["dtype"] == "float32"
-    assert ck.moe_layers() == list(range(src.num_hidden_layers))
+    dense = getattr(src, "first_k_dense_replace", 0)  # GLM: leading dense layers
+    assert ck.moe_layers() == list(range(dense, src.num_hidden_layers))  # GLM: MTP skipped
 
 
 def test_qwen3moe_config_where_transformers_is_wrong(files: dict) -> None:

@@ -98,7 +98,30 @@ class Arch:
     permute_qk: bool = False  # llama.cpp's converter permuted q/k rows (llama)
     # HF-name regex -> GGUF name (with {bid}) where gguf-py's name map has no entry
     renames: tuple[tuple[str, str], ...] = ()
+    defaults: Mapping[str, Any] = field(default_factory=dict)  # llama.cpp's, key absent
+    # config entries that depend on several keys or on which tensors exist
+    derive: Callable[[Callable[[str], Any], dict[str, Any], Mapping[str, Any]], None] | None = None
     notes: str = ""
+
+
+def _glm4moe(value: Callable[[str], Any], cfg: dict[str, Any], tensors: Mapping[str, Any]) -> None:
+    """GLM-4.5: block_count counts the MTP (nextn) layers psr skips; partial rotary from
+    rope.dimension_count; q/k/v biases and q/k norms where the file has them."""
+    nextn = int(value("glm4moe.nextn_predict_layers") or 0)
+    cfg["num_hidden_layers"] -= nextn
+    cfg["num_mtp_layers"] = nextn
+    dim = value("glm4moe.rope.dimension_count")
+    cfg["rope_parameters"]["partial_rotary_factor"] = (
+        1.0 if dim is None else int(dim) / int(cfg["head_dim"])  # llama.cpp: whole head
+    )
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in tensors
+    cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    gating = value("glm4moe.expert_gating_func")
+    if gating is not None and int(gating) != int(gguf.ExpertGatingFuncType.SIGMOID):
+        raise GGUFError(
+            f"glm4moe.expert_gating_func={gating}: psr's glm4_moe routes by sigmoid "
+            f"({int(gguf.ExpertGatingFuncType.SIGMOID)})"
+        )
 
 
 ARCHS: dict[str, Arch] = {
@@ -147,6 +170,38 @@ ARCHS: dict[str, Arch] = {
             {},
             permute_qk=True,
             notes="llama with expert_count > 0 (Mixtral)",
+        ),
+        Arch(
+            "glm4moe",
+            "glm4_moe",
+            "n_routed_experts",
+            (
+                ("expert_feed_forward_length", "moe_intermediate_size", True),
+                ("feed_forward_length", "intermediate_size", True),
+                ("leading_dense_block_count", "first_k_dense_replace", False),
+                ("expert_shared_count", "n_shared_experts", False),
+                ("expert_weights_scale", "routed_scaling_factor", False),
+                ("expert_weights_norm", "norm_topk_prob", False),
+                ("expert_group_count", "n_group", False),
+                ("expert_group_used_count", "topk_group", False),
+            ),
+            {},
+            renames=(
+                (
+                    r"model\.layers\.(?P<bid>\d+)\.mlp\.gate\.e_score_correction_bias",
+                    "blk.{bid}.exp_probs_b.bias",
+                ),
+            ),
+            defaults={
+                "first_k_dense_replace": 0,
+                "n_shared_experts": 0,
+                "routed_scaling_factor": 1.0,
+                "norm_topk_prob": False,
+                "n_group": 1,
+                "topk_group": 1,
+            },
+            derive=_glm4moe,
+            notes="MTP (nextn) layers skipped",
         ),
     )
 }
@@ -341,6 +396,7 @@ def build_config(
     """A transformers config.json-like dict from the GGUF metadata, by `arch`'s table."""
     a = arch.gguf_arch
     cfg: dict[str, Any] = {"model_type": arch.model_type, "hidden_act": "silu"}
+    cfg.update(arch.defaults)
     keys = (*_COMMON_KEYS, ("expert_count", arch.experts_key, True), *arch.keys)
     for suffix, hf, required in keys:
         v = _value(reader, f"{a}.{suffix}")
@@ -368,6 +424,11 @@ def build_config(
         v = _value(reader, f"tokenizer.ggml.{key}_token_id")
         cfg[f"{'pad' if key == 'padding' else key}_token_id"] = None if v is None else int(v)
     cfg["dtype"] = dtype
+    if arch.derive is not None:
+        try:
+            arch.derive(lambda k: _value(reader, k), cfg, tensors)
+        except GGUFError as e:
+            raise GGUFError(f"GGUF file {reader.psr_path}: {e}") from None
     return cfg
 
 
