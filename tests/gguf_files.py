@@ -26,6 +26,7 @@ ARCH_OF = {
     "olmoe": "olmoe",
     "mixtral": "llama",
     "glm4_moe": "glm4moe",
+    "gpt_oss": "gpt-oss",
 }
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 RANDOM_ONLY = ("Q2_K", "Q3_K", "IQ4_XS")  # random bytes, no valid scales
@@ -59,28 +60,64 @@ def gguf_tiny_model(
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
     )
-    if family in ("qwen3_moe", "qwen2_moe"):
-        over |= dict(num_experts=experts, moe_intermediate_size=ffn, mlp_only_layers=[])
-        over |= dict(intermediate_size=3 * ffn, shared_expert_intermediate_size=2 * ffn)
-        over |= dict(norm_topk_prob=family == "qwen3_moe")
-    elif family == "olmoe":
-        over |= dict(num_experts=experts, intermediate_size=ffn)
-    elif family == "mixtral":
-        over |= dict(num_local_experts=experts, intermediate_size=ffn)
-    elif family == "glm4_moe":  # layer 0 dense, q/k/v biases, q/k norms, partial rotary
-        over |= dict(n_routed_experts=experts, moe_intermediate_size=ffn, intermediate_size=3 * ffn)
-        over |= dict(n_group=2, topk_group=1, first_k_dense_replace=1, num_hidden_layers=layers + 1)
-        over |= dict(attention_bias=True, use_qk_norm=True, routed_scaling_factor=2.0)
+    over |= _family_sizes(family, ffn, experts, layers)
     for k, v in over.items():
         setattr(cfg, k, v)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 5000.0}
+    if family == "gpt_oss":  # yarn as gpt-oss has it
+        cfg.rope_parameters = dict(
+            rope_type="yarn",
+            factor=4.0,
+            original_max_position_embeddings=64,
+            rope_theta=5000.0,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            truncate=False,
+        )
     if family == "glm4_moe":
         cfg.rope_parameters["partial_rotary_factor"] = 0.5
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    _randomize(model)
+    return model
+
+
+def _family_sizes(family: str, ffn: int, experts: int, layers: int) -> dict[str, Any]:
+    qwen = dict(num_experts=experts, moe_intermediate_size=ffn, mlp_only_layers=[])
+    qwen |= dict(intermediate_size=3 * ffn, shared_expert_intermediate_size=2 * ffn)
+    mixtral = dict(num_local_experts=experts, intermediate_size=ffn)
+    return {
+        "qwen3_moe": qwen | dict(norm_topk_prob=True),
+        "qwen2_moe": qwen | dict(norm_topk_prob=False),
+        "olmoe": dict(num_experts=experts, intermediate_size=ffn),
+        "mixtral": mixtral,
+        # layer 0 dense, q/k/v biases, q/k norms, partial rotary
+        "glm4_moe": dict(
+            n_routed_experts=experts,
+            moe_intermediate_size=ffn,
+            intermediate_size=3 * ffn,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            num_hidden_layers=layers + 1,
+            attention_bias=True,
+            use_qk_norm=True,
+            routed_scaling_factor=2.0,
+        ),
+        # even layers sliding (window 4), experts with biases
+        "gpt_oss": mixtral
+        | dict(
+            sliding_window=4,
+            swiglu_limit=7.0,  # llama.cpp's graph hard-codes it
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        ),
+    }[family]
+
+
+def _randomize(model: Any) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "router.weight")):
                 p.normal_(0, 0.5)
             elif name.endswith("e_score_correction_bias"):
                 p.normal_(0, 0.05)
@@ -93,7 +130,6 @@ def gguf_tiny_model(
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.05)
-    return model
 
 
 def _type(types: str | dict[str, TypeSpec], kind: str, layer: int) -> QT:
@@ -177,6 +213,8 @@ class _Writer:
         gname = self.tmap.get_name(name, try_suffixes=(".weight", ".bias"))
         if name.endswith("mlp.gate.e_score_correction_bias"):  # the converter's own rename
             gname = f"blk.{name.split('.')[2]}.exp_probs_b.bias"
+        if name.endswith("self_attn.sinks"):  # the converter adds the suffix
+            gname = f"{gname}.weight"
         if gname is None:
             raise KeyError(f"no GGUF name for {name}")
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
@@ -196,7 +234,30 @@ class _Writer:
             twin = self.put(gname, w, qt)
         self.twin[name] = twin.reshape(hf_shape)
 
+    def gpt_oss_experts(self, layer: int, prefix: str, sd: dict[str, torch.Tensor]) -> None:
+        """HF gate_up_proj [E, H, 2F] (gate/up columns interleaved), down_proj [E, F, H] and
+        their biases -> llama.cpp's ffn_{gate,up,down}_exps weights and biases."""
+        gu, gub = sd[prefix + "gate_up_proj"].transpose(1, 2), sd[prefix + "gate_up_proj_bias"]
+        down = sd[prefix + "down_proj"].transpose(1, 2)
+        parts = {"gate": (gu[:, 0::2], gub[..., 0::2]), "up": (gu[:, 1::2], gub[..., 1::2])}
+        parts["down"] = (down, sd[prefix + "down_proj_bias"])
+        deq = {}
+        for part, (w, b) in parts.items():
+            qt = _type(self.types, part, layer)
+            name = f"blk.{layer}.ffn_{part}_exps"
+            deq[part] = self.put(name + ".weight", w.contiguous(), qt)
+            self.tensors.append((name + ".bias", b.detach().float().numpy().copy(), QT.F32))
+        t = torch.empty(gu.shape)
+        t[:, 0::2], t[:, 1::2] = deq["gate"], deq["up"]
+        self.twin[prefix + "gate_up_proj"] = t.transpose(1, 2).contiguous()
+        self.twin[prefix + "down_proj"] = deq["down"].transpose(1, 2).contiguous()
+        for n in ("gate_up_proj_bias", "down_proj_bias"):
+            self.twin[prefix + n] = sd[prefix + n].detach().float().clone()
+
     def experts(self, layer: int, prefix: str, sd: dict[str, torch.Tensor]) -> None:
+        if self.arch == "gpt-oss":
+            self.gpt_oss_experts(layer, prefix, sd)
+            return
         gate_up, down = sd[prefix + "gate_up_proj"], sd[prefix + "down_proj"]
         F = gate_up.shape[1] // 2
         deq = {}
@@ -255,6 +316,14 @@ class _Writer:
         w.add_expert_used_count(c.num_experts_per_tok)
         if c.model_type == "glm4_moe":
             self.glm4moe_metadata(w)
+        elif c.model_type == "gpt_oss":
+            r = c.rope_parameters
+            w.add_expert_count(c.num_local_experts)
+            w.add_expert_feed_forward_length(c.intermediate_size)
+            w.add_sliding_window(c.sliding_window)
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(float(r["factor"]))
+            w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
         elif c.model_type == "mixtral":
             w.add_expert_count(c.num_local_experts)
             w.add_feed_forward_length(c.intermediate_size)

@@ -24,7 +24,7 @@ from procfs import rss_bytes
 
 from psr.models.gguf import EXPERT_TYPES, GGUFCheckpoint, GGUFError
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss")
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -60,6 +60,27 @@ def _deq(t: torch.Tensor, ggml_type: str, rows: int) -> torch.Tensor:
     return torch.from_numpy(np.array(arr, dtype=np.float32))
 
 
+def _expert_state(ck: GGUFCheckpoint, d: int) -> dict[str, torch.Tensor]:
+    """Layer `d`'s experts in the HF model's layout, from their dequantized bytes."""
+    et = ck.expert_tensors(d)
+    deq = {
+        p: torch.stack([_deq(t.expert(e), t.ggml_type, t.shape[1]) for e in range(t.shape[0])])
+        for p, t in et.items()
+    }
+    p = f"model.layers.{d}.mlp.experts."
+    if ck.arch == "gpt-oss":  # gate_up_proj [E, H, 2F], columns interleaved; down [E, F, H]
+        gu = torch.empty(deq["gate"].shape[0], 2 * deq["gate"].shape[1], deq["gate"].shape[2])
+        gu[:, 0::2], gu[:, 1::2] = deq["gate"], deq["up"]
+        return {
+            p + "gate_up_proj": gu.transpose(1, 2),
+            p + "down_proj": deq["down"].transpose(1, 2),
+        }
+    return {
+        p + "gate_up_proj": torch.cat([deq["gate"], deq["up"]], 1),
+        p + "down_proj": deq["down"],
+    }
+
+
 def _rebuilt(ck: GGUFCheckpoint, unpermute: bool = True):  # type: ignore[no-untyped-def]
     """transformers' model from psr's config + dense tensors + the experts' dequantized
     bytes (as the lead's kernels will see them)."""
@@ -74,13 +95,7 @@ def _rebuilt(ck: GGUFCheckpoint, unpermute: bool = True):  # type: ignore[no-unt
                 heads = ck.config_dict["num_attention_heads" if q else "num_key_value_heads"]
                 sd[n] = llama_permute(sd[n], heads)
     for d in ck.moe_layers():
-        et = ck.expert_tensors(d)
-        deq = {
-            p: torch.stack([_deq(t.expert(e), t.ggml_type, t.shape[1]) for e in range(t.shape[0])])
-            for p, t in et.items()
-        }
-        sd[f"model.layers.{d}.mlp.experts.gate_up_proj"] = torch.cat([deq["gate"], deq["up"]], 1)
-        sd[f"model.layers.{d}.mlp.experts.down_proj"] = deq["down"]
+        sd |= _expert_state(ck, d)
     model.load_state_dict(sd, strict=True)
     return model
 
@@ -116,6 +131,15 @@ def test_config_mapping(files: dict, fam: str) -> None:
         ],
         "olmoe": ["num_experts", "intermediate_size", "norm_topk_prob"],
         "mixtral": ["num_local_experts", "intermediate_size"],
+        "gpt_oss": [
+            "num_local_experts",
+            "intermediate_size",
+            "sliding_window",
+            "layer_types",
+            "swiglu_limit",
+            "swiglu_alpha",
+            "attention_bias",
+        ],
         "glm4_moe": [
             "n_routed_experts",
             "moe_intermediate_size",
@@ -228,6 +252,10 @@ def test_rebuilt_model_matches_twin(files: dict, fam: str) -> None:
     un-permutation: the model rebuilt from the file gives the twin's logits."""
     path, model, twin = files[fam]
     ck = GGUFCheckpoint(path)
+    for n in ck.names():  # gpt-oss: the expert biases too (dense, under their HF names)
+        assert torch.equal(ck.get(n), twin[n]), n
+    if fam == "gpt_oss":
+        assert "model.layers.1.mlp.experts.gate_up_proj_bias" in ck.names()
     with torch.no_grad():
         ref = twin_model(model, twin)(input_ids=PROMPT).logits
         got = _rebuilt(ck)(input_ids=PROMPT).logits
@@ -256,13 +284,7 @@ def _rebuilt_tied(ck: GGUFCheckpoint):  # type: ignore[no-untyped-def]
     model = transformers.AutoModelForCausalLM.from_config(ck.config).eval()
     sd = {n: ck.get(n) for n in ck.names()}
     for d in ck.moe_layers():
-        et = ck.expert_tensors(d)
-        deq = {
-            p: torch.stack([_deq(t.expert(e), t.ggml_type, t.shape[1]) for e in range(t.shape[0])])
-            for p, t in et.items()
-        }
-        sd[f"model.layers.{d}.mlp.experts.gate_up_proj"] = torch.cat([deq["gate"], deq["up"]], 1)
-        sd[f"model.layers.{d}.mlp.experts.down_proj"] = deq["down"]
+        sd |= _expert_state(ck, d)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert missing == ["lm_head.weight"] and not unexpected
     model.tie_weights()

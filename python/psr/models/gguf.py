@@ -124,6 +124,15 @@ def _glm4moe(value: Callable[[str], Any], cfg: dict[str, Any], tensors: Mapping[
         )
 
 
+def _gpt_oss(value: Callable[[str], Any], cfg: dict[str, Any], tensors: Mapping[str, Any]) -> None:
+    """gpt-oss: llama.cpp's swa pattern 2 (even layers sliding, as HF's default), yarn
+    without truncation (HF's gpt-oss setting)."""
+    n = int(cfg["num_hidden_layers"])
+    cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if cfg["rope_parameters"]["rope_type"] == "yarn":
+        cfg["rope_parameters"]["truncate"] = False
+
+
 ARCHS: dict[str, Arch] = {
     a.gguf_arch: a
     for a in (
@@ -202,6 +211,22 @@ ARCHS: dict[str, Arch] = {
             },
             derive=_glm4moe,
             notes="MTP (nextn) layers skipped",
+        ),
+        Arch(
+            "gpt-oss",
+            "gpt_oss",
+            "num_local_experts",
+            (
+                ("expert_feed_forward_length", "intermediate_size", True),
+                ("attention.sliding_window", "sliding_window", True),
+            ),
+            # llama.cpp's graph: swiglu_oai(alpha 1.702, limit 7.0), q/k/v/o biases
+            {"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True},
+            renames=(
+                (r"model\.layers\.(?P<bid>\d+)\.self_attn\.sinks", "blk.{bid}.attn_sinks.weight"),
+            ),
+            derive=_gpt_oss,
+            notes="expert biases as dense gate_up_proj_bias / down_proj_bias",
         ),
     )
 }
@@ -390,6 +415,40 @@ def _one_value(v: Any) -> Any:
     return v
 
 
+def _f32(v: Any) -> float:
+    """A float32 metadata value as its shortest decimal (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(v)))
+
+
+def _rope(value: Callable[[str], Any], where: str) -> dict[str, Any]:
+    """HF rope_parameters from `rope.freq_base` (llama.cpp's default 10000 when absent) and
+    `rope.scaling.*` (none, linear or yarn)."""
+    theta = value("rope.freq_base")
+    out: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": _f32(theta) if theta is not None else 10000.0,
+    }
+    kind = value("rope.scaling.type")
+    if kind in (None, "none"):
+        return out
+    factor = value("rope.scaling.factor")
+    if kind not in ("linear", "yarn") or factor is None:
+        raise GGUFError(
+            f"GGUF file {where}: rope.scaling.type={kind!r} (factor {factor}) is not read by psr "
+            "(none, linear, yarn with a factor)"
+        )
+    out |= {"rope_type": kind, "factor": _f32(factor)}
+    if kind == "yarn":
+        orig = value("rope.scaling.original_context_length")
+        if orig is None:
+            raise GGUFError(f"GGUF file {where}: yarn rope scaling lacks original_context_length")
+        out["original_max_position_embeddings"] = int(orig)
+        for key, hf, default in (("fast", "beta_fast", 32.0), ("slow", "beta_slow", 1.0)):
+            v = value(f"rope.scaling.yarn_beta_{key}")
+            out[hf] = _f32(v) if v is not None else default  # llama.cpp's defaults
+    return out
+
+
 def build_config(
     reader: _Reader, arch: Arch, tensors: Mapping[str, Any], dtype: str
 ) -> dict[str, Any]:
@@ -405,15 +464,10 @@ def build_config(
                 raise GGUFError(f"GGUF file {reader.psr_path} lacks metadata key '{a}.{suffix}'")
             continue
         v = _one_value(v)
-        # float32 metadata as its shortest decimal (1e-05, not 9.99999974e-06)
-        cfg[hf] = float(str(np.float32(v))) if isinstance(v, float) else v
+        cfg[hf] = _f32(v) if isinstance(v, float) else v
     cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    theta = _value(reader, f"{a}.rope.freq_base")
-    cfg["rope_parameters"] = {  # without the key, llama.cpp's default 10000
-        "rope_type": "default",
-        "rope_theta": float(str(np.float32(theta))) if theta is not None else 10000.0,
-    }
+    cfg["rope_parameters"] = _rope(lambda k: _value(reader, f"{a}.{k}"), str(reader.psr_path))
     cfg.update(arch.fixed)
     embd = tensors.get("token_embd.weight")
     if embd is None:
@@ -479,6 +533,7 @@ class _Dense:
     part: int  # index of the reader holding it
     shape: tuple[int, ...]  # HF shape
     heads: int = 0  # > 0: un-permute llama q/k rows over this many heads
+    interleave: str | None = None  # gpt-oss: columns alternate with this tensor's (up)
 
 
 class GGUFCheckpoint:
@@ -622,6 +677,37 @@ class GGUFCheckpoint:
                 q = ".attn_q." in gname
                 heads = int(cfg["num_attention_heads" if q else "num_key_value_heads"])
             out[hf] = _Dense(gname, part, shape, heads)
+        out.update(self._expert_biases())
+        return out
+
+    def _expert_biases(self) -> dict[str, _Dense]:
+        """gpt-oss's expert biases under their HF names: `experts.gate_up_proj_bias
+        [E, 2F]` (gate and up columns interleaved, as HF holds them) and
+        `experts.down_proj_bias [E, H]`."""
+        block = FAMILIES[self.arch_spec.model_type].block
+        out: dict[str, _Dense] = {}
+        for d in self._experts:
+            gate, up, down = (f"blk.{d}.ffn_{p}_exps.bias" for p in _EXPERT_PARTS)
+            have = [n in self._tensors for n in (gate, up, down)]
+            if not any(have):
+                continue
+            if not all(have):
+                missing = next(n for n, h in zip((gate, up, down), have, strict=True) if not h)
+                raise GGUFError(f"GGUF file {self.path}: tensor {missing!r} is missing")
+            E, F, H = (self._experts[d]["gate"].shape[0], *self._experts[d]["gate"].shape[1:])
+            want = {gate: [E, F], up: [E, F], down: [E, H]}
+            for n, shape in want.items():
+                gshape = [int(x) for x in reversed(self._tensors[n][1].shape.tolist())]
+                if gshape != shape:
+                    raise GGUFError(
+                        f"GGUF file {self._where(n)}: tensor {n!r} has shape {gshape}, "
+                        f"expected {shape}"
+                    )
+            prefix = f"model.layers.{d}.{block}.experts."
+            out[prefix + "gate_up_proj_bias"] = _Dense(
+                gate, self._tensors[gate][0], (E, 2 * F), interleave=up
+            )
+            out[prefix + "down_proj_bias"] = _Dense(down, self._tensors[down][0], (E, H))
         return out
 
     def __contains__(self, name: str) -> bool:
@@ -654,13 +740,18 @@ class GGUFCheckpoint:
         the file was opened), so this only checks the tensor exists."""
         self._require(name)
 
+    def _read(self, gname: str) -> torch.Tensor:
+        part, t = self._tensors[gname]
+        gshape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        return torch.from_numpy(_dequantize(_raw(self._readers[part], t), t.tensor_type, gshape))
+
     def get(self, name: str) -> torch.Tensor:
         """The tensor in HF layout, float32 (quantized ones dequantized by gguf-py)."""
         d = self._require(name)
-        part, t = self._tensors[d.gguf_name]
-        gshape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        arr = _dequantize(_raw(self._readers[part], t), t.tensor_type, gshape)
-        out = torch.from_numpy(arr).reshape(d.shape)
+        out = self._read(d.gguf_name)
+        if d.interleave is not None:
+            out = torch.stack([out, self._read(d.interleave)], dim=-1)
+        out = out.reshape(d.shape)
         return _unpermute(out, d.heads) if d.heads else out
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
@@ -668,7 +759,7 @@ class GGUFCheckpoint:
         d = self._require(name)
         part, t = self._tensors[d.gguf_name]
         gshape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        if d.heads or len(d.shape) < 2 or gshape[0] != d.shape[0]:
+        if d.heads or d.interleave or len(d.shape) < 2 or gshape[0] != d.shape[0]:
             return self.get(name)[i]
         if not 0 <= i < d.shape[0]:
             raise IndexError(f"row {i} out of range for {name!r} ({d.shape[0]} rows)")
