@@ -374,6 +374,7 @@ def write_tokenizer(w: gguf.GGUFWriter, tok: Any, rows: int, chat_template: str 
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
+    w.add_add_bos_token(False)  # as the converter writes a byte-level BPE vocabulary
     w.add_token_list(tokens)
     w.add_token_types(kinds)
     w.add_token_merges(merges)
