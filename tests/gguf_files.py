@@ -27,6 +27,8 @@ ARCH_OF = {
     "mixtral": "llama",
     "glm4_moe": "glm4moe",
     "gpt_oss": "gpt-oss",
+    "deepseek_v3": "deepseek2",
+    "deepseek_v2": "deepseek2",
 }
 KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
 RANDOM_ONLY = ("Q2_K", "Q3_K", "IQ4_XS")  # random bytes, no valid scales
@@ -86,6 +88,22 @@ def _family_sizes(family: str, ffn: int, experts: int, layers: int) -> dict[str,
     qwen = dict(num_experts=experts, moe_intermediate_size=ffn, mlp_only_layers=[])
     qwen |= dict(intermediate_size=3 * ffn, shared_expert_intermediate_size=2 * ffn)
     mixtral = dict(num_local_experts=experts, intermediate_size=ffn)
+    deepseek = dict(
+        n_routed_experts=experts,
+        moe_intermediate_size=ffn,
+        intermediate_size=3 * ffn,
+        first_k_dense_replace=1,
+        num_hidden_layers=layers + 1,
+        n_shared_experts=1,
+        routed_scaling_factor=1.5,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        head_dim=32,
+    )
     return {
         "qwen3_moe": qwen | dict(norm_topk_prob=True),
         "qwen2_moe": qwen | dict(norm_topk_prob=False),
@@ -104,6 +122,9 @@ def _family_sizes(family: str, ffn: int, experts: int, layers: int) -> dict[str,
             use_qk_norm=True,
             routed_scaling_factor=2.0,
         ),
+        # MLA (no q LoRA), one dense layer, shared expert; V3: sigmoid + bias, groups
+        "deepseek_v3": deepseek | dict(n_group=2, topk_group=1, rope_interleave=True),
+        "deepseek_v2": deepseek | dict(n_group=2, topk_group=1, topk_method="group_limited_greedy"),
         # even layers sliding (window 4), experts with biases
         "gpt_oss": mixtral
         | dict(
@@ -215,6 +236,9 @@ class _Writer:
             gname = f"blk.{name.split('.')[2]}.exp_probs_b.bias"
         if name.endswith("self_attn.sinks"):  # the converter adds the suffix
             gname = f"{gname}.weight"
+        if name.endswith("self_attn.kv_b_proj.weight"):
+            self.kv_b(name, w)
+            return
         if gname is None:
             raise KeyError(f"no GGUF name for {name}")
         layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
@@ -253,6 +277,18 @@ class _Writer:
         self.twin[prefix + "down_proj"] = deq["down"].transpose(1, 2).contiguous()
         for n in ("gate_up_proj_bias", "down_proj_bias"):
             self.twin[prefix + n] = sd[prefix + n].detach().float().clone()
+
+    def kv_b(self, name: str, w: torch.Tensor) -> None:
+        """DeepSeek's kv_b_proj as the MLA converter splits it: attn_k_b [heads, rank, nope]
+        (transposed) and attn_v_b [heads, v, rank]."""
+        c, layer = self.cfg, int(name.split(".")[2])
+        nope, vd = c.qk_nope_head_dim, c.v_head_dim
+        kv = w.reshape(c.num_attention_heads, nope + vd, w.shape[-1])
+        k_b, v_b = kv[:, :nope].transpose(1, 2).contiguous(), kv[:, nope:].contiguous()
+        qt = _type(self.types, "dense", layer)
+        dk = self.put(f"blk.{layer}.attn_k_b.weight", k_b, qt)
+        dv = self.put(f"blk.{layer}.attn_v_b.weight", v_b, qt)
+        self.twin[name] = torch.cat([dk.transpose(1, 2), dv], dim=1).reshape(w.shape)
 
     def experts(self, layer: int, prefix: str, sd: dict[str, torch.Tensor]) -> None:
         if self.arch == "gpt-oss":
@@ -308,12 +344,15 @@ class _Writer:
         w.add_context_length(c.max_position_embeddings)
         w.add_embedding_length(c.hidden_size)
         w.add_head_count(c.num_attention_heads)
-        w.add_head_count_kv(c.num_key_value_heads)
         w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
         w.add_layer_norm_rms_eps(float(c.rms_norm_eps))
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if c.model_type.startswith("deepseek"):
+            self.deepseek2_metadata(w)
+            return
+        w.add_head_count_kv(c.num_key_value_heads)
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-        w.add_expert_used_count(c.num_experts_per_tok)
         if c.model_type == "glm4_moe":
             self.glm4moe_metadata(w)
         elif c.model_type == "gpt_oss":
@@ -337,6 +376,33 @@ class _Writer:
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
             if c.model_type == "qwen2_moe":
                 w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+
+    def deepseek2_metadata(self, w: gguf.GGUFWriter) -> None:
+        """As the MLA converter writes it: the cache's sizes in key/value_length, the
+        heads' in the `_mla` keys, one KV head."""
+        c = self.cfg
+        w.add_head_count_kv(1)
+        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+        w.add_value_length(c.kv_lora_rank)
+        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length_mla(c.v_head_dim)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        if c.q_lora_rank is not None:
+            w.add_q_lora_rank(c.q_lora_rank)
+        w.add_expert_count(c.n_routed_experts)
+        w.add_feed_forward_length(c.intermediate_size)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_leading_dense_block_count(c.first_k_dense_replace)
+        w.add_expert_weights_scale(float(c.routed_scaling_factor))
+        v3 = c.model_type == "deepseek_v3"
+        w.add_expert_weights_norm(bool(getattr(c, "norm_topk_prob", False)))
+        gating = gguf.ExpertGatingFuncType
+        w.add_expert_gating_func(gating.SIGMOID if v3 else gating.SOFTMAX)
+        if v3 or c.topk_method == "group_limited_greedy":
+            w.add_expert_group_count(c.n_group)
+            w.add_expert_group_used_count(c.topk_group)
 
     def glm4moe_metadata(self, w: gguf.GGUFWriter) -> None:
         c = self.cfg

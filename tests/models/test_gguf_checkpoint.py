@@ -24,7 +24,16 @@ from procfs import rss_bytes
 
 from psr.models.gguf import EXPERT_TYPES, GGUFCheckpoint, GGUFError
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "gpt_oss")
+FAMILIES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v2",
+)
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -37,6 +46,22 @@ MIXED = {
     "down": lambda layer: "Q6_K" if layer == 0 else "Q8_0",
     "dense": "Q8_0",
 }
+_DEEPSEEK = [
+    "n_routed_experts",
+    "moe_intermediate_size",
+    "intermediate_size",
+    "first_k_dense_replace",
+    "n_shared_experts",
+    "routed_scaling_factor",
+    "norm_topk_prob",
+    "n_group",
+    "topk_group",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+]
 PROMPT = torch.tensor([[1, 50, 7, 900, 33, 2000, 12, 5]])
 
 
@@ -131,6 +156,8 @@ def test_config_mapping(files: dict, fam: str) -> None:
         ],
         "olmoe": ["num_experts", "intermediate_size", "norm_topk_prob"],
         "mixtral": ["num_local_experts", "intermediate_size"],
+        "deepseek_v3": [*_DEEPSEEK, "rope_interleave"],
+        "deepseek_v2": [*_DEEPSEEK, "topk_method"],
         "gpt_oss": [
             "num_local_experts",
             "intermediate_size",

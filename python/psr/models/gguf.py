@@ -232,8 +232,83 @@ ARCHS: dict[str, Arch] = {
 }
 
 
+_DEEPSEEK_KEYS: tuple[tuple[str, str, bool], ...] = (
+    ("expert_feed_forward_length", "moe_intermediate_size", True),
+    ("feed_forward_length", "intermediate_size", True),
+    ("leading_dense_block_count", "first_k_dense_replace", False),
+    ("expert_shared_count", "n_shared_experts", False),
+    ("expert_weights_scale", "routed_scaling_factor", False),
+    ("expert_weights_norm", "norm_topk_prob", False),
+    ("expert_group_count", "n_group", False),
+    ("expert_group_used_count", "topk_group", False),
+    ("attention.q_lora_rank", "q_lora_rank", False),
+    ("attention.kv_lora_rank", "kv_lora_rank", True),
+    ("rope.dimension_count", "qk_rope_head_dim", True),
+)
+_DEEPSEEK_DEFAULTS: dict[str, Any] = {  # llama.cpp's when the key is absent
+    "first_k_dense_replace": 0,
+    "n_shared_experts": 0,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": None,
+}
+
+
+def _deepseek2(
+    value: Callable[[str], Any], cfg: dict[str, Any], tensors: Mapping[str, Any]
+) -> None:
+    """llama.cpp's deepseek2 (DeepSeek-V2 and -V3/R1): MLA head sizes from the `_mla` keys
+    (newer converters, whose key_length / value_length describe the compressed cache) or
+    key_length / value_length; every query head has its own key head in HF; rope on
+    interleaved pairs (llama.cpp's NORM rope, HF's rope_interleave); MTP layers skipped."""
+    rope = int(cfg["qk_rope_head_dim"])
+    k = value("deepseek2.attention.key_length_mla") or value("deepseek2.attention.key_length")
+    v = value("deepseek2.attention.value_length_mla") or value("deepseek2.attention.value_length")
+    if k is None or v is None:
+        raise GGUFError("lacks metadata key 'deepseek2.attention.key_length' / 'value_length'")
+    cfg["qk_nope_head_dim"] = int(k) - rope
+    cfg["v_head_dim"] = int(v)
+    cfg["head_dim"] = rope
+    cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    cfg["num_hidden_layers"] -= int(value("deepseek2.nextn_predict_layers") or 0)
+    if cfg["model_type"] == "deepseek_v3":
+        cfg["topk_method"] = "noaux_tc"
+        cfg["rope_interleave"] = True
+    else:
+        cfg["topk_method"] = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
+    yarn_mul = value("deepseek2.rope.scaling.yarn_log_multiplier")
+    if yarn_mul is not None and cfg["rope_parameters"]["rope_type"] == "yarn":
+        # the converter writes 0.1 * mscale_all_dim
+        m = round(float(yarn_mul) / 0.1, 6)
+        cfg["rope_parameters"] |= {"mscale": m, "mscale_all_dim": m}
+
+
+_DEEPSEEK = {
+    gating: Arch(
+        "deepseek2",
+        model_type,
+        "n_routed_experts",
+        _DEEPSEEK_KEYS,
+        {},
+        renames=(
+            (
+                r"model\.layers\.(?P<bid>\d+)\.mlp\.gate\.e_score_correction_bias",
+                "blk.{bid}.exp_probs_b.bias",
+            ),
+        ),
+        defaults=_DEEPSEEK_DEFAULTS,
+        derive=_deepseek2,
+        notes=f"{name} gating",
+    )
+    for gating, model_type, name in ((1, "deepseek_v2", "softmax"), (2, "deepseek_v3", "sigmoid"))
+}
+
+
 def supported_archs() -> str:
-    return ", ".join(f"{a} ({ARCHS[a].model_type})" for a in ARCHS)
+    names = [f"{a} ({ARCHS[a].model_type})" for a in ARCHS]
+    return ", ".join([*names, "deepseek2 (deepseek_v2 / deepseek_v3 by expert_gating_func)"])
 
 
 # --- reading one file -------------------------------------------------------------------
@@ -396,6 +471,9 @@ def _arch_of(reader: _Reader) -> Arch:
     if name is None:
         raise GGUFError(f"GGUF file {reader.psr_path} lacks metadata key 'general.architecture'")
     arch = ARCHS.get(str(name))
+    if name == "deepseek2":
+        gating = _value(reader, "deepseek2.expert_gating_func")
+        arch = _DEEPSEEK.get(1 if gating is None else int(gating))  # llama.cpp: softmax
     experts = _value(reader, f"{name}.expert_count")
     if arch is not None and arch.gguf_arch == "llama" and not experts:
         arch = None  # a dense llama: nothing to offload
@@ -533,7 +611,10 @@ class _Dense:
     part: int  # index of the reader holding it
     shape: tuple[int, ...]  # HF shape
     heads: int = 0  # > 0: un-permute llama q/k rows over this many heads
-    interleave: str | None = None  # gpt-oss: columns alternate with this tensor's (up)
+    other: str | None = None  # a second GGUF tensor composed with the first by `join`
+    # "interleave": gpt-oss's gate/up bias columns alternate; "kv_b": DeepSeek's kv_b_proj
+    # from llama.cpp's attn_k_b [heads, rank, nope] and attn_v_b [heads, v, rank]
+    join: str = ""
 
 
 class GGUFCheckpoint:
@@ -664,6 +745,9 @@ class GGUFCheckpoint:
         for hf, shape in self._hf_state_shapes().items():
             gname = self._gguf_name(hf, tmap)
             if gname is None or gname not in self._tensors:
+                kv_b = self._kv_b(hf, shape)
+                if kv_b is not None:
+                    out[hf] = kv_b
                 continue  # absent: the loader names it (or ties lm_head)
             part, t = self._tensors[gname]
             if int(t.n_elements) != int(np.prod(shape, dtype=np.int64)):
@@ -679,6 +763,25 @@ class GGUFCheckpoint:
             out[hf] = _Dense(gname, part, shape, heads)
         out.update(self._expert_biases())
         return out
+
+    def _kv_b(self, hf: str, shape: tuple[int, ...]) -> _Dense | None:
+        """DeepSeek's kv_b_proj where the file holds llama.cpp's split attn_k_b / attn_v_b."""
+        m = re.fullmatch(r"model\.layers\.(\d+)\.self_attn\.kv_b_proj\.weight", hf)
+        if m is None:
+            return None
+        k, v = (f"blk.{m[1]}.attn_{p}_b.weight" for p in ("k", "v"))
+        if k not in self._tensors or v not in self._tensors:
+            return None
+        cfg = self.config_dict
+        heads, rank = int(cfg["num_attention_heads"]), int(cfg["kv_lora_rank"])
+        nope, vd = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+        for n, want in ((k, [heads, rank, nope]), (v, [heads, vd, rank])):
+            got = [int(x) for x in reversed(self._tensors[n][1].shape.tolist())]
+            if got != want:
+                raise GGUFError(
+                    f"GGUF file {self._where(n)}: tensor {n!r} has shape {got}, expected {want}"
+                )
+        return _Dense(k, self._tensors[k][0], shape, other=v, join="kv_b")
 
     def _expert_biases(self) -> dict[str, _Dense]:
         """gpt-oss's expert biases under their HF names: `experts.gate_up_proj_bias
@@ -705,7 +808,7 @@ class GGUFCheckpoint:
                     )
             prefix = f"model.layers.{d}.{block}.experts."
             out[prefix + "gate_up_proj_bias"] = _Dense(
-                gate, self._tensors[gate][0], (E, 2 * F), interleave=up
+                gate, self._tensors[gate][0], (E, 2 * F), other=up, join="interleave"
             )
             out[prefix + "down_proj_bias"] = _Dense(down, self._tensors[down][0], (E, H))
         return out
@@ -749,8 +852,10 @@ class GGUFCheckpoint:
         """The tensor in HF layout, float32 (quantized ones dequantized by gguf-py)."""
         d = self._require(name)
         out = self._read(d.gguf_name)
-        if d.interleave is not None:
-            out = torch.stack([out, self._read(d.interleave)], dim=-1)
+        if d.other is not None and d.join == "interleave":
+            out = torch.stack([out, self._read(d.other)], dim=-1)
+        elif d.other is not None:  # kv_b: per head, the k rows (nope) then the v rows
+            out = torch.cat([out.transpose(1, 2), self._read(d.other)], dim=1)
         out = out.reshape(d.shape)
         return _unpermute(out, d.heads) if d.heads else out
 
@@ -759,7 +864,7 @@ class GGUFCheckpoint:
         d = self._require(name)
         part, t = self._tensors[d.gguf_name]
         gshape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        if d.heads or d.interleave or len(d.shape) < 2 or gshape[0] != d.shape[0]:
+        if d.heads or d.other or len(d.shape) < 2 or gshape[0] != d.shape[0]:
             return self.get(name)[i]
         if not 0 <= i < d.shape[0]:
             raise IndexError(f"row {i} out of range for {name!r} ({d.shape[0]} rows)")
