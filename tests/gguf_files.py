@@ -214,8 +214,10 @@ def _row_order(rows: int, n_head: int) -> torch.Tensor:
 
 
 class _Writer:
-    def __init__(self, model: Any, types: str | dict[str, TypeSpec], seed: int) -> None:
-        self.model, self.cfg, self.types = model, model.config, types
+    def __init__(
+        self, model: Any, types: str | dict[str, TypeSpec], seed: int, mla_split: bool = True
+    ) -> None:
+        self.model, self.cfg, self.types, self.mla_split = model, model.config, types, mla_split
         self.arch = ARCH_OF[self.cfg.model_type]
         enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
         self.tmap = gguf.get_tensor_name_map(enum, self.cfg.num_hidden_layers)
@@ -236,7 +238,7 @@ class _Writer:
             gname = f"blk.{name.split('.')[2]}.exp_probs_b.bias"
         if name.endswith("self_attn.sinks"):  # the converter adds the suffix
             gname = f"{gname}.weight"
-        if name.endswith("self_attn.kv_b_proj.weight"):
+        if name.endswith("self_attn.kv_b_proj.weight") and self.mla_split:
             self.kv_b(name, w)
             return
         if gname is None:
@@ -381,11 +383,16 @@ class _Writer:
         """As the MLA converter writes it: the cache's sizes in key/value_length, the
         heads' in the `_mla` keys, one KV head."""
         c = self.cfg
-        w.add_head_count_kv(1)
-        w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
-        w.add_value_length(c.kv_lora_rank)
-        w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        w.add_value_length_mla(c.v_head_dim)
+        if self.mla_split:
+            w.add_head_count_kv(1)
+            w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+            w.add_value_length(c.kv_lora_rank)
+            w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+            w.add_value_length_mla(c.v_head_dim)
+        else:
+            w.add_head_count_kv(c.num_attention_heads)
+            w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+            w.add_value_length(c.v_head_dim)
         w.add_rope_dimension_count(c.qk_rope_head_dim)
         w.add_kv_lora_rank(c.kv_lora_rank)
         if c.q_lora_rank is not None:
@@ -461,17 +468,20 @@ def write_gguf(
     tokenizer: Any = None,
     chat_template: str | None = None,
     omit: tuple[str, ...] = (),
+    mla_split: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a transformers model, or a folder transformers loads) to `path` as
     llama.cpp would; `split` > 1: that many parts named `STEM-0000i-of-0000N.gguf` with
-    llama.cpp's split.* keys; `omit`: metadata keys left out. Returns the float twin: the
+    llama.cpp's split.* keys; `omit`: metadata keys left out; `mla_split=False`: DeepSeek's
+    kv_b_proj whole and head sizes in key/value_length, as converters before llama.cpp's
+    MLA cache wrote them. Returns the float twin: the
     model's state dict (its live names) with every written tensor replaced by gguf-py's
     dequantization of its bytes."""
     if isinstance(model, str | Path):
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(model).eval()
-    wr = _Writer(model, types, seed)
+    wr = _Writer(model, types, seed, mla_split)
     wr.collect()
     per_part = -(-len(wr.tensors) // split) if split > 1 else 0
     w = gguf.GGUFWriter(path, wr.arch, split_max_tensors=per_part)

@@ -292,6 +292,18 @@ def test_rebuilt_model_matches_twin(files: dict, fam: str) -> None:
             assert (wrong - ref).abs().max() > 1e-2
 
 
+def test_deepseek_file_without_mla_split(tmp_path: Path) -> None:
+    """Older converters: kv_b_proj whole (attn_kv_b), head sizes in key/value_length."""
+    model = gguf_tiny_model("deepseek_v3")
+    twin = write_gguf(model, tmp_path / "d.gguf", MIXED, mla_split=False)
+    ck = GGUFCheckpoint(tmp_path / "d.gguf")
+    assert ck.gguf_name("model.layers.1.self_attn.kv_b_proj.weight") == "blk.1.attn_kv_b.weight"
+    assert ck.config.qk_nope_head_dim == 32 and ck.config.v_head_dim == 32
+    with torch.no_grad():
+        ref = twin_model(model, twin)(input_ids=PROMPT).logits
+        torch.testing.assert_close(_rebuilt(ck)(input_ids=PROMPT).logits, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_tied_embeddings(tmp_path: Path) -> None:
     model = gguf_tiny_model("olmoe", layers=1)
     model.config.tie_word_embeddings = True

@@ -543,6 +543,12 @@ def build_config(
             continue
         v = _one_value(v)
         cfg[hf] = _f32(v) if isinstance(v, float) else v
+    vlen = _value(reader, f"{a}.attention.value_length")
+    if a != "deepseek2" and vlen is not None and vlen != cfg.get("head_dim", vlen):
+        raise GGUFError(
+            f"GGUF file {reader.psr_path}: {a}.attention.value_length={vlen} differs from "
+            f"key_length={cfg['head_dim']}; transformers' {arch.model_type} has one head_dim"
+        )
     cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
     cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     cfg["rope_parameters"] = _rope(lambda k: _value(reader, f"{a}.{k}"), str(reader.psr_path))
