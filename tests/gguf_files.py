@@ -468,11 +468,13 @@ def write_gguf(
     tokenizer: Any = None,
     chat_template: str | None = None,
     omit: tuple[str, ...] = (),
+    override: dict[str, int] | None = None,
     mla_split: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a transformers model, or a folder transformers loads) to `path` as
     llama.cpp would; `split` > 1: that many parts named `STEM-0000i-of-0000N.gguf` with
-    llama.cpp's split.* keys; `omit`: metadata keys left out; `mla_split=False`: DeepSeek's
+    llama.cpp's split.* keys; `omit`: metadata keys left out,
+    `override`: uint32 keys set to other values; `mla_split=False`: DeepSeek's
     kv_b_proj whole and head sizes in key/value_length, as converters before llama.cpp's
     MLA cache wrote them. Returns the float twin: the
     model's state dict (its live names) with every written tensor replaced by gguf-py's
@@ -490,6 +492,8 @@ def write_gguf(
         write_tokenizer(w, tokenizer, model.config.vocab_size, chat_template)
     for key in omit:
         del w.kv_data[0][key]
+    for key, value in (override or {}).items():
+        w.kv_data[0][key] = gguf.gguf_writer.GGUFValue(value, gguf.GGUFValueType.UINT32)
     for gname, data, qt in wr.tensors:
         if qt in (QT.F32, QT.F16):
             w.add_tensor(gname, data)

@@ -459,6 +459,15 @@ def test_missing_metadata_key(tmp_path: Path) -> None:
     _one_line(e, str(p), f"lacks metadata key '{key}'")
 
 
+def test_expert_ffn_size_disagrees_with_metadata(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    key = "qwen3moe.expert_feed_forward_length"
+    write_gguf(gguf_tiny_model("qwen3_moe", layers=1), p, "F32", override={key: 768})
+    with pytest.raises(GGUFError) as e:
+        GGUFCheckpoint(p)
+    _one_line(e, str(p), "'blk.0.ffn_gate_exps.weight'", "moe_intermediate_size=768")
+
+
 def test_split_count_mismatch(tmp_path: Path) -> None:
     write_gguf(gguf_tiny_model("qwen3_moe", layers=1), tmp_path / "m.gguf", "F32", split=2)
     first, second = sorted(tmp_path.iterdir())

@@ -674,6 +674,8 @@ class GGUFCheckpoint:
     def _find_experts(self) -> dict[int, dict[str, ExpertTensor]]:
         cfg = self.config_dict
         E, H = int(cfg[self.arch_spec.experts_key]), int(cfg["hidden_size"])
+        ffn_key = FAMILIES[self.arch_spec.model_type].keys[3]
+        F = int(cfg[ffn_key])  # the metadata's expert FFN size: the tensors must agree
         out: dict[int, dict[str, ExpertTensor]] = {}
         for layer in range(int(cfg["num_hidden_layers"])):
             names = {p: f"blk.{layer}.ffn_{p}_exps.weight" for p in _EXPERT_PARTS}
@@ -684,13 +686,13 @@ class GGUFCheckpoint:
                 missing = next(n for n in names.values() if n not in self._tensors)
                 raise GGUFError(f"GGUF file {self.path}: tensor {missing!r} is missing")
             out[layer] = {p: self._expert_tensor(n, E) for p, n in names.items()}
-            F = out[layer]["gate"].shape[1]
             want = {"gate": (E, F, H), "up": (E, F, H), "down": (E, H, F)}
             for p, et in out[layer].items():
                 if et.shape != want[p]:
                     raise GGUFError(
                         f"GGUF file {self._where(et.name)}: tensor {et.name!r} has shape "
-                        f"{list(et.shape)}, expected {list(want[p])} (experts, out, in)"
+                        f"{list(et.shape)}, expected {list(want[p])} (experts, out, in; "
+                        f"{ffn_key}={F} from the metadata)"
                     )
         return out
 
