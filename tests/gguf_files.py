@@ -427,7 +427,9 @@ class _Writer:
         w.add_rope_dimension_count(int(c.head_dim * c.rope_parameters["partial_rotary_factor"]))
 
 
-def write_tokenizer(w: gguf.GGUFWriter, tok: Any, rows: int, chat_template: str | None) -> None:
+def write_tokenizer(
+    w: gguf.GGUFWriter, tok: Any, rows: int, chat_template: str | None, pre: str = "gpt-2"
+) -> None:
     """A byte-level BPE HF tokenizer as llama.cpp's converter writes it ("gpt2")."""
     spec = json.loads(tok.backend_tokenizer.to_str())
     vocab = tok.get_vocab()
@@ -446,7 +448,7 @@ def write_tokenizer(w: gguf.GGUFWriter, tok: Any, rows: int, chat_template: str 
             kinds.append(gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
+    w.add_tokenizer_pre(pre)
     w.add_add_bos_token(False)  # as the converter writes a byte-level BPE vocabulary
     w.add_token_list(tokens)
     w.add_token_types(kinds)
@@ -470,6 +472,7 @@ def write_gguf(
     omit: tuple[str, ...] = (),
     override: dict[str, int] | None = None,
     mla_split: bool = True,
+    tokenizer_pre: str = "gpt-2",
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a transformers model, or a folder transformers loads) to `path` as
     llama.cpp would; `split` > 1: that many parts named `STEM-0000i-of-0000N.gguf` with
@@ -489,7 +492,7 @@ def write_gguf(
     w = gguf.GGUFWriter(path, wr.arch, split_max_tensors=per_part)
     wr.metadata(w)
     if tokenizer is not None:
-        write_tokenizer(w, tokenizer, model.config.vocab_size, chat_template)
+        write_tokenizer(w, tokenizer, model.config.vocab_size, chat_template, tokenizer_pre)
     for key in omit:
         del w.kv_data[0][key]
     for key, value in (override or {}).items():

@@ -185,6 +185,8 @@ def test_config_mapping(files: dict, fam: str) -> None:
         assert getattr(cfg, k) == getattr(src, k), k
     assert cfg.rope_parameters == src.rope_parameters
     assert ck.config_dict["dtype"] == "float32"
+    mtp = [n for n in ck.unmapped if n.startswith(f"blk.{src.num_hidden_layers}.")]
+    assert ck.unmapped == mtp and bool(mtp) == (fam == "glm4_moe")  # only GLM's MTP layer
     dense = getattr(src, "first_k_dense_replace", 0)  # GLM: leading dense layers
     assert ck.moe_layers() == list(range(dense, src.num_hidden_layers))  # GLM: MTP skipped
 
@@ -266,6 +268,7 @@ def test_expert_bytes_and_dequantization(tmp_path: Path, qtype: str) -> None:
             assert b.dtype == torch.uint8 and b.dim() == 1 and b.numel() == t.row_bytes
             assert np.array_equal(b.numpy(), file_bytes[e])
             assert torch.equal(_deq(b, qtype, t.shape[1]), want[part][e])
+            assert torch.equal(t.dequantize(e), want[part][e])
         # zero-copy: two views of one expert share the mapped file's memory
         assert t.expert(1).data_ptr() == t.expert(1).data_ptr() != t.expert(0).data_ptr()
     assert "model.layers.0.mlp.experts.down_proj" not in ck
@@ -352,6 +355,14 @@ def test_tokenizer_round_trip(files: dict) -> None:
     a = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert a == src.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     assert tok.eos_token == src.eos_token and tok.bos_token == src.bos_token
+
+
+def test_tokenizer_unknown_pre_warns(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    model = gguf_tiny_model("qwen3_moe", layers=1)
+    write_gguf(model, p, "F32", tokenizer=hf_tokenizer(), tokenizer_pre="no-such-pre")
+    with pytest.warns(UserWarning, match="tokenizer.ggml.pre='no-such-pre' is not known"):
+        GGUFCheckpoint(p).tokenizer()
 
 
 # --- split files ----------------------------------------------------------------------

@@ -70,6 +70,12 @@ class ExpertTensor:
             raise IndexError(f"expert {e} out of range for {self.name} ({self.shape[0]} experts)")
         return torch.from_numpy(self.data[e])
 
+    def dequantize(self, e: int) -> torch.Tensor:
+        """Expert `e` as float32 [out, in] by gguf-py's dequantization (a reference)."""
+        qt = QT[self.ggml_type]
+        raw = self.expert(e).numpy().reshape(self.shape[1], -1)
+        return torch.from_numpy(_dequantize(raw, qt, self.shape[1:]))
+
 
 # --- architectures ----------------------------------------------------------------------
 
@@ -643,6 +649,10 @@ class GGUFCheckpoint:
         self._check_types()
         self._experts = self._find_experts()
         self._dense = self._map_dense()
+        used = {n for d in self._dense.values() for n in (d.gguf_name, d.other) if n}
+        used |= {t.name for layer in self._experts.values() for t in layer.values()}
+        # GGUF tensors psr reads nowhere (MTP layers, llama.cpp's rope_freqs, ...)
+        self.unmapped = [n for n in self._tensors if n not in used]
 
     @property
     def config(self) -> Any:
@@ -922,16 +932,31 @@ _SPECIAL = {
 }
 
 
+# llama.cpp pre-tokenizer names whose split is GPT-2's (transformers' default)
+_GPT2_SPLIT = ("gpt-2", "default", "olmo", "phi-2", "roberta-bpe", None)
+
+
 def build_tokenizer(meta: Callable[[str], Any], arch: str, where: str) -> Any:
     """transformers' GGUF tokenizer builders on the file's `tokenizer.ggml.*` keys."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_PRE_TOKENIZER_SPLITS,
+        convert_gguf_tokenizer,
+    )
 
     d = {hf: meta(f"tokenizer.ggml.{k}") for k, hf in _TOKENIZER_KEYS.items()}
     d = {k: v for k, v in d.items() if v is not None}
     if "tokens" not in d or "tokenizer_type" not in d:
         raise GGUFError(
             f"GGUF model {where} lacks 'tokenizer.ggml.tokens' / 'tokenizer.ggml.model'"
+        )
+    pre = d.get("pre_tokenizer_type")
+    if d["tokenizer_type"] == "gpt2" and pre not in (*GGUF_PRE_TOKENIZER_SPLITS, *_GPT2_SPLIT):
+        warnings.warn(
+            f"GGUF model {where}: tokenizer.ggml.pre={pre!r} is not known to transformers' "
+            "GGUF tokenizer builder; text is split with GPT-2's regex, which may not be the "
+            "model's",
+            stacklevel=2,
         )
     backend, _ = convert_gguf_tokenizer(arch, d)
     kw: dict[str, Any] = {}
