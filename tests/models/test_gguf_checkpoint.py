@@ -295,6 +295,21 @@ def test_rebuilt_model_matches_twin(files: dict, fam: str) -> None:
             assert (wrong - ref).abs().max() > 1e-2
 
 
+def test_q4_k_m_like_with_ffn_not_a_multiple_of_256(tmp_path: Path) -> None:
+    """Expert FFN 320: gate/up (rows of H=256) Q4_K, down (rows of 320) Q8_0, per tensor."""
+    model = gguf_tiny_model("qwen3_moe", ffn=320)
+    types = {"gate": "Q4_K", "up": "Q4_K", "down": "Q8_0", "dense": "Q6_K"}
+    twin = write_gguf(model, tmp_path / "m.gguf", types)
+    ck = GGUFCheckpoint(tmp_path / "m.gguf")
+    et = ck.expert_tensors(1)
+    assert {p: t.ggml_type for p, t in et.items()} == {"gate": "Q4_K", "up": "Q4_K", "down": "Q8_0"}
+    assert et["down"].shape == (4, 256, 320) and et["down"].row_bytes == 256 * 320 // 32 * 34
+    assert ck.dtype("model.layers.0.self_attn.q_proj.weight") == "Q6_K"
+    with torch.no_grad():
+        ref = twin_model(model, twin)(input_ids=PROMPT).logits
+        torch.testing.assert_close(_rebuilt(ck)(input_ids=PROMPT).logits, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_deepseek_file_without_mla_split(tmp_path: Path) -> None:
     """Older converters: kv_b_proj whole (attn_kv_b), head sizes in key/value_length."""
     model = gguf_tiny_model("deepseek_v3")
