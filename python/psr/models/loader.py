@@ -765,13 +765,13 @@ def load(
         biases = None
         if spec.expert_bias:
             biases = _bias_tables(ckpt, spec, moe_idx, opts.device, blocks is not None)
+        tokenizer = _tokenizer(path, ckpt if gguf else None)  # a GGUF's: from its metadata
     finally:
         ckpt.close()
     runtime = install(
         model, spec, store, opts.policy, C, opts.compute, moe_idx, fmt, opts.decode, biases
     )
     _check_all_loaded(model)
-    tokenizer = _tokenizer(path, ckpt if gguf else None)
     om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source = opts.policy_source
     om.graphs = graphs
