@@ -10,10 +10,14 @@ type) before the store is made, so a bad file fails before any copy.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -34,6 +38,8 @@ class ExpertTensorLike(Protocol):
     def ggml_type(self) -> str: ...
     @property
     def shape(self) -> tuple[int, ...]: ...
+    @property
+    def data(self) -> np.ndarray: ...  # [E, row_bytes] uint8, a view of the file's map
     def expert(self, e: int) -> torch.Tensor: ...
 
 
@@ -120,6 +126,32 @@ def gguf_readers(ckpt: GGUFExperts, moe_idx: list[int]) -> list[PartsReader]:
     return [reader(d) for d in moe_idx]
 
 
+def drop_pages(addr: int, nbytes: int) -> None:
+    """Drop the whole pages of a read-only file mapping in [addr, addr + nbytes) from this
+    process's resident memory (Linux madvise DONTNEED; elsewhere nothing): reading them
+    again faults them back in from the file, so nothing is lost."""
+    if not sys.platform.startswith("linux") or nbytes <= 0:
+        return
+    page = mmap.PAGESIZE
+    start = -(-addr // page) * page
+    end = (addr + nbytes) // page * page
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise(start, end - start, 4)  # MADV_DONTNEED; a failure only costs memory
+
+
+def gguf_release(ckpt: GGUFExperts, moe_idx: list[int]) -> Callable[[int], None]:
+    """MoE layer i -> its expert tensors' mapped pages dropped once the store holds them, so
+    a load never holds the experts twice (resident: the store plus one layer's pages)."""
+
+    def release(i: int) -> None:
+        for t in ckpt.expert_tensors(moe_idx[i]).values():
+            drop_pages(t.data.ctypes.data, t.data.nbytes)
+
+    return release
+
+
 def fill_block_store(
     store: ExpertStore,
     spec: MoESpec,
@@ -127,12 +159,15 @@ def fill_block_store(
     formats: list[str],
     progress: bool,
     desc: str,
+    release: Callable[[int], None] | None = None,
 ) -> None:
     """Register every expert's block bytes (no dequantized or intermediate copy: the
-    store's host memory is the one copy)."""
+    store's host memory is the one copy); `release(i)` after layer i is in."""
     H, F = spec.hidden_size, spec.ffn_size
     bar = tqdm(list(enumerate(readers)), desc=desc, disable=not progress, unit="layer")
     for i, read in bar:
         lay = pk.GGMLLayout.of(formats[i], H, F)
         for e in range(spec.num_experts):
             store.register(i, e, pk.pack_ggml_parts(lay, read(e)))
+        if release is not None:
+            release(i)

@@ -45,6 +45,7 @@ from psr.models.gguf_load import (
     PartsReader,
     fill_block_store,
     gguf_readers,
+    gguf_release,
     is_gguf,
     layer_formats,
     make_block_store,
@@ -627,13 +628,13 @@ def _block_readers(
                 f"{path}: speculative decoding reads psr's drafter files beside a "
                 "safetensors checkpoint; a GGUF file has none"
             )
-        return layer_formats(ckpt, spec, moe_idx), gguf_readers(ckpt, moe_idx), "experts <- gguf"
+        return layer_formats(ckpt, spec, moe_idx), gguf_readers(ckpt, moe_idx), "gguf"
     method = opts.prequant
     if method is None:
         return None
     E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
     readers = [prequant.parts_reader(method, ckpt, spec.family, d, E, H, F) for d in moe_idx]
-    return [prequant.layer_format(method)] * len(moe_idx), readers, f"experts <- {method}"
+    return [prequant.layer_format(method)] * len(moe_idx), readers, method
 
 
 def open_gguf(path: str | Path) -> Any:
@@ -646,8 +647,8 @@ def open_gguf(path: str | Path) -> Any:
 def _tokenizer(path: str | Path, ckpt: Any = None) -> Any:
     """The folder's tokenizer (a GGUF file's, from its metadata), or None when it ships
     none."""
-    if ckpt is not None and hasattr(ckpt, "tokenizer"):
-        return ckpt.tokenizer()
+    if ckpt is not None and hasattr(ckpt, "tokenizer"):  # GGUF: when its metadata has one
+        return ckpt.tokenizer() if ckpt.metadata("tokenizer.ggml.model") else None
     if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     import transformers
@@ -753,9 +754,10 @@ def load(
             drafter, C = _load_drafter(path, speculative, block, model, len(moe_idx), opts)
         fmt: str | list[str] | None = opts.expert_format
         if blocks is not None:
-            fmt, readers, desc = blocks
+            fmt, readers, src = blocks
             store = make_block_store(spec, C, fmt, opts.device, copy_retries)
-            fill_block_store(store, spec, readers, fmt, progress, desc)
+            release = gguf_release(ckpt, moe_idx) if gguf else None
+            fill_block_store(store, spec, readers, fmt, progress, f"experts <- {src}", release)
         else:
             store = make_store(
                 spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, opts.expert_format
