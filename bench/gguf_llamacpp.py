@@ -31,8 +31,6 @@ FAMILIES: tuple[tuple[str, str, dict], ...] = (
     ("gpt_oss", "gpt_oss", {}),
     ("gpt_oss truncate", "gpt_oss", {"truncate": True}),
     ("deepseek_v3", "deepseek_v3", {}),
-    ("deepseek_v3 no norm", "deepseek_v3", {"norm_topk_prob": False}),
-    ("deepseek_v3 zero bias", "deepseek_v3", {"zero_bias": True}),
     ("deepseek_v2", "deepseek_v2", {}),  # no q LoRA: llama.cpp wants 27 layers then
     ("deepseek_v2 q_lora", "deepseek_v2", {"q_lora_rank": 64}),
     ("deepseek_v2 1 group", "deepseek_v2", {"q_lora_rank": 64, "n_group": 1, "topk_group": 1}),
@@ -62,15 +60,13 @@ def llama_logits(path: Path) -> np.ndarray:
 
 def _model(family: str, over: dict):  # type: ignore[no-untyped-def]
     """The tests' tiny model of `family` with `over` set in its config before it is built
-    ("truncate": the twin's yarn truncation, as llama.cpp computes it; "zero_bias":
-    DeepSeek-V3's correction bias zero)."""
+    ("truncate": the twin's yarn truncation, as llama.cpp computes it)."""
     import gguf_files
 
     orig = gguf_files._family_sizes
 
     def sizes(fam: str, ffn: int, experts: int, layers: int) -> dict:
-        own = ("truncate", "zero_bias")
-        out = orig(fam, ffn, experts, layers) | {k: v for k, v in over.items() if k not in own}
+        out = orig(fam, ffn, experts, layers) | {k: v for k, v in over.items() if k != "truncate"}
         if out.get("n_group") == 1 and fam == "deepseek_v2":
             out["topk_method"] = "greedy"
         return out
@@ -80,10 +76,6 @@ def _model(family: str, over: dict):  # type: ignore[no-untyped-def]
         model = gguf_files.gguf_tiny_model(family)
     finally:
         gguf_files._family_sizes = orig
-    if over.get("zero_bias"):  # DeepSeek-V3's correction bias all zero
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.zero_()
     return model
 
 
