@@ -34,7 +34,25 @@ FAMILIES: tuple[tuple[str, str, dict], ...] = (
     ("deepseek_v2", "deepseek_v2", {}),  # no q LoRA: llama.cpp wants 27 layers then
     ("deepseek_v2 q_lora", "deepseek_v2", {"q_lora_rank": 64}),
     ("deepseek_v2 1 group", "deepseek_v2", {"q_lora_rank": 64, "n_group": 1, "topk_group": 1}),
+    # quantized: llama.cpp rounds each matmul's input (Q8_0 / Q8_K), so ~1e-2 is expected
+    ("qwen3_moe Q8_0", "qwen3_moe", {"types": "Q8_0"}),
+    ("qwen3_moe Q4_K", "qwen3_moe", {"types": "Q4_K"}),
+    ("qwen3_moe Q6_K", "qwen3_moe", {"types": "Q6_K"}),
+    ("qwen3_moe Q4_K_M-like", "qwen3_moe", {"types": "mixed"}),
+    ("gpt_oss MXFP4 truncate", "gpt_oss", {"types": "mxfp4", "truncate": True}),
 )
+TYPES = {
+    "mixed": {
+        "gate": "Q4_K",
+        "up": "Q5_K",
+        "down": lambda layer: "Q6_K" if layer == 0 else "Q8_0",
+        "dense": "Q8_0",
+    },
+    "mxfp4": {"experts": "MXFP4", "dense": "F16"},
+    "Q8_0": {"experts": "Q8_0"},
+    "Q4_K": {"experts": "Q4_K"},
+    "Q6_K": {"experts": "Q6_K"},
+}
 PROMPT = [1, 50, 7, 900, 33, 2000, 12, 5]
 
 
@@ -66,7 +84,9 @@ def _model(family: str, over: dict):  # type: ignore[no-untyped-def]
     orig = gguf_files._family_sizes
 
     def sizes(fam: str, ffn: int, experts: int, layers: int) -> dict:
-        out = orig(fam, ffn, experts, layers) | {k: v for k, v in over.items() if k != "truncate"}
+        out = orig(fam, ffn, experts, layers) | {
+            k: v for k, v in over.items() if k not in ("truncate", "types")
+        }
         if out.get("n_group") == 1 and fam == "deepseek_v2":
             out["topk_method"] = "greedy"
         return out
@@ -92,7 +112,7 @@ def main() -> None:
         for label, fam, over in FAMILIES:
             model = _model(fam, over)
             path = Path(d) / f"{fam}.gguf"
-            twin = write_gguf(model, path, "F32", tokenizer=tok)
+            twin = write_gguf(model, path, TYPES.get(over.get("types", ""), "F32"), tokenizer=tok)
             ref_model = twin_model(model, twin)
             if "truncate" in over:
                 cfg = model.config
