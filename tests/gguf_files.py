@@ -80,7 +80,10 @@ def gguf_tiny_model(
         cfg.rope_parameters["partial_rotary_factor"] = 0.5
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    _randomize(model)
+    # sigmoid routers (DeepSeek-V3, GLM) milder: a sharp one makes the picked experts'
+    # probabilities so small that llama.cpp's clamp of their sum (6.1e-5, F16's smallest
+    # normal) changes the normalised weights, which no real model reaches
+    _randomize(model, 0.05 if family in ("deepseek_v3", "glm4_moe") else 0.5)
     return model
 
 
@@ -107,7 +110,8 @@ def _family_sizes(family: str, ffn: int, experts: int, layers: int) -> dict[str,
     return {
         "qwen3_moe": qwen | dict(norm_topk_prob=True),
         "qwen2_moe": qwen | dict(norm_topk_prob=False),
-        "olmoe": dict(num_experts=experts, intermediate_size=ffn),
+        # llama.cpp's olmoe sizes k_norm by n_embd: as many KV heads as heads (OLMoE's)
+        "olmoe": dict(num_experts=experts, intermediate_size=ffn, num_key_value_heads=4),
         "mixtral": mixtral,
         # layer 0 dense, q/k/v biases, q/k norms, partial rotary
         "glm4_moe": dict(
@@ -123,7 +127,8 @@ def _family_sizes(family: str, ffn: int, experts: int, layers: int) -> dict[str,
             routed_scaling_factor=2.0,
         ),
         # MLA (no q LoRA), one dense layer, shared expert; V3: sigmoid + bias, groups
-        "deepseek_v3": deepseek | dict(n_group=2, topk_group=1, rope_interleave=True),
+        "deepseek_v3": deepseek
+        | dict(n_group=2, topk_group=1, rope_interleave=True, q_lora_rank=64),
         "deepseek_v2": deepseek | dict(n_group=2, topk_group=1, topk_method="group_limited_greedy"),
         # even layers sliding (window 4), experts with biases
         "gpt_oss": mixtral
@@ -135,11 +140,11 @@ def _family_sizes(family: str, ffn: int, experts: int, layers: int) -> dict[str,
     }[family]
 
 
-def _randomize(model: Any) -> None:
+def _randomize(model: Any, router_std: float) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "router.weight")):
-                p.normal_(0, 0.5)
+                p.normal_(0, router_std)
             elif name.endswith("e_score_correction_bias"):
                 p.normal_(0, 0.05)
             elif "norm" in name:
@@ -362,9 +367,10 @@ class _Writer:
             w.add_expert_count(c.num_local_experts)
             w.add_expert_feed_forward_length(c.intermediate_size)
             w.add_sliding_window(c.sliding_window)
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(float(r["factor"]))
-            w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
+            if r["rope_type"] == "yarn":
+                w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+                w.add_rope_scaling_factor(float(r["factor"]))
+                w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
         elif c.model_type == "mixtral":
             w.add_expert_count(c.num_local_experts)
             w.add_feed_forward_length(c.intermediate_size)

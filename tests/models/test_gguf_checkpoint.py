@@ -436,6 +436,10 @@ def test_bad_magic_and_truncated(small: Path, tmp_path: Path) -> None:
     with pytest.raises(GGUFError) as e:
         GGUFCheckpoint(cut)
     _one_line(e, str(cut), "truncated", repr(last))
+    cut.write_bytes(data[:100])  # inside the metadata
+    with pytest.raises(GGUFError) as e:
+        GGUFCheckpoint(cut)
+    _one_line(e, str(cut), "truncated or corrupt", "header")
 
 
 def _patch_type(path: Path, tensor: str, new_type: int) -> None:

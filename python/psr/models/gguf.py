@@ -401,7 +401,10 @@ def _open(path: Path) -> _Reader:
     except GGUFError:
         raise
     except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError) as e:
-        raise GGUFError(f"corrupt GGUF file {path}: {e}") from None
+        raise GGUFError(
+            f"truncated or corrupt GGUF file {path}: its header (metadata and tensor table) "
+            f"does not parse ({e})"
+        ) from None
 
 
 def _value(reader: _Reader, key: str) -> Any:
