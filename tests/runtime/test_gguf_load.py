@@ -127,3 +127,25 @@ def test_gguf_store_refuses_restore_save_and_requantizing(model_and_files, tmp_p
         model.save_pretrained(tmp_path / "out")
     with pytest.raises(RuntimeError, match="GGUF file's blocks"):
         model.restore()
+
+
+ARCH_FAMILIES = (
+    "qwen2_moe",
+    "olmoe",
+    "mixtral",
+    "glm4_moe",
+    "gpt_oss",
+    "deepseek_v3",
+    "deepseek_v2",
+)
+
+
+@pytest.mark.parametrize("family", ARCH_FAMILIES)
+def test_every_gguf_architecture_equals_transformers(tmp_path: Path, family: str) -> None:
+    """Each architecture llama.cpp writes that psr's family table has: Q8_0 experts (MXFP4 for
+    gpt-oss, as its files ship), Q8_0 dense, against the twin."""
+    model = gguf_tiny_model(family)
+    experts = "MXFP4" if family == "gpt_oss" else "Q8_0"
+    path = tmp_path / f"{family}.gguf"
+    twin = twin_model(model, write_gguf(model, path, {"experts": experts, "dense": "Q8_0"}))
+    _check(path, twin, "torch", new=2).close()

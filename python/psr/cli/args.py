@@ -278,13 +278,15 @@ def model_config(path: str | Path, option: str = "--model") -> dict[str, Any]:
     read), with errors that name the option."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{option} {path}: no such folder")
-    if not p.is_dir():
-        raise NotADirectoryError(f"{option} {path}: is not a folder (give a checkpoint folder)")
-    from psr.models import SUPPORTED, CheckpointError, read_config
+        raise FileNotFoundError(f"{option} {path}: no such folder or file")
+    from psr.models import SUPPORTED, CheckpointError
+    from psr.models.gguf_load import is_gguf
+    from psr.models.sources import model_config as config_of
 
+    if not p.is_dir() and not is_gguf(p):
+        raise NotADirectoryError(f"{option} {path}: is not a checkpoint folder or a .gguf file")
     try:
-        cfg = read_config(p)
+        cfg = config_of(p)
     except CheckpointError as e:
         raise CheckpointError(f"{option}: {e}") from None
     if not isinstance(cfg, dict):

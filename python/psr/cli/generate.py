@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from psr.cli.args import (
@@ -227,10 +226,11 @@ def run_generate(args: argparse.Namespace) -> int:
 
     path = args.model or DEFAULT_MODEL
     cfg = model_config(path)
-    if args.prompt is not None and not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+    from psr.models.sources import describe_missing_tokenizer, has_tokenizer
+
+    if args.prompt is not None and not has_tokenizer(path):
         raise ValueError(
-            f"--prompt: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
-            "pass --prompt-ids instead"
+            f"--prompt: {path} has {describe_missing_tokenizer(path)}; pass --prompt-ids instead"
         )
     vocab = cfg.get("vocab_size")
     if args.prompt_ids is not None and isinstance(vocab, int):

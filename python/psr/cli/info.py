@@ -39,8 +39,10 @@ def run_inspect(args: argparse.Namespace) -> int:
     from psr.models.inspect import inspect
 
     path = args.model or DEFAULT_MODEL
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"--model {path}: no such folder")
+    if not Path(path).is_dir() and not str(path).endswith(".gguf"):
+        raise FileNotFoundError(f"--model {path}: no such folder (or .gguf file)")
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--model {path}: no such file")
     found = inspect(path)
     print(json.dumps(found.to_dict(), indent=2) if args.json else found.table())
     return 0 if found.supported else 1

@@ -22,7 +22,6 @@ from psr.cli.args import (
     writable_file,
 )
 from psr.cli.generate import (
-    TOKENIZER_FILES,
     add_model_option,
     add_placement_options,
     add_policy_options,
@@ -168,9 +167,11 @@ def _check(args: argparse.Namespace) -> str:
 
     path = args.model or DEFAULT_MODEL
     model_config(path)
-    if not any((Path(path) / f).is_file() for f in TOKENIZER_FILES):
+    from psr.models.sources import describe_missing_tokenizer, has_tokenizer
+
+    if not has_tokenizer(path):
         raise ValueError(
-            f"--model: {path} has no tokenizer ({' or '.join(TOKENIZER_FILES)}); "
+            f"--model: {path} has {describe_missing_tokenizer(path)}; "
             "psr serve reads text prompts and writes text"
         )
     return str(path)

@@ -348,7 +348,9 @@ def tuning_sets(
     from psr.eval.text import EmptyText, check_sets, needs, text_sets
 
     if text is not None:
-        if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        from psr.models.sources import has_tokenizer
+
+        if not has_tokenizer(path):
             raise ValueError(f"--text: {path} has no tokenizer to read the text with")
         try:
             sets, source = text_sets(text), f"--text {text}"

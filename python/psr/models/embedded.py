@@ -44,6 +44,7 @@ def heldout_sets(path: str | Path) -> dict[str, tuple[str, str]]:
 
 
 def tokenizer_of(path: str | Path) -> Any:
-    from transformers import AutoTokenizer
+    """The model's tokenizer (a GGUF file's from its metadata)."""
+    from psr.models.sources import tokenizer_of as of
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return of(path)

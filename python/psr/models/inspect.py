@@ -58,6 +58,8 @@ class Inspection:
     dense_bytes: int = 0  # everything but the routed experts, in the model dtype
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # format -> res
     graphs: str = ""
+    expert_types: dict[str, int] = field(default_factory=dict)  # GGUF: row format -> layers
+    kv_bytes_per_1k_tokens: int = 0  # the KV cache of 1024 tokens in the model dtype
     # what psr.load(path, policy) uses at the default residency, per biased policy: the
     # tuned point and its file, or the untuned default and the command that measures it
     operating_points: dict[str, str] = field(default_factory=dict)
@@ -85,12 +87,15 @@ class Inspection:
                 "  attention  " + ", ".join(f"{self.attention.count(k)} {k}" for k in kinds)
             )
         lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
+        for fmt, n in self.expert_types.items():
+            lines.append(f"  experts    {fmt.removeprefix('gguf:')} (gate, up, down) in {n} layers")
+        lines.append(f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens")
         cols = ["format", "one expert", "host (all experts)"]
         cols += [f"device @ residency {r:g}" for r in RESIDENCIES]
         rows = [
             [fmt, _size(self.expert_bytes[fmt]), _size(self.host_bytes[fmt])]
             + [_size(self.device_bytes[fmt][f"{r:g}"]) for r in RESIDENCIES]
-            for fmt in FORMATS
+            for fmt in self.expert_bytes
         ]
         widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
         for r in [cols, *rows]:
@@ -140,18 +145,45 @@ def _graphs(config: Any) -> str:
     return "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
 
 
+def _gguf_experts(path: str | Path, H: int, F: int, moe_layers: list[int]) -> list[str]:
+    """A GGUF file's row format per MoE layer (its tensor table only: nothing is read)."""
+    from psr.models.gguf import GGUFCheckpoint
+    from psr.models.gguf_load import PARTS
+
+    ck = GGUFCheckpoint(path)
+    try:
+        fmts = []
+        for d in moe_layers:
+            et = ck.expert_tensors(d)
+            fmts.append(pk.ggml_format(*(et[p].ggml_type for p in PARTS)))
+        return fmts
+    finally:
+        ck.close()
+
+
 def inspect(path: str | Path) -> Inspection:
-    """What psr would load from the checkpoint folder `path` (no weight is read)."""
+    """What psr would load from `path` (a checkpoint folder or a GGUF file; no weight is
+    read)."""
     import transformers
 
-    raw = read_config(path)
+    from psr.models.gguf_load import is_gguf
+    from psr.models.sources import model_config
+    from psr.runtime.kv import kv_bytes
+
+    gguf = is_gguf(path)
+    raw = model_config(path) if gguf else read_config(path)
     mt = str(raw.get("model_type"))
     try:
         cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
-        check_config(raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
+        where = f"{path} (its GGUF metadata)" if gguf else f"{path}/config.json"
+        check_config(raw, getattr(cls, "attribute_map", None), where)
     except ValueError as e:
         return Inspection(str(path), mt, supported=False, missing=str(e))
-    config = transformers.AutoConfig.from_pretrained(str(path))
+    if gguf:
+        config = transformers.AutoConfig.for_model(**raw)
+    else:
+        config = transformers.AutoConfig.from_pretrained(str(path))
+        config.__dict__.pop("quantization_config", None)  # built plain, as psr.load does
     spec = moe_spec(config)
     fam = FAMILIES[mt]
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -165,12 +197,24 @@ def inspect(path: str | Path) -> Inspection:
     expert_ids = {id(p) for b in blocks if b is not None for p in b.experts.parameters()}
     dense = sum(p.numel() * p.dtype.itemsize for p in model.parameters() if id(p) not in expert_ids)
     H, F, E = spec.hidden_size, spec.ffn_size, spec.num_experts
-    per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
     n = len(sparse)
-    device = {
-        fmt: {f"{r:g}": dense + n * math.floor(r * E + 0.5) * per[fmt] for r in RESIDENCIES}
-        for fmt in FORMATS
-    }
+    types: dict[str, int] = {}
+    if gguf:  # the file's own blocks: one format per layer
+        fmts = _gguf_experts(path, H, F, sparse)
+        rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmts]
+        types = {f: fmts.count(f) for f in dict.fromkeys(fmts)}
+        per = {"gguf": round(sum(rows) / len(rows))}
+        host = {"gguf": sum(rows) * E}
+        device = {
+            "gguf": {f"{r:g}": dense + sum(rows) * math.floor(r * E + 0.5) for r in RESIDENCIES}
+        }
+    else:
+        per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
+        host = {fmt: per[fmt] * E * n for fmt in FORMATS}
+        device = {
+            fmt: {f"{r:g}": dense + n * math.floor(r * E + 0.5) * per[fmt] for r in RESIDENCIES}
+            for fmt in FORMATS
+        }
     shared = any(
         hasattr(b, name)
         for b in blocks
@@ -195,7 +239,9 @@ def inspect(path: str | Path) -> Inspection:
         shared_experts=shared,
         attention=list(getattr(config, "layer_types", None) or []),
         expert_bytes=per,
-        host_bytes={fmt: per[fmt] * E * n for fmt in FORMATS},
+        host_bytes=host,
+        expert_types=types,
+        kv_bytes_per_1k_tokens=kv_bytes(config, dtype.itemsize, 1024),
         dense_bytes=dense,
         device_bytes=device,
         graphs=_graphs(config),
