@@ -81,3 +81,23 @@ def test_cli_table_json_and_unsupported(tmp_path: Path) -> None:
     assert len(bad.stdout.strip().splitlines()) == 1
     missing = _cli("inspect", "--model", str(tmp_path / "nowhere"))
     assert missing.returncode != 0 and "no such folder" in missing.stderr
+
+
+def test_inspect_a_gguf_file_before_loading_agrees_with_memory(tmp_path) -> None:
+    """A GGUF file's per-layer types and bytes, read from its tensor table, are what the
+    loaded model holds (`model.memory()`)."""
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    model = gguf_tiny_model("qwen3_moe", head_dim=32)
+    path = tmp_path / "m.gguf"
+    mixed = {"gate": "Q4_K", "up": "Q4_K", "down": lambda i: "Q6_K" if i == 0 else "Q8_0"}
+    write_gguf(model, path, mixed | {"dense": "F32"})
+    found = psr.inspect(path)
+    assert found.supported and found.family == "qwen3_moe"
+    assert found.expert_types == {"gguf:Q4_K,Q4_K,Q6_K": 1, "gguf:Q4_K,Q4_K,Q8_0": 1}
+    with psr.load(path, "exact", residency=0.5, device="cpu", progress=False) as m:
+        mem = m.memory(context=1024)
+    assert found.host_bytes["gguf"] == mem["host_experts"]
+    assert found.device_bytes["gguf"]["0.5"] == found.dense_bytes + mem["device_slab"]
+    assert found.kv_bytes_per_1k_tokens == mem["device_kv"]
+    assert "Q4_K,Q4_K,Q6_K (gate, up, down) in 1 layers" in found.table()
