@@ -358,8 +358,9 @@ class _Writer:
             self.deepseek2_metadata(w)
             return
         w.add_head_count_kv(c.num_key_value_heads)
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        w.add_key_length(head_dim)  # OLMoE's config has none: hidden / heads
+        w.add_value_length(head_dim)
         if c.model_type == "glm4_moe":
             self.glm4moe_metadata(w)
         elif c.model_type == "gpt_oss":

@@ -270,7 +270,8 @@ def run_generate(args: argparse.Namespace) -> int:
         f"policy {model.policy.describe()} ({model.policy_source}), "
         f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
         f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
-        f"experts {args.expert_format}, decode {args.decode}, graphs {model.graph_status}"
+        f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
+        f"graphs {model.graph_status}"
     )
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:
@@ -299,3 +300,11 @@ def run_generate(args: argparse.Namespace) -> int:
             result["speculative"] = speculative
         out.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _experts_shown(model: Any, asked: str) -> str:
+    """The expert format as loaded: the option, or a GGUF / pre-quantized file's blocks."""
+    fmts = list(dict.fromkeys(f for f in model.runtime.expert_formats if f))
+    if fmts and fmts[0].startswith("gguf:"):
+        return " / ".join(f.removeprefix("gguf:") for f in fmts) + " (the file's blocks)"
+    return asked
