@@ -284,7 +284,9 @@ def model_config(path: str | Path, option: str = "--model") -> dict[str, Any]:
     from psr.models.sources import model_config as config_of
 
     if not p.is_dir() and not is_gguf(p):
-        raise NotADirectoryError(f"{option} {path}: is not a checkpoint folder or a .gguf file")
+        raise NotADirectoryError(
+            f"{option} {path}: is not a folder (give a checkpoint folder or a .gguf file)"
+        )
     try:
         cfg = config_of(p)
     except CheckpointError as e:
