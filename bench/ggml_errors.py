@@ -15,12 +15,12 @@ from pathlib import Path
 os.environ.setdefault("TRITON_INTERPRET", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from ggml_blocks import expert_rows  # noqa: E402
+import numpy as np
+import torch
+from ggml_blocks import expert_rows
 
-import psr_kernels as pk  # noqa: E402
-from psr import store  # noqa: E402
+import psr_kernels as pk
+from psr import store
 
 H = F = 256
 
