@@ -17,7 +17,8 @@ torch.set_num_threads, which the CPU expert kernels follow; llama.cpp: n_threads
 Decode tok/s = N / (time from the first new token to the (N+1)-th), per run (psr: a
 streamer's timestamps; llama.cpp: after each token's eval); rounds interleave every
 configuration (A B A B ...) and the table shows medians. psr's MoE share is the time in
-its expert calls over that same span. `--torch-experts`
+its expert calls over that same span. psr also loads the GGUF file itself ("psr Q8_0 (same
+GGUF file)": the very bytes llama.cpp reads, through psr's GGML CPU kernels). `--torch-experts`
 adds psr with PSR_CPU_EXPERTS=torch (the old reference path) for A/B. On a shared
 machine the figures are noisy: the machine's load (`uptime`) is printed with them.
 """
@@ -208,14 +209,21 @@ class _Timed:
 
 
 class PsrRun:
-    def __init__(self, ckpt: Path, fmt: str, torch_experts: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self, ckpt: Path, fmt: str | None, torch_experts: bool, dtype: torch.dtype
+    ) -> None:
         import psr
 
         os.environ["PSR_CPU_EXPERTS"] = "torch" if torch_experts else "auto"
         self.model = psr.load(
-            str(ckpt), "exact", residency=1.0, device="cpu", dtype=dtype,
-            expert_format=fmt, progress=False,
-        )  # fmt: skip
+            str(ckpt),
+            "exact",
+            residency=1.0,
+            device="cpu",
+            dtype=dtype,
+            expert_format=fmt,
+            progress=False,
+        )  # fmt: skip  (fmt None for a GGUF file: its own blocks)
         os.environ.pop("PSR_CPU_EXPERTS")
         comp = self.model.runtime.compute
         self.timer = _Timed(comp.slab)
@@ -302,6 +310,7 @@ def main() -> None:
     )
     ap.add_argument("--dense", choices=["f32", "bf16"], default="f32", help="dense weights")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-gguf-psr", action="store_true", help="skip psr on the GGUF file")
     ap.add_argument("--work", type=Path, default=Path("/tmp/psr-cpu-decode"))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -317,6 +326,10 @@ def main() -> None:
             print(f"writing {gg}", flush=True)
             write_gguf(ckpt, gg, a.layers, a.vocab, a.dense)
         runs["llama.cpp Q8_0"] = LlamaRun(gg, threads)
+        if not a.no_gguf_psr:  # psr on the very same file: the same expert bytes
+            runs["psr Q8_0 (same GGUF file)"] = PsrRun(
+                gg, None, False, torch.float32 if a.dense == "f32" else torch.bfloat16
+            )
     dtype = torch.float32 if a.dense == "f32" else torch.bfloat16
     for fmt in a.formats.split(","):
         runs[f"psr {fmt}"] = PsrRun(ckpt, fmt, False, dtype)
