@@ -227,6 +227,14 @@ inline float g_row_dot(int type, const uint8_t* row, int64_t K, const float* v) 
   float lanes[16] = {0.f};
   const bool flt = type == 0 || type == 1 || type == 30;
   int64_t k0 = 0;
+  if (type == 8) {  // Q8_0: the scale once per block, codes widened in the lanes (no scratch)
+    for (; k0 < K; k0 += 32, row += 34) {
+      const float d = g_h2f(row);
+      const int8_t* __restrict q = reinterpret_cast<const int8_t*>(row + 2);
+      for (int i = 0; i < 32; i += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] += d * static_cast<float>(q[i + l]) * v[k0 + i + l];
+    }
+  }
   for (; k0 + qk <= K; k0 += qk, row += bs) {
     if (flt) {
       g_float_chunk(type, row, w);
