@@ -153,3 +153,27 @@ def test_lm_eval_subcommand_hands_its_arguments_to_lm_eval(monkeypatch) -> None:
 def test_info(capsys) -> None:
     assert main(["info"]) == 0
     assert '"cuda_compiled"' in capsys.readouterr().out
+
+
+def test_generate_and_inspect_take_a_gguf_file(capsys, tmp_path) -> None:
+    """A .gguf path works like a checkpoint folder: its metadata's tokenizer encodes the
+    prompt, the printed text and tokens are transformers' on the twin, and the stats line
+    names the file's expert types."""
+    import torch
+    from gguf_files import gguf_tiny_model, hf_tokenizer, twin_model, write_gguf
+
+    model = gguf_tiny_model("qwen3_moe", head_dim=32)
+    tok = hf_tokenizer()
+    path = tmp_path / "m.gguf"
+    twin = twin_model(model, write_gguf(model, path, {"experts": "Q4_K"}, tokenizer=tok))
+    out_json = tmp_path / "g.json"
+    argv = ["generate", "--model", str(path), "--prompt", "To be, or not", "--policy", "exact"]
+    assert main([*argv, "--max-new-tokens", "4", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "experts Q4_K,Q4_K,Q4_K (the file's blocks)" in out
+    ids = tok("To be, or not", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = twin.generate(ids, max_new_tokens=4, do_sample=False)[0].tolist()
+    assert json.loads(out_json.read_text())["tokens"] == want
+    assert main(["inspect", "--model", str(path)]) == 0
+    assert "Q4_K,Q4_K,Q4_K (gate, up, down) in 2 layers" in capsys.readouterr().out
