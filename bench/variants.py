@@ -121,16 +121,16 @@ def apply_variant(model: Any, name: str, value: float) -> None:
     and decodes on the host step, where that op runs)."""
     rt = model.runtime
     if name == "renorm":
-        route = rt.ops.route
+        route = rt.ops.route_counted  # what the host-driven decode step routes with
 
         def renorm_route(logits, spec, *, mask=None, **kw):
-            w, ids = route(logits, spec, mask=mask, **kw)
+            w, ids, sub = route(logits, spec, mask=mask, **kw)
             if mask is None or spec.lam == 0:
-                return w, ids
-            w0, _ = route(logits, dataclasses.replace(spec, lam=0.0), **kw)
-            return w * (w0.sum(-1, keepdim=True) / w.sum(-1, keepdim=True)), ids
+                return w, ids, sub
+            w0, _, _ = route(logits, dataclasses.replace(spec, lam=0.0), **kw)
+            return w * (w0.sum(-1, keepdim=True) / w.sum(-1, keepdim=True)), ids, sub
 
-        rt.ops = dataclasses.replace(rt.ops, route=renorm_route)
+        rt.ops = dataclasses.replace(rt.ops, route_counted=renorm_route)
         rt.set_decode("host")
     elif name == "lam_first":
         rt.set_steering(LamFirst(rt, value))

@@ -3,6 +3,8 @@
 Ops (each with a plain-torch `*_ref` beside it, the same arguments and results):
   route(logits, spec, mask=, bias=)                         -> (weights, ids)
   route_hidden(hidden, gate_weight, spec, mask=, bias=)     -> (weights, ids, logits)
+  route_counted(logits, spec, mask=, bias=)                 -> (weights, ids, substituted)
+      substituted [T]: chosen ids not in the same scores' exact (unbiased) top-k
   predict_next(residual, norm_weight, gate_weight, n, spec,
                eps=, mask=, bias=)                          -> (ids, in_cache)
   expert_ffn(x, slab, slots, weights, H, F, fmt=, slot_table=) -> y
@@ -95,14 +97,17 @@ from psr_kernels.routing import (
     RouteSpec,
     predict_next,
     route,
+    route_counted,
     route_hidden,
 )
 from psr_kernels.routing_ref import (
     biased_scores_ref,
     predict_next_ref,
     rms_norm_ref,
+    route_counted_ref,
     route_hidden_ref,
     route_ref,
+    substituted_ref,
 )
 
 __all__ = [
@@ -160,11 +165,14 @@ __all__ = [
     "route",
     "route_block",
     "route_block_ref",
+    "route_counted",
+    "route_counted_ref",
     "route_hidden",
     "route_hidden_op",
     "route_hidden_ref",
     "route_op",
     "route_ref",
+    "substituted_ref",
     "swiglu_ref",
     "unpack_expert",
 ]

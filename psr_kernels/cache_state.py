@@ -11,8 +11,9 @@ State: one int32 tensor `[layers, layout.width]`, one row per MoE layer (`CacheL
   pending[E]      1 where a prefetched expert has not been routed since (prefetches used)
   slot_of[E]      the slab slot of each member, -1 otherwise
   slot_expert[S]  the expert each slab slot holds or is loading, -1 when empty
-  header          clock, capacity C (<= S), counters (routed, hits, misses, prefetches,
-                  prefetches used), the non-finite flag, miss and prefetch list counts
+  header          clock, capacity C (<= S), counters (COUNT_NAMES: routed, hits, misses,
+                  prefetches, prefetches used, substituted), the non-finite flag, miss
+                  and prefetch list counts (offsets: the constants below, one definition)
   miss_list[k,3]  this step's miss copies (slot, expert, KIND_MISS), -1 rows past count
   pf_list[n,3]    this step's prefetch copies (slot, expert, KIND_PREFETCH), compacted
 Stamps are int32: a sequence may run 2**31 / (k + n) decode steps per layer (over 10**8).
@@ -42,14 +43,29 @@ KIND_PREFETCH = 1
 # Header fields, relative to `CacheLayout.header`.
 CLOCK = 0
 CAPACITY = 1
-COUNTS = 2  # 5 counters from here, in COUNT_NAMES order
-COUNT_NAMES = ("routed", "hits", "misses", "prefetches", "prefetch_used")
-ROUTED, HITS, MISSES, PREFETCHES, PREFETCH_USED = range(5)
-FLAG = 7  # 1 once a router's input was not finite (NaN / inf)
-MISS_N = 8
-PF_N = 9
-HEADER_SIZE = 10
+COUNTS = 2  # the counters from here, in COUNT_NAMES order
+# `substituted`: routed ids not in the layer's own exact (unbiased) top-k, counted by the
+# routing (psr_kernels.decode) beside `use`'s counts.
+COUNT_NAMES = ("routed", "hits", "misses", "prefetches", "prefetch_used", "substituted")
+ROUTED, HITS, MISSES, PREFETCHES, PREFETCH_USED, SUBSTITUTED = range(len(COUNT_NAMES))
+FLAG = COUNTS + len(COUNT_NAMES)  # 1 once a router's input was not finite (NaN / inf)
+MISS_N = FLAG + 1
+PF_N = FLAG + 2
+HEADER_SIZE = FLAG + 3
 _BIG = tl.constexpr(2**31 - 1)  # above any stamp; a constexpr, as kernels require
+# The header fields as the kernels address them (constexprs, relative to OFF_HEADER):
+# derived from the definitions above, so a new counter moves every kernel's offsets.
+H_CLOCK = tl.constexpr(CLOCK)
+H_CAPACITY = tl.constexpr(CAPACITY)
+H_ROUTED = tl.constexpr(COUNTS + ROUTED)
+H_HITS = tl.constexpr(COUNTS + HITS)
+H_MISSES = tl.constexpr(COUNTS + MISSES)
+H_PREFETCHES = tl.constexpr(COUNTS + PREFETCHES)
+H_PREFETCH_USED = tl.constexpr(COUNTS + PREFETCH_USED)
+H_SUBSTITUTED = tl.constexpr(COUNTS + SUBSTITUTED)
+H_FLAG = tl.constexpr(FLAG)
+H_MISS_N = tl.constexpr(MISS_N)
+H_PF_N = tl.constexpr(PF_N)
 
 
 @dataclass(frozen=True)
@@ -245,8 +261,8 @@ def cache_use_step(
     pending = tl.load(row_ptr + OFF_PENDING + cols, mask=emask, other=0) != 0
     slot_of = tl.load(row_ptr + OFF_SLOT_OF + cols, mask=emask, other=-1)
     slot_expert = tl.load(row_ptr + OFF_SLOT_EXPERT + scols, mask=smask, other=-1)
-    clock = tl.load(row_ptr + OFF_HEADER + 0)
-    capacity = tl.load(row_ptr + OFF_HEADER + 1)
+    clock = tl.load(row_ptr + OFF_HEADER + H_CLOCK)
+    capacity = tl.load(row_ptr + OFF_HEADER + H_CAPACITY)
     owned = _owned(slot_of, slot_expert, scols, cols, capacity)
 
     n_routed = tl.sum(routed.to(tl.int32), axis=0)
@@ -294,12 +310,12 @@ def cache_use_step(
     tl.store(row_ptr + OFF_MISS + kar * 3 + 1, m_exp, mask=kmask)
     tl.store(row_ptr + OFF_MISS + kar * 3 + 2, tl.zeros([BLOCK_K], tl.int32), mask=kmask)
     hdr = row_ptr + OFF_HEADER
-    tl.store(hdr + 0, clock + n_routed)
-    tl.store(hdr + 2, tl.load(hdr + 2) + n_routed)
-    tl.store(hdr + 3, tl.load(hdr + 3) + hits)
-    tl.store(hdr + 4, tl.load(hdr + 4) + n_miss)
-    tl.store(hdr + 6, tl.load(hdr + 6) + used)
-    tl.store(hdr + 8, n_miss)
+    tl.store(hdr + H_CLOCK, clock + n_routed)
+    tl.store(hdr + H_ROUTED, tl.load(hdr + H_ROUTED) + n_routed)
+    tl.store(hdr + H_HITS, tl.load(hdr + H_HITS) + hits)
+    tl.store(hdr + H_MISSES, tl.load(hdr + H_MISSES) + n_miss)
+    tl.store(hdr + H_PREFETCH_USED, tl.load(hdr + H_PREFETCH_USED) + used)
+    tl.store(hdr + H_MISS_N, n_miss)
 
 
 @triton.jit
@@ -331,8 +347,8 @@ def cache_prefetch_step(
     pending = tl.load(row_ptr + OFF_PENDING + cols, mask=emask, other=0) != 0
     slot_of = tl.load(row_ptr + OFF_SLOT_OF + cols, mask=emask, other=-1)
     slot_expert = tl.load(row_ptr + OFF_SLOT_EXPERT + scols, mask=smask, other=-1)
-    clock = tl.load(row_ptr + OFF_HEADER + 0)
-    capacity = tl.load(row_ptr + OFF_HEADER + 1)
+    clock = tl.load(row_ptr + OFF_HEADER + H_CLOCK)
+    capacity = tl.load(row_ptr + OFF_HEADER + H_CAPACITY)
     owned = _owned(slot_of, slot_expert, scols, cols, capacity)
     size = tl.sum(member.to(tl.int32), axis=0)
     p_slot = tl.full([BLOCK_N], -1, tl.int32)
@@ -371,9 +387,9 @@ def cache_prefetch_step(
     tl.store(row_ptr + OFF_PF + nar * 3 + 1, p_exp, mask=rmask)
     tl.store(row_ptr + OFF_PF + nar * 3 + 2, tl.full([BLOCK_N], 1, tl.int32), mask=rmask)
     hdr = row_ptr + OFF_HEADER
-    tl.store(hdr + 0, clock)
-    tl.store(hdr + 5, tl.load(hdr + 5) + pos)
-    tl.store(hdr + 9, pos)
+    tl.store(hdr + H_CLOCK, clock)
+    tl.store(hdr + H_PREFETCHES, tl.load(hdr + H_PREFETCHES) + pos)
+    tl.store(hdr + H_PF_N, pos)
 
 
 @triton.jit

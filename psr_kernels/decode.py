@@ -11,7 +11,9 @@ At batch 1 each MoE layer `l` of a decode token does, with no host read:
              prefetch copy list for the side-stream gather.
 The two programs touch different cache rows (l and l + 1) and run concurrently. Router
 inputs that are not finite set the rows' `FLAG` (psr_kernels.cache_state) instead of
-raising: the caller checks it once, when it reads the counters.
+raising: the caller checks it once, when it reads the counters. Program 0 also counts the
+substituted ids (routed, but not in the same scores' exact top-k) into the row's
+`substituted` counter when the routing is biased.
 
 `decode_step` launches the kernel; `decode_step_ref` is its plain-torch reference (the
 routing and cache references composed), with no host read either, so the CPU runs the
@@ -31,7 +33,11 @@ import triton.language as tl
 
 from psr_kernels._common import check_float, check_launchable, pow2
 from psr_kernels.cache_state import (
+    COUNTS,
     FLAG,
+    H_FLAG,
+    H_SUBSTITUTED,
+    SUBSTITUTED,
     CacheLayout,
     cache_prefetch_step,
     cache_use_step,
@@ -39,7 +45,7 @@ from psr_kernels.cache_state import (
 )
 from psr_kernels.cache_state_ref import cache_prefetch_ref, cache_use_ref
 from psr_kernels.routing import RouteSpec, require_spec, router_logits, select_experts
-from psr_kernels.routing_ref import predict_next_ref, route_ref
+from psr_kernels.routing_ref import predict_next_ref, route_counted_ref
 
 
 @triton.jit
@@ -146,17 +152,20 @@ def _route_use(
     if HAS_MASK:
         member = tl.load(row_ptr + OFF_MEMBER + cols, mask=cols < E, other=0)
         mk = tl.where(valid, member.to(tl.float32)[None, :], 0.0)
-    ids, w, _, chosen = select_experts(
+    ids, w, _, chosen, nsub = select_experts(
         x, mk, bias_ptr, lam, scaling, norm_min, mixer_eps, cols, E, K, IS_SOFTMAX, IS_TOPK_SOFTMAX,
-        IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, RENORM, HAS_MASK, HAS_BIAS, False, N_GROUP,
-        TOPK_GROUP, GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_K,
+        IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, RENORM, HAS_MASK, HAS_BIAS, False, True,
+        N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_K,
     )  # fmt: skip
     kar = tl.arange(0, BLOCK_K)
     om = (rows < 1)[:, None] & (kar < K)[None, :]
     tl.store(weights_ptr + rows[:, None] * K + kar[None, :], w, mask=om)
     tl.store(ids_ptr + rows[:, None] * K + kar[None, :], ids.to(tl.int64), mask=om)
-    flag = row_ptr + OFF_HEADER + 7
+    flag = row_ptr + OFF_HEADER + H_FLAG
     tl.store(flag, tl.maximum(tl.load(flag), _not_finite(x, valid)))
+    if HAS_MASK:  # without the bias the routing is exact: nothing substituted
+        sub = row_ptr + OFF_HEADER + H_SUBSTITUTED
+        tl.store(sub, tl.load(sub) + tl.sum(tl.where(rows < 1, nsub, 0), axis=0))
     routed = tl.max(tl.where(valid, chosen.to(tl.int32), 0), axis=0) != 0
     cache_use_step(
         row_ptr, routed, E, S, K, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER,
@@ -185,12 +194,12 @@ def _predict_prefetch(
         cols, 1, E, H, True, True, HAS_NEXT_GATE_BIAS, 2, BLOCK_E, BLOCK_H,
     )  # fmt: skip
     mk = tl.zeros([2, BLOCK_E], dtype=tl.float32)
-    ids, _, _, _ = select_experts(
+    ids, _, _, _, _ = select_experts(
         x, mk, next_bias_ptr, 0.0, 1.0, 0.0, 0.0, cols, E, N, IS_SOFTMAX, IS_TOPK_SOFTMAX,
-        IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, False, False, HAS_NEXT_BIAS, False, N_GROUP,
-        TOPK_GROUP, GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_N,
+        IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, False, False, HAS_NEXT_BIAS, False, False,
+        N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, 2, BLOCK_E, BLOCK_N,
     )  # fmt: skip
-    flag = row_ptr + OFF_HEADER + 7
+    flag = row_ptr + OFF_HEADER + H_FLAG
     tl.store(flag, tl.maximum(tl.load(flag), _not_finite(x, valid)))
     pred = tl.sum(tl.where((rows < 1)[:, None], ids, 0), axis=0)
     cache_prefetch_step(
@@ -385,9 +394,12 @@ def decode_step_ref(
         _check(op, logits, spec, state, layout, layer, n, residual, norm_weight, gate_weight)
     lo, E = layout, layout.num_experts
     mask = state[layer, lo.member : lo.member + E] != 0 if spec.lam > 0 else None
-    w, ids = route_ref(logits, spec, mask=mask, bias=bias, check_finite=False)
+    w, ids, sub = route_counted_ref(logits, spec, mask=mask, bias=bias, check_finite=False)
     with _no_autograd():  # no tensor made in here leaves this function
         _flag(state, lo, layer, logits)
+        if mask is not None:  # the kernel's count: substituted ids, beside `use`'s counts
+            at = lo.header + COUNTS + SUBSTITUTED
+            state[layer, at : at + 1].add_(sub)
         cache_use_ref(state, lo, layer, ids)
         if n:
             assert residual is not None and norm_weight is not None and gate_weight is not None

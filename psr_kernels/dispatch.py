@@ -2,7 +2,8 @@
 
     resolve_compute(compute, device) -> "triton" | "torch"
     kernel_ops(compute, device)      -> KernelOps: .path, .route, .route_hidden,
-                                        .predict_next, .expert_ffn, .decode_step
+                                        .predict_next, .expert_ffn, .decode_step,
+                                        .route_counted
 
 `compute` is one of `"auto"`, `"triton"`, `"torch"` (or None, the same as "auto"):
 
@@ -30,8 +31,13 @@ import torch
 from psr_kernels._common import interpreting
 from psr_kernels.decode import decode_step, decode_step_ref
 from psr_kernels.expert_ffn import expert_ffn, expert_ffn_ref
-from psr_kernels.routing import predict_next, route, route_hidden
-from psr_kernels.routing_ref import predict_next_ref, route_hidden_ref, route_ref
+from psr_kernels.routing import predict_next, route, route_counted, route_hidden
+from psr_kernels.routing_ref import (
+    predict_next_ref,
+    route_counted_ref,
+    route_hidden_ref,
+    route_ref,
+)
 
 Compute = Literal["auto", "triton", "torch"]
 ComputePath = Literal["triton", "torch"]
@@ -87,11 +93,21 @@ class KernelOps:
     expert_ffn: Callable[..., torch.Tensor]
     # One MoE layer's sync-free decode step on the device caches (psr_kernels.decode).
     decode_step: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    # `route` plus the per-token substituted count (the host-driven steps).
+    route_counted: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
-_TRITON = KernelOps("triton", route, route_hidden, predict_next, expert_ffn, decode_step)
+_TRITON = KernelOps(
+    "triton", route, route_hidden, predict_next, expert_ffn, decode_step, route_counted
+)
 _TORCH = KernelOps(
-    "torch", route_ref, route_hidden_ref, predict_next_ref, expert_ffn_ref, decode_step_ref
+    "torch",
+    route_ref,
+    route_hidden_ref,
+    predict_next_ref,
+    expert_ffn_ref,
+    decode_step_ref,
+    route_counted_ref,
 )
 
 

@@ -265,6 +265,28 @@ def _gate_weights(
 
 
 @triton.jit
+def _overlap_exact(
+    z0, chosen, cols, cmask, E, K: tl.constexpr, N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr, NG_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """Per row, how many `chosen` ids are in the exact top-K of the unbiased scores `z0`
+    (the same group limit and tie rule as the biased top-K)."""
+    neg_inf = float("-inf")
+    sel = tl.where(cmask[None, :], z0, neg_inf)
+    if N_GROUP > 1:
+        sel = _group_limit(sel, cols, E, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2, BLOCK_T, BLOCK_E)
+    exact = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int1)
+    for _ in tl.static_range(K):
+        best = tl.max(sel, axis=1)
+        idx = tl.min(tl.where(sel == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        hit = cols[None, :] == idx[:, None]
+        exact = exact | hit
+        sel = tl.where(hit, neg_inf, sel)
+    return tl.sum((exact & chosen).to(tl.int32), axis=1)
+
+
+@triton.jit
 def select_experts(
     x,  # [BLOCK_T, BLOCK_E] fp32 router logits
     mk,  # [BLOCK_T, BLOCK_E] fp32 cache membership (1.0 / 0.0), read when HAS_MASK
@@ -285,6 +307,7 @@ def select_experts(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     WITH_INCACHE: tl.constexpr,
+    WITH_SUBST: tl.constexpr,
     N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     GROUP_MAX: tl.constexpr,
@@ -296,7 +319,10 @@ def select_experts(
     """Stages 2-5 on a logits tile: selection scores, the cache bias, the group limit,
     top-K (ties to the lower id) and the gate weights from the unbiased scores.
     Returns (ids [BLOCK_T, BLOCK_K] int32, weights [BLOCK_T, BLOCK_K] fp32, in-cache
-    flags of the choices (WITH_INCACHE), chosen [BLOCK_T, BLOCK_E] int1)."""
+    flags of the choices (WITH_INCACHE), chosen [BLOCK_T, BLOCK_E] int1, substituted
+    [BLOCK_T] int32: how many chosen ids are not in the exact top-K of the same scores
+    without the cache bias (WITH_SUBST with HAS_MASK; 0 otherwise, as without a bias
+    nothing is substituted))."""
     cmask = cols < E
     neg_inf = float("-inf")
     # 2. selection scores z and the weight source
@@ -317,6 +343,7 @@ def select_experts(
             src = x
 
     # 3. bias toward the cache: z' = z + lam * D * m
+    z0 = z  # the unbiased scores: the exact top-k, for the substitution count
     if HAS_MASK:
         spread = tl.max(tl.where(cmask[None, :], z, neg_inf), axis=1) - tl.min(
             tl.where(cmask[None, :], z, float("inf")), axis=1
@@ -344,13 +371,17 @@ def select_experts(
         if WITH_INCACHE:
             inc = tl.where(kar[None, :] == j, tl.sum(tl.where(hit, mk, 0.0), axis=1)[:, None], inc)
         sel = tl.where(hit, neg_inf, sel)
+    nsub = tl.zeros([BLOCK_T], dtype=tl.int32)
+    if WITH_SUBST and HAS_MASK:
+        nsub = K - _overlap_exact(z0, chosen, cols, cmask, E, K, N_GROUP, TOPK_GROUP, GROUP_MAX,
+                                  NG_P2, BLOCK_T, BLOCK_E)  # fmt: skip
 
     # 5. gate weights from the unbiased scores
     w = _gate_weights(
         x, ids, val, cols, cmask, kar, scaling, norm_min, mixer_eps, K, IS_TOPK_SOFTMAX,
         IS_SIGMOID, IS_SPARSEMIXER, IS_TOPK_SIGMOID, RENORM, BLOCK_T, BLOCK_K,
     )  # fmt: skip
-    return ids, w, inc, chosen
+    return ids, w, inc, chosen, nsub
 
 
 @triton.jit
@@ -375,6 +406,7 @@ def _route_kernel(
     stride_ot,
     logits_ptr,  # [T, E] fp32, contiguous (STORE_LOGITS)
     incache_ptr,  # [T, K] uint8 (STORE_INCACHE)
+    subst_ptr,  # [T] int32: substituted ids per row (STORE_SUBST)
     # sizes and scalars
     T,
     E,
@@ -397,6 +429,7 @@ def _route_kernel(
     HAS_BIAS: tl.constexpr,
     STORE_LOGITS: tl.constexpr,
     STORE_INCACHE: tl.constexpr,
+    STORE_SUBST: tl.constexpr,
     N_GROUP: tl.constexpr,
     TOPK_GROUP: tl.constexpr,
     GROUP_MAX: tl.constexpr,
@@ -449,7 +482,7 @@ def _route_kernel(
         ).to(tl.float32)
 
     # 2-5. scores, cache bias, group limit, top-k, gate weights
-    ids, w, inc, _ = select_experts(
+    ids, w, inc, _, nsub = select_experts(
         x,
         mk,
         bias_ptr,
@@ -469,6 +502,7 @@ def _route_kernel(
         HAS_MASK,
         HAS_BIAS,
         STORE_INCACHE,
+        STORE_SUBST,
         N_GROUP,
         TOPK_GROUP,
         GROUP_MAX,
@@ -484,6 +518,8 @@ def _route_kernel(
     tl.store(ids_ptr + rows[:, None] * stride_ot + kar[None, :], ids, mask=om)
     if STORE_INCACHE:
         tl.store(incache_ptr + rows[:, None] * stride_ot + kar[None, :], inc.to(tl.uint8), mask=om)
+    if STORE_SUBST:
+        tl.store(subst_ptr + rows, nsub, mask=rmask)
 
 
 # --------------------------------------------------------------------------- spec and checks
@@ -732,6 +768,7 @@ def route_kernel_config(
     has_bias: bool = False,
     store_logits: bool = False,
     store_incache: bool = False,
+    store_subst: bool = False,
 ) -> Mapping[str, int | bool]:
     """Every compile-time argument of `_route_kernel` for one launch, and `num_warps`
     (cached per shape and flags: a read-only mapping).
@@ -748,6 +785,7 @@ def route_kernel_config(
             HAS_BIAS=has_bias,
             STORE_LOGITS=store_logits,
             STORE_INCACHE=store_incache and has_mask,
+            STORE_SUBST=store_subst,
             **spec.constexprs(),
             **route_launch_config(num_tokens, num_experts, spec.top_k, hidden_size=hidden_size),
         )
@@ -759,6 +797,7 @@ class _Routed(NamedTuple):
     ids: torch.Tensor  # [T, k] ids_dtype
     logits: torch.Tensor | None  # [T, E] fp32 (store_logits)
     in_cache: torch.Tensor | None  # [T, k] bool (store_incache; all False without a mask)
+    substituted: torch.Tensor | None  # [T] int32 (store_subst; all 0 without a mask)
 
 
 def _launch(
@@ -775,6 +814,7 @@ def _launch(
     ids_dtype: torch.dtype = torch.int64,
     store_logits: bool = False,
     store_incache: bool = False,
+    store_subst: bool = False,
 ) -> _Routed:
     """Run `_route_kernel` on checked arguments.
 
@@ -797,8 +837,9 @@ def _launch(
         in_cache = (torch.empty if m is not None else torch.zeros)(
             T, k, dtype=torch.bool, device=dev
         )
+    subst = torch.empty(T, dtype=torch.int32, device=dev) if store_subst else None
     if T == 0:
-        return _Routed(weights, ids, logits, in_cache)
+        return _Routed(weights, ids, logits, in_cache, subst)
     cfg = route_kernel_config(
         spec,
         num_tokens=T,
@@ -810,6 +851,7 @@ def _launch(
         has_bias=bias is not None,
         store_logits=store_logits,
         store_incache=store_incache,
+        store_subst=store_subst,
     )
     dummy = weights  # stands in for absent tensors; never read (its flag is off)
     _route_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
@@ -833,6 +875,7 @@ def _launch(
         logits_ptr=logits if logits is not None else dummy,
         # The kernel stores 0 or 1 per choice: a bool tensor's bytes, viewed as uint8.
         incache_ptr=in_cache.view(torch.uint8) if in_cache is not None and m is not None else dummy,
+        subst_ptr=subst if subst is not None else dummy,
         T=T,
         E=E,
         H=H,
@@ -842,7 +885,7 @@ def _launch(
         mixer_eps=float(spec.mixer_eps),
         **cfg,
     )
-    return _Routed(weights, ids, logits, in_cache)
+    return _Routed(weights, ids, logits, in_cache, subst)
 
 
 # --------------------------------------------------------------------------- ops
@@ -888,6 +931,37 @@ def route(
         _require_finite(op, "logits", logits)
     out = _launch(spec, logits, num_experts=E, mask=mask, bias=bias, ids_dtype=ids_dtype)
     return out.weights, out.ids
+
+
+def route_counted(
+    logits: torch.Tensor,
+    spec: RouteSpec,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`route` that also counts, per token, the substituted experts: the chosen ids that
+    are not in the model's own exact top-k, taken in the same kernel from the same scores
+    without the cache bias (same group limit and ties).
+
+    Returns `(weights [T, k] fp32, ids [T, k] ids_dtype, substituted [T] int32)`; the
+    count is 0 without a mask (nothing biases the routing).
+    """
+    op = "route_counted"
+    require_spec(op, spec)
+    check_float(op, "logits", logits, 2)
+    T, E = logits.shape
+    spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
+    check_launchable(op, logits, mask, bias)
+    if check_finite:
+        _require_finite(op, "logits", logits)
+    out = _launch(
+        spec, logits, num_experts=E, mask=mask, bias=bias, ids_dtype=ids_dtype, store_subst=True
+    )
+    assert out.substituted is not None
+    return out.weights, out.ids, out.substituted
 
 
 def route_hidden(

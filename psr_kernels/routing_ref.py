@@ -135,15 +135,61 @@ def route_ref(
     spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
     if check_finite:
         _require_finite(op, "logits", logits)
+    w, ids, _ = _route_parts(logits, spec, mask, bias, counted=False)
+    return w, ids.to(ids_dtype).contiguous()
+
+
+def _route_parts(
+    logits: torch.Tensor,
+    spec: RouteSpec,
+    mask: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    counted: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(weights, int64 ids, per-row substituted count when `counted`): the kernel's
+    stages on checked arguments. The count compares the chosen ids with the exact top-k
+    of the same scores `z` without the cache bias (same group limit, same ties)."""
     z, src = scores_ref(logits, spec.scoring, bias)
-    sel = group_limit_ref(
-        biased_scores_ref(z, mask, spec.lam), spec.n_group, spec.topk_group, spec.group_score
-    )
-    ids = topk_ref(sel, spec.top_k)
+    g = (spec.n_group, spec.topk_group, spec.group_score)
+    ids = topk_ref(group_limit_ref(biased_scores_ref(z, mask, spec.lam), *g), spec.top_k)
     w = gate_weights_ref(
         src, ids, spec.scoring, spec.renormalize, spec.scaling, spec.norm_min, spec.mixer_eps
     )
-    return w, ids.to(ids_dtype).contiguous()
+    if not counted:
+        return w, ids, None
+    if mask is None:  # no bias: the exact routing, nothing substituted
+        return w, ids, torch.zeros(ids.shape[0], dtype=torch.int32, device=ids.device)
+    return w, ids, substituted_ref(ids, topk_ref(group_limit_ref(z, *g), spec.top_k))
+
+
+def substituted_ref(ids: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """Per row, how many of `ids [T, k]` are not among `exact [T, k']` (int32 `[T]`)."""
+    inside = (ids[:, :, None] == exact[:, None, :]).any(-1)
+    return (ids.shape[1] - inside.sum(-1)).to(torch.int32)
+
+
+def route_counted_ref(
+    logits: torch.Tensor,
+    spec: RouteSpec,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+    check_finite: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch reference of `route_counted`: `route_ref`'s results and the
+    substituted count per token `[T]` int32."""
+    op = "route_counted_ref"
+    require_spec(op, spec)
+    check_float(op, "logits", logits, 2)
+    T, E = logits.shape
+    spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
+    if check_finite:
+        _require_finite(op, "logits", logits)
+    w, ids, sub = _route_parts(logits, spec, mask, bias, counted=True)
+    assert sub is not None
+    return w, ids.to(ids_dtype).contiguous(), sub
 
 
 def route_hidden_ref(

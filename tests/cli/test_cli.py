@@ -47,6 +47,8 @@ def test_generate_prints_text_then_stats(ckpt, capsys, tmp_path) -> None:
     assert "policy psr(lam=0.3, n=1) (given), 4 of 8 experts resident per layer" in out
     assert "hit rate" in out and "prefetch copies" in out
     data = json.loads(out_json.read_text())
+    s = data["stats"]
+    assert f"{s['substituted']:.0f} ({s['substitution_rate']:.3f} of routed)" in out
     assert len(data["tokens"]) == len("To be, or not") + 6
     assert (data["policy"], data["policy_source"]) == ("psr(lam=0.3, n=1)", "given")
     assert data["stats"]["tokens"] == 5

@@ -130,6 +130,10 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
     )
     log = res["replication"]
     assert [row["replicated"] for row in log] == [True, True]
+    # beside Δ nats: how far the routing moved (lam >= 0.3 substitutes) and greedy agreement
+    assert all(0 < row["substitution_rate_B"] <= 1 for row in log)
+    assert all(row["substitution_rate_A"] > 0 for row in log)
+    assert all(0 <= row["greedy_agreement_B"] <= 1 for row in log)
     sweep_json = json.loads((tmp_path / "select" / "sweep.json").read_text())
     fastest = {}
     for r in sweep_json["results"]:

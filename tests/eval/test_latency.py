@@ -116,13 +116,8 @@ def test_trace_from_decoding_matches_stats_and_round_trips(tmp_path) -> None:
     assert t.moe_layers == [1, 2, 3] and t.num_decoder_layers == 4
     c = t.counts()
     s = model.stats
-    assert (c["tokens"], c["routed"], c["hits"], c["misses"], c["prefetches"]) == (
-        s["tokens"],
-        s["routed"],
-        s["hits"],
-        s["misses"],
-        s["prefetches"],
-    )
+    keys = ("tokens", "routed", "hits", "misses", "prefetches", "substituted")
+    assert tuple(c[k] for k in keys) == tuple(s[k] for k in keys)
     assert all(len(st.slots) == 2 for tok in t.tokens for st in tok)
     t.save(tmp_path / "t.json")
     assert Trace.load(tmp_path / "t.json") == t

@@ -103,6 +103,8 @@ def test_markdown_table_columns_and_rows() -> None:
     rs[2].pop("delta_nll")
     rs[1].pop("greedy_agreement")
     rs[3]["delta_cloze_pts"] = {"mean": 4.2, "lo": 0.0, "hi": 8.4, "n": 48}
+    rs[3]["stats"]["substitution_rate"] = 0.1234
+    rs[0]["stats"]["substitution_rate"] = 0.0
     md = markdown_table(rs).splitlines()
     head = [c.strip() for c in md[0].strip("|").split("|")]
     assert head == [
@@ -114,6 +116,7 @@ def test_markdown_table_columns_and_rows() -> None:
         "rtx4090 ms/tok (host-free)",
         "h200 ms/tok (host-free)",
         "speedup (rtx4090, host-free)",
+        "subst. rate",
         "greedy agree",
         "Δ nats/tok [95% CI]",
         "Δ cloze pts [95% CI]",
@@ -123,9 +126,11 @@ def test_markdown_table_columns_and_rows() -> None:
     assert all(len(row) == len(head) for row in rows)
     assert rows[0][:2] == ["50%", "exact"] and rows[0][4] == "-"  # no prefetches
     assert rows[0][7] == "1.00x" and rows[1][7] == "-"  # speedup missing
-    assert rows[0][8] == "1.00" and rows[1][8] == "-"  # no greedy prompts: no agreement
-    assert rows[2][9] == "-" and rows[3][9] == "+0.0080 [+0.0040, +0.0160]"
-    assert rows[3][10] == "+4.2000 [+0.0000, +8.4000]" and rows[0][10] == "-"
+    # the substitution rate; "-" in results written before it was counted
+    assert [r[8] for r in rows] == ["0.000", "-", "-", "0.123"]
+    assert rows[0][9] == "1.00" and rows[1][9] == "-"  # no greedy prompts: no agreement
+    assert rows[2][10] == "-" and rows[3][10] == "+0.0080 [+0.0040, +0.0160]"
+    assert rows[3][11] == "+4.2000 [+0.0000, +8.4000]" and rows[0][11] == "-"
     assert "Δ nats" not in markdown_table([result("exact", 0.5, ms=1, miss=1)])
     assert (
         markdown_table([result("exact", 0.375, ms=1, miss=1)])

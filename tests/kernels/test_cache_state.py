@@ -72,7 +72,8 @@ def _assert_equal(o: Oracle, state: torch.Tensor, lo: cs.CacheLayout, C: int, ki
     pending = row[lo.pending : lo.pending + E].nonzero().flatten().tolist()
     assert set(pending) == o.cache._pending_prefetch
     hdr = row[lo.header : lo.header + cs.HEADER_SIZE].tolist()
-    assert dict(zip(cs.COUNT_NAMES, hdr[cs.COUNTS : cs.COUNTS + 5], strict=True)) == o.counts
+    counts = hdr[cs.COUNTS : cs.COUNTS + len(cs.COUNT_NAMES)]
+    assert dict(zip(cs.COUNT_NAMES, counts, strict=True)) == o.counts
     if kind == cs.KIND_MISS:
         rows, count = row[lo.miss_list : lo.pf_list].view(-1, 3).tolist(), hdr[cs.MISS_N]
     else:

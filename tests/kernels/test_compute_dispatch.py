@@ -86,7 +86,7 @@ def test_kernel_ops_are_the_kernels_or_the_references(monkeypatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     tri, ref = pk.kernel_ops("triton", "cpu"), pk.kernel_ops("torch", "cpu")
     assert isinstance(tri, pk.KernelOps) and isinstance(ref, pk.KernelOps)
-    names = ("route", "route_hidden", "predict_next", "expert_ffn", "decode_step")
+    names = ("route", "route_hidden", "predict_next", "expert_ffn", "decode_step", "route_counted")
     # One entry per operation: expert_ffn serves float and quantized rows (its fmt).
     assert [f.name for f in dataclasses.fields(pk.KernelOps)] == ["path", *names]
     assert [getattr(tri, n) for n in names] == [getattr(pk, n) for n in names]

@@ -5,6 +5,7 @@ over scorings, group limits, dtypes and n; non-finite inputs set the flag."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -97,6 +98,10 @@ def test_reference_equals_the_host_driven_step(case) -> None:
     w, ids = decode_step_ref(logits, spec, state, layout, 1, out_dtype=torch.float32, **kw)
     assert torch.equal(ids, ids_host) and torch.equal(w, w_host)
     assert cs.cache_order(state, layout, 1) == cache.order()
+    # substituted: the routed ids outside the same router's unbiased top-k
+    _, exact = pk.route_ref(logits, dataclasses.replace(spec, lam=0.0), bias=args["bias"])
+    want = len(set(ids_host[0].tolist()) - set(exact[0].tolist()))
+    assert int(state[1, layout.header + cs.COUNTS + cs.SUBSTITUTED]) == want
     row = state[1]
     lst = row[layout.miss_list : layout.miss_list + 3 * spec.top_k].view(-1, 3)
     m = int(row[layout.header + cs.MISS_N])

@@ -54,7 +54,7 @@ SCRIPT = textwrap.dedent(
              "mask_ptr": p("u8"), "bias_ptr": p("fp32"), "weights_ptr": p("fp32"),
              "ids_ptr": p("i64"), "logits_ptr": p("fp32"), "incache_ptr": p("u8"),
              "lam": "fp32", "scaling": "fp32", "norm_min": "fp32", "mixer_eps": "fp32",
-             "gbias_ptr": p("bf16")}
+             "gbias_ptr": p("bf16"), "subst_ptr": p("i32")}
     for arch, (E, k, H, F, grouped), (op, T) in itertools.product((80, 90), shapes, ops):
         group = dict(n_group=8, topk_group=4) if grouped else {}
         scoring = "sigmoid" if grouped else "softmax"
@@ -66,6 +66,7 @@ SCRIPT = textwrap.dedent(
             spec, num_tokens=T, num_experts=E, hidden_size=None if op == "route" else H,
             has_norm=op == "predict_next", has_mask=True, has_bias=grouped,
             store_logits=op == "route_hidden", store_incache=op == "predict_next",
+            store_subst=op == "route",  # the host step's route_counted
         ))
         warps = cfg.pop("num_warps")
         compile_(_route_kernel, types, cfg, warps, arch)

@@ -26,7 +26,16 @@ POLICIES = [
     ("cache-prior", {"lam": 0.5}),
     ("psr", {"lam": 0.5, "n": 2}),
 ]
-COUNTS = ("tokens", "routed", "hits", "misses", "prefetches", "prefetch_used", "copies")
+COUNTS = (
+    "tokens",
+    "routed",
+    "hits",
+    "misses",
+    "prefetches",
+    "prefetch_used",
+    "substituted",
+    "copies",
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +65,24 @@ def test_device_step_equals_host_step(ckpts, family, policy, kw) -> None:
     dev = _decode(dev_model)
     assert dev[0] == host[0]
     assert torch.equal(dev[1], host[1])  # bit-identical logits: the same kernels and order
-    assert dev[2] == host[2]
+    assert dev[2] == host[2]  # substituted too: the kernel's count equals the host's
+    if policy.startswith("exact"):  # no bias, nothing substituted, by construction
+        assert dev[2]["substituted"] == 0
     # per-token records, row by row: the device step's come from its on-device snapshots
     assert _rows(dev_model) == _rows(host_model)
     assert len(_rows(dev_model)) == 2 * NEW - 1  # generate's NEW - 1, decode_logits' NEW
 
 
-ROW_KEYS = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
+ROW_KEYS = (
+    "routed",
+    "hits",
+    "misses",
+    "prefetches",
+    "prefetch_used",
+    "substituted",
+    "copies",
+    "bytes_copied",
+)
 
 
 def _rows(model: psr.OffloadedModel) -> list[tuple[float, ...]]:

@@ -9,4 +9,7 @@ BUDGET = 0.01  # nats/token: the 95% upper bound of the quality cost a tuned poi
 SWEEP_LAMS = (0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5)  # from the untuned default (policy.py) up
 SWEEP_NS = (0, 1, 2)
 DEFAULT_PROFILES = ("rtx4090", "h200")  # the latency profiles tables report, first = main
+# `psr tune`'s greedy agreement on set B: a few prompts, next to its Δ nats/token.
+TUNE_PROMPTS = 2
+TUNE_GEN_TOKENS = 32
 PROFILE = "rtx4090"  # the latency profile points are tuned for unless told otherwise

@@ -77,7 +77,7 @@ def markdown_table(
     cols += [f"speedup ({p0}, host-free)"]
     if host:
         cols += [f"speedup ({p0}, host-aware)"]
-    cols += ["greedy agree"]
+    cols += ["subst. rate", "greedy agree"]
     has_nll = has_quality(results)
     has_cloze = any("delta_cloze_pts" in r for r in results)
     if has_nll:
@@ -101,6 +101,9 @@ def markdown_table(
             row += [f"{aware[p]['ms_per_token']:.2f}" if p in aware else "-" for p in profiles]
         speedups = [r.get("speedup", {})] + ([r.get("speedup_host", {})] if host else [])
         row += [f"{sp[p0]:.2f}x" if p0 in sp else "-" for sp in speedups]
+        # results written before the count have no rate: "-"
+        sub = s.get("substitution_rate")
+        row.append(f"{sub:.3f}" if sub is not None else "-")
         row.append(f"{r['greedy_agreement']:.2f}" if r.get("greedy_agreement") is not None else "-")
         for key, on in (("delta_nll", has_nll), ("delta_cloze_pts", has_cloze)):
             if on:

@@ -24,6 +24,8 @@ from psr.eval.defaults import (
     PROMPT_TOKENS,
     SWEEP_LAMS,
     SWEEP_NS,
+    TUNE_GEN_TOKENS,
+    TUNE_PROMPTS,
     WINDOW_TOKENS,
     WINDOWS,
 )
@@ -419,6 +421,10 @@ def _replicate(
                         "B": rb["delta_nll"],
                         "speedup_A": cand["speedup"][profile],
                         "speedup_B": rb["speedup"][profile],
+                        # how far the routing moved: routed experts outside the exact top-k
+                        "substitution_rate_A": cand["stats"].get("substitution_rate"),
+                        "substitution_rate_B": rb["stats"]["substitution_rate"],
+                        "greedy_agreement_B": rb.get("greedy_agreement"),
                         "replicated": ok,
                     }
                 )
@@ -426,6 +432,10 @@ def _replicate(
                     chosen[f"{rho:g}"][fam] = pol
                     break
     return chosen, log, replicated
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.3f}"
 
 
 def tune(
@@ -481,7 +491,8 @@ def tune(
         windows=windows,
         window_tokens=window_tokens,
         prompt_tokens=PROMPT_TOKENS,
-        prompts=0,
+        prompts=TUNE_PROMPTS,  # greedy agreement beside Δ nats in the report
+        gen_tokens=TUNE_GEN_TOKENS,
     )
     chosen, log, replicated = _replicate(path, sel, data_b, residencies, budget, profile, progress)
     meta = {
@@ -505,7 +516,9 @@ def tune(
             f"  {row['residency']:.1%} {row['policy']:<22} A: {row['A']['mean']:+.4f} "
             f"[{row['A']['lo']:+.4f}, {row['A']['hi']:+.4f}] {row['speedup_A']:.2f}x | "
             f"B: {row['B']['mean']:+.4f} [{row['B']['lo']:+.4f}, {row['B']['hi']:+.4f}] "
-            f"{row['speedup_B']:.2f}x  {'kept' if row['replicated'] else 'not replicated'}"
+            f"{row['speedup_B']:.2f}x subst. {_rate(row['substitution_rate_B'])} "
+            f"greedy {_rate(row['greedy_agreement_B'])}  "
+            f"{'kept' if row['replicated'] else 'not replicated'}"
         )
     for rho, fams in chosen.items():
         for fam in sorted({"cache-prior", "psr"} - set(fams)):

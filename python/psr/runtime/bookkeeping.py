@@ -56,17 +56,28 @@ class HostCaches:
         return len(slots)
 
     def use(
-        self, layer: MoELayer, routed: Sequence[int], physical: bool, trace_token: int = -1
+        self,
+        layer: MoELayer,
+        routed: Sequence[int],
+        physical: bool,
+        trace_token: int = -1,
+        substituted: int = 0,
     ) -> None:
-        """Spec `use` of `routed`; each miss copied into its slot."""
+        """Spec `use` of `routed`; each miss copied into its slot. `substituted`: how many
+        of `routed` the router's own exact top-k does not hold (the routing op counted it;
+        the logical cache does not know it)."""
         routed = list(routed)
         r = layer.cache.use(routed)
         rec = self.acct.recorder
         if rec is not None:
-            rec.routed(layer.index, routed, r.hits, trace_token)
+            rec.routed(layer.index, routed, r.hits, trace_token, substituted)
         n = self.copy(layer, r.misses, "miss", physical)
         self.acct.count(
-            routed=len(routed), hits=r.hits, misses=len(r.misses), prefetch_used=r.prefetch_used
+            routed=len(routed),
+            hits=r.hits,
+            misses=len(r.misses),
+            prefetch_used=r.prefetch_used,
+            substituted=substituted,
         )
         self.acct.count_copies(n, layer.index)
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 SNAPSHOT_ROWS = 64  # per-token snapshots held on the device before the buffer doubles
 # ... up to this many: then the stats are read (one read per this many tokens), so a long
-# generation's buffer stays small (4096 x layers x 6 int32).
+# generation's buffer stays small (4096 x layers x (counters + flag) int32).
 MAX_SNAPSHOT_ROWS = 4096
 
 

@@ -41,11 +41,14 @@ class HostDecode(Step):
         lam = rt.steering.lam(layer)
         mask = rt.book.mask(layer, rt.policy, x.device) if lam > 0 else None
         try:
-            w, ids = rt.ops.route(logits, rt.spec.route_spec(lam), mask=mask, bias=layer.bias)
+            w, ids, sub = rt.ops.route_counted(
+                logits, rt.spec.route_spec(lam), mask=mask, bias=layer.bias
+            )
         except pk.NonFiniteError as e:
             raise non_finite([layer.index], "found while decoding") from e
-        routed = ids[0].tolist()
-        rt.book.use(layer, routed, physical=True)
+        # One host read of the ids and the substituted count together.
+        *routed, substituted = torch.cat([ids[0], sub.to(ids.dtype)]).tolist()
+        rt.book.use(layer, routed, physical=True, substituted=substituted)
         self.pending[layer.index] = (routed, ids)
         try:
             predictions = rt.steering.predictions(layer, layer.need_residual())
@@ -112,6 +115,8 @@ class VerifyBlock(HostDecode):
         assert rt.block_k is not None
         lam = rt.steering.lam(layer)
         mask = rt.book.mask(layer, rt.policy, logits.device) if lam > 0 else None
+        # Not counted as substituted: a verify step routes one set for its block, and its
+        # `routed` count is that set, not the tokens' top-k slots the count compares.
         chosen, w, ids = pk.route_block(
             logits, rt.spec.route_spec(lam), rt.block_k, mask=mask, bias=layer.bias
         )

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
-COUNT_KEYS = ("routed", "hits", "misses", "prefetches", "prefetch_used", "copies", "bytes_copied")
+COUNT_KEYS = (
+    "routed",
+    "hits",
+    "misses",
+    "prefetches",
+    "prefetch_used",
+    "substituted",  # routed experts not in the layer's own exact (unbiased) top-k
+    "copies",
+    "bytes_copied",
+)
 # The deterministic counts and rates that results files keep (Stats.report()) ...
 REPORT_KEYS = (
     "tokens",
@@ -16,6 +25,8 @@ REPORT_KEYS = (
     "hit_rate",
     "misses_per_token",
     "prefetch_used_frac",
+    "substituted",
+    "substitution_rate",
     "copies",
     "bytes_copied",
 )
@@ -71,6 +82,7 @@ class Stats(Mapping[str, float]):
         t["hit_rate"] = t["hits"] / t["routed"] if t["routed"] else 0.0
         t["misses_per_token"] = t["misses"] / n
         t["prefetch_used_frac"] = t["prefetch_used"] / t["prefetches"] if t["prefetches"] else 0.0
+        t["substitution_rate"] = t["substituted"] / t["routed"] if t["routed"] else 0.0
         t["tokens_per_s"] = t["tokens"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
         return t
 
@@ -97,6 +109,10 @@ class Stats(Mapping[str, float]):
             ("hit rate", f"{s['hit_rate']:.3f}"),
             ("misses per decode step", f"{s['misses_per_token']:.2f}"),
             ("prefetch copies (used)", f"{s['prefetches']:.0f} ({s['prefetch_used']:.0f})"),
+            (
+                "substituted (rate)",
+                f"{s['substituted']:.0f} ({s['substitution_rate']:.3f} of routed)",
+            ),
             ("bytes copied", f"{s['bytes_copied'] / 2**20:.1f} MiB"),
             ("stall time", f"{s['stall_s'] * 1e3:.1f} ms"),
             ("tokens / s", f"{s['tokens_per_s']:.1f}"),

@@ -28,6 +28,9 @@ class LayerStep:
     slots: list[int]
     hits: int
     copies: list[Copy] = field(default_factory=list)
+    # Routed experts not in the layer's own exact top-k (0 in traces written before it
+    # was recorded); the latency model does not read it.
+    substituted: int = 0
 
 
 # What the host does for one decode step (psr.eval.host_path measures it on a real decode;
@@ -127,10 +130,12 @@ class Trace:
 
     def counts(self) -> dict[str, int]:
         c = {"tokens": len(self.tokens), "routed": 0, "hits": 0, "misses": 0, "prefetches": 0}
+        c["substituted"] = 0
         for tok in self.tokens:
             for s in tok:
                 c["routed"] += len(s.experts)
                 c["hits"] += s.hits
+                c["substituted"] += s.substituted
                 c["misses"] += sum(x.kind == "miss" for x in s.copies)
                 c["prefetches"] += sum(x.kind == "prefetch" for x in s.copies)
         return c
@@ -162,9 +167,12 @@ class TraceRecorder:
         self.trace.tokens.append([])
         return len(self.trace.tokens) - 1
 
-    def routed(self, layer: int, experts: list[int], hits: int, token: int = -1) -> None:
-        """Layer `layer` routed `experts` for `token` (default: the newest)."""
-        self._step = LayerStep(layer, list(experts), [], hits)
+    def routed(
+        self, layer: int, experts: list[int], hits: int, token: int = -1, substituted: int = 0
+    ) -> None:
+        """Layer `layer` routed `experts` for `token` (default: the newest), `substituted`
+        of them not in its exact top-k."""
+        self._step = LayerStep(layer, list(experts), [], hits, substituted=substituted)
         self.trace.tokens[token].append(self._step)
 
     def copy(

@@ -90,11 +90,11 @@ class ScoringWindow(Step):
                 routed, _ = self.blocks.pending.pop(L.index)
             else:
                 mask = rt.book.mask(L, rt.policy, logits.device) if lam > 0 else None
-                w, ids = rt.ops.route(
+                w, ids, sub = rt.ops.route_counted(
                     logits[t0:t1], biased, mask=mask, bias=L.bias, check_finite=False
                 )
-                routed = ids[0].tolist()
-                rt.book.use(L, routed, False, trace_token)
+                *routed, substituted = torch.cat([ids[0], sub.to(ids.dtype)]).tolist()
+                rt.book.use(L, routed, False, trace_token, substituted)
             if rec is not None:
                 rec.read(L.index, L.slots.slots(routed))
             ws.append(w)

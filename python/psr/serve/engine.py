@@ -473,6 +473,7 @@ class Engine:
             "misses": int(d["misses"]),
             "prefetches": int(d["prefetches"]),
             "prefetch_used": int(d["prefetch_used"]),
+            "substituted": int(d["substituted"]),
             "bytes_copied": int(d["bytes_copied"]),
             "stall_s": round(float(d["stall_s"]), 6),
             "prefill_bytes": int(d["prefill_bytes"]),

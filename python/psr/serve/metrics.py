@@ -86,6 +86,10 @@ class Metrics:
         self.misses = counter("psr_expert_misses", "Routed experts copied in on demand")
         self.prefetches = counter("psr_prefetches", "Predicted experts copied ahead")
         self.prefetches_used = counter("psr_prefetches_used", "Prefetched experts that were routed")
+        self.substituted = counter(
+            "psr_substituted_experts",
+            "Routed experts not in the router's own exact top-k (the cache bias chose them)",
+        )
         self.copied_bytes = by(
             Counter, "psr_copied_bytes", "Expert bytes copied to the device", "phase", PHASES
         )
@@ -146,6 +150,7 @@ class Metrics:
         self.misses.inc(stats["misses"])
         self.prefetches.inc(stats["prefetches"])
         self.prefetches_used.inc(stats["prefetch_used"])
+        self.substituted.inc(stats["substituted"])
         self.copied_bytes.labels("prefill").inc(stats["prefill_bytes"])
         self.copied_bytes.labels("decode").inc(stats["bytes_copied"])
         self.stall.labels("prefill").inc(stats["prefill_stall_s"])
