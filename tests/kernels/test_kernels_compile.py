@@ -37,11 +37,23 @@ SCRIPT = textwrap.dedent(
         ggml_format, ggml_launch_config,
     )
 
-    def compile_(fn, types, consts, warps, arch):
+    import concurrent.futures
+    import importlib
+    import os
+
+    JOBS = []  # compiled at the end, one process per core (each compile is single-threaded)
+
+    def build(job):
+        module, name, types, consts, warps, arch = job
+        fn = getattr(importlib.import_module(module), name)
         sig = {a: "constexpr" if a in consts else types.get(a, "i32") for a in fn.arg_names}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts)
         k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-        assert k.asm["cubin"], fn.__name__
+        assert k.asm["cubin"], name
+        return name
+
+    def compile_(fn, types, consts, warps, arch):
+        JOBS.append((fn.fn.__module__, fn.fn.__name__, types, dict(consts), warps, arch))
 
     p = lambda t: "*" + t
     n = 0
@@ -170,7 +182,11 @@ SCRIPT = textwrap.dedent(
     compile_(_ggml_decode_kernel, {"src": p("u8"), "out": p("fp32")},
              dict(T=12, BLOCK_R=16, BLOCK_K=128), 4, 90)
     n += 1
-    print("compiled", n)
+    if __name__ == "__main__":
+        with concurrent.futures.ProcessPoolExecutor(os.cpu_count() or 1) as pool:
+            done = list(pool.map(build, JOBS))
+        assert len(done) == len(JOBS) == n
+        print("compiled", n)
     """
 )
 
