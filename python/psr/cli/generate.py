@@ -27,7 +27,6 @@ from psr.cli.args import (
 from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS
 
 # Files whose presence makes psr.models.load load a tokenizer.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def add_generate(sub: Any) -> None:

@@ -15,7 +15,7 @@ import mmap
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -57,6 +57,14 @@ def is_gguf(path: str | Path) -> bool:
     if p.is_file() or p.suffix == ".gguf":
         return p.suffix == ".gguf"
     return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
+
+
+def open_gguf(path: str | Path) -> Any:
+    """The GGUF checkpoint at `path` (psr.models.gguf.GGUFCheckpoint; imported here, on
+    use, as it pulls in gguf-py)."""
+    from psr.models.gguf import GGUFCheckpoint
+
+    return GGUFCheckpoint(path)
 
 
 def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[str]:

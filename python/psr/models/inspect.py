@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 import psr_kernels as pk
-from psr.models.checkpoint import read_config
 from psr.models.families import (
     EXPERT_KINDS,
     FAMILIES,
@@ -145,18 +144,14 @@ def _graphs(config: Any) -> str:
     return "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
 
 
-def _gguf_experts(path: str | Path, H: int, F: int, moe_layers: list[int]) -> list[str]:
-    """A GGUF file's row format per MoE layer (its tensor table only: nothing is read)."""
-    from psr.models.gguf import GGUFCheckpoint
-    from psr.models.gguf_load import PARTS
+def _gguf_experts(path: str | Path, spec: Any, moe_layers: list[int]) -> list[str]:
+    """A GGUF file's row format per MoE layer, checked as psr.load checks them (its tensor
+    table only: nothing is read)."""
+    from psr.models.gguf_load import layer_formats, open_gguf
 
-    ck = GGUFCheckpoint(path)
+    ck = open_gguf(path)
     try:
-        fmts = []
-        for d in moe_layers:
-            et = ck.expert_tensors(d)
-            fmts.append(pk.ggml_format(*(et[p].ggml_type for p in PARTS)))
-        return fmts
+        return layer_formats(ck, spec, moe_layers)
     finally:
         ck.close()
 
@@ -171,7 +166,7 @@ def inspect(path: str | Path) -> Inspection:
     from psr.runtime.kv import kv_bytes
 
     gguf = is_gguf(path)
-    raw = model_config(path) if gguf else read_config(path)
+    raw = model_config(path)
     mt = str(raw.get("model_type"))
     try:
         cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
@@ -200,7 +195,7 @@ def inspect(path: str | Path) -> Inspection:
     n = len(sparse)
     types: dict[str, int] = {}
     if gguf:  # the file's own blocks: one format per layer
-        fmts = _gguf_experts(path, H, F, sparse)
+        fmts = _gguf_experts(path, spec, sparse)
         rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmts]
         types = {f: fmts.count(f) for f in dict.fromkeys(fmts)}
         per = {"gguf": round(sum(rows) / len(rows))}

@@ -49,6 +49,7 @@ from psr.models.gguf_load import (
     is_gguf,
     layer_formats,
     make_block_store,
+    open_gguf,
 )
 from psr.models.hf import (
     block_of,
@@ -61,6 +62,7 @@ from psr.models.hf import (
     uninstall,
 )
 from psr.models.quant_cache import QuantCache, resolve_root
+from psr.models.sources import TOKENIZER_FILES
 from psr.points import resolve_policy
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
 from psr.runtime.model import OffloadedModel
@@ -468,16 +470,18 @@ def _resolve_options(
     expert_format: str | None,
     quality_budget: float | None,
     quant_cache: bool | str | Path | None,
+    raw: dict[str, Any],
     config: Any = None,
 ) -> LoadOptions:
-    """Check and resolve `load`'s options, in the order their errors are reported
-    (`config`: a GGUF file's, else the folder's config.json is read)."""
+    """Check and resolve `load`'s options, in the order their errors are reported (`raw`:
+    the checkpoint's config dict; `config`: a GGUF file's config object, else transformers
+    reads the folder's)."""
     import transformers
 
     gguf = config is not None
     if config is None:
         config = transformers.AutoConfig.from_pretrained(str(path))
-    method = None if gguf else prequant.quant_method(read_config(path), str(path))
+    method = None if gguf else prequant.quant_method(raw, str(path))
     if method is not None:
         # psr dequantizes dense weights itself and keeps experts in their blocks: the model
         # is built plain (transformers would swap in its own quantized modules).
@@ -527,15 +531,13 @@ def _meta_model(opts: LoadOptions) -> tuple[nn.Module, list[int]]:
 
 
 def _build_model(
-    ckpt: Checkpoint | Any, opts: LoadOptions, meta: tuple[nn.Module, list[int]] | None = None
+    ckpt: Checkpoint | Any, opts: LoadOptions, meta: tuple[nn.Module, list[int]]
 ) -> tuple[nn.Module, list[int]]:
-    """The transformers model built on the meta device (or `meta`, built already), then
-    every tensor but the MoE experts read from the checkpoint onto the compute device; and
-    its MoE layers' indices."""
+    """The meta model `meta` (`_meta_model`) with every tensor but the MoE experts read from
+    the checkpoint onto the compute device; and its MoE layers' indices."""
     dt, dev = opts.dtype, opts.device
-    built = meta if meta is not None else _meta_model(opts)
-    model: Any = built[0]  # transformers' model class (untyped)
-    moe_idx = built[1]
+    model: Any = meta[0]  # transformers' model class (untyped)
+    moe_idx = meta[1]
     block = model_family(model).block
     expert_prefixes = tuple(f"model.layers.{d}.{block}.experts." for d in moe_idx)
     state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
@@ -637,19 +639,12 @@ def _block_readers(
     return [prequant.layer_format(method)] * len(moe_idx), readers, method
 
 
-def open_gguf(path: str | Path) -> Any:
-    """The GGUF checkpoint at `path` (psr.models.gguf, which needs the gguf package)."""
-    from psr.models.gguf import GGUFCheckpoint
-
-    return GGUFCheckpoint(path)
-
-
 def _tokenizer(path: str | Path, ckpt: Any = None) -> Any:
     """The folder's tokenizer (a GGUF file's, from its metadata), or None when it ships
     none."""
-    if ckpt is not None and hasattr(ckpt, "tokenizer"):  # GGUF: when its metadata has one
+    if ckpt is not None:  # GGUF: when its metadata has one
         return ckpt.tokenizer() if ckpt.metadata("tokenizer.ggml.model") else None
-    if not any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not any((Path(path) / f).exists() for f in TOKENIZER_FILES):
         return None
     import transformers
 
@@ -741,6 +736,7 @@ def load(
             expert_format=expert_format,
             quality_budget=quality_budget,
             quant_cache=quant_cache,
+            raw=ckpt.config_dict,
             config=ckpt.config if gguf else None,
         )
         spec = opts.spec
