@@ -73,6 +73,9 @@ class DeviceDecode(Step):
         self.live = False  # the state holds the current sequence's caches
         self.pending: dict[int, torch.Tensor] = {}
         self._seen = torch.zeros(L, len(cs.COUNT_NAMES), dtype=torch.int64)
+        # Each MoE layer's row bytes (a copy's), for the bytes copied: rows differ per layer
+        # in a mixed GGUF file.
+        self._row_bytes = torch.tensor(rt.acct.expert_bytes, dtype=torch.int64)
         # Counter columns (COUNTS .. FLAG) of every layer, one row per decode token since
         # the last read, and one more for the read itself.
         self._cols = slice(lo.header + cs.COUNTS, lo.header + cs.FLAG + 1)
@@ -242,8 +245,7 @@ class DeviceDecode(Step):
         and prefetches at its own row size (rows differ per layer in a mixed GGUF file)."""
         names = cs.COUNT_NAMES
         copies = counts[..., names.index("misses")] + counts[..., names.index("prefetches")]
-        eb = torch.tensor(self.rt.acct.expert_bytes, dtype=torch.int64)
-        return (copies.to(torch.int64) * eb).sum(-1)
+        return (copies.to(torch.int64) * self._row_bytes).sum(-1)
 
     def drain(self, rows: torch.Tensor | None = None) -> None:
         """Add the counts accumulated since the last read to the stats, and each
