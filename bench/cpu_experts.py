@@ -81,7 +81,20 @@ def _rows(buf: torch.Tensor, H: int, F: int, fmt: str | None, dtype: torch.dtype
     else:
         nbytes = pk.QuantLayout.of(fmt, H, F, group_size(H, F)).nbytes
     n = buf.numel() // nbytes
-    return buf[: n * nbytes].view(dtype).view(n, -1)
+    rows = buf[: n * nbytes].view(dtype).view(n, -1)
+    return _mxfp4_scales(rows, fmt, H, F) if fmt is not None and "MXFP4" in fmt else rows
+
+
+def _mxfp4_scales(rows: torch.Tensor, fmt: str, H: int, F: int) -> torch.Tensor:
+    """A copy whose MXFP4 blocks have scale 2^0: the shared bytes' e8m0 (0x3a: 2^-69) makes
+    the FFN's intermediate subnormal, which the CPU's floating point slows to a crawl and no
+    real model has."""
+    rows = rows.clone()
+    lay = pk.GGMLLayout.of(fmt, H, F)
+    for t, at, nb in zip(lay.types, (lay.gate, lay.up, lay.down), lay.part_bytes, strict=True):
+        if t == "MXFP4":
+            rows[:, at : at + nb : 17] = 127
+    return rows
 
 
 class _Walk:
