@@ -97,6 +97,16 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+def psr_version() -> str:
+    """The installed psr's version (the package root is above every layer: not imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("psr")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def fingerprint(threads: int, gpu: str, version: str) -> dict[str, Any]:
     """What identifies the machine a profile was measured on."""
     return {

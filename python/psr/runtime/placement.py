@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from psr import machine
+import psr.machine as machine
 from psr.runtime.engine import OffloadRuntime
 from psr.vocab import experts_on_choice
 
@@ -22,10 +22,8 @@ def layer_keys(rt: OffloadRuntime) -> list[str]:
 
 def here(rt: OffloadRuntime) -> dict[str, object]:
     """This machine's fingerprint, as a profile measured here records it."""
-    import psr
-
     gpu = torch.cuda.get_device_name(rt.store.device) if rt.store.backend == "cuda" else "none"
-    return machine.fingerprint(torch.get_num_threads(), gpu, psr.__version__)
+    return machine.fingerprint(torch.get_num_threads(), gpu, machine.psr_version())
 
 
 def resolve_caps(
