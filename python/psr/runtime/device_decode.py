@@ -11,7 +11,8 @@ Per MoE layer l and decode token, in stream order:
   4. gather layer l's misses on the compute stream (mapped host rows -> slab slots);
   5. gather layer l + 1's prefetches on the side stream, forked here: it overlaps layer
      l's experts, and every earlier read of l + 1's slots is before the fork;
-  6. the experts, reading their slots through the device slot map.
+  6. the experts, reading their slots through the device slot map (experts_on cpu /
+     hybrid, CPU backend only: the kernel's CPU list computed from the host rows too).
 Counts accumulate in the state and are read when `stats` is read or a call ends; router
 inputs that are not finite set a flag checked then (`check`). Per-token records without a
 read per token: before each decode forward (`snapshot`) the counter columns of every

@@ -5,7 +5,10 @@ the ids on the host `LogicalCache` (each miss a store copy), predict and `prefet
 later layers (each insertion a store copy), then run the experts from the slab after the
 store's `acquire` waited for this layer's slots. The host reads the ids (a device sync
 per layer), so this path is the fallback: decode="host", the timing-dependent
-`cache-prior-async` strawman, steering variants beyond the spec, and trace recording.
+`cache-prior-async` strawman, steering variants beyond the spec, and trace recording;
+and on CUDA, experts_on cpu / hybrid: the misses `use` did not insert are computed on the
+CPU from the host rows (`split_experts`, a synchronous hand-off: issue 27 part 3 makes it
+mapped memory).
 """
 
 from __future__ import annotations
