@@ -154,3 +154,16 @@ def test_hybrid_on_the_cpu_backend_without_a_profile_copies_nothing(
     monkeypatch.setenv("PSR_HOME", str(tmp_path))  # no machine profile here
     model = psr.load(ckpts["olmoe"], "exact", 0.5, experts_on="hybrid", progress=False)
     assert model.runtime.inserts == [0, 0, 0]
+
+
+def test_scoring_counts_cpu_experts_as_decoding_does(ckpts) -> None:
+    """A teacher-forced window (`score`) routes and counts as token-by-token decoding,
+    the capped use included."""
+    tokens, logits, counts, model = _run(ckpts["olmoe"], "psr", "hybrid:1", lam=0.3, n=1)
+    model.reset_stats()
+    model.decode_logits(torch.tensor([tokens]), PROMPT.shape[1])
+    want = {k: model.stats[k] for k in COUNTS}
+    model.reset_stats()
+    scored = model.score(torch.tensor([tokens]), PROMPT.shape[1])
+    assert {k: model.stats[k] for k in COUNTS} == want and want["cpu_experts"] > 0
+    torch.testing.assert_close(scored, logits, rtol=1e-4, atol=1e-4)
