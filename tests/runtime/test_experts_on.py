@@ -159,7 +159,7 @@ def test_hybrid_on_the_cpu_backend_without_a_profile_copies_nothing(
 def test_scoring_counts_cpu_experts_as_decoding_does(ckpts) -> None:
     """A teacher-forced window (`score`) routes and counts as token-by-token decoding,
     the capped use included."""
-    tokens, logits, counts, model = _run(ckpts["olmoe"], "psr", "hybrid:1", lam=0.3, n=1)
+    tokens, logits, _, model = _run(ckpts["olmoe"], "psr", "hybrid:1", lam=0.3, n=1)
     model.reset_stats()
     model.decode_logits(torch.tensor([tokens]), PROMPT.shape[1])
     want = {k: model.stats[k] for k in COUNTS}
