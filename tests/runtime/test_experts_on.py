@@ -167,3 +167,21 @@ def test_scoring_counts_cpu_experts_as_decoding_does(ckpts) -> None:
     scored = model.score(torch.tensor([tokens]), PROMPT.shape[1])
     assert {k: model.stats[k] for k in COUNTS} == want and want["cpu_experts"] > 0
     torch.testing.assert_close(scored, logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_triton_device_step_equals_the_host_step(ckpts) -> None:
+    """The fused decode kernel (interpreted here) with the miss-copy cap in its state row:
+    the CPU list it writes gives the host step's tokens and counts."""
+    kw = dict(lam=0.3, n=1, compute="triton")
+
+    def run(decode: str) -> tuple[list[int], dict[str, float]]:
+        model = psr.load(
+            ckpts["olmoe"], "psr", RESIDENCY, decode=decode, experts_on="hybrid:1",
+            progress=False, **kw,
+        )  # fmt: skip
+        tokens = model.generate(PROMPT, max_new_tokens=3)
+        return tokens[0].tolist(), {k: model.stats[k] for k in COUNTS}
+
+    dev, host = run("device"), run("host")
+    assert dev == host and dev[1]["cpu_experts"] > 0

@@ -70,7 +70,8 @@ class HostCaches:
         inserted (experts_on cpu / hybrid: `LogicalCache.use`); returns the misses not
         inserted, which the step computes on the CPU."""
         routed = list(routed)
-        r = layer.cache.use(routed, max_inserts)
+        # gpu: the spec's `use`, called as before the cap existed
+        r = layer.cache.use(routed) if max_inserts is None else layer.cache.use(routed, max_inserts)
         rec = self.acct.recorder
         if rec is not None:
             rec.routed(layer.index, routed, r.hits, trace_token, substituted, len(r.cpu))
