@@ -32,6 +32,7 @@ def test_generate_on_the_cpu_counts_cpu_experts(ckpt, capsys, tmp_path) -> None:
     argv += ["--policy", "exact", "--max-new-tokens", "4", "--quiet", "--json", str(out_json)]
     rc, out, _ = _run([*argv, "--experts-on", "hybrid", "--hybrid-m", "0,1,0"], capsys)
     assert rc == 0 and "routed experts on the CPU" in out
+    assert ", experts on hybrid:0,1,0, graphs " in out
     s = json.loads(out_json.read_text())["stats"]
     assert s["cpu_experts"] > 0 and s["copies"] == s["misses"] - s["cpu_experts"]
 

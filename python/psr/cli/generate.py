@@ -298,7 +298,8 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
         f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
         f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
-        f"graphs {model.graph_status}"
+        + (f"experts on {_experts_on(args)}, " if args.experts_on != "gpu" else "")
+        + f"graphs {model.graph_status}"
     )
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:
