@@ -185,3 +185,18 @@ def test_the_triton_device_step_equals_the_host_step(ckpts) -> None:
 
     dev, host = run("device"), run("host")
     assert dev == host and dev[1]["cpu_experts"] > 0
+
+
+def test_the_cpu_backend_device_step_reads_only_the_cpu_list_count(ckpts) -> None:
+    """The device step with CPU experts reads one value per MoE layer and token: the CPU
+    list's count (the CPU kernels take a host-sized list); nothing else, no h2d."""
+    from psr.eval.host_path import HostProbe
+
+    model = psr.load(ckpts["olmoe"], "psr", RESIDENCY, lam=0.3, n=1, experts_on="cpu",
+                     progress=False)  # fmt: skip
+    with HostProbe(model) as probe:
+        model.generate(PROMPT, max_new_tokens=4)
+    sites = probe.read_sites()
+    assert len(probe.steps) == 3 and probe.per_token()["h2d"] == 0
+    assert all("device_decode.py" in s for s in sites), sites
+    assert sum(sites.values()) == len(probe.steps) * len(model.runtime.layers)
