@@ -187,6 +187,7 @@ def offload(
     decode: str = "device",
     graphs: bool | str = "auto",
     progress: bool = True,
+    experts_on: str = "gpu",
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
 
@@ -195,7 +196,7 @@ def offload(
     the experts under their original names. The experts' weights move into the store:
     the replaced experts module is kept with its parameters on the meta device (no
     memory), and `psr.restore` rebuilds it from the store. Returns an OffloadedModel
-    wrapping the same model (for `.stats`, `.generate`, ...).
+    wrapping the same model (for `.stats`, `.generate`, ...). `experts_on`: as `load`.
     """
     if not isinstance(hf_model, nn.Module) or not hasattr(hf_model, "config"):
         raise TypeError(
@@ -210,6 +211,7 @@ def offload(
     vocab.compute_choice(compute)
     vocab.decode_mode(decode)
     vocab.graphs_choice(graphs)
+    where, hybrid_m = vocab.parse_experts_on(experts_on)
     fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
     fam = model_family(hf_model)
@@ -226,6 +228,8 @@ def offload(
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode, biases)
     om = OffloadedModel(hf_model, runtime, restorer=restore)
     om.graphs = graphs
+    if where != "gpu":
+        om.set_experts_on(where, hybrid_m)
     return om
 
 
@@ -673,6 +677,7 @@ def load(
     quality_budget: float | None = None,
     quant_cache: bool | str | Path | None = False,
     progress: bool = True,
+    experts_on: str = "gpu",
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
 
@@ -712,8 +717,17 @@ def load(
             'psr' then require the model's operating point tuned by `psr tune` for this
             budget or a tighter one (the embedded model ships points for 0.01); without
             it, such a policy without lam / n still takes the tuned point when one exists.
+        experts_on: where decode steps compute misses: 'gpu' (default: every miss copied
+            into the slab), 'cpu' (no miss copied: computed on the CPU from the host
+            rows, with psr's CPU expert kernels) or 'hybrid' (at most m misses per MoE
+            layer copied, the rest on the CPU; 'hybrid:M' or 'hybrid:M1,M2,...' gives m,
+            one for every MoE layer or one per layer; plain 'hybrid' chooses it from this
+            machine's profile, `psr bench machine`).
+            CPU and GPU arithmetic round differently: the modes may give different
+            tokens, each reproducible. `model.set_experts_on` switches later.
     """
     vocab.graphs_choice(graphs)
+    where, hybrid_m = vocab.parse_experts_on(experts_on)
     gguf = is_gguf(path)
     if gguf:
         ckpt: Any = open_gguf(path)
@@ -775,4 +789,6 @@ def load(
     om.graphs = graphs
     if drafter is not None:
         om.set_speculative(drafter, block_k if block_k is not None else min(2 * spec.top_k, C))
+    if where != "gpu":
+        om.set_experts_on(where, hybrid_m)
     return om
