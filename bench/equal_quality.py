@@ -166,7 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/cp_variants")
     ap.add_argument("--residency", default="0.5,0.25")
     ap.add_argument("--windows", type=int, default=80)
+    ap.add_argument("--replot", action="store_true", help="redraw --out's figures from its json")
     args = ap.parse_args(argv)
+    if args.replot:
+        from psr.eval import plots
+
+        out = Path(args.out)
+        saved = json.loads((out / "equal_quality_B.json").read_text())["results"]
+        plots.plot(saved, out / "equal_quality_B.png", (args.profile,))
+        plots.plot_frontier(saved, out / "equal_quality_B_frontier.png", args.profile)
+        return 0
     if args.measure:
         if args.model is None:
             from psr.models import DEFAULT_MODEL
