@@ -332,9 +332,9 @@ GRID = {
     "lam_ramp": [(lam, 2, v) for lam in (0.1, 0.15) for v in (-0.5, 0.5)],
     # (lam, n, J): the guard lets lam rise past the unguarded budget edge
     "cp_paper": [(lam, 0, 0.0) for lam in (0.05, 0.1)],
-    "cp_guard": [(lam, 0, 2.0) for lam in (0.1, 0.15)],
+    "cp_guard": [(lam, 0, 2.0) for lam in (0.05, 0.1, 0.15)],
     "cp_paper_guard": [(lam, 0, 2.0) for lam in (0.1, 0.15)],
-    "psr_guard": [(lam, 2, 2.0) for lam in (0.15, 0.2)],
+    "psr_guard": [(lam, 2, 2.0) for lam in (0.1, 0.15, 0.2)],
 }
 # The variants of the spec's rule the first runs measured (the default of --variants).
 SPEC_VARIANTS = ["renorm", "lam_first", "conf", "wide", "ahead2", "lam_ramp"]
@@ -372,11 +372,16 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated names from GRID (default: the spec-rule variants); another "
         "set writes variants-<names>.md/json",
     )
+    ap.add_argument("--lams", default=None, help="only the GRID points at these lams (a,b,...)")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
+    if args.lams is not None:
+        keep = {float(x) for x in args.lams.split(",")}
+        GRID.update({v: [p for p in GRID[v] if p[0] in keep] for v in names if v in GRID})
     if unknown := set(names) - GRID.keys():
         ap.error(f"unknown variants {sorted(unknown)}; choose from {sorted(GRID)}")
     stem = "variants" if names == SPEC_VARIANTS else "variants-" + "-".join(names)
+    stem += "" if args.lams is None else "-lam" + "-".join(args.lams.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kw = dict(windows=args.windows, window_tokens=160, prompt_tokens=32, prompts=0)
