@@ -28,7 +28,9 @@ def short_label(r: dict[str, Any]) -> str:
     """'psr λ0.1 n2', 'cache-prior λ0.05', 'exact-prefetch n1', 'exact', 'psr λ0.1 n2 int8'
     (a quantized expert format is named; the model's own is not)."""
     c = r["config"]
-    parts = [c["policy"]]
+    # a steering variant of bench/variants.py is named by it (its baseline is not)
+    v = c.get("variant")
+    parts = [c["policy"] if v in (None, c["policy"]) else str(v)]
     if c.get("lam") is not None:
         parts.append(f"λ{c['lam']:g}")
     if c.get("n") is not None:
