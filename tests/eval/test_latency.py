@@ -136,6 +136,7 @@ H = replace(
     store_call_us=0.0,
     python_us_per_layer=0.0,
     device_python_us_per_layer=0.0,
+    dense_python_us_per_layer=0.0,
     token_us=0.0,
     small_kernel_us=0.0,
 )
