@@ -390,11 +390,11 @@ def compare(results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PRO
         r["speedup"] = {
             p: ref["latency"][p]["ms_per_token"] / r["latency"][p]["ms_per_token"] for p in profiles
         }
-        if r.get("latency_host") and ref.get("latency_host"):
-            r["speedup_host"] = {
-                p: ref["latency_host"][p]["ms_per_token"] / r["latency_host"][p]["ms_per_token"]
-                for p in profiles
-            }
+        for key in ("latency_host", "latency_graph"):
+            if r.get(key) and ref.get(key):
+                r[key.replace("latency", "speedup")] = {
+                    p: ref[key][p]["ms_per_token"] / r[key][p]["ms_per_token"] for p in profiles
+                }
         if r["generated"]:
             agree = [
                 greedy_agreement(a, b)

@@ -253,3 +253,32 @@ class StartWatch:
 def replayable(policy: Any) -> bool:
     """Exact routing without prefetch: the policies `replay` derives cpu / hybrid from."""
     return policy.name == "exact" and not policy.lam and not policy.n
+
+
+def modes_appendix(results: Sequence[dict[str, Any]], profiles: Sequence[str]) -> str:
+    """psr demo / psr eval's gpu / cpu / hybrid tables: per result that `MODE_TRACES`
+    gives traces for (today: exact routing, replayed), one table over `profiles`; ''
+    when none."""
+    parts = []
+    for r in results:
+        by_profile: dict[str, dict[str, Trace]] = {}
+        for p in profiles:
+            traces = MODE_TRACES(r, p)
+            if traces:
+                by_profile[p] = traces
+        if not by_profile:
+            continue
+        rho = r["config"]["residency"]
+        replayed = MODE_TRACES is replay_hook
+        how = (
+            "cpu / hybrid replayed from the gpu trace with a capped `use` (exact routing "
+            "only; eval/modes.py); hybrid copies the m of a step's misses that balance "
+            "copies against CPU work"
+            if replayed
+            else "each mode recorded"
+        )
+        parts.append(
+            f"Experts on gpu / cpu / hybrid: {r['label']} at {rho:.1%} residency ({how}):"
+            "\n\n" + modes_table(by_profile)
+        )
+    return "\n\n".join(parts)
