@@ -222,3 +222,18 @@ def test_modes_table_rows_and_assumptions() -> None:
     md = modes.modes_table(by)
     assert md.count("| rtx4090 |") == 3
     assert "assumptions: rtx4090: CPU 50 GB/s" in md
+
+
+def test_a_pageable_copy_reads_before_it_copies() -> None:
+    # Dense to 0.5; the miss copy 1.0 ms, from the pageable tier 0.2 ms more (1 MB at
+    # 5 GB/s) first: ready at 1.7, the expert 1.7-1.8 (pinned: 1.6).
+    c = Copy(0, 0, 5, "miss")
+    t = one(LayerStep(0, [0], [0], 0, [c]))
+    assert simulate(t, P).ms_per_token == pytest.approx(1.6)
+    c.tier = "pageable"  # type: ignore[attr-defined]  # the field issue 28 adds
+    r = simulate(t, replace(P, pageable_gbps=5.0))
+    assert r.ms_per_token == pytest.approx(1.8)
+    assert r.copy_ms == pytest.approx(1.2)
+    c.tier = "nvme"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="tier 'nvme' is not"):
+        simulate(t, P)

@@ -50,6 +50,10 @@ merge) + per expert cpu_expert_us + expert_bytes / cpu_gbps, runs beside the GPU
 experts, and the layer's output waits for both (the wait counted as stall; `cpu_ms` the
 CPU's busy time per token).
 
+The pageable tier (issue 28): a copy whose trace `Copy` has `tier == "pageable"` (traces
+without the field are pinned) first reads its expert at `pageable_gbps`, on the same
+stream, then copies it (a copy, a gather).
+
 Hardware profiles set the costs of a *modeled* expert (by default OLMoE-1B-7B's,
 3 x 2048 x 1024 bf16 = 12.6 MB), so traces of psr's small embedded model are priced
 like the offloaded model it stands in for, as the spec's latency model does.
@@ -63,7 +67,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from psr.runtime.trace import HOST_OP_KINDS, HostOp, HostSchedule, LayerStep, Trace
+from psr.runtime.trace import HOST_OP_KINDS, Copy, HostOp, HostSchedule, LayerStep, Trace
 
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2
 HOST_FREE = "host-free"
@@ -135,6 +139,18 @@ class Profile:
     cpu_gbps: float = 50.0  # the CPU expert kernels' achieved bandwidth over host rows
     cpu_layer_us: float = 15.0  # per layer with CPU work: hand-off, wake-up, merge
     cpu_expert_us: float = 1.0  # per CPU expert: its kernel call
+    # A copy from the pageable tier (Copy.tier == "pageable", issue 28) first reads its
+    # expert at this rate (NVMe 3-7 GB/s; the page cache at memcpy speed), then copies it.
+    pageable_gbps: float = 5.0
+
+    def read_s(self, c: Copy) -> float:
+        """The extra read before copy `c` (0 for the pinned tier; traces without tiers)."""
+        tier = getattr(c, "tier", "pinned")
+        if tier == "pinned":
+            return 0.0
+        if tier == "pageable":
+            return self.expert_bytes / (self.pageable_gbps * 1e9)
+        raise ValueError(f"copy of expert {c.expert}: tier {tier!r} is not 'pinned' or 'pageable'")
 
     def cpu_s(self, experts: int) -> float:
         """A layer's CPU work for `experts` routed experts (0: none, no hand-off)."""
@@ -344,8 +360,8 @@ def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
             for c in step.copies:  # issued once the layer has routed
                 key = (c.layer, c.slot)
                 begin = max(copy_free, now, last_read.get(key, 0.0))
-                copy_free = begin + t_copy
-                copy_busy += t_copy
+                copy_free = begin + t_copy + p.read_s(c)
+                copy_busy += t_copy + p.read_s(c)
                 ready[key] = copy_free
             need = max((ready.get((m, s), 0.0) for s in step.slots), default=0.0)
             if need > now:
@@ -513,15 +529,16 @@ class _HostAware:
         for c in todo:
             key = (c.layer, c.slot)
             begin = max(self.copy_free, self.h, self.last_read.get(key, 0.0))
-            self.copy_free = begin + self.t_copy
-            self.copy_busy += self.t_copy
+            t = self.t_copy + self.p.read_s(c)
+            self.copy_free = begin + t
+            self.copy_busy += t
             self.ready[key] = self.copy_free
 
     def _gather(self, op: _Op, step: LayerStep, done: set[str]) -> None:
         kind = "prefetch" if op.side else "miss"
         copies = [c for c in step.copies if c.kind == kind]
         done.add(kind)
-        busy = len(copies) * self.t_gather
+        busy = sum(self.t_gather + self.p.read_s(c) for c in copies)
         self.copy_busy += busy
         if op.side:  # forked from the compute stream: after everything issued to it
             self.sf = max(self.sf, self.h, self.cf) + op.gpu_s + busy
@@ -645,6 +662,7 @@ HOST_KEYS = (
     "cpu_gbps",
     "cpu_layer_us",
     "cpu_expert_us",
+    "pageable_gbps",
 )
 _DEVICE_KEYS = ("h2d_gbps", "expert_ms", "dense_ms_per_layer", "expert_bytes")
 
@@ -673,10 +691,8 @@ def calibrate(name: str, measured: dict[str, float], base: str | Profile = "h200
         kw["dense_ms_per_layer"] = measured["dense_ms_per_layer"]
     host = {k: float(measured[k]) for k in HOST_KEYS if k in measured}
     for k, v in host.items():
-        if not v >= 0 or (k in ("gather_gbps", "cpu_gbps") and v == 0):
-            raise ValueError(
-                f"calibrate: {k} must be a number >= 0 (gather_gbps, cpu_gbps > 0), got {v}"
-            )
+        if not v >= 0 or (k in ("gather_gbps", "cpu_gbps", "pageable_gbps") and v == 0):
+            raise ValueError(f"calibrate: {k} must be a number >= 0 (a bandwidth > 0), got {v}")
     if host:
         kw["notes"] += f"; host measured: {', '.join(sorted(host))}"
     kw.update(host)
