@@ -38,6 +38,7 @@ from psr.eval.harness import (
     run_config,
     schedule_prompt,
 )
+from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
 from psr.points import operating_points, operating_points_with_source, write_operating_points
@@ -152,13 +153,16 @@ def demo(
         configs.insert(configs.index(rc) + 1, RunConfig(rc.policy, rc.residency, "int8"))
     results = run_all(path, configs, data, "psr demo", progress=progress, host=True)
     extra = {"model": path, "data": describe(data), "operating_points": sources}
-    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
+    appendix = modes_appendix(results, DEFAULT_PROFILES)
+    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0}, appendix=appendix)
     print(f"psr demo: embedded model ({path})")
     print(f"measured on {describe(data)}")
     print(f"operating points: {'; '.join(sources)}")
     print("latency modeled for an OLMoE-1B-7B-sized expert, host-free and host-aware\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
+    if appendix:
+        print(f"\n{appendix}")
     written = ", ".join(str(v) for v in paths.values())
     print(f"\nwrote {written} ({time.time() - t0:.0f} s)")
     return results
@@ -189,10 +193,14 @@ def evaluate(
         cloze=cloze,
     )
     results = run_all(path, configs, data, "psr eval", progress=progress, host=True)
-    paths = save(results, out, "eval", {"model": path, "data": describe(data)}, traces=traces)
+    appendix = modes_appendix(results, DEFAULT_PROFILES)
+    extra = {"model": path, "data": describe(data)}
+    paths = save(results, out, "eval", extra, traces=traces, appendix=appendix)
     print(f"measured on {describe(data)}\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
+    if appendix:
+        print(f"\n{appendix}")
     print(f"\nwrote {', '.join(str(v) for v in paths.values())}")
     return results
 
