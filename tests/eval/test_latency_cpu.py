@@ -180,7 +180,7 @@ def test_uncapped_replay_reproduces_the_gpu_trace() -> None:
 
 
 def test_cpu_replay_copies_nothing_and_keeps_misses_out_of_the_cache() -> None:
-    r = modes.replay(gpu_trace(), [[START]], 3, 2, 4, lambda _: 0)
+    r = modes.replay(gpu_trace(), [[START]], 3, 2, 4, 0)
     steps = [tok[0] for tok in r.tokens]
     assert [s.copies for s in steps] == [[], [], []]
     # t0: 0 hit, 2 on the CPU; t1: 3 and 2 both on the CPU; t2: 1 still cached, 3 CPU.
@@ -191,13 +191,16 @@ def test_cpu_replay_copies_nothing_and_keeps_misses_out_of_the_cache() -> None:
     ]
 
 
-def test_hybrid_copies_the_first_misses_in_router_order() -> None:
+def test_hybrid_copies_the_lowest_missing_ids_as_the_runtime_does() -> None:
     t = Trace(1, [0], 2, P.expert_bytes, "exact", [[LayerStep(0, [3, 2], [0, 1], 0)]])
-    r = modes.replay(t, [[START]], 1, 2, 4, lambda k: min(k, 1))
+    r = modes.replay(t, [[START]], 1, 2, 4, 1)
     s = r.tokens[0][0]
-    assert (s.copies, s.cpu_experts, s.slots, s.hits) == ([Copy(0, 0, 3, "miss")], 1, [0], 0)
-    # The split: copy 1.0 ms, CPU 0.1 + 1.0 ms per expert.
-    assert [modes.hybrid_m(k, P) for k in (0, 1, 2, 3)] == [0, 1, 1, 2]
+    # Expert 2 (the lower id) is copied, evicting 0 (least recent) from slot 0; 3 on the CPU.
+    assert (s.copies, s.cpu_experts, s.slots, s.hits) == ([Copy(0, 0, 2, "miss")], 1, [0], 0)
+    # The cap: copy 1.0 ms against CPU 0.1 + 1.0 ms per expert at k (1 - C / E) = 1 expected
+    # miss of top-2 from 2 of 4 cached: copying it (1.0) beats computing it (1.1).
+    assert modes.hybrid_cap(P, 2, 2, 4) == 1
+    assert modes.hybrid_cap(replace(P, cpu_layer_us=0.0, cpu_gbps=P.cpu_gbps * 100), 2, 2, 4) == 0
 
 
 def test_replay_refuses_prefetches_and_short_starts() -> None:

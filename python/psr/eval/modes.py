@@ -11,13 +11,14 @@ Until the runtime records cpu / hybrid traces itself (`experts_on=`), `replay_mo
 them, for exact routing only, from a `gpu` trace and the logical caches at each window's
 start: with routing independent of the cache, a cpu / hybrid run routes the same experts,
 and only the cache's insertions differ. The replay runs each layer's logical cache with a
-capped `use`: of a step's misses at most `m` are inserted (copied), the first `m` in the
-router's order (the trace lists a step's experts by falling router weight, top-k order);
-the others are computed on the CPU and stay out of the cache. `m` is 0 for `cpu`, and for
-`hybrid` the split that balances the profile's copies against its CPU work (`hybrid_m`): a
-function of the logical state (the step's miss count) only, so tokens stay independent of
-timing. THIS IS A REPLAY FOR EXACT ROUTING ONLY: a policy that biases toward the cache
-routes differently once the cache differs, and its cpu / hybrid traces must be recorded.
+capped `use`, the runtime's own (`LogicalCache.use(max_inserts=m)`: the m lowest missing
+ids inserted, the others computed on the CPU and kept out of the cache). `m` is 0 for
+`cpu`, and for `hybrid` the cap the runtime's `experts_on="hybrid"` takes from a machine
+profile with this latency profile's costs (`hybrid_cap`: psr.machine.choose_inserts at
+the expected misses k (1 - C / E)), one cap for every layer: a function of the logical
+state only, so tokens stay independent of timing. THIS IS A REPLAY FOR EXACT ROUTING
+ONLY: a policy that biases toward the cache routes differently once the cache differs,
+and its cpu / hybrid traces must be recorded.
 `MODE_TRACES` is the hook the demo and eval call; real recorded runs replace it.
 """
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from psr.cache import LogicalCache
 from psr.eval.latency import Profile, get_profile, simulate
+from psr.machine import choose_inserts, expected_misses
 from psr.runtime.slots import SlotMap
 from psr.runtime.trace import Copy, LayerStep, Trace
 
@@ -44,14 +46,20 @@ class CacheStart:
     slot_of: tuple[tuple[int, int], ...]  # (expert, slot) of each logical member
 
 
-def hybrid_m(misses: int, p: Profile) -> int:
-    """Misses to copy of `misses`: the m minimising max(m copies, CPU work for the rest),
-    the smaller m on a tie (a function of the miss count: the logical state only)."""
-    return min(range(misses + 1), key=lambda m: (max(m * p.copy_s(), p.cpu_s(misses - m)), m))
+def hybrid_cap(p: Profile, top_k: int, capacity: int, num_experts: int) -> int:
+    """`hybrid`'s miss-copy cap per layer step under profile `p`: what the runtime chooses
+    from a machine profile with p's copy and CPU costs (psr.machine.choose_inserts)."""
+    per = p.expert_bytes / (p.cpu_gbps * 1e9) + p.cpu_expert_us * 1e-6
+    misses = expected_misses(top_k, capacity, num_experts)
+    return choose_inserts(misses, top_k, p.copy_s(), p.cpu_layer_us * 1e-6, per)
 
 
 def _replay_layer(
-    steps: Sequence[LayerStep], start: CacheStart, capacity: int, num_experts: int, cap: Any
+    steps: Sequence[LayerStep],
+    start: CacheStart,
+    capacity: int,
+    num_experts: int,
+    cap: int | None,
 ) -> list[LayerStep]:
     cache = LogicalCache(capacity, num_experts)
     cache.reset(start.order)
@@ -59,11 +67,9 @@ def _replay_layer(
     slots.slot_of = dict(start.slot_of)
     out = []
     for s in steps:
-        missing = [e for e in s.experts if e not in cache]
-        m = len(missing) if cap is None else cap(len(missing))
-        copied = set(missing[:m])
-        gpu = [e for e in s.experts if e in cache or e in copied]
-        r = cache.use(gpu)
+        r = cache.use(list(s.experts), max_inserts=cap)
+        on_cpu = set(r.cpu)
+        gpu = [e for e in s.experts if e not in on_cpu]
         placed, experts = slots.place(r.misses)
         copies = [Copy(s.layer, sl, e, "miss") for sl, e in zip(placed, experts, strict=True)]
         out.append(
@@ -86,10 +92,10 @@ def replay(
     window: int,
     capacity: int,
     num_experts: int,
-    cap: Callable[[int], int] | None,
+    cap: int | None,
 ) -> Trace:
-    """`trace` (exact routing, no prefetch) replayed with at most `cap(misses)` misses
-    inserted per layer step (None: all, which reproduces the trace); `starts[w][layer]`:
+    """`trace` (exact routing, no prefetch) replayed with at most `cap` misses inserted per
+    layer step (None: all, which reproduces the trace); `starts[w][layer]`:
     window w's caches, every `window` decode tokens."""
     if any(c.kind != "miss" for tok in trace.tokens for s in tok for c in s.copies):
         raise ValueError("replay takes a trace without prefetches (exact routing, n = 0)")
@@ -124,10 +130,11 @@ def replay_modes(
     if trace.bytes_ratio != 1.0:
         p = replace(p, expert_bytes=round(p.expert_bytes * trace.bytes_ratio))
     args = (starts, window, capacity, num_experts)
+    top_k = len(trace.tokens[0][0].experts) if trace.tokens and trace.tokens[0] else 1
     return {
         "gpu": trace,
-        "cpu": replay(trace, *args, lambda _: 0),
-        "hybrid": replay(trace, *args, lambda k: hybrid_m(k, p)),
+        "cpu": replay(trace, *args, 0),
+        "hybrid": replay(trace, *args, hybrid_cap(p, top_k, capacity, num_experts)),
     }
 
 
@@ -219,7 +226,14 @@ class StartWatch:
         for L, seen in zip(self.layers, self.seen, strict=True):
             inner = L.cache.use
 
-            def use(routed: Sequence[int], L: Any = L, seen: Any = seen, inner: Any = inner) -> Any:
+            def use(
+                routed: Sequence[int],
+                *args: Any,
+                L: Any = L,
+                seen: Any = seen,
+                inner: Any = inner,
+                **kw: Any,
+            ) -> Any:
                 seen.append(
                     CacheStart(
                         tuple(L.cache.order()),
@@ -227,7 +241,7 @@ class StartWatch:
                         tuple(sorted(L.slots.slot_of.items())),
                     )
                 )
-                return inner(routed)
+                return inner(routed, *args, **kw)
 
             L.cache.use = use
 
