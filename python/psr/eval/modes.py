@@ -286,8 +286,8 @@ def modes_appendix(results: Sequence[dict[str, Any]], profiles: Sequence[str]) -
         replayed = MODE_TRACES is replay_hook
         how = (
             "cpu / hybrid replayed from the gpu trace with a capped `use` (exact routing "
-            "only; eval/modes.py); hybrid copies the m of a step's misses that balance "
-            "copies against CPU work"
+            "only; eval/modes.py); hybrid copies at most m misses per layer step, the "
+            "lowest ids, m as experts_on='hybrid' chooses it from the profile's costs"
             if replayed
             else "each mode recorded"
         )
