@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
-from psr.models.tiers import choose_held, parse_bytes
+from psr.models.tiers import choose_held
+from psr.vocab import parse_bytes
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]
 NEW = 10
@@ -219,3 +220,21 @@ def test_anonymous_memory_stays_within_the_budget(ckpt: Path, tmp_path: Path) ->
     limit = 1.1 * (budget + r["device_kv"])
     assert r["growth"] <= limit, (r, limit)
     assert r["growth"] < dense + rows // 2  # an unlimited load would hold all rows
+
+
+def test_inspect_the_cli_and_the_default_budget(ckpt: Path, monkeypatch) -> None:
+    import argparse
+
+    from psr.cli.args import host_memory
+    from psr.models import tiers
+    from psr.models.inspect import inspect
+
+    got = inspect(ckpt)
+    assert got.default_host_memory is None and "default: every expert held" in got.host_memory
+    assert host_memory("48GiB") == "48GiB" and host_memory("unlimited") == "unlimited"
+    with pytest.raises(argparse.ArgumentTypeError, match="must be a size like"):
+        host_memory("lots")
+    # A model that does not fit 80% of MemAvailable gets that as its default budget.
+    monkeypatch.setattr(tiers, "meminfo", lambda: {"MemAvailable": 1000, "MemTotal": 2000})
+    assert tiers.default_budget(300, 400) is None
+    assert tiers.default_budget(300, 600) == 800

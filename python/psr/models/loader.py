@@ -72,7 +72,6 @@ from psr.models.tiers import (
     gguf_locators,
     load_profile,
     memory_options,
-    parse_bytes,
     plan_tiers,
 )
 from psr.points import resolve_policy
@@ -663,7 +662,7 @@ def _tier_plan(
     elif host_memory == "unlimited":
         budget = None
     else:
-        budget = parse_bytes(host_memory)
+        budget = vocab.parse_bytes(host_memory)
     profile = None
     if host_profile is not None:
         profile = load_profile(host_profile, (len(row_bytes), E))

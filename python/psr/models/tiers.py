@@ -17,7 +17,6 @@ fit the budget, or the load fails saying why.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,27 +29,6 @@ from psr.store import Segment
 Locator = Callable[[int], list[Segment] | None]
 
 SAFE_FRACTION = 0.8  # of MemAvailable: the default budget when the model does not fit
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_bytes(value: str | int, what: str = "host_memory") -> int:
-    """'48GB' (10^9), '48GiB' (2^30), '512MiB', '1.5GB' or an int of bytes; ValueError
-    naming `what` otherwise (no silent clamping: negative or malformed is an error)."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{what} must be a size like '48GB' or an int of bytes, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"{what} must be >= 0 bytes, got {value}")
-        return value
-    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
-    unit = m.group(2).lower() if m else ""
-    if m is None or unit not in _UNITS:
-        raise ValueError(
-            f"{what} must be a size like '48GB', '48GiB', '512MiB' or an int of bytes, "
-            f"got {value!r}"
-        )
-    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def meminfo() -> dict[str, int]:
