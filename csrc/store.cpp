@@ -94,11 +94,16 @@ uint64_t resident_bytes(void* map, uint64_t size, uint64_t off, uint64_t n) {
 }
 }  // namespace
 
+FileSet::File FileSet::file(int32_t i) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return files_.at(static_cast<size_t>(i));
+}
+
 uint64_t FileSet::resident(const PageableRow& row) const {
   uint64_t r = 0;
   for (const Segment& s : row) {
     if (s.file < 0) continue;
-    const File& f = files_[static_cast<size_t>(s.file)];
+    const File f = file(s.file);
     r += resident_bytes(f.map, f.size, s.offset, s.bytes);
   }
   return r;
@@ -107,8 +112,8 @@ uint64_t FileSet::resident(const PageableRow& row) const {
 void FileSet::readahead(const PageableRow& row) const {
   for (const Segment& s : row)
     if (s.file >= 0)
-      posix_fadvise(files_[static_cast<size_t>(s.file)].fd, static_cast<off_t>(s.offset),
-                    static_cast<off_t>(s.bytes), POSIX_FADV_WILLNEED);
+      posix_fadvise(file(s.file).fd, static_cast<off_t>(s.offset), static_cast<off_t>(s.bytes),
+                    POSIX_FADV_WILLNEED);
 }
 
 std::string FileSet::read(const PageableRow& row, void* dst, TierBytes& t, int64_t given) const {
@@ -120,7 +125,7 @@ std::string FileSet::read(const PageableRow& row, void* dst, TierBytes& t, int64
       out += s.bytes;
       continue;
     }
-    const File& f = files_[static_cast<size_t>(s.file)];
+    const File f = file(s.file);
     if (given < 0) cached += resident_bytes(f.map, f.size, s.offset, s.bytes);
     uint64_t done = 0;
     while (done < s.bytes) {

@@ -94,7 +94,8 @@ class FileSet {
     void* map = nullptr;
     uint64_t size = 0;
   };
-  mutable std::mutex mu_;  // guards `files_` growth only
+  File file(int32_t i) const;  // a copy, under mu_ (files may be added while others read)
+  mutable std::mutex mu_;      // guards `files_`
   std::vector<File> files_;
 };
 

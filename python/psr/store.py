@@ -36,6 +36,12 @@ that reported an error, whether it was retried or not. So
 CopyError). `waits` counts slots waited for, again after each retry; `stall_s`
 includes the time spent waiting for retries.
 
+Tiers. A layer may hold only `LayerSpec.num_held` rows in host memory; its other experts
+are pageable (`register_pageable`: segments of checkpoint files, read with pread when a
+copy or a gather needs them; CUDA: through a pinned staging ring). `tiers()` says which;
+`host()` of such a layer is a fresh copy, `row()` reads one expert; a read error is a
+CopyError naming the file and tensor (docs/design.md, "Memory tiers").
+
 Threads. All methods may be called from several threads; the C++ store locks
 its bookkeeping and releases the GIL while it waits. Concurrent calls on the
 same slots are the caller's business: an acquire whose slot another thread
