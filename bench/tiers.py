@@ -184,7 +184,9 @@ def run(path: Path, policy: str, budget: int | str, args: argparse.Namespace) ->
         "misses_per_token": round(s["misses_per_token"], 2),
         "copies_per_token": round(s["copies"] / n, 2),
         "pageable_copies_per_token": round(pageable_copies / n, 2),
-        "predicted_pageable_MB_per_token": round(pageable_copies * row / n / 1e6, 1),
+        # what the logical copy count predicts the store reads (copies x row), beside what
+        # it measured reading (pinned + pageable)
+        "predicted_read_MB_per_token": round(s["copies"] * row / n / 1e6, 1),
         "read_pageable_MB_per_token": round(s["bytes_pageable"] / n / 1e6, 1),
         "read_disk_MB_per_token": round(s["bytes_disk"] / n / 1e6, 1),
         "read_page_cache_MB_per_token": round(s["bytes_page_cache"] / n / 1e6, 1),
