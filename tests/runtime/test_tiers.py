@@ -149,6 +149,21 @@ def test_bad_budgets_are_refused_before_loading(ckpt: Path) -> None:
         psr.load(ckpt, host_mem="1GB")  # type: ignore[call-arg]
 
 
+def test_a_routing_profile_chooses_the_held_experts(ckpt: Path, tmp_path: Path) -> None:
+    ref = _load(ckpt, host_memory="unlimited")
+    budget = _quarter(ref)
+    ref.close()
+    counts = [[0.0] * 8 for _ in range(3)]
+    for layer, hot in enumerate([(7, 6), (0, 5), (3, 4)]):
+        for e in hot:
+            counts[layer][e] = 10.0 + e
+    (tmp_path / "profile.json").write_text(json.dumps({"counts": counts}))
+    m = _load(ckpt, host_memory=budget, host_profile=tmp_path / "profile.json")
+    held = [[e for e, t in enumerate(m.runtime.store.tiers(i)) if t == "held"] for i in range(3)]
+    assert held == [[6, 7], [0, 5], [3, 4]]
+    m.close()
+
+
 def test_sizes_and_the_held_choice() -> None:
     assert parse_bytes("48GB") == 48 * 10**9 and parse_bytes("48GiB") == 48 * 2**30
     assert parse_bytes("1.5 MiB") == 3 * 2**19 and parse_bytes(4096) == 4096
