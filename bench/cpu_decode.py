@@ -120,9 +120,41 @@ def write_checkpoint(path: Path, layers: int, vocab: int) -> None:
     (path / "config.json").write_text(json.dumps(_config(layers, vocab), indent=1))
 
 
-def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int, dense: str) -> None:
-    """The checkpoint's tensors as a llama.cpp qwen3moe GGUF: Q8_0 experts, the dense
-    matrices F32 or BF16 (`dense`; norms F32)."""
+# Expert types gguf-py cannot quantize (K-quants): random valid blocks instead, their
+# super-block scales small enough that the weights stay near the checkpoint's magnitude.
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+def _expert_parts(gguf_type: str) -> tuple[str, str, str]:
+    """The gate / up / down types of an expert type name (Q4_K_M: Q4_K, Q4_K, Q6_K)."""
+    return ("Q4_K", "Q4_K", "Q6_K") if gguf_type == "Q4_K_M" else (gguf_type,) * 3
+
+
+def _experts_bytes(stack: Any, t: str, seed: int) -> Any:
+    """`stack` [E, rows, cols] fp32 as GGML blocks of type t: gguf-py's quantizer, or for a
+    K-quant random valid blocks of the same shape (random weights either way)."""
+    import gguf
+    import numpy as np
+
+    qt = gguf.GGMLQuantizationType[t]
+    if t not in K_QUANTS:
+        return gguf.quants.quantize(stack, qt)
+    bs, scales = K_QUANTS[t]
+    E, R, C = stack.shape
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(E, R, C // 256, bs), dtype=np.uint8)
+    for at in scales:
+        d = (rng.random((E, R, C // 256)) * 4e-5 + 1e-5).astype(np.float16)
+        b[..., at : at + 2] = d.view(np.uint8).reshape(E, R, C // 256, 2)
+    return b.reshape(E, R, -1)
+
+
+def write_gguf(
+    ckpt: Path, out: Path, layers: int, vocab: int, dense: str, experts: str = "Q8_0"
+) -> None:
+    """The checkpoint's tensors as a llama.cpp qwen3moe GGUF: experts of type `experts`
+    (Q8_0 and the other 32-blocks quantized from the checkpoint; K-quants random, see
+    _experts_bytes), the dense matrices F32 or BF16 (`dense`; norms F32)."""
     import gguf
     import numpy as np
     from safetensors import safe_open
@@ -166,7 +198,6 @@ def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int, dense: str) -> No
     w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    q8 = gguf.GGMLQuantizationType.Q8_0
     add_dense("token_embd.weight", "model.embed_tokens.weight")
     add_dense("output_norm.weight", "model.norm.weight")
     add_dense("output.weight", "lm_head.weight")
@@ -180,13 +211,14 @@ def write_gguf(ckpt: Path, out: Path, layers: int, vocab: int, dense: str) -> No
     for i in range(layers):
         for g, h in names.items():
             add_dense(f"blk.{i}.{g}.weight", f"model.layers.{i}.{h}.weight")
-        for g, h in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+        parts = zip(("gate", "up", "down"), ("gate_proj", "up_proj", "down_proj"), strict=True)
+        for (g, h), t in zip(parts, _expert_parts(experts), strict=True):
             key = f"model.layers.{i}.mlp.experts.{{}}.{h}.weight"
             stack = np.stack([get(key.format(e)) for e in range(E)])
             w.add_tensor(
                 f"blk.{i}.ffn_{g}_exps.weight",
-                gguf.quants.quantize(stack, q8),  # bytes [E, rows, 34 * cols / 32]
-                raw_dtype=q8,
+                _experts_bytes(stack, t, seed=1000 * i + len(g)),  # bytes [E, rows, blocks]
+                raw_dtype=gguf.GGMLQuantizationType[t],
             )
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -311,6 +343,12 @@ def main() -> None:
     ap.add_argument("--dense", choices=["f32", "bf16"], default="f32", help="dense weights")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-gguf-psr", action="store_true", help="skip psr on the GGUF file")
+    ap.add_argument(
+        "--gguf-experts",
+        default="Q8_0",
+        help="expert types of the GGUF files (one file each): Q8_0, Q4_0, MXFP4, ... from the "
+        "checkpoint; Q4_K, Q5_K, Q6_K, Q4_K_M random valid blocks",
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/psr-cpu-decode"))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -320,14 +358,14 @@ def main() -> None:
         print(f"writing {ckpt}", flush=True)
         write_checkpoint(ckpt, a.layers, a.vocab)
     runs: dict[str, Any] = {}
-    if not a.no_llama:
-        gg = a.work / f"qwen3moe-{a.layers}l-{a.dense}-q8_0.gguf"
+    for et in a.gguf_experts.split(",") if not a.no_llama else []:
+        gg = a.work / f"qwen3moe-{a.layers}l-{a.dense}-{et.lower()}.gguf"
         if not gg.exists():
             print(f"writing {gg}", flush=True)
-            write_gguf(ckpt, gg, a.layers, a.vocab, a.dense)
-        runs["llama.cpp Q8_0"] = LlamaRun(gg, threads)
+            write_gguf(ckpt, gg, a.layers, a.vocab, a.dense, et)
+        runs[f"llama.cpp {et}"] = LlamaRun(gg, threads)
         if not a.no_gguf_psr:  # psr on the very same file: the same expert bytes
-            runs["psr Q8_0 (same GGUF file)"] = PsrRun(
+            runs[f"psr {et} (same GGUF file)"] = PsrRun(
                 gg, None, False, torch.float32 if a.dense == "f32" else torch.bfloat16
             )
     dtype = torch.float32 if a.dense == "f32" else torch.bfloat16
@@ -360,7 +398,11 @@ def _report(a: argparse.Namespace, res: dict, threads: list[int]) -> None:
     for (name, t), v in res.items():
         tps = statistics.median(x[0] for x in v)
         share = statistics.median(x[1] for x in v)
-        ref = res.get(("llama.cpp Q8_0", t))
+        # A GGUF run against llama.cpp on its file; the checkpoint's formats against the
+        # first file's (Q8_0 by default: the same weights).
+        same = name.removeprefix("psr ").removesuffix(" (same GGUF file)")
+        first = a.gguf_experts.split(",")[0]
+        ref = res.get((f"llama.cpp {same if 'GGUF' in name else first}", t))
         ratio = tps / statistics.median(x[0] for x in ref) if ref else float("nan")
         rows.append(dict(runtime=name, threads=t, tok_s=tps, vs_llama=ratio, moe_share=share))
         sh = "" if share != share else f"{share:.0%}"

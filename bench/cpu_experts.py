@@ -3,7 +3,9 @@
     .venv/bin/python bench/cpu_experts.py [--threads 1,2] [--rounds 5] [--out FILE.json]
 
 For each expert size (OLMoE H 2048 x F 1024, Qwen3-30B-A3B 2048 x 768, gpt-oss 2880 x 2880),
-format (fp32, bf16, fp16, int8, fp8, int4), ISA path and thread count: batch-1 calls of
+format (fp32, bf16, fp16, int8, fp8, int4, and GGUF's block types: Q8_0, Q6_K, Q5_K, Q4_K,
+Q4_K_M's mix (Q4_K gate/up, Q6_K down), Q4_0, MXFP4; a K-quant only where 256 divides both
+dims: not gpt-oss), ISA path and thread count: batch-1 calls of
 `psr.store.cpu_expert_ffn` over top-k experts, each call the next k rows of a buffer of
 `--mib` MiB (several times the last-level cache: the weights stream from memory); int4 groups of 128
 (64 for gpt-oss, whose 2880 is no multiple of 128).
@@ -36,7 +38,13 @@ FORMATS: dict[str, tuple[str | None, torch.dtype]] = {
     "int8": ("int8", torch.uint8),
     "fp8": ("fp8", torch.uint8),
     "int4": ("int4", torch.uint8),
+    **{
+        t: (pk.ggml_format(t, t, t), torch.uint8)
+        for t in ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0", "MXFP4")
+    },
+    "Q4_K_M": (pk.ggml_format("Q4_K", "Q4_K", "Q6_K"), torch.uint8),
 }
+DEFAULT_FORMATS = ("fp32", "bf16", "fp16", "int8", "fp8", "int4")
 
 
 def _buffer(nbytes: int) -> torch.Tensor:
@@ -53,14 +61,40 @@ def group_size(H: int, F: int) -> int:
     return next(g for g in (128, 64, 32, 16) if H % g == 0 and F % g == 0)
 
 
+def _fits(H: int, F: int, fmt: str | None) -> bool:
+    """Whether the format's blocks tile both dims (K-quants: 256)."""
+    if fmt is None or not pk.is_ggml_format(fmt):
+        return True
+    try:
+        pk.GGMLLayout.of(fmt, H, F)
+    except ValueError:
+        return False
+    return True
+
+
 def _rows(buf: torch.Tensor, H: int, F: int, fmt: str | None, dtype: torch.dtype) -> torch.Tensor:
     """`buf` as as many expert rows of (H, F, format) as fit."""
-    if fmt is None:
+    if fmt is not None and pk.is_ggml_format(fmt):
+        nbytes = pk.GGMLLayout.of(fmt, H, F).nbytes
+    elif fmt is None:
         nbytes = 3 * H * F * torch.empty((), dtype=dtype).element_size()
     else:
         nbytes = pk.QuantLayout.of(fmt, H, F, group_size(H, F)).nbytes
     n = buf.numel() // nbytes
-    return buf[: n * nbytes].view(dtype).view(n, -1)
+    rows = buf[: n * nbytes].view(dtype).view(n, -1)
+    return _mxfp4_scales(rows, fmt, H, F) if fmt is not None and "MXFP4" in fmt else rows
+
+
+def _mxfp4_scales(rows: torch.Tensor, fmt: str, H: int, F: int) -> torch.Tensor:
+    """A copy whose MXFP4 blocks have scale 2^0: the shared bytes' e8m0 (0x3a: 2^-69) makes
+    the FFN's intermediate subnormal, which the CPU's floating point slows to a crawl and no
+    real model has."""
+    rows = rows.clone()
+    lay = pk.GGMLLayout.of(fmt, H, F)
+    for t, at, nb in zip(lay.types, (lay.gate, lay.up, lay.down), lay.part_bytes, strict=True):
+        if t == "MXFP4":
+            rows[:, at : at + nb : 17] = 127
+    return rows
 
 
 class _Walk:
@@ -94,7 +128,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--sizes", default=",".join(SIZES))
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(DEFAULT_FORMATS), help=", ".join(FORMATS))
     ap.add_argument("--isas", default="", help="default: the best this CPU runs")
     ap.add_argument("--mib", type=int, default=1024, help="MiB of rows (>> the L3 cache)")
     ap.add_argument("--top-k", type=int, default=8)
@@ -110,6 +144,7 @@ def main() -> None:
         (s, f): _rows(buf, *SIZES[s], *FORMATS[f])
         for s in a.sizes.split(",")
         for f in a.formats.split(",")
+        if _fits(*SIZES[s], FORMATS[f][0])
     }
     res: dict[str, list[float]] = {}
     for _ in range(a.rounds):  # A B A B: every configuration once per round

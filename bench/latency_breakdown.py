@@ -15,7 +15,8 @@ device (sync-free) step and for the host-driven step (psr.eval.harness.measure_s
 the Triton path, under the interpreter on a CPU), on every default profile, with issue
 19's goals checked: host-aware PSR within 1.15x of host-free, and PSR's host-aware speedup
 over exact at least 0.9 of its host-free one, and how they move when psr's Python per MoE
-layer (an estimate) is scaled (--python-scale). Writes host_aware.md and host_aware.json.
+layer (measured on a shared VM with the launches stubbed, bench/results/host_path/
+host_costs.md) is scaled (--python-scale). Writes host_aware.md and host_aware.json.
 """
 
 from __future__ import annotations
@@ -143,13 +144,14 @@ def sensitivity(
     configs: list[RunConfig], traces: list[Any], device: dict[RunConfig, Any], scales: str
 ) -> list[str]:
     """The goals' dependence on psr's own Python per MoE layer, the host model's least
-    certain figure (an estimate; docs/design.md): the device step's rows re-modeled on
+    certain figure (measured on a shared VM; docs/design.md): the device step's rows re-modeled on
     GOAL_PROFILE with `device_python_us_per_layer` scaled."""
     base = get_profile(GOAL_PROFILE)
     lines = [
         "",
         f"Sensitivity on {GOAL_PROFILE}, device step: psr's Python per MoE layer scaled "
-        f"(the model's figure {base.device_python_us_per_layer:g} µs is an estimate).",
+        f"(the model's figure {base.device_python_us_per_layer:g} µs: measured on a shared VM "
+        "with the launches stubbed).",
         "",
         "| Python µs per MoE layer | residency | psr aware / free | speedup kept |",
         "|---|---|---|---|",

@@ -16,11 +16,20 @@ points (psr.runtime.Steering subclasses, or the routing op), never to the cache 
              (AheadTwo): copies issued a layer earlier, at a lower recall;
   lam_ramp   per-layer lam rising linearly with depth, lam*(1-v) at the first MoE layer to
              lam*(1+v) at the last (deeper layers receive surer prefetches).
+On the spec's Cache-Prior or PSR (CacheRouting; docs/design.md, Evaluation):
+  cp_paper   Cache-Prior as its paper defines it: the bias scaled by the running average
+             of the layer's score spread over the sequence's decode tokens, not the
+             token's own;
+  cp_guard, cp_paper_guard, psr_guard
+             the router's own top J (= v) experts never displaced by the bias.
 Every configuration is scored on held-out set A (selection) with the powered harness;
 per residency and variant, the fastest point within the budget (95% upper bound) is then
-re-measured on set B beside the tuned baseline PSR point. A variant is kept only if it
-is at least 2% faster than the baseline on B at a cost still within budget.
-Results: variants.md/json.
+re-measured on set B beside the tuned point of the policy it changes (PSR, or Cache-Prior
+for the cp_ variants). A variant is kept only if it is at least 2% faster than that
+baseline on B at a cost still within budget. Results: variants.md/json (the spec-rule
+variants), variants-<names>.md/json for another set (--variants).
+
+    python bench/variants.py --variants cp_paper,cp_guard,psr_guard --residency 0.5 --windows 48
 """
 
 from __future__ import annotations
@@ -116,6 +125,122 @@ class AheadTwo(Steering):
         return out
 
 
+def selection_scores(
+    logits: torch.Tensor, spec: pk.RouteSpec, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The scores the routing op ranks and takes the spread `D` of (psr_kernels.routing,
+    stage 2): sigmoid scores plus the correction bias, softmax probabilities plus the
+    bias for a biased softmax router (ERNIE), else the logits."""
+    x = logits.float()
+    if spec.scoring == "sigmoid":
+        return torch.sigmoid(x) + (0.0 if bias is None else bias.float())
+    if spec.scoring == "softmax" and bias is not None:
+        return torch.softmax(x, -1) + bias.float()
+    return x
+
+
+class CacheRouting(Steering):
+    """Cache-Prior as its paper defines it and / or a top-J guard, on the spec's policies,
+    through the routing op (`install` wraps the runtime's `route_counted`):
+
+      paper_range  the bias is `lam * Delta * m` with `Delta` the running average of the
+                   layer's selection-score spread (max - min) over this sequence's decode
+                   tokens so far, the current one included (Skliar et al., arXiv
+                   2412.00099; docs/design.md), instead of the token's own spread `D`.
+                   The op is handed `lam * Delta / D`, so its bias is `lam * Delta * m`;
+                   weights stay the router's own (re-ranking only), as in the spec.
+      guard = J    the router's own top J experts are never displaced: they are added to
+                   the mask, so each has at most J - 1 experts above it after the bias
+                   (cached ones rise by the same amount), and the other k - J slots go to
+                   the best biased scores of the rest, as without the guard.
+
+    Routing per decode token: the scoring window and the host step both call `lam(layer)`
+    before a layer's decode routings (the window once for its tokens, in order), so the
+    op's calls that follow are that layer's. A new sequence gets a new `layer.history`
+    list (the runtime's `_forget_sequence`), which restarts the average: it is
+    deterministic and the same between teacher-forced scoring and token-by-token
+    decoding."""
+
+    spec_rule = False
+
+    def __init__(self, runtime: Any, *, paper_range: bool, guard: int) -> None:
+        if isinstance(guard, bool) or not isinstance(guard, int) or guard < 0:
+            raise ValueError(f"guard must be an int >= 0, got {guard!r}")
+        super().__init__(runtime)
+        k = runtime.spec.top_k
+        if guard > k:
+            raise ValueError(f"guard={guard} exceeds the router's top_k={k}")
+        if guard and runtime.spec.n_group > 1:
+            # Biasing the guarded experts raises their groups' scores: the group limit
+            # could then differ from the guard's definition.
+            raise ValueError("the top-J guard does not support group-limited routers")
+        self.paper_range, self.guard = paper_range, guard
+        self._layer: Any = None
+        # MoE layer -> (the sequence's history list, sum of spreads, decode tokens)
+        self._ranges: dict[int, tuple[list[list[int]], float, int]] = {}
+        self._route = self._exact = None
+
+    def install(self) -> None:
+        """Steer the runtime by this rule: its steering and its decode routing op."""
+        rt = self.rt
+        self._route, self._exact = rt.ops.route_counted, rt.ops.route
+        rt.set_steering(self)
+        rt.ops = dataclasses.replace(rt.ops, route_counted=self.route_counted)
+
+    def lam(self, layer: Any) -> float:
+        self._layer = layer  # the op's next calls route this layer
+        return self.rt.policy.lam
+
+    def delta(self, layer: Any, spread: float) -> float:
+        """Fold this decode token's spread into the layer's running average; return it."""
+        seq, total, n = self._ranges.get(layer.index, (None, 0.0, 0))
+        if seq is not layer.history:  # a new sequence
+            total, n = 0.0, 0
+        total, n = total + spread, n + 1
+        self._ranges[layer.index] = (layer.history, total, n)
+        return total / n
+
+    def route_counted(
+        self, logits: torch.Tensor, spec: pk.RouteSpec, *, mask=None, bias=None, **kw
+    ):
+        assert self._route is not None and self._exact is not None, "call install() first"
+        if mask is None or spec.lam == 0:
+            return self._route(logits, spec, mask=mask, bias=bias, **kw)
+        if logits.shape[0] != 1:
+            raise ValueError(
+                f"{type(self).__name__} routes one decode token per call, got {logits.shape[0]}"
+            )
+        L = self._layer
+        if self.paper_range:
+            z = selection_scores(logits, spec, bias)[0]
+            spread = float(z.max() - z.min())
+            if not spread > 0:
+                raise ValueError(
+                    f"MoE layer {L.index}: the selection scores have no spread ({spread}); "
+                    "the running-average range cannot be expressed through the op's lam"
+                )
+            spec = dataclasses.replace(spec, lam=spec.lam * self.delta(L, spread) / spread)
+        if self.guard:
+            _, ids0 = self._exact(logits, dataclasses.replace(spec, lam=0.0), bias=bias, **kw)
+            mask = mask.reshape(1, -1).clone()
+            mask[0, ids0[0, : self.guard]] = True
+        return self._route(logits, spec, mask=mask, bias=bias, **kw)
+
+
+# Variants on the spec's Cache-Prior or PSR: (policy family, paper_range, guarded).
+CACHE_ROUTING = {
+    "cp_paper": ("cache-prior", True, False),
+    "cp_guard": ("cache-prior", False, True),
+    "cp_paper_guard": ("cache-prior", True, True),
+    "psr_guard": ("psr", False, True),
+}
+
+
+def family_of(variant: str) -> str:
+    """The spec's policy a variant changes (its baseline is that policy's tuned point)."""
+    return CACHE_ROUTING[variant][0] if variant in CACHE_ROUTING else "psr"
+
+
 def apply_variant(model: Any, name: str, value: float) -> None:
     """Steer `model` by a variant (a Steering subclass; `renorm` replaces the routing op
     and decodes on the host step, where that op runs)."""
@@ -140,25 +265,35 @@ def apply_variant(model: Any, name: str, value: float) -> None:
         rt.set_steering(AheadTwo(rt, int(value)))
     elif name == "lam_ramp":
         rt.set_steering(LamRamp(rt, value))
-    elif name not in ("psr", "wide"):
+    elif name in CACHE_ROUTING:
+        _, paper, guarded = CACHE_ROUTING[name]
+        if guarded and value < 1:
+            raise ValueError(f"{name} needs a guard J >= 1, got {value:g}")
+        CacheRouting(rt, paper_range=paper, guard=int(value) if guarded else 0).install()
+    elif name not in ("psr", "wide", "cache-prior"):
         raise ValueError(f"unknown variant {name!r}")
 
 
 def measure(path: str, rho: float, lam: float, n: int, variant: str, value: float, data: EvalData):
-    model = load(path, "psr", rho, lam=lam, n=n, dtype="float32", progress=False)
+    fam = variant if variant in ("psr", "cache-prior") else family_of(variant)
+    policy = make_policy(fam, lam, n if fam == "psr" else None)
+    model = load(path, policy, rho, dtype="float32", progress=False)
     apply_variant(model, variant, value)
     rec = model.record_trace()
     nll = perplexity_items(model, data.windows, data.prompt_len)
     stats = model.stats.report()
     model.close()
-    label = {"psr": "", "wide": "wide "}.get(variant, f"{variant}({value:g}) ")
-    label += f"psr(lam={lam:g}, n={n})"
+    lat = simulate(rec.trace, PROFILE)
+    base = variant in ("psr", "cache-prior")
+    label = "" if base else {"wide": "wide "}.get(variant, f"{variant}({value:g}) ")
+    label += policy.describe()
     return {
-        "config": RunConfig(make_policy("psr", lam, n), rho).as_dict() | {"variant": variant},
+        "config": RunConfig(policy, rho).as_dict() | {"variant": variant},
         "label": label,
         "variant": [variant, value],
         "stats": stats,
-        "latency": {PROFILE: simulate(rec.trace, PROFILE).as_dict()},
+        "latency": {PROFILE: lat.as_dict()},
+        "token_ms": lat.per_token_ms,  # per decode token, windows in order
         "generated": [],
         "nll_items": nll,
         "cloze_items": [],
@@ -169,11 +304,13 @@ def exact(path: str, rho: float, data: EvalData) -> dict:
     model = load(path, "exact", rho, dtype="float32", progress=False)
     rec = model.record_trace()
     nll = perplexity_items(model, data.windows, data.prompt_len)
+    lat = simulate(rec.trace, PROFILE)
     r = {
         "config": RunConfig(make_policy("exact"), rho).as_dict(),
         "label": "exact",
         "stats": model.stats.report(),
-        "latency": {PROFILE: simulate(rec.trace, PROFILE).as_dict()},
+        "latency": {PROFILE: lat.as_dict()},
+        "token_ms": lat.per_token_ms,
         "generated": [],
         "nll_items": nll,
         "cloze_items": [],
@@ -193,7 +330,34 @@ GRID = {
     "wide": [(lam, n, 0.0) for lam in (0.05, 0.1, 0.15) for n in (3, 4)],
     "ahead2": [(lam, n, a) for lam in (0.1, 0.15) for n, a in ((1, 1), (2, 1), (2, 2))],
     "lam_ramp": [(lam, 2, v) for lam in (0.1, 0.15) for v in (-0.5, 0.5)],
+    # (lam, n, J): the guard lets lam rise past the unguarded budget edge
+    "cp_paper": [(lam, 0, 0.0) for lam in (0.05, 0.1)],
+    "cp_guard": [(lam, 0, 2.0) for lam in (0.05, 0.1, 0.15)],
+    "cp_paper_guard": [(lam, 0, 2.0) for lam in (0.1, 0.15)],
+    "psr_guard": [(lam, 2, 2.0) for lam in (0.1, 0.15, 0.2)],
 }
+# The variants of the spec's rule the first runs measured (the default of --variants).
+SPEC_VARIANTS = ["renorm", "lam_first", "conf", "wide", "ahead2", "lam_ramp"]
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    """What the report keeps of a measured point."""
+    out = {k: r[k] for k in ("label", "delta_nll", "speedup")}
+    return out | {"substitution_rate": r["stats"].get("substitution_rate")}
+
+
+def _ci(d: dict[str, float]) -> str:
+    return f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]"
+
+
+def row(rho: float, name: str, a: dict[str, Any] | None, b: dict[str, Any], kept: str) -> str:
+    """A table row: the point chosen on A (None: a tuned baseline) and its B replication."""
+    rate = b["stats"].get("substitution_rate")
+    a_cols = "(tuned) | " if a is None else f"{_ci(a['delta_nll'])} | {a['speedup'][PROFILE]:.2f}x"
+    return (
+        f"| {rho:.1%} | {name} | {(a or b)['label']} | {a_cols} | {_ci(b['delta_nll'])} | "
+        f"{b['speedup'][PROFILE]:.2f}x | {'-' if rate is None else f'{rate:.3f}'} | {kept} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,14 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=160)
     ap.add_argument(
         "--variants",
-        default=",".join(GRID),
-        help="comma-separated subset of GRID; a subset writes variants-<names>.md/json",
+        default=",".join(SPEC_VARIANTS),
+        help="comma-separated names from GRID (default: the spec-rule variants); another "
+        "set writes variants-<names>.md/json",
     )
+    ap.add_argument("--lams", default=None, help="only the GRID points at these lams (a,b,...)")
     args = ap.parse_args(argv)
     names = args.variants.split(",")
+    if args.lams is not None:
+        keep = {float(x) for x in args.lams.split(",")}
+        GRID.update({v: [p for p in GRID[v] if p[0] in keep] for v in names if v in GRID})
     if unknown := set(names) - GRID.keys():
         ap.error(f"unknown variants {sorted(unknown)}; choose from {sorted(GRID)}")
-    stem = "variants" if names == list(GRID) else "variants-" + "-".join(names)
+    stem = "variants" if names == SPEC_VARIANTS else "variants-" + "-".join(names)
+    stem += "" if args.lams is None else "-lam" + "-".join(args.lams.split(","))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     kw = dict(windows=args.windows, window_tokens=160, prompt_tokens=32, prompts=0)
@@ -220,13 +390,16 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"budget": BUDGET, "profile": PROFILE, "residencies": {}}
     lines = [
         "| residency | variant | point | A: Δ nats [95% CI] | A: speedup | B: Δ nats [95% CI] "
-        "| B: speedup | kept |",
-        "|---|---|---|---|---|---|---|---|",
+        "| B: speedup | B: subst. rate | kept |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for rho in [float(x) for x in args.residency.split(",")]:
         ex_a = exact(args.model, rho, data_a)
-        base = operating_points(args.model, rho)["psr"]
-        rows = {"psr": [measure(args.model, rho, base.lam, base.n, "psr", 0.0, data_a)]}
+        points = operating_points(args.model, rho)
+        fams = list(dict.fromkeys(family_of(v) for v in names))
+        rows = {
+            f: [measure(args.model, rho, points[f].lam, points[f].n, f, 0.0, data_a)] for f in fams
+        }
         for variant in names:
             grid = GRID[variant]
             rows[variant] = [
@@ -236,40 +409,38 @@ def main(argv: list[str] | None = None) -> int:
         for rs in rows.values():
             compare([ex_a, *rs], (PROFILE,))
         ex_b = exact(args.model, rho, data_b)
-        base_b = measure(args.model, rho, base.lam, base.n, "psr", 0.0, data_b)
-        compare([ex_b, base_b], (PROFILE,))
+        base_b = {
+            f: measure(args.model, rho, points[f].lam, points[f].n, f, 0.0, data_b) for f in fams
+        }
+        compare([ex_b, *base_b.values()], (PROFILE,))
         res = {
             "A_exact_ms": ex_a["latency"][PROFILE]["ms_per_token"],
-            "baseline_B": {k: base_b[k] for k in ("label", "delta_nll", "speedup")},
+            "baseline_B": {f: summary(b) for f, b in base_b.items()},
             "variants": {},
         }
         for variant, rs in rows.items():
-            best = next(iter(choose(rs, rho, "psr", BUDGET, PROFILE)), None)
-            entry = {"A": [{k: r[k] for k in ("label", "delta_nll", "speedup")} for r in rs]}
-            if best is not None and variant != "psr":
+            if variant in fams:
+                res["variants"][variant] = {"A": [summary(r) for r in rs]}
+                continue
+            fam = family_of(variant)
+            best = next(iter(choose(rs, rho, fam, BUDGET, PROFILE)), None)
+            entry: dict[str, Any] = {"family": fam, "A": [summary(r) for r in rs]}
+            if best is not None:
                 lam, n = best["config"]["lam"], best["config"]["n"]
                 rb = measure(args.model, rho, lam, n, variant, best["variant"][1], data_b)
                 compare([ex_b, rb], (PROFILE,))
                 kept = (
                     within_budget(rb, BUDGET)
-                    and rb["speedup"][PROFILE] >= MIN_GAIN * base_b["speedup"][PROFILE]
+                    and rb["speedup"][PROFILE] >= MIN_GAIN * base_b[fam]["speedup"][PROFILE]
                 )
-                entry["B"] = {k: rb[k] for k in ("label", "delta_nll", "speedup")}
+                entry["B"] = summary(rb)
                 entry["kept"] = kept
-                d, e = best["delta_nll"], rb["delta_nll"]
-                lines.append(
-                    f"| {rho:.1%} | {variant} | {best['label']} | {d['mean']:+.4f} "
-                    f"[{d['lo']:+.4f}, {d['hi']:+.4f}] | {best['speedup'][PROFILE]:.2f}x | "
-                    f"{e['mean']:+.4f} "
-                    f"[{e['lo']:+.4f}, {e['hi']:+.4f}] | {rb['speedup'][PROFILE]:.2f}x | "
-                    f"{'yes' if kept else 'no'} |"
-                )
+                lines.append(row(rho, variant, best, rb, "yes" if kept else "no"))
+            else:
+                lines.append(f"| {rho:.1%} | {variant} | (none within budget on A) | | | | | | - |")
             res["variants"][variant] = entry
-        d = base_b["delta_nll"]
-        lines.append(
-            f"| {rho:.1%} | baseline | {base_b['label']} | (tuned) | | {d['mean']:+.4f} "
-            f"[{d['lo']:+.4f}, {d['hi']:+.4f}] | {base_b['speedup'][PROFILE]:.2f}x | - |"
-        )
+        for f, b in base_b.items():
+            lines.append(row(rho, f"baseline ({f})", None, b, "-"))
         report["residencies"][f"{rho:g}"] = res
         (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
         (out / f"{stem}.md").write_text("\n".join(lines) + "\n")

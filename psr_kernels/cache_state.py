@@ -12,9 +12,12 @@ State: one int32 tensor `[layers, layout.width]`, one row per MoE layer (`CacheL
   slot_of[E]      the slab slot of each member, -1 otherwise
   slot_expert[S]  the expert each slab slot holds or is loading, -1 when empty
   header          clock, capacity C (<= S), counters (COUNT_NAMES: routed, hits, misses,
-                  prefetches, prefetches used, substituted), the non-finite flag, miss
-                  and prefetch list counts (offsets: the constants below, one definition)
+                  prefetches, prefetches used, substituted, cpu experts), the non-finite
+                  flag, miss and prefetch list counts, the CPU list's count, the miss-copy
+                  cap m (offsets: the constants below, one definition)
   miss_list[k,3]  this step's miss copies (slot, expert, KIND_MISS), -1 rows past count
+  cpu_list[k]     this step's misses not inserted (at most m are: experts_on cpu /
+                  hybrid), ascending, -1 past the count: computed on the CPU
   pf_list[n,3]    this step's prefetch copies (slot, expert, KIND_PREFETCH), compacted
 Stamps are int32: a sequence may run 2**31 / (k + n) decode steps per layer (over 10**8).
 
@@ -46,12 +49,19 @@ CAPACITY = 1
 COUNTS = 2  # the counters from here, in COUNT_NAMES order
 # `substituted`: routed ids not in the layer's own exact (unbiased) top-k, counted by the
 # routing (psr_kernels.decode) beside `use`'s counts.
-COUNT_NAMES = ("routed", "hits", "misses", "prefetches", "prefetch_used", "substituted")
-ROUTED, HITS, MISSES, PREFETCHES, PREFETCH_USED, SUBSTITUTED = range(len(COUNT_NAMES))
+# `cpu_experts`: misses `use` did not insert under the miss-copy cap (computed on the CPU).
+COUNT_NAMES = (
+    "routed", "hits", "misses", "prefetches", "prefetch_used", "substituted", "cpu_experts"
+)  # fmt: skip
+ROUTED, HITS, MISSES, PREFETCHES, PREFETCH_USED, SUBSTITUTED, CPU_EXPERTS = range(len(COUNT_NAMES))
 FLAG = COUNTS + len(COUNT_NAMES)  # 1 once a router's input was not finite (NaN / inf)
 MISS_N = FLAG + 1
 PF_N = FLAG + 2
-HEADER_SIZE = FLAG + 3
+CPU_N = FLAG + 3
+# The most misses `use` inserts per step (experts_on: top_k for "gpu", which is every
+# miss; 0 for "cpu"); set by `reset_layer`.
+INSERTS = FLAG + 4
+HEADER_SIZE = FLAG + 5
 _BIG = tl.constexpr(2**31 - 1)  # above any stamp; a constexpr, as kernels require
 # The header fields as the kernels address them (constexprs, relative to OFF_HEADER):
 # derived from the definitions above, so a new counter moves every kernel's offsets.
@@ -63,6 +73,9 @@ H_MISSES = tl.constexpr(COUNTS + MISSES)
 H_PREFETCHES = tl.constexpr(COUNTS + PREFETCHES)
 H_PREFETCH_USED = tl.constexpr(COUNTS + PREFETCH_USED)
 H_SUBSTITUTED = tl.constexpr(COUNTS + SUBSTITUTED)
+H_CPU_EXPERTS = tl.constexpr(COUNTS + CPU_EXPERTS)
+H_CPU_N = tl.constexpr(CPU_N)
+H_INSERTS = tl.constexpr(INSERTS)
 H_FLAG = tl.constexpr(FLAG)
 H_MISS_N = tl.constexpr(MISS_N)
 H_PF_N = tl.constexpr(PF_N)
@@ -98,7 +111,8 @@ class CacheLayout:
     header = property(lambda self: 4 * self.num_experts + self.num_slots)
     header_size = property(lambda self: HEADER_SIZE)
     miss_list = property(lambda self: self.header + HEADER_SIZE)
-    pf_list = property(lambda self: self.miss_list + 3 * self.top_k)
+    cpu_list = property(lambda self: self.miss_list + 3 * self.top_k)
+    pf_list = property(lambda self: self.cpu_list + self.top_k)
     pf_rows = property(lambda self: max(self.max_prefetch, 1))
     width = property(lambda self: self.pf_list + 3 * self.pf_rows)
 
@@ -153,11 +167,13 @@ def reset_layer(
     slot_of: dict[int, int],
     slot_expert: Sequence[int],
     pending: Sequence[int] = (),
+    inserts: int | None = None,
 ) -> None:
     """Set one layer's logical cache from the host (a new sequence, after prefill):
     `order` least recent first, `slot_of` its members' slots, `slot_expert` what each slab
-    slot holds, `pending` the prefetched members not routed since. Counters and the flag
-    are kept; one host-to-device copy."""
+    slot holds, `pending` the prefetched members not routed since, `inserts` the most
+    misses a `use` inserts (None: all). Counters and the flag are kept; one host-to-device
+    copy."""
     lo = layout
     E, S = lo.num_experts, lo.num_slots
     if not lo.top_k <= capacity <= S:
@@ -182,6 +198,10 @@ def reset_layer(
         row[lo.pending + e] = 1
     row[lo.header + CLOCK] = len(order)
     row[lo.header + CAPACITY] = capacity
+    k = lo.top_k
+    if inserts is not None and (isinstance(inserts, bool) or not 0 <= inserts <= k):
+        raise ValueError(f"inserts={inserts!r} must be None or an int in [0, top_k={k}]")
+    row[lo.header + INSERTS] = k if inserts is None else inserts
     counts = slice(lo.header + COUNTS, lo.header + COUNTS + len(COUNT_NAMES))
     flag = lo.header + FLAG
     row[counts] = state[layer, counts].cpu()
@@ -249,7 +269,8 @@ def cache_use_step(
 ):
     """Spec `use` on one layer's row (the module docstring's state); misses one at a time,
     lowest id first, each a free place (lowest unowned slot) or the eviction of the least
-    recent member not routed now."""
+    recent member not routed now; past the row's miss-copy cap (`INSERTS`) a miss is not
+    inserted but listed for the CPU."""
     cols = tl.arange(0, BLOCK_E)
     emask = cols < E
     scols = tl.arange(0, BLOCK_S)
@@ -263,6 +284,7 @@ def cache_use_step(
     slot_expert = tl.load(row_ptr + OFF_SLOT_EXPERT + scols, mask=smask, other=-1)
     clock = tl.load(row_ptr + OFF_HEADER + H_CLOCK)
     capacity = tl.load(row_ptr + OFF_HEADER + H_CAPACITY)
+    inserts = tl.load(row_ptr + OFF_HEADER + H_INSERTS)
     owned = _owned(slot_of, slot_expert, scols, cols, capacity)
 
     n_routed = tl.sum(routed.to(tl.int32), axis=0)
@@ -275,9 +297,13 @@ def cache_use_step(
     cand = member & ~routed
     m_slot = tl.full([BLOCK_K], -1, tl.int32)
     m_exp = tl.full([BLOCK_K], -1, tl.int32)
+    c_exp = tl.full([BLOCK_K], -1, tl.int32)
     for j in tl.static_range(K):
         e = tl.min(tl.where(miss, cols, BLOCK_E), axis=0)
-        valid = e < BLOCK_E
+        # The first `inserts` misses (lowest ids) are inserted; later ones go to the CPU.
+        on_cpu = (e < BLOCK_E) & (j >= inserts)
+        c_exp = tl.where((kar == j - inserts) & on_cpu, e, c_exp)
+        valid = (e < BLOCK_E) & (j < inserts)
         full = size >= capacity
         low = tl.min(tl.where(cand, stamp, _BIG), axis=0)
         victim = tl.min(tl.where(cand & (stamp == low), cols, BLOCK_E), axis=0)
@@ -309,13 +335,17 @@ def cache_use_step(
     tl.store(row_ptr + OFF_MISS + kar * 3 + 0, m_slot, mask=kmask)
     tl.store(row_ptr + OFF_MISS + kar * 3 + 1, m_exp, mask=kmask)
     tl.store(row_ptr + OFF_MISS + kar * 3 + 2, tl.zeros([BLOCK_K], tl.int32), mask=kmask)
+    tl.store(row_ptr + OFF_MISS + 3 * K + kar, c_exp, mask=kmask)  # the CPU list
+    n_ins = tl.minimum(n_miss, inserts)
     hdr = row_ptr + OFF_HEADER
     tl.store(hdr + H_CLOCK, clock + n_routed)
     tl.store(hdr + H_ROUTED, tl.load(hdr + H_ROUTED) + n_routed)
     tl.store(hdr + H_HITS, tl.load(hdr + H_HITS) + hits)
     tl.store(hdr + H_MISSES, tl.load(hdr + H_MISSES) + n_miss)
+    tl.store(hdr + H_CPU_EXPERTS, tl.load(hdr + H_CPU_EXPERTS) + n_miss - n_ins)
     tl.store(hdr + H_PREFETCH_USED, tl.load(hdr + H_PREFETCH_USED) + used)
-    tl.store(hdr + H_MISS_N, n_miss)
+    tl.store(hdr + H_MISS_N, n_ins)
+    tl.store(hdr + H_CPU_N, n_miss - n_ins)
 
 
 @triton.jit

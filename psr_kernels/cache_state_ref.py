@@ -41,7 +41,10 @@ from psr_kernels.cache_state import (
     CAPACITY,
     CLOCK,
     COUNTS,
+    CPU_EXPERTS,
+    CPU_N,
     HITS,
+    INSERTS,
     KIND_MISS,
     KIND_PREFETCH,
     MISS_N,
@@ -72,7 +75,9 @@ class _Consts:
     # cache_use_ref
     routed_k: torch.Tensor  # [2] K, K: the clock and routed counter steps of K ids
     above: torch.Tensor  # [K] K-1 .. 0: routed ids above each of K ascending ids
-    use_counts: torch.Tensor  # [5] header fields it adds to: clock, routed, hits, used, misses
+    use_counts: torch.Tensor  # [6] header fields it adds to: clock, routed, hits, used,
+    # misses, cpu experts
+    lists: torch.Tensor  # [2] header fields of the list counts: MISS_N, CPU_N
     miss_rows: torch.Tensor  # [K] 0 .. K-1
     list_at: torch.Tensor  # [K] 0, 3, 6, ...: the miss list's rows
     use_at: torch.Tensor  # [8, 1] row offsets of its writes
@@ -110,9 +115,12 @@ def _make_consts(layout: CacheLayout, device: torch.device) -> _Consts:
 
     ml = lo.miss_list
     use_at = (E, 2 * E, 3 * E, E, 3 * E, lo.slot_expert, ml, ml + 1)
-    counts = (CLOCK, COUNTS + ROUTED, COUNTS + HITS, COUNTS + PREFETCH_USED, COUNTS + MISSES)
+    counts = (
+        CLOCK, COUNTS + ROUTED, COUNTS + HITS, COUNTS + PREFETCH_USED, COUNTS + MISSES,
+        COUNTS + CPU_EXPERTS,
+    )  # fmt: skip
     return _Consts(
-        sizes=(lo.slot_expert, S, lo.header_size, 3 * K, 3 * R, 1),
+        sizes=(lo.slot_expert, S, lo.header_size, 3 * K, K, 3 * R, 1),
         zero=t(0),
         one=t(1),
         big=t(_BIG),
@@ -122,6 +130,7 @@ def _make_consts(layout: CacheLayout, device: torch.device) -> _Consts:
         routed_k=t(K, K),
         above=ar(K - 1, -1, -1),
         use_counts=t(*counts),
+        lists=t(MISS_N, CPU_N),
         miss_rows=ar(K),
         list_at=ar(0, 3 * K, 3),
         use_at=t(*use_at)[:, None],
@@ -150,7 +159,8 @@ class _Row:
         self.work = torch.cat([state[layer], c.zero])
         # The layout's fields in order: stamp, member, pending and slot_of ([4, E]: one
         # index reads or writes an expert's four), slot_expert, header, the copy lists.
-        experts, self.slot_expert, self.header, miss, pf, _ = self.work.split_with_sizes(c.sizes)
+        parts = self.work.split_with_sizes(c.sizes)
+        experts, self.slot_expert, self.header, miss, self.cpu_list, pf, _ = parts
         self.experts = experts.view(4, lo.num_experts)
         self.stamp, _, self.pending, self.slot_of = self.experts.unbind()
         self.miss_list, self.pf_list = miss.view(lo.top_k, 3), pf.view(lo.pf_rows, 3)
@@ -178,7 +188,9 @@ def cache_use_ref(state: torch.Tensor, layout: CacheLayout, layer: int, ids: tor
     evicting the least recent member not routed now (its slot reused; a free place takes
     the lowest slot no member maps to); then the routed ids become most recent, a lower
     id more recent. Writes the miss copy list (slot, expert, KIND_MISS) with its count
-    and adds routed / hits / misses / prefetches used to the counters."""
+    and adds routed / hits / misses / prefetches used to the counters. Past the row's
+    miss-copy cap (`INSERTS`), misses are not inserted: they are listed, ascending, in the
+    CPU list with its count and counted as cpu experts."""
     c = _consts(layout, state.device)
     r = _Row(state, layout, layer, c)
     S, K = layout.num_slots, layout.top_k
@@ -197,7 +209,12 @@ def cache_use_ref(state: torch.Tensor, layout: CacheLayout, layer: int, ids: tor
     key.index_put_((cols[_SLOT_OF],), c.big)  # a miss's slot_of -1: the scratch cell
     # The K first places, in order (keys are distinct but _BIG ones, which no miss takes).
     place_key, place = torch.topk(key[:S], K, largest=False)
-    valid = c.miss_rows < n_miss  # rows with a miss
+    # The first `inserts` misses are inserted, the others listed for the CPU.
+    n_ins = torch.minimum(n_miss, r.header[INSERTS : INSERTS + 1])
+    n_cpu = n_miss - n_ins
+    at_cpu = (c.miss_rows + n_ins).clamp_(max=K - 1)
+    r.cpu_list.copy_(torch.where(c.miss_rows < n_cpu, miss.index_select(0, at_cpu), c.no_miss))
+    valid = c.miss_rows < n_ins  # rows with an inserted miss
     evict = valid & (place_key >= 0)  # ... into a member's place
     victim = r.slot_expert.index_select(0, place)
     # Every change in one write, by miss row; a row without a miss, or into a free place,
@@ -216,8 +233,8 @@ def cache_use_ref(state: torch.Tensor, layout: CacheLayout, layer: int, ids: tor
     # it), and no longer pending.
     r.stamp.index_copy_(0, routed, r.header[CLOCK] + (c.above if k == K else c.above[K - k :]))
     r.pending.index_fill_(0, routed, 0)
-    r.header.index_add_(0, c.use_counts, torch.cat([routed_k, hits_used, n_miss]))
-    r.field(MISS_N).copy_(n_miss)
+    r.header.index_add_(0, c.use_counts, torch.cat([routed_k, hits_used, n_miss, n_cpu]))
+    r.header.index_copy_(0, c.lists, torch.cat([n_ins, n_cpu]))
     r.done()
 
 

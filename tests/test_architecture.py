@@ -2,7 +2,8 @@
 
 Layers, lowest first; a module may import from its own layer and the ones below:
   psr_kernels
-  < psr.store, and the bookkeeping: psr.cache, psr.policy, psr.points, psr.vocab
+  < psr.store, and the bookkeeping: psr.cache, psr.policy, psr.points, psr.vocab,
+    psr.machine
   < psr.runtime < psr.models < psr.eval < psr.serve < psr.cli
 plus:
 - psr_kernels never imports psr; the bookkeeping is pure (no torch, no store, no
@@ -31,7 +32,7 @@ SOURCES = {"psr": ROOT / "python" / "psr", "psr_kernels": ROOT / "psr_kernels"}
 
 LAYERS = [
     ("psr_kernels",),
-    ("psr.store", "psr.cache", "psr.policy", "psr.points", "psr.vocab"),
+    ("psr.store", "psr.cache", "psr.policy", "psr.points", "psr.vocab", "psr.machine"),
     ("psr.runtime",),
     ("psr.models",),
     ("psr.eval",),
@@ -107,7 +108,9 @@ def test_kernels_import_nothing_from_psr() -> None:
         assert not [i for i in IMPORTS[m] if i == "psr" or i.startswith("psr.")], m
 
 
-@pytest.mark.parametrize("module", ["psr.cache", "psr.policy", "psr.points", "psr.vocab"])
+@pytest.mark.parametrize(
+    "module", ["psr.cache", "psr.policy", "psr.points", "psr.vocab", "psr.machine"]
+)
 def test_bookkeeping_is_pure(module: str) -> None:
     heavy = [
         i
@@ -174,6 +177,7 @@ def test_the_steps_never_import_the_engine(module: str) -> None:
 
 TORCH_FREE = (
     "psr.vocab",
+    "psr.machine",
     "psr.policy",
     "psr.points",
     "psr.cache",

@@ -149,12 +149,125 @@ void dot4_int4(const uint8_t* const w[4], int64_t n, const float* v, const float
   }
 }
 
+// GGML block rows straight into registers (no scratch) for the common types; the others
+// (Q5_0 / Q5_1 / Q5_K / FP8_B128, float parts) keep ggml_dot.h's scratch path. 4-bit codes
+// become signed bytes by one in-register table lookup (vpshufb), bytes are widened eight at
+// a time and met in fp32 FMAs; a block's (sub-block's) partial dot is scaled once, its min
+// times the sum of its inputs.
+inline __m128i lo_nib(__m128i raw) { return _mm_and_si128(raw, _mm_set1_epi8(0xF)); }
+inline __m128i hi_nib(__m128i raw) {
+  return _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0xF));
+}
+inline __m128i ld16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+// Sixteen signed bytes against v[0..15]: p += b * v; sx += v (kSum).
+template <bool kSum>
+inline void bytes16(__m128i b, const float* v, __m256& p, __m256& sx) {
+  const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+  p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), v0, p);
+  p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))), v1, p);
+  if (kSum) sx = _mm256_add_ps(sx, _mm256_add_ps(v0, v1));
+}
+
+// A 32-block of 4-bit codes (low nibbles elements 0..15, high 16..31) through `lut`
+// (signed bytes), its partial dot scaled by s.
+inline __m256 nib32(const uint8_t* qs, __m128i lut, const float* v, float s, __m256 acc) {
+  const __m128i raw = ld16(qs);
+  __m256 p = _mm256_setzero_ps(), unused = p;
+  bytes16<false>(_mm_shuffle_epi8(lut, lo_nib(raw)), v, p, unused);
+  bytes16<false>(_mm_shuffle_epi8(lut, hi_nib(raw)), v + 16, p, unused);
+  return _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc);
+}
+
+// 32 codes 0..15 (c0: elements 0..15, c1: 16..31): s * sum(q v) + m * sum(v).
+inline __m256 nib32_min(__m128i c0, __m128i c1, const float* v, float s, float m, __m256 acc) {
+  __m256 p = _mm256_setzero_ps(), sx = p;
+  bytes16<true>(c0, v, p, sx);
+  bytes16<true>(c1, v + 16, p, sx);
+  return _mm256_fmadd_ps(sx, _mm256_set1_ps(m), _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc));
+}
+
+float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
+  __m256 acc = _mm256_setzero_ps();
+  switch (type) {
+    case 8:  // Q8_0
+      for (int64_t k = 0; k < K; k += 32, row += 34) {
+        __m256 p = _mm256_setzero_ps(), unused = p;
+        bytes16<false>(ld16(row + 2), v + k, p, unused);
+        bytes16<false>(ld16(row + 18), v + k + 16, p, unused);
+        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(g_h2f(row)), acc);
+      }
+      break;
+    case 2: {  // Q4_0: d (q - 8)
+      const __m128i lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+      for (int64_t k = 0; k < K; k += 32, row += 18)
+        acc = nib32(row + 2, lut, v + k, g_h2f(row), acc);
+      break;
+    }
+    case 39: {  // MXFP4: twice the FP4 values, half the block's power of two
+      const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+      for (int64_t k = 0; k < K; k += 32, row += 17)
+        acc = nib32(row + 1, lut, v + k, 0.5f * g_e8m0(row[0]), acc);
+      break;
+    }
+    case 3:  // Q4_1: d q + m
+      for (int64_t k = 0; k < K; k += 32, row += 20) {
+        const __m128i raw = ld16(row + 4);
+        acc = nib32_min(lo_nib(raw), hi_nib(raw), v + k, g_h2f(row), g_h2f(row + 2), acc);
+      }
+      break;
+    case 12:  // Q4_K: per sub-block d * sc * q - dmin * m
+      for (int64_t k = 0; k < K; k += 256, row += 144) {
+        const float d = g_h2f(row), dmin = g_h2f(row + 2);
+        for (int j = 0; j < 4; ++j) {
+          int s1, m1, s2, m2;
+          g_k_scale_min(2 * j, row + 4, &s1, &m1);
+          g_k_scale_min(2 * j + 1, row + 4, &s2, &m2);
+          const __m128i r0 = ld16(row + 16 + 32 * j), r1 = ld16(row + 32 + 32 * j);
+          const float* v0 = v + k + 64 * j;
+          acc = nib32_min(lo_nib(r0), lo_nib(r1), v0, d * static_cast<float>(s1),
+                          -(dmin * static_cast<float>(m1)), acc);
+          acc = nib32_min(hi_nib(r0), hi_nib(r1), v0 + 32, d * static_cast<float>(s2),
+                          -(dmin * static_cast<float>(m2)), acc);
+        }
+      }
+      break;
+    case 14:  // Q6_K: (ql's 4 bits | qh's 2 bits << 4) - 32, a scale per 16
+      for (int64_t k = 0; k < K; k += 256, row += 210) {
+        const float d = g_h2f(row + 208);
+        const __m128i m4 = _mm_set1_epi8(0xF), m3 = _mm_set1_epi8(3), k32 = _mm_set1_epi8(32);
+        for (int n = 0; n < 2; ++n) {
+          const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192 + 8 * n);
+          for (int g = 0; g < 4; ++g) {
+            const __m128i sh = _mm_cvtsi32_si128(g < 2 ? 0 : 4), hs = _mm_cvtsi32_si128(2 * g);
+            for (int hh = 0; hh < 2; ++hh) {
+              const __m128i l4 =
+                  _mm_and_si128(_mm_srl_epi16(ld16(row + 64 * n + 32 * (g & 1) + 16 * hh), sh), m4);
+              const __m128i h2 =
+                  _mm_and_si128(_mm_srl_epi16(ld16(row + 128 + 32 * n + 16 * hh), hs), m3);
+              const __m128i q = _mm_sub_epi8(_mm_or_si128(l4, _mm_slli_epi16(h2, 4)), k32);
+              __m256 p = _mm256_setzero_ps(), unused = p;
+              bytes16<false>(q, v + k + 128 * n + 32 * g + 16 * hh, p, unused);
+              const float s = d * static_cast<float>(sc[2 * g + hh]);
+              acc = _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc);
+            }
+          }
+        }
+      }
+      break;
+    default:
+      return g_row_dot(type, row, K, v);
+  }
+  return hsum(acc);
+}
+
 }  // namespace
 
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
 
-const BlockRowDotFn kAvx2GgmlDot = g_row_dot;
+const BlockRowDotFn kAvx2GgmlDot = ggml_row_dot;
 }  // namespace psr::cpu
 
 #if defined(__clang__)

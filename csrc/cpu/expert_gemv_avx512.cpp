@@ -174,6 +174,188 @@ void dot4_int4_groups(const uint8_t* const w[4], int64_t ng, int64_t gbytes, con
   out[3] = _mm512_reduce_add_ps(a3);
 }
 
+// GGML block rows straight into registers (no scratch): a block's codes are widened into
+// 32-bit lanes and become weights by one in-register table lookup over the block's 16
+// (vpermps) or 32 (vpermt2ps) possible values, the table built from the block's scales
+// (d * q + m for every code q); Q8_0 / Q6_K / FP8 codes are converted and scaled instead.
+// fp32 FMAs into two accumulators of sixteen lanes, summed once at the row's end. Every
+// load stays inside its block (rows are whole blocks: checked by the caller).
+inline __m512 iota16() {
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline __m512i widen16(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m512 ldv(const float* v) { return _mm512_loadu_ps(v); }
+
+// Q4_0 / Q4_1 / MXFP4: sixteen bytes, low nibbles elements 0..15, high 16..31, lut[q].
+inline void nib_block(const uint8_t* qs, __m512 lut, const float* v, __m512& a0, __m512& a1) {
+  const __m512i b = widen16(qs);
+  a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(b, lut), ldv(v), a0);
+  a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut), ldv(v + 16), a1);
+}
+
+// Q5_0 / Q5_1: the fifth bit of element i is bit i of qh; lut_lo[q], lut_hi[q - 16].
+inline void nib5_block(const uint8_t* qs, uint32_t qh, __m512 lo, __m512 hi, const float* v,
+                       __m512& a0, __m512& a1) {
+  const __m512i b = widen16(qs), k16 = _mm512_set1_epi32(16), m4 = _mm512_set1_epi32(0xF);
+  const __m512i i0 = _mm512_mask_add_epi32(
+      _mm512_and_si512(b, m4), static_cast<__mmask16>(qh & 0xFFFF), _mm512_and_si512(b, m4), k16);
+  const __m512i h4 = _mm512_srli_epi32(b, 4);
+  const __m512i i1 = _mm512_mask_add_epi32(h4, static_cast<__mmask16>(qh >> 16), h4, k16);
+  a0 = _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i0, hi), ldv(v), a0);
+  a1 = _mm512_fmadd_ps(_mm512_permutex2var_ps(lo, i1, hi), ldv(v + 16), a1);
+}
+
+inline __m512 lut(float d, float m) {  // d * q + m for q = 0..15, one rounding each
+  return _mm512_fmadd_ps(_mm512_set1_ps(d), iota16(), _mm512_set1_ps(m));
+}
+inline __m512 lut_hi(float d, float m) {  // d * q + m for q = 16..31
+  return _mm512_fmadd_ps(_mm512_set1_ps(d), _mm512_add_ps(iota16(), _mm512_set1_ps(16.f)),
+                         _mm512_set1_ps(m));
+}
+
+// Q4_K / Q5_K: eight sub-blocks of 32 with 6-bit scales and mins: w = d * sc * q - dmin * m.
+void kquant45(bool q5, const uint8_t* b, const float* v, __m512& a0, __m512& a1) {
+  const float d = g_h2f(b), dmin = g_h2f(b + 2);
+  const uint8_t* sc = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = b + (q5 ? 48 : 16);
+  const __m512i k16 = _mm512_set1_epi32(16), m4 = _mm512_set1_epi32(0xF);
+  for (int j = 0; j < 4; ++j) {
+    int s1, m1, s2, m2;
+    g_k_scale_min(2 * j, sc, &s1, &m1);
+    g_k_scale_min(2 * j + 1, sc, &s2, &m2);
+    const float d1 = d * static_cast<float>(s1), c1 = -(dmin * static_cast<float>(m1));
+    const float d2 = d * static_cast<float>(s2), c2 = -(dmin * static_cast<float>(m2));
+    const __m512 l1 = lut(d1, c1), l2 = lut(d2, c2);
+    for (int hh = 0; hh < 2; ++hh) {
+      const __m512i bq = widen16(qs + 32 * j + 16 * hh);
+      const float* v0 = v + 64 * j + 16 * hh;
+      __m512i lo = _mm512_and_si512(bq, m4), hi = _mm512_srli_epi32(bq, 4);
+      if (q5) {
+        const __m512i bh = widen16(qh + 16 * hh);
+        const __mmask16 f0 = _mm512_test_epi32_mask(bh, _mm512_set1_epi32(1 << (2 * j)));
+        const __mmask16 f1 = _mm512_test_epi32_mask(bh, _mm512_set1_epi32(2 << (2 * j)));
+        lo = _mm512_mask_add_epi32(lo, f0, lo, k16);
+        hi = _mm512_mask_add_epi32(hi, f1, hi, k16);
+        a0 = _mm512_fmadd_ps(_mm512_permutex2var_ps(l1, lo, lut_hi(d1, c1)), ldv(v0), a0);
+        a1 = _mm512_fmadd_ps(_mm512_permutex2var_ps(l2, hi, lut_hi(d2, c2)), ldv(v0 + 32), a1);
+      } else {
+        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, l1), ldv(v0), a0);
+        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, l2), ldv(v0 + 32), a1);
+      }
+    }
+  }
+}
+
+// Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements.
+void kquant6(const uint8_t* b, const float* v, __m512& a0, __m512& a1) {
+  const float d = g_h2f(b + 208);
+  const __m512i m4 = _mm512_set1_epi32(0xF), m3 = _mm512_set1_epi32(3);
+  const __m512i k32 = _mm512_set1_epi32(32);
+  for (int n = 0; n < 2; ++n) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * n);
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t* ql = b + 64 * n + 32 * (g & 1);
+      const __m128i shift = _mm_cvtsi32_si128(g < 2 ? 0 : 4);
+      const __m128i hshift = _mm_cvtsi32_si128(2 * g);
+      for (int hh = 0; hh < 2; ++hh) {
+        const __m512i l4 = _mm512_and_si512(_mm512_srl_epi32(widen16(ql + 16 * hh), shift), m4);
+        const __m512i h2 =
+            _mm512_and_si512(_mm512_srl_epi32(widen16(b + 128 + 32 * n + 16 * hh), hshift), m3);
+        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(l4, _mm512_slli_epi32(h2, 4)), k32);
+        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q),
+                                       _mm512_set1_ps(d * static_cast<float>(sc[2 * g + hh])));
+        const float* v0 = v + 128 * n + 32 * g + 16 * hh;
+        if (hh == 0) {
+          a0 = _mm512_fmadd_ps(w, ldv(v0), a0);
+        } else {
+          a1 = _mm512_fmadd_ps(w, ldv(v0), a1);
+        }
+      }
+    }
+  }
+}
+
+template <class Load>
+float float_row(const uint8_t* row, int64_t K, const float* v) {
+  __m512 a0 = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K; i += 16) {
+    const __mmask16 m = tail_mask(K - i);
+    a0 = _mm512_fmadd_ps(Load::at(row, i, m), _mm512_maskz_loadu_ps(m, v + i), a0);
+  }
+  return _mm512_reduce_add_ps(a0);
+}
+
+float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  switch (type) {
+    case 0:
+      return float_row<LoadF32>(row, K, v);
+    case 1:
+      return float_row<LoadF16>(row, K, v);
+    case 30:
+      return float_row<LoadBF16>(row, K, v);
+    case 8:  // Q8_0: the block's partial dot, scaled once
+      for (int64_t k = 0; k < K; k += 32, row += 34) {
+        const __m512 q0 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2))));
+        const __m512 q1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18))));
+        const __m512 p = _mm512_fmadd_ps(q1, ldv(v + k + 16), _mm512_mul_ps(q0, ldv(v + k)));
+        a0 = _mm512_fmadd_ps(p, _mm512_set1_ps(g_h2f(row)), a0);
+      }
+      break;
+    case 2:
+    case 3:  // Q4_0: d (q - 8); Q4_1: d q + m
+      for (int64_t k = 0; k < K; k += 32, row += type == 2 ? 18 : 20) {
+        const float d = g_h2f(row);
+        const __m512 t = type == 2 ? lut(d, -8.f * d) : lut(d, g_h2f(row + 2));
+        nib_block(row + (type == 2 ? 2 : 4), t, v + k, a0, a1);
+      }
+      break;
+    case 6:
+    case 7:  // Q5_0: d (q - 16); Q5_1: d q + m
+      for (int64_t k = 0; k < K; k += 32, row += type == 6 ? 22 : 24) {
+        const float d = g_h2f(row), m = type == 6 ? -16.f * d : g_h2f(row + 2);
+        const uint8_t* hp = row + (type == 6 ? 2 : 4);
+        uint32_t qh;
+        __builtin_memcpy(&qh, hp, 4);
+        nib5_block(hp + 4, qh, lut(d, m), lut_hi(d, m), v + k, a0, a1);
+      }
+      break;
+    case 39:  // MXFP4: the FP4 values times the block's power of two
+      for (int64_t k = 0; k < K; k += 32, row += 17) {
+        const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(kFp4), _mm512_set1_ps(g_e8m0(row[0])));
+        nib_block(row + 1, t, v + k, a0, a1);
+      }
+      break;
+    case 12:
+    case 13:
+      for (int64_t k = 0; k < K; k += 256, row += type == 12 ? 144 : 176)
+        kquant45(type == 13, row, v + k, a0, a1);
+      break;
+    case 14:
+      for (int64_t k = 0; k < K; k += 256, row += 210) kquant6(row, v + k, a0, a1);
+      break;
+    case 200:  // FP8_B128: codes / 256 dotted per block, times the block's scale, then * 256
+      for (int64_t k = 0; k < K; k += 128, row += 132) {
+        float s;
+        __builtin_memcpy(&s, row, 4);
+        __m512 p = _mm512_setzero_ps();
+        for (int i = 0; i < 128; i += 16)
+          p = _mm512_fmadd_ps(
+              fp8_to_f32_div256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 4 + i))),
+              ldv(v + k + i), p);
+        a0 = _mm512_fmadd_ps(p, _mm512_set1_ps(s), a0);
+      }
+      return _mm512_reduce_add_ps(a0) * 256.f;
+    default:
+      return g_row_dot(type, row, K, v);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
 }  // namespace
 
 const GroupDotFn kAvx512Int4Groups = dot4_int4_groups;
@@ -182,7 +364,7 @@ const GroupDotFn kAvx512Int4Groups = dot4_int4_groups;
 const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
 
-const BlockRowDotFn kAvx512GgmlDot = g_row_dot;
+const BlockRowDotFn kAvx512GgmlDot = ggml_row_dot;
 }  // namespace psr::cpu
 
 #if defined(__clang__)

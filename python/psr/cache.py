@@ -23,8 +23,11 @@ class Insertion:
 @dataclass
 class UseResult:
     hits: int
-    misses: list[Insertion]
+    misses: list[Insertion]  # the misses inserted (each a copy)
     prefetch_used: int
+    # Misses not inserted under a capped `use` (`max_inserts`): computed where they live
+    # (the CPU, from the host rows), never members, no copy; ascending.
+    cpu: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -71,24 +74,36 @@ class LogicalCache:
                 return e
         raise RuntimeError("logical cache: every resident id is protected")  # k <= C forbids
 
-    def use(self, routed: Sequence[int]) -> UseResult:
+    def use(self, routed: Sequence[int], max_inserts: int | None = None) -> UseResult:
         """Spec `use`: insert missing ids (ascending), evicting the least recent id not
-        routed now; then routed ids become most recent, a lower id more recent."""
+        routed now; then routed ids become most recent, a lower id more recent.
+
+        `max_inserts` (None: unlimited, the spec's `use`) caps the insertions: the
+        `max_inserts` lowest missing ids are inserted as the spec inserts them, the other
+        misses are returned in `cpu` (not inserted, not members: computed on the CPU);
+        recency then moves the members among `routed` only."""
         routed_set = set(routed)
         if len(routed_set) != len(routed):
             raise ValueError(f"routed ids must be distinct, got {list(routed)}")
         if len(routed_set) > self.capacity:
             raise ValueError(f"{len(routed_set)} routed ids exceed the capacity {self.capacity}")
+        if max_inserts is not None and (
+            isinstance(max_inserts, bool) or not isinstance(max_inserts, int) or max_inserts < 0
+        ):
+            raise ValueError(f"max_inserts must be None or an int >= 0, got {max_inserts!r}")
         hits = sum(e in self._order for e in routed_set)
         used = len(routed_set & self._pending_prefetch)
         self._pending_prefetch -= routed_set
+        missing = sorted(routed_set - self._order.keys())
+        cut = len(missing) if max_inserts is None else max_inserts
         misses = []
-        for e in sorted(routed_set - self._order.keys()):
+        for e in missing[:cut]:
             misses.append(Insertion(e, self._evict_lru(routed_set)))
             self._order[e] = None
-        for e in sorted(routed_set, reverse=True):  # lowest id ends most recent
+        cpu = missing[cut:]
+        for e in sorted(routed_set.difference(cpu), reverse=True):  # lowest id ends most recent
             self._order.move_to_end(e)
-        return UseResult(hits, misses, used)
+        return UseResult(hits, misses, used, cpu)
 
     def prefetch(self, predicted: Sequence[int], n: int) -> list[Insertion]:
         """Spec `prefetch`: the first n predicted ids, in order, become most recent;

@@ -34,6 +34,11 @@ COMPUTE_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
 # the policy allows it) or "host" (the host-driven step: caches and copies on the host).
 DECODE_MODES: tuple[str, ...] = ("device", "host")
 
+# Where a decode step's misses are computed (issue 27): "gpu" (every miss copied into the
+# slab, the spec's `use`), "cpu" (no miss copied: computed on the CPU from the host rows)
+# or "hybrid" (at most m misses per layer copied, the rest on the CPU).
+EXPERTS_ON: tuple[str, ...] = ("gpu", "cpu", "hybrid")
+
 
 def canonical_dtype(name: str) -> str:
     """The canonical dtype name of an accepted spelling (`torch.` prefix allowed)."""
@@ -68,6 +73,34 @@ def decode_mode(decode: str) -> str:
     if decode not in DECODE_MODES:
         raise ValueError(f"decode must be one of {', '.join(DECODE_MODES)}; got {decode!r}")
     return decode
+
+
+def experts_on_choice(experts_on: str) -> str:
+    """`experts_on` if it is one of EXPERTS_ON, else a ValueError naming them."""
+    if experts_on not in EXPERTS_ON:
+        raise ValueError(f"experts_on must be one of {', '.join(EXPERTS_ON)}; got {experts_on!r}")
+    return experts_on
+
+
+def parse_experts_on(spec: str) -> tuple[str, int | list[int] | None]:
+    """`psr.load`'s `experts_on`: 'gpu', 'cpu', 'hybrid' (the caps from the machine
+    profile) or 'hybrid:M' / 'hybrid:M1,M2,...' (misses copied per layer step: one for
+    every MoE layer, or one per layer). Returns (mode, hybrid_m)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"experts_on must be a string, got {type(spec).__name__}")
+    mode, sep, rest = spec.partition(":")
+    experts_on_choice(mode)
+    if not sep:
+        return mode, None
+    if mode != "hybrid":
+        raise ValueError(f"experts_on={spec!r}: only 'hybrid' takes a miss-copy cap (hybrid:M)")
+    try:
+        caps = [int(p) for p in rest.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"experts_on={spec!r}: expected hybrid:M or hybrid:M1,M2,... with integers M"
+        ) from None
+    return mode, caps[0] if "," not in rest else caps
 
 
 def graphs_choice(graphs: object) -> bool | str:

@@ -127,3 +127,74 @@ def test_agrees_with_an_independent_model_on_every_hit_and_miss(seed: int) -> No
         pred = rng.sample(range(E), 3)
         assert [(i.expert, i.evicted) for i in c.prefetch(pred, n)] == ref.prefetch(pred, n)
         assert c.order() == ref.l[::-1]
+
+
+# --- the capped use (experts_on cpu / hybrid) ----------------------------------------
+
+
+def test_capped_use_inserts_the_lowest_misses_and_leaves_the_rest_to_the_cpu() -> None:
+    c = LogicalCache(capacity=4, num_experts=10)
+    c.reset([5, 1, 7, 3])
+    r = c.use([9, 3, 0, 6], max_inserts=1)
+    assert r.hits == 1
+    assert [(m.expert, m.evicted) for m in r.misses] == [(0, 5)]  # the lowest miss only
+    assert r.cpu == [6, 9]  # ascending, not members
+    assert c.order() == [1, 7, 3, 0]  # the routed members most recent, lower id more recent
+    r = c.use([6, 9], max_inserts=0)  # cpu: nothing inserted, nothing moves
+    assert (r.hits, r.misses, r.cpu) == (0, [], [6, 9])
+    assert c.order() == [1, 7, 3, 0]
+
+
+def _capped_use_model(
+    order: list[int], capacity: int, routed: list[int], m: int
+) -> tuple[list[int], list[tuple[int, int | None]], list[int]]:
+    """An independent formulation on a plain list (least recent first)."""
+    order = list(order)
+    missing = sorted(e for e in routed if e not in order)
+    inserted = []
+    for e in missing[:m]:
+        victim = None
+        if len(order) == capacity:
+            victim = next(x for x in order if x not in routed)
+            order.remove(victim)
+        order.append(e)
+        inserted.append((e, victim))
+    members = [e for e in routed if e in order]
+    order = [x for x in order if x not in members] + sorted(members, reverse=True)
+    return order, inserted, missing[m:]
+
+
+@pytest.mark.parametrize("m", [0, 1, 2, 3])
+def test_capped_use_matches_an_independent_model_on_random_streams(m: int) -> None:
+    rng = random.Random(m)
+    E, C, k = 24, 6, 4
+    c, order = LogicalCache(C, E), rng.sample(range(E), 3)
+    c.reset(order)
+    for _ in range(400):
+        routed = rng.sample(range(E), k)
+        want_order, want_ins, want_cpu = _capped_use_model(order, C, routed, m)
+        r = c.use(routed, max_inserts=m)
+        assert [(i.expert, i.evicted) for i in r.misses] == want_ins
+        assert r.cpu == want_cpu and c.order() == want_order
+        order = want_order
+        if rng.random() < 0.3:  # prefetches interleave: the cap is for misses only
+            c.prefetch(rng.sample(range(E), 2), 2)
+            order = c.order()
+
+
+def test_an_unreached_cap_is_the_spec_use() -> None:
+    rng = random.Random(7)
+    a, b = LogicalCache(5, 16), LogicalCache(5, 16)
+    for _ in range(200):
+        routed = rng.sample(range(16), 3)
+        ra, rb = a.use(routed), b.use(routed, max_inserts=3)
+        assert [(i.expert, i.evicted) for i in ra.misses] == [
+            (i.expert, i.evicted) for i in rb.misses
+        ]
+        assert rb.cpu == [] and a.order() == b.order()
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.0, "2"])
+def test_a_bad_cap_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="max_inserts"):
+        LogicalCache(4, 8).use([1, 2], max_inserts=bad)  # type: ignore[arg-type]

@@ -134,7 +134,11 @@ def test_tune_selects_on_a_replicates_on_b_and_load_uses_the_points(ckpt, tmp_pa
     assert all(0 < row["substitution_rate_B"] <= 1 for row in log)
     assert all(row["substitution_rate_A"] > 0 for row in log)
     assert all(0 <= row["greedy_agreement_B"] <= 1 for row in log)
+    assert all(0 <= row["greedy_agreement_A"] <= 1 for row in log)  # set A's table has it
     sweep_json = json.loads((tmp_path / "select" / "sweep.json").read_text())
+    exact_a = next(r for r in sweep_json["results"] if r["config"]["policy"] == "exact")
+    assert len(exact_a["generated"]) == 2  # TUNE_PROMPTS greedy generations per config
+    assert all(0 <= r["greedy_agreement"] <= 1 for r in sweep_json["results"])
     fastest = {}
     for r in sweep_json["results"]:
         fam = r["config"]["policy"]

@@ -9,6 +9,7 @@ import pytest
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
+from psr.eval import modes
 from psr.eval.harness import (
     EvalData,
     RunConfig,
@@ -136,6 +137,7 @@ H = replace(
     store_call_us=0.0,
     python_us_per_layer=0.0,
     device_python_us_per_layer=0.0,
+    dense_python_us_per_layer=0.0,
     token_us=0.0,
     small_kernel_us=0.0,
 )
@@ -454,3 +456,19 @@ def test_harness_measures_the_deployed_schedule_and_models_both_ways(tmp_path) -
     res[1]["trace"].save(tmp_path / "t.json")
     back = Trace.load(tmp_path / "t.json")
     assert simulate(back, "h200", host=True).as_dict() == res[1]["latency_host"]["h200"]
+    # The graph figure beside the eager one (the device step captured).
+    for r in res:
+        assert set(r["latency_graph"]) == {"rtx4090", "h200"}
+        assert r["speedup_graph"]["h200"] > 0
+    # Exact routing keeps each window's caches: replayed uncapped, they give back the
+    # recorded trace exactly; cpu / hybrid replays and their table follow (eval/modes.py).
+    ms = res[0]["mode_starts"]
+    assert "mode_starts" not in res[1]  # psr routes by the cache: no replay
+    assert ms["window"] == 20 and len(ms["starts"]) == 1
+    t = res[0]["trace"]
+    assert modes.replay(t, ms["starts"], ms["window"], ms["capacity"], ms["num_experts"], None) == t
+    cpu = modes.MODE_TRACES(res[0], "rtx4090")["cpu"]
+    assert cpu.counts()["misses"] == 0 and sum(s.cpu_experts for k in cpu.tokens for s in k) > 0
+    text = modes.modes_appendix(res, ("rtx4090", "h200"))
+    assert text.count("| rtx4090 |") == 3 and text.count("| h200 |") == 3
+    assert "exact routing only" in text and "assumptions: rtx4090: CPU 50 GB/s" in text

@@ -2,7 +2,8 @@
 references, psr.cache.LogicalCache + psr.runtime.slots.SlotMap: every cache order, slot,
 pending prefetch, counter and copy list equal after every operation, on long random
 streams over many (E, C, k, n), C = k, C = E, n = 0 and n = C, slabs with more slots than
-the capacity, and caches that start part empty. The torch reference runs the long
+the capacity, and caches that start part empty; and with a miss-copy cap (experts_on cpu /
+hybrid: at most m misses inserted, the others in the CPU list). The torch reference runs the long
 streams; the Triton kernel (interpreter here) runs shorter ones against it."""
 
 from __future__ import annotations
@@ -28,14 +29,19 @@ class Oracle:
     slots: SlotMap
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(cs.COUNT_NAMES, 0))
     last: list[tuple[int, int]] = field(default_factory=list)
+    cap: int | None = None  # the miss-copy cap (None: the spec's use)
+    cpu: list[int] = field(default_factory=list)  # the last use's misses not inserted
 
     def use(self, routed: list[int]) -> None:
-        r = self.cache.use(routed)
+        r = self.cache.use(routed, self.cap)
         slots, experts = self.slots.place(r.misses)
         self.last = list(zip(slots, experts, strict=True))
-        for key, v in (("routed", len(routed)), ("hits", r.hits), ("misses", len(slots))):
+        self.cpu = r.cpu
+        misses = len(slots) + len(r.cpu)
+        for key, v in (("routed", len(routed)), ("hits", r.hits), ("misses", misses)):
             self.counts[key] += v
         self.counts["prefetch_used"] += r.prefetch_used
+        self.counts["cpu_experts"] += len(r.cpu)
 
     def prefetch(self, predicted: list[int], n: int) -> None:
         slots, experts = self.slots.place(self.cache.prefetch(predicted, n))
@@ -75,7 +81,10 @@ def _assert_equal(o: Oracle, state: torch.Tensor, lo: cs.CacheLayout, C: int, ki
     counts = hdr[cs.COUNTS : cs.COUNTS + len(cs.COUNT_NAMES)]
     assert dict(zip(cs.COUNT_NAMES, counts, strict=True)) == o.counts
     if kind == cs.KIND_MISS:
-        rows, count = row[lo.miss_list : lo.pf_list].view(-1, 3).tolist(), hdr[cs.MISS_N]
+        rows, count = row[lo.miss_list : lo.cpu_list].view(-1, 3).tolist(), hdr[cs.MISS_N]
+        cpu = row[lo.cpu_list : lo.pf_list].tolist()
+        assert hdr[cs.CPU_N] == len(o.cpu)
+        assert cpu == o.cpu + [-1] * (lo.top_k - len(o.cpu))
     else:
         rows, count = row[lo.pf_list : lo.width].view(-1, 3).tolist(), hdr[cs.PF_N]
     assert count == len(o.last)
@@ -93,13 +102,24 @@ def _routed(rng: random.Random, o: Oracle, E: int, k: int) -> list[int]:
 
 
 def _run(
-    E: int, C: int, S: int, k: int, n: int, fill: int, steps: int, seed: int, kernel: bool
+    E: int,
+    C: int,
+    S: int,
+    k: int,
+    n: int,
+    fill: int,
+    steps: int,
+    seed: int,
+    kernel: bool,
+    cap: int | None = None,
 ) -> None:
     rng = random.Random(seed)
     lo = cs.CacheLayout(E, S, k, n)
     o, slot_expert = _start(rng, E, C, S, fill)
+    o.cap = cap
     state = cs.new_state(1, lo, "cpu")
-    cs.reset_layer(state, lo, 0, C, o.cache.order(), o.slots.slot_of, slot_expert)
+    order, slot_of = o.cache.order(), o.slots.slot_of
+    cs.reset_layer(state, lo, 0, C, order, slot_of, slot_expert, inserts=cap)
     twin = state.clone()  # the reference beside the kernel
     for _ in range(steps):
         routed = _routed(rng, o, E, k)
@@ -169,6 +189,22 @@ def test_kernel_equals_reference_and_logical_cache(shape, fill: str) -> None:
     E, C, S, k, n = shape
     start = {"full": C, "part": C // 2, "empty": 0}[fill]
     _run(E, C, S, k, n, start, steps=12, seed=_seed(shape, fill), kernel=True)
+
+
+CAP_SHAPES = [(8, 2, 2, 2, 1), (16, 5, 9, 3, 2), (64, 32, 40, 8, 2), (64, 8, 8, 8, 3)]
+
+
+@pytest.mark.parametrize("shape", CAP_SHAPES, ids=lambda s: "E{}-C{}-S{}-k{}-n{}".format(*s))
+@pytest.mark.parametrize("cap", [0, 1, 2])
+def test_capped_use_reference_equals_logical_cache(shape, cap: int) -> None:
+    E, C, S, k, n = shape
+    _run(E, C, S, k, n, C // 2, steps=200, seed=_seed("cap", shape, cap), kernel=False, cap=cap)
+
+
+@pytest.mark.parametrize("cap", [0, 1])
+def test_capped_use_kernel_equals_reference_and_logical_cache(cap: int) -> None:
+    E, C, S, k, n = 16, 5, 9, 3, 2
+    _run(E, C, S, k, n, C, steps=8, seed=_seed("cap-kernel", cap), kernel=True, cap=cap)
 
 
 def test_state_and_arguments_are_checked() -> None:

@@ -145,6 +145,8 @@ def test_bad_budgets_are_refused_before_loading(ckpt: Path) -> None:
         _load(ckpt, host_memory="48 parsecs")
     with pytest.raises(ValueError, match="host_profile must hold 3 lists"):
         _load(ckpt, host_memory=fixed, host_profile=[[1.0] * 8])
+    with pytest.raises(ValueError, match="experts_on='cpu' computes misses from the host rows"):
+        _load(ckpt, host_memory=fixed + mem["host_experts"] // 4, experts_on="cpu")
     with pytest.raises(TypeError, match="unexpected keyword argument 'host_mem'"):
         psr.load(ckpt, host_mem="1GB")  # type: ignore[call-arg]
 

@@ -145,6 +145,13 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], list[T]]:
 residencies = comma_list(fraction)
 
 
+def hybrid_m(s: str) -> int | list[int]:
+    """--hybrid-m: one miss-copy cap (an int >= 0) for every MoE layer, or one per layer
+    ('2,2,3'); range-checked against top_k when the model loads."""
+    caps = comma_list(nonnegative_int)(s)
+    return caps[0] if len(caps) == 1 and "," not in s else caps
+
+
 def expert_format(s: str) -> str:
     """One of EXPERT_FORMATS (psr.load's expert_format; native: the model's dtype)."""
     if s not in EXPERT_FORMATS:

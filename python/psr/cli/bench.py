@@ -33,6 +33,70 @@ def add_bench(sub: Any) -> None:
     _add_sweep(bsub)
     _add_speculative(bsub)
     add_bench_serve(bsub)
+    _add_machine(bsub)
+
+
+MACHINE_FORMATS = ("float32", "bfloat16", "float16", "int8", "fp8", "int4")
+
+
+def _add_machine(bsub: Any) -> None:
+    bm = command(
+        bsub,
+        "machine",
+        "this machine's CPU-expert and copy costs: the profile experts_on='hybrid' uses",
+    )
+    bm.add_argument("--hidden", type=positive_int, default=2048, help="expert input size H")
+    bm.add_argument("--ffn", type=positive_int, default=768, help="expert FFN size F")
+    bm.add_argument(
+        "--format",
+        choices=MACHINE_FORMATS,
+        default="bfloat16",
+        help="the experts' rows: a float dtype or a quantized format (default: %(default)s; "
+        "defaults: a Qwen3-30B-A3B expert)",
+    )
+    bm.add_argument("--top-k", type=positive_int, default=8, help="experts per timed call")
+    bm.add_argument(
+        "--threads", type=positive_int, default=None, help="CPU threads (default: torch's)"
+    )
+    bm.add_argument("--repeats", type=positive_int, default=20, help="timed calls (median)")
+    bm.add_argument(
+        "--out",
+        default=None,
+        help="profile file (default: machine.json beside the operating points, which "
+        "experts_on='hybrid' reads)",
+    )
+    bm.set_defaults(fn=run_machine)
+
+
+def run_machine(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import psr.machine as mc
+
+    out = writable_file(args.out, "--out") if args.out else mc.profile_path()
+    import torch
+
+    from psr.eval.machine import measure_profile, table
+    from psr.store import cpu_max_threads
+
+    if args.threads is not None:
+        if args.threads > cpu_max_threads():
+            raise UsageError(
+                f"--threads {args.threads} exceeds this machine's {cpu_max_threads()} threads"
+            )
+        torch.set_num_threads(args.threads)
+    try:
+        base = mc.read_profile(Path(out))
+    except ValueError:
+        base = None  # not a profile: rewritten
+    p = measure_profile(
+        args.hidden, args.ffn, args.format, top_k=args.top_k, repeats=args.repeats, base=base
+    )
+    if base is not None and base.fingerprint != p.fingerprint:
+        print(f"replacing a profile measured on {mc.describe(base.fingerprint)}")
+    print(table(p))
+    print(f"wrote {mc.write_profile(p, Path(out))}")
+    return 0
 
 
 def _add_copy(bsub: Any) -> None:

@@ -15,6 +15,7 @@ from psr.cli.args import (
     dtype,
     fraction,
     host_memory,
+    hybrid_m,
     model_config,
     nonempty,
     nonnegative_float,
@@ -25,7 +26,7 @@ from psr.cli.args import (
     token_ids,
     writable_file,
 )
-from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS
+from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS, EXPERTS_ON
 
 # Files whose presence makes psr.models.load load a tokenizer.
 
@@ -146,6 +147,22 @@ def add_placement_options(g: argparse.ArgumentParser) -> None:
         "host-driven (host)",
     )
     g.add_argument(
+        "--experts-on",
+        choices=EXPERTS_ON,
+        default="gpu",
+        help="where misses are computed: gpu (each copied into the slab), cpu (none copied: "
+        "computed on the CPU from the host rows) or hybrid (at most --hybrid-m per layer "
+        "copied, the rest on the CPU); CPU and GPU round differently, so tokens may differ",
+    )
+    g.add_argument(
+        "--hybrid-m",
+        type=hybrid_m,
+        default=None,
+        metavar="M[,M...]",
+        help="with --experts-on hybrid: misses copied per layer step, one for every MoE layer "
+        "or one per layer (default: chosen from `psr bench machine`'s profile)",
+    )
+    g.add_argument(
         "--graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -207,6 +224,16 @@ def check_policy_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--policy {args.policy}: {e}") from None
 
 
+def _experts_on(args: argparse.Namespace) -> str:
+    """psr.load's experts_on from --experts-on and --hybrid-m ('hybrid:M1,M2,...')."""
+    m = args.hybrid_m
+    if m is None:
+        return str(args.experts_on)
+    if args.experts_on != "hybrid":
+        raise UsageError(f"--hybrid-m is for --experts-on hybrid, not {args.experts_on}")
+    return "hybrid:" + ",".join(map(str, m if isinstance(m, list) else [m]))
+
+
 def load_options(args: argparse.Namespace) -> dict[str, Any]:
     """psr.models.load's keyword arguments from the load options (progress apart)."""
     return {
@@ -219,6 +246,7 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": args.dtype,
         "compute": args.compute,
         "decode": args.decode,
+        "experts_on": _experts_on(args),
         "graphs": "auto" if args.graphs is None else args.graphs,
         "expert_format": args.expert_format,
         "quant_cache": args.quant_cache,
@@ -281,7 +309,8 @@ def run_generate(args: argparse.Namespace) -> int:
         f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
         f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
         f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
-        f"graphs {model.graph_status}"
+        + (f"experts on {_experts_on(args)}, " if args.experts_on != "gpu" else "")
+        + f"graphs {model.graph_status}"
     )
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from psr.eval import modes
 from psr.eval.defaults import DEFAULT_PROFILES
 from psr.eval.latency import simulate
 from psr.eval.quality import (
@@ -161,7 +162,17 @@ def run_config(
     total = len(data.windows) + len(data.prompts) + len(data.cloze)
     bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
     rec = model.record_trace()
+    # Exact routing: each window's caches, for the cpu / hybrid replays (eval/modes.py).
+    watch = modes.StartWatch(model) if modes.replayable(rc.policy) and data.windows else None
     nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
+    starts = None
+    if watch is not None:
+        watch.close()
+        starts = {
+            **watch.starts(len(rec.trace.tokens), len(data.windows)),
+            "capacity": model.runtime.capacity,
+            "num_experts": model.runtime.spec.num_experts,
+        }
     stats = model.stats.report()
     model.runtime.recorder = None
     gens = []
@@ -181,6 +192,8 @@ def run_config(
         "cloze_items": cz,
         "trace": rec.trace,  # serialised only when a report keeps traces (seconds per run)
     }
+    if starts is not None:
+        out["mode_starts"] = starts  # not saved (report.save): replay input only
     if schedule is not None:
         add_host_latency(out, schedule, profiles)
     return out
@@ -340,6 +353,10 @@ def add_host_latency(
     trace = result["trace"]
     trace.host = schedule
     result["latency_host"] = {p: simulate(trace, p, host=True).as_dict() for p in profiles}
+    if schedule.mode == "device":  # CUDA's default: the step captured, one graph per token
+        result["latency_graph"] = {
+            p: simulate(trace, p, host=True, graph=True).as_dict() for p in profiles
+        }
 
 
 def _schedule_child() -> None:
@@ -373,11 +390,11 @@ def compare(results: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PRO
         r["speedup"] = {
             p: ref["latency"][p]["ms_per_token"] / r["latency"][p]["ms_per_token"] for p in profiles
         }
-        if r.get("latency_host") and ref.get("latency_host"):
-            r["speedup_host"] = {
-                p: ref["latency_host"][p]["ms_per_token"] / r["latency_host"][p]["ms_per_token"]
-                for p in profiles
-            }
+        for key in ("latency_host", "latency_graph"):
+            if r.get(key) and ref.get(key):
+                r[key.replace("latency", "speedup")] = {
+                    p: ref[key][p]["ms_per_token"] / r[key][p]["ms_per_token"] for p in profiles
+                }
         if r["generated"]:
             agree = [
                 greedy_agreement(a, b)

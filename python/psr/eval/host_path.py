@@ -553,3 +553,345 @@ def host_ms_per_layer(model: Any, prompt: torch.Tensor, new_tokens: int) -> floa
     host_ms_samples."""
     samples = host_ms_samples(model, prompt, new_tokens)
     return sum(samples) / max(len(samples), 1)
+
+
+# --- the host's own costs, timed with the launches stubbed ---------------------------
+_STUBBED_STORE_CALLS = ("enqueue_copies", "acquire", "release", "gather", "join")
+
+
+# The cost timer's clock: this thread's CPU time, not wall time. On a shared machine the
+# wall time of a step swells with every other process's load (2x between runs here); the
+# CPU time the step itself used does not (one thread: the store's calls are stubbed and
+# torch runs one intra-op thread in bench/host_path.py).
+_clock = time.thread_time
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _StubStore:
+    """The C++ store with its copy, acquire, release, gather and join calls doing nothing
+    (the latency model prices each as a store call); every other call is the real one."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+        for name in _STUBBED_STORE_CALLS:
+            setattr(self, name, _noop)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+@contextmanager
+def stubbed_launches(model: Any) -> Iterator[Callable[[bool], None]]:
+    """While switched on (the yielded function: on(True)), Triton launches return at once
+    (JITFunction.run, InterpretedFunction.run) and the store's C++ copy / acquire /
+    release / gather / join calls do nothing, so what is left of a decode step's host time
+    is Python and the aten ops (timed apart by `_AtenTimer`). Outputs the kernels would
+    write stay unwritten: only decode forwards of a step whose host reads nothing they
+    write (the device step) run so; the prefill that seeds the caches runs for real."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    store = model.runtime.store
+    real = store._store
+    stub = _StubStore(real)
+    saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
+    on = [False]
+
+    def switch(state: bool) -> None:
+        on[0] = state
+        store._store = stub if state else real
+
+    def patched(run: Callable[..., Any]) -> Callable[..., Any]:
+        def maybe(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return None if on[0] else run(self, *args, **kwargs)
+
+        return maybe
+
+    for cls, run in saved:
+        cls.run = patched(run)  # type: ignore[method-assign]
+    try:
+        yield switch
+    finally:
+        store._store = real
+        for cls, run in saved:
+            cls.run = run  # type: ignore[method-assign]
+
+
+class _AtenTimer(TorchDispatchMode):
+    """Seconds spent inside the aten ops the probe counts as launches (not views or
+    allocations), added to the cost timer's current cell."""
+
+    def __init__(self, timer: _CostTimer) -> None:
+        super().__init__()
+        self.timer = timer
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.is_view or func.overloadpacket.__name__ in _NOT_LAUNCHES:
+            return func(*args, **(kwargs or {}))
+        t = _clock()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.timer.aten[self.timer.cell] += _clock() - t
+            self.timer.launches[self.timer.cell] += 1
+
+
+@dataclass
+class _Forward1:
+    """One decode forward's CPU times (`_clock`) (seconds): hooks per MoE layer, the whole forward,
+    the loop before it; aten time and launches per cell ("moe", "dense", "token")."""
+
+    hooks: list[float]
+    forward: float
+    token: float
+    aten: dict[str, float]
+    launches: dict[str, int]
+
+
+class _CostTimer:
+    """Times psr's MoE hooks, the rest of each forward and the loop between forwards (and
+    the device step's `begin`), per decode forward."""
+
+    def __init__(self, model: Any, switch: Callable[[bool], None]) -> None:
+        self.model, self.rt = model, model.runtime
+        self.switch = switch  # stubbed_launches' switch: on for decode forwards only
+        self.forwards: list[_Forward1] = []
+        self.begins: list[float] = []
+        self.cell = "token"
+        self.aten: Counter[str] = Counter()
+        self.launches: Counter[str] = Counter()
+        self._hooks: list[float] = []
+        self._between_t0 = 0.0
+        self._undo: list[Callable[[], None]] = []
+
+    def _wrap_hook(self, name: str) -> None:
+        rt = self.rt
+        inner = getattr(rt, name)
+
+        def timed(*args: Any) -> Any:
+            if not rt.decoding:
+                return inner(*args)
+            self.switch(True)  # a decode forward: stubbed until it ends (the prefill is real)
+            outer, self.cell = self.cell, "moe"
+            t = _clock()
+            try:
+                out = inner(*args)
+            finally:
+                dt = _clock() - t
+                self.cell = outer
+                if name == "route":
+                    self._hooks.append(dt)
+                elif self._hooks:
+                    self._hooks[-1] += dt
+            if name == "experts" and isinstance(out, torch.Tensor):
+                # The stubbed FFN left its output unwritten: zeros keep the rest of the
+                # forward on finite numbers (garbage, denormals, NaN slow the CPU's ops).
+                # One aten op, counted and subtracted in the dense part.
+                out.zero_()
+            return out
+
+        setattr(rt, name, timed)
+        self._undo.append(lambda: delattr(rt, name))
+
+    def _wrap_forward(self) -> None:
+        hf = self.model.hf
+        own = hf.__dict__.get("forward")
+        inner = hf.forward
+
+        @functools.wraps(inner)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            t0 = _clock()
+            token = t0 - self._between_t0
+            self._hooks = []
+            aten0, launches0 = Counter(self.aten), Counter(self.launches)
+            self.cell = "dense"
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                t1 = _clock()
+                self.switch(False)
+                self.cell = "token"
+                if self._hooks and len(self._hooks) == len(self.rt.layers):  # a decode forward
+                    aten = {k: self.aten[k] - aten0[k] for k in ("moe", "dense")}
+                    aten["token"] = aten0["token"]
+                    n = {k: self.launches[k] - launches0[k] for k in ("moe", "dense")}
+                    n["token"] = launches0["token"]
+                    self.forwards.append(_Forward1(self._hooks, t1 - t0, token, aten, n))
+                self.aten["token"] = self.launches["token"] = 0
+                self._between_t0 = _clock()
+
+        hf.forward = forward
+
+        def undo() -> None:
+            if own is None:
+                del hf.forward
+            else:
+                hf.forward = own
+
+        self._undo.append(undo)
+
+    def _wrap_begin(self) -> None:
+        dev = self.rt.device_step
+        inner = dev.begin
+
+        def begin() -> None:
+            t = _clock()
+            try:
+                inner()
+            finally:
+                self.begins.append(_clock() - t)
+
+        dev.begin = begin
+        self._undo.append(lambda: delattr(dev, "begin"))
+
+    def __enter__(self) -> _CostTimer:
+        self._wrap_hook("route")
+        self._wrap_hook("experts")
+        self._wrap_forward()
+        self._wrap_begin()
+        self._between_t0 = _clock()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+
+@dataclass
+class HostCosts:
+    """The host's own costs of one decode step (µs), measured on this machine with the
+    launches stubbed (`measure_host_costs`): what is left is the Python a GPU host runs
+    beside its launches, syncs and store calls, which the latency model prices apart."""
+
+    step: str  # the decode step timed: "device" | "host"
+    moe_layer_us: float  # psr's MoE hooks per MoE layer, less their aten ops
+    dense_layer_us: float  # per decoder layer: the forward outside psr's hooks, less its aten ops
+    token_us: float  # the generation loop between forwards, less its aten ops
+    begin_us: float  # the device step's cache hand-over at a sequence's first decode token
+    first_token_moe_layer_us: float  # psr's hooks per MoE layer in the first decode forward
+    raw: dict[str, float] = field(default_factory=dict)  # the medians subtracted from
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    if not s:
+        return 0.0
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else (s[m - 1] + s[m]) / 2
+
+
+def _low(xs: Sequence[float], q: float = 0.1) -> float:
+    """The q-quantile (nearest rank): on a shared machine, preemption only adds time, so
+    a low quantile estimates the uncontended cost better than the median."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
+def aten_op_us(batches: int = 7, loops: int = 400) -> float:
+    """The host cost of one small eager aten op on this machine (µs): add, mul, a linear,
+    a softmax and a sum on tiny CPU tensors (so nearly all of it is the Python binding and
+    the dispatcher, what a GPU host pays per launch before the driver), the fastest of
+    `batches` loops. The cost timer subtracts it per counted launch."""
+    import torch.nn.functional as F
+
+    x, y, w = torch.randn(1, 8), torch.randn(1, 8), torch.randn(8, 8)
+    best = float("inf")
+    for _ in range(batches):
+        t = _clock()
+        for _ in range(loops):
+            torch.add(x, y)
+            torch.mul(x, y)
+            F.linear(x, w)
+            torch.softmax(x, -1)
+            torch.sum(x)
+        best = min(best, (_clock() - t) / (5 * loops))
+    return best * 1e6
+
+
+def _timed_decode(
+    model: Any, prompt: torch.Tensor, new_tokens: int, aten: bool, switch: Callable[[bool], None]
+) -> tuple[list[_Forward1], list[float]]:
+    with _CostTimer(model, switch) as timer:
+        if aten:
+            with _AtenTimer(timer):
+                model.generate(prompt, max_new_tokens=new_tokens)
+        else:
+            model.generate(prompt, max_new_tokens=new_tokens)
+    return timer.forwards, timer.begins
+
+
+def measure_host_costs(
+    model: Any, prompt: torch.Tensor, new_tokens: int = 16, repeats: int = 3
+) -> HostCosts:
+    """Time a decode's host work on this machine with the launches stubbed
+    (`stubbed_launches`; the device step only: the host-driven one reads the routing the
+    stubbed kernels would write). Per cell, the 10th percentile (`_low`; medians in `raw`)
+    of its CPU time (`_clock`) over every decode forward after the first (and MoE layer) of
+    `repeats` runs without any mode, less the cell's
+    aten launches (counted in one run under `_AtenTimer`) at `aten_op_us` each (the model
+    prices each launch apart). The time inside the aten ops under the mode is kept in
+    `raw` (the mode's own cost inflates it). The first decode forward's hooks and the
+    hand-over (`begin`) are reported apart."""
+    if new_tokens < 3:
+        raise ValueError(f"new_tokens must be >= 3, got {new_tokens}")
+    if model.runtime.decode_mode != "device":
+        raise ValueError(
+            f"measure_host_costs times the device step (decode='device'), not "
+            f"{model.runtime.decode_mode!r}: the host-driven step reads what stubbed kernels "
+            "would write"
+        )
+    plain: list[_Forward1] = []
+    timed: list[_Forward1] = []
+    firsts: list[float] = []
+    begins: list[float] = []
+    n_dec = model.runtime.num_decoder_layers
+    with stubbed_launches(model) as switch:
+        for _ in range(repeats):
+            fw, b = _timed_decode(model, prompt, new_tokens, False, switch)
+            firsts += fw[0].hooks if fw else []
+            plain += fw[1:]
+            begins += b
+        timed = _timed_decode(model, prompt, new_tokens, True, switch)[0][1:]
+    if not plain or not timed:
+        raise RuntimeError("no decode forward was timed (did the model decode on the device step?)")
+    hooks_all = [h for f in plain for h in f.hooks]
+    dense_all = [(f.forward - sum(f.hooks)) / n_dec for f in plain]
+    token_all = [f.token for f in plain]
+    hooks, dense, token = _low(hooks_all), _low(dense_all), _low(token_all)
+    n_moe = len(plain[0].hooks)
+    a_moe = _median([f.aten["moe"] / n_moe for f in timed])
+    a_dense = _median([f.aten["dense"] / n_dec for f in timed])
+    a_token = _median([f.aten["token"] for f in timed])
+    op = aten_op_us()
+    n_moe_l = _median([f.launches["moe"] / n_moe for f in timed])
+    n_dense_l = _median([f.launches["dense"] / n_dec for f in timed])
+    n_token_l = _median([f.launches["token"] for f in timed])
+    raw = {
+        "aten_op_us": op,
+        "moe_hooks_us": hooks * 1e6,
+        "moe_hooks_median_us": _median(hooks_all) * 1e6,
+        "dense_median_us": _median(dense_all) * 1e6,
+        "token_median_us": _median(token_all) * 1e6,
+        "moe_aten_us": a_moe * 1e6,
+        "moe_aten_launches": n_moe_l,
+        "dense_us": dense * 1e6,
+        "dense_aten_us": a_dense * 1e6,
+        "dense_aten_launches": n_dense_l,
+        "token_wall_us": token * 1e6,
+        "token_aten_us": a_token * 1e6,
+        "token_aten_launches": n_token_l,
+        "forwards_timed": float(len(plain)),
+    }
+    return HostCosts(
+        step="device",
+        moe_layer_us=hooks * 1e6 - n_moe_l * op,
+        dense_layer_us=dense * 1e6 - n_dense_l * op,
+        token_us=token * 1e6 - n_token_l * op,
+        begin_us=_low(begins) * 1e6,
+        first_token_moe_layer_us=_low(firsts) * 1e6,
+        raw=raw,
+    )

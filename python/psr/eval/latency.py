@@ -30,9 +30,29 @@ host issued it:
            prefetch copies;
   join     a store call; the compute stream waits for the side stream.
 Each MoE layer adds its Python (python_us_per_layer for the host-driven step,
-device_python_us_per_layer for the device step) spread over its ops; each token adds
+device_python_us_per_layer for the device step) spread over its ops, each decoder layer
+the model's own Python (dense_python_us_per_layer) over its dense launches; each token adds
 token_us, then the schedule's per-token ops (the loop's sampling and read of the token).
-A token ends when both the host and the compute stream are done with it.
+A token ends when both the host and the compute stream are done with it. `graph=True`
+replays the device step as one captured graph per token (HostSchedule.as_graph: the host
+pays token_us and graph_launch_us per token, the GPU runs the same work); both report
+`first_token_ms`, a sequence's first decode token: the cache hand-over (begin_us) and the
+eager token (with graphs, the first token runs eagerly), not in ms_per_token. The device
+step's, the model's and the loop's Python and begin_us are measured with the launches
+stubbed (MEASURED_HOST); launch, sync and store-call costs are published figures.
+
+The CPU (both models): a layer step with `cpu_experts` > 0 computes that many routed
+experts from their host rows on CPU worker threads (no copy, no slot): the work starts
+when the layer has routed (host-free: after its dense part; host-aware: when the compute
+stream reaches the layer's first sync/copy/wait/gather/join or FFN launch), after the
+CPU's previous work, takes cpu_layer_us (hand-off of the hidden state and ids, wake-up,
+merge) + per expert cpu_expert_us + expert_bytes / cpu_gbps, runs beside the GPU's slab
+experts, and the layer's output waits for both (the wait counted as stall; `cpu_ms` the
+CPU's busy time per token).
+
+The pageable tier (issue 28): a copy whose trace `Copy` has `tier == "pageable"` (traces
+without the field are pinned) first reads its expert at `pageable_gbps`, on the same
+stream, then copies it (a copy, a gather).
 
 Hardware profiles set the costs of a *modeled* expert (by default OLMoE-1B-7B's,
 3 x 2048 x 1024 bf16 = 12.6 MB), so traces of psr's small embedded model are priced
@@ -47,19 +67,46 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from psr.runtime.trace import HOST_OP_KINDS, HostOp, HostSchedule, LayerStep, Trace
+from psr.runtime.trace import HOST_OP_KINDS, Copy, HostOp, HostSchedule, LayerStep, Trace
 
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2
 HOST_FREE = "host-free"
 
-# The host costs every built-in profile uses: the published per-op figures issue 19 cites
-# (~6 us per eager aten op, ~9 us per Triton launch, 12-15 us per sync once the device is
-# idle), a C++ store call, and psr's own Python per MoE layer: our estimates, not
-# measurements (docs/design.md); the GPU run calibrates launch_us and sync_us.
+# The host's own Python, measured on this machine with the launches stubbed
+# (bench/results/host_path/host_costs.json, psr's fastest of 3 rounds: `python
+# bench/host_path.py --costs`, psr.eval.host_path.measure_host_costs): the device step's
+# hooks per MoE layer, the model's own Python per decoder layer (transformers' modules and
+# psr's forward wrapper, beyond their launches), the loop per token, and the cache
+# hand-over at a sequence's first decode token. A shared 2-core VM whose small aten op
+# costs ~2 µs; a GPU host's CPU may be faster, so these are upper bounds (the same host
+# for every built-in profile).
+MEASURED_HOST = {
+    "device_python_us_per_layer": 95.2,
+    "dense_python_us_per_layer": 353.7,
+    "token_us": 65.5,
+    "begin_us": 3377.8,
+}
+MEASURED_ON = "measured on this project's shared 2-core Xeon VM, launches stubbed"
 _HOST_NOTE = (
     "host: 6 us per eager launch, 9 per Triton launch, 13 per sync (issue 19's published "
-    "figures), 4 per store call, Python 40 us (host step) / 10 us (device step) per MoE "
-    "layer and 40 us per token: the same host for every built-in profile"
+    "figures), 4 per store call; Python per MoE layer 95 us (device step; "
+    f"{MEASURED_ON}) / 40 us (host step: assumed, not measured), 354 us per decoder layer "
+    "(the model's own), 66 us per token, 3.4 ms hand-over per sequence (measured likewise)"
+)
+# The CPU as a resource (issue 27): the CPU expert kernels' bandwidth over host rows,
+# assumed at 70% (issue 27's goal for the kernels) of a STREAM triad at 78% of the DRAM's
+# peak (the efficiency TI's STREAM note SPRAD45A and llama.cpp PR #1642's M1 CPU figure
+# show); the per-layer hand-off (hidden state and ids to mapped host memory, worker
+# wake-up, result merge) and per-expert call are our assumptions (FreeToken #151: unpriced,
+# they turned a measured-bandwidth choice 8.3x slower).
+_CPU_DESKTOP = (
+    "CPU: dual-channel DDR5-5600 (89.6 GB/s peak, ~70 GB/s triad), expert kernels 50 GB/s; "
+    "15 us per layer hand-off, 1 us per expert (assumed)"
+)
+_CPU_SERVER = (
+    "CPU: one server socket, 8-channel DDR5-4800 (Sapphire Rapids class: 307 GB/s peak, "
+    "~240 GB/s triad), expert kernels 170 GB/s; 15 us per layer hand-off, 1 us per expert "
+    "(assumed)"
 )
 
 
@@ -79,11 +126,38 @@ class Profile:
     sync_us: float = 13.0  # a host read of device data once the device is idle
     store_call_us: float = 4.0  # a C++ store call: copies, acquire, release, gather, join
     python_us_per_layer: float = 40.0  # psr's Python per MoE layer, host-driven step
-    device_python_us_per_layer: float = 10.0  # ... the device (sync-free) step
-    token_us: float = 40.0  # the generation loop's Python per token
+    device_python_us_per_layer: float = MEASURED_HOST["device_python_us_per_layer"]
+    token_us: float = MEASURED_HOST["token_us"]  # the generation loop's Python per token
     small_kernel_us: float = 2.0  # GPU time of a routing/prediction/sampling kernel
     gather_gbps: float | None = None  # device-indexed gathers; None: as h2d copies
     graph_launch_us: float = 10.0  # replaying one captured decode token (graph mode)
+    # the model's own Python per decoder layer, beyond its launches
+    dense_python_us_per_layer: float = MEASURED_HOST["dense_python_us_per_layer"]
+    begin_us: float = MEASURED_HOST["begin_us"]  # the cache hand-over, a sequence's 1st token
+    # The CPU as a resource: routed experts computed from their host rows (LayerStep.
+    # cpu_experts), on worker threads apart from the host's Python thread.
+    cpu_gbps: float = 50.0  # the CPU expert kernels' achieved bandwidth over host rows
+    cpu_layer_us: float = 15.0  # per layer with CPU work: hand-off, wake-up, merge
+    cpu_expert_us: float = 1.0  # per CPU expert: its kernel call
+    # A copy from the pageable tier (Copy.tier == "pageable", issue 28) first reads its
+    # expert at this rate (NVMe 3-7 GB/s; the page cache at memcpy speed), then copies it.
+    pageable_gbps: float = 5.0
+
+    def read_s(self, c: Copy) -> float:
+        """The extra read before copy `c` (0 for the pinned tier; traces without tiers)."""
+        tier = getattr(c, "tier", "pinned")
+        if tier == "pinned":
+            return 0.0
+        if tier == "pageable":
+            return self.expert_bytes / (self.pageable_gbps * 1e9)
+        raise ValueError(f"copy of expert {c.expert}: tier {tier!r} is not 'pinned' or 'pageable'")
+
+    def cpu_s(self, experts: int) -> float:
+        """A layer's CPU work for `experts` routed experts (0: none, no hand-off)."""
+        if experts <= 0:
+            return 0.0
+        per = self.expert_bytes / (self.cpu_gbps * 1e9) + self.cpu_expert_us * 1e-6
+        return self.cpu_layer_us * 1e-6 + experts * per
 
     def copy_s(self) -> float:
         return self.expert_bytes / (self.h2d_gbps * 1e9) + self.copy_overhead_us * 1e-6
@@ -128,6 +202,8 @@ PROFILES = {
         expert_overhead_us=5.0,
         dense_ms_per_layer=0.3,
         notes="RTX 4090, PCIe 4.0 x16: 0.5 ms per OLMoE expert copy, 0.3 ms dense per layer; "
+        + _CPU_DESKTOP
+        + "; "
         + _HOST_NOTE,
     ),
     "h200": Profile(
@@ -137,7 +213,11 @@ PROFILES = {
         hbm_gbps=4000.0,
         expert_overhead_us=4.0,
         dense_ms_per_layer=0.08,
-        notes="H200 (PCIe 5.0 x16 host link, HBM3e): 0.23 ms per OLMoE expert copy; " + _HOST_NOTE,
+        cpu_gbps=170.0,
+        notes="H200 (PCIe 5.0 x16 host link, HBM3e): 0.23 ms per OLMoE expert copy; "
+        + _CPU_SERVER
+        + "; "
+        + _HOST_NOTE,
     ),
 }
 
@@ -167,6 +247,10 @@ class LatencyResult:
     per_token_ms: list[float]
     host_ms: float = 0.0  # per token, host busy (host-aware model)
     host_model: str = HOST_FREE  # "host-free" or Profile.host_label
+    cpu_ms: float = 0.0  # per token, CPU expert work (LayerStep.cpu_experts)
+    # Host-aware: a sequence's first decode token, which also hands the caches over to the
+    # device step (begin_us) and, with graphs, runs eagerly (not in ms_per_token).
+    first_token_ms: float = 0.0
 
     def as_dict(self, with_tokens: bool = False) -> dict[str, Any]:
         d = asdict(self)
@@ -182,11 +266,14 @@ def simulate(
     draft_s: float = 0.0,
     *,
     host: bool = False,
+    graph: bool = False,
 ) -> LatencyResult:
     """Modeled decode latency of `trace` under `profile` (see module docstring).
 
     `host`: replay the trace's measured host schedule (`trace.host`) on a host thread;
-    without one (or with host=False) the model is host-free.
+    without one (or with host=False) the model is host-free. `graph` (with `host`): the
+    device-step schedule replayed as one captured graph per token (`HostSchedule.
+    as_graph`, what CUDA runs by default); its `first_token_ms` is the eager token's.
 
     Speculative traces (`trace.emitted`): each step is a verify block whose dense work is
     priced as one token's (batch-1 weight reads dominate), whose experts are its set, and
@@ -207,8 +294,27 @@ def simulate(
                 "the host-aware model prices decode tokens, not speculative verify blocks; "
                 "simulate this trace with host=False"
             )
-        return _HostAware(trace, p, trace.host).run()
+        eager = _HostAware(trace, p, trace.host).run()
+        eager.first_token_ms = p.begin_us * 1e-3 + eager.ms_per_token
+        if not graph:
+            return eager
+        res = _HostAware(trace, p, trace.host.as_graph()).run()
+        res.first_token_ms = eager.first_token_ms
+        return res
+    if graph:
+        raise ValueError("graph=True prices a measured device-step schedule: pass host=True")
     return _host_free(trace, p, draft_s)
+
+
+def cpu_experts(step: LayerStep) -> int:
+    """The step's routed experts computed on the CPU, checked against its routed count."""
+    n = step.cpu_experts
+    if not 0 <= n <= len(step.experts):
+        raise ValueError(
+            f"MoE layer {step.layer}: cpu_experts {n} is not in [0, {len(step.experts)}] "
+            "(the routed experts)"
+        )
+    return n
 
 
 def _decoder_layers(
@@ -233,9 +339,9 @@ def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
     moe_at = {d: i for i, d in enumerate(trace.moe_layers)}
     ready: dict[tuple[int, int], float] = {}  # (layer, slot) -> copy done
     last_read: dict[tuple[int, int], float] = {}  # (layer, slot) -> last reader done
-    now = copy_free = 0.0
+    now = copy_free = cpu_free = 0.0
     per_token: list[float] = []
-    compute = copy_busy = stall = 0.0
+    compute = copy_busy = stall = cpu_busy = 0.0
     for steps in trace.tokens:
         start = now
         if trace.emitted:
@@ -247,32 +353,41 @@ def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
             if step is None:
                 continue
             m = step.layer
+            n_cpu = cpu_experts(step)
+            if n_cpu:  # the CPU starts once the layer has routed, beside the GPU's experts
+                cpu_free = max(cpu_free, now) + p.cpu_s(n_cpu)
+                cpu_busy += p.cpu_s(n_cpu)
             for c in step.copies:  # issued once the layer has routed
                 key = (c.layer, c.slot)
                 begin = max(copy_free, now, last_read.get(key, 0.0))
-                copy_free = begin + t_copy
-                copy_busy += t_copy
+                copy_free = begin + t_copy + p.read_s(c)
+                copy_busy += t_copy + p.read_s(c)
                 ready[key] = copy_free
             need = max((ready.get((m, s), 0.0) for s in step.slots), default=0.0)
             if need > now:
                 stall += need - now
                 now = need
-            now += len(step.experts) * t_exp
-            compute += len(step.experts) * t_exp
+            gpu = (len(step.experts) - n_cpu) * t_exp
+            now += gpu
+            compute += gpu
             for s in step.slots:
                 last_read[(m, s)] = now
+            if n_cpu and cpu_free > now:  # the layer's output merges the CPU's
+                stall += cpu_free - now
+                now = cpu_free
         per_token.append((now - start) * 1e3)
     n = max(sum(trace.emitted) if trace.emitted else len(trace.tokens), 1)
-    comp_ms, copy_ms = compute / n * 1e3, copy_busy / n * 1e3
+    comp_ms, copy_ms, cpu_ms = compute / n * 1e3, copy_busy / n * 1e3, cpu_busy / n * 1e3
     return LatencyResult(
         profile=p.name,
         tokens=n if trace.emitted else len(trace.tokens),
         ms_per_token=sum(per_token) / n,
-        lower_bound_ms=max(comp_ms, copy_ms),
+        lower_bound_ms=max(comp_ms, copy_ms, cpu_ms),
         compute_ms=comp_ms,
         copy_ms=copy_ms,
         stall_ms=stall / n * 1e3,
         per_token_ms=per_token,
+        cpu_ms=cpu_ms,
     )
 
 
@@ -357,6 +472,7 @@ class _HostAware:
                 triton_launch_us=0.0,
                 store_call_us=0.0,
                 device_python_us_per_layer=0.0,
+                dense_python_us_per_layer=0.0,
                 token_us=0.0,
             )
             self.p = p
@@ -370,14 +486,14 @@ class _HostAware:
         if dl < 0:
             raise ValueError(f"host schedule: dense_launches must be >= 0, got {dl}")
         self.dense_k = max(1, round(dl))
-        self.dense_c = dl * p.launch_us * 1e-6 / self.dense_k
+        self.dense_c = (dl * p.launch_us + p.dense_python_us_per_layer) * 1e-6 / self.dense_k
         self.dense_g = p.dense_s() / self.dense_k
         self.t_copy, self.t_gather, self.t_exp = p.copy_s(), p.gather_s(), p.expert_s()
         # Clocks: the host, the compute stream, the copy stream, the side stream.
-        self.h = self.cf = self.copy_free = self.sf = 0.0
+        self.h = self.cf = self.copy_free = self.sf = self.cpu_free = 0.0
         self.ready: dict[tuple[int, int], float] = {}  # (layer, slot) -> copy done
         self.last_read: dict[tuple[int, int], float] = {}  # (layer, slot) -> reader done
-        self.host_busy = self.compute = self.copy_busy = self.stall = 0.0
+        self.host_busy = self.compute = self.copy_busy = self.stall = self.cpu_busy = 0.0
 
     def _host(self, s: float) -> None:
         self.h += s
@@ -413,15 +529,16 @@ class _HostAware:
         for c in todo:
             key = (c.layer, c.slot)
             begin = max(self.copy_free, self.h, self.last_read.get(key, 0.0))
-            self.copy_free = begin + self.t_copy
-            self.copy_busy += self.t_copy
+            t = self.t_copy + self.p.read_s(c)
+            self.copy_free = begin + t
+            self.copy_busy += t
             self.ready[key] = self.copy_free
 
     def _gather(self, op: _Op, step: LayerStep, done: set[str]) -> None:
         kind = "prefetch" if op.side else "miss"
         copies = [c for c in step.copies if c.kind == kind]
         done.add(kind)
-        busy = len(copies) * self.t_gather
+        busy = sum(self.t_gather + self.p.read_s(c) for c in copies)
         self.copy_busy += busy
         if op.side:  # forked from the compute stream: after everything issued to it
             self.sf = max(self.sf, self.h, self.cf) + op.gpu_s + busy
@@ -435,12 +552,16 @@ class _HostAware:
             self.ready[(c.layer, c.slot)] = end
 
     def _layer(self, m: int, step: LayerStep, plan: _Plan) -> None:
-        ffn_total = len(step.experts) * self.t_exp
+        n_cpu = cpu_experts(step)
+        ffn_total = (len(step.experts) - n_cpu) * self.t_exp
         ffn_g = ffn_total / plan.ffn_launches if plan.ffn_launches else 0.0
         done: set[str] = set()
+        routed_at: float | None = None  # when the compute stream has routed the layer
         for op in plan.ops:
             self._host(op.host_s)
             kind = op.kind
+            if routed_at is None and (kind in _BEFORE_FFN or op.ffn):
+                routed_at = max(self.cf, self.h)
             if kind == "launch":
                 self.cf = max(self.cf, self.h) + (ffn_g if op.ffn else op.gpu_s)
                 self.compute += 0.0 if op.ffn else op.gpu_s
@@ -465,6 +586,11 @@ class _HostAware:
         self.compute += ffn_total
         for s in step.slots:
             self.last_read[(m, s)] = self.cf
+        if n_cpu:  # the CPU's experts, from the routing on; the output merges them
+            begin = max(self.cpu_free, self.cf if routed_at is None else routed_at)
+            self.cpu_free = begin + self.p.cpu_s(n_cpu)
+            self.cpu_busy += self.p.cpu_s(n_cpu)
+            self._compute_waits(self.cpu_free)
         missing = [c for c in step.copies if c.kind not in done]
         if missing:
             raise ValueError(
@@ -501,18 +627,21 @@ class _HostAware:
             per_token.append((new_end - end) * 1e3)
             end = new_end
         n = max(len(trace.tokens), 1)
-        comp, copy, busy = (x / n * 1e3 for x in (self.compute, self.copy_busy, self.host_busy))
+        comp, copy, busy, cpu = (
+            x / n * 1e3 for x in (self.compute, self.copy_busy, self.host_busy, self.cpu_busy)
+        )
         return LatencyResult(
             profile=p.name,
             tokens=len(trace.tokens),
             ms_per_token=sum(per_token) / n,
-            lower_bound_ms=max(comp, copy, busy),
+            lower_bound_ms=max(comp, copy, busy, cpu),
             compute_ms=comp,
             copy_ms=copy,
             stall_ms=self.stall / n * 1e3,
             per_token_ms=per_token,
             host_ms=busy,
             host_model=self.label,
+            cpu_ms=cpu,
         )
 
 
@@ -528,6 +657,12 @@ HOST_KEYS = (
     "token_us",
     "small_kernel_us",
     "gather_gbps",
+    "dense_python_us_per_layer",
+    "begin_us",
+    "cpu_gbps",
+    "cpu_layer_us",
+    "cpu_expert_us",
+    "pageable_gbps",
 )
 _DEVICE_KEYS = ("h2d_gbps", "expert_ms", "dense_ms_per_layer", "expert_bytes")
 
@@ -556,8 +691,8 @@ def calibrate(name: str, measured: dict[str, float], base: str | Profile = "h200
         kw["dense_ms_per_layer"] = measured["dense_ms_per_layer"]
     host = {k: float(measured[k]) for k in HOST_KEYS if k in measured}
     for k, v in host.items():
-        if not v >= 0 or (k == "gather_gbps" and v == 0):
-            raise ValueError(f"calibrate: {k} must be a number >= 0 (gather_gbps > 0), got {v}")
+        if not v >= 0 or (k in ("gather_gbps", "cpu_gbps", "pageable_gbps") and v == 0):
+            raise ValueError(f"calibrate: {k} must be a number >= 0 (a bandwidth > 0), got {v}")
     if host:
         kw["notes"] += f"; host measured: {', '.join(sorted(host))}"
     kw.update(host)

@@ -28,7 +28,9 @@ def short_label(r: dict[str, Any]) -> str:
     """'psr λ0.1 n2', 'cache-prior λ0.05', 'exact-prefetch n1', 'exact', 'psr λ0.1 n2 int8'
     (a quantized expert format is named; the model's own is not)."""
     c = r["config"]
-    parts = [c["policy"]]
+    # a steering variant of bench/variants.py is named by it (its baseline is not)
+    v = c.get("variant")
+    parts = [c["policy"] if v in (None, c["policy"]) else str(v)]
     if c.get("lam") is not None:
         parts.append(f"λ{c['lam']:g}")
     if c.get("n") is not None:
@@ -48,6 +50,11 @@ def has_host_aware(results: list[dict[str, Any]]) -> bool:
     return any(r.get("latency_host") for r in results)
 
 
+def has_graph(results: list[dict[str, Any]]) -> bool:
+    """Some result carries the host-aware figure with the step captured (`latency_graph`)."""
+    return any(r.get("latency_graph") for r in results)
+
+
 def host_note(results: list[dict[str, Any]]) -> str:
     """What the tables' host-free and host-aware columns mean, naming the host models the
     results used ('' when none is host-aware)."""
@@ -56,13 +63,39 @@ def host_note(results: list[dict[str, Any]]) -> str:
     )
     if not labels:
         return ""
-    return (
+    note = (
         "ms/tok (host-free): copies and compute only, the host free (the model every earlier "
         "psr figure used); ms/tok (host-aware): the same trace with each configuration's "
         "measured decode schedule replayed on one host thread that launches every kernel, "
         f"makes every sync and store call in order: {', '.join(labels)} "
-        "(eager launch / Triton launch / sync)"
+        "(eager launch / Triton launch / sync), the host's own Python measured with the "
+        "launches stubbed (bench/results/host_path/host_costs.md)"
     )
+    if has_graph(results):
+        note += (
+            "; ms/tok (graph): the same device step captured, one CUDA graph replay per token "
+            "(CUDA's default: the host pays the loop and one graph launch per token)"
+        )
+    firsts = [
+        lat["first_token_ms"]
+        for r in results
+        for lat in (r.get("latency_host") or {}).values()
+        if lat.get("first_token_ms")
+    ]
+    if firsts:
+        note += (
+            f"; a sequence's first decode token (eager, with the cache hand-over) is not in "
+            f"ms/tok: {min(firsts):.2f}-{max(firsts):.2f} ms modeled"
+        )
+    return note + (
+        ". The headline speedup is the first speedup column (host-free, as every earlier "
+        "psr figure)"
+    )
+
+
+def _ms(lat: dict[str, Any], profiles: Sequence[str]) -> list[str]:
+    """ms/token cells of one result's latency dict, "-" for a profile it lacks."""
+    return [f"{lat[p]['ms_per_token']:.2f}" if p in lat else "-" for p in profiles]
 
 
 def markdown_table(
@@ -72,11 +105,16 @@ def markdown_table(
     p0 = profiles[0]
     cols = ["residency", "policy", "misses/tok", "hit rate", "prefetch used"]
     cols += [f"{p} ms/tok (host-free)" for p in profiles]
+    graph = has_graph(results)
     if host:
         cols += [f"{p} ms/tok (host-aware)" for p in profiles]
+    if graph:
+        cols += [f"{p} ms/tok (graph)" for p in profiles]
     cols += [f"speedup ({p0}, host-free)"]
     if host:
         cols += [f"speedup ({p0}, host-aware)"]
+    if graph:
+        cols += [f"speedup ({p0}, graph)"]
     cols += ["subst. rate", "greedy agree"]
     has_nll = has_quality(results)
     has_cloze = any("delta_cloze_pts" in r for r in results)
@@ -96,10 +134,11 @@ def markdown_table(
             used,
         ]
         row += [f"{r['latency'][p]['ms_per_token']:.2f}" for p in profiles]
-        aware = r.get("latency_host") or {}
-        if host:
-            row += [f"{aware[p]['ms_per_token']:.2f}" if p in aware else "-" for p in profiles]
+        for key, on in (("latency_host", host), ("latency_graph", graph)):
+            if on:
+                row += _ms(r.get(key) or {}, profiles)
         speedups = [r.get("speedup", {})] + ([r.get("speedup_host", {})] if host else [])
+        speedups += [r.get("speedup_graph", {})] if graph else []
         row += [f"{sp[p0]:.2f}x" if p0 in sp else "-" for sp in speedups]
         # results written before the count have no rate: "-"
         sub = s.get("substitution_rate")
@@ -122,6 +161,7 @@ def save(
     traces: bool = False,
     *,
     budget: float | None = 0.01,
+    appendix: str = "",
 ) -> dict[str, Path]:
     """Write `name.json` (+ traces optionally), `name.md` and `name.png` under `out`, and
     `name_frontier.png` (key "frontier") when the results carry Δ nats/token."""
@@ -135,11 +175,16 @@ def save(
         else {k: v for k, v in r.items() if k != "trace"}
         for r in results
     ]
+    for r in slim:
+        r.pop("mode_starts", None)  # the cpu / hybrid replays' input, not a result
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
     paths["json"].write_text(json.dumps({"results": slim, **(extra or {})}, indent=1))
     note = host_note(results)
     paths["md"].write_text(
-        markdown_table(results, profiles) + "\n" + (f"\n{note}\n" if note else "")
+        markdown_table(results, profiles)
+        + "\n"
+        + (f"\n{note}\n" if note else "")
+        + (f"\n{appendix}\n" if appendix else "")
     )
     plots.plot(results, paths["png"], profiles, budget=budget)
     if has_quality(results):

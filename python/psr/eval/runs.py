@@ -38,6 +38,7 @@ from psr.eval.harness import (
     run_config,
     schedule_prompt,
 )
+from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
 from psr.points import operating_points, operating_points_with_source, write_operating_points
@@ -152,13 +153,16 @@ def demo(
         configs.insert(configs.index(rc) + 1, RunConfig(rc.policy, rc.residency, "int8"))
     results = run_all(path, configs, data, "psr demo", progress=progress, host=True)
     extra = {"model": path, "data": describe(data), "operating_points": sources}
-    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
+    appendix = modes_appendix(results, DEFAULT_PROFILES)
+    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0}, appendix=appendix)
     print(f"psr demo: embedded model ({path})")
     print(f"measured on {describe(data)}")
     print(f"operating points: {'; '.join(sources)}")
     print("latency modeled for an OLMoE-1B-7B-sized expert, host-free and host-aware\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
+    if appendix:
+        print(f"\n{appendix}")
     written = ", ".join(str(v) for v in paths.values())
     print(f"\nwrote {written} ({time.time() - t0:.0f} s)")
     return results
@@ -189,10 +193,14 @@ def evaluate(
         cloze=cloze,
     )
     results = run_all(path, configs, data, "psr eval", progress=progress, host=True)
-    paths = save(results, out, "eval", {"model": path, "data": describe(data)}, traces=traces)
+    appendix = modes_appendix(results, DEFAULT_PROFILES)
+    extra = {"model": path, "data": describe(data)}
+    paths = save(results, out, "eval", extra, traces=traces, appendix=appendix)
     print(f"measured on {describe(data)}\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
+    if appendix:
+        print(f"\n{appendix}")
     print(f"\nwrote {', '.join(str(v) for v in paths.values())}")
     return results
 
@@ -262,11 +270,13 @@ def sweep(
     progress: bool = True,
     window_tokens: int = WINDOW_TOKENS,
     sets: dict[str, tuple[str, str]] | None = None,
+    prompts: int = 0,
 ) -> dict[str, Any]:
     """lam x n per residency on held-out set `split` (of `sets`, default the model's
     heldout.txt): the Pareto front of modeled latency against Δ nats/token, and per family
     the fastest point whose 95% upper bound is within `budget` (the candidates `tune`
-    replicates)."""
+    replicates). `prompts`: greedy generations of `TUNE_GEN_TOKENS` tokens per config for
+    greedy agreement with exact (`psr tune`: a few, as on set B)."""
     data = EvalData.from_sets(
         path,
         sets if sets is not None else heldout_sets(path),
@@ -274,7 +284,8 @@ def sweep(
         windows=windows,
         window_tokens=window_tokens,
         prompt_tokens=PROMPT_TOKENS,
-        prompts=0,
+        prompts=prompts,
+        gen_tokens=TUNE_GEN_TOKENS,
     )
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     results = run_all(
@@ -424,6 +435,7 @@ def _replicate(
                         # how far the routing moved: routed experts outside the exact top-k
                         "substitution_rate_A": cand["stats"].get("substitution_rate"),
                         "substitution_rate_B": rb["stats"]["substitution_rate"],
+                        "greedy_agreement_A": cand.get("greedy_agreement"),
                         "greedy_agreement_B": rb.get("greedy_agreement"),
                         "replicated": ok,
                     }
@@ -481,6 +493,7 @@ def tune(
             progress,
             window_tokens,
             sets,
+            prompts=TUNE_PROMPTS,  # greedy agreement in set A's table too
         )
     scored = windows * (window_tokens - PROMPT_TOKENS)
     note = interval_note(sel["results"], budget, scored)
@@ -514,7 +527,9 @@ def tune(
     for row in log:
         print(
             f"  {row['residency']:.1%} {row['policy']:<22} A: {row['A']['mean']:+.4f} "
-            f"[{row['A']['lo']:+.4f}, {row['A']['hi']:+.4f}] {row['speedup_A']:.2f}x | "
+            f"[{row['A']['lo']:+.4f}, {row['A']['hi']:+.4f}] {row['speedup_A']:.2f}x "
+            f"subst. {_rate(row['substitution_rate_A'])} "
+            f"greedy {_rate(row.get('greedy_agreement_A'))} | "
             f"B: {row['B']['mean']:+.4f} [{row['B']['lo']:+.4f}, {row['B']['hi']:+.4f}] "
             f"{row['speedup_B']:.2f}x subst. {_rate(row['substitution_rate_B'])} "
             f"greedy {_rate(row['greedy_agreement_B'])}  "

@@ -210,6 +210,7 @@ def offload(
     decode: str = "device",
     graphs: bool | str = "auto",
     progress: bool = True,
+    experts_on: str = "gpu",
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
 
@@ -218,7 +219,7 @@ def offload(
     the experts under their original names. The experts' weights move into the store:
     the replaced experts module is kept with its parameters on the meta device (no
     memory), and `psr.restore` rebuilds it from the store. Returns an OffloadedModel
-    wrapping the same model (for `.stats`, `.generate`, ...).
+    wrapping the same model (for `.stats`, `.generate`, ...). `experts_on`: as `load`.
     """
     if not isinstance(hf_model, nn.Module) or not hasattr(hf_model, "config"):
         raise TypeError(
@@ -233,6 +234,7 @@ def offload(
     vocab.compute_choice(compute)
     vocab.decode_mode(decode)
     vocab.graphs_choice(graphs)
+    where, hybrid_m = vocab.parse_experts_on(experts_on)
     fmt = vocab.expert_format(expert_format)
     moe_idx = moe_layer_indices(hf_model)
     fam = model_family(hf_model)
@@ -249,6 +251,8 @@ def offload(
     runtime = install(hf_model, spec, store, pol, C, compute, moe_idx, fmt, decode, biases)
     om = OffloadedModel(hf_model, runtime, restorer=restore)
     om.graphs = graphs
+    if where != "gpu":
+        om.set_experts_on(where, hybrid_m)
     return om
 
 
@@ -651,6 +655,7 @@ def _tier_plan(
     capacity: int,
     row_bytes: list[int],
     why_not: str | None,
+    where: str = "gpu",
 ) -> TierPlan:
     """The held experts under `host_memory` (None: the default, `tiers.default_budget`;
     'unlimited': all). On the CPU backend the dense weights and the slab count against it."""
@@ -666,7 +671,14 @@ def _tier_plan(
     profile = None
     if host_profile is not None:
         profile = load_profile(host_profile, (len(row_bytes), E))
-    return plan_tiers(budget, fixed, row_bytes, E, why_not, profile, cuda)
+    plan = plan_tiers(budget, fixed, row_bytes, E, why_not, profile, cuda)
+    if plan.pageable_bytes and where != "gpu":
+        raise ValueError(
+            f"experts_on={where!r} computes misses from the host rows in place, but "
+            f"host_memory leaves {plan.pageable_bytes / 2**30:.2f} GiB of experts in the "
+            "checkpoint file: use experts_on='gpu', or a budget that holds every expert"
+        )
+    return plan
 
 
 def _check_all_loaded(model: nn.Module) -> None:
@@ -736,6 +748,7 @@ def load(
     quality_budget: float | None = None,
     quant_cache: bool | str | Path | None = False,
     progress: bool = True,
+    experts_on: str = "gpu",
     **memory: Unpack[MemoryOptions],
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
@@ -776,6 +789,14 @@ def load(
             'psr' then require the model's operating point tuned by `psr tune` for this
             budget or a tighter one (the embedded model ships points for 0.01); without
             it, such a policy without lam / n still takes the tuned point when one exists.
+        experts_on: where decode steps compute misses: 'gpu' (default: every miss copied
+            into the slab), 'cpu' (no miss copied: computed on the CPU from the host
+            rows, with psr's CPU expert kernels) or 'hybrid' (at most m misses per MoE
+            layer copied, the rest on the CPU; 'hybrid:M' or 'hybrid:M1,M2,...' gives m,
+            one for every MoE layer or one per layer; plain 'hybrid' chooses it from this
+            machine's profile, `psr bench machine`).
+            CPU and GPU arithmetic round differently: the modes may give different
+            tokens, each reproducible. `model.set_experts_on` switches later.
         **memory (psr.models.tiers.MemoryOptions):
         host_memory: the host-memory budget ('48GB', '48GiB', bytes, or 'unlimited';
             default: every expert when the model fits 80% of MemAvailable, else that):
@@ -787,6 +808,7 @@ def load(
             routed to (nested lists or a JSON file); default layer-balanced.
     """
     vocab.graphs_choice(graphs)
+    where, hybrid_m = vocab.parse_experts_on(experts_on)
     host_memory, host_profile = memory_options(memory)
     gguf = is_gguf(path)
     if gguf:
@@ -828,7 +850,7 @@ def load(
             H, F = spec.hidden_size, spec.ffn_size
             rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmt]
             why = None if gguf else f"{src} blocks are rebuilt at load"
-            plan = _tier_plan(host_memory, host_profile, model, opts, C, rows, why)
+            plan = _tier_plan(host_memory, host_profile, model, opts, C, rows, why, where)
             tiers = None
             if plan.pageable_bytes:
                 tiers = Tiers([set(h) for h in plan.held], gguf_locators(ckpt, moe_idx, fmt, H, F))
@@ -842,7 +864,7 @@ def load(
             sdt = str(one.dtype).removeprefix("torch.")
             locs, why = float_locators(ckpt, spec.family, moe_idx, spec.num_experts, sdt,
                                        opts.expert_format)  # fmt: skip
-            plan = _tier_plan(host_memory, host_profile, model, opts, C, rows, why)
+            plan = _tier_plan(host_memory, host_profile, model, opts, C, rows, why, where)
             held = [set(h) for h in plan.held]
             tiers = Tiers(held, locs) if plan.pageable_bytes and locs else None
             store = make_store(
@@ -867,4 +889,6 @@ def load(
     om.host_budget = plan.budget
     if drafter is not None:
         om.set_speculative(drafter, block_k if block_k is not None else min(2 * spec.top_k, C))
+    if where != "gpu":
+        om.set_experts_on(where, hybrid_m)
     return om

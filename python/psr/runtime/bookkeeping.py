@@ -62,24 +62,30 @@ class HostCaches:
         physical: bool,
         trace_token: int = -1,
         substituted: int = 0,
-    ) -> None:
-        """Spec `use` of `routed`; each miss copied into its slot. `substituted`: how many
-        of `routed` the router's own exact top-k does not hold (the routing op counted it;
-        the logical cache does not know it)."""
+        max_inserts: int | None = None,
+    ) -> list[int]:
+        """Spec `use` of `routed`; each inserted miss copied into its slot. `substituted`:
+        how many of `routed` the router's own exact top-k does not hold (the routing op
+        counted it; the logical cache does not know it). `max_inserts` caps the misses
+        inserted (experts_on cpu / hybrid: `LogicalCache.use`); returns the misses not
+        inserted, which the step computes on the CPU."""
         routed = list(routed)
-        r = layer.cache.use(routed)
+        # gpu: the spec's `use`, called as before the cap existed
+        r = layer.cache.use(routed) if max_inserts is None else layer.cache.use(routed, max_inserts)
         rec = self.acct.recorder
         if rec is not None:
-            rec.routed(layer.index, routed, r.hits, trace_token, substituted)
+            rec.routed(layer.index, routed, r.hits, trace_token, substituted, len(r.cpu))
         n = self.copy(layer, r.misses, "miss", physical)
         self.acct.count(
             routed=len(routed),
             hits=r.hits,
-            misses=len(r.misses),
+            misses=len(r.misses) + len(r.cpu),
             prefetch_used=r.prefetch_used,
             substituted=substituted,
+            cpu_experts=len(r.cpu),
         )
         self.acct.count_copies(n, layer.index)
+        return r.cpu
 
     def prefetch(
         self,

@@ -52,6 +52,9 @@ class ExpertCompute:
         # (gpt-oss's and Llama 4's kinds take the reference).
         plain = spec.activation == "silu" and not spec.expert_bias and not spec.input_scaled
         self.cpu_kernels = plain and ops.path == "torch" and cpu_experts_mode() != "torch"
+        # Misses computed on the CPU (experts_on cpu / hybrid) take the kernels on any
+        # device, for the kinds they compute; the other kinds take the reference there.
+        self.host_kernels = plain and cpu_experts_mode() != "torch"
 
     def _on_cpu_kernels(self, x: torch.Tensor, slab: torch.Tensor) -> bool:
         return (
@@ -106,6 +109,55 @@ class ExpertCompute:
             bias=bias,
             scale_input=c.input_scaled,
         )
+
+    def _on_host_kernels(self, host: torch.Tensor) -> bool:
+        return (
+            self.host_kernels
+            and (self.expert_format is not None or host.dtype in CPU_FLOAT_DTYPES)
+            and not torch.compiler.is_compiling()
+        )
+
+    def host_experts(
+        self,
+        x: torch.Tensor,
+        host: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Routed experts `ids [1, c]` (expert ids: host row indices) of one token `x [1, H]`
+        with their gate weights `[1, c]`, computed on the CPU from the store's host rows
+        `host` (experts_on cpu / hybrid; `bias`: their `[1, c, 2F + H]`). On CUDA, x goes
+        to the host and the result back, synchronously: the mapped-memory hand-off that
+        keeps the step sync-free is issue 27 part 3. Returns `[1, H]` on x's device."""
+        c = self.spec
+        xc = x.to("cpu")
+        w = weights.to("cpu", torch.float32)
+        if self._on_host_kernels(host):
+            y = cpu_expert_ffn(
+                xc, host, ids.to("cpu"), w, c.hidden_size, c.ffn_size, fmt=self.expert_format,
+                group_size=self.group_size, out_dtype=x.dtype,
+            )  # fmt: skip
+            return y.to(x.device)
+        # The reference, one expert at a time in the given order (kinds the kernels lack).
+        out = torch.zeros(xc.shape, dtype=torch.float32)
+        for j, e in enumerate(ids.reshape(-1).tolist()):
+            b = None if bias is None else bias.reshape(-1, bias.shape[-1])[j].to("cpu")
+            out += self.weighted_row(host[e], xc, w[:, j], b).float()
+        return out.to(x.dtype).to(x.device)
+
+    def check_host_experts(self, host: torch.Tensor) -> None:
+        """Raise a one-line error if the CPU cannot compute experts of these host rows (a
+        format without a CPU kernel): one expert computed with weight 0 as the probe."""
+        x = torch.zeros(1, self.spec.hidden_size)
+        ids = torch.zeros(1, 1, dtype=torch.long)
+        try:
+            self.host_experts(x, host, ids, torch.zeros(1, 1))
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            fmt = self.expert_format or str(host.dtype).removeprefix("torch.")
+            raise ValueError(
+                f"experts on the CPU: expert format {fmt} has no CPU kernel ({e})"
+            ) from None
 
     def weighted_row(
         self,

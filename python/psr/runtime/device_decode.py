@@ -11,7 +11,8 @@ Per MoE layer l and decode token, in stream order:
   4. gather layer l's misses on the compute stream (mapped host rows -> slab slots);
   5. gather layer l + 1's prefetches on the side stream, forked here: it overlaps layer
      l's experts, and every earlier read of l + 1's slots is before the fork;
-  6. the experts, reading their slots through the device slot map.
+  6. the experts, reading their slots through the device slot map (experts_on cpu /
+     hybrid, CPU backend only: the kernel's CPU list computed from the host rows too).
 Counts accumulate in the state and are read when `stats` is read or a call ends; router
 inputs that are not finite set a flag checked then (`check`). Per-token records without a
 read per token: before each decode forward (`snapshot`) the counter columns of every
@@ -68,6 +69,9 @@ class DeviceDecode(Step):
         self.pf_rows = [st[i, lo.pf_list : lo.width].view(lo.pf_rows, 3) for i in range(L)]
         self.pf_count = [st[i, hdr + cs.PF_N : hdr + cs.PF_N + 1] for i in range(L)]
         self.slot_table = [st[i, lo.slot_of : lo.slot_of + E] for i in range(L)]
+        # Misses not inserted under the miss-copy cap (experts_on cpu / hybrid), ascending.
+        self.cpu_rows = [st[i, lo.cpu_list : lo.cpu_list + K] for i in range(L)]
+        self.cpu_count = [st[i, hdr + cs.CPU_N] for i in range(L)]
         self.slabs = [store.slab(i) for i in range(L)]
         self.store_key = store_ops.register(store)  # for the store's ops under torch.compile
         self.live = False  # the state holds the current sequence's caches
@@ -87,6 +91,12 @@ class DeviceDecode(Step):
         # Layers whose kernel arguments were checked (on their first call): a layer's
         # arguments keep their shapes, dtypes and devices, so later calls skip the checks.
         self.checked: set[int] = set()
+
+    def takes_experts_on(self) -> bool:
+        """Whether this step runs the runtime's `experts_on` (else the host step does):
+        CPU experts on CUDA need the mapped-memory hand-off of issue 27 part 3, so there
+        cpu / hybrid take the host step."""
+        return self.rt.experts_on == "gpu" or self.rt.store.backend == "cpu"
 
     # --- the step --------------------------------------------------------------------
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
@@ -136,11 +146,44 @@ class DeviceDecode(Step):
         if ids is not self.pending.pop(i, None):
             raise RuntimeError(f"MoE layer {i}: experts called without a matching route")
         checked = i in self.checked
-        y = self.rt.computes[i].slab(
-            x, self.slabs[i], ids, weights, self.slot_table[i], checked, layer.biases(ids)
-        )
+        if self.rt.experts_on != "gpu":
+            y = self.split_experts(layer, x, ids, weights)
+        else:
+            y = self.rt.computes[i].slab(
+                x, self.slabs[i], ids, weights, self.slot_table[i], checked, layer.biases(ids)
+            )
         self.checked.add(i)  # route's and this call's arguments passed their checks
         return y
+
+    def split_experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """experts_on cpu / hybrid (CPU backend): the routed members from the slab through
+        the slot map, the CPU list's experts from the host rows, each part in routed order,
+        summed as the host step sums them. The list's count is read (one read per layer: a
+        memory read on the CPU backend, no device to wait for), as the CPU kernels take a
+        host-sized work list."""
+        i, rt = layer.index, self.rt
+        n_cpu = int(self.cpu_count[i])
+        comp, bias = rt.computes[i], layer.biases(ids)
+        if n_cpu == 0:
+            return comp.slab(x, self.slabs[i], ids, weights, self.slot_table[i], bias=bias)
+        on_cpu = (ids[0][:, None] == self.cpu_rows[i][None, :n_cpu]).any(1)
+        order = torch.argsort(on_cpu.to(torch.int8), stable=True)  # slab ones, then CPU ones
+        k_slab = ids.shape[1] - n_cpu
+        at_slab, at_cpu = order[:k_slab], order[k_slab:]
+        w = weights.float()
+
+        def part(at: torch.Tensor) -> torch.Tensor | None:
+            return None if bias is None else bias[:, at]
+
+        y = comp.host_experts(x, rt.store.host(i), ids[:, at_cpu], w[:, at_cpu], part(at_cpu))
+        if k_slab == 0:
+            return y
+        slab = comp.slab(
+            x, self.slabs[i], ids[:, at_slab], w[:, at_slab], self.slot_table[i], bias=part(at_slab)
+        )
+        return slab + y
 
     # --- hand-over between the host and the device caches ----------------------------
     def begin(self) -> None:
@@ -165,6 +208,7 @@ class DeviceDecode(Step):
                 dict(L.slots.slot_of),
                 list(L.slots.slot_expert) + rest,
                 L.cache.pending(),
+                rt.max_inserts(L),
             )
         self.pending.clear()
         self.live = True
@@ -236,7 +280,7 @@ class DeviceDecode(Step):
         stats = self.rt.acct.stats
         for row, t, b in zip(per, times, nbytes, strict=True):
             rec = dict(zip(names, row, strict=True))
-            copies = rec["misses"] + rec["prefetches"]
+            copies = rec["misses"] - rec["cpu_experts"] + rec["prefetches"]
             stats.add_record(rec | {"copies": copies, "bytes_copied": b}, t)
         self._n_snaps, self._times = 0, []
 
@@ -244,7 +288,9 @@ class DeviceDecode(Step):
         """Bytes copied by per-layer counts `[..., layers, COUNT_NAMES]`: each layer's misses
         and prefetches at its own row size (rows differ per layer in a mixed GGUF file)."""
         names = cs.COUNT_NAMES
-        copies = counts[..., names.index("misses")] + counts[..., names.index("prefetches")]
+        at = names.index
+        copies = counts[..., at("misses")] - counts[..., at("cpu_experts")]
+        copies = copies + counts[..., at("prefetches")]
         return (copies.to(torch.int64) * self._row_bytes).sum(-1)
 
     def drain(self, rows: torch.Tensor | None = None) -> None:
@@ -268,7 +314,7 @@ class DeviceDecode(Step):
         got = dict(zip(cs.COUNT_NAMES, delta, strict=True))
         acct.count(**got)
         acct.count(
-            copies=got["misses"] + got["prefetches"],
+            copies=got["misses"] - got["cpu_experts"] + got["prefetches"],
             bytes_copied=int(self._copy_bytes(counts - seen)),
         )
         acct.add_stall()

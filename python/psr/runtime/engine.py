@@ -50,7 +50,7 @@ from psr.runtime.step import Routed, Step
 from psr.runtime.trace import TraceRecorder
 from psr.runtime.window import Scoring, ScoringWindow
 from psr.store import ExpertStore
-from psr.vocab import DECODE_MODES, decode_mode
+from psr.vocab import DECODE_MODES, decode_mode, experts_on_choice
 
 __all__ = ["DECODE_MODES", "MoELayer", "OffloadRuntime", "Wiring", "norm_eps"]
 
@@ -144,6 +144,10 @@ class OffloadRuntime:
         self.block_k: int | None = None
         self.decode_mode = "device"
         self.set_decode(decode)
+        # Where misses are computed (set_experts_on): per MoE layer, at most how many of a
+        # decode step's misses are copied (None: all, the spec's `use`).
+        self.experts_on = "gpu"
+        self.inserts: list[int | None] = [None] * len(self.layers)
         self._scoring: Scoring | None = None
         self._host = HostDecode(self)
         self._device = DeviceDecode(self)
@@ -154,6 +158,36 @@ class OffloadRuntime:
     def set_decode(self, decode: str) -> None:
         """'device' (the sync-free step wherever it applies) or 'host'."""
         self.decode_mode = decode_mode(decode)
+
+    def set_experts_on(self, experts_on: str, inserts: Sequence[int | None]) -> None:
+        """Where decode steps compute misses: 'gpu' (all copied), 'cpu' / 'hybrid' with
+        `inserts[l]`, the most misses of MoE layer l copied per step (the rest computed on
+        the CPU from the host rows). The next forward starts a new sequence."""
+        experts_on_choice(experts_on)
+        k, L = self.spec.top_k, len(self.layers)
+        caps = list(inserts)
+        if len(caps) != L:
+            raise ValueError(f"{len(caps)} miss-copy caps for {L} MoE layers")
+        for i, m in enumerate(caps):
+            if m is None and experts_on == "gpu":
+                continue
+            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= k:
+                raise ValueError(
+                    f"experts_on={experts_on!r}: MoE layer {i}'s miss-copy cap {m!r} must be an "
+                    f"int in [0, top_k={k}]"
+                )
+        if experts_on != "gpu" and self.block_k is not None:
+            raise ValueError(f"experts_on={experts_on!r} does not support speculative decoding")
+        if experts_on != "gpu":
+            for i, c in enumerate(self.computes):
+                c.check_host_experts(self.store.host(i))
+        self._forget_sequence()
+        self.experts_on = experts_on
+        self.inserts = [None] * L if experts_on == "gpu" else caps
+
+    def max_inserts(self, layer: MoELayer) -> int | None:
+        """The most misses of `layer` one decode step copies (None: all)."""
+        return self.inserts[layer.index]
 
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
@@ -191,6 +225,8 @@ class OffloadRuntime:
                 raise ValueError("block mode does not support PhiMoE's sparsemixer router")
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
+            if self.experts_on != "gpu":
+                raise ValueError(f"block mode needs experts_on='gpu', not {self.experts_on!r}")
         self.block_k = block_k
 
     # --- statistics and traces -------------------------------------------------------
@@ -262,6 +298,7 @@ class OffloadRuntime:
             L.slots.reset(self.store.slot_experts(L.index)[: self.capacity])
             L.history, L.seeded, L.residual = [], False, None
         self._host.pending.clear()
+        self._host.cpu.clear()
         self._device.pending.clear()
 
     def begin_sequence(self) -> None:
@@ -297,6 +334,7 @@ class OffloadRuntime:
             and self.policy.mask == "logical"
             and self.steering.spec_rule
             and self.acct.recorder is None
+            and self._device.takes_experts_on()
         )
         if not device:
             self._device.pull()

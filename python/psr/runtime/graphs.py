@@ -49,17 +49,21 @@ def bucket(length: int, limit: int | None) -> int:
 
 def graphs_unavailable(runtime: OffloadRuntime) -> str | None:
     """Why a decode token cannot be one graph with this runtime now (None: it can)."""
-    if runtime.decode_mode != "device":
-        return "decode='host' (graphs need the device decode step)"
-    if runtime.policy.mask != "logical":
-        return f"{runtime.policy.name} reads copy timing (host-driven step)"
-    if not runtime.steering.spec_rule:
-        return "a steering variant beyond the spec (host-driven step)"
-    if runtime.recorder is not None:
-        return "a trace is being recorded (host-driven step)"
-    if runtime.block_k is not None:
-        return SPECULATIVE
-    return None
+    reasons = (
+        (runtime.decode_mode != "device", "decode='host' (graphs need the device decode step)"),
+        (
+            runtime.policy.mask != "logical",
+            f"{runtime.policy.name} reads copy timing (host-driven step)",
+        ),
+        (not runtime.steering.spec_rule, "a steering variant beyond the spec (host-driven step)"),
+        (runtime.recorder is not None, "a trace is being recorded (host-driven step)"),
+        (runtime.block_k is not None, SPECULATIVE),
+        (
+            runtime.experts_on != "gpu",
+            f"experts_on={runtime.experts_on!r} (CPU experts run outside graphs: issue 27 part 3)",
+        ),
+    )
+    return next((why for bad, why in reasons if bad), None)
 
 
 class DecodeGraph:

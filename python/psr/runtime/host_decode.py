@@ -5,7 +5,10 @@ the ids on the host `LogicalCache` (each miss a store copy), predict and `prefet
 later layers (each insertion a store copy), then run the experts from the slab after the
 store's `acquire` waited for this layer's slots. The host reads the ids (a device sync
 per layer), so this path is the fallback: decode="host", the timing-dependent
-`cache-prior-async` strawman, steering variants beyond the spec, and trace recording.
+`cache-prior-async` strawman, steering variants beyond the spec, and trace recording;
+and on CUDA, experts_on cpu / hybrid: the misses `use` did not insert are computed on the
+CPU from the host rows (`split_experts`, a synchronous hand-off: issue 27 part 3 makes it
+mapped memory).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class HostDecode(Step):
         super().__init__(runtime)
         # MoE layer -> (routed ids as the host saw them, the ids tensor the router returned)
         self.pending: dict[int, tuple[list[int], torch.Tensor]] = {}
+        # MoE layer -> the routed misses `use` did not insert (experts_on cpu / hybrid)
+        self.cpu: dict[int, list[int]] = {}
 
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         rt = self.rt
@@ -48,7 +53,9 @@ class HostDecode(Step):
             raise non_finite([layer.index], "found while decoding") from e
         # One host read of the ids and the substituted count together.
         *routed, substituted = torch.cat([ids[0], sub.to(ids.dtype)]).tolist()
-        rt.book.use(layer, routed, physical=True, substituted=substituted)
+        cpu = rt.book.use(layer, routed, True, -1, substituted, rt.max_inserts(layer))
+        if cpu:
+            self.cpu[layer.index] = cpu
         self.pending[layer.index] = (routed, ids)
         try:
             predictions = rt.steering.predictions(layer, layer.need_residual())
@@ -77,6 +84,9 @@ class HostDecode(Step):
     ) -> torch.Tensor:
         rt = self.rt
         routed = self.take(layer, ids)
+        cpu = self.cpu.pop(layer.index, None)
+        if cpu is not None:
+            return self.split_experts(layer, x, ids, weights, routed, set(cpu))
         slots = layer.slots.slots(routed)  # the experts this step reads: its routed ids or set
         if rt.acct.recorder is not None:
             rt.acct.recorder.read(layer.index, slots)
@@ -85,6 +95,46 @@ class HostDecode(Step):
             return rt.computes[layer.index].slab(
                 x, slab, st, weights.float(), bias=layer.biases(ids)
             )
+
+    def split_experts(
+        self,
+        layer: MoELayer,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        routed: list[int],
+        cpu: set[int],
+    ) -> torch.Tensor:
+        """A step with CPU experts (experts_on cpu / hybrid): the members among `routed`
+        from their slab slots, plus the misses `use` did not insert (`cpu`) computed on
+        the CPU from the host rows, in routed order within each part; summed. On CUDA the
+        hand-off is synchronous (x to the host, the result back: issue 27 part 3 makes it
+        mapped memory); the host step already reads the ids per layer."""
+        rt, i = self.rt, layer.index
+        on_slab = [j for j, e in enumerate(routed) if e not in cpu]
+        on_cpu = [j for j, e in enumerate(routed) if e in cpu]
+        bias = layer.biases(ids)
+        w = weights.float()
+        comp = rt.computes[i]
+        idx = torch.tensor(on_cpu, device=ids.device)
+        y = comp.host_experts(
+            x,
+            rt.store.host(i),
+            ids[:, idx],
+            w[:, idx],
+            None if bias is None else bias[:, idx],
+        )
+        slab_ids = [routed[j] for j in on_slab]
+        slots = layer.slots.slots(slab_ids)
+        if rt.acct.recorder is not None:
+            rt.acct.recorder.read(i, slots)
+        if not slots:
+            return y
+        at = torch.tensor(on_slab, device=ids.device)
+        st = torch.tensor([slots], device=ids.device)
+        with rt.store.reading(i, slots, slab_ids) as slab:
+            part = comp.slab(x, slab, st, w[:, at], bias=None if bias is None else bias[:, at])
+        return part + y
 
 
 class VerifyBlock(HostDecode):

@@ -188,6 +188,23 @@ class OffloadedModel(nn.Module):
         with self.runtime.lock:
             self.runtime.configure(make_policy(policy, lam, n), residency, slots)
 
+    def set_experts_on(
+        self, experts_on: str = "gpu", hybrid_m: int | Sequence[int] | None = None
+    ) -> list[int | None]:
+        """Where decode steps compute misses: 'gpu' (every miss copied: the default), 'cpu'
+        (none copied: computed on the CPU from the host rows) or 'hybrid' (at most
+        `hybrid_m` per MoE layer copied, one int or one per layer; default: chosen from
+        this machine's profile, `psr bench machine`). Returns the per-layer caps (None:
+        all copied); the next forward starts a new sequence."""
+        from psr.runtime.placement import set_experts_on
+
+        with self.runtime.lock:
+            return set_experts_on(self.runtime, experts_on, hybrid_m)
+
+    @property
+    def experts_on(self) -> str:
+        return self.runtime.experts_on
+
     def record_trace(self) -> TraceRecorder:
         """Start recording decode steps; the recorder's `.trace` feeds psr.eval.latency."""
         return self.runtime.new_recorder()

@@ -11,6 +11,7 @@ COUNT_KEYS = (
     "prefetches",
     "prefetch_used",
     "substituted",  # routed experts not in the layer's own exact (unbiased) top-k
+    "cpu_experts",  # routed experts computed on the CPU (experts_on cpu / hybrid: misses)
     "copies",
     "bytes_copied",
 )
@@ -118,6 +119,7 @@ class Stats(Mapping[str, float]):
                 "substituted (rate)",
                 f"{s['substituted']:.0f} ({s['substitution_rate']:.3f} of routed)",
             ),
+            ("routed experts on the CPU", f"{s['cpu_experts']:.0f}"),
             ("bytes copied", f"{s['bytes_copied'] / 2**20:.1f} MiB"),
             ("stall time", f"{s['stall_s'] * 1e3:.1f} ms"),
             (

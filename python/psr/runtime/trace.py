@@ -31,6 +31,9 @@ class LayerStep:
     # Routed experts not in the layer's own exact top-k (0 in traces written before it
     # was recorded); the latency model does not read it.
     substituted: int = 0
+    # Routed experts of this step computed on the CPU from their host rows (no copy, no
+    # slot: `slots` lists the GPU's); 0 in traces of the GPU-only mode and older ones.
+    cpu_experts: int = 0
 
 
 # What the host does for one decode step (psr.eval.host_path measures it on a real decode;

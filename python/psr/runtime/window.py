@@ -94,7 +94,7 @@ class ScoringWindow(Step):
                     logits[t0:t1], biased, mask=mask, bias=L.bias, check_finite=False
                 )
                 *routed, substituted = torch.cat([ids[0], sub.to(ids.dtype)]).tolist()
-                rt.book.use(L, routed, False, trace_token, substituted)
+                rt.book.use(L, routed, False, trace_token, substituted, rt.max_inserts(L))
             if rec is not None:
                 rec.read(L.index, L.slots.slots(routed))
             ws.append(w)
