@@ -4,7 +4,7 @@ random model (bench/cpu_decode.py's: hidden 2048, 128 experts of FFN 768, top-8)
     .venv/bin/python bench/experts_on.py [--ckpt DIR] [--layers 2] [--residency 0.5]
         [--format bf16] [--threads 1] [--tokens 16] [--rounds 2] [--out FILE.json]
 
-One load (`psr.load(..., device="cpu", dtype=float32, expert_format=--format)`), then per
+One load (`psr.load(..., device=--device (cpu), dtype=float32, expert_format=--format)`), then per
 policy (exact; psr lam 0.3, n 1) and mode (`model.set_experts_on`: gpu, cpu, hybrid:M with
 M = top_k / 2) a warm-up generate and timed ones, rounds interleaving the modes (A B C A B
 C). Decode tok/s is psr's own (stats: decode tokens over decode seconds), the median over
@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--residency", type=float, default=0.5)
     ap.add_argument("--format", default="bf16", help="expert_format (native, bf16, int8, ...)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--device", default="cpu", help="cpu, or cuda (cpu / hybrid take the host step's hand-off)"
+    )
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
@@ -56,7 +59,7 @@ def main() -> None:
         write_checkpoint(a.ckpt, a.layers, 1024)
     torch.set_num_threads(a.threads)
     model = psr.load(
-        str(a.ckpt), "exact", a.residency, device="cpu", dtype=torch.float32,
+        str(a.ckpt), "exact", a.residency, device=a.device, dtype=torch.float32,
         expert_format=a.format, progress=False,
     )  # fmt: skip
     k = model.runtime.spec.top_k

@@ -31,8 +31,8 @@ class LayerStep:
     # Routed experts not in the layer's own exact top-k (0 in traces written before it
     # was recorded); the latency model does not read it.
     substituted: int = 0
-    # Routed experts of this step computed on the CPU from their host rows (no copy, no
-    # slot: `slots` lists the GPU's); 0 in traces of the GPU-only mode and older ones.
+    # Routed experts of this step computed on the CPU (experts_on cpu / hybrid: misses not
+    # copied, so not in `copies`); 0 in traces written before it was recorded.
     cpu_experts: int = 0
 
 
@@ -133,13 +133,15 @@ class Trace:
 
     def counts(self) -> dict[str, int]:
         c = {"tokens": len(self.tokens), "routed": 0, "hits": 0, "misses": 0, "prefetches": 0}
-        c["substituted"] = 0
+        c["substituted"] = c["cpu_experts"] = 0
         for tok in self.tokens:
             for s in tok:
                 c["routed"] += len(s.experts)
                 c["hits"] += s.hits
                 c["substituted"] += s.substituted
-                c["misses"] += sum(x.kind == "miss" for x in s.copies)
+                c["cpu_experts"] += s.cpu_experts
+                # A miss is copied, or (cpu / hybrid) computed on the CPU.
+                c["misses"] += sum(x.kind == "miss" for x in s.copies) + s.cpu_experts
                 c["prefetches"] += sum(x.kind == "prefetch" for x in s.copies)
         return c
 
@@ -171,11 +173,19 @@ class TraceRecorder:
         return len(self.trace.tokens) - 1
 
     def routed(
-        self, layer: int, experts: list[int], hits: int, token: int = -1, substituted: int = 0
+        self,
+        layer: int,
+        experts: list[int],
+        hits: int,
+        token: int = -1,
+        substituted: int = 0,
+        cpu_experts: int = 0,
     ) -> None:
         """Layer `layer` routed `experts` for `token` (default: the newest), `substituted`
-        of them not in its exact top-k."""
-        self._step = LayerStep(layer, list(experts), [], hits, substituted=substituted)
+        of them not in its exact top-k, `cpu_experts` of them computed on the CPU."""
+        self._step = LayerStep(
+            layer, list(experts), [], hits, substituted=substituted, cpu_experts=cpu_experts
+        )
         self.trace.tokens[token].append(self._step)
 
     def copy(
