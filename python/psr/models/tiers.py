@@ -46,7 +46,9 @@ def meminfo() -> dict[str, int]:
 
 
 def fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def default_budget(fixed: int, rows: int) -> int | None:
@@ -170,9 +172,9 @@ def plan_tiers(
         )
     if budget < fixed:
         raise ValueError(
-            f"host_memory={fmt_bytes(budget)} is below what the model keeps in host memory "
-            f"besides experts: {fmt_bytes(fixed)} (dense weights and the expert slab on the "
-            "CPU backend)"
+            f"host_memory={fmt_bytes(budget)} ({budget} bytes) is below what the model keeps "
+            f"in host memory besides experts: {fmt_bytes(fixed)} ({fixed} bytes: dense weights "
+            "and the expert slab on the CPU backend)"
         )
     held = choose_held(row_bytes, num_experts, budget - fixed, profile)
     held_bytes = sum(len(h) * b for h, b in zip(held, row_bytes, strict=True))
