@@ -30,6 +30,7 @@
 #   kernels   60/30   each Triton kernel vs its torch reference
 #   ggml      45/25   GGUF block formats' expert GEMV (Triton) vs bf16 and int4 rows, GB/s
 #   decode   120/70   real decoding, OLMoE-1B-7B shape (random weights), four policies
+#   tiers     60/20   held (pinned) vs pageable rows through the staging ring, GB/s
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -85,7 +86,7 @@ else
   R=()
 fi
 
-STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml decode}
+STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml decode tiers}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 summarize() { timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/null 2>&1; }
@@ -189,6 +190,14 @@ fi
 stage experts_on 150 "$PY" bench/experts_on.py --device cuda --layers 1 \
   --ckpt /tmp/psr-experts-on/qwen3moe-1l --tokens 16 --rounds 2 --out "$OUT/experts_on.json"
 stage decode 120 "$PY" bench/gpu_decode.py --out "$OUT" ${R[@]+"${R[@]}"}
+
+# 9. Memory tiers (issue 28): copies of held (pinned) rows vs pageable rows read from a file
+#    through the pinned staging ring, page cache warm and cold, GB/s (32 rows of 9.4 MB).
+if [[ $REHEARSE == 1 ]]; then
+  stage tiers 60 "$PY" bench/tiers.py --ring cpu --dir "$OUT/tiers-tmp" --out "$OUT/tiers.json"
+else
+  stage tiers 60 "$PY" bench/tiers.py --ring cuda --dir "$OUT/tiers-tmp" --out "$OUT/tiers.json"
+fi
 
 timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" > /dev/null 2>&1
 echo "== done in $(($(date +%s) - T_START)) s; $OUT/summary.md:"

@@ -80,6 +80,12 @@ py::dict counters_dict(const psr::Counters& c) {
   d["waits"] = c.waits;
   d["stalled_waits"] = c.stalled_waits;
   d["stall_s"] = static_cast<double>(c.stall_ns) * 1e-9;
+  d["stall_pageable_s"] = static_cast<double>(c.stall_pageable_ns) * 1e-9;
+  d["bytes_pinned"] = c.bytes_pinned;
+  d["bytes_pageable"] = c.bytes_pageable;
+  d["bytes_page_cache"] = c.bytes_page_cache;
+  d["bytes_disk"] = c.bytes_disk;
+  d["read_errors"] = c.read_errors;
   return d;
 }
 
@@ -180,10 +186,16 @@ PYBIND11_MODULE(_C, m) {
   py::class_<psr::Store, std::shared_ptr<psr::Store>>(m, "Store")
       .def(py::init([](const std::vector<std::tuple<int64_t, int64_t, int64_t>>& layers,
                        const std::string& dtype, int64_t itemsize, const std::string& backend,
-                       int device, uint32_t copy_delay_us, uint64_t seed, int copy_retries) {
+                       int device, uint32_t copy_delay_us, uint64_t seed, int copy_retries,
+                       const std::vector<int64_t>& held) {
+             if (!held.empty() && held.size() != layers.size())
+               throw std::invalid_argument("held: one count per layer");
              std::vector<psr::LayerSpec> specs;
-             for (const auto& l : layers)
-               specs.push_back({std::get<0>(l), std::get<1>(l), std::get<2>(l)});
+             for (size_t i = 0; i < layers.size(); ++i) {
+               const auto& l = layers[i];
+               specs.push_back(
+                   {std::get<0>(l), std::get<1>(l), std::get<2>(l), held.empty() ? -1 : held[i]});
+             }
              std::unique_ptr<psr::Backend> b;
              if (backend == "cpu") {
                b = psr::make_cpu_backend(copy_delay_us, seed);
@@ -201,8 +213,9 @@ PYBIND11_MODULE(_C, m) {
            }),
            py::arg("layers"), py::arg("dtype"), py::arg("itemsize"), py::arg("backend") = "cpu",
            py::arg("device") = 0, py::arg("copy_delay_us") = 0, py::arg("seed") = 0,
-           py::arg("copy_retries") = 2,
-           "layers: [(num_experts, num_slots, expert_bytes)] per MoE layer")
+           py::arg("copy_retries") = 2, py::arg("held") = std::vector<int64_t>{},
+           "layers: [(num_experts, num_slots, expert_bytes)] per MoE layer; held: rows each "
+           "layer keeps in host memory (empty: all)")
       .def_property_readonly("backend", &psr::Store::backend_name)
       .def_property_readonly("device_index", &psr::Store::device_index)
       .def_property_readonly("num_layers", &psr::Store::num_layers)
@@ -225,6 +238,13 @@ PYBIND11_MODULE(_C, m) {
            "parts: [(address, nbytes)] copied back to back into the expert's host buffer")
       .def("is_registered", &psr::Store::is_registered, py::arg("layer"), py::arg("expert"),
            release_gil())
+      .def("register_pageable", &psr::Store::register_pageable, py::arg("layer"), py::arg("expert"),
+           py::arg("segments"), release_gil(),
+           "segments: [(path, offset, nbytes, tensor)] of checkpoint files (path '': zeros)")
+      .def("host_rows", &psr::Store::host_rows, py::arg("layer"), release_gil(),
+           "per expert: its row in host memory, -1 for a pageable expert")
+      .def("read_row", &psr::Store::read_row, py::arg("layer"), py::arg("expert"), py::arg("dst"),
+           release_gil(), "read a pageable expert's row into dst")
       .def("enqueue_copies", &psr::Store::enqueue_copies, py::arg("layer"), py::arg("slots"),
            py::arg("experts"), release_gil())
       .def("acquire", &psr::Store::acquire, py::arg("layer"), py::arg("slots"),
@@ -282,7 +302,7 @@ PYBIND11_MODULE(_C, m) {
               p = s.spec(l);
               buf = s.host_buffer(l);
             }
-            return to_dlpack(s, std::move(buf), p.num_experts, p.expert_bytes, false);
+            return to_dlpack(s, std::move(buf), p.num_held, p.expert_bytes, false);
           },
           py::arg("layer"));
 }

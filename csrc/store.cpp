@@ -3,9 +3,16 @@
 
 #include "alloc_error.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <new>
 #include <sstream>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 namespace psr {
 
@@ -16,6 +23,135 @@ std::string where(int64_t layer, int64_t slot) {
   return s.str();
 }
 }  // namespace
+
+// --- FileSet -------------------------------------------------------------------
+
+FileSet::~FileSet() {
+  for (File& f : files_) {
+    if (f.map) munmap(f.map, f.size);
+    if (f.fd >= 0) ::close(f.fd);
+  }
+}
+
+int32_t FileSet::add(const std::string& path) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (size_t i = 0; i < files_.size(); ++i)
+    if (files_[i].path == path) return static_cast<int32_t>(i);
+  File f;
+  f.path = path;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd < 0)
+    throw StoreError("cannot open checkpoint file " + path + ": " + std::strerror(errno));
+  struct stat st{};
+  if (fstat(f.fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    const int err = errno;
+    ::close(f.fd);
+    throw StoreError("checkpoint file " + path + " is not a regular file" +
+                     (err ? std::string(": ") + std::strerror(err) : std::string()));
+  }
+  f.size = static_cast<uint64_t>(st.st_size);
+  if (f.size > 0) {
+    f.map = mmap(nullptr, f.size, PROT_READ, MAP_SHARED, f.fd, 0);
+    if (f.map == MAP_FAILED) {
+      const int err = errno;
+      ::close(f.fd);
+      throw StoreError("cannot memory-map checkpoint file " + path + " (its filesystem may not " +
+                       "support mmap): " + std::strerror(err));
+    }
+  }
+  files_.push_back(f);
+  return static_cast<int32_t>(files_.size() - 1);
+}
+
+uint64_t FileSet::size(int32_t file) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return files_.at(static_cast<size_t>(file)).size;
+}
+
+const std::string& FileSet::path(int32_t file) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return files_.at(static_cast<size_t>(file)).path;
+}
+
+namespace {
+const uint64_t kPage = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+
+// Resident bytes of [off, off + n) of a mapped file (pages counted partially at the ends).
+uint64_t resident_bytes(void* map, uint64_t size, uint64_t off, uint64_t n) {
+  if (!map || n == 0 || off >= size) return 0;
+  const uint64_t end = std::min(off + n, size);
+  const uint64_t first = off / kPage, last = (end + kPage - 1) / kPage;
+  std::vector<unsigned char> vec(last - first);
+  char* base = static_cast<char*>(map) + first * kPage;
+  if (mincore(base, (last - first) * kPage, vec.data()) != 0) return 0;
+  uint64_t r = 0;
+  for (uint64_t p = first; p < last; ++p) {
+    if (!(vec[p - first] & 1)) continue;
+    const uint64_t a = std::max(off, p * kPage), b = std::min(end, (p + 1) * kPage);
+    r += b - a;
+  }
+  return r;
+}
+}  // namespace
+
+FileSet::File FileSet::file(int32_t i) const {
+  std::lock_guard<std::mutex> g(mu_);
+  return files_.at(static_cast<size_t>(i));
+}
+
+uint64_t FileSet::resident(const PageableRow& row) const {
+  uint64_t r = 0;
+  for (const Segment& s : row) {
+    if (s.file < 0) continue;
+    const File f = file(s.file);
+    r += resident_bytes(f.map, f.size, s.offset, s.bytes);
+  }
+  return r;
+}
+
+void FileSet::readahead(const PageableRow& row) const {
+  for (const Segment& s : row)
+    if (s.file >= 0)
+      posix_fadvise(file(s.file).fd, static_cast<off_t>(s.offset), static_cast<off_t>(s.bytes),
+                    POSIX_FADV_WILLNEED);
+}
+
+std::string FileSet::read(const PageableRow& row, void* dst, TierBytes& t, int64_t given) const {
+  char* out = static_cast<char*>(dst);
+  uint64_t total = 0, cached = given >= 0 ? static_cast<uint64_t>(given) : 0;
+  for (const Segment& s : row) {
+    if (s.file < 0) {
+      std::memset(out, 0, s.bytes);
+      out += s.bytes;
+      continue;
+    }
+    const File f = file(s.file);
+    if (given < 0) cached += resident_bytes(f.map, f.size, s.offset, s.bytes);
+    uint64_t done = 0;
+    while (done < s.bytes) {
+      const ssize_t n =
+          pread(f.fd, out + done, s.bytes - done, static_cast<off_t>(s.offset + done));
+      if (n > 0) {
+        done += static_cast<uint64_t>(n);
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      std::ostringstream m;
+      m << "reading " << f.path << " tensor '" << s.tensor << "' (bytes " << s.offset << ".."
+        << s.offset + s.bytes << "): "
+        << (n == 0 ? "the file ends at byte " + std::to_string(s.offset + done) + " (truncated?)"
+                   : std::string(std::strerror(errno)));
+      t.read_errors += 1;
+      return m.str();
+    }
+    out += s.bytes;
+    total += s.bytes;
+  }
+  t.pageable += total;
+  t.page_cache += cached;
+  t.disk += total - cached;
+  return "";
+}
 
 void Backend::set_copy_delay(uint32_t, uint64_t) {
   throw StoreError(
@@ -51,6 +187,9 @@ Store::Store(std::vector<LayerSpec> layers, std::string dtype, int64_t itemsize,
     else if (s.expert_bytes <= 0 || s.expert_bytes % itemsize_ != 0)
       err << "layer " << i << ": expert_bytes must be a positive multiple of the itemsize "
           << itemsize_ << ", got " << s.expert_bytes;
+    else if (s.num_held < -1 || s.num_held > s.num_experts)
+      err << "layer " << i << ": num_held must be in [0, num_experts=" << s.num_experts
+          << "] (or -1: all), got " << s.num_held;
     if (!err.str().empty()) throw std::invalid_argument(err.str());
   }
   // Each buffer frees itself through the backend when its last holder (the
@@ -63,16 +202,27 @@ Store::Store(std::vector<LayerSpec> layers, std::string dtype, int64_t itemsize,
     L.first_slot = total_slots;
     total_slots += static_cast<size_t>(L.spec.num_slots);
     const size_t eb = static_cast<size_t>(L.spec.expert_bytes);
+    if (L.spec.num_held < 0) L.spec.num_held = L.spec.num_experts;
     size_t host_bytes = 0, slab_bytes = 0;
-    if (__builtin_mul_overflow(eb, static_cast<size_t>(L.spec.num_experts), &host_bytes) ||
+    if (__builtin_mul_overflow(eb, static_cast<size_t>(L.spec.num_held), &host_bytes) ||
         __builtin_mul_overflow(eb, static_cast<size_t>(L.spec.num_slots), &slab_bytes))
       throw AllocError("layer " + std::to_string(i) + ": " + std::to_string(L.spec.num_experts) +
                        " experts of " + std::to_string(eb) + " bytes overflow the address space");
-    L.host = std::shared_ptr<void>(b->alloc_host(host_bytes), [b](void* p) { b->free_host(p); });
+    // A layer with no held rows still gets a (tiny) buffer: its view is [0, expert_bytes].
+    L.host = std::shared_ptr<void>(b->alloc_host(std::max<size_t>(host_bytes, 64)),
+                                   [b](void* p) { b->free_host(p); });
     L.slab = std::shared_ptr<void>(b->alloc_slab(slab_bytes), [b](void* p) { b->free_slab(p); });
     L.host_device = b->device_address(L.host.get());
     L.registered.assign(static_cast<size_t>(L.spec.num_experts), false);
     L.slots.assign(static_cast<size_t>(L.spec.num_slots), Slot{});
+    // All held: row e is expert e (the CUDA gather kernel indexes rows by expert).
+    const bool all = L.spec.num_held == L.spec.num_experts;
+    L.host_row.resize(static_cast<size_t>(L.spec.num_experts));
+    for (int64_t e = 0; e < L.spec.num_experts; ++e)
+      L.host_row[static_cast<size_t>(e)] = all ? e : -1;
+    L.pageable.resize(static_cast<size_t>(L.spec.num_experts));
+    L.poisoned.reset(new std::atomic<uint8_t>[static_cast<size_t>(L.spec.num_slots)]);
+    for (int64_t k = 0; k < L.spec.num_slots; ++k) L.poisoned[static_cast<size_t>(k)] = 0;
   }
   backend_->init_slots(total_slots);
 }
@@ -173,18 +323,107 @@ void Store::register_expert(int64_t layer, int64_t expert, const std::string& dt
                                 " expert " + std::to_string(expert) + ": expected " +
                                 std::to_string(L.spec.expert_bytes) + " bytes, got " +
                                 std::to_string(total));
+  const size_t ei = static_cast<size_t>(expert);
+  if (L.host_row[ei] < 0) {
+    if (L.next_held >= L.spec.num_held)
+      throw StoreError("layer " + std::to_string(layer) + ": all " +
+                       std::to_string(L.spec.num_held) + " held rows are taken; expert " +
+                       std::to_string(expert) + " must be registered as pageable");
+    if (!L.pageable[ei].empty()) {  // a pageable expert becomes held
+      L.pageable[ei].clear();
+      L.num_pageable -= 1;
+    }
+    L.host_row[ei] = L.next_held++;
+  }
   // Copies already issued from this buffer must finish before it is rewritten.
   for (const Slot& s : L.slots)
     if (s.loaded && s.expert == expert) {
       backend_->synchronize();
       break;
     }
-  char* dst = static_cast<char*>(L.host.get()) + static_cast<size_t>(expert) * total;
+  char* dst = static_cast<char*>(L.host.get()) + static_cast<size_t>(L.host_row[ei]) * total;
   for (const auto& p : parts) {
     std::memcpy(dst, reinterpret_cast<const void*>(p.first), p.second);
     dst += p.second;
   }
   L.registered[static_cast<size_t>(expert)] = true;
+}
+
+void Store::register_pageable(
+    int64_t layer, int64_t expert,
+    const std::vector<std::tuple<std::string, uint64_t, uint64_t, std::string>>& segs) {
+  auto live = hold_open("register_pageable");
+  // Files are opened before the lock (a slow filesystem does not block copies).
+  PageableRow row;
+  uint64_t total = 0;
+  for (const auto& sg : segs) {
+    Segment s;
+    s.offset = std::get<1>(sg);
+    s.bytes = std::get<2>(sg);
+    s.tensor = std::get<3>(sg);
+    if (!std::get<0>(sg).empty()) {
+      s.file = files_.add(std::get<0>(sg));
+      const uint64_t size = files_.size(s.file);
+      if (s.offset > size || s.bytes > size - s.offset)
+        throw StoreError("tensor '" + s.tensor + "' of layer " + std::to_string(layer) +
+                         " expert " + std::to_string(expert) + " needs bytes up to " +
+                         std::to_string(s.offset + s.bytes) + " of " + std::get<0>(sg) +
+                         ", which holds " + std::to_string(size) + " (truncated?)");
+    }
+    total += s.bytes;
+    row.push_back(std::move(s));
+  }
+  std::lock_guard<std::mutex> g(mu_);
+  Layer& L = layer_at(layer);
+  if (expert < 0 || expert >= L.spec.num_experts) {
+    std::ostringstream s;
+    s << "expert " << expert << " out of range [0, " << L.spec.num_experts << ") in layer "
+      << layer;
+    throw std::out_of_range(s.str());
+  }
+  if (total != static_cast<uint64_t>(L.spec.expert_bytes))
+    throw std::invalid_argument("size mismatch registering layer " + std::to_string(layer) +
+                                " expert " + std::to_string(expert) + " as pageable: expected " +
+                                std::to_string(L.spec.expert_bytes) + " bytes, got " +
+                                std::to_string(total));
+  const size_t ei = static_cast<size_t>(expert);
+  if (L.host_row[ei] >= 0)
+    throw StoreError("layer " + std::to_string(layer) + " expert " + std::to_string(expert) +
+                     " is held in host memory; it cannot become pageable");
+  for (const Slot& s : L.slots)
+    if (s.loaded && s.expert == expert) {
+      backend_->synchronize();
+      break;
+    }
+  if (L.pageable[ei].empty()) L.num_pageable += 1;
+  L.pageable[ei] = std::move(row);
+  L.registered[ei] = true;
+}
+
+std::vector<int64_t> Store::host_rows(int64_t layer) const {
+  auto live = hold_open("host_rows");
+  std::lock_guard<std::mutex> g(mu_);
+  return layer_at(layer).host_row;
+}
+
+void Store::read_row(int64_t layer, int64_t expert, uintptr_t dst) {
+  auto live = hold_open("read_row");
+  const PageableRow* row = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    const Layer& L = layer_at(layer);
+    if (expert < 0 || expert >= L.spec.num_experts ||
+        L.pageable[static_cast<size_t>(expert)].empty())
+      throw StoreError("read_row: layer " + std::to_string(layer) + " expert " +
+                       std::to_string(expert) + " is not a pageable expert");
+    row = &L.pageable[static_cast<size_t>(expert)];
+  }
+  if (!dst) throw std::invalid_argument("read_row: null destination");
+  // Registration happens before decoding: the row is not rewritten while it is read.
+  const std::string err = files_.read(*row, reinterpret_cast<void*>(dst), tiers_);
+  if (!err.empty())
+    throw CopyError("layer " + std::to_string(layer) + " expert " + std::to_string(expert) + ": " +
+                    err);
 }
 
 bool Store::is_registered(int64_t layer, int64_t expert) const {
@@ -200,11 +439,23 @@ void Store::issue_copy(Layer& L, int64_t layer, int64_t slot) {
   Slot& s = L.slots[static_cast<size_t>(slot)];
   const size_t eb = static_cast<size_t>(L.spec.expert_bytes);
   void* dst = static_cast<char*>(L.slab.get()) + static_cast<size_t>(slot) * eb;
-  const void* src = static_cast<const char*>(L.host.get()) + static_cast<size_t>(s.expert) * eb;
+  const size_t ei = static_cast<size_t>(s.expert);
+  const std::string what = "layer " + std::to_string(layer) + " expert " +
+                           std::to_string(s.expert) + " -> slot " + std::to_string(slot);
+  const bool pageable = L.host_row[ei] < 0;
   try {
-    backend_->copy_async(L.first_slot + static_cast<size_t>(slot), dst, src, eb,
-                         "layer " + std::to_string(layer) + " expert " + std::to_string(s.expert) +
-                             " -> slot " + std::to_string(slot));
+    if (pageable) {
+      // Residency before the readahead (which lets the kernel read ahead of the copy thread).
+      const int64_t cached = static_cast<int64_t>(files_.resident(L.pageable[ei]));
+      files_.readahead(L.pageable[ei]);
+      backend_->copy_pageable(L.first_slot + static_cast<size_t>(slot), dst, L.pageable[ei], files_,
+                              tiers_, cached, eb, what);
+    } else {
+      const void* src =
+          static_cast<const char*>(L.host.get()) + static_cast<size_t>(L.host_row[ei]) * eb;
+      backend_->copy_async(L.first_slot + static_cast<size_t>(slot), dst, src, eb, what);
+      tiers_.pinned += eb;
+    }
   } catch (...) {
     const int64_t readers = s.readers;
     empty_slot(s);  // nothing was issued: the slot holds nothing usable
@@ -213,6 +464,7 @@ void Store::issue_copy(Layer& L, int64_t layer, int64_t slot) {
   }
   s.loaded = true;
   s.deferred = false;
+  s.pageable = pageable;
   s.gen += 1;
   counters_.copies += 1;
   counters_.bytes_copied += eb;
@@ -262,7 +514,18 @@ void Store::gather(int64_t layer, uintptr_t rows, uintptr_t count, int64_t max_r
   Layer& L = layer_at(layer);
   if (!rows || !count) throw std::invalid_argument("gather: null copy list");
   if (max_rows < 0) throw std::invalid_argument("gather: max_rows must be >= 0");
+  if (L.num_pageable > 0 && !backend_->gathers_pageable())
+    throw StoreError("gather: layer " + std::to_string(layer) + " has " +
+                     std::to_string(L.num_pageable) + " pageable experts; the " + backend_name_ +
+                     " device step reads only held rows (decode='host' reads pageable ones)");
   GatherArgs a;
+  a.host_row = L.host_row.data();
+  a.pageable = L.pageable.data();
+  a.files = &files_;
+  a.tiers = &tiers_;
+  a.poisoned = L.poisoned.get();
+  a.any_pageable = L.num_pageable > 0;
+  a.layer = layer;
   a.slab = L.slab.get();
   a.host = L.host_device;
   a.row_bytes = static_cast<size_t>(L.spec.expert_bytes);
@@ -278,9 +541,17 @@ void Store::join(int64_t layer, uintptr_t stream) {
   auto live = hold_open("join");
   layer_at(layer);
   Counters c;
-  backend_->join(static_cast<size_t>(layer), stream, c);
+  try {
+    backend_->join(static_cast<size_t>(layer), stream, c);
+  } catch (...) {
+    std::lock_guard<std::mutex> g(mu_);
+    counters_.stall_ns += c.stall_ns;
+    counters_.stall_pageable_ns += c.stall_pageable_ns;
+    throw;
+  }
   std::lock_guard<std::mutex> g(mu_);
   counters_.stall_ns += c.stall_ns;
+  counters_.stall_pageable_ns += c.stall_pageable_ns;
 }
 
 void Store::adopt_slots(int64_t layer, const std::vector<int64_t>& experts, uintptr_t stream) {
@@ -310,9 +581,12 @@ void Store::adopt_slots(int64_t layer, const std::vector<int64_t>& experts, uint
   backend_->fence(stream);
   for (size_t i = 0; i < experts.size(); ++i) {
     Slot& s = L.slots[i];
-    if (s.expert == experts[i] && s.loaded == (experts[i] >= 0)) continue;
-    s.expert = experts[i];
-    s.loaded = experts[i] >= 0;
+    // A gather whose read failed left this slot half-written: it holds nothing.
+    const int64_t e = L.poisoned[i].exchange(0) ? -1 : experts[i];
+    if (s.expert == e && s.loaded == (e >= 0)) continue;
+    s.expert = e;
+    s.loaded = e >= 0;
+    s.pageable = e >= 0 && L.host_row[static_cast<size_t>(e)] < 0;
     s.gen += 1;
   }
 }
@@ -351,16 +625,29 @@ void Store::acquire(int64_t layer, const std::vector<int64_t>& slots,
   std::vector<size_t> pending(uniq.size());
   for (size_t k = 0; k < pending.size(); ++k) pending[k] = k;
   while (!pending.empty()) {
-    std::vector<size_t> gs;
-    for (size_t k : pending) gs.push_back(L.first_slot + static_cast<size_t>(uniq[k]));
+    // Held rows' copies first, then pageable ones: each wait's stall counts by tier.
+    std::vector<size_t> gs[2], at[2];
+    for (size_t j = 0; j < pending.size(); ++j) {
+      const int t = L.slots[static_cast<size_t>(uniq[pending[j]])].pageable ? 1 : 0;
+      gs[t].push_back(L.first_slot + static_cast<size_t>(uniq[pending[j]]));
+      at[t].push_back(j);
+    }
     // Wait without the lock so other threads may keep issuing copies.
     lk.unlock();
-    Counters c;
-    const std::vector<std::string> errs = backend_->wait_copies(gs, stream, c);
+    std::vector<std::string> errs(pending.size());
+    Counters c[2];
+    for (int t = 0; t < 2; ++t) {
+      if (gs[t].empty()) continue;
+      const std::vector<std::string> e = backend_->wait_copies(gs[t], stream, c[t]);
+      for (size_t i = 0; i < e.size(); ++i) errs[at[t][i]] = e[i];
+    }
     lk.lock();
-    counters_.waits += c.waits;
-    counters_.stalled_waits += c.stalled_waits;
-    counters_.stall_ns += c.stall_ns;
+    for (const Counters& ct : c) {
+      counters_.waits += ct.waits;
+      counters_.stalled_waits += ct.stalled_waits;
+      counters_.stall_ns += ct.stall_ns;
+    }
+    counters_.stall_pageable_ns += c[1].stall_ns;
     std::vector<size_t> again;
     std::string failed;
     for (size_t j = 0; j < pending.size(); ++j) {
@@ -455,8 +742,18 @@ bool Store::verify(int64_t layer, int64_t slot) {
   if (!s.loaded || s.deferred) return false;
   backend_->synchronize();
   const size_t eb = static_cast<size_t>(L.spec.expert_bytes);
-  return backend_->equal(static_cast<char*>(L.slab.get()) + static_cast<size_t>(slot) * eb,
-                         static_cast<char*>(L.host.get()) + static_cast<size_t>(s.expert) * eb, eb);
+  void* slab = static_cast<char*>(L.slab.get()) + static_cast<size_t>(slot) * eb;
+  const int64_t row = L.host_row[static_cast<size_t>(s.expert)];
+  if (row >= 0)
+    return backend_->equal(slab, static_cast<char*>(L.host.get()) + static_cast<size_t>(row) * eb,
+                           eb);
+  // A pageable row: compared with a fresh read of the file (into backend host memory).
+  const std::shared_ptr<Backend> b = backend_;
+  std::shared_ptr<void> tmp(b->alloc_host(eb), [b](void* p) { b->free_host(p); });
+  TierBytes scratch;
+  if (!files_.read(L.pageable[static_cast<size_t>(s.expert)], tmp.get(), scratch).empty())
+    return false;
+  return backend_->equal(slab, tmp.get(), eb);
 }
 
 void Store::synchronize() {
@@ -469,7 +766,13 @@ Counters Store::counters() {
   const uint64_t extra = backend_->drain_stall_ns();
   std::lock_guard<std::mutex> g(mu_);
   counters_.stall_ns += extra;
-  return counters_;
+  Counters c = counters_;
+  c.bytes_pinned = tiers_.pinned;
+  c.bytes_pageable = tiers_.pageable;
+  c.bytes_page_cache = tiers_.page_cache;
+  c.bytes_disk = tiers_.disk;
+  c.read_errors = tiers_.read_errors;
+  return c;
 }
 
 void Store::reset_counters() {
@@ -477,6 +780,9 @@ void Store::reset_counters() {
   backend_->drain_stall_ns();
   std::lock_guard<std::mutex> g(mu_);
   counters_ = Counters{};
+  for (auto* a :
+       {&tiers_.pinned, &tiers_.pageable, &tiers_.page_cache, &tiers_.disk, &tiers_.read_errors})
+    a->store(0);
 }
 
 void Store::set_copy_delay(uint32_t max_delay_us, uint64_t seed) {

@@ -9,6 +9,7 @@
 //         CUDA events for copy-done and read-done ordering.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -16,6 +17,7 @@
 #include <shared_mutex>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -34,6 +36,67 @@ struct LayerSpec {
   int64_t num_experts = 0;
   int64_t num_slots = 0;
   int64_t expert_bytes = 0;  // all of one expert's matrices, packed
+  int64_t num_held = -1;     // rows in host memory (-1: all); the rest are pageable
+};
+
+// Memory tiers. A held row lives in the store's host memory (pinned on CUDA); a
+// pageable row stays in the checkpoint file and is read when a copy needs it. A
+// pageable row is a list of segments of checkpoint files (a row packs gate|up|down,
+// which a file keeps as separate tensors or slices of fused ones; padding between
+// GGUF parts is a zero-fill segment, file -1).
+struct Segment {
+  int32_t file = -1;  // index in the store's FileSet; -1: `bytes` zeros
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+  std::string tensor;  // named in read errors
+};
+using PageableRow = std::vector<Segment>;
+
+// Bytes read per tier. Pageable bytes split by where the page cache had them just
+// before the read (mincore): page_cache + disk = pageable.
+struct TierBytes {
+  std::atomic<uint64_t> pinned{0};
+  std::atomic<uint64_t> pageable{0};
+  std::atomic<uint64_t> page_cache{0};
+  std::atomic<uint64_t> disk{0};
+  std::atomic<uint64_t> read_errors{0};
+};
+
+// The checkpoint files pageable rows read from. Rows are read with pread, never by
+// touching a mapping: a truncated file or an I/O error is then an error return
+// (named by file and tensor) instead of a SIGBUS that kills the process. Each file is
+// also mapped read-only, never touched, only for mincore (page-cache residency) and
+// readahead hints. Thread-safe after the files are added.
+class FileSet {
+ public:
+  FileSet() = default;
+  ~FileSet();
+  FileSet(const FileSet&) = delete;
+  FileSet& operator=(const FileSet&) = delete;
+  // Opens and maps `path` once (StoreError naming it if it cannot be read or mapped).
+  int32_t add(const std::string& path);
+  uint64_t size(int32_t file) const;
+  const std::string& path(int32_t file) const;
+  // Bytes of the row's segments in the page cache now (file segments only).
+  uint64_t resident(const PageableRow& row) const;
+  // Asks the kernel to read the row's pages ahead (POSIX_FADV_WILLNEED).
+  void readahead(const PageableRow& row) const;
+  // Reads the row into dst (its bytes back to back). Returns "" or an error naming the
+  // file, the tensor and the byte range; counts into `t` (pageable, page_cache, disk).
+  // `cached`: the row's resident bytes measured by the caller before it asked for
+  // readahead (-1: measured here, just before the read).
+  std::string read(const PageableRow& row, void* dst, TierBytes& t, int64_t cached = -1) const;
+
+ private:
+  struct File {
+    std::string path;
+    int fd = -1;
+    void* map = nullptr;
+    uint64_t size = 0;
+  };
+  File file(int32_t i) const;  // a copy, under mu_ (files may be added while others read)
+  mutable std::mutex mu_;      // guards `files_`
+  std::vector<File> files_;
 };
 
 // Counting rule: every copy put on the copy stream counts once in `copies`
@@ -42,13 +105,20 @@ struct LayerSpec {
 // acquire re-issues it, the re-issue counts in `retried_copies` (and in
 // `copies`). So failed_copies - retried_copies = failures raised as CopyError.
 struct Counters {
-  uint64_t copies = 0;          // copies issued, retries included
-  uint64_t bytes_copied = 0;    // bytes of those copies
-  uint64_t retried_copies = 0;  // of `copies`, re-issues of a failed copy by acquire
-  uint64_t failed_copies = 0;   // copies that reported an error at wait time
-  uint64_t waits = 0;           // slots the compute side waited for (again after a retry)
-  uint64_t stalled_waits = 0;   // of those, slots whose copy was still running
-  uint64_t stall_ns = 0;        // time the compute side stalled on copies
+  uint64_t copies = 0;             // copies issued, retries included
+  uint64_t bytes_copied = 0;       // bytes of those copies
+  uint64_t retried_copies = 0;     // of `copies`, re-issues of a failed copy by acquire
+  uint64_t failed_copies = 0;      // copies that reported an error at wait time
+  uint64_t waits = 0;              // slots the compute side waited for (again after a retry)
+  uint64_t stalled_waits = 0;      // of those, slots whose copy was still running
+  uint64_t stall_ns = 0;           // time the compute side stalled on copies
+  uint64_t stall_pageable_ns = 0;  // of stall_ns, waiting for copies of pageable rows
+  // Bytes read per tier, copies and gathers alike (counted when read).
+  uint64_t bytes_pinned = 0;
+  uint64_t bytes_pageable = 0;
+  uint64_t bytes_page_cache = 0;  // of bytes_pageable, in the page cache before the read
+  uint64_t bytes_disk = 0;        // of bytes_pageable, not in it
+  uint64_t read_errors = 0;       // pageable reads that failed
 };
 
 // A device-written copy list, consumed by Backend::gather: `rows` holds int32
@@ -64,6 +134,15 @@ struct GatherArgs {
   const int32_t* rows = nullptr;
   const int32_t* count = nullptr;
   int64_t max_rows = 0;
+  // Tiers (CPU backend): per expert its row in `host` or -1 (then `pageable[e]`, read
+  // from `files`); per slot a flag set when a row into it failed (adopt_slots empties it).
+  const int64_t* host_row = nullptr;
+  const PageableRow* pageable = nullptr;
+  const FileSet* files = nullptr;
+  TierBytes* tiers = nullptr;
+  std::atomic<uint8_t>* poisoned = nullptr;
+  bool any_pageable = false;
+  int64_t layer = 0;  // named in errors
 };
 
 // Memory, copy stream and events. Slots are addressed by a global index g.
@@ -89,6 +168,15 @@ class Backend {
   // store can re-issue it); throws only if the stream itself is unusable.
   virtual void copy_async(size_t g, void* dst, const void* src, size_t bytes,
                           const std::string& what) = 0;
+  // The same for a pageable row: read from `files` (into the slot on the CPU, through
+  // the pinned staging ring on CUDA), counted into `t`; a read error is reported by
+  // wait_copies like a failed copy. Both point into the Store, which outlives the copy.
+  virtual void copy_pageable(size_t g, void* dst, const PageableRow& row, const FileSet& files,
+                             TierBytes& t, int64_t cached, size_t bytes,
+                             const std::string& what) = 0;
+  // Whether gather() can read pageable rows (CPU: the copy reads the file; CUDA: a
+  // kernel cannot read pageable memory, so the store refuses such gathers).
+  virtual bool gathers_pageable() const = 0;
   // Make the compute side (`stream`; the calling thread on the CPU) wait for
   // the last copy into each slot. Returns one message per slot, "" if it
   // succeeded (or, on CUDA, is still running). Adds stalls to the counters.
@@ -154,6 +242,17 @@ class Store {
   void register_expert(int64_t layer, int64_t expert, const std::string& dtype,
                        const std::vector<std::pair<uintptr_t, size_t>>& parts);
   bool is_registered(int64_t layer, int64_t expert) const;
+  // Register an expert as pageable: segments (path, offset, bytes, tensor) of checkpoint
+  // files (path "": zero fill), read when a copy needs the row. The files are opened
+  // and mapped here (errors name them); the ranges must lie inside them.
+  void register_pageable(
+      int64_t layer, int64_t expert,
+      const std::vector<std::tuple<std::string, uint64_t, uint64_t, std::string>>& segs);
+  // Per expert: its row in host_buffer(layer), or -1 (pageable).
+  std::vector<int64_t> host_rows(int64_t layer) const;
+  // Reads a pageable expert's row into dst (expert_bytes); CopyError naming the file
+  // and tensor on failure (prefill and scoring read host rows with it).
+  void read_row(int64_t layer, int64_t expert, uintptr_t dst);
 
   // Start async copies of experts[i] into slots[i]. A slot still held by a
   // reader is written once its last reader releases it.
@@ -219,17 +318,23 @@ class Store {
     int64_t expert = -1;    // what the slot holds (or will, once copied)
     bool loaded = false;    // a copy into it was issued or deferred
     bool deferred = false;  // copy waits for the readers to release
+    bool pageable = false;  // its last copy reads a pageable row
     int64_t readers = 0;
     uint64_t gen = 0;  // bumped by every change of the above but readers
   };
   struct Layer {
     LayerSpec spec;
     size_t first_slot = 0;              // global index of slot 0
-    std::shared_ptr<void> host;         // num_experts * expert_bytes
+    std::shared_ptr<void> host;         // num_held * expert_bytes
     std::shared_ptr<void> slab;         // num_slots * expert_bytes
     const void* host_device = nullptr;  // `host` as the copy engine addresses it
     std::vector<bool> registered;
     std::vector<Slot> slots;
+    std::vector<int64_t> host_row;  // per expert: its row in `host`, -1: pageable
+    std::vector<PageableRow> pageable;
+    int64_t next_held = 0;  // host rows handed out (a partial layer fills in order)
+    int64_t num_pageable = 0;
+    std::unique_ptr<std::atomic<uint8_t>[]> poisoned;  // per slot, set by a failed gather
   };
 
   // Shared hold on the store's lifetime: close() waits for it.
@@ -252,6 +357,8 @@ class Store {
   int dlpack_device_type_;
   int device_index_;
   Counters counters_;
+  FileSet files_;
+  TierBytes tiers_;
 };
 
 }  // namespace psr

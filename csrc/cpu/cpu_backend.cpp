@@ -75,6 +75,28 @@ class CpuBackend final : public Backend {
     cv_.notify_all();
   }
 
+  // The worker reads the row from the file straight into the slot (no staging: the
+  // "device" is host memory here), so the whole pageable path runs without a GPU.
+  void copy_pageable(size_t g, void* dst, const PageableRow& row, const FileSet& files,
+                     TierBytes& t, int64_t cached, size_t bytes, const std::string& what) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      Job j{g, dst, nullptr, bytes, ++slots_[g].issued, what, false};
+      if (fail_next_ > 0) {
+        --fail_next_;
+        j.fail = true;
+      }
+      j.row = &row;
+      j.files = &files;
+      j.tiers = &t;
+      j.cached = cached;
+      queue_.push_back(std::move(j));
+    }
+    cv_.notify_all();
+  }
+
+  bool gathers_pageable() const override { return true; }
+
   std::vector<std::string> wait_copies(const std::vector<size_t>& gs, uintptr_t,
                                        Counters& c) override {
     std::vector<std::string> errs(gs.size());
@@ -101,8 +123,12 @@ class CpuBackend final : public Backend {
   // job for the worker, after the copies queued before it, with the seeded delay.
   void gather(const GatherArgs& a, uintptr_t, bool side, size_t tag) override {
     if (!side) {
-      const std::string err = run_gather(a);
-      if (!err.empty()) throw StoreError(err);
+      bool read_error = false;
+      const std::string err = run_gather(a, nullptr, &read_error);
+      if (!err.empty()) {
+        if (read_error) throw CopyError(err);
+        throw StoreError(err);
+      }
       return;
     }
     {
@@ -125,13 +151,20 @@ class CpuBackend final : public Backend {
     if (t.done < t.issued) {
       const auto t0 = std::chrono::steady_clock::now();
       cv_.wait(lk, [&] { return t.done >= t.issued; });
-      c.stall_ns += static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                              std::chrono::steady_clock::now() - t0)
-                                              .count());
+      const uint64_t ns =
+          static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now() - t0)
+                                    .count());
+      c.stall_ns += ns;
+      if (t.pageable) c.stall_pageable_ns += ns;  // the gathers waited for read the file
     }
+    t.pageable = false;
     if (!t.error.empty()) {
       std::string err;
       err.swap(t.error);
+      const bool read = t.read_error;
+      t.read_error = false;
+      if (read) throw CopyError(err);
       throw StoreError(err);
     }
   }
@@ -183,7 +216,9 @@ class CpuBackend final : public Backend {
   struct TagState {
     uint64_t issued = 0;  // tickets of side gathers with this tag
     uint64_t done = 0;
-    std::string error;  // of a failed gather, raised by the next join
+    std::string error;        // of a failed gather, raised by the next join
+    bool read_error = false;  // `error` is a pageable read's (CopyError), not a bad list
+    bool pageable = false;    // a gather since the last join read pageable rows
   };
   struct Job {
     size_t g;  // the slot (a copy) or the tag (a gather)
@@ -195,19 +230,42 @@ class CpuBackend final : public Backend {
     bool fail;
     bool gather = false;
     GatherArgs args{};
+    const PageableRow* row = nullptr;  // a pageable copy: read from `files`
+    const FileSet* files = nullptr;
+    TierBytes* tiers = nullptr;
+    int64_t cached = -1;
   };
 
   // One copy list: rows and count read now (the kernels that wrote them ran before).
-  std::string run_gather(const GatherArgs& a) {
+  // Held rows are copied from host memory, pageable ones read from their file. A read
+  // that fails poisons its slot and every later slot of the list (they are not
+  // written), so adopt_slots leaves them empty: nothing half-written is ever adopted.
+  std::string run_gather(const GatherArgs& a, bool* pageable, bool* read_error) {
     const int64_t n = std::min<int64_t>(*a.count, a.max_rows);
     for (int64_t r = 0; r < n; ++r) {
       const int64_t slot = a.rows[3 * r], e = a.rows[3 * r + 1];
       if (slot < 0 || slot >= a.num_slots || e < 0 || e >= a.num_experts)
         return "gather: copy-list row " + std::to_string(r) + " (slot " + std::to_string(slot) +
                ", expert " + std::to_string(e) + ") is out of range";
-      std::memcpy(static_cast<char*>(a.slab) + static_cast<size_t>(slot) * a.row_bytes,
-                  static_cast<const char*>(a.host) + static_cast<size_t>(e) * a.row_bytes,
-                  a.row_bytes);
+      char* dst = static_cast<char*>(a.slab) + static_cast<size_t>(slot) * a.row_bytes;
+      const int64_t h = a.host_row ? a.host_row[e] : e;
+      if (h >= 0) {
+        std::memcpy(dst, static_cast<const char*>(a.host) + static_cast<size_t>(h) * a.row_bytes,
+                    a.row_bytes);
+        if (a.tiers) a.tiers->pinned += a.row_bytes;
+        continue;
+      }
+      if (pageable) *pageable = true;
+      const std::string err = a.files->read(a.pageable[e], dst, *a.tiers);
+      if (!err.empty()) {
+        for (int64_t q = r; q < n; ++q) {
+          const int64_t s = a.rows[3 * q];
+          if (s >= 0 && s < a.num_slots) a.poisoned[s] = 1;
+        }
+        *read_error = true;
+        return "gather: layer " + std::to_string(a.layer) + " expert " + std::to_string(e) +
+               " -> slot " + std::to_string(slot) + ": " + err;
+      }
     }
     return "";
   }
@@ -228,22 +286,34 @@ class CpuBackend final : public Backend {
       if (j.gather) {
         lk.unlock();
         if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-        std::string err = run_gather(j.args);
+        bool pageable = false, read_error = false;
+        std::string err = run_gather(j.args, &pageable, &read_error);
         lk.lock();
         TagState& t = tags_[j.g];
         t.done = j.ticket;
-        if (!err.empty() && t.error.empty()) t.error = std::move(err);
+        t.pageable = t.pageable || pageable;
+        if (!err.empty() && t.error.empty()) {
+          t.error = std::move(err);
+          t.read_error = read_error;
+        }
         busy_ = false;
         cv_.notify_all();
         continue;
       }
       lk.unlock();
       if (delay) std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      if (!j.fail) std::memcpy(j.dst, j.src, j.bytes);
+      std::string err;
+      if (j.fail)
+        err = "injected copy failure (" + j.what + ")";
+      else if (j.row)
+        err = j.files->read(*j.row, j.dst, *j.tiers, j.cached);
+      else
+        std::memcpy(j.dst, j.src, j.bytes);
+      if (!err.empty() && j.row && !j.fail) err = j.what + ": " + err;
       lk.lock();
       SlotState& s = slots_[j.g];
       s.done = j.ticket;
-      s.error = j.fail ? "injected copy failure (" + j.what + ")" : "";
+      s.error = std::move(err);
       busy_ = false;
       cv_.notify_all();
     }

@@ -6,15 +6,26 @@
 // overwriting: write-after-read). A copy that cannot be enqueued (or an
 // injected failure) is remembered per slot and reported by wait_copies, where
 // the store re-issues it. One mutex makes the backend safe across threads.
+//
+// Pageable rows (experts beyond host_memory, left in the checkpoint file) cannot be
+// DMA'd from: a reader thread preads each into one of two pinned staging buffers
+// (double-buffered: the read of the next row overlaps the copy of the last) and
+// issues the cudaMemcpyAsync from there on the copy stream. While the reader has
+// jobs queued, copies of held rows queue behind them, so copies stay in issue order.
 #include <cuda_runtime.h>
 
+#include <chrono>
+
 #include <algorithm>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "../alloc_error.h"
@@ -107,6 +118,12 @@ class CudaBackend final : public Backend {
 
   // Memory (freed by free_host/free_slab) may outlive this.
   void shutdown() noexcept override {
+    {
+      std::lock_guard<std::mutex> r(rmu_);
+      rstop_ = true;
+    }
+    rcv_.notify_all();
+    if (reader_.joinable()) reader_.join();  // drains its queue first (it takes mu_)
     std::lock_guard<std::mutex> lk(mu_);
     if (!copy_stream_) return;
     int prev = 0;
@@ -126,6 +143,11 @@ class CudaBackend final : public Backend {
     read_ev_.clear();
     pool_.clear();
     stalls_.clear();
+    for (Stage& st : ring_) {
+      if (st.buf) cudaFreeHost(st.buf);
+      if (st.free) cudaEventDestroy(st.free);
+      st = Stage{};
+    }
     cudaStreamDestroy(copy_stream_);
     copy_stream_ = nullptr;
     cudaGetLastError();
@@ -179,10 +201,36 @@ class CudaBackend final : public Backend {
       check(cudaEventCreateWithFlags(&copy_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
       check(cudaEventCreateWithFlags(&read_ev_[i], cudaEventDisableTiming), "cudaEventCreate");
     }
+    std::lock_guard<std::mutex> r(rmu_);
+    rpending_.assign(n, 0);
+  }
+
+  bool gathers_pageable() const override { return false; }
+
+  void copy_pageable(size_t g, void* dst, const PageableRow& row, const FileSet& files,
+                     TierBytes& t, int64_t cached, size_t bytes, const std::string& what) override {
+    bool fail = false;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (fail_next_ > 0) {
+        --fail_next_;
+        fail = true;
+      }
+    }
+    queue_read(ReadJob{g, dst, nullptr, &row, &files, &t, cached, bytes, what, fail});
   }
 
   void copy_async(size_t g, void* dst, const void* src, size_t bytes,
                   const std::string& what) override {
+    {
+      std::lock_guard<std::mutex> r(rmu_);
+      if (!rq_.empty() || rbusy_) {  // behind the reader's queued copies, in order
+        rq_.push_back(ReadJob{g, dst, src, nullptr, nullptr, nullptr, -1, bytes, what, false});
+        rpending_[g] += 1;
+        rcv_.notify_all();
+        return;
+      }
+    }
     std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     error_[g].clear();
@@ -205,6 +253,7 @@ class CudaBackend final : public Backend {
 
   std::vector<std::string> wait_copies(const std::vector<size_t>& gs, uintptr_t stream,
                                        Counters& c) override {
+    wait_reads(gs, c);  // before mu_: the reader needs it to issue
     std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     auto s = reinterpret_cast<cudaStream_t>(stream);
@@ -303,6 +352,10 @@ class CudaBackend final : public Backend {
   }
 
   bool copy_done(size_t g) override {
+    {
+      std::lock_guard<std::mutex> r(rmu_);
+      if (rpending_[g] > 0) return false;
+    }
     std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
     cudaError_t q = cudaEventQuery(copy_ev_[g]);
@@ -312,6 +365,10 @@ class CudaBackend final : public Backend {
 
   // Not under mu_: other threads keep enqueueing while this one waits.
   void synchronize() override {
+    {
+      std::unique_lock<std::mutex> r(rmu_);
+      rcv_.wait(r, [&] { return rq_.empty() && !rbusy_; });
+    }
     DeviceGuard dg(device_);
     check(cudaStreamSynchronize(copy_stream_), "cudaStreamSynchronize");
   }
@@ -364,6 +421,133 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  struct ReadJob {
+    size_t g;
+    void* dst;
+    const void* src;         // a held row (queued behind pageable ones), or
+    const PageableRow* row;  // a pageable row, read from `files`
+    const FileSet* files;
+    TierBytes* tiers;
+    int64_t cached;  // resident bytes before the readahead
+    size_t bytes;
+    std::string what;
+    bool fail;  // injected failure
+  };
+  struct Stage {
+    void* buf = nullptr;  // pinned
+    size_t bytes = 0;
+    cudaEvent_t free = nullptr;  // the last copy out of `buf` finished
+    bool used = false;
+  };
+
+  void queue_read(ReadJob j) {
+    std::lock_guard<std::mutex> r(rmu_);
+    if (!reader_.joinable()) reader_ = std::thread([this] { read_loop(); });
+    rpending_[j.g] += 1;
+    rq_.push_back(std::move(j));
+    rcv_.notify_all();
+  }
+
+  // The compute side waits (host time, counted as pageable stall) until the reader has
+  // issued the copies into these slots; then their events order the rest.
+  void wait_reads(const std::vector<size_t>& gs, Counters& c) {
+    std::unique_lock<std::mutex> r(rmu_);
+    auto issued = [&] {
+      for (size_t g : gs)
+        if (rpending_[g] > 0) return false;
+      return true;
+    };
+    if (issued()) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    rcv_.wait(r, issued);
+    const uint64_t ns = static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count());
+    c.stall_ns += ns;
+    c.stall_pageable_ns += ns;
+  }
+
+  // A staging buffer of at least `bytes`, free of its last copy.
+  void* stage(size_t bytes, std::string& err) {
+    Stage& st = ring_[next_stage_];
+    next_stage_ ^= 1;
+    DeviceGuard dg(device_);
+    if (st.used) cudaEventSynchronize(st.free);
+    st.used = false;
+    if (st.bytes < bytes) {
+      if (st.buf) cudaFreeHost(st.buf);
+      st.buf = nullptr;
+      st.bytes = 0;
+      if (cudaHostAlloc(&st.buf, bytes, cudaHostAllocPortable) != cudaSuccess) {
+        cudaGetLastError();
+        err = "cannot allocate a pinned staging buffer of " + std::to_string(bytes) + " bytes";
+        return nullptr;
+      }
+      st.bytes = bytes;
+    }
+    if (!st.free && cudaEventCreateWithFlags(&st.free, cudaEventDisableTiming) != cudaSuccess) {
+      cudaGetLastError();
+      err = "cudaEventCreate (staging)";
+      return nullptr;
+    }
+    return st.buf;
+  }
+
+  void read_loop() {
+    std::unique_lock<std::mutex> r(rmu_);
+    for (;;) {
+      rcv_.wait(r, [&] { return rstop_ || !rq_.empty(); });
+      if (rq_.empty()) return;  // stopped and drained
+      ReadJob j = std::move(rq_.front());
+      rq_.pop_front();
+      rbusy_ = true;
+      r.unlock();
+      std::string err;
+      const void* src = j.src;
+      Stage* used = nullptr;
+      if (j.fail) {
+        err = "injected copy failure (" + j.what + ")";
+      } else if (j.row) {
+        const int k = next_stage_;
+        void* buf = stage(j.bytes, err);
+        if (buf) {
+          err = j.files->read(*j.row, buf, *j.tiers, j.cached);
+          if (!err.empty()) err = j.what + ": " + err;
+          src = buf;
+          used = &ring_[k];
+        }
+      }
+      issue(j, src, err, used);
+      r.lock();
+      rpending_[j.g] -= 1;
+      rbusy_ = false;
+      rcv_.notify_all();
+    }
+  }
+
+  // The reader's copy onto the copy stream (or its error), as copy_async would.
+  void issue(const ReadJob& j, const void* src, const std::string& err, Stage* used) {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!copy_stream_) return;
+    DeviceGuard dg(device_);
+    error_[j.g] = err;
+    if (err.empty()) {
+      cudaError_t e = cudaSuccess;
+      if (has_read_[j.g]) e = cudaStreamWaitEvent(copy_stream_, read_ev_[j.g], 0);
+      if (e == cudaSuccess)
+        e = cudaMemcpyAsync(j.dst, src, j.bytes, cudaMemcpyHostToDevice, copy_stream_);
+      if (e == cudaSuccess && used) {
+        e = cudaEventRecord(used->free, copy_stream_);
+        used->used = e == cudaSuccess;
+      }
+      if (e != cudaSuccess) {
+        cudaGetLastError();
+        error_[j.g] = "cudaMemcpyAsync (" + j.what + "): " + cudaGetErrorString(e);
+      }
+    }
+    if (cudaEventRecord(copy_ev_[j.g], copy_stream_) != cudaSuccess) cudaGetLastError();
+  }
+
   cudaEvent_t event() {
     if (!pool_.empty()) {
       cudaEvent_t e = pool_.back();
@@ -385,6 +569,16 @@ class CudaBackend final : public Backend {
   std::vector<std::string> error_;  // per slot: why its last copy was not issued
   int64_t fail_next_ = 0;
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> stalls_;
+  // The staging ring and its reader (rmu_ guards the queue and rpending_; the ring
+  // itself is the reader thread's alone, until shutdown joins it).
+  std::mutex rmu_;
+  std::condition_variable rcv_;
+  std::deque<ReadJob> rq_;
+  std::vector<int> rpending_;  // per slot: copies queued at the reader, not yet issued
+  std::thread reader_;
+  bool rstop_ = false, rbusy_ = false;
+  Stage ring_[2];
+  int next_stage_ = 0;
 };
 
 }  // namespace

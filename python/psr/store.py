@@ -36,6 +36,12 @@ that reported an error, whether it was retried or not. So
 CopyError). `waits` counts slots waited for, again after each retry; `stall_s`
 includes the time spent waiting for retries.
 
+Tiers. A layer may hold only `LayerSpec.num_held` rows in host memory; its other experts
+are pageable (`register_pageable`: segments of checkpoint files, read with pread when a
+copy or a gather needs them; CUDA: through a pinned staging ring). `tiers()` says which;
+`host()` of such a layer is a fresh copy, `row()` reads one expert; a read error is a
+CopyError naming the file and tensor (docs/design.md, "Memory tiers").
+
 Threads. All methods may be called from several threads; the C++ store locks
 its bookkeeping and releases the GIL while it waits. Concurrent calls on the
 same slots are the caller's business: an acquire whose slot another thread
@@ -188,11 +194,18 @@ def _indices(method: str, name: str, values: object) -> list[int]:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One MoE layer of the store: its experts, slots, and elements per expert."""
+    """One MoE layer of the store: its experts, slots, and elements per expert; `num_held`
+    rows kept in host memory (None: all), the other experts pageable (`register_pageable`)."""
 
     num_experts: int
     num_slots: int
     expert_numel: int
+    num_held: int | None = None
+
+
+# A pageable row's segment: (file path, byte offset, bytes, tensor name); path "" means
+# `bytes` zeros (padding between a GGUF row's parts).
+Segment = tuple[str, int, int, str]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -261,6 +274,7 @@ class ExpertStore:
             copy_delay_us,
             seed,
             self.copy_retries,
+            [-1 if s.num_held is None else s.num_held for s in self.layers],
         )
         # The finalizer holds the native store, never self: no cycle, and the
         # store closes when the wrapper's last reference goes (or at exit).
@@ -317,9 +331,75 @@ class ExpertStore:
         return self._slabs[self._layer("slab", layer)]  # type: ignore[index]
 
     def host(self, layer: int) -> torch.Tensor:
-        """`[num_experts, expert_numel]` view of layer's host copies (read-only by contract)."""
-        self._live("host")
-        return self._hosts[self._layer("host", layer)]  # type: ignore[index]
+        """`[num_experts, expert_numel]` view of layer's host copies (read-only by contract).
+
+        A layer with pageable experts has no such view: this returns a fresh copy of the
+        whole layer (held rows copied, pageable rows read from their files; CopyError if a
+        read fails), so callers that read whole layers keep working at one layer's memory.
+        `row()` reads one expert; `tiers()` says which are held."""
+        store = self._live("host")
+        i = self._layer("host", layer)
+        view = self._hosts[i]  # type: ignore[index]
+        spec = self.layers[i]
+        if spec.num_held is None or spec.num_held == spec.num_experts:
+            return view
+        out = torch.empty((spec.num_experts, spec.expert_numel), dtype=self.dtype)
+        for e, r in enumerate(store.host_rows(i)):
+            if r >= 0:
+                out[e] = view[r]
+            else:
+                store.read_row(i, e, out[e].data_ptr())
+        return out
+
+    def row(self, layer: int, expert: int) -> torch.Tensor:
+        """Expert `expert`'s row `[expert_numel]`: a view of host memory if it is held,
+        else read from its file now (a fresh tensor; CopyError naming the file and tensor
+        if the read fails)."""
+        store = self._live("row")
+        i = self._layer("row", layer)
+        e = _index("row", "expert", expert)
+        if not 0 <= e < self.layers[i].num_experts:
+            raise IndexError(f"expert {e} out of range [0, {self.layers[i].num_experts})")
+        r = store.host_rows(i)[e]
+        if r >= 0:
+            return self._hosts[i][r]  # type: ignore[index]
+        out = torch.empty(self.layers[i].expert_numel, dtype=self.dtype)
+        store.read_row(i, e, out.data_ptr())
+        return out
+
+    def tiers(self, layer: int) -> list[str]:
+        """Per expert of `layer`: 'held' (host memory; pinned on CUDA) or 'pageable'
+        (read from its checkpoint file when copied)."""
+        rows = self._live("tiers").host_rows(self._layer("tiers", layer))
+        return ["held" if r >= 0 else "pageable" for r in rows]
+
+    def register_pageable(self, layer: int, expert: int, segments: Sequence[Segment]) -> None:
+        """Register an expert as pageable: its row is the segments' file bytes back to back
+        (`Segment`: path, offset, bytes, tensor name; path '' for zeros), read with pread
+        when a copy needs it (never through a mapping: a truncated file or an I/O error is
+        then a CopyError naming the file and tensor, not a SIGBUS). The files are opened
+        and mapped (for page-cache queries) now: a file that cannot be is a StoreError."""
+        store = self._live("register_pageable")
+        segs = []
+        for k, sg in enumerate(segments):
+            if not (isinstance(sg, tuple) and len(sg) == 4):
+                raise TypeError(
+                    f"register_pageable: segment {k} must be (path, offset, bytes, name)"
+                )
+            path, off, n, name = sg
+            segs.append(
+                (
+                    str(path),
+                    _int_arg(f"segment {k} offset", off, 0, _I64 - 1),
+                    _int_arg(f"segment {k} bytes", n, 0, _I64 - 1),
+                    str(name),
+                )
+            )
+        store.register_pageable(
+            self._layer("register_pageable", layer),
+            _index("register_pageable", "expert", expert),
+            segs,
+        )
 
     def _layer(self, method: str, layer: object) -> int:
         layer = _index(method, "layer", layer)
@@ -480,7 +560,10 @@ class ExpertStore:
     # --- counters and fault injection ----------------------------------------
     def counters(self) -> dict[str, float]:
         """copies, bytes_copied, retried_copies, failed_copies, waits, stalled_waits, stall_s
-        (counting rule in the module docstring: retries count as copies and bytes)."""
+        (counting rule in the module docstring: retries count as copies and bytes); per
+        tier, copies and device-step gathers alike, counted when read: bytes_pinned,
+        bytes_pageable (= bytes_page_cache + bytes_disk, by mincore just before the read),
+        read_errors, and stall_pageable_s (of stall_s, waits for pageable rows)."""
         return self._live("counters").counters()
 
     def reset_counters(self) -> None:

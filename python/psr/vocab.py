@@ -6,6 +6,8 @@ psr), which tests/bookkeeping/test_vocab.py holds equal to these.
 
 from __future__ import annotations
 
+import re
+
 # Every accepted dtype spelling -> the canonical torch dtype name (`torch.<name>`).
 DTYPE_ALIASES: dict[str, str] = {
     "float32": "float32",
@@ -106,3 +108,37 @@ def graphs_choice(graphs: object) -> bool | str:
     if isinstance(graphs, bool) or graphs == "auto":
         return "auto" if graphs == "auto" else bool(graphs)
     raise ValueError(f"graphs must be True, False or 'auto'; got {graphs!r}")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: str | int, what: str = "host_memory") -> int:
+    """'48GB' (10^9), '48GiB' (2^30), '512MiB', '1.5GB' or an int of bytes; ValueError
+    naming `what` otherwise (no silent clamping: negative or malformed is an error)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{what} must be a size like '48GB' or an int of bytes, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{what} must be >= 0 bytes, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise ValueError(
+            f"{what} must be a size like '48GB', '48GiB', '512MiB' or an int of bytes, "
+            f"got {value!r}"
+        )
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def host_memory(value: object) -> str | int:
+    """A `host_memory` argument: 'unlimited', or a size parse_bytes reads (checked here,
+    so a bad one fails before anything loads)."""
+    if value == "unlimited":
+        return "unlimited"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"host_memory must be a size like '48GB' or 'unlimited', got {value!r}")
+    parse_bytes(value)
+    return value

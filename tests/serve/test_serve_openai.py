@@ -275,6 +275,11 @@ def test_metrics_move_with_a_request(server, tok) -> None:
     assert d("psr_time_per_output_token_seconds_count") == 6
     assert after["psr_queue_depth"] == 0 and after["psr_running_requests"] == 0
     assert 'psr_stall_seconds_total{phase="decode"}' in after
+    # Every expert is held (the tiny model is far inside the default budget): decode read
+    # each copied byte from host memory, none from a file.
+    assert d('psr_expert_read_bytes_total{tier="pinned"}') == psr["bytes_copied"] > 0
+    assert d('psr_expert_read_bytes_total{tier="disk"}') == 0
+    assert d('psr_expert_read_bytes_total{tier="page_cache"}') == 0
 
 
 def test_one_log_line_per_request(server) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from psr.vocab import DTYPE_ALIASES, EXPERT_FORMATS
+from psr.vocab import host_memory as _host_memory
 
 T = TypeVar("T")
 
@@ -212,6 +213,14 @@ def device(s: str) -> str:
     if not re.fullmatch(r"cpu|cuda(:\d+)?", s.strip()):
         raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {s!r}")
     return s.strip()
+
+
+def host_memory(s: str) -> str:
+    """psr.load's host_memory: 'unlimited' or a size ('48GB', '48GiB', bytes)."""
+    try:
+        return str(_host_memory(s.strip()))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("host_memory ")) from None
 
 
 def dtype(s: str) -> str:

@@ -14,6 +14,7 @@ from psr.cli.args import (
     device,
     dtype,
     fraction,
+    host_memory,
     hybrid_m,
     model_config,
     nonempty,
@@ -186,6 +187,15 @@ def add_placement_options(g: argparse.ArgumentParser) -> None:
         "never in the model folder)",
     )
     g.add_argument(
+        "--host-memory",
+        type=host_memory,
+        default=None,
+        metavar="SIZE",
+        help="host-memory budget ('48GB', '48GiB', bytes or 'unlimited'): experts beyond it "
+        "stay in the memory-mapped checkpoint and are read from it when copied (default: "
+        "every expert when the model fits 80%% of available memory; `psr inspect` says)",
+    )
+    g.add_argument(
         "--speculative",
         choices=["block", "ar"],
         default=None,
@@ -244,6 +254,7 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         "block": args.block,
         "block_k": args.block_k,
         "quality_budget": args.quality_budget,
+        "host_memory": args.host_memory,
     }
 
 

@@ -150,15 +150,21 @@ class Checkpoint:
         self._where: dict[str, str] = {}
         self._shapes: dict[str, list[int]] = {}
         self._dtypes: dict[str, str] = {}
+        self._spans: dict[str, tuple[int, int]] = {}  # absolute byte offset, bytes
         for name in files:
             f = self.path / name
             if not f.is_file():
                 raise CheckpointError(f"checkpoint shard {f} listed in the index is missing")
-            for tensor, info in read_header(f).items():
+            header = read_header(f)
+            with f.open("rb") as fh:
+                data_start = 8 + struct.unpack("<Q", fh.read(8))[0]
+            for tensor, info in header.items():
                 if tensor != "__metadata__":
                     self._where[tensor] = name
                     self._shapes[tensor] = info["shape"]
                     self._dtypes[tensor] = info["dtype"]
+                    a, b = info["data_offsets"]
+                    self._spans[tensor] = (data_start + a, b - a)
         for tensor, name in weight_map.items():
             if self._where.get(tensor) != name:
                 raise CheckpointError(f"tensor {tensor!r} listed in the index is not in {name}")
@@ -217,6 +223,18 @@ class Checkpoint:
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """`tensor[i]` read on its own (one expert of a fused [E, ...] tensor)."""
         return self._handle(name).get_slice(name)[i]
+
+    def span(self, name: str, i: int | None = None) -> tuple[str, int, int]:
+        """(file path, absolute byte offset, bytes) of tensor `name` as stored, or of its
+        row `i` along the first dimension (one expert of a fused [E, ...] tensor)."""
+        off, n = self._spans[self._require(name)]
+        path = str(self.path / self._where[name])
+        if i is None:
+            return path, off, n
+        rows = self._shapes[name][0]
+        if not 0 <= i < rows:
+            raise IndexError(f"row {i} out of range for {name!r} ({rows} rows)")
+        return path, off + i * (n // rows), n // rows
 
     def first(self, *names: str) -> str | None:
         return next((n for n in names if n in self._where), None)

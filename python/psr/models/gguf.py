@@ -63,6 +63,8 @@ class ExpertTensor:
     shape: tuple[int, int, int]
     row_bytes: int
     data: np.ndarray = field(repr=False, compare=False)  # [E, row_bytes] uint8 memmap view
+    file: str = ""  # the file holding it, and its first byte there (pageable rows)
+    offset: int = 0
 
     def expert(self, e: int) -> torch.Tensor:
         """Expert `e`'s raw bytes, uint8 1-D, a view of the memory-mapped file (no copy)."""
@@ -718,8 +720,15 @@ class GGUFCheckpoint:
                 f"{list(shape)}, expected [{E}, out, in] ({E} experts)"
             )
         raw = _raw(self._readers[part], t).reshape(E, -1)
+        r = self._readers[part]
         return ExpertTensor(
-            gname, t.tensor_type.name, (shape[0], shape[1], shape[2]), raw.shape[1], raw
+            gname,
+            t.tensor_type.name,
+            (shape[0], shape[1], shape[2]),
+            raw.shape[1],
+            raw,
+            str(r.psr_path),
+            int(t.data_offset),
         )
 
     def moe_layers(self) -> list[int]:

@@ -108,12 +108,15 @@ def make_block_store(
     formats: list[str],
     device: torch.device,
     copy_retries: int | None = None,
+    held: list[int] | None = None,
 ) -> ExpertStore:
-    """One store layer per MoE layer, its rows the layer's block format's bytes (uint8)."""
+    """One store layer per MoE layer, its rows the layer's block format's bytes (uint8);
+    `held[i]` of layer i's rows in host memory (default all)."""
     cuda = device.type == "cuda"
     rows = [pk.GGMLLayout.of(f, spec.hidden_size, spec.ffn_size).nbytes for f in formats]
+    held = held or [spec.num_experts] * len(rows)
     return ExpertStore(
-        [LayerSpec(spec.num_experts, capacity, n) for n in rows],
+        [LayerSpec(spec.num_experts, capacity, n, h) for n, h in zip(rows, held, strict=True)],
         torch.uint8,
         backend="cuda" if cuda else "cpu",
         device=device.index if cuda else None,
@@ -168,14 +171,21 @@ def fill_block_store(
     progress: bool,
     desc: str,
     release: Callable[[int], None] | None = None,
+    tiers: Any = None,
 ) -> None:
     """Register every expert's block bytes (no dequantized or intermediate copy: the
-    store's host memory is the one copy); `release(i)` after layer i is in."""
+    store's host memory is the one copy); `release(i)` after layer i is in. Experts
+    `tiers` (psr.models.tiers.Tiers) does not hold are registered pageable: their
+    segments in the file, never read here."""
     H, F = spec.hidden_size, spec.ffn_size
     bar = tqdm(list(enumerate(readers)), desc=desc, disable=not progress, unit="layer")
     for i, read in bar:
         lay = pk.GGMLLayout.of(formats[i], H, F)
         for e in range(spec.num_experts):
-            store.register(i, e, pk.pack_ggml_parts(lay, read(e)))
+            segs = None if tiers is None else tiers.pageable(i, e)
+            if segs is not None:
+                store.register_pageable(i, e, segs)
+            else:
+                store.register(i, e, pk.pack_ggml_parts(lay, read(e)))
         if release is not None:
             release(i)

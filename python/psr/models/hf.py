@@ -149,8 +149,13 @@ def install(
     for L in runtime.layers:
         experts = block_of(model, L.decoder_index).experts
         names = packed_names(experts, spec.num_experts)
-        if not quantized:
-            _check_layout(experts, store.host(L.index), spec, L.expert_bias)
+        if not quantized:  # shapes only: no layer's rows are read (pageable ones stay put)
+            rows = torch.empty(
+                (spec.num_experts, store.layers[L.index].expert_numel),
+                dtype=store.dtype,
+                device="meta",
+            )
+            _check_layout(experts, rows, spec, L.expert_bias)
         real = [experts.get_parameter(n) for n in names if not experts.get_parameter(n).is_meta]
         # psr.load builds the model on the meta device and never materialises its experts.
         found.append((experts, names, real[0].device if real else L.gate_weight.device))

@@ -62,6 +62,10 @@ class Inspection:
     # what psr.load(path, policy) uses at the default residency, per biased policy: the
     # tuned point and its file, or the untuned default and the command that measures it
     operating_points: dict[str, str] = field(default_factory=dict)
+    # host_memory= (psr.models.tiers): the default budget on this machine for the file's
+    # own format (None: every expert held), and what a budget does
+    default_host_memory: int | None = None
+    host_memory: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +105,8 @@ class Inspection:
             lines.append("  " + "  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
         lines.append("  (device: the dense part + the expert slab; the KV cache comes on top)")
         lines.append(f"  graphs     {self.graphs}")
+        if self.host_memory:
+            lines.append(f"  host mem   {self.host_memory}")
         for name, point in self.operating_points.items():
             lines.append(f"  {name:<11} {point}")
         return "\n".join(lines)
@@ -210,6 +216,8 @@ def inspect(path: str | Path) -> Inspection:
             fmt: {f"{r:g}": dense + n * math.floor(r * E + 0.5) * per[fmt] for r in RESIDENCIES}
             for fmt in FORMATS
         }
+    fmt0 = next(iter(per))  # the file's own rows: what can stay in it (pageable)
+    budget, note = _host_memory(dense, host[fmt0], per[fmt0] * n * _slots(E), fmt0)
     shared = any(
         hasattr(b, name)
         for b in blocks
@@ -241,6 +249,36 @@ def inspect(path: str | Path) -> Inspection:
         device_bytes=device,
         graphs=_graphs(config),
         operating_points=_operating_points(path),
+        default_host_memory=budget,
+        host_memory=note,
+    )
+
+
+def _slots(E: int) -> int:
+    from psr.policy import DEFAULT_RESIDENCY
+
+    return math.floor(DEFAULT_RESIDENCY * E + 0.5)
+
+
+def _host_memory(dense: int, rows: int, slab: int, fmt: str) -> tuple[int | None, str]:
+    """The default host_memory on this machine (CPU backend: the dense part and the slab at
+    the default residency count against it) and a line saying what a budget means."""
+    from psr.models.tiers import SAFE_FRACTION, default_budget, fmt_bytes, meminfo
+
+    budget = default_budget(dense + slab, rows)
+    avail = meminfo().get("MemAvailable", 0)
+    head = (
+        f"default: every expert held ({fmt_bytes(dense + slab + rows)} with the dense part "
+        f"and slab, within {SAFE_FRACTION:.0%} of MemAvailable {fmt_bytes(avail)})"
+        if budget is None
+        else f"default: {fmt_bytes(budget)} ({SAFE_FRACTION:.0%} of MemAvailable): "
+        f"{fmt_bytes(max(budget - dense - slab, 0))} of the {fmt_bytes(rows)} of {fmt} "
+        "experts held, the rest read from the file"
+    )
+    return budget, (
+        f"{head}; host_memory=SIZE holds experts up to SIZE (CPU: minus the dense part and "
+        "the slab) and leaves the rest pageable in the checkpoint file (its own dtype or "
+        "GGUF blocks only)"
     )
 
 

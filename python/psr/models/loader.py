@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 from torch import nn
@@ -63,11 +63,25 @@ from psr.models.hf import (
 )
 from psr.models.quant_cache import QuantCache, resolve_root
 from psr.models.sources import TOKENIZER_FILES
+from psr.models.tiers import (
+    MemoryOptions,
+    TierPlan,
+    Tiers,
+    default_budget,
+    float_locators,
+    gguf_locators,
+    load_profile,
+    memory_options,
+    plan_tiers,
+)
 from psr.points import resolve_policy
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import MoESpec, resolve_capacity
 from psr.store import ExpertStore, LayerSpec, current_backend
+
+if TYPE_CHECKING:  # annotations only (typing.Unpack is Python 3.11+)
+    from typing_extensions import Unpack
 
 # int4's group along the input dimension: the rows, their byte size and the quantized-expert
 # cache's key must agree on it.
@@ -106,6 +120,7 @@ def make_store(
     copy_retries: int | None = None,
     expert_format: str | None = None,
     group_size: int = GROUP_SIZE,
+    held: list[int] | None = None,
 ) -> ExpertStore:
     """One store layer per MoE layer; its backend follows the compute device. Float rows
     hold `spec.expert_numel` elements of `dtype` (bf16 for expert_format='bf16');
@@ -117,8 +132,9 @@ def make_store(
         dtype = torch.uint8
     elif expert_format == "bf16":
         dtype = torch.bfloat16
+    held = held or [spec.num_experts] * num_layers
     return ExpertStore(
-        [LayerSpec(spec.num_experts, capacity, numel)] * num_layers,
+        [LayerSpec(spec.num_experts, capacity, numel, h) for h in held],
         dtype,
         backend="cuda" if cuda else "cpu",
         device=device.index if cuda else None,
@@ -151,10 +167,12 @@ def _fill_store(
     expert_format: str | None,
     progress: bool,
     shown_format: str | None,
+    tiers: Tiers | None = None,
 ) -> None:
     """Register every expert of every layer (`readers[i]`: store layer i's experts) in the
     host store as `expert_row` makes it, behind one progress bar (`shown_format` is named in
-    its label). `psr.load` and `psr.offload` both fill their store here."""
+    its label); experts `tiers` does not hold are registered pageable (their file bytes,
+    never read here). `psr.load` and `psr.offload` both fill their store here."""
     with tqdm(
         total=len(readers) * spec.num_experts,
         desc=f"experts -> host store{f' ({shown_format})' if shown_format else ''}",
@@ -163,7 +181,12 @@ def _fill_store(
     ) as bar:
         for i, read in enumerate(readers):
             for e in range(spec.num_experts):
-                store.register(i, e, expert_row(read(e), spec, store, expert_format, GROUP_SIZE))
+                segs = None if tiers is None else tiers.pageable(i, e)
+                if segs is not None:
+                    store.register_pageable(i, e, segs)
+                else:
+                    row = expert_row(read(e), spec, store, expert_format, GROUP_SIZE)
+                    store.register(i, e, row)
                 bar.update()
 
 
@@ -385,6 +408,7 @@ def _load_experts(
     progress: bool,
     expert_format: str | None = None,
     cache: QuantCache | None = None,
+    tiers: Tiers | None = None,
 ) -> None:
     """Stream every expert of every MoE layer from the checkpoint into the host store
     (quantized on the way when `expert_format` asks for it), or read the quantized rows
@@ -393,7 +417,8 @@ def _load_experts(
     readers = [_expert_reader(ckpt, spec, d) for d in moe_idx]
     if cache is not None and _from_cache(cache, store, spec, readers, progress):
         return
-    _fill_store(store, spec, readers, fmt, progress, shown_format=fmt if _quantized(fmt) else None)
+    shown = fmt if _quantized(fmt) else None
+    _fill_store(store, spec, readers, fmt, progress, shown_format=shown, tiers=tiers)
     if cache is not None:
         try:
             cache.write([store.host(i) for i in range(len(moe_idx))])
@@ -610,6 +635,52 @@ def _quant_cache(
     )
 
 
+def dense_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights and buffers (tied ones once; the experts are meta)."""
+    seen: set[int] = set()
+    out = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_meta or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        out += t.numel() * t.element_size()
+    return out
+
+
+def _tier_plan(
+    host_memory: str | int | None,
+    host_profile: Any,
+    model: nn.Module,
+    opts: LoadOptions,
+    capacity: int,
+    row_bytes: list[int],
+    why_not: str | None,
+    where: str = "gpu",
+) -> TierPlan:
+    """The held experts under `host_memory` (None: the default, `tiers.default_budget`;
+    'unlimited': all). On the CPU backend the dense weights and the slab count against it."""
+    E = opts.spec.num_experts
+    cuda = opts.device.type == "cuda"
+    fixed = 0 if cuda else dense_bytes(model) + capacity * sum(row_bytes)
+    if host_memory is None:
+        budget = default_budget(fixed, E * sum(row_bytes))
+    elif host_memory == "unlimited":
+        budget = None
+    else:
+        budget = vocab.parse_bytes(host_memory)
+    profile = None
+    if host_profile is not None:
+        profile = load_profile(host_profile, (len(row_bytes), E))
+    plan = plan_tiers(budget, fixed, row_bytes, E, why_not, profile, cuda)
+    if plan.pageable_bytes and where != "gpu":
+        raise ValueError(
+            f"experts_on={where!r} computes misses from the host rows in place, but "
+            f"host_memory leaves {plan.pageable_bytes / 2**30:.2f} GiB of experts in the "
+            "checkpoint file: use experts_on='gpu', or a budget that holds every expert"
+        )
+    return plan
+
+
 def _check_all_loaded(model: nn.Module) -> None:
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
@@ -678,6 +749,7 @@ def load(
     quant_cache: bool | str | Path | None = False,
     progress: bool = True,
     experts_on: str = "gpu",
+    **memory: Unpack[MemoryOptions],
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
 
@@ -725,9 +797,19 @@ def load(
             machine's profile, `psr bench machine`).
             CPU and GPU arithmetic round differently: the modes may give different
             tokens, each reproducible. `model.set_experts_on` switches later.
+        **memory (psr.models.tiers.MemoryOptions):
+        host_memory: the host-memory budget ('48GB', '48GiB', bytes, or 'unlimited';
+            default: every expert when the model fits 80% of MemAvailable, else that):
+            experts beyond it stay in the memory-mapped checkpoint and are read from it
+            (page cache or disk) when copied (psr.models.tiers). CPU backend: the dense
+            weights and the slab count against it. On CUDA a model with such experts
+            decodes with decode='host' (the device step's gather kernel reads pinned rows).
+        host_profile: which experts to hold: per MoE layer, per expert, how often it is
+            routed to (nested lists or a JSON file); default layer-balanced.
     """
     vocab.graphs_choice(graphs)
     where, hybrid_m = vocab.parse_experts_on(experts_on)
+    host_memory, host_profile = memory_options(memory)
     gguf = is_gguf(path)
     if gguf:
         ckpt: Any = open_gguf(path)
@@ -765,28 +847,46 @@ def load(
         fmt: str | list[str] | None = opts.expert_format
         if blocks is not None:
             fmt, readers, src = blocks
-            store = make_block_store(spec, C, fmt, opts.device, copy_retries)
+            H, F = spec.hidden_size, spec.ffn_size
+            rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmt]
+            why = None if gguf else f"{src} blocks are rebuilt at load"
+            plan = _tier_plan(host_memory, host_profile, model, opts, C, rows, why, where)
+            tiers = None
+            if plan.pageable_bytes:
+                tiers = Tiers([set(h) for h in plan.held], gguf_locators(ckpt, moe_idx, fmt, H, F))
+            store = make_block_store(spec, C, fmt, opts.device, copy_retries, plan.num_held())
             release = gguf_release(ckpt, moe_idx) if gguf else None
-            fill_block_store(store, spec, readers, fmt, progress, f"experts <- {src}", release)
+            desc = f"experts <- {src}"
+            fill_block_store(store, spec, readers, fmt, progress, desc, release, tiers)
         else:
+            one = make_store(spec, 1, 1, opts.dtype, torch.device("cpu"), None, opts.expert_format)
+            rows = one.expert_bytes * len(moe_idx)
+            sdt = str(one.dtype).removeprefix("torch.")
+            locs, why = float_locators(ckpt, spec.family, moe_idx, spec.num_experts, sdt,
+                                       opts.expert_format)  # fmt: skip
+            plan = _tier_plan(host_memory, host_profile, model, opts, C, rows, why, where)
+            held = [set(h) for h in plan.held]
+            tiers = Tiers(held, locs) if plan.pageable_bytes and locs else None
             store = make_store(
-                spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries, opts.expert_format
-            )
+                spec, C, len(moe_idx), opts.dtype, opts.device, copy_retries,
+                opts.expert_format, held=plan.num_held(),
+            )  # fmt: skip
             cache = _quant_cache(path, ckpt, opts, moe_idx, store.expert_bytes[0])
-            _load_experts(ckpt, store, spec, moe_idx, progress, opts.expert_format, cache)
+            _load_experts(ckpt, store, spec, moe_idx, progress, opts.expert_format, cache, tiers)
         biases = None
         if spec.expert_bias:
             biases = _bias_tables(ckpt, spec, moe_idx, opts.device, blocks is not None)
         tokenizer = _tokenizer(path, ckpt if gguf else None)  # a GGUF's: from its metadata
     finally:
         ckpt.close()
-    runtime = install(
-        model, spec, store, opts.policy, C, opts.compute, moe_idx, fmt, opts.decode, biases
-    )
+    # CUDA's device step gathers from pinned rows only: pageable experts take the host step.
+    mode = "host" if plan.pageable_bytes and opts.device.type == "cuda" else opts.decode
+    runtime = install(model, spec, store, opts.policy, C, opts.compute, moe_idx, fmt, mode, biases)
     _check_all_loaded(model)
     om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source = opts.policy_source
     om.graphs = graphs
+    om.host_budget = plan.budget
     if drafter is not None:
         om.set_speculative(drafter, block_k if block_k is not None else min(2 * spec.top_k, C))
     if where != "gpu":

@@ -3,7 +3,7 @@ recorder, and the store's counters marked at sequence and token boundaries."""
 
 from __future__ import annotations
 
-from psr.runtime.stats import Stats
+from psr.runtime.stats import TIER_KEYS, Stats
 from psr.runtime.trace import TraceRecorder
 from psr.store import ExpertStore
 
@@ -21,6 +21,7 @@ class Accounting:
         self.token: dict[str, float] | None = None  # the open token's record
         self._stall_mark = 0.0
         self._prefill_mark: dict[str, float] = {}
+        self._tier_mark: dict[str, float] = {}
 
     def count(self, **counts: int) -> None:
         for key, value in counts.items():
@@ -42,19 +43,31 @@ class Accounting:
         self.token = self.stats.new_token()
         return self.recorder.new_token() if self.recorder is not None else -1
 
+    def _tiers(self, c: dict[str, float], count: bool = True) -> None:
+        """The tier counters since the last mark to the totals (`count=False`: mark only,
+        at the end of a prefill, whose reads are not decode reads)."""
+        for k in TIER_KEYS:
+            if count:
+                self.stats.totals[k] += c[k] - self._tier_mark.get(k, 0)
+            self._tier_mark[k] = c[k]
+
     def close_token(self) -> None:
-        stall = self.store.counters()["stall_s"]
+        c = self.store.counters()
+        stall = c["stall_s"]
         if self.token is not None:
             self.stats.add(self.token, "stall_s", stall - self._stall_mark)
+            self._tiers(c)
         self._stall_mark = stall
         self.token = None
 
     def add_stall(self) -> None:
         """Stall time since the last mark to the totals (the device step's joins: it keeps
         no per-token record)."""
-        stall = self.store.counters()["stall_s"]
+        c = self.store.counters()
+        stall = c["stall_s"]
         self.stats.totals["stall_s"] += stall - self._stall_mark
         self._stall_mark = stall
+        self._tiers(c)
 
     def end_step(self, seconds: float) -> None:
         """After a decode forward of `seconds`: closes the token's record."""
@@ -69,3 +82,4 @@ class Accounting:
         self.stats.totals["prefill_bytes"] += c["bytes_copied"] - m.get("bytes_copied", 0)
         self.stats.totals["prefill_stall_s"] += c["stall_s"] - m.get("stall_s", 0.0)
         self._stall_mark = c["stall_s"]
+        self._tiers(c, count=False)

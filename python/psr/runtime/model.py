@@ -69,6 +69,7 @@ class OffloadedModel(nn.Module):
         # Where the policy's lam / n came from (psr.points.resolve_policy): "tuned (<file>)",
         # "untuned default" or "given"; psr.load sets it.
         self.policy_source = "given"
+        self.host_budget: int | None = None  # host_memory= (None: unlimited)
         # Graphs: a decode token as one captured forward (runtime/graphs.py): True, False or
         # "auto" (on for CUDA); `graph_status` says whether the last generate used them.
         self.graphs: bool | str = "auto"
@@ -112,16 +113,20 @@ class OffloadedModel(nn.Module):
         return bool(self.runtime.store.closed)
 
     def memory(self, context: int | None = None) -> dict[str, int]:
-        """Bytes by place: `host_experts` (every routed expert's row in host memory, as
-        copies move it), `device_slab` (the expert slots), `device_dense` (every other
-        weight and buffer on the compute device: attention, norms, embeddings, routers,
-        shared experts) and `device_kv` (a KV cache of `context` tokens, default the
-        config's max_position_embeddings, in the model dtype)."""
+        """Bytes by place: `host_experts` (the routed experts' rows held in host memory, as
+        copies move them; pinned on CUDA), `pageable_experts` (rows beyond `host_memory`,
+        left in the memory-mapped checkpoint), `device_slab` (the expert slots),
+        `device_dense` (every other weight and buffer on the compute device: attention,
+        norms, embeddings, routers, shared experts) and `device_kv` (a KV cache of
+        `context` tokens, default the config's max_position_embeddings, in the model
+        dtype)."""
         from psr.runtime.kv import kv_bytes
 
         store = self.runtime.store
         rows = store.expert_bytes
-        host = sum(L.num_experts * b for L, b in zip(store.layers, rows, strict=True))
+        held = [L.num_experts if L.num_held is None else L.num_held for L in store.layers]
+        host = sum(h * b for h, b in zip(held, rows, strict=True))
+        total = sum(L.num_experts * b for L, b in zip(store.layers, rows, strict=True))
         slab = sum(L.num_slots * b for L, b in zip(store.layers, rows, strict=True))
         seen: set[int] = set()
         dense = 0
@@ -136,6 +141,7 @@ class OffloadedModel(nn.Module):
         itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
         return {
             "host_experts": host,
+            "pageable_experts": total - host,
             "device_slab": slab,
             "device_dense": dense,
             "device_kv": kv_bytes(cfg, itemsize, n),

@@ -33,6 +33,10 @@ REPORT_KEYS = (
 )
 # ... and the measured times that timing benchmarks add to them.
 TIMING_KEYS = ("stall_s", "decode_s", "tokens_per_s")
+# Memory tiers (the store's counters over decode steps, physical like stall_s): bytes read
+# from held rows (pinned on CUDA) and from pageable ones (page cache + disk, by mincore
+# before each read), and the stall spent waiting for pageable rows.
+TIER_KEYS = ("bytes_pinned", "bytes_pageable", "bytes_page_cache", "bytes_disk", "stall_pageable_s")
 
 
 class Stats(Mapping[str, float]):
@@ -52,6 +56,7 @@ class Stats(Mapping[str, float]):
             "prefill_stall_s": 0.0,
             "captures": 0,  # decode graphs captured (runtime/graphs.py)
         }
+        self.totals |= {k: 0 for k in TIER_KEYS}
         self.per_token: list[dict[str, float]] = []
 
     def new_token(self) -> dict[str, float]:
@@ -117,6 +122,12 @@ class Stats(Mapping[str, float]):
             ("routed experts on the CPU", f"{s['cpu_experts']:.0f}"),
             ("bytes copied", f"{s['bytes_copied'] / 2**20:.1f} MiB"),
             ("stall time", f"{s['stall_s'] * 1e3:.1f} ms"),
+            (
+                "read: pinned / pageable (disk)",
+                f"{s['bytes_pinned'] / 2**20:.1f} / {s['bytes_pageable'] / 2**20:.1f} "
+                f"({s['bytes_disk'] / 2**20:.1f}) MiB, pageable stall "
+                f"{s['stall_pageable_s'] * 1e3:.1f} ms",
+            ),
             ("tokens / s", f"{s['tokens_per_s']:.1f}"),
             ("prefill copies", f"{s['prefill_copies']:.0f} ({s['prefill_bytes'] / 2**20:.1f} MiB)"),
             ("decode graph captures", f"{s['captures']:.0f}"),

@@ -41,6 +41,7 @@ OUTCOMES = (
     "too_large",
 )
 PHASES = ("prefill", "decode")
+TIERS = ("pinned", "page_cache", "disk")  # where decode's expert bytes were read from
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -95,6 +96,17 @@ class Metrics:
         )
         self.stall = by(
             Counter, "psr_stall_seconds", "Time spent waiting for expert copies", "phase", PHASES
+        )
+        self.read_bytes = by(
+            Counter,
+            "psr_expert_read_bytes",
+            "Expert bytes decode read, by memory tier (held rows; pageable rows from the "
+            "page cache or the disk, by mincore before the read)",
+            "tier",
+            TIERS,
+        )
+        self.pageable_stall = counter(
+            "psr_pageable_stall_seconds", "Of decode's stall, waiting for pageable expert rows"
         )
         self.queue_depth = Gauge(
             "psr_queue_depth", "Requests waiting to decode", M, registry=r
@@ -155,6 +167,11 @@ class Metrics:
         self.copied_bytes.labels("decode").inc(stats["bytes_copied"])
         self.stall.labels("prefill").inc(stats["prefill_stall_s"])
         self.stall.labels("decode").inc(stats["stall_s"])
+        for tier, key in zip(
+            TIERS, ("bytes_pinned", "bytes_page_cache", "bytes_disk"), strict=True
+        ):
+            self.read_bytes.labels(tier).inc(stats.get(key, 0))
+        self.pageable_stall.inc(stats.get("stall_pageable_s", 0.0))
         if started is not None:
             self.queue_time.observe(started - arrived)
         if token_times:
