@@ -86,7 +86,7 @@ else
   R=()
 fi
 
-STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml decode tiers}
+STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml experts_on decode tiers}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 summarize() { timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/null 2>&1; }
