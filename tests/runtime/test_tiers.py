@@ -255,3 +255,30 @@ def test_inspect_the_cli_and_the_default_budget(ckpt: Path, monkeypatch) -> None
     monkeypatch.setattr(tiers, "meminfo", lambda: {"MemAvailable": 1000, "MemTotal": 2000})
     assert tiers.default_budget(300, 400) is None
     assert tiers.default_budget(300, 600) == 800
+
+
+def test_traces_name_each_copys_tier_and_the_latency_model_prices_it(ckpt: Path) -> None:
+    """A recorded copy of a pageable expert says so (Copy.tier), and the latency model
+    reads it before copying it: the budgeted trace costs more than the same trace pinned."""
+    from dataclasses import replace
+
+    from psr.eval.latency import simulate
+
+    ref = _load(ckpt, "psr", host_memory="unlimited")
+    m = _load(ckpt, "psr", host_memory=_quarter(ref), decode="host")
+    rec = m.record_trace()
+    m.generate(PROMPT, NEW)
+    copies = [c for tok in rec.trace.tokens for s in tok for c in s.copies]
+    tiers = [m.runtime.store.tiers(c.layer)[c.expert] for c in copies]
+    assert copies and {c.tier for c in copies} == {"pinned", "pageable"}
+    assert [c.tier == "pageable" for c in copies] == [t == "pageable" for t in tiers]
+    pinned = replace(
+        rec.trace,
+        tokens=[
+            [replace(s, copies=[replace(c, tier="pinned") for c in s.copies]) for s in tok]
+            for tok in rec.trace.tokens
+        ],
+    )
+    assert simulate(rec.trace, "rtx4090").ms_per_token > simulate(pinned, "rtx4090").ms_per_token
+    ref.close()
+    m.close()

@@ -269,6 +269,7 @@ def test_metrics_move_with_a_request(server, tok) -> None:
     assert d("psr_prefetches_used_total") == psr["prefetch_used"]
     # the default policy is psr (a biased router): it substitutes some routed experts
     assert d("psr_substituted_experts_total") == psr["substituted"] > 0
+    assert d("psr_cpu_experts_total") == psr["cpu_experts"] == 0  # experts_on="gpu"
     assert d('psr_copied_bytes_total{phase="decode"}') == psr["bytes_copied"]
     assert d('psr_copied_bytes_total{phase="prefill"}') == psr["prefill_bytes"]
     assert d("psr_time_to_first_token_seconds_count") == 1

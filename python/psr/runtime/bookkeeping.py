@@ -21,6 +21,8 @@ class HostCaches:
         self.store = store
         self.acct = acct
         self.num_experts = num_experts
+        # MoE layer -> per expert "pinned" | "pageable" (fixed at load; read once, for traces)
+        self._tiers: dict[int, list[str]] = {}
 
     def mask(self, layer: MoELayer, policy: Policy, device: torch.device) -> torch.Tensor:
         """What routing is biased toward: the logical cache, or for the timing-dependent
@@ -49,11 +51,19 @@ class HostCaches:
         slots, experts = layer.slots.place(inserts)
         rec = self.acct.recorder
         if rec is not None:
+            tiers = self.tiers(layer.index)
             for s, e in zip(slots, experts, strict=True):
-                rec.copy(layer.index, s, e, kind, at)
+                rec.copy(layer.index, s, e, kind, at, tiers[e])
         if slots and physical:
             self.store.enqueue_copies(layer.index, slots, experts)
         return len(slots)
+
+    def tiers(self, layer: int) -> list[str]:
+        """Each expert's row tier in `layer` as traces name it ("pinned" | "pageable")."""
+        if layer not in self._tiers:
+            held = self.store.tiers(layer)
+            self._tiers[layer] = ["pinned" if t == "held" else "pageable" for t in held]
+        return self._tiers[layer]
 
     def use(
         self,

@@ -19,6 +19,9 @@ class Copy:
     slot: int
     expert: int
     kind: str  # "miss" | "prefetch"
+    # Where the expert's row was read from: "pinned" (store host memory) or "pageable"
+    # (its checkpoint file, host_memory=; priced by the latency model's pageable tier).
+    tier: str = "pinned"
 
 
 @dataclass
@@ -189,12 +192,19 @@ class TraceRecorder:
         self.trace.tokens[token].append(self._step)
 
     def copy(
-        self, layer: int, slot: int, expert: int, kind: str, at: tuple[int, int] | None = None
+        self,
+        layer: int,
+        slot: int,
+        expert: int,
+        kind: str,
+        at: tuple[int, int] | None = None,
+        tier: str = "pinned",
     ) -> None:
-        """A copy issued by the current step, or by the step `at` = (token, MoE layer)."""
+        """A copy issued by the current step, or by the step `at` = (token, MoE layer),
+        from `tier`."""
         step = self._step if at is None else self.trace.tokens[at[0]][at[1]]
         if step is not None:
-            step.copies.append(Copy(layer, slot, expert, kind))
+            step.copies.append(Copy(layer, slot, expert, kind, tier))
 
     def read(self, layer: int, slots: list[int]) -> None:
         if self._step is not None and self._step.layer == layer:

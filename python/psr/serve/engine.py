@@ -474,6 +474,7 @@ class Engine:
             "prefetches": int(d["prefetches"]),
             "prefetch_used": int(d["prefetch_used"]),
             "substituted": int(d["substituted"]),
+            "cpu_experts": int(d.get("cpu_experts", 0)),
             "bytes_copied": int(d["bytes_copied"]),
             "stall_s": round(float(d["stall_s"]), 6),
             "prefill_bytes": int(d["prefill_bytes"]),

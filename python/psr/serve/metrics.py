@@ -91,6 +91,10 @@ class Metrics:
             "psr_substituted_experts",
             "Routed experts not in the router's own exact top-k (the cache bias chose them)",
         )
+        self.cpu_experts = counter(
+            "psr_cpu_experts",
+            "Routed experts computed on the CPU from their host rows (experts_on cpu / hybrid)",
+        )
         self.copied_bytes = by(
             Counter, "psr_copied_bytes", "Expert bytes copied to the device", "phase", PHASES
         )
@@ -163,6 +167,7 @@ class Metrics:
         self.prefetches.inc(stats["prefetches"])
         self.prefetches_used.inc(stats["prefetch_used"])
         self.substituted.inc(stats["substituted"])
+        self.cpu_experts.inc(stats.get("cpu_experts", 0))
         self.copied_bytes.labels("prefill").inc(stats["prefill_bytes"])
         self.copied_bytes.labels("decode").inc(stats["bytes_copied"])
         self.stall.labels("prefill").inc(stats["prefill_stall_s"])
