@@ -55,6 +55,13 @@ def rows_of(buf: torch.Tensor, fmt: str | None, dtype: torch.dtype | None, H: in
     n = row_bytes(fmt, dtype, H, F)
     k = buf.numel() // n
     rows = buf[: k * n].view(k, n)
+    if fmt is not None and "MXFP4" in fmt:  # scale 2^-69 makes the FFN's intermediate
+        rows = rows.clone()  # subnormal (slow on CPUs, in no real model): blocks at 2^0
+        lay = pk.GGMLLayout.of(fmt, H, F)
+        parts = zip(lay.types, (lay.gate, lay.up, lay.down), lay.part_bytes, strict=True)
+        for t, at, nb in parts:
+            if t == "MXFP4":
+                rows[:, at : at + nb : 17] = 127
     return rows.view(dtype) if fmt is None and dtype is not None else rows
 
 
