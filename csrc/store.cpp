@@ -292,6 +292,15 @@ void Store::check_slot(const Layer& L, int64_t layer, int64_t slot) const {
   }
 }
 
+void Store::check_expert(const Layer& L, int64_t layer, int64_t expert) const {
+  if (expert < 0 || expert >= L.spec.num_experts) {
+    std::ostringstream s;
+    s << "expert " << expert << " out of range [0, " << L.spec.num_experts << ") in layer "
+      << layer;
+    throw std::out_of_range(s.str());
+  }
+}
+
 void Store::empty_slot(Slot& s) {
   const uint64_t gen = s.gen + 1;
   s = Slot{};
@@ -303,12 +312,7 @@ void Store::register_expert(int64_t layer, int64_t expert, const std::string& dt
   auto live = hold_open("register_expert");
   std::lock_guard<std::mutex> g(mu_);
   Layer& L = layer_at(layer);
-  if (expert < 0 || expert >= L.spec.num_experts) {
-    std::ostringstream s;
-    s << "expert " << expert << " out of range [0, " << L.spec.num_experts << ") in layer "
-      << layer;
-    throw std::out_of_range(s.str());
-  }
+  check_expert(L, layer, expert);
   if (dtype != dtype_)
     throw std::invalid_argument("dtype mismatch registering layer " + std::to_string(layer) +
                                 " expert " + std::to_string(expert) + ": store holds " + dtype_ +
@@ -375,12 +379,7 @@ void Store::register_pageable(
   }
   std::lock_guard<std::mutex> g(mu_);
   Layer& L = layer_at(layer);
-  if (expert < 0 || expert >= L.spec.num_experts) {
-    std::ostringstream s;
-    s << "expert " << expert << " out of range [0, " << L.spec.num_experts << ") in layer "
-      << layer;
-    throw std::out_of_range(s.str());
-  }
+  check_expert(L, layer, expert);
   if (total != static_cast<uint64_t>(L.spec.expert_bytes))
     throw std::invalid_argument("size mismatch registering layer " + std::to_string(layer) +
                                 " expert " + std::to_string(expert) + " as pageable: expected " +
@@ -482,11 +481,7 @@ void Store::enqueue_copies(int64_t layer, const std::vector<int64_t>& slots,
   for (size_t i = 0; i < slots.size(); ++i) {
     check_slot(L, layer, slots[i]);
     const int64_t e = experts[i];
-    if (e < 0 || e >= L.spec.num_experts) {
-      std::ostringstream s;
-      s << "expert " << e << " out of range [0, " << L.spec.num_experts << ") in layer " << layer;
-      throw std::out_of_range(s.str());
-    }
+    check_expert(L, layer, e);
     if (!L.registered[static_cast<size_t>(e)])
       throw std::invalid_argument("expert " + std::to_string(e) + " of layer " +
                                   std::to_string(layer) + " is not registered");

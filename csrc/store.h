@@ -342,6 +342,7 @@ class Store {
   Layer& layer_at(int64_t layer);
   const Layer& layer_at(int64_t layer) const;
   void check_slot(const Layer& L, int64_t layer, int64_t slot) const;
+  void check_expert(const Layer& L, int64_t layer, int64_t expert) const;
   void issue_copy(Layer& L, int64_t layer, int64_t slot);
   static void empty_slot(Slot& s);
 
