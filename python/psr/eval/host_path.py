@@ -79,6 +79,21 @@ _PREFETCH_CALLERS = frozenset({"prefetch", "_insert_prefetch"})
 _SKIP_FILES = frozenset({"host_path.py", "contextlib.py", "functools.py"})
 
 
+def _replace_forward(hf: Any, forward: Any, undo: list[Any]) -> None:
+    """Set `hf.forward` (an instance attribute) and register, in `undo`, putting back
+    what the instance had (psr's forward wrapper is an instance attribute, or nothing)."""
+    own = hf.__dict__.get("forward")
+    hf.forward = forward
+
+    def restore() -> None:
+        if own is None:
+            del hf.forward
+        else:
+            hf.forward = own
+
+    undo.append(restore)
+
+
 @dataclass
 class LayerCounts:
     """One cell of one decode forward: a MoE layer's hooks, the dense part or the loop."""
@@ -299,7 +314,6 @@ class HostProbe:
 
     def _wrap_forward(self) -> None:
         hf = self.model.hf
-        own = hf.__dict__.get("forward")  # psr's forward wrapper is an instance attribute
         inner = hf.forward
 
         @functools.wraps(inner)
@@ -320,15 +334,7 @@ class HostProbe:
                     # The pre-rebuild runtime has one step: the host-driven one.
                     self.modes.append(getattr(getattr(self.rt, "_step", None), "name", "host"))
 
-        hf.forward = forward
-
-        def undo() -> None:
-            if own is None:
-                del hf.forward
-            else:
-                hf.forward = own
-
-        self._undo.append(undo)
+        _replace_forward(hf, forward, self._undo)
 
     def _patch_class(self, cls: Any, attr: str, count: _Count) -> None:
         orig = getattr(cls, attr)
@@ -698,7 +704,6 @@ class _CostTimer:
 
     def _wrap_forward(self) -> None:
         hf = self.model.hf
-        own = hf.__dict__.get("forward")
         inner = hf.forward
 
         @functools.wraps(inner)
@@ -723,15 +728,7 @@ class _CostTimer:
                 self.aten["token"] = self.launches["token"] = 0
                 self._between_t0 = _clock()
 
-        hf.forward = forward
-
-        def undo() -> None:
-            if own is None:
-                del hf.forward
-            else:
-                hf.forward = own
-
-        self._undo.append(undo)
+        _replace_forward(hf, forward, self._undo)
 
     def _wrap_begin(self) -> None:
         dev = self.rt.device_step
