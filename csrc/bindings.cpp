@@ -86,7 +86,39 @@ py::dict counters_dict(const psr::Counters& c) {
   d["bytes_page_cache"] = c.bytes_page_cache;
   d["bytes_disk"] = c.bytes_disk;
   d["read_errors"] = c.read_errors;
+  d["cpu_tasks"] = c.cpu_tasks;
+  d["cpu_task_experts"] = c.cpu_task_experts;
+  d["cpu_task_s"] = static_cast<double>(c.cpu_task_ns) * 1e-9;
   return d;
+}
+
+// The CPU kernels' layout from the 14 (float / int8 / fp8 / int4) or 18 (GGML) integers
+// psr.store._cpu_layout writes.
+psr::cpu::Layout cpu_layout(const std::vector<int64_t>& layout, const char* op) {
+  if (layout.size() != 14 && layout.size() != 18)
+    throw std::invalid_argument(std::string(op) + ": layout must hold 14 (or 18) integers");
+  psr::cpu::Layout L;
+  L.fmt = static_cast<psr::cpu::Fmt>(layout[0]);
+  L.hidden = layout[1];
+  L.ffn = layout[2];
+  L.gate = layout[3];
+  L.up = layout[4];
+  L.down = layout[5];
+  L.gate_s = layout[6];
+  L.up_s = layout[7];
+  L.down_s = layout[8];
+  L.rb_h = layout[9];
+  L.rb_f = layout[10];
+  L.group_h = layout[11];
+  L.group_f = layout[12];
+  L.row_bytes = layout[13];
+  if (layout.size() == 18) {  // GGML blocks: each part's type, up's row bytes
+    L.t_gate = static_cast<int>(layout[14]);
+    L.t_up = static_cast<int>(layout[15]);
+    L.t_down = static_cast<int>(layout[16]);
+    L.rb_up = layout[17];
+  }
+  return L;
 }
 
 }  // namespace
@@ -131,30 +163,8 @@ PYBIND11_MODULE(_C, m) {
       [](const std::vector<int64_t>& layout, uintptr_t x, int64_t tokens, uintptr_t rows,
          int64_t num_rows, int64_t row_stride, uintptr_t ids, int id_bytes, int64_t k,
          uintptr_t table, int table_bytes, int64_t table_len, uintptr_t weights, uintptr_t y,
-         int threads, const std::string& isa, int act, float alpha, float limit) {
-        if (layout.size() != 14 && layout.size() != 18)
-          throw std::invalid_argument("cpu_expert_ffn: layout must hold 14 (or 18) integers");
-        psr::cpu::Layout L;
-        L.fmt = static_cast<psr::cpu::Fmt>(layout[0]);
-        L.hidden = layout[1];
-        L.ffn = layout[2];
-        L.gate = layout[3];
-        L.up = layout[4];
-        L.down = layout[5];
-        L.gate_s = layout[6];
-        L.up_s = layout[7];
-        L.down_s = layout[8];
-        L.rb_h = layout[9];
-        L.rb_f = layout[10];
-        L.group_h = layout[11];
-        L.group_f = layout[12];
-        L.row_bytes = layout[13];
-        if (layout.size() == 18) {  // GGML blocks: each part's type, up's row bytes
-          L.t_gate = static_cast<int>(layout[14]);
-          L.t_up = static_cast<int>(layout[15]);
-          L.t_down = static_cast<int>(layout[16]);
-          L.rb_up = layout[17];
-        }
+         int threads, const std::string& isa, int act, float alpha, float limit, bool skip_absent) {
+        const psr::cpu::Layout L = cpu_layout(layout, "cpu_expert_ffn");
         psr::cpu::Call c;
         c.x = reinterpret_cast<const float*>(x);
         c.tokens = tokens;
@@ -172,13 +182,14 @@ PYBIND11_MODULE(_C, m) {
         c.act = static_cast<psr::cpu::Act>(act);
         c.alpha = alpha;
         c.limit = limit;
+        c.skip_absent = skip_absent;
         psr::cpu::expert_ffn(L, c, threads, psr::cpu::isa_from_name(isa));
       },
       py::arg("layout"), py::arg("x"), py::arg("tokens"), py::arg("rows"), py::arg("num_rows"),
       py::arg("row_stride"), py::arg("ids"), py::arg("id_bytes"), py::arg("k"), py::arg("table"),
       py::arg("table_bytes"), py::arg("table_len"), py::arg("weights"), py::arg("y"),
       py::arg("threads"), py::arg("isa"), py::arg("act"), py::arg("alpha"), py::arg("limit"),
-      release_gil(),
+      py::arg("skip_absent") = false, release_gil(),
       "Routed experts of x read in place from packed rows (addresses of live, checked tensors)");
   m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),
         py::arg("reps"), release_gil(),
@@ -258,6 +269,26 @@ PYBIND11_MODULE(_C, m) {
       .def("join", &psr::Store::join, py::arg("layer"), py::arg("stream") = 0, release_gil())
       .def("adopt_slots", &psr::Store::adopt_slots, py::arg("layer"), py::arg("experts"),
            py::arg("stream") = 0, release_gil())
+      .def(
+          "cpu_experts_setup",
+          [](psr::Store& s, int64_t layer, const std::vector<int64_t>& layout, int threads, int act,
+             float alpha, float limit, int x_dtype, int w_dtype, int id_bytes, int64_t top_k) {
+            const psr::cpu::Layout L = cpu_layout(layout, "cpu_experts_setup");
+            if (act < 0 || act > 1)
+              throw std::invalid_argument("cpu_experts_setup: unknown activation code " +
+                                          std::to_string(act));
+            py::gil_scoped_release r;
+            s.cpu_experts_setup(layer, L, threads, static_cast<psr::cpu::Act>(act), alpha, limit,
+                                x_dtype, w_dtype, id_bytes, top_k);
+          },
+          py::arg("layer"), py::arg("layout"), py::arg("threads"), py::arg("act"), py::arg("alpha"),
+          py::arg("limit"), py::arg("x_dtype"), py::arg("w_dtype"), py::arg("id_bytes"),
+          py::arg("top_k"))
+      .def("cpu_experts", &psr::Store::cpu_experts, py::arg("layer"), py::arg("x"), py::arg("ids"),
+           py::arg("weights"), py::arg("list"), py::arg("y"), py::arg("stream") = 0, release_gil())
+      .def("cpu_join", &psr::Store::cpu_join, py::arg("layer"), py::arg("stream") = 0,
+           release_gil())
+      .def("cpu_check", &psr::Store::cpu_check, release_gil())
       .def("slot_experts", &psr::Store::slot_experts, py::arg("layer"), release_gil())
       .def("readers", &psr::Store::readers, py::arg("layer"), release_gil())
       .def("ready", &psr::Store::ready, py::arg("layer"), release_gil())

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <new>
 #include <sstream>
@@ -227,6 +228,119 @@ Store::Store(std::vector<LayerSpec> layers, std::string dtype, int64_t itemsize,
   backend_->init_slots(total_slots);
 }
 
+// --- the device step's CPU experts -------------------------------------------------
+
+// One layer's CPU experts for the device step: the host stage the transfers fill and
+// drain (pinned on CUDA), and run(), the host function. Persistent: a captured graph
+// calls run with the same ctx on every replay.
+struct CpuTask {
+  cpu::Layout lay;
+  int threads = 1;
+  cpu::Act act = cpu::Act::swiglu;
+  float alpha = 1.702f, limit = 7.0f;
+  int x_dtype = 0, w_dtype = 0, id_bytes = 8;
+  int64_t H = 0, K = 0, E = 0;
+  int64_t layer = 0;
+  std::shared_ptr<void> host;  // the layer's rows (kept alive), all held: row e = expert e
+  const uint8_t* rows = nullptr;
+  // The stage: x [H] (its dtype), ids [K], weights [K], the CPU list [K] int32, y [H] fp32.
+  std::shared_ptr<void> stage;
+  uint8_t* x_h = nullptr;
+  uint8_t* ids_h = nullptr;
+  uint8_t* w_h = nullptr;
+  int32_t* list_h = nullptr;
+  float* y_h = nullptr;
+  size_t x_bytes = 0, ids_bytes = 0, w_bytes = 0;
+  // Scratch of run(): x widened, the listed experts' rows and weights in routed order.
+  std::vector<float> xf, wsel;
+  std::vector<int64_t> sel;
+  std::atomic<uint64_t> tasks{0}, experts{0}, ns{0};
+  std::mutex err_mu;
+  std::string error;  // the first since the last check
+
+  static float widen(const uint8_t* p, int dtype, int64_t i) {
+    if (dtype == 1) {
+      uint16_t b;
+      std::memcpy(&b, p + 2 * i, 2);
+      return cpu::bf16_to_f32(b);
+    }
+    if (dtype == 2) {
+      uint16_t b;
+      std::memcpy(&b, p + 2 * i, 2);
+      return cpu::f16_to_f32(b);
+    }
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+
+  void fail(const std::string& what) {
+    std::fill(y_h, y_h + H, 0.f);
+    std::lock_guard<std::mutex> g(err_mu);
+    if (error.empty()) error = "layer " + std::to_string(layer) + " CPU experts: " + what;
+  }
+
+  // The listed experts of the staged token; never throws (it runs as a CUDA host function).
+  void compute() noexcept {
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      sel.clear();
+      wsel.clear();
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t e = id_bytes == 4 ? reinterpret_cast<const int32_t*>(ids_h)[j]
+                                        : reinterpret_cast<const int64_t*>(ids_h)[j];
+        if (e < 0 || e >= E) return fail("routed expert id " + std::to_string(e) + " out of range");
+        bool listed = false;
+        for (int64_t c = 0; c < K && list_h[c] >= 0; ++c) listed |= list_h[c] == e;
+        if (!listed) continue;
+        sel.push_back(e);
+        wsel.push_back(widen(w_h, w_dtype, j));
+      }
+      if (sel.empty()) {
+        std::fill(y_h, y_h + H, 0.f);
+      } else {
+        for (int64_t i = 0; i < H; ++i) xf[static_cast<size_t>(i)] = widen(x_h, x_dtype, i);
+        cpu::Call c;
+        c.x = xf.data();
+        c.tokens = 1;
+        c.rows = rows;
+        c.num_rows = E;
+        c.row_stride = lay.row_bytes;
+        c.ids = sel.data();
+        c.id_bytes = 8;
+        c.k = static_cast<int64_t>(sel.size());
+        c.weights = wsel.data();
+        c.y = y_h;
+        c.act = act;
+        c.alpha = alpha;
+        c.limit = limit;
+        cpu::expert_ffn(lay, c, threads, cpu::best_isa());
+      }
+      tasks += 1;
+      experts += sel.size();
+    } catch (const std::exception& e) {
+      fail(e.what());
+    } catch (...) {
+      fail("unknown error");
+    }
+    ns += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count());
+  }
+
+  static void run(void* ctx) { static_cast<CpuTask*>(ctx)->compute(); }
+
+  // StoreError with the first error since the last call, if any.
+  void raise() {
+    std::string e;
+    {
+      std::lock_guard<std::mutex> g(err_mu);
+      e.swap(error);
+    }
+    if (!e.empty()) throw StoreError(e);
+  }
+};
+
 Store::~Store() {
   try {
     close();
@@ -238,10 +352,14 @@ void Store::close() {
   std::unique_lock<std::shared_mutex> life(life_);  // waits for calls in flight
   if (closed_) return;
   closed_ = true;
-  backend_->shutdown();
+  backend_->shutdown();  // after the host tasks queued, too
   for (Layer& L : layers_) {
     L.host.reset();
     L.slab.reset();
+    if (L.cpu_task) {
+      L.cpu_task->host.reset();
+      L.cpu_task->stage.reset();
+    }
   }
 }
 
@@ -756,6 +874,133 @@ void Store::synchronize() {
   backend_->synchronize();
 }
 
+void Store::cpu_experts_setup(int64_t layer, const cpu::Layout& lay, int threads, cpu::Act act,
+                              float alpha, float limit, int x_dtype, int w_dtype, int id_bytes,
+                              int64_t top_k) {
+  auto live = hold_open("cpu_experts_setup");
+  std::unique_lock<std::mutex> g(mu_);
+  Layer& L = layer_at(layer);
+  const std::string at = "cpu_experts_setup: layer " + std::to_string(layer) + ": ";
+  if (L.num_pageable > 0 || L.spec.num_held != L.spec.num_experts)
+    throw StoreError(at + "CPU experts read host rows in place: every expert must be held");
+  for (int64_t e = 0; e < L.spec.num_experts; ++e)
+    if (!L.registered[static_cast<size_t>(e)])
+      throw StoreError(at + "expert " + std::to_string(e) + " is not registered");
+  if (lay.row_bytes != L.spec.expert_bytes)
+    throw std::invalid_argument(at + "the layout's rows hold " + std::to_string(lay.row_bytes) +
+                                " bytes, the store's " + std::to_string(L.spec.expert_bytes));
+  if (lay.hidden <= 0) throw std::invalid_argument(at + "hidden size must be positive");
+  if (top_k <= 0 || top_k > L.spec.num_experts)
+    throw std::invalid_argument(at + "top_k must be in [1, " + std::to_string(L.spec.num_experts) +
+                                "], got " + std::to_string(top_k));
+  if (x_dtype < 0 || x_dtype > 2 || w_dtype < 0 || w_dtype > 2)
+    throw std::invalid_argument(at + "x and weights must be fp32 (0), bf16 (1) or fp16 (2)");
+  if (id_bytes != 4 && id_bytes != 8) throw std::invalid_argument(at + "ids must be int32/int64");
+  if (threads < 1 || threads > cpu::max_threads())
+    throw std::invalid_argument(at + "threads must be in [1, " +
+                                std::to_string(cpu::max_threads()) + "], got " +
+                                std::to_string(threads));
+  auto t = std::make_unique<CpuTask>();
+  t->lay = lay;
+  t->threads = threads;
+  t->act = act;
+  t->alpha = alpha;
+  t->limit = limit;
+  t->x_dtype = x_dtype;
+  t->w_dtype = w_dtype;
+  t->id_bytes = id_bytes;
+  t->H = lay.hidden;
+  t->K = top_k;
+  t->E = L.spec.num_experts;
+  t->layer = layer;
+  t->host = L.host;
+  t->rows = static_cast<const uint8_t*>(L.host.get());
+  // Validate the layout with a call of no tokens (the kernels' own checks).
+  {
+    float dummy = 0.f;
+    cpu::Call c;
+    c.x = &dummy;
+    c.y = &dummy;
+    c.rows = t->rows;
+    c.num_rows = t->E;
+    c.row_stride = lay.row_bytes;
+    cpu::expert_ffn(lay, c, threads, cpu::best_isa());
+  }
+  const size_t H = static_cast<size_t>(t->H), K = static_cast<size_t>(top_k);
+  t->x_bytes = H * (x_dtype == 0 ? 4 : 2);
+  t->ids_bytes = K * static_cast<size_t>(id_bytes);
+  t->w_bytes = K * (w_dtype == 0 ? 4 : 2);
+  // 64-byte aligned parts of one stage allocation.
+  auto up = [](size_t n) { return (n + 63) / 64 * 64; };
+  const size_t o_ids = up(t->x_bytes), o_w = o_ids + up(t->ids_bytes),
+               o_list = o_w + up(t->w_bytes), o_y = o_list + up(4 * K), total = o_y + up(4 * H);
+  const std::shared_ptr<Backend> b = backend_;
+  t->stage = std::shared_ptr<void>(b->alloc_host(total), [b](void* p) { b->free_host(p); });
+  auto* base = static_cast<uint8_t*>(t->stage.get());
+  std::memset(base, 0, total);
+  t->x_h = base;
+  t->ids_h = base + o_ids;
+  t->w_h = base + o_w;
+  t->list_h = reinterpret_cast<int32_t*>(base + o_list);
+  t->y_h = reinterpret_cast<float*>(base + o_y);
+  t->xf.assign(H, 0.f);
+  t->sel.reserve(K);
+  t->wsel.reserve(K);
+  if (L.cpu_task) {  // one in flight may still read the old task: let it finish first
+    g.unlock();
+    backend_->synchronize();
+    g.lock();
+    counters_.cpu_tasks += L.cpu_task->tasks;
+    counters_.cpu_task_experts += L.cpu_task->experts;
+    counters_.cpu_task_ns += L.cpu_task->ns;
+  }
+  L.cpu_task = std::move(t);
+}
+
+void Store::cpu_experts(int64_t layer, uintptr_t x, uintptr_t ids, uintptr_t weights,
+                        uintptr_t list, uintptr_t y, uintptr_t stream) {
+  auto live = hold_open("cpu_experts");
+  CpuTask* t = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    t = layer_at(layer).cpu_task.get();
+  }
+  if (!t)
+    throw StoreError("cpu_experts: layer " + std::to_string(layer) +
+                     " has no CPU experts set up (cpu_experts_setup)");
+  if (!x || !ids || !weights || !list || !y)
+    throw std::invalid_argument("cpu_experts: null device address");
+  t->raise();
+  const std::vector<Transfer> in{
+      {reinterpret_cast<const void*>(x), t->x_h, t->x_bytes},
+      {reinterpret_cast<const void*>(ids), t->ids_h, t->ids_bytes},
+      {reinterpret_cast<const void*>(weights), t->w_h, t->w_bytes},
+      {reinterpret_cast<const void*>(list), t->list_h, 4 * static_cast<size_t>(t->K)}};
+  const std::vector<Transfer> out{
+      {t->y_h, reinterpret_cast<void*>(y), 4 * static_cast<size_t>(t->H)}};
+  backend_->host_task(in, &CpuTask::run, t, out, stream, static_cast<size_t>(layer));
+  t->raise();  // CPU backend: it ran now
+}
+
+void Store::cpu_join(int64_t layer, uintptr_t stream) {
+  auto live = hold_open("cpu_join");
+  CpuTask* t = nullptr;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    t = layer_at(layer).cpu_task.get();
+  }
+  if (!t) return;
+  backend_->host_join(static_cast<size_t>(layer), stream);
+  t->raise();
+}
+
+void Store::cpu_check() {
+  auto live = hold_open("cpu_check");
+  std::lock_guard<std::mutex> g(mu_);
+  for (Layer& L : layers_)
+    if (L.cpu_task) L.cpu_task->raise();
+}
+
 Counters Store::counters() {
   auto live = hold_open("counters");
   const uint64_t extra = backend_->drain_stall_ns();
@@ -767,6 +1012,12 @@ Counters Store::counters() {
   c.bytes_page_cache = tiers_.page_cache;
   c.bytes_disk = tiers_.disk;
   c.read_errors = tiers_.read_errors;
+  for (const Layer& L : layers_)
+    if (L.cpu_task) {
+      c.cpu_tasks += L.cpu_task->tasks;
+      c.cpu_task_experts += L.cpu_task->experts;
+      c.cpu_task_ns += L.cpu_task->ns;
+    }
   return c;
 }
 
@@ -775,6 +1026,9 @@ void Store::reset_counters() {
   backend_->drain_stall_ns();
   std::lock_guard<std::mutex> g(mu_);
   counters_ = Counters{};
+  for (Layer& L : layers_)
+    if (L.cpu_task)
+      for (auto* a : {&L.cpu_task->tasks, &L.cpu_task->experts, &L.cpu_task->ns}) a->store(0);
   for (auto* a :
        {&tiers_.pinned, &tiers_.pageable, &tiers_.page_cache, &tiers_.disk, &tiers_.read_errors})
     a->store(0);

@@ -21,7 +21,11 @@
 #include <utility>
 #include <vector>
 
+#include "cpu/expert_gemv.h"
+
 namespace psr {
+
+struct CpuTask;  // store.cpp: a layer's CPU experts for the device step
 
 // Misuse of the store (maps to psr.StoreError, a RuntimeError).
 struct StoreError : std::runtime_error {
@@ -119,6 +123,10 @@ struct Counters {
   uint64_t bytes_page_cache = 0;  // of bytes_pageable, in the page cache before the read
   uint64_t bytes_disk = 0;        // of bytes_pageable, not in it
   uint64_t read_errors = 0;       // pageable reads that failed
+  // The device step's CPU experts (cpu_experts): tasks run, experts computed, host time.
+  uint64_t cpu_tasks = 0;
+  uint64_t cpu_task_experts = 0;
+  uint64_t cpu_task_ns = 0;
 };
 
 // A device-written copy list, consumed by Backend::gather: `rows` holds int32
@@ -144,6 +152,15 @@ struct GatherArgs {
   bool any_pageable = false;
   int64_t layer = 0;  // named in errors
 };
+
+// One transfer of a host task (Backend::host_task): bytes from src to dst.
+struct Transfer {
+  const void* src = nullptr;
+  void* dst = nullptr;
+  size_t bytes = 0;
+};
+// Host work run in stream order; must not throw (a task records its own errors).
+using HostFn = void (*)(void* ctx);
 
 // Memory, copy stream and events. Slots are addressed by a global index g.
 // Thread-safe: Store calls wait_copies, synchronize and drain_stall_ns
@@ -209,6 +226,15 @@ class Backend {
   // The copy stream waits for what `stream` has enqueued so far (before the
   // store's own copies reuse slots that device-indexed work read or wrote).
   virtual void fence(uintptr_t stream) = 0;
+  // Host work in stream order without a host sync (the device step's CPU experts):
+  // after what `stream` has enqueued, copy `in` (device -> host), run fn(ctx) on the host,
+  // copy `out` (host -> device); host_join(tag) makes `stream` wait for all of it.
+  // CUDA: on a host stream forked from `stream` (memcpy and host-function nodes, so a
+  // CUDA graph captures it), overlapping what `stream` enqueues between the two calls.
+  // CPU: now, in the calling thread (the compute side). ctx outlives every replay.
+  virtual void host_task(const std::vector<Transfer>& in, HostFn fn, void* ctx,
+                         const std::vector<Transfer>& out, uintptr_t stream, size_t tag) = 0;
+  virtual void host_join(size_t tag, uintptr_t stream) = 0;
   // The address the copy engine reads host memory at (mapped pinned memory's
   // device pointer on CUDA; the pointer itself on the CPU).
   virtual const void* device_address(const void* host) { return host; }
@@ -281,6 +307,23 @@ class Store {
   // stream is fenced behind `stream`.
   void adopt_slots(int64_t layer, const std::vector<int64_t>& experts, uintptr_t stream);
 
+  // The device step's CPU experts (experts_on cpu / hybrid), one token, no host sync.
+  // Set up once per layer: the CPU kernels' layout of its host rows (all held), threads,
+  // activation, x's and the weights' dtypes (0 fp32, 1 bf16, 2 fp16), the ids' bytes (4,
+  // 8) and top-k. Then per token cpu_experts() hands x [H], the routed ids and weights [k]
+  // and the CPU list [k] (the cache kernel's: expert ids, -1 past its count) to the host
+  // (device addresses), computes the listed experts from the host rows, in routed order
+  // and weighted, and writes their sum to y [H] fp32 (device); cpu_join() makes `stream`
+  // wait for y. An error inside (an id out of range) zeroes y and is raised as
+  // StoreError by the layer's next cpu_experts / cpu_join or by cpu_check().
+  void cpu_experts_setup(int64_t layer, const cpu::Layout& lay, int threads, cpu::Act act,
+                         float alpha, float limit, int x_dtype, int w_dtype, int id_bytes,
+                         int64_t top_k);
+  void cpu_experts(int64_t layer, uintptr_t x, uintptr_t ids, uintptr_t weights, uintptr_t list,
+                   uintptr_t y, uintptr_t stream);
+  void cpu_join(int64_t layer, uintptr_t stream);
+  void cpu_check();
+
   std::vector<int64_t> slot_experts(int64_t layer) const;  // -1 = empty
   std::vector<int64_t> readers(int64_t layer) const;
   // Per slot: loaded and its copy has finished, right now (physical, timing-dependent).
@@ -335,6 +378,7 @@ class Store {
     int64_t next_held = 0;  // host rows handed out (a partial layer fills in order)
     int64_t num_pageable = 0;
     std::unique_ptr<std::atomic<uint8_t>[]> poisoned;  // per slot, set by a failed gather
+    std::unique_ptr<CpuTask> cpu_task;                 // cpu_experts_setup's
   };
 
   // Shared hold on the store's lifetime: close() waits for it.

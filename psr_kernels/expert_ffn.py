@@ -146,7 +146,7 @@ def _down_kernel(
             acc += tl.sum(d * hv[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
-        y += wj * acc
+        y += tl.where(ok, wj * acc, 0.0)  # an absent expert (slot -1) adds nothing
     tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
 
 
@@ -319,13 +319,15 @@ def _check_table(op: str, table: torch.Tensor | None, slots: torch.Tensor) -> No
 
 
 def _check_slot_range(
-    op: str, slots: torch.Tensor, C: int, table: torch.Tensor | None = None
+    op: str, slots: torch.Tensor, C: int, table: torch.Tensor | None = None, absent: bool = False
 ) -> None:
     if table is not None:
         E = table.shape[0]
         if slots.numel() and not bool(((slots >= 0) & (slots < E)).all()):
             raise IndexError(f"{op}: expert ids must be in [0, {E}), got {slots.tolist()}")
         slots = table[slots.long()]
+        if absent:  # skip_absent: slot -1 is an expert computed elsewhere
+            slots = slots[slots != -1]
     if slots.numel() and not bool(((slots >= 0) & (slots < C)).all()):
         raise IndexError(f"{op}: slot ids must be in [0, {C}), got {slots.tolist()}")
 
@@ -413,6 +415,7 @@ def expert_ffn(
     act: Activation = SILU,
     bias: torch.Tensor | None = None,
     scale_input: bool = False,
+    skip_absent: bool = False,
 ) -> torch.Tensor:
     """Routed gated-MLP experts of `x [T, H]` read from slab slots.
 
@@ -440,6 +443,9 @@ def expert_ffn(
             biases on the device and gathers them by the routed ids.
         scale_input: the gate weight scales each expert's input instead of its output,
             y = sum_j expert_j(w_j x) (Llama 4).
+        skip_absent: with a slot_table, an expert whose slot is -1 is absent (computed
+            elsewhere: the CPU part of experts_on cpu / hybrid) and adds exactly nothing,
+            weight and bias included; without it, -1 is out of range.
     Returns `[T, H]`, contiguous.
     """
     op = "expert_ffn"
@@ -455,7 +461,7 @@ def expert_ffn(
     T, H = x.shape
     K = slots.shape[1]
     if check_slots:
-        _check_slot_range(op, slots, slab.shape[0], slot_table)
+        _check_slot_range(op, slots, slab.shape[0], slot_table, skip_absent)
     y = torch.empty(T, H, dtype=out_dtype or x.dtype, device=x.device)
     if T == 0 or K == 0:
         return y.zero_()
@@ -578,6 +584,7 @@ def expert_ffn_ref(
     act: Activation = SILU,
     bias: torch.Tensor | None = None,
     scale_input: bool = False,
+    skip_absent: bool = False,
 ) -> torch.Tensor:
     """Plain-torch reference of `expert_ffn` (same arguments): the stored weights
     (dequantized for a quantized `fmt`) in fp32 math."""
@@ -587,13 +594,19 @@ def expert_ffn_ref(
         _check_table(op, slot_table, slots)
         _check_bias(op, bias, slots, hidden_size, ffn_size)
     if check_slots:
-        _check_slot_range(op, slots, slab.shape[0], slot_table)
+        _check_slot_range(op, slots, slab.shape[0], slot_table, skip_absent)
+    present = None
     if slot_table is not None:
         slots = slot_table[slots.long()]
+        if skip_absent:  # absent experts read row 0, their outputs dropped below
+            present = slots != -1
+            slots = torch.where(present, slots, 0)
     # gate/up [T, k, F, H], down [T, k, H, F]; x as [T, 1, 1, H]: one row per expert.
     gate, up, down = _expert_matrices(slab[slots.long()], hidden_size, ffn_size, fmt, group_size)
     w = weights.float()[..., None, None]  # [T, k, 1, 1]
     xin = x[:, None, None, :] * w if scale_input else x[:, None, None, :]
     out = swiglu_ref(xin, gate, up, down, act=act, bias=bias).squeeze(-2)  # [T, k, H]
+    if present is not None:
+        out = torch.where(present[..., None], out, 0.0)
     y = out.sum(1) if scale_input else (out * w[..., 0]).sum(1)
     return y.to(out_dtype or x.dtype).contiguous()

@@ -618,7 +618,7 @@ def _ggml_down_kernel(
             acc += _ggml_dot(base + down_off, hs, rm, f0, F, RB_D, h_row, T_DOWN, BLOCK_F)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
-        y += wj * acc
+        y += tl.where(ok, wj * acc, 0.0)  # an absent expert (slot -1) adds nothing
     tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
 
 

@@ -171,6 +171,15 @@ class CpuBackend final : public Backend {
 
   void fence(uintptr_t) override {}  // the compute side is synchronous
 
+  // The compute side is the calling thread: the task runs now, between its transfers.
+  void host_task(const std::vector<Transfer>& in, HostFn fn, void* ctx,
+                 const std::vector<Transfer>& out, uintptr_t, size_t) override {
+    for (const Transfer& t : in) std::memcpy(t.dst, t.src, t.bytes);
+    fn(ctx);
+    for (const Transfer& t : out) std::memcpy(t.dst, t.src, t.bytes);
+  }
+  void host_join(size_t, uintptr_t) override {}
+
   bool copy_done(size_t g) override {
     std::lock_guard<std::mutex> lk(mu_);
     return slots_[g].done >= slots_[g].issued;

@@ -414,7 +414,8 @@ int64_t read_index(const void* p, int bytes, int64_t i) {
   return static_cast<const int64_t*>(p)[i];
 }
 
-// The row of each routed (token, expert), validated: never a read outside the rows.
+// The row of each routed (token, expert), validated: never a read outside the rows; null
+// for an absent expert (Call::skip_absent).
 std::vector<const uint8_t*> routed_rows(const Layout& L, const Call& c) {
   if (c.tokens < 0 || c.k < 0) bad("tokens and k must be non-negative");
   if (!c.x || !c.y || !c.rows || (c.tokens * c.k != 0 && (!c.ids || !c.weights)))
@@ -425,7 +426,7 @@ std::vector<const uint8_t*> routed_rows(const Layout& L, const Call& c) {
     bad("ids and the slot table must be int32 or int64");
   const int ai = static_cast<int>(c.act);
   if (ai < 0 || ai > 1) bad("unknown activation code " + std::to_string(ai));
-  std::vector<const uint8_t*> out(static_cast<size_t>(c.tokens * c.k));
+  std::vector<const uint8_t*> out(static_cast<size_t>(c.tokens * c.k), nullptr);
   for (int64_t i = 0; i < c.tokens * c.k; ++i) {
     int64_t slot = read_index(c.ids, c.id_bytes, i);
     if (c.table) {
@@ -433,6 +434,7 @@ std::vector<const uint8_t*> routed_rows(const Layout& L, const Call& c) {
         throw std::out_of_range("cpu expert kernels: expert id " + std::to_string(slot) +
                                 " out of range [0, " + std::to_string(c.table_len) + ")");
       slot = read_index(c.table, c.table_bytes, slot);
+      if (slot == -1 && c.skip_absent) continue;  // absent: its row stays null
     }
     if (slot < 0 || slot >= c.num_rows)
       throw std::out_of_range("cpu expert kernels: slot " + std::to_string(slot) +
@@ -571,6 +573,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   Pool::get().run(threads, T * K * fb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t tj = item / fb, f0 = (item % fb) * kBlock, t = tj / K;
+      if (!rows[tj]) continue;  // absent: no h, skipped below
       const float* v = i4 ? xs.data() + t * xl : c.x + t * H;
       const float* v2 = i4 ? v + xl / 2 : nullptr;
       float* ht = h.data() + tj * hl;
@@ -593,6 +596,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         quad(r0, H, q);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
         for (int64_t j = 0; j < K; ++j) {
+          if (!rows[t * K + j]) continue;  // absent: contributes nothing
           const float* v = h.data() + (t * K + j) * hl;
           float d[4];
           dot_rows(ds, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);

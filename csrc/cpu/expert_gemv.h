@@ -61,6 +61,9 @@ struct Call {
   const void* table = nullptr;  // optional [table_len] expert -> row (int32/int64)
   int table_bytes = 4;
   int64_t table_len = 0;
+  // With a table: an expert whose row is -1 is absent (computed elsewhere, e.g. its CPU
+  // part of a split) and contributes nothing, weight included; otherwise -1 is an error.
+  bool skip_absent = false;
   const float* weights = nullptr;  // [T, k] fp32 gate weights
   float* y = nullptr;              // [T, H] fp32 out
   Act act = Act::swiglu;

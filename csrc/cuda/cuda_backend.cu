@@ -12,6 +12,11 @@
 // (double-buffered: the read of the next row overlaps the copy of the last) and
 // issues the cudaMemcpyAsync from there on the copy stream. While the reader has
 // jobs queued, copies of held rows queue behind them, so copies stay in issue order.
+//
+// Host tasks (the device step's CPU experts, experts_on cpu / hybrid) run on a third
+// stream forked from the compute stream: inputs copied into pinned memory, the task as
+// a host function, outputs copied back, a join event; the compute stream's kernels in
+// between overlap it, and a CUDA graph captures all of it (no host sync).
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -112,6 +117,8 @@ class CudaBackend final : public Backend {
     DeviceGuard g(device_);
     check(cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
     check(cudaEventCreateWithFlags(&fork_ev_, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaStreamCreateWithFlags(&host_stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreateWithFlags(&host_fork_ev_, cudaEventDisableTiming), "cudaEventCreate");
   }
 
   ~CudaBackend() override { shutdown(); }
@@ -130,11 +137,16 @@ class CudaBackend final : public Backend {
     cudaGetDevice(&prev);
     cudaSetDevice(device_);
     cudaStreamSynchronize(copy_stream_);
-    for (auto* v : {&copy_ev_, &read_ev_, &pool_, &join_ev_})
+    cudaStreamSynchronize(host_stream_);  // the host tasks queued: their ctx outlives them
+    for (auto* v : {&copy_ev_, &read_ev_, &pool_, &join_ev_, &host_join_ev_})
       for (cudaEvent_t e : *v)
         if (e) cudaEventDestroy(e);
     join_ev_.clear();
+    host_join_ev_.clear();
     cudaEventDestroy(fork_ev_);
+    cudaEventDestroy(host_fork_ev_);
+    cudaStreamDestroy(host_stream_);
+    host_stream_ = nullptr;
     for (auto& p : stalls_) {
       cudaEventDestroy(p.first);
       cudaEventDestroy(p.second);
@@ -337,6 +349,38 @@ class CudaBackend final : public Backend {
     (void)c;
   }
 
+  // Fork the host stream from `stream`, stage the inputs into pinned memory, run the task
+  // as a host function (the CUDA callback thread; it calls no CUDA API), copy its outputs
+  // back, and record the tag's join event: all stream work, so a graph captures it.
+  void host_task(const std::vector<Transfer>& in, HostFn fn, void* ctx,
+                 const std::vector<Transfer>& out, uintptr_t stream, size_t tag) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    DeviceGuard dg(device_);
+    auto s = reinterpret_cast<cudaStream_t>(stream);
+    check(cudaEventRecord(host_fork_ev_, s), "cudaEventRecord");
+    check(cudaStreamWaitEvent(host_stream_, host_fork_ev_, 0), "cudaStreamWaitEvent");
+    for (const Transfer& t : in)
+      check(cudaMemcpyAsync(t.dst, t.src, t.bytes, cudaMemcpyDefault, host_stream_),
+            "cudaMemcpyAsync (to the host task)");
+    check(cudaLaunchHostFunc(host_stream_, fn, ctx), "cudaLaunchHostFunc");
+    for (const Transfer& t : out)
+      check(cudaMemcpyAsync(t.dst, t.src, t.bytes, cudaMemcpyDefault, host_stream_),
+            "cudaMemcpyAsync (from the host task)");
+    if (host_join_ev_.size() <= tag) host_join_ev_.resize(tag + 1, nullptr);
+    if (!host_join_ev_[tag])
+      check(cudaEventCreateWithFlags(&host_join_ev_[tag], cudaEventDisableTiming),
+            "cudaEventCreate");
+    check(cudaEventRecord(host_join_ev_[tag], host_stream_), "cudaEventRecord");
+  }
+
+  void host_join(size_t tag, uintptr_t stream) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    DeviceGuard dg(device_);
+    if (host_join_ev_.size() <= tag || !host_join_ev_[tag]) return;
+    check(cudaStreamWaitEvent(reinterpret_cast<cudaStream_t>(stream), host_join_ev_[tag], 0),
+          "cudaStreamWaitEvent");
+  }
+
   void fence(uintptr_t stream) override {
     std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
@@ -371,6 +415,7 @@ class CudaBackend final : public Backend {
     }
     DeviceGuard dg(device_);
     check(cudaStreamSynchronize(copy_stream_), "cudaStreamSynchronize");
+    check(cudaStreamSynchronize(host_stream_), "cudaStreamSynchronize");
   }
 
   uint64_t drain_stall_ns() override {
@@ -565,6 +610,11 @@ class CudaBackend final : public Backend {
   cudaEvent_t fork_ev_ = nullptr;
   std::vector<cudaEvent_t> copy_ev_, read_ev_, pool_;
   std::vector<cudaEvent_t> join_ev_;  // per tag (MoE layer): after its last side gather
+  // Host tasks (the device step's CPU experts): their stream, fork event, and per tag
+  // (MoE layer) the event after the last one's outputs.
+  cudaStream_t host_stream_ = nullptr;
+  cudaEvent_t host_fork_ev_ = nullptr;
+  std::vector<cudaEvent_t> host_join_ev_;
   std::vector<bool> has_read_;
   std::vector<std::string> error_;  // per slot: why its last copy was not issued
   int64_t fail_next_ = 0;

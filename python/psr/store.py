@@ -526,6 +526,82 @@ class ExpertStore:
         done; time counted as stall). Raises StoreError for a CPU gather that failed."""
         self._live("join").join(self._layer("join", layer), self._stream())
 
+    # --- the device step's CPU experts (experts_on cpu / hybrid) ------------------------
+    def cpu_experts_setup(
+        self,
+        layer: int,
+        layout: Sequence[int],
+        *,
+        x_dtype: torch.dtype,
+        w_dtype: torch.dtype,
+        id_dtype: torch.dtype,
+        top_k: int,
+        threads: int,
+        activation: str = "swiglu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ) -> None:
+        """Prepare `layer`'s CPU experts for `cpu_experts`: `layout` the CPU kernels' layout
+        of its host rows (`cpu_layout`; every expert held), the dtypes of x, of the routed
+        weights (float32 / bfloat16 / float16) and of the routed ids (int32 / int64), top-k
+        and the kernels' threads. Again with other arguments: the old one finishes first."""
+        store = self._live("cpu_experts_setup")
+        for name, dt in (("x", x_dtype), ("weights", w_dtype)):
+            if dt not in CPU_FLOAT_DTYPES:
+                raise ValueError(f"cpu_experts_setup: {name} must be float32/bfloat16/float16")
+        if id_dtype not in _INDEX_DTYPES:
+            raise ValueError("cpu_experts_setup: ids must be int32/int64")
+        if activation not in CPU_ACTIVATIONS:
+            raise ValueError(f"cpu_experts_setup: activation must be one of {CPU_ACTIVATIONS}")
+        store.cpu_experts_setup(
+            self._layer("cpu_experts_setup", layer), list(layout), int(threads),
+            CPU_ACTIVATIONS.index(activation), float(alpha), float(limit),
+            CPU_FLOAT_DTYPES.index(x_dtype), CPU_FLOAT_DTYPES.index(w_dtype),
+            4 if id_dtype == torch.int32 else 8, int(top_k),
+        )  # fmt: skip
+
+    def cpu_experts(
+        self,
+        layer: int,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        cpu_list: torch.Tensor,
+        y: torch.Tensor,
+    ) -> None:
+        """The experts of one token that the cache kernel listed for the CPU, without a host
+        sync: x `[1, H]`, the routed ids and weights `[1, k]` and the CPU list `[k]` (int32
+        expert ids, -1 past its count; all contiguous, on the store's device, dtypes as set
+        up) are handed to the host after the work the current stream has enqueued; the CPU
+        kernels compute the listed experts from the host rows (routed order, weighted) and
+        their sum lands in `y` `[1, H]` float32 on the device. `cpu_join(layer)` makes the
+        current stream wait for y; kernels enqueued in between overlap the CPU's work (CUDA:
+        a host stream and a host function, captured by CUDA graphs; CPU: now, in this
+        thread). An error inside (an id out of range) zeroes y and raises StoreError on the
+        layer's next call or `cpu_check`."""
+        store = self._live("cpu_experts")
+        for name, t in (("x", x), ("ids", ids), ("weights", weights), ("cpu_list", cpu_list)):
+            if t.device != self.device or not t.is_contiguous():
+                raise ValueError(f"cpu_experts: {name} must be contiguous on {self.device}")
+        if y.dtype != torch.float32 or y.device != self.device or not y.is_contiguous():
+            raise ValueError(f"cpu_experts: y must be a contiguous float32 tensor on {self.device}")
+        if cpu_list.dtype != torch.int32 or y.numel() != x.numel():
+            raise ValueError("cpu_experts: cpu_list must be int32 and y as large as x")
+        store.cpu_experts(
+            self._layer("cpu_experts", layer), x.data_ptr(), ids.data_ptr(), weights.data_ptr(),
+            cpu_list.data_ptr(), y.data_ptr(), self._stream(),
+        )  # fmt: skip
+
+    def cpu_join(self, layer: int) -> None:
+        """The current stream waits for `layer`'s last `cpu_experts` result (CPU: it is
+        there already); raises StoreError for an error inside it."""
+        self._live("cpu_join").cpu_join(self._layer("cpu_join", layer), self._stream())
+
+    def cpu_check(self) -> None:
+        """Raise StoreError for the first CPU-expert error of any layer since the last
+        check (on CUDA, a task that ran after its layer's last call)."""
+        self._live("cpu_check").cpu_check()
+
     def adopt_slots(self, layer: int, experts: Sequence[int]) -> None:
         """The slots hold `experts` now (-1: empty), as gathers left them: bookkeeping only,
         no copy, and the copy stream is fenced behind the current stream, so the store's
@@ -619,6 +695,14 @@ def cpu_triad(n: int, threads: int = 1, reps: int = 5) -> float:
     return float(_C.cpu_triad(n, threads, reps))
 
 
+def cpu_layout(
+    fmt: str | None, dtype: torch.dtype, hidden: int, ffn: int, group_size: int, row_bytes: int
+) -> tuple[int, ...]:
+    """The CPU kernels' layout of expert rows of `fmt` (None: float rows of `dtype`), as
+    `ExpertStore.cpu_experts_setup` takes it (ValueError if the rows' bytes disagree)."""
+    return _cpu_layout(fmt, dtype, hidden, ffn, group_size, row_bytes)
+
+
 @functools.lru_cache(maxsize=256)
 def _cpu_layout(
     fmt: str | None, dtype: torch.dtype, hidden: int, ffn: int, group_size: int, row_bytes: int
@@ -695,6 +779,7 @@ def cpu_expert_ffn(
     alpha: float = 1.702,
     limit: float = 7.0,
     out_dtype: torch.dtype | None = None,
+    skip_absent: bool = False,
 ) -> torch.Tensor:
     """Routed experts of `x [T, H]` computed on the CPU from packed expert rows, in place.
 
@@ -704,7 +789,9 @@ def cpu_expert_ffn(
     torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of
     cpu_isas(); `activation` 'swiglu' or 'swiglu_oai' (gpt-oss's clamped SwiGLU with
     `alpha`, `limit`). Every id and slot is checked (IndexError); a row is never read
-    past its end. Returns `[T, H]` in `out_dtype` (default x's dtype).
+    past its end. `skip_absent` (with a slot_table): an expert whose slot is -1 is absent
+    (computed elsewhere: experts_on's CPU part) and contributes nothing. Returns `[T, H]`
+    in `out_dtype` (default x's dtype).
     """
     rows = _check_cpu_rows(rows, fmt)
     x = _check_cpu_tensor("x", x, 2)
@@ -737,7 +824,7 @@ def cpu_expert_ffn(
         rows.stride(0) * rows.element_size(), ids.data_ptr(), ids.element_size(),
         ids.shape[1], table, tbytes, tlen, wf.data_ptr(), y.data_ptr(),
         torch.get_num_threads() if threads is None else int(threads), isa,
-        CPU_ACTIVATIONS.index(activation), float(alpha), float(limit),
+        CPU_ACTIVATIONS.index(activation), float(alpha), float(limit), bool(skip_absent),
     )  # fmt: skip
     out = out_dtype or x.dtype
     return y if out == torch.float32 else y.to(out)

@@ -187,16 +187,53 @@ def test_the_triton_device_step_equals_the_host_step(ckpts) -> None:
     assert dev == host and dev[1]["cpu_experts"] > 0
 
 
-def test_the_cpu_backend_device_step_reads_only_the_cpu_list_count(ckpts) -> None:
-    """The device step with CPU experts reads one value per MoE layer and token: the CPU
-    list's count (the CPU kernels take a host-sized list); nothing else, no h2d."""
+def test_the_device_step_hands_cpu_experts_off_without_a_read(ckpts) -> None:
+    """The device step with CPU experts reads nothing on the host (no read, no h2d): per
+    MoE layer and token one hand-off of the CPU list to the CPU (`cpu`) and one join."""
     from psr.eval.host_path import HostProbe
 
     model = psr.load(ckpts["olmoe"], "psr", RESIDENCY, lam=0.3, n=1, experts_on="cpu",
                      progress=False)  # fmt: skip
     with HostProbe(model) as probe:
         model.generate(PROMPT, max_new_tokens=4)
-    sites = probe.read_sites()
+    assert model.runtime.hands_off_cpu_experts()
     assert len(probe.steps) == 3 and probe.per_token()["h2d"] == 0
-    assert all("device_decode.py" in s for s in sites), sites
-    assert sum(sites.values()) == len(probe.steps) * len(model.runtime.layers)
+    assert not probe.read_sites()
+    for cells in probe.steps:
+        for c in cells:
+            kinds = [e.kind for e in c.events]
+            assert kinds.count("cpu") == 1 and kinds.count("cpu_join") == 1
+            assert kinds.index("cpu") < kinds.index("cpu_join")
+    assert model.runtime.store.counters()["cpu_tasks"] == 3 * len(model.runtime.layers)
+
+
+def test_kinds_without_cpu_kernels_read_the_cpu_list_count(ckpts) -> None:
+    """gpt-oss's experts (biases, clamped SwiGLU) have no CPU kernel in the hand-off: the
+    CPU backend's device step reads the CPU list's count, one read per MoE layer and token
+    (the reference it calls reads the ids too), and graphs are refused with the reason."""
+    from psr.eval.host_path import HostProbe
+    from psr.runtime.graphs import graphs_unavailable
+
+    model = psr.load(ckpts["gpt_oss"], "exact", RESIDENCY, experts_on="cpu", progress=False)
+    assert not model.runtime.hands_off_cpu_experts()
+    with HostProbe(model) as probe:
+        model.generate(PROMPT, max_new_tokens=3)
+    sites = probe.read_sites()
+    counts = sum(n for s, n in sites.items() if "device_decode.py" in s)  # the reference: more
+    assert counts == len(probe.steps) * len(model.runtime.layers), sites
+    assert "CPU kernels do not compute" in (graphs_unavailable(model.runtime) or "")
+
+
+@pytest.mark.slow
+def test_graphs_compile_the_hand_off_and_give_the_eager_tokens(ckpts) -> None:
+    """graphs=True with CPU experts: inductor compiles the decode forward whole (fullgraph:
+    nothing in it reads the host, the hand-off included), and its tokens and counts are
+    the eager device step's."""
+    kw = dict(lam=0.3, n=1, experts_on="hybrid:1", progress=False)
+    eager = psr.load(ckpts["olmoe"], "psr", RESIDENCY, **kw)
+    graphed = psr.load(ckpts["olmoe"], "psr", RESIDENCY, graphs=True, **kw)
+    got = [m.generate(PROMPT, max_new_tokens=NEW)[0].tolist() for m in (eager, graphed)]
+    assert graphed.graph_status.startswith("on"), graphed.graph_status
+    assert got[1] == got[0]
+    assert {k: graphed.stats[k] for k in COUNTS} == {k: eager.stats[k] for k in COUNTS}
+    assert graphed.stats["cpu_experts"] > 0 and graphed.stats["captures"] == 1

@@ -17,7 +17,8 @@ Each cell counts, and logs as `HostOp`s (psr.runtime.trace.HOST_OP_KINDS):
             TorchDispatchMode), Triton kernel launches;
   store     the expert store's calls: "copy" (enqueue_copies: "miss" or "prefetch"),
             "wait" (acquire), "release", "gather" (its stream "compute" or "side"; a
-            launch on CUDA, counted in `kernels`), "join".
+            launch on CUDA, counted in `kernels`), "join", "cpu" (cpu_experts: the
+            CPU list handed to the CPU) and "cpu_join".
 The same counts hold on a GPU: which calls read, copy or launch does not depend on the
 device, only what each costs. A forward counts as a decode forward when psr's hooks ran
 in decode mode in it; the prefill forward and anything outside forwards are dropped.
@@ -64,7 +65,7 @@ _NOT_LAUNCHES = frozenset(
         "lift_fresh",
     }
 )
-STORE_KINDS = ("copy", "wait", "release", "gather", "join")
+STORE_KINDS = ("copy", "wait", "release", "gather", "join", "cpu", "cpu_join")
 # ExpertStore method -> HostOp kind (methods absent from an older store are skipped).
 _STORE_METHODS = {
     "enqueue_copies": "copy",
@@ -72,6 +73,8 @@ _STORE_METHODS = {
     "release": "release",
     "gather": "gather",
     "join": "join",
+    "cpu_experts": "cpu",
+    "cpu_join": "cpu_join",
 }
 # Callers whose copies are misses / prefetches (this runtime's and the pre-rebuild one's).
 _MISS_CALLERS = frozenset({"use", "_use"})
@@ -562,7 +565,9 @@ def host_ms_per_layer(model: Any, prompt: torch.Tensor, new_tokens: int) -> floa
 
 
 # --- the host's own costs, timed with the launches stubbed ---------------------------
-_STUBBED_STORE_CALLS = ("enqueue_copies", "acquire", "release", "gather", "join")
+_STUBBED_STORE_CALLS = (
+    "enqueue_copies", "acquire", "release", "gather", "join", "cpu_experts", "cpu_join"
+)  # fmt: skip
 
 
 # The cost timer's clock: this thread's CPU time, not wall time. On a shared machine the

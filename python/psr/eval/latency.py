@@ -393,9 +393,11 @@ def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
 
 # Ops after which a MoE layer's launches are its FFN (the expert kernels): the last of
 # these in a layer is the last thing before the experts run.
-_BEFORE_FFN = frozenset({"sync", "h2d", "copy", "wait", "gather", "join"})
+_BEFORE_FFN = frozenset({"sync", "h2d", "copy", "wait", "gather", "join", "cpu"})
 _TOKEN_KINDS = frozenset({"launch", "sync", "h2d"})
-_STORE_CALLS = frozenset({"wait", "release", "gather", "join"})  # "copy": when it copies
+# "copy": priced when it copies. "cpu" / "cpu_join": the store calls; the CPU's experts
+# are priced from the routing on, merged at the layer's end (`cpu_experts(step)`).
+_STORE_CALLS = frozenset({"wait", "release", "gather", "join", "cpu", "cpu_join"})
 
 
 def is_triton(op: HostOp) -> bool:

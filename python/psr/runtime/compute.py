@@ -19,7 +19,7 @@ import torch
 
 import psr_kernels as pk
 from psr.runtime.spec import MoESpec
-from psr.store import CPU_FLOAT_DTYPES, cpu_expert_ffn
+from psr.store import CPU_FLOAT_DTYPES, cpu_expert_ffn, cpu_layout
 
 CPU_EXPERTS_ENV = "PSR_CPU_EXPERTS"
 CPU_EXPERTS_CHOICES: tuple[str, ...] = ("auto", "kernels", "torch")
@@ -74,10 +74,12 @@ class ExpertCompute:
         slot_table: torch.Tensor | None = None,
         checked: bool = False,
         bias: torch.Tensor | None = None,
+        skip_absent: bool = False,
     ) -> torch.Tensor:
         """The routed experts of `x` read from slab rows (`slots`, or expert ids looked up
         in the device `slot_table`); `checked`: arguments like these passed the kernel's
-        checks before (skip them); `bias`: the routed experts' biases `[T, k, 2F + H]`."""
+        checks before (skip them); `bias`: the routed experts' biases `[T, k, 2F + H]`;
+        `skip_absent`: experts the table maps to -1 (computed on the CPU) add nothing."""
         c = self.spec
         if self._on_cpu_kernels(x, slab):
             return cpu_expert_ffn(
@@ -91,6 +93,7 @@ class ExpertCompute:
                 group_size=self.group_size,
                 slot_table=slot_table,
                 out_dtype=x.dtype,
+                skip_absent=skip_absent,
             )
         return self.ops.expert_ffn(
             x,
@@ -108,6 +111,20 @@ class ExpertCompute:
             act=c.act,
             bias=bias,
             scale_input=c.input_scaled,
+            skip_absent=skip_absent,
+        )
+
+    def host_layout(self, host: torch.Tensor) -> tuple[int, ...] | None:
+        """The CPU kernels' layout of the host rows `host` (the store's), or None where the
+        kernels do not compute this expert kind or format (then CPU experts take the
+        reference, on the host: no hand-off in stream order)."""
+        floats = self.expert_format is None and host.dtype not in CPU_FLOAT_DTYPES
+        if not self.host_kernels or floats:
+            return None
+        c = self.spec
+        row_bytes = host.shape[1] * host.element_size()
+        return cpu_layout(
+            self.expert_format, host.dtype, c.hidden_size, c.ffn_size, self.group_size, row_bytes
         )
 
     def _on_host_kernels(self, host: torch.Tensor) -> bool:

@@ -11,8 +11,12 @@ Per MoE layer l and decode token, in stream order:
   4. gather layer l's misses on the compute stream (mapped host rows -> slab slots);
   5. gather layer l + 1's prefetches on the side stream, forked here: it overlaps layer
      l's experts, and every earlier read of l + 1's slots is before the fork;
-  6. the experts, reading their slots through the device slot map (experts_on cpu /
-     hybrid, CPU backend only: the kernel's CPU list computed from the host rows too).
+  6. the experts, reading their slots through the device slot map. experts_on cpu /
+     hybrid: the kernel's CPU list computed from the host rows in stream order, no host
+     read (`ExpertStore.cpu_experts`: x, ids, weights and the list staged to the host
+     after the kernel, the CPU kernels as a host task, the sum back to the device; CUDA:
+     on a host stream, overlapping the slab experts, captured by graphs); the slab
+     experts skip the listed ones (slot -1 in the map: absent); the join, then the sum.
 Counts accumulate in the state and are read when `stats` is read or a call ends; router
 inputs that are not finite set a flag checked then (`check`). Per-token records without a
 read per token: before each decode forward (`snapshot`) the counter columns of every
@@ -72,6 +76,12 @@ class DeviceDecode(Step):
         # Misses not inserted under the miss-copy cap (experts_on cpu / hybrid), ascending.
         self.cpu_rows = [st[i, lo.cpu_list : lo.cpu_list + K] for i in range(L)]
         self.cpu_count = [st[i, hdr + cs.CPU_N] for i in range(L)]
+        # The hand-off of the CPU list (None until a cpu / hybrid step needs it): per layer
+        # the CPU kernels' layout of its host rows (None: a kind or format they lack), the
+        # CPU result buffer, and the arguments each layer was set up with.
+        self._host_layouts: list[tuple[int, ...] | None] | None = None
+        self.cpu_y: list[torch.Tensor] = []
+        self._handoff_set: dict[int, tuple[object, ...]] = {}
         self.slabs = [store.slab(i) for i in range(L)]
         self.store_key = store_ops.register(store)  # for the store's ops under torch.compile
         self.live = False  # the state holds the current sequence's caches
@@ -94,9 +104,17 @@ class DeviceDecode(Step):
 
     def takes_experts_on(self) -> bool:
         """Whether this step runs the runtime's `experts_on` (else the host step does):
-        CPU experts on CUDA need the mapped-memory hand-off of issue 27 part 3, so there
-        cpu / hybrid take the host step."""
-        return self.rt.experts_on == "gpu" or self.rt.store.backend == "cpu"
+        cpu / hybrid on CUDA need the hand-off (the CPU kernels compute this expert kind
+        and format); the CPU backend reads the CPU list's count where they do not."""
+        return self.rt.experts_on == "gpu" or self.rt.store.backend == "cpu" or self.hands_off()
+
+    def hands_off(self) -> bool:
+        """Whether cpu / hybrid steps hand the CPU list to the host in stream order (no
+        host read: graphs can capture them): every layer's rows have CPU kernels."""
+        if self._host_layouts is None:
+            host = self.rt.store.host
+            self._host_layouts = [c.host_layout(host(i)) for i, c in enumerate(self.rt.computes)]
+        return all(lay is not None for lay in self._host_layouts)
 
     # --- the step --------------------------------------------------------------------
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
@@ -158,11 +176,50 @@ class DeviceDecode(Step):
     def split_experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """experts_on cpu / hybrid (CPU backend): the routed members from the slab through
-        the slot map, the CPU list's experts from the host rows, each part in routed order,
-        summed as the host step sums them. The list's count is read (one read per layer: a
-        memory read on the CPU backend, no device to wait for), as the CPU kernels take a
-        host-sized work list."""
+        """experts_on cpu / hybrid: the routed members from the slab through the slot map
+        (the CPU list's experts are not members: slot -1, absent), the CPU list's from the
+        host rows, each part in routed order, summed as the host step sums them."""
+        if not self.hands_off():
+            return self.split_reading(layer, x, ids, weights)
+        i, rt = layer.index, self.rt
+        if not torch.compiler.is_compiling():  # a compiled token follows an eager one
+            self._set_up_handoff(i, x, ids, weights)
+        store, key, y_cpu = rt.store, self.store_key, self.cpu_y[i]
+        store_ops.cpu_experts(store, key, y_cpu, i, x, ids, weights, self.cpu_rows[i])
+        y = rt.computes[i].slab(
+            x, self.slabs[i], ids, weights, self.slot_table[i], i in self.checked,
+            layer.biases(ids), skip_absent=True,
+        )  # fmt: skip
+        store_ops.cpu_join(store, key, y_cpu, i)
+        return y + y_cpu.to(y.dtype)
+
+    def _set_up_handoff(
+        self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> None:
+        """Set layer i's hand-off up for these dtypes (first call per layer, eager: a
+        capture replays the calls of an eager token)."""
+        args = (x.dtype, weights.dtype, ids.dtype, torch.get_num_threads())
+        if self._handoff_set.get(i) == args:
+            return
+        rt, lays = self.rt, self._host_layouts
+        lay = None if lays is None else lays[i]
+        if lay is None:
+            raise RuntimeError(f"MoE layer {i}: no CPU kernel layout for the hand-off")
+        if not self.cpu_y:
+            H, dev = rt.spec.hidden_size, rt.store.device
+            self.cpu_y = [torch.zeros(1, H, dtype=torch.float32, device=dev) for _ in rt.layers]
+        rt.store.cpu_experts_setup(  # SwiGLU: host_layout serves that kind only
+            i, lay, x_dtype=x.dtype, w_dtype=weights.dtype, id_dtype=ids.dtype,
+            top_k=ids.shape[1], threads=args[3],
+        )  # fmt: skip
+        self._handoff_set[i] = args
+
+    def split_reading(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """split_experts for kinds or formats without CPU kernels (CPU backend only): the
+        list's count is read (one read per layer: a memory read on the CPU backend, no
+        device to wait for), as the reference takes a host-sized work list."""
         i, rt = layer.index, self.rt
         n_cpu = int(self.cpu_count[i])
         comp, bias = rt.computes[i], layer.biases(ids)
@@ -324,7 +381,10 @@ class DeviceDecode(Step):
             self.state[:, self.layout.header + cs.FLAG] = 0
 
     def check(self) -> None:
-        """Raise, once, for router inputs that were not finite since the last check."""
+        """Raise, once, for router inputs that were not finite since the last check, and
+        for a CPU expert task that failed (StoreError)."""
+        if self._handoff_set:
+            self.rt.store.cpu_check()
         if self.bad_layers:
             bad, self.bad_layers = sorted(set(self.bad_layers)), []
             raise non_finite(bad, "found after decoding")

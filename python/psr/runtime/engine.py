@@ -185,6 +185,11 @@ class OffloadRuntime:
         self.experts_on = experts_on
         self.inserts = [None] * L if experts_on == "gpu" else caps
 
+    def hands_off_cpu_experts(self) -> bool:
+        """Whether the device step computes experts_on's CPU experts in stream order (CPU
+        kernels for every layer's expert kind and format), so graphs can capture it."""
+        return self._device.hands_off()
+
     def max_inserts(self, layer: MoELayer) -> int | None:
         """The most misses of `layer` one decode step copies (None: all)."""
         return self.inserts[layer.index]

@@ -59,8 +59,9 @@ def graphs_unavailable(runtime: OffloadRuntime) -> str | None:
         (runtime.recorder is not None, "a trace is being recorded (host-driven step)"),
         (runtime.block_k is not None, SPECULATIVE),
         (
-            runtime.experts_on != "gpu",
-            f"experts_on={runtime.experts_on!r} (CPU experts run outside graphs: issue 27 part 3)",
+            runtime.experts_on != "gpu" and not runtime.hands_off_cpu_experts(),
+            f"experts_on={runtime.experts_on!r} with experts the CPU kernels do not compute "
+            "(the reference runs them on the host: host-driven step)",
         ),
     )
     return next((why for bad, why in reasons if bad), None)

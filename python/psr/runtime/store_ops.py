@@ -6,8 +6,10 @@ layer)` call `ExpertStore.gather` / `join` on the store registered under the int
 `store` (an opaque C++ object cannot be an op argument). Both declare that they write the
 layer's `slab`, and gather reads its copy list: the compiler keeps a gather after the kernel
 that wrote the list, the join of a layer before the kernels that read its slots, and every
-slab write in program order. Eager decoding calls the store directly (`gather`, `join`
-below pick the op only while compiling), so it pays no custom-op dispatch.
+slab write in program order. `psr_store::cpu_experts(y, x, ids, weights, cpu_list, ...)` and
+`psr_store::cpu_join(y, ...)` (experts_on cpu / hybrid) both declare that they write the
+layer's CPU result `y`: its reads stay after the join. Eager decoding calls the store
+directly (the functions below pick the op only while compiling): no custom-op dispatch.
 """
 
 from __future__ import annotations
@@ -59,6 +61,67 @@ def _join(slab: torch.Tensor, store: int, layer: int) -> None:
 @_join.register_fake
 def _(slab: torch.Tensor, store: int, layer: int) -> None:
     return None
+
+
+@torch.library.custom_op("psr_store::cpu_experts", mutates_args=("y",))
+def _cpu_experts(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    cpu_list: torch.Tensor,
+    store: int,
+    layer: int,
+) -> None:
+    _store(store).cpu_experts(layer, x, ids, weights, cpu_list, y)
+
+
+@_cpu_experts.register_fake
+def _(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    cpu_list: torch.Tensor,
+    store: int,
+    layer: int,
+) -> None:
+    return None
+
+
+@torch.library.custom_op("psr_store::cpu_join", mutates_args=("y",))
+def _cpu_join(y: torch.Tensor, store: int, layer: int) -> None:
+    _store(store).cpu_join(layer)
+
+
+@_cpu_join.register_fake
+def _(y: torch.Tensor, store: int, layer: int) -> None:
+    return None
+
+
+def cpu_experts(
+    store: ExpertStore,
+    key: int,
+    y: torch.Tensor,
+    layer: int,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    cpu_list: torch.Tensor,
+) -> None:
+    """`store.cpu_experts(...)` into `y`, as the custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        torch.ops.psr_store.cpu_experts(y, x, ids, weights, cpu_list, key, layer)
+    else:
+        store.cpu_experts(layer, x, ids, weights, cpu_list, y)
+
+
+def cpu_join(store: ExpertStore, key: int, y: torch.Tensor, layer: int) -> None:
+    """`store.cpu_join(layer)` (declared as writing `y`), as the custom op while compiling."""
+    if torch.compiler.is_compiling():
+        torch.ops.psr_store.cpu_join(y, key, layer)
+    else:
+        store.cpu_join(layer)
 
 
 def gather(

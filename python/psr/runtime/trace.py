@@ -50,6 +50,8 @@ HOST_OP_KINDS = (
     "release",  # the store's release: read events recorded (host cost only)
     "gather",  # a store call launching a device-indexed copy ("compute" or "side" stream)
     "join",  # the compute stream waits for the side stream's gathers into this layer
+    "cpu",  # a store call handing the CPU list to the CPU (experts_on cpu / hybrid)
+    "cpu_join",  # the compute stream waits for the CPU's experts
 )
 
 
