@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 
-def _decode(model, prompt: torch.Tensor, n: int) -> dict[str, float]:
+def _decode(model, prompt: torch.Tensor, n: int) -> dict[str, float | str]:
     model.reset_stats()
+    c0 = model.runtime.store.counters()["cpu_task_s"]  # the hand-off's host tasks (CPU time)
     model.generate(prompt, max_new_tokens=n + 1)
+    cpu_s = model.runtime.store.counters()["cpu_task_s"] - c0
     s = model.stats
     t = max(s["tokens"], 1)
     return {
@@ -34,6 +36,8 @@ def _decode(model, prompt: torch.Tensor, n: int) -> dict[str, float]:
         "copies_per_token": s["copies"] / t,
         "cpu_experts_per_token": s["cpu_experts"] / t,
         "hit_rate": s["hit_rate"],
+        "cpu_task_ms_per_token": 1e3 * cpu_s / t,  # decode's: prefill takes no hand-off
+        "graphs": model.graph_status,
     }
 
 
@@ -45,7 +49,7 @@ def main() -> None:
     ap.add_argument("--format", default="bf16", help="expert_format (native, bf16, int8, ...)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
-        "--device", default="cpu", help="cpu, or cuda (cpu / hybrid take the host step's hand-off)"
+        "--device", default="cpu", help="cpu, or cuda (the device step hands CPU experts off)"
     )
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
@@ -82,11 +86,17 @@ def main() -> None:
     table = {}
     for policy, by_mode in res.items():
         for mode, rs in by_mode.items():
-            med = {key: statistics.median(x[key] for x in rs) for key in rs[0]}
+            med: dict[str, float | str] = {
+                key: statistics.median(float(x[key]) for x in rs)
+                for key in rs[0]
+                if key != "graphs"
+            }
+            med["graphs"] = str(rs[-1]["graphs"])
             table[f"{policy}/{mode}"] = med
             print(
                 f"{policy:8} {mode:10} {med['tok_s']:7.2f} {med['copies_per_token']:11.1f} "
-                f"{med['cpu_experts_per_token']:12.1f} {med['hit_rate']:.3f}"
+                f"{med['cpu_experts_per_token']:12.1f} {med['hit_rate']:.3f} "
+                f"cpu {med['cpu_task_ms_per_token']:.2f} ms/tok; graphs {med['graphs']}"
             )
     if a.out is not None:
         a.out.write_text(json.dumps({"args": vars(a) | {"ckpt": str(a.ckpt)}, "load": load,

@@ -186,7 +186,7 @@ fi
 # 8. Real decoding of the OLMoE-1B-7B-shaped random model, four policies, 50% / 25%
 #    (host-driven, as before issue 20; the modes stage covers three of them in every mode).
 # experts_on gpu / cpu / hybrid on CUDA (issue 27: cpu and hybrid take the host step's
-# synchronous hand-off until the mapped-memory one exists), one layer of the Qwen3-30B shape.
+# hand-off in stream order on the device step; graphs too), one layer of the Qwen3-30B shape.
 stage experts_on 150 "$PY" bench/experts_on.py --device cuda --layers 1 \
   --ckpt /tmp/psr-experts-on/qwen3moe-1l --tokens 16 --rounds 2 --out "$OUT/experts_on.json"
 stage decode 120 "$PY" bench/gpu_decode.py --out "$OUT" ${R[@]+"${R[@]}"}

@@ -237,3 +237,31 @@ def test_graphs_compile_the_hand_off_and_give_the_eager_tokens(ckpts) -> None:
     assert got[1] == got[0]
     assert {k: graphed.stats[k] for k in COUNTS} == {k: eager.stats[k] for k in COUNTS}
     assert graphed.stats["cpu_experts"] > 0 and graphed.stats["captures"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_on_cuda_the_hand_off_equals_the_host_step_and_graphs_replay_it(tmp_path, mode) -> None:
+    """On a GPU: the device step hands the CPU list off in stream order (no host read in
+    the MoE path) and gives the host step's tokens and counts (its synchronous hand-off);
+    graphs on replay the same, one capture. (tmp_path only: bench/gpu_tests.py's runner.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from psr.eval.host_path import HostProbe
+
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
+    kw = dict(lam=0.3, n=1, device="cuda")
+    host = _run(path, "psr", mode, "host", **kw)
+    model = psr.load(path, "psr", RESIDENCY, decode="device", experts_on=mode, graphs=False,
+                     progress=False, **kw)  # fmt: skip
+    assert model.runtime.hands_off_cpu_experts()
+    with HostProbe(model) as probe:
+        tokens = model.generate(PROMPT, max_new_tokens=NEW)[0].tolist()
+    assert probe.read_sites() == {}
+    assert tokens == host[0] and {k: model.stats[k] for k in COUNTS} == host[2]
+    assert host[2]["cpu_experts"] > 0
+    graphed = psr.load(path, "psr", RESIDENCY, experts_on=mode, graphs=True, progress=False, **kw)
+    got = graphed.generate(PROMPT, max_new_tokens=NEW)[0].tolist()
+    assert graphed.graph_status.startswith("on"), graphed.graph_status
+    assert got == host[0] and {k: graphed.stats[k] for k in COUNTS} == host[2]
+    assert graphed.stats["captures"] == 1

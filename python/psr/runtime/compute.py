@@ -145,8 +145,9 @@ class ExpertCompute:
         """Routed experts `ids [1, c]` (expert ids: host row indices) of one token `x [1, H]`
         with their gate weights `[1, c]`, computed on the CPU from the store's host rows
         `host` (experts_on cpu / hybrid; `bias`: their `[1, c, 2F + H]`). On CUDA, x goes
-        to the host and the result back, synchronously: the mapped-memory hand-off that
-        keeps the step sync-free is issue 27 part 3. Returns `[1, H]` on x's device."""
+        to the host and the result back, synchronously (the host step's; the device step
+        hands off in stream order: `ExpertStore.cpu_experts`). Returns `[1, H]` on x's
+        device."""
         c = self.spec
         xc = x.to("cpu")
         w = weights.to("cpu", torch.float32)

@@ -6,9 +6,9 @@ later layers (each insertion a store copy), then run the experts from the slab a
 store's `acquire` waited for this layer's slots. The host reads the ids (a device sync
 per layer), so this path is the fallback: decode="host", the timing-dependent
 `cache-prior-async` strawman, steering variants beyond the spec, and trace recording;
-and on CUDA, experts_on cpu / hybrid: the misses `use` did not insert are computed on the
-CPU from the host rows (`split_experts`, a synchronous hand-off: issue 27 part 3 makes it
-mapped memory).
+and on CUDA, experts_on cpu / hybrid for expert kinds the CPU kernels do not compute: the
+misses `use` did not insert are computed on the CPU from the host rows (`split_experts`,
+a synchronous hand-off; the device step hands off in stream order where it can).
 """
 
 from __future__ import annotations
@@ -108,8 +108,8 @@ class HostDecode(Step):
         """A step with CPU experts (experts_on cpu / hybrid): the members among `routed`
         from their slab slots, plus the misses `use` did not insert (`cpu`) computed on
         the CPU from the host rows, in routed order within each part; summed. On CUDA the
-        hand-off is synchronous (x to the host, the result back: issue 27 part 3 makes it
-        mapped memory); the host step already reads the ids per layer."""
+        hand-off is synchronous (x to the host, the result back); the host step already
+        reads the ids per layer."""
         rt, i = self.rt, layer.index
         on_slab = [j for j, e in enumerate(routed) if e not in cpu]
         on_cpu = [j for j, e in enumerate(routed) if e in cpu]
