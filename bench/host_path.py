@@ -285,20 +285,24 @@ def _run_transformers(hp: Any, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def _run_costs(hp: Any, cfg: dict[str, Any]) -> dict[str, Any]:
-    """measure_host_costs of one policy's device step (launches stubbed)."""
+    """measure_host_costs of one policy's device step (launches stubbed); a policy written
+    `policy@mode` (psr@hybrid:1, exact@cpu) runs with experts_on=mode (the hand-off's
+    store calls stubbed like the others)."""
     from dataclasses import asdict
 
     import psr
 
+    policy, _, experts_on = cfg["policy"].partition("@")
     model = psr.load(
         psr.DEFAULT_MODEL,
-        cfg["policy"],
+        policy,
         cfg["residency"],
         dtype="float32",
         compute="triton",
         decode="device",
         progress=False,
-        **_policy_args(cfg["policy"], cfg["points"]),
+        experts_on=experts_on or "gpu",
+        **_policy_args(policy, cfg["points"]),
     )
     rt = model.runtime
     ids = model.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -636,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results/host_path")
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--residency", type=float, default=0.5)
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--policies", default=",".join(POLICIES), help="--costs also takes policy@experts_on"
+    )
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--repeats", type=int, default=5, help="host-time runs")
     ap.add_argument("--before-dir", default="/tmp/before")

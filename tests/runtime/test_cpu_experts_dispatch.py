@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
-from psr.runtime import compute
+from psr.runtime import compute, store_ops
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
 NEW = 8
@@ -39,6 +39,7 @@ def _counting(monkeypatch) -> list[int]:
         return real(*a, **kw)
 
     monkeypatch.setattr(compute, "cpu_expert_ffn", counted)
+    monkeypatch.setattr(store_ops, "cpu_expert_ffn", counted)  # the slab's (eager and op)
     return calls
 
 

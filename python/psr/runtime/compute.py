@@ -7,8 +7,8 @@ threaded over `torch.get_num_threads()`), not the torch reference: the one dispa
 is `ExpertCompute.slab`. `PSR_CPU_EXPERTS=torch` (read when a model is built) forces the
 reference (for A/B runs); `auto` (the default) or `kernels` take the kernels. The two
 round differently (each deterministic), so they may give different tokens. While
-torch.compile traces (graphs=True on the CPU) the reference runs: the kernels are no op
-the compiler knows.
+torch.compile traces (graphs=True on the CPU) the kernels run as a custom op
+(`psr_store::cpu_expert_ffn`), so a compiled forward computes what the eager one does.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import torch
 
 import psr_kernels as pk
+from psr.runtime import store_ops
 from psr.runtime.spec import MoESpec
 from psr.store import CPU_FLOAT_DTYPES, cpu_expert_ffn, cpu_layout
 
@@ -62,7 +63,6 @@ class ExpertCompute:
             and slab.device.type == "cpu"
             and x.device.type == "cpu"
             and (self.expert_format is not None or slab.dtype in CPU_FLOAT_DTYPES)
-            and not torch.compiler.is_compiling()
         )
 
     def slab(
@@ -81,8 +81,8 @@ class ExpertCompute:
         checks before (skip them); `bias`: the routed experts' biases `[T, k, 2F + H]`;
         `skip_absent`: experts the table maps to -1 (computed on the CPU) add nothing."""
         c = self.spec
-        if self._on_cpu_kernels(x, slab):
-            return cpu_expert_ffn(
+        if self._on_cpu_kernels(x, slab):  # compiled too: as a custom op (store_ops)
+            return store_ops.cpu_kernels_ffn(
                 x,
                 slab,
                 slots,
@@ -92,7 +92,6 @@ class ExpertCompute:
                 fmt=self.expert_format,
                 group_size=self.group_size,
                 slot_table=slot_table,
-                out_dtype=x.dtype,
                 skip_absent=skip_absent,
             )
         return self.ops.expert_ffn(

@@ -8,8 +8,10 @@ layer's `slab`, and gather reads its copy list: the compiler keeps a gather afte
 that wrote the list, the join of a layer before the kernels that read its slots, and every
 slab write in program order. `psr_store::cpu_experts(y, x, ids, weights, cpu_list, ...)` and
 `psr_store::cpu_join(y, ...)` (experts_on cpu / hybrid) both declare that they write the
-layer's CPU result `y`: its reads stay after the join. Eager decoding calls the store
-directly (the functions below pick the op only while compiling): no custom-op dispatch.
+layer's CPU result `y`: its reads stay after the join. `psr_store::cpu_expert_ffn` is the
+CPU expert kernels (a compiled CPU decode forward runs them rather than the reference).
+Eager decoding calls the store directly (the functions below pick the op only while
+compiling): no custom-op dispatch.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import weakref
 
 import torch
 
-from psr.store import ExpertStore
+from psr.store import ExpertStore, cpu_expert_ffn
 
 _STORES: weakref.WeakValueDictionary[int, ExpertStore] = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -97,6 +99,68 @@ def _cpu_join(y: torch.Tensor, store: int, layer: int) -> None:
 @_cpu_join.register_fake
 def _(y: torch.Tensor, store: int, layer: int) -> None:
     return None
+
+
+@torch.library.custom_op("psr_store::cpu_expert_ffn", mutates_args=())
+def _cpu_expert_ffn(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    slot_table: torch.Tensor | None,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: str | None,
+    group_size: int,
+    skip_absent: bool,
+) -> torch.Tensor:
+    return cpu_expert_ffn(
+        x, rows, slots, weights, hidden_size, ffn_size, fmt=fmt, group_size=group_size,
+        slot_table=slot_table, out_dtype=x.dtype, skip_absent=skip_absent,
+    )  # fmt: skip
+
+
+@_cpu_expert_ffn.register_fake
+def _(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    slot_table: torch.Tensor | None,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: str | None,
+    group_size: int,
+    skip_absent: bool,
+) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def cpu_kernels_ffn(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    *,
+    fmt: str | None,
+    group_size: int,
+    slot_table: torch.Tensor | None,
+    skip_absent: bool,
+) -> torch.Tensor:
+    """`psr.store.cpu_expert_ffn` (out in x's dtype), as the custom op while torch.compile
+    traces: a compiled CPU decode forward runs the C++ CPU kernels, not the reference."""
+    if torch.compiler.is_compiling():
+        y: torch.Tensor = torch.ops.psr_store.cpu_expert_ffn(
+            x, rows, slots, weights, slot_table, hidden_size, ffn_size, fmt, group_size,
+            skip_absent,
+        )  # fmt: skip
+        return y
+    return cpu_expert_ffn(
+        x, rows, slots, weights, hidden_size, ffn_size, fmt=fmt, group_size=group_size,
+        slot_table=slot_table, out_dtype=x.dtype, skip_absent=skip_absent,
+    )  # fmt: skip
 
 
 def cpu_experts(
