@@ -242,7 +242,12 @@ class _Timed:
 
 class PsrRun:
     def __init__(
-        self, ckpt: Path, fmt: str | None, torch_experts: bool, dtype: torch.dtype
+        self,
+        ckpt: Path,
+        fmt: str | None,
+        torch_experts: bool,
+        dtype: torch.dtype,
+        graphs: bool = False,
     ) -> None:
         import psr
 
@@ -255,11 +260,16 @@ class PsrRun:
             dtype=dtype,
             expert_format=fmt,
             progress=False,
+            graphs=graphs,
         )  # fmt: skip  (fmt None for a GGUF file: its own blocks)
         os.environ.pop("PSR_CPU_EXPERTS")
-        comp = self.model.runtime.compute
-        self.timer = _Timed(comp.slab)
-        comp.slab = self.timer
+        # The MoE share: the experts' calls timed (eager only: a timer in a compiled
+        # forward would break the graph).
+        self.timer: _Timed | None = None
+        if not graphs:
+            comp = self.model.runtime.compute
+            self.timer = _Timed(comp.slab)
+            comp.slab = self.timer
         self.warm: set[int] = set()
 
     def decode(self, prompt: list[int], n: int, threads: int) -> tuple[float, float, list[int]]:
@@ -273,7 +283,8 @@ class PsrRun:
         clock = _Clock(self.timer)
         out = self.model.generate(ids, max_new_tokens=n + 1, streamer=clock)
         dec, moe = clock.span()
-        return n / dec, moe / dec, out[0, len(prompt) :].tolist()
+        share = moe / dec if self.timer else float("nan")
+        return n / dec, share, out[0, len(prompt) :].tolist()
 
 
 class _Clock:
@@ -349,6 +360,9 @@ def main() -> None:
         help="expert types of the GGUF files (one file each): Q8_0, Q4_0, MXFP4, ... from the "
         "checkpoint; Q4_K, Q5_K, Q6_K, Q4_K_M random valid blocks",
     )
+    ap.add_argument(
+        "--graphs", action="store_true", help="each psr run also with graphs=True (compiled)"
+    )
     ap.add_argument("--work", type=Path, default=Path("/tmp/psr-cpu-decode"))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
@@ -365,12 +379,15 @@ def main() -> None:
             write_gguf(ckpt, gg, a.layers, a.vocab, a.dense, et)
         runs[f"llama.cpp {et}"] = LlamaRun(gg, threads)
         if not a.no_gguf_psr:  # psr on the very same file: the same expert bytes
-            runs[f"psr {et} (same GGUF file)"] = PsrRun(
-                gg, None, False, torch.float32 if a.dense == "f32" else torch.bfloat16
-            )
+            dt = torch.float32 if a.dense == "f32" else torch.bfloat16
+            runs[f"psr {et} (same GGUF file)"] = PsrRun(gg, None, False, dt)
+            if a.graphs:
+                runs[f"psr {et} (same GGUF file) graphs"] = PsrRun(gg, None, False, dt, True)
     dtype = torch.float32 if a.dense == "f32" else torch.bfloat16
-    for fmt in a.formats.split(","):
+    for fmt in a.formats.split(",") if a.formats else []:
         runs[f"psr {fmt}"] = PsrRun(ckpt, fmt, False, dtype)
+        if a.graphs:
+            runs[f"psr {fmt} graphs"] = PsrRun(ckpt, fmt, False, dtype, True)
         if fmt in a.torch_experts.split(","):
             runs[f"psr {fmt} (torch experts)"] = PsrRun(ckpt, fmt, True, dtype)
     prompt = list(range(300, 308))
@@ -400,7 +417,7 @@ def _report(a: argparse.Namespace, res: dict, threads: list[int]) -> None:
         share = statistics.median(x[1] for x in v)
         # A GGUF run against llama.cpp on its file; the checkpoint's formats against the
         # first file's (Q8_0 by default: the same weights).
-        same = name.removeprefix("psr ").removesuffix(" (same GGUF file)")
+        same = name.removeprefix("psr ").removesuffix(" graphs").removesuffix(" (same GGUF file)")
         first = a.gguf_experts.split(",")[0]
         ref = res.get((f"llama.cpp {same if 'GGUF' in name else first}", t))
         ratio = tps / statistics.median(x[0] for x in ref) if ref else float("nan")
