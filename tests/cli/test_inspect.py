@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -65,21 +67,27 @@ def test_embedded_model_shows_its_tuned_points() -> None:
 
 def test_cli_table_json_and_unsupported(tmp_path: Path) -> None:
     tiny_config("deepseek_v2").save_pretrained(tmp_path / "v2")
-    out = _cli("inspect", "--model", str(tmp_path / "v2"))
-    assert out.returncode == 0, out.stderr
-    assert "softmax_group_max" in out.stdout and "1 dense [0]" in out.stdout
-    js = json.loads(_cli("inspect", "--model", str(tmp_path / "v2"), "--json").stdout)
-    assert js["family"] == "deepseek_v2" and js["sparse_layers"] == [1, 2]
     (tmp_path / "l4").mkdir()
     (tmp_path / "l4" / "config.json").write_text(json.dumps({"model_type": "llama4"}))
-    bad = _cli("inspect", "--model", str(tmp_path / "l4"))
+    runs = [
+        ("inspect", "--model", str(tmp_path / "v2")),
+        ("inspect", "--model", str(tmp_path / "v2"), "--json"),
+        ("inspect", "--model", str(tmp_path / "l4")),
+        ("inspect", "--model", str(tmp_path / "nowhere")),
+    ]
+    # Independent processes, each mostly its imports on one core: run side by side.
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        out, js_run, bad, missing = pool.map(lambda a: _cli(*a), runs)
+    assert out.returncode == 0, out.stderr
+    assert "softmax_group_max" in out.stdout and "1 dense [0]" in out.stdout
+    js = json.loads(js_run.stdout)
+    assert js["family"] == "deepseek_v2" and js["sparse_layers"] == [1, 2]
     assert bad.returncode == 1
     assert bad.stdout.strip().endswith(
         "architecture 'llama4' is not supported yet: psr lacks the multimodal Llama 4 "
         "checkpoint (its text model, llama4_text, is supported)"
     )
     assert len(bad.stdout.strip().splitlines()) == 1
-    missing = _cli("inspect", "--model", str(tmp_path / "nowhere"))
     assert missing.returncode != 0 and "no such folder" in missing.stderr
 
 

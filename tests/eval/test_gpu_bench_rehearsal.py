@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -71,16 +72,20 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     --tiny mode), the rehearsal's copy stage, gather vs DMA (two CTA settings) and the
     decode modes (exact and psr at 50%: the checks need both), shared by the tests."""
     d = tmp_path_factory.mktemp("gpu_bench")
-    _run([str(BENCH / "gpu_replay.py"), "--tiny", "--out", str(d), "--prompts", "1"])
-    _run([str(BENCH / "gpu_decode.py"), "--tiny", "--out", str(d), "--tokens", "4"])
     gather = [str(BENCH / "gpu_gather.py"), "--tiny", "--out", str(d)]
-    _run([*gather, "--ctas", ",".join(GATHER_CTAS)])
     modes = [str(BENCH / "gpu_decode.py"), "--tiny", "--out", str(d), "--tokens", "6"]
-    _run([*modes, "--modes", ",".join(MODES), "--policies", "exact,psr", "--residencies", "0.5"])
     copy = ["-m", "psr.cli", "bench", "copy", "--backend", "cpu", "--shape", "3x64x32"]
-    _run(
-        [*copy, "--experts", "8", "--slots", "4", "--repeats", "3", "--json", str(d / "copy.json")]
-    )
+    stages = [
+        [str(BENCH / "gpu_replay.py"), "--tiny", "--out", str(d), "--prompts", "1"],
+        [str(BENCH / "gpu_decode.py"), "--tiny", "--out", str(d), "--tokens", "4"],
+        [*gather, "--ctas", ",".join(GATHER_CTAS)],
+        [*modes, "--modes", ",".join(MODES), "--policies", "exact,psr", "--residencies", "0.5"],
+        [*copy, "--experts", "8", "--slots", "4", "--repeats", "3", "--json", str(d / "copy.json")],
+    ]
+    # The stages read nothing another writes (each its own files in d) and each runs on one
+    # thread (OMP_NUM_THREADS=1): one process per core, longest (the replay) first.
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(_run, stages))
     return d
 
 
