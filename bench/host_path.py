@@ -798,7 +798,8 @@ def costs_report(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dic
             "",
             f"Embedded model, residency {args.residency}, float32, decode='device', the Triton "
             f"path under the interpreter with every Triton launch returning at once and the "
-            f"store's C++ copy / acquire / release / gather / join calls doing nothing "
+            f"store's C++ copy / acquire / release / gather / join (and cpu_experts / "
+            f"cpu_join) calls doing nothing "
             f"(psr.eval.host_path.measure_host_costs); {args.new_tokens} new tokens x "
             f"{args.repeats} runs, the thread's CPU time (not wall time: the machine is "
             f"shared), the 10th percentile over the decode forwards after the first (and MoE "
