@@ -96,9 +96,11 @@ _HOST_NOTE = (
 # The CPU as a resource (issue 27): the CPU expert kernels' bandwidth over host rows,
 # assumed at 70% (issue 27's goal for the kernels) of a STREAM triad at 78% of the DRAM's
 # peak (the efficiency TI's STREAM note SPRAD45A and llama.cpp PR #1642's M1 CPU figure
-# show); the per-layer hand-off (hidden state and ids to mapped host memory, worker
-# wake-up, result merge) and per-expert call are our assumptions (FreeToken #151: unpriced,
-# they turned a measured-bandwidth choice 8.3x slower).
+# show); the per-layer hand-off (psr's: four small device-to-pinned copies of the hidden
+# state, ids, weights and CPU list, a CUDA host-function wake-up, one copy back and the
+# merge; ExpertStore.cpu_experts) and the per-expert call are our assumptions, to be
+# measured by the GPU script's experts_on stage (FreeToken #151: unpriced, such costs
+# turned a measured-bandwidth choice 8.3x slower).
 _CPU_DESKTOP = (
     "CPU: dual-channel DDR5-5600 (89.6 GB/s peak, ~70 GB/s triad), expert kernels 50 GB/s; "
     "15 us per layer hand-off, 1 us per expert (assumed)"
