@@ -205,3 +205,13 @@ def test_cuda_hand_off_equals_the_cpu_backend_and_replays_in_a_graph() -> None:
         want = _expected(rows, x2, ids, w, listed) + x2 * 2.0
         torch.testing.assert_close(out.cpu(), want, rtol=0, atol=0)
     gs.cpu_check()
+
+
+def test_bench_machine_times_the_hand_off_on_the_store() -> None:
+    """psr bench machine's fixed cost on CUDA is the hand-off's (timed through a store);
+    the same function runs on the CPU backend: one tiny expert per call, a positive time
+    under 50 ms."""
+    from psr.eval.machine import handoff_fixed_time
+
+    t = handoff_fixed_time(5, "cpu")
+    assert 0 < t < 0.05

@@ -8,6 +8,9 @@ Measured (median of `repeats` timed calls after one warm-up):
                  divided by top_k (the per-expert slope; the call's fixed part is below);
   cpu_fixed_s    one call of one tiny expert (H = F = 16, fp32): the hand-over of x and
                  ids, the pool's wake-up and the result, what every CPU-experts call pays;
+                 on CUDA, the device step's hand-off of it (`ExpertStore.cpu_experts` +
+                 `cpu_join` on a CUDA store, to the stream's end: the staging copies, the
+                 host function's wake-up and the copy back);
   triad          `psr.store.cpu_triad` (STREAM a = b + s c) at the same threads;
   copy_s         (CUDA) one expert's host-to-device copy through the expert store
                  (enqueue_copies + acquire of top_k experts, divided by top_k).
@@ -23,7 +26,7 @@ import torch
 
 import psr.machine as mc
 import psr_kernels as pk
-from psr.store import ExpertStore, LayerSpec, cpu_expert_ffn, cpu_triad
+from psr.store import ExpertStore, LayerSpec, cpu_expert_ffn, cpu_layout, cpu_triad
 
 FLOAT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +81,33 @@ def cpu_fixed_time(repeats: int) -> float:
     return _median_s(lambda: cpu_expert_ffn(x, rows, ids, w, 16, 16), repeats)
 
 
+def handoff_fixed_time(repeats: int, backend: str) -> float:
+    """One tiny expert through the device step's hand-off (cpu_experts, then cpu_join and
+    the stream's end) on a `backend` store: the fixed cost of a layer's CPU work there."""
+    H = F = 16
+    rows = torch.zeros(1, 3 * H * F)
+    with ExpertStore([LayerSpec(1, 1, rows.shape[1])], torch.float32, backend=backend) as st:
+        st.register(0, 0, rows[0])
+        lay = cpu_layout(None, torch.float32, H, F, 128, rows.shape[1] * 4)
+        f32, threads = torch.float32, torch.get_num_threads()
+        st.cpu_experts_setup(
+            0, lay, x_dtype=f32, w_dtype=f32, id_dtype=torch.int64, top_k=1, threads=threads
+        )
+        dev = st.device
+        x, y = torch.zeros(1, H, device=dev), torch.zeros(1, H, device=dev)
+        ids = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        w = torch.ones(1, 1, device=dev)
+        listed = torch.zeros(1, dtype=torch.int32, device=dev)
+
+        def one() -> None:
+            st.cpu_experts(0, x, ids, w, listed, y)
+            st.cpu_join(0)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        return _median_s(one, repeats)
+
+
 def copy_time(rows: torch.Tensor, top_k: int, repeats: int) -> float:
     """(CUDA) one expert's copy through the expert store, seconds."""
     E, nbytes = rows.shape[0], rows.shape[1] * rows.element_size()
@@ -120,9 +150,8 @@ def measure_profile(
         copy_s = copy_time(random_rows(experts, hidden, ffn, fmt), top_k, repeats)
     shapes = dict(base.shapes) if base is not None and base.fingerprint == fp else {}
     shapes[mc.shape_key(hidden, ffn, fmt)] = mc.ShapeCosts(row_bytes, cpu_s, copy_s)
-    return mc.MachineProfile(
-        fp, cpu_fixed_time(repeats), cpu_triad(triad_floats, threads, 5), shapes
-    )
+    fixed = handoff_fixed_time(repeats, "cuda") if cuda else cpu_fixed_time(repeats)
+    return mc.MachineProfile(fp, fixed, cpu_triad(triad_floats, threads, 5), shapes)
 
 
 def table(profile: mc.MachineProfile) -> str:
