@@ -94,7 +94,9 @@ class ScoringWindow(Step):
                     logits[t0:t1], biased, mask=mask, bias=L.bias, check_finite=False
                 )
                 *routed, substituted = torch.cat([ids[0], sub.to(ids.dtype)]).tolist()
-                rt.book.use(L, routed, False, trace_token, substituted, rt.max_inserts(L))
+                cpu = rt.book.use(L, routed, False, trace_token, substituted, rt.max_inserts(L))
+                if cpu:  # experts_on cpu / hybrid: the CPU's experts read no slot
+                    routed = [e for e in routed if e not in set(cpu)]
             if rec is not None:
                 rec.read(L.index, L.slots.slots(routed))
             ws.append(w)
