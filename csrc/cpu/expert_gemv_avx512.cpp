@@ -215,67 +215,162 @@ inline __m512 lut_hi(float d, float m) {  // d * q + m for q = 16..31
                          _mm512_set1_ps(m));
 }
 
-// Q4_K / Q5_K: eight sub-blocks of 32 with 6-bit scales and mins: w = d * sc * q - dmin * m.
-void kquant45(bool q5, const uint8_t* b, const float* v, __m512& a0, __m512& a1) {
-  const float d = g_h2f(b), dmin = g_h2f(b + 2);
-  const uint8_t* sc = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + (q5 ? 48 : 16);
-  const __m512i k16 = _mm512_set1_epi32(16), m4 = _mm512_set1_epi32(0xF);
+// Q4_K / Q5_K / Q6_K / Q4_0 decode their scales a super-block (16 blocks) at a time into a
+// small float array first (vector conversions, no per-block scalar work), then read each
+// scale by a broadcast from it (a load, no shuffle), and keep four accumulators (the FMAs'
+// latency hidden). 4-bit codes index the table without masking: vpermps reads only the
+// index's low four bits (vpermt2ps: five).
+inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
+// Scales are stored to a small array and read back by broadcasts from memory (load-port
+// work only); without this barrier the compiler turns those broadcasts into vpermd on the
+// shuffle port, which is the one the codes' table lookups need.
+template <class T, int N>
+inline void in_memory(T (&a)[N]) {
+  __asm__ volatile("" : "+m"(a));
+}
+
+// A Q4_K / Q5_K super-block's scales and mins interleaved, each times its factor:
+// out[2 s] = d * sc_s, out[2 s + 1] = -(dmin * m_s) for the sub-blocks s = 0..7. The 12
+// bytes at b + 4 hold them in 6 bits each: s < 4 the low six bits of bytes s (sc) and s + 4
+// (m); s >= 4 the nibbles of byte s + 4 and the top two bits of bytes s - 4 (sc), s (m).
+inline void k_scales_mins(const uint8_t* b, float out[16]) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // in the block
+  const __m128i lo =
+      _mm_shuffle_epi8(x, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 8, 9, 9, 10, 10, 11, 11));
+  const __m128i hi =
+      _mm_shuffle_epi8(x, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 1, 5, 2, 6, 3, 7));
+  const __m128i lo4 = _mm_mask_mov_epi8(lo, 0xAA00, _mm_srli_epi16(lo, 4));  // m_s, s >= 4
+  const __m128i m = _mm_setr_epi8(63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, 15, 15, 15, 15);
+  // (A & B) | C = 0xEA: the low bits, then the top two at bits 4..5
+  const __m128i q = _mm_ternarylogic_epi32(
+      lo4, m, _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)), 0xEA);
+  uint32_t dm;
+  __builtin_memcpy(&dm, b, 4);  // d, dmin (fp16)
+  const __m512 f = _mm512_castsi512_ps(_mm512_xor_si512(
+      _mm512_castps_si512(_mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)))),
+      _mm512_set1_epi64(static_cast<int64_t>(0x8000000000000000ull))));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), f));
+}
+
+// Q4_K / Q5_K: sub-block s's weights d * sc_s * q - dmin * m_s as a table over its codes.
+template <bool kQ5>
+void kquant45(const uint8_t* b, const float* v, __m512 a[4]) {
+  alignas(64) float sm[16];  // d * sc_s, -(dmin * m_s) interleaved
+  k_scales_mins(b, sm);
+  in_memory(sm);
+  const uint8_t* qs = b + (kQ5 ? 48 : 16);
+  const __m512 io = iota16(), io16 = _mm512_add_ps(io, _mm512_set1_ps(16.f));
+  const __m512i m4 = _mm512_set1_epi32(0xF);
+  // Q5_K: hs[hh] bit 4 holds the fifth bit of sub-block 2j's element 16 hh + lane (qh bit 2j).
+  __m512i hs[2] = {_mm512_slli_epi32(widen16(b + 16), 4), _mm512_slli_epi32(widen16(b + 32), 4)};
   for (int j = 0; j < 4; ++j) {
-    int s1, m1, s2, m2;
-    g_k_scale_min(2 * j, sc, &s1, &m1);
-    g_k_scale_min(2 * j + 1, sc, &s2, &m2);
-    const float d1 = d * static_cast<float>(s1), c1 = -(dmin * static_cast<float>(m1));
-    const float d2 = d * static_cast<float>(s2), c2 = -(dmin * static_cast<float>(m2));
-    const __m512 l1 = lut(d1, c1), l2 = lut(d2, c2);
+    const __m512 l1 = _mm512_fmadd_ps(bcast(sm + 4 * j), io, bcast(sm + 4 * j + 1));
+    const __m512 l2 = _mm512_fmadd_ps(bcast(sm + 4 * j + 2), io, bcast(sm + 4 * j + 3));
     for (int hh = 0; hh < 2; ++hh) {
       const __m512i bq = widen16(qs + 32 * j + 16 * hh);
       const float* v0 = v + 64 * j + 16 * hh;
-      __m512i lo = _mm512_and_si512(bq, m4), hi = _mm512_srli_epi32(bq, 4);
-      if (q5) {
-        const __m512i bh = widen16(qh + 16 * hh);
-        const __mmask16 f0 = _mm512_test_epi32_mask(bh, _mm512_set1_epi32(1 << (2 * j)));
-        const __mmask16 f1 = _mm512_test_epi32_mask(bh, _mm512_set1_epi32(2 << (2 * j)));
-        lo = _mm512_mask_add_epi32(lo, f0, lo, k16);
-        hi = _mm512_mask_add_epi32(hi, f1, hi, k16);
-        a0 = _mm512_fmadd_ps(_mm512_permutex2var_ps(l1, lo, lut_hi(d1, c1)), ldv(v0), a0);
-        a1 = _mm512_fmadd_ps(_mm512_permutex2var_ps(l2, hi, lut_hi(d2, c2)), ldv(v0 + 32), a1);
+      const __m512i hi = _mm512_srli_epi32(bq, 4);
+      __m512 w0, w1;
+      if (kQ5) {  // bits 0..3 the code's, bit 4 the fifth bit (0xE4: select by m4)
+        const __m512i i0 = _mm512_ternarylogic_epi32(bq, hs[hh], m4, 0xE4);
+        const __m512i i1 = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(hs[hh], 1), m4, 0xE4);
+        w0 = _mm512_permutex2var_ps(
+            l1, i0, _mm512_fmadd_ps(bcast(sm + 4 * j), io16, bcast(sm + 4 * j + 1)));
+        w1 = _mm512_permutex2var_ps(
+            l2, i1, _mm512_fmadd_ps(bcast(sm + 4 * j + 2), io16, bcast(sm + 4 * j + 3)));
+        hs[hh] = _mm512_srli_epi32(hs[hh], 2);
       } else {
-        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, l1), ldv(v0), a0);
-        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, l2), ldv(v0 + 32), a1);
+        w0 = _mm512_permutexvar_ps(bq, l1);
+        w1 = _mm512_permutexvar_ps(hi, l2);
       }
+      a[hh] = _mm512_fmadd_ps(w0, ldv(v0), a[hh]);
+      a[2 + hh] = _mm512_fmadd_ps(w1, ldv(v0 + 32), a[2 + hh]);
     }
   }
 }
 
-// Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements.
-void kquant6(const uint8_t* b, const float* v, __m512& a0, __m512& a1) {
-  const float d = g_h2f(b + 208);
-  const __m512i m4 = _mm512_set1_epi32(0xF), m3 = _mm512_set1_epi32(3);
-  const __m512i k32 = _mm512_set1_epi32(32);
+// Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements. The
+// codes of 64 elements are assembled as bytes in one register, then widened 16 at a time.
+inline __m512 i8_16(__m512i c, int k) {  // signed bytes 16 k .. 16 k + 15 as fp32
+  const __m128i q = k == 0   ? _mm512_castsi512_si128(c)
+                    : k == 1 ? _mm512_extracti32x4_epi32(c, 1)
+                    : k == 2 ? _mm512_extracti32x4_epi32(c, 2)
+                             : _mm512_extracti32x4_epi32(c, 3);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
+void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
+  alignas(64) float s[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15
+  _mm512_store_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+                                   _mm512_set1_ps(g_h2f(b + 208))));
+  in_memory(s);
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  const __m512i k32 = _mm512_set1_epi8(32);
   for (int n = 0; n < 2; ++n) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * n);
-    for (int g = 0; g < 4; ++g) {
-      const uint8_t* ql = b + 64 * n + 32 * (g & 1);
-      const __m128i shift = _mm_cvtsi32_si128(g < 2 ? 0 : 4);
-      const __m128i hshift = _mm_cvtsi32_si128(2 * g);
-      for (int hh = 0; hh < 2; ++hh) {
-        const __m512i l4 = _mm512_and_si512(_mm512_srl_epi32(widen16(ql + 16 * hh), shift), m4);
-        const __m512i h2 =
-            _mm512_and_si512(_mm512_srl_epi32(widen16(b + 128 + 32 * n + 16 * hh), hshift), m3);
-        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(l4, _mm512_slli_epi32(h2, 4)), k32);
-        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q),
-                                       _mm512_set1_ps(d * static_cast<float>(sc[2 * g + hh])));
-        const float* v0 = v + 128 * n + 32 * g + 16 * hh;
-        if (hh == 0) {
-          a0 = _mm512_fmadd_ps(w, ldv(v0), a0);
-        } else {
-          a1 = _mm512_fmadd_ps(w, ldv(v0), a1);
-        }
-      }
+    const __m512i ql = _mm512_loadu_si512(b + 64 * n);  // elements 0..63's low bits, 64.. high
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+    // qh2's bytes 0..31 hold elements 0..31's (and 64..95's) high bits at bits 0..1 (4..5),
+    // bytes 32..63 those of 32..63 (96..127).
+    const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    // (A & B) | C = 0xEA
+    const __m512i c0 = _mm512_sub_epi8(
+        _mm512_ternarylogic_epi32(ql, m4, _mm512_and_si512(_mm512_slli_epi16(qh2, 4), m30), 0xEA),
+        k32);
+    const __m512i c1 = _mm512_sub_epi8(
+        _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), m4, _mm512_and_si512(qh2, m30), 0xEA),
+        k32);
+    const float* v0 = v + 128 * n;
+    const float* s0 = s + 8 * n;
+    for (int k = 0; k < 4; ++k) {
+      a[k] = _mm512_fmadd_ps(_mm512_mul_ps(i8_16(c0, k), bcast(s0 + k)), ldv(v0 + 16 * k), a[k]);
+      a[k] = _mm512_fmadd_ps(_mm512_mul_ps(i8_16(c1, k), bcast(s0 + 4 + k)), ldv(v0 + 64 + 16 * k),
+                             a[k]);
     }
   }
+}
+
+// Q4_0: d (q - 8); the fp16 scales of up to 16 blocks converted at once.
+inline __m512 f16_scales(const uint8_t* row, int bs, int64_t n) {
+  alignas(32) uint16_t h[16];
+  for (int64_t i = 0; i < 16; ++i) h[i] = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    __builtin_memcpy(&h[i], row + i * bs, 2);
+    in_memory(h);  // sixteen scalar stores, one load (not sixteen inserts on the shuffle port)
+  }
+  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+}
+inline void q4_0_block(const uint8_t* blk, const float* vb, __m512 d, __m512 io8, __m512& a0,
+                       __m512& a1) {
+  const __m512 t = _mm512_mul_ps(d, io8);  // d (q - 8): one rounding, as d q - 8 d by an FMA
+  const __m512i q = widen16(blk + 2);
+  a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, t), ldv(vb), a0);
+  a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t), ldv(vb + 16), a1);
+}
+void q4_0_row(const uint8_t* row, int64_t K, const float* v, __m512 a[4]) {
+  const int64_t nb = K / 32;
+  const __m512 io8 = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));
+  for (int64_t i0 = 0; i0 < nb; i0 += 16) {
+    const int64_t n = nb - i0 < 16 ? nb - i0 : 16;
+    const __m512 dv = f16_scales(row + i0 * 18, 18, n);
+    const uint8_t* r = row + i0 * 18;
+    const float* vb = v + 32 * i0;
+    int64_t i = 0;
+    for (; i + 2 <= n; i += 2) {  // two blocks a step: four independent accumulators
+      const __m512i li = _mm512_set1_epi32(static_cast<int>(i));
+      q4_0_block(r + i * 18, vb + 32 * i, _mm512_permutexvar_ps(li, dv), io8, a[0], a[1]);
+      q4_0_block(r + (i + 1) * 18, vb + 32 * (i + 1),
+                 _mm512_permutexvar_ps(_mm512_add_epi32(li, _mm512_set1_epi32(1)), dv), io8, a[2],
+                 a[3]);
+    }
+    if (i < n)
+      q4_0_block(r + i * 18, vb + 32 * i,
+                 _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(i)), dv), io8, a[0],
+                 a[1]);
+  }
+}
+
+inline float sum4(const __m512 a[4]) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 
 template <class Load>
@@ -290,6 +385,7 @@ float float_row(const uint8_t* row, int64_t K, const float* v) {
 
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  __m512 a[4] = {a0, a0, a0, a0};
   switch (type) {
     case 0:
       return float_row<LoadF32>(row, K, v);
@@ -308,12 +404,11 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       }
       break;
     case 2:
-    case 3:  // Q4_0: d (q - 8); Q4_1: d q + m
-      for (int64_t k = 0; k < K; k += 32, row += type == 2 ? 18 : 20) {
-        const float d = g_h2f(row);
-        const __m512 t = type == 2 ? lut(d, -8.f * d) : lut(d, g_h2f(row + 2));
-        nib_block(row + (type == 2 ? 2 : 4), t, v + k, a0, a1);
-      }
+      q4_0_row(row, K, v, a);
+      return sum4(a);
+    case 3:  // Q4_1: d q + m
+      for (int64_t k = 0; k < K; k += 32, row += 20)
+        nib_block(row + 4, lut(g_h2f(row), g_h2f(row + 2)), v + k, a0, a1);
       break;
     case 6:
     case 7:  // Q5_0: d (q - 16); Q5_1: d q + m
@@ -332,13 +427,14 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       }
       break;
     case 12:
+      for (int64_t k = 0; k < K; k += 256, row += 144) kquant45<false>(row, v + k, a);
+      return sum4(a);
     case 13:
-      for (int64_t k = 0; k < K; k += 256, row += type == 12 ? 144 : 176)
-        kquant45(type == 13, row, v + k, a0, a1);
-      break;
+      for (int64_t k = 0; k < K; k += 256, row += 176) kquant45<true>(row, v + k, a);
+      return sum4(a);
     case 14:
-      for (int64_t k = 0; k < K; k += 256, row += 210) kquant6(row, v + k, a0, a1);
-      break;
+      for (int64_t k = 0; k < K; k += 256, row += 210) kquant6(row, v + k, a);
+      return sum4(a);
     case 200:  // FP8_B128: codes / 256 dotted per block, times the block's scale, then * 256
       for (int64_t k = 0; k < K; k += 128, row += 132) {
         float s;
