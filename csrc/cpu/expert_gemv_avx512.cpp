@@ -304,6 +304,7 @@ void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
                                    _mm512_set1_ps(g_h2f(b + 208))));
   in_memory(s);
+  alignas(64) int8_t q[256];  // the codes minus 32, in element order
   const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
   const __m512i k32 = _mm512_set1_epi8(32);
   for (int n = 0; n < 2; ++n) {
@@ -319,13 +320,14 @@ void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
     const __m512i c1 = _mm512_sub_epi8(
         _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), m4, _mm512_and_si512(qh2, m30), 0xEA),
         k32);
-    const float* v0 = v + 128 * n;
-    const float* s0 = s + 8 * n;
-    for (int k = 0; k < 4; ++k) {
-      a[k] = _mm512_fmadd_ps(_mm512_mul_ps(i8_16(c0, k), bcast(s0 + k)), ldv(v0 + 16 * k), a[k]);
-      a[k] = _mm512_fmadd_ps(_mm512_mul_ps(i8_16(c1, k), bcast(s0 + 4 + k)), ldv(v0 + 64 + 16 * k),
-                             a[k]);
-    }
+    _mm512_store_si512(q + 128 * n, c0);
+    _mm512_store_si512(q + 128 * n + 64, c1);
+  }
+  in_memory(q);  // widened by loads (not extracts on the shuffle port)
+  for (int i = 0; i < 16; ++i) {
+    const __m512 w = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
+    a[i % 4] = _mm512_fmadd_ps(_mm512_mul_ps(w, bcast(s + i)), ldv(v + 16 * i), a[i % 4]);
   }
 }
 
