@@ -331,19 +331,15 @@ void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
   }
 }
 
-// Q4_0: d (q - 8); the fp16 scales of up to 16 blocks converted at once.
-inline __m512 f16_scales(const uint8_t* row, int bs, int64_t n) {
-  alignas(32) uint16_t h[16];
-  for (int64_t i = 0; i < 16; ++i) h[i] = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    __builtin_memcpy(&h[i], row + i * bs, 2);
-    in_memory(h);  // sixteen scalar stores, one load (not sixteen inserts on the shuffle port)
-  }
-  return _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(h)));
+// Q4_0: d (q - 8), the table one multiply of the block's scale (read from the block, so no
+// block waits for another's bytes); two blocks a step into four accumulators.
+inline __m512 f16_bcast(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
 }
-inline void q4_0_block(const uint8_t* blk, const float* vb, __m512 d, __m512 io8, __m512& a0,
-                       __m512& a1) {
-  const __m512 t = _mm512_mul_ps(d, io8);  // d (q - 8): one rounding, as d q - 8 d by an FMA
+inline void q4_0_block(const uint8_t* blk, const float* vb, __m512 io8, __m512& a0, __m512& a1) {
+  const __m512 t = _mm512_mul_ps(f16_bcast(blk), io8);  // d (q - 8): one rounding
   const __m512i q = widen16(blk + 2);
   a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, t), ldv(vb), a0);
   a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t), ldv(vb + 16), a1);
@@ -351,24 +347,12 @@ inline void q4_0_block(const uint8_t* blk, const float* vb, __m512 d, __m512 io8
 void q4_0_row(const uint8_t* row, int64_t K, const float* v, __m512 a[4]) {
   const int64_t nb = K / 32;
   const __m512 io8 = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));
-  for (int64_t i0 = 0; i0 < nb; i0 += 16) {
-    const int64_t n = nb - i0 < 16 ? nb - i0 : 16;
-    const __m512 dv = f16_scales(row + i0 * 18, 18, n);
-    const uint8_t* r = row + i0 * 18;
-    const float* vb = v + 32 * i0;
-    int64_t i = 0;
-    for (; i + 2 <= n; i += 2) {  // two blocks a step: four independent accumulators
-      const __m512i li = _mm512_set1_epi32(static_cast<int>(i));
-      q4_0_block(r + i * 18, vb + 32 * i, _mm512_permutexvar_ps(li, dv), io8, a[0], a[1]);
-      q4_0_block(r + (i + 1) * 18, vb + 32 * (i + 1),
-                 _mm512_permutexvar_ps(_mm512_add_epi32(li, _mm512_set1_epi32(1)), dv), io8, a[2],
-                 a[3]);
-    }
-    if (i < n)
-      q4_0_block(r + i * 18, vb + 32 * i,
-                 _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(i)), dv), io8, a[0],
-                 a[1]);
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    q4_0_block(row + i * 18, v + 32 * i, io8, a[0], a[1]);
+    q4_0_block(row + (i + 1) * 18, v + 32 * (i + 1), io8, a[2], a[3]);
   }
+  if (i < nb) q4_0_block(row + i * 18, v + 32 * i, io8, a[0], a[1]);
 }
 
 inline float sum4(const __m512 a[4]) {
@@ -395,14 +379,18 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       return float_row<LoadF16>(row, K, v);
     case 30:
       return float_row<LoadBF16>(row, K, v);
-    case 8:  // Q8_0: the block's partial dot, scaled once
+    case 8:  // Q8_0: the block's partial dot, scaled once; blocks alternate two accumulators
       for (int64_t k = 0; k < K; k += 32, row += 34) {
         const __m512 q0 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2))));
         const __m512 q1 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18))));
         const __m512 p = _mm512_fmadd_ps(q1, ldv(v + k + 16), _mm512_mul_ps(q0, ldv(v + k)));
-        a0 = _mm512_fmadd_ps(p, _mm512_set1_ps(g_h2f(row)), a0);
+        if (k & 32) {
+          a1 = _mm512_fmadd_ps(p, f16_bcast(row), a1);
+        } else {
+          a0 = _mm512_fmadd_ps(p, f16_bcast(row), a0);
+        }
       }
       break;
     case 2:
