@@ -188,6 +188,17 @@ inline __m256 nib32_min(__m128i c0, __m128i c1, const float* v, float s, float m
   return _mm256_fmadd_ps(sx, _mm256_set1_ps(m), _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc));
 }
 
+// Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
+// rows stream from memory and one thread's hardware prefetch alone leaves the kernels
+// waiting on it. A prefetch is a hint that never faults and returns nothing, so one that
+// lands past a row's end, or its mapping's, is harmless.
+constexpr uintptr_t kAhead = 1024;
+inline void ahead(const uint8_t* p, int lines) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kAhead;
+  for (int i = 0; i < lines; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(at + 64 * static_cast<uintptr_t>(i)), _MM_HINT_T0);
+}
+
 // Scales stored to a small array stay there (without this barrier the compiler turns the
 // broadcasts from it into shuffles): the blocks read them by broadcasts from memory.
 template <int N>
@@ -198,7 +209,7 @@ inline void in_memory(float (&a)[N]) {
 // A Q4_K super-block's 6-bit scales and mins (12 bytes at b + 4, llama.cpp's unpacking),
 // decoded once: sc[s] = d * sc_s, mn[s] = -(dmin * m_s). The arrays stay in memory: the
 // sub-blocks read them by broadcasts from memory (loads, not shuffles).
-inline void k_scales_mins(const uint8_t* b, float sc[8], float mn[8]) {
+inline void k_scales_mins(const uint8_t* b, float (&sc)[8], float (&mn)[8]) {
   uint32_t u[3];
   std::memcpy(u, b + 4, 12);
   const uint32_t m1 = 0x3f3f3f3fu, m2 = 0x0f0f0f0fu, m3 = 0x03030303u;
@@ -212,9 +223,8 @@ inline void k_scales_mins(const uint8_t* b, float sc[8], float mn[8]) {
       _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(m))));
   _mm256_store_ps(sc, _mm256_mul_ps(fs, _mm256_set1_ps(g_h2f(b))));
   _mm256_store_ps(mn, _mm256_mul_ps(fm, _mm256_set1_ps(-g_h2f(b + 2))));
-  __asm__ volatile(""
-                   : "+m"(*reinterpret_cast<float(*)[8]>(sc)),
-                     "+m"(*reinterpret_cast<float(*)[8]>(mn)));
+  in_memory(sc);
+  in_memory(mn);
 }
 
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
@@ -222,6 +232,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
   switch (type) {
     case 8:  // Q8_0
       for (int64_t k = 0; k < K; k += 32, row += 34) {
+        ahead(row, 1);
         __m256 p = _mm256_setzero_ps(), unused = p;
         bytes16<false>(ld16(row + 2), v + k, p, unused);
         bytes16<false>(ld16(row + 18), v + k + 16, p, unused);
@@ -230,24 +241,30 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       break;
     case 2: {  // Q4_0: d (q - 8)
       const __m128i lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-      for (int64_t k = 0; k < K; k += 32, row += 18)
+      for (int64_t k = 0; k < K; k += 32, row += 18) {
+        ahead(row, 1);
         acc = nib32(row + 2, lut, v + k, g_h2f(row), acc);
+      }
       break;
     }
     case 39: {  // MXFP4: twice the FP4 values, half the block's power of two
       const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-      for (int64_t k = 0; k < K; k += 32, row += 17)
+      for (int64_t k = 0; k < K; k += 32, row += 17) {
+        ahead(row, 1);
         acc = nib32(row + 1, lut, v + k, 0.5f * g_e8m0(row[0]), acc);
+      }
       break;
     }
     case 3:  // Q4_1: d q + m
       for (int64_t k = 0; k < K; k += 32, row += 20) {
+        ahead(row, 1);
         const __m128i raw = ld16(row + 4);
         acc = nib32_min(lo_nib(raw), hi_nib(raw), v + k, g_h2f(row), g_h2f(row + 2), acc);
       }
       break;
     case 12:  // Q4_K: per sub-block d * sc * q - dmin * m
       for (int64_t k = 0; k < K; k += 256, row += 144) {
+        ahead(row, 3);
         alignas(32) float sc[8], mn[8];  // d * sc_s, -(dmin * m_s)
         k_scales_mins(row, sc, mn);
         for (int j = 0; j < 4; ++j) {
@@ -261,6 +278,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
     case 13:  // Q5_K: Q4_K's codes plus a fifth bit, bit 2j (2j + 1) of qh[l] for sub-block 2j's
               // (2j + 1's) element l
       for (int64_t k = 0; k < K; k += 256, row += 176) {
+        ahead(row, 3);
         alignas(32) float sc[8], mn[8];
         k_scales_mins(row, sc, mn);
         const __m128i h0 = ld16(row + 16), h1 = ld16(row + 32), one = _mm_set1_epi8(1);
@@ -281,6 +299,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       break;
     case 14:  // Q6_K: (ql's 4 bits | qh's 2 bits << 4) - 32, a scale per 16
       for (int64_t k = 0; k < K; k += 256, row += 210) {
+        ahead(row, 4);
         alignas(32) float sc[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15
         const __m128i raw = ld16(row + 192);
         const __m256 d = _mm256_set1_ps(g_h2f(row + 208));

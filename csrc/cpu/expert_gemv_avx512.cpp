@@ -221,6 +221,17 @@ inline __m512 lut_hi(float d, float m) {  // d * q + m for q = 16..31
 // latency hidden). 4-bit codes index the table without masking: vpermps reads only the
 // index's low four bits (vpermt2ps: five).
 inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
+
+// Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
+// rows stream from memory and one thread's hardware prefetch alone leaves the kernels
+// waiting on it (measured: up to 2x on Q6_K rows). A prefetch is a hint that never faults
+// and returns nothing, so one that lands past a row's end, or its mapping's, is harmless.
+constexpr uintptr_t kAhead = 1024;
+inline void ahead(const uint8_t* p, int lines) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kAhead;
+  for (int i = 0; i < lines; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(at + 64 * static_cast<uintptr_t>(i)), _MM_HINT_T0);
+}
 // Scales are stored to a small array and read back by broadcasts from memory (load-port
 // work only); without this barrier the compiler turns those broadcasts into vpermd on the
 // shuffle port, which is the one the codes' table lookups need.
@@ -349,6 +360,7 @@ void q4_0_row(const uint8_t* row, int64_t K, const float* v, __m512 a[4]) {
   const __m512 io8 = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));
   int64_t i = 0;
   for (; i + 2 <= nb; i += 2) {
+    ahead(row + i * 18, 1);  // 36 bytes a step: every line
     q4_0_block(row + i * 18, v + 32 * i, io8, a[0], a[1]);
     q4_0_block(row + (i + 1) * 18, v + 32 * (i + 1), io8, a[2], a[3]);
   }
@@ -381,6 +393,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       return float_row<LoadBF16>(row, K, v);
     case 8:  // Q8_0: the block's partial dot, scaled once; blocks alternate two accumulators
       for (int64_t k = 0; k < K; k += 32, row += 34) {
+        ahead(row, 1);
         const __m512 q0 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2))));
         const __m512 q1 = _mm512_cvtepi32_ps(
@@ -412,18 +425,28 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       break;
     case 39:  // MXFP4: the FP4 values times the block's power of two
       for (int64_t k = 0; k < K; k += 32, row += 17) {
+        ahead(row, 1);
         const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(kFp4), _mm512_set1_ps(g_e8m0(row[0])));
         nib_block(row + 1, t, v + k, a0, a1);
       }
       break;
     case 12:
-      for (int64_t k = 0; k < K; k += 256, row += 144) kquant45<false>(row, v + k, a);
+      for (int64_t k = 0; k < K; k += 256, row += 144) {
+        ahead(row, 3);
+        kquant45<false>(row, v + k, a);
+      }
       return sum4(a);
     case 13:
-      for (int64_t k = 0; k < K; k += 256, row += 176) kquant45<true>(row, v + k, a);
+      for (int64_t k = 0; k < K; k += 256, row += 176) {
+        ahead(row, 3);
+        kquant45<true>(row, v + k, a);
+      }
       return sum4(a);
     case 14:
-      for (int64_t k = 0; k < K; k += 256, row += 210) kquant6(row, v + k, a);
+      for (int64_t k = 0; k < K; k += 256, row += 210) {
+        ahead(row, 4);
+        kquant6(row, v + k, a);
+      }
       return sum4(a);
     case 200:  // FP8_B128: codes / 256 dotted per block, times the block's scale, then * 256
       for (int64_t k = 0; k < K; k += 128, row += 132) {
