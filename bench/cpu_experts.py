@@ -191,32 +191,30 @@ def _compare(a: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
 
 
 def _table(res: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]:
-    """Rows of the printed table: each configuration's median bytes/s per build."""
+    """Rows of the printed table: each configuration's median bytes/s per build, against one
+    triad (the median of every build's triad rounds: the builds' kernels differ, not it)."""
     med = {lab: {k: statistics.median(v) for k, v in r.items()} for lab, r in res.items()}
     labels = list(med)
-    head = " | ".join(
-        f"{lab + ' ' if lab else ''}GB/s | {lab + ' ' if lab else ''}of triad" for lab in labels
-    )
+    names = [f"{lab} " if lab else "" for lab in labels]
+    head = " | ".join(f"{n}GB/s | {n}of triad" for n in names)
+    two = len(labels) > 1
     print(
-        f"| size | format | isa | threads | {head} | triad GB/s |"
-        + ("" if len(labels) < 2 else " speedup |")
+        f"| size | format | isa | threads | {head} | triad GB/s |" + (" speedup |" if two else "")
     )
-    print("|---" * (5 + 2 * len(labels) + (len(labels) > 1)) + "|")
+    print("|---" * (5 + 2 * len(labels) + two) + "|")
     rows: list[dict[str, object]] = []
     for key in med[labels[-1]]:
         if key.startswith("triad/"):
             continue
         s, f, isa, t = key.split("/")
         bw = {lab: med[lab][key] for lab in labels}
-        tri = {lab: med[lab][f"triad/{t}"] for lab in labels}
-        cells = " | ".join(f"{bw[lab] / 1e9:.2f} | {bw[lab] / tri[lab]:.0%}" for lab in labels)
-        tri_all = statistics.median(tri.values())
-        extra = "" if len(labels) < 2 else f" {bw[labels[-1]] / bw[labels[0]]:.2f}x |"
-        print(f"| {s} | {f} | {isa} | {t} | {cells} | {tri_all / 1e9:.1f} |{extra}")
-        row: dict[str, object] = dict(size=s, format=f, isa=isa, threads=int(t))
+        tri = statistics.median(v for r in res.values() for v in r[f"triad/{t}"])
+        cells = " | ".join(f"{bw[lab] / 1e9:.2f} | {bw[lab] / tri:.0%}" for lab in labels)
+        extra = f" {bw[labels[-1]] / bw[labels[0]]:.2f}x |" if two else ""
+        print(f"| {s} | {f} | {isa} | {t} | {cells} | {tri / 1e9:.1f} |{extra}")
+        row: dict[str, object] = dict(size=s, format=f, isa=isa, threads=int(t), triad=tri)
         for lab in labels:
-            pre = "" if len(labels) < 2 else f"{lab}_"
-            row |= {f"{pre}bytes_per_s": bw[lab], f"{pre}triad": tri[lab]}
+            row[f"{lab}_bytes_per_s" if two else "bytes_per_s"] = bw[lab]
         rows.append(row)
     return rows
 
