@@ -178,8 +178,9 @@ void dot4_int4_groups(const uint8_t* const w[4], int64_t ng, int64_t gbytes, con
 // 32-bit lanes and become weights by one in-register table lookup over the block's 16
 // (vpermps) or 32 (vpermt2ps) possible values, the table built from the block's scales
 // (d * q + m for every code q); Q8_0 / Q6_K / FP8 codes are converted and scaled instead.
-// fp32 FMAs into two accumulators of sixteen lanes, summed once at the row's end. Every
-// load stays inside its block (rows are whole blocks: checked by the caller).
+// fp32 FMAs into two or four accumulators of sixteen lanes, summed once at the row's end.
+// Every load stays inside its block (rows are whole blocks: checked by the caller); only
+// prefetch hints (ahead) reach past it.
 inline __m512 iota16() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -215,11 +216,11 @@ inline __m512 lut_hi(float d, float m) {  // d * q + m for q = 16..31
                          _mm512_set1_ps(m));
 }
 
-// Q4_K / Q5_K / Q6_K / Q4_0 decode their scales a super-block (16 blocks) at a time into a
-// small float array first (vector conversions, no per-block scalar work), then read each
-// scale by a broadcast from it (a load, no shuffle), and keep four accumulators (the FMAs'
-// latency hidden). 4-bit codes index the table without masking: vpermps reads only the
-// index's low four bits (vpermt2ps: five).
+// Q4_K / Q5_K / Q6_K decode a super-block's scales once into a small float array (vector
+// conversions, no per-sub-block scalar work), then read each scale by a broadcast from it (a
+// load, no shuffle); they and Q4_0 keep four accumulators (the FMAs' latency hidden). 4-bit
+// codes index the table without masking: vpermps reads only the index's low four bits
+// (vpermt2ps: five).
 inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
 
 // Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
@@ -301,14 +302,8 @@ void kquant45(const uint8_t* b, const float* v, __m512 a[4]) {
 }
 
 // Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements. The
-// codes of 64 elements are assembled as bytes in one register, then widened 16 at a time.
-inline __m512 i8_16(__m512i c, int k) {  // signed bytes 16 k .. 16 k + 15 as fp32
-  const __m128i q = k == 0   ? _mm512_castsi512_si128(c)
-                    : k == 1 ? _mm512_extracti32x4_epi32(c, 1)
-                    : k == 2 ? _mm512_extracti32x4_epi32(c, 2)
-                             : _mm512_extracti32x4_epi32(c, 3);
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-}
+// codes of 64 elements are assembled as bytes in one register, stored to the stack and
+// widened 16 at a time by loads.
 void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
   alignas(64) float s[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15
   _mm512_store_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
