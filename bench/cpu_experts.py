@@ -1,6 +1,7 @@
 """CPU expert kernels against the machine: each format's bytes/s beside a STREAM triad.
 
     .venv/bin/python bench/cpu_experts.py [--threads 1,2] [--rounds 5] [--out FILE.json]
+    .venv/bin/python bench/cpu_experts.py --baseline DIR ...   # before / after, side by side
 
 For each expert size (OLMoE H 2048 x F 1024, Qwen3-30B-A3B 2048 x 768, gpt-oss 2880 x 2880),
 format (fp32, bf16, fp16, int8, fp8, int4, and GGUF's block types: Q8_0, Q6_K, Q5_K, Q4_K,
@@ -14,6 +15,11 @@ triad (a = b + s * c over 64 MiB arrays, 12 bytes per element) runs on the same 
 pool and thread count. Rounds interleave the configurations (A B A B ...) and the table
 shows medians; the machine's load (`uptime`) is printed beside it: on a shared machine
 the figures are noisy.
+
+--baseline DIR compares two builds of the kernels: DIR holds another build's `psr` package
+(python/psr's files beside another psr._C, as scripts/sanitize.sh lays one out). Rounds
+alternate between it ("before") and this tree ("after"), each round of each in its own
+process (one process loads one extension), and the table shows both.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,7 +132,7 @@ def _time_call(rows, fmt, H, F, k, threads, isa, calls, walk) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--sizes", default=",".join(SIZES))
@@ -135,7 +143,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5, help="calls per round (median)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args()
+    ap.add_argument("--baseline", type=Path, default=None, help="another build's psr package dir")
+    ap.add_argument("--raw", action="store_true", help=argparse.SUPPRESS)  # one child's rounds
+    return ap.parse_args()
+
+
+def _measure(a: argparse.Namespace) -> dict[str, list[float]]:
+    """bytes/s of every configuration (and the triad) per round, keyed size/format/isa/threads."""
     threads = [int(t) for t in a.threads.split(",")]
     isas = a.isas.split(",") if a.isas else [store.cpu_isas()[-1]]
     buf = _buffer(a.mib << 20)
@@ -156,23 +170,69 @@ def main() -> None:
                     dt = _time_call(slab, FORMATS[f][0], H, F, a.top_k, t, isa, a.calls, walk)
                     nbytes = a.top_k * slab.shape[1] * slab.element_size()
                     res.setdefault(f"{s}/{f}/{isa}/{t}", []).append(nbytes / dt)
-    med = {key: statistics.median(v) for key, v in res.items()}
-    load = os.getloadavg()
-    print(f"# CPU expert kernels, batch 1, top-{a.top_k}; load {load[0]:.2f} {load[1]:.2f}")
-    print(f"# cpu isas: {', '.join(store.cpu_isas())}; medians of {a.rounds} rounds")
-    print("| size | format | isa | threads | GB/s | triad GB/s | of triad |")
-    print("|---|---|---|---|---|---|---|")
-    rows = []
-    for key, bw in med.items():
+    return res
+
+
+def _compare(a: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
+    """Rounds alternating between the baseline package and this tree, one process each."""
+    child = [sys.executable, __file__, "--raw", "--rounds", "1"]
+    for k in ("threads", "sizes", "formats", "isas", "mib", "top_k", "calls"):
+        child += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    res: dict[str, dict[str, list[float]]] = {"before": {}, "after": {}}
+    for _ in range(a.rounds):
+        for label in res:
+            env = dict(os.environ)
+            if label == "before":
+                env["PYTHONPATH"] = os.pathsep.join([str(a.baseline), env.get("PYTHONPATH", "")])
+            out = subprocess.run(child, env=env, capture_output=True, text=True, check=True)
+            for key, v in json.loads(out.stdout.splitlines()[-1]).items():
+                res[label].setdefault(key, []).extend(v)
+    return res
+
+
+def _table(res: dict[str, dict[str, list[float]]]) -> list[dict[str, object]]:
+    """Rows of the printed table: each configuration's median bytes/s per build, against one
+    triad (the median of every build's triad rounds: the builds' kernels differ, not it)."""
+    med = {lab: {k: statistics.median(v) for k, v in r.items()} for lab, r in res.items()}
+    labels = list(med)
+    names = [f"{lab} " if lab else "" for lab in labels]
+    head = " | ".join(f"{n}GB/s | {n}of triad" for n in names)
+    two = len(labels) > 1
+    print(
+        f"| size | format | isa | threads | {head} | triad GB/s |" + (" speedup |" if two else "")
+    )
+    print("|---" * (5 + 2 * len(labels) + two) + "|")
+    rows: list[dict[str, object]] = []
+    for key in med[labels[-1]]:
         if key.startswith("triad/"):
             continue
         s, f, isa, t = key.split("/")
-        tri = med[f"triad/{t}"]
-        rows.append(dict(size=s, format=f, isa=isa, threads=int(t), bytes_per_s=bw, triad=tri))
-        print(f"| {s} | {f} | {isa} | {t} | {bw / 1e9:.1f} | {tri / 1e9:.1f} | {bw / tri:.0%} |")
+        bw = {lab: med[lab][key] for lab in labels}
+        tri = statistics.median(v for r in res.values() for v in r[f"triad/{t}"])
+        cells = " | ".join(f"{bw[lab] / 1e9:.2f} | {bw[lab] / tri:.0%}" for lab in labels)
+        extra = f" {bw[labels[-1]] / bw[labels[0]]:.2f}x |" if two else ""
+        print(f"| {s} | {f} | {isa} | {t} | {cells} | {tri / 1e9:.1f} |{extra}")
+        row: dict[str, object] = dict(size=s, format=f, isa=isa, threads=int(t), triad=tri)
+        for lab in labels:
+            row[f"{lab}_bytes_per_s" if two else "bytes_per_s"] = bw[lab]
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    a = _args()
+    if a.raw:
+        print(json.dumps(_measure(a)))
+        return
+    res = _compare(a) if a.baseline else {"": _measure(a)}
+    load = os.getloadavg()
+    print(f"# CPU expert kernels, batch 1, top-{a.top_k}; load {load[0]:.2f} {load[1]:.2f}")
+    print(f"# cpu isas: {', '.join(store.cpu_isas())}; medians of {a.rounds} rounds")
+    rows = _table(res)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = dict(load=load, isas=store.cpu_isas(), args=vars(a) | {"out": str(a.out)})
+        args = vars(a) | {"out": str(a.out), "baseline": a.baseline and str(a.baseline)}
+        meta = dict(load=load, isas=store.cpu_isas(), args=args)
         a.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n")
 
 

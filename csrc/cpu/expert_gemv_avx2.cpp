@@ -150,7 +150,7 @@ void dot4_int4(const uint8_t* const w[4], int64_t n, const float* v, const float
 }
 
 // GGML block rows straight into registers (no scratch) for the common types; the others
-// (Q5_0 / Q5_1 / Q5_K / FP8_B128, float parts) keep ggml_dot.h's scratch path. 4-bit codes
+// (Q5_0 / Q5_1 / FP8_B128, float parts) keep ggml_dot.h's scratch path. 4-bit codes
 // become signed bytes by one in-register table lookup (vpshufb), bytes are widened eight at
 // a time and met in fp32 FMAs; a block's (sub-block's) partial dot is scaled once, its min
 // times the sum of its inputs.
@@ -188,11 +188,51 @@ inline __m256 nib32_min(__m128i c0, __m128i c1, const float* v, float s, float m
   return _mm256_fmadd_ps(sx, _mm256_set1_ps(m), _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc));
 }
 
+// Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
+// rows stream from memory and one thread's hardware prefetch alone leaves the kernels
+// waiting on it. A prefetch is a hint that never faults and returns nothing, so one that
+// lands past a row's end, or its mapping's, is harmless.
+constexpr uintptr_t kAhead = 1024;
+inline void ahead(const uint8_t* p, int lines) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kAhead;
+  for (int i = 0; i < lines; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(at + 64 * static_cast<uintptr_t>(i)), _MM_HINT_T0);
+}
+
+// Scales stored to a small array stay there (without this barrier the compiler turns the
+// broadcasts from it into shuffles): the blocks read them by broadcasts from memory.
+template <int N>
+inline void in_memory(float (&a)[N]) {
+  __asm__ volatile("" : "+m"(a));
+}
+
+// A Q4_K super-block's 6-bit scales and mins (12 bytes at b + 4, llama.cpp's unpacking),
+// decoded once: sc[s] = d * sc_s, mn[s] = -(dmin * m_s). The arrays stay in memory: the
+// sub-blocks read them by broadcasts from memory (loads, not shuffles).
+inline void k_scales_mins(const uint8_t* b, float (&sc)[8], float (&mn)[8]) {
+  uint32_t u[3];
+  std::memcpy(u, b + 4, 12);
+  const uint32_t m1 = 0x3f3f3f3fu, m2 = 0x0f0f0f0fu, m3 = 0x03030303u;
+  const uint64_t s = (u[0] & m1) | static_cast<uint64_t>((u[2] & m2) | (((u[0] >> 6) & m3) << 4))
+                                       << 32;
+  const uint64_t m =
+      (u[1] & m1) | static_cast<uint64_t>(((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4)) << 32;
+  const __m256 fs =
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(s))));
+  const __m256 fm =
+      _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(m))));
+  _mm256_store_ps(sc, _mm256_mul_ps(fs, _mm256_set1_ps(g_h2f(b))));
+  _mm256_store_ps(mn, _mm256_mul_ps(fm, _mm256_set1_ps(-g_h2f(b + 2))));
+  in_memory(sc);
+  in_memory(mn);
+}
+
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
   __m256 acc = _mm256_setzero_ps();
   switch (type) {
     case 8:  // Q8_0
       for (int64_t k = 0; k < K; k += 32, row += 34) {
+        ahead(row, 1);
         __m256 p = _mm256_setzero_ps(), unused = p;
         bytes16<false>(ld16(row + 2), v + k, p, unused);
         bytes16<false>(ld16(row + 18), v + k + 16, p, unused);
@@ -201,44 +241,75 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       break;
     case 2: {  // Q4_0: d (q - 8)
       const __m128i lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-      for (int64_t k = 0; k < K; k += 32, row += 18)
+      for (int64_t k = 0; k < K; k += 32, row += 18) {
+        ahead(row, 1);
         acc = nib32(row + 2, lut, v + k, g_h2f(row), acc);
+      }
       break;
     }
     case 39: {  // MXFP4: twice the FP4 values, half the block's power of two
       const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-      for (int64_t k = 0; k < K; k += 32, row += 17)
+      for (int64_t k = 0; k < K; k += 32, row += 17) {
+        ahead(row, 1);
         acc = nib32(row + 1, lut, v + k, 0.5f * g_e8m0(row[0]), acc);
+      }
       break;
     }
     case 3:  // Q4_1: d q + m
       for (int64_t k = 0; k < K; k += 32, row += 20) {
+        ahead(row, 1);
         const __m128i raw = ld16(row + 4);
         acc = nib32_min(lo_nib(raw), hi_nib(raw), v + k, g_h2f(row), g_h2f(row + 2), acc);
       }
       break;
     case 12:  // Q4_K: per sub-block d * sc * q - dmin * m
       for (int64_t k = 0; k < K; k += 256, row += 144) {
-        const float d = g_h2f(row), dmin = g_h2f(row + 2);
+        ahead(row, 3);
+        alignas(32) float sc[8], mn[8];  // d * sc_s, -(dmin * m_s)
+        k_scales_mins(row, sc, mn);
         for (int j = 0; j < 4; ++j) {
-          int s1, m1, s2, m2;
-          g_k_scale_min(2 * j, row + 4, &s1, &m1);
-          g_k_scale_min(2 * j + 1, row + 4, &s2, &m2);
           const __m128i r0 = ld16(row + 16 + 32 * j), r1 = ld16(row + 32 + 32 * j);
           const float* v0 = v + k + 64 * j;
-          acc = nib32_min(lo_nib(r0), lo_nib(r1), v0, d * static_cast<float>(s1),
-                          -(dmin * static_cast<float>(m1)), acc);
-          acc = nib32_min(hi_nib(r0), hi_nib(r1), v0 + 32, d * static_cast<float>(s2),
-                          -(dmin * static_cast<float>(m2)), acc);
+          acc = nib32_min(lo_nib(r0), lo_nib(r1), v0, sc[2 * j], mn[2 * j], acc);
+          acc = nib32_min(hi_nib(r0), hi_nib(r1), v0 + 32, sc[2 * j + 1], mn[2 * j + 1], acc);
+        }
+      }
+      break;
+    case 13:  // Q5_K: Q4_K's codes plus a fifth bit, bit 2j (2j + 1) of qh[l] for sub-block 2j's
+              // (2j + 1's) element l
+      for (int64_t k = 0; k < K; k += 256, row += 176) {
+        ahead(row, 3);
+        alignas(32) float sc[8], mn[8];
+        k_scales_mins(row, sc, mn);
+        const __m128i h0 = ld16(row + 16), h1 = ld16(row + 32), one = _mm_set1_epi8(1);
+        for (int j = 0; j < 4; ++j) {
+          const __m128i r0 = ld16(row + 48 + 32 * j), r1 = ld16(row + 64 + 32 * j);
+          const __m128i s0 = _mm_cvtsi32_si128(2 * j), s1 = _mm_cvtsi32_si128(2 * j + 1);
+          auto fifth = [&](__m128i h, __m128i sh) {  // the bit at sh as 16
+            return _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, sh), one), 4);
+          };
+          const float* v0 = v + k + 64 * j;
+          acc = nib32_min(_mm_or_si128(lo_nib(r0), fifth(h0, s0)),
+                          _mm_or_si128(lo_nib(r1), fifth(h1, s0)), v0, sc[2 * j], mn[2 * j], acc);
+          acc = nib32_min(_mm_or_si128(hi_nib(r0), fifth(h0, s1)),
+                          _mm_or_si128(hi_nib(r1), fifth(h1, s1)), v0 + 32, sc[2 * j + 1],
+                          mn[2 * j + 1], acc);
         }
       }
       break;
     case 14:  // Q6_K: (ql's 4 bits | qh's 2 bits << 4) - 32, a scale per 16
       for (int64_t k = 0; k < K; k += 256, row += 210) {
-        const float d = g_h2f(row + 208);
+        ahead(row, 4);
+        alignas(32) float sc[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15
+        const __m128i raw = ld16(row + 192);
+        const __m256 d = _mm256_set1_ps(g_h2f(row + 208));
+        _mm256_store_ps(sc, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d));
+        _mm256_store_ps(
+            sc + 8, _mm256_mul_ps(
+                        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(raw, raw))), d));
+        in_memory(sc);
         const __m128i m4 = _mm_set1_epi8(0xF), m3 = _mm_set1_epi8(3), k32 = _mm_set1_epi8(32);
         for (int n = 0; n < 2; ++n) {
-          const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192 + 8 * n);
           for (int g = 0; g < 4; ++g) {
             const __m128i sh = _mm_cvtsi32_si128(g < 2 ? 0 : 4), hs = _mm_cvtsi32_si128(2 * g);
             for (int hh = 0; hh < 2; ++hh) {
@@ -249,8 +320,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
               const __m128i q = _mm_sub_epi8(_mm_or_si128(l4, _mm_slli_epi16(h2, 4)), k32);
               __m256 p = _mm256_setzero_ps(), unused = p;
               bytes16<false>(q, v + k + 128 * n + 32 * g + 16 * hh, p, unused);
-              const float s = d * static_cast<float>(sc[2 * g + hh]);
-              acc = _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc);
+              acc = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[8 * n + 2 * g + hh]), acc);
             }
           }
         }

@@ -178,8 +178,9 @@ void dot4_int4_groups(const uint8_t* const w[4], int64_t ng, int64_t gbytes, con
 // 32-bit lanes and become weights by one in-register table lookup over the block's 16
 // (vpermps) or 32 (vpermt2ps) possible values, the table built from the block's scales
 // (d * q + m for every code q); Q8_0 / Q6_K / FP8 codes are converted and scaled instead.
-// fp32 FMAs into two accumulators of sixteen lanes, summed once at the row's end. Every
-// load stays inside its block (rows are whole blocks: checked by the caller).
+// fp32 FMAs into two or four accumulators of sixteen lanes, summed once at the row's end.
+// Every load stays inside its block (rows are whole blocks: checked by the caller); only
+// prefetch hints (ahead) reach past it.
 inline __m512 iota16() {
   return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 }
@@ -215,67 +216,154 @@ inline __m512 lut_hi(float d, float m) {  // d * q + m for q = 16..31
                          _mm512_set1_ps(m));
 }
 
-// Q4_K / Q5_K: eight sub-blocks of 32 with 6-bit scales and mins: w = d * sc * q - dmin * m.
-void kquant45(bool q5, const uint8_t* b, const float* v, __m512& a0, __m512& a1) {
-  const float d = g_h2f(b), dmin = g_h2f(b + 2);
-  const uint8_t* sc = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* qs = b + (q5 ? 48 : 16);
-  const __m512i k16 = _mm512_set1_epi32(16), m4 = _mm512_set1_epi32(0xF);
+// Q4_K / Q5_K / Q6_K decode a super-block's scales once into a small float array (vector
+// conversions, no per-sub-block scalar work), then read each scale by a broadcast from it (a
+// load, no shuffle); they and Q4_0 keep four accumulators (the FMAs' latency hidden). 4-bit
+// codes index the table without masking: vpermps reads only the index's low four bits
+// (vpermt2ps: five).
+inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
+
+// Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
+// rows stream from memory and one thread's hardware prefetch alone leaves the kernels
+// waiting on it (measured: up to 2x on Q6_K rows). A prefetch is a hint that never faults
+// and returns nothing, so one that lands past a row's end, or its mapping's, is harmless.
+constexpr uintptr_t kAhead = 1024;
+inline void ahead(const uint8_t* p, int lines) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kAhead;
+  for (int i = 0; i < lines; ++i)
+    _mm_prefetch(reinterpret_cast<const char*>(at + 64 * static_cast<uintptr_t>(i)), _MM_HINT_T0);
+}
+// Scales are stored to a small array and read back by broadcasts from memory (load-port
+// work only); without this barrier the compiler turns those broadcasts into vpermd on the
+// shuffle port, which is the one the codes' table lookups need.
+template <class T, int N>
+inline void in_memory(T (&a)[N]) {
+  __asm__ volatile("" : "+m"(a));
+}
+
+// A Q4_K / Q5_K super-block's scales and mins interleaved, each times its factor:
+// out[2 s] = d * sc_s, out[2 s + 1] = -(dmin * m_s) for the sub-blocks s = 0..7. The 12
+// bytes at b + 4 hold them in 6 bits each: s < 4 the low six bits of bytes s (sc) and s + 4
+// (m); s >= 4 the nibbles of byte s + 4 and the top two bits of bytes s - 4 (sc), s (m).
+inline void k_scales_mins(const uint8_t* b, float out[16]) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 4));  // in the block
+  const __m128i lo =
+      _mm_shuffle_epi8(x, _mm_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 8, 9, 9, 10, 10, 11, 11));
+  const __m128i hi =
+      _mm_shuffle_epi8(x, _mm_setr_epi8(-1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 1, 5, 2, 6, 3, 7));
+  const __m128i lo4 = _mm_mask_mov_epi8(lo, 0xAA00, _mm_srli_epi16(lo, 4));  // m_s, s >= 4
+  const __m128i m = _mm_setr_epi8(63, 63, 63, 63, 63, 63, 63, 63, 15, 15, 15, 15, 15, 15, 15, 15);
+  // (A & B) | C = 0xEA: the low bits, then the top two at bits 4..5
+  const __m128i q = _mm_ternarylogic_epi32(
+      lo4, m, _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)), 0xEA);
+  uint32_t dm;
+  __builtin_memcpy(&dm, b, 4);  // d, dmin (fp16)
+  const __m512 f = _mm512_castsi512_ps(_mm512_xor_si512(
+      _mm512_castps_si512(_mm512_cvtph_ps(_mm256_set1_epi32(static_cast<int>(dm)))),
+      _mm512_set1_epi64(static_cast<int64_t>(0x8000000000000000ull))));
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q)), f));
+}
+
+// Q4_K / Q5_K: sub-block s's weights d * sc_s * q - dmin * m_s as a table over its codes.
+template <bool kQ5>
+void kquant45(const uint8_t* b, const float* v, __m512 a[4]) {
+  alignas(64) float sm[16];  // d * sc_s, -(dmin * m_s) interleaved
+  k_scales_mins(b, sm);
+  in_memory(sm);
+  const uint8_t* qs = b + (kQ5 ? 48 : 16);
+  const __m512 io = iota16(), io16 = _mm512_add_ps(io, _mm512_set1_ps(16.f));
+  const __m512i m4 = _mm512_set1_epi32(0xF);
+  // Q5_K: hs[hh] bit 4 holds the fifth bit of sub-block 2j's element 16 hh + lane (qh bit 2j).
+  __m512i hs[2] = {_mm512_slli_epi32(widen16(b + 16), 4), _mm512_slli_epi32(widen16(b + 32), 4)};
   for (int j = 0; j < 4; ++j) {
-    int s1, m1, s2, m2;
-    g_k_scale_min(2 * j, sc, &s1, &m1);
-    g_k_scale_min(2 * j + 1, sc, &s2, &m2);
-    const float d1 = d * static_cast<float>(s1), c1 = -(dmin * static_cast<float>(m1));
-    const float d2 = d * static_cast<float>(s2), c2 = -(dmin * static_cast<float>(m2));
-    const __m512 l1 = lut(d1, c1), l2 = lut(d2, c2);
+    const __m512 l1 = _mm512_fmadd_ps(bcast(sm + 4 * j), io, bcast(sm + 4 * j + 1));
+    const __m512 l2 = _mm512_fmadd_ps(bcast(sm + 4 * j + 2), io, bcast(sm + 4 * j + 3));
     for (int hh = 0; hh < 2; ++hh) {
       const __m512i bq = widen16(qs + 32 * j + 16 * hh);
       const float* v0 = v + 64 * j + 16 * hh;
-      __m512i lo = _mm512_and_si512(bq, m4), hi = _mm512_srli_epi32(bq, 4);
-      if (q5) {
-        const __m512i bh = widen16(qh + 16 * hh);
-        const __mmask16 f0 = _mm512_test_epi32_mask(bh, _mm512_set1_epi32(1 << (2 * j)));
-        const __mmask16 f1 = _mm512_test_epi32_mask(bh, _mm512_set1_epi32(2 << (2 * j)));
-        lo = _mm512_mask_add_epi32(lo, f0, lo, k16);
-        hi = _mm512_mask_add_epi32(hi, f1, hi, k16);
-        a0 = _mm512_fmadd_ps(_mm512_permutex2var_ps(l1, lo, lut_hi(d1, c1)), ldv(v0), a0);
-        a1 = _mm512_fmadd_ps(_mm512_permutex2var_ps(l2, hi, lut_hi(d2, c2)), ldv(v0 + 32), a1);
+      const __m512i hi = _mm512_srli_epi32(bq, 4);
+      __m512 w0, w1;
+      if (kQ5) {  // bits 0..3 the code's, bit 4 the fifth bit (0xE4: select by m4)
+        const __m512i i0 = _mm512_ternarylogic_epi32(bq, hs[hh], m4, 0xE4);
+        const __m512i i1 = _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(hs[hh], 1), m4, 0xE4);
+        w0 = _mm512_permutex2var_ps(
+            l1, i0, _mm512_fmadd_ps(bcast(sm + 4 * j), io16, bcast(sm + 4 * j + 1)));
+        w1 = _mm512_permutex2var_ps(
+            l2, i1, _mm512_fmadd_ps(bcast(sm + 4 * j + 2), io16, bcast(sm + 4 * j + 3)));
+        hs[hh] = _mm512_srli_epi32(hs[hh], 2);
       } else {
-        a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(lo, l1), ldv(v0), a0);
-        a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(hi, l2), ldv(v0 + 32), a1);
+        w0 = _mm512_permutexvar_ps(bq, l1);
+        w1 = _mm512_permutexvar_ps(hi, l2);
       }
+      a[hh] = _mm512_fmadd_ps(w0, ldv(v0), a[hh]);
+      a[2 + hh] = _mm512_fmadd_ps(w1, ldv(v0 + 32), a[2 + hh]);
     }
   }
 }
 
-// Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements.
-void kquant6(const uint8_t* b, const float* v, __m512& a0, __m512& a1) {
-  const float d = g_h2f(b + 208);
-  const __m512i m4 = _mm512_set1_epi32(0xF), m3 = _mm512_set1_epi32(3);
-  const __m512i k32 = _mm512_set1_epi32(32);
+// Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements. The
+// codes of 64 elements are assembled as bytes in one register, stored to the stack and
+// widened 16 at a time by loads.
+void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
+  alignas(64) float s[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15
+  _mm512_store_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
+                                   _mm512_set1_ps(g_h2f(b + 208))));
+  in_memory(s);
+  alignas(64) int8_t q[256];  // the codes minus 32, in element order
+  const __m512i m4 = _mm512_set1_epi8(0xF), m30 = _mm512_set1_epi8(0x30);
+  const __m512i k32 = _mm512_set1_epi8(32);
   for (int n = 0; n < 2; ++n) {
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192 + 8 * n);
-    for (int g = 0; g < 4; ++g) {
-      const uint8_t* ql = b + 64 * n + 32 * (g & 1);
-      const __m128i shift = _mm_cvtsi32_si128(g < 2 ? 0 : 4);
-      const __m128i hshift = _mm_cvtsi32_si128(2 * g);
-      for (int hh = 0; hh < 2; ++hh) {
-        const __m512i l4 = _mm512_and_si512(_mm512_srl_epi32(widen16(ql + 16 * hh), shift), m4);
-        const __m512i h2 =
-            _mm512_and_si512(_mm512_srl_epi32(widen16(b + 128 + 32 * n + 16 * hh), hshift), m3);
-        const __m512i q = _mm512_sub_epi32(_mm512_or_si512(l4, _mm512_slli_epi32(h2, 4)), k32);
-        const __m512 w = _mm512_mul_ps(_mm512_cvtepi32_ps(q),
-                                       _mm512_set1_ps(d * static_cast<float>(sc[2 * g + hh])));
-        const float* v0 = v + 128 * n + 32 * g + 16 * hh;
-        if (hh == 0) {
-          a0 = _mm512_fmadd_ps(w, ldv(v0), a0);
-        } else {
-          a1 = _mm512_fmadd_ps(w, ldv(v0), a1);
-        }
-      }
-    }
+    const __m512i ql = _mm512_loadu_si512(b + 64 * n);  // elements 0..63's low bits, 64.. high
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * n));
+    // qh2's bytes 0..31 hold elements 0..31's (and 64..95's) high bits at bits 0..1 (4..5),
+    // bytes 32..63 those of 32..63 (96..127).
+    const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi16(qh, 2), 1);
+    // (A & B) | C = 0xEA
+    const __m512i c0 = _mm512_sub_epi8(
+        _mm512_ternarylogic_epi32(ql, m4, _mm512_and_si512(_mm512_slli_epi16(qh2, 4), m30), 0xEA),
+        k32);
+    const __m512i c1 = _mm512_sub_epi8(
+        _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), m4, _mm512_and_si512(qh2, m30), 0xEA),
+        k32);
+    _mm512_store_si512(q + 128 * n, c0);
+    _mm512_store_si512(q + 128 * n + 64, c1);
   }
+  in_memory(q);  // widened by loads (not extracts on the shuffle port)
+  for (int i = 0; i < 16; ++i) {
+    const __m512 w = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
+    a[i % 4] = _mm512_fmadd_ps(_mm512_mul_ps(w, bcast(s + i)), ldv(v + 16 * i), a[i % 4]);
+  }
+}
+
+// Q4_0: d (q - 8), the table one multiply of the block's scale (read from the block, so no
+// block waits for another's bytes); two blocks a step into four accumulators.
+inline __m512 f16_bcast(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(h)));
+}
+inline void q4_0_block(const uint8_t* blk, const float* vb, __m512 io8, __m512& a0, __m512& a1) {
+  const __m512 t = _mm512_mul_ps(f16_bcast(blk), io8);  // d (q - 8): one rounding
+  const __m512i q = widen16(blk + 2);
+  a0 = _mm512_fmadd_ps(_mm512_permutexvar_ps(q, t), ldv(vb), a0);
+  a1 = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), t), ldv(vb + 16), a1);
+}
+void q4_0_row(const uint8_t* row, int64_t K, const float* v, __m512 a[4]) {
+  const int64_t nb = K / 32;
+  const __m512 io8 = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.f));
+  int64_t i = 0;
+  for (; i + 2 <= nb; i += 2) {
+    ahead(row + i * 18, 1);  // 36 bytes a step: every line
+    q4_0_block(row + i * 18, v + 32 * i, io8, a[0], a[1]);
+    q4_0_block(row + (i + 1) * 18, v + 32 * (i + 1), io8, a[2], a[3]);
+  }
+  if (i < nb) q4_0_block(row + i * 18, v + 32 * i, io8, a[0], a[1]);
+}
+
+inline float sum4(const __m512 a[4]) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 
 template <class Load>
@@ -290,6 +378,7 @@ float float_row(const uint8_t* row, int64_t K, const float* v) {
 
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  __m512 a[4] = {a0, a0, a0, a0};
   switch (type) {
     case 0:
       return float_row<LoadF32>(row, K, v);
@@ -297,23 +386,27 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       return float_row<LoadF16>(row, K, v);
     case 30:
       return float_row<LoadBF16>(row, K, v);
-    case 8:  // Q8_0: the block's partial dot, scaled once
+    case 8:  // Q8_0: the block's partial dot, scaled once; blocks alternate two accumulators
       for (int64_t k = 0; k < K; k += 32, row += 34) {
+        ahead(row, 1);
         const __m512 q0 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2))));
         const __m512 q1 = _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18))));
         const __m512 p = _mm512_fmadd_ps(q1, ldv(v + k + 16), _mm512_mul_ps(q0, ldv(v + k)));
-        a0 = _mm512_fmadd_ps(p, _mm512_set1_ps(g_h2f(row)), a0);
+        if (k & 32) {
+          a1 = _mm512_fmadd_ps(p, f16_bcast(row), a1);
+        } else {
+          a0 = _mm512_fmadd_ps(p, f16_bcast(row), a0);
+        }
       }
       break;
     case 2:
-    case 3:  // Q4_0: d (q - 8); Q4_1: d q + m
-      for (int64_t k = 0; k < K; k += 32, row += type == 2 ? 18 : 20) {
-        const float d = g_h2f(row);
-        const __m512 t = type == 2 ? lut(d, -8.f * d) : lut(d, g_h2f(row + 2));
-        nib_block(row + (type == 2 ? 2 : 4), t, v + k, a0, a1);
-      }
+      q4_0_row(row, K, v, a);
+      return sum4(a);
+    case 3:  // Q4_1: d q + m
+      for (int64_t k = 0; k < K; k += 32, row += 20)
+        nib_block(row + 4, lut(g_h2f(row), g_h2f(row + 2)), v + k, a0, a1);
       break;
     case 6:
     case 7:  // Q5_0: d (q - 16); Q5_1: d q + m
@@ -327,18 +420,29 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       break;
     case 39:  // MXFP4: the FP4 values times the block's power of two
       for (int64_t k = 0; k < K; k += 32, row += 17) {
+        ahead(row, 1);
         const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(kFp4), _mm512_set1_ps(g_e8m0(row[0])));
         nib_block(row + 1, t, v + k, a0, a1);
       }
       break;
     case 12:
+      for (int64_t k = 0; k < K; k += 256, row += 144) {
+        ahead(row, 3);
+        kquant45<false>(row, v + k, a);
+      }
+      return sum4(a);
     case 13:
-      for (int64_t k = 0; k < K; k += 256, row += type == 12 ? 144 : 176)
-        kquant45(type == 13, row, v + k, a0, a1);
-      break;
+      for (int64_t k = 0; k < K; k += 256, row += 176) {
+        ahead(row, 3);
+        kquant45<true>(row, v + k, a);
+      }
+      return sum4(a);
     case 14:
-      for (int64_t k = 0; k < K; k += 256, row += 210) kquant6(row, v + k, a0, a1);
-      break;
+      for (int64_t k = 0; k < K; k += 256, row += 210) {
+        ahead(row, 4);
+        kquant6(row, v + k, a);
+      }
+      return sum4(a);
     case 200:  // FP8_B128: codes / 256 dotted per block, times the block's scale, then * 256
       for (int64_t k = 0; k < K; k += 128, row += 132) {
         float s;

@@ -46,6 +46,23 @@ def test_ggml_rows_match_the_reference_on_every_isa(types) -> None:
             assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize(
+    "types", [("Q4_K", "Q5_K", "Q6_K"), ("Q4_0", "Q6_K", "Q4_0")], ids=lambda t: "-".join(t)
+)
+def test_ggml_rows_of_several_super_blocks_match_the_reference(types) -> None:
+    """Rows of 2 and 3 super-blocks (K-quants: scales decoded once per super-block) and Q4_0
+    rows of 16 and 24 blocks (scales converted 16 blocks at a time: one whole group, then a
+    whole and a partial one), on every ISA path."""
+    rng = np.random.default_rng(8)
+    H, F = 512, 768
+    slab = torch.stack([expert_rows(types, H, F, rng)[0] for _ in range(2)])
+    fmt = pk.ggml_format(*types)
+    x, w, slots = torch.randn(2, H), torch.rand(2, 2), torch.tensor([[1, 0], [0, 0]])
+    ref = pk.expert_ffn_ref(x, slab, slots, w, H, F, fmt=fmt)
+    for isa in ISAS:
+        _close(store.cpu_expert_ffn(x, slab, slots, w, H, F, fmt=fmt, isa=isa, threads=1), ref)
+
+
 def test_ggml_rows_with_clamped_activation_and_slot_table() -> None:
     rng = np.random.default_rng(6)
     H, F = 256, 64  # down rows of 64 inputs: no K-quant, as files fall back to Q8_0
@@ -62,10 +79,12 @@ def test_ggml_rows_with_clamped_activation_and_slot_table() -> None:
     _close(y, ref)
 
 
-def test_ggml_rows_never_read_past_a_row() -> None:
+@pytest.mark.parametrize(
+    "types", [("MXFP4", "Q5_0", "Q6_K"), ("Q4_K", "Q5_K", "Q4_0")], ids=lambda t: "-".join(t)
+)
+def test_ggml_rows_never_read_past_a_row(types) -> None:
     rng = np.random.default_rng(7)
     H, F = 256, 256
-    types = ("MXFP4", "Q5_0", "Q6_K")
     src = torch.stack([expert_rows(types, H, F, rng)[0] for _ in range(2)])
     nbytes = src.numel()
     _mm, view, at = _guarded(nbytes)
