@@ -318,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             "dirty": dirty,
             "seconds": time.time() - t0,
             "load": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-            "model": path,
+            "model": str(Path(path).resolve().relative_to(ROOT)),
             "residency": a.residency,
-            "operating_points": source,
+            "operating_points": source.replace(f"{ROOT}/", ""),
             "data": f"{data.source}: {len(data.windows)} windows x {a.decode_tokens} "
             f"decode-path tokens after {PROMPT_TOKENS} prompt tokens",
             "hybrid_caps": policies[0]["hybrid_caps"],

@@ -153,12 +153,12 @@ def run_config(
     *,
     progress: bool = False,
     schedule: HostSchedule | None = None,
-    modes: bool = False,
+    modes_recorded: bool = False,
 ) -> dict[str, Any]:
     """One config: score the windows (teacher forced, decode path: NLL, counts and the
     trace the latency model replays), generate greedily from the prompts, score cloze.
     Modeled latency host-free (`latency`) and, given the configuration's measured decode
-    schedule (`measure_schedules`), host-aware too (`latency_host`). `modes`: a policy
+    schedule (`measure_schedules`), host-aware too (`latency_host`). `modes_recorded`: a policy
     that `modes.replay` cannot take (biased, or prefetching) scores the windows again in
     experts_on cpu and hybrid (`record_modes`: `mode_traces`, for the modes table)."""
     model = rc.load(path)
@@ -179,7 +179,7 @@ def run_config(
     stats = model.stats.report()
     model.runtime.recorder = None
     recorded = None
-    if modes and watch is None and data.windows:
+    if modes_recorded and watch is None and data.windows:
         recorded = record_modes(model, data, profiles)
     gens = []
     for p in data.prompts:

@@ -20,7 +20,7 @@ state only, so tokens stay independent of timing. THIS IS A REPLAY FOR EXACT ROU
 ONLY: a policy that biases toward the cache routes differently once the cache differs,
 and its cpu / hybrid traces must be recorded.
 
-Recorded traces: `psr eval --record-modes` (harness.run_config(modes=True)) scores a
+Recorded traces: `psr eval --record-modes` (harness.run_config(modes_recorded=True)) scores a
 biased policy's windows again with `experts_on` cpu and hybrid:m (each m `hybrid_caps`
 gives the profiles), traces recorded, into the result's `mode_traces` ({"traces": {"cpu":
 trace, "hybrid:2": trace, ...}, "capacity", "num_experts", "nll_items": per mode}).
@@ -176,7 +176,7 @@ def replay_hook(result: dict[str, Any], profile: str) -> dict[str, Trace] | None
 
 
 def recorded_hook(result: dict[str, Any], profile: str) -> dict[str, Trace] | None:
-    """A run_config result's recorded traces (`mode_traces`, run_config(modes=True)): gpu
+    """A run_config result's recorded traces (`mode_traces`, run_config(modes_recorded=True)): gpu
     (its own trace), cpu, and the hybrid run with `profile`'s cap; each recorded trace
     takes the gpu trace's measured host schedule (as the replays do: the policy's
     device-step schedule). None without recorded traces, or none for this profile's cap."""

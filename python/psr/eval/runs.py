@@ -88,17 +88,22 @@ def run_all(
     profiles: Sequence[str] = DEFAULT_PROFILES,
     progress: bool = True,
     host: bool = False,
-    modes: bool = False,
+    modes_recorded: bool = False,
 ) -> list[dict[str, Any]]:
     """Every configuration through `run_config`, then `compare`. `host`: each one's decode
-    schedule measured (measure_schedules) and its latency modeled host-aware too. `modes`:
+    schedule measured (measure_schedules) and its latency modeled host-aware too.
+    `modes_recorded`:
     biased policies' cpu / hybrid traces recorded (run_config), for the modes tables."""
     # Measured first: in a child process (a CPU without Triton) beside the scoring.
     job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
     results = []
     try:
         for rc in tqdm(configs, desc=desc, disable=not progress):
-            results.append(run_config(path, rc, data, profiles, progress=progress, modes=modes))
+            results.append(
+                run_config(
+                    path, rc, data, profiles, progress=progress, modes_recorded=modes_recorded
+                )
+            )
     except BaseException:
         if job is not None:
             job.cancel()
@@ -198,7 +203,7 @@ def evaluate(
         cloze=cloze,
     )
     results = run_all(
-        path, configs, data, "psr eval", progress=progress, host=True, modes=record_modes
+        path, configs, data, "psr eval", progress=progress, host=True, modes_recorded=record_modes
     )
     appendix = modes_appendix(results, DEFAULT_PROFILES)
     extra = {"model": path, "data": describe(data)}
