@@ -251,6 +251,28 @@ def _owned(slot_of, slot_expert, scols, cols, capacity):
 
 
 @triton.jit
+def _use_header(
+    hdr, cpu_ptrs, kmask, c_exp, clock, n_routed, hits, used, n_miss, inserts,
+    CAPPED: tl.constexpr,
+):  # fmt: skip
+    """`cache_use_step`'s header: the clock, counters and list counts; CAPPED: the CPU list
+    (at `cpu_ptrs`), its count and the cpu experts counter."""
+    if CAPPED:
+        tl.store(cpu_ptrs, c_exp, mask=kmask)
+        n_ins = tl.minimum(n_miss, inserts)
+        tl.store(hdr + H_CPU_EXPERTS, tl.load(hdr + H_CPU_EXPERTS) + n_miss - n_ins)
+        tl.store(hdr + H_CPU_N, n_miss - n_ins)
+    else:
+        n_ins = n_miss
+    tl.store(hdr + H_CLOCK, clock + n_routed)
+    tl.store(hdr + H_ROUTED, tl.load(hdr + H_ROUTED) + n_routed)
+    tl.store(hdr + H_HITS, tl.load(hdr + H_HITS) + hits)
+    tl.store(hdr + H_MISSES, tl.load(hdr + H_MISSES) + n_miss)
+    tl.store(hdr + H_PREFETCH_USED, tl.load(hdr + H_PREFETCH_USED) + used)
+    tl.store(hdr + H_MISS_N, n_ins)
+
+
+@triton.jit
 def cache_use_step(
     row_ptr,
     routed,  # [BLOCK_E] int1: the token's routed ids
@@ -266,11 +288,13 @@ def cache_use_step(
     BLOCK_E: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    CAPPED: tl.constexpr,
 ):
     """Spec `use` on one layer's row (the module docstring's state); misses one at a time,
     lowest id first, each a free place (lowest unowned slot) or the eviction of the least
     recent member not routed now; past the row's miss-copy cap (`INSERTS`) a miss is not
-    inserted but listed for the CPU."""
+    inserted but listed for the CPU. CAPPED False (experts_on "gpu", cap top_k): the cap
+    is not read, the CPU list, its count and the cpu experts counter not written."""
     cols = tl.arange(0, BLOCK_E)
     emask = cols < E
     scols = tl.arange(0, BLOCK_S)
@@ -284,7 +308,10 @@ def cache_use_step(
     slot_expert = tl.load(row_ptr + OFF_SLOT_EXPERT + scols, mask=smask, other=-1)
     clock = tl.load(row_ptr + OFF_HEADER + H_CLOCK)
     capacity = tl.load(row_ptr + OFF_HEADER + H_CAPACITY)
-    inserts = tl.load(row_ptr + OFF_HEADER + H_INSERTS)
+    if CAPPED:
+        inserts = tl.load(row_ptr + OFF_HEADER + H_INSERTS)
+    else:
+        inserts = K
     owned = _owned(slot_of, slot_expert, scols, cols, capacity)
 
     n_routed = tl.sum(routed.to(tl.int32), axis=0)
@@ -300,9 +327,9 @@ def cache_use_step(
     c_exp = tl.full([BLOCK_K], -1, tl.int32)
     for j in tl.static_range(K):
         e = tl.min(tl.where(miss, cols, BLOCK_E), axis=0)
-        # The first `inserts` misses (lowest ids) are inserted; later ones go to the CPU.
-        on_cpu = (e < BLOCK_E) & (j >= inserts)
-        c_exp = tl.where((kar == j - inserts) & on_cpu, e, c_exp)
+        if CAPPED:  # the first `inserts` misses (lowest ids) inserted, later ones on the CPU
+            on_cpu = (e < BLOCK_E) & (j >= inserts)
+            c_exp = tl.where((kar == j - inserts) & on_cpu, e, c_exp)
         valid = (e < BLOCK_E) & (j < inserts)
         full = size >= capacity
         low = tl.min(tl.where(cand, stamp, _BIG), axis=0)
@@ -335,17 +362,10 @@ def cache_use_step(
     tl.store(row_ptr + OFF_MISS + kar * 3 + 0, m_slot, mask=kmask)
     tl.store(row_ptr + OFF_MISS + kar * 3 + 1, m_exp, mask=kmask)
     tl.store(row_ptr + OFF_MISS + kar * 3 + 2, tl.zeros([BLOCK_K], tl.int32), mask=kmask)
-    tl.store(row_ptr + OFF_MISS + 3 * K + kar, c_exp, mask=kmask)  # the CPU list
-    n_ins = tl.minimum(n_miss, inserts)
-    hdr = row_ptr + OFF_HEADER
-    tl.store(hdr + H_CLOCK, clock + n_routed)
-    tl.store(hdr + H_ROUTED, tl.load(hdr + H_ROUTED) + n_routed)
-    tl.store(hdr + H_HITS, tl.load(hdr + H_HITS) + hits)
-    tl.store(hdr + H_MISSES, tl.load(hdr + H_MISSES) + n_miss)
-    tl.store(hdr + H_CPU_EXPERTS, tl.load(hdr + H_CPU_EXPERTS) + n_miss - n_ins)
-    tl.store(hdr + H_PREFETCH_USED, tl.load(hdr + H_PREFETCH_USED) + used)
-    tl.store(hdr + H_MISS_N, n_ins)
-    tl.store(hdr + H_CPU_N, n_miss - n_ins)
+    _use_header(
+        row_ptr + OFF_HEADER, row_ptr + OFF_MISS + 3 * K + kar, kmask, c_exp, clock, n_routed,
+        hits, used, n_miss, inserts, CAPPED,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -444,6 +464,7 @@ def _cache_use_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CAPPED: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_E)
     kar = tl.arange(0, BLOCK_K)
@@ -464,6 +485,7 @@ def _cache_use_kernel(
         BLOCK_E,
         BLOCK_S,
         BLOCK_K,
+        CAPPED,
     )
 
 
@@ -539,16 +561,26 @@ def _check_ids(op: str, name: str, ids: torch.Tensor, most: int, state: torch.Te
         )
 
 
-def cache_use(state: torch.Tensor, layout: CacheLayout, layer: int, ids: torch.Tensor) -> None:
+def cache_use(
+    state: torch.Tensor,
+    layout: CacheLayout,
+    layer: int,
+    ids: torch.Tensor,
+    *,
+    capped: bool = True,
+) -> None:
     """Spec `use` of one token's routed `ids` (distinct, at most top_k) in one kernel
-    (`cache_state_ref.cache_use_ref` is its reference). Ids are not range-checked here:
+    (`cache_state_ref.cache_use_ref` is its reference, `capped` as there: False skips the
+    miss-copy cap's CPU list where the cap is top_k). Ids are not range-checked here:
     they come from the routing kernel."""
     op = "cache_use"
     check_state(op, state, layout, layer)
     _check_ids(op, "ids", ids, layout.top_k, state)
     check_launchable(op, state, ids)
     flat = ids.reshape(-1)
-    _cache_use_kernel[(1,)](state, layer, flat, flat.numel(), **layout.constexprs())
+    _cache_use_kernel[(1,)](
+        state, layer, flat, flat.numel(), CAPPED=bool(capped), **layout.constexprs()
+    )
 
 
 def cache_prefetch(

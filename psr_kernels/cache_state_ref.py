@@ -13,8 +13,9 @@ and every operation hands out fresh clock values, so stamps of members are disti
 "least recent" is the member with the smallest stamp.
 
 Both run once per MoE layer and decode token on the CPU, where every tensor op costs a
-few microseconds, so they are written in few, cheap ops (31 for `use`, 12 + 16 per id for
-`prefetch`; a formulation with dense one-hot masks took 109 and 27 + 52 per id):
+few microseconds, so they are written in few, cheap ops (31 for `use`, 9 more with the
+miss-copy cap, `capped=True`; 12 + 16 per id for `prefetch`; a formulation with dense one-hot
+masks took 109 and 27 + 52 per id):
   - Where an id goes is one ordering of the slots, the "place key": a free slot (among
     the first C, held by no member) keys below zero, lowest slot first; a member's slot
     keys by its stamp, least recent first; any other slot keys `_BIG`. The j-th miss
@@ -76,7 +77,9 @@ class _Consts:
     routed_k: torch.Tensor  # [2] K, K: the clock and routed counter steps of K ids
     above: torch.Tensor  # [K] K-1 .. 0: routed ids above each of K ascending ids
     use_counts: torch.Tensor  # [6] header fields it adds to: clock, routed, hits, used,
-    # misses, cpu experts
+    # misses, cpu experts (uncapped: the first five)
+    use_counts_gpu: torch.Tensor  # [5] the first five (uncapped: no cpu experts)
+    miss_n: torch.Tensor  # [1] MISS_N
     lists: torch.Tensor  # [2] header fields of the list counts: MISS_N, CPU_N
     miss_rows: torch.Tensor  # [K] 0 .. K-1
     list_at: torch.Tensor  # [K] 0, 3, 6, ...: the miss list's rows
@@ -130,6 +133,8 @@ def _make_consts(layout: CacheLayout, device: torch.device) -> _Consts:
         routed_k=t(K, K),
         above=ar(K - 1, -1, -1),
         use_counts=t(*counts),
+        use_counts_gpu=t(*counts[:5]),
+        miss_n=t(MISS_N),
         lists=t(MISS_N, CPU_N),
         miss_rows=ar(K),
         list_at=ar(0, 3 * K, 3),
@@ -182,7 +187,14 @@ def _place_key(r: _Row, c: _Consts) -> torch.Tensor:
     return key
 
 
-def cache_use_ref(state: torch.Tensor, layout: CacheLayout, layer: int, ids: torch.Tensor) -> None:
+def cache_use_ref(
+    state: torch.Tensor,
+    layout: CacheLayout,
+    layer: int,
+    ids: torch.Tensor,
+    *,
+    capped: bool = True,
+) -> None:
     """Spec `use` of this token's routed `ids` ([k] or [1, k], distinct, k <= top_k) on
     `layer`'s row: misses inserted in ascending id order, each into a free place or
     evicting the least recent member not routed now (its slot reused; a free place takes
@@ -190,7 +202,11 @@ def cache_use_ref(state: torch.Tensor, layout: CacheLayout, layer: int, ids: tor
     id more recent. Writes the miss copy list (slot, expert, KIND_MISS) with its count
     and adds routed / hits / misses / prefetches used to the counters. Past the row's
     miss-copy cap (`INSERTS`), misses are not inserted: they are listed, ascending, in the
-    CPU list with its count and counted as cpu experts."""
+    CPU list with its count and counted as cpu experts.
+
+    `capped=False` (experts_on "gpu", whose cap is top_k): the cap is not read and the CPU
+    list, its count and the cpu experts counter are not written (they stay -1, 0 and 0),
+    9 ops fewer; on a row whose cap is top_k the state is bit-identical to capped=True's."""
     c = _consts(layout, state.device)
     r = _Row(state, layout, layer, c)
     S, K = layout.num_slots, layout.top_k
@@ -209,11 +225,13 @@ def cache_use_ref(state: torch.Tensor, layout: CacheLayout, layer: int, ids: tor
     key.index_put_((cols[_SLOT_OF],), c.big)  # a miss's slot_of -1: the scratch cell
     # The K first places, in order (keys are distinct but _BIG ones, which no miss takes).
     place_key, place = torch.topk(key[:S], K, largest=False)
-    # The first `inserts` misses are inserted, the others listed for the CPU.
-    n_ins = torch.minimum(n_miss, r.header[INSERTS : INSERTS + 1])
-    n_cpu = n_miss - n_ins
-    at_cpu = (c.miss_rows + n_ins).clamp_(max=K - 1)
-    r.cpu_list.copy_(torch.where(c.miss_rows < n_cpu, miss.index_select(0, at_cpu), c.no_miss))
+    if capped:  # the first `inserts` misses are inserted, the others listed for the CPU
+        n_ins = torch.minimum(n_miss, r.header[INSERTS : INSERTS + 1])
+        n_cpu = n_miss - n_ins
+        at_cpu = (c.miss_rows + n_ins).clamp_(max=K - 1)
+        r.cpu_list.copy_(torch.where(c.miss_rows < n_cpu, miss.index_select(0, at_cpu), c.no_miss))
+    else:  # every miss inserted
+        n_ins = n_miss
     valid = c.miss_rows < n_ins  # rows with an inserted miss
     evict = valid & (place_key >= 0)  # ... into a member's place
     victim = r.slot_expert.index_select(0, place)
@@ -233,8 +251,12 @@ def cache_use_ref(state: torch.Tensor, layout: CacheLayout, layer: int, ids: tor
     # it), and no longer pending.
     r.stamp.index_copy_(0, routed, r.header[CLOCK] + (c.above if k == K else c.above[K - k :]))
     r.pending.index_fill_(0, routed, 0)
-    r.header.index_add_(0, c.use_counts, torch.cat([routed_k, hits_used, n_miss, n_cpu]))
-    r.header.index_copy_(0, c.lists, torch.cat([n_ins, n_cpu]))
+    if capped:
+        r.header.index_add_(0, c.use_counts, torch.cat([routed_k, hits_used, n_miss, n_cpu]))
+        r.header.index_copy_(0, c.lists, torch.cat([n_ins, n_cpu]))
+    else:
+        r.header.index_add_(0, c.use_counts_gpu, torch.cat([routed_k, hits_used, n_miss]))
+        r.header.index_copy_(0, c.miss_n, n_miss)
     r.done()
 
 

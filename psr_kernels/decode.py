@@ -94,6 +94,7 @@ def _decode_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_NEXT_BIAS: tl.constexpr,
     HAS_NEXT_GATE_BIAS: tl.constexpr,
+    CAPPED: tl.constexpr,  # the row's miss-copy cap may be below K (cache_use_step)
     E: tl.constexpr,
     S: tl.constexpr,
     W: tl.constexpr,
@@ -116,8 +117,8 @@ def _decode_kernel(
             logits_ptr, stride_le, bias_ptr, weights_ptr, ids_ptr, state_ptr + layer * W, lam,
             scaling, norm_min, mixer_eps, K, IS_SOFTMAX, IS_TOPK_SOFTMAX, IS_SIGMOID,
             IS_SPARSEMIXER, IS_TOPK_SIGMOID, RENORM, N_GROUP, TOPK_GROUP, GROUP_MAX, NG_P2,
-            HAS_MASK, HAS_BIAS, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT,
-            OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
+            HAS_MASK, HAS_BIAS, CAPPED, E, S, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF,
+            OFF_SLOT_EXPERT, OFF_HEADER, OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
         )  # fmt: skip
     elif N > 0:
         _predict_prefetch(
@@ -135,9 +136,10 @@ def _route_use(
     mixer_eps, K: tl.constexpr, IS_SOFTMAX: tl.constexpr, IS_TOPK_SOFTMAX: tl.constexpr,
     IS_SIGMOID: tl.constexpr, IS_SPARSEMIXER: tl.constexpr, IS_TOPK_SIGMOID: tl.constexpr,
     RENORM: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUP_MAX: tl.constexpr,
-    NG_P2: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, E: tl.constexpr,
-    S: tl.constexpr, OFF_MEMBER: tl.constexpr, OFF_PENDING: tl.constexpr, OFF_SLOT_OF: tl.constexpr,
-    OFF_SLOT_EXPERT: tl.constexpr, OFF_HEADER: tl.constexpr, OFF_MISS: tl.constexpr,
+    NG_P2: tl.constexpr, HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, CAPPED: tl.constexpr,
+    E: tl.constexpr, S: tl.constexpr, OFF_MEMBER: tl.constexpr, OFF_PENDING: tl.constexpr,
+    OFF_SLOT_OF: tl.constexpr, OFF_SLOT_EXPERT: tl.constexpr, OFF_HEADER: tl.constexpr,
+    OFF_MISS: tl.constexpr,
     BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Program 0: route the token on this layer's cache, write weights and ids, `use`."""
@@ -169,7 +171,7 @@ def _route_use(
     routed = tl.max(tl.where(valid, chosen.to(tl.int32), 0), axis=0) != 0
     cache_use_step(
         row_ptr, routed, E, S, K, OFF_MEMBER, OFF_PENDING, OFF_SLOT_OF, OFF_SLOT_EXPERT, OFF_HEADER,
-        OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K,
+        OFF_MISS, BLOCK_E, BLOCK_S, BLOCK_K, CAPPED,
     )  # fmt: skip
 
 
@@ -219,6 +221,7 @@ def decode_config(
     has_bias: bool,
     has_next_bias: bool,
     has_next_gate_bias: bool = False,
+    capped: bool = True,
 ) -> Mapping[str, int | bool]:
     """Every compile-time argument of one decode-step launch, and `num_warps` (cached:
     a read-only mapping, computed once per model and policy)."""
@@ -235,6 +238,7 @@ def decode_config(
         HAS_BIAS=has_bias,
         HAS_NEXT_BIAS=has_next_bias,
         HAS_NEXT_GATE_BIAS=has_next_gate_bias,
+        CAPPED=capped,
         num_warps=4,
     )
     return MappingProxyType(cfg)
@@ -296,6 +300,7 @@ def decode_step(
     next_bias: torch.Tensor | None = None,
     checked: bool = False,
     next_gate_bias: torch.Tensor | None = None,
+    capped: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decode token's routing and cache updates for MoE layer `layer` (module
     docstring), in one launch.
@@ -314,6 +319,10 @@ def decode_step(
             earlier call (the runtime's first per layer) and passes the same again: skip
             the checks, ~15 µs of host time per call (a decode step's arguments are fixed
             per model; the checks run once, not per token).
+        capped: the row's miss-copy cap (`INSERTS`) may be below top_k (experts_on cpu /
+            hybrid). False (experts_on gpu, whose cap is top_k): `use` neither reads the
+            cap nor writes the CPU list, its count or the cpu experts counter (they stay
+            -1, 0, 0), the same state otherwise; a row with a lower cap must pass True.
     Returns `(weights [1, k] out_dtype, ids [1, k] int64)`; the miss and prefetch copy
     lists are in the state rows.
     """
@@ -340,6 +349,7 @@ def decode_step(
         has_bias=bias is not None,
         has_next_bias=next_bias is not None,
         has_next_gate_bias=next_gate_bias is not None,
+        capped=bool(capped),
     )
     dummy = logits
     _decode_kernel[(2 if n else 1,)](
@@ -386,9 +396,11 @@ def decode_step_ref(
     next_bias: torch.Tensor | None = None,
     checked: bool = False,
     next_gate_bias: torch.Tensor | None = None,
+    capped: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `decode_step` (same arguments and results): the routing
-    and cache references in the kernel's order, with no host read."""
+    and cache references in the kernel's order, with no host read (`capped=False`: 9 aten
+    ops fewer per call)."""
     op = "decode_step_ref"
     if not checked:
         _check(op, logits, spec, state, layout, layer, n, residual, norm_weight, gate_weight)
@@ -400,7 +412,7 @@ def decode_step_ref(
         if mask is not None:  # the kernel's count: substituted ids, beside `use`'s counts
             at = lo.header + COUNTS + SUBSTITUTED
             state[layer, at : at + 1].add_(sub)
-        cache_use_ref(state, lo, layer, ids)
+        cache_use_ref(state, lo, layer, ids, capped=capped)
         if n:
             assert residual is not None and norm_weight is not None and gate_weight is not None
             pred, _ = predict_next_ref(

@@ -412,6 +412,9 @@ def test_eval_and_sweep_get_parsed_values(tmp_path, capsys, monkeypatch) -> None
         ("psr(lam=0.3, n=1)", 0.25),
     ]
     assert kw["progress"] is False  # stderr is not a terminal here
+    assert kw["record_modes"] is False
+    assert main([*argv, "--record-modes"]) == 0
+    assert seen["eval"][1]["record_modes"] is True
     out = tmp_path / "sweep"
     assert main(["bench", "sweep", "--lams", "0.1", "--ns", "0,2", "--out", str(out)]) == 0
     (path, out_arg, rho, lams, ns), kw = seen["sweep"]

@@ -4,7 +4,9 @@ pending prefetch, counter and copy list equal after every operation, on long ran
 streams over many (E, C, k, n), C = k, C = E, n = 0 and n = C, slabs with more slots than
 the capacity, and caches that start part empty; and with a miss-copy cap (experts_on cpu /
 hybrid: at most m misses inserted, the others in the CPU list). The torch reference runs the long
-streams; the Triton kernel (interpreter here) runs shorter ones against it."""
+streams; the Triton kernel (interpreter here) runs shorter ones against it. Uncapped streams run
+`use` with capped=False (experts_on gpu: the cap's code skipped) beside a twin with capped=True:
+the states stay bit-identical."""
 
 from __future__ import annotations
 
@@ -112,7 +114,13 @@ def _run(
     seed: int,
     kernel: bool,
     cap: int | None = None,
+    capped: bool | None = None,
 ) -> None:
+    """`capped`: the flag of the `use` under test (None: True with a cap, else False);
+    uncapped streams also run a reference with the other flag, which must stay equal."""
+    if capped is None:
+        capped = cap is not None
+    assert capped or cap is None, "capped=False is for rows whose cap is top_k"
     rng = random.Random(seed)
     lo = cs.CacheLayout(E, S, k, n)
     o, slot_expert = _start(rng, E, C, S, fill)
@@ -121,16 +129,20 @@ def _run(
     order, slot_of = o.cache.order(), o.slots.slot_of
     cs.reset_layer(state, lo, 0, C, order, slot_of, slot_expert, inserts=cap)
     twin = state.clone()  # the reference beside the kernel
+    other = state.clone() if cap is None else None  # the other flag's reference
     for _ in range(steps):
         routed = _routed(rng, o, E, k)
         ids = torch.tensor(routed)[None]
         o.use(routed)
         if kernel:
-            cs.cache_use(state, lo, 0, ids)
-            cache_use_ref(twin, lo, 0, ids)
+            cs.cache_use(state, lo, 0, ids, capped=capped)
+            cache_use_ref(twin, lo, 0, ids, capped=capped)
             assert torch.equal(state, twin)
         else:
-            cache_use_ref(state, lo, 0, ids)
+            cache_use_ref(state, lo, 0, ids, capped=capped)
+        if other is not None:
+            cache_use_ref(other, lo, 0, ids, capped=not capped)
+            assert torch.equal(state, other), "capped=True and False differ on an uncapped row"
         _assert_equal(o, state, lo, C, cs.KIND_MISS)
         pred = rng.sample(range(E), n)
         o.prefetch(pred, n)
@@ -141,6 +153,8 @@ def _run(
             assert torch.equal(state, twin)
         else:
             cache_prefetch_ref(state, lo, 0, p, n)
+        if other is not None:
+            cache_prefetch_ref(other, lo, 0, p, n)
         _assert_equal(o, state, lo, C, cs.KIND_PREFETCH)
 
 
@@ -185,10 +199,11 @@ KERNEL_SHAPES = [
 
 @pytest.mark.parametrize("shape", KERNEL_SHAPES, ids=lambda s: "E{}-C{}-S{}-k{}-n{}".format(*s))
 @pytest.mark.parametrize("fill", ["full", "part", "empty"])
-def test_kernel_equals_reference_and_logical_cache(shape, fill: str) -> None:
+@pytest.mark.parametrize("capped", [False, True], ids=["uncapped", "capped"])
+def test_kernel_equals_reference_and_logical_cache(shape, fill: str, capped: bool) -> None:
     E, C, S, k, n = shape
     start = {"full": C, "part": C // 2, "empty": 0}[fill]
-    _run(E, C, S, k, n, start, steps=12, seed=_seed(shape, fill), kernel=True)
+    _run(E, C, S, k, n, start, steps=12, seed=_seed(shape, fill), kernel=True, capped=capped)
 
 
 CAP_SHAPES = [(8, 2, 2, 2, 1), (16, 5, 9, 3, 2), (64, 32, 40, 8, 2), (64, 8, 8, 8, 3)]

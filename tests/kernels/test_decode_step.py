@@ -44,7 +44,7 @@ def _problem(case, seed: int):
     return spec, n, logits, args
 
 
-def _state(k: int, n: int, C: int, seed: int):
+def _state(k: int, n: int, C: int, seed: int, inserts: int | None = None):
     layout = cs.CacheLayout(E, C + 2, k, n)
     state = cs.new_state(3, layout, "cpu")
     rng = random.Random(seed)
@@ -57,7 +57,7 @@ def _state(k: int, n: int, C: int, seed: int):
         slot_of = dict(zip(order, rng.sample(range(C), C - 1), strict=True))
         for e, s in slot_of.items():
             slot_expert[s] = e
-        cs.reset_layer(state, layout, layer, C, order, slot_of, slot_expert)
+        cs.reset_layer(state, layout, layer, C, order, slot_of, slot_expert, inserts=inserts)
         cache = LogicalCache(C, E)
         cache.reset(order)
         sm = SlotMap(slot_expert[:C])
@@ -67,20 +67,33 @@ def _state(k: int, n: int, C: int, seed: int):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-g{c[2]}-k{c[4]}-n{c[5]}-{c[7]}")
-def test_kernel_equals_reference(case) -> None:
+@pytest.mark.parametrize("capped", [False, True], ids=["uncapped", "capped"])
+def test_kernel_equals_reference(case, capped: bool) -> None:
+    """capped: a miss-copy cap of 0 (experts_on cpu), so every miss reaches the CPU list;
+    uncapped: capped=False, and a reference with capped=True on the same rows (cap top_k)
+    stays bit-identical."""
     spec, n, logits, args = _problem(case, seed=1)
-    layout, state, _ = _state(spec.top_k, n, 8, seed=2)
+    layout, state, _ = _state(spec.top_k, n, 8, seed=2, inserts=0 if capped else None)
     twin = state.clone()
+    other = None if capped else state.clone()
     out_dtype = logits.dtype
+    cpu_experts = layout.header + cs.COUNTS + cs.CPU_EXPERTS
     for step in range(3):  # the state carries over between steps
         kw = dict(args, n=n, out_dtype=out_dtype) if n else dict(bias=args["bias"])
-        w, ids = decode_step(logits, spec, state, layout, 1, **kw)
-        w_ref, ids_ref = decode_step_ref(logits, spec, twin, layout, 1, **kw)
+        w, ids = decode_step(logits, spec, state, layout, 1, capped=capped, **kw)
+        w_ref, ids_ref = decode_step_ref(logits, spec, twin, layout, 1, capped=capped, **kw)
         assert torch.equal(ids, ids_ref) and ids.dtype == torch.int64
         assert w.dtype == w_ref.dtype
         torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
         assert torch.equal(state, twin), f"state differs after step {step}"
+        if other is not None:
+            decode_step_ref(logits, spec, other, layout, 1, capped=True, **kw)
+            assert torch.equal(state, other), f"capped=True differs after step {step}"
         logits = logits.roll(step + 1, dims=1)
+    # Capped at 0, every miss went to the CPU; uncapped, none.
+    misses = int(state[1, layout.header + cs.COUNTS + cs.MISSES])
+    assert misses > 0
+    assert int(state[1, cpu_experts]) == (misses if capped else 0)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-g{c[2]}-k{c[4]}-n{c[5]}-{c[7]}")

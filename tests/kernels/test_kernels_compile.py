@@ -126,25 +126,32 @@ SCRIPT = textwrap.dedent(
                  dict(K=k, HAS_TABLE=table, **down_kind, **c2), w2, arch)
         n += 2
     # The device step: the fused decode kernel (with and without the next layer's
-    # prediction) and the standalone cache kernels, at half residency, n = 2.
+    # prediction, uncapped: experts_on gpu; and capped with it) and the standalone cache
+    # kernels (capped and not), at half residency, n = 2.
     dtypes = {"logits_ptr": p("bf16"), "bias_ptr": p("fp32"), "weights_ptr": p("bf16"),
               "ids_ptr": p("i64"), "res_ptr": p("bf16"), "norm_ptr": p("bf16"), "eps": "fp32",
               "gate_ptr": p("bf16"), "next_bias_ptr": p("fp32"), "state_ptr": p("i32"),
               "lam": "fp32", "scaling": "fp32", "norm_min": "fp32", "mixer_eps": "fp32",
               "next_gbias_ptr": p("bf16")}
-    for arch, (E, k, H, F, grouped), pred in itertools.product((80, 90), shapes, (0, 2)):
+    variants = ((0, False), (2, False), (2, True))  # (n, capped)
+    for arch, (E, k, H, F, grouped), (pred, capped) in itertools.product(
+        (80, 90), shapes, variants
+    ):
         group = dict(n_group=8, topk_group=4) if grouped else {}
         spec = RouteSpec(k, 0.3, "sigmoid" if grouped else "softmax", True, **group)
         layout = CacheLayout(E, E // 2, k, 2)
         cfg = dict(decode_config(spec, layout, H, n=pred, has_mask=True, has_bias=grouped,
-                                 has_next_bias=grouped and pred > 0))
+                                 has_next_bias=grouped and pred > 0, capped=capped))
         warps = cfg.pop("num_warps")
         compile_(_decode_kernel, dtypes, cfg, warps, arch)
         lo = dict(layout.constexprs())
-        compile_(_cache_use_kernel, {"state_ptr": p("i32"), "ids_ptr": p("i64")}, lo, 4, arch)
-        compile_(_cache_prefetch_kernel, {"state_ptr": p("i32"), "pred_ptr": p("i32")},
-                 dict(N=2, **lo), 4, arch)
-        n += 3
+        compile_(_cache_use_kernel, {"state_ptr": p("i32"), "ids_ptr": p("i64")},
+                 dict(CAPPED=capped, **lo), 4, arch)
+        n += 2
+        if not capped:
+            compile_(_cache_prefetch_kernel, {"state_ptr": p("i32"), "pred_ptr": p("i32")},
+                     dict(N=2, **lo), 4, arch)
+            n += 1
     # Quantized slab rows: every format (fp8 decoded with integer ops: no fp8 hardware
     # needed on sm_80) for OLMoE-1B-7B at decode (H=2048, F=1024, k=8, T=1).
     for arch, fmt in itertools.product((80, 90), FORMATS):
@@ -214,4 +221,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 134 variants, 110 distinct" in r.stdout
+    assert "compiled 146 variants, 122 distinct" in r.stdout

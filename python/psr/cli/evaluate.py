@@ -88,6 +88,12 @@ def add_eval(sub: Any) -> None:
     ev.add_argument("--gen-tokens", type=positive_int, default=48, help="greedy tokens per prompt")
     ev.add_argument("--out", default="psr-results/eval", help="folder for eval.{md,json,png}")
     ev.add_argument("--traces", action="store_true", help="keep routing traces in the JSON")
+    ev.add_argument(
+        "--record-modes",
+        action="store_true",
+        help="gpu / cpu / hybrid tables for biased policies too: their windows scored again "
+        "with experts_on cpu and hybrid, traces recorded (exact's are replayed either way)",
+    )
     ev.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     ev.set_defaults(fn=run_eval)
 
@@ -108,6 +114,7 @@ def run_eval(args: argparse.Namespace) -> int:
         gen_tokens=args.gen_tokens,
         progress=progress(args),
         traces=args.traces,
+        record_modes=args.record_modes,
     )
     return 0
 

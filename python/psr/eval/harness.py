@@ -153,11 +153,14 @@ def run_config(
     *,
     progress: bool = False,
     schedule: HostSchedule | None = None,
+    modes_recorded: bool = False,
 ) -> dict[str, Any]:
     """One config: score the windows (teacher forced, decode path: NLL, counts and the
     trace the latency model replays), generate greedily from the prompts, score cloze.
     Modeled latency host-free (`latency`) and, given the configuration's measured decode
-    schedule (`measure_schedules`), host-aware too (`latency_host`)."""
+    schedule (`measure_schedules`), host-aware too (`latency_host`). `modes_recorded`: a policy
+    that `modes.replay` cannot take (biased, or prefetching) scores the windows again in
+    experts_on cpu and hybrid (`record_modes`: `mode_traces`, for the modes table)."""
     model = rc.load(path)
     total = len(data.windows) + len(data.prompts) + len(data.cloze)
     bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
@@ -175,6 +178,9 @@ def run_config(
         }
     stats = model.stats.report()
     model.runtime.recorder = None
+    recorded = None
+    if modes_recorded and watch is None and data.windows:
+        recorded = record_modes(model, data, profiles)
     gens = []
     for p in data.prompts:
         gens.append(model.generate(p, data.gen_tokens)[0, len(p) :].tolist())
@@ -194,9 +200,72 @@ def run_config(
     }
     if starts is not None:
         out["mode_starts"] = starts  # not saved (report.save): replay input only
+    if recorded is not None:
+        out["mode_traces"] = recorded  # not saved (report.save): the modes table's input
     if schedule is not None:
         add_host_latency(out, schedule, profiles)
     return out
+
+
+def record_modes(
+    model: OffloadedModel, data: EvalData, profiles: Sequence[str] = DEFAULT_PROFILES
+) -> dict[str, Any]:
+    """The windows scored again with experts_on "cpu" and "hybrid:m" for each m the
+    profiles' costs choose (`modes.hybrid_caps`), a trace recorded per mode; the model is
+    left in "gpu" mode (its stats count these runs too). Returns {"traces": {mode: Trace},
+    "nll_items": {mode: [...]}, "capacity", "num_experts"} (run_config's `mode_traces`)."""
+    rt = model.runtime
+    if model.experts_on != "gpu":
+        raise ValueError(f"record_modes starts from experts_on 'gpu', not {model.experts_on!r}")
+    E, C = rt.spec.num_experts, rt.capacity
+    caps = modes.hybrid_caps(profiles, rt.spec.top_k, C, E, rt.bytes_ratio)
+    traces, nll = {}, {}
+    try:
+        for mode in ["cpu", *(f"hybrid:{m}" for m in sorted(set(caps.values())))]:
+            where, _, m = mode.partition(":")
+            model.set_experts_on(where, int(m) if m else None)
+            reads = _SlabReads(model)
+            try:
+                rec = model.record_trace()
+                nll[mode] = perplexity_items(model, data.windows, data.prompt_len)
+            finally:
+                reads.close()
+            rt.recorder = None
+            traces[mode] = rec.trace
+    finally:
+        rt.recorder = None
+        model.set_experts_on("gpu")
+    return {"traces": traces, "nll_items": nll, "capacity": C, "num_experts": E}
+
+
+class _SlabReads:
+    """A workaround while scoring records in experts_on cpu / hybrid: the scored window's
+    step (runtime/window.py) records the slots of every routed expert, and a CPU expert
+    has none (a KeyError), where the host step records the slab's experts only. On the
+    layers' instances, each step's CPU experts (its `use`'s `cpu`) are left out of that
+    read, exactly those; `close` undoes it. Remove once window.py reads the slab ones."""
+
+    def __init__(self, model: OffloadedModel) -> None:
+        self.layers = list(model.runtime.layers)
+        for L in self.layers:
+            cpu: set[int] = set()
+            use, slots = L.cache.use, L.slots.slots
+
+            def use_cap(*a: Any, use: Any = use, cpu: set[int] = cpu, **kw: Any) -> Any:
+                r = use(*a, **kw)
+                cpu.clear()
+                cpu.update(r.cpu)
+                return r
+
+            def slab_slots(experts: Any, slots: Any = slots, cpu: set[int] = cpu) -> Any:
+                return slots([e for e in experts if e not in cpu])
+
+            L.cache.use, L.slots.slots = use_cap, slab_slots
+
+    def close(self) -> None:
+        for L in self.layers:
+            L.cache.__dict__.pop("use", None)
+            L.slots.__dict__.pop("slots", None)
 
 
 # --- host schedules ------------------------------------------------------------------

@@ -19,7 +19,13 @@ the expected misses k (1 - C / E)), one cap for every layer: a function of the l
 state only, so tokens stay independent of timing. THIS IS A REPLAY FOR EXACT ROUTING
 ONLY: a policy that biases toward the cache routes differently once the cache differs,
 and its cpu / hybrid traces must be recorded.
-`MODE_TRACES` is the hook the demo and eval call; real recorded runs replace it.
+
+Recorded traces: `psr eval --record-modes` (harness.run_config(modes_recorded=True)) scores a
+biased policy's windows again with `experts_on` cpu and hybrid:m (each m `hybrid_caps`
+gives the profiles), traces recorded, into the result's `mode_traces` ({"traces": {"cpu":
+trace, "hybrid:2": trace, ...}, "capacity", "num_experts", "nll_items": per mode}).
+`MODE_TRACES` (the hook the demo and eval call, `mode_traces`) takes those where a result
+has them, else the exact-routing replay.
 """
 
 from __future__ import annotations
@@ -52,6 +58,28 @@ def hybrid_cap(p: Profile, top_k: int, capacity: int, num_experts: int) -> int:
     per = p.expert_bytes / (p.cpu_gbps * 1e9) + p.cpu_expert_us * 1e-6
     misses = expected_misses(top_k, capacity, num_experts)
     return choose_inserts(misses, top_k, p.copy_s(), p.cpu_layer_us * 1e-6, per)
+
+
+def _scaled(profile: str | Profile, bytes_ratio: float) -> Profile:
+    """The profile with a trace's expert bytes (a quantized format copies fewer)."""
+    p = get_profile(profile)
+    if bytes_ratio != 1.0:
+        p = replace(p, expert_bytes=round(p.expert_bytes * bytes_ratio))
+    return p
+
+
+def hybrid_caps(
+    profiles: Sequence[str | Profile],
+    top_k: int,
+    capacity: int,
+    num_experts: int,
+    bytes_ratio: float = 1.0,
+) -> dict[str, int]:
+    """`hybrid_cap` per profile name, at a trace's `bytes_ratio`: the hybrid runs to record."""
+    return {
+        get_profile(p).name: hybrid_cap(_scaled(p, bytes_ratio), top_k, capacity, num_experts)
+        for p in profiles
+    }
 
 
 def _replay_layer(
@@ -126,9 +154,7 @@ def replay_modes(
     profile: str | Profile,
 ) -> dict[str, Trace]:
     """The gpu trace and its cpu and hybrid replays under `profile` (module docstring)."""
-    p = get_profile(profile)
-    if trace.bytes_ratio != 1.0:
-        p = replace(p, expert_bytes=round(p.expert_bytes * trace.bytes_ratio))
+    p = _scaled(profile, trace.bytes_ratio)
     args = (starts, window, capacity, num_experts)
     top_k = len(trace.tokens[0][0].experts) if trace.tokens and trace.tokens[0] else 1
     return {
@@ -149,9 +175,33 @@ def replay_hook(result: dict[str, Any], profile: str) -> dict[str, Trace] | None
     )
 
 
+def recorded_hook(result: dict[str, Any], profile: str) -> dict[str, Trace] | None:
+    """A run_config result's recorded traces (`mode_traces`, run_config(modes_recorded=True)): gpu
+    (its own trace), cpu, and the hybrid run with `profile`'s cap; each recorded trace
+    takes the gpu trace's measured host schedule (as the replays do: the policy's
+    device-step schedule). None without recorded traces, or none for this profile's cap."""
+    rec = result.get("mode_traces")
+    if not rec:
+        return None
+    gpu: Trace = result["trace"]
+    m = hybrid_caps([profile], gpu.top_k, rec["capacity"], rec["num_experts"], gpu.bytes_ratio)
+    hybrid = rec["traces"].get(f"hybrid:{m[get_profile(profile).name]}")
+    if hybrid is None:
+        return None
+    return {
+        "gpu": gpu,
+        "cpu": replace(rec["traces"]["cpu"], host=gpu.host),
+        "hybrid": replace(hybrid, host=gpu.host),
+    }
+
+
+def mode_traces(result: dict[str, Any], profile: str) -> dict[str, Trace] | None:
+    """`MODE_TRACES`: recorded traces where the result has them, else exact's replay."""
+    return recorded_hook(result, profile) or replay_hook(result, profile)
+
+
 # The hook psr demo / psr eval call per result and profile: mode -> trace, or None.
-# The integrator points it at traces recorded with experts_on = gpu | cpu | hybrid.
-MODE_TRACES: Callable[[dict[str, Any], str], dict[str, Trace] | None] = replay_hook
+MODE_TRACES: Callable[[dict[str, Any], str], dict[str, Trace] | None] = mode_traces
 
 
 def assumptions(profiles: Sequence[str | Profile]) -> str:
@@ -271,8 +321,8 @@ def replayable(policy: Any) -> bool:
 
 def modes_appendix(results: Sequence[dict[str, Any]], profiles: Sequence[str]) -> str:
     """psr demo / psr eval's gpu / cpu / hybrid tables: per result that `MODE_TRACES`
-    gives traces for (today: exact routing, replayed), one table over `profiles`; ''
-    when none."""
+    gives traces for (recorded ones, else exact routing replayed), one table over
+    `profiles`; '' when none."""
     parts = []
     for r in results:
         by_profile: dict[str, dict[str, Trace]] = {}
@@ -283,13 +333,16 @@ def modes_appendix(results: Sequence[dict[str, Any]], profiles: Sequence[str]) -
         if not by_profile:
             continue
         rho = r["config"]["residency"]
-        replayed = MODE_TRACES is replay_hook
         how = (
-            "cpu / hybrid replayed from the gpu trace with a capped `use` (exact routing "
-            "only; eval/modes.py); hybrid copies at most m misses per layer step, the "
-            "lowest ids, m as experts_on='hybrid' chooses it from the profile's costs"
-            if replayed
-            else "each mode recorded"
+            "each mode recorded: the windows scored again with experts_on cpu / hybrid; "
+            "host-aware figures with the gpu run's measured schedule"
+            if r.get("mode_traces")
+            else "cpu / hybrid replayed from the gpu trace with a capped `use` (exact "
+            "routing only; eval/modes.py)"
+        )
+        how += (
+            "; hybrid copies at most m misses per layer step, the lowest ids, m as "
+            "experts_on='hybrid' chooses it from the profile's costs"
         )
         parts.append(
             f"Experts on gpu / cpu / hybrid: {r['label']} at {rho:.1%} residency ({how}):"

@@ -177,6 +177,7 @@ def save(
     ]
     for r in slim:
         r.pop("mode_starts", None)  # the cpu / hybrid replays' input, not a result
+        r.pop("mode_traces", None)  # the recorded modes' traces (the modes table's input)
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md", "png": out / f"{name}.png"}
     paths["json"].write_text(json.dumps({"results": slim, **(extra or {})}, indent=1))
     note = host_note(results)

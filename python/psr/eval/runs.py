@@ -88,15 +88,22 @@ def run_all(
     profiles: Sequence[str] = DEFAULT_PROFILES,
     progress: bool = True,
     host: bool = False,
+    modes_recorded: bool = False,
 ) -> list[dict[str, Any]]:
     """Every configuration through `run_config`, then `compare`. `host`: each one's decode
-    schedule measured (measure_schedules) and its latency modeled host-aware too."""
+    schedule measured (measure_schedules) and its latency modeled host-aware too.
+    `modes_recorded`:
+    biased policies' cpu / hybrid traces recorded (run_config), for the modes tables."""
     # Measured first: in a child process (a CPU without Triton) beside the scoring.
     job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
     results = []
     try:
         for rc in tqdm(configs, desc=desc, disable=not progress):
-            results.append(run_config(path, rc, data, profiles, progress=progress))
+            results.append(
+                run_config(
+                    path, rc, data, profiles, progress=progress, modes_recorded=modes_recorded
+                )
+            )
     except BaseException:
         if job is not None:
             job.cancel()
@@ -180,8 +187,11 @@ def evaluate(
     gen_tokens: int = 48,
     progress: bool = True,
     traces: bool = False,
+    record_modes: bool = False,
 ) -> list[dict[str, Any]]:
-    """Quality suite: decode-path likelihood, cloze, greedy agreement, modeled latency."""
+    """Quality suite: decode-path likelihood, cloze, greedy agreement, modeled latency.
+    `record_modes`: the modes tables of biased policies from recorded cpu / hybrid runs
+    (each scores the windows once more per mode), not only exact's replay."""
     data = EvalData.from_heldout(
         path,
         split,
@@ -192,7 +202,9 @@ def evaluate(
         gen_tokens=gen_tokens,
         cloze=cloze,
     )
-    results = run_all(path, configs, data, "psr eval", progress=progress, host=True)
+    results = run_all(
+        path, configs, data, "psr eval", progress=progress, host=True, modes_recorded=record_modes
+    )
     appendix = modes_appendix(results, DEFAULT_PROFILES)
     extra = {"model": path, "data": describe(data)}
     paths = save(results, out, "eval", extra, traces=traces, appendix=appendix)

@@ -146,6 +146,7 @@ class DeviceDecode(Step):
             out_dtype=out_dtype,
             n=n,
             checked=i in self.checked,
+            capped=rt.experts_on != "gpu",
             **kw,
         )
         store, key, slabs = rt.store, self.store_key, self.slabs
