@@ -14,8 +14,9 @@ hybrid:m for every m the profiles' costs choose (psr.eval.harness.record_modes, 
 measured device-step schedule (psr.eval.harness.measure_schedules: Triton path under the
 interpreter, in a child process), host-aware eager and graph (psr.eval.modes.modes_rows,
 psr demo's modes table). The same schedule serves every mode, as psr demo's table does:
-on CUDA today cpu / hybrid take the host step with graphs off (issue 27 part 3), so
-their host-aware figures are the planned sync-free hand-off's, not today's CUDA path.
+the device step hands cpu / hybrid's CPU experts off in stream order (graphs too), so the
+schedule differs by the hand-off's two store calls per layer (measured: +3-5 us per MoE
+layer, bench/results/host_path/experts_on); the GPU stage has not measured it yet.
 
 Intervals: Δ ms/token of cpu and hybrid vs gpu per window (each window's tokens priced
 alone), mean with a paired BCa 95% interval over windows (psr.eval.quality.
@@ -192,8 +193,9 @@ def report(res: dict[str, Any]) -> str:
         "(psr.eval.harness.record_modes; `psr eval --record-modes`), traces recorded, priced "
         "by psr.eval.latency: host-free, and host-aware (eager and graph) with the policy's "
         "device-step schedule measured on the Triton path (the same schedule for every "
-        "mode, as psr demo's modes table: on CUDA today cpu / hybrid take the host step "
-        "with graphs off, issue 27 part 3). hybrid: at most m misses copied per layer step "
+        "mode, as psr demo's modes table; the device step's hand-off adds two store calls "
+        "per layer in cpu / hybrid, not in this schedule). hybrid: at most m misses copied "
+        "per layer step "
         "(the lowest ids), m as experts_on='hybrid' chooses it from each profile's costs "
         f"(psr.eval.modes.hybrid_caps: {meta['hybrid_caps']}).",
         "",

@@ -9,7 +9,7 @@ from dataclasses import replace
 from tiny_models import tiny_model, write_checkpoint
 
 from psr.eval import modes
-from psr.eval.harness import EvalData, RunConfig, _SlabReads, run_config
+from psr.eval.harness import EvalData, RunConfig, run_config
 from psr.eval.quality import perplexity_items
 from psr.policy import make_policy
 
@@ -42,10 +42,8 @@ def test_recorded_modes_feed_the_modes_table_for_a_biased_policy(tmp_path) -> No
     # The same policy loaded with experts_on="cpu" records the same cpu trace.
     model = steer.load(path, experts_on="cpu")
     try:
-        reads = _SlabReads(model)
         own = model.record_trace()
         perplexity_items(model, data.windows, data.prompt_len)
-        reads.close()
     finally:
         model.close()
     assert own.trace.tokens == rec["traces"]["cpu"].tokens

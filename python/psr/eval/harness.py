@@ -224,48 +224,14 @@ def record_modes(
         for mode in ["cpu", *(f"hybrid:{m}" for m in sorted(set(caps.values())))]:
             where, _, m = mode.partition(":")
             model.set_experts_on(where, int(m) if m else None)
-            reads = _SlabReads(model)
-            try:
-                rec = model.record_trace()
-                nll[mode] = perplexity_items(model, data.windows, data.prompt_len)
-            finally:
-                reads.close()
+            rec = model.record_trace()
+            nll[mode] = perplexity_items(model, data.windows, data.prompt_len)
             rt.recorder = None
             traces[mode] = rec.trace
     finally:
         rt.recorder = None
         model.set_experts_on("gpu")
     return {"traces": traces, "nll_items": nll, "capacity": C, "num_experts": E}
-
-
-class _SlabReads:
-    """A workaround while scoring records in experts_on cpu / hybrid: the scored window's
-    step (runtime/window.py) records the slots of every routed expert, and a CPU expert
-    has none (a KeyError), where the host step records the slab's experts only. On the
-    layers' instances, each step's CPU experts (its `use`'s `cpu`) are left out of that
-    read, exactly those; `close` undoes it. Remove once window.py reads the slab ones."""
-
-    def __init__(self, model: OffloadedModel) -> None:
-        self.layers = list(model.runtime.layers)
-        for L in self.layers:
-            cpu: set[int] = set()
-            use, slots = L.cache.use, L.slots.slots
-
-            def use_cap(*a: Any, use: Any = use, cpu: set[int] = cpu, **kw: Any) -> Any:
-                r = use(*a, **kw)
-                cpu.clear()
-                cpu.update(r.cpu)
-                return r
-
-            def slab_slots(experts: Any, slots: Any = slots, cpu: set[int] = cpu) -> Any:
-                return slots([e for e in experts if e not in cpu])
-
-            L.cache.use, L.slots.slots = use_cap, slab_slots
-
-    def close(self) -> None:
-        for L in self.layers:
-            L.cache.__dict__.pop("use", None)
-            L.slots.__dict__.pop("slots", None)
 
 
 # --- host schedules ------------------------------------------------------------------
