@@ -114,6 +114,24 @@ def _cpu_expert_ffn(
     group_size: int,
     skip_absent: bool,
 ) -> torch.Tensor:
+    return _kernels_ffn(
+        x, rows, slots, weights, slot_table, hidden_size, ffn_size, fmt, group_size, skip_absent
+    )
+
+
+def _kernels_ffn(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    slot_table: torch.Tensor | None,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: str | None,
+    group_size: int,
+    skip_absent: bool,
+) -> torch.Tensor:
+    """The op's body, called directly when eager (no custom-op dispatch)."""
     return cpu_expert_ffn(
         x, rows, slots, weights, hidden_size, ffn_size, fmt=fmt, group_size=group_size,
         slot_table=slot_table, out_dtype=x.dtype, skip_absent=skip_absent,
@@ -157,10 +175,9 @@ def cpu_kernels_ffn(
             skip_absent,
         )  # fmt: skip
         return y
-    return cpu_expert_ffn(
-        x, rows, slots, weights, hidden_size, ffn_size, fmt=fmt, group_size=group_size,
-        slot_table=slot_table, out_dtype=x.dtype, skip_absent=skip_absent,
-    )  # fmt: skip
+    return _kernels_ffn(
+        x, rows, slots, weights, slot_table, hidden_size, ffn_size, fmt, group_size, skip_absent
+    )
 
 
 def cpu_experts(
