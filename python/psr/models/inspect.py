@@ -150,29 +150,30 @@ def _graphs(config: Any) -> str:
     return "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
 
 
-def _gguf_experts(path: str | Path, spec: Any, moe_layers: list[int]) -> list[str]:
-    """A GGUF file's row format per MoE layer, checked as psr.load checks them (its tensor
-    table only: nothing is read)."""
-    from psr.models.gguf_load import layer_formats, open_gguf
+def inspect(path: str | Path) -> Inspection:
+    """What psr would load from `path` (a checkpoint folder or a GGUF file; no weight is
+    read)."""
+    from psr.models.gguf_load import is_gguf, open_gguf
 
-    ck = open_gguf(path)
+    if not is_gguf(path):
+        return _inspect(path, None)
+    ck = open_gguf(path)  # its header is read once, here (metadata and tensor table)
     try:
-        return layer_formats(ck, spec, moe_layers)
+        return _inspect(path, ck)
     finally:
         ck.close()
 
 
-def inspect(path: str | Path) -> Inspection:
-    """What psr would load from `path` (a checkpoint folder or a GGUF file; no weight is
-    read)."""
+def _inspect(path: str | Path, ck: Any) -> Inspection:
+    """`inspect` of a checkpoint folder (`ck` None) or of the opened GGUF checkpoint `ck`."""
     import transformers
 
-    from psr.models.gguf_load import is_gguf
+    from psr.models.gguf_load import layer_formats
     from psr.models.sources import model_config
     from psr.runtime.kv import kv_bytes
 
-    gguf = is_gguf(path)
-    raw = model_config(path)
+    gguf = ck is not None
+    raw = dict(ck.config_dict) if gguf else model_config(path)
     mt = str(raw.get("model_type"))
     try:
         cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
@@ -201,7 +202,7 @@ def inspect(path: str | Path) -> Inspection:
     n = len(sparse)
     types: dict[str, int] = {}
     if gguf:  # the file's own blocks: one format per layer
-        fmts = _gguf_experts(path, spec, sparse)
+        fmts = layer_formats(ck, spec, sparse)  # checked as psr.load checks them
         rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmts]
         types = {f: fmts.count(f) for f in dict.fromkeys(fmts)}
         per = {"gguf": round(sum(rows) / len(rows))}

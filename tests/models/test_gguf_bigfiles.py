@@ -1,0 +1,153 @@
+"""GGUF files bigger than memory: psr's reader maps them read-only and shared (never
+copy-on-write, which the kernel refuses past the memory it can commit), reads the header
+itself (what gguf-py reads, per key and tensor) and parses the tokenizer's arrays only when
+asked; header-faithful files of real models (bench/fit_table.py: metadata and tensor table
+as published, data left as holes) open with little memory, split sets included."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+from gguf_files import gguf_tiny_model, hf_tokenizer, write_gguf
+from procfs import rss_bytes
+
+from psr.models.gguf import GGUFCheckpoint
+from psr.models.gguf_load import layer_formats
+from psr.runtime.spec import MoESpec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fit_table():  # type: ignore[no-untyped-def]
+    """bench/fit_table.py (registered in sys.modules first: its dataclasses need it)."""
+    import importlib.util
+
+    name = "bench_fit_table"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "fit_table.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
+def _meminfo(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) or isinstance(b, float):
+        return bool(np.float32(a) == np.float32(b))  # type: ignore[arg-type]
+    return a == b
+
+
+def test_header_agrees_with_gguf_py(tmp_path: Path) -> None:
+    """Every metadata value and tensor-table entry as gguf-py's reader (the reference)
+    reads them, split parts included."""
+    model = gguf_tiny_model("qwen3_moe", layers=2)
+    write_gguf(model, tmp_path / "m.gguf", "Q8_0", split=2, tokenizer=hf_tokenizer())
+    parts = sorted(tmp_path.glob("*.gguf"))
+    ck = GGUFCheckpoint(parts[0])
+    for i, part in enumerate(parts):
+        ref = gguf.GGUFReader(part)
+        mine = ck._readers[i]
+        for key, field in ref.fields.items():
+            if key.startswith("GGUF."):  # gguf-py's pseudo-fields (version, counts)
+                continue
+            assert _same(mine.value(key), field.contents()), key
+        assert [t.name for t in mine.tensors] == [t.name for t in ref.tensors]
+        for t, r in zip(mine.tensors, ref.tensors, strict=True):
+            assert (t.tensor_type, t.shape, t.n_bytes) == (
+                r.tensor_type,
+                tuple(reversed(r.shape.tolist())),
+                r.n_bytes,
+            ), t.name
+            assert t.data_offset == r.data_offset, t.name
+            raw = mine.data[t.data_offset : t.data_offset + t.n_bytes]
+            assert np.array_equal(raw, r.data.reshape(-1).view(np.uint8)), t.name
+
+
+def test_the_map_is_read_only_and_shared(tmp_path: Path) -> None:
+    """/proc/self/maps shows the file mapped `r--s` only (no private copy-on-write map);
+    the raw views refuse writes; expert bytes come out as tensors without a warning."""
+    path = tmp_path / "m.gguf"
+    write_gguf(gguf_tiny_model("qwen3_moe", layers=1), path, "Q8_0")
+    ck = GGUFCheckpoint(path)
+    maps = [ln.split() for ln in Path("/proc/self/maps").read_text().splitlines()]
+    mine = [m[1] for m in maps if len(m) >= 6 and m[5] == str(path)]
+    assert mine and all(p == "r--s" for p in mine), mine
+    et = ck.expert_tensors(0)["gate"]
+    with pytest.raises(ValueError, match="read-only"):
+        et.data[0, 0] = 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = et.expert(1)
+        w = ck.get("model.layers.0.self_attn.q_proj.weight")
+    assert b.numel() == et.row_bytes
+    w.add_(1.0)  # a dense tensor is the caller's own copy
+
+
+def test_a_150k_vocabulary_header_opens_and_inspects_in_little_memory(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B Q4_K_M as published (151,936 tokens, 151,387 merges, 18.6 GB of
+    holes): opening grows RSS by a few MB (gguf-py's reader: ~600 MB, one numpy view per
+    string) and leaves the tokenizer's arrays unparsed; psr.inspect stays bounded too."""
+    import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401  (not measured)
+
+    import psr
+
+    fit = _fit_table()
+    (path,) = fit.write(fit.SPECS["Qwen3-30B-A3B Q4_K_M"], tmp_path / "q.gguf")
+    assert path.stat().st_size > 18 * 10**9
+    r0 = rss_bytes()
+    ck = GGUFCheckpoint(path)
+    assert ck.config_dict["vocab_size"] == 151936
+    opened = rss_bytes() - r0
+    arrays = ("tokens", "merges", "token_type")
+    parsed = [a for a in arrays if f"tokenizer.ggml.{a}" in ck._readers[0]._cache]
+    assert parsed == []  # not read to open (nor by psr.inspect, which opens it the same way)
+    assert opened < 48 * 2**20, opened
+    assert len(ck.metadata("tokenizer.ggml.tokens")) == 151936  # parsed when asked
+    ck.close()
+    r = psr.inspect(path)
+    assert r.num_experts == 128 and len(r.sparse_layers) == 48
+    assert rss_bytes() - r0 < 160 * 2**20, rss_bytes() - r0
+
+
+def test_a_split_set_bigger_than_memory_opens(tmp_path: Path) -> None:
+    """DeepSeek-V3 Q4_K_M as published (404.5 GB) in parts each larger than this
+    machine's memory: every part maps (a copy-on-write map of one fails with ENOMEM),
+    the config and every layer's expert rows read from the header, RSS barely moves."""
+    fit = _fit_table()
+    spec = fit.SPECS["DeepSeek-V3 Q4_K_M"]
+    parts = fit.write(spec, tmp_path / "ds.gguf", split_bytes=150 * 10**9)
+    sizes = [p.stat().st_size for p in parts]
+    if min(sizes) <= _meminfo("MemTotal"):
+        pytest.skip(f"parts of {min(sizes)} bytes are not larger than this machine's memory")
+    assert len(parts) == 3 and sum(sizes) > 400 * 10**9
+    before = rss_bytes()
+    ck = GGUFCheckpoint(parts[1])  # any part names the set
+    cfg = ck.config_dict
+    assert (cfg["num_hidden_layers"], cfg["n_routed_experts"], cfg["kv_lora_rank"]) == (
+        61,
+        256,
+        512,
+    )
+    assert ck.files == [p.name for p in parts]
+    moe = ck.moe_layers()
+    assert moe == list(range(3, 61))
+    fmts = layer_formats(
+        ck, MoESpec(num_experts=256, top_k=8, hidden_size=7168, ffn_size=2048), moe
+    )
+    assert set(fmts) == {"gguf:Q4_K,Q4_K,Q6_K", "gguf:Q4_K,Q4_K,Q4_K"}
+    assert rss_bytes() - before < 64 * 2**20
+    ck.close()
