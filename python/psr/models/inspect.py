@@ -59,6 +59,8 @@ class Inspection:
     graphs: str = ""
     expert_types: dict[str, int] = field(default_factory=dict)  # GGUF: row format -> layers
     kv_bytes_per_1k_tokens: int = 0  # the KV cache of 1024 tokens in the model dtype
+    # its layers per attention kind (psr.runtime.kv.CACHE_KINDS: what each really caches)
+    kv_kinds: dict[str, int] = field(default_factory=dict)
     # what psr.load(path, policy) uses at the default residency, per biased policy: the
     # tuned point and its file, or the untuned default and the command that measures it
     operating_points: dict[str, str] = field(default_factory=dict)
@@ -92,7 +94,11 @@ class Inspection:
         lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
         for fmt, n in self.expert_types.items():
             lines.append(f"  experts    {fmt.removeprefix('gguf:')} (gate, up, down) in {n} layers")
-        lines.append(f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens")
+        kinds = ", ".join(f"{n} {k}" for k, n in self.kv_kinds.items())
+        lines.append(
+            f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens"
+            + (f" ({kinds} layers)" if kinds else "")
+        )
         cols = ["format", "one expert", "host (all experts)"]
         cols += [f"device @ residency {r:g}" for r in RESIDENCIES]
         rows = [
@@ -170,7 +176,7 @@ def _inspect(path: str | Path, ck: Any) -> Inspection:
 
     from psr.models.gguf_load import layer_formats
     from psr.models.sources import model_config
-    from psr.runtime.kv import kv_bytes
+    from psr.runtime.kv import CACHE_KINDS, kv_bytes, layer_kinds
 
     gguf = ck is not None
     raw = dict(ck.config_dict) if gguf else model_config(path)
@@ -246,6 +252,7 @@ def _inspect(path: str | Path, ck: Any) -> Inspection:
         host_bytes=host,
         expert_types=types,
         kv_bytes_per_1k_tokens=kv_bytes(config, dtype.itemsize, 1024),
+        kv_kinds={k: n for k in CACHE_KINDS if (n := layer_kinds(config).count(k))},
         dense_bytes=dense,
         device_bytes=device,
         graphs=_graphs(config),
