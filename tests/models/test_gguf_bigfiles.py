@@ -6,6 +6,8 @@ as published, data left as holes) open with little memory, split sets included."
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -150,4 +152,38 @@ def test_a_split_set_bigger_than_memory_opens(tmp_path: Path) -> None:
     )
     assert set(fmts) == {"gguf:Q4_K,Q4_K,Q6_K", "gguf:Q4_K,Q4_K,Q4_K"}
     assert rss_bytes() - before < 64 * 2**20
+    ck.close()
+
+
+def test_a_safetensors_file_bigger_than_memory_reads_a_row(tmp_path: Path) -> None:
+    """A checkpoint whose one file is larger than this machine's memory (its data holes):
+    psr maps it read-only and shared (the safetensors library's copy-on-write map fails
+    with ENOMEM), reads one row as a copy, and agrees with torch on a small tensor."""
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    from psr.models.checkpoint import Checkpoint
+
+    rows, cols = _meminfo("MemTotal") // 4096 + 16, 1024  # bf16: > MemTotal bytes
+    small = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    save_file({"small": small}, str(tmp_path / "a.safetensors"))
+    header = {"big": {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, rows * cols * 2]}}
+    raw = json.dumps(header).encode()
+    big = tmp_path / "b.safetensors"
+    with big.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+    os.truncate(big, 8 + len(raw) + rows * cols * 2)
+    (tmp_path / "config.json").write_text("{}")
+    ck = Checkpoint(tmp_path)
+    before = rss_bytes()
+    row = ck.get_row("big", rows - 1)
+    assert row.dtype == torch.bfloat16 and row.shape == (cols,) and not row.any()
+    row += 1  # the caller's own copy
+    assert torch.equal(ck.get("small"), small) and torch.equal(ck.get_row("small", 2), small[2])
+    maps = [ln.split() for ln in Path("/proc/self/maps").read_text().splitlines()]
+    mine = [m[1] for m in maps if len(m) >= 6 and m[5] == str(big)]
+    assert mine == ["r--s"], mine
+    assert rss_bytes() - before < 16 * 2**20
     ck.close()
