@@ -484,17 +484,29 @@ def _g(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def markdown(rows: list[dict[str, Any]], residency: float, cmd: str) -> str:
+def _meminfo(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: str) -> str:
     out = [
         f"# Fit table: device bytes on one 24 GB GPU (residency {residency:g})",
         "",
         f"Command: `{cmd}`",
         "",
+        f"Machine: {machine}.",
+        "",
         "GiB. psr today: the dense part dequantized to the model dtype (float32, the GGUF "
-        "default) + the KV cache in that dtype + the expert slab (the file's own blocks) at "
+        "default) + the KV cache in that dtype (psr.runtime.kv: what each attention kind "
+        "caches; DeepSeek's MLA latent) + the expert slab (the file's own blocks) at "
         f"residency {residency:g}. llama.cpp `--cpu-moe`: every non-expert tensor in its "
         "file type (token_embd included; llama.cpp itself keeps it in host memory) + an "
-        "f16 KV cache of the same values per token. Fits: total <= 24e9 bytes.",
+        "f16 KV cache of the same values per token (assumed). Fits: total <= 24e9 bytes. "
+        "`psr inspect`: wall time and peak RSS of a fresh process running psr.inspect "
+        "(interpreter, torch and transformers imports included) on the machine named below.",
         "",
         "| model | file | parts | `psr inspect` | psr dense | KV 8k / 32k | slab | psr @8k | "
         "psr @32k | fits 24 GB (8k / 32k) | llama.cpp dense | llama.cpp KV 8k / 32k | "
@@ -537,9 +549,16 @@ def main() -> None:
     ap.add_argument("--residency", type=float, default=0.1)
     ap.add_argument("--split-gb", type=float, default=0.0, help="parts of at most this size")
     ap.add_argument("--out", default="")
+    ap.add_argument("--render", help="write fit.md again from this fit.json (no files built)")
     a = ap.parse_args()
     if a.child:
         _inspect_child(a.child)
+        return
+    if a.render:
+        saved = json.loads(Path(a.render).read_text())
+        md = markdown(saved["rows"], saved["residency"], saved["command"], saved["machine"])
+        Path(a.render).with_name("fit.md").write_text(md)
+        print(md)
         return
     d = Path(a.dir)
     d.mkdir(parents=True, exist_ok=True)
@@ -555,13 +574,17 @@ def main() -> None:
                 f.unlink()
         print(json.dumps(rows[-1]), file=sys.stderr)
     cmd = "PYTHONPATH=python:. python " + " ".join(sys.argv)
-    md = markdown(rows, a.residency, cmd)
+    machine = f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, " + (
+        f"MemTotal {_meminfo('MemTotal') / GiB:.1f} GiB"
+    )
+    md = markdown(rows, a.residency, cmd, machine)
     print(md)
     if a.out:
         out = Path(a.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "fit.md").write_text(md)
-        (out / "fit.json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1))
+        saved = {"command": cmd, "residency": a.residency, "machine": machine, "rows": rows}
+        (out / "fit.json").write_text(json.dumps(saved, indent=1))
 
 
 if __name__ == "__main__":
