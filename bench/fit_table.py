@@ -484,13 +484,6 @@ def _g(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
-def _meminfo(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: str) -> str:
     out = [
         f"# Fit table: device bytes on one 24 GB GPU (residency {residency:g})",
@@ -573,9 +566,11 @@ def main() -> None:
             for f in files:
                 f.unlink()
         print(json.dumps(rows[-1]), file=sys.stderr)
+    from psr.models.tiers import meminfo
+
     cmd = "PYTHONPATH=python:. python " + " ".join(sys.argv)
     machine = f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, " + (
-        f"MemTotal {_meminfo('MemTotal') / GiB:.1f} GiB"
+        f"MemTotal {meminfo().get('MemTotal', 0) / GiB:.1f} GiB"
     )
     md = markdown(rows, a.residency, cmd, machine)
     print(md)

@@ -20,6 +20,7 @@ from procfs import rss_bytes
 
 from psr.models.gguf import GGUFCheckpoint
 from psr.models.gguf_load import layer_formats
+from psr.models.tiers import meminfo
 from psr.runtime.spec import MoESpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,13 +37,6 @@ def _fit_table():  # type: ignore[no-untyped-def]
         sys.modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(sys.modules[name])
     return sys.modules[name]
-
-
-def _meminfo(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
 
 
 def _same(a: object, b: object) -> bool:
@@ -133,7 +127,7 @@ def test_a_split_set_bigger_than_memory_opens(tmp_path: Path) -> None:
     spec = fit.SPECS["DeepSeek-V3 Q4_K_M"]
     parts = fit.write(spec, tmp_path / "ds.gguf", split_bytes=150 * 10**9)
     sizes = [p.stat().st_size for p in parts]
-    if min(sizes) <= _meminfo("MemTotal"):
+    if min(sizes) <= meminfo()["MemTotal"]:
         pytest.skip(f"parts of {min(sizes)} bytes are not larger than this machine's memory")
     assert len(parts) == 3 and sum(sizes) > 400 * 10**9
     before = rss_bytes()
@@ -166,7 +160,7 @@ def test_a_safetensors_file_bigger_than_memory_reads_a_row(tmp_path: Path) -> No
 
     from psr.models.checkpoint import Checkpoint
 
-    rows, cols = _meminfo("MemTotal") // 4096 + 16, 1024  # bf16: > MemTotal bytes
+    rows, cols = meminfo()["MemTotal"] // 4096 + 16, 1024  # bf16: > MemTotal bytes
     small = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     save_file({"small": small}, str(tmp_path / "a.safetensors"))
     header = {"big": {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, rows * cols * 2]}}
