@@ -73,6 +73,55 @@ def test_header_agrees_with_gguf_py(tmp_path: Path) -> None:
             assert np.array_equal(raw, r.data.reshape(-1).view(np.uint8)), t.name
 
 
+def test_every_value_type_as_gguf_py_reads_it(tmp_path: Path) -> None:
+    """Each GGUF value type, arrays of each and nested arrays, read as gguf-py does; a
+    string that is not UTF-8 is a one-line error naming the key when it is read."""
+    from psr.models.gguf import GGUFError, _open
+
+    VT = gguf.GGUFValueType
+    path = tmp_path / "v.gguf"
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    scalars = {
+        "u8": (200, VT.UINT8),
+        "i8": (-5, VT.INT8),
+        "u16": (60000, VT.UINT16),
+        "i16": (-300, VT.INT16),
+        "u32": (4_000_000_000, VT.UINT32),
+        "i32": (-70000, VT.INT32),
+        "f32": (0.1, VT.FLOAT32),
+        "b": (True, VT.BOOL),
+        "u64": (2**40, VT.UINT64),
+        "i64": (-(2**40), VT.INT64),
+        "f64": (1e-300, VT.FLOAT64),
+        "s": ("héllo", VT.STRING),
+    }
+    for k, (v, t) in scalars.items():
+        w.add_key_value(f"t.{k}", v, t)
+    w.add_array("t.ints", [1, -2, 3])
+    w.add_array("t.floats", [0.5, 1.25])
+    w.add_array("t.strs", ["a", "", "ßx"])
+    w.add_array("t.nested", [[1, 2], [3]])
+    w.add_key_value("t.bad", "xx", VT.STRING)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"t.bad") + len(b"t.bad") + 4 + 8
+    data[at : at + 2] = b"\xff\xfe"  # not UTF-8
+    path.write_bytes(bytes(data))
+    ref = gguf.GGUFReader(path)
+    mine = _open(path)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF.") or key in ("t.bad", "t.nested"):
+            continue  # (gguf-py's contents() flattens a nested array: checked below)
+        assert _same(mine.value(key), field.contents()), key
+    assert mine.value("t.nested") == [[1, 2], [3]] and mine.value("t.absent") is None
+    with pytest.raises(GGUFError) as e:
+        mine.value("t.bad")
+    assert "'t.bad'" in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_map_is_read_only_and_shared(tmp_path: Path) -> None:
     """/proc/self/maps shows the file mapped `r--s` only (no private copy-on-write map);
     the raw views refuse writes; expert bytes come out as tensors without a warning."""

@@ -436,8 +436,12 @@ class _Reader:
                 if end + 8 > size:
                     break
                 end += 8 + int.from_bytes(m[end : end + 8], "little")
+        elif sub == _ARRAY:
+            end = at
+            for _ in range(count):
+                end = self._skip(_ARRAY, end)[0]
         else:
-            raise ValueError(f"array of value type {sub} at byte {at}: not read by psr")
+            raise ValueError(f"array of unknown value type {sub} at byte {at}")
         if end > self.psr_size:
             raise ValueError(f"an array of {count} values at byte {at} runs past the end")
         return end, count
@@ -479,24 +483,38 @@ class _Reader:
         f = self._fields.get(key)
         if f is None:
             return None
-        vtype, at, count = f
-        if vtype in _SCALAR:
-            out: Any = self._u(_SCALAR[vtype], at)
-        elif vtype == _STRING:
-            out = self._str(at)[0]
-        else:
-            sub = self._u("<I", at)
-            at += 12
-            if sub == _STRING:
-                m, out = self._map, []
-                for _ in range(count):
-                    n = int.from_bytes(m[at : at + 8], "little")
-                    out.append(m[at + 8 : at + 8 + n].decode("utf-8"))
-                    at += 8 + n
+        vtype, at, _ = f
+        try:
+            if vtype in _SCALAR:
+                out: Any = self._u(_SCALAR[vtype], at)
+            elif vtype == _STRING:
+                out = self._str(at)[0]
             else:
-                out = np.frombuffer(self._map, _NUMPY[sub], count, at).tolist()
+                out = self._array(at)[0]
+        except (ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+            raise GGUFError(
+                f"corrupt GGUF file {self.psr_path}: metadata key {key!r} does not parse ({e})"
+            ) from None
         self._cache[key] = out
         return out
+
+    def _array(self, at: int) -> tuple[list[Any], int]:
+        """The array at `at` (its element type, count, elements) and where it ends."""
+        sub, count = self._u("<I", at), self._u("<Q", at + 4)
+        at += 12
+        if sub in _SCALAR:
+            vals = np.frombuffer(self._map, _NUMPY[sub], count, at).tolist()
+            return vals, at + count * struct.calcsize(_SCALAR[sub])
+        m, out = self._map, []
+        for _ in range(count):
+            if sub == _STRING:  # inline: the tokenizer's 150k strings are the hot path
+                n = int.from_bytes(m[at : at + 8], "little")
+                out.append(m[at + 8 : at + 8 + n].decode("utf-8"))
+                at += 8 + n
+            else:
+                v, at = self._array(at)
+                out.append(v)
+        return out, at
 
 
 def _check_tensor_table(
