@@ -165,7 +165,7 @@ def test_a_150k_vocabulary_header_opens_and_inspects_in_little_memory(tmp_path: 
     ck.close()
     r = psr.inspect(path)
     assert r.num_experts == 128 and len(r.sparse_layers) == 48
-    assert rss_bytes() - r0 < 160 * 2**20, rss_bytes() - r0
+    assert rss_bytes() - r0 < 96 * 2**20, rss_bytes() - r0  # measured: ~9 MB
 
 
 def test_a_split_set_bigger_than_memory_opens(tmp_path: Path) -> None:
