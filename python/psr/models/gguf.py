@@ -505,7 +505,7 @@ class _Reader:
         if sub in _SCALAR:
             vals = np.frombuffer(self._map, _NUMPY[sub], count, at).tolist()
             return vals, at + count * struct.calcsize(_SCALAR[sub])
-        m, out = self._map, []
+        m, out = self._map, list[Any]()
         for _ in range(count):
             if sub == _STRING:  # inline: the tokenizer's 150k strings are the hot path
                 n = int.from_bytes(m[at : at + 8], "little")
