@@ -2,18 +2,21 @@
 
 Every tensor is located through the shard index and checked against its file's
 size before use, so a missing shard, a truncated file or an absent tensor is an
-error that names it.
+error that names it. psr reads the headers itself and maps each file read-only and shared
+(the safetensors library maps copy-on-write, which the kernel refuses for a file larger
+than the memory it can commit); a tensor read is a copy of its bytes, the caller's own.
 """
 
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
-from safetensors import safe_open
 
 
 def dequantize_fp8_tiles(codes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
@@ -34,6 +37,29 @@ class CheckpointError(ValueError):
 
 
 FLOAT_DTYPES = ("F64", "F32", "BF16", "F16", "F8_E4M3", "F8_E5M2")
+# safetensors dtype names -> torch dtypes (those this torch has)
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    k: getattr(torch, v)
+    for k, v in {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "F8_E8M0": "float8_e8m0fnu",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U64": "uint64",
+        "U32": "uint32",
+        "U16": "uint16",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }.items()
+    if hasattr(torch, v)
+}
 
 
 def _tensor_info(path: Path, name: str, info: Any) -> dict[str, Any]:
@@ -168,7 +194,7 @@ class Checkpoint:
         for tensor, name in weight_map.items():
             if self._where.get(tensor) != name:
                 raise CheckpointError(f"tensor {tensor!r} listed in the index is not in {name}")
-        self._open: dict[str, object] = {}
+        self._open: dict[str, mmap.mmap] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -196,11 +222,24 @@ class Checkpoint:
             raise CheckpointError(f"tensor {name!r} not found in checkpoint {self.path}")
         return name
 
-    def _handle(self, name: str):
-        file = self._where[self._require(name)]
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.path / file), framework="pt")
-        return self._open[file]
+    def _bytes(self, name: str, i: int | None = None) -> torch.Tensor:
+        """A copy of the bytes of tensor `name` (or of its row `i`) from the file's
+        read-only shared map, as uint8."""
+        path, off, n = self.span(name, i)
+        m = self._open.get(path)
+        if m is None:
+            with open(path, "rb") as fh:
+                m = self._open[path] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        return torch.from_numpy(np.frombuffer(m, np.uint8, n, off).copy())
+
+    def _typed(self, name: str, raw: torch.Tensor, shape: list[int]) -> torch.Tensor:
+        dt = TORCH_DTYPES.get(self.dtype(name))
+        if dt is None:
+            raise CheckpointError(
+                f"tensor {name!r} in {self.path} has dtype {self.dtype(name)}, which psr "
+                f"does not read ({', '.join(TORCH_DTYPES)})"
+            )
+        return raw.view(dt).reshape(shape)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor; a block-wise FP8 weight (e4m3 with its `weight_scale_inv`) comes
@@ -217,12 +256,12 @@ class Checkpoint:
         return t
 
     def get_raw(self, name: str) -> torch.Tensor:
-        """The tensor as stored."""
-        return self._handle(name).get_tensor(name)
+        """The tensor as stored (a copy: the file's map is read-only)."""
+        return self._typed(name, self._bytes(name), self.shape(name))
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """`tensor[i]` read on its own (one expert of a fused [E, ...] tensor)."""
-        return self._handle(name).get_slice(name)[i]
+        return self._typed(name, self._bytes(name, i), self.shape(name)[1:])
 
     def span(self, name: str, i: int | None = None) -> tuple[str, int, int]:
         """(file path, absolute byte offset, bytes) of tensor `name` as stored, or of its
@@ -240,4 +279,6 @@ class Checkpoint:
         return next((n for n in names if n in self._where), None)
 
     def close(self) -> None:
+        for m in self._open.values():
+            m.close()  # nothing views it: every read was copied out
         self._open.clear()

@@ -12,7 +12,9 @@ the tensor and the problem before any tensor is read.
 
 from __future__ import annotations
 
+import mmap
 import re
+import struct
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,7 +26,6 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as QT
-from gguf.gguf_reader import ReaderField
 
 from psr.models.checkpoint import CheckpointError
 from psr.models.families import FAMILIES
@@ -67,16 +68,28 @@ class ExpertTensor:
     offset: int = 0
 
     def expert(self, e: int) -> torch.Tensor:
-        """Expert `e`'s raw bytes, uint8 1-D, a view of the memory-mapped file (no copy)."""
+        """Expert `e`'s raw bytes, uint8 1-D, a view of the read-only map (no copy: the
+        store copies them in, the kernels read them; nothing may write to it)."""
         if not 0 <= e < self.shape[0]:
             raise IndexError(f"expert {e} out of range for {self.name} ({self.shape[0]} experts)")
-        return torch.from_numpy(self.data[e])
+        return readonly_tensor(self.data[e])
 
     def dequantize(self, e: int) -> torch.Tensor:
         """Expert `e` as float32 [out, in] by gguf-py's dequantization (a reference)."""
         qt = QT[self.ggml_type]
         raw = self.expert(e).numpy().reshape(self.shape[1], -1)
         return torch.from_numpy(_dequantize(raw, qt, self.shape[1:]))
+
+
+def readonly_tensor(a: np.ndarray) -> torch.Tensor:
+    """A tensor over a read-only numpy view of a file's map, without a copy. torch has no
+    read-only tensors and warns on each; psr only reads these views (a write would fault:
+    the map is PROT_READ), so the warning is silenced here, and only here."""
+    if a.flags.writeable:
+        return torch.from_numpy(a)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(a)
 
 
 # --- architectures ----------------------------------------------------------------------
@@ -321,30 +334,206 @@ def supported_archs() -> str:
 
 # --- reading one file -------------------------------------------------------------------
 
+# GGUF value types (gguf-py's GGUFValueType): scalar struct formats, little-endian
+_SCALAR = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_NUMPY = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
+_STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
 
 def _pad(n: int, align: int) -> int:
     return -(-n // align) * align
 
 
+@dataclass(frozen=True)
+class _TensorInfo:
+    """One entry of a file's tensor table (`dims` in GGML order, innermost first)."""
+
+    name: str
+    tensor_type: QT
+    dims: tuple[int, ...]
+    n_elements: int
+    n_bytes: int
+    data_offset: int  # in the file
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """numpy order (outermost first)."""
+        return self.dims[::-1]
+
+
+class _Reader:
+    """One GGUF file mapped read-only and shared (`mmap.ACCESS_READ`: PROT_READ, MAP_SHARED;
+    a copy-on-write map of a file larger than the memory the kernel can commit fails with
+    ENOMEM, as a 63 GB file does). psr parses the header itself (gguf-py's reader builds a
+    numpy view per string: ~35 s for a 150k-token vocabulary): scalar values as they come,
+    arrays only where they lie, parsed on first use (the tokenizer's, when a tokenizer is
+    built). Each tensor's type, shape, offset and extent is checked against the file."""
+
+    def __init__(self, path: Path) -> None:
+        self.psr_path = path
+        self.psr_size = path.stat().st_size
+        with path.open("rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        # uint8 view of the whole file (read-only: numpy refuses writes, the map faults them)
+        self.data = np.frombuffer(self._map, dtype=np.uint8)
+        self._fields: dict[str, tuple[int, int, int]] = {}  # key -> (type, offset, count)
+        self._cache: dict[str, Any] = {}
+        self.tensors: list[_TensorInfo] = []
+        self._parse()
+
+    # the header: magic, version, tensor count, kv count; the kv pairs; the tensor table
+
+    def _u(self, fmt: str, at: int) -> Any:
+        return struct.unpack_from(fmt, self._map, at)[0]
+
+    def _str(self, at: int) -> tuple[str, int]:
+        n = self._u("<Q", at)
+        end = at + 8 + n
+        if end > self.psr_size:
+            raise ValueError(f"a string of {n} bytes at byte {at} runs past the end")
+        return self._map[at + 8 : end].decode("utf-8"), end
+
+    def _skip(self, vtype: int, at: int) -> tuple[int, int]:
+        """Where a value of `vtype` at `at` ends, and its element count (arrays)."""
+        if vtype in _SCALAR:
+            return at + struct.calcsize(_SCALAR[vtype]), 1
+        if vtype == _STRING:
+            return at + 8 + self._u("<Q", at), 1
+        if vtype != _ARRAY:
+            raise ValueError(f"unknown value type {vtype} at byte {at}")
+        sub, count = self._u("<I", at), self._u("<Q", at + 4)
+        at += 12
+        if sub in _SCALAR:
+            end = at + count * struct.calcsize(_SCALAR[sub])
+        elif sub == _STRING:  # only the lengths are read; the strings when first asked
+            m, size, end = self._map, self.psr_size, at
+            for _ in range(count):
+                if end + 8 > size:
+                    break
+                end += 8 + int.from_bytes(m[end : end + 8], "little")
+        elif sub == _ARRAY:
+            end = at
+            for _ in range(count):
+                end = self._skip(_ARRAY, end)[0]
+        else:
+            raise ValueError(f"array of unknown value type {sub} at byte {at}")
+        if end > self.psr_size:
+            raise ValueError(f"an array of {count} values at byte {at} runs past the end")
+        return end, count
+
+    def _parse(self) -> None:
+        if self._map[:4] != b"GGUF":
+            raise ValueError("bad magic")
+        version = self._u("<I", 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (psr reads 2 and 3, little-endian)")
+        n_tensors, n_kv = self._u("<Q", 8), self._u("<Q", 16)
+        at = 24
+        for _ in range(n_kv):
+            key, at = self._str(at)
+            vtype = self._u("<I", at)
+            end, count = self._skip(vtype, at + 4)
+            self._fields[key] = (vtype, at + 4, count)
+            at = end
+        raw: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(n_tensors):
+            name, at = self._str(at)
+            n_dims = self._u("<I", at)
+            if n_dims > _MAX_DIMS:
+                raise ValueError(f"tensor {name!r} has {n_dims} dimensions")
+            dims = struct.unpack_from(f"<{n_dims}Q", self._map, at + 4)
+            at += 4 + 8 * n_dims
+            raw.append((name, dims, self._u("<I", at), self._u("<Q", at + 4)))
+            at += 12
+        align = self.value("general.alignment")
+        self.alignment = 32 if align is None else int(align)
+        start = _pad(at, self.alignment)
+        self.tensors = _check_tensor_table(self.psr_path, self.psr_size, start, self.alignment, raw)
+
+    def value(self, key: str) -> Any:
+        """A metadata value as gguf-py's `ReaderField.contents()` gives it (None: absent);
+        arrays are parsed on first use and kept."""
+        if key in self._cache:
+            return self._cache[key]
+        f = self._fields.get(key)
+        if f is None:
+            return None
+        vtype, at, _ = f
+        try:
+            if vtype in _SCALAR:
+                out: Any = self._u(_SCALAR[vtype], at)
+            elif vtype == _STRING:
+                out = self._str(at)[0]
+            else:
+                out = self._array(at)[0]
+        except (ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+            raise GGUFError(
+                f"corrupt GGUF file {self.psr_path}: metadata key {key!r} does not parse ({e})"
+            ) from None
+        self._cache[key] = out
+        return out
+
+    def _array(self, at: int) -> tuple[list[Any], int]:
+        """The array at `at` (its element type, count, elements) and where it ends."""
+        sub, count = self._u("<I", at), self._u("<Q", at + 4)
+        at += 12
+        if sub in _SCALAR:
+            vals = np.frombuffer(self._map, _NUMPY[sub], count, at).tolist()
+            return vals, at + count * struct.calcsize(_SCALAR[sub])
+        m, out = self._map, list[Any]()
+        for _ in range(count):
+            if sub == _STRING:  # inline: the tokenizer's 150k strings are the hot path
+                n = int.from_bytes(m[at : at + 8], "little")
+                out.append(m[at + 8 : at + 8 + n].decode("utf-8"))
+                at += 8 + n
+            else:
+                v, at = self._array(at)
+                out.append(v)
+        return out, at
+
+
 def _check_tensor_table(
-    path: Path, size: int, start: int, align: int, fields: list[ReaderField]
-) -> None:
+    path: Path, size: int, start: int, align: int, raw: list[tuple[str, tuple[int, ...], int, int]]
+) -> list[_TensorInfo]:
     """Each tensor's type known to gguf-py, its rows whole blocks, its offset where the
     tensors before it end (as llama.cpp requires) and its data inside the file."""
-    expected, prev = 0, ""
-    for f in fields:
-        _, name_data, _, dims, raw_type, offset = f.parts
-        name = bytes(name_data).decode("utf-8", "replace")
-        shape = [int(d) for d in reversed(dims.tolist())]
-        qt = _known_type(path, name, int(raw_type[0]))
+    expected, prev, out = 0, "", []
+    for name, dims, raw_type, off in raw:
+        shape = list(reversed(dims))
+        qt = _known_type(path, name, raw_type)
         block, type_size = gguf.GGML_QUANT_SIZES[qt]
         if shape and shape[-1] % block:
             raise GGUFError(
                 f"GGUF file {path}: tensor {name!r} ({qt.name}, shape {shape}) has rows of "
                 f"{shape[-1]} values, not a multiple of its {block}-value blocks"
             )
-        n_bytes = int(np.prod(shape, dtype=np.int64)) // block * type_size
-        off = int(offset[0])
+        n_el = int(np.prod(shape, dtype=np.int64))
+        n_bytes = n_el // block * type_size
         if off != expected:
             culprit = f"tensor {prev}" if prev else f"tensor {name!r} (the first)"
             raise GGUFError(
@@ -357,8 +546,10 @@ def _check_tensor_table(
                 f"truncated GGUF file {path}: tensor {name!r} ({qt.name}, shape {shape}) needs "
                 f"bytes up to {start + off + n_bytes}, the file has {size}"
             )
+        out.append(_TensorInfo(name, qt, tuple(int(d) for d in dims), n_el, n_bytes, start + off))
         expected = off + _pad(n_bytes, align)
         prev = f"{name!r} ({qt.name}, shape {shape}, {n_bytes} bytes)"
+    return out
 
 
 def _known_type(path: Path, name: str, raw: int) -> QT:
@@ -377,20 +568,6 @@ def _gguf_version() -> str:
     return version("gguf")
 
 
-class _Reader(gguf.GGUFReader):
-    """gguf-py's reader (memory-mapped copy-on-write: pages are read on use, never
-    written back) with psr's checks of the tensor table before gguf-py builds its views."""
-
-    def __init__(self, path: Path) -> None:
-        self.psr_path = path
-        self.psr_size = path.stat().st_size
-        super().__init__(path, "c")
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        _check_tensor_table(self.psr_path, self.psr_size, start_offs, self.alignment, fields)
-        super()._build_tensors(start_offs, fields)
-
-
 def _open(path: Path) -> _Reader:
     if not path.is_file():
         raise GGUFError(f"GGUF file {path} does not exist")
@@ -402,7 +579,7 @@ def _open(path: Path) -> _Reader:
         return _Reader(path)
     except GGUFError:
         raise
-    except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError) as e:
+    except (ValueError, IndexError, OverflowError, struct.error, KeyError) as e:
         raise GGUFError(
             f"truncated or corrupt GGUF file {path}: its header (metadata and tensor table) "
             f"does not parse ({e})"
@@ -410,8 +587,7 @@ def _open(path: Path) -> _Reader:
 
 
 def _value(reader: _Reader, key: str) -> Any:
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
+    return reader.value(key)
 
 
 # --- files of one model ---------------------------------------------------------------
@@ -567,7 +743,7 @@ def build_config(
     embd = tensors.get("token_embd.weight")
     if embd is None:
         raise GGUFError(f"GGUF file {reader.psr_path} lacks tensor 'token_embd.weight'")
-    cfg["vocab_size"] = int(embd[1].shape[-1])  # GGML ne[1]: the embedding's rows
+    cfg["vocab_size"] = int(embd[1].shape[0])  # the embedding's rows
     cfg["tie_word_embeddings"] = "output.weight" not in tensors
     for key in ("bos", "eos", "padding"):
         v = _value(reader, f"tokenizer.ggml.{key}_token_id")
@@ -605,7 +781,7 @@ def _raw(reader: _Reader, t: Any) -> np.ndarray:
 def _dequantize(raw: np.ndarray, qt: QT, shape: tuple[int, ...]) -> np.ndarray:
     """`raw` bytes of type `qt` as float32 of `shape` (GGUF numpy order)."""
     if qt == QT.F32:
-        out = raw.view(np.float32)
+        out = raw.view(np.float32).copy()  # the map is read-only: the caller gets its own
     elif qt == QT.F16:
         out = raw.view(np.float16).astype(np.float32)
     elif qt == QT.BF16:
@@ -653,11 +829,22 @@ class GGUFCheckpoint:
         self.config_dict = build_config(head, self.arch_spec, self._tensors, dtype)
         self._check_types()
         self._experts = self._find_experts()
-        self._dense = self._map_dense()
+        self._dense_map: dict[str, _Dense] | None = None
+
+    @property
+    def _dense(self) -> dict[str, _Dense]:
+        """HF name -> GGUF tensor(s), built on first use: it builds the transformers model
+        on the meta device, which `psr inspect` (experts and config only) never needs."""
+        if self._dense_map is None:
+            self._dense_map = self._map_dense()
+        return self._dense_map
+
+    @property
+    def unmapped(self) -> list[str]:
+        """GGUF tensors psr reads nowhere (MTP layers, llama.cpp's rope_freqs, ...)."""
         used = {n for d in self._dense.values() for n in (d.gguf_name, d.other) if n}
         used |= {t.name for layer in self._experts.values() for t in layer.values()}
-        # GGUF tensors psr reads nowhere (MTP layers, llama.cpp's rope_freqs, ...)
-        self.unmapped = [n for n in self._tensors if n not in used]
+        return [n for n in self._tensors if n not in used]
 
     @property
     def config(self) -> Any:
@@ -713,7 +900,7 @@ class GGUFCheckpoint:
 
     def _expert_tensor(self, gname: str, E: int) -> ExpertTensor:
         part, t = self._tensors[gname]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        shape = t.shape
         if len(shape) != 3 or shape[0] != E:
             raise GGUFError(
                 f"GGUF file {self._where(gname)}: expert tensor {gname!r} has shape "
@@ -781,7 +968,7 @@ class GGUFCheckpoint:
                 continue  # absent: the loader names it (or ties lm_head)
             part, t = self._tensors[gname]
             if int(t.n_elements) != int(np.prod(shape, dtype=np.int64)):
-                gshape = [int(d) for d in reversed(t.shape.tolist())]
+                gshape = list(t.shape)
                 raise GGUFError(
                     f"GGUF file {self._where(gname)}: tensor {gname!r} has shape {gshape}, but "
                     f"the config makes {hf!r} {list(shape)}"
@@ -806,7 +993,7 @@ class GGUFCheckpoint:
         heads, rank = int(cfg["num_attention_heads"]), int(cfg["kv_lora_rank"])
         nope, vd = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
         for n, want in ((k, [heads, rank, nope]), (v, [heads, vd, rank])):
-            got = [int(x) for x in reversed(self._tensors[n][1].shape.tolist())]
+            got = list(self._tensors[n][1].shape)
             if got != want:
                 raise GGUFError(
                     f"GGUF file {self._where(n)}: tensor {n!r} has shape {got}, expected {want}"
@@ -830,7 +1017,7 @@ class GGUFCheckpoint:
             E, F, H = (self._experts[d]["gate"].shape[0], *self._experts[d]["gate"].shape[1:])
             want = {gate: [E, F], up: [E, F], down: [E, H]}
             for n, shape in want.items():
-                gshape = [int(x) for x in reversed(self._tensors[n][1].shape.tolist())]
+                gshape = list(self._tensors[n][1].shape)
                 if gshape != shape:
                     raise GGUFError(
                         f"GGUF file {self._where(n)}: tensor {n!r} has shape {gshape}, "
@@ -875,7 +1062,7 @@ class GGUFCheckpoint:
 
     def _read(self, gname: str) -> torch.Tensor:
         part, t = self._tensors[gname]
-        gshape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        gshape = t.shape
         return torch.from_numpy(_dequantize(_raw(self._readers[part], t), t.tensor_type, gshape))
 
     def get(self, name: str) -> torch.Tensor:
@@ -893,7 +1080,7 @@ class GGUFCheckpoint:
         """`tensor[i]`; a quantized tensor's row alone where no permutation applies."""
         d = self._require(name)
         part, t = self._tensors[d.gguf_name]
-        gshape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        gshape = t.shape
         if d.heads or d.other or len(d.shape) < 2 or gshape[0] != d.shape[0]:
             return self.get(name)[i]
         if not 0 <= i < d.shape[0]:
@@ -921,7 +1108,7 @@ class GGUFCheckpoint:
     def close(self) -> None:
         """Drops psr's references to the mapped files (numpy unmaps when the last view goes)."""
         self._experts.clear()
-        self._dense.clear()
+        self._dense_map = {}
         self._tensors.clear()
         self._readers.clear()
 

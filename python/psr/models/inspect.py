@@ -59,6 +59,8 @@ class Inspection:
     graphs: str = ""
     expert_types: dict[str, int] = field(default_factory=dict)  # GGUF: row format -> layers
     kv_bytes_per_1k_tokens: int = 0  # the KV cache of 1024 tokens in the model dtype
+    # its layers per attention kind (psr.runtime.kv.CACHE_KINDS: what each really caches)
+    kv_kinds: dict[str, int] = field(default_factory=dict)
     # what psr.load(path, policy) uses at the default residency, per biased policy: the
     # tuned point and its file, or the untuned default and the command that measures it
     operating_points: dict[str, str] = field(default_factory=dict)
@@ -92,7 +94,11 @@ class Inspection:
         lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
         for fmt, n in self.expert_types.items():
             lines.append(f"  experts    {fmt.removeprefix('gguf:')} (gate, up, down) in {n} layers")
-        lines.append(f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens")
+        kinds = ", ".join(f"{n} {k}" for k, n in self.kv_kinds.items())
+        lines.append(
+            f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens"
+            + (f" ({kinds} layers)" if kinds else "")
+        )
         cols = ["format", "one expert", "host (all experts)"]
         cols += [f"device @ residency {r:g}" for r in RESIDENCIES]
         rows = [
@@ -150,29 +156,30 @@ def _graphs(config: Any) -> str:
     return "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
 
 
-def _gguf_experts(path: str | Path, spec: Any, moe_layers: list[int]) -> list[str]:
-    """A GGUF file's row format per MoE layer, checked as psr.load checks them (its tensor
-    table only: nothing is read)."""
-    from psr.models.gguf_load import layer_formats, open_gguf
+def inspect(path: str | Path) -> Inspection:
+    """What psr would load from `path` (a checkpoint folder or a GGUF file; no weight is
+    read)."""
+    from psr.models.gguf_load import is_gguf, open_gguf
 
-    ck = open_gguf(path)
+    if not is_gguf(path):
+        return _inspect(path, None)
+    ck = open_gguf(path)  # its header is read once, here (metadata and tensor table)
     try:
-        return layer_formats(ck, spec, moe_layers)
+        return _inspect(path, ck)
     finally:
         ck.close()
 
 
-def inspect(path: str | Path) -> Inspection:
-    """What psr would load from `path` (a checkpoint folder or a GGUF file; no weight is
-    read)."""
+def _inspect(path: str | Path, ck: Any) -> Inspection:
+    """`inspect` of a checkpoint folder (`ck` None) or of the opened GGUF checkpoint `ck`."""
     import transformers
 
-    from psr.models.gguf_load import is_gguf
+    from psr.models.gguf_load import layer_formats
     from psr.models.sources import model_config
-    from psr.runtime.kv import kv_bytes
+    from psr.runtime.kv import CACHE_KINDS, kv_bytes, layer_kinds
 
-    gguf = is_gguf(path)
-    raw = model_config(path)
+    gguf = ck is not None
+    raw = dict(ck.config_dict) if gguf else model_config(path)
     mt = str(raw.get("model_type"))
     try:
         cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
@@ -201,7 +208,7 @@ def inspect(path: str | Path) -> Inspection:
     n = len(sparse)
     types: dict[str, int] = {}
     if gguf:  # the file's own blocks: one format per layer
-        fmts = _gguf_experts(path, spec, sparse)
+        fmts = layer_formats(ck, spec, sparse)  # checked as psr.load checks them
         rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmts]
         types = {f: fmts.count(f) for f in dict.fromkeys(fmts)}
         per = {"gguf": round(sum(rows) / len(rows))}
@@ -245,6 +252,7 @@ def inspect(path: str | Path) -> Inspection:
         host_bytes=host,
         expert_types=types,
         kv_bytes_per_1k_tokens=kv_bytes(config, dtype.itemsize, 1024),
+        kv_kinds={k: n for k in CACHE_KINDS if (n := layer_kinds(config).count(k))},
         dense_bytes=dense,
         device_bytes=device,
         graphs=_graphs(config),

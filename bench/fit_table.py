@@ -1,0 +1,586 @@
+"""Which of the big offloaded MoE models fit a 24 GB GPU: header-faithful GGUF files (the
+metadata and tensor table as published, the data left as holes) of DeepSeek-V3, Kimi-K2,
+GLM-4.5-Air, Qwen3-235B-A22B, gpt-oss-120b and Qwen3-30B-A3B, each opened with `psr
+inspect`, and per model the device bytes of psr today (dense part dequantized to the model
+dtype + the KV cache + the expert slab at a stated residency) beside llama.cpp's `--cpu-moe`
+plan computed from the same tensor table (every non-expert tensor in its file type on the
+device, the routed experts on the CPU).
+
+    PYTHONPATH=python:. .venv/bin/python bench/fit_table.py [--dir /tmp/psr-fit] \
+        [--models qwen3-30b-a3b,...] [--residency 0.1] [--out bench/results/fit]
+
+Files are written sparse under --dir (logical sizes up to ~400 GB, a few MB on disk) and
+deleted afterwards. Where the published file is not reproduced exactly, the spec below
+says what is assumed (`notes`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GiB = 2**30
+GPU = 24 * 10**9  # "a 24 GB GPU": 24e9 bytes (an RTX 4090 has 23.99e9 usable at most)
+
+Q = {  # llama.cpp's fallback when a row is not a whole number of 256-value K blocks
+    "Q4_K": "Q5_0",
+    "Q5_K": "Q5_1",
+    "Q6_K": "Q8_0",
+}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A published GGUF file's shape: its config as the converter writes it, and the
+    quantization recipe (llama.cpp's Q4_K_M rules, or gpt-oss's MXFP4 file)."""
+
+    name: str
+    arch: str
+    layers: int  # block_count as written (MTP layers included where the file keeps them)
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # dense FFN (leading dense layers)
+    expert_ffn: int
+    experts: int
+    top_k: int
+    vocab: int
+    merges: int  # assumed: about the vocabulary size (byte-level BPE)
+    dense_layers: int = 0  # leading dense layers
+    shared: int = 0  # shared experts
+    nextn: int = 0  # MTP layers kept in the file (GLM); DeepSeek's converter drops them
+    mla: tuple[int, int, int, int, int] | None = None  # q_lora, kv_lora, nope, rope, v
+    recipe: str = "Q4_K_M"
+    keys: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+
+
+SPECS = {
+    s.name: s
+    for s in (
+        Spec(
+            "DeepSeek-V3 Q4_K_M",
+            "deepseek2",
+            61,
+            7168,
+            128,
+            128,
+            128,
+            18432,
+            2048,
+            256,
+            8,
+            129280,
+            127741,
+            dense_layers=3,
+            shared=1,
+            mla=(1536, 512, 128, 64, 128),
+            keys={
+                "expert_gating_func": 2,
+                "expert_weights_scale": 2.5,
+                "expert_weights_norm": True,
+                "expert_group_count": 8,
+                "expert_group_used_count": 4,
+                "rope.freq_base": 10000.0,
+                "yarn": (40.0, 4096, 0.1 * 1.0),
+                "context_length": 163840,
+            },
+            notes="MTP layer dropped by the converter; attn_kv_b split (llama.cpp's MLA files)",
+        ),
+        Spec(
+            "Kimi-K2 Q4_K_M",
+            "deepseek2",
+            61,
+            7168,
+            64,
+            64,
+            128,
+            18432,
+            2048,
+            384,
+            8,
+            163840,
+            163328,
+            dense_layers=1,
+            shared=1,
+            mla=(1536, 512, 128, 64, 128),
+            keys={
+                "expert_gating_func": 2,
+                "expert_weights_scale": 2.827,
+                "expert_weights_norm": True,
+                "expert_group_count": 1,
+                "expert_group_used_count": 1,
+                "rope.freq_base": 50000.0,
+                "yarn": (32.0, 4096, 0.1),
+            },
+            notes="Q4_K_M recipe assumed for 'Q4_K-class'; merges count assumed",
+        ),
+        Spec(
+            "GLM-4.5-Air Q4_K_M",
+            "glm4moe",
+            47,
+            4096,
+            96,
+            8,
+            128,
+            10944,
+            1408,
+            128,
+            8,
+            151552,
+            318088,
+            dense_layers=1,
+            shared=1,
+            nextn=1,
+            keys={
+                "expert_weights_scale": 1.0,
+                "expert_weights_norm": True,
+                "expert_gating_func": 2,
+                "rope.freq_base": 1000000.0,
+                "rope.dimension_count": 64,
+            },
+            notes="expert FFN 1408 is not a multiple of 256: down in Q5_0/Q8_0 (llama.cpp's "
+            "fallback); MTP layer 46 kept (attention + experts + nextn tensors)",
+        ),
+        Spec(
+            "Qwen3-235B-A22B Q4_K_M",
+            "qwen3moe",
+            94,
+            4096,
+            64,
+            4,
+            128,
+            12288,
+            1536,
+            128,
+            8,
+            151936,
+            151387,
+            keys={"rope.freq_base": 1000000.0},
+        ),
+        Spec(
+            "gpt-oss-120b MXFP4",
+            "gpt-oss",
+            36,
+            2880,
+            64,
+            8,
+            64,
+            2880,
+            2880,
+            128,
+            4,
+            201088,
+            446189,
+            recipe="MXFP4",
+            keys={
+                "rope.freq_base": 150000.0,
+                "yarn": (32.0, 4096, None),
+                "attention.sliding_window": 128,
+            },
+            notes="non-expert matrices Q8_0 (ggml-org's 63.4 GB file; assumed), routed "
+            "experts MXFP4, router/biases/sinks F32",
+        ),
+        Spec(
+            "Qwen3-30B-A3B Q4_K_M",
+            "qwen3moe",
+            48,
+            2048,
+            32,
+            4,
+            128,
+            6144,
+            768,
+            128,
+            8,
+            151936,
+            151387,
+            keys={"rope.freq_base": 1000000.0},
+        ),
+    )
+}
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's use_more_bits: the first and last eighth and every third layer between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _qtype(s: Spec, name: str, shape: tuple[int, ...], layer: int) -> str:
+    """The type llama.cpp's quantizer gives tensor `name` (numpy shape) in `s.recipe`."""
+    if len(shape) == 1 or "ffn_gate_inp" in name or "norm" in name or name.endswith(".bias"):
+        return "F32"
+    if "attn_sinks" in name:
+        return "F32"
+    if s.recipe == "MXFP4":
+        return "MXFP4" if "_exps." in name else "Q8_0"
+    if name == "output.weight":
+        t = "Q6_K"
+    elif "attn_v." in name or "ffn_down" in name:
+        t = "Q6_K" if _more_bits(layer, s.layers) else "Q4_K"
+    else:
+        t = "Q4_K"
+    return Q[t] if shape[-1] % 256 else t
+
+
+Add = Any  # add(name, *shape, layer=i): one tensor of the table
+
+
+def _attention(s: Spec, b: str, i: int, add: Add) -> None:
+    H = s.hidden
+    if s.mla is not None:
+        ql, kvl, nope, rope, v = s.mla
+        add(b + "attn_q_a.weight", ql, H, layer=i)
+        add(b + "attn_q_a_norm.weight", ql)
+        add(b + "attn_q_b.weight", s.heads * (nope + rope), ql, layer=i)
+        add(b + "attn_kv_a_mqa.weight", kvl + rope, H, layer=i)
+        add(b + "attn_kv_a_norm.weight", kvl)
+        add(b + "attn_k_b.weight", s.heads, kvl, nope, layer=i)
+        add(b + "attn_v_b.weight", s.heads, v, kvl, layer=i)
+        add(b + "attn_output.weight", H, s.heads * v, layer=i)
+        return
+    hd = s.head_dim
+    for p, rows in (("q", s.heads * hd), ("k", s.kv_heads * hd), ("v", s.kv_heads * hd)):
+        add(b + f"attn_{p}.weight", rows, H, layer=i)
+        if s.arch in ("glm4moe", "gpt-oss"):
+            add(b + f"attn_{p}.bias", rows)
+    add(b + "attn_output.weight", H, s.heads * hd, layer=i)
+    if s.arch == "gpt-oss":
+        add(b + "attn_output.bias", H)
+        add(b + "attn_sinks.weight", s.heads)
+    if s.arch == "qwen3moe":
+        add(b + "attn_q_norm.weight", hd)
+        add(b + "attn_k_norm.weight", hd)
+
+
+def _moe(s: Spec, b: str, i: int, add: Add) -> None:
+    H, E, F = s.hidden, s.experts, s.expert_ffn
+    add(b + "ffn_gate_inp.weight", E, H)
+    if s.arch == "gpt-oss":
+        add(b + "ffn_gate_inp.bias", E)
+    if s.arch in ("deepseek2", "glm4moe"):
+        add(b + "exp_probs_b.bias", E)
+    for p in ("gate", "up"):
+        add(b + f"ffn_{p}_exps.weight", E, F, H, layer=i)
+    add(b + "ffn_down_exps.weight", E, H, F, layer=i)
+    if s.arch == "gpt-oss":
+        for p, n in (("gate", F), ("up", F), ("down", H)):
+            add(b + f"ffn_{p}_exps.bias", E, n)
+    if s.shared:
+        for p in ("gate", "up"):
+            add(b + f"ffn_{p}_shexp.weight", F * s.shared, H, layer=i)
+        add(b + "ffn_down_shexp.weight", H, F * s.shared, layer=i)
+
+
+def tensors(s: Spec) -> list[tuple[str, tuple[int, ...], str]]:
+    """(GGUF name, numpy shape [.., out, in], type) of every tensor the file holds."""
+    H, out = s.hidden, []
+
+    def add(name: str, *shape: int, layer: int = 0) -> None:
+        out.append((name, shape, _qtype(s, name, shape, layer)))
+
+    add("token_embd.weight", s.vocab, H)
+    for i in range(s.layers):
+        b = f"blk.{i}."
+        add(b + "attn_norm.weight", H)
+        add(b + "ffn_norm.weight", H)
+        _attention(s, b, i, add)
+        if i < s.dense_layers:
+            for p in ("gate", "up"):
+                add(b + f"ffn_{p}.weight", s.ffn, H, layer=i)
+            add(b + "ffn_down.weight", H, s.ffn, layer=i)
+            continue
+        _moe(s, b, i, add)
+        if i >= s.layers - s.nextn:  # GLM's MTP layer
+            add(b + "nextn.eh_proj.weight", H, 2 * H, layer=i)
+            for n in ("enorm", "hnorm", "shared_head_norm"):
+                add(b + f"nextn.{n}.weight", H)
+    add("output_norm.weight", H)
+    add("output.weight", s.vocab, H)
+    return out
+
+
+def nbytes(shape: tuple[int, ...], qtype: str) -> int:
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    return int(np.prod(shape, dtype=np.int64)) // block * size
+
+
+def _metadata(w: Any, s: Spec) -> None:
+    import gguf
+
+    a = s.arch
+    kv = gguf.GGUFValueType
+    w.add_name(s.name.split()[0])
+    w.add_block_count(s.layers)
+    w.add_context_length(int(s.keys.get("context_length", 131072)))
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.ffn)
+    w.add_expert_feed_forward_length(s.expert_ffn)
+    w.add_head_count(s.heads)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(s.experts)
+    w.add_expert_used_count(s.top_k)
+    if s.mla is not None:
+        ql, kvl, nope, rope, v = s.mla
+        w.add_head_count_kv(1)  # llama.cpp's MLA files: one latent "head"
+        w.add_key_length(kvl + rope)
+        w.add_value_length(kvl)
+        w.add_key_value(f"{a}.attention.key_length_mla", nope + rope, kv.UINT32)
+        w.add_key_value(f"{a}.attention.value_length_mla", v, kv.UINT32)
+        w.add_q_lora_rank(ql)
+        w.add_kv_lora_rank(kvl)
+        w.add_rope_dimension_count(rope)
+    else:
+        w.add_head_count_kv(s.kv_heads)
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+    if s.dense_layers:
+        w.add_leading_dense_block_count(s.dense_layers)
+    if s.shared:
+        w.add_expert_shared_count(s.shared)
+        w.add_expert_shared_feed_forward_length(s.expert_ffn * s.shared)
+    if s.nextn:
+        w.add_nextn_predict_layers(s.nextn)
+    for k, v in s.keys.items():
+        if k == "context_length":
+            continue
+        if k == "yarn":
+            factor, orig, mul = v
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(factor)
+            w.add_rope_scaling_orig_ctx_len(orig)
+            if mul is not None:
+                w.add_key_value(f"{a}.rope.scaling.yarn_log_multiplier", mul, kv.FLOAT32)
+        elif isinstance(v, bool):
+            w.add_key_value(f"{a}.{k}", v, kv.BOOL)
+        elif isinstance(v, float):
+            w.add_key_value(f"{a}.{k}", v, kv.FLOAT32)
+        else:
+            w.add_key_value(f"{a}.{k}", v, kv.UINT32)
+    # the tokenizer as llama.cpp's converter writes a byte-level BPE vocabulary
+    rng = np.random.default_rng(0)
+    lens = rng.integers(2, 12, size=s.vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list([f"\u0120t{i:x}" + "a" * int(n) for i, n in enumerate(lens)])
+    w.add_token_types([1] * (s.vocab - 64) + [3] * 64)
+    w.add_token_merges([f"\u0120t{i % s.vocab:x} a{i % 97}" for i in range(s.merges)])
+    w.add_bos_token_id(s.vocab - 64)
+    w.add_eos_token_id(s.vocab - 63)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}" * 60)
+
+
+def write(s: Spec, path: Path, split_bytes: int = 0) -> list[Path]:
+    """The header-faithful file(s) of `s` at `path` (split into parts of at most
+    `split_bytes` of tensor data when > 0), data left as holes. Returns the files."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, s.arch, split_max_size=split_bytes)
+    _metadata(w, s)
+    for name, shape, qt in tensors(s):
+        w.add_tensor_info(
+            name, shape, np.dtype(np.float32), nbytes(shape, qt), gguf.GGMLQuantizationType[qt]
+        )
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    files, ends = [], []
+    for fout, infos in zip(w.fout, w.tensors, strict=True):
+        fout.flush()
+        start = w.ggml_pad(fout.tell(), w.data_alignment)
+        files.append(Path(fout.name))
+        ends.append(start + sum(w.ggml_pad(t.nbytes, w.data_alignment) for t in infos.values()))
+    w.close()
+    for f, end in zip(files, ends, strict=True):
+        os.truncate(f, end)  # the data: holes
+    return files
+
+
+def _inspect_child(path: str) -> None:
+    """In a fresh process: psr.inspect(path), its wall time and peak RSS, as JSON."""
+    import psr
+
+    t0 = time.perf_counter()
+    r = psr.inspect(path)
+    dt = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"seconds": dt, "peak_rss": peak, "inspect": r.to_dict()}))
+
+
+def inspect_fresh(path: Path) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+    res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return res
+
+
+def row(s: Spec, files: list[Path], residency: float) -> dict[str, Any]:
+    """The figures of one model (device bytes of psr today and of llama.cpp's plan)."""
+    from psr.models.gguf_load import open_gguf
+    from psr.runtime.kv import kv_bytes
+
+    table = tensors(s)
+    experts = sum(nbytes(sh, t) for n, sh, t in table if "_exps." in n)
+    llama_dense = sum(nbytes(sh, t) for n, sh, t in table if "_exps." not in n)
+    embd = next(nbytes(sh, t) for n, sh, t in table if n == "token_embd.weight")
+    ins = inspect_fresh(files[0])
+    r: dict[str, Any] = {
+        "model": s.name,
+        "file_bytes": sum(f.stat().st_size for f in files),
+        "parts": len(files),
+        "experts_bytes": experts,
+        "llama_dense": llama_dense,
+        "llama_embd": embd,
+        "notes": s.notes,
+    }
+    if "error" in ins:
+        r["error"] = ins["error"]
+        return r
+    i = ins["inspect"]
+    r |= {"inspect_s": ins["seconds"], "inspect_peak_rss": ins["peak_rss"]}
+    ck = open_gguf(files[0])
+    try:
+        cfg = ck.config
+    finally:
+        ck.close()
+    E = i["num_experts"]
+    slots = int(np.floor(residency * E + 0.5))
+    r |= {
+        "dtype": i["dtype"],
+        "psr_dense": i["dense_bytes"],
+        "slab": i["expert_bytes"]["gguf"] * len(i["sparse_layers"]) * slots,
+        "slots": slots,
+        "kv_8k": kv_bytes(cfg, 4, 8192),
+        "kv_8k_f16": kv_bytes(cfg, 2, 8192),
+        "kv_32k": kv_bytes(cfg, 4, 32768),
+        "kv_32k_f16": kv_bytes(cfg, 2, 32768),
+        "psr_kv_per_1k": i["kv_bytes_per_1k_tokens"],
+    }
+    return r
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: str) -> str:
+    out = [
+        f"# Fit table: device bytes on one 24 GB GPU (residency {residency:g})",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Machine: {machine}.",
+        "",
+        "GiB. psr today: the dense part dequantized to the model dtype (float32, the GGUF "
+        "default) + the KV cache in that dtype (psr.runtime.kv: what each attention kind "
+        "caches; DeepSeek's MLA latent) + the expert slab (the file's own blocks) at "
+        f"residency {residency:g}. llama.cpp `--cpu-moe`: every non-expert tensor in its "
+        "file type (token_embd included; llama.cpp itself keeps it in host memory) + an "
+        "f16 KV cache of the same values per token (assumed). Fits: total <= 24e9 bytes. "
+        "`psr inspect`: wall time and peak RSS of a fresh process running psr.inspect "
+        "(interpreter, torch and transformers imports included) on the machine named below.",
+        "",
+        "| model | file | parts | `psr inspect` | psr dense | KV 8k / 32k | slab | psr @8k | "
+        "psr @32k | fits 24 GB (8k / 32k) | llama.cpp dense | llama.cpp KV 8k / 32k | "
+        "llama.cpp @8k | @32k | fits (8k / 32k) |",
+        "|" + "---|" * 15,
+    ]
+    for r in rows:
+        if "error" in r:
+            out.append(
+                f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | {r['parts']} | "
+                f"fails: {r['error']} |" + " |" * 11
+            )
+            continue
+        p8 = r["psr_dense"] + r["kv_8k"] + r["slab"]
+        p32 = r["psr_dense"] + r["kv_32k"] + r["slab"]
+        l8 = r["llama_dense"] + r["kv_8k_f16"]
+        l32 = r["llama_dense"] + r["kv_32k_f16"]
+
+        def fit(a: int, b: int) -> str:
+            return f"{'yes' if a <= GPU else 'no'} / {'yes' if b <= GPU else 'no'}"
+
+        out.append(
+            f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | {r['parts']} | "
+            f"{r['inspect_s']:.2f} s, {r['inspect_peak_rss'] / 2**20:.0f} MiB | "
+            f"{_g(r['psr_dense'])} | {_g(r['kv_8k'])} / {_g(r['kv_32k'])} | "
+            f"{_g(r['slab'])} ({r['slots']}/layer) | {_g(p8)} | {_g(p32)} | {fit(p8, p32)} | "
+            f"{_g(r['llama_dense'])} | {_g(r['kv_8k_f16'])} / {_g(r['kv_32k_f16'])} | "
+            f"{_g(l8)} | {_g(l32)} | {fit(l8, l32)} |"
+        )
+    out += ["", "Assumptions per model (beyond the published configs):", ""]
+    out += [f"- {r['model']}: {r['notes']}" for r in rows if r["notes"]]
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default="/tmp/psr-fit")
+    ap.add_argument("--models", default=",".join(SPECS))
+    ap.add_argument("--residency", type=float, default=0.1)
+    ap.add_argument("--split-gb", type=float, default=0.0, help="parts of at most this size")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--render", help="write fit.md again from this fit.json (no files built)")
+    a = ap.parse_args()
+    if a.child:
+        _inspect_child(a.child)
+        return
+    if a.render:
+        saved = json.loads(Path(a.render).read_text())
+        md = markdown(saved["rows"], saved["residency"], saved["command"], saved["machine"])
+        Path(a.render).with_name("fit.md").write_text(md)
+        print(md)
+        return
+    d = Path(a.dir)
+    d.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in a.models.split(","):
+        s = SPECS[name]
+        stem = d / (name.split()[0] + ".gguf")
+        files = write(s, stem, int(a.split_gb * 1e9))
+        try:
+            rows.append(row(s, files, a.residency))
+        finally:
+            for f in files:
+                f.unlink()
+        print(json.dumps(rows[-1]), file=sys.stderr)
+    from psr.models.tiers import meminfo
+
+    cmd = "PYTHONPATH=python:. python " + " ".join(sys.argv)
+    machine = f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, " + (
+        f"MemTotal {meminfo().get('MemTotal', 0) / GiB:.1f} GiB"
+    )
+    md = markdown(rows, a.residency, cmd, machine)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "fit.md").write_text(md)
+        saved = {"command": cmd, "residency": a.residency, "machine": machine, "rows": rows}
+        (out / "fit.json").write_text(json.dumps(saved, indent=1))
+
+
+if __name__ == "__main__":
+    main()
