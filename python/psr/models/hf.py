@@ -8,7 +8,7 @@ import functools
 import inspect
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,7 @@ def install(
     capacity: int,
     compute: str,
     moe_idx: list[int],
-    expert_format: str | list[str] | None = None,
+    expert_format: str | Sequence[str | None] | None = None,
     decode: str = "device",
     expert_biases: list[torch.Tensor] | None = None,
 ) -> OffloadRuntime:
