@@ -277,14 +277,7 @@ def run_generate(args: argparse.Namespace) -> int:
     new = gen[0, len(ids) :].tolist()
     print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
     print()
-    print(
-        f"policy {model.policy.describe()} ({model.policy_source}), "
-        f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
-        f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
-        f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
-        + (f"experts on {_experts_on(args)}, " if args.experts_on != "gpu" else "")
-        + f"graphs {model.graph_status}"
-    )
+    print(_summary(model, args))
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:
         st = model.spec_stats
@@ -312,6 +305,19 @@ def run_generate(args: argparse.Namespace) -> int:
             result["speculative"] = speculative
         out.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _summary(model: Any, args: argparse.Namespace) -> str:
+    """The line after the text: how the model ran."""
+    rt = model.runtime
+    return (
+        f"policy {model.policy.describe()} ({model.policy_source}), "
+        f"{rt.capacity} of {rt.spec.num_experts} experts resident per "
+        f"layer, backend {rt.store.backend}, compute {rt.ops.path}, "
+        f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
+        + (f"experts on {_experts_on(args)}, " if args.experts_on != "gpu" else "")
+        + f"graphs {model.graph_status}"
+    )
 
 
 def _experts_shown(model: Any, asked: str) -> str:

@@ -13,8 +13,8 @@ from psr.policy import Policy
 from psr.runtime.accounting import Accounting
 from psr.runtime.bookkeeping import HostCaches
 from psr.runtime.compute import ExpertCompute
+from psr.runtime.expert_placement import ExpertPlacement
 from psr.runtime.layer import MoELayer
-from psr.runtime.placement import ExpertPlacement
 from psr.runtime.spec import MoESpec
 from psr.store import ExpertStore
 

@@ -38,10 +38,10 @@ from psr.runtime.accounting import Accounting
 from psr.runtime.bookkeeping import HostCaches
 from psr.runtime.compute import ExpertCompute
 from psr.runtime.device_decode import DeviceDecode
+from psr.runtime.expert_placement import ExpertPlacement, make_placement
 from psr.runtime.guard import SequenceGuard
 from psr.runtime.host_decode import HostDecode, VerifyBlock
 from psr.runtime.layer import MoELayer, Wiring, norm_eps, weight_of
-from psr.runtime.placement import ExpertPlacement, make_placement
 from psr.runtime.prefill import PrefillStep
 from psr.runtime.slots import SlotMap
 from psr.runtime.spec import MoESpec, resolve_capacity

@@ -196,7 +196,7 @@ class OffloadedModel(nn.Module):
         `hybrid_m` per MoE layer copied, one int or one per layer; default: chosen from
         this machine's profile, `psr bench machine`). Returns the per-layer caps (None:
         all copied); the next forward starts a new sequence."""
-        from psr.runtime.hybrid import set_experts_on
+        from psr.runtime.placement import set_experts_on
 
         with self.runtime.lock:
             return set_experts_on(self.runtime, experts_on, hybrid_m)

@@ -1,188 +1,80 @@
-"""Where a decode step computes its misses (`experts_on`, issue 27): one class per placement,
-`make_placement` the factory (as vLLM's one class per routing method, KTransformers' experts
-operator with one subclass per placement).
-
-  gpu     every miss copied into the slab (the spec's `use`)
-  cpu     no miss copied: the misses computed on the CPU from the host rows
-  hybrid  at most `caps[l]` misses of MoE layer l copied per step, the rest on the CPU
-
-A placement owns what the steps ask of it: each layer's cap (`max_inserts`), whether the
-device kernel lists the misses it does not copy (`capped`), the experts' forward of the
-device and host steps, whether the device step runs it and whether graphs can capture it.
-The caps of 'hybrid' without explicit ones come from the machine profile (hybrid.py).
-"""
+"""Where a decode step computes its misses (`experts_on`, issue 27): each MoE layer's cap
+on the misses one step copies, from the mode, an explicit `hybrid_m`, or this machine's
+profile (psr.machine)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from psr.runtime.layer import MoELayer
+import psr.machine as machine
+from psr.runtime.engine import OffloadRuntime
 from psr.vocab import experts_on_choice
 
-if TYPE_CHECKING:
-    from psr.runtime.device_decode import DeviceDecode
-    from psr.runtime.host_decode import HostDecode
+
+def layer_keys(rt: OffloadRuntime) -> list[str]:
+    """Each MoE layer's expert shape and format as the machine profile keys it."""
+    c = rt.spec
+    dtype = str(rt.store.dtype).removeprefix("torch.")
+    return [machine.shape_key(c.hidden_size, c.ffn_size, f or dtype) for f in rt.expert_formats]
 
 
-class ExpertPlacement:
-    """Every miss copied into the slab ('gpu'); subclasses compute some on the CPU."""
-
-    name: ClassVar[str] = "gpu"
-    capped: ClassVar[bool] = False  # the decode kernel lists the misses it does not copy
-
-    def __init__(self, caps: Sequence[int | None]) -> None:
-        self.caps: list[int | None] = list(caps)  # per MoE layer; None: every miss copied
-
-    def max_inserts(self, layer: int) -> int | None:
-        """The most misses of MoE layer `layer` one decode step copies (None: all)."""
-        return self.caps[layer]
-
-    def runs_on_device_step(self, device: DeviceDecode) -> bool:
-        """Whether the device step computes this placement (else the host step does)."""
-        return True
-
-    def graphs_blocker(self, device: DeviceDecode) -> str | None:
-        """Why graphs cannot capture a decode token under this placement (None: they can)."""
-        return None
-
-    def device_experts(
-        self, step: DeviceDecode, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """The device step's experts forward: every routed expert from its slab slot."""
-        return step.slab_experts(layer, x, ids, weights)
-
-    def host_experts(
-        self, step: HostDecode, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor,
-        weights: torch.Tensor, routed: list[int], cpu: set[int],
-    ) -> torch.Tensor:  # fmt: skip
-        """The host step's experts forward for `routed` (`cpu`: the misses `use` did not
-        insert, empty here)."""
-        return step.slab_experts(layer, x, ids, weights, routed)
+def here(rt: OffloadRuntime) -> dict[str, object]:
+    """This machine's fingerprint, as a profile measured here records it."""
+    gpu = torch.cuda.get_device_name(rt.store.device) if rt.store.backend == "cuda" else "none"
+    return machine.fingerprint(torch.get_num_threads(), gpu, machine.psr_version())
 
 
-class CpuPlacement(ExpertPlacement):
-    """No miss copied: every miss of a decode step computed on the CPU from the host rows."""
-
-    name = "cpu"
-    capped = True
-
-    def runs_on_device_step(self, device: DeviceDecode) -> bool:
-        # On CUDA the device step needs the hand-off (CPU kernels for this expert kind and
-        # format); the CPU backend reads the CPU list's count where they are missing.
-        return device.rt.store.backend == "cpu" or device.hands_off()
-
-    def graphs_blocker(self, device: DeviceDecode) -> str | None:
-        if device.hands_off():
-            return None
-        return (
-            f"experts_on={self.name!r} with experts the CPU kernels do not compute "
-            "(the reference runs them on the host: host-driven step)"
-        )
-
-    def device_experts(
-        self, step: DeviceDecode, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """The routed members from the slab through the slot map (the CPU list's experts are
-        not members: slot -1, absent), the CPU list's from the host rows, each part in
-        routed order, summed as the host step sums them: handed off in stream order where
-        the CPU kernels compute every layer, else with the list's count read."""
-        if step.hands_off():
-            return step.handoff_experts(layer, x, ids, weights)
-        return self._reading(step, layer, x, ids, weights)
-
-    def _reading(
-        self, step: DeviceDecode, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
-        """For kinds or formats without CPU kernels (CPU backend only): the list's count is
-        read (one read per layer: a memory read on the CPU backend, no device to wait
-        for), as the reference takes a host-sized work list."""
-        i, rt = layer.index, step.rt
-        n_cpu = step.cpu_list_count(i)
-        comp, bias, slab, table = (
-            rt.computes[i],
-            layer.biases(ids),
-            step.slabs[i],
-            step.slot_table[i],
-        )
-        if n_cpu == 0:
-            return comp.slab(x, slab, ids, weights, table, bias=bias)
-        on_cpu = (ids[0][:, None] == step.cpu_rows[i][None, :n_cpu]).any(1)
-        order = torch.argsort(on_cpu.to(torch.int8), stable=True)  # slab ones, then CPU ones
-        k_slab = ids.shape[1] - n_cpu
-        at_slab, at_cpu = order[:k_slab], order[k_slab:]
-        w = weights.float()
-
-        def part(at: torch.Tensor) -> torch.Tensor | None:
-            return None if bias is None else bias[:, at]
-
-        y = comp.host_experts(x, rt.store.host(i), ids[:, at_cpu], w[:, at_cpu], part(at_cpu))
-        if k_slab == 0:
-            return y
-        return comp.slab(x, slab, ids[:, at_slab], w[:, at_slab], table, bias=part(at_slab)) + y
-
-    def host_experts(
-        self, step: HostDecode, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor,
-        weights: torch.Tensor, routed: list[int], cpu: set[int],
-    ) -> torch.Tensor:  # fmt: skip
-        """The members among `routed` from their slab slots, plus the misses `use` did not
-        insert (`cpu`) computed on the CPU from the host rows, in routed order within each
-        part; summed. On CUDA the hand-off is synchronous (x to the host, the result
-        back); the host step already reads the ids per layer."""
-        if not cpu:
-            return step.slab_experts(layer, x, ids, weights, routed)
-        rt, i = step.rt, layer.index
-        on_slab = [j for j, e in enumerate(routed) if e not in cpu]
-        on_cpu = [j for j, e in enumerate(routed) if e in cpu]
-        bias, w, comp = layer.biases(ids), weights.float(), rt.computes[i]
-        idx = torch.tensor(on_cpu, device=ids.device)
-        part = None if bias is None else bias[:, idx]
-        y = comp.host_experts(x, rt.store.host(i), ids[:, idx], w[:, idx], part)
-        slab_ids = [routed[j] for j in on_slab]
-        slots = layer.slots.slots(slab_ids)
-        if rt.acct.recorder is not None:
-            rt.acct.recorder.read(i, slots)
-        if not slots:
-            return y
-        at = torch.tensor(on_slab, device=ids.device)
-        st = torch.tensor([slots], device=ids.device)
-        with rt.store.reading(i, slots, slab_ids) as slab:
-            out = comp.slab(x, slab, st, w[:, at], bias=None if bias is None else bias[:, at])
-        return out + y
-
-
-class HybridPlacement(CpuPlacement):
-    """At most `caps[l]` misses of MoE layer l copied per step, the rest on the CPU."""
-
-    name = "hybrid"
-
-
-PLACEMENTS: dict[str, type[ExpertPlacement]] = {
-    cls.name: cls for cls in (ExpertPlacement, CpuPlacement, HybridPlacement)
-}
-
-
-def make_placement(
-    experts_on: str, caps: Sequence[int | None], top_k: int, num_layers: int
-) -> ExpertPlacement:
-    """The placement `experts_on` names with its per-layer miss-copy caps, checked: one
-    per MoE layer, each an int in [0, top_k] ('gpu': None, all copied, or such an int)."""
+def resolve_caps(
+    rt: OffloadRuntime,
+    experts_on: str,
+    hybrid_m: int | Sequence[int] | None = None,
+    profile: machine.MachineProfile | None = None,
+) -> list[int | None]:
+    """The per-layer miss-copy caps of `experts_on`: 'gpu' None (all copied), 'cpu' 0,
+    'hybrid' `hybrid_m` (one int or one per MoE layer) or, without it, chosen from the
+    machine profile (`profile`, else the saved one; psr.machine.hybrid_caps)."""
     experts_on_choice(experts_on)
-    caps = list(caps)
-    if len(caps) != num_layers:
-        raise ValueError(f"{len(caps)} miss-copy caps for {num_layers} MoE layers")
-    for i, m in enumerate(caps):
-        if m is None and experts_on == "gpu":
-            continue
-        if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= top_k:
-            raise ValueError(
-                f"experts_on={experts_on!r}: MoE layer {i}'s miss-copy cap {m!r} must be an "
-                f"int in [0, top_k={top_k}]"
-            )
-    cls = PLACEMENTS[experts_on]
-    return cls([None] * num_layers if cls is ExpertPlacement else caps)
+    L, k = len(rt.layers), rt.spec.top_k
+    if hybrid_m is not None and experts_on != "hybrid":
+        raise ValueError(f"hybrid_m is for experts_on='hybrid', not {experts_on!r}")
+    if experts_on == "gpu":
+        return [None] * L
+    if experts_on == "cpu":
+        return [0] * L
+    if hybrid_m is not None:
+        caps = [hybrid_m] * L if isinstance(hybrid_m, int) else list(hybrid_m)
+        if len(caps) != L:
+            raise ValueError(f"hybrid_m has {len(caps)} entries for {L} MoE layers")
+        for m in caps:
+            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= k:
+                raise ValueError(f"hybrid_m={m!r} must be an int in [0, top_k={k}]")
+        return list(caps)
+    prof = machine.read_profile() if profile is None else profile
+    if prof is not None:
+        warning = machine.mismatch(prof, here(rt))
+        if warning is not None:
+            machine.log.warning(warning)
+    return list(
+        machine.hybrid_caps(
+            prof,
+            layer_keys(rt),
+            top_k=k,
+            capacity=rt.capacity,
+            num_experts=rt.spec.num_experts,
+            backend=rt.store.backend,
+        )
+    )
+
+
+def set_experts_on(
+    rt: OffloadRuntime,
+    experts_on: str,
+    hybrid_m: int | Sequence[int] | None = None,
+    profile: machine.MachineProfile | None = None,
+) -> list[int | None]:
+    """Resolve the caps and set them on the runtime; returns them."""
+    caps = resolve_caps(rt, experts_on, hybrid_m, profile)
+    rt.set_experts_on(experts_on, caps)
+    return caps
