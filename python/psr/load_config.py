@@ -1,8 +1,9 @@
 """`LoadConfig`: every option of `psr.load` / `psr.offload`, its default and its checks, in
-one place. `psr.load(path, policy, residency, **options)` builds one from its keywords, the
-CLI's load options name its fields (tests/cli/test_load_config.py holds them equal), and
-`psr inspect` reads its defaults. Adding an option is a field here (with `offload=True` if
-`psr.offload` takes it too) and its use in `psr.models.loader`.
+one place. `psr.load(path, policy, residency, **options)` builds one from its keywords
+(`psr.load(path, **cfg.options())` takes a config), the CLI's load flags are a table keyed
+by its fields (tests/cli/test_load_config.py holds them equal), and `psr inspect` reads its
+defaults. Adding an option is a field here (`metadata=BOTH` if `psr.offload` takes it too)
+and its use in `psr.models.loader`.
 
 Torch-free: the CLI builds and checks one before torch is imported. What depends on the
 checkpoint (slots against its experts, the dtype it defaults to, the device) is resolved
@@ -133,6 +134,10 @@ class LoadConfig:
         return [
             f.name for f in dataclasses.fields(cls) if f.metadata["offload"] or not offload_only
         ]
+
+    def options(self) -> dict[str, Any]:
+        """The keywords `psr.load` takes for this config: `psr.load(path, **cfg.options())`."""
+        return {name: getattr(self, name) for name in self.option_names()}
 
     def replace(self, **changes: Any) -> LoadConfig:
         return dataclasses.replace(self, **changes)

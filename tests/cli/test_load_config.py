@@ -74,7 +74,8 @@ def test_bad_options_fail_with_one_line_before_anything_loads(options, error) ->
 
 
 def test_frozen_and_replace() -> None:
-    cfg = LoadConfig(residency=0.25)
+    cfg = LoadConfig(residency=0.25, policy="exact")
+    assert LoadConfig.of("load", **cfg.options()) == cfg  # what psr.load(path, **...) builds
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.residency = 0.5  # type: ignore[misc]
     assert cfg.replace(slots=4).slots == 4 and cfg.slots is None
