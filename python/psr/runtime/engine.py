@@ -38,7 +38,7 @@ from psr.runtime.accounting import Accounting
 from psr.runtime.bookkeeping import HostCaches
 from psr.runtime.compute import ExpertCompute
 from psr.runtime.device_decode import DeviceDecode
-from psr.runtime.expert_placement import ExpertPlacement, make_placement
+from psr.runtime.expert_placement import ExpertPlacement, GpuPlacement, make_placement
 from psr.runtime.guard import SequenceGuard
 from psr.runtime.host_decode import HostDecode, VerifyBlock
 from psr.runtime.layer import MoELayer, Wiring, norm_eps, weight_of
@@ -147,7 +147,7 @@ class OffloadRuntime:
         self.set_decode(decode)
         # Where misses are computed (set_experts_on): per MoE layer, at most how many of a
         # decode step's misses are copied (None: all, the spec's `use`).
-        self.placement = ExpertPlacement([None] * len(self.layers))  # 'gpu'
+        self.placement: ExpertPlacement = GpuPlacement([None] * len(self.layers))
         self._scoring: Scoring | None = None
         self._host = HostDecode(self)
         self._device = DeviceDecode(self)

@@ -28,9 +28,10 @@ if TYPE_CHECKING:
 
 
 class ExpertPlacement:
-    """Every miss copied into the slab ('gpu'); subclasses compute some on the CPU."""
+    """Where misses are computed, per placement (a subclass each); the defaults are gpu's:
+    every miss copied into the slab, every routed expert read from it."""
 
-    name: ClassVar[str] = "gpu"
+    name: ClassVar[str]
     capped: ClassVar[bool] = False  # the decode kernel lists the misses it does not copy
 
     def __init__(self, caps: Sequence[int | None]) -> None:
@@ -62,6 +63,12 @@ class ExpertPlacement:
         """The host step's experts forward for `routed` (`cpu`: the misses `use` did not
         insert, empty here)."""
         return step.slab_experts(layer, x, ids, weights, routed)
+
+
+class GpuPlacement(ExpertPlacement):
+    """Every miss copied into the slab: the spec's `use`."""
+
+    name = "gpu"
 
 
 class CpuPlacement(ExpertPlacement):
@@ -163,7 +170,7 @@ class HybridPlacement(CpuPlacement):
 
 
 PLACEMENTS: dict[str, type[ExpertPlacement]] = {
-    cls.name: cls for cls in (ExpertPlacement, CpuPlacement, HybridPlacement)
+    cls.name: cls for cls in (GpuPlacement, CpuPlacement, HybridPlacement)
 }
 
 
@@ -185,4 +192,4 @@ def make_placement(
                 f"int in [0, top_k={top_k}]"
             )
     cls = PLACEMENTS[experts_on]
-    return cls([None] * num_layers if cls is ExpertPlacement else caps)
+    return cls([None] * num_layers if cls is GpuPlacement else caps)
