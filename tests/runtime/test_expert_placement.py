@@ -36,7 +36,7 @@ def test_one_class_per_mode_and_what_it_says() -> None:
         ("cpu", [0, 0], "2 miss-copy caps for 1 MoE layers"),
         ("hybrid", [3], "experts_on='hybrid': MoE layer 0's miss-copy cap 3 must be an int in"),
         ("cpu", [None], "experts_on='cpu': MoE layer 0's miss-copy cap None must be an int in"),
-        ("hybrid", [True], "MoE layer 0's miss-copy cap True must be an int"),
+        ("hybrid", [True], "experts_on='hybrid': MoE layer 0's miss-copy cap True must be an"),
         ("gpu", [-1], "experts_on='gpu': MoE layer 0's miss-copy cap -1 must be an int"),
     ],
 )
