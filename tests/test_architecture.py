@@ -3,7 +3,7 @@
 Layers, lowest first; a module may import from its own layer and the ones below:
   psr_kernels
   < psr.store, and the bookkeeping: psr.cache, psr.policy, psr.points, psr.vocab,
-    psr.machine
+    psr.machine, psr.load_config
   < psr.runtime < psr.models < psr.eval < psr.serve < psr.cli
 plus:
 - psr_kernels never imports psr; the bookkeeping is pure (no torch, no store, no
@@ -32,7 +32,15 @@ SOURCES = {"psr": ROOT / "python" / "psr", "psr_kernels": ROOT / "psr_kernels"}
 
 LAYERS = [
     ("psr_kernels",),
-    ("psr.store", "psr.cache", "psr.policy", "psr.points", "psr.vocab", "psr.machine"),
+    (
+        "psr.store",
+        "psr.cache",
+        "psr.policy",
+        "psr.points",
+        "psr.vocab",
+        "psr.machine",
+        "psr.load_config",
+    ),
     ("psr.runtime",),
     ("psr.models",),
     ("psr.eval",),
@@ -109,7 +117,8 @@ def test_kernels_import_nothing_from_psr() -> None:
 
 
 @pytest.mark.parametrize(
-    "module", ["psr.cache", "psr.policy", "psr.points", "psr.vocab", "psr.machine"]
+    "module",
+    ["psr.cache", "psr.policy", "psr.points", "psr.vocab", "psr.machine", "psr.load_config"],
 )
 def test_bookkeeping_is_pure(module: str) -> None:
     heavy = [
@@ -177,6 +186,7 @@ def test_the_steps_never_import_the_engine(module: str) -> None:
 
 TORCH_FREE = (
     "psr.vocab",
+    "psr.load_config",
     "psr.machine",
     "psr.policy",
     "psr.points",

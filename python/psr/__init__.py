@@ -24,6 +24,7 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "psr.cache": ("LogicalCache", "prefill_state"),
+    "psr.load_config": ("LoadConfig",),
     "psr.policy": (
         "DEFAULT_LAM",
         "DEFAULT_N",
@@ -64,6 +65,7 @@ __all__ = [
     "ExpertStore",
     "Inspection",
     "LayerSpec",
+    "LoadConfig",
     "LogicalCache",
     "MoESpec",
     "OffloadedModel",
@@ -86,6 +88,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from psr.cache import LogicalCache, prefill_state
+    from psr.load_config import LoadConfig
     from psr.models import DEFAULT_MODEL, CheckpointError, load, offload, restore
     from psr.policy import (
         DEFAULT_LAM,

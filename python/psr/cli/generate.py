@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -26,6 +27,7 @@ from psr.cli.args import (
     token_ids,
     writable_file,
 )
+from psr.policy import POLICIES
 from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS, EXPERTS_ON
 
 # Files whose presence makes psr.models.load load a tokenizer.
@@ -80,138 +82,124 @@ def add_model_option(g: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help=f"local HF checkpoint folder {EMBEDDED}")
 
 
-def add_policy_options(g: argparse.ArgumentParser) -> None:
-    """--policy, --residency, --slots, --lam, --n, --quality-budget."""
-    from psr.policy import DEFAULT_RESIDENCY, POLICIES
-
-    g.add_argument("--policy", choices=POLICIES, default="psr", help="routing policy")
-    g.add_argument(
-        "--residency",
-        type=fraction,
-        default=DEFAULT_RESIDENCY,
-        help="fraction of each layer's experts with a device slot, in (0, 1]",
-    )
-    g.add_argument(
-        "--slots",
+# Each psr.load option the command line takes: its `psr.LoadConfig` field and the flag's
+# argparse settings, in `--help`'s order; the default is LoadConfig's unless given here.
+# tests/cli/test_load_config.py holds them equal: every field is a flag or in NOT_FLAGS.
+POLICY_FLAGS: dict[str, dict[str, Any]] = {
+    "policy": dict(choices=POLICIES, help="routing policy"),
+    "residency": dict(
+        type=fraction, help="fraction of each layer's experts with a device slot, in (0, 1]"
+    ),
+    "slots": dict(
         type=positive_int,
-        default=None,
         help="slots per layer, overriding --residency (default: from --residency)",
-    )
-    g.add_argument(
-        "--lam",
+    ),
+    "lam": dict(
         type=nonnegative_float,
-        default=None,
         help="bias toward cached experts, >= 0 (default: the policy's, psr.policy)",
-    )
-    g.add_argument(
-        "--n",
+    ),
+    "n": dict(
         type=nonnegative_int,
-        default=None,
         help="predicted experts inserted per layer and token (default: the policy's)",
-    )
-    g.add_argument(
-        "--quality-budget",
+    ),
+    "quality_budget": dict(
         type=nonnegative_float,
-        default=None,
         help="nats/token the policy may cost: require the operating point `psr tune` chose "
         "for this budget or a tighter one (cache-prior, psr)",
-    )
-
-
-def add_placement_options(g: argparse.ArgumentParser) -> None:
-    """--device, --dtype, --compute, --expert-format, --quant-cache, --speculative,
-    --block, --block-k."""
-    g.add_argument(
-        "--device",
+    ),
+}
+PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
+    "device": dict(
         type=device,
-        default=None,
         help="cpu, cuda or cuda:N (default: cuda when psr's backend is cuda, else cpu)",
-    )
-    g.add_argument(
-        "--dtype",
-        type=dtype,
-        default=None,
-        help="float32, bfloat16 or float16 (default: the checkpoint's)",
-    )
-    g.add_argument(
-        "--compute",
+    ),
+    "dtype": dict(type=dtype, help="float32, bfloat16 or float16 (default: the checkpoint's)"),
+    "compute": dict(
         choices=COMPUTE_CHOICES,
-        default="auto",
         help="kernels: Triton, torch references, or auto (Triton on CUDA)",
-    )
-    g.add_argument(
-        "--decode",
+    ),
+    "decode": dict(
         choices=DECODE_MODES,
-        default="device",
         help="decode steps on device-resident caches with no host read (device), or "
         "host-driven (host)",
-    )
-    g.add_argument(
-        "--experts-on",
+    ),
+    "experts_on": dict(
         choices=EXPERTS_ON,
-        default="gpu",
         help="where misses are computed: gpu (each copied into the slab), cpu (none copied: "
         "computed on the CPU from the host rows) or hybrid (at most --hybrid-m per layer "
         "copied, the rest on the CPU); CPU and GPU round differently, so tokens may differ",
-    )
-    g.add_argument(
-        "--hybrid-m",
+    ),
+    "hybrid_m": dict(  # joined into experts_on ('hybrid:M1,M2,...')
         type=hybrid_m,
         default=None,
         metavar="M[,M...]",
         help="with --experts-on hybrid: misses copied per layer step, one for every MoE layer "
         "or one per layer (default: chosen from `psr bench machine`'s profile)",
-    )
-    g.add_argument(
-        "--graphs",
+    ),
+    "graphs": dict(
         action=argparse.BooleanOptionalAction,
-        default=None,
+        default=None,  # None: 'auto'
         help="decode each token as one captured graph over a static KV cache (default: on "
         "for CUDA, off elsewhere; on the CPU it compiles with torch.compile)",
-    )
-    g.add_argument(
-        "--expert-format",
+    ),
+    "expert_format": dict(
         choices=EXPERT_FORMATS,
         default="native",
         help="how the host store keeps experts and copies move them: native (the model's "
         "dtype), bf16, or quantized int8 / fp8 / int4 (dequantized on the fly)",
-    )
-    g.add_argument(
-        "--quant-cache",
+    ),
+    "quant_cache": dict(
         nargs="?",
         const=True,
-        default=False,
         metavar="DIR",
         help="with a quantized --expert-format: keep the quantized experts on disk and read "
         "them on later loads (in DIR, else $PSR_CACHE/quantized or the user cache folder; "
         "never in the model folder)",
-    )
-    g.add_argument(
-        "--host-memory",
+    ),
+    "host_memory": dict(
         type=host_memory,
-        default=None,
         metavar="SIZE",
         help="host-memory budget ('48GB', '48GiB', bytes or 'unlimited'): experts beyond it "
         "stay in the memory-mapped checkpoint and are read from it when copied (default: "
         "every expert when the model fits 80%% of available memory; `psr inspect` says)",
-    )
-    g.add_argument(
-        "--speculative",
+    ),
+    "speculative": dict(
         choices=["block", "ar"],
-        default=None,
         help="greedy speculative decoding with the checkpoint's block heads or AR drafter; "
         "its memory comes out of the expert slots (default: off)",
-    )
-    g.add_argument(
-        "--block", type=positive_int, default=4, help="with --speculative: drafted tokens per block"
-    )
-    g.add_argument(
-        "--block-k",
+    ),
+    "block": dict(type=positive_int, help="with --speculative: drafted tokens per block"),
+    "block_k": dict(
         type=positive_int,
-        default=None,
         help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
         "slots))",
-    )
+    ),
+}
+# LoadConfig fields without a flag, and why.
+NOT_FLAGS = {
+    "host_profile": "a routing profile is a Python value (nested lists) or a JSON file",
+    "copy_retries": "$PSR_COPY_RETRIES",
+    "progress": "--quiet, and only on a terminal",
+}
+
+
+def _add_flags(g: argparse.ArgumentParser, flags: dict[str, dict[str, Any]]) -> None:
+    from psr.load_config import LoadConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(LoadConfig)}
+    for name, kw in flags.items():
+        kw = {"default": defaults.get(name), **kw}
+        g.add_argument("--" + name.replace("_", "-"), **kw)
+
+
+def add_policy_options(g: argparse.ArgumentParser) -> None:
+    """--policy, --residency, --slots, --lam, --n, --quality-budget."""
+    _add_flags(g, POLICY_FLAGS)
+
+
+def add_placement_options(g: argparse.ArgumentParser) -> None:
+    """The other load options: where and how experts are kept and computed."""
+    _add_flags(g, PLACEMENT_FLAGS)
 
 
 def check_policy_options(args: argparse.Namespace) -> None:
@@ -236,26 +224,11 @@ def _experts_on(args: argparse.Namespace) -> str:
 
 def load_options(args: argparse.Namespace) -> dict[str, Any]:
     """psr.models.load's keyword arguments from the load options (progress apart)."""
-    return {
-        "policy": args.policy,
-        "residency": args.residency,
-        "slots": args.slots,
-        "lam": args.lam,
-        "n": args.n,
-        "device": args.device,
-        "dtype": args.dtype,
-        "compute": args.compute,
-        "decode": args.decode,
-        "experts_on": _experts_on(args),
-        "graphs": "auto" if args.graphs is None else args.graphs,
-        "expert_format": args.expert_format,
-        "quant_cache": args.quant_cache,
-        "speculative": args.speculative,
-        "block": args.block,
-        "block_k": args.block_k,
-        "quality_budget": args.quality_budget,
-        "host_memory": args.host_memory,
-    }
+    out = {name: getattr(args, name) for name in (*POLICY_FLAGS, *PLACEMENT_FLAGS)}
+    del out["hybrid_m"]
+    out["experts_on"] = _experts_on(args)
+    out["graphs"] = "auto" if args.graphs is None else args.graphs
+    return out
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -304,14 +277,7 @@ def run_generate(args: argparse.Namespace) -> int:
     new = gen[0, len(ids) :].tolist()
     print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
     print()
-    print(
-        f"policy {model.policy.describe()} ({model.policy_source}), "
-        f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
-        f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
-        f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
-        + (f"experts on {_experts_on(args)}, " if args.experts_on != "gpu" else "")
-        + f"graphs {model.graph_status}"
-    )
+    print(_summary(model, args))
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:
         st = model.spec_stats
@@ -339,6 +305,19 @@ def run_generate(args: argparse.Namespace) -> int:
             result["speculative"] = speculative
         out.write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _summary(model: Any, args: argparse.Namespace) -> str:
+    """The line after the text: how the model ran."""
+    rt = model.runtime
+    return (
+        f"policy {model.policy.describe()} ({model.policy_source}), "
+        f"{rt.capacity} of {rt.spec.num_experts} experts resident per "
+        f"layer, backend {rt.store.backend}, compute {rt.ops.path}, "
+        f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
+        + (f"experts on {_experts_on(args)}, " if args.experts_on != "gpu" else "")
+        + f"graphs {model.graph_status}"
+    )
 
 
 def _experts_shown(model: Any, asked: str) -> str:

@@ -19,12 +19,12 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 import psr_kernels as pk
 from psr.models.checkpoint import CheckpointError
+from psr.models.rows import PartsReader, RowSource, block_source
+from psr.models.tiers import gguf_locators
 from psr.runtime.spec import MoESpec
-from psr.store import ExpertStore, LayerSpec
 
 PARTS = ("gate", "up", "down")
 
@@ -102,31 +102,6 @@ def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[
     return out
 
 
-def make_block_store(
-    spec: MoESpec,
-    capacity: int,
-    formats: list[str],
-    device: torch.device,
-    copy_retries: int | None = None,
-    held: list[int] | None = None,
-) -> ExpertStore:
-    """One store layer per MoE layer, its rows the layer's block format's bytes (uint8);
-    `held[i]` of layer i's rows in host memory (default all)."""
-    cuda = device.type == "cuda"
-    rows = [pk.GGMLLayout.of(f, spec.hidden_size, spec.ffn_size).nbytes for f in formats]
-    held = held or [spec.num_experts] * len(rows)
-    return ExpertStore(
-        [LayerSpec(spec.num_experts, capacity, n, h) for n, h in zip(rows, held, strict=True)],
-        torch.uint8,
-        backend="cuda" if cuda else "cpu",
-        device=device.index if cuda else None,
-        copy_retries=copy_retries,
-    )
-
-
-PartsReader = Callable[[int], list[torch.Tensor]]  # expert id -> gate, up, down bytes
-
-
 def gguf_readers(ckpt: GGUFExperts, moe_idx: list[int]) -> list[PartsReader]:
     """Per MoE layer, expert id -> its gate, up, down bytes straight from the file's map."""
 
@@ -163,29 +138,11 @@ def gguf_release(ckpt: GGUFExperts, moe_idx: list[int]) -> Callable[[int], None]
     return release
 
 
-def fill_block_store(
-    store: ExpertStore,
-    spec: MoESpec,
-    readers: list[PartsReader],
-    formats: list[str],
-    progress: bool,
-    desc: str,
-    release: Callable[[int], None] | None = None,
-    tiers: Any = None,
-) -> None:
-    """Register every expert's block bytes (no dequantized or intermediate copy: the
-    store's host memory is the one copy); `release(i)` after layer i is in. Experts
-    `tiers` (psr.models.tiers.Tiers) does not hold are registered pageable: their
-    segments in the file, never read here."""
-    H, F = spec.hidden_size, spec.ffn_size
-    bar = tqdm(list(enumerate(readers)), desc=desc, disable=not progress, unit="layer")
-    for i, read in bar:
-        lay = pk.GGMLLayout.of(formats[i], H, F)
-        for e in range(spec.num_experts):
-            segs = None if tiers is None else tiers.pageable(i, e)
-            if segs is not None:
-                store.register_pageable(i, e, segs)
-            else:
-                store.register(i, e, pk.pack_ggml_parts(lay, read(e)))
-        if release is not None:
-            release(i)
+def gguf_source(ckpt: Any, spec: MoESpec, moe_idx: list[int]) -> RowSource:
+    """A GGUF file's experts as the store's rows: every expert tensor checked first (so a bad
+    file fails before any copy), each row the file's bytes (pageable where the tier plan
+    leaves it in the file), each layer's pages dropped once the store holds them."""
+    fmts = layer_formats(ckpt, spec, moe_idx)
+    locs = gguf_locators(ckpt, moe_idx, fmts, spec.hidden_size, spec.ffn_size)
+    release = gguf_release(ckpt, moe_idx)
+    return block_source(gguf_readers(ckpt, moe_idx), fmts, spec, "gguf", locs, None, release)

@@ -8,7 +8,7 @@ import functools
 import inspect
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,7 @@ def install(
     capacity: int,
     compute: str,
     moe_idx: list[int],
-    expert_format: str | list[str] | None = None,
+    expert_format: str | Sequence[str | None] | None = None,
     decode: str = "device",
     expert_biases: list[torch.Tensor] | None = None,
 ) -> OffloadRuntime:
@@ -116,26 +116,9 @@ def install(
     router and the experts as the original modules do."""
     layers = decoder_layers(model)
     fam = model_family(model)
-    if spec.expert_bias and (expert_biases is None or len(expert_biases) != len(moe_idx)):
-        raise ValueError(f"{fam.model_type}: its experts have biases; pass one table per layer")
-    wiring = []
-    for i, d in enumerate(moe_idx):
-        block = block_of(model, d)
-        router = getattr(block, fam.router)
-        wiring.append(
-            Wiring(
-                d,
-                router,
-                layers[d].post_attention_layernorm,
-                router_weight(router, fam),
-                correction_bias(block, fam),
-                router_bias(router, fam),
-                expert_biases[i] if spec.expert_bias and expert_biases else None,
-            )
-        )
     runtime = OffloadRuntime(
         spec,
-        wiring,
+        _wiring(model, spec, moe_idx, expert_biases),
         store,
         policy,
         capacity,
@@ -181,6 +164,34 @@ def install(
     model.psr_runtime = runtime
     model.psr_installation = Installation(swaps, forward)
     return runtime
+
+
+def _wiring(
+    model: nn.Module,
+    spec: MoESpec,
+    moe_idx: list[int],
+    expert_biases: list[torch.Tensor] | None,
+) -> list[Wiring]:
+    """Per MoE layer, where the runtime finds its router, norm and biases in the model."""
+    layers, fam = decoder_layers(model), model_family(model)
+    if spec.expert_bias and (expert_biases is None or len(expert_biases) != len(moe_idx)):
+        raise ValueError(f"{fam.model_type}: its experts have biases; pass one table per layer")
+    wiring = []
+    for i, d in enumerate(moe_idx):
+        block = block_of(model, d)
+        router = getattr(block, fam.router)
+        wiring.append(
+            Wiring(
+                d,
+                router,
+                layers[d].post_attention_layernorm,
+                router_weight(router, fam),
+                correction_bias(block, fam),
+                router_bias(router, fam),
+                expert_biases[i] if spec.expert_bias and expert_biases else None,
+            )
+        )
+    return wiring
 
 
 def _scaled_block_forward(

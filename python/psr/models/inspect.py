@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
+import psr.vocab as vocab
 import psr_kernels as pk
+from psr.load_config import LoadConfig
 from psr.models.families import (
     EXPERT_KINDS,
     FAMILIES,
@@ -25,10 +27,10 @@ from psr.models.families import (
     moe_block,
     moe_spec,
 )
+from psr.models.rows import GROUP_SIZE
 
 RESIDENCIES = (0.25, 0.5, 1.0)
-FORMATS = ("native", "bf16", "int8", "fp8", "int4")
-GROUP_SIZE = 128  # int4's group (psr.models.loader.GROUP_SIZE)
+FORMATS = vocab.EXPERT_FORMATS
 
 
 @dataclass
@@ -263,9 +265,10 @@ def _inspect(path: str | Path, ck: Any) -> Inspection:
 
 
 def _slots(E: int) -> int:
-    from psr.policy import DEFAULT_RESIDENCY
-
-    return math.floor(DEFAULT_RESIDENCY * E + 0.5)
+    """Slots per layer at psr.load's default residency."""
+    residency = LoadConfig().residency
+    assert residency is not None  # the default is a fraction, not slots
+    return math.floor(residency * E + 0.5)
 
 
 def _host_memory(dense: int, rows: int, slab: int, fmt: str) -> tuple[int | None, str]:

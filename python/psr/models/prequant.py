@@ -24,7 +24,8 @@ import torch
 import psr_kernels as pk
 from psr.models.checkpoint import Checkpoint, CheckpointError
 from psr.models.families import FAMILIES, expert_tensor_names
-from psr.models.gguf_load import PartsReader
+from psr.models.rows import PartsReader, RowSource, block_source
+from psr.runtime.spec import MoESpec
 
 PREQUANT_METHODS = ("mxfp4", "fp8")
 
@@ -135,3 +136,12 @@ def parts_reader(
     method: str, ckpt: Checkpoint, family: str, d: int, E: int, H: int, F: int
 ) -> PartsReader:
     return (mxfp4_reader if method == "mxfp4" else fp8_reader)(ckpt, family, d, E, H, F)
+
+
+def prequant_source(method: str, ckpt: Checkpoint, spec: MoESpec, moe_idx: list[int]) -> RowSource:
+    """A pre-quantized checkpoint's experts as the store's rows, every expert tensor checked
+    first; they cannot stay in the file (its blocks are rebuilt at load)."""
+    E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
+    readers = [parts_reader(method, ckpt, spec.family, d, E, H, F) for d in moe_idx]
+    fmts = [layer_format(method)] * len(moe_idx)
+    return block_source(readers, fmts, spec, method, None, f"{method} blocks are rebuilt at load")

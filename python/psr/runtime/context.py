@@ -13,6 +13,7 @@ from psr.policy import Policy
 from psr.runtime.accounting import Accounting
 from psr.runtime.bookkeeping import HostCaches
 from psr.runtime.compute import ExpertCompute
+from psr.runtime.expert_placement import ExpertPlacement
 from psr.runtime.layer import MoELayer
 from psr.runtime.spec import MoESpec
 from psr.store import ExpertStore
@@ -66,7 +67,7 @@ class StepContext(RoutingContext, Protocol):
     @property
     def block_k(self) -> int | None: ...
     @property
-    def experts_on(self) -> str: ...
+    def placement(self) -> ExpertPlacement: ...
 
     def max_inserts(self, layer: MoELayer) -> int | None: ...
 

@@ -102,12 +102,6 @@ class DeviceDecode(Step):
         # arguments keep their shapes, dtypes and devices, so later calls skip the checks.
         self.checked: set[int] = set()
 
-    def takes_experts_on(self) -> bool:
-        """Whether this step runs the runtime's `experts_on` (else the host step does):
-        cpu / hybrid on CUDA need the hand-off (the CPU kernels compute this expert kind
-        and format); the CPU backend reads the CPU list's count where they do not."""
-        return self.rt.experts_on == "gpu" or self.rt.store.backend == "cpu" or self.hands_off()
-
     def hands_off(self) -> bool:
         """Whether cpu / hybrid steps hand the CPU list to the host in stream order (no
         host read: graphs can capture them): every layer's rows have CPU kernels."""
@@ -146,7 +140,7 @@ class DeviceDecode(Step):
             out_dtype=out_dtype,
             n=n,
             checked=i in self.checked,
-            capped=rt.experts_on != "gpu",
+            capped=rt.placement.capped,
             **kw,
         )
         store, key, slabs = rt.store, self.store_key, self.slabs
@@ -164,24 +158,25 @@ class DeviceDecode(Step):
         i = layer.index
         if ids is not self.pending.pop(i, None):
             raise RuntimeError(f"MoE layer {i}: experts called without a matching route")
-        checked = i in self.checked
-        if self.rt.experts_on != "gpu":
-            y = self.split_experts(layer, x, ids, weights)
-        else:
-            y = self.rt.computes[i].slab(
-                x, self.slabs[i], ids, weights, self.slot_table[i], checked, layer.biases(ids)
-            )
+        y = self.rt.placement.device_experts(self, layer, x, ids, weights)
         self.checked.add(i)  # route's and this call's arguments passed their checks
         return y
 
-    def split_experts(
+    def slab_experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """experts_on cpu / hybrid: the routed members from the slab through the slot map
-        (the CPU list's experts are not members: slot -1, absent), the CPU list's from the
-        host rows, each part in routed order, summed as the host step sums them."""
-        if not self.hands_off():
-            return self.split_reading(layer, x, ids, weights)
+        """Every routed expert from its slab slot, through the device slot map."""
+        i = layer.index
+        return self.rt.computes[i].slab(
+            x, self.slabs[i], ids, weights, self.slot_table[i], i in self.checked, layer.biases(ids)
+        )
+
+    def handoff_experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """experts_on cpu / hybrid, handed off in stream order (no host read): the CPU
+        list's experts from the host rows by the CPU kernels as a host task, the slab's
+        skipping them (slot -1: absent), joined and summed."""
         i, rt = layer.index, self.rt
         if not torch.compiler.is_compiling():  # a compiled token follows an eager one
             self._set_up_handoff(i, x, ids, weights)
@@ -193,6 +188,11 @@ class DeviceDecode(Step):
         )  # fmt: skip
         store_ops.cpu_join(store, key, y_cpu, i)
         return y + y_cpu.to(y.dtype)
+
+    def cpu_list_count(self, i: int) -> int:
+        """The length of MoE layer i's CPU list: a host read (the reading path of kinds
+        without CPU kernels, CPU backend only: a memory read, no device to wait for)."""
+        return int(self.cpu_count[i])
 
     def _set_up_handoff(
         self, i: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -214,34 +214,6 @@ class DeviceDecode(Step):
             top_k=ids.shape[1], threads=args[3],
         )  # fmt: skip
         self._handoff_set[i] = args
-
-    def split_reading(
-        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """split_experts for kinds or formats without CPU kernels (CPU backend only): the
-        list's count is read (one read per layer: a memory read on the CPU backend, no
-        device to wait for), as the reference takes a host-sized work list."""
-        i, rt = layer.index, self.rt
-        n_cpu = int(self.cpu_count[i])
-        comp, bias = rt.computes[i], layer.biases(ids)
-        if n_cpu == 0:
-            return comp.slab(x, self.slabs[i], ids, weights, self.slot_table[i], bias=bias)
-        on_cpu = (ids[0][:, None] == self.cpu_rows[i][None, :n_cpu]).any(1)
-        order = torch.argsort(on_cpu.to(torch.int8), stable=True)  # slab ones, then CPU ones
-        k_slab = ids.shape[1] - n_cpu
-        at_slab, at_cpu = order[:k_slab], order[k_slab:]
-        w = weights.float()
-
-        def part(at: torch.Tensor) -> torch.Tensor | None:
-            return None if bias is None else bias[:, at]
-
-        y = comp.host_experts(x, rt.store.host(i), ids[:, at_cpu], w[:, at_cpu], part(at_cpu))
-        if k_slab == 0:
-            return y
-        slab = comp.slab(
-            x, self.slabs[i], ids[:, at_slab], w[:, at_slab], self.slot_table[i], bias=part(at_slab)
-        )
-        return slab + y
 
     # --- hand-over between the host and the device caches ----------------------------
     def begin(self) -> None:
@@ -291,6 +263,11 @@ class DeviceDecode(Step):
             L.slots.slot_of = slot_of
             rt.store.adopt_slots(L.index, slot_expert)
         self.live = False
+
+    def reset(self) -> None:
+        """The sequence ends: the store learns what the slots hold; no route is pending."""
+        self.retire()
+        self.pending.clear()
 
     def retire(self) -> None:
         """The sequence ends: the store learns what its slots hold now."""

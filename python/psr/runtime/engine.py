@@ -38,6 +38,7 @@ from psr.runtime.accounting import Accounting
 from psr.runtime.bookkeeping import HostCaches
 from psr.runtime.compute import ExpertCompute
 from psr.runtime.device_decode import DeviceDecode
+from psr.runtime.expert_placement import ExpertPlacement, GpuPlacement, make_placement
 from psr.runtime.guard import SequenceGuard
 from psr.runtime.host_decode import HostDecode, VerifyBlock
 from psr.runtime.layer import MoELayer, Wiring, norm_eps, weight_of
@@ -50,7 +51,7 @@ from psr.runtime.step import Routed, Step
 from psr.runtime.trace import TraceRecorder
 from psr.runtime.window import Scoring, ScoringWindow
 from psr.store import ExpertStore
-from psr.vocab import DECODE_MODES, decode_mode, experts_on_choice
+from psr.vocab import DECODE_MODES, decode_mode
 
 __all__ = ["DECODE_MODES", "MoELayer", "OffloadRuntime", "Wiring", "norm_eps"]
 
@@ -146,8 +147,7 @@ class OffloadRuntime:
         self.set_decode(decode)
         # Where misses are computed (set_experts_on): per MoE layer, at most how many of a
         # decode step's misses are copied (None: all, the spec's `use`).
-        self.experts_on = "gpu"
-        self.inserts: list[int | None] = [None] * len(self.layers)
+        self.placement: ExpertPlacement = GpuPlacement([None] * len(self.layers))
         self._scoring: Scoring | None = None
         self._host = HostDecode(self)
         self._device = DeviceDecode(self)
@@ -163,27 +163,28 @@ class OffloadRuntime:
         """Where decode steps compute misses: 'gpu' (all copied), 'cpu' / 'hybrid' with
         `inserts[l]`, the most misses of MoE layer l copied per step (the rest computed on
         the CPU from the host rows). The next forward starts a new sequence."""
-        experts_on_choice(experts_on)
-        k, L = self.spec.top_k, len(self.layers)
-        caps = list(inserts)
-        if len(caps) != L:
-            raise ValueError(f"{len(caps)} miss-copy caps for {L} MoE layers")
-        for i, m in enumerate(caps):
-            if m is None and experts_on == "gpu":
-                continue
-            if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= k:
-                raise ValueError(
-                    f"experts_on={experts_on!r}: MoE layer {i}'s miss-copy cap {m!r} must be an "
-                    f"int in [0, top_k={k}]"
-                )
-        if experts_on != "gpu" and self.block_k is not None:
-            raise ValueError(f"experts_on={experts_on!r} does not support speculative decoding")
-        if experts_on != "gpu":
+        self.set_placement(make_placement(experts_on, inserts, self.spec.top_k, len(self.layers)))
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """`set_experts_on` with the placement object; the next forward starts a new
+        sequence."""
+        if placement.capped and self.block_k is not None:
+            raise ValueError(f"experts_on={placement.name!r} does not support speculative decoding")
+        if placement.capped:
             for i, c in enumerate(self.computes):
                 c.check_host_experts(self.store.host(i))
         self._forget_sequence()
-        self.experts_on = experts_on
-        self.inserts = [None] * L if experts_on == "gpu" else caps
+        self.placement = placement
+
+    @property
+    def experts_on(self) -> str:
+        """The placement's name: 'gpu', 'cpu' or 'hybrid'."""
+        return self.placement.name
+
+    @property
+    def inserts(self) -> list[int | None]:
+        """Per MoE layer, the most misses one decode step copies (None: all)."""
+        return self.placement.caps
 
     def hands_off_cpu_experts(self) -> bool:
         """Whether the device step computes experts_on's CPU experts in stream order (CPU
@@ -192,7 +193,7 @@ class OffloadRuntime:
 
     def max_inserts(self, layer: MoELayer) -> int | None:
         """The most misses of `layer` one decode step copies (None: all)."""
-        return self.inserts[layer.index]
+        return self.placement.max_inserts(layer.index)
 
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
@@ -230,7 +231,7 @@ class OffloadRuntime:
                 raise ValueError("block mode does not support PhiMoE's sparsemixer router")
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
-            if self.experts_on != "gpu":
+            if self.placement.capped:
                 raise ValueError(f"block mode needs experts_on='gpu', not {self.experts_on!r}")
         self.block_k = block_k
 
@@ -297,14 +298,12 @@ class OffloadRuntime:
     def _forget_sequence(self) -> None:
         """Logical state emptied; the slot maps re-read from the store (the store is the
         truth about what each slot holds, also after a failed copy)."""
-        self._device.retire()
+        for step in (self._device, self._host):
+            step.reset()
         for L in self.layers:
             L.cache.reset()
             L.slots.reset(self.store.slot_experts(L.index)[: self.capacity])
             L.history, L.seeded, L.residual = [], False, None
-        self._host.pending.clear()
-        self._host.cpu.clear()
-        self._device.pending.clear()
 
     def begin_sequence(self) -> None:
         """A new sequence: caches empty until its prefill seeds them."""
@@ -325,25 +324,31 @@ class OffloadRuntime:
     def decoding(self) -> bool:
         return bool(self.layers) and all(L.seeded for L in self.layers)
 
+    def host_step_reasons(self) -> list[tuple[bool, str]]:
+        """Why decode tokens take the host-driven step whatever the placement: (applies,
+        why) in the order graphs_unavailable reports them."""
+        p = self.policy
+        return [
+            (self.decode_mode != "device", "decode='host' (graphs need the device decode step)"),
+            (p.mask != "logical", f"{p.name} reads copy timing (host-driven step)"),
+            (not self.steering.spec_rule, "a steering variant beyond the spec (host-driven step)"),
+            (self.acct.recorder is not None, "a trace is being recorded (host-driven step)"),
+        ]
+
     def _choose_step(self) -> Step:
-        """The step this forward takes (module docstring)."""
+        """The step this forward takes (module docstring): the first row that applies."""
         if self._scoring is not None:
             return ScoringWindow(self, self._scoring)
         if not self.decoding:
             return PrefillStep(self)
-        if self.block_k is not None:
-            self._device.pull()
-            return VerifyBlock(self)
-        device = (
-            self.decode_mode == "device"
-            and self.policy.mask == "logical"
-            and self.steering.spec_rule
-            and self.acct.recorder is None
-            and self._device.takes_experts_on()
+        host = (
+            self.block_k is not None
+            or any(bad for bad, _ in self.host_step_reasons())
+            or not self.placement.runs_on_device_step(self._device)
         )
-        if not device:
+        if host:
             self._device.pull()
-            return self._host
+            return self._host if self.block_k is None else VerifyBlock(self)
         if not self._device.live:
             self._device.begin()
         return self._device

@@ -49,22 +49,9 @@ def bucket(length: int, limit: int | None) -> int:
 
 def graphs_unavailable(runtime: OffloadRuntime) -> str | None:
     """Why a decode token cannot be one graph with this runtime now (None: it can)."""
-    reasons = (
-        (runtime.decode_mode != "device", "decode='host' (graphs need the device decode step)"),
-        (
-            runtime.policy.mask != "logical",
-            f"{runtime.policy.name} reads copy timing (host-driven step)",
-        ),
-        (not runtime.steering.spec_rule, "a steering variant beyond the spec (host-driven step)"),
-        (runtime.recorder is not None, "a trace is being recorded (host-driven step)"),
-        (runtime.block_k is not None, SPECULATIVE),
-        (
-            runtime.experts_on != "gpu" and not runtime.hands_off_cpu_experts(),
-            f"experts_on={runtime.experts_on!r} with experts the CPU kernels do not compute "
-            "(the reference runs them on the host: host-driven step)",
-        ),
-    )
-    return next((why for bad, why in reasons if bad), None)
+    reasons = [*runtime.host_step_reasons(), (runtime.block_k is not None, SPECULATIVE)]
+    why = next((why for bad, why in reasons if bad), None)
+    return why or runtime.placement.graphs_blocker(runtime.device_step)
 
 
 class DecodeGraph:

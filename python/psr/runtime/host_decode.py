@@ -7,8 +7,9 @@ store's `acquire` waited for this layer's slots. The host reads the ids (a devic
 per layer), so this path is the fallback: decode="host", the timing-dependent
 `cache-prior-async` strawman, steering variants beyond the spec, and trace recording;
 and on CUDA, experts_on cpu / hybrid for expert kinds the CPU kernels do not compute: the
-misses `use` did not insert are computed on the CPU from the host rows (`split_experts`,
-a synchronous hand-off; the device step hands off in stream order where it can).
+misses `use` did not insert are computed on the CPU from the host rows (the placement's
+`host_experts`, a synchronous hand-off; the device step hands off in stream order where it
+can).
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class HostDecode(Step):
         self.pending: dict[int, tuple[list[int], torch.Tensor]] = {}
         # MoE layer -> the routed misses `use` did not insert (experts_on cpu / hybrid)
         self.cpu: dict[int, list[int]] = {}
+
+    def reset(self) -> None:
+        """The sequence ends: no route pending, no CPU experts waiting."""
+        self.pending.clear()
+        self.cpu.clear()
 
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         rt = self.rt
@@ -82,11 +88,20 @@ class HostDecode(Step):
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        rt = self.rt
         routed = self.take(layer, ids)
-        cpu = self.cpu.pop(layer.index, None)
-        if cpu is not None:
-            return self.split_experts(layer, x, ids, weights, routed, set(cpu))
+        cpu = set(self.cpu.pop(layer.index, ()))
+        return self.rt.placement.host_experts(self, layer, x, ids, weights, routed, cpu)
+
+    def slab_experts(
+        self,
+        layer: MoELayer,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        routed: list[int],
+    ) -> torch.Tensor:
+        """Every routed expert from its slab slot, once the store's copies into them landed."""
+        rt = self.rt
         slots = layer.slots.slots(routed)  # the experts this step reads: its routed ids or set
         if rt.acct.recorder is not None:
             rt.acct.recorder.read(layer.index, slots)
@@ -95,46 +110,6 @@ class HostDecode(Step):
             return rt.computes[layer.index].slab(
                 x, slab, st, weights.float(), bias=layer.biases(ids)
             )
-
-    def split_experts(
-        self,
-        layer: MoELayer,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        routed: list[int],
-        cpu: set[int],
-    ) -> torch.Tensor:
-        """A step with CPU experts (experts_on cpu / hybrid): the members among `routed`
-        from their slab slots, plus the misses `use` did not insert (`cpu`) computed on
-        the CPU from the host rows, in routed order within each part; summed. On CUDA the
-        hand-off is synchronous (x to the host, the result back); the host step already
-        reads the ids per layer."""
-        rt, i = self.rt, layer.index
-        on_slab = [j for j, e in enumerate(routed) if e not in cpu]
-        on_cpu = [j for j, e in enumerate(routed) if e in cpu]
-        bias = layer.biases(ids)
-        w = weights.float()
-        comp = rt.computes[i]
-        idx = torch.tensor(on_cpu, device=ids.device)
-        y = comp.host_experts(
-            x,
-            rt.store.host(i),
-            ids[:, idx],
-            w[:, idx],
-            None if bias is None else bias[:, idx],
-        )
-        slab_ids = [routed[j] for j in on_slab]
-        slots = layer.slots.slots(slab_ids)
-        if rt.acct.recorder is not None:
-            rt.acct.recorder.read(i, slots)
-        if not slots:
-            return y
-        at = torch.tensor(on_slab, device=ids.device)
-        st = torch.tensor([slots], device=ids.device)
-        with rt.store.reading(i, slots, slab_ids) as slab:
-            part = comp.slab(x, slab, st, w[:, at], bias=None if bias is None else bias[:, at])
-        return part + y
 
 
 class VerifyBlock(HostDecode):

@@ -37,6 +37,9 @@ class Step:
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """The sequence ends (the engine calls it): drop what this step holds of it."""
+
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""`LoadConfig`: every option of `psr.load` / `psr.offload`, its default and its checks, in
+one place. `psr.load(path, policy, residency, **options)` builds one from its keywords
+(`psr.load(path, **cfg.options())` takes a config), the CLI's load flags are a table keyed
+by its fields (tests/cli/test_load_config.py holds them equal), and `psr inspect` reads its
+defaults. Adding an option is a field here (`metadata=BOTH` if `psr.offload` takes it too)
+and its use in `psr.models.loader`.
+
+Torch-free: the CLI builds and checks one before torch is imported. What depends on the
+checkpoint (slots against its experts, the dtype it defaults to, the device) is resolved
+when it loads (`psr.models.loader`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psr.vocab as vocab
+from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
+
+# Each field's metadata: whether `psr.offload` takes it too (`psr.load` takes every one).
+BOTH: dict[str, bool] = {"offload": True}
+LOAD: dict[str, bool] = {"offload": False}
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """How a checkpoint loads (`psr.load`) or a built model is offloaded (`psr.offload`).
+
+    policy: 'exact', 'exact-prefetch', 'cache-prior', 'psr' or 'cache-prior-async' (or a
+        psr.policy.Policy).
+    residency: fraction of each layer's experts with a device slot (or `slots`).
+    lam, n: bias strength and predicted experts per layer and token (per policy; defaults
+        in psr.policy).
+    device: compute device (default: cuda if available); the store's backend follows.
+    dtype: float32 / bfloat16 / float16 (default: the checkpoint's).
+    compute: 'auto' (Triton on CUDA, torch otherwise), 'triton' or 'torch'.
+    decode: 'device' (default): decode steps run on device-resident caches with no host
+        read, wherever the policy allows (not cache-prior-async, steering variants or trace
+        recording); 'host': the host-driven step throughout (the store's copies, with their
+        retries). Both give the same tokens and counts.
+    experts_on: where decode steps compute misses: 'gpu' (default: every miss copied into
+        the slab), 'cpu' (no miss copied: computed on the CPU from the host rows, with psr's
+        CPU expert kernels) or 'hybrid' (at most m misses per MoE layer copied, the rest on
+        the CPU; 'hybrid:M' or 'hybrid:M1,M2,...' gives m, one for every MoE layer or one
+        per layer; plain 'hybrid' chooses it from this machine's profile, `psr bench
+        machine`). CPU and GPU arithmetic round differently: the modes may give different
+        tokens, each reproducible. `model.set_experts_on` switches later.
+    graphs: 'auto' (default: on for CUDA, off elsewhere), True or False: `generate` decodes
+        each token as one replay of a captured forward over a static KV cache (CUDA: a CUDA
+        graph; CPU: torch.compile fullgraph), where the device decode step runs;
+        `model.graph_status` says whether it did, and why not.
+    expert_format: how the host store keeps experts and copies move them: None or 'native'
+        (the model's dtype), 'bf16', or quantized while loading: 'int8' (per output
+        channel), 'fp8' (e4m3, per channel), 'int4' (group 128); the kernels dequantize on
+        the fly.
+    quant_cache: with a quantized `expert_format`, keep the quantized rows on disk and read
+        them on later loads of the same checkpoint: True (the user cache folder, or
+        $PSR_CACHE/quantized) or a folder, never inside the model folder
+        (psr.models.quant_cache). False (default): quantize on every load.
+    host_memory: the host-memory budget ('48GB', '48GiB', bytes, or 'unlimited'; default:
+        every expert when the model fits 80% of MemAvailable, else that): experts beyond it
+        stay in the memory-mapped checkpoint and are read from it (page cache or disk) when
+        copied (psr.models.tiers). CPU backend: the dense weights and the slab count against
+        it. On CUDA a model with such experts decodes with decode='host' (the device step's
+        gather kernel reads pinned rows).
+    host_profile: which experts to hold: per MoE layer, per expert, how often it is routed
+        to (nested lists or a JSON file); default layer-balanced.
+    speculative: None, 'block' (the checkpoint's drafter_block.safetensors: heads on the
+        target's hidden state) or 'ar' (its drafter_ar/ dense model): greedy speculative
+        decoding with `block` drafted tokens per verify block and one set of `block_k`
+        experts per layer and block (default min(2 top_k, slots)). The drafter is resident:
+        its memory comes out of the expert slots (equal device memory), so the store gets
+        fewer slots than `residency` alone gives.
+    quality_budget: nats/token (95% upper bound) the policy may cost: 'cache-prior' / 'psr'
+        then require the model's operating point tuned by `psr tune` for this budget or a
+        tighter one (the embedded model ships points for 0.01); without it, such a policy
+        without lam / n still takes the tuned point when one exists.
+    copy_retries: re-issues of a failed expert copy before CopyError (default 2, or
+        $PSR_COPY_RETRIES).
+    progress: progress bars while the experts load.
+    """
+
+    policy: str | Policy = field(default=DEFAULT_POLICY, metadata=BOTH)
+    residency: float | None = field(default=DEFAULT_RESIDENCY, metadata=BOTH)
+    slots: int | None = field(default=None, metadata=BOTH)
+    lam: float | None = field(default=None, metadata=BOTH)
+    n: int | None = field(default=None, metadata=BOTH)
+    quality_budget: float | None = field(default=None, metadata=LOAD)
+    device: Any = field(default=None, metadata=LOAD)  # str | torch.device | None
+    dtype: Any = field(default=None, metadata=LOAD)  # str | torch.dtype | None
+    compute: str = field(default="auto", metadata=BOTH)
+    decode: str = field(default="device", metadata=BOTH)
+    experts_on: str = field(default="gpu", metadata=BOTH)
+    graphs: bool | str = field(default="auto", metadata=BOTH)
+    expert_format: str | None = field(default=None, metadata=BOTH)
+    quant_cache: bool | str | Path | None = field(default=False, metadata=LOAD)
+    host_memory: str | int | None = field(default=None, metadata=LOAD)
+    host_profile: Any = field(default=None, metadata=LOAD)  # str | Path | nested counts | None
+    speculative: str | None = field(default=None, metadata=LOAD)
+    block: int = field(default=4, metadata=LOAD)
+    block_k: int | None = field(default=None, metadata=LOAD)
+    copy_retries: int | None = field(default=None, metadata=BOTH)
+    progress: bool = field(default=True, metadata=BOTH)
+
+    def __post_init__(self) -> None:
+        """The checks that need no checkpoint, each a one-line ValueError / TypeError."""
+        vocab.graphs_choice(self.graphs)
+        vocab.parse_experts_on(self.experts_on)
+        if self.host_memory is not None:
+            vocab.host_memory(self.host_memory)
+        make_policy(self.policy, self.lam, self.n)
+        if isinstance(self.dtype, str):
+            vocab.canonical_dtype(self.dtype)
+        vocab.compute_choice(self.compute)
+        vocab.decode_mode(self.decode)
+        vocab.expert_format(self.expert_format)
+        # speculative / block: checked with the drafter files (psr.models.drafters).
+
+    @classmethod
+    def of(cls, caller: str, **options: Any) -> LoadConfig:
+        """The config of a call's keywords; one `caller` does not take is a TypeError, as
+        for any function (`offload` takes the fields marked offload)."""
+        names = cls.option_names(offload_only=caller == "offload")
+        extra = sorted(set(options) - set(names))
+        if extra:
+            raise TypeError(f"{caller}() got an unexpected keyword argument {extra[0]!r}")
+        return cls(**options)
+
+    @classmethod
+    def option_names(cls, offload_only: bool = False) -> list[str]:
+        return [
+            f.name for f in dataclasses.fields(cls) if f.metadata["offload"] or not offload_only
+        ]
+
+    def options(self) -> dict[str, Any]:
+        """The keywords `psr.load` takes for this config: `psr.load(path, **cfg.options())`."""
+        return {name: getattr(self, name) for name in self.option_names()}
+
+    def replace(self, **changes: Any) -> LoadConfig:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def store_format(self) -> str | None:
+        """The store's expert format: None (the model's dtype), 'bf16' or a quantized one."""
+        return vocab.expert_format(self.expert_format)
+
+    @property
+    def placement(self) -> tuple[str, int | list[int] | None]:
+        """(where misses are computed, the hybrid cap) of `experts_on`."""
+        return vocab.parse_experts_on(self.experts_on)
+
+    def make_policy(self) -> Policy:
+        return make_policy(self.policy, self.lam, self.n)
