@@ -57,12 +57,15 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, SupportsIndex, TypeGuard
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeGuard
 
 import torch
 from torch.utils.dlpack import from_dlpack
 
 import psr._C as _C
+
+if TYPE_CHECKING:
+    from psr_kernels.rowformat import RowFormat
 
 StoreError = _C.StoreError
 CopyError = _C.CopyError
@@ -672,9 +675,7 @@ class ExpertStore:
 
 CPU_FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 CPU_ACTIVATIONS: tuple[str, ...] = ("swiglu", "swiglu_oai")
-_CPU_FMT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "fp8": 4, "int4": 5}
 _INDEX_DTYPES = (torch.int32, torch.int64)
-_CPU_GGML = 6  # csrc/cpu/expert_gemv.h Fmt::ggml: a block type per part
 
 
 def cpu_isas() -> list[str]:
@@ -696,45 +697,32 @@ def cpu_triad(n: int, threads: int = 1, reps: int = 5) -> float:
 
 
 def cpu_layout(
-    fmt: str | None, dtype: torch.dtype, hidden: int, ffn: int, group_size: int, row_bytes: int
+    fmt: RowFormat | str | None,
+    dtype: torch.dtype,
+    hidden: int,
+    ffn: int,
+    group_size: int,
+    row_bytes: int,
 ) -> tuple[int, ...]:
     """The CPU kernels' layout of expert rows of `fmt` (None: float rows of `dtype`), as
     `ExpertStore.cpu_experts_setup` takes it (ValueError if the rows' bytes disagree)."""
-    return _cpu_layout(fmt, dtype, hidden, ffn, group_size, row_bytes)
+    return _cpu_layout(_row_format(fmt), dtype, hidden, ffn, group_size, row_bytes)
+
+
+def _row_format(fmt: RowFormat | str | None) -> RowFormat:
+    """The kernels' `fmt` as its RowFormat (here: importing the store needs no kernels)."""
+    from psr_kernels.rowformat import RowFormat
+
+    return RowFormat.of_kernel("cpu_expert_ffn", fmt)
 
 
 @functools.lru_cache(maxsize=256)
 def _cpu_layout(
-    fmt: str | None, dtype: torch.dtype, hidden: int, ffn: int, group_size: int, row_bytes: int
+    fmt: RowFormat, dtype: torch.dtype, hidden: int, ffn: int, group_size: int, row_bytes: int
 ) -> tuple[int, ...]:
-    """The 14 layout integers csrc/cpu/expert_gemv.h reads (one source of truth for the
-    quantized layouts: psr_kernels.QuantLayout; float rows: gate, up, down back to back)."""
-    if fmt is None:
-        isz = torch.empty((), dtype=dtype).element_size()
-        fh = hidden * ffn * isz
-        return (_CPU_FMT[dtype], hidden, ffn, 0, fh, 2 * fh, 0, 0, 0,
-                hidden * isz, ffn * isz, hidden, ffn, row_bytes)  # fmt: skip
-    import psr_kernels as pk  # here: importing the store needs no kernels (Triton)
-
-    if pk.is_ggml_format(fmt):  # GGUF's blocks: each part's type (18 integers)
-        g = pk.GGMLLayout.of(fmt, hidden, ffn)
-        if g.nbytes != row_bytes:
-            raise ValueError(
-                f"cpu_expert_ffn: rows hold {row_bytes} bytes, expected {g.nbytes} ({fmt}, "
-                f"H={hidden}, F={ffn})"
-            )
-        ids = [pk.ggml_type_id(t) for t in g.types]
-        return (_CPU_GGML, hidden, ffn, g.gate, g.up, g.down, 0, 0, 0, g.rb_gate, g.rb_down,
-                hidden, ffn, row_bytes, *ids, g.rb_up)  # fmt: skip
-    lay = pk.QuantLayout.of(fmt, hidden, ffn, group_size)
-    if lay.nbytes != row_bytes:
-        raise ValueError(
-            f"cpu_expert_ffn: rows hold {row_bytes} bytes, expected {lay.nbytes} "
-            f"({fmt}, H={hidden}, F={ffn}, group_size={group_size})"
-        )
-    return (_CPU_FMT[fmt], hidden, ffn, lay.gate, lay.up, lay.down, lay.gate_scale,
-            lay.up_scale, lay.down_scale, lay.row_bytes_h, lay.row_bytes_f, lay.group_h,
-            lay.group_f, row_bytes)  # fmt: skip
+    """The integers csrc/cpu/expert_gemv.h's `Layout` is read from (the format table's
+    `CpuLayout`: one source of truth)."""
+    return fmt.cpu_layout(dtype, hidden, ffn, group_size, row_bytes).ints()
 
 
 def _check_cpu_tensor(name: str, t: object, dims: int) -> torch.Tensor:
@@ -743,19 +731,15 @@ def _check_cpu_tensor(name: str, t: object, dims: int) -> torch.Tensor:
     return t
 
 
-def _check_cpu_rows(rows: object, fmt: str | None) -> torch.Tensor:
-    from psr_kernels.quant import FORMATS
-
+def _check_cpu_rows(rows: object, fmt: RowFormat) -> torch.Tensor:
     rows = _check_cpu_tensor("rows", rows, 2)
-    if fmt is None and rows.dtype not in CPU_FLOAT_DTYPES:
+    if fmt.is_float and rows.dtype not in CPU_FLOAT_DTYPES:
         raise ValueError(
             f"cpu_expert_ffn: float rows must be float32, bfloat16 or float16, got {rows.dtype}"
         )
-    ggml = isinstance(fmt, str) and fmt.startswith("gguf:")
-    if fmt is not None and ((fmt not in FORMATS and not ggml) or rows.dtype != torch.uint8):
+    if not fmt.is_float and rows.dtype != torch.uint8:
         raise ValueError(
-            f"cpu_expert_ffn: fmt must be None, one of {FORMATS} or a GGML row format "
-            f"('gguf:GATE,UP,DOWN') with uint8 rows, got {fmt!r} with {rows.dtype} rows"
+            f"cpu_expert_ffn: rows of format {fmt} must be uint8, got {rows.dtype} rows"
         )
     if rows.shape[0] < 1 or rows.stride(1) != 1:
         raise ValueError("cpu_expert_ffn: rows must be non-empty with contiguous rows")
@@ -770,7 +754,7 @@ def cpu_expert_ffn(
     hidden_size: int,
     ffn_size: int,
     *,
-    fmt: str | None = None,
+    fmt: RowFormat | str | None = None,
     group_size: int = 128,
     slot_table: torch.Tensor | None = None,
     threads: int | None = None,
@@ -793,7 +777,8 @@ def cpu_expert_ffn(
     (computed elsewhere: experts_on's CPU part) and contributes nothing. Returns `[T, H]`
     in `out_dtype` (default x's dtype).
     """
-    rows = _check_cpu_rows(rows, fmt)
+    rf = _row_format(fmt)
+    rows = _check_cpu_rows(rows, rf)
     x = _check_cpu_tensor("x", x, 2)
     if x.shape[1] != hidden_size or not x.is_floating_point():
         raise ValueError(f"cpu_expert_ffn: x must be float [T, {hidden_size}], got {list(x.shape)}")
@@ -808,7 +793,7 @@ def cpu_expert_ffn(
     if activation not in CPU_ACTIVATIONS:
         raise ValueError(f"cpu_expert_ffn: activation must be one of {CPU_ACTIVATIONS}")
     row_bytes = rows.shape[1] * rows.element_size()
-    lay = _cpu_layout(fmt, rows.dtype, hidden_size, ffn_size, group_size, row_bytes)
+    lay = _cpu_layout(rf, rows.dtype, hidden_size, ffn_size, group_size, row_bytes)
     table, tbytes, tlen = 0, 4, 0
     if slot_table is not None:
         slot_table = _check_cpu_tensor("slot_table", slot_table, 1)

@@ -133,11 +133,7 @@ def _ranges(idx: list[int]) -> str:
 
 
 def _expert_bytes(fmt: str, dtype: torch.dtype, H: int, F: int) -> int:
-    if fmt == "native":
-        return 3 * H * F * dtype.itemsize
-    if fmt == "bf16":
-        return 3 * H * F * 2
-    return int(pk.QuantLayout.of(fmt, H, F, GROUP_SIZE).nbytes)
+    return pk.RowFormat.parse(fmt).row_bytes(H, F, GROUP_SIZE, dtype.itemsize)
 
 
 def _graphs(config: Any) -> str:
