@@ -256,7 +256,7 @@ def _check_ffn(
         raise ValueError(f"{op}: ffn_size must be positive, got {ffn_size}")
     lay: RowLayout
     if fmt.is_float:
-        lay = fmt.layout(hidden_size, ffn_size)
+        lay = FloatLayout(fmt, hidden_size, ffn_size)
         if slab.shape[1] != lay.row:
             raise ValueError(
                 f"{op}: slab rows hold {slab.shape[1]} elements, expected 3 * H * F = {lay.row}"

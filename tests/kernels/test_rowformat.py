@@ -3,11 +3,11 @@ formats carry what the kernels, the CPU kernels and the reports ask of them."""
 
 from __future__ import annotations
 
-import psr_kernels as pk
 import pytest
-from psr_kernels.rowformat import RowKind
 
+import psr_kernels as pk
 from psr import vocab
+from psr_kernels.rowformat import RowKind
 
 
 def test_words_parse_to_one_format_each() -> None:
