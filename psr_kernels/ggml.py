@@ -48,14 +48,15 @@ import triton.language as tl
 from psr_kernels._common import load_slot, pow2
 from psr_kernels.activation import glu
 from psr_kernels.quant import _fp8_e4m3_to_f32
-from psr_kernels.rowformat import BLOCK_TYPES as BLOCK_TYPES  # the table's, named here too
 from psr_kernels.rowformat import (
+    BLOCK_TYPE_TRAITS,
     GGML_PREFIX,
     GGMLLayout,
     RowFormat,
     block_type,
     blocks_format,
 )
+from psr_kernels.rowformat import BLOCK_TYPES as BLOCK_TYPES  # the table's, named here too
 from psr_kernels.rowformat import GGML_TYPES as GGML_TYPES
 from psr_kernels.rowformat import is_ggml_format as is_ggml_format
 
@@ -319,6 +320,21 @@ def dequantize_ggml_expert(
 # --------------------------------------------------------------------------- kernels
 
 
+# The kernels' branches name the block types by their ids (the format table's).
+_F32 = tl.constexpr(BLOCK_TYPE_TRAITS["F32"].type_id)
+_F16 = tl.constexpr(BLOCK_TYPE_TRAITS["F16"].type_id)
+_BF16 = tl.constexpr(BLOCK_TYPE_TRAITS["BF16"].type_id)
+_Q8_0 = tl.constexpr(BLOCK_TYPE_TRAITS["Q8_0"].type_id)
+_Q4_0 = tl.constexpr(BLOCK_TYPE_TRAITS["Q4_0"].type_id)
+_Q4_1 = tl.constexpr(BLOCK_TYPE_TRAITS["Q4_1"].type_id)
+_Q5_0 = tl.constexpr(BLOCK_TYPE_TRAITS["Q5_0"].type_id)
+_Q5_1 = tl.constexpr(BLOCK_TYPE_TRAITS["Q5_1"].type_id)
+_MXFP4 = tl.constexpr(BLOCK_TYPE_TRAITS["MXFP4"].type_id)
+_Q4_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q4_K"].type_id)
+_Q5_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q5_K"].type_id)
+_FP8_B128 = tl.constexpr(BLOCK_TYPE_TRAITS["FP8_B128"].type_id)
+
+
 @triton.jit
 def _u8(p, m):
     return tl.load(p, mask=m, other=0).to(tl.int32)
@@ -353,37 +369,37 @@ def _k_scale_min(s_ptr, sb, m):
 def _ggml_tile(row, k, m, T: tl.constexpr):
     """fp32 weights at columns `k` ([1, BK] int32) of rows starting at byte pointers
     `row` ([R, 1]) in GGML type `T` (its type id); masked elements read as 0."""
-    if T == 0:  # F32
+    if T == _F32:
         w = tl.load((row + 4 * k).to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
-    elif T == 1:  # F16
+    elif T == _F16:
         w = tl.load((row + 2 * k).to(tl.pointer_type(tl.float16)), mask=m, other=0.0)
         w = w.to(tl.float32)
-    elif T == 30:  # BF16: the upper half of an fp32
+    elif T == _BF16:  # the upper half of an fp32
         b = tl.load((row + 2 * k).to(tl.pointer_type(tl.int16)), mask=m, other=0)
         w = ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    elif T == 8:  # Q8_0
+    elif T == _Q8_0:
         blk = row + (k // 32) * 34
         q = tl.load((blk + 2 + k % 32).to(tl.pointer_type(tl.int8)), mask=m, other=0)
         w = _f16_at(blk, m) * q.to(tl.float32)
-    elif T == 2 or T == 3:  # Q4_0, Q4_1
+    elif T == _Q4_0 or T == _Q4_1:
         i = k % 32
-        blk = row + (k // 32) * (18 if T == 2 else 20)
-        n = _nib(_u8(blk + (2 if T == 2 else 4) + i % 16, m), i >= 16).to(tl.float32)
-        if T == 2:
+        blk = row + (k // 32) * (18 if T == _Q4_0 else 20)
+        n = _nib(_u8(blk + (2 if T == _Q4_0 else 4) + i % 16, m), i >= 16).to(tl.float32)
+        if T == _Q4_0:
             w = _f16_at(blk, m) * (n - 8.0)
         else:
             w = _f16_at(blk, m) * n + _f16_at(blk + 2, m)
-    elif T == 6 or T == 7:  # Q5_0, Q5_1
+    elif T == _Q5_0 or T == _Q5_1:
         i = k % 32
-        qh = 2 if T == 6 else 4  # the high bits' byte; the nibbles follow them
-        blk = row + (k // 32) * (22 if T == 6 else 24)
+        qh = 2 if T == _Q5_0 else 4  # the high bits' byte; the nibbles follow them
+        blk = row + (k // 32) * (22 if T == _Q5_0 else 24)
         hb = (_u8(blk + qh + i // 8, m) >> (i % 8)) & 1
         q = (_nib(_u8(blk + qh + 4 + i % 16, m), i >= 16) | (hb << 4)).to(tl.float32)
-        if T == 6:
+        if T == _Q5_0:
             w = _f16_at(blk, m) * (q - 16.0)
         else:
             w = _f16_at(blk, m) * q + _f16_at(blk + 2, m)
-    elif T == 39:  # MXFP4: e2m1 codes times an e8m0 scale
+    elif T == _MXFP4:  # e2m1 codes times an e8m0 scale
         i = k % 32
         blk = row + (k // 32) * 17
         n = _nib(_u8(blk + 1 + i % 16, m), i >= 16)
@@ -393,25 +409,25 @@ def _ggml_tile(row, k, m, T: tl.constexpr):
         e = _u8(blk, m)
         half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
         w = v * half  # (2 v) * 2^(e - 128)
-    elif T == 12 or T == 13:  # Q4_K, Q5_K
+    elif T == _Q4_K or T == _Q5_K:
         i = k % 256
-        qs = 16 if T == 12 else 48  # the nibbles' byte
-        blk = row + (k // 256) * (144 if T == 12 else 176)
+        qs = 16 if T == _Q4_K else 48  # the nibbles' byte
+        blk = row + (k // 256) * (144 if T == _Q4_K else 176)
         j = i // 64
         hi = (i % 64) >= 32
         sb = 2 * j + hi.to(tl.int32)
         l32 = i % 32
         q = _nib(_u8(blk + qs + 32 * j + l32, m), hi)
-        if T == 13:
+        if T == _Q5_K:
             q += ((_u8(blk + 16 + l32, m) >> sb) & 1) << 4
         sc, mn = _k_scale_min(blk + 4, sb, m)
         w = _f16_at(blk, m) * sc * q.to(tl.float32) - _f16_at(blk + 2, m) * mn
-    elif T == 200:  # FP8_B128: an fp32 tile scale, then 128 e4m3 codes
+    elif T == _FP8_B128:  # an fp32 tile scale, then 128 e4m3 codes
         blk = row + (k // 128) * 132
         c = _u8(blk + 4 + k % 128, m)
         s = tl.load(blk.to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
         w = s * _fp8_e4m3_to_f32(c)
-    else:  # Q6_K (14)
+    else:  # Q6_K
         i = k % 256
         blk = row + (k // 256) * 210
         half = i // 128

@@ -91,7 +91,8 @@ class Inspection:
             )
         lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
         for fmt, n in self.expert_types.items():
-            lines.append(f"  experts    {fmt.removeprefix('gguf:')} (gate, up, down) in {n} layers")
+            shown = pk.RowFormat.parse(fmt).shown
+            lines.append(f"  experts    {shown} (gate, up, down) in {n} layers")
         lines.append(f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens")
         cols = ["format", "one expert", "host (all experts)"]
         cols += [f"device @ residency {r:g}" for r in RESIDENCIES]
