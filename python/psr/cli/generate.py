@@ -343,7 +343,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _experts_shown(model: Any, asked: str) -> str:
     """The expert format as loaded: the option, or a GGUF / pre-quantized file's blocks."""
-    fmts = list(dict.fromkeys(f for f in model.runtime.expert_formats if f.is_blocks))
+    fmts = list(dict.fromkeys(f for f in model.runtime.row_formats if f.is_blocks))
     if fmts:
         return " / ".join(f.shown for f in fmts) + " (the file's blocks)"
     return asked

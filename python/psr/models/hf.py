@@ -144,7 +144,7 @@ def install(
         expert_format=expert_format,
         decode=decode,
     )
-    quantized = not runtime.expert_format.is_float
+    quantized = not runtime.row_format.is_float
     found = []  # checked for every layer before any is changed
     for L in runtime.layers:
         experts = block_of(model, L.decoder_index).experts

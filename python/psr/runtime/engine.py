@@ -93,14 +93,17 @@ class OffloadRuntime:
             if expert_format is None or isinstance(expert_format, (str, pk.RowFormat))
             else list(expert_format)
         )
-        formats = [pk.RowFormat.parse(f) for f in given]
+        formats = [pk.RowFormat.parse(f) for f in given]  # parsed once, here
         if len(formats) != len(layers):
             raise ValueError(f"{len(formats)} expert formats for {len(layers)} MoE layers")
-        self.expert_formats = formats
+        self.row_formats = formats
         # The model's format where its layers share one, else the first layer's quantized
         # one (a mixed GGUF file); float only when every layer has float rows.
         uniform = len(set(formats)) == 1
-        self.expert_format = formats[0] if uniform else next(f for f in formats if not f.is_float)
+        self.row_format = formats[0] if uniform else next(f for f in formats if not f.is_float)
+        # Their words, as the kernels' `fmt` spells them (None: float rows), for reports.
+        self.expert_formats = [f.kernel_fmt for f in formats]
+        self.expert_format = self.row_format.kernel_fmt
         self.group_size = group_size
         self.store = store
         self.policy = policy

@@ -19,7 +19,7 @@ def layer_keys(rt: OffloadRuntime) -> list[str]:
     dtype = str(rt.store.dtype).removeprefix("torch.")
     return [
         machine.shape_key(c.hidden_size, c.ffn_size, dtype if f.is_float else f.name)
-        for f in rt.expert_formats
+        for f in rt.row_formats
     ]
 
 
