@@ -36,7 +36,14 @@ from gpu_env import tools
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_ARCHS_PY = ROOT / "scripts" / "cuda_archs.py"
-SOURCES = ["csrc/store.cpp", "csrc/cpu/cpu_backend.cpp", "csrc/bindings.cpp"]
+SOURCES = [
+    "csrc/store.cpp",
+    "csrc/store_copies.cpp",
+    "csrc/pageable.cpp",
+    "csrc/store_cpu.cpp",
+    "csrc/cpu/cpu_backend.cpp",
+    "csrc/bindings.cpp",
+]
 CUDA_SOURCE = "csrc/cuda/cuda_backend.cu"
 NO_CUDA_SOURCE = "csrc/cuda/no_cuda.cpp"
 

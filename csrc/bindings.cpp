@@ -7,6 +7,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
+
 #include "cpu/expert_gemv.h"
 #include "store.h"
 
@@ -92,32 +94,43 @@ py::dict counters_dict(const psr::Counters& c) {
   return d;
 }
 
+// csrc/cpu/expert_gemv.h's `Layout` as psr_kernels.rowformat.CpuLayout writes it: one
+// integer per field, in this order (`cpu_layout_fields` names them for the table test).
+struct LayoutField {
+  const char* name;
+  void (*set)(psr::cpu::Layout&, int64_t);
+};
+using L_ = psr::cpu::Layout;
+constexpr LayoutField kLayoutFields[] = {
+    {"fmt", [](L_& L, int64_t v) { L.fmt = static_cast<psr::cpu::Fmt>(v); }},
+    {"hidden", [](L_& L, int64_t v) { L.hidden = v; }},
+    {"ffn", [](L_& L, int64_t v) { L.ffn = v; }},
+    {"gate", [](L_& L, int64_t v) { L.gate = v; }},
+    {"up", [](L_& L, int64_t v) { L.up = v; }},
+    {"down", [](L_& L, int64_t v) { L.down = v; }},
+    {"gate_s", [](L_& L, int64_t v) { L.gate_s = v; }},
+    {"up_s", [](L_& L, int64_t v) { L.up_s = v; }},
+    {"down_s", [](L_& L, int64_t v) { L.down_s = v; }},
+    {"rb_h", [](L_& L, int64_t v) { L.rb_h = v; }},
+    {"rb_f", [](L_& L, int64_t v) { L.rb_f = v; }},
+    {"group_h", [](L_& L, int64_t v) { L.group_h = v; }},
+    {"group_f", [](L_& L, int64_t v) { L.group_f = v; }},
+    {"row_bytes", [](L_& L, int64_t v) { L.row_bytes = v; }},
+    // GGML blocks only: each part's type, up's row bytes
+    {"t_gate", [](L_& L, int64_t v) { L.t_gate = static_cast<int>(v); }},
+    {"t_up", [](L_& L, int64_t v) { L.t_up = static_cast<int>(v); }},
+    {"t_down", [](L_& L, int64_t v) { L.t_down = static_cast<int>(v); }},
+    {"rb_up", [](L_& L, int64_t v) { L.rb_up = v; }},
+};
+constexpr size_t kLayoutInts = 14;  // float / int8 / fp8 / int4; all 18 for GGML blocks
+
 // The CPU kernels' layout from the 14 (float / int8 / fp8 / int4) or 18 (GGML) integers
 // psr.store._cpu_layout writes.
 psr::cpu::Layout cpu_layout(const std::vector<int64_t>& layout, const char* op) {
-  if (layout.size() != 14 && layout.size() != 18)
+  if (layout.size() != kLayoutInts && layout.size() != std::size(kLayoutFields))
     throw std::invalid_argument(std::string(op) + ": layout must hold 14 (or 18) integers");
   psr::cpu::Layout L;
-  L.fmt = static_cast<psr::cpu::Fmt>(layout[0]);
-  L.hidden = layout[1];
-  L.ffn = layout[2];
-  L.gate = layout[3];
-  L.up = layout[4];
-  L.down = layout[5];
-  L.gate_s = layout[6];
-  L.up_s = layout[7];
-  L.down_s = layout[8];
-  L.rb_h = layout[9];
-  L.rb_f = layout[10];
-  L.group_h = layout[11];
-  L.group_f = layout[12];
-  L.row_bytes = layout[13];
-  if (layout.size() == 18) {  // GGML blocks: each part's type, up's row bytes
-    L.t_gate = static_cast<int>(layout[14]);
-    L.t_up = static_cast<int>(layout[15]);
-    L.t_down = static_cast<int>(layout[16]);
-    L.rb_up = layout[17];
-  }
+  for (size_t i = 0; i < layout.size(); ++i) kLayoutFields[i].set(L, layout[i]);
   return L;
 }
 
@@ -158,6 +171,32 @@ PYBIND11_MODULE(_C, m) {
       },
       "ISA paths of the CPU expert kernels this CPU runs, best last");
   m.def("cpu_max_threads", &psr::cpu::max_threads, "hardware threads (the kernels' cap)");
+  m.def(
+      "cpu_layout_fields",
+      [] {
+        std::vector<std::string> out;
+        for (const auto& f : kLayoutFields) out.emplace_back(f.name);
+        return out;
+      },
+      "the CPU kernels' Layout fields, in the order cpu_expert_ffn's layout gives them");
+  m.def(
+      "cpu_formats",
+      [] {
+        std::vector<std::pair<std::string, int>> out;
+        for (const auto& f : psr::cpu::kFmtTraits)
+          out.emplace_back(f.name, static_cast<int>(f.fmt));
+        return out;
+      },
+      "the CPU kernels' expert formats: (name, Fmt code)");
+  m.def(
+      "ggml_type_traits",
+      [] {
+        std::vector<std::tuple<std::string, int, int, int>> out;
+        for (const auto& t : psr::cpu::kTypeTraits)
+          out.emplace_back(t.name, t.id, t.block_len, t.block_bytes);
+        return out;
+      },
+      "the CPU kernels' GGML block types: (name, type id, block_len, block_bytes)");
   m.def(
       "cpu_expert_ffn",
       [](const std::vector<int64_t>& layout, uintptr_t x, int64_t tokens, uintptr_t rows,

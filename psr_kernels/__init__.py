@@ -22,6 +22,12 @@ live in `psr_kernels.routing_ref`; `swiglu_ref` is the one SwiGLU reference form
 Device-resident logical caches (`psr_kernels.cache_state`): CacheLayout(E, S, k, n),
 new_state, reset_layer, cache_use / cache_prefetch (the spec's `use` / `prefetch` as
 kernels; references in `psr_kernels.cache_state_ref`), copy lists for the store's gather.
+Expert row formats (`psr_kernels.rowformat`, one table): RowFormat.parse(word) -> the
+format (NATIVE, BF16, INT8, FP8, INT4, or GGUF's blocks per part); fmt.layout(H, F, group)
+-> where each part sits (FloatLayout | QuantLayout | GGMLLayout); fmt.cpu_layout(...) ->
+CpuLayout (the CPU kernels'); fmt.dequantize(rows, H, F) -> the reference's matrices;
+BlockType traits of GGML's block types (BLOCK_TYPE_TRAITS). `fmt=` takes a RowFormat or
+its word everywhere.
 Slab layout: pack_expert(gate, up, down) -> row; unpack_expert(row, H, F) -> views.
 Quantized rows (`psr_kernels.quant`, fmt in QUANT_FORMATS = int8, fp8, int4):
 quantize_expert(gate, up, down, fmt) -> uint8 row; dequantize_expert(row, H, F, fmt) ->
@@ -62,9 +68,6 @@ from psr_kernels.expert_ffn import (
     unpack_expert,
 )
 from psr_kernels.ggml import (
-    BLOCK_TYPES,
-    GGML_TYPES,
-    GGMLLayout,
     decode_ggml,
     dequantize_ggml,
     dequantize_ggml_expert,
@@ -72,7 +75,6 @@ from psr_kernels.ggml import (
     ggml_row_bytes,
     ggml_type_id,
     ggml_types,
-    is_ggml_format,
     pack_fp8_b128,
     pack_ggml_expert,
     pack_ggml_parts,
@@ -84,9 +86,7 @@ from psr_kernels.ops import (
     route_hidden_op,
     route_op,
 )
-from psr_kernels.quant import FORMATS as QUANT_FORMATS
 from psr_kernels.quant import (
-    QuantLayout,
     bytes_ratio,
     dequantize_expert,
     quantize_expert,
@@ -109,24 +109,60 @@ from psr_kernels.routing_ref import (
     route_ref,
     substituted_ref,
 )
+from psr_kernels.rowformat import (
+    BF16,
+    BLOCK_TYPE_TRAITS,
+    BLOCK_TYPES,
+    EXPERT_FORMATS,
+    FP8,
+    GGML_TYPES,
+    INT4,
+    INT8,
+    NATIVE,
+    QUANT_FORMATS,
+    BlockType,
+    CpuLayout,
+    FloatLayout,
+    FormatLike,
+    GGMLLayout,
+    QuantLayout,
+    RowFormat,
+    RowKind,
+    RowLayout,
+    is_ggml_format,
+)
 
 __all__ = [
     "ACTIVATIONS",
+    "BF16",
     "BLOCK_TYPES",
+    "BLOCK_TYPE_TRAITS",
+    "EXPERT_FORMATS",
+    "FP8",
     "GGML_TYPES",
     "GROUP_SCORES",
+    "INT4",
+    "INT8",
+    "NATIVE",
     "QUANT_FORMATS",
     "SCORINGS",
     "SILU",
     "Activation",
+    "BlockType",
     "CacheLayout",
     "Compute",
     "ComputePath",
+    "CpuLayout",
+    "FloatLayout",
+    "FormatLike",
     "GGMLLayout",
     "KernelOps",
     "NonFiniteError",
     "QuantLayout",
     "RouteSpec",
+    "RowFormat",
+    "RowKind",
+    "RowLayout",
     "biased_scores_ref",
     "block_scores_ref",
     "bytes_ratio",

@@ -5,16 +5,17 @@
 Each slab row holds one expert packed as `[gate (F x H), up (F x H), down (H x F)]`,
 row-major (the layout psr's store registers; HF's fused `gate_up_proj[e]` is gate then
 up). `pack_expert` writes a row, `unpack_expert` views one (or a batch `[..., 3HF]`)
-as its three matrices, and `_layout` gives the offsets the kernels read at: the only
-places that know the layout.
+as its three matrices, and `FloatLayout` (psr_kernels.rowformat) gives the offsets the
+kernels read at: the only places that know the layout.
 Two kernels, both accumulating in fp32 with a fixed reduction order (no atomics), so
 results are bit-reproducible run to run:
   1. `_gate_up_kernel`, grid (T*k, F/BLOCK_F): h[t, j] = silu(gate_j x) * (up_j x);
   2. `_down_kernel`, grid (T, H/BLOCK_H): y[t] = sum_j w[t, j] * (down_j h[t, j]).
 At batch 1 this is a grouped GEMV: each weight byte is read once.
 
-`expert_ffn` is the one entry: `fmt=None` runs these kernels on float rows, a quantized
-`fmt` ('int8', 'fp8', 'int4') the kernels of `psr_kernels.quant` on uint8 rows.
+`expert_ffn` is the one entry and `_launch_ffn` the one launcher: the rows' `RowFormat`
+(`fmt`; None: float rows) picks these kernels, those of `psr_kernels.quant` (int8, fp8,
+int4) or of `psr_kernels.ggml` (GGUF's blocks), with their constexprs and part offsets.
 `expert_ffn_ref` (same arguments) and `expert_row_ffn_ref` (one expert, one row) are its
 plain-torch references, both computing through `swiglu_ref`.
 """
@@ -23,9 +24,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -34,18 +35,27 @@ import triton.language as tl
 from psr_kernels._common import check_float, check_launchable, load_slot, pow2
 from psr_kernels.activation import SILU, Activation, glu
 from psr_kernels.ggml import (
-    GGMLLayout,
-    dequantize_ggml_expert,
-    is_ggml_format,
-    launch_ggml_ffn,
+    _ggml_down_kernel,
+    _ggml_gate_up_kernel,
+    ggml_launch_config,
+    ggml_part_args,
 )
-from psr_kernels.quant import FORMATS as QUANT_FORMATS
 from psr_kernels.quant import (
-    QuantLayout,
+    _quant_down_kernel,
+    _quant_gate_up_kernel,
     check_aligned,
     check_quant_slab,
-    dequantize_expert,
-    launch_quant_ffn,
+    quant_launch_config,
+    quant_part_args,
+)
+from psr_kernels.rowformat import (
+    NATIVE,
+    FloatLayout,
+    FormatLike,
+    GGMLLayout,
+    RowFormat,
+    RowKind,
+    RowLayout,
 )
 
 
@@ -153,18 +163,6 @@ def _down_kernel(
 # --------------------------------------------------------------------------- slab layout
 
 
-class _Layout(NamedTuple):
-    gate: int  # element offset of gate [F, H] in a slab row
-    up: int  # of up [F, H]
-    down: int  # of down [H, F]
-    row: int  # elements in a row: 3 * H * F
-
-
-def _layout(hidden_size: int, ffn_size: int) -> _Layout:
-    fh = hidden_size * ffn_size
-    return _Layout(gate=0, up=fh, down=2 * fh, row=3 * fh)
-
-
 def unpack_expert(
     row: torch.Tensor, hidden_size: int, ffn_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -177,7 +175,7 @@ def unpack_expert(
     H, F = hidden_size, ffn_size
     if not isinstance(row, torch.Tensor) or row.dim() < 1:
         raise ValueError("unpack_expert: row must be a tensor with at least 1 dim")
-    lay = _layout(H, F)
+    lay = FloatLayout(NATIVE, H, F)
     if H < 1 or F < 1 or row.shape[-1] != lay.row:
         raise ValueError(
             f"unpack_expert: rows hold {row.shape[-1]} elements, expected "
@@ -218,37 +216,11 @@ def ffn_launch_config(T: int, H: int, F: int) -> tuple[Mapping[str, int], Mappin
     return MappingProxyType(gate_up), MappingProxyType(down)
 
 
-def _check_fmt_arg(op: str, fmt: str | None) -> None:
-    if fmt is None or is_ggml_format(fmt):
-        return
-    if not isinstance(fmt, str) or fmt not in QUANT_FORMATS:
-        raise ValueError(
-            f"{op}: fmt must be None (float slab rows), one of "
-            f"{', '.join(map(repr, QUANT_FORMATS))} or a GGML row format 'gguf:GATE,UP,DOWN', "
-            f"got {fmt!r}"
-        )
-
-
-RowLayout = QuantLayout | GGMLLayout
-
-
-@functools.lru_cache(maxsize=64)
-def _row_layout(
-    fmt: str | None, hidden_size: int, ffn_size: int, group_size: int
-) -> RowLayout | None:
-    """The row layout of a quantized or GGML `fmt` (None for float rows), once per shape."""
-    if fmt is None:
-        return None
-    if is_ggml_format(fmt):
-        return GGMLLayout.of(fmt, hidden_size, ffn_size)
-    return QuantLayout.of(fmt, hidden_size, ffn_size, group_size)
-
-
 def _check_uint8_slab(
-    op: str, slab: torch.Tensor, fmt: str, hidden_size: int, ffn_size: int, group_size: int
+    op: str, slab: torch.Tensor, fmt: RowFormat, hidden_size: int, ffn_size: int, group_size: int
 ) -> RowLayout:
     """The layout of `fmt`'s rows after checking `slab` is `[C, nbytes]` uint8 of them."""
-    if not is_ggml_format(fmt):
+    if fmt.is_quant:
         return check_quant_slab(op, slab, fmt, hidden_size, ffn_size, group_size)
     if not isinstance(slab, torch.Tensor) or slab.dtype != torch.uint8 or slab.dim() != 2:
         raise TypeError(f"{op}: slab must be a 2-D uint8 tensor [C, nbytes] for {fmt}")
@@ -269,14 +241,12 @@ def _check_ffn(
     weights: torch.Tensor,
     hidden_size: int,
     ffn_size: int,
-    fmt: str | None,
+    fmt: RowFormat,
     group_size: int,
-) -> RowLayout | None:
-    """Shared argument checks of `expert_ffn` and its reference; returns the row layout
-    of a quantized `fmt` (None for float rows)."""
-    _check_fmt_arg(op, fmt)
+) -> RowLayout:
+    """Shared argument checks of `expert_ffn` and its reference; returns the row layout."""
     check_float(op, "x", x, 2)
-    if fmt is None:
+    if fmt.is_float:
         check_float(op, "slab", slab, 2)
     check_float(op, "weights", weights, 2)
     T, H = x.shape
@@ -284,12 +254,12 @@ def _check_ffn(
         raise ValueError(f"{op}: x has hidden size {H}, expected {hidden_size}")
     if ffn_size < 1:
         raise ValueError(f"{op}: ffn_size must be positive, got {ffn_size}")
-    lay = None
-    if fmt is None:
-        row = _layout(hidden_size, ffn_size).row
-        if slab.shape[1] != row:
+    lay: RowLayout
+    if fmt.is_float:
+        lay = FloatLayout(fmt, hidden_size, ffn_size)
+        if slab.shape[1] != lay.row:
             raise ValueError(
-                f"{op}: slab rows hold {slab.shape[1]} elements, expected 3 * H * F = {row}"
+                f"{op}: slab rows hold {slab.shape[1]} elements, expected 3 * H * F = {lay.row}"
             )
     else:
         lay = _check_uint8_slab(op, slab, fmt, hidden_size, ffn_size, group_size)
@@ -332,7 +302,45 @@ def _check_slot_range(
         raise IndexError(f"{op}: slot ids must be in [0, {C}), got {slots.tolist()}")
 
 
-def _launch_float_ffn(
+def _float_part_args(lay: FloatLayout) -> tuple[dict[str, int], dict[str, int]]:
+    return dict(up_offset=lay.up), dict(down_offset=lay.down)
+
+
+class _Kernels(NamedTuple):
+    """One kind of rows' kernel pair, launch config and part arguments."""
+
+    gate_up: Any
+    down: Any
+    config: Callable[[Any, int], tuple[Mapping[str, int], Mapping[str, int]]]
+    part_args: Callable[[Any], tuple[dict[str, int], dict[str, int]]]
+
+
+_KERNELS: Mapping[RowKind, _Kernels] = MappingProxyType(
+    {
+        RowKind.FLOAT: _Kernels(
+            _gate_up_kernel,
+            _down_kernel,
+            lambda lay, T: ffn_launch_config(T, lay.hidden_size, lay.ffn_size),
+            _float_part_args,
+        ),
+        RowKind.QUANT: _Kernels(
+            _quant_gate_up_kernel,
+            _quant_down_kernel,
+            lambda lay, T: quant_launch_config(lay),
+            quant_part_args,
+        ),
+        RowKind.BLOCKS: _Kernels(
+            _ggml_gate_up_kernel,
+            _ggml_down_kernel,
+            lambda lay, T: ggml_launch_config(lay),
+            ggml_part_args,
+        ),
+    }
+)
+
+
+def _launch_ffn(
+    lay: RowLayout,
     x: torch.Tensor,
     slab: torch.Tensor,
     slots: torch.Tensor,
@@ -344,57 +352,45 @@ def _launch_float_ffn(
     bias: torch.Tensor | None = None,
     scale_input: bool = False,
 ) -> None:
-    """Run the two float-row kernels on checked arguments and buffers."""
+    """Run the gate/up then the down kernel of `lay`'s rows on checked arguments and
+    buffers: h = act(gate x, up x), then y = sum_j w_j * (down_j h_j + bias_j). The one
+    launcher of every format: the format picks the kernels, their constexprs and where
+    they read a row's parts."""
     T, H = x.shape
     K = slots.shape[1]
-    C = slab.shape[0]
-    F = h.shape[1]
-    lay = _layout(H, F)
-    c1, c2 = ffn_launch_config(T, H, F)
-    _gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
+    F = lay.ffn_size
+    kern = _KERNELS[lay.fmt.kind]
+    c1, c2 = kern.config(lay, T)
+    a1, a2 = kern.part_args(lay)
+    common = dict(
+        slab_ptr=slab,
+        s_slot=slab.stride(0),
+        slots_ptr=slots,
+        table_ptr=slots if table is None else table,
+        bias_ptr=h if bias is None else bias,
+        w_ptr=weights,
+        T=T,
+        H=H,
+        F=F,
+        C=slab.shape[0],
+        K=K,
+        HAS_TABLE=table is not None,
+        HAS_BIAS=bias is not None,
+        SCALE_INPUT=scale_input,
+    )
+    kern.gate_up[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
         x_ptr=x,
         s_xt=x.stride(0),
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        table_ptr=slots if table is None else table,
         h_ptr=h,
-        bias_ptr=h if bias is None else bias,
-        w_ptr=weights,
-        T=T,
-        H=H,
-        F=F,
-        C=C,
-        up_offset=lay.up,
         alpha=float(act.alpha),
         limit=float(act.limit) if math.isfinite(act.limit) else 0.0,
-        K=K,
-        HAS_TABLE=table is not None,
-        HAS_BIAS=bias is not None,
         ACT=act.code,
-        SCALE_INPUT=scale_input,
+        **common,
+        **a1,
         **c1,
     )
-    _down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
-        h_ptr=h,
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        table_ptr=slots if table is None else table,
-        w_ptr=weights,
-        y_ptr=y,
-        s_yt=y.stride(0),
-        bias_ptr=h if bias is None else bias,
-        T=T,
-        H=H,
-        F=F,
-        C=C,
-        down_offset=lay.down,
-        K=K,
-        HAS_TABLE=table is not None,
-        HAS_BIAS=bias is not None,
-        SCALE_INPUT=scale_input,
-        **c2,
+    kern.down[(T, triton.cdiv(H, c2["BLOCK_H"]))](
+        h_ptr=h, y_ptr=y, s_yt=y.stride(0), **common, **a2, **c2
     )
 
 
@@ -406,7 +402,7 @@ def expert_ffn(
     hidden_size: int,
     ffn_size: int,
     *,
-    fmt: str | None = None,
+    fmt: FormatLike = None,
     group_size: int = 128,
     out_dtype: torch.dtype | None = None,
     check_slots: bool = True,
@@ -424,10 +420,10 @@ def expert_ffn(
             rows of a quantized `fmt` (`quantize_expert`; base and row stride 16-byte
             aligned).
         slots: `[T, k]` int slot of each routed expert; weights: `[T, k]` gate weights.
-        fmt: None (float rows), one of QUANT_FORMATS ('int8', 'fp8', 'int4') or a GGML
-            row format (`psr_kernels.ggml.ggml_format`, "gguf:Q4_K,Q4_K,Q6_K": a GGUF
-            file's blocks as they are): picks the kernels. group_size: the int4 scale
-            group (unused otherwise).
+        fmt: the rows' `RowFormat`, or its word: None (float rows), one of QUANT_FORMATS
+            ('int8', 'fp8', 'int4') or a GGML row format (`psr_kernels.ggml.ggml_format`,
+            "gguf:Q4_K,Q4_K,Q6_K": a GGUF file's blocks as they are): picks the kernels.
+        group_size: the int4 scale group (unused otherwise).
         out_dtype: output dtype (default x.dtype); accumulation is always fp32.
         check_slots: validate slot ids on the host (a sync); out-of-range slots are
             otherwise read as zeros rather than faulting.
@@ -449,14 +445,15 @@ def expert_ffn(
     Returns `[T, H]`, contiguous.
     """
     op = "expert_ffn"
+    rf = RowFormat.of_kernel(op, fmt)
     if checked:
-        lay = _row_layout(fmt, hidden_size, ffn_size, group_size)
+        lay = rf.layout(hidden_size, ffn_size, group_size)
     else:
-        lay = _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
+        lay = _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, rf, group_size)
         _check_table(op, slot_table, slots)
         _check_bias(op, bias, slots, hidden_size, ffn_size)
         check_launchable(op, x, slab, slots, weights, slot_table, bias)
-        if lay is not None:
+        if not rf.is_float:
             check_aligned(op, slab)
     T, H = x.shape
     K = slots.shape[1]
@@ -470,12 +467,7 @@ def expert_ffn(
     # Weights of any float dtype: the kernels load and widen them to fp32.
     slots, weights = slots.contiguous(), weights.contiguous()
     h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
-    if lay is None:
-        _launch_float_ffn(x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
-    elif isinstance(lay, GGMLLayout):
-        launch_ggml_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
-    else:
-        launch_quant_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
+    _launch_ffn(lay, x, slab, slots, weights, y, h, slot_table, act, bias, scale_input)
     return y
 
 
@@ -531,25 +523,13 @@ def swiglu_ref(
     return y if bias is None else y + b[..., 2 * gate.shape[-2] :]
 
 
-def _expert_matrices(
-    rows: torch.Tensor, hidden_size: int, ffn_size: int, fmt: str | None, group_size: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(gate, up, down)` of slab rows `[..., row]`: views of float rows, or the fp32
-    dequantized matrices of `fmt`'s rows."""
-    if fmt is None:
-        return unpack_expert(rows, hidden_size, ffn_size)
-    if is_ggml_format(fmt):
-        return dequantize_ggml_expert(rows, GGMLLayout.of(fmt, hidden_size, ffn_size))
-    return dequantize_expert(rows, hidden_size, ffn_size, fmt, group_size=group_size)
-
-
 def expert_row_ffn_ref(
     x: torch.Tensor,
     row: torch.Tensor,
     hidden_size: int,
     ffn_size: int,
     *,
-    fmt: str | None = None,
+    fmt: FormatLike = None,
     group_size: int = 128,
     act: Activation = SILU,
     bias: torch.Tensor | None = None,
@@ -561,9 +541,9 @@ def expert_row_ffn_ref(
     float rows (e.g. bf16 rows for fp32 x) and quantized rows (`fmt`) in fp32, as the
     kernels do. Returns `[N, H]` in x's dtype.
     """
-    _check_fmt_arg("expert_row_ffn_ref", fmt)
-    gate, up, down = _expert_matrices(row, hidden_size, ffn_size, fmt, group_size)
-    dtype = x.dtype if fmt is None and row.dtype == x.dtype else torch.float32
+    rf = RowFormat.of_kernel("expert_row_ffn_ref", fmt)
+    gate, up, down = rf.dequantize(row, hidden_size, ffn_size, group_size)
+    dtype = x.dtype if rf.is_float and row.dtype == x.dtype else torch.float32
     return swiglu_ref(x, gate, up, down, dtype, act, bias).to(x.dtype)
 
 
@@ -575,7 +555,7 @@ def expert_ffn_ref(
     hidden_size: int,
     ffn_size: int,
     *,
-    fmt: str | None = None,
+    fmt: FormatLike = None,
     group_size: int = 128,
     out_dtype: torch.dtype | None = None,
     check_slots: bool = True,
@@ -589,8 +569,9 @@ def expert_ffn_ref(
     """Plain-torch reference of `expert_ffn` (same arguments): the stored weights
     (dequantized for a quantized `fmt`) in fp32 math."""
     op = "expert_ffn_ref"
+    rf = RowFormat.of_kernel(op, fmt)
     if not checked:
-        _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, fmt, group_size)
+        _check_ffn(op, x, slab, slots, weights, hidden_size, ffn_size, rf, group_size)
         _check_table(op, slot_table, slots)
         _check_bias(op, bias, slots, hidden_size, ffn_size)
     if check_slots:
@@ -602,7 +583,7 @@ def expert_ffn_ref(
             present = slots != -1
             slots = torch.where(present, slots, 0)
     # gate/up [T, k, F, H], down [T, k, H, F]; x as [T, 1, 1, H]: one row per expert.
-    gate, up, down = _expert_matrices(slab[slots.long()], hidden_size, ffn_size, fmt, group_size)
+    gate, up, down = rf.dequantize(slab[slots.long()], hidden_size, ffn_size, group_size)
     w = weights.float()[..., None, None]  # [T, k, 1, 1]
     xin = x[:, None, None, :] * w if scale_input else x[:, None, None, :]
     out = swiglu_ref(xin, gate, up, down, act=act, bias=bias).squeeze(-2)  # [T, k, H]

@@ -6,10 +6,12 @@ A GGUF file holds each expert matrix in one of GGML's block formats, blocks runn
 the input dimension (a row of K inputs is K / QK blocks of BS bytes). psr keeps those bytes
 as they are: a slab row is the expert's gate, up and down matrices back to back, each in its
 own type (a Q4_K_M file mixes them: down in Q6_K, gate/up in Q4_K), every part starting at
-a multiple of 16 bytes. The format of a row is the string `ggml_format(gate, up, down)`,
-"gguf:Q4_K,Q4_K,Q6_K": it goes wherever a quantized `fmt` goes (`expert_ffn(fmt=...)`).
+a multiple of 16 bytes. The format of a row is `RowFormat.blocks(gate, up, down)`
+(psr_kernels.rowformat; its word `ggml_format(...)`, "gguf:Q4_K,Q4_K,Q6_K"): it goes
+wherever a quantized `fmt` goes (`expert_ffn(fmt=...)`), and its `GGMLLayout` lives there.
 
-Types (`GGML_TYPES`, with GGML's type ids as the kernels' constexpr codes):
+Types (`GGML_TYPES`; QK, BS and GGML's type ids, the kernels' constexpr codes, are the
+`BlockType` traits of rowformat's `BLOCK_TYPE_TRAITS`):
 
     type   QK   BS   value of element i of a block
     F32     1    4   the float
@@ -37,7 +39,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -45,134 +46,48 @@ import triton
 import triton.language as tl
 
 from psr_kernels._common import load_slot, pow2
-from psr_kernels.activation import SILU, Activation, glu
+from psr_kernels.activation import glu
 from psr_kernels.quant import _fp8_e4m3_to_f32
+from psr_kernels.rowformat import (
+    BLOCK_TYPE_TRAITS,
+    GGML_PREFIX,
+    GGMLLayout,
+    RowFormat,
+    block_type,
+    blocks_format,
+)
+from psr_kernels.rowformat import BLOCK_TYPES as BLOCK_TYPES  # the table's, named here too
+from psr_kernels.rowformat import GGML_TYPES as GGML_TYPES
+from psr_kernels.rowformat import is_ggml_format as is_ggml_format
 
-# type name -> (GGML type id, elements per block, bytes per block)
-_TYPES: dict[str, tuple[int, int, int]] = {
-    "F32": (0, 1, 4),
-    "F16": (1, 1, 2),
-    "Q4_0": (2, 32, 18),
-    "Q4_1": (3, 32, 20),
-    "Q5_0": (6, 32, 22),
-    "Q5_1": (7, 32, 24),
-    "Q8_0": (8, 32, 34),
-    "Q4_K": (12, 256, 144),
-    "Q5_K": (13, 256, 176),
-    "Q6_K": (14, 256, 210),
-    "BF16": (30, 1, 2),
-    "MXFP4": (39, 32, 17),
-    # psr's own block (no GGML type): a checkpoint's block-wise FP8 (DeepSeek-V3 / R1,
-    # Qwen3-FP8: e4m3 codes, one fp32 scale per 128 x 128 tile) as a block of 128 codes
-    # along the row behind their tile's scale, so each row holds its own scales.
-    "FP8_B128": (200, 128, 132),
-}
-BLOCK_TYPES: tuple[str, ...] = tuple(_TYPES)  # every block type the kernels compute
-GGML_TYPES: tuple[str, ...] = tuple(t for t in _TYPES if _TYPES[t][0] < 200)  # GGUF's
-FORMAT_PREFIX = "gguf:"
-_ALIGN = 16
+FORMAT_PREFIX = GGML_PREFIX
 
 
 def ggml_block(type_name: str) -> tuple[int, int]:
     """(elements, bytes) of one block of `type_name`."""
-    _check_type("ggml_block", type_name)
-    _, qk, bs = _TYPES[type_name]
-    return qk, bs
-
-
-def _check_type(op: str, type_name: str) -> None:
-    if type_name not in _TYPES:
-        raise ValueError(
-            f"{op}: GGML type {type_name!r} is not one psr's expert kernels compute "
-            f"(supported: {', '.join(BLOCK_TYPES)})"
-        )
+    t = block_type("ggml_block", type_name)
+    return t.block_len, t.block_bytes
 
 
 def ggml_type_id(type_name: str) -> int:
     """GGML's id of `type_name` (psr's own blocks: 200 and up), the kernels' constexpr."""
-    _check_type("ggml_type_id", type_name)
-    return _TYPES[type_name][0]
+    return block_type("ggml_type_id", type_name).type_id
 
 
 def ggml_row_bytes(type_name: str, k: int) -> int:
     """Bytes of one row of `k` inputs in `type_name`; `k` must fill whole blocks."""
-    qk, bs = ggml_block(type_name)
-    if k < 1 or k % qk:
-        raise ValueError(f"a {type_name} row holds whole blocks of {qk} values; {k} inputs do not")
-    return k // qk * bs
+    return block_type("ggml_block", type_name).row_bytes(k)
 
 
 def ggml_format(gate: str, up: str, down: str) -> str:
-    """The `fmt` string of rows whose gate, up, down parts are in these GGML types."""
-    for t in (gate, up, down):
-        _check_type("ggml_format", t)
-    return f"{FORMAT_PREFIX}{gate},{up},{down}"
+    """The `fmt` word of rows whose gate, up, down parts are in these GGML types."""
+    return RowFormat.blocks(gate, up, down).name
 
 
-def is_ggml_format(fmt: object) -> bool:
-    return isinstance(fmt, str) and fmt.startswith(FORMAT_PREFIX)
-
-
-def ggml_types(fmt: str) -> tuple[str, str, str]:
-    """(gate, up, down) types of a `ggml_format` string."""
-    parts = fmt[len(FORMAT_PREFIX) :].split(",") if is_ggml_format(fmt) else []
-    if len(parts) != 3 or any(p not in _TYPES for p in parts):
-        raise ValueError(
-            f"{fmt!r} is not a GGML row format: expected 'gguf:GATE,UP,DOWN' with types from "
-            f"{', '.join(BLOCK_TYPES)}"
-        )
-    return parts[0], parts[1], parts[2]
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-@dataclass(frozen=True)
-class GGMLLayout:
-    """Byte offsets of one expert's parts in a slab row of GGML blocks."""
-
-    fmt: str
-    hidden_size: int
-    ffn_size: int
-    types: tuple[str, str, str]  # gate, up, down
-    gate: int
-    up: int
-    down: int
-    rb_gate: int  # bytes per row of each part
-    rb_up: int
-    rb_down: int
-    nbytes: int  # row length, a multiple of 16
-
-    @property
-    def part_bytes(self) -> tuple[int, int, int]:
-        """Bytes of the gate, up and down matrices (without the alignment padding)."""
-        F, H = self.ffn_size, self.hidden_size
-        return F * self.rb_gate, F * self.rb_up, H * self.rb_down
-
-    @classmethod
-    def of(cls, fmt: str, hidden_size: int, ffn_size: int) -> GGMLLayout:
-        return _ggml_layout(fmt, int(hidden_size), int(ffn_size))
-
-
-@functools.lru_cache(maxsize=256)
-def _ggml_layout(fmt: str, H: int, F: int) -> GGMLLayout:
-    tg, tu, td = ggml_types(fmt)
-    if H < 1 or F < 1:
-        raise ValueError(f"GGMLLayout: hidden_size and ffn_size must be positive, got {H}, {F}")
-    rbs = []
-    for part, t, k in (("gate", tg, H), ("up", tu, H), ("down", td, F)):
-        try:
-            rbs.append(ggml_row_bytes(t, k))
-        except ValueError as e:
-            raise ValueError(f"GGMLLayout: expert {part} rows: {e}") from None
-    offs, at = [], 0
-    for rows, rb in zip((F, F, H), rbs, strict=True):
-        offs.append(at)
-        at = _align(at + rows * rb)
-    return GGMLLayout(
-        fmt, H, F, (tg, tu, td), offs[0], offs[1], offs[2], rbs[0], rbs[1], rbs[2], at
-    )
+def ggml_types(fmt: RowFormat | str) -> tuple[str, str, str]:
+    """(gate, up, down) types of a GGML row format."""
+    g, u, d = (t.name for t in blocks_format(fmt).block_types)
+    return g, u, d
 
 
 def pack_ggml_parts(lay: GGMLLayout, parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -360,7 +275,7 @@ _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat
 def dequantize_ggml(data: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 values of `shape` (rows along the last dim) from GGML bytes `data` (uint8,
     `[..., bytes]` flattened to the tensor's bytes): the plain-torch reference."""
-    _check_type("dequantize_ggml", type_name)
+    bt = block_type("dequantize_ggml", type_name)
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8:
         raise TypeError("dequantize_ggml: data must be a uint8 tensor")
     k = int(shape[-1])
@@ -374,7 +289,7 @@ def dequantize_ggml(data: torch.Tensor, type_name: str, shape: tuple[int, ...]) 
     flat = data.reshape(-1)
     if type_name in _FLOAT_TYPES:
         return flat.contiguous().view(_FLOAT_TYPES[type_name]).float().reshape(shape)
-    bs = _TYPES[type_name][2]
+    bs = bt.block_bytes
     return _BLOCK_REFS[type_name](flat.reshape(-1, bs)).reshape(shape)
 
 
@@ -403,6 +318,21 @@ def dequantize_ggml_expert(
 
 
 # --------------------------------------------------------------------------- kernels
+
+
+# The kernels' branches name the block types by their ids (the format table's).
+_F32 = tl.constexpr(BLOCK_TYPE_TRAITS["F32"].type_id)
+_F16 = tl.constexpr(BLOCK_TYPE_TRAITS["F16"].type_id)
+_BF16 = tl.constexpr(BLOCK_TYPE_TRAITS["BF16"].type_id)
+_Q8_0 = tl.constexpr(BLOCK_TYPE_TRAITS["Q8_0"].type_id)
+_Q4_0 = tl.constexpr(BLOCK_TYPE_TRAITS["Q4_0"].type_id)
+_Q4_1 = tl.constexpr(BLOCK_TYPE_TRAITS["Q4_1"].type_id)
+_Q5_0 = tl.constexpr(BLOCK_TYPE_TRAITS["Q5_0"].type_id)
+_Q5_1 = tl.constexpr(BLOCK_TYPE_TRAITS["Q5_1"].type_id)
+_MXFP4 = tl.constexpr(BLOCK_TYPE_TRAITS["MXFP4"].type_id)
+_Q4_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q4_K"].type_id)
+_Q5_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q5_K"].type_id)
+_FP8_B128 = tl.constexpr(BLOCK_TYPE_TRAITS["FP8_B128"].type_id)
 
 
 @triton.jit
@@ -439,37 +369,37 @@ def _k_scale_min(s_ptr, sb, m):
 def _ggml_tile(row, k, m, T: tl.constexpr):
     """fp32 weights at columns `k` ([1, BK] int32) of rows starting at byte pointers
     `row` ([R, 1]) in GGML type `T` (its type id); masked elements read as 0."""
-    if T == 0:  # F32
+    if T == _F32:
         w = tl.load((row + 4 * k).to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
-    elif T == 1:  # F16
+    elif T == _F16:
         w = tl.load((row + 2 * k).to(tl.pointer_type(tl.float16)), mask=m, other=0.0)
         w = w.to(tl.float32)
-    elif T == 30:  # BF16: the upper half of an fp32
+    elif T == _BF16:  # the upper half of an fp32
         b = tl.load((row + 2 * k).to(tl.pointer_type(tl.int16)), mask=m, other=0)
         w = ((b.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    elif T == 8:  # Q8_0
+    elif T == _Q8_0:
         blk = row + (k // 32) * 34
         q = tl.load((blk + 2 + k % 32).to(tl.pointer_type(tl.int8)), mask=m, other=0)
         w = _f16_at(blk, m) * q.to(tl.float32)
-    elif T == 2 or T == 3:  # Q4_0, Q4_1
+    elif T == _Q4_0 or T == _Q4_1:
         i = k % 32
-        blk = row + (k // 32) * (18 if T == 2 else 20)
-        n = _nib(_u8(blk + (2 if T == 2 else 4) + i % 16, m), i >= 16).to(tl.float32)
-        if T == 2:
+        blk = row + (k // 32) * (18 if T == _Q4_0 else 20)
+        n = _nib(_u8(blk + (2 if T == _Q4_0 else 4) + i % 16, m), i >= 16).to(tl.float32)
+        if T == _Q4_0:
             w = _f16_at(blk, m) * (n - 8.0)
         else:
             w = _f16_at(blk, m) * n + _f16_at(blk + 2, m)
-    elif T == 6 or T == 7:  # Q5_0, Q5_1
+    elif T == _Q5_0 or T == _Q5_1:
         i = k % 32
-        qh = 2 if T == 6 else 4  # the high bits' byte; the nibbles follow them
-        blk = row + (k // 32) * (22 if T == 6 else 24)
+        qh = 2 if T == _Q5_0 else 4  # the high bits' byte; the nibbles follow them
+        blk = row + (k // 32) * (22 if T == _Q5_0 else 24)
         hb = (_u8(blk + qh + i // 8, m) >> (i % 8)) & 1
         q = (_nib(_u8(blk + qh + 4 + i % 16, m), i >= 16) | (hb << 4)).to(tl.float32)
-        if T == 6:
+        if T == _Q5_0:
             w = _f16_at(blk, m) * (q - 16.0)
         else:
             w = _f16_at(blk, m) * q + _f16_at(blk + 2, m)
-    elif T == 39:  # MXFP4: e2m1 codes times an e8m0 scale
+    elif T == _MXFP4:  # e2m1 codes times an e8m0 scale
         i = k % 32
         blk = row + (k // 32) * 17
         n = _nib(_u8(blk + 1 + i % 16, m), i >= 16)
@@ -479,25 +409,25 @@ def _ggml_tile(row, k, m, T: tl.constexpr):
         e = _u8(blk, m)
         half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
         w = v * half  # (2 v) * 2^(e - 128)
-    elif T == 12 or T == 13:  # Q4_K, Q5_K
+    elif T == _Q4_K or T == _Q5_K:
         i = k % 256
-        qs = 16 if T == 12 else 48  # the nibbles' byte
-        blk = row + (k // 256) * (144 if T == 12 else 176)
+        qs = 16 if T == _Q4_K else 48  # the nibbles' byte
+        blk = row + (k // 256) * (144 if T == _Q4_K else 176)
         j = i // 64
         hi = (i % 64) >= 32
         sb = 2 * j + hi.to(tl.int32)
         l32 = i % 32
         q = _nib(_u8(blk + qs + 32 * j + l32, m), hi)
-        if T == 13:
+        if T == _Q5_K:
             q += ((_u8(blk + 16 + l32, m) >> sb) & 1) << 4
         sc, mn = _k_scale_min(blk + 4, sb, m)
         w = _f16_at(blk, m) * sc * q.to(tl.float32) - _f16_at(blk + 2, m) * mn
-    elif T == 200:  # FP8_B128: an fp32 tile scale, then 128 e4m3 codes
+    elif T == _FP8_B128:  # an fp32 tile scale, then 128 e4m3 codes
         blk = row + (k // 128) * 132
         c = _u8(blk + 4 + k % 128, m)
         s = tl.load(blk.to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
         w = s * _fp8_e4m3_to_f32(c)
-    else:  # Q6_K (14)
+    else:  # Q6_K
         i = k % 256
         blk = row + (k // 256) * 210
         half = i // 128
@@ -626,89 +556,25 @@ def _ggml_down_kernel(
 def ggml_launch_config(lay: GGMLLayout) -> tuple[Mapping[str, int], Mapping[str, int]]:
     """Constexprs (all but K) and warps of the gate/up and down kernels for `lay`."""
     H, F = lay.hidden_size, lay.ffn_size
-    code = {t: _TYPES[t][0] for t in lay.types}
     # 16 output rows a program, as the other quantized kernels (the decoded tiles stay in
     # registers); reduction tiles of 128 columns.
+    t_gate, t_up, t_down = lay.type_ids
     gate_up = dict(
-        T_GATE=code[lay.types[0]],
-        T_UP=code[lay.types[1]],
+        T_GATE=t_gate,
+        T_UP=t_up,
         BLOCK_F=16,
         BLOCK_H=min(pow2(H, 16), 128),
         num_warps=4,
     )
-    down = dict(T_DOWN=code[lay.types[2]], BLOCK_H=16, BLOCK_F=min(pow2(F, 16), 128), num_warps=4)
+    down = dict(T_DOWN=t_down, BLOCK_H=16, BLOCK_F=min(pow2(F, 16), 128), num_warps=4)
     return MappingProxyType(gate_up), MappingProxyType(down)
 
 
-def launch_ggml_ffn(
-    lay: GGMLLayout,
-    x: torch.Tensor,
-    slab: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    y: torch.Tensor,
-    h: torch.Tensor,
-    table: torch.Tensor | None = None,
-    act: Activation = SILU,
-    bias: torch.Tensor | None = None,
-    scale_input: bool = False,
-) -> None:
-    """Run the two GGML-row kernels on checked arguments and buffers (`expert_ffn` with a
-    `ggml_format` fmt)."""
-    T, H = x.shape
-    K = slots.shape[1]
-    C = slab.shape[0]
-    F = lay.ffn_size
-    c1, c2 = ggml_launch_config(lay)
-    _ggml_gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
-        x_ptr=x,
-        s_xt=x.stride(0),
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        table_ptr=slots if table is None else table,
-        h_ptr=h,
-        bias_ptr=h if bias is None else bias,
-        w_ptr=weights,
-        T=T,
-        H=H,
-        F=F,
-        C=C,
-        alpha=float(act.alpha),
-        limit=float(act.limit) if math.isfinite(act.limit) else 0.0,
-        gate_off=lay.gate,
-        up_off=lay.up,
-        RB_G=lay.rb_gate,
-        RB_U=lay.rb_up,
-        K=K,
-        HAS_TABLE=table is not None,
-        HAS_BIAS=bias is not None,
-        ACT=act.code,
-        SCALE_INPUT=scale_input,
-        **c1,
-    )
-    _ggml_down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
-        h_ptr=h,
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        table_ptr=slots if table is None else table,
-        w_ptr=weights,
-        y_ptr=y,
-        s_yt=y.stride(0),
-        bias_ptr=h if bias is None else bias,
-        T=T,
-        H=H,
-        F=F,
-        C=C,
-        down_off=lay.down,
-        RB_D=lay.rb_down,
-        K=K,
-        HAS_TABLE=table is not None,
-        HAS_BIAS=bias is not None,
-        SCALE_INPUT=scale_input,
-        **c2,
-    )
+def ggml_part_args(lay: GGMLLayout) -> tuple[dict[str, int], dict[str, int]]:
+    """Where the GGML kernels read a row's parts: the gate/up and down kernels' byte
+    offsets and bytes per row (`psr_kernels.expert_ffn`'s launcher)."""
+    gate_up = dict(gate_off=lay.gate, up_off=lay.up, RB_G=lay.rb_gate, RB_U=lay.rb_up)
+    return gate_up, dict(down_off=lay.down, RB_D=lay.rb_down)
 
 
 @triton.jit
@@ -727,16 +593,16 @@ def decode_ggml(data: torch.Tensor, type_name: str, shape: tuple[int, int]) -> t
     on the device Triton runs on: for tests and for dequantizing dense tensors there."""
     from psr_kernels._common import check_launchable
 
-    _check_type("decode_ggml", type_name)
+    bt = block_type("decode_ggml", type_name)
     R, K = int(shape[0]), int(shape[1])
     rb = ggml_row_bytes(type_name, K)
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.numel() != R * rb:
         raise ValueError(f"decode_ggml: {type_name} [{R}, {K}] needs {R * rb} uint8 bytes")
     check_launchable("decode_ggml", data)
     src = data.reshape(-1).contiguous()
-    if type_name in ("F32", "F16", "BF16") and src.data_ptr() % 4:
+    if bt.is_float and src.data_ptr() % 4:
         src = src.clone()
     out = torch.empty(R, K, dtype=torch.float32, device=data.device)
     grid = (triton.cdiv(R, 16), triton.cdiv(K, 128))
-    _ggml_decode_kernel[grid](src, out, R, K, rb, T=_TYPES[type_name][0], BLOCK_R=16, BLOCK_K=128)
+    _ggml_decode_kernel[grid](src, out, R, K, rb, T=bt.type_id, BLOCK_R=16, BLOCK_K=128)
     return out

@@ -32,7 +32,7 @@ B(K) = K bytes per row for int8/fp8 and ceil(K / 2) for int4; G_H, G_F are the g
 along H and F (the whole row for int8/fp8). `quantize_expert` writes a row,
 `dequantize_expert` reads one (or a batch) back in fp32: the reference.
 
-Kernels: `_quant_gate_up_kernel` then `_quant_down_kernel` (`launch_quant_ffn`, which
+Kernels: `_quant_gate_up_kernel` then `_quant_down_kernel` (the one launcher, which
 `expert_ffn` calls for a quantized `fmt`), the structure of the float-row kernels (fp32
 accumulation, fixed reduction order, no atomics: bit-reproducible), with the format a
 constexpr. Each reduction tile lies inside one scale group, so a tile's
@@ -42,9 +42,7 @@ partial dot product of the raw codes is scaled once per row.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -52,120 +50,51 @@ import triton
 import triton.language as tl
 
 from psr_kernels._common import check_launchable, load_slot, pow2
-from psr_kernels.activation import SILU, Activation, glu
+from psr_kernels.activation import glu
+from psr_kernels.rowformat import (
+    ALIGN,
+    FP8,
+    INT8,
+    QUANT_FORMATS,
+    QuantLayout,
+    RowFormat,
+    quant_format,
+    quant_layout,
+)
 
-FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
-_FMT_CODE = {"int8": 0, "fp8": 1, "int4": 2}  # the kernels' FMT constexpr
-_QMAX = {"int8": 127.0, "fp8": 448.0, "int4": 7.0}
-_ALIGN = 16
-_GROUP_SIZES = (16, 32, 64, 128, 256)
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _check_fmt(op: str, fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"{op}: fmt must be one of {', '.join(map(repr, FORMATS))}, got {fmt!r}")
-
-
-@dataclass(frozen=True)
-class QuantLayout:
-    """Byte offsets and sizes of the parts of one quantized expert's slab row."""
-
-    fmt: str
-    hidden_size: int
-    ffn_size: int
-    group_h: int  # scale group along H (gate/up input dim); = H for int8/fp8
-    group_f: int  # scale group along F (down input dim); = F for int8/fp8
-    gate: int  # byte offsets of the parts ...
-    up: int
-    down: int
-    gate_scale: int
-    up_scale: int
-    down_scale: int
-    row_bytes_h: int  # bytes per gate/up row (B(H))
-    row_bytes_f: int  # bytes per down row (B(F))
-    nbytes: int  # row length, a multiple of 16
-
-    @property
-    def groups_h(self) -> int:
-        return self.hidden_size // self.group_h
-
-    @property
-    def groups_f(self) -> int:
-        return self.ffn_size // self.group_f
-
-    @classmethod
-    def of(cls, fmt: str, hidden_size: int, ffn_size: int, group_size: int = 128) -> QuantLayout:
-        """The layout of `fmt` for an expert of hidden size H and ffn size F.
-
-        `group_size` matters for int4 only. Raises ValueError for an unknown format, a
-        non-positive size, or an int4 group that is not a power of two in [16, 256] or
-        does not divide H (or F) where that dim is at least one group long.
-        """
-        return _quant_layout("QuantLayout", fmt, hidden_size, ffn_size, group_size)
-
-
-def _quant_layout(
-    op: str, fmt: str, hidden_size: int, ffn_size: int, group_size: int
-) -> QuantLayout:
-    """`QuantLayout.of`, its errors prefixed by `op`."""
-    _check_fmt(op, fmt)
-    H, F = int(hidden_size), int(ffn_size)
-    if H < 1 or F < 1:
-        raise ValueError(f"{op}: hidden_size and ffn_size must be positive, got {H}, {F}")
-    if fmt == "int4":
-        if group_size not in _GROUP_SIZES:
-            raise ValueError(
-                f"{op}: int4 group_size must be one of {_GROUP_SIZES}, got {group_size}"
-            )
-        gh, gf = min(group_size, H), min(group_size, F)
-        for name, dim, g in (("hidden_size", H, gh), ("ffn_size", F, gf)):
-            if dim % g:
-                raise ValueError(
-                    f"{op}: int4 group_size {g} must divide {name} {dim} (or exceed it: "
-                    f"then one group spans the row)"
-                )
-        rbh, rbf = (H + 1) // 2, (F + 1) // 2
-    else:
-        gh, gf = H, F
-        rbh, rbf = H, F
-    sizes = [F * rbh, F * rbh, H * rbf, 4 * F * (H // gh), 4 * F * (H // gh), 4 * H * (F // gf)]
-    offs, at = [], 0
-    for s in sizes:
-        offs.append(at)
-        at = _align(at + s)
-    gate, up, down, gate_scale, up_scale, down_scale = offs
-    return QuantLayout(
-        fmt, H, F, gh, gf, gate, up, down, gate_scale, up_scale, down_scale, rbh, rbf, at
-    )
+FORMATS: tuple[str, ...] = QUANT_FORMATS
+_ALIGN = ALIGN
 
 
 def bytes_ratio(
-    fmt: str, hidden_size: int, ffn_size: int, group_size: int = 128, base_itemsize: int = 2
+    fmt: RowFormat | str,
+    hidden_size: int,
+    ffn_size: int,
+    group_size: int = 128,
+    base_itemsize: int = 2,
 ) -> float:
     """Bytes of a quantized expert row (scales and padding included) over the unquantized
     expert's 3*H*F*base_itemsize: what a copy of the format costs relative to the model dtype."""
-    lay = _quant_layout("bytes_ratio", fmt, hidden_size, ffn_size, group_size)
+    lay = quant_layout("bytes_ratio", fmt, hidden_size, ffn_size, group_size)
     return lay.nbytes / (3 * hidden_size * ffn_size * base_itemsize)
 
 
 # --------------------------------------------------------------------------- host side
 
 
-def _quantize_matrix(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_matrix(
+    w: torch.Tensor, fmt: RowFormat, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes uint8 [R, B(K)], scales fp32 [R, K / group]) of one fp32 matrix [R, K]."""
     R, K = w.shape
-    qmax = _QMAX[fmt]
+    qmax = fmt.qmax
     wg = w.reshape(R, K // group, group)
     s = wg.abs().amax(-1) / qmax
     s = torch.where(s == 0, torch.ones_like(s), s)
     v = (wg / s[..., None]).reshape(R, K)
-    if fmt == "int8":
+    if fmt == INT8:
         codes = v.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
-    elif fmt == "fp8":
+    elif fmt == FP8:
         # Clamp first: the cast itself would map |v| > 448 to NaN (e4m3fn has no inf).
         codes = v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     else:
@@ -177,12 +106,17 @@ def _quantize_matrix(w: torch.Tensor, fmt: str, group: int) -> tuple[torch.Tenso
 
 
 def quantize_expert(
-    gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, fmt: str, *, group_size: int = 128
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    fmt: RowFormat | str,
+    *,
+    group_size: int = 128,
 ) -> torch.Tensor:
     """One packed slab row (uint8 `[nbytes]`, CPU) of an expert's `gate [F, H]`,
     `up [F, H]`, `down [H, F]` (any float dtype; quantized from their fp32 values)."""
     op = "quantize_expert"
-    _check_fmt(op, fmt)
+    fmt = quant_format(op, fmt)
     for name, m in (("gate", gate), ("up", up), ("down", down)):
         if not isinstance(m, torch.Tensor) or m.dim() != 2 or not m.is_floating_point():
             raise ValueError(f"{op}: {name} must be a 2-D float tensor")
@@ -192,7 +126,7 @@ def quantize_expert(
             f"{op}: expected gate/up [F, H] and down [H, F], got "
             f"{list(gate.shape)}, {list(up.shape)}, {list(down.shape)}"
         )
-    lay = _quant_layout(op, fmt, H, F, group_size)
+    lay = quant_layout(op, fmt, H, F, group_size)
     row = torch.zeros(lay.nbytes, dtype=torch.uint8)
     parts = [
         (_quantize_matrix(m.detach().to("cpu", torch.float32), fmt, g), at, s_at)
@@ -210,16 +144,16 @@ def quantize_expert(
 
 
 def _dequantize_matrix(
-    row: torch.Tensor, at: int, s_at: int, R: int, K: int, rb: int, group: int, fmt: str
+    row: torch.Tensor, at: int, s_at: int, R: int, K: int, rb: int, group: int, fmt: RowFormat
 ) -> torch.Tensor:
     batch = row.shape[:-1]
     codes = row[..., at : at + R * rb].reshape(*batch, R, rb)
     ng = K // group
     scales = row[..., s_at : s_at + 4 * R * ng].contiguous().view(torch.float32)
     scales = scales.reshape(*batch, R, ng, 1)
-    if fmt == "int8":
+    if fmt == INT8:
         q = codes.view(torch.int8).float()
-    elif fmt == "fp8":
+    elif fmt == FP8:
         q = codes.view(torch.float8_e4m3fn).float()
     else:
         b = codes.to(torch.int32)
@@ -230,12 +164,18 @@ def _dequantize_matrix(
 
 
 def dequantize_expert(
-    row: torch.Tensor, hidden_size: int, ffn_size: int, fmt: str, *, group_size: int = 128
+    row: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: RowFormat | str,
+    *,
+    group_size: int = 128,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 `(gate [..., F, H], up [..., F, H], down [..., H, F])` of packed rows
     `[..., nbytes]` (one row, `slab`, or `slab[slots]`): the reference dequantizer."""
     op = "dequantize_expert"
-    lay = _quant_layout(op, fmt, hidden_size, ffn_size, group_size)
+    lay = quant_layout(op, fmt, hidden_size, ffn_size, group_size)
+    fmt = lay.fmt
     if not isinstance(row, torch.Tensor) or row.dim() < 1 or row.dtype != torch.uint8:
         raise ValueError(f"{op}: row must be a uint8 tensor with at least 1 dim")
     if row.shape[-1] != lay.nbytes:
@@ -432,8 +372,8 @@ def quant_launch_config(lay: QuantLayout) -> tuple[Mapping[str, int], Mapping[st
     """Constexprs (all but K) and warps of the gate/up and down kernels for `lay` (no
     autotuning; the same for every T; cached per layout: read-only mappings)."""
     H, F = lay.hidden_size, lay.ffn_size
-    fmt = _FMT_CODE[lay.fmt]
-    if lay.fmt == "int4":
+    code = lay.fmt.code
+    if lay.fmt.grouped:
         bh, bf = _reduction_block(lay.group_h, 128), _reduction_block(lay.group_f, 128)
     else:  # one group per row: any tiling
         bh, bf = min(pow2(H, 16), 128), min(pow2(F, 16), 128)
@@ -441,13 +381,18 @@ def quant_launch_config(lay: QuantLayout) -> tuple[Mapping[str, int], Mapping[st
     # spills on sm_80/sm_90 (ptxas -v; expert_ffn's 64-row gate/up tile and 32-64-row down
     # tiles spill with fp8 decoding), and T = 1 still launches k * F / 16 gate/up and H / 16
     # down programs (512 and 128 for OLMoE).
-    gate_up = dict(FMT=fmt, BLOCK_F=16, BLOCK_H=bh, num_warps=4)
-    down = dict(FMT=fmt, BLOCK_H=16, BLOCK_F=bf, num_warps=4)
+    gate_up = dict(FMT=code, BLOCK_F=16, BLOCK_H=bh, num_warps=4)
+    down = dict(FMT=code, BLOCK_H=16, BLOCK_F=bf, num_warps=4)
     return MappingProxyType(gate_up), MappingProxyType(down)
 
 
 def check_quant_slab(
-    op: str, slab: torch.Tensor, fmt: str, hidden_size: int, ffn_size: int, group_size: int
+    op: str,
+    slab: torch.Tensor,
+    fmt: RowFormat | str,
+    hidden_size: int,
+    ffn_size: int,
+    group_size: int,
 ) -> QuantLayout:
     """The layout of `fmt`'s rows, after checking `slab` holds them: 2-D uint8
     `[C, nbytes]` (row contiguity is checked with the float slabs')."""
@@ -458,7 +403,7 @@ def check_quant_slab(
             f"{op}: slab must be a 2-D uint8 tensor [C, nbytes], got {slab.dtype} "
             f"{list(slab.shape)}"
         )
-    lay = _quant_layout(op, fmt, hidden_size, ffn_size, group_size)
+    lay = quant_layout(op, fmt, hidden_size, ffn_size, group_size)
     if slab.shape[1] != lay.nbytes:
         raise ValueError(
             f"{op}: slab rows hold {slab.shape[1]} bytes, expected {lay.nbytes} "
@@ -477,45 +422,10 @@ def check_aligned(op: str, slab: torch.Tensor) -> None:
         )
 
 
-def launch_quant_ffn(
-    lay: QuantLayout,
-    x: torch.Tensor,
-    slab: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    y: torch.Tensor,
-    h: torch.Tensor,
-    table: torch.Tensor | None = None,
-    act: Activation = SILU,
-    bias: torch.Tensor | None = None,
-    scale_input: bool = False,
-) -> None:
-    """Run the two quantized-row kernels on checked arguments and buffers (`expert_ffn`
-    with `fmt`): h = act(gate x, up x) (SwiGLU, or the kind's `act`), then
-    y = sum_j w_j * (down_j h_j + bias_j)."""
-    code, alpha = act.code, float(act.alpha)
-    limit = float(act.limit) if math.isfinite(act.limit) else 0.0
-    T, H = x.shape
-    K = slots.shape[1]
-    C = slab.shape[0]
-    F = lay.ffn_size
-    c1, c2 = quant_launch_config(lay)
-    _quant_gate_up_kernel[(T * K, triton.cdiv(F, c1["BLOCK_F"]))](
-        x_ptr=x,
-        s_xt=x.stride(0),
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        table_ptr=slots if table is None else table,
-        h_ptr=h,
-        bias_ptr=h if bias is None else bias,
-        w_ptr=weights,
-        T=T,
-        H=H,
-        F=F,
-        C=C,
-        alpha=alpha,
-        limit=limit,
+def quant_part_args(lay: QuantLayout) -> tuple[dict[str, int], dict[str, int]]:
+    """Where the quantized kernels read a row's parts: the gate/up and down kernels' byte
+    offsets, bytes per row and scale groups (`psr_kernels.expert_ffn`'s launcher)."""
+    gate_up = dict(
         gate_off=lay.gate,
         up_off=lay.up,
         gate_s_off=lay.gate_scale,
@@ -523,38 +433,15 @@ def launch_quant_ffn(
         RB=lay.row_bytes_h,
         G=lay.group_h,
         NG=lay.groups_h,
-        K=K,
-        HAS_TABLE=table is not None,
-        HAS_BIAS=bias is not None,
-        ACT=code,
-        SCALE_INPUT=scale_input,
-        **c1,
     )
-    _quant_down_kernel[(T, triton.cdiv(H, c2["BLOCK_H"]))](
-        h_ptr=h,
-        slab_ptr=slab,
-        s_slot=slab.stride(0),
-        slots_ptr=slots,
-        table_ptr=slots if table is None else table,
-        w_ptr=weights,
-        y_ptr=y,
-        s_yt=y.stride(0),
-        bias_ptr=h if bias is None else bias,
-        T=T,
-        H=H,
-        F=F,
-        C=C,
+    down = dict(
         down_off=lay.down,
         down_s_off=lay.down_scale,
         RB=lay.row_bytes_f,
         G=lay.group_f,
         NG=lay.groups_f,
-        K=K,
-        HAS_TABLE=table is not None,
-        HAS_BIAS=bias is not None,
-        SCALE_INPUT=scale_input,
-        **c2,
     )
+    return gate_up, down
 
 
 @triton.jit

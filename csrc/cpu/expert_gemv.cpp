@@ -125,7 +125,7 @@ BlockRowDotFn scalar_ggml_dot() { return g_row_dot; }
 int64_t ggml_row_bytes(int type, int64_t K) {
   const int qk = g_block_len(type), bs = g_block_bytes(type);
   if (qk == 0 || K < 1) return -1;
-  if (type == 0 || type == 1 || type == 30) return K * (type == 0 ? 4 : 2);  // any K
+  if (is_float_type(type)) return K * type_traits(type)->block_bytes;  // any K
   return K % qk ? -1 : K / qk * bs;
 }
 

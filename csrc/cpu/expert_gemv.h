@@ -23,9 +23,59 @@
 
 namespace psr::cpu {
 
+// The format tables below mirror psr_kernels/rowformat.py's field for field (the
+// bindings expose them; tests/store/test_format_tables.py checks the two agree).
+
 // Expert weight formats (psr_kernels.quant's byte layouts for the quantized ones).
-// ggml: GGUF's block types per part (t_gate, t_up, t_down: GGML type ids, ggml_dot.h).
+// ggml: GGUF's block types per part (t_gate, t_up, t_down: GGML type ids, below).
 enum class Fmt : int { f32 = 0, bf16 = 1, f16 = 2, int8 = 3, fp8 = 4, int4 = 5, ggml = 6 };
+struct FmtTraits {
+  const char* name;  // rowformat.py's: a float dtype's name, a quantized format's, "ggml"
+  Fmt fmt;
+};
+inline constexpr FmtTraits kFmtTraits[] = {
+    {"float32", Fmt::f32}, {"bfloat16", Fmt::bf16}, {"float16", Fmt::f16}, {"int8", Fmt::int8},
+    {"fp8", Fmt::fp8},     {"int4", Fmt::int4},     {"ggml", Fmt::ggml},
+};
+
+// GGML block types: ggml.h's `enum ggml_type` ids, psr's own from 200 on (FP8_B128: an
+// fp32 tile scale, then 128 e4m3 codes). Traits as llama.cpp's type_traits: a row of K
+// inputs is K / block_len blocks of block_bytes bytes (float types: one element a block).
+namespace ggml_type {
+constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12,
+              Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39, FP8_B128 = 200;
+}  // namespace ggml_type
+struct TypeTraits {
+  const char* name;
+  int id;
+  int block_len;    // elements per block (QK)
+  int block_bytes;  // bytes per block (BS)
+};
+inline constexpr TypeTraits kTypeTraits[] = {
+    {"F32", ggml_type::F32, 1, 4},
+    {"F16", ggml_type::F16, 1, 2},
+    {"Q4_0", ggml_type::Q4_0, 32, 18},
+    {"Q4_1", ggml_type::Q4_1, 32, 20},
+    {"Q5_0", ggml_type::Q5_0, 32, 22},
+    {"Q5_1", ggml_type::Q5_1, 32, 24},
+    {"Q8_0", ggml_type::Q8_0, 32, 34},
+    {"Q4_K", ggml_type::Q4_K, 256, 144},
+    {"Q5_K", ggml_type::Q5_K, 256, 176},
+    {"Q6_K", ggml_type::Q6_K, 256, 210},
+    {"BF16", ggml_type::BF16, 1, 2},
+    {"MXFP4", ggml_type::MXFP4, 32, 17},
+    {"FP8_B128", ggml_type::FP8_B128, 128, 132},
+};
+// The traits of type id `id`, or nullptr for a type the kernels do not compute.
+constexpr const TypeTraits* type_traits(int id) {
+  for (const TypeTraits& t : kTypeTraits)
+    if (t.id == id) return &t;
+  return nullptr;
+}
+constexpr bool is_float_type(int id) {
+  const TypeTraits* t = type_traits(id);
+  return t != nullptr && t->block_len == 1;
+}
 // Activations between the projections; more kinds can be added here.
 //   swiglu:     h = silu(g) * u
 //   swiglu_oai: gpt-oss's clamped SwiGLU: g = min(g, limit), u = clamp(u, -limit, limit),

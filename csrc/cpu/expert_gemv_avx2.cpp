@@ -230,7 +230,7 @@ inline void k_scales_mins(const uint8_t* b, float (&sc)[8], float (&mn)[8]) {
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
   __m256 acc = _mm256_setzero_ps();
   switch (type) {
-    case 8:  // Q8_0
+    case ggml_type::Q8_0:
       for (int64_t k = 0; k < K; k += 32, row += 34) {
         ahead(row, 1);
         __m256 p = _mm256_setzero_ps(), unused = p;
@@ -239,7 +239,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
         acc = _mm256_fmadd_ps(p, _mm256_set1_ps(g_h2f(row)), acc);
       }
       break;
-    case 2: {  // Q4_0: d (q - 8)
+    case ggml_type::Q4_0: {  // d (q - 8)
       const __m128i lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
       for (int64_t k = 0; k < K; k += 32, row += 18) {
         ahead(row, 1);
@@ -247,7 +247,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       }
       break;
     }
-    case 39: {  // MXFP4: twice the FP4 values, half the block's power of two
+    case ggml_type::MXFP4: {  // twice the FP4 values, half the block's power of two
       const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
       for (int64_t k = 0; k < K; k += 32, row += 17) {
         ahead(row, 1);
@@ -255,14 +255,14 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       }
       break;
     }
-    case 3:  // Q4_1: d q + m
+    case ggml_type::Q4_1:  // d q + m
       for (int64_t k = 0; k < K; k += 32, row += 20) {
         ahead(row, 1);
         const __m128i raw = ld16(row + 4);
         acc = nib32_min(lo_nib(raw), hi_nib(raw), v + k, g_h2f(row), g_h2f(row + 2), acc);
       }
       break;
-    case 12:  // Q4_K: per sub-block d * sc * q - dmin * m
+    case ggml_type::Q4_K:  // per sub-block d * sc * q - dmin * m
       for (int64_t k = 0; k < K; k += 256, row += 144) {
         ahead(row, 3);
         alignas(32) float sc[8], mn[8];  // d * sc_s, -(dmin * m_s)
@@ -275,8 +275,8 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
         }
       }
       break;
-    case 13:  // Q5_K: Q4_K's codes plus a fifth bit, bit 2j (2j + 1) of qh[l] for sub-block 2j's
-              // (2j + 1's) element l
+    case ggml_type::Q5_K:  // Q4_K's codes plus a fifth bit, bit 2j (2j + 1) of qh[l] for sub-block
+                           // 2j's (2j + 1's) element l
       for (int64_t k = 0; k < K; k += 256, row += 176) {
         ahead(row, 3);
         alignas(32) float sc[8], mn[8];
@@ -297,7 +297,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
         }
       }
       break;
-    case 14:  // Q6_K: (ql's 4 bits | qh's 2 bits << 4) - 32, a scale per 16
+    case ggml_type::Q6_K:  // (ql's 4 bits | qh's 2 bits << 4) - 32, a scale per 16
       for (int64_t k = 0; k < K; k += 256, row += 210) {
         ahead(row, 4);
         alignas(32) float sc[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15

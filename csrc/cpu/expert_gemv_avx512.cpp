@@ -380,13 +380,14 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   __m512 a[4] = {a0, a0, a0, a0};
   switch (type) {
-    case 0:
+    case ggml_type::F32:
       return float_row<LoadF32>(row, K, v);
-    case 1:
+    case ggml_type::F16:
       return float_row<LoadF16>(row, K, v);
-    case 30:
+    case ggml_type::BF16:
       return float_row<LoadBF16>(row, K, v);
-    case 8:  // Q8_0: the block's partial dot, scaled once; blocks alternate two accumulators
+    case ggml_type::Q8_0:  // the block's partial dot, scaled once; blocks alternate two
+                           // accumulators
       for (int64_t k = 0; k < K; k += 32, row += 34) {
         ahead(row, 1);
         const __m512 q0 = _mm512_cvtepi32_ps(
@@ -401,49 +402,49 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
         }
       }
       break;
-    case 2:
+    case ggml_type::Q4_0:
       q4_0_row(row, K, v, a);
       return sum4(a);
-    case 3:  // Q4_1: d q + m
+    case ggml_type::Q4_1:  // d q + m
       for (int64_t k = 0; k < K; k += 32, row += 20)
         nib_block(row + 4, lut(g_h2f(row), g_h2f(row + 2)), v + k, a0, a1);
       break;
-    case 6:
-    case 7:  // Q5_0: d (q - 16); Q5_1: d q + m
-      for (int64_t k = 0; k < K; k += 32, row += type == 6 ? 22 : 24) {
-        const float d = g_h2f(row), m = type == 6 ? -16.f * d : g_h2f(row + 2);
-        const uint8_t* hp = row + (type == 6 ? 2 : 4);
+    case ggml_type::Q5_0:
+    case ggml_type::Q5_1:  // Q5_0: d (q - 16); Q5_1: d q + m
+      for (int64_t k = 0; k < K; k += 32, row += type == ggml_type::Q5_0 ? 22 : 24) {
+        const float d = g_h2f(row), m = type == ggml_type::Q5_0 ? -16.f * d : g_h2f(row + 2);
+        const uint8_t* hp = row + (type == ggml_type::Q5_0 ? 2 : 4);
         uint32_t qh;
         __builtin_memcpy(&qh, hp, 4);
         nib5_block(hp + 4, qh, lut(d, m), lut_hi(d, m), v + k, a0, a1);
       }
       break;
-    case 39:  // MXFP4: the FP4 values times the block's power of two
+    case ggml_type::MXFP4:  // the FP4 values times the block's power of two
       for (int64_t k = 0; k < K; k += 32, row += 17) {
         ahead(row, 1);
         const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(kFp4), _mm512_set1_ps(g_e8m0(row[0])));
         nib_block(row + 1, t, v + k, a0, a1);
       }
       break;
-    case 12:
+    case ggml_type::Q4_K:
       for (int64_t k = 0; k < K; k += 256, row += 144) {
         ahead(row, 3);
         kquant45<false>(row, v + k, a);
       }
       return sum4(a);
-    case 13:
+    case ggml_type::Q5_K:
       for (int64_t k = 0; k < K; k += 256, row += 176) {
         ahead(row, 3);
         kquant45<true>(row, v + k, a);
       }
       return sum4(a);
-    case 14:
+    case ggml_type::Q6_K:
       for (int64_t k = 0; k < K; k += 256, row += 210) {
         ahead(row, 4);
         kquant6(row, v + k, a);
       }
       return sum4(a);
-    case 200:  // FP8_B128: codes / 256 dotted per block, times the block's scale, then * 256
+    case ggml_type::FP8_B128:  // codes / 256 dotted per block, times the block's scale, then * 256
       for (int64_t k = 0; k < K; k += 128, row += 132) {
         float s;
         __builtin_memcpy(&s, row, 4);

@@ -5,9 +5,8 @@
 // includes this header). Included inside a target pragma region by each ISA's file and
 // once plainly by the scalar one: everything here has internal linkage.
 //
-// Types (GGML's ids; FP8_B128 is psr's own): F32 0, F16 1, Q4_0 2, Q4_1 3, Q5_0 6, Q5_1 7,
-// Q8_0 8, Q4_K 12, Q5_K 13, Q6_K 14, BF16 30, MXFP4 39, FP8_B128 200. A file that defines
-// PSR_GGML_F16C (and includes <immintrin.h>) decodes the blocks' f16 scales with F16C.
+// Types: expert_gemv.h's `ggml_type` ids and `kTypeTraits` (FP8_B128 is psr's own). A file that
+// defines PSR_GGML_F16C (and includes <immintrin.h>) decodes the blocks' f16 scales with F16C.
 #pragma once
 
 #include <cstdint>
@@ -51,32 +50,32 @@ inline void g_k_scale_min(int j, const uint8_t* q, int* sc, int* m) {
 // Dequantize one block of `type` into out[QK]; returns QK.
 inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict out) {
   switch (type) {
-    case 8: {  // Q8_0
+    case ggml_type::Q8_0: {
       const float d = g_h2f(b);
       for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
       return 32;
     }
-    case 2:
-    case 3: {  // Q4_0, Q4_1
+    case ggml_type::Q4_0:
+    case ggml_type::Q4_1: {
       const float d = g_h2f(b);
-      const float m = type == 3 ? g_h2f(b + 2) : 0.f;
-      const uint8_t* qs = b + (type == 3 ? 4 : 2);
-      const float off = type == 2 ? -8.f : 0.f;
+      const float m = type == ggml_type::Q4_1 ? g_h2f(b + 2) : 0.f;
+      const uint8_t* qs = b + (type == ggml_type::Q4_1 ? 4 : 2);
+      const float off = type == ggml_type::Q4_0 ? -8.f : 0.f;
       for (int i = 0; i < 16; ++i) {
         out[i] = d * (static_cast<float>(qs[i] & 0xF) + off) + m;
         out[i + 16] = d * (static_cast<float>(qs[i] >> 4) + off) + m;
       }
       return 32;
     }
-    case 6:
-    case 7: {  // Q5_0, Q5_1
+    case ggml_type::Q5_0:
+    case ggml_type::Q5_1: {
       const float d = g_h2f(b);
-      const float m = type == 7 ? g_h2f(b + 2) : 0.f;
-      const uint8_t* hp = b + (type == 7 ? 4 : 2);
+      const float m = type == ggml_type::Q5_1 ? g_h2f(b + 2) : 0.f;
+      const uint8_t* hp = b + (type == ggml_type::Q5_1 ? 4 : 2);
       uint32_t qh;
       std::memcpy(&qh, hp, 4);
       const uint8_t* qs = hp + 4;
-      const float off = type == 6 ? -16.f : 0.f;
+      const float off = type == ggml_type::Q5_0 ? -16.f : 0.f;
       for (int i = 0; i < 16; ++i) {
         const int lo = (qs[i] & 0xF) | (((qh >> i) & 1) << 4);
         const int hi = (qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
@@ -85,7 +84,7 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
       }
       return 32;
     }
-    case 39: {  // MXFP4
+    case ggml_type::MXFP4: {
       const float s = g_e8m0(b[0]);
       for (int i = 0; i < 16; ++i) {
         out[i] = kFp4[b[1 + i] & 0xF] * s;
@@ -93,12 +92,12 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
       }
       return 32;
     }
-    case 12:
-    case 13: {  // Q4_K, Q5_K
+    case ggml_type::Q4_K:
+    case ggml_type::Q5_K: {
       const float d = g_h2f(b), dmin = g_h2f(b + 2);
       const uint8_t* sc = b + 4;
       const uint8_t* qh = b + 16;
-      const uint8_t* qs = b + (type == 12 ? 16 : 48);
+      const uint8_t* qs = b + (type == ggml_type::Q4_K ? 16 : 48);
       for (int j = 0; j < 4; ++j) {
         int s1, m1, s2, m2;
         g_k_scale_min(2 * j, sc, &s1, &m1);
@@ -107,7 +106,7 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
         const float d2 = d * static_cast<float>(s2), c2 = dmin * static_cast<float>(m2);
         for (int l = 0; l < 32; ++l) {
           int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
-          if (type == 13) {
+          if (type == ggml_type::Q5_K) {
             lo += ((qh[l] >> (2 * j)) & 1) << 4;
             hi += ((qh[l] >> (2 * j + 1)) & 1) << 4;
           }
@@ -117,7 +116,7 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
       }
       return 256;
     }
-    case 14: {  // Q6_K: per half, four runs of 32 (contiguous: the compiler vectorises them)
+    case ggml_type::Q6_K: {  // per half, four runs of 32 (contiguous: the compiler vectorises them)
       const float d = g_h2f(b + 208);
       for (int n = 0; n < 2; ++n) {
         const uint8_t* __restrict qh = b + 128 + 32 * n;
@@ -136,7 +135,7 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
       }
       return 256;
     }
-    case 200: {  // FP8_B128: fp32 tile scale, then 128 e4m3 codes
+    case ggml_type::FP8_B128: {  // fp32 tile scale, then 128 e4m3 codes
       float s;
       std::memcpy(&s, b, 4);
       for (int i = 0; i < 128; ++i) out[i] = s * fp8_e4m3_to_f32(b[4 + i]);
@@ -149,66 +148,23 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
 
 // Bytes of one block of `type` (0: unknown); float types count 32-element chunks.
 inline int g_block_bytes(int type) {
-  switch (type) {
-    case 0:
-      return 128;
-    case 1:
-    case 30:
-      return 64;
-    case 2:
-      return 18;
-    case 3:
-      return 20;
-    case 6:
-      return 22;
-    case 7:
-      return 24;
-    case 8:
-      return 34;
-    case 12:
-      return 144;
-    case 13:
-      return 176;
-    case 14:
-      return 210;
-    case 39:
-      return 17;
-    case 200:
-      return 132;
-    default:
-      return 0;
-  }
+  const TypeTraits* t = type_traits(type);
+  if (t == nullptr) return 0;
+  return t->block_len == 1 ? 32 * t->block_bytes : t->block_bytes;
 }
 
 inline int g_block_len(int type) {
-  switch (type) {
-    case 0:
-    case 1:
-    case 30:
-    case 2:
-    case 3:
-    case 6:
-    case 7:
-    case 8:
-    case 39:
-      return 32;
-    case 200:
-      return 128;
-    case 12:
-    case 13:
-    case 14:
-      return 256;
-    default:
-      return 0;
-  }
+  const TypeTraits* t = type_traits(type);
+  if (t == nullptr) return 0;
+  return t->block_len == 1 ? 32 : t->block_len;
 }
 
 inline int g_float_chunk(int type, const uint8_t* __restrict p, float* __restrict out) {
   for (int i = 0; i < 32; ++i) {
-    if (type == 0) {
+    if (type == ggml_type::F32) {
       std::memcpy(&out[i], p + 4 * i, 4);
     } else {
-      if (type == 1) {
+      if (type == ggml_type::F16) {
         out[i] = g_h2f(p + 2 * i);
       } else {
         uint16_t h;
@@ -225,9 +181,10 @@ inline float g_row_dot(int type, const uint8_t* row, int64_t K, const float* v) 
   const int qk = g_block_len(type), bs = g_block_bytes(type);
   alignas(64) float w[256];
   float lanes[16] = {0.f};
-  const bool flt = type == 0 || type == 1 || type == 30;
+  const bool flt = is_float_type(type);
   int64_t k0 = 0;
-  if (type == 8) {  // Q8_0: the scale once per block, codes widened in the lanes (no scratch)
+  if (type ==
+      ggml_type::Q8_0) {  // Q8_0: the scale once per block, codes widened in the lanes (no scratch)
     for (; k0 < K; k0 += 32, row += 34) {
       const float d = g_h2f(row);
       const int8_t* __restrict q = reinterpret_cast<const int8_t*>(row + 2);
@@ -245,15 +202,15 @@ inline float g_row_dot(int type, const uint8_t* row, int64_t K, const float* v) 
       for (int l = 0; l < 16; ++l) lanes[l] += w[i + l] * v[k0 + i + l];
   }
   if (flt && k0 < K) {  // a float row's last partial chunk, element by element
-    const int isz = type == 0 ? 4 : 2;
+    const int isz = type == ggml_type::F32 ? 4 : 2;
     for (int64_t i = 0; k0 + i < K; ++i) {
       float f;
-      if (type == 0) {
+      if (type == ggml_type::F32) {
         std::memcpy(&f, row + 4 * i, 4);
       } else {
         uint16_t h;
         std::memcpy(&h, row + isz * i, 2);
-        f = type == 1 ? f16_to_f32(h) : bf16_to_f32(h);
+        f = type == ggml_type::F16 ? f16_to_f32(h) : bf16_to_f32(h);
       }
       lanes[i % 16] += f * v[k0 + i];
     }

@@ -322,7 +322,7 @@ def _summary(model: Any, args: argparse.Namespace) -> str:
 
 def _experts_shown(model: Any, asked: str) -> str:
     """The expert format as loaded: the option, or a GGUF / pre-quantized file's blocks."""
-    fmts = list(dict.fromkeys(f for f in model.runtime.expert_formats if f))
-    if fmts and fmts[0].startswith("gguf:"):
-        return " / ".join(f.removeprefix("gguf:") for f in fmts) + " (the file's blocks)"
+    fmts = list(dict.fromkeys(f for f in model.runtime.row_formats if f.is_blocks))
+    if fmts:
+        return " / ".join(f.shown for f in fmts) + " (the file's blocks)"
     return asked

@@ -228,9 +228,7 @@ def run_copy_overlap(
 def format_row_bytes(fmt: str, hidden_size: int, ffn_size: int) -> int:
     """Bytes of one expert's row in the host store: bf16 gate, up, down back to back, or a
     quantized format's packed uint8 row (weights + fp32 scales, `QuantLayout`)."""
-    if fmt == "bf16":
-        return 3 * hidden_size * ffn_size * 2
-    return pk.QuantLayout.of(fmt, hidden_size, ffn_size).nbytes
+    return pk.RowFormat.parse(fmt).row_bytes(hidden_size, ffn_size)
 
 
 def measure_format_copies(

@@ -29,23 +29,11 @@ from gguf import GGMLQuantizationType as QT
 
 from psr.models.checkpoint import CheckpointError
 from psr.models.families import FAMILIES
+from psr_kernels.rowformat import BLOCK_TYPE_TRAITS, GGML_TYPES
 
-# The GGML types psr's expert kernels compute (psr_kernels/ggml.py).
-EXPERT_TYPES = (
-    "F32",
-    "F16",
-    "BF16",
-    "Q8_0",
-    "Q4_0",
-    "Q4_1",
-    "Q5_0",
-    "Q5_1",
-    "Q4_K",
-    "Q5_K",
-    "Q6_K",
-    "MXFP4",
-)
-_FLOAT_TYPES = ("F32", "F16", "BF16")
+# The GGML types psr's expert kernels compute, and the float ones (the format table's).
+EXPERT_TYPES = GGML_TYPES
+_FLOAT_TYPES = tuple(t for t in GGML_TYPES if BLOCK_TYPE_TRAITS[t].is_float)
 _SPLIT = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _EXPERT_PARTS = ("gate", "up", "down")
 

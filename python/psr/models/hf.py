@@ -124,10 +124,10 @@ def install(
         capacity,
         compute,
         num_decoder_layers=len(layers),
-        expert_format=None if expert_format == "bf16" else expert_format,
+        expert_format=expert_format,
         decode=decode,
     )
-    quantized = runtime.expert_format is not None
+    quantized = not runtime.row_format.is_float
     found = []  # checked for every layer before any is changed
     for L in runtime.layers:
         experts = block_of(model, L.decoder_index).experts

@@ -95,7 +95,8 @@ class Inspection:
             )
         lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
         for fmt, n in self.expert_types.items():
-            lines.append(f"  experts    {fmt.removeprefix('gguf:')} (gate, up, down) in {n} layers")
+            shown = pk.RowFormat.parse(fmt).shown
+            lines.append(f"  experts    {shown} (gate, up, down) in {n} layers")
         kinds = ", ".join(f"{n} {k}" for k, n in self.kv_kinds.items())
         lines.append(
             f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens"
@@ -141,11 +142,7 @@ def _ranges(idx: list[int]) -> str:
 
 
 def _expert_bytes(fmt: str, dtype: torch.dtype, H: int, F: int) -> int:
-    if fmt == "native":
-        return 3 * H * F * dtype.itemsize
-    if fmt == "bf16":
-        return 3 * H * F * 2
-    return int(pk.QuantLayout.of(fmt, H, F, GROUP_SIZE).nbytes)
+    return pk.RowFormat.parse(fmt).row_bytes(H, F, GROUP_SIZE, dtype.itemsize)
 
 
 def _graphs(config: Any) -> str:

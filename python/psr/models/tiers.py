@@ -216,14 +216,20 @@ _ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 
 
 def float_locators(
-    ckpt: Any, family: str, moe_idx: list[int], num_experts: int, store_dtype: str, fmt: str | None
+    ckpt: Any,
+    family: str,
+    moe_idx: list[int],
+    num_experts: int,
+    store_dtype: str,
+    fmt: pk.FormatLike,
 ) -> tuple[list[Locator] | None, str | None]:
     """Per MoE layer, expert -> its row's segments in a safetensors checkpoint; or (None,
     why not) when the rows are converted at load (quantized, another dtype, transposed)."""
     from psr.models.families import expert_tensor_names, family_of, fused_expert_names
 
-    if fmt not in (None, "native") and not (fmt == "bf16" and store_dtype == "bfloat16"):
-        return None, f"expert_format={fmt!r} converts them at load"
+    rf = pk.RowFormat.parse(fmt)
+    if not rf.is_float or rf.dtype not in (None, store_dtype):
+        return None, f"expert_format={rf.name!r} converts them at load"
     if family_of(family).expert_layout in ("gpt_oss", "llama4"):
         return None, "this family's experts are transposed at load"
 

@@ -38,11 +38,11 @@ def cpu_experts_mode() -> str:
 
 
 class ExpertCompute:
-    """The kernels of one compute path (`ops`) over one expert format: None (float rows) or
-    a quantized psr_kernels format, dequantized on the fly."""
+    """The kernels of one compute path (`ops`) over one expert row format (float rows, or
+    quantized / GGML rows dequantized on the fly)."""
 
     def __init__(
-        self, spec: MoESpec, ops: pk.KernelOps, expert_format: str | None, group_size: int
+        self, spec: MoESpec, ops: pk.KernelOps, expert_format: pk.RowFormat, group_size: int
     ) -> None:
         self.spec = spec
         self.ops = ops
@@ -62,7 +62,7 @@ class ExpertCompute:
             self.cpu_kernels
             and slab.device.type == "cpu"
             and x.device.type == "cpu"
-            and (self.expert_format is not None or slab.dtype in CPU_FLOAT_DTYPES)
+            and (not self.expert_format.is_float or slab.dtype in CPU_FLOAT_DTYPES)
         )
 
     def slab(
@@ -117,7 +117,7 @@ class ExpertCompute:
         """The CPU kernels' layout of the host rows `host` (the store's), or None where the
         kernels do not compute this expert kind or format (then CPU experts take the
         reference, on the host: no hand-off in stream order)."""
-        floats = self.expert_format is None and host.dtype not in CPU_FLOAT_DTYPES
+        floats = self.expert_format.is_float and host.dtype not in CPU_FLOAT_DTYPES
         if not self.host_kernels or floats:
             return None
         c = self.spec
@@ -129,7 +129,7 @@ class ExpertCompute:
     def _on_host_kernels(self, host: torch.Tensor) -> bool:
         return (
             self.host_kernels
-            and (self.expert_format is not None or host.dtype in CPU_FLOAT_DTYPES)
+            and (not self.expert_format.is_float or host.dtype in CPU_FLOAT_DTYPES)
             and not torch.compiler.is_compiling()
         )
 
@@ -171,7 +171,7 @@ class ExpertCompute:
         try:
             self.host_experts(x, host, ids, torch.zeros(1, 1))
         except (ValueError, RuntimeError, NotImplementedError) as e:
-            fmt = self.expert_format or str(host.dtype).removeprefix("torch.")
+            fmt = self.expert_format.kernel_fmt or str(host.dtype).removeprefix("torch.")
             raise ValueError(
                 f"experts on the CPU: expert format {fmt} has no CPU kernel ({e})"
             ) from None

@@ -65,11 +65,11 @@ class OffloadRuntime:
         store: holds every expert; its slab has at least `capacity` slots per layer.
         compute: 'auto' | 'triton' | 'torch' (psr_kernels.kernel_ops).
         num_decoder_layers: all decoder layers, dense ones included (for traces).
-        expert_format: None (rows in a float dtype: gate, up, down back to back), a
-            psr_kernels.quant format ('int8', 'fp8', 'int4') or a GGML row format
-            ('gguf:Q4_K,Q4_K,Q6_K': a GGUF file's blocks): uint8 rows read by the
-            dequantizing kernel; or one such format per MoE layer (a GGUF file mixes
-            types across layers). `bytes_ratio`: mean row bytes over the same expert in
+        expert_format: the rows' `psr_kernels.RowFormat` or its word: None / native / bf16
+            (rows in a float dtype: gate, up, down back to back), int8 / fp8 / int4 or a
+            GGML row format ('gguf:Q4_K,Q4_K,Q6_K': a GGUF file's blocks): uint8 rows read
+            by the dequantizing kernel; or one such format per MoE layer (a GGUF file
+            mixes types across layers). `bytes_ratio`: mean row bytes over the same expert in
             bf16, how the latency model prices its copies (1.0 for float rows).
         decode: 'device' (default: the sync-free step wherever it applies) or 'host'
             (always the host-driven step).
@@ -84,23 +84,27 @@ class OffloadRuntime:
         capacity: int,
         compute: str,
         num_decoder_layers: int,
-        expert_format: str | Sequence[str | None] | None = None,
+        expert_format: pk.FormatLike | Sequence[pk.FormatLike] = None,
         group_size: int = 128,
         decode: str = "device",
     ) -> None:
         self.spec = spec
-        formats: list[str | None] = (
+        given = (
             [expert_format] * len(layers)
-            if expert_format is None or isinstance(expert_format, str)
+            if expert_format is None or isinstance(expert_format, (str, pk.RowFormat))
             else list(expert_format)
         )
+        formats = [pk.RowFormat.parse(f) for f in given]  # parsed once, here
         if len(formats) != len(layers):
             raise ValueError(f"{len(formats)} expert formats for {len(layers)} MoE layers")
-        self.expert_formats = formats
+        self.row_formats = formats
         # The model's format where its layers share one, else the first layer's quantized
-        # one (a mixed GGUF file); None only when every layer has float rows.
+        # one (a mixed GGUF file); float only when every layer has float rows.
         uniform = len(set(formats)) == 1
-        self.expert_format = formats[0] if uniform else next(f for f in formats if f)
+        self.row_format = formats[0] if uniform else next(f for f in formats if not f.is_float)
+        # Their words, as the kernels' `fmt` spells them (None: float rows), for reports.
+        self.expert_formats = [f.kernel_fmt for f in formats]
+        self.expert_format = self.row_format.kernel_fmt
         self.group_size = group_size
         self.store = store
         self.policy = policy
@@ -133,7 +137,8 @@ class OffloadRuntime:
         # a mixed GGUF file); the statistics count each layer's own bytes.
         self.expert_bytes = round(sum(layer_bytes) / len(layer_bytes))
         bf16 = 3 * spec.hidden_size * spec.ffn_size * 2
-        self.bytes_ratio = 1.0 if formats == [None] * len(formats) else self.expert_bytes / bf16
+        floats = all(f.is_float for f in formats)
+        self.bytes_ratio = 1.0 if floats else self.expert_bytes / bf16
         self.max_capacity = store.layers[0].num_slots
         self.acct = Accounting(store, layer_bytes)
         self.book = HostCaches(store, self.acct, spec.num_experts)

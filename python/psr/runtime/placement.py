@@ -17,7 +17,10 @@ def layer_keys(rt: OffloadRuntime) -> list[str]:
     """Each MoE layer's expert shape and format as the machine profile keys it."""
     c = rt.spec
     dtype = str(rt.store.dtype).removeprefix("torch.")
-    return [machine.shape_key(c.hidden_size, c.ffn_size, f or dtype) for f in rt.expert_formats]
+    return [
+        machine.shape_key(c.hidden_size, c.ffn_size, dtype if f.is_float else f.name)
+        for f in rt.row_formats
+    ]
 
 
 def here(rt: OffloadRuntime) -> dict[str, object]:

@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from psr.store import ExpertStore, cpu_expert_ffn
+from psr_kernels.rowformat import RowFormat
 
 _STORES: weakref.WeakValueDictionary[int, ExpertStore] = weakref.WeakValueDictionary()
 _ids = itertools.count(1)
@@ -127,7 +128,7 @@ def _kernels_ffn(
     slot_table: torch.Tensor | None,
     hidden_size: int,
     ffn_size: int,
-    fmt: str | None,
+    fmt: RowFormat | str | None,
     group_size: int,
     skip_absent: bool,
 ) -> torch.Tensor:
@@ -162,17 +163,17 @@ def cpu_kernels_ffn(
     hidden_size: int,
     ffn_size: int,
     *,
-    fmt: str | None,
+    fmt: RowFormat,
     group_size: int,
     slot_table: torch.Tensor | None,
     skip_absent: bool,
 ) -> torch.Tensor:
     """`psr.store.cpu_expert_ffn` (out in x's dtype), as the custom op while torch.compile
     traces: a compiled CPU decode forward runs the C++ CPU kernels, not the reference."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # the op's schema takes the format's word
         y: torch.Tensor = torch.ops.psr_store.cpu_expert_ffn(
-            x, rows, slots, weights, slot_table, hidden_size, ffn_size, fmt, group_size,
-            skip_absent,
+            x, rows, slots, weights, slot_table, hidden_size, ffn_size, fmt.kernel_fmt,
+            group_size, skip_absent,
         )  # fmt: skip
         return y
     return _kernels_ffn(

@@ -1,6 +1,6 @@
 """ExpertStore: torch-facing wrapper of the C++ store (psr._C.Store), and the backend choice.
 
-This is the only Python module that touches the extension `psr._C`.
+One of the two modules of `psr.store`, the package that touches the extension `psr._C`.
 
 Every expert of every MoE layer is registered once into (pinned) host memory,
 its matrices packed back to back. Each layer has a slab of `num_slots` device
@@ -50,7 +50,6 @@ re-targets while it waits raises StoreError.
 
 from __future__ import annotations
 
-import functools
 import operator
 import os
 import weakref
@@ -63,6 +62,7 @@ import torch
 from torch.utils.dlpack import from_dlpack
 
 import psr._C as _C
+from psr.store.cpu_kernels import _INDEX_DTYPES, CPU_ACTIVATIONS, CPU_FLOAT_DTYPES
 
 StoreError = _C.StoreError
 CopyError = _C.CopyError
@@ -661,170 +661,3 @@ class ExpertStore:
     def expert_bytes(self) -> list[int]:
         store = self._live("expert_bytes")
         return [store.spec(i)[2] for i in range(len(self.layers))]
-
-
-# --- CPU expert kernels ------------------------------------------------------
-# The batch-1 (and small-T) routed expert FFN of csrc/cpu/expert_gemv.h, reading packed
-# expert rows (a slab or the host rows) in place: no gather copy. Same math as
-# psr_kernels.expert_ffn_ref (fp32 accumulation, weights widened or dequantized on the
-# fly), with a fixed reduction order: bit-identical run to run and for any thread count
-# on one ISA path (different paths round differently).
-
-CPU_FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
-CPU_ACTIVATIONS: tuple[str, ...] = ("swiglu", "swiglu_oai")
-_CPU_FMT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, "int8": 3, "fp8": 4, "int4": 5}
-_INDEX_DTYPES = (torch.int32, torch.int64)
-_CPU_GGML = 6  # csrc/cpu/expert_gemv.h Fmt::ggml: a block type per part
-
-
-def cpu_isas() -> list[str]:
-    """The ISA paths of the CPU expert kernels this CPU runs, best last ('scalar' always;
-    'avx2', 'avx512' where the CPU has them: chosen at run time)."""
-    return list(_C.cpu_isas())
-
-
-def cpu_max_threads() -> int:
-    """The most threads the CPU expert kernels take: this machine's hardware threads."""
-    return int(_C.cpu_max_threads())
-
-
-def cpu_triad(n: int, threads: int = 1, reps: int = 5) -> float:
-    """Best bytes/s of a STREAM triad `a = b + s * c` over n floats (12 n bytes per pass),
-    on the CPU kernels' thread pool with `threads` threads: what a memory-bound kernel can
-    reach on this machine."""
-    return float(_C.cpu_triad(n, threads, reps))
-
-
-def cpu_layout(
-    fmt: str | None, dtype: torch.dtype, hidden: int, ffn: int, group_size: int, row_bytes: int
-) -> tuple[int, ...]:
-    """The CPU kernels' layout of expert rows of `fmt` (None: float rows of `dtype`), as
-    `ExpertStore.cpu_experts_setup` takes it (ValueError if the rows' bytes disagree)."""
-    return _cpu_layout(fmt, dtype, hidden, ffn, group_size, row_bytes)
-
-
-@functools.lru_cache(maxsize=256)
-def _cpu_layout(
-    fmt: str | None, dtype: torch.dtype, hidden: int, ffn: int, group_size: int, row_bytes: int
-) -> tuple[int, ...]:
-    """The 14 layout integers csrc/cpu/expert_gemv.h reads (one source of truth for the
-    quantized layouts: psr_kernels.QuantLayout; float rows: gate, up, down back to back)."""
-    if fmt is None:
-        isz = torch.empty((), dtype=dtype).element_size()
-        fh = hidden * ffn * isz
-        return (_CPU_FMT[dtype], hidden, ffn, 0, fh, 2 * fh, 0, 0, 0,
-                hidden * isz, ffn * isz, hidden, ffn, row_bytes)  # fmt: skip
-    import psr_kernels as pk  # here: importing the store needs no kernels (Triton)
-
-    if pk.is_ggml_format(fmt):  # GGUF's blocks: each part's type (18 integers)
-        g = pk.GGMLLayout.of(fmt, hidden, ffn)
-        if g.nbytes != row_bytes:
-            raise ValueError(
-                f"cpu_expert_ffn: rows hold {row_bytes} bytes, expected {g.nbytes} ({fmt}, "
-                f"H={hidden}, F={ffn})"
-            )
-        ids = [pk.ggml_type_id(t) for t in g.types]
-        return (_CPU_GGML, hidden, ffn, g.gate, g.up, g.down, 0, 0, 0, g.rb_gate, g.rb_down,
-                hidden, ffn, row_bytes, *ids, g.rb_up)  # fmt: skip
-    lay = pk.QuantLayout.of(fmt, hidden, ffn, group_size)
-    if lay.nbytes != row_bytes:
-        raise ValueError(
-            f"cpu_expert_ffn: rows hold {row_bytes} bytes, expected {lay.nbytes} "
-            f"({fmt}, H={hidden}, F={ffn}, group_size={group_size})"
-        )
-    return (_CPU_FMT[fmt], hidden, ffn, lay.gate, lay.up, lay.down, lay.gate_scale,
-            lay.up_scale, lay.down_scale, lay.row_bytes_h, lay.row_bytes_f, lay.group_h,
-            lay.group_f, row_bytes)  # fmt: skip
-
-
-def _check_cpu_tensor(name: str, t: object, dims: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != dims:
-        raise ValueError(f"cpu_expert_ffn: {name} must be a {dims}-D CPU tensor")
-    return t
-
-
-def _check_cpu_rows(rows: object, fmt: str | None) -> torch.Tensor:
-    from psr_kernels.quant import FORMATS
-
-    rows = _check_cpu_tensor("rows", rows, 2)
-    if fmt is None and rows.dtype not in CPU_FLOAT_DTYPES:
-        raise ValueError(
-            f"cpu_expert_ffn: float rows must be float32, bfloat16 or float16, got {rows.dtype}"
-        )
-    ggml = isinstance(fmt, str) and fmt.startswith("gguf:")
-    if fmt is not None and ((fmt not in FORMATS and not ggml) or rows.dtype != torch.uint8):
-        raise ValueError(
-            f"cpu_expert_ffn: fmt must be None, one of {FORMATS} or a GGML row format "
-            f"('gguf:GATE,UP,DOWN') with uint8 rows, got {fmt!r} with {rows.dtype} rows"
-        )
-    if rows.shape[0] < 1 or rows.stride(1) != 1:
-        raise ValueError("cpu_expert_ffn: rows must be non-empty with contiguous rows")
-    return rows
-
-
-def cpu_expert_ffn(
-    x: torch.Tensor,
-    rows: torch.Tensor,
-    slots: torch.Tensor,
-    weights: torch.Tensor,
-    hidden_size: int,
-    ffn_size: int,
-    *,
-    fmt: str | None = None,
-    group_size: int = 128,
-    slot_table: torch.Tensor | None = None,
-    threads: int | None = None,
-    isa: str = "auto",
-    activation: str = "swiglu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    out_dtype: torch.dtype | None = None,
-    skip_absent: bool = False,
-) -> torch.Tensor:
-    """Routed experts of `x [T, H]` computed on the CPU from packed expert rows, in place.
-
-    Args: as psr_kernels.expert_ffn: `rows` `[C, 3*H*F]` float rows (float32 / bfloat16 /
-    float16) or `[C, nbytes]` uint8 rows of a quantized `fmt`; `slots`, `weights` `[T, k]`;
-    `slot_table` `[E]` (then `slots` holds expert ids). `threads` (default
-    torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of
-    cpu_isas(); `activation` 'swiglu' or 'swiglu_oai' (gpt-oss's clamped SwiGLU with
-    `alpha`, `limit`). Every id and slot is checked (IndexError); a row is never read
-    past its end. `skip_absent` (with a slot_table): an expert whose slot is -1 is absent
-    (computed elsewhere: experts_on's CPU part) and contributes nothing. Returns `[T, H]`
-    in `out_dtype` (default x's dtype).
-    """
-    rows = _check_cpu_rows(rows, fmt)
-    x = _check_cpu_tensor("x", x, 2)
-    if x.shape[1] != hidden_size or not x.is_floating_point():
-        raise ValueError(f"cpu_expert_ffn: x must be float [T, {hidden_size}], got {list(x.shape)}")
-    slots = _check_cpu_tensor("slots", slots, 2)
-    weights = _check_cpu_tensor("weights", weights, 2)
-    if slots.dtype not in _INDEX_DTYPES or slots.shape[0] != x.shape[0]:
-        raise ValueError(f"cpu_expert_ffn: slots must be int32/int64 [T={x.shape[0]}, k]")
-    if weights.shape != slots.shape:
-        raise ValueError(
-            f"cpu_expert_ffn: weights {list(weights.shape)} and slots {list(slots.shape)} differ"
-        )
-    if activation not in CPU_ACTIVATIONS:
-        raise ValueError(f"cpu_expert_ffn: activation must be one of {CPU_ACTIVATIONS}")
-    row_bytes = rows.shape[1] * rows.element_size()
-    lay = _cpu_layout(fmt, rows.dtype, hidden_size, ffn_size, group_size, row_bytes)
-    table, tbytes, tlen = 0, 4, 0
-    if slot_table is not None:
-        slot_table = _check_cpu_tensor("slot_table", slot_table, 1)
-        if slot_table.dtype not in _INDEX_DTYPES or slot_table.stride(0) != 1:
-            raise ValueError("cpu_expert_ffn: slot_table must be a contiguous int32/int64 tensor")
-        table, tbytes, tlen = slot_table.data_ptr(), slot_table.element_size(), len(slot_table)
-    xf = x.to(torch.float32).contiguous()
-    wf = weights.to(torch.float32).contiguous()
-    ids = slots.contiguous()
-    y = torch.empty(x.shape, dtype=torch.float32)
-    _C.cpu_expert_ffn(
-        lay, xf.data_ptr(), x.shape[0], rows.data_ptr(), rows.shape[0],
-        rows.stride(0) * rows.element_size(), ids.data_ptr(), ids.element_size(),
-        ids.shape[1], table, tbytes, tlen, wf.data_ptr(), y.data_ptr(),
-        torch.get_num_threads() if threads is None else int(threads), isa,
-        CPU_ACTIVATIONS.index(activation), float(alpha), float(limit), bool(skip_absent),
-    )  # fmt: skip
-    out = out_dtype or x.dtype
-    return y if out == torch.float32 else y.to(out)

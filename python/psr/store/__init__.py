@@ -1,0 +1,48 @@
+"""psr.store: the one door to the C++ extension `psr._C` (the only package that imports it).
+
+expert_store  ExpertStore (host rows, device slabs, copies, tiers, the CPU hand-off),
+              LayerSpec, the backend choice, StoreError / CopyError
+cpu_kernels   the CPU expert kernels: cpu_expert_ffn, cpu_layout, cpu_isas, cpu_triad
+"""
+
+from psr.store.cpu_kernels import (
+    CPU_ACTIVATIONS,
+    CPU_FLOAT_DTYPES,
+    cpu_expert_ffn,
+    cpu_isas,
+    cpu_layout,
+    cpu_max_threads,
+    cpu_triad,
+)
+from psr.store.expert_store import (
+    MAX_COPY_RETRIES,
+    CopyError,
+    ExpertStore,
+    LayerSpec,
+    Segment,
+    StoreError,
+    backend_info,
+    cuda_available,
+    current_backend,
+    set_backend,
+)
+
+__all__ = [
+    "CPU_ACTIVATIONS",
+    "CPU_FLOAT_DTYPES",
+    "MAX_COPY_RETRIES",
+    "CopyError",
+    "ExpertStore",
+    "LayerSpec",
+    "Segment",
+    "StoreError",
+    "backend_info",
+    "cpu_expert_ffn",
+    "cpu_isas",
+    "cpu_layout",
+    "cpu_max_threads",
+    "cpu_triad",
+    "cuda_available",
+    "current_backend",
+    "set_backend",
+]
