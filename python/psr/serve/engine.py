@@ -112,6 +112,10 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     psr: dict[str, Any]
+    # Of prompt_tokens, those read from a prompt cache rather than prefilled: the one
+    # figure usage reports as OpenAI's cached_tokens and Anthropic's
+    # cache_read_input_tokens (0 until the server has a prompt cache).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -234,6 +238,8 @@ class Engine:
         self.load_error: BaseException | None = None
         # Called (in the worker thread) when loading fails: the server should stop.
         self.on_fatal: Callable[[], None] | None = None
+        # Called (in the worker thread) once the model is loaded and requests are served.
+        self.on_ready: Callable[[], None] | None = None
         # Fast tokenizers must not be used from two threads at once: the event loop
         # encodes prompts while the worker decodes tokens.
         self.tokenizer_lock = threading.Lock()
@@ -241,6 +247,8 @@ class Engine:
         # event loop with a tokenizer of their own, so a long prompt never holds the lock
         # the worker's detokenizing takes: it waits only for other requests' tokenizing.
         self.request_tokenizer: Any = None
+        # What the app reads from the chat template once loaded (psr.serve.chat.Features).
+        self.chat_features: Any = None
         self.request_lock = threading.Lock()
         self._grammars: Grammars | None = None
         # At most this many bytes of text per token (see max_bytes_per_token): a prompt of
@@ -362,6 +370,8 @@ class Engine:
         self.bytes_per_token = max_bytes_per_token(tok)
         self.ready.set()
         log.info("model loaded: %s, policy %s", model.path, model.policy.describe())
+        if self.on_ready is not None:
+            self.on_ready()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
