@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import httpx
 import openai
 import pytest
 from servers import InProcessServer
@@ -174,5 +176,217 @@ def test_required_call_whole_and_streamed(model, family) -> None:
             if call.function.name == "get_weather"
             else (args["zone"] in ("UTC", "CET"))
         )
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------ agent loops
+
+
+def test_openai_agent_loop(hermes) -> None:
+    """Call -> the tool's result -> an answer, through the openai client."""
+    c = oai(hermes)
+    kw = dict(model="test", tools=TOOLS, max_tokens=MAX, temperature=0)
+    r = c.chat.completions.create(
+        messages=ASK, tool_choice="required", parallel_tool_calls=False, **kw
+    )
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls
+    history = [*ASK, msg.model_dump(exclude_none=True)]
+    for call in msg.tool_calls:
+        history.append({"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"})
+    answer = c.chat.completions.create(messages=history, **kw | {"max_tokens": 8})
+    ch = answer.choices[0]
+    assert ch.finish_reason in ("stop", "length") and ch.message.content
+    assert not ch.message.tool_calls
+    # The result reached the prompt: it is longer than the first by the call and result.
+    assert answer.usage.prompt_tokens > r.usage.prompt_tokens + 10
+    assert answer.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def ant(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=120)
+
+
+def test_anthropic_agent_loop_whole_and_streamed(hermes) -> None:
+    a = ant(hermes)
+    # temperature is the server's (the client's typed arguments no longer carry it)
+    kw = dict(model="test", max_tokens=MAX, extra_body={"temperature": 0})
+    tools = [
+        {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS
+    ]
+    m = a.messages.create(
+        messages=ASK, tools=tools, tool_choice={"type": "tool", "name": "get_weather"}, **kw
+    )
+    assert m.stop_reason == "tool_use" and m.role == "assistant"
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert use.name == "get_weather" and valid_weather(use.input) and use.id.startswith("toolu_")
+    assert m.usage.input_tokens > 0 and m.usage.cache_read_input_tokens == 0
+    with a.messages.stream(
+        messages=ASK, tools=tools, tool_choice={"type": "tool", "name": "get_weather"}, **kw
+    ) as s:
+        events = [e.type for e in s]
+        final = s.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_start" in events and "message_delta" in events
+    assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == [
+        (use.name, use.input)
+    ]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}],
+        },
+    ]
+    answer = a.messages.create(messages=history, tools=tools, system="Be brief.", **kw)
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    assert answer.content and answer.content[0].type == "text"
+    n = a.messages.count_tokens(model="test", messages=history, tools=tools, system="Be brief.")
+    assert n.input_tokens == answer.usage.input_tokens
+
+
+def test_anthropic_stop_sequences_and_text_stream(hermes) -> None:
+    a = ant(hermes)
+    whole = a.messages.create(
+        model="test",
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Hi"}],
+    )
+    text = whole.content[0].text
+    stop = text.strip()[:3]
+    m = a.messages.create(
+        model="test",
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        stop_sequences=[stop],
+        messages=[{"role": "user", "content": "Hi"}],
+    )
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    with a.messages.stream(
+        model="test",
+        max_tokens=12,
+        extra_body={"temperature": 0},
+        messages=[{"role": "user", "content": "Hi"}],
+    ) as s:
+        assert "".join(s.text_stream) == text
+
+
+# ------------------------------------------------------------------ reasoning
+
+
+def test_reasoning_content_apart(model) -> None:
+    """A thinking template (its prompt opens <think>; the grammar makes the model close
+    it, then call): the reasoning comes apart from the call, whole and streamed."""
+    s = InProcessServer(lambda: model, options=Options(chat_template=template("hermes", "<think>")))
+    try:
+        c = oai(s)
+        kw = dict(model="test", messages=ASK, tools=TOOLS, max_tokens=160, temperature=0)
+        kw["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+        r = c.chat.completions.create(**kw)
+        msg = r.choices[0].message
+        reasoning = (msg.model_extra or {}).get("reasoning_content")
+        assert reasoning is not None and "</think>" not in reasoning
+        assert msg.tool_calls and valid_weather(json.loads(msg.tool_calls[0].function.arguments))
+        pieces = []
+        for chunk in c.chat.completions.create(**kw, stream=True):
+            for ch in chunk.choices:
+                pieces.append((ch.delta.model_extra or {}).get("reasoning_content") or "")
+                assert "<think>" not in (ch.delta.content or "")
+        assert "".join(pieces) == reasoning
+    finally:
+        s.close()
+
+
+# ------------------------------------------------------------------ bad input
+
+
+BAD_OPENAI = [
+    (
+        {
+            "tools": [
+                {"type": "function", "function": {"name": "f", "parameters": {"type": "blob"}}}
+            ]
+        },
+        "tools",
+        "tools[0].function.parameters",
+    ),
+    (
+        {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+        "tool_choice",
+        "nope",
+    ),
+    (
+        {"messages": [*ASK, {"role": "tool", "tool_call_id": "call_x", "content": "r"}]},
+        "messages",
+        "tool_call_id",
+    ),
+    ({"tools": TOOLS, "n": 2}, "n", "n"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "named"), BAD_OPENAI)
+def test_openai_bad_input_names_the_field(hermes, extra, param, named) -> None:
+    body = {"model": "test", "messages": ASK, "max_tokens": 4} | extra
+    r = httpx.post(f"{hermes.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and named in err["message"]
+
+
+BAD_ANTHROPIC = [
+    ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "messages.0.content.0"),
+    (
+        {"tools": [{"name": "f", "input_schema": {"type": "object", "properties": []}}]},
+        "tools.0.input_schema",
+    ),
+    (
+        {
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": "g"},
+        },
+        "'g'",
+    ),
+    (
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "tool_result", "tool_use_id": "toolu_x", "content": "r"}],
+                }
+            ]
+        },
+        "tool_call_id",
+    ),
+    ({"max_tokens": None}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize(("extra", "named"), BAD_ANTHROPIC)
+def test_anthropic_bad_input_in_its_error_shape(hermes, extra, named) -> None:
+    body = {"model": "test", "messages": ASK, "max_tokens": 4} | extra
+    r = httpx.post(
+        f"{hermes.url}/v1/messages",
+        json=body,
+        headers={"anthropic-version": "2023-06-01"},
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    out = r.json()
+    assert out["type"] == "error" and out["error"]["type"] == "invalid_request_error"
+    assert named in out["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError):
+        ant(hermes).messages.create(**body)
+
+
+def test_tools_on_a_template_without_a_format(model) -> None:
+    s = serve(model, None)  # the fallback transcript
+    try:
+        body = {"model": "test", "messages": ASK, "max_tokens": 4, "tools": TOOLS}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "tool calls" in r.json()["error"]["message"]
     finally:
         s.close()

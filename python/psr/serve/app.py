@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from psr.serve import chat, tools
+from psr.serve import anthropic, chat, tools
 from psr.serve.access import Access, AccessMiddleware
 from psr.serve.decoding import GrammarError
 from psr.serve.engine import (
@@ -90,8 +90,14 @@ class Options:
     tool_parser: str | None = None  # a tool-call format (tools.FORMATS) overriding detection
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: APIError, path: str = "") -> JSONResponse:
+    """The error in OpenAI's shape, or Anthropic's for the Messages API's paths."""
+    body = anthropic.error_body(e) if path.startswith(MESSAGES) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+MESSAGES = "/v1/messages"
+_ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
 
 
 def _json(obj: Any) -> str:
@@ -393,14 +399,16 @@ def _add_handlers(app: FastAPI, engine: Engine) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{exc.detail}: {request.method} {request.url.path}"
         engine.metrics.count(outcome_of(exc.status_code))
-        return error_response(APIError(exc.status_code, message, headers=exc.headers))
+        error = APIError(exc.status_code, message, headers=exc.headers)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not bad input: OpenAI's body all the same (Starlette logs the traceback).
         log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         engine.metrics.count("error")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(error, request.url.path)
 
 
 def _add_info_routes(app: FastAPI, engine: Engine, served_name: str, created: int) -> None:
@@ -446,6 +454,14 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat")
 
+    @app.post(MESSAGES)
+    async def messages(request: Request) -> Response:
+        return await _generate(request, "messages")
+
+    @app.post(MESSAGES + "/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await _guarded(request, lambda b: _count_tokens(engine, served_name, opts, b))
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await _guarded(request, lambda b: _tokenize(engine, served_name, opts, b))
@@ -464,12 +480,16 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
         except APIError as e:
             engine.metrics.count(outcome_of(e.status))
             log.info("[%s] %s %d: %s", rid, request.url.path, e.status, e.message)
-            return error_response(e)
+            return error_response(e, request.url.path)
         return JSONResponse(out)
 
     async def _generate(request: Request, kind: str) -> Response:
-        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
+        if kind == "messages":
+            rid = anthropic.message_id()
+        else:
+            rid = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex[:24]}"
         request_id = _request_id(request)
+        path = request.url.path
         try:
             body = await _body(request, opts.max_body)
             # Checks, the template, tokenizing and the grammar: in a thread (a long
@@ -499,7 +519,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
         except APIError as e:
             engine.metrics.count(outcome_of(e.status))
             log.info("%s [%s] %d: %s", rid, request_id, e.status, e.message)
-            return error_response(e)
+            return error_response(e, path)
         if p.request.ignored:
             names = ", ".join(p.request.ignored)
             log.warning("%s [%s] ignored unknown fields: %s", rid, request_id, names)
@@ -573,6 +593,16 @@ def _chat_ids(engine: Engine, req: ChatRequest, template: str | None) -> tuple[l
         raise bad_request(f"the chat template failed: {e}", "messages") from None
 
 
+def _budget(req: ChatRequest) -> int:
+    """The reasoning budget of a forced call after an opened <think>: half the reply's
+    tokens (the call needs the rest), at most THINK_BUDGET."""
+    n = req.sampling.max_tokens
+    return THINK_BUDGET if n is None else max(1, min(n // 2, THINK_BUDGET))
+
+
+THINK_BUDGET = 1024
+
+
 def _tool_grammar(engine: Engine, req: ChatRequest, f: chat.Features, inside: bool) -> str | None:
     """The grammar of a reply that may call tools: the calls alone (tool_choice required
     or named), or text that turns into calls at the format's marker (auto)."""
@@ -580,7 +610,9 @@ def _tool_grammar(engine: Engine, req: ChatRequest, f: chat.Features, inside: bo
         return None
     if f.tool_format is None:
         raise bad_request(f"this server does not serve tool calls: {f.why}", "tools")
-    lark = tools.grammar(f.tool_format, req.offered, req.forced, req.several, inside)
+    lark = tools.grammar(
+        f.tool_format, req.offered, req.forced, req.several, _budget(req) if inside else None
+    )
     try:
         return engine.grammars().grammar(Structured("lark", lark))
     except ImportError:
@@ -601,6 +633,8 @@ def _prepare(
     req: CompletionRequest | ChatRequest
     if kind == "completion":
         req = parse_completion(body, opts.strict)
+    elif kind == "messages":
+        req = anthropic.parse_messages(body, opts.strict)
     else:
         req = parse_chat(body, opts.strict)
     if req.model is not None and req.model != served:
@@ -701,6 +735,19 @@ def _tokenize(engine: Engine, served: str, opts: Options, body: Any) -> dict[str
     return {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
 
 
+def _count_tokens(engine: Engine, served: str, opts: Options, body: Any) -> dict[str, Any]:
+    """Anthropic's /v1/messages/count_tokens: the prompt's tokens, as the reply would
+    be prompted (max_tokens is not needed)."""
+    if isinstance(body, dict) and "max_tokens" not in body:
+        body = {**body, "max_tokens": 1}
+    req = anthropic.parse_messages(body)
+    if req.model is not None and req.model != served:
+        raise _unknown_model(req.model, served)
+    with engine.request_lock:
+        ids, _, _ = _chat_ids(engine, req, opts.chat_template)
+    return {"input_tokens": len(ids)}
+
+
 def _detokenize(engine: Engine, served: str, body: Any) -> dict[str, Any]:
     """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
     if not isinstance(body, dict):
@@ -773,13 +820,16 @@ async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
 async def _respond(
     engine: Engine, job: Job, p: _Prepared, served: str, request: Request
 ) -> Response:
-    r = _Responder(p, served, engine)
+    r: _Responder | anthropic.MessagesResponder = _Responder(p, served, engine)
+    if p.kind == "messages":
+        r = anthropic.MessagesResponder(p.id, served, r.out, r.counted, len(p.prompt_ids))
+    path = request.url.path
     watch = asyncio.create_task(_watch_disconnect(request, engine, job))
     handed_over = False
     try:
         first = await job.events.get()
         if isinstance(first, (Failed, Disconnected)):
-            return _failure(first)
+            return _failure(first, path)
         if p.request.stream:
             watch.cancel()  # from here Starlette cancels the stream when the client leaves
 
@@ -798,7 +848,7 @@ async def _respond(
             deltas.append(ev)
             ev = await job.events.get()
         if not isinstance(ev, Finished):
-            return _failure(ev)
+            return _failure(ev, path)
         return JSONResponse(r.whole(deltas, ev))
     finally:
         watch.cancel()
@@ -806,7 +856,7 @@ async def _respond(
             engine.cancel(job)  # no-op once finished; else (handler cancelled) stop it
 
 
-def _failure(ev: Failed | Disconnected) -> Response:
+def _failure(ev: Failed | Disconnected, path: str) -> Response:
     if isinstance(ev, Disconnected):
         return Response(status_code=499)  # nobody is listening
-    return error_response(APIError(ev.status, ev.message))
+    return error_response(APIError(ev.status, ev.message), path)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from psr.serve.output import THINK_CLOSE
+from psr.serve.output import THINK_CLOSE, THINK_OPEN
 from psr.serve.tools import FORMATS, ToolFormat, detect
 
 FALLBACK_TEMPLATE = (
@@ -114,7 +114,7 @@ def features(tokenizer: Any, template: str | None, tool_parser: str | None) -> F
     """The template's features: the tool-call format `tool_parser` names (a key of
     FORMATS), else the one whose signature the template contains."""
     text = template_text(tokenizer, template)
-    reasoning = bool(text) and THINK_CLOSE in (text or "")
+    reasoning = text is not None and (THINK_OPEN in text or THINK_CLOSE in text)
     if tool_parser is not None:
         return Features(FORMATS[tool_parser], "--tool-parser", reasoning)
     if text is None:

@@ -116,6 +116,7 @@ class Finished:
     # figure usage reports as OpenAI's cached_tokens and Anthropic's
     # cache_read_input_tokens (0 until the server has a prompt cache).
     cached_tokens: int = 0
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -455,7 +456,7 @@ class Engine:
                     mask.seconds * 1e3 / max(mask.masks, 1), 4
                 )
                 self.metrics.grammar.observe(mask.seconds / max(mask.masks, 1))
-            last = Finished(finish, len(job.prompt_ids), n, figures)
+            last = Finished(finish, len(job.prompt_ids), n, figures, stop_string=stops.matched)
             outcome = finish
         elif error is not None:
             last = Failed(f"{type(error).__name__}: {error}")

@@ -21,9 +21,10 @@ class Reasoning:
     `inside`: the prompt opened the block (DeepSeek-R1's and some Qwen3 templates end
     the generation prompt with `<think>`), so the reply starts in it."""
 
-    def __init__(self, inside: bool) -> None:
+    def __init__(self, inside: bool, ends: tuple[str, ...] = ()) -> None:
         self.state = "inside" if inside else "start"
         self.held = ""
+        self.ends = ends  # markers that end reasoning unclosed (a call cut the budget)
 
     def feed(self, text: str) -> list[Text]:
         buf, self.held = self.held + text, ""
@@ -39,16 +40,20 @@ class Reasoning:
                 else:
                     self.state = "content"
             elif self.state == "inside":
-                at = buf.find(THINK_CLOSE)
-                if at < 0:
-                    keep = held_prefix(buf, THINK_CLOSE)
+                found = [(i, m) for m in (THINK_CLOSE, *self.ends) if (i := buf.find(m)) >= 0]
+                if not found:
+                    keep = max(held_prefix(buf, m) for m in (THINK_CLOSE, *self.ends))
                     self.held = buf[len(buf) - keep :]
                     if len(buf) > keep:
                         out.append(Text("reasoning", buf[: len(buf) - keep]))
                     break
+                at, end = min(found)
                 if at:
                     out.append(Text("reasoning", buf[:at]))
-                self.state, buf = "after", buf[at + len(THINK_CLOSE) :]
+                if end == THINK_CLOSE:
+                    self.state, buf = "after", buf[at + len(THINK_CLOSE) :]
+                else:  # the call begins: it is content's, whole
+                    self.state, buf = "content", buf[at:]
             elif self.state == "after":  # the blank lines after the block
                 lead = buf.lstrip()
                 if not lead:
@@ -76,7 +81,8 @@ class Output:
         reasoning: bool = False,
         inside: bool = False,
     ) -> None:
-        self.reasoning = Reasoning(inside) if reasoning else None
+        ends = (tool_format.marker,) if tool_format is not None and tools else ()
+        self.reasoning = Reasoning(inside, ends) if reasoning else None
         self.tools = ToolStream(tool_format, tools) if tool_format is not None and tools else None
 
     @property

@@ -644,8 +644,15 @@ def parse_tools(v: Any, param: str = "tools") -> tuple[Tool, ...]:
 
 
 def make_tool(
-    name: Any, parameters: Any, description: Any, strict: Any, where: str, param: str
+    name: Any,
+    parameters: Any,
+    description: Any,
+    strict: Any,
+    where: str,
+    param: str,
+    schema_key: str = "parameters",
 ) -> Tool:
+    """One tool, checked; errors name `where` and the schema's field (`schema_key`)."""
     if not isinstance(name, str) or not name or len(name) > 64 or set(name) - _NAME_CHARS:
         raise bad_request(
             f"{where}.name must be 1 to 64 letters, digits, _ - or ., got {_short(name)}", param
@@ -655,9 +662,9 @@ def make_tool(
     if strict is not None and not isinstance(strict, bool):
         raise bad_request(f"{where}.strict must be a boolean", param)
     schema = {"type": "object", "properties": {}} if parameters is None else parameters
-    check_schema(schema, f"{where}.parameters", param)
+    check_schema(schema, f"{where}.{schema_key}", param)
     if not isinstance(schema, dict) or schema.get("type", "object") != "object":
-        raise bad_request(f"{where}.parameters must be an object schema", param)
+        raise bad_request(f"{where}.{schema_key} must be an object schema", param)
     return Tool(name, schema, description, bool(strict))
 
 

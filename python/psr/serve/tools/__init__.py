@@ -60,19 +60,20 @@ def grammar(
     tools: Sequence[Tool],
     forced: bool,
     parallel: bool,
-    thinking: bool = False,
+    thinking: int | None = None,
 ) -> str:
     """The Lark grammar of a reply: `forced` (tool_choice required or named), one call or
     several and nothing else; else text, or text then the calls: the grammar is lazy, it
     constrains nothing until the text reaches the format's marker. `thinking`: the
-    prompt opened a `<think>` block, which a forced reply may close first."""
+    prompt opened a `<think>` block, which a forced reply closes first, or which ends at
+    the marker after this many tokens (the reasoning budget)."""
     rules = fmt.section(tools, parallel)
     marker = lark_str(fmt.marker)
     head = "%llguidance {}\nTEXT: /(.|\\n)*/\n"
-    if forced and thinking:
+    if forced and thinking is not None:
         return (
-            f"{head}start: thought /[ \\n]*/ {marker} section\n"
-            'thought[lazy]: TEXT "</think>"\n'
+            f'{head}start: thought "\\n"? {marker} section\n'
+            f'thought[lazy, max_tokens={thinking}]: TEXT "</think>"\n'
             f"{rules}"
         )
     if forced:
