@@ -167,15 +167,30 @@ def test_required_call_whole_and_streamed(model, family) -> None:
         assert [(x["name"], x["arguments"]) for x in streamed] == [
             ("get_weather", call.function.arguments)
         ]
-        # required: either tool, each call valid; parallel_tool_calls false: one call.
-        r = c.chat.completions.create(**kw, tool_choice="required", parallel_tool_calls=False)
-        (call,) = r.choices[0].message.tool_calls
-        args = json.loads(call.function.arguments)
-        assert (
-            valid_weather(args)
-            if call.function.name == "get_weather"
-            else (args["zone"] in ("UTC", "CET"))
+        # The anthropic client: any tool (one), whole; the named tool, streamed.
+        a = ant(s)
+        akw = dict(model="test", max_tokens=max_tokens(family), extra_body={"temperature": 0})
+        akw["tools"] = [
+            {"name": t["function"]["name"], "input_schema": t["function"]["parameters"]}
+            for t in TOOLS
+        ]
+        m = a.messages.create(
+            messages=ASK, tool_choice={"type": "any", "disable_parallel_tool_use": True}, **akw
         )
+        (use,) = m.content
+        assert m.stop_reason == "tool_use" and use.type == "tool_use"
+        assert (
+            valid_weather(use.input)
+            if use.name == "get_weather"
+            else (use.input["zone"] in ("UTC", "CET"))
+        )
+        with a.messages.stream(
+            messages=ASK, tool_choice={"type": "tool", "name": "get_weather"}, **akw
+        ) as st:
+            final = st.get_final_message()
+        assert [(b.type, b.name, b.input) for b in final.content] == [
+            ("tool_use", "get_weather", json.loads(call.function.arguments))
+        ]
     finally:
         s.close()
 
@@ -379,6 +394,46 @@ def test_anthropic_bad_input_in_its_error_shape(hermes, extra, named) -> None:
     assert named in out["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):
         ant(hermes).messages.create(**body)
+
+
+class Canned:
+    """The model, writing `text` whatever it is asked (a model that writes malformed
+    call markup under auto, which the grammar would have refused)."""
+
+    def __init__(self, model, text: str) -> None:
+        self.model = model
+        self.ids = model.tokenizer(text)["input_ids"] + [model.tokenizer.eos_token_id]
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def generate(self, ids, streamer=None, **kw):
+        import torch
+
+        streamer.put(torch.tensor([ids]))
+        for t in self.ids:
+            streamer.put(torch.tensor([t]))
+        return torch.tensor([list(ids) + self.ids])
+
+
+def test_malformed_markup_under_auto_is_content_and_counted(model) -> None:
+    bad = 'Checking. <tool_call>\n{"name": "get_weather", oops}\n</tool_call>'
+    s = InProcessServer(
+        lambda: Canned(model, bad), options=Options(chat_template=template("hermes"))
+    )
+    try:
+        c = oai(s)
+        kw = dict(model="test", messages=ASK, tools=TOOLS, max_tokens=MAX, temperature=0)
+        before = s.metrics().get("psr_tool_parse_failures_total", 0)
+        r = c.chat.completions.create(**kw)
+        ch = r.choices[0]
+        assert ch.finish_reason == "stop" and not ch.message.tool_calls
+        assert ch.message.content.startswith("Checking. <tool_call>")
+        streamed, finish, content = stream_calls(c.chat.completions.create(**kw, stream=True))
+        assert streamed == [] and finish == "stop" and content == ch.message.content
+        assert s.metrics()["psr_tool_parse_failures_total"] == before + 2
+    finally:
+        s.close()
 
 
 def test_tools_on_a_template_without_a_format(model) -> None:

@@ -374,8 +374,10 @@ class MessagesResponder:
                 for e in blocks.close():
                     yield e
                 self.count()
-                delta = {"stop_reason": _stop_reason(ev, self.out.calls)}
-                delta["stop_sequence"] = ev.stop_string
+                delta = {
+                    "stop_reason": _stop_reason(ev, self.out.calls),
+                    "stop_sequence": ev.stop_string,
+                }
                 usage = {"output_tokens": ev.completion_tokens}
                 body = {"type": "message_delta", "delta": delta, "usage": usage}
                 yield _event("message_delta", body)
@@ -423,16 +425,17 @@ class _Blocks:
         if isinstance(part, tools.Text):
             if part.kind == "reasoning":
                 if self.kind != "thinking":
-                    block = {"type": "thinking", "thinking": "", "signature": ""}
-                    out += self._open("thinking", block)
+                    thinking = {"type": "thinking", "thinking": "", "signature": ""}
+                    out += self._open("thinking", thinking)
                 out.append(self._delta({"type": "thinking_delta", "thinking": part.text}))
             else:
                 if self.kind != "text":
                     out += self._open("text", {"type": "text", "text": ""})
                 out.append(self._delta({"type": "text_delta", "text": part.text}))
         elif isinstance(part, tools.CallStart):
-            block = {"type": "tool_use", "id": _tool_id(part.id), "name": part.name, "input": {}}
-            out += self._open("tool_use", block)
+            use: dict[str, Any] = {"type": "tool_use", "id": _tool_id(part.id)}
+            use |= {"name": part.name, "input": {}}
+            out += self._open("tool_use", use)
         else:
             out.append(self._delta({"type": "input_json_delta", "partial_json": part.text}))
         return out

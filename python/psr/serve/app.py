@@ -820,9 +820,12 @@ async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
 async def _respond(
     engine: Engine, job: Job, p: _Prepared, served: str, request: Request
 ) -> Response:
-    r: _Responder | anthropic.MessagesResponder = _Responder(p, served, engine)
-    if p.kind == "messages":
-        r = anthropic.MessagesResponder(p.id, served, r.out, r.counted, len(p.prompt_ids))
+    openai_r = _Responder(p, served, engine)
+    r: _Responder | anthropic.MessagesResponder = openai_r
+    if p.kind == "messages":  # the same parser and counters, Anthropic's shapes
+        r = anthropic.MessagesResponder(
+            p.id, served, openai_r.out, openai_r.counted, len(p.prompt_ids)
+        )
     path = request.url.path
     watch = asyncio.create_task(_watch_disconnect(request, engine, job))
     handed_over = False
