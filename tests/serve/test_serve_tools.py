@@ -8,6 +8,8 @@ under `auto` (a canned model) comes back as content and is counted, never a 500.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -445,3 +447,27 @@ def test_tools_on_a_template_without_a_format(model) -> None:
         assert "tool calls" in r.json()["error"]["message"]
     finally:
         s.close()
+
+
+def test_the_readmes_agent_snippet(model, capsys) -> None:
+    """The README's tool call, reasoning_content and /v1/messages, as written, against
+    the embedded model behind a thinking hermes template."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    serving = readme.split("## Serving\n", 1)[1].split("\n## ", 1)[0]
+    code = re.findall(r"```python\n(.*?)```", serving, re.S)[1]
+    s = InProcessServer(
+        lambda: model,
+        name="default_model",
+        options=Options(chat_template=template("hermes", "<think>")),
+    )
+    try:
+        code = code.replace("http://127.0.0.1:8000", s.url)
+        ns: dict = {}
+        exec(compile(code, "README.md", "exec"), ns)
+    finally:
+        s.close()
+    assert capsys.readouterr().out.startswith("tool_calls get_weather ")
+    assert json.loads(ns["call"].function.arguments)["city"] in ("Paris", "Rome")
+    assert isinstance(ns["reply"].choices[0].message.reasoning_content, str)
+    m = ns["message"]
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content][-1] == "tool_use"
