@@ -282,3 +282,21 @@ def test_auto_grammar_is_lazy_until_the_marker(fam, grammars) -> None:
     assert matcher.consume_tokens(prose)  # free text
     bad = tok.tokenize_str(FORMATS[fam].marker + "\n{oops")
     assert matcher.validate_tokens(bad) < len(bad)  # after the marker: a call or nothing
+
+
+def test_the_startup_line_says_why_tool_calls_are_off() -> None:
+    from psr.serve.chat import features
+
+    class Tok:
+        chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    off = features(Tok(), None, None)
+    assert off.tool_format is None and not off.reasoning
+    assert off.describe().startswith("tool calls are off: the chat template matches no ")
+    assert "--tool-parser NAME" in off.describe()
+    named = features(Tok(), None, "mistral")
+    assert named.tool_format is FORMATS["mistral"] and "--tool-parser" in named.describe()
+    Tok.chat_template = "<tool_call>{{ x }}</tool_call><think>"
+    found = features(Tok(), None, None)
+    assert found.tool_format is FORMATS["hermes"] and found.reasoning
+    assert features(object(), None, None).why.startswith("no chat template")

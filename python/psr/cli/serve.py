@@ -266,7 +266,7 @@ def _tool_parser(name: str | None) -> str | None:
     from psr.serve.tools import FORMATS
 
     if name is not None and name not in FORMATS:
-        raise ValueError(f"--tool-parser {name!r}: one of {', '.join(FORMATS)}")
+        raise ValueError(f"--tool-parser {name!r}: one of {', '.join(sorted(FORMATS))}")
     return name
 
 
