@@ -300,3 +300,32 @@ def test_the_startup_line_says_why_tool_calls_are_off() -> None:
     found = features(Tok(), None, None)
     assert found.tool_format is FORMATS["hermes"] and found.reasoning
     assert features(object(), None, None).why.startswith("no chat template")
+
+
+def test_special_token_markers_stay_in_the_text() -> None:
+    """A checkpoint whose marker is a special token (Mistral's [TOOL_CALLS]): the reply's
+    text keeps it (EOS aside), so the call parses; without, it would vanish."""
+    from types import SimpleNamespace
+
+    from psr.serve.app import _marker_is_special
+    from psr.serve.chat import Features
+    from psr.serve.engine import Engine
+    from psr.serve.protocol import parse_chat
+
+    tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
+    tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    engine = Engine(lambda: None)
+    engine.model = SimpleNamespace(tokenizer=tok)
+    engine.request_tokenizer, engine.eos_token_ids = tok, (tok.eos_token_id,)
+    call = '[{"name": "get_time", "arguments": {"tz": "UTC"}}]'
+    ids = tok("Sure.")["input_ids"] + [marker] + tok(call)["input_ids"] + [tok.eos_token_id]
+    assert "[TOOL_CALLS]" not in engine.decode_text(ids)
+    text = engine.decode_special(ids)
+    assert text == "Sure.[TOOL_CALLS]" + call
+    _, content, calls, failed = run("mistral", [text])
+    assert calls == [("get_time", SECOND)] and content == "Sure." and failed is None
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER.openai()]}
+    req = parse_chat(body)
+    assert _marker_is_special(engine, req, Features(FORMATS["mistral"], "", False))
+    assert not _marker_is_special(engine, req, Features(FORMATS["hermes"], "", False))

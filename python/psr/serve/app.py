@@ -135,6 +135,7 @@ class _Prepared:
     grammar: str | None = None  # the structured output's or the tool calls' grammar
     features: chat.Features | None = None  # chat: the template's tool format, reasoning
     inside: bool = False  # chat: the prompt opened a <think> block
+    keep_special: bool = False  # the tool format's marker is a special token: keep them
 
     def output(self) -> Output:
         """The parser of this reply's text (reasoning, content, tool calls)."""
@@ -503,6 +504,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
                 sampling=p.request.sampling,
                 grammar=p.grammar,
                 request_id=request_id,
+                keep_special=p.keep_special,
             )
             try:
                 engine.submit(job)
@@ -593,6 +595,17 @@ def _chat_ids(engine: Engine, req: ChatRequest, template: str | None) -> tuple[l
         raise bad_request(f"the chat template failed: {e}", "messages") from None
 
 
+def _marker_is_special(engine: Engine, req: ChatRequest, f: chat.Features) -> bool:
+    """Whether the offered tools' format marks calls with a special token, which the
+    reply's text must keep to be parsed."""
+    if not req.offered or f.tool_format is None:
+        return False
+    special = getattr(engine.request_tokenizer, "all_special_tokens", None) or ()
+    added = getattr(engine.request_tokenizer, "added_tokens_decoder", None) or {}
+    names = set(special) | {str(t) for t in added.values() if getattr(t, "special", False)}
+    return f.tool_format.marker in names
+
+
 def _budget(req: ChatRequest) -> int:
     """The reasoning budget of a forced call after an opened <think>: half the reply's
     tokens (the call needs the rest), at most THINK_BUDGET."""
@@ -643,7 +656,7 @@ def _prepare(
         raise _unavailable(engine)
     echo, template, grammar = "", None, None
     features: chat.Features | None = None
-    inside = False
+    inside = keep_special = False
     _check_length(engine, req)
     with engine.request_lock:
         if isinstance(req, ChatRequest):
@@ -654,6 +667,7 @@ def _prepare(
             )
             if features is not None:
                 grammar = _tool_grammar(engine, req, features, inside)
+                keep_special = _marker_is_special(engine, req, features)
         elif isinstance(req.prompt, str):
             ids = _encode(engine, req.prompt)
             if req.echo:
@@ -678,7 +692,7 @@ def _prepare(
                 ) from None
     if not ids:
         raise bad_request("the prompt encodes to no tokens", "prompt")
-    return _Prepared(kind, rid, req, ids, echo, template, grammar, features, inside)
+    return _Prepared(kind, rid, req, ids, echo, template, grammar, features, inside, keep_special)
 
 
 def _check_length(engine: Engine, req: CompletionRequest | ChatRequest) -> None:

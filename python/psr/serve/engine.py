@@ -145,6 +145,9 @@ class Job:
     sampling: Sampling | None = None  # penalties, ignore_eos, logprobs
     grammar: str | None = None  # an llguidance grammar (checked) the output must follow
     request_id: str = ""  # X-Request-Id, for the log line
+    # Special tokens stay in the text (all but EOS): a tool-call format whose markers are
+    # special tokens of the checkpoint's vocabulary (Mistral's [TOOL_CALLS]).
+    keep_special: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it
     # Created in the event loop's thread (submit runs there); filled by the worker.
@@ -325,6 +328,13 @@ class Engine:
             text: str = self.model.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
 
+    def decode_special(self, ids: Sequence[int]) -> str:
+        """`decode_text` keeping special tokens, EOS aside."""
+        kept = [t for t in ids if t not in self.eos_token_ids]
+        with self.tokenizer_lock:
+            text: str = self.model.tokenizer.decode(kept, skip_special_tokens=False)
+        return text
+
     def request_decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text of `ids` with the requests' tokenizer (hold `request_lock`)."""
         text: str = self.request_tokenizer.decode(list(ids), skip_special_tokens=skip_special)
@@ -406,7 +416,8 @@ class Engine:
 
     def _decode(self, job: Job) -> None:
         model = self.model
-        detok = Detokenizer(self.decode_text, job.prompt_ids)
+        decode = self.decode_special if job.keep_special else self.decode_text
+        detok = Detokenizer(decode, job.prompt_ids)
         stops = StopBuffer(job.stops)
         s = job.sampling
         sink = None if s is None or s.logprobs is None else LogprobSink(s.logprobs)
