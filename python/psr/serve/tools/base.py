@@ -215,8 +215,8 @@ def tool_schema(tools: Sequence[Tool], name: str) -> dict[str, Any]:
     return {}
 
 
-def xml_param_rules(tool: Tool, i: int, write: Callable[[str, str], str], string_value: str) -> str:
-    """The Lark rules of tool `i`'s parameters in an XML format: required ones in order,
+def xml_param_rules(tool: Tool, write: Callable[[str, str], str], string_value: str) -> str:
+    """The Lark rules of `tool`'s parameters in an XML format: required ones in order,
     then optional ones, each optional; `write(key, value_rule)` one parameter's markup;
     a string value matches `string_value` (a Lark terminal), any other its schema."""
     schema = params_schema(tool)
@@ -269,10 +269,33 @@ def xml_call(
         raise ValueError(f"unreadable parameter markup in the call of {name}")
 
 
+Reader = Callable[[str, int], tuple[Call | None, int | None]]
+
+
+def xml_reader(
+    tools: Sequence[Tool], name: Any, param: Any, end: Any, end_tag: str, written_by: str
+) -> Reader:
+    """A reader (for `sections_scan`) of one XML-format call: its name by the compiled
+    regex `name` (group 1), then its parameters (`xml_call`). No name yet while
+    `written_by` (a character the name's markup ends with) has not appeared: it is still
+    being written; after it, the markup is malformed."""
+
+    def read(region: str, at: int) -> tuple[Call | None, int | None]:
+        m = name.match(region, at)
+        if m is None:
+            if written_by in region[at:]:
+                raise ValueError("a call without a function name")
+            return None, None
+        call, stop = xml_call(region[m.end() :], m.group(1), tools, param, end, end_tag)
+        return call, None if stop is None else m.end() + stop
+
+    return read
+
+
 def sections_scan(
     region: str,
     opening: str,
-    one: Callable[[str, int], tuple[Call | None, int | None]],
+    one: Reader,
 ) -> Scan:
     """A section of calls each opened by `opening` (whitespace between): `one(region,
     at)` reads the call whose body starts at `at` -> (call or None while its name is
@@ -297,3 +320,32 @@ def sections_scan(
         assert call is not None
         calls.append(call)
         pos = end
+
+
+def json_calls(
+    text: str, pos: int, args_key: str, sep: str, close: str | None, whole: bool
+) -> Scan:
+    """JSON calls (`json_call`) from `pos` on, separated by `sep`: a list that ends at
+    `close`, or (None) calls until text that is no separator, the tail. A call that does
+    not parse is content from the start of the text (`whole`) or from itself."""
+    calls: list[Call] = []
+    while True:
+        try:
+            call, end = json_call(text[pos:], args_key)
+        except ValueError as e:
+            return Scan(tuple(calls), error=str(e), error_at=0 if whole else pos)
+        if end is None:
+            return Scan(tuple(calls) + ((call,) if call is not None else ()))
+        assert call is not None
+        calls.append(call)
+        rest = text[pos + end :].lstrip()
+        if not rest or ((rest.startswith(sep) or sep.startswith(rest)) and len(rest) < len(sep)):
+            return Scan(tuple(calls))  # the end, or a separator still being written
+        if rest.startswith(sep):
+            pos = len(text) - len(rest) + len(sep)
+        elif close is not None and rest.startswith(close):
+            return Scan(tuple(calls), tail=rest[len(close) :])
+        elif close is None:
+            return Scan(tuple(calls), tail=text[pos + end :])
+        else:
+            return Scan(tuple(calls), error=f"calls not separated by {sep!r}", error_at=0)

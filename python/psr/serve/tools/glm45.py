@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from psr.serve.tools.base import (
-    Call,
     Scan,
     Tool,
     ToolFormat,
@@ -15,8 +14,8 @@ from psr.serve.tools.base import (
     lark_str,
     repeated,
     sections_scan,
-    xml_call,
     xml_param_rules,
+    xml_reader,
 )
 
 OPEN = "<tool_call>"
@@ -24,24 +23,10 @@ _NAME = re.compile(r"([^\s<]+)\s")
 _PARAM = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 _END = re.compile(r"\s*</tool_call>")
 
-Reader = Callable[[str, int], tuple[Call | None, int | None]]
-
-
-def _one(tools: Sequence[Tool]) -> Reader:
-    def read(region: str, at: int) -> tuple[Call | None, int | None]:
-        m = _NAME.match(region, at)
-        if m is None:
-            if "<" in region[at:]:
-                raise ValueError("a <tool_call> without a function name")
-            return None, None
-        call, end = xml_call(region[m.end() :], m.group(1), tools, _PARAM, _END, "</tool_call>")
-        return call, None if end is None else m.end() + end
-
-    return read
-
 
 def scan(region: str, tools: Sequence[Tool]) -> Scan:
-    return sections_scan(region, OPEN, _one(tools))
+    read = xml_reader(tools, _NAME, _PARAM, _END, "</tool_call>", "<")
+    return sections_scan(region, OPEN, read)
 
 
 def section(tools: Sequence[Tool], parallel: bool) -> str:
@@ -49,10 +34,7 @@ def section(tools: Sequence[Tool], parallel: bool) -> str:
         head = lark_str(f"<arg_key>{key}</arg_key>\n<arg_value>")
         return f'{head} {value} "</arg_value>\\n"'
 
-    calls = [
-        f"{lark_str(t.name + chr(10))} {xml_param_rules(t, i, param, 'STR')}"
-        for i, t in enumerate(tools)
-    ]
+    calls = [f"{lark_str(t.name + chr(10))} {xml_param_rules(t, param, 'STR')}" for t in tools]
     one = 'call "</tool_call>"'
     return (
         f"section: {repeated(one, lark_str(chr(10) + OPEN), parallel)}\n"

@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from psr.serve.tools.base import (
-    Call,
     Scan,
     Tool,
     ToolFormat,
     alternatives,
-    json_call,
+    json_calls,
     lark_str,
     params_schema,
     repeated,
@@ -22,28 +21,7 @@ OPEN = '{"name"'
 
 
 def scan(region: str, tools: Sequence[Tool]) -> Scan:
-    calls: list[Call] = []
-    pos = 0
-    while True:
-        try:
-            call, end = json_call(region[pos:], "parameters")
-        except ValueError as e:
-            return Scan(tuple(calls), error=str(e), error_at=pos)
-        if end is None:
-            return Scan(tuple(calls) + ((call,) if call is not None else ()))
-        assert call is not None
-        calls.append(call)
-        pos += end
-        rest = region[pos:].lstrip()
-        if not rest or ";".startswith(rest):
-            return Scan(tuple(calls))
-        if rest[0] != ";":
-            return Scan(tuple(calls), tail=region[pos:])
-        pos = len(region) - len(rest) + 1
-        rest = region[pos:].lstrip()
-        if rest and not (rest.startswith(OPEN) or OPEN.startswith(rest)):
-            return Scan(tuple(calls), error="text after ';' is no call", error_at=pos)
-        pos = len(region) - len(rest)
+    return json_calls(region, 0, "parameters", ";", None, whole=False)
 
 
 def section(tools: Sequence[Tool], parallel: bool) -> str:

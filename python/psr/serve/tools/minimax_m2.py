@@ -7,7 +7,6 @@ import re
 from collections.abc import Sequence
 
 from psr.serve.tools.base import (
-    Call,
     Scan,
     Tool,
     ToolFormat,
@@ -15,8 +14,8 @@ from psr.serve.tools.base import (
     lark_str,
     repeated,
     sections_scan,
-    xml_call,
     xml_param_rules,
+    xml_reader,
 )
 
 OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -31,15 +30,7 @@ def scan(region: str, tools: Sequence[Tool]) -> Scan:
     close = body.find(CLOSE)
     inner = body if close < 0 else body[:close]
 
-    def read(text: str, at: int) -> tuple[Call | None, int | None]:
-        m = _NAME.match(text, at)
-        if m is None:
-            if ">" in text[at:]:
-                raise ValueError("an <invoke> without a name")
-            return None, None
-        call, end = xml_call(text[m.end() :], m.group(1), tools, _PARAM, _END, "</invoke>")
-        return call, None if end is None else m.end() + end
-
+    read = xml_reader(tools, _NAME, _PARAM, _END, "</invoke>", ">")
     found = sections_scan(inner, _INVOKE, read)
     if found.error is not None:
         return Scan(found.calls, error=found.error, error_at=0)
@@ -55,8 +46,8 @@ def section(tools: Sequence[Tool], parallel: bool) -> str:
 
     calls = [
         f"{lark_str(f'<invoke name={chr(34)}{t.name}{chr(34)}>' + chr(10))} "
-        f'{xml_param_rules(t, i, param, "STR")} "</invoke>"'
-        for i, t in enumerate(tools)
+        f'{xml_param_rules(t, param, "STR")} "</invoke>"'
+        for t in tools
     ]
     return (
         f"section: {lark_str(chr(10))} {repeated('call', lark_str(chr(10)), parallel)} "

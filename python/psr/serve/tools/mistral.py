@@ -5,12 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from psr.serve.tools.base import (
-    Call,
     Scan,
     Tool,
     ToolFormat,
     alternatives,
-    json_call,
+    json_calls,
     lark_str,
     object_schema,
     params_schema,
@@ -24,26 +23,11 @@ OPEN = "[TOOL_CALLS]"
 def scan(region: str, tools: Sequence[Tool]) -> Scan:
     text = region[len(OPEN) :]
     lead = text.lstrip()
-    if lead and lead[0] != "[":
+    if not lead:
+        return Scan()
+    if lead[0] != "[":
         return Scan(error="[TOOL_CALLS] without a JSON list", error_at=0)
-    pos = len(text) - len(lead) + 1
-    calls: list[Call] = []
-    while pos <= len(text):
-        try:
-            call, end = json_call(text[pos:])
-        except ValueError as e:
-            return Scan(tuple(calls), error=str(e), error_at=0)
-        if end is None:
-            return Scan(tuple(calls) + ((call,) if call is not None else ()))
-        assert call is not None
-        calls.append(call)
-        rest = text[pos + end :].lstrip()
-        if rest[:1] == "]":
-            return Scan(tuple(calls), tail=rest[1:])
-        if rest[:1] not in (",", ""):
-            return Scan(tuple(calls), error="calls not separated by commas", error_at=0)
-        pos = len(text) - len(rest) + 1
-    return Scan(tuple(calls))
+    return json_calls(text, len(text) - len(lead) + 1, "arguments", ",", "]", whole=True)
 
 
 def section(tools: Sequence[Tool], parallel: bool) -> str:

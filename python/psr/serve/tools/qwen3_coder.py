@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from psr.serve.tools.base import (
-    Call,
     Scan,
     Tool,
     ToolFormat,
@@ -15,8 +14,8 @@ from psr.serve.tools.base import (
     lark_str,
     repeated,
     sections_scan,
-    xml_call,
     xml_param_rules,
+    xml_reader,
 )
 
 OPEN = "<tool_call>"
@@ -25,21 +24,9 @@ _PARAM = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 _END = re.compile(r"\s*</function>\s*</tool_call>")
 
 
-def _one(tools: Sequence[Tool]) -> Callable[[str, int], tuple[Call | None, int | None]]:
-    def read(region: str, at: int) -> tuple[Call | None, int | None]:
-        m = _NAME.match(region, at)
-        if m is None:
-            if "</tool_call>" in region[at:] or ">" in region[at:]:
-                raise ValueError("a <tool_call> without <function=NAME>")
-            return None, None
-        call, end = xml_call(region[m.end() :], m.group(1), tools, _PARAM, _END, "</tool_call>")
-        return call, None if end is None else m.end() + end
-
-    return read
-
-
 def scan(region: str, tools: Sequence[Tool]) -> Scan:
-    return sections_scan(region, OPEN, _one(tools))
+    read = xml_reader(tools, _NAME, _PARAM, _END, "</tool_call>", ">")
+    return sections_scan(region, OPEN, read)
 
 
 def section(tools: Sequence[Tool], parallel: bool) -> str:
@@ -49,9 +36,9 @@ def section(tools: Sequence[Tool], parallel: bool) -> str:
         return f'{lark_str(f"<parameter={key}>" + chr(10))} {value} "</parameter>\\n"'
 
     calls = [
-        f"{lark_str(f'<function={t.name}>' + chr(10))} {xml_param_rules(t, i, param, 'STR')} "
+        f"{lark_str(f'<function={t.name}>' + chr(10))} {xml_param_rules(t, param, 'STR')} "
         '"</function>"'
-        for i, t in enumerate(tools)
+        for t in tools
     ]
     one = '"\\n" call "\\n</tool_call>"'
     return (
