@@ -471,3 +471,30 @@ def test_the_readmes_agent_snippet(model, capsys) -> None:
     assert isinstance(ns["reply"].choices[0].message.reasoning_content, str)
     m = ns["message"]
     assert m.stop_reason == "tool_use" and [b.type for b in m.content][-1] == "tool_use"
+
+
+def test_chat_template_kwargs_and_reasoning_effort_reach_the_template(model) -> None:
+    tpl = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if reasoning_effort is defined %}effort: {{ reasoning_effort }}\n{% endif %}"
+        "assistant:{% if enable_thinking %}<think>{% endif %}"
+    )
+    s = InProcessServer(lambda: model, options=Options(chat_template=tpl))
+    try:
+        c = oai(s)
+        kw = dict(model="test", messages=ASK, max_tokens=1, temperature=0)
+        plain = c.chat.completions.create(**kw).usage.prompt_tokens
+        effort = c.chat.completions.create(**kw, reasoning_effort="high").usage.prompt_tokens
+        think = c.chat.completions.create(
+            **kw, extra_body={"chat_template_kwargs": {"enable_thinking": True}}
+        )
+        assert effort > plain and think.usage.prompt_tokens > plain
+        # The prompt opened <think>: the reply is reasoning, not content.
+        msg = think.choices[0].message
+        assert msg.model_extra.get("reasoning_content") and not msg.content
+        with pytest.raises(openai.BadRequestError, match="chat_template_kwargs"):
+            c.chat.completions.create(
+                **kw, extra_body={"chat_template_kwargs": {"add_generation_prompt": False}}
+            )
+    finally:
+        s.close()
