@@ -7,7 +7,9 @@ with a warning header and a log line, as vLLM does), or refused with a 400 under
 `strict`. Extensions, as vLLM accepts them: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `return_token_ids` (the prompt's and the completion's token ids), and
 structured output by `guided_json` / `guided_regex` / `guided_grammar` (Lark) beside
-OpenAI's `response_format`. Strings anywhere in a body must be valid Unicode (no lone
+OpenAI's `response_format`. Tools (`tools`, `tool_choice`, `parallel_tool_calls`, and
+the history's calls and results), `chat_template_kwargs` and `reasoning_effort` are
+checked here too. Strings anywhere in a body must be valid Unicode (no lone
 surrogates): a 400 naming the field. Torch-free: no model is needed to check a request.
 """
 
