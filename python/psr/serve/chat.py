@@ -124,7 +124,7 @@ def features(tokenizer: Any, template: str | None, tool_parser: str | None) -> F
         return Features(
             None,
             "the chat template matches no tool-call format (--tool-parser NAME, one of "
-            f"{', '.join(FORMATS)})",
+            f"{', '.join(sorted(FORMATS))})",
             reasoning,
         )
     return Features(fmt, "from the chat template", reasoning)
