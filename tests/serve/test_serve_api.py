@@ -578,7 +578,7 @@ def test_the_readmes_key_logprobs_and_schema_snippet(server, capsys) -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     serving = readme.split("## Serving\n", 1)[1].split("\n## ", 1)[0]
     assert "PSR_API_KEY=sk-local" in serving
-    (code,) = re.findall(r"```python\n(.*?)```", serving, re.S)
+    code = re.findall(r"```python\n(.*?)```", serving, re.S)[0]  # the second: agents
     code = code.replace("http://127.0.0.1:8000", server.url).replace("sk-local", KEY)
     ns: dict = {}
     exec(compile(code, "README.md", "exec"), ns)

@@ -50,6 +50,11 @@ def run(argv: list[str], capsys) -> tuple[int, str, str]:
         (["serve", "--chat-template", "/no/such.jinja"], 1, "--chat-template /no/such.jinja: "),
         (["serve", "--api-key", "two words"], 1, "--api-key: a key must be non-empty"),
         (["serve", "--allowed-origins", ","], 1, "--allowed-origins: give origins"),
+        (
+            ["serve", "--tool-parser", "nope"],
+            1,
+            "--tool-parser 'nope': one of deepseek_v3, glm45, ",
+        ),
         (["bench", "serve", "--requests", "0"], 2, "argument --requests: expected an integer >= 1"),
         (["bench", "serve", "--max-tokens", "x"], 2, "argument --max-tokens: expected an integer"),
     ],

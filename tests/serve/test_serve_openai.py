@@ -295,7 +295,7 @@ def test_one_log_line_per_request(server) -> None:
 def test_the_readmes_client_snippet_works_as_written(server, capsys) -> None:
     serving = (ROOT / "README.md").read_text().split("## Serving\n", 1)[1].split("\n## ", 1)[0]
     assert "psr serve" in serving
-    (code,) = re.findall(r"```python\n(.*?)```", serving, re.S)
+    code = re.findall(r"```python\n(.*?)```", serving, re.S)[0]  # the second: agents
     assert "http://127.0.0.1:8000/v1" in code  # psr serve's defaults
     exec(compile(code.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), {})
     out = capsys.readouterr().out

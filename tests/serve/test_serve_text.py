@@ -170,7 +170,7 @@ def test_completion_refusals_name_the_parameter(body, param, match) -> None:
     ("extra", "param"),
     [
         ({"max_tokens": 2, "max_completion_tokens": 2}, "max_tokens"),
-        ({"tool_choice": "auto"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools to call
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"parallel_tool_calls": "no"}, "parallel_tool_calls"),
@@ -206,6 +206,6 @@ def test_a_checkpoints_own_chat_template_is_used(tmp_path) -> None:
     )
     text, source = render(tok, messages)
     assert (text, source) == ("[user]Hi.[assistant]", "checkpoint")
-    ids, source = prompt_ids(tok, messages)
+    ids, source, _ = prompt_ids(tok, messages)
     assert source == "checkpoint"
     assert ids == tok(text, add_special_tokens=False)["input_ids"]

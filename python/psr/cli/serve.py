@@ -91,6 +91,13 @@ def add_serve(sub: Any) -> None:
         metavar="FILE",
         help="a Jinja chat template file, used instead of the checkpoint's (or the fallback)",
     )
+    s.add_argument(
+        "--tool-parser",
+        default=None,
+        metavar="NAME",
+        help="the tool-call format of the model's replies (default: read from the chat "
+        "template): hermes, qwen3_coder, glm45, minimax_m2, mistral, llama4_json, deepseek_v3",
+    )
     s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(fn=run_serve)
 
@@ -251,7 +258,16 @@ def serve_options(args: argparse.Namespace) -> Any:
         max_body=args.max_body,
         strict=args.strict,
         chat_template=_chat_template(args.chat_template),
+        tool_parser=_tool_parser(args.tool_parser),
     )
+
+
+def _tool_parser(name: str | None) -> str | None:
+    from psr.serve.tools import FORMATS
+
+    if name is not None and name not in FORMATS:
+        raise ValueError(f"--tool-parser {name!r}: one of {', '.join(sorted(FORMATS))}")
+    return name
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,7 +1,8 @@
 """Who may call the server, and the request id: one ASGI middleware around the app.
 
   keys        with API keys set, every route under /v1 (and /tokenize, /detokenize)
-              needs `Authorization: Bearer KEY`, else a 401 in OpenAI's error shape;
+              needs `Authorization: Bearer KEY` or Anthropic's `x-api-key: KEY`,
+              else a 401 in OpenAI's error shape (Anthropic's under /v1/messages);
               /health and /metrics too when `protect_all` is set
   request id  `X-Request-Id` taken from the request (or made), put in the ASGI scope's
               state for the log line, and echoed on every response
@@ -42,10 +43,14 @@ class Access:
             return False
         return self.protect_all or path not in OPEN_PATHS
 
-    def allowed(self, header: str | None) -> bool:
-        if header is None or not header.startswith("Bearer "):
-            return False
-        given = header[len("Bearer ") :].strip().encode()
+    def allowed(self, header: str | None, api_key: str | None = None) -> bool:
+        """`Authorization: Bearer KEY` (OpenAI's), or `x-api-key: KEY` (Anthropic's)."""
+        if header is not None and header.startswith("Bearer "):
+            return self._known(header[len("Bearer ") :].strip())
+        return api_key is not None and self._known(api_key.strip())
+
+    def _known(self, key_given: str) -> bool:
+        given = key_given.encode()
         # Every key compared, in constant time each: no early exit that times a match.
         ok = False
         for key in self.keys:
@@ -66,12 +71,15 @@ def request_id_of(given: str | None) -> str:
     return uuid.uuid4().hex
 
 
-def unauthorized_body(has_header: bool) -> bytes:
+def unauthorized_body(has_header: bool, anthropic: bool = False) -> bytes:
     message = (
         "Incorrect API key provided"
         if has_header
-        else "Missing API key: send Authorization: Bearer KEY"
+        else "Missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)"
     )
+    if anthropic:  # the Messages API's error shape
+        error = {"type": "authentication_error", "message": message}
+        return json.dumps({"type": "error", "error": error}).encode()
     return json.dumps(
         {
             "error": {
@@ -108,9 +116,11 @@ class AccessMiddleware:
 
         if scope["method"] != "OPTIONS" and self.access.needs_key(scope["path"]):
             auth = _header(scope, b"authorization")
-            if not self.access.allowed(auth):
+            api_key = _header(scope, b"x-api-key")
+            if not self.access.allowed(auth, api_key):
                 self.on_unauthorized()
-                body = unauthorized_body(auth is not None)
+                given = auth is not None or api_key is not None
+                body = unauthorized_body(given, scope["path"].startswith("/v1/messages"))
                 await send_with_id(
                     {
                         "type": "http.response.start",

@@ -33,7 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from psr.serve import chat
+from psr.serve import anthropic, chat, tools
 from psr.serve.access import Access, AccessMiddleware
 from psr.serve.decoding import GrammarError
 from psr.serve.engine import (
@@ -50,11 +50,13 @@ from psr.serve.engine import (
     QueueFull,
 )
 from psr.serve.metrics import CONTENT_TYPE
+from psr.serve.output import THINK_OPEN, Output, merged
 from psr.serve.protocol import (
     COMPLETION_MAX_TOKENS,
     APIError,
     ChatRequest,
     CompletionRequest,
+    Structured,
     bad_request,
     check_unicode,
     parse_chat,
@@ -85,10 +87,17 @@ class Options:
     max_body: int = DEFAULT_MAX_BODY
     strict: bool = False  # unknown fields: 400 (else ignored, with a warning header)
     chat_template: str | None = None  # a Jinja template overriding the checkpoint's
+    tool_parser: str | None = None  # a tool-call format (tools.FORMATS) overriding detection
 
 
-def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+def error_response(e: APIError, path: str = "") -> JSONResponse:
+    """The error in OpenAI's shape, or Anthropic's for the Messages API's paths."""
+    body = anthropic.error_body(e) if path.startswith(MESSAGES) else e.body()
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+MESSAGES = "/v1/messages"
+_ID_PREFIX = {"completion": "cmpl", "chat": "chatcmpl"}
 
 
 def _json(obj: Any) -> str:
@@ -102,6 +111,17 @@ def _sse(obj: Any) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def _delta(part: tools.Part) -> dict[str, Any]:
+    """A chat chunk's delta for one part of the reply."""
+    if isinstance(part, tools.Text):
+        return {"reasoning_content" if part.kind == "reasoning" else "content": part.text}
+    if isinstance(part, tools.CallStart):
+        fn = {"name": part.name, "arguments": ""}
+        call = {"index": part.index, "id": part.id, "type": "function", "function": fn}
+        return {"tool_calls": [call]}
+    return {"tool_calls": [{"index": part.index, "function": {"arguments": part.text}}]}
+
+
 @dataclass
 class _Prepared:
     """A checked request, tokenized: what the response needs besides the events."""
@@ -112,7 +132,17 @@ class _Prepared:
     prompt_ids: list[int]
     echo: str  # completions with echo: the prompt's text
     template: str | None  # chat: "checkpoint", "fallback" or "file"
-    grammar: str | None = None  # the structured output's grammar, compiled
+    grammar: str | None = None  # the structured output's or the tool calls' grammar
+    features: chat.Features | None = None  # chat: the template's tool format, reasoning
+    inside: bool = False  # chat: the prompt opened a <think> block
+    keep_special: bool = False  # the tool format's marker is a special token: keep them
+
+    def output(self) -> Output:
+        """The parser of this reply's text (reasoning, content, tool calls)."""
+        f, req = self.features, self.request
+        if f is None or not isinstance(req, ChatRequest):
+            return Output()
+        return Output(f.tool_format, req.offered, f.reasoning, self.inside)
 
 
 class _Responder:
@@ -127,16 +157,28 @@ class _Responder:
         self.chat = p.kind == "chat"
         self.token_ids = p.request.return_token_ids
         self.offset = 0  # completions' text_offset of the next streamed token
+        self.out = p.output()
+
+    def finish_reason(self, f: Finished) -> str:
+        return "tool_calls" if self.out.calls and f.finish_reason == "stop" else f.finish_reason
+
+    def counted(self) -> None:
+        """The reply's tool calls and parse failures, in /metrics."""
+        self.engine.metrics.tool_calls.inc(self.out.calls)
+        if self.out.failed is not None:
+            self.engine.metrics.tool_parse_failures.inc()
+            log.info("%s: tool-call markup returned as content: %s", self.p.id, self.out.failed)
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.p.id, "object": obj, "created": self.created, "model": self.model_name}
 
     @staticmethod
-    def usage(f: Finished) -> dict[str, int]:
+    def usage(f: Finished) -> dict[str, Any]:
         return {
             "prompt_tokens": f.prompt_tokens,
             "completion_tokens": f.completion_tokens,
             "total_tokens": f.prompt_tokens + f.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
         }
 
     def psr(self, f: Finished) -> dict[str, Any]:
@@ -174,13 +216,13 @@ class _Responder:
         text = "".join(d.text for d in deltas)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = self.message(text)
         else:
             choice["text"] = self.p.echo + text
         rows = [r for d in deltas for r in d.logprobs]
         choice |= {
             "logprobs": self._logprobs(rows, len(self.p.echo)),
-            "finish_reason": f.finish_reason,
+            "finish_reason": self.finish_reason(f),
         }
         out = self._head("chat.completion" if self.chat else "text_completion")
         if self.token_ids:
@@ -188,6 +230,22 @@ class _Responder:
             self._prompt_ids(out, choice)
         out |= {"choices": [choice], "usage": self.usage(f), "psr": self.psr(f)}
         return out
+
+    def message(self, text: str) -> dict[str, Any]:
+        """The assistant's message: content (null beside calls, as OpenAI's), the
+        reasoning apart, the calls with their arguments as JSON text."""
+        reasoning, content, calls = merged(self.out.feed(text) + self.out.finish())
+        self.counted()
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["content"] = content or None
+            msg["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                for i, n, a in calls
+            ]
+        return msg
 
     def _prompt_ids(self, out: dict[str, Any], choice: dict[str, Any]) -> None:
         # Where vLLM puts them: on the response for chat, on the choice for completions.
@@ -200,18 +258,21 @@ class _Responder:
         finish: Finished | None = None,
         first: bool = False,
         logprobs: tuple[Logprob, ...] = (),
+        part: tools.Part | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
+            if part is not None:
+                delta |= _delta(part)
+            elif text is not None:
                 delta["content"] = text
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
         choice |= {
             "logprobs": self._logprobs(list(logprobs), self.offset) if logprobs else None,
-            "finish_reason": None if finish is None else finish.finish_reason,
+            "finish_reason": None if finish is None else self.finish_reason(finish),
         }
         if text:
             self.offset += len(text)
@@ -232,6 +293,22 @@ class _Responder:
         out |= {"choices": [], "usage": self.usage(f), "psr": self.psr(f)}
         return out
 
+    def _chat_chunks(self, ev: Delta) -> list[dict[str, Any]]:
+        """A delta's chunks: one per part of the reply (reasoning, content, a call's
+        start or arguments); its token ids and logprobs ride on the first."""
+        parts: list[tools.Part | None] = list(self.out.feed(ev.text)) if ev.text else []
+        if not parts and (ev.logprobs or (self.token_ids and ev.token_ids)):
+            parts = [None]
+        return [
+            self.chunk(
+                None if part is not None else "",
+                ev.token_ids if j == 0 else (),
+                logprobs=ev.logprobs if j == 0 else (),
+                part=part,
+            )
+            for j, part in enumerate(parts)
+        ]
+
     async def stream(
         self, first: Event, events: Callable[[], Awaitable[Event]]
     ) -> AsyncIterator[str]:
@@ -242,10 +319,17 @@ class _Responder:
             yield _sse(self.chunk(self.p.echo, first=True))
         ev = first
         while True:
-            if isinstance(ev, Delta):
+            if isinstance(ev, Delta) and self.chat:
+                for c in self._chat_chunks(ev):
+                    yield _sse(c)
+            elif isinstance(ev, Delta):
                 if ev.text or ev.logprobs or (self.token_ids and ev.token_ids):
                     yield _sse(self.chunk(ev.text, ev.token_ids, logprobs=ev.logprobs))
             elif isinstance(ev, Finished):
+                if self.chat:
+                    for part in self.out.finish():
+                        yield _sse(self.chunk(None, part=part))
+                    self.counted()
                 yield _sse(self.chunk(None if self.chat else "", finish=ev))
                 if self.p.request.include_usage:
                     yield _sse(self.usage_chunk(ev))
@@ -265,6 +349,14 @@ def create_app(engine: Engine, *, served_name: str, options: Options | None = No
     and stops it."""
     opts = options or Options()
     created = int(time.time())
+
+    def ready() -> None:
+        f = engine.chat_features = chat.features(
+            engine.request_tokenizer, opts.chat_template, opts.tool_parser
+        )
+        log.info(f.describe())
+
+    engine.on_ready = ready
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -308,14 +400,16 @@ def _add_handlers(app: FastAPI, engine: Engine) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{exc.detail}: {request.method} {request.url.path}"
         engine.metrics.count(outcome_of(exc.status_code))
-        return error_response(APIError(exc.status_code, message, headers=exc.headers))
+        error = APIError(exc.status_code, message, headers=exc.headers)
+        return error_response(error, request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         # A bug, not bad input: OpenAI's body all the same (Starlette logs the traceback).
         log.error("%s %s: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
         engine.metrics.count("error")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        error = APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+        return error_response(error, request.url.path)
 
 
 def _add_info_routes(app: FastAPI, engine: Engine, served_name: str, created: int) -> None:
@@ -361,6 +455,14 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
     async def chat_completions(request: Request) -> Response:
         return await _generate(request, "chat")
 
+    @app.post(MESSAGES)
+    async def messages(request: Request) -> Response:
+        return await _generate(request, "messages")
+
+    @app.post(MESSAGES + "/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        return await _guarded(request, lambda b: _count_tokens(engine, served_name, opts, b))
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         return await _guarded(request, lambda b: _tokenize(engine, served_name, opts, b))
@@ -379,12 +481,16 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
         except APIError as e:
             engine.metrics.count(outcome_of(e.status))
             log.info("[%s] %s %d: %s", rid, request.url.path, e.status, e.message)
-            return error_response(e)
+            return error_response(e, request.url.path)
         return JSONResponse(out)
 
     async def _generate(request: Request, kind: str) -> Response:
-        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
+        if kind == "messages":
+            rid = anthropic.message_id()
+        else:
+            rid = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex[:24]}"
         request_id = _request_id(request)
+        path = request.url.path
         try:
             body = await _body(request, opts.max_body)
             # Checks, the template, tokenizing and the grammar: in a thread (a long
@@ -398,6 +504,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
                 sampling=p.request.sampling,
                 grammar=p.grammar,
                 request_id=request_id,
+                keep_special=p.keep_special,
             )
             try:
                 engine.submit(job)
@@ -414,7 +521,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
         except APIError as e:
             engine.metrics.count(outcome_of(e.status))
             log.info("%s [%s] %d: %s", rid, request_id, e.status, e.message)
-            return error_response(e)
+            return error_response(e, path)
         if p.request.ignored:
             names = ", ".join(p.request.ignored)
             log.warning("%s [%s] ignored unknown fields: %s", rid, request_id, names)
@@ -478,11 +585,58 @@ def _encode(engine: Engine, text: str, special: bool = True) -> list[int]:
     return list(engine.request_tokenizer(text, add_special_tokens=special)["input_ids"])
 
 
-def _chat_ids(engine: Engine, messages: list[dict[str, str]], template: str | None) -> Any:
+def _chat_ids(engine: Engine, req: ChatRequest, template: str | None) -> tuple[list[int], str, str]:
+    tools_json = [t.openai() for t in req.tools] or None
     try:
-        return chat.prompt_ids(engine.request_tokenizer, messages, template)
+        return chat.prompt_ids(
+            engine.request_tokenizer, req.messages, template, tools_json, req.template_kwargs
+        )
     except Exception as e:  # a checkpoint's template may refuse a conversation
         raise bad_request(f"the chat template failed: {e}", "messages") from None
+
+
+def _marker_is_special(engine: Engine, req: ChatRequest, f: chat.Features) -> bool:
+    """Whether the offered tools' format marks calls with a special token, which the
+    reply's text must keep to be parsed."""
+    if not req.offered or f.tool_format is None:
+        return False
+    special = getattr(engine.request_tokenizer, "all_special_tokens", None) or ()
+    added = getattr(engine.request_tokenizer, "added_tokens_decoder", None) or {}
+    names = set(special) | {str(t) for t in added.values() if getattr(t, "special", False)}
+    return f.tool_format.marker in names
+
+
+def _budget(req: ChatRequest) -> int:
+    """The reasoning budget of a forced call after an opened <think>: half the reply's
+    tokens (the call needs the rest), at most THINK_BUDGET."""
+    n = req.sampling.max_tokens
+    return THINK_BUDGET if n is None else max(1, min(n // 2, THINK_BUDGET))
+
+
+THINK_BUDGET = 1024
+
+
+def _tool_grammar(engine: Engine, req: ChatRequest, f: chat.Features, inside: bool) -> str | None:
+    """The grammar of a reply that may call tools: the calls alone (tool_choice required
+    or named), or text that turns into calls at the format's marker (auto)."""
+    if not req.offered:
+        return None
+    if f.tool_format is None:
+        raise bad_request(f"this server does not serve tool calls: {f.why}", "tools")
+    lark = tools.grammar(
+        f.tool_format, req.offered, req.forced, req.several, _budget(req) if inside else None
+    )
+    try:
+        return engine.grammars().grammar(Structured("lark", lark))
+    except ImportError:
+        if req.forced:
+            raise bad_request(
+                "tool_choice required or named needs llguidance: pip install 'psr[serve]'",
+                "tool_choice",
+            ) from None
+        return None  # auto: the calls are parsed, not constrained
+    except GrammarError as e:
+        raise bad_request(f"the tools' schemas do not compile to a grammar: {e}", "tools") from None
 
 
 def _prepare(
@@ -492,6 +646,8 @@ def _prepare(
     req: CompletionRequest | ChatRequest
     if kind == "completion":
         req = parse_completion(body, opts.strict)
+    elif kind == "messages":
+        req = anthropic.parse_messages(body, opts.strict)
     else:
         req = parse_chat(body, opts.strict)
     if req.model is not None and req.model != served:
@@ -499,10 +655,19 @@ def _prepare(
     if not engine.ready.is_set():
         raise _unavailable(engine)
     echo, template, grammar = "", None, None
+    features: chat.Features | None = None
+    inside = keep_special = False
     _check_length(engine, req)
     with engine.request_lock:
         if isinstance(req, ChatRequest):
-            ids, template = _chat_ids(engine, req.messages, opts.chat_template)
+            features = engine.chat_features
+            ids, template, text = _chat_ids(engine, req, opts.chat_template)
+            inside = (
+                features is not None and features.reasoning and text.rstrip().endswith(THINK_OPEN)
+            )
+            if features is not None:
+                grammar = _tool_grammar(engine, req, features, inside)
+                keep_special = _marker_is_special(engine, req, features)
         elif isinstance(req.prompt, str):
             ids = _encode(engine, req.prompt)
             if req.echo:
@@ -527,7 +692,7 @@ def _prepare(
                 ) from None
     if not ids:
         raise bad_request("the prompt encodes to no tokens", "prompt")
-    return _Prepared(kind, rid, req, ids, echo, template, grammar)
+    return _Prepared(kind, rid, req, ids, echo, template, grammar, features, inside, keep_special)
 
 
 def _check_length(engine: Engine, req: CompletionRequest | ChatRequest) -> None:
@@ -574,14 +739,27 @@ def _tokenize(engine: Engine, served: str, opts: Options, body: Any) -> dict[str
         raise bad_request("add_special_tokens must be a boolean", "add_special_tokens")
     with engine.request_lock:
         if "messages" in body:
-            req = parse_chat({"messages": body["messages"]})
-            ids, _ = _chat_ids(engine, req.messages, opts.chat_template)
+            req = parse_chat({"messages": body["messages"], "tools": body.get("tools")})
+            ids, _, _ = _chat_ids(engine, req, opts.chat_template)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise bad_request("prompt must be a string (or give messages)", "prompt")
             ids = _encode(engine, prompt, special)
     return {"count": len(ids), "max_model_len": engine.context, "tokens": ids}
+
+
+def _count_tokens(engine: Engine, served: str, opts: Options, body: Any) -> dict[str, Any]:
+    """Anthropic's /v1/messages/count_tokens: the prompt's tokens, as the reply would
+    be prompted (max_tokens is not needed)."""
+    if isinstance(body, dict) and "max_tokens" not in body:
+        body = {**body, "max_tokens": 1}
+    req = anthropic.parse_messages(body)
+    if req.model is not None and req.model != served:
+        raise _unknown_model(req.model, served)
+    with engine.request_lock:
+        ids, _, _ = _chat_ids(engine, req, opts.chat_template)
+    return {"input_tokens": len(ids)}
 
 
 def _detokenize(engine: Engine, served: str, body: Any) -> dict[str, Any]:
@@ -656,13 +834,19 @@ async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
 async def _respond(
     engine: Engine, job: Job, p: _Prepared, served: str, request: Request
 ) -> Response:
-    r = _Responder(p, served, engine)
+    openai_r = _Responder(p, served, engine)
+    r: _Responder | anthropic.MessagesResponder = openai_r
+    if p.kind == "messages":  # the same parser and counters, Anthropic's shapes
+        r = anthropic.MessagesResponder(
+            p.id, served, openai_r.out, openai_r.counted, len(p.prompt_ids)
+        )
+    path = request.url.path
     watch = asyncio.create_task(_watch_disconnect(request, engine, job))
     handed_over = False
     try:
         first = await job.events.get()
         if isinstance(first, (Failed, Disconnected)):
-            return _failure(first)
+            return _failure(first, path)
         if p.request.stream:
             watch.cancel()  # from here Starlette cancels the stream when the client leaves
 
@@ -681,7 +865,7 @@ async def _respond(
             deltas.append(ev)
             ev = await job.events.get()
         if not isinstance(ev, Finished):
-            return _failure(ev)
+            return _failure(ev, path)
         return JSONResponse(r.whole(deltas, ev))
     finally:
         watch.cancel()
@@ -689,7 +873,7 @@ async def _respond(
             engine.cancel(job)  # no-op once finished; else (handler cancelled) stop it
 
 
-def _failure(ev: Failed | Disconnected) -> Response:
+def _failure(ev: Failed | Disconnected, path: str) -> Response:
     if isinstance(ev, Disconnected):
         return Response(status_code=499)  # nobody is listening
-    return error_response(APIError(ev.status, ev.message))
+    return error_response(APIError(ev.status, ev.message), path)

@@ -16,10 +16,10 @@ concurrent: the calls right after the batch, in its order), so a shared machine'
 spells hit both; a run's overhead is the mean of its requests' relative differences from
 their pairs (median gaps), with a Student-t 95% interval over the R x N requests.
 Every greedy output must equal model.generate's, token for token.
-Structured output's cost: the N prompts decoded by model.generate under a JSON-object
-grammar mask (llguidance, as the server applies it), its host time per token (computing
-the mask, consuming the token) next to the whole token's time, and the same prompts
-decoded without it.
+Grammars' cost: the N prompts decoded by model.generate under each grammar mask the
+server applies (llguidance: a JSON object; a forced tool call; tool_choice auto's lazy
+grammar), its host time per token (computing the mask, consuming the token) next to the
+whole token's time, and the same prompts decoded without a mask, alternating.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class BenchResult:
     max_tokens: int
     policy: str
     rounds: list[list[Run]]
-    grammar: dict[str, float] | None = None  # structured output's mask cost (_grammar_cost)
+    grammar: dict[str, Any] | None = None  # the grammar masks' cost (_grammar_cost)
 
     @property
     def runs(self) -> list[Run]:
@@ -217,12 +217,15 @@ class BenchResult:
         ]
         g = self.grammar
         if g is not None:
-            lines.append(
-                f"grammar mask (JSON object, llguidance): {g['mask_ms_per_token']:.3f} ms/token "
-                f"of host time over {g['tokens']:.0f} tokens; model.generate "
-                f"{g['ms_per_token_masked']:.2f} ms/token with the mask, "
-                f"{g['ms_per_token_plain']:.2f} without (the same prompts)"
-            )
+            plain = g["ms_per_token_plain"]
+            for way in GRAMMARS:
+                w = g[way]
+                lines.append(
+                    f"grammar mask ({way}, llguidance): {w['mask_ms_per_token']:.3f} ms/token "
+                    f"of host time over {w['tokens']:.0f} tokens; model.generate "
+                    f"{w['ms_per_token']:.2f} ms/token with the mask, {plain:.2f} without "
+                    "(the same prompts, alternating)"
+                )
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, Any]:
@@ -239,22 +242,50 @@ class BenchResult:
         }
 
 
-def _grammar_cost(model: Any, ids: list[list[int]], max_tokens: int) -> dict[str, float]:
-    """model.generate on `ids` with a JSON-object grammar mask and without, alternating
-    per prompt: the mask's host seconds per token, and each way's ms per token."""
+# The grammars measured: structured output's, and tool calls' (hermes: a forced call, and
+# the lazy grammar of tool_choice auto, free text until the call marker).
+_NOTE = {
+    "type": "function",
+    "function": {
+        "name": "note",
+        "parameters": {
+            "type": "object",
+            "properties": {"text": {"type": "string"}},
+            "required": ["text"],
+        },
+    },
+}
+GRAMMARS = ("JSON object", "tool call, forced", "tool call, auto (lazy)")
+
+
+def _grammar_cost(model: Any, ids: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    """model.generate on `ids` under each of GRAMMARS and without a mask, alternating
+    per prompt: each mask's host ms per token, and each way's ms per token."""
+    from psr.serve import tools
     from psr.serve.decoding import Grammars
-    from psr.serve.protocol import Structured
+    from psr.serve.protocol import Structured, parse_tools
 
     tok = model.tokenizer
     eos = getattr(tok, "eos_token_id", None)
     grammars = Grammars(tok, model.config.vocab_size, () if eos is None else (eos,))
-    grammar = grammars.grammar(Structured("json", None))
-    seconds = {"masked": 0.0, "plain": 0.0}
-    tokens = {"masked": 0, "plain": 0}
-    mask_s, masks = 0.0, 0
+    hermes, note = tools.FORMATS["hermes"], parse_tools([_NOTE])
+    compiled: dict[str, str | None] = {
+        "JSON object": grammars.grammar(Structured("json", None)),
+        "tool call, forced": grammars.grammar(
+            Structured("lark", tools.grammar(hermes, note, True, False))
+        ),
+        "tool call, auto (lazy)": grammars.grammar(
+            Structured("lark", tools.grammar(hermes, note, False, False))
+        ),
+        "plain": None,
+    }
+    seconds = dict.fromkeys(compiled, 0.0)
+    tokens = dict.fromkeys(compiled, 0)
+    mask_s = dict.fromkeys(compiled, 0.0)
+    masks = dict.fromkeys(compiled, 0)
     for prompt in ids:
-        for way in ("masked", "plain"):
-            mask = grammars.mask(grammar) if way == "masked" else None
+        for way, grammar in compiled.items():
+            mask = grammars.mask(grammar) if grammar is not None else None
             timer = _Timer()
             t0 = time.perf_counter()
             model.generate(
@@ -267,13 +298,16 @@ def _grammar_cost(model: Any, ids: list[list[int]], max_tokens: int) -> dict[str
             seconds[way] += time.perf_counter() - t0
             tokens[way] += len(timer.tokens)
             if mask is not None:
-                mask_s, masks = mask_s + mask.seconds, masks + mask.masks
-    return {
-        "mask_ms_per_token": mask_s * 1e3 / max(masks, 1),
-        "tokens": float(masks),
-        "ms_per_token_masked": seconds["masked"] * 1e3 / max(tokens["masked"], 1),
-        "ms_per_token_plain": seconds["plain"] * 1e3 / max(tokens["plain"], 1),
-    }
+                mask_s[way] += mask.seconds
+                masks[way] += mask.masks
+    out: dict[str, Any] = {"ms_per_token_plain": seconds["plain"] * 1e3 / max(tokens["plain"], 1)}
+    for way in GRAMMARS:
+        out[way] = {
+            "mask_ms_per_token": mask_s[way] * 1e3 / max(masks[way], 1),
+            "tokens": float(masks[way]),
+            "ms_per_token": seconds[way] * 1e3 / max(tokens[way], 1),
+        }
+    return out
 
 
 class _Feed:

@@ -112,6 +112,11 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     psr: dict[str, Any]
+    # Of prompt_tokens, those read from a prompt cache rather than prefilled: the one
+    # figure usage reports as OpenAI's cached_tokens and Anthropic's
+    # cache_read_input_tokens (0 until the server has a prompt cache).
+    cached_tokens: int = 0
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,9 @@ class Job:
     sampling: Sampling | None = None  # penalties, ignore_eos, logprobs
     grammar: str | None = None  # an llguidance grammar (checked) the output must follow
     request_id: str = ""  # X-Request-Id, for the log line
+    # Special tokens stay in the text (all but EOS): a tool-call format whose markers are
+    # special tokens of the checkpoint's vocabulary (Mistral's [TOOL_CALLS]).
+    keep_special: bool = False
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it
     # Created in the event loop's thread (submit runs there); filled by the worker.
@@ -234,6 +242,8 @@ class Engine:
         self.load_error: BaseException | None = None
         # Called (in the worker thread) when loading fails: the server should stop.
         self.on_fatal: Callable[[], None] | None = None
+        # Called (in the worker thread) once the model is loaded and requests are served.
+        self.on_ready: Callable[[], None] | None = None
         # Fast tokenizers must not be used from two threads at once: the event loop
         # encodes prompts while the worker decodes tokens.
         self.tokenizer_lock = threading.Lock()
@@ -241,6 +251,8 @@ class Engine:
         # event loop with a tokenizer of their own, so a long prompt never holds the lock
         # the worker's detokenizing takes: it waits only for other requests' tokenizing.
         self.request_tokenizer: Any = None
+        # What the app reads from the chat template once loaded (psr.serve.chat.Features).
+        self.chat_features: Any = None
         self.request_lock = threading.Lock()
         self._grammars: Grammars | None = None
         # At most this many bytes of text per token (see max_bytes_per_token): a prompt of
@@ -316,6 +328,13 @@ class Engine:
             text: str = self.model.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
 
+    def decode_special(self, ids: Sequence[int]) -> str:
+        """`decode_text` keeping special tokens, EOS aside."""
+        kept = [t for t in ids if t not in self.eos_token_ids]
+        with self.tokenizer_lock:
+            text: str = self.model.tokenizer.decode(kept, skip_special_tokens=False)
+        return text
+
     def request_decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         """Text of `ids` with the requests' tokenizer (hold `request_lock`)."""
         text: str = self.request_tokenizer.decode(list(ids), skip_special_tokens=skip_special)
@@ -362,6 +381,8 @@ class Engine:
         self.bytes_per_token = max_bytes_per_token(tok)
         self.ready.set()
         log.info("model loaded: %s, policy %s", model.path, model.policy.describe())
+        if self.on_ready is not None:
+            self.on_ready()
         while True:
             with self._cond:
                 while not self._queue and not self._stopping:
@@ -395,7 +416,8 @@ class Engine:
 
     def _decode(self, job: Job) -> None:
         model = self.model
-        detok = Detokenizer(self.decode_text, job.prompt_ids)
+        decode = self.decode_special if job.keep_special else self.decode_text
+        detok = Detokenizer(decode, job.prompt_ids)
         stops = StopBuffer(job.stops)
         s = job.sampling
         sink = None if s is None or s.logprobs is None else LogprobSink(s.logprobs)
@@ -445,7 +467,7 @@ class Engine:
                     mask.seconds * 1e3 / max(mask.masks, 1), 4
                 )
                 self.metrics.grammar.observe(mask.seconds / max(mask.masks, 1))
-            last = Finished(finish, len(job.prompt_ids), n, figures)
+            last = Finished(finish, len(job.prompt_ids), n, figures, stop_string=stops.matched)
             outcome = finish
         elif error is not None:
             last = Failed(f"{type(error).__name__}: {error}")

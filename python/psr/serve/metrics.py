@@ -138,6 +138,11 @@ class Metrics:
             "From a decoded request's arrival to the worker taking it",
             _TTFT_BUCKETS,
         )
+        self.tool_parse_failures = counter(
+            "psr_tool_parse_failures",
+            "Replies whose tool-call markup did not parse (returned as content)",
+        )
+        self.tool_calls = counter("psr_tool_calls", "Tool calls returned to clients")
         self.grammar = histogram(
             "psr_grammar_mask_seconds_per_token",
             "Structured output: the grammar mask's host time per token, per request",

@@ -7,7 +7,9 @@ with a warning header and a log line, as vLLM does), or refused with a 400 under
 `strict`. Extensions, as vLLM accepts them: `top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `return_token_ids` (the prompt's and the completion's token ids), and
 structured output by `guided_json` / `guided_regex` / `guided_grammar` (Lark) beside
-OpenAI's `response_format`. Strings anywhere in a body must be valid Unicode (no lone
+OpenAI's `response_format`. Tools (`tools`, `tool_choice`, `parallel_tool_calls`, and
+the history's calls and results), `chat_template_kwargs` and `reasoning_effort` are
+checked here too. Strings anywhere in a body must be valid Unicode (no lone
 surrogates): a 400 naming the field. Torch-free: no model is needed to check a request.
 """
 
@@ -16,8 +18,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from psr.serve.tools.base import Tool
 
 # OpenAI's default max_tokens for /v1/completions; chat completions default to the rest
 # of the model's context (max_tokens None).
@@ -117,12 +121,37 @@ class CompletionRequest:
 @dataclass(frozen=True)
 class ChatRequest:
     model: str | None
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     sampling: Sampling
     stream: bool
     include_usage: bool
     return_token_ids: bool
     ignored: tuple[str, ...] = ()
+    tools: tuple[Tool, ...] = ()
+    # "auto", "none", "required", or the name of the one function to call
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # the template's extras
+
+    @property
+    def forced(self) -> bool:
+        """The reply must be calls (tool_choice required or named)."""
+        return bool(self.tools) and self.tool_choice not in ("auto", "none")
+
+    @property
+    def several(self) -> bool:
+        """Several calls may be made: parallel_tool_calls, and no function named (a named
+        tool_choice is one call, as vLLM's)."""
+        return self.parallel_tool_calls and self.tool_choice in ("auto", "required")
+
+    @property
+    def offered(self) -> tuple[Tool, ...]:
+        """The tools the model may call: all, the named one, or none."""
+        if not self.tools or self.tool_choice == "none":
+            return ()
+        if self.tool_choice in ("auto", "required"):
+            return self.tools
+        return tuple(t for t in self.tools if t.name == self.tool_choice)
 
 
 # ------------------------------------------------------------------ field checks
@@ -259,6 +288,8 @@ CHAT_KEYS = frozenset(
         "parallel_tool_calls",
         "response_format",
         "return_token_ids",
+        "chat_template_kwargs",
+        "reasoning_effort",
     }
     | _METADATA
     | _SAMPLING
@@ -466,7 +497,7 @@ def _prompt(v: Any) -> str | list[int]:
     )
 
 
-_ROLES = ("system", "developer", "user", "assistant")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def parse_chat(body: Any, strict: bool = False) -> ChatRequest:
@@ -478,35 +509,197 @@ def parse_chat(body: Any, strict: bool = False) -> ChatRequest:
     top = _int(body, "top_logprobs", 0, MAX_LOGPROBS + 1)
     if top is not None and not want:
         raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    for key in ("tools", "functions"):
-        _refuse_unless(body, key, ([],), "psr serves no tool or function calls")
-    for key in ("tool_choice", "function_call"):
-        _refuse_unless(body, key, ("none",), "psr serves no tool or function calls")
-    if body.get("parallel_tool_calls") is not None:
-        _bool(body, "parallel_tool_calls")  # a well-typed flag; without tools it changes nothing
+    _refuse_unless(body, "functions", ([],), "functions are deprecated: give tools")
+    _refuse_unless(
+        body, "function_call", ("none",), "function_call is deprecated: give tool_choice"
+    )
+    tools = parse_tools(body.get("tools"))
+    choice = _tool_choice(body.get("tool_choice"), tools)
     if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_tokens")
     max_tokens = _int(body, "max_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_completion_tokens", 1)
     stream, include_usage = _stream(body)
+    sampling = _sampling(body, max_tokens, (top or 0) if want else None)
+    if sampling.structured is not None and tools and choice != "none":
+        raise bad_request(
+            "give response_format (or guided_*) or tools, not both: one grammar per request",
+            "response_format",
+        )
     return ChatRequest(
         model=_model(body),
         messages=_messages(body.get("messages")),
-        sampling=_sampling(body, max_tokens, (top or 0) if want else None),
+        sampling=sampling,
         stream=stream,
         include_usage=include_usage,
         return_token_ids=_bool(body, "return_token_ids"),
         ignored=ignored,
+        tools=tools,
+        tool_choice=choice,
+        parallel_tool_calls=_bool(body, "parallel_tool_calls", True),
+        template_kwargs=_template_kwargs(body),
     )
 
 
-def _messages(v: Any) -> list[dict[str, str]]:
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs` (vLLM's: e.g. enable_thinking), and `reasoning_effort`, which
+    templates that take it (gpt-oss's) read as a variable of that name."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        kw = {}
+    if not isinstance(kw, dict):
+        raise bad_request("chat_template_kwargs must be an object", "chat_template_kwargs")
+    reserved = {"messages", "tools", "add_generation_prompt", "chat_template", "tokenize"}
+    for key in kw:
+        if key in reserved:
+            raise bad_request(
+                f"chat_template_kwargs.{key} is set by the server", "chat_template_kwargs"
+            )
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in ("minimal", "low", "medium", "high"):
+            raise bad_request(
+                f"reasoning_effort must be minimal, low, medium or high, got {_short(effort)}",
+                "reasoning_effort",
+            )
+        kw = {**kw, "reasoning_effort": effort}
+    return dict(kw)
+
+
+# ------------------------------------------------------------------ tools
+
+_JSON_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def check_schema(schema: Any, where: str, param: str = "tools") -> None:
+    """A 400 naming `where` unless `schema` is a JSON Schema psr can read: an object whose
+    `type`, `properties`, `required`, `items`, `enum` and combinators are well formed (the
+    grammar compiler checks the rest)."""
+
+    def bad(what: str) -> APIError:
+        return bad_request(f"{where} is not a valid JSON Schema: {what}", param)
+
+    if isinstance(schema, bool):
+        return
+    if not isinstance(schema, dict):
+        raise bad(f"expected an object, got {_short(schema)}")
+    kind = schema.get("type")
+    if kind is not None:
+        kinds = kind if isinstance(kind, list) else [kind]
+        for k in kinds:
+            if k not in _JSON_TYPES:
+                raise bad(f"type {_short(k)} is not a JSON type")
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            raise bad("properties must be an object")
+        for key, sub in props.items():
+            check_schema(sub, f"{where}.properties.{key}", param)
+    req = schema.get("required")
+    if req is not None and (not isinstance(req, list) or not all(isinstance(r, str) for r in req)):
+        raise bad("required must be a list of property names")
+    if "items" in schema:
+        check_schema(schema["items"], f"{where}.items", param)
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        raise bad("enum must be a list")
+    for key in ("anyOf", "oneOf", "allOf"):
+        if key in schema:
+            subs = schema[key]
+            if not isinstance(subs, list) or not subs:
+                raise bad(f"{key} must be a non-empty list")
+            for j, sub in enumerate(subs):
+                check_schema(sub, f"{where}.{key}[{j}]", param)
+
+
+def parse_tools(v: Any, param: str = "tools") -> tuple[Tool, ...]:
+    """OpenAI's `tools`: [{"type": "function", "function": {name, description,
+    parameters, strict}}], checked (names unique, schemas readable)."""
+    if v is None:
+        return ()
+    if not isinstance(v, list):
+        raise bad_request(f"{param} must be a list of tools", param)
+    out: list[Tool] = []
+    for i, t in enumerate(v):
+        where = f"{param}[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise bad_request(f'{where}.type must be "function"', param)
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise bad_request(f"{where}.function must be an object", param)
+        out.append(
+            make_tool(
+                fn.get("name"),
+                fn.get("parameters"),
+                fn.get("description"),
+                fn.get("strict"),
+                f"{where}.function",
+                param,
+            )
+        )
+    names = [t.name for t in out]
+    for name in names:
+        if names.count(name) > 1:
+            raise bad_request(f"{param}: the function name {name!r} is given twice", param)
+    return tuple(out)
+
+
+def make_tool(
+    name: Any,
+    parameters: Any,
+    description: Any,
+    strict: Any,
+    where: str,
+    param: str,
+    schema_key: str = "parameters",
+) -> Tool:
+    """One tool, checked; errors name `where` and the schema's field (`schema_key`)."""
+    if not isinstance(name, str) or not name or len(name) > 64 or set(name) - _NAME_CHARS:
+        raise bad_request(
+            f"{where}.name must be 1 to 64 letters, digits, _ - or ., got {_short(name)}", param
+        )
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", param)
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.strict must be a boolean", param)
+    schema = {"type": "object", "properties": {}} if parameters is None else parameters
+    check_schema(schema, f"{where}.{schema_key}", param)
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise bad_request(f"{where}.{schema_key} must be an object schema", param)
+    return Tool(name, schema, description, bool(strict))
+
+
+def _tool_choice(v: Any, tools: tuple[Tool, ...]) -> str:
+    if v is None:
+        return "auto"
+    if v in ("none", "auto", "required"):
+        if v == "required" and not tools:
+            raise bad_request("tool_choice required needs tools", "tool_choice")
+        return str(v)
+    fn = v.get("function") if isinstance(v, dict) and v.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or {"type": "function", '
+            f'"function": {{"name": ...}}}}, got {_short(v)}',
+            "tool_choice",
+        )
+    if name not in {t.name for t in tools}:
+        raise bad_request(f"tool_choice names {name!r}, which is not among tools", "tool_choice")
+    return name
+
+
+def _messages(v: Any) -> list[dict[str, Any]]:
+    """Chat messages, checked, as templates take them: an assistant's `tool_calls` with
+    their arguments as objects (vLLM's: templates write them with `tojson`), a `tool`
+    message's `tool_call_id` one of an earlier call's."""
     if v is None:
         raise bad_request("messages is required", "messages")
     if not isinstance(v, list) or not v:
         raise bad_request("messages must be a non-empty list of messages", "messages")
     out = []
+    call_ids: set[str] = set()
     for i, m in enumerate(v):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -514,20 +707,84 @@ def _messages(v: Any) -> list[dict[str, str]]:
         role = m.get("role")
         if role not in _ROLES:
             raise bad_request(
-                f"{where}.role {role!r} is not supported: one of {', '.join(_ROLES)} "
-                "(psr serves no tool calls)",
-                "messages",
+                f"{where}.role {role!r} is not supported: one of {', '.join(_ROLES)}", "messages"
             )
+        allowed = _MESSAGE_KEYS[role]
         for key in m:
-            if key not in ("role", "content", "name"):
+            if key not in allowed:
                 raise bad_request(f"{where}.{key} is not supported", "messages")
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise bad_request(f"{where}.name must be a string", "messages")
-        msg = {"role": role, "content": _content(m.get("content"), where)}
+        msg: dict[str, Any] = {"role": role}
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if m.get("content") is None and (calls or m.get("reasoning_content")):
+            msg["content"] = ""
+        else:
+            msg["content"] = _content(m.get("content"), where)
         if name is not None:
             msg["name"] = name
-        out.append(msg)
+        if calls is not None:
+            msg["tool_calls"] = _history_calls(calls, f"{where}.tool_calls")
+            call_ids.update(c["id"] for c in msg["tool_calls"])
+        out.append(msg | _turn_fields(m, where, call_ids))
+    return out
+
+
+def _turn_fields(m: dict[str, Any], where: str, call_ids: set[str]) -> dict[str, Any]:
+    """An assistant's earlier reasoning (templates that want it back read it), a tool
+    result's call id (one of an earlier assistant call's)."""
+    out: dict[str, Any] = {}
+    reasoning = m.get("reasoning_content")
+    if reasoning is not None:
+        if not isinstance(reasoning, str):
+            raise bad_request(f"{where}.reasoning_content must be a string", "messages")
+        out["reasoning_content"] = reasoning
+    if m.get("role") == "tool":
+        cid = m.get("tool_call_id")
+        if not isinstance(cid, str):
+            raise bad_request(f"{where}.tool_call_id is required (a string)", "messages")
+        if cid not in call_ids:
+            raise bad_request(
+                f"{where}.tool_call_id {cid!r} matches no earlier assistant tool call",
+                "messages",
+            )
+        out["tool_call_id"] = cid
+    return out
+
+
+_MESSAGE_KEYS = {
+    "system": ("role", "content", "name"),
+    "developer": ("role", "content", "name"),
+    "user": ("role", "content", "name"),
+    "assistant": ("role", "content", "name", "tool_calls", "reasoning_content"),
+    "tool": ("role", "content", "name", "tool_call_id"),
+}
+
+
+def _history_calls(v: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(v, list):
+        raise bad_request(f"{where} must be a list", "messages")
+    out = []
+    for j, c in enumerate(v):
+        at = f"{where}[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(c.get("id"), str):
+            raise bad_request(f"{at} must have an id and a function", "messages")
+        name, args = fn.get("name"), fn.get("arguments")
+        if not isinstance(name, str) or not isinstance(args, str):
+            raise bad_request(
+                f"{at}.function needs a name and arguments (a JSON string)", "messages"
+            )
+        try:
+            parsed = json.loads(args) if args.strip() else {}
+        except json.JSONDecodeError as e:
+            raise bad_request(f"{at}.function.arguments is not JSON: {e}", "messages") from None
+        if not isinstance(parsed, dict):
+            raise bad_request(f"{at}.function.arguments must be a JSON object", "messages")
+        out.append(
+            {"id": c["id"], "type": "function", "function": {"name": name, "arguments": parsed}}
+        )
     return out
 
 

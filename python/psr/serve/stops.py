@@ -62,6 +62,7 @@ class StopBuffer:
             raise ValueError("stop strings must not be empty")
         self.stops = tuple(stops)
         self.stopped = False
+        self.matched: str | None = None  # the stop string found
         self._held = ""
 
     def feed(self, text: str) -> str:
@@ -71,10 +72,11 @@ class StopBuffer:
             return text
         buf = self._held + text
         # Held text was never shown, so every stop string that could occur starts in buf.
-        found = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        found = [(i, s) for s in self.stops if (i := buf.find(s)) >= 0]
         if found:
+            at, self.matched = min(found)
             self.stopped, self._held = True, ""
-            return buf[: min(found)]
+            return buf[:at]
         keep = self._partial(buf)
         self._held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep]
