@@ -117,7 +117,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_lm_eval(argv[lead + 1 :])
         args = build_parser().parse_args(argv)
         debug = debug or args.debug
-        code: int = args.fn(args)
+        threads_env = os.environ.get("PSR_THREADS")  # apply_threads sets it for the command
+        try:
+            code: int = args.fn(args)
+        finally:  # main() called in-process (tests, notebooks) leaves the env as it was
+            if threads_env is None:
+                os.environ.pop("PSR_THREADS", None)
+            else:
+                os.environ["PSR_THREADS"] = threads_env
         return code
     except KeyboardInterrupt:
         _fail(EXIT_INTERRUPT, "interrupted", debug)

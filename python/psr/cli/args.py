@@ -231,6 +231,42 @@ def dtype(s: str) -> str:
     return DTYPE_ALIASES[name]
 
 
+# ------------------------------------------------------------------ threads (issue 42)
+
+THREADS_HELP = (
+    "CPU threads for torch and psr's CPU expert kernels (default: $PSR_THREADS, else "
+    "$OMP_NUM_THREADS, else the physical cores available to the process; `psr info` says)"
+)
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+
+
+def check_threads(threads: int | None) -> int:
+    """The thread count a command will run with (psr.machine.resolve_threads), checked
+    before anything loads: too many is a usage error naming the option."""
+    from psr.machine import resolve_threads
+
+    try:
+        return resolve_threads(threads)
+    except ValueError as e:
+        msg = str(e)
+        raise UsageError(f"--threads {msg.removeprefix('threads=')}" if threads else msg) from None
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """For commands that run models without psr.load's `threads` (eval, tune, ...): set
+    torch's threads, which psr's CPU expert kernels follow, from --threads, and
+    $PSR_THREADS, so that every psr.load the command makes keeps them."""
+    n = check_threads(getattr(args, "threads", None))
+    os.environ["PSR_THREADS"] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
 # ------------------------------------------------------------------ paths, checked up front
 
 

@@ -10,6 +10,8 @@ from psr.cli.args import (
     EMBEDDED,
     QUIET_HELP,
     UsageError,
+    add_threads_option,
+    apply_threads,
     comma_list,
     command,
     eval_model,
@@ -35,11 +37,13 @@ def add_demo(sub: Any) -> None:
     d.add_argument("--out", default=DEMO_OUT, help="folder for demo.{md,json,png}")
     d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     d.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    add_threads_option(d)
     d.set_defaults(fn=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     writable_dir(args.out, "--out")
+    apply_threads(args)
     from psr.eval.runs import demo
 
     demo(args.out, progress=progress(args), quick=args.quick)
@@ -95,12 +99,14 @@ def add_eval(sub: Any) -> None:
         "with experts_on cpu and hybrid, traces recorded (exact's are replayed either way)",
     )
     ev.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    add_threads_option(ev)
     ev.set_defaults(fn=run_eval)
 
 
 def run_eval(args: argparse.Namespace) -> int:
     path = eval_model(args.model)
     writable_dir(args.out, "--out")
+    apply_threads(args)
     from psr.eval.runs import evaluate, grid
 
     evaluate(
@@ -159,6 +165,7 @@ def tuning_args(
         help="teacher-forced windows of 128 decode-path tokens per configuration",
     )
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    add_threads_option(c)
 
 
 def check_profile(name: str) -> None:
@@ -221,6 +228,7 @@ def run_tune(args: argparse.Namespace) -> int:
     check_profile(args.profile)
     if args.write:
         writable_file(args.write, "--write")
+    apply_threads(args)
     from psr.eval.runs import tune
 
     tune(

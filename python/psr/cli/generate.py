@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from psr.cli.args import (
     EMBEDDED,
     QUIET_HELP,
     UsageError,
+    add_threads_option,
+    check_threads,
     command,
     device,
     dtype,
@@ -120,7 +123,7 @@ def add_policy_options(g: argparse.ArgumentParser) -> None:
 
 def add_placement_options(g: argparse.ArgumentParser) -> None:
     """--device, --dtype, --compute, --expert-format, --quant-cache, --speculative,
-    --block, --block-k."""
+    --block, --block-k, --threads, --ctx-size."""
     g.add_argument(
         "--device",
         type=device,
@@ -212,12 +215,28 @@ def add_placement_options(g: argparse.ArgumentParser) -> None:
         help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
         "slots))",
     )
+    add_run_options(g)
+
+
+def add_run_options(g: argparse.ArgumentParser) -> None:
+    """--threads, --ctx-size (psr.load's threads, context; issue 42)."""
+    add_threads_option(g)
+    g.add_argument(
+        "--ctx-size",
+        type=positive_int,
+        default=None,
+        metavar="TOKENS",
+        help="context in tokens: prompt + new tokens beyond it are refused, the server's "
+        "max_model_len (default: the checkpoint's max_position_embeddings; more is an error)",
+    )
 
 
 def check_policy_options(args: argparse.Namespace) -> None:
-    """The policy with its --lam / --n, checked before anything loads (UsageError)."""
+    """The policy with its --lam / --n, and --threads, checked before anything loads
+    (UsageError)."""
     from psr.policy import make_policy
 
+    check_threads(args.threads)
     try:
         make_policy(args.policy, args.lam, args.n)
     except ValueError as e:
@@ -255,6 +274,8 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
         "block_k": args.block_k,
         "quality_budget": args.quality_budget,
         "host_memory": args.host_memory,
+        "threads": args.threads,
+        "context": args.ctx_size,
     }
 
 
@@ -302,15 +323,17 @@ def run_generate(args: argparse.Namespace) -> int:
         progress=show_progress,
     )
     new = gen[0, len(ids) :].tolist()
+    # The text alone on stdout (`psr generate ... > out.txt`); what the run did on stderr.
     print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
-    print()
+    sys.stdout.flush()
     print(
-        f"policy {model.policy.describe()} ({model.policy_source}), "
+        f"\npolicy {model.policy.describe()} ({model.policy_source}), "
         f"{model.runtime.capacity} of {model.runtime.spec.num_experts} experts resident per "
         f"layer, backend {model.runtime.store.backend}, compute {model.runtime.ops.path}, "
         f"experts {_experts_shown(model, args.expert_format)}, decode {args.decode}, "
         + (f"experts on {_experts_on(args)}, " if args.experts_on != "gpu" else "")
-        + f"graphs {model.graph_status}"
+        + f"graphs {model.graph_status}",
+        file=sys.stderr,
     )
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:
@@ -318,7 +341,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(
             f"speculative ({args.speculative}, B={args.block}, K_b={model.block_k}): "
             f"{st.blocks} verify blocks, {st.accepted_per_block:.2f} drafts accepted and "
-            f"{st.tokens_per_block:.2f} tokens per block"
+            f"{st.tokens_per_block:.2f} tokens per block",
+            file=sys.stderr,
         )
         # The same figures as the line above, plus the per-block counts behind them.
         speculative = {
@@ -327,7 +351,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "block_k": model.block_k,
             **st.as_dict(),
         }
-    print(model.stats.table())
+    print(model.stats.table(), file=sys.stderr)
     if out is not None:
         result: dict[str, Any] = {
             "tokens": gen[0].tolist(),

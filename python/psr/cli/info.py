@@ -26,9 +26,16 @@ def add_info(sub: Any) -> None:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    from psr.cli.args import check_threads
+    from psr.machine import allowed_cpus, physical_cores
     from psr.store import backend_info
 
-    print(json.dumps(backend_info(), indent=2))
+    cpus = {
+        "cpus_available": len(allowed_cpus()),  # the affinity mask's logical CPUs
+        "physical_cores": physical_cores(),
+        "threads": check_threads(None),  # what psr.load uses by default (issue 42)
+    }
+    print(json.dumps(backend_info() | cpus, indent=2))
     return 0
 
 

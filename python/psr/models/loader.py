@@ -12,6 +12,7 @@ KV cache and generation stay transformers' own. Expert weights stream from safet
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -209,7 +210,7 @@ def offload(
     expert_format: str | None = None,
     decode: str = "device",
     graphs: bool | str = "auto",
-    progress: bool = True,
+    progress: bool | None = None,
     experts_on: str = "gpu",
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
@@ -221,6 +222,7 @@ def offload(
     memory), and `psr.restore` rebuilds it from the store. Returns an OffloadedModel
     wrapping the same model (for `.stats`, `.generate`, ...). `experts_on`: as `load`.
     """
+    progress = on_terminal(progress)
     if not isinstance(hf_model, nn.Module) or not hasattr(hf_model, "config"):
         raise TypeError(
             f"psr.offload needs a transformers causal LM (an nn.Module with .config), "
@@ -726,8 +728,42 @@ def _tokenizer(path: str | Path, ckpt: Any = None) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(path))
 
 
+# ------------------------------------------------------------------ threads and context
+# (issue 42: load options of their own, for LoadConfig to take over)
+
+
+def on_terminal(progress: bool | None) -> bool:
+    """Progress bars: as asked, or (None) only when stderr is a terminal."""
+    return sys.stderr.isatty() if progress is None else bool(progress)
+
+
+def _set_threads(threads: int | None) -> int:
+    """Resolve `threads` (psr.machine.resolve_threads) and give torch's intra-op pool that
+    many; psr's CPU expert kernels run on torch.get_num_threads() threads."""
+    from psr.machine import resolve_threads
+
+    n = resolve_threads(threads)
+    torch.set_num_threads(n)
+    return n
+
+
+def _context(context: int | None, config: Any) -> int | None:
+    """`context` checked against the checkpoint's max_position_embeddings (None: that)."""
+    if context is None:
+        return None
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be an int >= 1 (tokens), got {context!r}")
+    trained = getattr(config, "max_position_embeddings", None)
+    if trained is not None and context > int(trained):
+        raise ValueError(
+            f"context={context} exceeds the model's context of {trained} tokens "
+            "(max_position_embeddings)"
+        )
+    return context
+
+
 @torch.no_grad()
-def load(
+def load(  # noqa: PLR0913 (threads, context: LoadConfig's to take over, issue 40)
     path: str | Path,
     policy: str | Policy = DEFAULT_POLICY,
     residency: float | None = DEFAULT_RESIDENCY,
@@ -747,8 +783,10 @@ def load(
     block_k: int | None = None,
     quality_budget: float | None = None,
     quant_cache: bool | str | Path | None = False,
-    progress: bool = True,
+    progress: bool | None = None,
     experts_on: str = "gpu",
+    threads: int | None = None,
+    context: int | None = None,
     **memory: Unpack[MemoryOptions],
 ) -> OffloadedModel:
     """Load a local HF checkpoint folder with its experts offloaded to a psr store.
@@ -775,6 +813,8 @@ def load(
             'native' (the model's dtype), 'bf16', or quantized while loading: 'int8'
             (per output channel), 'fp8' (e4m3, per channel), 'int4' (group 128); the
             kernels dequantize on the fly.
+        progress: progress bars while experts load (None, the default: only when stderr
+            is a terminal).
         quant_cache: with a quantized `expert_format`, keep the quantized rows on disk
             and read them on later loads of the same checkpoint: True (the user cache
             folder, or $PSR_CACHE/quantized) or a folder, never inside the model folder
@@ -797,6 +837,14 @@ def load(
             machine's profile, `psr bench machine`).
             CPU and GPU arithmetic round differently: the modes may give different
             tokens, each reproducible. `model.set_experts_on` switches later.
+        threads: CPU threads for torch's intra-op pool and psr's CPU expert kernels (set
+            process-wide with torch.set_num_threads); default $PSR_THREADS, else
+            $OMP_NUM_THREADS, else the physical cores of the process's affinity mask
+            (psr.machine.resolve_threads). More than the CPUs available is an error.
+        context: the context in tokens (llama.cpp's --ctx-size): prompt + new tokens beyond
+            it are refused, decode graphs' static KV caches are capped at it, `psr serve`
+            reports it as max_model_len. Default: the checkpoint's max_position_embeddings;
+            more than that is an error.
         **memory (psr.models.tiers.MemoryOptions):
         host_memory: the host-memory budget ('48GB', '48GiB', bytes, or 'unlimited';
             default: every expert when the model fits 80% of MemAvailable, else that):
@@ -810,6 +858,8 @@ def load(
     vocab.graphs_choice(graphs)
     where, hybrid_m = vocab.parse_experts_on(experts_on)
     host_memory, host_profile = memory_options(memory)
+    n_threads = _set_threads(threads)  # issue 42: before the experts are read and quantized
+    progress = on_terminal(progress)
     gguf = is_gguf(path)
     if gguf:
         ckpt: Any = open_gguf(path)
@@ -836,6 +886,7 @@ def load(
             config=ckpt.config if gguf else None,
         )
         spec = opts.spec
+        ctx = _context(context, opts.config)
         meta = _meta_model(opts)
         moe_idx = meta[1]
         # Experts read as blocks (GGUF, pre-quantized): checked before anything is loaded.
@@ -887,6 +938,7 @@ def load(
     om.policy_source = opts.policy_source
     om.graphs = graphs
     om.host_budget = plan.budget
+    om.threads, om.context_limit = n_threads, ctx
     if drafter is not None:
         om.set_speculative(drafter, block_k if block_k is not None else min(2 * spec.top_k, C))
     if where != "gpu":
