@@ -22,6 +22,10 @@ from psr.vocab import host_memory as _host_memory
 
 T = TypeVar("T")
 
+MODEL_HELP = (
+    "checkpoint folder, .gguf file, or Hugging Face repo id from the local cache (org/name, "
+    "org/name:FILE.gguf; `psr list` shows them)"
+)
 QUIET_HELP = "no progress bars (they are shown only when stderr is a terminal)"
 EMBEDDED = "(default: the embedded model)"
 
@@ -325,6 +329,21 @@ def writable_dir(path: str | Path, option: str) -> Path:
     return p
 
 
+def model_path(name: str | None, option: str = "--model") -> str:
+    """--model as a local path: the embedded model when not given; a Hub repo id
+    (`org/name`, `org/name:FILE.gguf`) from the local Hub cache, never downloaded
+    (psr.models.names.resolve_model); errors name the option."""
+    from psr.models import DEFAULT_MODEL
+    from psr.models.names import resolve_model
+
+    if name is None:
+        return str(DEFAULT_MODEL)
+    try:
+        return resolve_model(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{option} {e}") from None
+
+
 def model_config(path: str | Path, option: str = "--model") -> dict[str, Any]:
     """config.json of a supported checkpoint folder (psr.models.read_config: no weights are
     read), with errors that name the option."""
@@ -356,10 +375,9 @@ def model_config(path: str | Path, option: str = "--model") -> dict[str, Any]:
 def eval_model(path: str | None) -> str:
     """The model of eval / sweep / tune / bench speculative: a checkpoint folder with its
     held-out text."""
-    from psr.models import DEFAULT_MODEL
     from psr.models.embedded import heldout_text
 
-    path = path or DEFAULT_MODEL
+    path = model_path(path)
     model_config(path)
     try:
         heldout_text(path)

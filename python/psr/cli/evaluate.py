@@ -8,6 +8,7 @@ from typing import Any
 
 from psr.cli.args import (
     EMBEDDED,
+    MODEL_HELP,
     QUIET_HELP,
     UsageError,
     add_threads_option,
@@ -17,6 +18,7 @@ from psr.cli.args import (
     eval_model,
     expert_format,
     model_config,
+    model_path,
     nonempty,
     nonnegative_float,
     nonnegative_int,
@@ -185,7 +187,7 @@ def add_tune(sub: Any) -> None:
         "choose Cache-Prior and PSR operating points per residency: selected on held-out "
         "set A within a quality budget, replicated on set B; psr.load uses them",
     )
-    tuning_args(tu, "0.5,0.375,0.25", "checkpoint folder (with heldout.txt unless --text)")
+    tuning_args(tu, "0.5,0.375,0.25", f"{MODEL_HELP}; with heldout.txt unless --text")
     tu.add_argument("--out", default="psr-results/tune", help="folder for the sweep reports")
     tu.add_argument(
         "--write",
@@ -213,9 +215,7 @@ def tune_model(model: str | None, text: str | None) -> str:
     reads the text), else one with its held-out text."""
     if text is None:
         return eval_model(model)
-    from psr.models import DEFAULT_MODEL
-
-    path = model or DEFAULT_MODEL
+    path = model_path(model)
     model_config(path)
     if not Path(text).exists():
         raise FileNotFoundError(f"--text {text}: no such file or folder")

@@ -9,6 +9,7 @@ from typing import Any
 
 from psr.cli.args import (
     EMBEDDED,
+    MODEL_HELP,
     QUIET_HELP,
     UsageError,
     add_threads_option,
@@ -20,6 +21,7 @@ from psr.cli.args import (
     host_memory,
     hybrid_m,
     model_config,
+    model_path,
     nonempty,
     nonnegative_float,
     nonnegative_int,
@@ -80,7 +82,7 @@ def add_generate(sub: Any) -> None:
 
 
 def add_model_option(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--model", default=None, help=f"local HF checkpoint folder {EMBEDDED}")
+    g.add_argument("--model", default=None, help=f"{MODEL_HELP} {EMBEDDED}")
 
 
 def add_policy_options(g: argparse.ArgumentParser) -> None:
@@ -281,9 +283,7 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_generate(args: argparse.Namespace) -> int:
     check_policy_options(args)
-    from psr.models import DEFAULT_MODEL
-
-    path = args.model or DEFAULT_MODEL
+    path = model_path(args.model)
     cfg = model_config(path)
     from psr.models.sources import describe_missing_tokenizer, has_tokenizer
 

@@ -62,6 +62,7 @@ from psr.models.hf import (
     set_tensor,
     uninstall,
 )
+from psr.models.names import resolve_model
 from psr.models.quant_cache import QuantCache, resolve_root
 from psr.models.sources import TOKENIZER_FILES
 from psr.models.tiers import (
@@ -789,7 +790,9 @@ def load(  # noqa: PLR0913 (threads, context: LoadConfig's to take over, issue 4
     context: int | None = None,
     **memory: Unpack[MemoryOptions],
 ) -> OffloadedModel:
-    """Load a local HF checkpoint folder with its experts offloaded to a psr store.
+    """Load a checkpoint with its experts offloaded to a psr store: a local folder, a
+    GGUF file, or a Hugging Face repo id (`org/name`, `org/name:FILE.gguf`) from the local
+    Hub cache (never downloaded; psr.models.names).
 
     Args:
         policy: 'exact', 'exact-prefetch', 'cache-prior', 'psr' or 'cache-prior-async'.
@@ -858,6 +861,7 @@ def load(  # noqa: PLR0913 (threads, context: LoadConfig's to take over, issue 4
     vocab.graphs_choice(graphs)
     where, hybrid_m = vocab.parse_experts_on(experts_on)
     host_memory, host_profile = memory_options(memory)
+    path = resolve_model(path)  # issue 42: a Hub repo id from the local cache
     n_threads = _set_threads(threads)  # issue 42: before the experts are read and quantized
     progress = on_terminal(progress)
     gguf = is_gguf(path)
