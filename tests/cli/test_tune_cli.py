@@ -88,7 +88,7 @@ def test_the_untuned_default_warns_in_one_line_once_per_load(ckpt, tmp_path) -> 
     cmd = [sys.executable, "-m", "psr.cli", "generate", "--model", str(ckpt)]
     cmd += ["--prompt-ids", "5,17,33", "--max-new-tokens", "2", "--residency", "1", "--quiet"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-    lines = [ln for ln in run.stderr.splitlines() if "untuned default" in ln]
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("psr: psr(lam=")]
     assert len(lines) == 1, run.stderr
     assert lines[0].startswith("psr: psr(lam=0.03, n=1) is the untuned default")
     assert lines[0].endswith(f"psr tune --model {ckpt} --text YOUR_TEXT --residency 1")

@@ -23,6 +23,7 @@ from psr.cli.args import (
     nonnegative_float,
     nonnegative_int,
     policies,
+    positive_float,
     positive_int,
     progress,
     residencies,
@@ -185,7 +186,9 @@ def add_tune(sub: Any) -> None:
         sub,
         "tune",
         "choose Cache-Prior and PSR operating points per residency: selected on held-out "
-        "set A within a quality budget, replicated on set B; psr.load uses them",
+        "set A within a quality budget (lams searched coarse to fine), replicated on set B; "
+        "psr.load uses them. Each configuration's result is saved as it completes, and the "
+        "same command again resumes from them",
     )
     tuning_args(tu, "0.5,0.375,0.25", f"{MODEL_HELP}; with heldout.txt unless --text")
     tu.add_argument("--out", default="psr-results/tune", help="folder for the sweep reports")
@@ -206,6 +209,15 @@ def add_tune(sub: Any) -> None:
         help="tune on your own text instead of the model's heldout.txt: plain text, JSONL "
         "with a 'text' field, or a folder of .txt / .jsonl files (sorted); split into a "
         "selection set A and a replication set B, each long enough for the budget",
+    )
+    tu.add_argument(
+        "--max-minutes",
+        type=positive_float,
+        default=None,
+        metavar="M",
+        help="start no configuration after M minutes: report the best points so far, marked "
+        "as such, and write none; every result is saved under --out, so the same command "
+        "again resumes (default: no limit)",
     )
     tu.set_defaults(fn=run_tune)
 
@@ -244,5 +256,6 @@ def run_tune(args: argparse.Namespace) -> int:
         progress=progress(args),
         select_from=args.select_from,
         text=args.text,
+        max_minutes=args.max_minutes,
     )
     return 0
