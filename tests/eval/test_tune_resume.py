@@ -58,8 +58,8 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def _tune(ckpt: Path, out: Path, **kw):
-    return tune(str(ckpt), str(out), residencies=[0.5], budget=1.0, lams=[0.01, 3.0], ns=[1],
-                windows=2, window_tokens=64, progress=False, write=str(out / "p.json"), **kw)  # fmt: skip
+    kw |= {"budget": 1.0, "lams": [0.01, 3.0], "ns": [1], "windows": 2, "window_tokens": 64}
+    return tune(str(ckpt), str(out), [0.5], progress=False, write=str(out / "p.json"), **kw)
 
 
 def test_an_interrupted_tune_resumes_to_the_points_of_one_run(ckpt, tmp_path, capsys, monkeypatch):
