@@ -55,6 +55,18 @@ def add_generate(sub: Any) -> None:
     add_policy_options(g)
     g.add_argument("--max-new-tokens", type=nonnegative_int, default=32, help="tokens to generate")
     add_placement_options(g)
+    add_sampling_options(g)
+    g.add_argument(
+        "--json",
+        default=None,
+        help="also write tokens and stats as JSON here (default: no JSON)",
+    )
+    g.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    g.set_defaults(fn=run_generate)
+
+
+def add_sampling_options(g: argparse.ArgumentParser) -> None:
+    """--sample, --temperature, --top-k, --top-p, --seed (generate, chat)."""
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=positive_float, default=1.0, help="with --sample: > 0")
     g.add_argument(
@@ -67,13 +79,17 @@ def add_generate(sub: Any) -> None:
         "--top-p", type=fraction, default=1.0, help="with --sample: nucleus mass, in (0, 1]"
     )
     g.add_argument("--seed", type=nonnegative_int, default=0, help="with --sample: RNG seed")
-    g.add_argument(
-        "--json",
-        default=None,
-        help="also write tokens and stats as JSON here (default: no JSON)",
-    )
-    g.add_argument("--quiet", action="store_true", help=QUIET_HELP)
-    g.set_defaults(fn=run_generate)
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """model.generate's sampling keywords from add_sampling_options' options."""
+    return {
+        "do_sample": args.sample,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
 
 
 # ------------------------------------------------------------------ load options
@@ -314,11 +330,7 @@ def run_generate(args: argparse.Namespace) -> int:
     gen = model.generate(
         ids,
         max_new_tokens=args.max_new_tokens,
-        do_sample=args.sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+        **sampling_options(args),
         eos_token_id=getattr(tok, "eos_token_id", None),
         progress=show_progress,
     )
