@@ -13,6 +13,7 @@ from tiny_models import tiny_model, write_checkpoint
 
 import psr
 import psr.store
+from psr import _C
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60]
 
@@ -32,13 +33,13 @@ def _keep_torch_threads():
 @pytest.mark.parametrize("decode", ["device", "host"])
 def test_threads_reach_torch_and_the_cpu_expert_kernels(ckpt, monkeypatch, decode) -> None:
     seen: list[int] = []
-    real = psr.store._C.cpu_expert_ffn
+    real = _C.cpu_expert_ffn
 
     def spy(*args):
-        seen.append(args[14])  # threads (psr.store.cpu_expert_ffn's call)
+        seen.append(args[14])  # threads (psr.store's cpu_expert_ffn call)
         return real(*args)
 
-    monkeypatch.setattr(psr.store._C, "cpu_expert_ffn", spy)
+    monkeypatch.setattr(_C, "cpu_expert_ffn", spy)  # the module: wherever psr.store calls it
     setups: list[int] = []
     real_setup = psr.store.ExpertStore.cpu_experts_setup
 
