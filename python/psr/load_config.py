@@ -13,11 +13,13 @@ when it loads (`psr.models.loader`).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import psr.vocab as vocab
+from psr.machine import resolve_threads
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
 
 # Each field's metadata: whether `psr.offload` takes it too (`psr.load` takes every one).
@@ -80,7 +82,16 @@ class LoadConfig:
         without lam / n still takes the tuned point when one exists.
     copy_retries: re-issues of a failed expert copy before CopyError (default 2, or
         $PSR_COPY_RETRIES).
-    progress: progress bars while the experts load.
+    threads: CPU threads for torch's intra-op pool and psr's CPU expert kernels (set
+        process-wide with torch.set_num_threads); default $PSR_THREADS, else
+        $OMP_NUM_THREADS, else the physical cores of the process's affinity mask
+        (psr.machine.resolve_threads). More than the CPUs available is an error.
+    context: the context in tokens (llama.cpp's --ctx-size): prompt + new tokens beyond it
+        are refused, decode graphs' static KV caches are capped at it, `psr serve` reports
+        it as max_model_len. Default: the checkpoint's max_position_embeddings; more than
+        that is an error.
+    progress: progress bars while the experts load (None, the default: only when stderr is
+        a terminal).
     """
 
     policy: str | Policy = field(default=DEFAULT_POLICY, metadata=BOTH)
@@ -103,7 +114,9 @@ class LoadConfig:
     block: int = field(default=4, metadata=LOAD)
     block_k: int | None = field(default=None, metadata=LOAD)
     copy_retries: int | None = field(default=None, metadata=BOTH)
-    progress: bool = field(default=True, metadata=BOTH)
+    threads: int | None = field(default=None, metadata=LOAD)
+    context: int | None = field(default=None, metadata=LOAD)
+    progress: bool | None = field(default=None, metadata=BOTH)
 
     def __post_init__(self) -> None:
         """The checks that need no checkpoint, each a one-line ValueError / TypeError."""
@@ -117,6 +130,11 @@ class LoadConfig:
         vocab.compute_choice(self.compute)
         vocab.decode_mode(self.decode)
         vocab.expert_format(self.expert_format)
+        resolve_threads(self.threads)
+        if self.context is not None and (
+            isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1
+        ):
+            raise ValueError(f"context must be an int >= 1 (tokens), got {self.context!r}")
         # speculative / block: checked with the drafter files (psr.models.drafters).
 
     @classmethod
@@ -151,6 +169,11 @@ class LoadConfig:
     def placement(self) -> tuple[str, int | list[int] | None]:
         """(where misses are computed, the hybrid cap) of `experts_on`."""
         return vocab.parse_experts_on(self.experts_on)
+
+    @property
+    def show_progress(self) -> bool:
+        """Progress bars: as asked, or (None) only when stderr is a terminal."""
+        return sys.stderr.isatty() if self.progress is None else bool(self.progress)
 
     def make_policy(self) -> Policy:
         return make_policy(self.policy, self.lam, self.n)

@@ -118,6 +118,66 @@ def fingerprint(threads: int, gpu: str, version: str) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------ threads (issue 42)
+
+THREADS_ENV = "PSR_THREADS"
+_SYS_CPU = Path("/sys/devices/system/cpu")
+
+
+def allowed_cpus() -> list[int]:
+    """The logical CPUs this process may run on (its affinity mask; all of them where the
+    platform has no mask)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def physical_cores(cpus: list[int] | None = None, sys_cpu: Path = _SYS_CPU) -> int:
+    """The physical cores among `cpus` (default: `allowed_cpus()`): distinct (package, core)
+    pairs of their sysfs topology, so SMT siblings count once; where the topology cannot be
+    read, the logical CPUs themselves."""
+    cpus = allowed_cpus() if cpus is None else cpus
+    cores = set()
+    for c in cpus:
+        topo = sys_cpu / f"cpu{c}" / "topology"
+        try:
+            pkg = (topo / "physical_package_id").read_text().strip()
+            core = (topo / "core_id").read_text().strip()
+        except OSError:
+            return max(len(cpus), 1)
+        cores.add((pkg, core))
+    return max(len(cores), 1)
+
+
+def resolve_threads(threads: int | None) -> int:
+    """The CPU threads psr computes with (torch's intra-op pool and psr's CPU expert
+    kernels): `threads`, else $PSR_THREADS, else $OMP_NUM_THREADS, else the physical cores
+    available to the process. More than the logical CPUs the process may use is refused
+    (ValueError, one line), as are values that are not integers >= 1."""
+    source = "threads"
+    value: object = threads
+    for env in (THREADS_ENV, "OMP_NUM_THREADS"):
+        if value is None and os.environ.get(env, "").strip():
+            value, source = os.environ[env].strip(), f"${env}"
+    if value is None:
+        return physical_cores()
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{source}={value!r}: expected an integer >= 1")
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{source}={value!r}: expected an integer >= 1") from None
+    cpus = len(allowed_cpus())
+    if n < 1:
+        raise ValueError(f"{source}={n}: expected an integer >= 1")
+    if n > cpus:
+        raise ValueError(
+            f"{source}={n}: only {cpus} CPUs are available to this process (its affinity "
+            f"mask; the default is its {physical_cores()} physical cores)"
+        )
+    return n
+
+
 def describe(fp: dict[str, Any]) -> str:
     return (
         f"{fp.get('cpu', '?')} ({fp.get('cores', '?')} cores, {fp.get('threads', '?')} "

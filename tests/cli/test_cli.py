@@ -42,10 +42,10 @@ def test_generate_prints_text_then_stats(ckpt, capsys, tmp_path) -> None:
         ]
     )
     assert rc == 0
-    out = capsys.readouterr().out
-    assert out.startswith("To be, or not")
+    text, out = capsys.readouterr()  # the text alone on stdout, what the run did on stderr
+    assert text.startswith("To be, or not") and text.count("\n") == 1
     assert "policy psr(lam=0.3, n=1) (given), 4 of 8 experts resident per layer" in out
-    assert "hit rate" in out and "prefetch copies" in out
+    assert "hit rate" in out and "prefetch copies" in out and "CPU threads  " in out
     data = json.loads(out_json.read_text())
     s = data["stats"]
     assert f"{s['substituted']:.0f} ({s['substitution_rate']:.3f} of routed)" in out
@@ -121,7 +121,7 @@ def test_speculative_figures_are_in_the_json(capsys, tmp_path) -> None:
         "--quiet",
     ]
     assert main([*argv, "--speculative", "block", "--block", "3", "--json", str(out_json)]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("speculative"))
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("speculative"))
     data = json.loads(out_json.read_text())
     spec = data["speculative"]
     assert (spec["drafter"], spec["block"]) == ("block", 3) and spec["block_k"] >= 1
@@ -171,7 +171,7 @@ def test_generate_and_inspect_take_a_gguf_file(capsys, tmp_path) -> None:
     out_json = tmp_path / "g.json"
     argv = ["generate", "--model", str(path), "--prompt", "To be, or not", "--policy", "exact"]
     assert main([*argv, "--max-new-tokens", "4", "--json", str(out_json)]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "experts Q4_K,Q4_K,Q4_K (the file's blocks)" in out
     ids = tok("To be, or not", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -509,7 +509,9 @@ def test_top_k_and_sampling_reach_model_generate(ckpt, tmp_path, capsys, monkeyp
     assert kw["temperature"] == 0.7 and kw["seed"] == 5 and kw["max_new_tokens"] == 3
     assert kw["progress"] is False and seen["load"]["progress"] is False
     assert len(json.loads(out.read_text())["tokens"]) == len("To be") + 3
-    assert capsys.readouterr().err == ""  # no progress bars off a terminal
+    err = capsys.readouterr().err
+    assert "\r" not in err and "%|" not in err  # no progress bars off a terminal
+    assert err.lstrip().startswith("policy ")  # what the run did: on stderr
 
 
 def test_lm_eval_after_debug_still_goes_to_lm_eval(monkeypatch) -> None:

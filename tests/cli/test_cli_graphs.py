@@ -62,7 +62,7 @@ def test_generate_prints_the_graph_status(
     argv = ["generate", "--model", str(ckpt), *BASE, *extra, "--json", str(out_json)]
     with mock.patch.object(torch, "compile", identity):
         assert main(argv) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     decode = "host" if "host" in extra else "device"
     lines = [line for line in out.splitlines() if line.startswith("policy ")]
     assert len(lines) == 1, out

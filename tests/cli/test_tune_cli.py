@@ -81,15 +81,15 @@ def test_tune_on_text_then_generate_uses_the_point(ckpt, tmp_path, capsys) -> No
     assert main(gen) == 0
     data = json.loads((tmp_path / "g.json").read_text())
     assert data["policy_source"].startswith("tuned (") and data["policy_source"].endswith(".json)")
-    assert f"({data['policy_source']})" in capsys.readouterr().out
+    assert f"({data['policy_source']})" in capsys.readouterr().err
 
 
 def test_the_untuned_default_warns_in_one_line_once_per_load(ckpt, tmp_path) -> None:
     cmd = [sys.executable, "-m", "psr.cli", "generate", "--model", str(ckpt)]
     cmd += ["--prompt-ids", "5,17,33", "--max-new-tokens", "2", "--residency", "1", "--quiet"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-    lines = [ln for ln in run.stderr.splitlines() if "untuned default" in ln]
+    lines = [ln for ln in run.stderr.splitlines() if ln.startswith("psr: psr(lam=")]
     assert len(lines) == 1, run.stderr
     assert lines[0].startswith("psr: psr(lam=0.03, n=1) is the untuned default")
     assert lines[0].endswith(f"psr tune --model {ckpt} --text YOUR_TEXT --residency 1")
-    assert "policy psr(lam=0.03, n=1) (untuned default)" in run.stdout
+    assert "policy psr(lam=0.03, n=1) (untuned default)" in run.stderr

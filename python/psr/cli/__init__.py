@@ -9,10 +9,10 @@ created and probed for writing.
 
 # (The docstring above is `psr --help`'s description.) The package: `args` holds the
 # argument types and up-front checks the commands share; each command family keeps its
-# parser beside its handler (`generate`, `serve`: serve / bench serve, `evaluate`: demo /
-# eval / tune, `bench`, `info`, `lm_eval`); this module assembles the parser and turns
-# errors into one line and an exit status. Parsing imports no torch: the handlers import
-# what they run.
+# parser beside its handler (`generate`, `chat`, `serve`: serve / bench serve, `evaluate`:
+# demo / eval / tune, `bench`, `info`: info / inspect / list, `lm_eval`); this module
+# assembles the parser and turns errors into one line and an exit status. Parsing imports
+# no torch: the handlers import what they run.
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import NoReturn
 
 from psr.cli.args import Formatter, UsageError
 from psr.cli.bench import add_bench
+from psr.cli.chat import add_chat
 from psr.cli.evaluate import add_demo, add_eval, add_tune
 from psr.cli.generate import add_generate
 from psr.cli.info import add_info
@@ -39,6 +40,7 @@ EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPT = 1, 2, 130
 COMMANDS = (
     add_info,
     add_generate,
+    add_chat,
     add_serve,
     add_demo,
     add_eval,
@@ -117,7 +119,14 @@ def main(argv: list[str] | None = None) -> int:
             return run_lm_eval(argv[lead + 1 :])
         args = build_parser().parse_args(argv)
         debug = debug or args.debug
-        code: int = args.fn(args)
+        threads_env = os.environ.get("PSR_THREADS")  # apply_threads sets it for the command
+        try:
+            code: int = args.fn(args)
+        finally:  # main() called in-process (tests, notebooks) leaves the env as it was
+            if threads_env is None:
+                os.environ.pop("PSR_THREADS", None)
+            else:
+                os.environ["PSR_THREADS"] = threads_env
         return code
     except KeyboardInterrupt:
         _fail(EXIT_INTERRUPT, "interrupted", debug)

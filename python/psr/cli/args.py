@@ -22,6 +22,10 @@ from psr.vocab import host_memory as _host_memory
 
 T = TypeVar("T")
 
+MODEL_HELP = (
+    "checkpoint folder, .gguf file, or Hugging Face repo id from the local cache (org/name, "
+    "org/name:FILE.gguf; `psr list` shows them)"
+)
 QUIET_HELP = "no progress bars (they are shown only when stderr is a terminal)"
 EMBEDDED = "(default: the embedded model)"
 
@@ -231,6 +235,42 @@ def dtype(s: str) -> str:
     return DTYPE_ALIASES[name]
 
 
+# ------------------------------------------------------------------ threads (issue 42)
+
+THREADS_HELP = (
+    "CPU threads for torch and psr's CPU expert kernels (default: $PSR_THREADS, else "
+    "$OMP_NUM_THREADS, else the physical cores available to the process; `psr info` says)"
+)
+
+
+def add_threads_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+
+
+def check_threads(threads: int | None) -> int:
+    """The thread count a command will run with (psr.machine.resolve_threads), checked
+    before anything loads: too many is a usage error naming the option."""
+    from psr.machine import resolve_threads
+
+    try:
+        return resolve_threads(threads)
+    except ValueError as e:
+        msg = str(e)
+        raise UsageError(f"--threads {msg.removeprefix('threads=')}" if threads else msg) from None
+
+
+def apply_threads(args: argparse.Namespace) -> int:
+    """For commands that run models without psr.load's `threads` (eval, tune, ...): set
+    torch's threads, which psr's CPU expert kernels follow, from --threads, and
+    $PSR_THREADS, so that every psr.load the command makes keeps them."""
+    n = check_threads(getattr(args, "threads", None))
+    os.environ["PSR_THREADS"] = str(n)
+    import torch
+
+    torch.set_num_threads(n)
+    return n
+
+
 # ------------------------------------------------------------------ paths, checked up front
 
 
@@ -289,6 +329,21 @@ def writable_dir(path: str | Path, option: str) -> Path:
     return p
 
 
+def model_path(name: str | None, option: str = "--model") -> str:
+    """--model as a local path: the embedded model when not given; a Hub repo id
+    (`org/name`, `org/name:FILE.gguf`) from the local Hub cache, never downloaded
+    (psr.models.names.resolve_model); errors name the option."""
+    from psr.models import DEFAULT_MODEL
+    from psr.models.names import resolve_model
+
+    if name is None:
+        return str(DEFAULT_MODEL)
+    try:
+        return resolve_model(name)
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{option} {e}") from None
+
+
 def model_config(path: str | Path, option: str = "--model") -> dict[str, Any]:
     """config.json of a supported checkpoint folder (psr.models.read_config: no weights are
     read), with errors that name the option."""
@@ -320,10 +375,9 @@ def model_config(path: str | Path, option: str = "--model") -> dict[str, Any]:
 def eval_model(path: str | None) -> str:
     """The model of eval / sweep / tune / bench speculative: a checkpoint folder with its
     held-out text."""
-    from psr.models import DEFAULT_MODEL
     from psr.models.embedded import heldout_text
 
-    path = path or DEFAULT_MODEL
+    path = model_path(path)
     model_config(path)
     try:
         heldout_text(path)

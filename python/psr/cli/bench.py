@@ -10,6 +10,8 @@ from psr.cli.args import (
     EMBEDDED,
     QUIET_HELP,
     UsageError,
+    add_threads_option,
+    apply_threads,
     comma_list,
     command,
     drafter_kind,
@@ -55,9 +57,7 @@ def _add_machine(bsub: Any) -> None:
         "defaults: a Qwen3-30B-A3B expert)",
     )
     bm.add_argument("--top-k", type=positive_int, default=8, help="experts per timed call")
-    bm.add_argument(
-        "--threads", type=positive_int, default=None, help="CPU threads (default: torch's)"
-    )
+    add_threads_option(bm)
     bm.add_argument("--repeats", type=positive_int, default=20, help="timed calls (median)")
     bm.add_argument(
         "--out",
@@ -74,17 +74,9 @@ def run_machine(args: argparse.Namespace) -> int:
     import psr.machine as mc
 
     out = writable_file(args.out, "--out") if args.out else mc.profile_path()
-    import torch
-
+    apply_threads(args)
     from psr.eval.machine import measure_profile, table
-    from psr.store import cpu_max_threads
 
-    if args.threads is not None:
-        if args.threads > cpu_max_threads():
-            raise UsageError(
-                f"--threads {args.threads} exceeds this machine's {cpu_max_threads()} threads"
-            )
-        torch.set_num_threads(args.threads)
     try:
         base = mc.read_profile(Path(out))
     except ValueError:
@@ -147,6 +139,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     path = eval_model(args.model)
     writable_dir(args.out, "--out")
     check_profile(args.profile)
+    apply_threads(args)
     from psr.eval.runs import sweep
 
     sweep(
@@ -206,12 +199,14 @@ def _add_speculative(bsub: Any) -> None:
         "--out", default="psr-results/speculative", help="folder for speculative.{md,json}"
     )
     sp.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    add_threads_option(sp)
     sp.set_defaults(fn=run_speculative)
 
 
 def run_speculative(args: argparse.Namespace) -> int:
     path = eval_model(args.model)
     writable_dir(args.out, "--out")
+    apply_threads(args)
     from psr.eval.runs import speculative
 
     speculative(

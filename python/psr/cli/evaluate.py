@@ -8,17 +8,22 @@ from typing import Any
 
 from psr.cli.args import (
     EMBEDDED,
+    MODEL_HELP,
     QUIET_HELP,
     UsageError,
+    add_threads_option,
+    apply_threads,
     comma_list,
     command,
     eval_model,
     expert_format,
     model_config,
+    model_path,
     nonempty,
     nonnegative_float,
     nonnegative_int,
     policies,
+    positive_float,
     positive_int,
     progress,
     residencies,
@@ -35,11 +40,13 @@ def add_demo(sub: Any) -> None:
     d.add_argument("--out", default=DEMO_OUT, help="folder for demo.{md,json,png}")
     d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     d.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    add_threads_option(d)
     d.set_defaults(fn=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     writable_dir(args.out, "--out")
+    apply_threads(args)
     from psr.eval.runs import demo
 
     demo(args.out, progress=progress(args), quick=args.quick)
@@ -95,12 +102,14 @@ def add_eval(sub: Any) -> None:
         "with experts_on cpu and hybrid, traces recorded (exact's are replayed either way)",
     )
     ev.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    add_threads_option(ev)
     ev.set_defaults(fn=run_eval)
 
 
 def run_eval(args: argparse.Namespace) -> int:
     path = eval_model(args.model)
     writable_dir(args.out, "--out")
+    apply_threads(args)
     from psr.eval.runs import evaluate, grid
 
     evaluate(
@@ -159,6 +168,7 @@ def tuning_args(
         help="teacher-forced windows of 128 decode-path tokens per configuration",
     )
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    add_threads_option(c)
 
 
 def check_profile(name: str) -> None:
@@ -176,9 +186,11 @@ def add_tune(sub: Any) -> None:
         sub,
         "tune",
         "choose Cache-Prior and PSR operating points per residency: selected on held-out "
-        "set A within a quality budget, replicated on set B; psr.load uses them",
+        "set A within a quality budget (lams searched coarse to fine), replicated on set B; "
+        "psr.load uses them. Each configuration's result is saved as it completes, and the "
+        "same command again resumes from them",
     )
-    tuning_args(tu, "0.5,0.375,0.25", "checkpoint folder (with heldout.txt unless --text)")
+    tuning_args(tu, "0.5,0.375,0.25", f"{MODEL_HELP}; with heldout.txt unless --text")
     tu.add_argument("--out", default="psr-results/tune", help="folder for the sweep reports")
     tu.add_argument(
         "--write",
@@ -198,6 +210,15 @@ def add_tune(sub: Any) -> None:
         "with a 'text' field, or a folder of .txt / .jsonl files (sorted); split into a "
         "selection set A and a replication set B, each long enough for the budget",
     )
+    tu.add_argument(
+        "--max-minutes",
+        type=positive_float,
+        default=None,
+        metavar="M",
+        help="start no configuration after M minutes: report the best points so far, marked "
+        "as such, and write none; every result is saved under --out, so the same command "
+        "again resumes (default: no limit)",
+    )
     tu.set_defaults(fn=run_tune)
 
 
@@ -206,9 +227,7 @@ def tune_model(model: str | None, text: str | None) -> str:
     reads the text), else one with its held-out text."""
     if text is None:
         return eval_model(model)
-    from psr.models import DEFAULT_MODEL
-
-    path = model or DEFAULT_MODEL
+    path = model_path(model)
     model_config(path)
     if not Path(text).exists():
         raise FileNotFoundError(f"--text {text}: no such file or folder")
@@ -221,6 +240,7 @@ def run_tune(args: argparse.Namespace) -> int:
     check_profile(args.profile)
     if args.write:
         writable_file(args.write, "--write")
+    apply_threads(args)
     from psr.eval.runs import tune
 
     tune(
@@ -236,5 +256,6 @@ def run_tune(args: argparse.Namespace) -> int:
         progress=progress(args),
         select_from=args.select_from,
         text=args.text,
+        max_minutes=args.max_minutes,
     )
     return 0

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from typing import Any
 
 from psr.cli.args import (
     EMBEDDED,
+    MODEL_HELP,
     QUIET_HELP,
+    THREADS_HELP,
     UsageError,
+    check_threads,
     command,
     device,
     dtype,
@@ -18,6 +22,7 @@ from psr.cli.args import (
     host_memory,
     hybrid_m,
     model_config,
+    model_path,
     nonempty,
     nonnegative_float,
     nonnegative_int,
@@ -52,6 +57,18 @@ def add_generate(sub: Any) -> None:
     add_policy_options(g)
     g.add_argument("--max-new-tokens", type=nonnegative_int, default=32, help="tokens to generate")
     add_placement_options(g)
+    add_sampling_options(g)
+    g.add_argument(
+        "--json",
+        default=None,
+        help="also write tokens and stats as JSON here (default: no JSON)",
+    )
+    g.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+    g.set_defaults(fn=run_generate)
+
+
+def add_sampling_options(g: argparse.ArgumentParser) -> None:
+    """--sample, --temperature, --top-k, --top-p, --seed (generate, chat)."""
     g.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     g.add_argument("--temperature", type=positive_float, default=1.0, help="with --sample: > 0")
     g.add_argument(
@@ -64,13 +81,17 @@ def add_generate(sub: Any) -> None:
         "--top-p", type=fraction, default=1.0, help="with --sample: nucleus mass, in (0, 1]"
     )
     g.add_argument("--seed", type=nonnegative_int, default=0, help="with --sample: RNG seed")
-    g.add_argument(
-        "--json",
-        default=None,
-        help="also write tokens and stats as JSON here (default: no JSON)",
-    )
-    g.add_argument("--quiet", action="store_true", help=QUIET_HELP)
-    g.set_defaults(fn=run_generate)
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """model.generate's sampling keywords from add_sampling_options' options."""
+    return {
+        "do_sample": args.sample,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+    }
 
 
 # ------------------------------------------------------------------ load options
@@ -79,7 +100,7 @@ def add_generate(sub: Any) -> None:
 
 
 def add_model_option(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--model", default=None, help=f"local HF checkpoint folder {EMBEDDED}")
+    g.add_argument("--model", default=None, help=f"{MODEL_HELP} {EMBEDDED}")
 
 
 # Each psr.load option the command line takes: its `psr.LoadConfig` field and the flag's
@@ -174,6 +195,14 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
         "slots))",
     ),
+    "threads": dict(type=positive_int, metavar="N", help=THREADS_HELP),
+    "context": dict(
+        flag="--ctx-size",
+        type=positive_int,
+        metavar="TOKENS",
+        help="context in tokens: prompt + new tokens beyond it are refused, the server's "
+        "max_model_len (default: the checkpoint's max_position_embeddings; more is an error)",
+    ),
 }
 # LoadConfig fields without a flag, and why.
 NOT_FLAGS = {
@@ -188,8 +217,8 @@ def _add_flags(g: argparse.ArgumentParser, flags: dict[str, dict[str, Any]]) -> 
 
     defaults = {f.name: f.default for f in dataclasses.fields(LoadConfig)}
     for name, kw in flags.items():
-        kw = {"default": defaults.get(name), **kw}
-        g.add_argument("--" + name.replace("_", "-"), **kw)
+        kw = {"default": defaults.get(name), "dest": name, **kw}
+        g.add_argument(kw.pop("flag", "--" + name.replace("_", "-")), **kw)
 
 
 def add_policy_options(g: argparse.ArgumentParser) -> None:
@@ -203,9 +232,11 @@ def add_placement_options(g: argparse.ArgumentParser) -> None:
 
 
 def check_policy_options(args: argparse.Namespace) -> None:
-    """The policy with its --lam / --n, checked before anything loads (UsageError)."""
+    """The policy with its --lam / --n, and --threads, checked before anything loads
+    (UsageError)."""
     from psr.policy import make_policy
 
+    check_threads(args.threads)
     try:
         make_policy(args.policy, args.lam, args.n)
     except ValueError as e:
@@ -233,9 +264,7 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_generate(args: argparse.Namespace) -> int:
     check_policy_options(args)
-    from psr.models import DEFAULT_MODEL
-
-    path = args.model or DEFAULT_MODEL
+    path = model_path(args.model)
     cfg = model_config(path)
     from psr.models.sources import describe_missing_tokenizer, has_tokenizer
 
@@ -266,25 +295,23 @@ def run_generate(args: argparse.Namespace) -> int:
     gen = model.generate(
         ids,
         max_new_tokens=args.max_new_tokens,
-        do_sample=args.sample,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
+        **sampling_options(args),
         eos_token_id=getattr(tok, "eos_token_id", None),
         progress=show_progress,
     )
     new = gen[0, len(ids) :].tolist()
+    # The text alone on stdout (`psr generate ... > out.txt`); what the run did on stderr.
     print(tok.decode(ids + new) if tok is not None else " ".join(map(str, ids + new)))
-    print()
-    print(_summary(model, args))
+    sys.stdout.flush()
+    print(f"\n{_summary(model, args)}", file=sys.stderr)
     speculative: dict[str, Any] | None = None
     if model.spec_stats is not None:
         st = model.spec_stats
         print(
             f"speculative ({args.speculative}, B={args.block}, K_b={model.block_k}): "
             f"{st.blocks} verify blocks, {st.accepted_per_block:.2f} drafts accepted and "
-            f"{st.tokens_per_block:.2f} tokens per block"
+            f"{st.tokens_per_block:.2f} tokens per block",
+            file=sys.stderr,
         )
         # The same figures as the line above, plus the per-block counts behind them.
         speculative = {
@@ -293,7 +320,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "block_k": model.block_k,
             **st.as_dict(),
         }
-    print(model.stats.table())
+    print(model.stats.table(), file=sys.stderr)
     if out is not None:
         result: dict[str, Any] = {
             "tokens": gen[0].tolist(),

@@ -15,6 +15,7 @@ from psr.cli.args import (
     QUIET_HELP,
     command,
     model_config,
+    model_path,
     nonempty,
     nonnegative_int,
     positive_int,
@@ -64,7 +65,8 @@ def add_serve(sub: Any) -> None:
         "--served-model-name",
         type=nonempty,
         default=None,
-        help="the model's name in the API (default: the checkpoint folder's name)",
+        help="the model's name in the API (default: a GGUF file's stem, a cached repo's id, "
+        "else the checkpoint folder's name)",
     )
     s.add_argument(
         "--max-queue",
@@ -170,9 +172,7 @@ def _check(args: argparse.Namespace) -> str:
             f"psr serve needs {', '.join(missing)}: pip install 'psr[serve]' "
             "(scripts/install.sh installs them)"
         )
-    from psr.models import DEFAULT_MODEL
-
-    path = args.model or DEFAULT_MODEL
+    path = model_path(args.model)
     model_config(path)
     from psr.models.sources import describe_missing_tokenizer, has_tokenizer
 
@@ -274,7 +274,10 @@ def run_serve(args: argparse.Namespace) -> int:
     path = _check(args)
     options = serve_options(args)
     _check_bind(args.host, args.port)
-    name = args.served_model_name or Path(path).resolve().name
+    from psr.models.names import served_name
+
+    # A GGUF file's stem, a cached repo's id, else the folder's name.
+    name = args.served_model_name or served_name(path)
     if not options.access.keys and not is_loopback(args.host):
         logging.getLogger("psr.serve").warning(
             "listening on %s without an API key: anyone who can reach it can use the model "

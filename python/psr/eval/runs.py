@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +303,21 @@ def sweep(
     results = run_all(
         path, sweep_configs(residencies, lams, ns), data, "psr sweep", profiles, progress
     )
+    return sweep_report(path, out, results, data, residencies, budget, profile)
+
+
+def sweep_report(
+    path: str,
+    out: str,
+    results: list[dict[str, Any]],
+    data: EvalData,
+    residencies: Sequence[float],
+    budget: float,
+    profile: str,
+) -> dict[str, Any]:
+    """A sweep's results (compared with exact) per residency: the Pareto front and each
+    family's points within budget, printed and saved as `out/sweep.{json,md,png}`."""
+    profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     fronts, points = {}, {}
     for rho in residencies:
         rs = [r for r in results if r["config"]["residency"] == rho]
@@ -410,29 +425,28 @@ def interval_note(results: list[dict[str, Any]], budget: float, tokens: int) -> 
 
 
 def _replicate(
-    path: str,
+    run: Callable[[RunConfig], dict[str, Any]],
     sel: dict[str, Any],
-    data_b: EvalData,
     residencies: Sequence[float],
     budget: float,
     profile: str,
-    progress: bool,
-) -> tuple[dict[str, dict[str, Policy]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """Per residency and family, set A's fastest candidates within budget measured on set B,
-    fastest first, until one is within budget there too: (chosen points, log, results). A
-    family with none is left out: no point is written that was not measured to hold."""
+    chosen: dict[str, dict[str, Policy]],
+    log: list[dict[str, Any]],
+    replicated: list[dict[str, Any]],
+) -> None:
+    """Per residency and family, set A's fastest candidates within budget measured on set B
+    (`run`: a configuration's result there), fastest first, until one is within budget
+    there too, filling `chosen` (the points), `log` and `replicated` (results) as it goes.
+    A family with none is left out: no point is written that was not measured to hold."""
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
-    chosen: dict[str, dict[str, Policy]] = {}
-    log: list[dict[str, Any]] = []
-    replicated: list[dict[str, Any]] = []
     for rho in residencies:
-        exact_b = run_config(path, RunConfig(make_policy("exact"), rho), data_b, profiles)
+        exact_b = run(RunConfig(make_policy("exact"), rho))
         replicated.append(exact_b)
         chosen[f"{rho:g}"] = {}
         for fam in ("cache-prior", "psr"):
             for cand in choose(sel["results"], rho, fam, budget, profile)[:3]:
                 pol = make_policy(fam, cand["config"]["lam"], cand["config"]["n"])
-                rb = run_config(path, RunConfig(pol, rho), data_b, profiles, progress=progress)
+                rb = run(RunConfig(pol, rho))
                 compare([exact_b, rb], profiles)
                 replicated.append(rb)
                 ok = within_budget(rb, budget)
@@ -455,7 +469,6 @@ def _replicate(
                 if ok:
                     chosen[f"{rho:g}"][fam] = pol
                     break
-    return chosen, log, replicated
 
 
 def _rate(rate: float | None) -> str:
@@ -476,6 +489,7 @@ def tune(
     window_tokens: int = WINDOW_TOKENS,
     select_from: str | None = None,
     text: str | Path | None = None,
+    max_minutes: float | None = None,
 ) -> dict[str, Any]:
     """Operating points per residency: select on set A (the fastest Cache-Prior and PSR
     point whose quality cost's 95% upper bound is within `budget`, modeled on `profile`),
@@ -483,30 +497,41 @@ def tune(
     the next-fastest candidate from A is tried (a family with none gets no point). The sets
     are the user's `text` (psr.eval.text) or the model's heldout.txt, with enough tokens
     for the budget. Writes the points to the user's folder, keyed by the checkpoint
-    (psr.points.model_key), or to `write`, for `psr.load` to use. `select_from`: the
-    `sweep.json` of an earlier selection run on the same set A (resumes a tune whose
-    replication was interrupted; it must cover every residency asked for)."""
+    (psr.points.model_key), or to `write`, for `psr.load` to use.
+
+    Selection searches `lams` coarse to fine per residency and n (psr.eval.search); every
+    configuration's result is saved under `out/runs/` as it completes and read back by a
+    re-run with the same arguments, which resumes an interrupted tune (`select_from`: the
+    `sweep.json` of an earlier selection, to replicate only). `max_minutes`: no
+    configuration starts after that many minutes; the tune then reports the best points so
+    far, marked as such, writes none, and a re-run resumes."""
+    from psr.eval.search import OutOfTime, Runner, select
+
+    deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+    profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
+    runner = Runner(path, f"{out}/runs", profiles, deadline, progress)
     if select_from is not None:
         sel = load_selection(select_from, path, residencies)
     sets, windows = tuning_sets(path, text, budget, windows, window_tokens)
     if select_from is not None:
         check_selection_set(sel, select_from, sets["A"][0])
     else:
-        sel = sweep(
+        data_a = EvalData.from_sets(
             path,
-            f"{out}/select",
-            residencies,
-            lams,
-            ns,
-            budget,
-            windows,
-            "A",
-            profile,
-            progress,
-            window_tokens,
             sets,
+            "A",
+            windows=windows,
+            window_tokens=window_tokens,
+            prompt_tokens=PROMPT_TOKENS,
             prompts=TUNE_PROMPTS,  # greedy agreement in set A's table too
+            gen_tokens=TUNE_GEN_TOKENS,
         )
+        results, finished = select(
+            lambda rc: runner(rc, data_a, "A"), residencies, lams, ns, budget, profiles
+        )
+        if not finished:
+            return _stopped(results, residencies, budget, profile, runner, "selecting on set A")
+        sel = sweep_report(path, f"{out}/select", results, data_a, residencies, budget, profile)
     scored = windows * (window_tokens - PROMPT_TOKENS)
     note = interval_note(sel["results"], budget, scored)
     data_b = EvalData.from_sets(
@@ -519,7 +544,16 @@ def tune(
         prompts=TUNE_PROMPTS,  # greedy agreement beside Δ nats in the report
         gen_tokens=TUNE_GEN_TOKENS,
     )
-    chosen, log, replicated = _replicate(path, sel, data_b, residencies, budget, profile, progress)
+    chosen: dict[str, dict[str, Policy]] = {}
+    log: list[dict[str, Any]] = []
+    replicated: list[dict[str, Any]] = []
+    try:
+        _replicate(
+            lambda rc: runner(rc, data_b, "B"),
+            sel, residencies, budget, profile, chosen, log, replicated,
+        )  # fmt: skip
+    except OutOfTime:
+        return _stopped(sel["results"], residencies, budget, profile, runner, "replicating on B")
     meta = {
         "budget_nats": budget,
         "profile": profile,
@@ -530,7 +564,6 @@ def tune(
         "source": "psr tune",
     }
     written = write_operating_points(path, chosen, meta, write)
-    profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     save(replicated, f"{out}/replicate", "replicate", {"model": path, **meta}, profiles)
     print(
         f"\noperating points (selected on A, replicated on B, budget {budget} nats/token; "
@@ -556,8 +589,48 @@ def tune(
             print(f"  {float(rho):.1%} {fam}: {why} within budget; no point written")
     if note:
         print(f"note: {note}")
+    print(
+        f"configurations: {runner.measured} measured, {runner.reused} read back from "
+        f"{runner.folder}"
+    )
     print(f"wrote {written} (psr.load uses it for {path})")
-    return {"points": chosen, "file": str(written), **meta}
+    counts = {"measured": runner.measured, "reused": runner.reused}
+    return {"points": chosen, "file": str(written), "complete": True, **counts, **meta}
+
+
+def _stopped(
+    results: list[dict[str, Any]],
+    residencies: Sequence[float],
+    budget: float,
+    profile: str,
+    runner: Any,
+    stage: str,
+) -> dict[str, Any]:
+    """The tune's end at its deadline: per residency and family the fastest point within
+    budget on set A so far, printed as such; no points file is written."""
+    best: dict[str, dict[str, Policy]] = {}
+    print(
+        f"\nstopped at --max-minutes while {stage}: {runner.measured} configurations "
+        f"measured, {runner.reused} read back, saved in {runner.folder}"
+    )
+    print(f"best so far (set A, budget {budget} nats/token; NOT replicated on set B):")
+    for rho in residencies:
+        best[f"{rho:g}"] = {}
+        for fam in ("cache-prior", "psr"):
+            ok = choose(results, rho, fam, budget, profile)
+            if not ok:
+                print(f"  {rho:.1%} {fam}: none within budget so far")
+                continue
+            r = ok[0]
+            best[f"{rho:g}"][fam] = make_policy(fam, r["config"]["lam"], r["config"]["n"])
+            d = r["delta_nll"]
+            print(
+                f"  {rho:.1%} {r['label']:<22} A: {d['mean']:+.4f} [{d['lo']:+.4f}, "
+                f"{d['hi']:+.4f}] {r['speedup'][profile]:.2f}x  (best so far)"
+            )
+    print("no points written: run the same command again to resume from the saved results")
+    counts = {"measured": runner.measured, "reused": runner.reused}
+    return {"points": best, "file": None, "complete": False, "stage": stage, **counts}
 
 
 def speculative(

@@ -23,6 +23,7 @@ from torch import nn
 import psr.vocab as vocab
 import psr_kernels as pk  # noqa: F401  (tests count quantize_expert calls through it)
 from psr.load_config import LoadConfig
+from psr.machine import resolve_threads
 from psr.models.checkpoint import CheckpointError
 from psr.models.families import (
     disk_names,
@@ -42,6 +43,7 @@ from psr.models.hf import (
     set_tensor,
     uninstall,
 )
+from psr.models.names import resolve_model
 from psr.models.prequant import prequant_source
 from psr.models.quant_cache import QuantCache
 from psr.models.resolve import Resolved, open_checkpoint, resolve
@@ -68,13 +70,18 @@ def load(
     residency: float | None = DEFAULT_RESIDENCY,
     **options: Any,
 ) -> OffloadedModel:
-    """Load a local HF checkpoint folder (or a GGUF file) with its experts offloaded to a
-    psr store. `policy`, `residency` and `options`: `psr.LoadConfig`'s fields (its
-    docstring says what each does); an unknown keyword is a TypeError."""
+    """Load a checkpoint with its experts offloaded to a psr store: a local folder, a GGUF
+    file, or a Hugging Face repo id (`org/name`, `org/name:FILE.gguf`) from the local Hub
+    cache (never downloaded; psr.models.names). `policy`, `residency` and `options`:
+    `psr.LoadConfig`'s fields (its docstring says what each does); an unknown keyword is a
+    TypeError."""
     cfg = LoadConfig.of("load", policy=policy, residency=residency, **options)
+    path = resolve_model(path)
+    threads = _set_threads(cfg.threads)  # before the experts are read and quantized
     ckpt = open_checkpoint(path)
     try:
         r = resolve(path, ckpt, cfg)
+        context = _context(cfg.context, r.config)
         spec, E = r.spec, r.spec.num_experts
         meta = _meta_model(r)
         moe_idx = meta[1]
@@ -84,7 +91,7 @@ def load(
         plan = _tier_plan(r, model, C, source.row_bytes, source.why_not)
         store = make_store(source, E, C, r.device, cfg.copy_retries, plan.num_held())
         cache = _quant_cache(path, ckpt, r, moe_idx, source)
-        fill_cached(store, source, E, cfg.progress, source.tiers(plan), cache)
+        fill_cached(store, source, E, cfg.show_progress, source.tiers(plan), cache)
         biases = bias_tables(ckpt, spec, moe_idx, r.device, r.blocks) if spec.expert_bias else None
         tokenizer = _tokenizer(path, ckpt if r.gguf else None)  # a GGUF's: from its metadata
     finally:
@@ -97,6 +104,7 @@ def load(
     _check_all_loaded(model)
     om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source, om.host_budget = r.policy_source, plan.budget
+    om.threads, om.context_limit = threads, context
     if drafter is not None:
         om.set_speculative(
             drafter, cfg.block_k if cfg.block_k is not None else min(2 * spec.top_k, C)
@@ -142,7 +150,7 @@ def offload(
     source = matrix_source([module_reader(m, fam) for m in modules], spec, dtype, fmt,
                            fmt or "native")  # fmt: skip
     store = make_store(source, spec.num_experts, C, device, cfg.copy_retries)
-    fill_store(store, source, spec.num_experts, cfg.progress)
+    fill_store(store, source, spec.num_experts, cfg.show_progress)
     biases = None
     if spec.expert_bias:
         biases = on_device(device, [module_bias_table(m) for m in modules])
@@ -150,6 +158,25 @@ def offload(
         hf_model, spec, store, pol, C, cfg.compute, moe_idx, source.formats, cfg.decode, biases
     )
     return _place(OffloadedModel(hf_model, runtime, restorer=restore), cfg)
+
+
+def _set_threads(threads: int | None) -> int:
+    """Resolve `threads` (psr.machine.resolve_threads) and give torch's intra-op pool that
+    many; psr's CPU expert kernels run on torch.get_num_threads() threads."""
+    n = resolve_threads(threads)
+    torch.set_num_threads(n)
+    return n
+
+
+def _context(context: int | None, config: Any) -> int | None:
+    """`context` checked against the checkpoint's max_position_embeddings (None: that)."""
+    trained = getattr(config, "max_position_embeddings", None)
+    if context is not None and trained is not None and context > int(trained):
+        raise ValueError(
+            f"context={context} exceeds the model's context of {trained} tokens "
+            "(max_position_embeddings)"
+        )
+    return context
 
 
 def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:

@@ -70,6 +70,10 @@ class OffloadedModel(nn.Module):
         # "untuned default" or "given"; psr.load sets it.
         self.policy_source = "given"
         self.host_budget: int | None = None  # host_memory= (None: unlimited)
+        # psr.load's threads= (the CPU threads it set; None: not set by psr) and context=
+        # (None: the config's max_position_embeddings): `context` reads both.
+        self.threads: int | None = None
+        self.context_limit: int | None = None
         # Graphs: a decode token as one captured forward (runtime/graphs.py): True, False or
         # "auto" (on for CUDA); `graph_status` says whether the last generate used them.
         self.graphs: bool | str = "auto"
@@ -85,6 +89,18 @@ class OffloadedModel(nn.Module):
         return self.hf.config
 
     @property
+    def context(self) -> int | None:
+        """The context in tokens: psr.load's `context`, else the config's
+        max_position_embeddings (None when the config has none)."""
+        if self.context_limit is not None:
+            return self.context_limit
+        cfg = self.config
+        limit = getattr(cfg, "max_position_embeddings", None)
+        if limit is None:  # a wrapper's: its text model's
+            limit = getattr(getattr(cfg, "text_config", None), "max_position_embeddings", None)
+        return None if limit is None else int(limit)
+
+    @property
     def device(self) -> torch.device:
         return next(self.hf.parameters()).device
 
@@ -92,7 +108,9 @@ class OffloadedModel(nn.Module):
     def stats(self) -> Stats:
         """Decode statistics (reading them reads the device step's counts: one sync)."""
         with self.runtime.lock:
-            return self.runtime.stats
+            stats = self.runtime.stats
+            stats.threads = self.threads or torch.get_num_threads()
+            return stats
 
     @property
     def policy(self) -> Policy:
@@ -118,7 +136,7 @@ class OffloadedModel(nn.Module):
         left in the memory-mapped checkpoint), `device_slab` (the expert slots),
         `device_dense` (every other weight and buffer on the compute device: attention,
         norms, embeddings, routers, shared experts) and `device_kv` (a KV cache of
-        `context` tokens, default the config's max_position_embeddings, in the model
+        `context` tokens, default the model's `context`, in the model
         dtype)."""
         from psr.runtime.kv import kv_bytes
 
@@ -136,8 +154,7 @@ class OffloadedModel(nn.Module):
             seen.add(t.data_ptr())
             dense += t.numel() * t.element_size()
         cfg = self.config
-        text = getattr(cfg, "text_config", None) or cfg
-        n = context if context is not None else int(getattr(text, "max_position_embeddings", 0))
+        n = context if context is not None else int(self.context or 0)
         itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
         return {
             "host_experts": host,
@@ -245,7 +262,7 @@ class OffloadedModel(nn.Module):
             raise StoreError("OffloadedModel: the expert store is closed (close() or restore())")
 
     def _check_context(self, prompt_len: int, extra: int) -> None:
-        limit = getattr(self.config, "max_position_embeddings", None)
+        limit = self.context
         if limit is not None and prompt_len + extra > limit:
             raise ValueError(
                 f"prompt of {prompt_len} tokens + {extra} new exceeds the model's "
@@ -369,7 +386,7 @@ class OffloadedModel(nn.Module):
         if reason is not None:
             self.graph_status = f"off: {reason}"
             return None
-        size = bucket(length, getattr(self.config, "max_position_embeddings", None))
+        size = bucket(length, self.context)
         try:
             graph = self._graphs.pop(size, None) or DecodeGraph(self.hf, self.runtime, size)
         except (ValueError, TypeError, NotImplementedError) as e:

@@ -43,6 +43,9 @@ class Stats(Mapping[str, float]):
     """Totals over decode steps (dict-like), plus per-token records and prefill counts."""
 
     def __init__(self) -> None:
+        # The CPU threads decoding ran with (OffloadedModel.stats sets it; 0: unknown); not
+        # a count, so `reset` keeps it.
+        self.threads = 0
         self.reset()
 
     def reset(self) -> None:
@@ -90,6 +93,7 @@ class Stats(Mapping[str, float]):
         t["prefetch_used_frac"] = t["prefetch_used"] / t["prefetches"] if t["prefetches"] else 0.0
         t["substitution_rate"] = t["substituted"] / t["routed"] if t["routed"] else 0.0
         t["tokens_per_s"] = t["tokens"] / t["decode_s"] if t["decode_s"] > 0 else 0.0
+        t["threads"] = self.threads
         return t
 
     def report(self, keys: tuple[str, ...] = REPORT_KEYS) -> dict[str, float]:
@@ -129,6 +133,7 @@ class Stats(Mapping[str, float]):
                 f"{s['stall_pageable_s'] * 1e3:.1f} ms",
             ),
             ("tokens / s", f"{s['tokens_per_s']:.1f}"),
+            ("CPU threads", f"{s['threads']:.0f}"),
             ("prefill copies", f"{s['prefill_copies']:.0f} ({s['prefill_bytes'] / 2**20:.1f} MiB)"),
             ("decode graph captures", f"{s['captures']:.0f}"),
         ]

@@ -376,7 +376,11 @@ class Engine:
         if eos is None:
             eos = getattr(model.config, "eos_token_id", None)
         self.eos_token_ids = tuple([eos] if isinstance(eos, int) else eos or ())
-        self.context = getattr(model.config, "max_position_embeddings", None)
+        # psr.load's context= when given, else the checkpoint's (OffloadedModel.context).
+        ctx = getattr(model, "context", None)
+        self.context = (
+            ctx if ctx is not None else getattr(model.config, "max_position_embeddings", None)
+        )
         self.request_tokenizer = copy.deepcopy(tok)
         self.bytes_per_token = max_bytes_per_token(tok)
         self.ready.set()

@@ -1,0 +1,175 @@
+"""`psr tune`'s search (issue 42): coarse-to-fine over lam, each configuration's result
+saved as it completes, a deadline.
+
+* **Coarse to fine.** Per residency and n, three lams of the grid first (its ends and
+  middle), then bisection on the grid between the highest lam within the budget and the
+  next one measured above it, until they are neighbours: with quality cost rising in lam
+  the grid's largest lam within budget is found in about 3 + log2(len) runs instead of
+  len. The point chosen is still the fastest within budget of all measured.
+* **Saved results.** Each configuration's result is a JSON file under the run folder as
+  soon as it is measured, keyed by the checkpoint (psr.points.model_key), the data it was
+  measured on and the configuration; a re-run with the same arguments reads them instead
+  of measuring again, so an interrupted tune resumes where it stopped and ends with the
+  same points as one run.
+* **Deadline.** Past it no new configuration starts (`OutOfTime`); the caller reports the
+  best point so far.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from psr.eval.harness import EvalData, RunConfig, compare, run_config
+from psr.points import model_key
+from psr.policy import make_policy
+
+# Result keys that are not saved: the trace (replayed into latency already) and replay inputs.
+_NOT_SAVED = ("trace", "mode_starts", "mode_traces")
+
+
+class OutOfTime(Exception):
+    """The deadline passed before a configuration that still had to be measured."""
+
+
+def coarse_indices(n: int) -> list[int]:
+    """The grid's ends and middle (all of a grid of at most three)."""
+    return sorted({0, (n - 1) // 2, n - 1}) if n > 0 else []
+
+
+def next_index(measured: dict[int, bool], n: int) -> int | None:
+    """The next grid index to measure for one residency and n, from `measured` (index ->
+    within budget): the middle of the gap between the highest index within budget and the
+    next measured one above it; None when they are neighbours (or nothing is within budget
+    and the lowest index is measured, or the highest index is within budget)."""
+    ok = [i for i, good in measured.items() if good]
+    lo = max(ok) if ok else -1
+    above = [i for i in measured if i > lo]
+    hi = min(above) if above else n
+    if lo == -1 and 0 not in measured:
+        return 0
+    if hi - lo <= 1:
+        return None
+    if hi == n:  # nothing measured above lo: its neighbour first (coarse grids include n - 1)
+        return lo + 1
+    return (lo + hi) // 2
+
+
+class Runner:
+    """Measures configurations (psr.eval.harness.run_config) or reads their saved results,
+    one progress line each on stderr, until `deadline` (time.monotonic())."""
+
+    def __init__(
+        self,
+        path: str,
+        folder: str | Path,
+        profiles: Sequence[str],
+        deadline: float | None = None,
+        progress: bool = False,
+    ) -> None:
+        self.path, self.folder, self.profiles = path, Path(folder), tuple(profiles)
+        self.deadline, self.progress = deadline, progress
+        self.model = model_key(path)
+        self.measured = self.reused = 0
+
+    def _file(self, rc: RunConfig, split: str) -> Path:
+        name = f"{split}-{rc.residency:g}-{rc.label}"
+        return self.folder / (re.sub(r"[^A-Za-z0-9.=_-]+", "_", name) + ".json")
+
+    def _key(self, rc: RunConfig, data: EvalData) -> dict[str, Any]:
+        tokens = json.dumps([data.windows, data.prompt_len, data.prompts, data.gen_tokens])
+        return {
+            "model": self.model,
+            "data": hashlib.sha256(tokens.encode()).hexdigest(),
+            "config": rc.as_dict(),
+            "profiles": list(self.profiles),
+        }
+
+    def __call__(self, rc: RunConfig, data: EvalData, split: str) -> dict[str, Any]:
+        """`rc`'s result on `data` (held-out set `split`): saved, or measured and saved."""
+        f, key = self._file(rc, split), self._key(rc, data)
+        if f.is_file():
+            try:
+                saved = json.loads(f.read_text())
+            except ValueError:
+                saved = None  # a file cut short by an interruption: measured again
+            if isinstance(saved, dict) and saved.get("key") == key:
+                self.reused += 1
+                self._line(f"set {split} {rc.residency:.1%} {rc.label}: saved result")
+                result: dict[str, Any] = saved["result"]
+                return result
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            raise OutOfTime(rc.label)
+        t = time.perf_counter()
+        r = run_config(self.path, rc, data, self.profiles, progress=self.progress)
+        r = {k: v for k, v in r.items() if k not in _NOT_SAVED}
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"key": key, "result": r}))
+        tmp.replace(f)  # whole or absent: an interruption leaves no half-written result
+        self.measured += 1
+        self._line(
+            f"set {split} {rc.residency:.1%} {rc.label}: measured in "
+            f"{time.perf_counter() - t:.1f} s, saved to {f}"
+        )
+        return r
+
+    def _line(self, text: str) -> None:
+        tqdm.write(f"psr tune: {text}", file=sys.stderr)
+
+
+def within(r: dict[str, Any], budget: float) -> bool:
+    return bool(r.get("delta_nll", {}).get("hi", float("inf")) <= budget)
+
+
+def select(
+    run: Callable[[RunConfig], dict[str, Any]],
+    residencies: Sequence[float],
+    lams: Sequence[float],
+    ns: Sequence[int],
+    budget: float,
+    profiles: Sequence[str],
+) -> tuple[list[dict[str, Any]], bool]:
+    """Exact, then Cache-Prior (n = 0) and PSR (n > 0) over `lams`, coarse to fine (see the
+    module's docstring), at each residency: (every result, compared with exact at its
+    residency; whether the search finished: False when `run` raised OutOfTime)."""
+    grid = sorted(set(lams))
+    results: list[dict[str, Any]] = []
+    done: dict[tuple[float, int], dict[int, dict[str, Any]]] = {}
+
+    def measure(rho: float, n: int, i: int) -> None:
+        pol = make_policy("cache-prior", grid[i]) if n == 0 else make_policy("psr", grid[i], n)
+        r = run(RunConfig(pol, rho))
+        results.append(r)
+        done.setdefault((rho, n), {})[i] = r
+
+    try:
+        for rho in residencies:
+            results.append(run(RunConfig(make_policy("exact"), rho)))
+        for rho in residencies:
+            for n in ns:
+                for i in coarse_indices(len(grid)):
+                    measure(rho, n, i)
+        while True:
+            compare(results, profiles)
+            todo = [
+                (rho, n, i)
+                for (rho, n), rs in done.items()
+                if (i := next_index({j: within(r, budget) for j, r in rs.items()}, len(grid)))
+                is not None
+            ]
+            if not todo:
+                return results, True
+            for rho, n, i in todo:
+                measure(rho, n, i)
+    except OutOfTime:
+        compare(results, profiles)
+        return results, False

@@ -1,0 +1,89 @@
+"""psr.load's threads= and context= (issue 42): the thread count reaches torch and psr's
+CPU expert kernels and shows in the stats; the context bounds prompts, the graphs' static
+cache and the KV bytes; bad values are one-line errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model, write_checkpoint
+
+import psr
+import psr.store
+from psr import _C
+
+PROMPT = [5, 17, 33, 2, 9, 41, 12, 60]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("thr") / "olmoe")
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("decode", ["device", "host"])
+def test_threads_reach_torch_and_the_cpu_expert_kernels(ckpt, monkeypatch, decode) -> None:
+    seen: list[int] = []
+    real = _C.cpu_expert_ffn
+
+    def spy(*args):
+        seen.append(args[14])  # threads (psr.store's cpu_expert_ffn call)
+        return real(*args)
+
+    monkeypatch.setattr(_C, "cpu_expert_ffn", spy)  # the module: wherever psr.store calls it
+    setups: list[int] = []
+    real_setup = psr.store.ExpertStore.cpu_experts_setup
+
+    def spy_setup(self, *a, **kw):
+        setups.append(kw["threads"])
+        return real_setup(self, *a, **kw)
+
+    monkeypatch.setattr(psr.store.ExpertStore, "cpu_experts_setup", spy_setup)
+    n = len(os.sched_getaffinity(0))  # every CPU: not what the suite's OMP_NUM_THREADS=1 gives
+    torch.set_num_threads(1)
+    model = psr.load(ckpt, "exact", 0.25, experts_on="cpu", decode=decode, threads=n,
+                     progress=False)  # fmt: skip
+    assert torch.get_num_threads() == n and model.threads == n
+    model.generate(PROMPT, max_new_tokens=4)
+    assert model.stats["cpu_experts"] > 0
+    assert set(seen + setups) == {n} and seen + setups  # every CPU-experts call took n
+    assert model.stats["threads"] == n and "CPU threads" in model.stats.table()
+    model.close()
+
+
+def test_threads_default_and_errors(ckpt, monkeypatch) -> None:
+    monkeypatch.setenv("PSR_THREADS", "1")
+    with psr.load(ckpt, "exact", 0.5, progress=False) as model:
+        assert model.threads == 1 == torch.get_num_threads()
+    too_many = len(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match=rf"^threads={too_many}: only .* CPUs are available"):
+        psr.load(ckpt, "exact", 0.5, threads=too_many, progress=False)
+
+
+def test_context_bounds_prompts_graphs_and_kv(ckpt) -> None:
+    with psr.load(ckpt, "exact", 0.5, progress=False) as full:
+        assert full.context == 128  # the config's max_position_embeddings
+        kv_full = full.memory()["device_kv"]
+    model = psr.load(ckpt, "exact", 0.5, context=12, progress=False)
+    assert model.context == 12
+    assert model.memory()["device_kv"] * 128 == kv_full * 12  # sized by the context
+    model.generate(PROMPT, max_new_tokens=4)  # 8 + 4 = 12: fits
+    with pytest.raises(ValueError, match=r"^prompt of 8 tokens \+ 5 new exceeds the model's "
+                       r"context of 12 tokens$"):  # fmt: skip
+        model.generate(PROMPT, max_new_tokens=5)
+    from psr.runtime.graphs import bucket
+
+    assert bucket(12, model.context) == 12  # the static cache is capped at the context
+    model.close()
+    for bad, match in [(129, "exceeds the model's context of 128"), (0, "int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            psr.load(ckpt, "exact", 0.5, context=bad, progress=False)
