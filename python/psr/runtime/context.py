@@ -68,6 +68,11 @@ class StepContext(RoutingContext, Protocol):
     @property
     def experts_on(self) -> str: ...
 
+    @property
+    def prefill_more(self) -> bool: ...  # more chunks of this prompt follow this forward
+    @property
+    def prefill_reads(self) -> str: ...  # "host" | "slab" (prefill.py)
+
     def max_inserts(self, layer: MoELayer) -> int | None: ...
 
     @property
