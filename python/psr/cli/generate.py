@@ -120,7 +120,14 @@ def add_policy_options(g: argparse.ArgumentParser) -> None:
 
 def add_placement_options(g: argparse.ArgumentParser) -> None:
     """--device, --dtype, --compute, --expert-format, --quant-cache, --speculative,
-    --block, --block-k."""
+    --block, --block-k, --prefill-chunk."""
+    g.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=None,
+        help="tokens per prefill chunk, at fixed boundaries (default 512, at most the "
+        "context): part of the configuration, as the prompt cache keys it",
+    )
     g.add_argument(
         "--device",
         type=device,
@@ -258,6 +265,16 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def load_model(path: str, args: argparse.Namespace, show_progress: bool) -> Any:
+    """psr.models.load with the load options, then the model's prefill chunk."""
+    from psr.models import load
+
+    model = load(path, **load_options(args), progress=show_progress)
+    if args.prefill_chunk is not None:
+        model.set_prefill_chunk(args.prefill_chunk)
+    return model
+
+
 def run_generate(args: argparse.Namespace) -> int:
     check_policy_options(args)
     from psr.models import DEFAULT_MODEL
@@ -278,9 +295,7 @@ def run_generate(args: argparse.Namespace) -> int:
     out = writable_file(args.json, "--json") if args.json else None
     show_progress = progress(args)
 
-    from psr.models import load
-
-    model = load(path, **load_options(args), progress=show_progress)
+    model = load_model(path, args, show_progress)
     tok = model.tokenizer
     if args.prompt_ids is not None:
         ids = list(args.prompt_ids)

@@ -286,6 +286,14 @@ class OffloadedModel(nn.Module):
             logits: torch.Tensor = self.hf(input_ids=self._ids(input_ids), use_cache=False).logits
             return logits
 
+    def check_prompt_cache(self, cache: chunked.PromptCache) -> None:
+        """Refuse (one line) a prompt cache whose budget is below one prefill chunk's KV."""
+        from psr.runtime.kv import kv_bytes
+
+        chunk = self.prefill_chunk
+        itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
+        cache.check_budget(kv_bytes(self.config, itemsize, chunk), chunk)
+
     def _prefill_key(self, graphs: bool) -> tuple[Any, ...]:
         """What a prompt-cache entry is keyed by besides the tokens: this model and its
         whole configuration (never shared between models, policies or configurations)."""
@@ -301,10 +309,7 @@ class OffloadedModel(nn.Module):
         the prompt `cache` if any."""
         chunk = self.prefill_chunk
         if cache is not None:
-            from psr.runtime.kv import kv_bytes
-
-            itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
-            cache.check_budget(kv_bytes(self.config, itemsize, chunk), chunk)
+            self.check_prompt_cache(cache)
         key = self._prefill_key(graph is not None)
         if graph is not None:
 

@@ -132,11 +132,12 @@ class _Responder:
         return {"id": self.p.id, "object": obj, "created": self.created, "model": self.model_name}
 
     @staticmethod
-    def usage(f: Finished) -> dict[str, int]:
+    def usage(f: Finished) -> dict[str, Any]:
         return {
             "prompt_tokens": f.prompt_tokens,
             "completion_tokens": f.completion_tokens,
             "total_tokens": f.prompt_tokens + f.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": f.cached_tokens},
         }
 
     def psr(self, f: Finished) -> dict[str, Any]:
