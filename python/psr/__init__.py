@@ -42,7 +42,7 @@ _EXPORTS = {
         "current_backend",
         "set_backend",
     ),
-    "psr.runtime": ("MoESpec", "OffloadedModel", "Stats", "Trace"),
+    "psr.runtime": ("MoESpec", "OffloadedModel", "PromptCache", "Stats", "Trace"),
     "psr.models": (
         "DEFAULT_MODEL",
         "CheckpointError",
@@ -68,6 +68,7 @@ __all__ = [
     "MoESpec",
     "OffloadedModel",
     "Policy",
+    "PromptCache",
     "Stats",
     "StoreError",
     "Trace",
@@ -96,7 +97,7 @@ if TYPE_CHECKING:
         parse_policies,
         parse_policy,
     )
-    from psr.runtime import MoESpec, OffloadedModel, Stats, Trace
+    from psr.runtime import MoESpec, OffloadedModel, PromptCache, Stats, Trace
     from psr.store import (
         CopyError,
         ExpertStore,

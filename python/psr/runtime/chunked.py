@@ -34,11 +34,12 @@ DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill chunk (llama.cpp's default mic
 
 def check_chunk(chunk: Any, context: int | None) -> int:
     """`prefill_chunk` validated: an int in [1, the model's context]."""
-    if isinstance(chunk, bool) or not isinstance(chunk, Integral) or chunk < 1:
+    if isinstance(chunk, bool) or not isinstance(chunk, Integral) or int(chunk) < 1:
         raise ValueError(f"prefill_chunk must be an int >= 1 (tokens), got {chunk!r}")
-    if context is not None and chunk > context:
-        raise ValueError(f"prefill_chunk={chunk} exceeds the model's context of {context} tokens")
-    return int(chunk)
+    n = int(chunk)
+    if context is not None and n > context:
+        raise ValueError(f"prefill_chunk={n} exceeds the model's context of {context} tokens")
+    return n
 
 
 def boundaries(start: int, length: int, chunk: int) -> list[int]:
