@@ -221,12 +221,27 @@ class ExpertCompute:
                 fmt=self.expert_format, group_size=self.group_size, slot_table=table,
                 out_dtype=torch.float32, skip_absent=True,
             )  # fmt: skip
-        for e in torch.nonzero(dense & (counts > 0)).flatten().tolist():
+        each = torch.nonzero(dense & (counts > 0)).flatten().tolist()
+        return self._each_expert(out, x, ids, w, host, bias_table, each).to(x.dtype)
+
+    def _each_expert(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        w: torch.Tensor,
+        host: torch.Tensor,
+        bias_table: torch.Tensor | None,
+        experts: list[int],
+    ) -> torch.Tensor:
+        """Adds to `out` (fp32) each of `experts` once over the tokens that chose it, from
+        its host row (dequantized once, one matmul)."""
+        for e in experts:
             tok, pos = torch.where(ids == e)
             b = None if bias_table is None else bias_table[e]
             y = self.weighted_row(host[e].to(x.device), x[tok], w[tok, pos], b)
             out.index_add_(0, tok, y.float())
-        return out.to(x.dtype)
+        return out
 
     def weighted_row(
         self,
@@ -272,13 +287,9 @@ class ExpertCompute:
         path the experts the window uses staged as a slab, 64 tokens per launch."""
         w = weights.float()
         if self.ops.path == "torch":
-            out = torch.zeros_like(x)
-            for e in torch.unique(ids).tolist():
-                tok, pos = torch.where(ids == e)
-                b = None if bias_table is None else bias_table[e]
-                y = self.weighted_row(host[e].to(x.device), x[tok], w[tok, pos], b)
-                out.index_add_(0, tok, y.to(out.dtype))
-            return out
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            each = torch.unique(ids).tolist()
+            return self._each_expert(out, x, ids, w, host, bias_table, each).to(x.dtype)
         used = torch.unique(ids)
         rows = host[used].to(x.device)  # the experts this window decodes with, as a slab
         local = torch.full((self.spec.num_experts,), -1, dtype=torch.long, device=x.device)

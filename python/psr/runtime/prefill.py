@@ -15,11 +15,11 @@ that chose it. Where they are read from:
   slab  (CUDA) each expert staged through a slot, the experts the cache will not keep
         first (so the kept ones end resident), the next expert's copy issued before the
         current one computes (double-buffered slots; `run_prefill`).
-Both compute the same bytes with the same functions where they overlap; which one runs
-is physical only (the tests force the slab path on the CPU under copy delays).
-`plan_prefill` decides the slots (updating the slot map). Teacher-forced scoring runs the
-same plan with `physical=False`: the slot map evolves as in decoding, no copies are
-issued, and the experts are read from the host copies.
+The two round differently (the kernels' sums against one matmul per expert), each
+deterministic; the tests force the slab path on the CPU under copy delays.
+`plan_prefill` decides the slots (updating the slot map). Teacher-forced scoring plans the
+same way (the slot map evolves as in decoding), issues no copies, and computes the prompt
+as the host path does.
 """
 
 from __future__ import annotations
@@ -133,30 +133,25 @@ def run_prefill(
     ids: torch.Tensor,
     weights: torch.Tensor,
     ffn: RowFFN,
-    physical: bool = True,
 ) -> torch.Tensor:
     """Exact experts of `x [T, H]` routed to `ids [T, k]` with `weights [T, k]`, by the
-    plan: copies into the slab (the next ones in flight while one computes) then reads
-    from it, or (`physical=False`) host reads. Sums in fp32; returns x's dtype."""
-    host = None if physical else store.host(layer)
+    plan: copies into the slab (the next ones in flight while one computes), each expert
+    read from its slot. Sums in fp32; returns x's dtype."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     issued = 0
     for i, (e, slot, _fresh) in enumerate(plan.reads):
         tok, pos = torch.where(ids == e)
-        if host is not None:
-            y = ffn(host[e].to(x.device), x[tok], e, weights[tok, pos])
-        else:
-            issued = _issue(store, layer, plan.reads, i, issued)
-            with store.reading(layer, [slot], [e]) as slab:
-                y = ffn(slab[slot], x[tok], e, weights[tok, pos])
+        issued = _issue(store, layer, plan.reads, i, issued)
+        with store.reading(layer, [slot], [e]) as slab:
+            y = ffn(slab[slot], x[tok], e, weights[tok, pos])
         out.index_add_(0, tok, y.float())
-    seed_copies(store, layer, plan, physical)
+    seed_copies(store, layer, plan)
     return out.to(x.dtype)
 
 
-def seed_copies(store: ExpertStore, layer: int, plan: PrefillPlan, physical: bool = True) -> None:
+def seed_copies(store: ExpertStore, layer: int, plan: PrefillPlan) -> None:
     """Copy the seeded experts prefill did not stage into their slots."""
-    if plan.seed and physical:
+    if plan.seed:
         store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])
 
 
