@@ -159,3 +159,27 @@ def test_bad_input_is_refused_in_one_line(ckpt) -> None:
         model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(16))
     with pytest.raises(TypeError, match="prompt_cache must be a psr PromptCache"):
         model.generate(FIRST, max_new_tokens=1, prompt_cache={})
+
+
+def test_a_hit_changes_nothing_through_a_static_cache(ckpt) -> None:
+    """graphs=True: prefill runs through the decode graph's static KV cache, and a hit
+    refills it in place (two new tokens: the graph's first decode step is eager, so
+    nothing compiles here; tests/runtime/test_graphs.py covers the replays)."""
+    model = _load(ckpt, "psr", lam=0.3, n=1, graphs=True)
+    seen: list[torch.Tensor] = []
+
+    def run(ids, cache=None):
+        seen.clear()
+        out = model.generate(
+            ids, max_new_tokens=2, prompt_cache=cache,
+            logits_processor=lambda _i, s: (seen.append(s.clone()), s)[1],
+        )  # fmt: skip
+        return out[0].tolist(), torch.stack(seen)
+
+    miss = run(SECOND)
+    assert model.graph_status.startswith("on")
+    cache = PromptCache(1 << 26)
+    run(FIRST, cache)
+    hit = run(SECOND, cache)
+    assert cache.last_cached == 32
+    assert hit[0] == miss[0] and torch.equal(hit[1], miss[1])
