@@ -83,9 +83,10 @@ class OffloadedModel(nn.Module):
         self.block_k: int | None = None
         self.spec_stats: Any = None
         self._uid = next(_UIDS)
-        self.prefill_chunk = chunked.DEFAULT_PREFILL_CHUNK
+        # Tokens per prefill chunk (set_prefill_chunk): the default, at most the context.
         limit = getattr(self.config, "max_position_embeddings", None)
-        self.prefill_chunk = min(self.prefill_chunk, limit) if limit else self.prefill_chunk
+        chunk = chunked.DEFAULT_PREFILL_CHUNK
+        self.prefill_chunk = min(chunk, int(limit)) if limit else chunk
 
     def set_prefill_chunk(self, chunk: int) -> None:
         """Prefill prompts in chunks of `chunk` tokens at fixed boundaries (psr.runtime.
