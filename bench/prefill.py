@@ -122,6 +122,35 @@ def worker_conversation(path: str, chunk: int) -> dict:
     return out
 
 
+def worker_identity(path: str, length: int) -> dict:
+    """Across prefill chunks: the same tokens? logits bit-identical? (this tree only)"""
+    import torch
+
+    torch.set_num_threads(1)
+    model = _load(path, None)
+    ids = _ids(length, model.config.vocab_size, 2)
+    out: dict = {}
+    base = None
+    seen: list = []
+
+    def keep(_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        seen.append(scores.clone())
+        return scores
+
+    for chunk in (length, 64, 16, 5):
+        model.set_prefill_chunk(chunk)
+        seen.clear()
+        toks = model.generate(ids, max_new_tokens=8, logits_processor=keep)
+        got = (toks, torch.stack(seen))
+        base = base or got
+        out[str(chunk)] = {
+            "tokens_equal": bool(torch.equal(got[0], base[0])),
+            "logits_bit_identical": bool(torch.equal(got[1], base[1])),
+            "max_abs_diff": float((got[1] - base[1]).abs().max()),
+        }
+    return out
+
+
 def write_gguf(path: Path) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from gguf_files import gguf_tiny_model
@@ -154,7 +183,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.worker:
         kind, path, *rest = a.worker
-        fn = worker_prefill if kind == "prefill" else worker_conversation
+        fns = {"prefill": worker_prefill, "conversation": worker_conversation}
+        fn = fns.get(kind, worker_identity)
         print(json.dumps(fn(path, *map(int, rest))))  # type: ignore[operator]
         return
     from psr.models import DEFAULT_MODEL
@@ -175,6 +205,7 @@ def main() -> None:
     for c in a.chunks.split(","):
         conv.append(run(ROOT, "conversation", str(gguf), c))
         print(conv[-1], flush=True)
+    ident = {label: run(ROOT, "identity", path, str(PROMPT)) for label, path in models.items()}
     lines = [
         "| model | prompt | before tok/s (CPU time) | after tok/s (CPU time) | after / before "
         "| before tok/s (wall) | after tok/s (wall) |",
@@ -203,12 +234,25 @@ def main() -> None:
             f"({c['second_cache_over_first_wall']:.1%}) | {c['identical_tokens']} |"
         )
     lines.append("\n(seconds of CPU time, wall time in parentheses)")
+    lines += [
+        "",
+        f"Across prefill chunks ({PROMPT}-token prompt, 8 new tokens; against one chunk):",
+        "",
+        "| model | chunk | same tokens | logits bit-identical | max abs logit diff |",
+        "|---|---|---|---|---|",
+    ]
+    for label, by in ident.items():
+        for chunk, r in by.items():
+            lines.append(
+                f"| {label} | {chunk} | {r['tokens_equal']} | {r['logits_bit_identical']} "
+                f"| {r['max_abs_diff']:.3g} |"
+            )
     table = "\n".join(lines)
     print(table)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "prefill.json").write_text(
-            json.dumps({"prefill": rows, "conversation": conv}, indent=1) + "\n"
+            json.dumps({"prefill": rows, "conversation": conv, "chunks": ident}, indent=1) + "\n"
         )
         (a.out / "README.md").write_text(
             "# Prefill before / after and the prompt cache (issue 36)\n\n"
