@@ -21,6 +21,7 @@ byte budget, least recently used dropped first.
 from __future__ import annotations
 
 import copy
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -119,6 +120,8 @@ class PromptCache:
     cached_tokens: int = 0  # prompt tokens resumed from the cache, all requests
     computed_tokens: int = 0  # prompt tokens prefilled, all requests
     last_cached: int = 0  # the last request's cached tokens
+    # Models used from different threads may share one cache: its bookkeeping is locked.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         b = self.max_bytes
@@ -142,36 +145,40 @@ class PromptCache:
 
     def lookup(self, config: Hashable, ids: torch.Tensor, chunk: int) -> tuple[int, Entry | None]:
         """The longest cached boundary before the end of prompt `ids [T]` (0, None: none)."""
-        for b in range((ids.shape[0] - 1) // chunk * chunk, 0, -chunk):
-            key = self._key(config, ids[:b])
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
-                return b, entry
-        return 0, None
+        with self._lock:
+            for b in range((ids.shape[0] - 1) // chunk * chunk, 0, -chunk):
+                key = self._key(config, ids[:b])
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    return b, entry
+            return 0, None
 
     def put(self, config: Hashable, ids: torch.Tensor, entry: Entry) -> None:
         """Keep the state after prompt prefix `ids`; the least recently used go first."""
         if entry.nbytes > self.max_bytes:
             return
         key = self._key(config, ids)
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.nbytes -= old.nbytes
-        self._entries[key] = entry
-        self.nbytes += entry.nbytes
-        while self.nbytes > self.max_bytes:
-            _, gone = self._entries.popitem(last=False)
-            self.nbytes -= gone.nbytes
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+            self._entries[key] = entry
+            self.nbytes += entry.nbytes
+            while self.nbytes > self.max_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self.nbytes -= gone.nbytes
 
     def count(self, cached: int, computed: int) -> None:
-        self.last_cached = cached
-        self.cached_tokens += cached
-        self.computed_tokens += computed
-        if cached:
-            self.hits += 1
-        else:
-            self.misses += 1
+        """One request: `cached` prompt tokens resumed, `computed` prefilled."""
+        with self._lock:
+            self.last_cached = cached
+            self.cached_tokens += cached
+            self.computed_tokens += computed
+            if cached:
+                self.hits += 1
+            else:
+                self.misses += 1
 
 
 # --- the driver ------------------------------------------------------------------------------
