@@ -43,7 +43,7 @@ _EXPORTS = {
         "current_backend",
         "set_backend",
     ),
-    "psr.runtime": ("MoESpec", "OffloadedModel", "Stats", "Trace"),
+    "psr.runtime": ("MoESpec", "OffloadedModel", "PromptCache", "Stats", "Trace"),
     "psr.models": (
         "DEFAULT_MODEL",
         "CheckpointError",
@@ -70,6 +70,7 @@ __all__ = [
     "MoESpec",
     "OffloadedModel",
     "Policy",
+    "PromptCache",
     "Stats",
     "StoreError",
     "Trace",
@@ -99,7 +100,7 @@ if TYPE_CHECKING:
         parse_policies,
         parse_policy,
     )
-    from psr.runtime import MoESpec, OffloadedModel, Stats, Trace
+    from psr.runtime import MoESpec, OffloadedModel, PromptCache, Stats, Trace
     from psr.store import (
         CopyError,
         ExpertStore,

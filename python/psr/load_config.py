@@ -90,6 +90,10 @@ class LoadConfig:
         are refused, decode graphs' static KV caches are capped at it, `psr serve` reports
         it as max_model_len. Default: the checkpoint's max_position_embeddings; more than
         that is an error.
+    prefill_chunk: tokens per prefill chunk, at fixed absolute boundaries (default 512, at
+        most the context; `model.set_prefill_chunk` changes it): attention and the expert
+        grouping round per chunk, so the chunk is part of the configuration (the prompt
+        cache keys it).
     progress: progress bars while the experts load (None, the default: only when stderr is
         a terminal).
     """
@@ -114,6 +118,7 @@ class LoadConfig:
     block: int = field(default=4, metadata=LOAD)
     block_k: int | None = field(default=None, metadata=LOAD)
     copy_retries: int | None = field(default=None, metadata=BOTH)
+    prefill_chunk: int | None = field(default=None, metadata=BOTH)
     threads: int | None = field(default=None, metadata=LOAD)
     context: int | None = field(default=None, metadata=LOAD)
     progress: bool | None = field(default=None, metadata=BOTH)
@@ -131,10 +136,10 @@ class LoadConfig:
         vocab.decode_mode(self.decode)
         vocab.expert_format(self.expert_format)
         resolve_threads(self.threads)
-        if self.context is not None and (
-            isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1
-        ):
-            raise ValueError(f"context must be an int >= 1 (tokens), got {self.context!r}")
+        for name in ("context", "prefill_chunk"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be an int >= 1 (tokens), got {v!r}")
         # speculative / block: checked with the drafter files (psr.models.drafters).
 
     @classmethod

@@ -195,6 +195,11 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
         "slots))",
     ),
+    "prefill_chunk": dict(
+        type=positive_int,
+        help="tokens per prefill chunk, at fixed boundaries (default 512, at most the "
+        "context): part of the configuration, as the prompt cache keys it",
+    ),
     "threads": dict(type=positive_int, metavar="N", help=THREADS_HELP),
     "context": dict(
         flag="--ctx-size",
@@ -262,6 +267,13 @@ def load_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def load_model(path: str, args: argparse.Namespace, show_progress: bool) -> Any:
+    """psr.models.load with the load options."""
+    from psr.models import load
+
+    return load(path, **load_options(args), progress=show_progress)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     check_policy_options(args)
     path = model_path(args.model)
@@ -280,9 +292,7 @@ def run_generate(args: argparse.Namespace) -> int:
     out = writable_file(args.json, "--json") if args.json else None
     show_progress = progress(args)
 
-    from psr.models import load
-
-    model = load(path, **load_options(args), progress=show_progress)
+    model = load_model(path, args, show_progress)
     tok = model.tokenizer
     if args.prompt_ids is not None:
         ids = list(args.prompt_ids)

@@ -27,7 +27,7 @@ from psr.cli.generate import (
     add_placement_options,
     add_policy_options,
     check_policy_options,
-    load_options,
+    load_model,
 )
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
@@ -99,6 +99,14 @@ def add_serve(sub: Any) -> None:
         metavar="NAME",
         help="the tool-call format of the model's replies (default: read from the chat "
         "template): hermes, qwen3_coder, glm45, minimax_m2, mistral, llama4_json, deepseek_v3",
+    )
+    s.add_argument(
+        "--prompt-cache",
+        type=nonnegative_int,
+        default=1024,
+        metavar="MIB",
+        help="memory for the prefill states of earlier prompts, so a request extending one "
+        "(a conversation's next turn) resumes from it; tokens unchanged (default 1024; 0: off)",
     )
     s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(fn=run_serve)
@@ -287,16 +295,17 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from psr.models import load
+    from psr.runtime.chunked import PromptCache
     from psr.serve.app import create_app
     from psr.serve.engine import Engine
     from psr.serve.metrics import Metrics
 
     show_progress = progress(args)
     engine = Engine(
-        lambda: load(path, **load_options(args), progress=show_progress),
+        lambda: load_model(path, args, show_progress),
         max_queue=args.max_queue,
         metrics=Metrics(name),
+        prompt_cache=PromptCache(args.prompt_cache * 2**20) if args.prompt_cache else None,
     )
     config = uvicorn.Config(
         create_app(engine, served_name=name, options=options),
@@ -330,10 +339,9 @@ def _log_config() -> dict[str, Any]:
 def run_bench_serve(args: argparse.Namespace) -> int:
     path = _check(args)
     out = writable_file(args.json, "--json") if args.json else None
-    from psr.models import load
     from psr.serve.bench import bench_serve
 
-    model = load(path, **load_options(args), progress=progress(args))
+    model = load_model(path, args, progress(args))
     result = bench_serve(
         model,
         requests=args.requests,

@@ -182,6 +182,8 @@ def _context(context: int | None, config: Any) -> int | None:
 def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
     """The options that apply to the built model: decode graphs, where misses are computed."""
     om.graphs = cfg.graphs
+    if cfg.prefill_chunk is not None:
+        om.set_prefill_chunk(cfg.prefill_chunk)
     where, hybrid_m = cfg.placement
     if where != "gpu":
         om.set_experts_on(where, hybrid_m)

@@ -6,10 +6,11 @@ decode step on device-resident caches), `host_decode` (the host-driven decode st
 speculative verify blocks), `window` (teacher-forced scoring). Beside it: `guard` (one
 sequence at a time), `accounting` (stats, traces, store counters), `compute` (expert
 FFNs), `steering` (lam and predictions: the seam variants subclass), `bookkeeping` (host
-logical caches mirrored by store copies), `layer`, `slots`, `kv`. `modules` are the
-drop-in router / experts modules; `model` is the public OffloadedModel; `generate` its
-decoding loop; `stats` and `trace` record what happened. Imports only psr.cache,
-psr.policy, psr.vocab, psr.store and psr_kernels (never psr.models, psr.eval or the CLI).
+logical caches mirrored by store copies), `layer`, `slots`, `kv`, `chunked` (chunked
+prefill, the prompt cache). `modules` are the drop-in router / experts modules; `model`
+is the public OffloadedModel; `generate` its decoding loop; `stats` and `trace` record
+what happened. Imports only psr.cache, psr.policy, psr.vocab, psr.store and psr_kernels
+(never psr.models, psr.eval or the CLI).
 
 Exports load lazily (PEP 562), as `psr`'s do: importing the package, or its pure-data
 modules `trace` and `stats`, imports neither torch nor triton (`spec` needs psr_kernels);
@@ -22,6 +23,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "psr.runtime.chunked": ("PromptCache",),
     "psr.runtime.engine": ("DECODE_MODES", "OffloadRuntime"),
     "psr.runtime.layer": ("MoELayer",),
     "psr.runtime.steering": ("Steering",),
@@ -43,6 +45,7 @@ __all__ = [
     "OffloadedExperts",
     "OffloadedModel",
     "PSRRouter",
+    "PromptCache",
     "Stats",
     "Steering",
     "Trace",
@@ -51,6 +54,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from psr.runtime.chunked import PromptCache
     from psr.runtime.engine import DECODE_MODES, OffloadRuntime
     from psr.runtime.layer import MoELayer
     from psr.runtime.model import OffloadedModel

@@ -23,6 +23,11 @@ from psr.runtime.spec import MoESpec
 from psr.store import CPU_FLOAT_DTYPES, cpu_expert_ffn, cpu_layout
 
 CPU_EXPERTS_ENV = "PSR_CPU_EXPERTS"
+# Prefill from host rows (grouped_host): the tokens per expert from which dequantizing the
+# expert once and one matmul over its tokens beats the CPU kernels token by token, per row
+# type (measured at OLMoE's shape, H 2048 x F 1024, one thread: bench/results/prefill/);
+# a type absent here takes the kernels at any count (bf16 / f16 rows, the K-quants).
+DENSE_FROM: dict[str, int] = {"float32": 2, "int8": 64, "fp8": 96, "int4": 128, "Q8_0": 32}
 CPU_EXPERTS_CHOICES: tuple[str, ...] = ("auto", "kernels", "torch")
 
 
@@ -176,6 +181,68 @@ class ExpertCompute:
                 f"experts on the CPU: expert format {fmt} has no CPU kernel ({e})"
             ) from None
 
+    def dense_from(self, host: torch.Tensor) -> int | None:
+        """Tokens per expert from which prefill dequantizes an expert of these host rows
+        once and multiplies (None: the CPU kernels at any count; DENSE_FROM)."""
+        fmt = self.expert_format
+        if fmt is None:
+            kinds = [str(host.dtype).removeprefix("torch.")]
+        else:
+            kinds = list(pk.ggml_types(fmt)) if pk.is_ggml_format(fmt) else [fmt]
+        if any(k not in DENSE_FROM for k in kinds):
+            return None
+        return max(DENSE_FROM[k] for k in kinds)
+
+    def grouped_host(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        host: torch.Tensor,
+        bias_table: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Routed experts of prefill tokens `x [T, H]` (`ids`, `weights` `[T, k]`) from the
+        store's host rows, each expert once over its tokens: the experts with fewer than
+        `dense_from` tokens in one call of the CPU kernels (each row read in place; the
+        others skipped as absent), each other one dequantized once and multiplied (the
+        reference's matmul), every expert so where the kernels do not compute this kind.
+        Sums in fp32; returns x's dtype."""
+        E = self.spec.num_experts
+        w = weights.float()
+        counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+        kernels = x.device.type == "cpu" and self.host_layout(host) is not None
+        cut = self.dense_from(host) if kernels else 0
+        dense = torch.zeros(E, dtype=torch.bool) if cut is None else counts >= cut
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if kernels and not bool(dense[counts > 0].all()):
+            table = torch.where(dense, -1, torch.arange(E))
+            out += cpu_expert_ffn(
+                x, host, ids.long(), w, self.spec.hidden_size, self.spec.ffn_size,
+                fmt=self.expert_format, group_size=self.group_size, slot_table=table,
+                out_dtype=torch.float32, skip_absent=True,
+            )  # fmt: skip
+        each = torch.nonzero(dense & (counts > 0)).flatten().tolist()
+        return self._each_expert(out, x, ids, w, host, bias_table, each).to(x.dtype)
+
+    def _each_expert(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        w: torch.Tensor,
+        host: torch.Tensor,
+        bias_table: torch.Tensor | None,
+        experts: list[int],
+    ) -> torch.Tensor:
+        """Adds to `out` (fp32) each of `experts` once over the tokens that chose it, from
+        its host row (dequantized once, one matmul)."""
+        for e in experts:
+            tok, pos = torch.where(ids == e)
+            b = None if bias_table is None else bias_table[e]
+            y = self.weighted_row(host[e].to(x.device), x[tok], w[tok, pos], b)
+            out.index_add_(0, tok, y.float())
+        return out
+
     def weighted_row(
         self,
         row: torch.Tensor,
@@ -220,13 +287,9 @@ class ExpertCompute:
         path the experts the window uses staged as a slab, 64 tokens per launch."""
         w = weights.float()
         if self.ops.path == "torch":
-            out = torch.zeros_like(x)
-            for e in torch.unique(ids).tolist():
-                tok, pos = torch.where(ids == e)
-                b = None if bias_table is None else bias_table[e]
-                y = self.weighted_row(host[e].to(x.device), x[tok], w[tok, pos], b)
-                out.index_add_(0, tok, y.to(out.dtype))
-            return out
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            each = torch.unique(ids).tolist()
+            return self._each_expert(out, x, ids, w, host, bias_table, each).to(x.dtype)
         used = torch.unique(ids)
         rows = host[used].to(x.device)  # the experts this window decodes with, as a slab
         local = torch.full((self.spec.num_experts,), -1, dtype=torch.long, device=x.device)

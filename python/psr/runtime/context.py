@@ -69,6 +69,11 @@ class StepContext(RoutingContext, Protocol):
     @property
     def placement(self) -> ExpertPlacement: ...
 
+    @property
+    def prefill_more(self) -> bool: ...  # more chunks of this prompt follow this forward
+    @property
+    def prefill_reads(self) -> str: ...  # "host" | "slab" (prefill.py)
+
     def max_inserts(self, layer: MoELayer) -> int | None: ...
 
     @property

@@ -158,6 +158,13 @@ class OffloadRuntime:
         self._device = DeviceDecode(self)
         self._step: Step = PrefillStep(self)
         self._call_t0: float | None = None
+        # Chunked prefill (psr.runtime.chunked): True while the prefill forward running is
+        # followed by more chunks of the same prompt (the caches are seeded after the last).
+        self.prefill_more = False
+        # Where prefill reads its experts (prefill.py): "host" rows on the CPU backend
+        # (every expert held in memory), else staged through the "slab".
+        held = all(s.num_held in (None, s.num_experts) for s in store.layers)
+        self.prefill_reads = "host" if store.backend == "cpu" and held else "slab"
 
     # --- configuration ---------------------------------------------------------------
     def set_decode(self, decode: str) -> None:
@@ -314,6 +321,22 @@ class OffloadRuntime:
         """A new sequence: caches empty until its prefill seeds them."""
         self._forget_sequence()
         self.acct.begin_sequence()
+
+    def histories(self) -> list[list[list[int]]]:
+        """Each MoE layer's prefill history so far (the routed ids of each prompt token):
+        with the KV cache, all a chunk boundary's state (the caches are seeded after the
+        prompt's last chunk)."""
+        return [list(L.history) for L in self.layers]
+
+    def resume_prefill(self, kv: Any, histories: Sequence[list[list[int]]]) -> None:
+        """Begin a sequence (under `lock`) at a chunk boundary of its prompt: `kv` holds the
+        prompt up to it and `histories` the routed ids (psr.runtime.chunked's prompt
+        cache); the next forward, with `kv`, prefills the following chunk."""
+        if len(histories) != len(self.layers):
+            raise ValueError(f"{len(histories)} prefill histories for {len(self.layers)} layers")
+        self.guard.enter(kv, self.begin_sequence, new=True)
+        for L, h in zip(self.layers, histories, strict=True):
+            L.history = [list(ids) for ids in h]
 
     @property
     def device_step(self) -> DeviceDecode:

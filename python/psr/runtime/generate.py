@@ -8,7 +8,7 @@ Sampling uses transformers' own logits warpers, with psr's seeded generator.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
@@ -183,14 +183,29 @@ def warpers(s: Settings) -> Any:
     return out
 
 
+# A prompt's prefill: (ids [1, T], keep every position's logits?) -> (logits [1, T or 1,
+# V], the KV cache).
+Prefill = Callable[[torch.Tensor, bool], tuple[torch.Tensor, Any]]
+
+
+def _prefill(hf: nn.Module, ids: torch.Tensor, keep_all: bool) -> tuple[torch.Tensor, Any]:
+    """The prompt as one forward (no chunking)."""
+    out = hf(input_ids=ids, use_cache=True)
+    return (out.logits if keep_all else out.logits[:, -1:]), output_cache(out)
+
+
 @torch.no_grad()
-def decode_logits(hf: nn.Module, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-    """Logits `[1, T, V]`: prefill `ids[:, :prompt_len]`, then one decode step per token."""
+def decode_logits(
+    hf: nn.Module, ids: torch.Tensor, prompt_len: int, prefill: Prefill | None = None
+) -> torch.Tensor:
+    """Logits `[1, T, V]`: prefill `ids[:, :prompt_len]` (by `prefill`, default one
+    forward), then one decode step per token."""
     kv_name = cache_kwarg(hf)
-    out = hf(input_ids=ids[:, :prompt_len], use_cache=True)
-    logits = [out.logits]
+    first, kv = (prefill or (lambda p, k: _prefill(hf, p, k)))(ids[:, :prompt_len], True)
+    logits = [first]
     for t in range(prompt_len, ids.shape[1]):
-        out = hf(input_ids=ids[:, t : t + 1], use_cache=True, **{kv_name: output_cache(out)})
+        out = hf(input_ids=ids[:, t : t + 1], use_cache=True, **{kv_name: kv})
+        kv = output_cache(out)
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
 
@@ -231,6 +246,7 @@ def generate(
     graph: Any = None,
     logits_processor: Any = None,
     logprobs: Any = None,
+    prefill: Prefill | None = None,
 ) -> torch.Tensor:
     """Greedy or sampled decoding of `ids [1, T]`; returns `[1, T + new]`.
 
@@ -241,8 +257,9 @@ def generate(
     whose draws differ from the CPU's). The host reads each new token once (end of
     sequence, streaming). `graph` (a psr.runtime.graphs.DecodeGraph): decode tokens are
     replays of one captured forward over its static cache; else the model's forward with
-    transformers' dynamic cache. `streamer` (transformers' protocol) gets the prompt, then
-    each new token, then end().
+    transformers' dynamic cache. `prefill` runs the prompt (psr.runtime.chunked: in
+    chunks, through the graph's static cache when there is one); default one forward.
+    `streamer` (transformers' protocol) gets the prompt, then each new token, then end().
 
     `logits_processor` (transformers' `(ids, scores [1, V]) -> scores`, on the device) runs
     on the float32 logits before the warpers and the arg-max. `logprobs` (an object with
@@ -259,12 +276,15 @@ def generate(
         if s.max_new_tokens == 0:
             return ids
         P = ids.shape[1]
-        if graph is not None:
-            logits = graph.prefill(ids)[0]
+        kv_name = cache_kwarg(hf)
+        if prefill is not None:
+            last, kv = prefill(ids, False)
+            logits = last[0, -1]
+        elif graph is not None:
+            logits, kv = graph.prefill(ids)[0], None
         else:
-            kv_name = cache_kwarg(hf)
-            out = hf(input_ids=ids, use_cache=True)
-            logits = out.logits[0, -1]
+            last, kv = _prefill(hf, ids, False)
+            logits = last[0, -1]
         bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
         for i in bar:
             raw = logits
@@ -290,7 +310,8 @@ def generate(
             if graph is not None:
                 logits = graph.step(nxt, P + i)[0]
             else:
-                out = hf(input_ids=nxt, use_cache=True, **{kv_name: output_cache(out)})
+                out = hf(input_ids=nxt, use_cache=True, **{kv_name: kv})
+                kv = output_cache(out)
                 logits = out.logits[0, -1]
         return ids
     finally:

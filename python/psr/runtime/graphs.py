@@ -95,14 +95,17 @@ class DecodeGraph:
         logits: torch.Tensor = out.logits[:, -1]
         return logits
 
-    def prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """A new sequence: the static cache cleared, the prompt's forward run eagerly.
-        Returns the last position's logits `[1, V]`."""
-        if ids.shape[1] > self.max_len:
-            raise ValueError(f"prompt of {ids.shape[1]} tokens exceeds the static cache")
-        self.cache.reset()
-        positions = torch.arange(ids.shape[1], device=self.device)
-        return self._run(lambda: self._eager(ids, positions), True, ids.shape[1])
+    def prefill(self, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """A prefill chunk `ids [1, n]` at positions start.., run eagerly: `start` 0 begins a
+        new sequence (the static cache cleared), a later chunk continues it. Returns the
+        last position's logits `[1, V]`."""
+        n = ids.shape[1]
+        if start + n > self.max_len:
+            raise ValueError(f"prompt of {start + n} tokens exceeds the static cache")
+        if start == 0:
+            self.cache.reset()
+        positions = torch.arange(start, start + n, device=self.device)
+        return self._run(lambda: self._eager(ids, positions), start == 0, n)
 
     def step(self, token: torch.Tensor, position: int) -> torch.Tensor:
         """One decode token (`token` `[1, 1]` on the device) at `position`: eager for the

@@ -8,6 +8,7 @@ print(model.stats.table())
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from psr.policy import Policy, make_policy
+from psr.runtime import chunked
 from psr.runtime import generate as gen
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.graphs import MAX_GRAPHS, SPECULATIVE, DecodeGraph, bucket, graphs_unavailable
@@ -25,6 +27,7 @@ from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 from psr.store import StoreError
 
+_UIDS = itertools.count()  # one per OffloadedModel: prompt-cache keys never cross models
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
@@ -83,6 +86,18 @@ class OffloadedModel(nn.Module):
         self.drafter: Any = None
         self.block_k: int | None = None
         self.spec_stats: Any = None
+        self._uid = next(_UIDS)
+        # Tokens per prefill chunk (set_prefill_chunk): the default, at most the context.
+        limit = getattr(self.config, "max_position_embeddings", None)
+        chunk = chunked.DEFAULT_PREFILL_CHUNK
+        self.prefill_chunk = min(chunk, int(limit)) if limit else chunk
+
+    def set_prefill_chunk(self, chunk: int) -> None:
+        """Prefill prompts in chunks of `chunk` tokens at fixed boundaries (psr.runtime.
+        chunked): part of the configuration (attention and the grouped experts round by
+        chunk), so a configuration reproduces its tokens; in [1, the model's context]."""
+        with self.runtime.lock:
+            self.prefill_chunk = chunked.check_chunk(chunk, self.context)
 
     @property
     def config(self) -> Any:
@@ -288,17 +303,64 @@ class OffloadedModel(nn.Module):
             logits: torch.Tensor = self.hf(input_ids=self._ids(input_ids), use_cache=False).logits
             return logits
 
+    def check_prompt_cache(self, cache: chunked.PromptCache) -> None:
+        """Refuse (one line) a prompt cache whose budget is below one prefill chunk's KV."""
+        from psr.runtime.kv import kv_bytes
+
+        chunk = self.prefill_chunk
+        itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
+        cache.check_budget(kv_bytes(self.config, itemsize, chunk), chunk)
+
+    def _prefill_key(self, graphs: bool) -> tuple[Any, ...]:
+        """What a prompt-cache entry is keyed by besides the tokens: this model and its
+        whole configuration (never shared between models, policies or configurations)."""
+        rt = self.runtime
+        return (
+            self._uid, rt.policy, rt.capacity, rt.experts_on, tuple(rt.inserts),
+            rt.decode_mode, rt.block_k, self.prefill_chunk, graphs,
+        )  # fmt: skip
+
+    def _prefill(self, graph: DecodeGraph | None, cache: chunked.PromptCache | None) -> Any:
+        """The prompt's prefill for `gen.generate` / `gen.decode_logits`: in chunks of
+        `prefill_chunk`, through `graph`'s static cache if any, resumed from and kept in
+        the prompt `cache` if any."""
+        chunk = self.prefill_chunk
+        if cache is not None:
+            self.check_prompt_cache(cache)
+        key = self._prefill_key(graph is not None)
+        if graph is not None:
+
+            def forward(part: torch.Tensor, pos: int, kv: Any) -> tuple[torch.Tensor, Any]:
+                return graph.prefill(part, pos)[:, None], graph.cache
+
+        else:
+            from psr.runtime.kv import cache_kwarg, output_cache
+
+            name = cache_kwarg(self.hf)
+
+            def forward(part: torch.Tensor, pos: int, kv: Any) -> tuple[torch.Tensor, Any]:
+                past = {} if kv is None else {name: kv}
+                out = self.hf(input_ids=part, use_cache=True, **past)
+                return out.logits, output_cache(out)
+
+        into = None if graph is None else graph.cache
+        return lambda ids, keep_all: chunked.prefill(
+            self.runtime, forward, ids, chunk, cache, key, into, keep_all
+        )
+
     @torch.no_grad()
     def decode_logits(self, input_ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
-        """Logits `[1, T, V]`: prefill the first `prompt_len` tokens, then feed the rest one
-        decode step at a time (teacher forcing) under the policy."""
+        """Logits `[1, T, V]`: prefill the first `prompt_len` tokens (in chunks of
+        `prefill_chunk`), then feed the rest one decode step at a time (teacher forcing)
+        under the policy."""
         ids = self._ids(input_ids)
         prompt_len = _check_count("prompt_len", prompt_len)
         if not 1 <= prompt_len <= ids.shape[1]:
             raise ValueError(f"prompt_len must be in [1, {ids.shape[1]}], got {prompt_len}")
         with self.runtime.lock:
             self._check_open()
-            return self._call(gen.decode_logits, self.hf, ids, prompt_len)
+            prefill = self._prefill(None, None)
+            return self._call(gen.decode_logits, self.hf, ids, prompt_len, prefill)
 
     @torch.no_grad()
     def score(
@@ -418,6 +480,7 @@ class OffloadedModel(nn.Module):
         progress: bool = False,
         logits_processor: Any = None,
         logprobs: Any = None,
+        prompt_cache: chunked.PromptCache | None = None,
         **kwargs: Any,
     ) -> torch.Tensor:
         """Greedy (default) or sampled decoding with a KV cache; returns `[1, T + new]` ids.
@@ -432,7 +495,11 @@ class OffloadedModel(nn.Module):
         generator seeded by `seed` (reproducible; `torch.manual_seed` is not touched).
         `eos_token_id`: an id or a list; `streamer`: transformers' TextStreamer protocol
         (put the prompt, then each new token; end). `logits_processor` and `logprobs`: see
-        `psr.runtime.generate.generate` (not with a speculative drafter)."""
+        `psr.runtime.generate.generate` (not with a speculative drafter). The prompt is
+        prefilled in chunks of `prefill_chunk`; `prompt_cache` (a
+        psr.runtime.chunked.PromptCache the caller keeps): resume from the longest chunk
+        boundary of this prompt it holds and keep the new ones; a hit changes nothing
+        (tokens and logits as without it)."""
         ids = self._ids(input_ids)
         if attention_mask is not None:
             mask = torch.as_tensor(attention_mask)
@@ -463,7 +530,13 @@ class OffloadedModel(nn.Module):
         self._check_context(ids.shape[1], settings.max_new_tokens)
         with self.runtime.lock:
             self._check_open()
+            if prompt_cache is not None and not isinstance(prompt_cache, chunked.PromptCache):
+                raise TypeError(
+                    f"prompt_cache must be a psr PromptCache, got {type(prompt_cache).__name__}"
+                )
             if self.drafter is not None:
+                if prompt_cache is not None:
+                    raise ValueError("speculative decoding takes no prompt_cache")
                 if logits_processor is not None or logprobs is not None:
                     raise ValueError(
                         "speculative decoding takes no logits_processor and reports no logprobs"
@@ -484,6 +557,7 @@ class OffloadedModel(nn.Module):
                     graph=graph,
                     logits_processor=logits_processor,
                     logprobs=logprobs,
+                    prefill=self._prefill(graph, prompt_cache),
                 )
             finally:
                 if graph is not None:

@@ -1,12 +1,25 @@
-"""Prefill through the slab: exact experts for every prompt token, then the cache seed.
+"""Prefill: exact experts for every prompt token, chunk by chunk, then the cache seed.
 
-Prefill routes exactly. Its experts run grouped by expert, each staged through a
-slot (the experts the cache will not keep first, so the ones it keeps end resident),
-and each layer's logical cache is seeded by the spec's rule (`prefill_state`).
-`plan_prefill` decides the slots (updating the slot map); `run_prefill` issues the
-copies and computes. Teacher-forced scoring runs the same plan with `physical=False`:
-the slot map evolves as in decoding, no copies are issued, and the experts are read
-from the host copies.
+A prompt is prefilled in chunks at fixed absolute boundaries (`prefill_chunk` tokens,
+psr.runtime.chunked drives them): each chunk is one forward. Prefill routes exactly; each
+MoE layer appends the chunk's routed ids to its history, and after the prompt's last
+chunk seeds its logical cache by the spec's rule (`prefill_state` over the whole history:
+a function of the routed ids alone, whatever the chunking).
+
+Per layer and chunk the experts run grouped: each expert once over the chunk's tokens
+that chose it. Where they are read from:
+  host  (the CPU backend) straight from the store's host rows, no copies: one call of the
+        CPU expert kernels for the experts with few tokens, one dequantization and matmul
+        for each expert with many (ExpertCompute.grouped_host); after the last chunk the
+        seeded experts are copied into slots, so decode starts with them resident;
+  slab  (CUDA) each expert staged through a slot, the experts the cache will not keep
+        first (so the kept ones end resident), the next expert's copy issued before the
+        current one computes (double-buffered slots; `run_prefill`).
+The two round differently (the kernels' sums against one matmul per expert), each
+deterministic; the tests force the slab path on the CPU under copy delays.
+`plan_prefill` decides the slots (updating the slot map). Teacher-forced scoring plans the
+same way (the slot map evolves as in decoding), issues no copies, and computes the prompt
+as the host path does.
 """
 
 from __future__ import annotations
@@ -27,6 +40,10 @@ from psr_kernels import NonFiniteError
 # One expert's weighted FFN over some tokens: (its row, the tokens' x, its expert id, their
 # gate weights) -> its contribution to y.
 RowFFN = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
+
+# Slab path: experts whose copies are in flight ahead of the one computing (2: double
+# buffering; a copy is issued only into a slot no pending read still needs).
+LOOKAHEAD = 2
 
 
 @dataclass
@@ -61,12 +78,14 @@ def _put(slots: SlotMap, keep: set[int], here: dict[int, int], e: int) -> int:
 
 
 def plan_prefill(
-    slots: SlotMap, history: Sequence[Sequence[int]], used: Sequence[int]
+    slots: SlotMap, history: Sequence[Sequence[int]], used: Sequence[int], final: bool = True
 ) -> PrefillPlan:
-    """Stage the prefill's `used` experts and seed the cache from `history` (the routed
-    ids of each prompt token); `slots` ends mapping exactly the seeded experts."""
-    init = prefill_state(history, slots.capacity)
-    keep = set(init)
+    """Stage the prefill's `used` experts and (`final`: the prompt's last chunk) seed the
+    cache from `history` (the routed ids of each prompt token so far); `slots` then ends
+    mapping exactly the seeded experts. A chunk before the last stages only (`seed` and
+    `init` empty; the experts likely kept are still staged last)."""
+    state = prefill_state(history, slots.capacity)
+    keep = set(state)
     used = sorted(set(used))
     order = [e for e in used if e not in keep] + [e for e in used if e in keep]
     here = {e: s for s, e in enumerate(slots.slot_expert) if e >= 0}
@@ -76,9 +95,11 @@ def plan_prefill(
         if fresh:
             _put(slots, keep, here, e)
         reads.append((e, here[e], fresh))
-    seed = [(_put(slots, keep, here, e), e) for e in init if e not in here]
-    slots.slot_of = {e: here[e] for e in init}
-    return PrefillPlan(reads, seed, init)
+    if not final:
+        return PrefillPlan(reads, [], [])
+    seed = [(_put(slots, keep, here, e), e) for e in state if e not in here]
+    slots.slot_of = {e: here[e] for e in state}
+    return PrefillPlan(reads, seed, state)
 
 
 def row_ffn(rt: StepContext, layer: MoELayer) -> RowFFN:
@@ -86,6 +107,22 @@ def row_ffn(rt: StepContext, layer: MoELayer) -> RowFFN:
     them (prefill and scored windows)."""
     table, compute = layer.expert_bias, rt.computes[layer.index]
     return lambda row, x, e, w: compute.weighted_row(row, x, w, None if table is None else table[e])
+
+
+def _issue(
+    store: ExpertStore, layer: int, reads: Sequence[tuple[int, int, bool]], at: int, issued: int
+) -> int:
+    """Issue the copies of reads `issued ..` while they are at most LOOKAHEAD ahead of read
+    `at` and their slot is not one a read not yet computed (`at ..`) still needs. Returns
+    the new `issued` (always > `at`)."""
+    while issued < len(reads) and issued < at + LOOKAHEAD:
+        e, slot, fresh = reads[issued]
+        if any(reads[j][1] == slot for j in range(at, issued)):
+            break  # written after read `at` releases it: issued on a later turn
+        if fresh:
+            store.enqueue_copies(layer, [slot], [e])
+        issued += 1
+    return issued
 
 
 def run_prefill(
@@ -96,31 +133,32 @@ def run_prefill(
     ids: torch.Tensor,
     weights: torch.Tensor,
     ffn: RowFFN,
-    physical: bool = True,
 ) -> torch.Tensor:
     """Exact experts of `x [T, H]` routed to `ids [T, k]` with `weights [T, k]`, by the
-    plan: copies into the slab then reads from it, or (`physical=False`) host reads."""
-    host = None if physical else store.host(layer)
-    out = torch.zeros_like(x)
-    for e, slot, fresh in plan.reads:
-        if fresh and physical:
-            store.enqueue_copies(layer, [slot], [e])
+    plan: copies into the slab (the next ones in flight while one computes), each expert
+    read from its slot. Sums in fp32; returns x's dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    issued = 0
+    for i, (e, slot, _fresh) in enumerate(plan.reads):
         tok, pos = torch.where(ids == e)
-        if host is not None:
-            y = ffn(host[e].to(x.device), x[tok], e, weights[tok, pos])
-        else:
-            with store.reading(layer, [slot], [e]) as slab:
-                y = ffn(slab[slot], x[tok], e, weights[tok, pos])
-        out.index_add_(0, tok, y.to(out.dtype))
-    if plan.seed and physical:
+        issued = _issue(store, layer, plan.reads, i, issued)
+        with store.reading(layer, [slot], [e]) as slab:
+            y = ffn(slab[slot], x[tok], e, weights[tok, pos])
+        out.index_add_(0, tok, y.float())
+    seed_copies(store, layer, plan)
+    return out.to(x.dtype)
+
+
+def seed_copies(store: ExpertStore, layer: int, plan: PrefillPlan) -> None:
+    """Copy the seeded experts prefill did not stage into their slots."""
+    if plan.seed:
         store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])
-    return out
 
 
 class PrefillStep(Step):
-    """A sequence's first forward: exact routing, the prompt's experts staged through the
-    slab, and each layer's logical cache seeded (spec: the experts prefill used most
-    recently)."""
+    """A prefill chunk's forward: exact routing, the experts grouped (module docstring),
+    and after the prompt's last chunk each layer's logical cache seeded (spec: the
+    experts prefill used most recently)."""
 
     name = "prefill"
 
@@ -138,10 +176,19 @@ class PrefillStep(Step):
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         rt = self.rt
-        plan = plan_prefill(layer.slots, layer.history, ids.flatten().tolist())
-        out = run_prefill(rt.store, layer.index, plan, x, ids, weights, row_ffn(rt, layer))
-        layer.cache.reset(plan.init)
-        layer.seeded = True
-        if rt.decoding:
-            rt.acct.end_prefill()
+        final = not rt.prefill_more
+        if rt.prefill_reads == "host":
+            compute, host = rt.computes[layer.index], rt.store.host(layer.index)
+            out = compute.grouped_host(x, ids, weights, host, layer.expert_bias)
+            plan = plan_prefill(layer.slots, layer.history, [], final) if final else None
+            if plan is not None:
+                seed_copies(rt.store, layer.index, plan)
+        else:
+            plan = plan_prefill(layer.slots, layer.history, ids.flatten().tolist(), final)
+            out = run_prefill(rt.store, layer.index, plan, x, ids, weights, row_ffn(rt, layer))
+        if plan is not None and final:
+            layer.cache.reset(plan.init)
+            layer.seeded = True
+            if rt.decoding:
+                rt.acct.end_prefill()
         return out

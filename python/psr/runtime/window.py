@@ -18,7 +18,7 @@ import torch
 
 from psr.runtime.host_decode import VerifyBlock
 from psr.runtime.layer import MoELayer
-from psr.runtime.prefill import PrefillPlan, plan_prefill, row_ffn, run_prefill
+from psr.runtime.prefill import plan_prefill
 from psr.runtime.step import Routed, Step
 
 if TYPE_CHECKING:
@@ -53,7 +53,6 @@ class ScoringWindow(Step):
         self.sc = scoring
         self.blocks = VerifyBlock(runtime)  # block mode's set routing and prediction
         self.pending: dict[int, torch.Tensor] = {}
-        self.plans: dict[int, PrefillPlan] = {}
 
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         """Route a window layer by layer (module docstring). This layer's predictions for
@@ -70,8 +69,9 @@ class ScoringWindow(Step):
             raise ValueError(f"MoE layer {L.index}: router logits contain NaN or inf")
         w_p, ids_p = rt.ops.route(logits[:P], exact, bias=L.bias, check_finite=False)
         L.history.extend(ids_p.tolist())
-        plan = plan_prefill(L.slots, L.history, ids_p.flatten().tolist())
-        self.plans[L.index] = plan
+        # The slot map as prefill leaves it: staged through the slab, or (host reads) not.
+        staged = [] if rt.prefill_reads == "host" else ids_p.flatten().tolist()
+        plan = plan_prefill(L.slots, L.history, staged)
         L.cache.reset(plan.init)
         L.seeded = True
         ws, idss = [w_p], [ids_p]
@@ -123,12 +123,10 @@ class ScoringWindow(Step):
         if ids is not self.pending.pop(L.index, None):
             raise RuntimeError(f"MoE layer {L.index}: experts called without a matching route")
         P = self.sc.prompt_len
-        plan = self.plans.pop(L.index)
-        head = run_prefill(
-            rt.store, L.index, plan, x[:P], ids[:P], weights[:P], row_ffn(rt, L), False
-        )
+        host = rt.store.host(L.index)
+        compute = rt.computes[L.index]
+        head = compute.grouped_host(x[:P], ids[:P], weights[:P], host, L.expert_bias)
         if x.shape[0] == P:
             return head
-        host = rt.store.host(L.index)
-        tail = rt.computes[L.index].host_rows(x[P:], ids[P:], weights[P:], host, L.expert_bias)
+        tail = compute.host_rows(x[P:], ids[P:], weights[P:], host, L.expert_bias)
         return torch.cat([head, tail])

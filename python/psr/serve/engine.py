@@ -24,12 +24,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psr.serve.decoding import GrammarMask, Grammars, LogprobSink, Penalties, Processors
 from psr.serve.metrics import Metrics
 from psr.serve.protocol import Sampling
 from psr.serve.stops import Detokenizer, StopBuffer
+
+if TYPE_CHECKING:
+    from psr.runtime.chunked import PromptCache
 
 log = logging.getLogger("psr.serve")
 
@@ -114,7 +117,7 @@ class Finished:
     psr: dict[str, Any]
     # Of prompt_tokens, those read from a prompt cache rather than prefilled: the one
     # figure usage reports as OpenAI's cached_tokens and Anthropic's
-    # cache_read_input_tokens (0 until the server has a prompt cache).
+    # cache_read_input_tokens (resumed from the prompt cache).
     cached_tokens: int = 0
     stop_string: str | None = None  # the stop string that ended it, if one did
 
@@ -231,12 +234,16 @@ class Engine:
         *,
         max_queue: int = 16,
         metrics: Metrics | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self._loader = loader
         self.max_queue = max_queue
         self.metrics = metrics or Metrics()
+        # Prefill states of earlier prompts (psr.runtime.chunked): a request extending an
+        # earlier one (a conversation's next turn) resumes from it; None: no cache.
+        self.prompt_cache = prompt_cache
         self.model: Any = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -364,6 +371,8 @@ class Engine:
             model = self._loader()
             if getattr(model, "tokenizer", None) is None:
                 raise ValueError(f"{model.path}: no tokenizer; the server reads and writes text")
+            if self.prompt_cache is not None:
+                model.check_prompt_cache(self.prompt_cache)
         except BaseException as e:
             self.load_error = e
             log.error("loading the model failed: %s", e)
@@ -436,6 +445,9 @@ class Engine:
             extra["logits_processor"] = processors
         if sink is not None:
             extra["logprobs"] = sink
+        if self.prompt_cache is not None:
+            extra["prompt_cache"] = self.prompt_cache
+            self.prompt_cache.last_cached = 0
         try:
             model.generate(
                 job.prompt_ids,
@@ -455,6 +467,7 @@ class Engine:
             error = e
         after = model.stats.totals
         diff = {k: after[k] - before.get(k, 0) for k in after}
+        cached = 0 if self.prompt_cache is None else self.prompt_cache.last_cached
         n = len(streamer.tokens)
         last: Event
         if finish is not None:
@@ -471,7 +484,9 @@ class Engine:
                     mask.seconds * 1e3 / max(mask.masks, 1), 4
                 )
                 self.metrics.grammar.observe(mask.seconds / max(mask.masks, 1))
-            last = Finished(finish, len(job.prompt_ids), n, figures, stop_string=stops.matched)
+            last = Finished(
+                finish, len(job.prompt_ids), n, figures, cached, stop_string=stops.matched
+            )
             outcome = finish
         elif error is not None:
             last = Failed(f"{type(error).__name__}: {error}")
@@ -483,7 +498,7 @@ class Engine:
         # finds the request in /metrics.
         self.metrics.count(outcome)
         self.metrics.add_request(
-            diff, len(job.prompt_ids), n, streamer.times, job.arrived, job.started
+            diff, len(job.prompt_ids), n, streamer.times, job.arrived, job.started, cached
         )
         self._log(job, outcome, n, streamer.times, diff, error)
         self._emit(job, last)

@@ -79,6 +79,12 @@ class Metrics:
 
         self.requests = by(Counter, "psr_requests", "Requests, by outcome", "outcome", OUTCOMES)
         self.prompt_tokens = counter("psr_prompt_tokens", "Prompt tokens prefilled")
+        self.prompt_cached = counter(
+            "psr_prompt_tokens_cached", "Prompt tokens resumed from the prompt cache"
+        )
+        self.prompt_computed = counter(
+            "psr_prompt_tokens_computed", "Prompt tokens computed (not from the prompt cache)"
+        )
         self.generated_tokens = counter("psr_generated_tokens", "Completion tokens generated")
         self.routed = counter(
             "psr_routed_experts", "Experts routed in decode steps (layers x top-k)"
@@ -160,11 +166,14 @@ class Metrics:
         token_times: list[float],
         arrived: float,
         started: float | None = None,
+        cached_tokens: int = 0,
     ) -> None:
         """One decoded request: `stats` its stats differences, `token_times` when each of
         its tokens was made (perf_counter), `arrived` when it was accepted, `started` when
-        the worker took it."""
+        the worker took it, `cached_tokens` of its prompt resumed from the prompt cache."""
         self.prompt_tokens.inc(prompt_tokens)
+        self.prompt_cached.inc(cached_tokens)
+        self.prompt_computed.inc(prompt_tokens - cached_tokens)
         self.generated_tokens.inc(completion_tokens)
         self.routed.inc(stats["routed"])
         self.hits.inc(stats["hits"])

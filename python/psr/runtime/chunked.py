@@ -1,0 +1,229 @@
+"""Chunked prefill and the prompt cache.
+
+A prompt is prefilled in chunks of `prefill_chunk` tokens at fixed absolute boundaries
+(c, 2c, ...; the last chunk ends at the prompt's end), one forward each, the KV cache
+carried between them. Attention over a chunk and the experts grouped per chunk round as
+the chunk makes them, so the chunk is part of a model's configuration (set at load,
+`OffloadedModel.prefill_chunk`): a given configuration reproduces its tokens and logits.
+The logical caches are seeded after the last chunk from the routed ids alone
+(prefill.py), whatever the chunking.
+
+`PromptCache` keeps, after each boundary b < the prompt's end, everything the rest of the
+run depends on: the KV cache of the first b tokens and every MoE layer's routing history
+(the caches are seeded from it after the prompt's last chunk, so it is their whole state
+at a boundary), keyed by the token ids up to b and by the model and its configuration.
+A later prompt that extends a cached one resumes from the longest cached boundary before
+its end and computes the chunks after it: exactly the chunks a miss computes, on the same
+state, so a hit changes nothing (tokens and logits bit-identical). Held in memory up to a
+byte budget, least recently used dropped first.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Any
+
+import torch
+
+DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill chunk (llama.cpp's default micro-batch)
+
+
+def check_chunk(chunk: Any, context: int | None) -> int:
+    """`prefill_chunk` validated: an int in [1, the model's context]."""
+    if isinstance(chunk, bool) or not isinstance(chunk, Integral) or int(chunk) < 1:
+        raise ValueError(f"prefill_chunk must be an int >= 1 (tokens), got {chunk!r}")
+    n = int(chunk)
+    if context is not None and n > context:
+        raise ValueError(f"prefill_chunk={n} exceeds the model's context of {context} tokens")
+    return n
+
+
+def boundaries(start: int, length: int, chunk: int) -> list[int]:
+    """Ends of the chunks that prefill tokens [start, length): the multiples of `chunk`
+    after `start` and below `length`, then `length`."""
+    first = (start // chunk + 1) * chunk
+    return [*range(first, length, chunk), length]
+
+
+# --- KV caches at a boundary ---------------------------------------------------------------
+def _layer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
+
+    # Dynamic layers that replace their tensors (never write them in place): shared, not
+    # copied; the static layer (graphs): its first b positions copied out and back in.
+    return (DynamicLayer, DynamicSlidingWindowLayer), (StaticLayer,)
+
+
+def kv_snapshot(kv: Any, length: int) -> tuple[Any, int] | None:
+    """A copy of KV cache `kv` holding `length` tokens that `kv_restore` turns back into a
+    cache, and its bytes; None for a cache psr cannot copy (static sliding-window or other
+    layers of a static cache)."""
+    shared, static = _layer_types()
+    layers = getattr(kv, "layers", None)
+    if layers is None:
+        return None
+    if all(type(x) in static for x in layers):
+        parts = [(x.keys[:, :, :length].clone(), x.values[:, :, :length].clone()) for x in layers]
+        return ("static", parts), sum(k.nbytes + v.nbytes for k, v in parts)
+    if any(type(x) in static for x in layers) or getattr(kv, "offloading", False):
+        return None
+    snap = copy.copy(kv)
+    snap.layers = [copy.copy(x) if type(x) in shared else copy.deepcopy(x) for x in layers]
+    nbytes = 0
+    for x in snap.layers:
+        for t in vars(x).values():
+            if isinstance(t, torch.Tensor):
+                nbytes += t.nbytes
+    return ("dynamic", snap), nbytes
+
+
+def kv_restore(snap: Any, into: Any = None) -> Any:
+    """The cache a snapshot was taken of: a new dynamic cache, or (a static snapshot) the
+    static cache `into`, reset and refilled in place (a captured graph reads its tensors)."""
+    kind, data = snap
+    if kind == "static":
+        into.reset()
+        for x, (k, v) in zip(into.layers, data, strict=True):
+            x.update(k, v)
+        return into
+    shared, _ = _layer_types()
+    kv = copy.copy(data)
+    kv.layers = [copy.copy(x) if type(x) in shared else copy.deepcopy(x) for x in data.layers]
+    return kv
+
+
+# --- the prompt cache ------------------------------------------------------------------------
+@dataclass
+class Entry:
+    kv: Any  # kv_snapshot's copy
+    histories: list[torch.Tensor]  # per MoE layer, [b, k] routed ids (int32)
+    nbytes: int
+
+
+@dataclass
+class PromptCache:
+    """Prefill states at chunk boundaries, for prompts that extend earlier ones (module
+    docstring). `max_bytes`: the budget (KV and histories), least recently used dropped
+    first. The caller keeps it and passes it to `generate(..., prompt_cache=...)`; one
+    cache may serve several models (entries are keyed by the model and configuration)."""
+
+    max_bytes: int
+    _entries: OrderedDict[tuple[Hashable, bytes], Entry] = field(default_factory=OrderedDict)
+    nbytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    cached_tokens: int = 0  # prompt tokens resumed from the cache, all requests
+    computed_tokens: int = 0  # prompt tokens prefilled, all requests
+    last_cached: int = 0  # the last request's cached tokens
+    # Models used from different threads may share one cache: its bookkeeping is locked.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        b = self.max_bytes
+        if isinstance(b, bool) or not isinstance(b, Integral) or b < 1:
+            raise ValueError(f"prompt cache budget must be an int >= 1 (bytes), got {b!r}")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def check_budget(self, chunk_bytes: int, chunk: int) -> None:
+        """Refuse a budget that cannot hold one chunk's KV (`chunk_bytes`)."""
+        if self.max_bytes < chunk_bytes:
+            raise ValueError(
+                f"prompt cache budget of {self.max_bytes} bytes is below one prefill chunk's "
+                f"KV ({chunk} tokens: {chunk_bytes} bytes)"
+            )
+
+    @staticmethod
+    def _key(config: Hashable, ids: torch.Tensor) -> tuple[Hashable, bytes]:
+        return config, ids.to("cpu", torch.int64).numpy().tobytes()
+
+    def lookup(self, config: Hashable, ids: torch.Tensor, chunk: int) -> tuple[int, Entry | None]:
+        """The longest cached boundary before the end of prompt `ids [T]` (0, None: none)."""
+        with self._lock:
+            for b in range((ids.shape[0] - 1) // chunk * chunk, 0, -chunk):
+                key = self._key(config, ids[:b])
+                entry = self._entries.get(key)
+                if entry is not None:
+                    self._entries.move_to_end(key)
+                    return b, entry
+            return 0, None
+
+    def put(self, config: Hashable, ids: torch.Tensor, entry: Entry) -> None:
+        """Keep the state after prompt prefix `ids`; the least recently used go first."""
+        if entry.nbytes > self.max_bytes:
+            return
+        key = self._key(config, ids)
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.nbytes -= old.nbytes
+            self._entries[key] = entry
+            self.nbytes += entry.nbytes
+            while self.nbytes > self.max_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self.nbytes -= gone.nbytes
+
+    def count(self, cached: int, computed: int) -> None:
+        """One request: `cached` prompt tokens resumed, `computed` prefilled."""
+        with self._lock:
+            self.last_cached = cached
+            self.cached_tokens += cached
+            self.computed_tokens += computed
+            if cached:
+                self.hits += 1
+            else:
+                self.misses += 1
+
+
+# --- the driver ------------------------------------------------------------------------------
+# One prefill chunk's forward: (ids [1, n], start, kv or None) -> (logits [1, n, V], kv).
+Forward = Callable[[torch.Tensor, int, Any], tuple[torch.Tensor, Any]]
+
+
+def prefill(
+    runtime: Any,
+    forward: Forward,
+    ids: torch.Tensor,
+    chunk: int,
+    cache: PromptCache | None = None,
+    config: Hashable = None,
+    into: Any = None,
+    keep_all: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """Prefill prompt `ids [1, T]` chunk by chunk (module docstring) through `forward`,
+    resuming from `cache` where it holds a boundary of this prompt under `config`, and
+    keeping every boundary computed. `runtime` (the OffloadRuntime) is told which forward
+    is the prompt's last chunk. `into`: a static cache a snapshot is restored into (graphs).
+    Returns the logits `[1, m, V]` of the last position (`keep_all`: of every position
+    computed) and the KV cache."""
+    T = ids.shape[1]
+    start, kv = 0, None
+    if cache is not None:
+        start, entry = cache.lookup(config, ids[0], chunk)
+        if entry is not None:
+            kv = kv_restore(entry.kv, into)
+            runtime.resume_prefill(kv, [h.tolist() for h in entry.histories])
+        cache.count(start, T - start)
+    kept: list[torch.Tensor] = []
+    pos = start
+    for end in boundaries(start, T, chunk):
+        runtime.prefill_more = end < T
+        try:
+            logits, kv = forward(ids[:, pos:end], pos, kv)
+        finally:
+            runtime.prefill_more = False
+        kept = [*kept, logits] if keep_all else [logits[:, -1:]]
+        if cache is not None and end < T:
+            snap = kv_snapshot(kv, end)
+            if snap is not None:
+                hist = [torch.tensor(h, dtype=torch.int32) for h in runtime.histories()]
+                nbytes = snap[1] + sum(h.nbytes for h in hist)
+                cache.put(config, ids[0, :end], Entry(snap[0], hist, nbytes))
+        pos = end
+    return torch.cat(kept, dim=1), kv

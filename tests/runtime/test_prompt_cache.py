@@ -1,0 +1,185 @@
+"""Chunked prefill and the prompt cache (issue 36): the caches are seeded from the routed
+ids alone whatever the chunking; a prompt-cache hit changes nothing (tokens, logits and
+decode counts bit-identical to the same request without the cache) for every policy,
+both decode steps, under copy delays, on both prefill read paths; entries never cross
+models or configurations; bad input refused in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model, write_checkpoint
+
+import psr
+from psr.cache import prefill_state
+from psr.runtime.chunked import PromptCache, boundaries
+
+CHUNK = 8
+FIRST = torch.arange(40).remainder(61)[None] * 7 % 64  # a 40-token first turn
+SECOND = torch.cat([FIRST, torch.arange(21)[None] * 5 % 64], dim=1)  # extends it: 61 tokens
+NEW = 6
+COUNTS = ("tokens", "routed", "hits", "misses", "prefetches")
+POLICIES = [
+    ("exact", {}),
+    ("exact-prefetch", {"n": 1}),
+    ("cache-prior", {"lam": 0.3}),
+    ("psr", {"lam": 0.3, "n": 1}),
+]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("pc") / "olmoe")
+
+
+def _load(path: Path, policy: str, **kw) -> psr.OffloadedModel:
+    model = psr.load(path, policy, 0.5, progress=False, **kw)
+    model.set_prefill_chunk(CHUNK)
+    return model
+
+
+def _gen(model, ids, cache=None):
+    """Tokens, every decode step's float32 logits, and the decode counts of one request."""
+    seen: list[torch.Tensor] = []
+
+    def keep(_ids, scores):
+        seen.append(scores.clone())
+        return scores
+
+    model.reset_stats()
+    out = model.generate(ids, max_new_tokens=NEW, logits_processor=keep, prompt_cache=cache)
+    s = model.stats
+    return out[0].tolist(), torch.stack(seen), {k: s[k] for k in COUNTS}
+
+
+def test_boundaries_are_absolute() -> None:
+    assert boundaries(0, 20, 8) == [8, 16, 20]
+    assert boundaries(16, 20, 8) == [20]
+    assert boundaries(0, 16, 8) == [8, 16]
+    assert boundaries(8, 30, 8) == [16, 24, 30]
+
+
+@pytest.mark.parametrize("decode", ["device", "host"])
+@pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
+def test_a_hit_changes_nothing(ckpt, monkeypatch, policy, kw, decode) -> None:
+    monkeypatch.setenv("PSR_COPY_DELAY_US", "2000")
+    monkeypatch.setenv("PSR_COPY_DELAY_SEED", "3")
+    model = _load(ckpt, policy, decode=decode, **kw)
+    miss = _gen(model, SECOND)
+    cache = PromptCache(1 << 26)
+    _gen(model, FIRST, cache)
+    assert cache.last_cached == 0 and len(cache) == 4  # boundaries 8, 16, 24, 32 (< 40)
+    hit = _gen(model, SECOND, cache)
+    assert cache.last_cached == 32  # the longest cached boundary before 61
+    assert hit[0] == miss[0] and hit[2] == miss[2]
+    assert torch.equal(hit[1], miss[1])  # bit-identical
+    # the same request again: its own boundaries (up to 56) were kept by the hit
+    again = _gen(model, SECOND, cache)
+    assert cache.last_cached == 56 and again[0] == miss[0] and torch.equal(again[1], miss[1])
+
+
+def test_the_slab_path_is_reproducible_and_its_hits_change_nothing(ckpt, monkeypatch) -> None:
+    """Prefill staged through slots with the next copy in flight (CUDA's path), forced on
+    the CPU: copy delays and a cache hit change nothing."""
+
+    def run(delay: int, cache: PromptCache | None):
+        monkeypatch.setenv("PSR_COPY_DELAY_US", str(delay))
+        model = _load(ckpt, "psr", lam=0.3, n=1)
+        model.runtime.prefill_reads = "slab"
+        if cache is not None:
+            _gen(model, FIRST, cache)
+        out = _gen(model, SECOND, cache)
+        assert model.stats["prefill_copies"] > 0  # prefill staged through the slab
+        return out
+
+    base = run(0, None)
+    for got in (run(3000, None), run(3000, PromptCache(1 << 26))):
+        assert got[0] == base[0] and got[2] == base[2] and torch.equal(got[1], base[1])
+
+
+def test_the_seed_is_a_function_of_the_routed_ids_whatever_the_chunking(ckpt) -> None:
+    model = psr.load(ckpt, "psr", 0.5, lam=0.3, n=1, progress=False)
+    seen = []
+    for chunk in (SECOND.shape[1], 16, 5):
+        model.set_prefill_chunk(chunk)
+        model.generate(SECOND, max_new_tokens=1)  # prefill and the first token: no decode
+        rt = model.runtime
+        seeds = [L.cache.order() for L in rt.layers]
+        hist = rt.histories()
+        assert seeds == [prefill_state(h, rt.capacity) for h in hist]
+        assert all(len(h) == SECOND.shape[1] for h in hist)
+        seen.append((seeds, hist, model.generate(SECOND, max_new_tokens=NEW)[0].tolist()))
+    assert all(s == seen[0] for s in seen[1:])  # same routed ids, seeds, first tokens
+
+
+def test_entries_never_cross_models_or_configurations(ckpt) -> None:
+    cache = PromptCache(1 << 26)
+    a = _load(ckpt, "psr", lam=0.3, n=1)
+    b = _load(ckpt, "psr", lam=0.3, n=1)
+    a.generate(FIRST, max_new_tokens=1, prompt_cache=cache)
+    b.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
+    assert cache.last_cached == 0  # another model
+    a.configure("exact", 0.5)
+    a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
+    assert cache.last_cached == 0  # another policy
+    a.configure("psr", 0.5, lam=0.3, n=1)
+    a.set_prefill_chunk(2 * CHUNK)
+    a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
+    assert cache.last_cached == 0  # another chunking
+    a.set_prefill_chunk(CHUNK)
+    a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
+    assert cache.last_cached == 32
+
+
+def test_the_budget_bounds_the_cache(ckpt) -> None:
+    model = _load(ckpt, "exact")
+    big = PromptCache(1 << 26)
+    model.generate(SECOND, max_new_tokens=1, prompt_cache=big)
+    per = big.nbytes // len(big)
+    small = PromptCache(2 * per)
+    model.generate(SECOND, max_new_tokens=1, prompt_cache=small)
+    assert 0 < len(small) < len(big) and small.nbytes <= small.max_bytes
+    model.generate(SECOND, max_new_tokens=1, prompt_cache=small)
+    assert small.last_cached == 56  # the most recent boundaries are the ones kept
+
+
+def test_bad_input_is_refused_in_one_line(ckpt) -> None:
+    model = psr.load(ckpt, "exact", 0.5, progress=False)
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 1"):
+        model.set_prefill_chunk(0)
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"exceeds the model's context of {limit}"):
+        model.set_prefill_chunk(limit + 1)
+    with pytest.raises(ValueError, match="prompt cache budget must be an int >= 1"):
+        PromptCache(0)
+    model.set_prefill_chunk(CHUNK)
+    with pytest.raises(ValueError, match="below one prefill chunk's KV"):
+        model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(16))
+    with pytest.raises(TypeError, match="prompt_cache must be a psr PromptCache"):
+        model.generate(FIRST, max_new_tokens=1, prompt_cache={})
+
+
+def test_a_hit_changes_nothing_through_a_static_cache(ckpt) -> None:
+    """graphs=True: prefill runs through the decode graph's static KV cache, and a hit
+    refills it in place (two new tokens: the graph's first decode step is eager, so
+    nothing compiles here; tests/runtime/test_graphs.py covers the replays)."""
+    model = _load(ckpt, "psr", lam=0.3, n=1, graphs=True)
+    seen: list[torch.Tensor] = []
+
+    def run(ids, cache=None):
+        seen.clear()
+        out = model.generate(
+            ids, max_new_tokens=2, prompt_cache=cache,
+            logits_processor=lambda _i, s: (seen.append(s.clone()), s)[1],
+        )  # fmt: skip
+        return out[0].tolist(), torch.stack(seen)
+
+    miss = run(SECOND)
+    assert model.graph_status.startswith("on")
+    cache = PromptCache(1 << 26)
+    run(FIRST, cache)
+    hit = run(SECOND, cache)
+    assert cache.last_cached == 32
+    assert hit[0] == miss[0] and torch.equal(hit[1], miss[1])
