@@ -185,10 +185,12 @@ class ExpertCompute:
         """Tokens per expert from which prefill dequantizes an expert of these host rows
         once and multiplies (None: the CPU kernels at any count; DENSE_FROM)."""
         fmt = self.expert_format
-        if fmt is None:
+        if fmt.is_float:
             kinds = [str(host.dtype).removeprefix("torch.")]
+        elif fmt.is_blocks:
+            kinds = [t.name for t in fmt.block_types]
         else:
-            kinds = list(pk.ggml_types(fmt)) if pk.is_ggml_format(fmt) else [fmt]
+            kinds = [fmt.name]
         if any(k not in DENSE_FROM for k in kinds):
             return None
         return max(DENSE_FROM[k] for k in kinds)
