@@ -67,9 +67,9 @@ def open_gguf(path: str | Path) -> Any:
     return GGUFCheckpoint(path)
 
 
-def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[str]:
-    """Each MoE layer's row format (`gguf:GATE,UP,DOWN`), after checking its expert tensors'
-    shapes and types against the config."""
+def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[pk.RowFormat]:
+    """Each MoE layer's row format (GGML blocks, a type per part), after checking its expert
+    tensors' shapes and types against the config."""
     E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
     want = {"gate": (E, F, H), "up": (E, F, H), "down": (E, H, F)}
     out = []
@@ -93,7 +93,7 @@ def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[
                     f"{ckpt.path}: tensor {t.name!r} is {t.ggml_type}, a type psr's expert "
                     f"kernels do not compute (supported: {', '.join(pk.GGML_TYPES)})"
                 )
-        fmt = pk.ggml_format(*(parts[p].ggml_type for p in PARTS))
+        fmt = pk.RowFormat.blocks(*(parts[p].ggml_type for p in PARTS))
         try:
             pk.GGMLLayout.of(fmt, H, F)
         except ValueError as e:

@@ -102,7 +102,7 @@ def install(
     capacity: int,
     compute: str,
     moe_idx: list[int],
-    expert_format: str | Sequence[str | None] | None = None,
+    expert_format: pk.FormatLike | Sequence[pk.FormatLike] = None,
     decode: str = "device",
     expert_biases: list[torch.Tensor] | None = None,
 ) -> OffloadRuntime:

@@ -209,7 +209,7 @@ def _inspect(path: str | Path, ck: Any) -> Inspection:
     if gguf:  # the file's own blocks: one format per layer
         fmts = layer_formats(ck, spec, sparse)  # checked as psr.load checks them
         rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmts]
-        types = {f: fmts.count(f) for f in dict.fromkeys(fmts)}
+        types = {f.name: fmts.count(f) for f in dict.fromkeys(fmts)}
         per = {"gguf": round(sum(rows) / len(rows))}
         host = {"gguf": sum(rows) * E}
         device = {

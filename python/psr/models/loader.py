@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import psr.vocab as vocab
-import psr_kernels as pk  # noqa: F401  (tests count quantize_expert calls through it)
+import psr_kernels as pk  # tests count quantize_expert calls through it
 from psr.load_config import LoadConfig
 from psr.machine import resolve_threads
 from psr.models.checkpoint import CheckpointError
@@ -59,6 +59,7 @@ from psr.models.safetensors_experts import bias_tables, module_reader, on_device
 from psr.models.sources import TOKENIZER_FILES
 from psr.models.tiers import TierPlan, default_budget, load_profile, plan_tiers
 from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy
+from psr.runtime.expert_placement import placement_class
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import resolve_capacity
 
@@ -146,9 +147,9 @@ def offload(
     if not dtype.is_floating_point:
         raise TypeError(f"expert weights must be floating point, got {dtype}")
     device = router_weight(getattr(block_of(hf_model, moe_idx[0]), fam.router), fam).device
-    fmt = cfg.store_format
-    source = matrix_source([module_reader(m, fam) for m in modules], spec, dtype, fmt,
-                           fmt or "native")  # fmt: skip
+    fmt = pk.RowFormat.parse(cfg.store_format)
+    readers = [module_reader(m, fam) for m in modules]
+    source = matrix_source(readers, spec, dtype, fmt, fmt.name)
     store = make_store(source, spec.num_experts, C, device, cfg.copy_retries)
     fill_store(store, source, spec.num_experts, cfg.show_progress)
     biases = None
@@ -185,7 +186,7 @@ def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
     if cfg.prefill_chunk is not None:
         om.set_prefill_chunk(cfg.prefill_chunk)
     where, hybrid_m = cfg.placement
-    if where != "gpu":
+    if placement_class(where).capped:  # else the default: every miss copied
         om.set_experts_on(where, hybrid_m)
     return om
 
@@ -259,7 +260,7 @@ def _row_source(path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int]) ->
         return gguf_source(ckpt, r.spec, moe_idx)
     if r.prequant is not None:
         return prequant_source(r.prequant, ckpt, r.spec, moe_idx)
-    return safetensors_source(ckpt, r.spec, moe_idx, r.dtype, r.cfg.store_format)
+    return safetensors_source(ckpt, r.spec, moe_idx, r.dtype, r.row_format)
 
 
 def _load_drafter(
@@ -288,15 +289,15 @@ def _quant_cache(
     path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int], source: RowSource
 ) -> QuantCache | None:
     """The quantized-expert cache of this checkpoint, format and shape, if one was asked for."""
-    fmt = r.cfg.store_format
-    if r.cache_root is None or fmt is None:  # a cache implies a quantized format: checked
+    fmt = r.row_format
+    if r.cache_root is None or not fmt.is_quant:  # a cache implies a quantized format: checked
         return None
     index = "model.safetensors.index.json"
     files = ckpt.files + ([index] if (Path(path) / index).is_file() else [])
     spec = r.spec
     shape = {"num_experts": spec.num_experts, "hidden": spec.hidden_size, "ffn": spec.ffn_size}
     return QuantCache(
-        r.cache_root, path, files, fmt, GROUP_SIZE, shape, moe_idx, source.row_bytes[0]
+        r.cache_root, path, files, fmt.name, GROUP_SIZE, shape, moe_idx, source.row_bytes[0]
     )
 
 
@@ -331,7 +332,7 @@ def _tier_plan(
         profile = load_profile(r.cfg.host_profile, (len(row_bytes), E))
     plan = plan_tiers(budget, fixed, row_bytes, E, why_not, profile, cuda)
     where = r.cfg.placement[0]
-    if plan.pageable_bytes and where != "gpu":
+    if plan.pageable_bytes and placement_class(where).capped:
         raise ValueError(
             f"experts_on={where!r} computes misses from the host rows in place, but "
             f"host_memory leaves {plan.pageable_bytes / 2**30:.2f} GiB of experts in the "

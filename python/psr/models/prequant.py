@@ -126,10 +126,10 @@ def fp8_reader(ckpt: Checkpoint, family: str, d: int, E: int, H: int, F: int) ->
     return read
 
 
-def layer_format(method: str) -> str:
+def layer_format(method: str) -> pk.RowFormat:
     """The row format of every MoE layer of a checkpoint pre-quantized by `method`."""
     t = "MXFP4" if method == "mxfp4" else "FP8_B128"
-    return pk.ggml_format(t, t, t)
+    return pk.RowFormat.blocks(t, t, t)
 
 
 def parts_reader(

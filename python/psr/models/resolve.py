@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import psr.vocab as vocab
+import psr_kernels as pk
 from psr.load_config import LoadConfig
 from psr.models import prequant
 from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
@@ -42,6 +43,7 @@ class Resolved:
     cache_root: Path | None  # the quantized-expert cache folder, or None: no cache
     gguf: bool  # a GGUF file
     prequant: str | None = None  # the checkpoint's own quantization (psr.models.prequant)
+    row_format: pk.RowFormat = pk.NATIVE  # the asked `expert_format`, parsed
 
     @property
     def blocks(self) -> bool:
@@ -141,17 +143,17 @@ def resolve(path: str | Path, ckpt: Any, cfg: LoadConfig) -> Resolved:
     resolve_capacity(spec, pol, cfg.residency, cfg.slots)  # the tuned n must fit too
     dt = resolve_dtype(cfg.dtype, _config_dtype(config))
     dev = resolve_device(cfg.device)
-    fmt, quant_cache = cfg.store_format, cfg.quant_cache
-    if (gguf or method) and (fmt is not None or quant_cache not in (None, False)):
+    fmt, quant_cache = pk.RowFormat.parse(cfg.store_format), cfg.quant_cache
+    if (gguf or method) and (fmt is not pk.NATIVE or quant_cache not in (None, False)):
         what = "a GGUF file's" if gguf else f"this {method} checkpoint's"
         raise ValueError(
             f"{path}: {what} experts stay in their own blocks (the types the file has); "
             f"expert_format must be 'native' (got {cfg.expert_format!r}) and quant_cache off"
         )
     cache_root = resolve_root(quant_cache, path)
-    if cache_root is not None and fmt not in vocab.QUANT_FORMATS:
+    if cache_root is not None and not fmt.is_quant:
         raise ValueError(
             f"quant_cache keeps quantized experts; expert_format={cfg.expert_format!r} is not "
             f"quantized (choose one of {', '.join(vocab.QUANT_FORMATS)})"
         )
-    return Resolved(cfg, config, spec, pol, pol_source, C, dt, dev, cache_root, gguf, method)
+    return Resolved(cfg, config, spec, pol, pol_source, C, dt, dev, cache_root, gguf, method, fmt)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-import psr.vocab as vocab
 import psr_kernels as pk
 from psr.models.checkpoint import CheckpointError
 from psr.models.quant_cache import QuantCache
@@ -38,7 +37,7 @@ class RowSource:
     """Where a load's expert rows come from and what they are, per MoE layer."""
 
     readers: Sequence[PartsReader]
-    formats: list[str | None]  # the row format the runtime takes (None: float rows, any dtype)
+    formats: list[pk.RowFormat]  # each layer's row format, as the runtime takes it
     dtype: torch.dtype  # the store's element type
     numel: list[int]  # a row's elements of `dtype`
     pack: Pack
@@ -62,28 +61,30 @@ def matrix_source(
     readers: Sequence[PartsReader],
     spec: MoESpec,
     dtype: torch.dtype,
-    fmt: str | None,
+    fmt: pk.RowFormat,
     label: str,
 ) -> RowSource:
     """Experts read as float matrices (gate, up, down, or fused gate_up, down), kept in
-    `dtype` (bf16 for fmt 'bf16') or quantized into one uint8 row each (`fmt`)."""
+    `dtype` (float formats with their own dtype: that one) or quantized into one uint8 row
+    each (quantized formats)."""
     L, H, F = len(readers), spec.hidden_size, spec.ffn_size
-    if fmt in vocab.QUANT_FORMATS:
+    if fmt.is_quant:
         nbytes = pk.QuantLayout.of(fmt, H, F, GROUP_SIZE).nbytes
 
         def quantize(i: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
             return [_quantized_row(parts, F, fmt)]
 
         return RowSource(readers, [fmt] * L, torch.uint8, [nbytes] * L, quantize, label)
-    dt = torch.bfloat16 if fmt == "bf16" else dtype
+    dt = getattr(torch, fmt.dtype) if fmt.dtype is not None else dtype
 
     def cast(i: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         return [p.to(dt).contiguous() for p in parts]
 
-    return RowSource(readers, [None] * L, dt, [spec.expert_numel] * L, cast, label)
+    # Float rows of any dtype run as the runtime's native rows (the store's dtype says which).
+    return RowSource(readers, [pk.NATIVE] * L, dt, [spec.expert_numel] * L, cast, label)
 
 
-def _quantized_row(parts: list[torch.Tensor], ffn: int, fmt: str) -> torch.Tensor:
+def _quantized_row(parts: list[torch.Tensor], ffn: int, fmt: pk.RowFormat) -> torch.Tensor:
     if len(parts) == 2:  # fused: gate_up [2F, H], down [H, F]
         (gate, up), down = torch.split(parts[0], ffn), parts[1]
     else:
@@ -93,7 +94,7 @@ def _quantized_row(parts: list[torch.Tensor], ffn: int, fmt: str) -> torch.Tenso
 
 def block_source(
     readers: Sequence[PartsReader],
-    formats: list[str],
+    formats: list[pk.RowFormat],
     spec: MoESpec,
     label: str,
     locators: list[Locator] | None,

@@ -9,6 +9,7 @@ import dataclasses
 import torch
 from torch import nn
 
+import psr_kernels as pk
 from psr.models.checkpoint import Checkpoint, CheckpointError
 from psr.models.families import (
     Family,
@@ -25,12 +26,12 @@ from psr.runtime.spec import MoESpec
 
 
 def safetensors_source(
-    ckpt: Checkpoint, spec: MoESpec, moe_idx: list[int], dtype: torch.dtype, fmt: str | None
+    ckpt: Checkpoint, spec: MoESpec, moe_idx: list[int], dtype: torch.dtype, fmt: pk.RowFormat
 ) -> RowSource:
-    """The checkpoint's experts as the store's rows (`fmt`: psr.vocab.expert_format's), each
-    layer's tensors checked; rows stay in the file where it holds their bytes."""
+    """The checkpoint's experts as the store's rows in format `fmt`, each layer's tensors
+    checked; rows stay in the file where it holds their bytes."""
     readers = [expert_reader(ckpt, spec, d) for d in moe_idx]
-    src = matrix_source(readers, spec, dtype, fmt, fmt or "native")
+    src = matrix_source(readers, spec, dtype, fmt, fmt.name)
     sdt = str(src.dtype).removeprefix("torch.")
     locs, why = float_locators(ckpt, spec.family, moe_idx, spec.num_experts, sdt, fmt)
     return dataclasses.replace(src, locators=locs, why_not=why)

@@ -190,7 +190,7 @@ def plan_tiers(
 # --- where rows are in the files -------------------------------------------------------
 
 
-def gguf_locator(parts: dict[str, Any], fmt: str, hidden: int, ffn: int) -> Locator:
+def gguf_locator(parts: dict[str, Any], fmt: pk.RowFormat, hidden: int, ffn: int) -> Locator:
     """A GGUF layer's rows: each part's file bytes at its aligned offset in the row
     (`GGMLLayout`), zero segments for the padding between them."""
     lay = pk.GGMLLayout.of(fmt, hidden, ffn)
@@ -269,7 +269,7 @@ def float_locators(
 
 
 def gguf_locators(
-    ckpt: Any, moe_idx: list[int], formats: list[str], hidden: int, ffn: int
+    ckpt: Any, moe_idx: list[int], formats: list[pk.RowFormat], hidden: int, ffn: int
 ) -> list[Locator]:
     """Per MoE layer of a GGUF file, expert -> its row's segments (the file's blocks)."""
     return [

@@ -89,55 +89,25 @@ class OffloadRuntime:
         decode: str = "device",
     ) -> None:
         self.spec = spec
-        given = (
-            [expert_format] * len(layers)
-            if expert_format is None or isinstance(expert_format, (str, pk.RowFormat))
-            else list(expert_format)
-        )
-        formats = [pk.RowFormat.parse(f) for f in given]  # parsed once, here
-        if len(formats) != len(layers):
-            raise ValueError(f"{len(formats)} expert formats for {len(layers)} MoE layers")
-        self.row_formats = formats
-        # The model's format where its layers share one, else the first layer's quantized
-        # one (a mixed GGUF file); float only when every layer has float rows.
-        uniform = len(set(formats)) == 1
-        self.row_format = formats[0] if uniform else next(f for f in formats if not f.is_float)
-        # Their words, as the kernels' `fmt` spells them (None: float rows), for reports.
-        self.expert_formats = [f.kernel_fmt for f in formats]
-        self.expert_format = self.row_format.kernel_fmt
+        self._set_formats(expert_format, len(layers))
         self.group_size = group_size
         self.store = store
         self.policy = policy
         self.capacity = capacity
         self.ops = pk.kernel_ops(compute, store.device)
-        kinds = {f: ExpertCompute(spec, self.ops, f, group_size) for f in dict.fromkeys(formats)}
-        self.computes = [kinds[f] for f in formats]  # per MoE layer
+        kinds = {
+            f: ExpertCompute(spec, self.ops, f, group_size) for f in dict.fromkeys(self.row_formats)
+        }
+        self.computes = [kinds[f] for f in self.row_formats]  # per MoE layer
         self.compute = self.computes[0]
         self.num_decoder_layers = num_decoder_layers
-        self.layers = [
-            MoELayer(
-                w.decoder_index,
-                i,
-                w.router,
-                w.gate_weight,
-                w.correction_bias,
-                weight_of(w.norm),
-                norm_eps(w.norm),
-                LogicalCache(capacity, spec.num_experts),
-                SlotMap([]),
-                gate_bias=w.gate_bias,
-                expert_bias=w.expert_bias,
-            )
-            for i, w in enumerate(layers)
-        ]
-        for L in self.layers:
-            L.slots.reset(store.slot_experts(L.index)[:capacity])
+        self.layers = _moe_layers(spec, layers, store, capacity)
         layer_bytes = store.expert_bytes[: len(layers)]
         # The mean row: what the latency model prices a copy at (rows differ per layer in
         # a mixed GGUF file); the statistics count each layer's own bytes.
         self.expert_bytes = round(sum(layer_bytes) / len(layer_bytes))
         bf16 = 3 * spec.hidden_size * spec.ffn_size * 2
-        floats = all(f.is_float for f in formats)
+        floats = all(f.is_float for f in self.row_formats)
         self.bytes_ratio = 1.0 if floats else self.expert_bytes / bf16
         self.max_capacity = store.layers[0].num_slots
         self.acct = Accounting(store, layer_bytes)
@@ -165,6 +135,27 @@ class OffloadRuntime:
         # (every expert held in memory), else staged through the "slab".
         held = all(s.num_held in (None, s.num_experts) for s in store.layers)
         self.prefill_reads = "host" if store.backend == "cpu" and held else "slab"
+
+    def _set_formats(
+        self, expert_format: pk.FormatLike | Sequence[pk.FormatLike], num_layers: int
+    ) -> None:
+        """Each MoE layer's row format, parsed once here, and the model's."""
+        given = (
+            [expert_format] * num_layers
+            if expert_format is None or isinstance(expert_format, (str, pk.RowFormat))
+            else list(expert_format)
+        )
+        formats = [pk.RowFormat.parse(f) for f in given]
+        if len(formats) != num_layers:
+            raise ValueError(f"{len(formats)} expert formats for {num_layers} MoE layers")
+        self.row_formats = formats
+        # The model's format where its layers share one, else the first layer's quantized
+        # one (a mixed GGUF file); float only when every layer has float rows.
+        uniform = len(set(formats)) == 1
+        self.row_format = formats[0] if uniform else next(f for f in formats if not f.is_float)
+        # Their words, as the kernels' `fmt` spells them (None: float rows), for reports.
+        self.expert_formats = [f.kernel_fmt for f in formats]
+        self.expert_format = self.row_format.kernel_fmt
 
     # --- configuration ---------------------------------------------------------------
     def set_decode(self, decode: str) -> None:
@@ -467,3 +458,29 @@ class OffloadRuntime:
         self.guard.end()
         if self.acct.token is not None:
             self.acct.close_token()
+
+
+def _moe_layers(
+    spec: MoESpec, layers: Sequence[Wiring], store: ExpertStore, capacity: int
+) -> list[MoELayer]:
+    """Each MoE layer's router, logical cache and slot map, the slots as the store holds
+    them."""
+    out = [
+        MoELayer(
+            w.decoder_index,
+            i,
+            w.router,
+            w.gate_weight,
+            w.correction_bias,
+            weight_of(w.norm),
+            norm_eps(w.norm),
+            LogicalCache(capacity, spec.num_experts),
+            SlotMap([]),
+            gate_bias=w.gate_bias,
+            expert_bias=w.expert_bias,
+        )
+        for i, w in enumerate(layers)
+    ]
+    for L in out:
+        L.slots.reset(store.slot_experts(L.index)[:capacity])
+    return out

@@ -32,10 +32,18 @@ class ExpertPlacement:
     every miss copied into the slab, every routed expert read from it."""
 
     name: ClassVar[str]
-    capped: ClassVar[bool] = False  # the decode kernel lists the misses it does not copy
+    # Some misses are not copied: the decode kernel lists them, the CPU computes them from
+    # the host rows in place (so every expert must be held in host memory).
+    capped: ClassVar[bool] = False
+    takes_caps: ClassVar[bool] = False  # the caps are chosen (hybrid_m or the machine profile)
 
     def __init__(self, caps: Sequence[int | None]) -> None:
         self.caps: list[int | None] = list(caps)  # per MoE layer; None: every miss copied
+
+    @classmethod
+    def fixed_caps(cls, num_layers: int) -> list[int | None]:
+        """The caps of a placement that takes none: every miss copied (None)."""
+        return [None] * num_layers
 
     def max_inserts(self, layer: int) -> int | None:
         """The most misses of MoE layer `layer` one decode step copies (None: all)."""
@@ -76,6 +84,10 @@ class CpuPlacement(ExpertPlacement):
 
     name = "cpu"
     capped = True
+
+    @classmethod
+    def fixed_caps(cls, num_layers: int) -> list[int | None]:
+        return [0] * num_layers  # no miss copied
 
     def runs_on_device_step(self, device: DeviceDecode) -> bool:
         # On CUDA the device step needs the hand-off (CPU kernels for this expert kind and
@@ -167,6 +179,7 @@ class HybridPlacement(CpuPlacement):
     """At most `caps[l]` misses of MoE layer l copied per step, the rest on the CPU."""
 
     name = "hybrid"
+    takes_caps = True
 
 
 PLACEMENTS: dict[str, type[ExpertPlacement]] = {
@@ -174,22 +187,26 @@ PLACEMENTS: dict[str, type[ExpertPlacement]] = {
 }
 
 
+def placement_class(experts_on: str) -> type[ExpertPlacement]:
+    """The placement class `experts_on` names (ValueError naming the choices)."""
+    return PLACEMENTS[experts_on_choice(experts_on)]
+
+
 def make_placement(
     experts_on: str, caps: Sequence[int | None], top_k: int, num_layers: int
 ) -> ExpertPlacement:
     """The placement `experts_on` names with its per-layer miss-copy caps, checked: one
     per MoE layer, each an int in [0, top_k] ('gpu': None, all copied, or such an int)."""
-    experts_on_choice(experts_on)
+    cls = placement_class(experts_on)
     caps = list(caps)
     if len(caps) != num_layers:
         raise ValueError(f"{len(caps)} miss-copy caps for {num_layers} MoE layers")
     for i, m in enumerate(caps):
-        if m is None and experts_on == "gpu":
+        if m is None and not cls.capped:
             continue
         if isinstance(m, bool) or not isinstance(m, int) or not 0 <= m <= top_k:
             raise ValueError(
                 f"experts_on={experts_on!r}: MoE layer {i}'s miss-copy cap {m!r} must be an "
                 f"int in [0, top_k={top_k}]"
             )
-    cls = PLACEMENTS[experts_on]
-    return cls([None] * num_layers if cls is GpuPlacement else caps)
+    return cls(caps if cls.capped else cls.fixed_caps(num_layers))

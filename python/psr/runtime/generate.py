@@ -235,6 +235,35 @@ def token_readout(raw: torch.Tensor, nxt: torch.Tensor, top: int) -> torch.Tenso
 
 
 @torch.no_grad()
+def _prompt_logits(
+    hf: nn.Module, ids: torch.Tensor, graph: Any, prefill: Prefill | None
+) -> tuple[torch.Tensor, Any]:
+    """The prompt's last logits and the KV cache after it (None: the graph's static one)."""
+    if prefill is not None:
+        last, kv = prefill(ids, False)
+        return last[0, -1], kv
+    if graph is not None:
+        return graph.prefill(ids)[0], None
+    last, kv = _prefill(hf, ids, False)
+    return last[0, -1], kv
+
+
+def _read_token(raw: torch.Tensor, nxt: torch.Tensor, logprobs: Any) -> int:
+    """The chosen token, in the one host read per token (end of sequence, streaming);
+    with `logprobs`, the same one read, wider: its log-prob and the top ones, given to it."""
+    if logprobs is None:
+        return int(nxt)
+    k = logprobs.top
+    row = token_readout(raw, nxt, k).tolist()
+    token = int(row[0])
+    logprobs.add(
+        token,
+        row[1],
+        [(int(t), v) for v, t in zip(row[2 : 2 + k], row[2 + k :], strict=True)],
+    )
+    return token
+
+
 def generate(
     hf: nn.Module,
     ids: torch.Tensor,
@@ -277,14 +306,7 @@ def generate(
             return ids
         P = ids.shape[1]
         kv_name = cache_kwarg(hf)
-        if prefill is not None:
-            last, kv = prefill(ids, False)
-            logits = last[0, -1]
-        elif graph is not None:
-            logits, kv = graph.prefill(ids)[0], None
-        else:
-            last, kv = _prefill(hf, ids, False)
-            logits = last[0, -1]
+        logits, kv = _prompt_logits(hf, ids, graph, prefill)
         bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
         for i in bar:
             raw = logits
@@ -292,17 +314,7 @@ def generate(
                 logits = logits_processor(ids, logits.float()[None])[0]
             nxt = next_token(logits, ids, warp, gen)
             ids = torch.cat([ids, nxt], dim=1)
-            if logprobs is None:
-                token = int(nxt)  # the one host read per token: end of sequence, streaming
-            else:
-                k = logprobs.top
-                row = token_readout(raw, nxt, k).tolist()  # the same one read, wider
-                token = int(row[0])
-                logprobs.add(
-                    token,
-                    row[1],
-                    [(int(t), v) for v, t in zip(row[2 : 2 + k], row[2 + k :], strict=True)],
-                )
+            token = _read_token(raw, nxt, logprobs)
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
             if token in eos or i == s.max_new_tokens - 1:

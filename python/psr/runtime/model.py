@@ -501,19 +501,7 @@ class OffloadedModel(nn.Module):
         boundary of this prompt it holds and keep the new ones; a hit changes nothing
         (tokens and logits as without it)."""
         ids = self._ids(input_ids)
-        if attention_mask is not None:
-            mask = torch.as_tensor(attention_mask)
-            if mask.dim() == 1:
-                mask = mask[None]
-            if list(mask.shape) != list(ids.shape):
-                raise ValueError(
-                    f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}"
-                )
-            if not bool((mask == 1).all()):
-                raise ValueError(
-                    "attention_mask has padding (zeros): psr decodes one unpadded sequence; "
-                    "pass the prompt without padding"
-                )
+        _check_unpadded(ids, attention_mask)
         settings = gen.resolve_settings(
             ids.shape[1],
             {
@@ -543,22 +531,57 @@ class OffloadedModel(nn.Module):
                     )
                 self.graph_status = f"off: {SPECULATIVE}"
                 return self._call(self._generate_speculative, ids, settings, streamer)
-            graph = self._decode_graph(ids.shape[1] + settings.max_new_tokens)
-            captures = 0 if graph is None else graph.captures
-            try:
-                return self._call(
-                    gen.generate,
-                    self.hf,
-                    ids,
-                    settings,
-                    seed=seed,
-                    streamer=streamer,
-                    progress=progress,
-                    graph=graph,
-                    logits_processor=logits_processor,
-                    logprobs=logprobs,
-                    prefill=self._prefill(graph, prompt_cache),
-                )
-            finally:
-                if graph is not None:
-                    self.runtime.acct.stats.totals["captures"] += graph.captures - captures
+            return self._generate_plain(
+                ids, settings, seed, streamer, progress, logits_processor, logprobs, prompt_cache
+            )
+
+    def _generate_plain(
+        self,
+        ids: torch.Tensor,
+        settings: gen.Settings,
+        seed: int,
+        streamer: Any,
+        progress: bool,
+        logits_processor: Any,
+        logprobs: Any,
+        prompt_cache: chunked.PromptCache | None,
+    ) -> torch.Tensor:
+        """`generate` without a drafter (under the runtime's lock): through a decode graph
+        where one applies, its captures counted."""
+        graph = self._decode_graph(ids.shape[1] + settings.max_new_tokens)
+        captures = 0 if graph is None else graph.captures
+        try:
+            return self._call(
+                gen.generate,
+                self.hf,
+                ids,
+                settings,
+                seed=seed,
+                streamer=streamer,
+                progress=progress,
+                graph=graph,
+                logits_processor=logits_processor,
+                logprobs=logprobs,
+                prefill=self._prefill(graph, prompt_cache),
+            )
+        finally:
+            if graph is not None:
+                self.runtime.acct.stats.totals["captures"] += graph.captures - captures
+
+
+def _check_unpadded(ids: torch.Tensor, attention_mask: torch.Tensor | Iterable[int] | None) -> None:
+    """`generate` decodes one unpadded sequence: a mask, if given, is all ones in its shape."""
+    if attention_mask is None:
+        return
+    mask = torch.as_tensor(attention_mask)
+    if mask.dim() == 1:
+        mask = mask[None]
+    if list(mask.shape) != list(ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {list(mask.shape)}, input_ids {list(ids.shape)}"
+        )
+    if not bool((mask == 1).all()):
+        raise ValueError(
+            "attention_mask has padding (zeros): psr decodes one unpadded sequence; "
+            "pass the prompt without padding"
+        )

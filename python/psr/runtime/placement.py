@@ -10,7 +10,7 @@ import torch
 
 import psr.machine as machine
 from psr.runtime.engine import OffloadRuntime
-from psr.vocab import experts_on_choice
+from psr.runtime.expert_placement import placement_class
 
 
 def layer_keys(rt: OffloadRuntime) -> list[str]:
@@ -38,14 +38,12 @@ def resolve_caps(
     """The per-layer miss-copy caps of `experts_on`: 'gpu' None (all copied), 'cpu' 0,
     'hybrid' `hybrid_m` (one int or one per MoE layer) or, without it, chosen from the
     machine profile (`profile`, else the saved one; psr.machine.hybrid_caps)."""
-    experts_on_choice(experts_on)
+    cls = placement_class(experts_on)
     L, k = len(rt.layers), rt.spec.top_k
-    if hybrid_m is not None and experts_on != "hybrid":
+    if hybrid_m is not None and not cls.takes_caps:
         raise ValueError(f"hybrid_m is for experts_on='hybrid', not {experts_on!r}")
-    if experts_on == "gpu":
-        return [None] * L
-    if experts_on == "cpu":
-        return [0] * L
+    if not cls.takes_caps:
+        return cls.fixed_caps(L)
     if hybrid_m is not None:
         caps = [hybrid_m] * L if isinstance(hybrid_m, int) else list(hybrid_m)
         if len(caps) != L:

@@ -485,10 +485,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
         return JSONResponse(out)
 
     async def _generate(request: Request, kind: str) -> Response:
-        if kind == "messages":
-            rid = anthropic.message_id()
-        else:
-            rid = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex[:24]}"
+        rid = _response_id(kind)
         request_id = _request_id(request)
         path = request.url.path
         try:
@@ -496,28 +493,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
             # Checks, the template, tokenizing and the grammar: in a thread (a long
             # prompt must not stall the streams the event loop is writing).
             p = await asyncio.to_thread(_prepare, engine, served_name, rid, kind, body, opts)
-            job = Job(
-                rid,
-                p.prompt_ids,
-                _params(engine, p),
-                p.request.sampling.stop,
-                sampling=p.request.sampling,
-                grammar=p.grammar,
-                request_id=request_id,
-                keep_special=p.keep_special,
-            )
-            try:
-                engine.submit(job)
-            except QueueFull:
-                raise APIError(
-                    429,
-                    f"the queue is full ({engine.max_queue} requests wait while one decodes); "
-                    "retry later",
-                    code="queue_full",
-                    headers={"Retry-After": str(RETRY_AFTER_S)},
-                ) from None
-            except NotReady:
-                raise _unavailable(engine) from None
+            job = _submit(engine, rid, request_id, p)
         except APIError as e:
             engine.metrics.count(outcome_of(e.status))
             log.info("%s [%s] %d: %s", rid, request_id, e.status, e.message)
@@ -529,6 +505,40 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
         if p.request.ignored:
             response.headers["Warning"] = f'299 psr "unknown fields ignored: {names}"'
         return response
+
+
+def _response_id(kind: str) -> str:
+    """A new response's id, as the API of `kind` spells its ids."""
+    if kind == "messages":
+        return anthropic.message_id()
+    return f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex[:24]}"
+
+
+def _submit(engine: Engine, rid: str, request_id: str, p: _Prepared) -> Job:
+    """The prepared request's job, queued (a full queue: 429 with Retry-After; an engine not
+    ready: 503)."""
+    job = Job(
+        rid,
+        p.prompt_ids,
+        _params(engine, p),
+        p.request.sampling.stop,
+        sampling=p.request.sampling,
+        grammar=p.grammar,
+        request_id=request_id,
+        keep_special=p.keep_special,
+    )
+    try:
+        engine.submit(job)
+    except QueueFull:
+        raise APIError(
+            429,
+            f"the queue is full ({engine.max_queue} requests wait while one decodes); retry later",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+    except NotReady:
+        raise _unavailable(engine) from None
+    return job
 
 
 def _request_id(request: Request) -> str:

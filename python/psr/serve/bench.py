@@ -25,6 +25,7 @@ whole token's time, and the same prompts decoded without a mask, alternating.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import socket
@@ -33,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -383,11 +385,7 @@ def bench_serve(
     docstring)."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    import uvicorn
     from tqdm.auto import tqdm
-
-    from psr.serve.app import create_app
-    from psr.serve.engine import Engine
 
     tok = model.tokenizer
     ids = [list(tok(prompts[i % len(prompts)])["input_ids"]) for i in range(requests)]
@@ -401,16 +399,62 @@ def bench_serve(
         run.decode_cpu_s += time.thread_time() - cpu
         _record(run, start, timer.times, timer.tokens)
 
-    def served(prompts: list[list[int]], name: str) -> Run:
-        """`prompts` at once through the server, with its threads' CPU time."""
-        assert clients is not None and engine.thread is not None
-        threads = (engine.thread, thread)
-        before = [_thread_cpu(t) for t in threads]
-        run = clients.run(prompts, name)
-        run.decode_cpu_s, run.loop_cpu_s = (
-            _thread_cpu(t) - b for t, b in zip(threads, before, strict=True)
-        )
-        return run
+    with _local_server(model, requests) as (url, threads):
+        clients = _Clients(url, max_tokens)
+        try:
+
+            def served(prompts: list[list[int]], name: str) -> Run:
+                """`prompts` at once through the server, with its threads' CPU time."""
+                before = [_thread_cpu(t) for t in threads]
+                run = clients.run(prompts, name)
+                run.decode_cpu_s, run.loop_cpu_s = (
+                    _thread_cpu(t) - b for t, b in zip(threads, before, strict=True)
+                )
+                return run
+
+            generate(ids[0][:4], Run("warm-up"))  # first-call allocations, both ways
+            clients.run([ids[0][:4]], "warm-up")
+            done = [
+                _paired_round(ids, generate, served)
+                for _ in tqdm(range(rounds), desc="bench serve rounds", disable=not progress)
+            ]
+            grammar = _grammar_cost(model, ids, max_tokens) if model.drafter is None else None
+        finally:
+            clients.close()
+    return BenchResult(requests, max_tokens, model.policy.describe(), done, grammar)
+
+
+def _paired_round(
+    ids: list[list[int]],
+    generate: Callable[[list[int], Run], None],
+    served: Callable[[list[list[int]], str], Run],
+) -> list[Run]:
+    """One round: each server request next to a model.generate call on its prompt (its
+    pair), so a shared machine's slow spells hit both. Sequential: the pair's order
+    alternates; concurrent: the batch, then its pairs in its order."""
+    ref, seq = Run("model.generate"), Run("server, sequential")
+    for i, prompt in enumerate(ids):
+        if i % 2 == 0:
+            generate(prompt, ref)
+        seq.merge(served([prompt], seq.name))
+        if i % 2 == 1:
+            generate(prompt, ref)
+    conc = served(ids, f"server, {len(ids)} concurrent")
+    for prompt in ids:
+        generate(prompt, ref)
+    return [ref, seq, conc]
+
+
+@contextlib.contextmanager
+def _local_server(
+    model: Any, requests: int
+) -> Iterator[tuple[str, tuple[threading.Thread, threading.Thread]]]:
+    """A server for `model` on a free local port, started and ready: its URL and its two
+    threads (the engine's worker, the event loop's); stopped on exit."""
+    import uvicorn
+
+    from psr.serve.app import create_app
+    from psr.serve.engine import Engine
 
     engine = Engine(lambda: model, max_queue=requests)
     port = _free_port()
@@ -424,39 +468,17 @@ def bench_serve(
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, name="psr-bench-server", daemon=True)
     thread.start()
-    clients = None
     try:
         deadline = time.monotonic() + 60
         while not (server.started and engine.ready.is_set()):
             if time.monotonic() > deadline or not thread.is_alive():
                 raise RuntimeError("the benchmark's server did not start")
             time.sleep(0.01)
-        clients = _Clients(f"http://127.0.0.1:{port}", max_tokens)
-        generate(ids[0][:4], Run("warm-up"))  # first-call allocations, both ways
-        clients.run([ids[0][:4]], "warm-up")
-        done: list[list[Run]] = []
-        for _ in tqdm(range(rounds), desc="bench serve rounds", disable=not progress):
-            # Each server request next to a model.generate call on its prompt (its pair):
-            # a shared machine's slow spells hit both. Sequential: the pair's order
-            # alternates; concurrent: the batch, then its pairs in its order.
-            ref, seq = Run("model.generate"), Run("server, sequential")
-            for i, prompt in enumerate(ids):
-                if i % 2 == 0:
-                    generate(prompt, ref)
-                seq.merge(served([prompt], seq.name))
-                if i % 2 == 1:
-                    generate(prompt, ref)
-            conc = served(ids, f"server, {requests} concurrent")
-            for prompt in ids:
-                generate(prompt, ref)
-            done.append([ref, seq, conc])
-        grammar = _grammar_cost(model, ids, max_tokens) if model.drafter is None else None
+        assert engine.thread is not None
+        yield f"http://127.0.0.1:{port}", (engine.thread, thread)
     finally:
-        if clients is not None:
-            clients.close()
         server.should_exit = True
         thread.join(30)
-    return BenchResult(requests, max_tokens, model.policy.describe(), done, grammar)
 
 
 class _Clients:

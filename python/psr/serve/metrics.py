@@ -58,25 +58,41 @@ class _Labelled:
         return self.metric.labels(self.model_name, *values)
 
 
+class _Make:
+    """Makes one model's metrics in a registry, each labelled with its model name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.r, self.m = registry, model_name
+
+    def counter(self, name: str, doc: str) -> Any:
+        return Counter(name, doc, ["model_name"], registry=self.r).labels(self.m)
+
+    def gauge(self, name: str, doc: str) -> Any:
+        return Gauge(name, doc, ["model_name"], registry=self.r).labels(self.m)
+
+    def by(self, kind: Any, name: str, doc: str, label: str, values: tuple[str, ...]) -> Any:
+        """A family with one more label, every value of it present from the start."""
+        fam = _Labelled(kind(name, doc, ["model_name", label], registry=self.r), self.m)
+        for v in values:
+            fam.labels(v)
+        return fam
+
+    def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Any:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.r).labels(self.m)
+
+
 class Metrics:
     def __init__(self, model_name: str = "") -> None:
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry()
-        r, m = self.registry, model_name
-        M = ["model_name"]
+        make = _Make(self.registry, model_name)  # registered in this order (/metrics lists so)
+        self._add_token_metrics(make)
+        self._add_expert_metrics(make)
+        self._add_latency_metrics(make)
+        self._add_tool_metrics(make)
 
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, M, registry=r).labels(m)
-
-        def by(kind: Any, name: str, doc: str, label: str, values: tuple[str, ...]) -> Any:
-            fam = _Labelled(kind(name, doc, [*M, label], registry=r), m)
-            for v in values:
-                fam.labels(v)
-            return fam
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, M, buckets=buckets, registry=r).labels(m)
-
+    def _add_token_metrics(self, make: _Make) -> None:
+        counter, by = make.counter, make.by
         self.requests = by(Counter, "psr_requests", "Requests, by outcome", "outcome", OUTCOMES)
         self.prompt_tokens = counter("psr_prompt_tokens", "Prompt tokens prefilled")
         self.prompt_cached = counter(
@@ -86,6 +102,9 @@ class Metrics:
             "psr_prompt_tokens_computed", "Prompt tokens computed (not from the prompt cache)"
         )
         self.generated_tokens = counter("psr_generated_tokens", "Completion tokens generated")
+
+    def _add_expert_metrics(self, make: _Make) -> None:
+        counter, by = make.counter, make.by
         self.routed = counter(
             "psr_routed_experts", "Experts routed in decode steps (layers x top-k)"
         )
@@ -118,12 +137,11 @@ class Metrics:
         self.pageable_stall = counter(
             "psr_pageable_stall_seconds", "Of decode's stall, waiting for pageable expert rows"
         )
-        self.queue_depth = Gauge(
-            "psr_queue_depth", "Requests waiting to decode", M, registry=r
-        ).labels(m)
-        self.running = Gauge(
-            "psr_running_requests", "Requests decoding (0 or 1)", M, registry=r
-        ).labels(m)
+
+    def _add_latency_metrics(self, make: _Make) -> None:
+        histogram = make.histogram
+        self.queue_depth = make.gauge("psr_queue_depth", "Requests waiting to decode")
+        self.running = make.gauge("psr_running_requests", "Requests decoding (0 or 1)")
         self.ttft = histogram(
             "psr_time_to_first_token_seconds",
             "From a request's arrival to its first token (queueing included)",
@@ -144,6 +162,9 @@ class Metrics:
             "From a decoded request's arrival to the worker taking it",
             _TTFT_BUCKETS,
         )
+
+    def _add_tool_metrics(self, make: _Make) -> None:
+        counter, histogram = make.counter, make.histogram
         self.tool_parse_failures = counter(
             "psr_tool_parse_failures",
             "Replies whose tool-call markup did not parse (returned as content)",
