@@ -1035,6 +1035,11 @@ class GGUFCheckpoint:
     def names(self) -> list[str]:
         return list(self._dense)
 
+    def tensor_elements(self) -> dict[str, int]:
+        """Every GGUF tensor of the set (its own name) -> its element count: the header's
+        tensor table, read without building the model (`psr inspect`)."""
+        return {name: int(t.n_elements) for name, (_, t) in self._tensors.items()}
+
     def _require(self, name: str) -> _Dense:
         d = self._dense.get(name)
         if d is None:

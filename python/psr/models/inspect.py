@@ -13,6 +13,7 @@ unsupported checkpoint, the one line that says which part psr lacks.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -203,10 +204,8 @@ def _unsupported(path: str | Path, raw: dict[str, Any], aliases: Any, where: str
 
 def _inspect_folder(path: str | Path) -> Inspection:
     """`inspect` of a checkpoint folder: the transformers model built on the meta device."""
-    import torch
     import transformers
 
-    from psr.models.families import moe_block
     from psr.models.sources import model_config
 
     raw = model_config(path)
@@ -217,20 +216,34 @@ def _inspect_folder(path: str | Path) -> Inspection:
         return bad  # type: ignore[no-any-return]
     config = transformers.AutoConfig.from_pretrained(str(path))
     config.__dict__.pop("quantization_config", None)  # built plain, as psr.load does
+    facts, dtype = _meta_model(config)
+    _, _, H, F = moe_sizes(config)
+    n = len(facts.sparse)
+    per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
+    rows = {fmt: [per[fmt]] * n for fmt in FORMATS}
+    return _inspection(path, config, facts, per, rows, {}, _graphs(config))
+
+
+def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
+    """The model's facts from transformers' model of `config` built on the meta device."""
+    import torch
+    import transformers
+
+    from psr.models.families import moe_block
+
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt or "float32"), None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    fam = FAMILIES[mt]
+    fam = FAMILIES[str(config.model_type)]
     blocks = [moe_block(layer, fam) for layer in model.model.layers]
     expert_ids = {id(p) for b in blocks if b is not None for p in b.experts.parameters()}
-    facts = _Model(
+    params = (p for p in model.parameters() if id(p) not in expert_ids)
+    return _Model(
         num_layers=len(blocks),
         sparse=[i for i, b in enumerate(blocks) if b is not None],
-        dense=sum(
-            p.numel() * p.dtype.itemsize for p in model.parameters() if id(p) not in expert_ids
-        ),
+        dense=sum(p.numel() * p.dtype.itemsize for p in params),
         shared=any(
             hasattr(b, name)
             for b in blocks
@@ -239,71 +252,66 @@ def _inspect_folder(path: str | Path) -> Inspection:
         ),
         itemsize=dtype.itemsize,
         dtype=str(dtype).removeprefix("torch."),
-    )
-    _, _, H, F = moe_sizes(config)
-    n = len(facts.sparse)
-    per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
-    rows = {fmt: [per[fmt]] * n for fmt in FORMATS}
-    return _inspection(path, config, facts, per, rows, {}, _graphs(config))
+    ), dtype
 
 
-# bytes per value of the dtypes a GGUF file is dequantized to (GGUFCheckpoint's dtype)
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # GGUF tensors transformers' model holds as no parameter: the router's correction bias (a
 # buffer), llama.cpp's rope frequencies (computed), the MTP layers' tensors (no layer)
-_NOT_PARAMETERS = (r"\.exp_probs_b\.", r"^rope_freqs\.", r"\.nextn\.")
+_NOT_PARAMETERS = re.compile(r"\.exp_probs_b\.|^rope_freqs\.|\.nextn\.")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
-def _inspect_gguf(path: str | Path, ck: Any) -> Inspection:
-    """`inspect` of the opened GGUF checkpoint `ck`, from its header alone: no torch, no
-    transformers (tests/models/test_inspect_gguf.py checks it against the folder path's
-    meta model, built from the same config)."""
-    import re
+def _header_model(ck: Any, raw: dict[str, Any]) -> _Model:
+    """The model's facts from a GGUF header: the tensor table in place of the meta model
+    (the routed experts are the `*_exps` tensors; shared experts `*_shexp`)."""
+    L = int(raw["num_hidden_layers"])
 
+    def counted(name: str) -> bool:
+        m = _LAYER.match(name)
+        in_model = m is None or int(m[1]) < L  # llama.cpp's MTP layers come after the last
+        return in_model and "_exps." not in name and not _NOT_PARAMETERS.search(name)
+
+    table = ck.tensor_elements()
+    names = [n for n in table if counted(n)]
+    itemsize = rowformat().FLOAT_ITEMSIZE[str(raw["dtype"])]
+    return _Model(
+        num_layers=L,
+        sparse=ck.moe_layers(),
+        dense=sum(table[n] for n in names) * itemsize,
+        shared=any("_shexp." in n for n in names),
+        itemsize=itemsize,
+        dtype=str(raw["dtype"]),
+    )
+
+
+def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspection:
+    """`inspect` of the opened GGUF checkpoint `ck` from its header alone (no torch, no
+    transformers); `reference`: from transformers' config and meta model instead, as
+    `inspect` of a folder does (what tests check the header's answer against)."""
     from psr.models.gguf import layer_formats
 
     raw = dict(ck.config_dict)
     bad = _unsupported(path, raw, None, f"{path} (its GGUF metadata)")
     if bad is not None:
         return bad  # type: ignore[no-any-return]
-    config = SimpleNamespace(**raw)
-    L = int(raw["num_hidden_layers"])
-    if FAMILIES[raw["model_type"]].layer_types:
-        config.layer_types = raw.get("layer_types") or ["full_attention"] * L
+    if reference:
+        config = ck.config
+        facts, graphs = _meta_model(config)[0], _graphs(config)
+    else:
+        config = SimpleNamespace(**raw)
+        if FAMILIES[raw["model_type"]].layer_types:
+            config.layer_types = raw.get("layer_types") or ["full_attention"] * int(
+                raw["num_hidden_layers"]
+            )
+        # every GGUF architecture psr reads has a cache transformers makes static (the
+        # tests check each against the reference)
+        facts, graphs = _header_model(ck, raw), GRAPHS_ON
     E, _, H, F = moe_sizes(config)
-    sparse = ck.moe_layers()
-    itemsize = _ITEMSIZE[str(raw["dtype"])]
-    skip = re.compile("|".join(_NOT_PARAMETERS))
-    layer = re.compile(r"^blk\.(\d+)\.")
-
-    def counted(name: str) -> bool:
-        m = layer.match(name)
-        in_model = m is None or int(m[1]) < L  # llama.cpp's MTP layers come after the last
-        return in_model and "_exps." not in name and not skip.search(name)
-
-    tensors = {n: t for n, (_, t) in ck._tensors.items() if counted(n)}
-    facts = _Model(
-        num_layers=L,
-        sparse=sparse,
-        dense=sum(int(t.n_elements) for t in tensors.values()) * itemsize,
-        shared=any("_shexp." in n for n in tensors),
-        itemsize=itemsize,
-        dtype=str(raw["dtype"]),
-    )
-    fmts = layer_formats(ck, E, H, F, sparse)  # the file's own blocks, checked as at load
+    fmts = layer_formats(ck, E, H, F, facts.sparse)  # the file's own blocks, checked
     rows = [rowformat().GGMLLayout.of(f, H, F).nbytes for f in fmts]
     types = {f: fmts.count(f) for f in dict.fromkeys(fmts)}
-    # every GGUF architecture psr reads has a cache transformers makes static (the test
-    # checks each against _graphs)
-    return _inspection(
-        path,
-        config,
-        facts,
-        {"gguf": round(sum(rows) / len(rows))},
-        {"gguf": rows},
-        types,
-        GRAPHS_ON,
-    )
+    per = {"gguf": round(sum(rows) / len(rows))}
+    return _inspection(path, config, facts, per, {"gguf": rows}, types, graphs)
 
 
 def _inspection(
