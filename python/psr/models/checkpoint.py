@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from psr.models.files import CheckpointError
+from psr.models.files import CheckpointError as CheckpointError  # its home: files.py
 
 
 def dequantize_fp8_tiles(codes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:

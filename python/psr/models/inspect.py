@@ -101,10 +101,10 @@ class Inspection:
         for fmt, n in self.expert_types.items():
             shown = rowformat().RowFormat.parse(fmt).shown
             lines.append(f"  experts    {shown} (gate, up, down) in {n} layers")
-        kinds = ", ".join(f"{n} {k}" for k, n in self.kv_kinds.items())
+        kv = ", ".join(f"{n} {k}" for k, n in self.kv_kinds.items())
         lines.append(
             f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens"
-            + (f" ({kinds} layers)" if kinds else "")
+            + (f" ({kv} layers)" if kv else "")
         )
         cols = ["format", "one expert", "host (all experts)"]
         cols += [f"device @ residency {r:g}" for r in RESIDENCIES]
@@ -148,7 +148,7 @@ def _ranges(idx: list[int]) -> str:
 def _expert_bytes(fmt: str, dtype: torch.dtype, H: int, F: int) -> int:
     from psr.models.rows import GROUP_SIZE
 
-    return rowformat().RowFormat.parse(fmt).row_bytes(H, F, GROUP_SIZE, dtype.itemsize)
+    return int(rowformat().RowFormat.parse(fmt).row_bytes(H, F, GROUP_SIZE, dtype.itemsize))
 
 
 GRAPHS_ON = "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
@@ -192,7 +192,9 @@ class _Model:
     dtype: str
 
 
-def _unsupported(path: str | Path, raw: dict[str, Any], aliases: Any, where: str) -> Any:
+def _unsupported(
+    path: str | Path, raw: dict[str, Any], aliases: Any, where: str
+) -> Inspection | None:
     """The Inspection of a checkpoint psr cannot load, or None."""
     mt = str(raw.get("model_type"))
     try:
@@ -213,7 +215,7 @@ def _inspect_folder(path: str | Path) -> Inspection:
     cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
     bad = _unsupported(path, raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
     if bad is not None:
-        return bad  # type: ignore[no-any-return]
+        return bad
     config = transformers.AutoConfig.from_pretrained(str(path))
     config.__dict__.pop("quantization_config", None)  # built plain, as psr.load does
     facts, dtype = _meta_model(config)
@@ -238,7 +240,9 @@ def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     fam = FAMILIES[str(config.model_type)]
     blocks = [moe_block(layer, fam) for layer in model.model.layers]
-    expert_ids = {id(p) for b in blocks if b is not None for p in b.experts.parameters()}
+    expert_ids = {
+        id(p) for b in blocks if b is not None for p in b.get_submodule("experts").parameters()
+    }
     params = (p for p in model.parameters() if id(p) not in expert_ids)
     return _Model(
         num_layers=len(blocks),
@@ -293,7 +297,7 @@ def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspect
     raw = dict(ck.config_dict)
     bad = _unsupported(path, raw, None, f"{path} (its GGUF metadata)")
     if bad is not None:
-        return bad  # type: ignore[no-any-return]
+        return bad
     if reference:
         config = ck.config
         facts, graphs = _meta_model(config)[0], _graphs(config)
@@ -408,7 +412,7 @@ def _operating_points(path: str | Path) -> dict[str, str]:
         found = tuned_points(path, DEFAULT_RESIDENCY)
     except ValueError as e:  # a corrupt file, or one tuned for another checkpoint
         return {"points": str(e)}
-    out = {}
+    out: dict[str, str] = {}
     for fam in ("cache-prior", "psr"):
         if fam in found:
             pol, file = found[fam]
