@@ -10,11 +10,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# torch-free, and imported here: the function `inspect` must shadow its module's name
+from psr.models.inspect import Inspection, inspect
+
 _EXPORTS = {
     "psr.models.checkpoint": ("Checkpoint", "CheckpointError", "read_config"),
     "psr.models.embedded": ("DEFAULT_MODEL",),
     "psr.models.families": ("SUPPORTED", "moe_spec"),
-    "psr.models.inspect": ("Inspection", "inspect"),
     "psr.models.loader": ("load", "offload", "restore"),
 }
 _WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
     from psr.models.checkpoint import Checkpoint, CheckpointError, read_config
     from psr.models.embedded import DEFAULT_MODEL
     from psr.models.families import SUPPORTED, moe_spec
-    from psr.models.inspect import Inspection, inspect
     from psr.models.loader import load, offload, restore
 
 
