@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gguf_files import gguf_tiny_model, write_gguf
+from gguf_files import fit_table, gguf_tiny_model, write_gguf
 
 import psr.models.tiers as tiers
 from psr.models.gguf import GGUFCheckpoint
@@ -23,19 +23,6 @@ from psr.models.inspect import _inspect_gguf, inspect
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMINFO = {"MemTotal": 64 * 2**30, "MemAvailable": 48 * 2**30}
-
-
-def _fit_table() -> Any:
-    """bench/fit_table.py (registered in sys.modules first: its dataclasses need it)."""
-    import importlib.util
-
-    name = "bench_fit_table"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "fit_table.py")
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def _both(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
@@ -81,7 +68,7 @@ def test_header_faithful_files_answer_as_the_meta_model_does(
 ) -> None:
     """Published shapes: a 150k vocabulary (Qwen3), MLA, dense first layers, shared
     experts, the MTP layer and the router's correction bias (DeepSeek-V3)."""
-    fit = _fit_table()
+    fit = fit_table()
     (path,) = fit.write(fit.SPECS[model], tmp_path / "m.gguf")
     fast, ref = _both(path, monkeypatch)
     assert fast.to_dict() == ref.to_dict()
@@ -115,7 +102,7 @@ def test_psr_inspect_of_a_gguf_file_imports_no_torch_and_stays_small(tmp_path: P
     """`psr inspect --json FILE.gguf` of Qwen3-30B-A3B Q4_K_M's header (151,936 tokens;
     18.6 GB of holes) in a process where torch, transformers and triton cannot be
     imported: it answers (what the in-process call answers) within 200 MB of peak RSS."""
-    fit = _fit_table()
+    fit = fit_table()
     (path,) = fit.write(fit.SPECS["Qwen3-30B-A3B Q4_K_M"], tmp_path / "q.gguf")
     env = {"PYTHONPATH": f"{ROOT / 'python'}:{ROOT}", "OMP_NUM_THREADS": "1", "PATH": ""}
     out = subprocess.run(

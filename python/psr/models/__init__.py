@@ -7,8 +7,9 @@ header through `inspect`, `gguf` and `families` without importing torch or trans
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from psr.lazy import lazy_exports
 
 # torch-free, and imported here: the function `inspect` must shadow its module's name
 from psr.models.inspect import Inspection, inspect
@@ -19,7 +20,6 @@ _EXPORTS = {
     "psr.models.families": ("SUPPORTED", "moe_spec"),
     "psr.models.loader": ("load", "offload", "restore"),
 }
-_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = [
     "DEFAULT_MODEL",
     "SUPPORTED",
@@ -41,14 +41,4 @@ if TYPE_CHECKING:
     from psr.models.loader import load, offload, restore
 
 
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'psr.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
