@@ -23,7 +23,6 @@ from psr.models.tiers import meminfo
 from psr.runtime.spec import MoESpec
 
 
-
 def _same(a: object, b: object) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
