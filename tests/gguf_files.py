@@ -537,3 +537,19 @@ def hf_tokenizer(chat_template: str | None = None) -> Any:
     if chat_template is not None:
         tok.chat_template = chat_template
     return tok
+
+
+def fit_table() -> Any:
+    """bench/fit_table.py, the header-faithful files of published models (registered in
+    sys.modules first: its dataclasses need it)."""
+    import importlib.util
+    import sys
+
+    name = "bench_fit_table"
+    if name not in sys.modules:
+        root = Path(__file__).resolve().parents[1]
+        spec = importlib.util.spec_from_file_location(name, root / "bench" / "fit_table.py")
+        assert spec is not None and spec.loader is not None
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]

@@ -40,6 +40,7 @@ LAYERS = [
         "psr.vocab",
         "psr.machine",
         "psr.load_config",
+        "psr.lazy",
     ),
     ("psr.runtime",),
     ("psr.models",),

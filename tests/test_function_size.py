@@ -21,7 +21,6 @@ ALLOWED: frozenset[str] = frozenset(
     {
         "eval/plots.py::_frontier_panel",  # measure's lane
         "eval/runs.py::tune",  # measure's / tune2's lane
-        "models/inspect.py::_inspect",  # inspectfast's lane
     }
 )
 

@@ -8,35 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
-from gguf_files import gguf_tiny_model, hf_tokenizer, write_gguf
+from gguf_files import fit_table, gguf_tiny_model, hf_tokenizer, write_gguf
 from procfs import rss_bytes
 
 from psr.models.gguf import GGUFCheckpoint
 from psr.models.gguf_load import layer_formats
 from psr.models.tiers import meminfo
 from psr.runtime.spec import MoESpec
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _fit_table():  # type: ignore[no-untyped-def]
-    """bench/fit_table.py (registered in sys.modules first: its dataclasses need it)."""
-    import importlib.util
-
-    name = "bench_fit_table"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "fit_table.py")
-        assert spec is not None and spec.loader is not None
-        sys.modules[name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules[name])
-    return sys.modules[name]
 
 
 def _same(a: object, b: object) -> bool:
@@ -150,7 +134,7 @@ def test_a_150k_vocabulary_header_opens_and_inspects_in_little_memory(tmp_path: 
 
     import psr
 
-    fit = _fit_table()
+    fit = fit_table()
     (path,) = fit.write(fit.SPECS["Qwen3-30B-A3B Q4_K_M"], tmp_path / "q.gguf")
     assert path.stat().st_size > 18 * 10**9
     r0 = rss_bytes()
@@ -172,7 +156,7 @@ def test_a_split_set_bigger_than_memory_opens(tmp_path: Path) -> None:
     """DeepSeek-V3 Q4_K_M as published (404.5 GB) in parts each larger than this
     machine's memory: every part maps (a copy-on-write map of one fails with ENOMEM),
     the config and every layer's expert rows read from the header, RSS barely moves."""
-    fit = _fit_table()
+    fit = fit_table()
     spec = fit.SPECS["DeepSeek-V3 Q4_K_M"]
     parts = fit.write(spec, tmp_path / "ds.gguf", split_bytes=150 * 10**9)
     sizes = [p.stat().st_size for p in parts]

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from psr.models.files import CheckpointError as CheckpointError  # its home: files.py
+
 
 def dequantize_fp8_tiles(codes: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     """fp32 of a block-wise FP8 weight `[R, K]` and its `[ceil(R/128), ceil(K/128)]` scales
@@ -30,10 +32,6 @@ def dequantize_fp8_tiles(codes: torch.Tensor, scale_inv: torch.Tensor) -> torch.
         )
     s = scale_inv.float().repeat_interleave(128, 0)[:R].repeat_interleave(128, 1)[:, :K]
     return codes.float() * s
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder, file or tensor is missing or corrupt."""
 
 
 FLOAT_DTYPES = ("F64", "F32", "BF16", "F16", "F8_E4M3", "F8_E5M2")

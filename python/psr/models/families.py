@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # the tables and config checks need no torch (`psr inspect` of a GGUF)
+    import torch
+    from torch import nn
 
-from psr.runtime.spec import MoESpec
+    from psr.runtime.spec import MoESpec
 
 # Router kinds: how the family's router turns logits into (weights, ids), as psr's
 # routing kernels reproduce it (`scoring` of psr_kernels.RouteSpec), with the logical
@@ -97,6 +98,9 @@ class Family:
     # config checks: (key, the values it may take) for keys psr relies on
     allowed: tuple[tuple[str, tuple[Any, ...]], ...] = (("hidden_act", ("silu",)),)
     groups: bool = False  # n_group / topk_group in the config
+    # transformers' config lists `layer_types` (all full_attention unless the config says
+    # otherwise): what `psr inspect` reads without building the config (GGUF files)
+    layer_types: bool = False
     notes: str = ""
 
     @property
@@ -171,7 +175,14 @@ FAMILIES: dict[str, Family] = {
             ("num_experts", "num_experts_per_tok", "hidden_size", "intermediate_size"),
             _renorm,
         ),
-        Family("qwen2_moe", "softmax_topk", _QWEN_KEYS, _renorm, notes="sigmoid-gated shared"),
+        Family(
+            "qwen2_moe",
+            "softmax_topk",
+            _QWEN_KEYS,
+            _renorm,
+            layer_types=True,
+            notes="sigmoid-gated shared",
+        ),
         Family("qwen3_moe", "softmax_topk", _QWEN_KEYS, _renorm),
         Family(
             "qwen3_next",
@@ -258,6 +269,7 @@ FAMILIES: dict[str, Family] = {
             per_expert=None,
             fused=None,
             expert_layout="gpt_oss",
+            layer_types=True,
             allowed=(),
             notes="sliding-window and full attention layers with sinks (transformers' own)",
         ),
@@ -397,10 +409,19 @@ def _attr(cfg: Any, key: str) -> int:
     return int(v[0]) if isinstance(v, list) else int(v)
 
 
-def moe_spec(cfg: Any) -> MoESpec:
-    """The MoESpec of a transformers config, from its family's entry."""
+def moe_sizes(cfg: Any) -> tuple[int, int, int, int]:
+    """(experts, top-k, hidden size, expert FFN size) of a config, by its family's keys."""
     fam = family_of(getattr(cfg, "model_type", None))
     E, k, H, F = (_attr(cfg, key) for key in fam.keys)
+    return E, k, H, F
+
+
+def moe_spec(cfg: Any) -> MoESpec:
+    """The MoESpec of a transformers config, from its family's entry."""
+    from psr.runtime.spec import MoESpec
+
+    fam = family_of(getattr(cfg, "model_type", None))
+    E, k, H, F = moe_sizes(cfg)
     return MoESpec(
         family=fam.model_type,
         num_experts=E,
@@ -480,6 +501,8 @@ def router_bias(router: nn.Module, fam: Family) -> torch.Tensor | None:
 
 
 def correction_bias(block: nn.Module, fam: Family) -> torch.Tensor | None:
+    import torch
+
     if fam.bias is None:
         return None
     owner, _, name = fam.bias.rpartition(".")
@@ -504,6 +527,8 @@ def gpt_oss_expert(
 def gpt_oss_bias_table(gate_up_bias: torch.Tensor, down_bias: torch.Tensor) -> torch.Tensor:
     """psr's biases `[..., 2F + H]` fp32 (gate, up, down) from gpt-oss's interleaved
     `gate_up_proj_bias [..., 2F]` and `down_proj_bias [..., H]` (one expert or all)."""
+    import torch
+
     gub = gate_up_bias
     return torch.cat([gub[..., 0::2], gub[..., 1::2], down_bias], dim=-1).float()
 
@@ -530,6 +555,8 @@ def transposed_module_tensors(
 ) -> dict[str, torch.Tensor]:
     """gpt-oss's (`interleaved`, with `bias`) or Llama 4's experts parameters from psr's
     matrices (`gate`, `up` `[E, F, H]`, `down` `[E, H, F]`)."""
+    import torch
+
     if bias is not None:
         return gpt_oss_module_tensors(gate, up, down, bias)
     if interleaved:
@@ -545,6 +572,8 @@ def gpt_oss_module_tensors(
 ) -> dict[str, torch.Tensor]:
     """The inverse of `gpt_oss_expert` over a batch of experts (`gate`, `up` `[E, F, H]`,
     `down` `[E, H, F]`, `bias` `[E, 2F + H]`): GptOssExperts' four parameters."""
+    import torch
+
     E, F, H = gate.shape
     gate_up = torch.stack([gate.mT, up.mT], dim=-1).reshape(E, H, 2 * F)
     gate_up_bias = torch.stack([bias[:, :F], bias[:, F : 2 * F]], dim=-1).reshape(E, 2 * F)

@@ -20,16 +20,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import gguf
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as QT
 
-from psr.models.checkpoint import CheckpointError
 from psr.models.families import FAMILIES
-from psr_kernels.rowformat import BLOCK_TYPE_TRAITS, GGML_TYPES
+from psr.models.files import CheckpointError
+from psr.models.formats import rowformat
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where a tensor is made: the header, the config and the tensor table
+# are read without it (`psr inspect`)
+BLOCK_TYPE_TRAITS, GGML_TYPES = rowformat().BLOCK_TYPE_TRAITS, rowformat().GGML_TYPES
 
 # The GGML types psr's expert kernels compute, and the float ones (the format table's).
 EXPERT_TYPES = GGML_TYPES
@@ -64,6 +70,8 @@ class ExpertTensor:
 
     def dequantize(self, e: int) -> torch.Tensor:
         """Expert `e` as float32 [out, in] by gguf-py's dequantization (a reference)."""
+        import torch
+
         qt = QT[self.ggml_type]
         raw = self.expert(e).numpy().reshape(self.shape[1], -1)
         return torch.from_numpy(_dequantize(raw, qt, self.shape[1:]))
@@ -73,6 +81,8 @@ def readonly_tensor(a: np.ndarray) -> torch.Tensor:
     """A tensor over a read-only numpy view of a file's map, without a copy. torch has no
     read-only tensors and warns on each; psr only reads these views (a write would fault:
     the map is PROT_READ), so the warning is silenced here, and only here."""
+    import torch
+
     if a.flags.writeable:
         return torch.from_numpy(a)
     with warnings.catch_warnings():
@@ -931,6 +941,7 @@ class GGUFCheckpoint:
 
     def _hf_state_shapes(self) -> dict[str, tuple[int, ...]]:
         """The transformers model's non-expert tensors and their shapes (built on meta)."""
+        import torch
         import transformers
 
         with torch.device("meta"), warnings.catch_warnings():
@@ -1024,6 +1035,11 @@ class GGUFCheckpoint:
     def names(self) -> list[str]:
         return list(self._dense)
 
+    def tensor_elements(self) -> dict[str, int]:
+        """Every GGUF tensor of the set (its own name) -> its element count: the header's
+        tensor table, read without building the model (`psr inspect`)."""
+        return {name: int(t.n_elements) for name, (_, t) in self._tensors.items()}
+
     def _require(self, name: str) -> _Dense:
         d = self._dense.get(name)
         if d is None:
@@ -1049,12 +1065,16 @@ class GGUFCheckpoint:
         self._require(name)
 
     def _read(self, gname: str) -> torch.Tensor:
+        import torch
+
         part, t = self._tensors[gname]
         gshape = t.shape
         return torch.from_numpy(_dequantize(_raw(self._readers[part], t), t.tensor_type, gshape))
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor in HF layout, float32 (quantized ones dequantized by gguf-py)."""
+        import torch
+
         d = self._require(name)
         out = self._read(d.gguf_name)
         if d.other is not None and d.join == "interleave":
@@ -1066,6 +1086,8 @@ class GGUFCheckpoint:
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """`tensor[i]`; a quantized tensor's row alone where no permutation applies."""
+        import torch
+
         d = self._require(name)
         part, t = self._tensors[d.gguf_name]
         gshape = t.shape
@@ -1161,3 +1183,38 @@ def build_tokenizer(meta: Callable[[str], Any], arch: str, where: str) -> Any:
     if template is not None:
         kw["chat_template"] = str(template)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **kw)
+
+
+def layer_formats(ckpt: Any, E: int, H: int, F: int, moe_idx: list[int]) -> list[Any]:
+    """Each MoE layer's row format (a blocks RowFormat, `gguf:GATE,UP,DOWN`), after
+    checking its expert tensors' shapes ([E, F, H] gate and up, [E, H, F] down) and types
+    against the config."""
+    want = {"gate": (E, F, H), "up": (E, F, H), "down": (E, H, F)}
+    out = []
+    for d in moe_idx:
+        parts = ckpt.expert_tensors(d)
+        missing = [p for p in _EXPERT_PARTS if p not in parts]
+        if missing:
+            raise CheckpointError(
+                f"{ckpt.path}: decoder layer {d} has no routed-expert {missing[0]} tensor "
+                f"(blk.{d}.ffn_{missing[0]}_exps.weight)"
+            )
+        for p in _EXPERT_PARTS:
+            t = parts[p]
+            if tuple(t.shape) != want[p]:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {t.name!r} has shape {list(t.shape)} "
+                    f"(experts, out, in), expected {list(want[p])}"
+                )
+            if t.ggml_type not in GGML_TYPES:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {t.name!r} is {t.ggml_type}, a type psr's expert "
+                    f"kernels do not compute (supported: {', '.join(GGML_TYPES)})"
+                )
+        fmt = rowformat().RowFormat.blocks(*(parts[p].ggml_type for p in _EXPERT_PARTS))
+        try:
+            rowformat().GGMLLayout.of(fmt, H, F)
+        except ValueError as e:
+            raise CheckpointError(f"{ckpt.path}: decoder layer {d}: {e}") from None
+        out.append(fmt)
+    return out

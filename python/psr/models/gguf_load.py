@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import psr_kernels as pk
-from psr.models.checkpoint import CheckpointError
+from psr.models.files import is_gguf as is_gguf  # its home; imported from here too
 from psr.models.rows import PartsReader, RowSource, block_source
 from psr.models.tiers import gguf_locators
 from psr.runtime.spec import MoESpec
@@ -51,14 +51,6 @@ class GGUFExperts(Protocol):
     def expert_tensors(self, decoder_layer: int) -> dict[str, ExpertTensorLike]: ...
 
 
-def is_gguf(path: str | Path) -> bool:
-    """A .gguf file, or a folder without config.json that holds .gguf files."""
-    p = Path(path)
-    if p.is_file() or p.suffix == ".gguf":
-        return p.suffix == ".gguf"
-    return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
-
-
 def open_gguf(path: str | Path) -> Any:
     """The GGUF checkpoint at `path` (psr.models.gguf.GGUFCheckpoint; imported here, on
     use, as it pulls in gguf-py)."""
@@ -68,38 +60,12 @@ def open_gguf(path: str | Path) -> Any:
 
 
 def layer_formats(ckpt: GGUFExperts, spec: MoESpec, moe_idx: list[int]) -> list[pk.RowFormat]:
-    """Each MoE layer's row format (GGML blocks, a type per part), after checking its expert
-    tensors' shapes and types against the config."""
-    E, H, F = spec.num_experts, spec.hidden_size, spec.ffn_size
-    want = {"gate": (E, F, H), "up": (E, F, H), "down": (E, H, F)}
-    out = []
-    for d in moe_idx:
-        parts = ckpt.expert_tensors(d)
-        missing = [p for p in PARTS if p not in parts]
-        if missing:
-            raise CheckpointError(
-                f"{ckpt.path}: decoder layer {d} has no routed-expert {missing[0]} tensor "
-                f"(blk.{d}.ffn_{missing[0]}_exps.weight)"
-            )
-        for p in PARTS:
-            t = parts[p]
-            if tuple(t.shape) != want[p]:
-                raise CheckpointError(
-                    f"{ckpt.path}: tensor {t.name!r} has shape {list(t.shape)} "
-                    f"(experts, out, in), expected {list(want[p])}"
-                )
-            if t.ggml_type not in pk.GGML_TYPES:
-                raise CheckpointError(
-                    f"{ckpt.path}: tensor {t.name!r} is {t.ggml_type}, a type psr's expert "
-                    f"kernels do not compute (supported: {', '.join(pk.GGML_TYPES)})"
-                )
-        fmt = pk.RowFormat.blocks(*(parts[p].ggml_type for p in PARTS))
-        try:
-            pk.GGMLLayout.of(fmt, H, F)
-        except ValueError as e:
-            raise CheckpointError(f"{ckpt.path}: decoder layer {d}: {e}") from None
-        out.append(fmt)
-    return out
+    """Each MoE layer's row format (GGML blocks, a type per part), after checking its
+    expert tensors' shapes and types against the config (psr.models.gguf.layer_formats,
+    torch-free)."""
+    from psr.models.gguf import layer_formats as formats
+
+    return formats(ckpt, spec.num_experts, spec.hidden_size, spec.ffn_size, moe_idx)
 
 
 def gguf_readers(ckpt: GGUFExperts, moe_idx: list[int]) -> list[PartsReader]:

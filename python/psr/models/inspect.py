@@ -1,33 +1,37 @@
 """`psr.inspect(path)`: what psr would do with a checkpoint, before loading it.
 
-Reads config.json and builds the transformers model on the meta device (no weight is
-read, no memory is taken): the family and its router and expert kinds, which layers are
-sparse, the expert shapes, the bytes of one expert in each format, the host memory every
-format needs and the device memory per residency, and whether decode graphs apply. For an
+A checkpoint folder: reads config.json and builds the transformers model on the meta
+device (no weight is read, no memory is taken). A GGUF file: reads its header (metadata
+and tensor table, over a read-only map) and nothing else, without importing torch or
+transformers (`psr inspect` of a 400 GB file in a second). Either way it says the family
+and its router and expert kinds, which layers are sparse, the expert shapes, the bytes of
+one expert in each format, the host memory every format needs and the device memory per
+residency, and whether decode graphs apply. For an
 unsupported checkpoint, the one line that says which part psr lacks.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import psr.vocab as vocab
-import psr_kernels as pk
 from psr.load_config import LoadConfig
 from psr.models.families import (
     EXPERT_KINDS,
     FAMILIES,
     ROUTER_KINDS,
     check_config,
-    moe_block,
-    moe_spec,
+    moe_sizes,
 )
-from psr.models.rows import GROUP_SIZE
+from psr.models.formats import rowformat
+
+if TYPE_CHECKING:
+    import torch
 
 RESIDENCIES = (0.25, 0.5, 1.0)
 FORMATS = vocab.EXPERT_FORMATS
@@ -95,12 +99,12 @@ class Inspection:
             )
         lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
         for fmt, n in self.expert_types.items():
-            shown = pk.RowFormat.parse(fmt).shown
+            shown = rowformat().RowFormat.parse(fmt).shown
             lines.append(f"  experts    {shown} (gate, up, down) in {n} layers")
-        kinds = ", ".join(f"{n} {k}" for k, n in self.kv_kinds.items())
+        kv = ", ".join(f"{n} {k}" for k, n in self.kv_kinds.items())
         lines.append(
             f"  KV cache   {_size(self.kv_bytes_per_1k_tokens)} per 1024 tokens"
-            + (f" ({kinds} layers)" if kinds else "")
+            + (f" ({kv} layers)" if kv else "")
         )
         cols = ["format", "one expert", "host (all experts)"]
         cols += [f"device @ residency {r:g}" for r in RESIDENCIES]
@@ -142,7 +146,12 @@ def _ranges(idx: list[int]) -> str:
 
 
 def _expert_bytes(fmt: str, dtype: torch.dtype, H: int, F: int) -> int:
-    return pk.RowFormat.parse(fmt).row_bytes(H, F, GROUP_SIZE, dtype.itemsize)
+    from psr.models.rows import GROUP_SIZE
+
+    return int(rowformat().RowFormat.parse(fmt).row_bytes(H, F, GROUP_SIZE, dtype.itemsize))
+
+
+GRAPHS_ON = "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
 
 
 def _graphs(config: Any) -> str:
@@ -152,109 +161,212 @@ def _graphs(config: Any) -> str:
         StaticCache(config=config, max_cache_len=16)
     except Exception as e:  # a cache transformers cannot make static: eager decode
         return f"off: no static KV cache for this model ({type(e).__name__}: {e})"
-    return "on for CUDA (graphs='auto'): one replay per decode token over a static cache"
+    return GRAPHS_ON
 
 
 def inspect(path: str | Path) -> Inspection:
     """What psr would load from `path` (a checkpoint folder or a GGUF file; no weight is
     read)."""
-    from psr.models.gguf_load import is_gguf, open_gguf
+    from psr.models.files import is_gguf
 
     if not is_gguf(path):
-        return _inspect(path, None)
-    ck = open_gguf(path)  # its header is read once, here (metadata and tensor table)
+        return _inspect_folder(path)
+    from psr.models.gguf import GGUFCheckpoint
+
+    ck = GGUFCheckpoint(path)  # its header is read once, here (metadata and tensor table)
     try:
-        return _inspect(path, ck)
+        return _inspect_gguf(path, ck)
     finally:
         ck.close()
 
 
-def _inspect(path: str | Path, ck: Any) -> Inspection:
-    """`inspect` of a checkpoint folder (`ck` None) or of the opened GGUF checkpoint `ck`."""
-    import transformers
+@dataclass
+class _Model:
+    """What both paths find before the bytes per format: the facts of the model."""
 
-    from psr.models.gguf_load import layer_formats
-    from psr.models.sources import model_config
-    from psr.runtime.kv import CACHE_KINDS, kv_bytes, layer_kinds
+    num_layers: int
+    sparse: list[int]
+    dense: int  # bytes of everything but the routed experts, in the model dtype
+    shared: bool
+    itemsize: int
+    dtype: str
 
-    gguf = ck is not None
-    raw = dict(ck.config_dict) if gguf else model_config(path)
+
+def _unsupported(
+    path: str | Path, raw: dict[str, Any], aliases: Any, where: str
+) -> Inspection | None:
+    """The Inspection of a checkpoint psr cannot load, or None."""
     mt = str(raw.get("model_type"))
     try:
-        cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
-        where = f"{path} (its GGUF metadata)" if gguf else f"{path}/config.json"
-        check_config(raw, getattr(cls, "attribute_map", None), where)
+        check_config(raw, aliases, where)
     except ValueError as e:
         return Inspection(str(path), mt, supported=False, missing=str(e))
-    if gguf:
-        config = transformers.AutoConfig.for_model(**raw)
-    else:
-        config = transformers.AutoConfig.from_pretrained(str(path))
-        config.__dict__.pop("quantization_config", None)  # built plain, as psr.load does
-    spec = moe_spec(config)
-    fam = FAMILIES[mt]
+    return None
+
+
+def _inspect_folder(path: str | Path) -> Inspection:
+    """`inspect` of a checkpoint folder: the transformers model built on the meta device."""
+    import transformers
+
+    from psr.models.sources import model_config
+
+    raw = model_config(path)
+    mt = str(raw.get("model_type"))
+    cls = transformers.CONFIG_MAPPING[mt] if mt in FAMILIES else None
+    bad = _unsupported(path, raw, getattr(cls, "attribute_map", None), f"{path}/config.json")
+    if bad is not None:
+        return bad
+    config = transformers.AutoConfig.from_pretrained(str(path))
+    config.__dict__.pop("quantization_config", None)  # built plain, as psr.load does
+    facts, dtype = _meta_model(config)
+    _, _, H, F = moe_sizes(config)
+    n = len(facts.sparse)
+    per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
+    rows = {fmt: [per[fmt]] * n for fmt in FORMATS}
+    return _inspection(path, config, facts, per, rows, {}, _graphs(config))
+
+
+def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
+    """The model's facts from transformers' model of `config` built on the meta device."""
+    import torch
+    import transformers
+
+    from psr.models.families import moe_block
+
     dt = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt or "float32"), None)
     dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    layers = model.model.layers
-    blocks = [moe_block(layer, fam) for layer in layers]
-    sparse = [i for i, b in enumerate(blocks) if b is not None]
-    expert_ids = {id(p) for b in blocks if b is not None for p in b.experts.parameters()}
-    dense = sum(p.numel() * p.dtype.itemsize for p in model.parameters() if id(p) not in expert_ids)
-    H, F, E = spec.hidden_size, spec.ffn_size, spec.num_experts
-    n = len(sparse)
-    types: dict[str, int] = {}
-    if gguf:  # the file's own blocks: one format per layer
-        fmts = layer_formats(ck, spec, sparse)  # checked as psr.load checks them
-        rows = [pk.GGMLLayout.of(f, H, F).nbytes for f in fmts]
-        types = {f.name: fmts.count(f) for f in dict.fromkeys(fmts)}
-        per = {"gguf": round(sum(rows) / len(rows))}
-        host = {"gguf": sum(rows) * E}
-        device = {
-            "gguf": {f"{r:g}": dense + sum(rows) * math.floor(r * E + 0.5) for r in RESIDENCIES}
-        }
-    else:
-        per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
-        host = {fmt: per[fmt] * E * n for fmt in FORMATS}
-        device = {
-            fmt: {f"{r:g}": dense + n * math.floor(r * E + 0.5) * per[fmt] for r in RESIDENCIES}
-            for fmt in FORMATS
-        }
-    fmt0 = next(iter(per))  # the file's own rows: what can stay in it (pageable)
-    budget, note = _host_memory(dense, host[fmt0], per[fmt0] * n * _slots(E), fmt0)
-    shared = any(
-        hasattr(b, name)
-        for b in blocks
-        if b is not None
-        for name in ("shared_expert", "shared_experts", "shared_mlp")
+    fam = FAMILIES[str(config.model_type)]
+    blocks = [moe_block(layer, fam) for layer in model.model.layers]
+    expert_ids = {
+        id(p) for b in blocks if b is not None for p in b.get_submodule("experts").parameters()
+    }
+    params = (p for p in model.parameters() if id(p) not in expert_ids)
+    return _Model(
+        num_layers=len(blocks),
+        sparse=[i for i, b in enumerate(blocks) if b is not None],
+        dense=sum(p.numel() * p.dtype.itemsize for p in params),
+        shared=any(
+            hasattr(b, name)
+            for b in blocks
+            if b is not None
+            for name in ("shared_expert", "shared_experts", "shared_mlp")
+        ),
+        itemsize=dtype.itemsize,
+        dtype=str(dtype).removeprefix("torch."),
+    ), dtype
+
+
+# GGUF tensors transformers' model holds as no parameter: the router's correction bias (a
+# buffer), llama.cpp's rope frequencies (computed), the MTP layers' tensors (no layer)
+_NOT_PARAMETERS = re.compile(r"\.exp_probs_b\.|^rope_freqs\.|\.nextn\.")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def _header_model(ck: Any, raw: dict[str, Any]) -> _Model:
+    """The model's facts from a GGUF header: the tensor table in place of the meta model
+    (the routed experts are the `*_exps` tensors; shared experts `*_shexp`)."""
+    L = int(raw["num_hidden_layers"])
+
+    def counted(name: str) -> bool:
+        m = _LAYER.match(name)
+        in_model = m is None or int(m[1]) < L  # llama.cpp's MTP layers come after the last
+        return in_model and "_exps." not in name and not _NOT_PARAMETERS.search(name)
+
+    table = ck.tensor_elements()
+    names = [n for n in table if counted(n)]
+    itemsize = rowformat().FLOAT_ITEMSIZE[str(raw["dtype"])]
+    return _Model(
+        num_layers=L,
+        sparse=ck.moe_layers(),
+        dense=sum(table[n] for n in names) * itemsize,
+        shared=any("_shexp." in n for n in names),
+        itemsize=itemsize,
+        dtype=str(raw["dtype"]),
     )
+
+
+def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspection:
+    """`inspect` of the opened GGUF checkpoint `ck` from its header alone (no torch, no
+    transformers); `reference`: from transformers' config and meta model instead, as
+    `inspect` of a folder does (what tests check the header's answer against)."""
+    from psr.models.gguf import layer_formats
+
+    raw = dict(ck.config_dict)
+    bad = _unsupported(path, raw, None, f"{path} (its GGUF metadata)")
+    if bad is not None:
+        return bad
+    if reference:
+        config = ck.config
+        facts, graphs = _meta_model(config)[0], _graphs(config)
+    else:
+        config = SimpleNamespace(**raw)
+        if FAMILIES[raw["model_type"]].layer_types:
+            config.layer_types = raw.get("layer_types") or ["full_attention"] * int(
+                raw["num_hidden_layers"]
+            )
+        # every GGUF architecture psr reads has a cache transformers makes static (the
+        # tests check each against the reference)
+        facts, graphs = _header_model(ck, raw), GRAPHS_ON
+    E, _, H, F = moe_sizes(config)
+    fmts = layer_formats(ck, E, H, F, facts.sparse)  # the file's own blocks, checked
+    rows = [rowformat().GGMLLayout.of(f, H, F).nbytes for f in fmts]
+    types = {f.name: fmts.count(f) for f in dict.fromkeys(fmts)}
+    per = {"gguf": round(sum(rows) / len(rows))}
+    return _inspection(path, config, facts, per, {"gguf": rows}, types, graphs)
+
+
+def _inspection(
+    path: str | Path,
+    config: Any,
+    m: _Model,
+    per: dict[str, int],
+    rows: dict[str, list[int]],
+    types: dict[str, int],
+    graphs: str,
+) -> Inspection:
+    """The Inspection from the model's facts and its expert rows per format (`per`: one
+    expert; `rows`: one expert of each sparse layer)."""
+    from psr.runtime.kv import CACHE_KINDS, kv_bytes, layer_kinds
+
+    E, k, H, F = moe_sizes(config)
+    host = {fmt: sum(r) * E for fmt, r in rows.items()}
+    device = {
+        fmt: {f"{res:g}": m.dense + sum(r) * math.floor(res * E + 0.5) for res in RESIDENCIES}
+        for fmt, r in rows.items()
+    }
+    fmt0 = next(iter(per))  # the file's own rows: what can stay in it (pageable)
+    n = len(m.sparse)
+    budget, note = _host_memory(m.dense, host[fmt0], per[fmt0] * n * _slots(E), fmt0)
+    fam = FAMILIES[str(config.model_type)]
+    kinds = layer_kinds(config)
     return Inspection(
         path=str(path),
-        model_type=mt,
+        model_type=str(config.model_type),
         supported=True,
         family=fam.model_type,
         router_kind=fam.router_kind,
         expert_kind=fam.expert_kind,
-        dtype=str(dtype).removeprefix("torch."),
-        num_layers=len(layers),
-        sparse_layers=sparse,
-        dense_layers=[i for i, b in enumerate(blocks) if b is None],
+        dtype=m.dtype,
+        num_layers=m.num_layers,
+        sparse_layers=m.sparse,
+        dense_layers=[i for i in range(m.num_layers) if i not in m.sparse],
         num_experts=E,
-        top_k=spec.top_k,
+        top_k=k,
         hidden_size=H,
         ffn_size=F,
-        shared_experts=shared,
+        shared_experts=m.shared,
         attention=list(getattr(config, "layer_types", None) or []),
         expert_bytes=per,
         host_bytes=host,
         expert_types=types,
-        kv_bytes_per_1k_tokens=kv_bytes(config, dtype.itemsize, 1024),
-        kv_kinds={k: n for k in CACHE_KINDS if (n := layer_kinds(config).count(k))},
-        dense_bytes=dense,
+        kv_bytes_per_1k_tokens=kv_bytes(config, m.itemsize, 1024),
+        kv_kinds={kind: c for kind in CACHE_KINDS if (c := kinds.count(kind))},
+        dense_bytes=m.dense,
         device_bytes=device,
-        graphs=_graphs(config),
+        graphs=graphs,
         operating_points=_operating_points(path),
         default_host_memory=budget,
         host_memory=note,
@@ -300,7 +412,7 @@ def _operating_points(path: str | Path) -> dict[str, str]:
         found = tuned_points(path, DEFAULT_RESIDENCY)
     except ValueError as e:  # a corrupt file, or one tuned for another checkpoint
         return {"points": str(e)}
-    out = {}
+    out: dict[str, str] = {}
     for fam in ("cache-prior", "psr"):
         if fam in found:
             pol, file = found[fam]

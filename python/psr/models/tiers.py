@@ -20,13 +20,14 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
-import psr_kernels as pk
-from psr.store import Segment
+if TYPE_CHECKING:  # the budget arithmetic is torch-free (`psr inspect` of a GGUF file)
+    import psr_kernels as pk
+    from psr.store import Segment
 
 # A row's file segments, or None if the file does not hold the row's bytes.
-Locator = Callable[[int], list[Segment] | None]
+Locator = Callable[[int], "list[Segment] | None"]
 
 SAFE_FRACTION = 0.8  # of MemAvailable: the default budget when the model does not fit
 
@@ -193,6 +194,8 @@ def plan_tiers(
 def gguf_locator(parts: dict[str, Any], fmt: pk.RowFormat, hidden: int, ffn: int) -> Locator:
     """A GGUF layer's rows: each part's file bytes at its aligned offset in the row
     (`GGMLLayout`), zero segments for the padding between them."""
+    import psr_kernels as pk
+
     lay = pk.GGMLLayout.of(fmt, hidden, ffn)
     starts = (lay.gate, lay.up, lay.down)
 
@@ -225,6 +228,7 @@ def float_locators(
 ) -> tuple[list[Locator] | None, str | None]:
     """Per MoE layer, expert -> its row's segments in a safetensors checkpoint; or (None,
     why not) when the rows are converted at load (quantized, another dtype, transposed)."""
+    import psr_kernels as pk
     from psr.models.families import expert_tensor_names, family_of, fused_expert_names
 
     rf = pk.RowFormat.parse(fmt)

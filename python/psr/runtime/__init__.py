@@ -19,8 +19,9 @@ the engine loads when one of its names is first used.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from psr.lazy import lazy_exports
 
 _EXPORTS = {
     "psr.runtime.chunked": ("PromptCache",),
@@ -33,7 +34,6 @@ _EXPORTS = {
     "psr.runtime.stats": ("COUNT_KEYS", "REPORT_KEYS", "TIMING_KEYS", "Stats"),
     "psr.runtime.trace": ("Trace", "TraceRecorder"),
 }
-_WHERE = {name: mod for mod, names in _EXPORTS.items() for name in names}
 __all__ = [
     "COUNT_KEYS",
     "DECODE_MODES",
@@ -65,14 +65,4 @@ if TYPE_CHECKING:
     from psr.runtime.trace import Trace, TraceRecorder
 
 
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'psr.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

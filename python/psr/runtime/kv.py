@@ -6,9 +6,10 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:  # the accounting below is torch-free (`psr inspect` of a GGUF file)
+    from torch import nn
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -119,14 +120,15 @@ CACHE_KINDS: dict[str, CacheKind] = {
 
 def _mla_latent_cached(model_type: str) -> bool:
     """transformers >= 5.24's MLA attention (DeepSeek-V2, -V3) caches the latent and
-    expands it at each step (its `expand_kv`); earlier ones cache the expanded heads."""
-    import importlib
+    expands it at each step (its `expand_kv`); earlier ones cache the expanded heads. Told
+    from the installed version, so the accounting imports neither transformers nor torch."""
+    from importlib.metadata import PackageNotFoundError, version
 
     try:
-        m = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    except ImportError:
+        major, minor = (int(p) for p in version("transformers").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
         return True
-    return any(isinstance(v, type) and hasattr(v, "expand_kv") for v in vars(m).values())
+    return (major, minor) >= (5, 24)
 
 
 def layer_kinds(config: Any) -> list[str]:
