@@ -21,7 +21,7 @@ from psr.runtime.context import StepContext
 from psr.runtime.layer import MoELayer
 from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
-from psr.store import ExpertStore
+from psr.store import CopyReason, ExpertStore
 from psr_kernels import NonFiniteError
 
 # One expert's weighted FFN over some tokens: (its row, the tokens' x, its expert id, their
@@ -104,7 +104,7 @@ def run_prefill(
     out = torch.zeros_like(x)
     for e, slot, fresh in plan.reads:
         if fresh and physical:
-            store.enqueue_copies(layer, [slot], [e])
+            store.enqueue_copies(layer, [slot], [e], reason=CopyReason.PREFILL)
         tok, pos = torch.where(ids == e)
         if host is not None:
             y = ffn(host[e].to(x.device), x[tok], e, weights[tok, pos])
@@ -113,7 +113,12 @@ def run_prefill(
                 y = ffn(slab[slot], x[tok], e, weights[tok, pos])
         out.index_add_(0, tok, y.to(out.dtype))
     if plan.seed and physical:
-        store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])
+        store.enqueue_copies(
+            layer,
+            [s for s, _ in plan.seed],
+            [e for _, e in plan.seed],
+            reason=CopyReason.PREFILL,
+        )
     return out
 
 
