@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from psr.eval.report import pct
+from psr.eval.labels import pct
 from psr.eval.runs import choose
 
 

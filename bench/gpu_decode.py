@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_modes
 
 import psr_kernels as pk
+from psr.eval.labels import pct
 from psr.eval.latency import calibrate, simulate
 from psr.eval.microbench import run_copy_overlap
-from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL, offload
 from psr.points import operating_points
 from psr.policy import Policy, make_policy, standard_policies

@@ -68,8 +68,8 @@ from gpu_gather import measure as measure_gather
 from torch.autograd import DeviceType
 
 from psr.eval import latency
+from psr.eval.labels import pct
 from psr.eval.latency import Profile, calibrate, simulate
-from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL
 from psr.points import operating_points
 from psr.policy import Policy, make_policy, standard_policies

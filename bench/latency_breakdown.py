@@ -30,8 +30,8 @@ from typing import Any
 
 from psr.eval.defaults import DEFAULT_PROFILES, PROFILE, PROMPT_TOKENS, WINDOW_TOKENS
 from psr.eval.harness import EvalData, RunConfig, ScheduleJob, run_config, schedule_prompt
+from psr.eval.labels import pct
 from psr.eval.latency import get_profile, simulate
-from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL
 from psr.points import operating_points
 from psr.policy import make_policy

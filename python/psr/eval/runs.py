@@ -38,6 +38,7 @@ from psr.eval.harness import (
     run_config,
     schedule_prompt,
 )
+from psr.eval.labels import pareto
 from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
@@ -238,21 +239,6 @@ def sweep_configs(
 def within_budget(r: dict[str, Any], budget: float) -> bool:
     """The quality cost's 95% upper bound is at most `budget` nats/token."""
     return r.get("delta_nll", {}).get("hi", float("inf")) <= budget
-
-
-def pareto(points: list[tuple[float, float, Any]]) -> list[Any]:
-    """Items of (latency, loss, item) not dominated (lower is better on both), by latency.
-
-    A point is dropped when another is at most as high on both and strictly lower on one; of
-    exact duplicates only the first given is kept. Points with a non-finite value are ignored.
-    """
-    finite = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])]
-    front, best = [], float("inf")
-    for _lat, loss, item in sorted(finite, key=lambda p: (p[0], p[1])):
-        if loss < best:
-            front.append(item)
-            best = loss
-    return front
 
 
 def choose(
