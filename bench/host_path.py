@@ -14,7 +14,7 @@ before any import) and on the torch path, with decode="host" and decode="device"
             graph breaks (the most frequent reasons in the JSON);
   host ms   wall time of psr's router and experts hooks per MoE layer and token (torch
             path only: the interpreter's timing means nothing; a CPU, not a GPU host).
-Counts are psr.eval.host_path.HostProbe's, averaged over the decode tokens after the
+Counts are psr.eval.host_probe.HostProbe's, averaged over the decode tokens after the
 first (it also hands the caches over to the device step). "before" is commit 9442c44,
 the last one before the rebuild, extracted with `git archive` (no git state changes)
 into --before-dir, with this checkout's built extension copied in and the same probe
@@ -24,7 +24,7 @@ path). Writes host_path.md and host_path.json (with each run's HostSchedule).
 
     python bench/host_path.py --costs --out bench/results/host_path
 
-instead times the host's own costs of the device step (psr.eval.host_path.
+instead times the host's own costs of the device step (psr.eval.host_probe.
 measure_host_costs: Triton launches and the store's C++ calls stubbed, aten ops timed and
 subtracted; exact and psr at their tuned points, Triton path under the interpreter, one
 thread) and writes host_costs.md and host_costs.json: the figures the built-in latency
@@ -69,7 +69,7 @@ def _load_module(name: str, path: Path) -> Any:
 
 
 def _probe_module() -> Any:
-    """psr.eval.host_path of this checkout, also under the pre-rebuild psr (whose trace
+    """psr.eval.host_probe of this checkout, also under the pre-rebuild psr (whose trace
     module lacks HostOp / HostSchedule: they are lent from this checkout's)."""
     import psr.runtime.trace as trace
 
@@ -77,7 +77,7 @@ def _probe_module() -> Any:
         now = _load_module("_psr_trace_now", ROOT / "python/psr/runtime/trace.py")
         for name in ("HOST_OP_KINDS", "HostOp", "HostSchedule"):
             setattr(trace, name, getattr(now, name))
-    return _load_module("_psr_host_path_now", ROOT / "python/psr/eval/host_path.py")
+    return _load_module("_psr_host_path_now", ROOT / "python/psr/eval/host_probe.py")
 
 
 def _kv(hf: Any) -> str:
@@ -606,7 +606,7 @@ def report(
         if "error" not in r and r["version"] != "transformers":
             loop.update(r["read_sites"].get("token", {}).keys())
     out += [f"- `{s}` ({c} runs)" for s, c in loop.most_common()]
-    out += ["", "## Host schedules (psr.eval.host_path.HostProbe.schedule), psr", ""]
+    out += ["", "## Host schedules (psr.eval.host_probe.HostProbe.schedule), psr", ""]
     for r in rows:
         if "error" in r or r["version"] == "transformers" or r["policy"] != "psr":
             continue
@@ -800,12 +800,12 @@ def costs_report(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dic
             f"path under the interpreter with every Triton launch returning at once and the "
             f"store's C++ copy / acquire / release / gather / join (and cpu_experts / "
             f"cpu_join) calls doing nothing "
-            f"(psr.eval.host_path.measure_host_costs); {args.new_tokens} new tokens x "
+            f"(psr.eval.host_probe.measure_host_costs); {args.new_tokens} new tokens x "
             f"{args.repeats} runs, the thread's CPU time (not wall time: the machine is "
             f"shared), the 10th percentile over the decode forwards after the first (and MoE "
             f"layers; medians in the JSON); aten ops (the launches the latency model prices "
             f"at launch_us) counted in one run under a dispatch mode and subtracted "
-            f"at the cost of a small aten op on this machine (psr.eval.host_path.aten_op_us: "
+            f"at the cost of a small aten op on this machine (psr.eval.host_probe.aten_op_us: "
             f"add, mul, linear, softmax, sum on tiny tensors, the fastest of 7 loops). "
             f"Machine: {meta['machine']}, one intra-op "
             f"thread, load {meta['uptime']} (shared). Code: {meta['head']}"

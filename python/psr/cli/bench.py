@@ -76,7 +76,7 @@ def run_machine(args: argparse.Namespace) -> int:
     out = writable_file(args.out, "--out") if args.out else mc.profile_path()
     import torch
 
-    from psr.eval.machine import measure_profile, table
+    from psr.eval.machine_profile import measure_profile, table
     from psr.store import cpu_max_threads
 
     if args.threads is not None:

@@ -270,8 +270,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from psr.models import load
     from psr.serve.app import create_app
-    from psr.serve.engine import Engine
     from psr.serve.metrics import Metrics
+    from psr.serve.worker import Engine
 
     show_progress = progress(args)
     engine = Engine(
@@ -312,7 +312,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     path = _check(args)
     out = writable_file(args.json, "--json") if args.json else None
     from psr.models import load
-    from psr.serve.bench import bench_serve
+    from psr.serve.overhead import bench_serve
 
     model = load(path, **load_options(args), progress=progress(args))
     result = bench_serve(

@@ -280,7 +280,7 @@ def _triton_here() -> bool:
 def _measure_one(path: str, rc: RunConfig, prompt: list[int], decode: str) -> HostSchedule:
     import torch
 
-    from psr.eval.host_path import measure_schedule
+    from psr.eval.host_probe import measure_schedule
 
     model = rc.load(path, compute="triton", decode=decode)
     try:
@@ -292,7 +292,7 @@ def _measure_one(path: str, rc: RunConfig, prompt: list[int], decode: str) -> Ho
 class ScheduleJob:
     """Each configuration's host schedule on psr's deployed GPU path (the Triton kernels,
     `decode` steps; the path a latency profile prices), from a real decode of `prompt`
-    (psr.eval.host_path.measure_schedule), measured once per schedule_key.
+    (psr.eval.host_probe.measure_schedule), measured once per schedule_key.
 
     A process that can run Triton measures them at once. One that cannot (a CPU without
     TRITON_INTERPRET=1) starts one child process that measures them under Triton's

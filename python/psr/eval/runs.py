@@ -562,7 +562,7 @@ def speculative(
 ) -> list[dict[str, Any]]:
     """Speculative decoding (both drafters, a K_b x lam grid) against the autoregressive
     policies at equal device memory, on held-out set B; writes speculative.{md,json}."""
-    from psr.eval.speculative import compare_speculative, default_specs, markdown
+    from psr.eval.spec_compare import compare_speculative, default_specs, markdown
     from psr.models.loader import load
 
     data = EvalData.from_heldout(

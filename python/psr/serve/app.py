@@ -36,7 +36,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from psr.serve import chat
 from psr.serve.access import Access, AccessMiddleware
 from psr.serve.decoding import GrammarError
-from psr.serve.engine import (
+from psr.serve.metrics import CONTENT_TYPE
+from psr.serve.protocol import (
+    COMPLETION_MAX_TOKENS,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    bad_request,
+    check_unicode,
+    parse_chat,
+    parse_completion,
+)
+from psr.serve.worker import (
     Delta,
     Disconnected,
     Engine,
@@ -48,17 +59,6 @@ from psr.serve.engine import (
     NotReady,
     Params,
     QueueFull,
-)
-from psr.serve.metrics import CONTENT_TYPE
-from psr.serve.protocol import (
-    COMPLETION_MAX_TOKENS,
-    APIError,
-    ChatRequest,
-    CompletionRequest,
-    bad_request,
-    check_unicode,
-    parse_chat,
-    parse_completion,
 )
 
 log = logging.getLogger("psr.serve")

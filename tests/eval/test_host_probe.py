@@ -1,4 +1,4 @@
-"""psr.eval.host_path: the host's work per decode token, as HostProbe logs it and as the
+"""psr.eval.host_probe: the host's work per decode token, as HostProbe logs it and as the
 HostSchedule the latency model replays. The sync-free step's MoE layer is exactly the
 router GEMV, the fused decode kernel, the join, the miss and prefetch gathers and the two
 FFN kernels on the Triton path; the host-driven step reads, builds host tensors and
@@ -15,7 +15,7 @@ import torch
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
-from psr.eval.host_path import HostProbe, measure_schedule, merge_ops, op_rates
+from psr.eval.host_probe import HostProbe, measure_schedule, merge_ops, op_rates
 from psr.runtime.trace import HostOp, HostSchedule, Trace
 from psr.store import CopyReason, ExpertStore
 

@@ -353,7 +353,7 @@ def bench_serve(
     from tqdm.auto import tqdm
 
     from psr.serve.app import create_app
-    from psr.serve.engine import Engine
+    from psr.serve.worker import Engine
 
     tok = model.tokenizer
     ids = [list(tok(prompts[i % len(prompts)])["input_ids"]) for i in range(requests)]
@@ -431,7 +431,7 @@ class _Clients:
     prompts to send at once), one out (their Run)."""
 
     def __init__(self, url: str, max_tokens: int) -> None:
-        code = "from psr.serve.bench import client_main; client_main()"
+        code = "from psr.serve.overhead import client_main; client_main()"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, url, str(max_tokens)],
             stdin=subprocess.PIPE,

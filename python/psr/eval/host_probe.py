@@ -76,7 +76,7 @@ _STORE_METHODS = {
     "cpu_experts": "cpu",
     "cpu_join": "cpu_join",
 }
-_SKIP_FILES = frozenset({"host_path.py", "contextlib.py", "functools.py"})
+_SKIP_FILES = frozenset({"host_probe.py", "contextlib.py", "functools.py"})
 
 
 def _replace_forward(hf: Any, forward: Any, undo: list[Any]) -> None:
