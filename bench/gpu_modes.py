@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
-import json
 import math
 import re
 import statistics
@@ -64,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_json
 from gpu_gather import measure as measure_gather
 from torch.autograd import DeviceType
 
@@ -713,9 +713,3 @@ def tables(result: dict) -> str:
             f"{e['tokens_equal']} | {e['counts_equal']} ({counts}) |"
         )
     return "\n".join(lines)
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    tmp.replace(path)
