@@ -154,19 +154,26 @@ def run_config(
     progress: bool = False,
     schedule: HostSchedule | None = None,
     modes_recorded: bool = False,
+    modes_replayed: bool = True,
 ) -> dict[str, Any]:
     """One config: score the windows (teacher forced, decode path: NLL, counts and the
     trace the latency model replays), generate greedily from the prompts, score cloze.
     Modeled latency host-free (`latency`) and, given the configuration's measured decode
     schedule (`measure_schedules`), host-aware too (`latency_host`). `modes_recorded`: a policy
     that `modes.replay` cannot take (biased, or prefetching) scores the windows again in
-    experts_on cpu and hybrid (`record_modes`: `mode_traces`, for the modes table)."""
+    experts_on cpu and hybrid (`record_modes`: `mode_traces`, for the modes table).
+    `modes_replayed=False`: exact routing's window starts are not watched (no input for the
+    modes table's replay; the scores and trace are the same)."""
     model = rc.load(path)
     total = len(data.windows) + len(data.prompts) + len(data.cloze)
     bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
     rec = model.record_trace()
     # Exact routing: each window's caches, for the cpu / hybrid replays (eval/modes.py).
-    watch = modes.StartWatch(model) if modes.replayable(rc.policy) and data.windows else None
+    watch = (
+        modes.StartWatch(model)
+        if modes_replayed and modes.replayable(rc.policy) and data.windows
+        else None
+    )
     nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
     starts = None
     if watch is not None:

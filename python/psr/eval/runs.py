@@ -90,11 +90,12 @@ def run_all(
     progress: bool = True,
     host: bool = False,
     modes_recorded: bool = False,
+    modes_replayed: bool = True,
 ) -> list[dict[str, Any]]:
     """Every configuration through `run_config`, then `compare`. `host`: each one's decode
     schedule measured (measure_schedules) and its latency modeled host-aware too.
-    `modes_recorded`:
-    biased policies' cpu / hybrid traces recorded (run_config), for the modes tables."""
+    `modes_recorded`: biased policies' cpu / hybrid traces recorded (run_config), for the
+    modes tables; `modes_replayed=False`: no input for exact's replayed modes table."""
     # Measured first: in a child process (a CPU without Triton) beside the scoring.
     job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
     results = []
@@ -102,7 +103,13 @@ def run_all(
         for rc in tqdm(configs, desc=desc, disable=not progress):
             results.append(
                 run_config(
-                    path, rc, data, profiles, progress=progress, modes_recorded=modes_recorded
+                    path,
+                    rc,
+                    data,
+                    profiles,
+                    progress=progress,
+                    modes_recorded=modes_recorded,
+                    modes_replayed=modes_replayed,
                 )
             )
     except BaseException:
@@ -159,18 +166,19 @@ def demo(
     psr_rows = [rc for rc in configs if rc.policy.name == "psr"]
     for rc in psr_rows:
         configs.insert(configs.index(rc) + 1, RunConfig(rc.policy, rc.residency, "int8"))
-    results = run_all(path, configs, data, "psr demo", progress=progress, host=True)
+    # The table only: the gpu / cpu / hybrid tables are `psr eval`'s (the demo's time).
+    results = run_all(
+        path, configs, data, "psr demo", progress=progress, host=True, modes_replayed=False
+    )
     extra = {"model": path, "data": describe(data), "operating_points": sources}
-    appendix = modes_appendix(results, DEFAULT_PROFILES)
-    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0}, appendix=appendix)
+    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
     print(f"psr demo: embedded model ({path})")
     print(f"measured on {describe(data)}")
     print(f"operating points: {'; '.join(sources)}")
     print("latency modeled for an OLMoE-1B-7B-sized expert, host-free and host-aware\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
-    if appendix:
-        print(f"\n{appendix}")
+    print("\nexperts on gpu / cpu / hybrid and the powered figures: psr eval")
     written = ", ".join(str(v) for v in paths.values())
     print(f"\nwrote {written} ({time.time() - t0:.0f} s)")
     return results
