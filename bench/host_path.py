@@ -18,7 +18,8 @@ Counts are psr.eval.host_probe.HostProbe's, averaged over the decode tokens afte
 first (it also hands the caches over to the device step). "before" is commit 9442c44,
 the last one before the rebuild, extracted with `git archive` (no git state changes)
 into --before-dir, with this checkout's built extension copied in and the same probe
-loaded from this checkout; its runtime has one decode step, the host-driven one. The
+loaded from this checkout; its runtime has one decode step, the host-driven one, and its
+store copies give no reason (CopyReason: the probe logs them as "direct"). The
 "transformers" row is the embedded model without psr (its MoE blocks' ops as the MoE
 path). Writes host_path.md and host_path.json (with each run's HostSchedule).
 
@@ -38,6 +39,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before torch / triton are imported
 
 import argparse
+import enum
 import importlib.util
 import json
 import shutil
@@ -72,7 +74,10 @@ def _probe_module() -> Any:
     """psr.eval.host_probe of this checkout, also under the pre-rebuild psr (whose trace
     module lacks HostOp / HostSchedule: they are lent from this checkout's)."""
     import psr.runtime.trace as trace
+    import psr.store as store
 
+    if not hasattr(store, "CopyReason"):  # the pre-rebuild store: its copies give no reason
+        store.CopyReason = enum.StrEnum("CopyReason", {"DIRECT": "direct"})  # type: ignore[attr-defined]
     if not hasattr(trace, "HostSchedule"):
         now = _load_module("_psr_trace_now", ROOT / "python/psr/runtime/trace.py")
         for name in ("HOST_OP_KINDS", "HostOp", "HostSchedule"):
@@ -144,6 +149,8 @@ def _run_psr(hp: Any, cfg: dict[str, Any], version: str) -> dict[str, Any]:
 
     model = load()
     rt = model.runtime
+    if not hasattr(rt, "step_name"):  # the pre-rebuild runtime: one step, the host-driven one
+        type(rt).step_name = "host"
     ids = model.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     t0 = time.perf_counter()
     with hp.HostProbe(model) as probe:
