@@ -21,7 +21,6 @@ modes' agreement; DIR/modes.json and DIR/modes.md (bench/gpu_modes.py says how).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,11 +29,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_modes
+from common import write_json
 
 import psr_kernels as pk
+from psr.eval.labels import pct
 from psr.eval.latency import calibrate, simulate
 from psr.eval.microbench import run_copy_overlap
-from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL, offload
 from psr.points import operating_points
 from psr.policy import Policy, make_policy, standard_policies
@@ -275,12 +275,6 @@ def add_speedups(rows: list[dict]) -> None:
         if base is not None:
             r["speedup_vs_exact"] = base["measured_ms"] / r["measured_ms"]
             r["modeled_speedup_vs_exact"] = base["modeled_ms"] / r["modeled_ms"]
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
 
 
 def transformers_version() -> str:

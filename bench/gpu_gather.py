@@ -29,7 +29,6 @@ Writes DIR/gather.json (rewritten after every store) and DIR/gather.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from common import write_json
 
 from psr.eval.microbench import COPY_FORMATS, format_row_bytes
 from psr.store import ExpertStore, LayerSpec, current_backend
@@ -249,12 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     result["seconds"] = time.time() - t0
     write_json(out / "gather.json", result)
     return 0 if all(r["verified"] for r in result["rows"]) else 1
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ here):
   host-free   simulate(trace, profile): copies and compute alone (device modes: copies
               priced at the gather's GB/s, the host mode's at the DMA's);
   host-aware  simulate(trace + schedule, profile, host=True), the schedule measured by
-              psr.eval.host_path.measure_schedule in that mode (graphs: the device mode's
+              psr.eval.host_probe.measure_schedule in that mode (graphs: the device mode's
               schedule with the in-graph host costs set to 0: the host launches one replay
               and reads the token, `graph_profile`). Its `model_error` = modeled /
               measured - 1.
@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import dataclasses
 import inspect
-import json
 import math
 import re
 import statistics
@@ -64,12 +63,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_json
 from gpu_gather import measure as measure_gather
 from torch.autograd import DeviceType
 
 from psr.eval import latency
+from psr.eval.labels import pct
 from psr.eval.latency import Profile, calibrate, simulate
-from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL
 from psr.points import operating_points
 from psr.policy import Policy, make_policy, standard_policies
@@ -100,9 +100,9 @@ GOAL_HOST_SHARE = 0.10
 
 
 def host_model_api() -> tuple[Callable[..., Any] | None, str]:
-    """psr.eval.host_path.measure_schedule and simulate(..., host=True), or why not."""
+    """psr.eval.host_probe.measure_schedule and simulate(..., host=True), or why not."""
     try:
-        from psr.eval.host_path import measure_schedule
+        from psr.eval.host_probe import measure_schedule
     except ImportError as e:
         return None, f"not available: {type(e).__name__}: {e}"
     if "host" not in inspect.signature(simulate).parameters:
@@ -713,9 +713,3 @@ def tables(result: dict) -> str:
             f"{e['tokens_equal']} | {e['counts_equal']} ({counts}) |"
         )
     return "\n".join(lines)
-
-
-def write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    tmp.replace(path)

@@ -14,17 +14,18 @@ before any import) and on the torch path, with decode="host" and decode="device"
             graph breaks (the most frequent reasons in the JSON);
   host ms   wall time of psr's router and experts hooks per MoE layer and token (torch
             path only: the interpreter's timing means nothing; a CPU, not a GPU host).
-Counts are psr.eval.host_path.HostProbe's, averaged over the decode tokens after the
+Counts are psr.eval.host_probe.HostProbe's, averaged over the decode tokens after the
 first (it also hands the caches over to the device step). "before" is commit 9442c44,
 the last one before the rebuild, extracted with `git archive` (no git state changes)
 into --before-dir, with this checkout's built extension copied in and the same probe
-loaded from this checkout; its runtime has one decode step, the host-driven one. The
+loaded from this checkout; its runtime has one decode step, the host-driven one, and its
+store copies give no reason (CopyReason: the probe logs them as "direct"). The
 "transformers" row is the embedded model without psr (its MoE blocks' ops as the MoE
 path). Writes host_path.md and host_path.json (with each run's HostSchedule).
 
     python bench/host_path.py --costs --out bench/results/host_path
 
-instead times the host's own costs of the device step (psr.eval.host_path.
+instead times the host's own costs of the device step (psr.eval.host_probe.
 measure_host_costs: Triton launches and the store's C++ calls stubbed, aten ops timed and
 subtracted; exact and psr at their tuned points, Triton path under the interpreter, one
 thread) and writes host_costs.md and host_costs.json: the figures the built-in latency
@@ -38,6 +39,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before torch / triton are imported
 
 import argparse
+import enum
 import importlib.util
 import json
 import shutil
@@ -69,15 +71,18 @@ def _load_module(name: str, path: Path) -> Any:
 
 
 def _probe_module() -> Any:
-    """psr.eval.host_path of this checkout, also under the pre-rebuild psr (whose trace
+    """psr.eval.host_probe of this checkout, also under the pre-rebuild psr (whose trace
     module lacks HostOp / HostSchedule: they are lent from this checkout's)."""
     import psr.runtime.trace as trace
+    import psr.store as store
 
+    if not hasattr(store, "CopyReason"):  # the pre-rebuild store: its copies give no reason
+        store.CopyReason = enum.StrEnum("CopyReason", {"DIRECT": "direct"})  # type: ignore[attr-defined]
     if not hasattr(trace, "HostSchedule"):
         now = _load_module("_psr_trace_now", ROOT / "python/psr/runtime/trace.py")
         for name in ("HOST_OP_KINDS", "HostOp", "HostSchedule"):
             setattr(trace, name, getattr(now, name))
-    return _load_module("_psr_host_path_now", ROOT / "python/psr/eval/host_path.py")
+    return _load_module("_psr_host_path_now", ROOT / "python/psr/eval/host_probe.py")
 
 
 def _kv(hf: Any) -> str:
@@ -144,6 +149,8 @@ def _run_psr(hp: Any, cfg: dict[str, Any], version: str) -> dict[str, Any]:
 
     model = load()
     rt = model.runtime
+    if not hasattr(rt, "step_name"):  # the pre-rebuild runtime: one step, the host-driven one
+        type(rt).step_name = "host"
     ids = model.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     t0 = time.perf_counter()
     with hp.HostProbe(model) as probe:
@@ -606,7 +613,7 @@ def report(
         if "error" not in r and r["version"] != "transformers":
             loop.update(r["read_sites"].get("token", {}).keys())
     out += [f"- `{s}` ({c} runs)" for s, c in loop.most_common()]
-    out += ["", "## Host schedules (psr.eval.host_path.HostProbe.schedule), psr", ""]
+    out += ["", "## Host schedules (psr.eval.host_probe.HostProbe.schedule), psr", ""]
     for r in rows:
         if "error" in r or r["version"] == "transformers" or r["policy"] != "psr":
             continue
@@ -800,12 +807,12 @@ def costs_report(rows: list[dict[str, Any]], args: argparse.Namespace, meta: dic
             f"path under the interpreter with every Triton launch returning at once and the "
             f"store's C++ copy / acquire / release / gather / join (and cpu_experts / "
             f"cpu_join) calls doing nothing "
-            f"(psr.eval.host_path.measure_host_costs); {args.new_tokens} new tokens x "
+            f"(psr.eval.host_probe.measure_host_costs); {args.new_tokens} new tokens x "
             f"{args.repeats} runs, the thread's CPU time (not wall time: the machine is "
             f"shared), the 10th percentile over the decode forwards after the first (and MoE "
             f"layers; medians in the JSON); aten ops (the launches the latency model prices "
             f"at launch_us) counted in one run under a dispatch mode and subtracted "
-            f"at the cost of a small aten op on this machine (psr.eval.host_path.aten_op_us: "
+            f"at the cost of a small aten op on this machine (psr.eval.host_probe.aten_op_us: "
             f"add, mul, linear, softmax, sum on tiny tensors, the fastest of 7 loops). "
             f"Machine: {meta['machine']}, one intra-op "
             f"thread, load {meta['uptime']} (shared). Code: {meta['head']}"

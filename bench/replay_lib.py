@@ -24,8 +24,8 @@ import torch
 from replay_tables import write
 
 import psr_kernels as pk
+from psr.eval.labels import pct
 from psr.eval.latency import Profile, calibrate, simulate
-from psr.eval.report import pct
 from psr.models import DEFAULT_MODEL, load
 from psr.points import operating_points
 from psr.policy import Policy, standard_policies

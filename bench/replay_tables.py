@@ -8,7 +8,7 @@ import json
 from functools import partial
 from pathlib import Path
 
-from psr.eval.report import pct
+from psr.eval.labels import pct
 
 
 def _cell(r: dict, key: str, fmt: str) -> str:

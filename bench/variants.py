@@ -46,9 +46,9 @@ import torch
 import psr_kernels as pk
 from psr.eval.defaults import BUDGET, PROFILE
 from psr.eval.harness import EvalData, RunConfig, compare
+from psr.eval.labels import pct
 from psr.eval.latency import simulate
 from psr.eval.quality import perplexity_items
-from psr.eval.report import pct
 from psr.eval.runs import choose, within_budget
 from psr.models import DEFAULT_MODEL, load
 from psr.points import operating_points

@@ -110,7 +110,7 @@ def _make_consts(layout: CacheLayout, device: torch.device) -> _Consts:
 
     def t(*v: int) -> torch.Tensor:
         # Filled on the device, not copied from the host (`torch.tensor`): psr counts
-        # host-to-device copies in the decode step (psr.eval.host_path), and there are none.
+        # host-to-device copies in the decode step (psr.eval.host_probe), and there are none.
         return torch.stack([torch.full((), x, dtype=torch.int64, device=device) for x in v])
 
     def ar(*v: int) -> torch.Tensor:

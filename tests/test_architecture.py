@@ -196,6 +196,7 @@ TORCH_FREE = (
     "psr.runtime.stats",
     "psr.eval.latency",
     "psr.eval.report",
+    "psr.eval.labels",
     "psr.eval.defaults",
 )
 HEAVY = ("torch", "triton", "transformers", "matplotlib")
@@ -227,6 +228,57 @@ def test_the_import_reader_sees_nested_and_relative_imports(tmp_path: Path) -> N
         "psr.runtime.model.OffloadedModel",
         "psr.runtime.speculative",
     ]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` (module -> modules it imports), or [] when none."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        if m in path:
+            return [*path[path.index(m) :], m]
+        if m in done:
+            return []
+        path.append(m)
+        for n in sorted(graph[m]):
+            found = visit(n)
+            if found:
+                return found
+        path.pop()
+        done.add(m)
+        return []
+
+    for m in sorted(graph):
+        found = visit(m)
+        if found:
+            return found
+    return []
+
+
+def test_no_import_circle() -> None:
+    """No module imports, even lazily, one that imports it back (package roots, which
+    only re-export, aside)."""
+    files = {m for m, p in MODULES.items() if p.name != "__init__.py"}
+    graph = {m: IMPORTS[m] & files for m in files}
+    assert _cycle(graph) == []
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# The one name left shared, until the lanes that own both files have merged: the CLI's
+# `psr generate` command and the runtime's generation driver.
+SHARED_NAMES = {"generate.py"}
+
+
+def test_module_names_are_unique() -> None:
+    """A file name says which module it is: no two modules of psr or psr_kernels (package
+    roots aside) share one."""
+    seen: dict[str, list[str]] = {}
+    for m, p in MODULES.items():
+        if p.name != "__init__.py":
+            seen.setdefault(p.name, []).append(m)
+    clashes = {n: ms for n, ms in seen.items() if len(ms) > 1 and n not in SHARED_NAMES}
+    assert not clashes
 
 
 def test_only_the_store_touches_the_extension() -> None:

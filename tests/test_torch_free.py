@@ -45,7 +45,8 @@ import psr.runtime
 import psr.vocab as vocab
 from psr.cache import LogicalCache
 from psr.eval.latency import Profile, simulate
-from psr.eval.report import markdown_table, pct
+from psr.eval.labels import pct
+from psr.eval.report import markdown_table
 from psr.policy import make_policy
 from psr.runtime.trace import Copy, LayerStep, Trace
 

@@ -4,7 +4,7 @@ miss-copy cap per MoE layer from it.
 
 Pure bookkeeping (no torch, no store): the profile is a JSON file beside the operating
 points ($PSR_HOME/machine.json, else the user data folder), written by
-`psr.eval.machine.measure_profile`. A profile records where it was measured (the
+`psr.eval.machine_profile.measure_profile`. A profile records where it was measured (the
 fingerprint: CPU model, cores, threads, GPU name or "none", psr version); read on another
 machine it gives a one-line warning naming that machine, and is still used.
 

@@ -9,9 +9,9 @@ import pytest
 from tiny_models import tiny_model, write_checkpoint, write_tokenizer
 
 from psr.eval.harness import EvalData, RunConfig, compare, run_config
+from psr.eval.labels import pareto
 from psr.eval.quality import chunks, cloze_items, greedy_agreement, paired_bootstrap
 from psr.eval.report import save
-from psr.eval.runs import pareto
 from psr.policy import make_policy
 
 TEXT = (

@@ -13,7 +13,7 @@ from tiny_models import tiny_model, write_checkpoint
 
 import psr
 from psr.eval import modes
-from psr.eval.host_path import measure_host_costs
+from psr.eval.host_probe import measure_host_costs
 from psr.eval.latency import MEASURED_HOST, PROFILES, Profile, simulate
 from psr.runtime.trace import Copy, HostOp, HostSchedule, LayerStep, Trace
 

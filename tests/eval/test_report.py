@@ -10,9 +10,9 @@ from matplotlib.container import ErrorbarContainer
 from matplotlib.text import Text
 
 from psr.eval import plots
+from psr.eval.labels import pareto, short_label
 from psr.eval.plots import frontier_figure, overview_figure
-from psr.eval.report import markdown_table, save, short_label
-from psr.eval.runs import pareto
+from psr.eval.report import markdown_table, save
 
 
 def result(policy, rho, lam=None, n=None, *, ms, miss, d=None, w=0.004, speedup=None):

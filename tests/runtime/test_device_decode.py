@@ -14,7 +14,7 @@ from tiny_models import FAMILIES, tiny_model, write_checkpoint
 
 import psr
 from psr.cache import LogicalCache, prefill_state
-from psr.eval.host_path import HostProbe
+from psr.eval.host_probe import HostProbe
 from psr.runtime.steering import Steering
 from psr_kernels import cache_state as cs
 
@@ -162,7 +162,7 @@ def test_device_step_equals_host_step_on_the_triton_path(ckpts, family, fmt) -> 
 @pytest.mark.parametrize("compute", ["torch", "triton"])
 def test_no_host_read_in_the_moe_path_while_decoding(ckpts, policy, kw, compute) -> None:
     """Every read of device data, and every tensor built from host data, inside the router
-    and experts hooks of decode forwards is counted (psr.eval.host_path); the device step
+    and experts hooks of decode forwards is counted (psr.eval.host_probe); the device step
     makes none. The host step, probed the same way, makes several per layer: the probe
     sees them."""
     path = ckpts["olmoe"]

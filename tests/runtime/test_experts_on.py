@@ -190,7 +190,7 @@ def test_the_triton_device_step_equals_the_host_step(ckpts) -> None:
 def test_the_device_step_hands_cpu_experts_off_without_a_read(ckpts) -> None:
     """The device step with CPU experts reads nothing on the host (no read, no h2d): per
     MoE layer and token one hand-off of the CPU list to the CPU (`cpu`) and one join."""
-    from psr.eval.host_path import HostProbe
+    from psr.eval.host_probe import HostProbe
 
     model = psr.load(ckpts["olmoe"], "psr", RESIDENCY, lam=0.3, n=1, experts_on="cpu",
                      progress=False)  # fmt: skip
@@ -211,7 +211,7 @@ def test_kinds_without_cpu_kernels_read_the_cpu_list_count(ckpts) -> None:
     """gpt-oss's experts (biases, clamped SwiGLU) have no CPU kernel in the hand-off: the
     CPU backend's device step reads the CPU list's count, one read per MoE layer and token
     (the reference it calls reads the ids too), and graphs are refused with the reason."""
-    from psr.eval.host_path import HostProbe
+    from psr.eval.host_probe import HostProbe
     from psr.runtime.graphs import graphs_unavailable
 
     model = psr.load(ckpts["gpt_oss"], "exact", RESIDENCY, experts_on="cpu", progress=False)
@@ -259,7 +259,7 @@ def test_on_cuda_the_hand_off_equals_the_host_step_and_graphs_replay_it(tmp_path
     graphs on replay the same, one capture. (tmp_path only: bench/gpu_tests.py's runner.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from psr.eval.host_path import HostProbe
+    from psr.eval.host_probe import HostProbe
 
     path = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
     kw = dict(lam=0.3, n=1, device="cuda")

@@ -16,7 +16,7 @@ from tiny_models import tiny_model, write_checkpoint
 from torch.overrides import TorchFunctionMode
 
 import psr
-from psr.eval.host_path import READS
+from psr.eval.host_probe import READS
 from psr.runtime.graphs import MAX_GRAPHS, DecodeGraph, bucket
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])

@@ -227,7 +227,7 @@ def test_a_drafter_too_big_for_the_slots_is_refused(ckpt, tmp_path) -> None:
 
 
 def test_speculative_grid_is_drafters_by_block_k_by_lam() -> None:
-    from psr.eval.speculative import default_specs
+    from psr.eval.spec_compare import default_specs
 
     specs = default_specs(8, 4, ("block",), (12, 16), (0.0, 0.1))
     assert [(s.kind, s.block, s.block_k, s.policy.lam) for s in specs] == [

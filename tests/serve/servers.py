@@ -121,8 +121,8 @@ class InProcessServer(_Base):
         import uvicorn
 
         from psr.serve.app import create_app
-        from psr.serve.engine import Engine
         from psr.serve.metrics import Metrics
+        from psr.serve.worker import Engine
 
         self.engine = Engine(loader, max_queue=max_queue, metrics=Metrics(name))
         self.port = free_port()

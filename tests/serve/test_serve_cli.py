@@ -153,7 +153,7 @@ def test_bench_serve_prints_its_table(tmp_path, capsys) -> None:
 
 
 def test_bench_overhead_interval_is_student_t_over_pairs() -> None:
-    from psr.serve.bench import Overhead
+    from psr.serve.overhead import Overhead
 
     one = Overhead.of([0.04])
     assert (one.mean, one.lo, one.hi, str(one)) == (0.04, None, None, "+4.0%")

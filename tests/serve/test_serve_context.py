@@ -9,7 +9,7 @@ import pytest
 from tiny_models import tiny_model, write_checkpoint, write_tokenizer
 
 import psr
-from psr.serve.engine import Engine
+from psr.serve.worker import Engine
 
 
 @pytest.fixture(scope="module")

@@ -42,13 +42,13 @@ def test_bad_grammars_name_the_problem(grammars) -> None:
 
 
 def test_logprobs_and_penalties_keep_one_read_per_token(tmp_path) -> None:
-    """psr.eval.host_path's probe over a decode with logprobs and every penalty: the token
+    """psr.eval.host_probe's probe over a decode with logprobs and every penalty: the token
     loop still reads the device once per token (the token, its logprob and the top ones
     in one read) and the MoE path not at all."""
     from tiny_models import tiny_model, write_checkpoint
 
     import psr
-    from psr.eval.host_path import HostProbe
+    from psr.eval.host_probe import HostProbe
     from psr.serve.decoding import LogprobSink, Penalties, Processors
     from psr.serve.protocol import Sampling
 

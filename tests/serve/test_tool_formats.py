@@ -309,8 +309,8 @@ def test_special_token_markers_stay_in_the_text() -> None:
 
     from psr.serve.app import _marker_is_special
     from psr.serve.chat import Features
-    from psr.serve.engine import Engine
     from psr.serve.protocol import parse_chat
+    from psr.serve.worker import Engine
 
     tok = AutoTokenizer.from_pretrained(DEFAULT_MODEL)
     tok.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})

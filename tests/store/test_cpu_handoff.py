@@ -211,7 +211,7 @@ def test_bench_machine_times_the_hand_off_on_the_store() -> None:
     """psr bench machine's fixed cost on CUDA is the hand-off's (timed through a store);
     the same function runs on the CPU backend: one tiny expert per call, a positive time
     under 50 ms."""
-    from psr.eval.machine import handoff_fixed_time
+    from psr.eval.machine_profile import handoff_fixed_time
 
     t = handoff_fixed_time(5, "cpu")
     assert 0 < t < 0.05

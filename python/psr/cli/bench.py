@@ -75,7 +75,7 @@ def run_machine(args: argparse.Namespace) -> int:
 
     out = writable_file(args.out, "--out") if args.out else mc.profile_path()
     apply_threads(args)
-    from psr.eval.machine import measure_profile, table
+    from psr.eval.machine_profile import measure_profile, table
 
     try:
         base = mc.read_profile(Path(out))

@@ -297,8 +297,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from psr.runtime.chunked import PromptCache
     from psr.serve.app import create_app
-    from psr.serve.engine import Engine
     from psr.serve.metrics import Metrics
+    from psr.serve.worker import Engine
 
     show_progress = progress(args)
     engine = Engine(
@@ -339,7 +339,7 @@ def _log_config() -> dict[str, Any]:
 def run_bench_serve(args: argparse.Namespace) -> int:
     path = _check(args)
     out = writable_file(args.json, "--json") if args.json else None
-    from psr.serve.bench import bench_serve
+    from psr.serve.overhead import bench_serve
 
     model = load_model(path, args, progress(args))
     result = bench_serve(

@@ -154,19 +154,26 @@ def run_config(
     progress: bool = False,
     schedule: HostSchedule | None = None,
     modes_recorded: bool = False,
+    modes_replayed: bool = True,
 ) -> dict[str, Any]:
     """One config: score the windows (teacher forced, decode path: NLL, counts and the
     trace the latency model replays), generate greedily from the prompts, score cloze.
     Modeled latency host-free (`latency`) and, given the configuration's measured decode
     schedule (`measure_schedules`), host-aware too (`latency_host`). `modes_recorded`: a policy
     that `modes.replay` cannot take (biased, or prefetching) scores the windows again in
-    experts_on cpu and hybrid (`record_modes`: `mode_traces`, for the modes table)."""
+    experts_on cpu and hybrid (`record_modes`: `mode_traces`, for the modes table).
+    `modes_replayed=False`: exact routing's window starts are not watched (no input for the
+    modes table's replay; the scores and trace are the same)."""
     model = rc.load(path)
     total = len(data.windows) + len(data.prompts) + len(data.cloze)
     bar = tqdm(total=total, desc=rc.label, leave=False, disable=not progress or total == 0)
     rec = model.record_trace()
     # Exact routing: each window's caches, for the cpu / hybrid replays (eval/modes.py).
-    watch = modes.StartWatch(model) if modes.replayable(rc.policy) and data.windows else None
+    watch = (
+        modes.StartWatch(model)
+        if modes_replayed and modes.replayable(rc.policy) and data.windows
+        else None
+    )
     nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
     starts = None
     if watch is not None:
@@ -280,7 +287,7 @@ def _triton_here() -> bool:
 def _measure_one(path: str, rc: RunConfig, prompt: list[int], decode: str) -> HostSchedule:
     import torch
 
-    from psr.eval.host_path import measure_schedule
+    from psr.eval.host_probe import measure_schedule
 
     model = rc.load(path, compute="triton", decode=decode)
     try:
@@ -292,7 +299,7 @@ def _measure_one(path: str, rc: RunConfig, prompt: list[int], decode: str) -> Ho
 class ScheduleJob:
     """Each configuration's host schedule on psr's deployed GPU path (the Triton kernels,
     `decode` steps; the path a latency profile prices), from a real decode of `prompt`
-    (psr.eval.host_path.measure_schedule), measured once per schedule_key.
+    (psr.eval.host_probe.measure_schedule), measured once per schedule_key.
 
     A process that can run Triton measures them at once. One that cannot (a CPU without
     TRITON_INTERPRET=1) starts one child process that measures them under Triton's

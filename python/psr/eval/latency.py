@@ -9,7 +9,7 @@ compute that read the slot (write-after-read); copies are issued when their laye
 routed (batch 1: routing is on the critical path). The host costs nothing.
 
 Host-aware (`simulate(..., host=True)` on a trace whose `host` schedule was measured from
-a real decode, psr.eval.host_path.measure_schedule): one host thread replays the
+a real decode, psr.eval.host_probe.measure_schedule): one host thread replays the
 schedule's ops in order, each at its profile cost, and GPU work cannot start before the
 host issued it:
   launch   host launch_us (eager) or triton_launch_us; enqueues its GPU work on the
@@ -74,7 +74,7 @@ HOST_FREE = "host-free"
 
 # The host's own Python, measured on this machine with the launches stubbed
 # (bench/results/host_path/host_costs.json, psr's fastest of 3 rounds: `python
-# bench/host_path.py --costs`, psr.eval.host_path.measure_host_costs): the device step's
+# bench/host_path.py --costs`, psr.eval.host_probe.measure_host_costs): the device step's
 # hooks per MoE layer, the model's own Python per decoder layer (transformers' modules and
 # psr's forward wrapper, beyond their launches), the loop per token, and the cache
 # hand-over at a sequence's first decode token. A shared 2-core VM whose small aten op

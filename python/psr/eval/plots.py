@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from psr.eval.defaults import DEFAULT_PROFILES
-from psr.eval.report import has_quality, pct, short_label
-from psr.eval.runs import pareto
+from psr.eval.labels import has_quality, pareto, pct, short_label
 
 # Policy families, their markers and the residency colours shared by every figure.
 FAMILIES = ("exact", "exact-prefetch", "cache-prior", "psr", "other")

@@ -13,36 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from psr.eval.defaults import DEFAULT_PROFILES
+from psr.eval.labels import has_quality, pct
 
 
 def _jsonable_trace(t: Any) -> Any:
     return t.to_json() if hasattr(t, "to_json") else t
-
-
-def pct(rho: float) -> str:
-    """A residency as people write it: 50%, 37.5%."""
-    return f"{rho:.1%}".replace(".0%", "%")
-
-
-def short_label(r: dict[str, Any]) -> str:
-    """'psr λ0.1 n2', 'cache-prior λ0.05', 'exact-prefetch n1', 'exact', 'psr λ0.1 n2 int8'
-    (a quantized expert format is named; the model's own is not)."""
-    c = r["config"]
-    # a steering variant of bench/variants.py is named by it (its baseline is not)
-    v = c.get("variant")
-    parts = [c["policy"] if v in (None, c["policy"]) else str(v)]
-    if c.get("lam") is not None:
-        parts.append(f"λ{c['lam']:g}")
-    if c.get("n") is not None:
-        parts.append(f"n{c['n']:g}")
-    if c.get("expert_format") not in (None, "native"):
-        parts.append(str(c["expert_format"]))
-    return " ".join(parts)
-
-
-def has_quality(results: list[dict[str, Any]]) -> bool:
-    """Some result carries Δ nats/token (what the latency-quality figures need)."""
-    return any("delta_nll" in r for r in results)
 
 
 def has_host_aware(results: list[dict[str, Any]]) -> bool:

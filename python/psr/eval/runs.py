@@ -38,6 +38,7 @@ from psr.eval.harness import (
     run_config,
     schedule_prompt,
 )
+from psr.eval.labels import pareto
 from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
@@ -89,11 +90,12 @@ def run_all(
     progress: bool = True,
     host: bool = False,
     modes_recorded: bool = False,
+    modes_replayed: bool = True,
 ) -> list[dict[str, Any]]:
     """Every configuration through `run_config`, then `compare`. `host`: each one's decode
     schedule measured (measure_schedules) and its latency modeled host-aware too.
-    `modes_recorded`:
-    biased policies' cpu / hybrid traces recorded (run_config), for the modes tables."""
+    `modes_recorded`: biased policies' cpu / hybrid traces recorded (run_config), for the
+    modes tables; `modes_replayed=False`: no input for exact's replayed modes table."""
     # Measured first: in a child process (a CPU without Triton) beside the scoring.
     job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
     results = []
@@ -101,7 +103,13 @@ def run_all(
         for rc in tqdm(configs, desc=desc, disable=not progress):
             results.append(
                 run_config(
-                    path, rc, data, profiles, progress=progress, modes_recorded=modes_recorded
+                    path,
+                    rc,
+                    data,
+                    profiles,
+                    progress=progress,
+                    modes_recorded=modes_recorded,
+                    modes_replayed=modes_replayed,
                 )
             )
     except BaseException:
@@ -158,18 +166,19 @@ def demo(
     psr_rows = [rc for rc in configs if rc.policy.name == "psr"]
     for rc in psr_rows:
         configs.insert(configs.index(rc) + 1, RunConfig(rc.policy, rc.residency, "int8"))
-    results = run_all(path, configs, data, "psr demo", progress=progress, host=True)
+    # The table only: the gpu / cpu / hybrid tables are `psr eval`'s (the demo's time).
+    results = run_all(
+        path, configs, data, "psr demo", progress=progress, host=True, modes_replayed=False
+    )
     extra = {"model": path, "data": describe(data), "operating_points": sources}
-    appendix = modes_appendix(results, DEFAULT_PROFILES)
-    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0}, appendix=appendix)
+    paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
     print(f"psr demo: embedded model ({path})")
     print(f"measured on {describe(data)}")
     print(f"operating points: {'; '.join(sources)}")
     print("latency modeled for an OLMoE-1B-7B-sized expert, host-free and host-aware\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
-    if appendix:
-        print(f"\n{appendix}")
+    print("\nexperts on gpu / cpu / hybrid and the powered figures: psr eval")
     written = ", ".join(str(v) for v in paths.values())
     print(f"\nwrote {written} ({time.time() - t0:.0f} s)")
     return results
@@ -238,21 +247,6 @@ def sweep_configs(
 def within_budget(r: dict[str, Any], budget: float) -> bool:
     """The quality cost's 95% upper bound is at most `budget` nats/token."""
     return r.get("delta_nll", {}).get("hi", float("inf")) <= budget
-
-
-def pareto(points: list[tuple[float, float, Any]]) -> list[Any]:
-    """Items of (latency, loss, item) not dominated (lower is better on both), by latency.
-
-    A point is dropped when another is at most as high on both and strictly lower on one; of
-    exact duplicates only the first given is kept. Points with a non-finite value are ignored.
-    """
-    finite = [p for p in points if math.isfinite(p[0]) and math.isfinite(p[1])]
-    front, best = [], float("inf")
-    for _lat, loss, item in sorted(finite, key=lambda p: (p[0], p[1])):
-        if loss < best:
-            front.append(item)
-            best = loss
-    return front
 
 
 def choose(
@@ -649,7 +643,7 @@ def speculative(
 ) -> list[dict[str, Any]]:
     """Speculative decoding (both drafters, a K_b x lam grid) against the autoregressive
     policies at equal device memory, on held-out set B; writes speculative.{md,json}."""
-    from psr.eval.speculative import compare_speculative, default_specs, markdown
+    from psr.eval.spec_compare import compare_speculative, default_specs, markdown
     from psr.models.loader import load
 
     data = EvalData.from_heldout(

@@ -13,7 +13,7 @@ from psr.cache import Insertion
 from psr.policy import Policy
 from psr.runtime.accounting import Accounting
 from psr.runtime.layer import MoELayer
-from psr.store import ExpertStore
+from psr.store import CopyReason, ExpertStore
 
 
 class HostCaches:
@@ -41,7 +41,7 @@ class HostCaches:
         self,
         layer: MoELayer,
         inserts: list[Insertion],
-        kind: str,
+        reason: CopyReason,
         physical: bool,
         at: tuple[int, int] | None = None,
     ) -> int:
@@ -53,9 +53,9 @@ class HostCaches:
         if rec is not None:
             tiers = self.tiers(layer.index)
             for s, e in zip(slots, experts, strict=True):
-                rec.copy(layer.index, s, e, kind, at, tiers[e])
+                rec.copy(layer.index, s, e, reason.value, at, tiers[e])
         if slots and physical:
-            self.store.enqueue_copies(layer.index, slots, experts)
+            self.store.enqueue_copies(layer.index, slots, experts, reason=reason)
         return len(slots)
 
     def tiers(self, layer: int) -> list[str]:
@@ -85,7 +85,7 @@ class HostCaches:
         rec = self.acct.recorder
         if rec is not None:
             rec.routed(layer.index, routed, r.hits, trace_token, substituted, len(r.cpu))
-        n = self.copy(layer, r.misses, "miss", physical)
+        n = self.copy(layer, r.misses, CopyReason.MISS, physical)
         self.acct.count(
             routed=len(routed),
             hits=r.hits,
@@ -106,6 +106,6 @@ class HostCaches:
         at: tuple[int, int] | None = None,
     ) -> None:
         """Spec `prefetch` of at most `n` ids into `layer`'s cache, mirrored by copies."""
-        k = self.copy(layer, layer.cache.prefetch(predicted, n), "prefetch", physical, at)
+        k = self.copy(layer, layer.cache.prefetch(predicted, n), CopyReason.PREFETCH, physical, at)
         self.acct.count(prefetches=k)
         self.acct.count_copies(k, layer.index)

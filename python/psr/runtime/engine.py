@@ -340,6 +340,12 @@ class OffloadRuntime:
         return self._device.live
 
     @property
+    def step_name(self) -> str:
+        """The step the current (or last) forward took: "prefill", "window", "host",
+        "device", ... (enter_forward picks it)."""
+        return self._step.name
+
+    @property
     def decoding(self) -> bool:
         return bool(self.layers) and all(L.seeded for L in self.layers)
 

@@ -34,7 +34,7 @@ from psr.runtime.context import StepContext
 from psr.runtime.layer import MoELayer
 from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
-from psr.store import ExpertStore
+from psr.store import CopyReason, ExpertStore
 from psr_kernels import NonFiniteError
 
 # One expert's weighted FFN over some tokens: (its row, the tokens' x, its expert id, their
@@ -120,7 +120,7 @@ def _issue(
         if any(reads[j][1] == slot for j in range(at, issued)):
             break  # written after read `at` releases it: issued on a later turn
         if fresh:
-            store.enqueue_copies(layer, [slot], [e])
+            store.enqueue_copies(layer, [slot], [e], reason=CopyReason.PREFILL)
         issued += 1
     return issued
 
@@ -152,7 +152,10 @@ def run_prefill(
 def seed_copies(store: ExpertStore, layer: int, plan: PrefillPlan) -> None:
     """Copy the seeded experts prefill did not stage into their slots."""
     if plan.seed:
-        store.enqueue_copies(layer, [s for s, _ in plan.seed], [e for _, e in plan.seed])
+        seeds = plan.seed
+        store.enqueue_copies(
+            layer, [s for s, _ in seeds], [e for _, e in seeds], reason=CopyReason.PREFILL
+        )
 
 
 class PrefillStep(Step):

@@ -39,7 +39,7 @@ class LayerStep:
     cpu_experts: int = 0
 
 
-# What the host does for one decode step (psr.eval.host_path measures it on a real decode;
+# What the host does for one decode step (psr.eval.host_probe measures it on a real decode;
 # psr.eval.latency replays it on a host thread). Kinds of HostOp, in the order issued:
 HOST_OP_KINDS = (
     "launch",  # a kernel launched on the compute stream (aten op, Triton kernel)
@@ -65,7 +65,7 @@ class HostOp:
 @dataclass
 class HostSchedule:
     """The host's work per decode token, as the decode path issues it (measured, not
-    guessed: psr.eval.host_path.HostProbe.schedule)."""
+    guessed: psr.eval.host_probe.HostProbe.schedule)."""
 
     mode: str  # the decode step that ran: "host" | "device" (issue 20: "graph")
     moe_layer: list[HostOp] = field(default_factory=list)  # a MoE layer that predicts

@@ -36,19 +36,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from psr.serve import anthropic, chat, tools
 from psr.serve.access import Access, AccessMiddleware
 from psr.serve.decoding import GrammarError
-from psr.serve.engine import (
-    Delta,
-    Disconnected,
-    Engine,
-    Event,
-    Failed,
-    Finished,
-    Job,
-    Logprob,
-    NotReady,
-    Params,
-    QueueFull,
-)
 from psr.serve.metrics import CONTENT_TYPE
 from psr.serve.output import THINK_OPEN, Output, merged
 from psr.serve.protocol import (
@@ -61,6 +48,19 @@ from psr.serve.protocol import (
     check_unicode,
     parse_chat,
     parse_completion,
+)
+from psr.serve.worker import (
+    Delta,
+    Disconnected,
+    Engine,
+    Event,
+    Failed,
+    Finished,
+    Job,
+    Logprob,
+    NotReady,
+    Params,
+    QueueFull,
 )
 
 log = logging.getLogger("psr.serve")

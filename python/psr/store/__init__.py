@@ -1,7 +1,7 @@
 """psr.store: the one door to the C++ extension `psr._C` (the only package that imports it).
 
 expert_store  ExpertStore (host rows, device slabs, copies, tiers, the CPU hand-off),
-              LayerSpec, the backend choice, StoreError / CopyError
+              LayerSpec, CopyReason, the backend choice, StoreError / CopyError
 cpu_kernels   the CPU expert kernels: cpu_expert_ffn, cpu_layout, cpu_isas, cpu_triad
 """
 
@@ -17,6 +17,7 @@ from psr.store.cpu_kernels import (
 from psr.store.expert_store import (
     MAX_COPY_RETRIES,
     CopyError,
+    CopyReason,
     ExpertStore,
     LayerSpec,
     Segment,
@@ -32,6 +33,7 @@ __all__ = [
     "CPU_FLOAT_DTYPES",
     "MAX_COPY_RETRIES",
     "CopyError",
+    "CopyReason",
     "ExpertStore",
     "LayerSpec",
     "Segment",

@@ -50,6 +50,7 @@ re-targets while it waits raises StoreError.
 
 from __future__ import annotations
 
+import enum
 import operator
 import os
 import weakref
@@ -71,6 +72,17 @@ MAX_COPY_RETRIES: int = int(_C.max_copy_retries)
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
 _I64 = 1 << 63
+
+
+class CopyReason(enum.StrEnum):
+    """Why a copy is enqueued (`enqueue_copies(..., reason=)`): the caller says so, and
+    the measurement probes (psr.eval.probe) count copies by it, never by who called."""
+
+    MISS = "miss"  # a routed expert the slab did not hold (decode)
+    PREFETCH = "prefetch"  # a predicted expert for a later layer (decode)
+    PREFILL = "prefill"  # prefill staging its experts and seeding the cache
+    DIRECT = "direct"  # asked for outside the runtime's bookkeeping (benchmarks, tools)
+
 
 # --- backends ----------------------------------------------------------------
 
@@ -441,10 +453,20 @@ class ExpertStore:
         )
 
     # --- copies -------------------------------------------------------------
-    def enqueue_copies(self, layer: int, slots: Sequence[int], experts: Sequence[int]) -> None:
-        """Start async copies experts[i] -> slots[i] of `layer` (one batch, validated whole).
+    def enqueue_copies(
+        self,
+        layer: int,
+        slots: Sequence[int],
+        experts: Sequence[int],
+        *,
+        reason: CopyReason = CopyReason.DIRECT,
+    ) -> None:
+        """Start async copies experts[i] -> slots[i] of `layer` (one batch, validated whole),
+        for `reason` (what the probes count them as; the copies do not depend on it).
 
         A slot still held by a reader is written once its last reader releases it."""
+        if not isinstance(reason, CopyReason):
+            raise TypeError(f"enqueue_copies: reason must be a CopyReason, got {reason!r}")
         store = self._live("enqueue_copies")
         store.enqueue_copies(
             self._layer("enqueue_copies", layer),

@@ -1,4 +1,4 @@
-"""psr.eval.host_path: the host's work per decode token, as HostProbe logs it and as the
+"""psr.eval.host_probe: the host's work per decode token, as HostProbe logs it and as the
 HostSchedule the latency model replays. The sync-free step's MoE layer is exactly the
 router GEMV, the fused decode kernel, the join, the miss and prefetch gathers and the two
 FFN kernels on the Triton path; the host-driven step reads, builds host tensors and
@@ -15,9 +15,9 @@ import torch
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
-from psr.eval.host_path import HostProbe, measure_schedule, merge_ops, op_rates
+from psr.eval.host_probe import HostProbe, measure_schedule, merge_ops, op_rates
 from psr.runtime.trace import HostOp, HostSchedule, Trace
-from psr.store import ExpertStore
+from psr.store import CopyReason, ExpertStore
 
 PROMPT = torch.tensor([[5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]])
 EMBEDDED_PROMPT = torch.tensor([[5, 17, 33, 2, 9]])
@@ -79,6 +79,7 @@ def test_device_and_host_schedules_on_the_triton_path(tiny, which) -> None:
     assert sh.mode == "host"
     assert kinds.count("sync") >= 3 and "h2d" in kinds  # mask, ids, prediction reads
     assert "copy" in kinds and kinds.index("wait") < kinds.index("release")
+    assert {o.what for o in sh.moe_layer if o.kind == "copy"} <= {"miss", "prefetch"}
     assert not any(o.kind in ("gather", "join") for o in sh.moe_layer)
 
     # The dense part and the loop do not depend on the decode step, but for the device
@@ -93,6 +94,30 @@ def test_device_and_host_schedules_on_the_triton_path(tiny, which) -> None:
             ("sync", "__int__"),
         ]
         assert "python/psr/runtime/generate.py:" in s.token[-1].what
+
+
+def test_copies_carry_their_reason(tiny, monkeypatch) -> None:
+    """Every store copy the runtime makes says why (CopyReason): the prefill's staging and
+    seeding first, then the host step's misses and prefetches, as many experts of each as
+    the stats count; a reason that is not a CopyReason is refused."""
+    copied: list[tuple[CopyReason, int]] = []
+    inner = ExpertStore.enqueue_copies
+
+    def recording(self, layer, slots, experts, **kw):  # type: ignore[no-untyped-def]
+        copied.append((kw["reason"], len(experts)))
+        return inner(self, layer, slots, experts, **kw)
+
+    model = psr.load(tiny, "psr", 0.5, lam=0.0, n=2, decode="host", progress=False)
+    monkeypatch.setattr(ExpertStore, "enqueue_copies", recording)
+    model.generate(PROMPT, max_new_tokens=4)
+    reasons = [r for r, _ in copied]
+    first = next(i for i, r in enumerate(reasons) if r != CopyReason.PREFILL)
+    assert first > 0 and set(reasons[first:]) == {CopyReason.MISS, CopyReason.PREFETCH}
+    stats = model.stats.report()
+    for reason, key in ((CopyReason.MISS, "misses"), (CopyReason.PREFETCH, "prefetches")):
+        assert sum(n for r, n in copied if r == reason) == stats[key] > 0
+    with pytest.raises(TypeError, match="reason must be a CopyReason, got 'miss'"):
+        inner(model.runtime.store, 0, [0], [0], reason="miss")  # type: ignore[arg-type]
 
 
 def test_torch_path_counts_and_probe_cleanup(tiny) -> None:

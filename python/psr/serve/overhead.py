@@ -454,7 +454,7 @@ def _local_server(
     import uvicorn
 
     from psr.serve.app import create_app
-    from psr.serve.engine import Engine
+    from psr.serve.worker import Engine
 
     engine = Engine(lambda: model, max_queue=requests)
     port = _free_port()
@@ -487,7 +487,7 @@ class _Clients:
     prompts to send at once), one out (their Run)."""
 
     def __init__(self, url: str, max_tokens: int) -> None:
-        code = "from psr.serve.bench import client_main; client_main()"
+        code = "from psr.serve.overhead import client_main; client_main()"
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, url, str(max_tokens)],
             stdin=subprocess.PIPE,

@@ -15,7 +15,8 @@ Each cell counts, and logs as `HostOp`s (psr.runtime.trace.HOST_OP_KINDS):
             GPU copy synchronously from pageable memory;
   launches  device work launched: aten ops that are not views or allocations (a
             TorchDispatchMode), Triton kernel launches;
-  store     the expert store's calls: "copy" (enqueue_copies: "miss" or "prefetch"),
+  store     the expert store's calls: "copy" (enqueue_copies: its CopyReason, "miss" or
+            "prefetch" in a decode forward),
             "wait" (acquire), "release", "gather" (its stream "compute" or "side"; a
             launch on CUDA, counted in `kernels`), "join", "cpu" (cpu_experts: the
             CPU list handed to the CPU) and "cpu_join".
@@ -32,7 +33,6 @@ probe's own modes would inflate it).
 from __future__ import annotations
 
 import functools
-import sys
 import time
 import traceback
 from collections import Counter
@@ -66,7 +66,7 @@ _NOT_LAUNCHES = frozenset(
     }
 )
 STORE_KINDS = ("copy", "wait", "release", "gather", "join", "cpu", "cpu_join")
-# ExpertStore method -> HostOp kind (methods absent from an older store are skipped).
+# ExpertStore method -> HostOp kind.
 _STORE_METHODS = {
     "enqueue_copies": "copy",
     "acquire": "wait",
@@ -76,10 +76,7 @@ _STORE_METHODS = {
     "cpu_experts": "cpu",
     "cpu_join": "cpu_join",
 }
-# Callers whose copies are misses / prefetches (this runtime's and the pre-rebuild one's).
-_MISS_CALLERS = frozenset({"use", "_use"})
-_PREFETCH_CALLERS = frozenset({"prefetch", "_insert_prefetch"})
-_SKIP_FILES = frozenset({"host_path.py", "contextlib.py", "functools.py"})
+_SKIP_FILES = frozenset({"host_probe.py", "contextlib.py", "functools.py"})
 
 
 def _replace_forward(hf: Any, forward: Any, undo: list[Any]) -> None:
@@ -159,18 +156,6 @@ def _where() -> str:
         elif site.startswith("python/psr/") or site.startswith("psr/"):
             return f"{inner} < {here}"
     return inner or "?"
-
-
-def _copy_kind() -> str:
-    """'miss' or 'prefetch': which bookkeeping call issued the store copy being made."""
-    f = sys._getframe(2)
-    while f is not None:
-        if f.f_code.co_name in _MISS_CALLERS:
-            return "miss"
-        if f.f_code.co_name in _PREFETCH_CALLERS:
-            return "prefetch"
-        f = f.f_back  # type: ignore[assignment]
-    return ""
 
 
 class _Reads(TorchFunctionMode):
@@ -334,8 +319,7 @@ class HostProbe:
                     self.steps.append(fwd.layers)
                     self.dense.append(fwd.dense)
                     self.token.append(fwd.token)
-                    # The pre-rebuild runtime has one step: the host-driven one.
-                    self.modes.append(getattr(getattr(self.rt, "_step", None), "name", "host"))
+                    self.modes.append(self.rt.step_name)
 
         _replace_forward(hf, forward, self._undo)
 
@@ -360,7 +344,7 @@ class HostProbe:
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
 
-        from psr.store import ExpertStore
+        from psr.store import CopyReason, ExpertStore
 
         def launch(fn: Any, cur: LayerCounts, args: Any, kwargs: Any) -> None:
             name = getattr(getattr(fn, "fn", fn), "__name__", "triton")
@@ -377,8 +361,10 @@ class HostProbe:
                             "gather", "prefetch" if side else "miss", "side" if side else "compute"
                         )
                     )
+                elif kind == "copy":  # the reason the caller gave (CopyReason)
+                    cur.events.append(HostOp(kind, kwargs.get("reason", CopyReason.DIRECT).value))
                 else:
-                    cur.events.append(HostOp(kind, _copy_kind() if kind == "copy" else ""))
+                    cur.events.append(HostOp(kind, ""))
 
             return count
 
@@ -386,8 +372,7 @@ class HostProbe:
             self._patch_class(JITFunction, "run", launch)
             self._patch_class(InterpretedFunction, "run", launch)
             for method, kind in _STORE_METHODS.items():
-                if hasattr(ExpertStore, method):
-                    self._patch_class(ExpertStore, method, store_op(kind))
+                self._patch_class(ExpertStore, method, store_op(kind))
             self._hook("route")
             self._hook("experts")
             self._wrap_forward()
