@@ -235,7 +235,9 @@ def test_state_and_arguments_are_checked() -> None:
         cs.cache_use(state, lo, 0, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match=r"n=2 must be an int in \[0, 1\]"):
         cs.cache_prefetch(state, lo, 0, torch.tensor([0, 1]), 2)
-    with pytest.raises(ValueError, match="need top_k=5 <= num_slots=4"):
-        cs.CacheLayout(16, 4, 5, 1)
+    with pytest.raises(ValueError, match="need 0 <= num_slots=17 <= num_experts=16"):
+        cs.CacheLayout(16, 17, 5, 1)
+    with pytest.raises(ValueError, match="num_slots must be an int >= 0, got -1"):
+        cs.CacheLayout(16, -1, 5, 1)
     with pytest.raises(ValueError, match=r"capacity 1 must be in \[top_k=2, num_slots=4\]"):
         cs.reset_layer(state, lo, 0, 1, [], {}, [])
