@@ -125,7 +125,7 @@ def test_switching_slots_and_placement(ckpt) -> None:
     assert model.experts_on == "cpu"
     model.configure("exact", slots=2)
     model.set_experts_on("gpu")
-    with pytest.raises(ValueError, match="fewer than top_k=2.*experts_on='cpu'"):
+    with pytest.raises(ValueError, match=r"fewer than top_k=2.*experts_on='cpu'"):
         model.configure("exact", slots=1)
 
 
