@@ -3,8 +3,8 @@ experts the slab cannot hold are computed on the CPU from the host rows, so any 
 down to none is allowed (C = 0: llama.cpp's --cpu-moe). On the tiny OLMoE (8 experts,
 top-2): C in {0, 1 = k - 1} with cpu and hybrid, both decode steps equal in tokens, logits
 and counts and reproducible under copy delays; C = 0 is exact routing computed on the CPU
-(equal to exact routing at any C up to rounding, and to transformers' own model); bad
-input refused in one line."""
+(equal to exact routing at any C up to rounding, and to transformers' own model); the
+Triton path's steps equal too; bad input refused in one line."""
 
 from __future__ import annotations
 
@@ -31,11 +31,14 @@ def ckpt(tmp_path_factory, tiny) -> Path:
     return write_checkpoint(tiny, tmp_path_factory.mktemp("slab0") / "olmoe")
 
 
-def _run(path: Path, policy: str, slots: int, experts_on: str, decode: str = "device", **kw):
+def _run(
+    path: Path, policy: str, slots: int, experts_on: str, decode: str = "device", new: int = NEW,
+    **kw,
+):  # fmt: skip
     model = psr.load(
         path, policy, slots=slots, decode=decode, experts_on=experts_on, progress=False, **kw
     )
-    tokens = model.generate(PROMPT, max_new_tokens=NEW)
+    tokens = model.generate(PROMPT, max_new_tokens=new)
     logits = model.decode_logits(tokens, PROMPT.shape[1])
     s = model.stats
     return tokens[0].tolist(), logits, {k: s[k] for k in COUNTS}, model
@@ -65,6 +68,17 @@ def test_steps_agree_and_reproduce_under_copy_delays(ckpt, monkeypatch, slots, m
         got = _run(ckpt, policy, slots, mode, decode, **kw)
         assert got[0] == base[0] and got[2] == base[2], decode
         assert torch.equal(got[1], base[1]), decode  # bit-identical
+
+
+@pytest.mark.parametrize(("slots", "mode", "policy", "kw"), [CASES[0], CASES[4]], ids=str)
+def test_triton_path_steps_agree(ckpt, slots, mode, policy, kw) -> None:
+    """The Triton kernels (the interpreter here): the fused decode kernel's capped `use` on
+    a slab of 0 / 1 rows, and the slab FFN through the device slot map, against the host
+    step."""
+    dev = _run(ckpt, policy, slots, mode, "device", 3, compute="triton", **kw)
+    host = _run(ckpt, policy, slots, mode, "host", 3, compute="triton", **kw)
+    assert dev[0] == host[0] and dev[2] == host[2] and torch.equal(dev[1], host[1])
+    assert dev[2]["cpu_experts"] > 0
 
 
 def test_the_logical_cache_holds_at_most_c_ids_and_no_routed_id_is_evicted(ckpt) -> None:
