@@ -50,8 +50,8 @@ Store::Store(std::vector<LayerSpec> layers, std::string dtype, int64_t itemsize,
     std::ostringstream err;
     if (s.num_experts <= 0)
       err << "layer " << i << ": num_experts must be positive, got " << s.num_experts;
-    else if (s.num_slots <= 0 || s.num_slots > s.num_experts)
-      err << "layer " << i << ": num_slots must be in [1, num_experts=" << s.num_experts
+    else if (s.num_slots < 0 || s.num_slots > s.num_experts)
+      err << "layer " << i << ": num_slots must be in [0, num_experts=" << s.num_experts
           << "], got " << s.num_slots;
     else if (s.expert_bytes <= 0 || s.expert_bytes % itemsize_ != 0)
       err << "layer " << i << ": expert_bytes must be a positive multiple of the itemsize "
@@ -80,7 +80,10 @@ Store::Store(std::vector<LayerSpec> layers, std::string dtype, int64_t itemsize,
     // A layer with no held rows still gets a (tiny) buffer: its view is [0, expert_bytes].
     L.host = std::shared_ptr<void>(b->alloc_host(std::max<size_t>(host_bytes, 64)),
                                    [b](void* p) { b->free_host(p); });
-    L.slab = std::shared_ptr<void>(b->alloc_slab(slab_bytes), [b](void* p) { b->free_slab(p); });
+    // No slots (experts_on cpu: every expert computed from the host rows) still gets a
+    // (tiny) buffer, so the [0, expert_bytes] view has an address.
+    L.slab = std::shared_ptr<void>(b->alloc_slab(std::max<size_t>(slab_bytes, 64)),
+                                   [b](void* p) { b->free_slab(p); });
     L.host_device = b->device_address(L.host.get());
     L.registered.assign(static_cast<size_t>(L.spec.num_experts), false);
     L.slots.assign(static_cast<size_t>(L.spec.num_slots), Slot{});

@@ -94,12 +94,13 @@ class CacheLayout:
     def __post_init__(self) -> None:
         E, S, k, n = self.num_experts, self.num_slots, self.top_k, self.max_prefetch
         for name, v in (("num_experts", E), ("num_slots", S), ("top_k", k)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"CacheLayout: {name} must be an int >= 1, got {v!r}")
+            least = 0 if name == "num_slots" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"CacheLayout: {name} must be an int >= {least}, got {v!r}")
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"CacheLayout: max_prefetch must be an int >= 0, got {n!r}")
-        if not k <= S <= E:
-            raise ValueError(f"CacheLayout: need top_k={k} <= num_slots={S} <= num_experts={E}")
+        if not 0 <= S <= E:  # S < k: experts_on cpu / hybrid (capped `use`) only
+            raise ValueError(f"CacheLayout: need 0 <= num_slots={S} <= num_experts={E}")
         if n > S:
             raise ValueError(f"CacheLayout: max_prefetch={n} exceeds num_slots={S}")
 
@@ -176,8 +177,13 @@ def reset_layer(
     copy."""
     lo = layout
     E, S = lo.num_experts, lo.num_slots
-    if not lo.top_k <= capacity <= S:
-        raise ValueError(f"capacity {capacity} must be in [top_k={lo.top_k}, num_slots={S}]")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 <= capacity <= S:
+        raise ValueError(f"capacity {capacity!r} must be an int in [0, num_slots={S}]")
+    if capacity < lo.top_k and inserts is None:
+        raise ValueError(
+            f"capacity {capacity} must be in [top_k={lo.top_k}, num_slots={S}] without a "
+            "miss-copy cap (inserts=)"
+        )
     if len(order) > capacity or len(set(order)) != len(order) or set(order) != set(slot_of):
         raise ValueError(f"cache order {list(order)} does not match slot map {slot_of}")
     if len(slot_expert) > S:
@@ -292,7 +298,8 @@ def cache_use_step(
 ):
     """Spec `use` on one layer's row (the module docstring's state); misses one at a time,
     lowest id first, each a free place (lowest unowned slot) or the eviction of the least
-    recent member not routed now; past the row's miss-copy cap (`INSERTS`) a miss is not
+    recent member not routed now; past the row's miss-copy cap (`INSERTS`, and at most
+    capacity - hits: a capacity below top_k never evicts a routed id) a miss is not
     inserted but listed for the CPU. CAPPED False (experts_on "gpu", cap top_k): the cap
     is not read, the CPU list, its count and the cpu experts counter not written."""
     cols = tl.arange(0, BLOCK_E)
@@ -316,6 +323,8 @@ def cache_use_step(
 
     n_routed = tl.sum(routed.to(tl.int32), axis=0)
     hits = tl.sum((routed & member).to(tl.int32), axis=0)
+    if CAPPED:  # at most capacity - hits: the free places and the members not routed now
+        inserts = tl.minimum(inserts, capacity - hits)
     used = tl.sum((routed & pending).to(tl.int32), axis=0)
     pending = pending & ~routed
     size = tl.sum(member.to(tl.int32), axis=0)

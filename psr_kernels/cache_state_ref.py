@@ -13,7 +13,7 @@ and every operation hands out fresh clock values, so stamps of members are disti
 "least recent" is the member with the smallest stamp.
 
 Both run once per MoE layer and decode token on the CPU, where every tensor op costs a
-few microseconds, so they are written in few, cheap ops (31 for `use`, 9 more with the
+few microseconds, so they are written in few, cheap ops (31 for `use`, 12 more with the
 miss-copy cap, `capped=True`; 12 + 16 per id for `prefetch`; a formulation with dense one-hot
 masks took 109 and 27 + 52 per id):
   - Where an id goes is one ordering of the slots, the "place key": a free slot (among
@@ -187,6 +187,12 @@ def _place_key(r: _Row, c: _Consts) -> torch.Tensor:
     return key
 
 
+def _padded(t: torch.Tensor, fill: torch.Tensor, n: int) -> torch.Tensor:
+    """`t` ([S]) extended to at least `n` entries with `fill` ([1]); itself when S >= n (the
+    layout decides: a slab smaller than top_k, experts_on cpu / hybrid)."""
+    return t if t.shape[0] >= n else torch.cat([t, fill.expand(n - t.shape[0])])
+
+
 def cache_use_ref(
     state: torch.Tensor,
     layout: CacheLayout,
@@ -224,9 +230,13 @@ def cache_use_ref(
     key = _place_key(r, c)
     key.index_put_((cols[_SLOT_OF],), c.big)  # a miss's slot_of -1: the scratch cell
     # The K first places, in order (keys are distinct but _BIG ones, which no miss takes).
-    place_key, place = torch.topk(key[:S], K, largest=False)
+    # A slab of S < K slots is padded with non-places (slot -1: never a valid row's).
+    place_key, place = torch.topk(_padded(key[:S], c.big, K), K, largest=False)
+    slot_expert = _padded(r.slot_expert, c.no_miss, K)
     if capped:  # the first `inserts` misses are inserted, the others listed for the CPU
-        n_ins = torch.minimum(n_miss, r.header[INSERTS : INSERTS + 1])
+        # At most capacity - hits: the free places and the members not routed now.
+        room = r.header[CAPACITY : CAPACITY + 1] - hits_used[:1]
+        n_ins = torch.minimum(n_miss, torch.minimum(r.header[INSERTS : INSERTS + 1], room))
         n_cpu = n_miss - n_ins
         at_cpu = (c.miss_rows + n_ins).clamp_(max=K - 1)
         r.cpu_list.copy_(torch.where(c.miss_rows < n_cpu, miss.index_select(0, at_cpu), c.no_miss))
@@ -234,7 +244,7 @@ def cache_use_ref(
         n_ins = n_miss
     valid = c.miss_rows < n_ins  # rows with an inserted miss
     evict = valid & (place_key >= 0)  # ... into a member's place
-    victim = r.slot_expert.index_select(0, place)
+    victim = slot_expert.index_select(0, place)
     # Every change in one write, by miss row; a row without a miss, or into a free place,
     # sends the writes it must not make to the scratch cell:
     #   the evicted member: member 0, pending 0, slot_of -1;

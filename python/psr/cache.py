@@ -41,9 +41,9 @@ class LogicalCache:
     _pending_prefetch: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.capacity <= self.num_experts:
+        if not 0 <= self.capacity <= self.num_experts:
             raise ValueError(
-                f"cache capacity {self.capacity} must be in [1, num_experts={self.num_experts}]"
+                f"cache capacity {self.capacity} must be in [0, num_experts={self.num_experts}]"
             )
 
     # --- queries ---------------------------------------------------------------
@@ -72,21 +72,27 @@ class LogicalCache:
                 del self._order[e]
                 self._pending_prefetch.discard(e)
                 return e
-        raise RuntimeError("logical cache: every resident id is protected")  # k <= C forbids
+        # `use` inserts at most capacity - hits ids, so a victim always exists.
+        raise RuntimeError("logical cache: every resident id is protected")
 
     def use(self, routed: Sequence[int], max_inserts: int | None = None) -> UseResult:
         """Spec `use`: insert missing ids (ascending), evicting the least recent id not
         routed now; then routed ids become most recent, a lower id more recent.
 
         `max_inserts` (None: unlimited, the spec's `use`) caps the insertions: the
-        `max_inserts` lowest missing ids are inserted as the spec inserts them, the other
-        misses are returned in `cpu` (not inserted, not members: computed on the CPU);
-        recency then moves the members among `routed` only."""
+        min(`max_inserts`, capacity - hits) lowest missing ids are inserted as the spec
+        inserts them (capacity - hits: the free places plus the members not routed now, so
+        a capacity below the routed count never evicts a routed id; at capacity >= k it
+        never binds), the other misses are returned in `cpu` (not inserted, not members:
+        computed on the CPU); recency then moves the members among `routed` only."""
         routed_set = set(routed)
         if len(routed_set) != len(routed):
             raise ValueError(f"routed ids must be distinct, got {list(routed)}")
-        if len(routed_set) > self.capacity:
-            raise ValueError(f"{len(routed_set)} routed ids exceed the capacity {self.capacity}")
+        if max_inserts is None and len(routed_set) > self.capacity:
+            raise ValueError(
+                f"{len(routed_set)} routed ids exceed the capacity {self.capacity} "
+                "(an uncapped use inserts them all)"
+            )
         if max_inserts is not None and (
             isinstance(max_inserts, bool) or not isinstance(max_inserts, int) or max_inserts < 0
         ):
@@ -95,7 +101,7 @@ class LogicalCache:
         used = len(routed_set & self._pending_prefetch)
         self._pending_prefetch -= routed_set
         missing = sorted(routed_set - self._order.keys())
-        cut = len(missing) if max_inserts is None else max_inserts
+        cut = len(missing) if max_inserts is None else min(max_inserts, self.capacity - hits)
         misses = []
         for e in missing[:cut]:
             misses.append(Insertion(e, self._evict_lru(routed_set)))

@@ -74,8 +74,8 @@ def test_prefill_state_recency_then_count_then_id() -> None:
 
 
 def test_bad_capacity_and_routing() -> None:
-    with pytest.raises(ValueError, match="capacity 0"):
-        LogicalCache(capacity=0, num_experts=4)
+    with pytest.raises(ValueError, match=r"capacity -1 must be in \[0, num_experts=4\]"):
+        LogicalCache(capacity=-1, num_experts=4)
     with pytest.raises(ValueError, match="capacity 5"):
         LogicalCache(capacity=5, num_experts=4)
     c = LogicalCache(capacity=2, num_experts=4)

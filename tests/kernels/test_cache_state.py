@@ -3,7 +3,8 @@ references, psr.cache.LogicalCache + psr.runtime.slots.SlotMap: every cache orde
 pending prefetch, counter and copy list equal after every operation, on long random
 streams over many (E, C, k, n), C = k, C = E, n = 0 and n = C, slabs with more slots than
 the capacity, and caches that start part empty; and with a miss-copy cap (experts_on cpu /
-hybrid: at most m misses inserted, the others in the CPU list). The torch reference runs the long
+hybrid: at most m misses inserted, the others in the CPU list), slabs smaller than top-k (C in
+0, 1, k - 1). The torch reference runs the long
 streams; the Triton kernel (interpreter here) runs shorter ones against it. Uncapped streams run
 `use` with capped=False (experts_on gpu: the cap's code skipped) beside a twin with capped=True:
 the states stay bit-identical."""
@@ -222,6 +223,45 @@ def test_capped_use_kernel_equals_reference_and_logical_cache(cap: int) -> None:
     _run(E, C, S, k, n, C, steps=8, seed=_seed("cap-kernel", cap), kernel=True, cap=cap)
 
 
+# A slab smaller than top-k (experts_on cpu / hybrid): C = 0 (no cache), C = 1, C = k - 1,
+# a slab with more slots than the capacity; caps 0, 1 and k (hybrid's cap at its largest:
+# then capacity - hits bounds the insertions).
+SMALL_SHAPES = [(8, 0, 0, 2, 0), (8, 1, 1, 2, 1), (16, 2, 3, 3, 1), (64, 7, 9, 8, 2)]
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "E{}-C{}-S{}-k{}-n{}".format(*s))
+@pytest.mark.parametrize("cap", [0, 1, "k"])
+@pytest.mark.parametrize("fill", ["full", "empty"])
+def test_slab_below_top_k_reference_equals_logical_cache(shape, cap, fill: str) -> None:
+    E, C, S, k, n = shape
+    m = k if cap == "k" else cap
+    start = C if fill == "full" else 0
+    _run(E, C, S, k, n, start, steps=200, seed=_seed("small", shape, cap, fill), kernel=False,
+         cap=m)  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES[:3], ids=lambda s: "E{}-C{}-S{}-k{}-n{}".format(*s))
+def test_slab_below_top_k_kernel_equals_reference(shape) -> None:
+    E, C, S, k, n = shape
+    _run(E, C, S, k, n, C, steps=8, seed=_seed("small-kernel", shape), kernel=True, cap=k)
+
+
+def test_slab_below_top_k_never_evicts_a_routed_id() -> None:
+    """capacity - hits bounds the insertions: with C = 1 holding a routed id, no miss is
+    inserted (it would have to evict it); with C = 1 holding another id, one is."""
+    c = LogicalCache(1, 8)
+    c.reset([3])
+    r = c.use([3, 5], max_inserts=2)
+    assert (r.hits, [m.expert for m in r.misses], r.cpu, c.order()) == (1, [], [5], [3])
+    r = c.use([1, 6], max_inserts=2)
+    assert ([(m.expert, m.evicted) for m in r.misses], r.cpu, c.order()) == ([(1, 3)], [6], [1])
+    empty = LogicalCache(0, 8)
+    r = empty.use([2, 4], max_inserts=2)
+    assert (r.hits, r.misses, r.cpu, empty.order()) == (0, [], [2, 4], [])
+    with pytest.raises(ValueError, match=r"exceed the capacity 0 \(an uncapped use"):
+        empty.use([2, 4])
+
+
 def test_state_and_arguments_are_checked() -> None:
     lo = cs.CacheLayout(16, 4, 2, 1)
     state = cs.new_state(2, lo, "cpu")
@@ -235,7 +275,12 @@ def test_state_and_arguments_are_checked() -> None:
         cs.cache_use(state, lo, 0, torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match=r"n=2 must be an int in \[0, 1\]"):
         cs.cache_prefetch(state, lo, 0, torch.tensor([0, 1]), 2)
-    with pytest.raises(ValueError, match="need top_k=5 <= num_slots=4"):
-        cs.CacheLayout(16, 4, 5, 1)
+    with pytest.raises(ValueError, match="need 0 <= num_slots=17 <= num_experts=16"):
+        cs.CacheLayout(16, 17, 5, 1)
+    with pytest.raises(ValueError, match="num_slots must be an int >= 0, got -1"):
+        cs.CacheLayout(16, -1, 5, 1)
+    small = cs.CacheLayout(16, 1, 2, 1)
+    with pytest.raises(ValueError, match=r"capacity 1 must be in \[top_k=2, num_slots=1\] with"):
+        cs.reset_layer(cs.new_state(1, small, "cpu"), small, 0, 1, [], {}, [])
     with pytest.raises(ValueError, match=r"capacity 1 must be in \[top_k=2, num_slots=4\]"):
         cs.reset_layer(state, lo, 0, 1, [], {}, [])

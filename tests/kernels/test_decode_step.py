@@ -96,6 +96,34 @@ def test_kernel_equals_reference(case, capped: bool) -> None:
     assert int(state[1, cpu_experts]) == (misses if capped else 0)
 
 
+@pytest.mark.parametrize("C", [0, 1, 3])
+def test_kernel_equals_reference_with_a_slab_below_top_k(C: int) -> None:
+    """C < k = 4 (experts_on cpu / hybrid, cap k: capacity - hits bounds the insertions):
+    the fused step and its reference agree on ids, weights and every state bit, and the
+    misses the slab cannot take reach the CPU list."""
+    spec, n, logits, args = _problem(CASES[0], seed=6)
+    n = min(n, C)
+    layout = cs.CacheLayout(E, C, spec.top_k, n)
+    state = cs.new_state(3, layout, "cpu")
+    for layer in range(3):
+        order = list(range(layer, layer + C))
+        cs.reset_layer(state, layout, layer, C, order, {e: s for s, e in enumerate(order)},
+                       order, inserts=spec.top_k)  # fmt: skip
+    twin = state.clone()
+    for step in range(3):
+        kw = dict(args, n=n, out_dtype=logits.dtype) if n else dict(bias=args["bias"])
+        w, ids = decode_step(logits, spec, state, layout, 1, capped=True, **kw)
+        w_ref, ids_ref = decode_step_ref(logits, spec, twin, layout, 1, capped=True, **kw)
+        assert torch.equal(ids, ids_ref)
+        torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+        assert torch.equal(state, twin), f"state differs after step {step}"
+        assert len(cs.cache_order(state, layout, 1)) <= C
+        logits = logits.roll(step + 1, dims=1)
+    hdr = layout.header + cs.COUNTS
+    misses, cpu = int(state[1, hdr + cs.MISSES]), int(state[1, hdr + cs.CPU_EXPERTS])
+    assert cpu >= 3 * (spec.top_k - C) and (C > 0 or cpu == misses == 3 * spec.top_k)
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-g{c[2]}-k{c[4]}-n{c[5]}-{c[7]}")
 def test_reference_equals_the_host_driven_step(case) -> None:
     """What the host path does per layer: route with the cache as a host mask, `use`,

@@ -317,7 +317,7 @@ def test_register_size_and_dtype_mismatch() -> None:
 
 
 def test_bad_layer_specs_and_allocation_failure() -> None:
-    with pytest.raises(ValueError, match=r"num_slots must be in \[1, num_experts=4\], got 5"):
+    with pytest.raises(ValueError, match=r"num_slots must be in \[0, num_experts=4\], got 5"):
         psr.ExpertStore([(4, 5, 8)], torch.float32, backend="cpu")
     with pytest.raises(ValueError, match="num_experts must be positive"):
         psr.ExpertStore([(0, 0, 8)], torch.float32, backend="cpu")

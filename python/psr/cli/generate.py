@@ -112,8 +112,9 @@ POLICY_FLAGS: dict[str, dict[str, Any]] = {
         type=fraction, help="fraction of each layer's experts with a device slot, in (0, 1]"
     ),
     "slots": dict(
-        type=positive_int,
-        help="slots per layer, overriding --residency (default: from --residency)",
+        type=nonnegative_int,
+        help="slots per layer, overriding --residency (default: from --residency); below "
+        "top_k, down to 0, with --experts-on cpu / hybrid",
     ),
     "lam": dict(
         type=nonnegative_float,

@@ -140,7 +140,7 @@ def offload(
         raise RuntimeError(f"{type(hf_model).__name__} is already offloaded by psr")
     spec = moe_spec(hf_model.config)
     pol = cfg.make_policy()
-    C = resolve_capacity(spec, pol, cfg.residency, cfg.slots)
+    C = resolve_capacity(spec, pol, cfg.residency, cfg.slots, experts_on=cfg.placement[0])
     moe_idx, fam = moe_layer_indices(hf_model), model_family(hf_model)
     modules = [block_of(hf_model, d).get_submodule("experts") for d in moe_idx]
     dtype = expert_parts(modules[0], 0, fam)[0].dtype

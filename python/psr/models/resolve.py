@@ -130,7 +130,8 @@ def resolve(path: str | Path, ckpt: Any, cfg: LoadConfig) -> Resolved:
     gguf = is_gguf(path)
     config, method = _hf_config(path, ckpt, gguf)
     spec = moe_spec(config)
-    C = resolve_capacity(spec, cfg.make_policy(), cfg.residency, cfg.slots)
+    on = cfg.placement[0]  # cpu / hybrid take a slab smaller than top_k
+    C = resolve_capacity(spec, cfg.make_policy(), cfg.residency, cfg.slots, experts_on=on)
     # cache-prior / psr without lam and n: the model's tuned operating point, if any.
     pol, pol_source = resolve_policy(
         cfg.policy,
@@ -140,7 +141,7 @@ def resolve(path: str | Path, ckpt: Any, cfg: LoadConfig) -> Resolved:
         residency=C / spec.num_experts,
         quality_budget=cfg.quality_budget,
     )
-    resolve_capacity(spec, pol, cfg.residency, cfg.slots)  # the tuned n must fit too
+    resolve_capacity(spec, pol, cfg.residency, cfg.slots, experts_on=on)  # the tuned n too
     dt = resolve_dtype(cfg.dtype, _config_dtype(config))
     dev = resolve_device(cfg.device)
     fmt, quant_cache = pk.RowFormat.parse(cfg.store_format), cfg.quant_cache

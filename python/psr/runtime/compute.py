@@ -86,6 +86,8 @@ class ExpertCompute:
         checks before (skip them); `bias`: the routed experts' biases `[T, k, 2F + H]`;
         `skip_absent`: experts the table maps to -1 (computed on the CPU) add nothing."""
         c = self.spec
+        if skip_absent and slab.shape[0] == 0:  # no slots (experts_on cpu): all absent
+            return torch.zeros_like(x)
         if self._on_cpu_kernels(x, slab):  # compiled too: as a custom op (store_ops)
             return store_ops.cpu_kernels_ffn(
                 x,

@@ -171,6 +171,11 @@ class OffloadRuntime:
     def set_placement(self, placement: ExpertPlacement) -> None:
         """`set_experts_on` with the placement object; the next forward starts a new
         sequence."""
+        if not placement.capped and self.capacity < self.spec.top_k:
+            raise ValueError(
+                f"experts_on={placement.name!r} needs at least top_k={self.spec.top_k} slots per "
+                f"layer, not {self.capacity}: use experts_on='cpu' / 'hybrid' (or more slots)"
+            )
         if placement.capped and self.block_k is not None:
             raise ValueError(f"experts_on={placement.name!r} does not support speculative decoding")
         if placement.capped:
@@ -201,7 +206,9 @@ class OffloadRuntime:
     def configure(self, policy: Policy, residency: float | None, slots: int | None) -> None:
         """Switch policy and slots per layer (at most the store's); the next forward starts
         a new sequence. Slot contents carry over physically, never logically."""
-        capacity = resolve_capacity(self.spec, policy, residency, slots, self.max_capacity)
+        capacity = resolve_capacity(
+            self.spec, policy, residency, slots, self.max_capacity, self.experts_on
+        )
         self._forget_sequence()  # the device caches hand back what the slots hold
         self.store.synchronize()
         self.policy, self.capacity = policy, capacity

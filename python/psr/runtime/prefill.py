@@ -102,6 +102,13 @@ def plan_prefill(
     return PrefillPlan(reads, seed, state)
 
 
+def reads_host(rt: StepContext, layer: MoELayer) -> bool:
+    """Whether prefill reads `layer`'s experts from the host rows: the CPU backend's, and any
+    layer without slots to stage through (experts_on cpu with no slab: on CUDA each expert's
+    row then goes to the device once per chunk, outside the store's copy counts)."""
+    return rt.prefill_reads == "host" or layer.slots.capacity == 0
+
+
 def row_ffn(rt: StepContext, layer: MoELayer) -> RowFFN:
     """`layer`'s experts one at a time from their rows, with their biases where they have
     them (prefill and scored windows)."""
@@ -180,7 +187,7 @@ class PrefillStep(Step):
     ) -> torch.Tensor:
         rt = self.rt
         final = not rt.prefill_more
-        if rt.prefill_reads == "host":
+        if reads_host(rt, layer):
             compute, host = rt.computes[layer.index], rt.store.host(layer.index)
             out = compute.grouped_host(x, ids, weights, host, layer.expert_bias)
             plan = plan_prefill(layer.slots, layer.history, [], final) if final else None

@@ -98,13 +98,19 @@ def resolve_capacity(
     residency: float | None,
     slots: int | None,
     max_slots: int | None = None,
+    experts_on: str = "gpu",
 ) -> int:
-    """Slots per layer: C = floor(residency * E + 0.5), or `slots`; k <= C <= E (and at
-    most `max_slots`, a store's size) and n <= C, else a ValueError naming the rule."""
+    """Slots per layer: C = floor(residency * E + 0.5), or `slots`; k <= C <= E with
+    experts_on 'gpu' (every routed expert runs from the slab), 0 <= C <= E with 'cpu' /
+    'hybrid' (the routed experts past the slab computed on the CPU: docs/design.md, "A slab
+    smaller than top-k"); at most `max_slots` (a store's size) and n <= C, else a
+    ValueError naming the rule."""
     E, k = spec.num_experts, spec.top_k
     if slots is not None:
         if isinstance(slots, bool) or not isinstance(slots, int):
             raise TypeError(f"slots must be an int, got {slots!r}")
+        if slots < 0:
+            raise ValueError(f"slots must be an int >= 0, got {slots}")
         C, how = slots, f"slots={slots}"
     else:
         if (
@@ -112,12 +118,14 @@ def resolve_capacity(
             or not isinstance(residency, Real)
             or not (0 < residency <= 1)
         ):
-            raise ValueError(f"residency must be a number in (0, 1], got {residency!r}")
+            zero = " (no slots at all: slots=0 with experts_on='cpu')" if residency == 0 else ""
+            raise ValueError(f"residency must be a number in (0, 1], got {residency!r}{zero}")
         C, how = math.floor(residency * E + 0.5), f"residency {residency:g} of {E} experts"
-    if C < k:
+    if C < k and experts_on == "gpu":
         raise ValueError(
             f"{how} gives {C} expert slots per layer, fewer than top_k={k}: "
-            f"need residency >= {k / E:.4g} (or slots >= {k})"
+            f"need residency >= {k / E:.4g} (or slots >= {k}), or experts_on='cpu' / "
+            "'hybrid' to compute the rest on the CPU"
         )
     if C > E:
         raise ValueError(f"{how} gives {C} slots, more than the {E} experts per layer")

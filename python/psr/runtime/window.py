@@ -18,7 +18,7 @@ import torch
 
 from psr.runtime.host_decode import VerifyBlock
 from psr.runtime.layer import MoELayer
-from psr.runtime.prefill import plan_prefill
+from psr.runtime.prefill import plan_prefill, reads_host
 from psr.runtime.step import Routed, Step
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ class ScoringWindow(Step):
         w_p, ids_p = rt.ops.route(logits[:P], exact, bias=L.bias, check_finite=False)
         L.history.extend(ids_p.tolist())
         # The slot map as prefill leaves it: staged through the slab, or (host reads) not.
-        staged = [] if rt.prefill_reads == "host" else ids_p.flatten().tolist()
+        staged = [] if reads_host(rt, L) else ids_p.flatten().tolist()
         plan = plan_prefill(L.slots, L.history, staged)
         L.cache.reset(plan.init)
         L.seeded = True
