@@ -26,6 +26,10 @@ Types (`GGML_TYPES`; QK, BS and GGML's type ids, the kernels' constexpr codes, a
     Q4_K  256  144   d sc[s] n[i] - dmin mn[s]     8 sub-blocks s of 32, 6-bit scales/mins
     Q5_K  256  176   d sc[s] (n[i] + 16 h[i]) - dmin mn[s]
     Q6_K  256  210   d sc[s] (q6[i] - 32)          16 sub-blocks of 16, int8 scales
+    Q2_K  256   84   d sc[s] q2[i] - dmin mn[s]    16 sub-blocks of 16, 4-bit scales/mins
+    Q3_K  256  110   d (sc[s] - 32) (q2[i] - 4 (1 - h[i]))  16 of 16, 6-bit scales
+    IQ4_NL  32  18   d lv[n[i]]                    lv: 16 non-linear levels (gguf-py's table)
+    IQ4_XS 256 136   d (sc[s] - 32) lv[n[i]]       8 sub-blocks of 32, 6-bit scales
     FP8_B128 128 132  s * e4m3(c[i])           s fp32: the checkpoint's 128 x 128 tile scale
 
 `dequantize_ggml(data, type, shape)` is the plain-torch reference of each (tested against
@@ -251,6 +255,63 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _q2_k(b: torch.Tensor) -> torch.Tensor:
+    """16 sub-blocks of 16: (d sc[s]) q - dmin mn[s], 2-bit codes (4 runs of 32 a byte run)."""
+    lead = b.shape[:-1]
+    sc = b[..., 0:16].to(torch.int32)
+    qs = b[..., 16:80].to(torch.int32).reshape(*lead, 2, 1, 32)
+    sh = torch.arange(4, device=b.device).view(4, 1) * 2
+    q = ((qs >> sh) & 3).reshape(*lead, 16, 16).float()
+    dl = (_f16(b, 80) * (sc & 0xF).float())[..., None]
+    ml = (_f16(b, 82) * (sc >> 4).float())[..., None]
+    return (dl * q - ml).flatten(-2)
+
+
+def _q3_k(b: torch.Tensor) -> torch.Tensor:
+    """16 sub-blocks of 16: d (sc[s] - 32) (q - 4 (1 - h)), 2-bit codes and a high bit."""
+    lead = b.shape[:-1]
+    hm = b[..., 0:32].to(torch.int32).reshape(*lead, 1, 32)
+    qs = b[..., 32:96].to(torch.int32).reshape(*lead, 2, 1, 32)
+    s = b[..., 96:108].to(torch.int32)
+    i = torch.arange(16, device=b.device)
+    sc = ((s[..., i % 8] >> (4 * (i // 8))) & 0xF) | (
+        ((s[..., 8 + i % 4] >> (2 * (i // 4))) & 3) << 4
+    )
+    ql = (qs >> (torch.arange(4, device=b.device).view(4, 1) * 2)) & 3  # [..., 2, 4, 32]
+    h = (hm >> torch.arange(8, device=b.device).view(8, 1)) & 1  # [..., 8, 32]
+    q = ql.reshape(*lead, 8, 32) - 4 * (1 - h)
+    dl = (_f16(b, 108) * (sc - 32).float())[..., None]
+    return (dl * q.reshape(*lead, 16, 16).float()).flatten(-2)
+
+
+@functools.cache
+def _iq4_values() -> tuple[int, ...]:
+    """IQ4_NL / IQ4_XS's 16 non-linear levels: gguf-py's table (data, not retyped)."""
+    from gguf.quants import IQ4_NL
+
+    return tuple(int(v) for v in IQ4_NL.kvalues)
+
+
+def _iq4(n: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(_iq4_values(), dtype=torch.float32, device=n.device)[n]
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _f16(b, 0) * _iq4(_nibbles(b[..., 2:18]))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """8 sub-blocks of 32: (d (sc[s] - 32)) level[n], 6-bit scales (low nibbles, 2 high bits)."""
+    lead = b.shape[:-1]
+    s = torch.arange(8, device=b.device)
+    sh = b[..., 2:4].to(torch.int32)
+    hi = (sh[..., s // 4] >> (2 * (s % 4))) & 3
+    lo = (b[..., 4:8].to(torch.int32)[..., s // 2] >> (4 * (s % 2))) & 0xF
+    dl = (_f16(b, 0) * ((lo | (hi << 4)) - 32).float())[..., None]
+    n = _nibbles(b[..., 8:136].reshape(*lead, 8, 16))
+    return (dl * _iq4(n)).flatten(-2)
+
+
 def _fp8_b128(b: torch.Tensor) -> torch.Tensor:
     s = b[..., 0:4].contiguous().view(torch.float32)
     return s * b[..., 4:132].contiguous().view(torch.float8_e4m3fn).float()
@@ -267,6 +328,10 @@ _BLOCK_REFS = {
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
+    "IQ4_NL": _iq4_nl,
+    "IQ4_XS": _iq4_xs,
     "FP8_B128": _fp8_b128,
 }
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -333,6 +398,22 @@ _MXFP4 = tl.constexpr(BLOCK_TYPE_TRAITS["MXFP4"].type_id)
 _Q4_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q4_K"].type_id)
 _Q5_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q5_K"].type_id)
 _FP8_B128 = tl.constexpr(BLOCK_TYPE_TRAITS["FP8_B128"].type_id)
+_Q2_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q2_K"].type_id)
+_Q3_K = tl.constexpr(BLOCK_TYPE_TRAITS["Q3_K"].type_id)
+_IQ4_NL = tl.constexpr(BLOCK_TYPE_TRAITS["IQ4_NL"].type_id)
+_IQ4_XS = tl.constexpr(BLOCK_TYPE_TRAITS["IQ4_XS"].type_id)
+
+
+def _packed_bytes(values: tuple[int, ...]) -> int:
+    """Up to 8 signed bytes as one little-endian int64 (value i in byte i): a table a kernel
+    indexes by shifting, built at import from the data it comes from."""
+    word = sum((v & 0xFF) << (8 * i) for i, v in enumerate(values))
+    return word - (1 << 64) if word >= 1 << 63 else word  # two's complement
+
+
+# IQ4's 16 levels (gguf-py's table), 8 to an int64 constant.
+_IQ4_LO = tl.constexpr(_packed_bytes(_iq4_values()[:8]))
+_IQ4_HI = tl.constexpr(_packed_bytes(_iq4_values()[8:]))
 
 
 @triton.jit
@@ -363,6 +444,74 @@ def _k_scale_min(s_ptr, sb, m):
     sc = tl.where(lo, a & 63, (c & 0xF) | ((a >> 6) << 4))
     mn = tl.where(lo, b & 63, (c >> 4) | ((b >> 6) << 4))
     return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _iq4_level(n):
+    """IQ4's level of nibbles `n` (0..15), as fp32."""
+    word = tl.where(n < 8, tl.full(n.shape, _IQ4_LO, tl.int64), _IQ4_HI)
+    b = ((word >> (8 * (n % 8)).to(tl.int64)) & 0xFF).to(tl.int32)
+    return tl.where(b >= 128, b - 256, b).to(tl.float32)
+
+
+@triton.jit
+def _super_block_tile(row, k, m, T: tl.constexpr):
+    """`_ggml_tile` of the types in super-blocks of 256 (K-quants, IQ4_XS)."""
+    if T == _Q2_K:  # scales[16] (sc | mn << 4), qs[64], d, dmin; sub-blocks of 16
+        i = k % 256
+        blk = row + (k // 256) * 84
+        q = (_u8(blk + 16 + (i // 128) * 32 + i % 32, m) >> (2 * ((i % 128) // 32))) & 3
+        s = _u8(blk + i // 16, m)
+        w = _f16_at(blk + 80, m) * (s & 0xF).to(tl.float32) * q.to(tl.float32)
+        w = w - _f16_at(blk + 82, m) * (s >> 4).to(tl.float32)
+    elif T == _Q3_K:  # hmask[32], qs[64], scales[12] (6 bits, offset 32), d
+        i = k % 256
+        blk = row + (k // 256) * 110
+        l32 = i % 32
+        ql = (_u8(blk + 32 + (i // 128) * 32 + l32, m) >> (2 * ((i % 128) // 32))) & 3
+        q = ql - 4 * (1 - ((_u8(blk + l32, m) >> (i // 32)) & 1))  # a clear high bit: -4
+        s = i // 16
+        lo = (_u8(blk + 96 + s % 8, m) >> (4 * (s // 8))) & 0xF
+        hi = (_u8(blk + 104 + s % 4, m) >> (2 * (s // 4))) & 3
+        sc = ((lo | (hi << 4)) - 32).to(tl.float32)
+        w = _f16_at(blk + 108, m) * sc * q.to(tl.float32)
+    elif T == _IQ4_XS:  # d, scales_h (u16), scales_l[4], 8 sub-blocks of 32 IQ4_NL nibbles
+        i = k % 256
+        blk = row + (k // 256) * 136
+        s = i // 32
+        j = i % 32
+        n = _nib(_u8(blk + 8 + 16 * s + j % 16, m), j >= 16)
+        lo = (_u8(blk + 4 + s // 2, m) >> (4 * (s % 2))) & 0xF
+        hi = (_u8(blk + 2 + s // 4, m) >> (2 * (s % 4))) & 3
+        sc = ((lo | (hi << 4)) - 32).to(tl.float32)
+        w = _f16_at(blk, m) * sc * _iq4_level(n)
+    elif T == _Q4_K or T == _Q5_K:
+        i = k % 256
+        qs = 16 if T == _Q4_K else 48  # the nibbles' byte
+        blk = row + (k // 256) * (144 if T == _Q4_K else 176)
+        j = i // 64
+        hi = (i % 64) >= 32
+        sb = 2 * j + hi.to(tl.int32)
+        l32 = i % 32
+        q = _nib(_u8(blk + qs + 32 * j + l32, m), hi)
+        if T == _Q5_K:
+            q += ((_u8(blk + 16 + l32, m) >> sb) & 1) << 4
+        sc, mn = _k_scale_min(blk + 4, sb, m)
+        w = _f16_at(blk, m) * sc * q.to(tl.float32) - _f16_at(blk + 2, m) * mn
+    else:  # Q6_K
+        i = k % 256
+        blk = row + (k // 256) * 210
+        half = i // 128
+        g = (i % 128) // 32
+        l32 = i % 32
+        ql = _nib(_u8(blk + half * 64 + l32 + (g % 2) * 32, m), g >= 2)
+        qh = (_u8(blk + 128 + half * 32 + l32, m) >> (2 * g)) & 3
+        q = (ql | (qh << 4)) - 32
+        sc = tl.load(
+            (blk + 192 + half * 8 + 2 * g + l32 // 16).to(tl.pointer_type(tl.int8)), mask=m, other=0
+        )
+        w = _f16_at(blk + 208, m) * sc.to(tl.float32) * q.to(tl.float32)
+    return w
 
 
 @triton.jit
@@ -409,37 +558,17 @@ def _ggml_tile(row, k, m, T: tl.constexpr):
         e = _u8(blk, m)
         half = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23).to(tl.float32, bitcast=True)
         w = v * half  # (2 v) * 2^(e - 128)
-    elif T == _Q4_K or T == _Q5_K:
-        i = k % 256
-        qs = 16 if T == _Q4_K else 48  # the nibbles' byte
-        blk = row + (k // 256) * (144 if T == _Q4_K else 176)
-        j = i // 64
-        hi = (i % 64) >= 32
-        sb = 2 * j + hi.to(tl.int32)
-        l32 = i % 32
-        q = _nib(_u8(blk + qs + 32 * j + l32, m), hi)
-        if T == _Q5_K:
-            q += ((_u8(blk + 16 + l32, m) >> sb) & 1) << 4
-        sc, mn = _k_scale_min(blk + 4, sb, m)
-        w = _f16_at(blk, m) * sc * q.to(tl.float32) - _f16_at(blk + 2, m) * mn
+    elif T == _IQ4_NL:  # d, then 16 bytes of nibbles indexing the levels
+        i = k % 32
+        blk = row + (k // 32) * 18
+        w = _f16_at(blk, m) * _iq4_level(_nib(_u8(blk + 2 + i % 16, m), i >= 16))
     elif T == _FP8_B128:  # an fp32 tile scale, then 128 e4m3 codes
         blk = row + (k // 128) * 132
         c = _u8(blk + 4 + k % 128, m)
         s = tl.load(blk.to(tl.pointer_type(tl.float32)), mask=m, other=0.0)
         w = s * _fp8_e4m3_to_f32(c)
-    else:  # Q6_K
-        i = k % 256
-        blk = row + (k // 256) * 210
-        half = i // 128
-        g = (i % 128) // 32
-        l32 = i % 32
-        ql = _nib(_u8(blk + half * 64 + l32 + (g % 2) * 32, m), g >= 2)
-        qh = (_u8(blk + 128 + half * 32 + l32, m) >> (2 * g)) & 3
-        q = (ql | (qh << 4)) - 32
-        sc = tl.load(
-            (blk + 192 + half * 8 + 2 * g + l32 // 16).to(tl.pointer_type(tl.int8)), mask=m, other=0
-        )
-        w = _f16_at(blk + 208, m) * sc.to(tl.float32) * q.to(tl.float32)
+    else:  # the K-quants' super-blocks of 256
+        w = _super_block_tile(row, k, m, T)
     return w
 
 

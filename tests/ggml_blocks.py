@@ -10,6 +10,16 @@ import psr_kernels as pk
 from psr_kernels import ggml
 
 QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "BF16"}
+# Byte offsets of the f16 scales (d, dmin) of each type built from random bytes.
+F16_SCALES = {
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_NL": (0,),
+    "IQ4_XS": (0,),
+}
 
 
 def random_blocks(t: str, R: int, K: int, rng: np.random.Generator) -> np.ndarray:
@@ -19,18 +29,12 @@ def random_blocks(t: str, R: int, K: int, rng: np.random.Generator) -> np.ndarra
         s = torch.from_numpy(rng.random(((R + 127) // 128, K // 128)).astype(np.float32)) + 0.01
         return ggml.pack_fp8_b128(w.to(torch.float8_e4m3fn), s * 0.01).numpy()
     qt = _gguf().GGMLQuantizationType[t]
-    if t in ("Q4_K", "Q5_K", "Q6_K"):
+    if t in F16_SCALES:  # types gguf-py cannot quantize: random codes, small f16 scales
         qk, bs = _gguf().GGML_QUANT_SIZES[qt]
         b = rng.integers(0, 256, size=(R, K // qk, bs), dtype=np.uint8)
-
-        def half() -> np.ndarray:
+        for at in F16_SCALES[t]:
             d = (rng.random((R, K // qk)) * 2e-3 + 1e-4).astype(np.float16)
-            return d.view(np.uint8).reshape(R, K // qk, 2)
-
-        if t == "Q6_K":
-            b[..., 208:210] = half()
-        else:
-            b[..., 0:2], b[..., 2:4] = half(), half()
+            b[..., at : at + 2] = d.view(np.uint8).reshape(R, K // qk, 2)
         return b.reshape(R, -1)
     w = rng.standard_normal((R, K)).astype(np.float32) * 0.1
     if t == "F32":
@@ -74,6 +78,8 @@ MIXES = [
     ("F16", "BF16", "F32"),
     ("Q4_0", "Q4_0", "Q8_0"),
     ("FP8_B128", "FP8_B128", "FP8_B128"),
+    ("Q2_K", "Q2_K", "Q3_K"),  # the low-bit mixes DeepSeek-V3 / Kimi-K2 ship in
+    ("IQ4_XS", "IQ4_XS", "IQ4_NL"),
 ]
 # Every block type in some mix.
 assert set(pk.BLOCK_TYPES) - {"Q5_1"} <= {t for m in MIXES for t in m}
