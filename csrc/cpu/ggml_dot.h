@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "expert_gemv.h"
+#include "ggml_tables.h"
 
 namespace psr::cpu {
 namespace {
@@ -131,6 +132,57 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
             const int q = (((ql[l] >> shift) & 0xF) | (((qh[l] >> (2 * g)) & 3) << 4)) - 32;
             o[l] = (l < 16 ? s0 : s1) * static_cast<float>(q);
           }
+        }
+      }
+      return 256;
+    }
+    case ggml_type::Q2_K: {  // scales[16] (sc | mn << 4), qs[64], d, dmin: 16 sub-blocks of 16
+      const float d = g_h2f(b + 80), dmin = g_h2f(b + 82);
+      for (int s = 0; s < 16; ++s) {  // elements 16 s.. : bits 2 j of qs[32 n + l]
+        const int n = s / 8, j = (s % 8) / 2, l0 = 16 * (s % 2);
+        const float dl = d * static_cast<float>(b[s] & 0xF);
+        const float ml = dmin * static_cast<float>(b[s] >> 4);
+        const uint8_t* __restrict q = b + 16 + 32 * n + l0;
+        for (int l = 0; l < 16; ++l)
+          out[16 * s + l] = dl * static_cast<float>((q[l] >> (2 * j)) & 3) - ml;
+      }
+      return 256;
+    }
+    case ggml_type::Q3_K: {  // hmask[32], qs[64], scales[12] (6 bits, offset 32), d
+      const float d = g_h2f(b + 108);
+      const uint8_t* sc = b + 96;
+      for (int s = 0; s < 16; ++s) {
+        const int n = s / 8, j = (s % 8) / 2, l0 = 16 * (s % 2), hb = s / 2;
+        const int lo = (sc[s % 8] >> (4 * (s / 8))) & 0xF;
+        const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        const float dl = d * static_cast<float>((lo | (hi << 4)) - 32);
+        const uint8_t* __restrict q = b + 32 + 32 * n + l0;
+        const uint8_t* __restrict hm = b + l0;
+        for (int l = 0; l < 16; ++l) {  // a clear high bit subtracts 4
+          const int v = ((q[l] >> (2 * j)) & 3) - (((hm[l] >> hb) & 1) ? 0 : 4);
+          out[16 * s + l] = dl * static_cast<float>(v);
+        }
+      }
+      return 256;
+    }
+    case ggml_type::IQ4_NL: {  // d, then nibbles indexing gguf-py's 16 levels
+      const float d = g_h2f(b);
+      for (int i = 0; i < 16; ++i) {
+        out[i] = d * static_cast<float>(kIq4Levels[b[2 + i] & 0xF]);
+        out[i + 16] = d * static_cast<float>(kIq4Levels[b[2 + i] >> 4]);
+      }
+      return 32;
+    }
+    case ggml_type::IQ4_XS: {  // d, scales_h (u16), scales_l[4], 8 sub-blocks of IQ4_NL nibbles
+      const float d = g_h2f(b);
+      const int sh = b[2] | (b[3] << 8);
+      for (int s = 0; s < 8; ++s) {
+        const int lo = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF, hi = (sh >> (2 * s)) & 3;
+        const float dl = d * static_cast<float>((lo | (hi << 4)) - 32);
+        const uint8_t* qs = b + 8 + 16 * s;
+        for (int l = 0; l < 16; ++l) {
+          out[32 * s + l] = dl * static_cast<float>(kIq4Levels[qs[l] & 0xF]);
+          out[32 * s + 16 + l] = dl * static_cast<float>(kIq4Levels[qs[l] >> 4]);
         }
       }
       return 256;
