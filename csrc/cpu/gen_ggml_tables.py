@@ -3,7 +3,7 @@ gguf-py holds them, so the C++ kernels never carry retyped data.
 
     python csrc/cpu/gen_ggml_tables.py > csrc/cpu/ggml_tables.h
 
-tests/kernels/test_ggml_tables.py checks the committed header equals gguf-py's arrays.
+tests/kernels/test_ggml.py checks the committed header equals gguf-py's arrays.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ every value is `gguf.quants.dequantize` (an implementation independent of psr's)
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -31,6 +34,29 @@ def test_reference_and_kernel_decoder_equal_gguf_py(t: str) -> None:
     data = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1)
     torch.testing.assert_close(ggml.dequantize_ggml(data, t, (R, K)), want, rtol=0, atol=0)
     torch.testing.assert_close(ggml.decode_ggml(data, t, (R, K)), want, rtol=0, atol=0)
+
+
+def test_generated_cpu_tables_are_gguf_py_s() -> None:
+    """csrc/cpu/ggml_tables.h (written by gen_ggml_tables.py) holds gguf-py's arrays."""
+    text = (Path(__file__).parents[2] / "csrc/cpu/ggml_tables.h").read_text()
+    arrays = {
+        name: [int(v) for v in body.replace("\n", " ").split(",")]
+        for name, body in re.findall(r"(\w+)\[\d+\] = \{([^}]*)\};", text)
+    }
+    assert arrays == {"kIq4Levels": list(gguf.quants.IQ4_NL.kvalues)}
+
+
+def test_iq4_every_level_in_both_nibbles() -> None:
+    """IQ4_NL blocks holding each of the 16 levels in the low and the high nibble."""
+    b = np.zeros((2, 18), dtype=np.uint8)
+    b[:, 0:2] = np.array([0.5, -3.0], dtype=np.float16).view(np.uint8).reshape(2, 2)
+    i = np.arange(16, dtype=np.uint8)
+    b[:, 2:] = i | ((15 - i) << 4)
+    raw = b.reshape(1, -1)
+    data = torch.from_numpy(raw.copy()).reshape(-1)
+    want = gguf_dequant(raw, "IQ4_NL", (1, 64))
+    torch.testing.assert_close(ggml.dequantize_ggml(data, "IQ4_NL", (1, 64)), want, rtol=0, atol=0)
+    torch.testing.assert_close(ggml.decode_ggml(data, "IQ4_NL", (1, 64)), want, rtol=0, atol=0)
 
 
 def test_mxfp4_extreme_scales_and_every_code() -> None:
@@ -85,6 +111,19 @@ def test_expert_ffn_on_ggml_rows_equals_the_gguf_py_twin(types: tuple[str, str, 
     torch.testing.assert_close(y, twin, rtol=1e-4, atol=1e-4)
 
 
+def test_low_bit_rows_of_odd_shapes_equal_the_gguf_py_twin() -> None:
+    """Rows of 3 super-blocks (H = 768) and down rows of 3 IQ4_NL blocks (F = 96): tiles that
+    straddle blocks and a partial last tile, through the Triton kernels."""
+    rng = np.random.default_rng(4)
+    H, F, types = 768, 96, ("IQ4_XS", "Q2_K", "IQ4_NL")
+    rows, mats = zip(*(expert_rows(types, H, F, rng) for _ in range(2)), strict=True)
+    slab = torch.stack(rows)
+    x, w, slots = torch.randn(1, H), torch.rand(1, 2), torch.tensor([[1, 0]])
+    y = pk.expert_ffn(x, slab, slots, w, H, F, fmt=ggml.ggml_format(*types))
+    twin = sum(w[0, j] * pk.swiglu_ref(x, *mats[int(slots[0, j])]) for j in range(2))
+    torch.testing.assert_close(y, twin, rtol=1e-4, atol=1e-4)
+
+
 def test_ggml_rows_with_slot_table_bias_and_scaled_input() -> None:
     """The expert kinds' options go through the GGML kernels as through the others."""
     rng = np.random.default_rng(2)
@@ -125,8 +164,8 @@ def test_layout_parts_are_aligned_and_keep_the_file_bytes() -> None:
 
 
 def test_bad_formats_and_shapes_are_named() -> None:
-    with pytest.raises(ValueError, match=r"Q3_K.*not one psr's expert kernels compute"):
-        ggml.ggml_format("Q3_K", "Q4_K", "Q4_K")
+    with pytest.raises(ValueError, match=r"TQ2_0.*not one psr's expert kernels compute"):
+        ggml.ggml_format("TQ2_0", "Q4_K", "Q4_K")
     with pytest.raises(ValueError, match="not a GGML row format"):
         ggml.GGMLLayout.of("gguf:Q4_K,Q4_K", 256, 256)
     with pytest.raises(ValueError, match="down rows: a Q4_K row holds whole blocks of 256"):
