@@ -1,21 +1,28 @@
-"""Writes csrc/cpu/ggml_tables.h: the GGML block types' constant tables (IQ4's levels) as
-gguf-py holds them, so the C++ kernels never carry retyped data.
+"""Writes csrc/cpu/ggml_tables.h: the GGML block types' constant tables (IQ4's levels, the
+IQ grids and sign table) as gguf-py holds them, so the C++ kernels never carry retyped data.
 
-    python csrc/cpu/gen_ggml_tables.py > csrc/cpu/ggml_tables.h
+    PYTHONPATH=. python csrc/cpu/gen_ggml_tables.py > csrc/cpu/ggml_tables.h
 
-tests/kernels/test_ggml.py checks the committed header equals gguf-py's arrays.
+The values come from psr_kernels.ggml (which reads them from gguf-py, as the Triton
+kernels use them); tests/kernels/test_ggml.py checks the committed header against gguf-py.
 """
 
 from __future__ import annotations
 
 import sys
 
+PER_LINE = 16
 
-def tables() -> dict[str, tuple[str, list[int]]]:
-    """name -> (C element type, values), from the installed gguf package."""
-    from gguf.quants import IQ4_NL
 
-    return {"kIq4Levels": ("int8_t", [int(v) for v in IQ4_NL.kvalues])}
+def tables() -> dict[str, tuple[str, tuple[int, ...]]]:
+    """C name -> (element type, values)."""
+    from psr_kernels.ggml import _iq4_values, iq_tables
+
+    out = {"kIq4Levels": ("int8_t", _iq4_values())}
+    for name, values in iq_tables().items():
+        ctype = "uint8_t" if name == "KSIGNS" else "int8_t"
+        out["k" + name.title().replace("_", "")] = (ctype, values)
+    return out
 
 
 def render() -> str:
@@ -27,11 +34,14 @@ def render() -> str:
         "",
         "namespace psr::cpu {",
         "",
-        "// Data, eight values a line.",
+        "// Data, sixteen values a line.",
         "// clang-format off",
     ]
     for name, (ctype, values) in tables().items():
-        lines = [", ".join(str(v) for v in values[i : i + 8]) for i in range(0, len(values), 8)]
+        lines = [
+            ", ".join(str(v) for v in values[i : i + PER_LINE])
+            for i in range(0, len(values), PER_LINE)
+        ]
         body = ",\n    ".join(lines)
         out.append(f"inline constexpr {ctype} {name}[{len(values)}] = {{\n    {body}}};")
     out += ["// clang-format on", "", "}  // namespace psr::cpu", ""]

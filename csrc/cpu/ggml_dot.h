@@ -48,6 +48,41 @@ inline void g_k_scale_min(int j, const uint8_t* q, int* sc, int* m) {
   }
 }
 
+// IQ2_XXS (G = 8 values a grid row, mul 1/4) / IQ3_XXS (G = 4, mul 1/2): per sub-block of
+// 32 a u32 of 4 x 7 sign-index bits and a 4-bit scale; grid indices one byte each.
+inline void g_iq_xxs(const uint8_t* b, const uint8_t* qs, const uint8_t* aux, const int8_t* grid,
+                     int G, float mul, float* out) {
+  const float d = g_h2f(b);
+  for (int ib = 0; ib < 8; ++ib) {
+    uint32_t a;
+    std::memcpy(&a, aux + 4 * ib, 4);
+    const float db = d * (0.5f + static_cast<float>(a >> 28)) * mul;
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t sb = kKsigns[(a >> (7 * g)) & 127];
+      for (int j = 0; j < 8; ++j) {
+        const int q = G == 8 ? qs[8 * ib + g] : qs[8 * ib + 2 * g + j / 4];
+        const float v = db * static_cast<float>(grid[q * G + j % G]);
+        out[32 * ib + 8 * g + j] = (sb >> j) & 1 ? -v : v;
+      }
+    }
+  }
+}
+
+// IQ2_XS / IQ2_S: a 4-bit scale per 16, grid rows of 8 from 9 / 10 index bits, signs per 8.
+inline void g_iq2_row(float db, const int8_t* grid_row, int signs, float* out) {
+  for (int j = 0; j < 8; ++j) {
+    const float v = db * static_cast<float>(grid_row[j]);
+    out[j] = (signs >> j) & 1 ? -v : v;
+  }
+}
+
+// IQ1_S / IQ1_M: dl (grid + delta), the delta's sign per row of 8.
+inline void g_iq1_row(float dl, int q, bool neg, float* out) {
+  const float delta = static_cast<float>(kIq1Delta8[0]) / 8.f;
+  for (int j = 0; j < 8; ++j)
+    out[j] = dl * (static_cast<float>(kIq1S[8 * q + j]) + (neg ? -delta : delta));
+}
+
 // Dequantize one block of `type` into out[QK]; returns QK.
 inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict out) {
   switch (type) {
@@ -184,6 +219,71 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
           out[32 * s + l] = dl * static_cast<float>(kIq4Levels[qs[l] & 0xF]);
           out[32 * s + 16 + l] = dl * static_cast<float>(kIq4Levels[qs[l] >> 4]);
         }
+      }
+      return 256;
+    }
+    case ggml_type::IQ2_XXS:
+      g_iq_xxs(b, b + 2, b + 6, kIq2Xxs, 8, 0.25f, out);
+      return 256;
+    case ggml_type::IQ3_XXS:
+      g_iq_xxs(b, b + 2, b + 66, kIq3Xxs, 4, 0.5f, out);
+      return 256;
+    case ggml_type::IQ2_XS:   // d, qs[32] u16 (9-bit grid index, 7-bit sign index), scales[8]
+    case ggml_type::IQ2_S: {  // d, qs[32], signs[32], qh[8] (2 bits a row), scales[8]
+      const bool xs = type == ggml_type::IQ2_XS;
+      const float d = g_h2f(b);
+      const uint8_t* sc = b + (xs ? 66 : 74);
+      for (int t = 0; t < 32; ++t) {  // rows of 8
+        const int s = t / 2;
+        const float db =
+            d * (0.5f + static_cast<float>((sc[s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+        if (xs) {
+          const int q = b[2 + 2 * t] | (b[3 + 2 * t] << 8);
+          g_iq2_row(db, kIq2Xs + 8 * (q & 511), kKsigns[q >> 9], out + 8 * t);
+        } else {
+          const int q = b[2 + t] | (((b[66 + t / 4] >> (2 * (t % 4))) & 3) << 8);
+          g_iq2_row(db, kIq2S + 8 * q, b[34 + t], out + 8 * t);
+        }
+      }
+      return 256;
+    }
+    case ggml_type::IQ3_S: {  // d, qs[64], qh[8] (a bit a row), signs[32], scales[4]
+      const float d = g_h2f(b);
+      for (int i = 0; i < 256; ++i) {
+        const int ib = i / 32, t = i / 4;
+        const float db =
+            d * static_cast<float>(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF));
+        const int q = b[2 + t] | (((b[66 + t / 8] >> (t % 8)) & 1) << 8);
+        const float v = db * static_cast<float>(kIq3S[4 * q + i % 4]);
+        out[i] = (b[74 + i / 8] >> (i % 8)) & 1 ? -v : v;
+      }
+      return 256;
+    }
+    case ggml_type::IQ1_S: {  // d, qs[32], qh[8] u16 (3 index bits a row, scale, delta sign)
+      const float d = g_h2f(b);
+      for (int ib = 0; ib < 8; ++ib) {
+        const int qh = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8);
+        const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
+        for (int r = 0; r < 4; ++r) {
+          const int t = 4 * ib + r;
+          g_iq1_row(dl, b[2 + t] | (((qh >> (3 * r)) & 7) << 8), (qh & 0x8000) != 0, out + 8 * t);
+        }
+      }
+      return 256;
+    }
+    case ggml_type::IQ1_M: {  // qs[32], qh[16], 4 u16 scales whose top nibbles hold d
+      uint16_t sc[4];
+      std::memcpy(sc, b + 48, 8);
+      const uint16_t bits = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) |
+                                                  ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+      uint8_t dh[2];
+      std::memcpy(dh, &bits, 2);
+      const float d = g_h2f(dh);
+      for (int t = 0; t < 32; ++t) {
+        const int s = t / 2;
+        const float dl = d * static_cast<float>(2 * ((sc[s / 4] >> (3 * (s % 4))) & 7) + 1);
+        const int h = b[32 + t / 2] >> (4 * (t % 2));
+        g_iq1_row(dl, b[t] | ((h & 7) << 8), (h & 8) != 0, out + 8 * t);
       }
       return 256;
     }
