@@ -17,6 +17,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from ggml_blocks import F16_SCALES, scaled_blocks
 from gguf import GGMLQuantizationType as QT
 from tiny_models import tiny_config
 
@@ -29,17 +30,6 @@ ARCH_OF = {
     "gpt_oss": "gpt-oss",
     "deepseek_v3": "deepseek2",
     "deepseek_v2": "deepseek2",
-}
-# Types gguf-py cannot quantize, written as random codes with small positive f16 scales:
-# (byte offset, magnitude) of each scale in a block, sized to keep weights ~0.05.
-RANDOM_SCALES: dict[str, tuple[tuple[int, float], ...]] = {
-    "Q2_K": ((80, 1e-3), (82, 5e-4)),  # scales[16] qs[64] d dmin
-    "Q3_K": ((108, 3e-4),),  # hmask[32] qs[64] scales[12] d
-    "Q4_K": ((0, 2e-4), (2, 1e-4)),  # d dmin scales[12] ...
-    "Q5_K": ((0, 2e-4), (2, 1e-4)),
-    "Q6_K": ((208, 2e-5),),  # ql[128] qh[64] scales[16] d
-    "IQ4_NL": ((0, 3e-4),),  # d qs[16]
-    "IQ4_XS": ((0, 1e-5),),  # d scales_h scales_l[4] qs[128]
 }
 RANDOM_ONLY = ("TQ2_0",)  # random bytes, no valid scales
 # a type per tensor kind: "gate" / "up" / "down" (routed experts; "experts" for all three),
@@ -179,14 +169,14 @@ def _type(types: str | dict[str, TypeSpec], kind: str, layer: int) -> QT:
 
 
 def _random_bytes(qt: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random blocks with RANDOM_SCALES' f16 scales (valid; gguf-py has no writer). Other
-    types gguf-py cannot quantize: random bytes (only for tests of refusals)."""
+    """Valid random blocks of a type gguf-py cannot quantize (F16_SCALES); for RANDOM_ONLY
+    types, random bytes (only for tests of refusals)."""
     block, size = gguf.GGML_QUANT_SIZES[qt]
-    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    n = raw.shape[0]
-    for at, mag in RANDOM_SCALES.get(qt.name, ()):
-        d = rng.uniform(0.5, 1.5, n).astype(np.float16)
-        raw[:, at : at + 2] = (d * np.float16(mag)).view(np.uint8).reshape(n, 2)
+    n = rows * cols // block
+    if qt.name in F16_SCALES:
+        raw = scaled_blocks(qt.name, n, rng)
+    else:
+        raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     return raw.reshape(rows, cols // block * size)
 
 
@@ -196,7 +186,7 @@ def encode(w: torch.Tensor, qt: QT, rng: np.random.Generator) -> tuple[np.ndarra
     if qt == QT.F32:
         data = a.astype(np.float32)
         return data, data.copy()
-    if qt.name in RANDOM_SCALES or qt.name in RANDOM_ONLY:
+    if qt.name in F16_SCALES or qt.name in RANDOM_ONLY:
         rows = int(np.prod(a.shape[:-1]))
         data = _random_bytes(qt, rows, a.shape[-1], rng)
         data = data.reshape(*a.shape[:-1], -1)
