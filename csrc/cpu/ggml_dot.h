@@ -55,7 +55,7 @@ inline void g_iq_xxs(const uint8_t* b, const uint8_t* qs, const uint8_t* aux, co
   const float d = g_h2f(b);
   for (int ib = 0; ib < 8; ++ib) {
     uint32_t a;
-    std::memcpy(&a, aux + 4 * ib, 4);
+    std::memcpy(&a, aux + (G == 8 ? 8 : 4) * ib, 4);  // IQ2_XXS: after its 4 indices
     const float db = d * (0.5f + static_cast<float>(a >> 28)) * mul;
     for (int g = 0; g < 4; ++g) {
       const uint8_t sb = kKsigns[(a >> (7 * g)) & 127];
