@@ -25,15 +25,19 @@ def test_block_sizes_are_gguf_py_s() -> None:
         assert ggml.ggml_block(t) == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]]
 
 
+def _decoders_equal_gguf_py(raw: np.ndarray, t: str, shape: tuple[int, int]) -> None:
+    """The torch reference and the kernels' decoder equal gguf-py on `raw`, bit for bit."""
+    want = gguf_dequant(raw, t, shape)
+    data = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1)
+    torch.testing.assert_close(ggml.dequantize_ggml(data, t, shape), want, rtol=0, atol=0)
+    torch.testing.assert_close(ggml.decode_ggml(data, t, shape), want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("t", ggml.GGML_TYPES)
 def test_reference_and_kernel_decoder_equal_gguf_py(t: str) -> None:
     rng = np.random.default_rng(hash(t) % 2**32)
     R, K = 16, 512
-    raw = random_blocks(t, R, K, rng)
-    want = gguf_dequant(raw, t, (R, K))
-    data = torch.from_numpy(np.ascontiguousarray(raw)).reshape(-1)
-    torch.testing.assert_close(ggml.dequantize_ggml(data, t, (R, K)), want, rtol=0, atol=0)
-    torch.testing.assert_close(ggml.decode_ggml(data, t, (R, K)), want, rtol=0, atol=0)
+    _decoders_equal_gguf_py(random_blocks(t, R, K, rng), t, (R, K))
 
 
 def test_generated_cpu_tables_are_gguf_py_s() -> None:
@@ -63,11 +67,7 @@ def test_iq4_every_level_in_both_nibbles() -> None:
     b[:, 0:2] = np.array([0.5, -3.0], dtype=np.float16).view(np.uint8).reshape(2, 2)
     i = np.arange(16, dtype=np.uint8)
     b[:, 2:] = i | ((15 - i) << 4)
-    raw = b.reshape(1, -1)
-    data = torch.from_numpy(raw.copy()).reshape(-1)
-    want = gguf_dequant(raw, "IQ4_NL", (1, 64))
-    torch.testing.assert_close(ggml.dequantize_ggml(data, "IQ4_NL", (1, 64)), want, rtol=0, atol=0)
-    torch.testing.assert_close(ggml.decode_ggml(data, "IQ4_NL", (1, 64)), want, rtol=0, atol=0)
+    _decoders_equal_gguf_py(b.reshape(1, -1), "IQ4_NL", (1, 64))
 
 
 def test_mxfp4_extreme_scales_and_every_code() -> None:
@@ -76,11 +76,7 @@ def test_mxfp4_extreme_scales_and_every_code() -> None:
     b[:, 0] = [0, 1, 200]
     i = np.arange(16, dtype=np.uint8)
     b[:, 1:] = i | ((15 - i) << 4)
-    raw = b.reshape(1, -1)
-    data = torch.from_numpy(raw.copy()).reshape(-1)
-    want = gguf_dequant(raw, "MXFP4", (1, 96))
-    torch.testing.assert_close(ggml.dequantize_ggml(data, "MXFP4", (1, 96)), want, rtol=0, atol=0)
-    torch.testing.assert_close(ggml.decode_ggml(data, "MXFP4", (1, 96)), want, rtol=0, atol=0)
+    _decoders_equal_gguf_py(b.reshape(1, -1), "MXFP4", (1, 96))
 
 
 def test_fp8_b128_blocks_equal_the_checkpoint_s_tile_scaling() -> None:
