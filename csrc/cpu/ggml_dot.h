@@ -50,8 +50,9 @@ inline void g_k_scale_min(int j, const uint8_t* q, int* sc, int* m) {
 
 // IQ2_XXS (G = 8 values a grid row, mul 1/4) / IQ3_XXS (G = 4, mul 1/2): per sub-block of
 // 32 a u32 of 4 x 7 sign-index bits and a 4-bit scale; grid indices one byte each.
+template <int G>  // a constant, so the grid offsets fold
 inline void g_iq_xxs(const uint8_t* b, const uint8_t* qs, const uint8_t* aux, const int8_t* grid,
-                     int G, float mul, float* out) {
+                     float mul, float* out) {
   const float d = g_h2f(b);
   for (int ib = 0; ib < 8; ++ib) {
     uint32_t a;
@@ -223,10 +224,10 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
       return 256;
     }
     case ggml_type::IQ2_XXS:
-      g_iq_xxs(b, b + 2, b + 6, kIq2Xxs, 8, 0.25f, out);
+      g_iq_xxs<8>(b, b + 2, b + 6, kIq2Xxs, 0.25f, out);
       return 256;
     case ggml_type::IQ3_XXS:
-      g_iq_xxs(b, b + 2, b + 66, kIq3Xxs, 4, 0.5f, out);
+      g_iq_xxs<4>(b, b + 2, b + 66, kIq3Xxs, 0.5f, out);
       return 256;
     case ggml_type::IQ2_XS:   // d, qs[32] u16 (9-bit grid index, 7-bit sign index), scales[8]
     case ggml_type::IQ2_S: {  // d, qs[32], signs[32], qh[8] (2 bits a row), scales[8]
