@@ -312,7 +312,7 @@ class _Kernels(NamedTuple):
     gate_up: Any
     down: Any
     config: Callable[[Any, int], tuple[Mapping[str, int], Mapping[str, int]]]
-    part_args: Callable[[Any], tuple[dict[str, int], dict[str, int]]]
+    part_args: Callable[[Any, torch.device], tuple[dict[str, Any], dict[str, Any]]]
 
 
 _KERNELS: Mapping[RowKind, _Kernels] = MappingProxyType(
@@ -321,13 +321,13 @@ _KERNELS: Mapping[RowKind, _Kernels] = MappingProxyType(
             _gate_up_kernel,
             _down_kernel,
             lambda lay, T: ffn_launch_config(T, lay.hidden_size, lay.ffn_size),
-            _float_part_args,
+            lambda lay, device: _float_part_args(lay),
         ),
         RowKind.QUANT: _Kernels(
             _quant_gate_up_kernel,
             _quant_down_kernel,
             lambda lay, T: quant_launch_config(lay),
-            quant_part_args,
+            lambda lay, device: quant_part_args(lay),
         ),
         RowKind.BLOCKS: _Kernels(
             _ggml_gate_up_kernel,
@@ -361,7 +361,7 @@ def _launch_ffn(
     F = lay.ffn_size
     kern = _KERNELS[lay.fmt.kind]
     c1, c2 = kern.config(lay, T)
-    a1, a2 = kern.part_args(lay)
+    a1, a2 = kern.part_args(lay, slab.device)
     common = dict(
         slab_ptr=slab,
         s_slot=slab.stride(0),

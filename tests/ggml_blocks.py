@@ -10,6 +10,42 @@ import psr_kernels as pk
 from psr_kernels import ggml
 
 QUANTIZABLE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "BF16"}
+# Types gguf-py cannot quantize, built from random codes with small positive f16 scales:
+# (byte offset, magnitude) of each scale in a block, sized to keep weights ~0.05-0.2.
+# IQ1_M's d is spread over the top nibbles of its four u16 scales (bytes 48..55).
+F16_SCALES: dict[str, tuple[tuple[int, float], ...]] = {
+    "Q2_K": ((80, 1e-3), (82, 5e-4)),  # scales[16] qs[64] d dmin
+    "Q3_K": ((108, 3e-4),),  # hmask[32] qs[64] scales[12] d
+    "Q4_K": ((0, 2e-4), (2, 1e-4)),  # d dmin scales[12] ...
+    "Q5_K": ((0, 2e-4), (2, 1e-4)),
+    "Q6_K": ((208, 2e-5),),  # ql[128] qh[64] scales[16] d
+    "IQ4_NL": ((0, 3e-4),),  # d, then the codes
+    "IQ4_XS": ((0, 1e-5),),
+    "IQ2_XXS": ((0, 3e-4),),
+    "IQ2_XS": ((0, 3e-4),),
+    "IQ2_S": ((0, 3e-4),),
+    "IQ3_XXS": ((0, 1e-4),),
+    "IQ3_S": ((0, 1e-4),),
+    "IQ1_S": ((0, 3e-3),),
+    "IQ1_M": ((48, 3e-3),),
+}
+
+
+def scaled_blocks(t: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 `[n, BS]`: n valid random blocks of `t` (a type of F16_SCALES)."""
+    bs = _gguf().GGML_QUANT_SIZES[_gguf().GGMLQuantizationType[t]][1]
+    raw = rng.integers(0, 256, size=(n, bs), dtype=np.uint8)
+    for at, mag in F16_SCALES[t]:
+        d = (rng.uniform(0.5, 1.5, n) * mag).astype(np.float16)
+        if t == "IQ1_M":  # nibble k of d in the top nibble of u16 scale k
+            sc = raw[:, 48:56].copy().view(np.uint16) & 0x0FFF
+            bits = d.view(np.uint16)
+            for k in range(4):
+                sc[:, k] |= ((bits >> (4 * k)) & 0xF) << 12
+            raw[:, 48:56] = sc.view(np.uint8)
+        else:
+            raw[:, at : at + 2] = d.view(np.uint8).reshape(n, 2)
+    return raw
 
 
 def random_blocks(t: str, R: int, K: int, rng: np.random.Generator) -> np.ndarray:
@@ -19,19 +55,9 @@ def random_blocks(t: str, R: int, K: int, rng: np.random.Generator) -> np.ndarra
         s = torch.from_numpy(rng.random(((R + 127) // 128, K // 128)).astype(np.float32)) + 0.01
         return ggml.pack_fp8_b128(w.to(torch.float8_e4m3fn), s * 0.01).numpy()
     qt = _gguf().GGMLQuantizationType[t]
-    if t in ("Q4_K", "Q5_K", "Q6_K"):
-        qk, bs = _gguf().GGML_QUANT_SIZES[qt]
-        b = rng.integers(0, 256, size=(R, K // qk, bs), dtype=np.uint8)
-
-        def half() -> np.ndarray:
-            d = (rng.random((R, K // qk)) * 2e-3 + 1e-4).astype(np.float16)
-            return d.view(np.uint8).reshape(R, K // qk, 2)
-
-        if t == "Q6_K":
-            b[..., 208:210] = half()
-        else:
-            b[..., 0:2], b[..., 2:4] = half(), half()
-        return b.reshape(R, -1)
+    if t in F16_SCALES:  # types gguf-py cannot quantize
+        qk = _gguf().GGML_QUANT_SIZES[qt][0]
+        return scaled_blocks(t, R * K // qk, rng).reshape(R, -1)
     w = rng.standard_normal((R, K)).astype(np.float32) * 0.1
     if t == "F32":
         return w.view(np.uint8)
@@ -75,5 +101,15 @@ MIXES = [
     ("Q4_0", "Q4_0", "Q8_0"),
     ("FP8_B128", "FP8_B128", "FP8_B128"),
 ]
+# The low-bit types DeepSeek-V3 / Kimi-K2 files ship in (each decoder is checked alone
+# against gguf-py; the Triton FFN test, slow under the interpreter, takes the last only).
+LOW_BIT_MIXES = [
+    ("Q2_K", "Q2_K", "Q3_K"),
+    ("IQ4_XS", "IQ4_XS", "IQ4_NL"),
+    ("IQ2_XXS", "IQ2_XXS", "IQ3_XXS"),  # the "dynamic" 1.5-3 bit quants' routed experts
+    ("IQ2_XS", "IQ2_S", "IQ3_S"),
+    ("IQ1_S", "IQ1_M", "IQ2_XXS"),
+]
+MIXES += LOW_BIT_MIXES
 # Every block type in some mix.
 assert set(pk.BLOCK_TYPES) - {"Q5_1"} <= {t for m in MIXES for t in m}

@@ -17,6 +17,7 @@ from typing import Any
 import gguf
 import numpy as np
 import torch
+from ggml_blocks import F16_SCALES, scaled_blocks
 from gguf import GGMLQuantizationType as QT
 from tiny_models import tiny_config
 
@@ -30,8 +31,7 @@ ARCH_OF = {
     "deepseek_v3": "deepseek2",
     "deepseek_v2": "deepseek2",
 }
-KQUANTS = ("Q4_K", "Q5_K", "Q6_K")
-RANDOM_ONLY = ("Q2_K", "Q3_K", "IQ4_XS")  # random bytes, no valid scales
+RANDOM_ONLY = ("TQ2_0",)  # random bytes, no valid scales
 # a type per tensor kind: "gate" / "up" / "down" (routed experts; "experts" for all three),
 # "dense" (2-D non-expert matrices); a str, or layer -> type
 TypeSpec = str | Callable[[int], str]
@@ -168,21 +168,15 @@ def _type(types: str | dict[str, TypeSpec], kind: str, layer: int) -> QT:
     return QT[name]
 
 
-def _kquant_bytes(qt: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks with small positive f16 scales (valid; gguf-py has no writer).
-    Other types gguf-py cannot quantize: random bytes (only for tests of refusals)."""
+def _random_bytes(qt: QT, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks of a type gguf-py cannot quantize (F16_SCALES); for RANDOM_ONLY
+    types, random bytes (only for tests of refusals)."""
     block, size = gguf.GGML_QUANT_SIZES[qt]
-    raw = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
-    n = raw.shape[0]
-    d = rng.uniform(0.5, 1.5, n).astype(np.float16)
-    if qt.name not in KQUANTS:
-        pass
-    elif qt == QT.Q6_K:  # ql[128] qh[64] scales[16] d
-        raw[:, 208:210] = (d * np.float16(2e-5)).view(np.uint8).reshape(n, 2)
-    else:  # d, dmin, scales[12], ...
-        dmin = rng.uniform(0.5, 1.5, n).astype(np.float16)
-        raw[:, 0:2] = (d * np.float16(2e-4)).view(np.uint8).reshape(n, 2)
-        raw[:, 2:4] = (dmin * np.float16(1e-4)).view(np.uint8).reshape(n, 2)
+    n = rows * cols // block
+    if qt.name in F16_SCALES:
+        raw = scaled_blocks(qt.name, n, rng)
+    else:
+        raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     return raw.reshape(rows, cols // block * size)
 
 
@@ -192,9 +186,9 @@ def encode(w: torch.Tensor, qt: QT, rng: np.random.Generator) -> tuple[np.ndarra
     if qt == QT.F32:
         data = a.astype(np.float32)
         return data, data.copy()
-    if qt.name in KQUANTS or qt.name in RANDOM_ONLY:
+    if qt.name in F16_SCALES or qt.name in RANDOM_ONLY:
         rows = int(np.prod(a.shape[:-1]))
-        data = _kquant_bytes(qt, rows, a.shape[-1], rng)
+        data = _random_bytes(qt, rows, a.shape[-1], rng)
         data = data.reshape(*a.shape[:-1], -1)
         if qt.name in RANDOM_ONLY:  # no valid scales: a file only to be refused
             return data, np.full(a.shape, np.nan, np.float32)

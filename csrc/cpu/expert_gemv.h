@@ -42,8 +42,10 @@ inline constexpr FmtTraits kFmtTraits[] = {
 // fp32 tile scale, then 128 e4m3 codes). Traits as llama.cpp's type_traits: a row of K
 // inputs is K / block_len blocks of block_bytes bytes (float types: one element a block).
 namespace ggml_type {
-constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12,
-              Q5_K = 13, Q6_K = 14, BF16 = 30, MXFP4 = 39, FP8_B128 = 200;
+constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
+              Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18,
+              IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30,
+              MXFP4 = 39, FP8_B128 = 200;
 }  // namespace ggml_type
 struct TypeTraits {
   const char* name;
@@ -59,9 +61,20 @@ inline constexpr TypeTraits kTypeTraits[] = {
     {"Q5_0", ggml_type::Q5_0, 32, 22},
     {"Q5_1", ggml_type::Q5_1, 32, 24},
     {"Q8_0", ggml_type::Q8_0, 32, 34},
+    {"Q2_K", ggml_type::Q2_K, 256, 84},
+    {"Q3_K", ggml_type::Q3_K, 256, 110},
     {"Q4_K", ggml_type::Q4_K, 256, 144},
     {"Q5_K", ggml_type::Q5_K, 256, 176},
     {"Q6_K", ggml_type::Q6_K, 256, 210},
+    {"IQ2_XXS", ggml_type::IQ2_XXS, 256, 66},
+    {"IQ2_XS", ggml_type::IQ2_XS, 256, 74},
+    {"IQ3_XXS", ggml_type::IQ3_XXS, 256, 98},
+    {"IQ1_S", ggml_type::IQ1_S, 256, 50},
+    {"IQ4_NL", ggml_type::IQ4_NL, 32, 18},
+    {"IQ3_S", ggml_type::IQ3_S, 256, 110},
+    {"IQ2_S", ggml_type::IQ2_S, 256, 82},
+    {"IQ4_XS", ggml_type::IQ4_XS, 256, 136},
+    {"IQ1_M", ggml_type::IQ1_M, 256, 56},
     {"BF16", ggml_type::BF16, 1, 2},
     {"MXFP4", ggml_type::MXFP4, 32, 17},
     {"FP8_B128", ggml_type::FP8_B128, 128, 132},

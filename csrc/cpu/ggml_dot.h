@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "expert_gemv.h"
+#include "ggml_tables.h"
 
 namespace psr::cpu {
 namespace {
@@ -45,6 +46,45 @@ inline void g_k_scale_min(int j, const uint8_t* q, int* sc, int* m) {
     *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
     *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
   }
+}
+
+// v times -1 where `bit` is set: a multiply, not a branch (random signs mispredict).
+inline float g_signed(float v, int bit) { return v * (1.f - 2.f * static_cast<float>(bit)); }
+
+// IQ2_XXS (G = 8 values a grid row, mul 1/4) / IQ3_XXS (G = 4, mul 1/2): per sub-block of
+// 32 a u32 of 4 x 7 sign-index bits and a 4-bit scale; grid indices one byte each.
+template <int G>  // a constant, so the grid offsets fold
+inline void g_iq_xxs(const uint8_t* b, const uint8_t* qs, const uint8_t* aux, const int8_t* grid,
+                     float mul, float* out) {
+  const float d = g_h2f(b);
+  for (int ib = 0; ib < 8; ++ib) {
+    uint32_t a;
+    std::memcpy(&a, aux + (G == 8 ? 8 : 4) * ib, 4);  // IQ2_XXS: after its 4 indices
+    const float db = d * (0.5f + static_cast<float>(a >> 28)) * mul;
+    for (int g = 0; g < 4; ++g) {
+      const uint8_t sb = kKsigns[(a >> (7 * g)) & 127];
+      for (int j = 0; j < 8; ++j) {
+        const int q = G == 8 ? qs[8 * ib + g] : qs[8 * ib + 2 * g + j / 4];
+        const float v = db * static_cast<float>(grid[q * G + j % G]);
+        out[32 * ib + 8 * g + j] = g_signed(v, (sb >> j) & 1);
+      }
+    }
+  }
+}
+
+// IQ2_XS / IQ2_S: a 4-bit scale per 16, grid rows of 8 from 9 / 10 index bits, signs per 8.
+inline void g_iq2_row(float db, const int8_t* grid_row, int signs, float* out) {
+  for (int j = 0; j < 8; ++j) {
+    const float v = db * static_cast<float>(grid_row[j]);
+    out[j] = g_signed(v, (signs >> j) & 1);
+  }
+}
+
+// IQ1_S / IQ1_M: dl (grid + delta), the delta's sign per row of 8.
+inline void g_iq1_row(float dl, int q, bool neg, float* out) {
+  const float delta = static_cast<float>(kIq1Delta8[0]) / 8.f;
+  for (int j = 0; j < 8; ++j)
+    out[j] = dl * (static_cast<float>(kIq1S[8 * q + j]) + (neg ? -delta : delta));
 }
 
 // Dequantize one block of `type` into out[QK]; returns QK.
@@ -132,6 +172,122 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
             o[l] = (l < 16 ? s0 : s1) * static_cast<float>(q);
           }
         }
+      }
+      return 256;
+    }
+    case ggml_type::Q2_K: {  // scales[16] (sc | mn << 4), qs[64], d, dmin: 16 sub-blocks of 16
+      const float d = g_h2f(b + 80), dmin = g_h2f(b + 82);
+      for (int s = 0; s < 16; ++s) {  // elements 16 s.. : bits 2 j of qs[32 n + l]
+        const int n = s / 8, j = (s % 8) / 2, l0 = 16 * (s % 2);
+        const float dl = d * static_cast<float>(b[s] & 0xF);
+        const float ml = dmin * static_cast<float>(b[s] >> 4);
+        const uint8_t* __restrict q = b + 16 + 32 * n + l0;
+        for (int l = 0; l < 16; ++l)
+          out[16 * s + l] = dl * static_cast<float>((q[l] >> (2 * j)) & 3) - ml;
+      }
+      return 256;
+    }
+    case ggml_type::Q3_K: {  // hmask[32], qs[64], scales[12] (6 bits, offset 32), d
+      const float d = g_h2f(b + 108);
+      const uint8_t* sc = b + 96;
+      for (int s = 0; s < 16; ++s) {
+        const int n = s / 8, j = (s % 8) / 2, l0 = 16 * (s % 2), hb = s / 2;
+        const int lo = (sc[s % 8] >> (4 * (s / 8))) & 0xF;
+        const int hi = (sc[8 + s % 4] >> (2 * (s / 4))) & 3;
+        const float dl = d * static_cast<float>((lo | (hi << 4)) - 32);
+        const uint8_t* __restrict q = b + 32 + 32 * n + l0;
+        const uint8_t* __restrict hm = b + l0;
+        for (int l = 0; l < 16; ++l) {  // a clear high bit subtracts 4
+          const int v = ((q[l] >> (2 * j)) & 3) - (((hm[l] >> hb) & 1) ? 0 : 4);
+          out[16 * s + l] = dl * static_cast<float>(v);
+        }
+      }
+      return 256;
+    }
+    case ggml_type::IQ4_NL: {  // d, then nibbles indexing gguf-py's 16 levels
+      const float d = g_h2f(b);
+      for (int i = 0; i < 16; ++i) {
+        out[i] = d * static_cast<float>(kIq4Levels[b[2 + i] & 0xF]);
+        out[i + 16] = d * static_cast<float>(kIq4Levels[b[2 + i] >> 4]);
+      }
+      return 32;
+    }
+    case ggml_type::IQ4_XS: {  // d, scales_h (u16), scales_l[4], 8 sub-blocks of IQ4_NL nibbles
+      const float d = g_h2f(b);
+      const int sh = b[2] | (b[3] << 8);
+      for (int s = 0; s < 8; ++s) {
+        const int lo = (b[4 + s / 2] >> (4 * (s % 2))) & 0xF, hi = (sh >> (2 * s)) & 3;
+        const float dl = d * static_cast<float>((lo | (hi << 4)) - 32);
+        const uint8_t* qs = b + 8 + 16 * s;
+        for (int l = 0; l < 16; ++l) {
+          out[32 * s + l] = dl * static_cast<float>(kIq4Levels[qs[l] & 0xF]);
+          out[32 * s + 16 + l] = dl * static_cast<float>(kIq4Levels[qs[l] >> 4]);
+        }
+      }
+      return 256;
+    }
+    case ggml_type::IQ2_XXS:
+      g_iq_xxs<8>(b, b + 2, b + 6, kIq2Xxs, 0.25f, out);
+      return 256;
+    case ggml_type::IQ3_XXS:
+      g_iq_xxs<4>(b, b + 2, b + 66, kIq3Xxs, 0.5f, out);
+      return 256;
+    case ggml_type::IQ2_XS:   // d, qs[32] u16 (9-bit grid index, 7-bit sign index), scales[8]
+    case ggml_type::IQ2_S: {  // d, qs[32], signs[32], qh[8] (2 bits a row), scales[8]
+      const bool xs = type == ggml_type::IQ2_XS;
+      const float d = g_h2f(b);
+      const uint8_t* sc = b + (xs ? 66 : 74);
+      for (int t = 0; t < 32; ++t) {  // rows of 8
+        const int s = t / 2;
+        const float db =
+            d * (0.5f + static_cast<float>((sc[s / 2] >> (4 * (s % 2))) & 0xF)) * 0.25f;
+        if (xs) {
+          const int q = b[2 + 2 * t] | (b[3 + 2 * t] << 8);
+          g_iq2_row(db, kIq2Xs + 8 * (q & 511), kKsigns[q >> 9], out + 8 * t);
+        } else {
+          const int q = b[2 + t] | (((b[66 + t / 4] >> (2 * (t % 4))) & 3) << 8);
+          g_iq2_row(db, kIq2S + 8 * q, b[34 + t], out + 8 * t);
+        }
+      }
+      return 256;
+    }
+    case ggml_type::IQ3_S: {  // d, qs[64], qh[8] (a bit a row), signs[32], scales[4]
+      const float d = g_h2f(b);
+      for (int i = 0; i < 256; ++i) {
+        const int ib = i / 32, t = i / 4;
+        const float db =
+            d * static_cast<float>(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib % 2))) & 0xF));
+        const int q = b[2 + t] | (((b[66 + t / 8] >> (t % 8)) & 1) << 8);
+        const float v = db * static_cast<float>(kIq3S[4 * q + i % 4]);
+        out[i] = g_signed(v, (b[74 + i / 8] >> (i % 8)) & 1);
+      }
+      return 256;
+    }
+    case ggml_type::IQ1_S: {  // d, qs[32], qh[8] u16 (3 index bits a row, scale, delta sign)
+      const float d = g_h2f(b);
+      for (int ib = 0; ib < 8; ++ib) {
+        const int qh = b[34 + 2 * ib] | (b[35 + 2 * ib] << 8);
+        const float dl = d * static_cast<float>(2 * ((qh >> 12) & 7) + 1);
+        for (int r = 0; r < 4; ++r) {
+          const int t = 4 * ib + r;
+          g_iq1_row(dl, b[2 + t] | (((qh >> (3 * r)) & 7) << 8), (qh & 0x8000) != 0, out + 8 * t);
+        }
+      }
+      return 256;
+    }
+    case ggml_type::IQ1_M: {  // qs[32], qh[16], 4 u16 scales whose top nibbles hold d
+      uint16_t sc[4];
+      std::memcpy(sc, b + 48, 8);
+      const uint16_t bits = static_cast<uint16_t>((sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) |
+                                                  ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000));
+      uint8_t dh[2];
+      std::memcpy(dh, &bits, 2);
+      const float d = g_h2f(dh);
+      for (int t = 0; t < 32; ++t) {
+        const int s = t / 2;
+        const float dl = d * static_cast<float>(2 * ((sc[s / 4] >> (3 * (s % 4))) & 7) + 1);
+        const int h = b[32 + t / 2] >> (4 * (t % 2));
+        g_iq1_row(dl, b[t] | ((h & 7) << 8), (h & 8) != 0, out + 8 * t);
       }
       return 256;
     }

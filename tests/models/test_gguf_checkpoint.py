@@ -457,11 +457,11 @@ def test_unknown_and_unsupported_types(small: Path, tmp_path: Path) -> None:
     with pytest.raises(GGUFError) as e:
         GGUFCheckpoint(small)
     _one_line(e, str(small), "'blk.0.attn_q.weight'", "GGML type 99", "does not know")
-    p = tmp_path / "q2k.gguf"
-    write_gguf(gguf_tiny_model("qwen3_moe", layers=1), p, {"experts": "Q2_K"})
+    p = tmp_path / "tq2_0.gguf"
+    write_gguf(gguf_tiny_model("qwen3_moe", layers=1), p, {"experts": "TQ2_0"})
     with pytest.raises(GGUFError) as e:
         GGUFCheckpoint(p)
-    _one_line(e, str(p), "'blk.0.ffn_gate_exps.weight'", "type Q2_K", "MXFP4")
+    _one_line(e, str(p), "'blk.0.ffn_gate_exps.weight'", "type TQ2_0", "MXFP4")
 
 
 def test_byte_size_disagrees_with_shape(tmp_path: Path) -> None:

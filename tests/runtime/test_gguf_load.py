@@ -19,7 +19,11 @@ from psr.models.gguf import GGUFCheckpoint
 PROMPT = torch.tensor([[1, 50, 7, 900, 33, 2000, 12, 5]])
 NEW = 4
 # One file per expert type (dense in F32: the experts are what is tested), and a mixed one.
-TYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
+TYPES = (
+    *("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"),
+    *("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S"),
+    *("IQ1_S", "IQ1_M"),
+)
 MIXED = {
     "gate": "Q4_K",
     "up": "Q4_K",

@@ -47,7 +47,16 @@ def test_ggml_rows_match_the_reference_on_every_isa(types) -> None:
 
 
 @pytest.mark.parametrize(
-    "types", [("Q4_K", "Q5_K", "Q6_K"), ("Q4_0", "Q6_K", "Q4_0")], ids=lambda t: "-".join(t)
+    "types",
+    [
+        ("Q4_K", "Q5_K", "Q6_K"),
+        ("Q4_0", "Q6_K", "Q4_0"),
+        ("Q2_K", "Q3_K", "IQ4_XS"),
+        ("IQ4_XS", "IQ4_NL", "Q2_K"),
+        ("IQ3_XXS", "IQ2_S", "IQ1_M"),
+        ("IQ1_S", "IQ2_XS", "IQ3_S"),
+    ],
+    ids=lambda t: "-".join(t),
 )
 def test_ggml_rows_of_several_super_blocks_match_the_reference(types) -> None:
     """Rows of 2 and 3 super-blocks (K-quants: scales decoded once per super-block) and Q4_0
@@ -80,7 +89,14 @@ def test_ggml_rows_with_clamped_activation_and_slot_table() -> None:
 
 
 @pytest.mark.parametrize(
-    "types", [("MXFP4", "Q5_0", "Q6_K"), ("Q4_K", "Q5_K", "Q4_0")], ids=lambda t: "-".join(t)
+    "types",
+    [
+        ("MXFP4", "Q5_0", "Q6_K"),
+        ("Q4_K", "Q5_K", "Q4_0"),
+        ("IQ4_NL", "Q3_K", "IQ4_XS"),
+        ("IQ2_XXS", "IQ3_S", "IQ1_M"),
+    ],
+    ids=lambda t: "-".join(t),
 )
 def test_ggml_rows_never_read_past_a_row(types) -> None:
     rng = np.random.default_rng(7)
