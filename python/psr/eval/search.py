@@ -9,7 +9,9 @@ measured on all of them, each configuration's result saved as it completes, a de
   its screening 95% interval is above the budget. Guarantee: a lam whose true Δ nats is
   within the budget is dropped with probability at most 2.5% (the interval's one-sided
   error), so noise on the few windows does not drop a good candidate but rarely; lams
-  whose cost is clearly above the budget are never measured in full.
+  whose cost is clearly above the budget are never measured in full. The 2.5% is
+  nominal: a bootstrap interval over few windows (the items) is narrower than its
+  coverage says, so the real rate is somewhat higher at SCREEN_LEAST windows.
 * **Finalists.** Per residency and n, from the highest lam that screening kept downward,
   each measured on all of set A's windows until one is within the budget (the 95% upper
   bound, as before). With quality cost rising in lam this is the lam the full search over
