@@ -186,7 +186,8 @@ def add_tune(sub: Any) -> None:
         sub,
         "tune",
         "choose Cache-Prior and PSR operating points per residency: selected on held-out "
-        "set A within a quality budget (lams searched coarse to fine), replicated on set B; "
+        "set A within a quality budget (lams screened coarse to fine on 1/8 of set A's "
+        "windows, the finalists measured on all of them), replicated on set B; "
         "psr.load uses them. Each configuration's result is saved as it completes, and the "
         "same command again resumes from them",
     )

@@ -493,13 +493,14 @@ def tune(
     for the budget. Writes the points to the user's folder, keyed by the checkpoint
     (psr.points.model_key), or to `write`, for `psr.load` to use.
 
-    Selection searches `lams` coarse to fine per residency and n (psr.eval.search); every
+    Selection screens `lams` coarse to fine on a few of set A's windows per residency and n
+    and measures the finalists on all of them (psr.eval.search); every
     configuration's result is saved under `out/runs/` as it completes and read back by a
     re-run with the same arguments, which resumes an interrupted tune (`select_from`: the
     `sweep.json` of an earlier selection, to replicate only). `max_minutes`: no
     configuration starts after that many minutes; the tune then reports the best points so
     far, marked as such, writes none, and a re-run resumes."""
-    from psr.eval.search import OutOfTime, Runner, select
+    from psr.eval.search import OutOfTime, Runner, screening, select
 
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
@@ -520,9 +521,12 @@ def tune(
             prompts=TUNE_PROMPTS,  # greedy agreement in set A's table too
             gen_tokens=TUNE_GEN_TOKENS,
         )
+        screen_a = screening(data_a)
         results, finished = select(
-            lambda rc: runner(rc, data_a, "A"), residencies, lams, ns, budget, profiles
-        )
+            lambda rc: runner(rc, data_a, "A"),
+            lambda rc: runner(rc, screen_a, "A-screen"),
+            residencies, lams, ns, budget, profiles,
+        )  # fmt: skip
         if not finished:
             return _stopped(results, residencies, budget, profile, runner, "selecting on set A")
         sel = sweep_report(path, f"{out}/select", results, data_a, residencies, budget, profile)

@@ -1,11 +1,22 @@
-"""`psr tune`'s search (issue 42): coarse-to-fine over lam, each configuration's result
-saved as it completes, a deadline.
+"""`psr tune`'s search (issue 42): lams screened on a few windows of set A, the finalists
+measured on all of them, each configuration's result saved as it completes, a deadline.
 
-* **Coarse to fine.** Per residency and n, three lams of the grid first (its ends and
-  middle), then bisection on the grid between the highest lam within the budget and the
-  next one measured above it, until they are neighbours: with quality cost rising in lam
-  the grid's largest lam within budget is found in about 3 + log2(len) runs instead of
-  len. The point chosen is still the fastest within budget of all measured.
+* **Screening, coarse to fine.** Per residency and n, three lams of the grid first (its
+  ends and middle), then bisection on the grid between the highest lam that *could* be
+  within the budget and the next one screened above it, until they are neighbours; each
+  screened on 1/8 of set A's windows (`screening`, evenly spread, no greedy prompts: about
+  1/8 of a configuration's cost). A lam could be within the budget unless the lower end of
+  its screening 95% interval is above the budget. Guarantee: a lam whose true Δ nats is
+  within the budget is dropped with probability at most 2.5% (the interval's one-sided
+  error), so noise on the few windows does not drop a good candidate but rarely; lams
+  whose cost is clearly above the budget are never measured in full. The 2.5% is
+  nominal: a bootstrap interval over few windows (the items) is narrower than its
+  coverage says, so the real rate is somewhat higher at SCREEN_LEAST windows.
+* **Finalists.** Per residency and n, from the highest lam that screening kept downward,
+  each measured on all of set A's windows until one is within the budget (the 95% upper
+  bound, as before). With quality cost rising in lam this is the lam the full search over
+  set A finds, unless screening dropped it (the 2.5% above); the point chosen is the
+  fastest within budget of all measured in full, and set B replicates it as before.
 * **Saved results.** Each configuration's result is a JSON file under the run folder as
   soon as it is measured, keyed by the checkpoint (psr.points.model_key), the data it was
   measured on and the configuration; a re-run with the same arguments reads them instead
@@ -17,6 +28,7 @@ saved as it completes, a deadline.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -36,8 +48,30 @@ from psr.policy import make_policy
 _NOT_SAVED = ("trace", "mode_starts", "mode_traces")
 
 
+# Screening measures 1/SCREEN_SHARE of set A's windows, at least SCREEN_LEAST of them.
+SCREEN_SHARE = 8
+SCREEN_LEAST = 8
+
+
 class OutOfTime(Exception):
     """The deadline passed before a configuration that still had to be measured."""
+
+
+def screening(data: EvalData) -> EvalData:
+    """`data`'s screening subset: 1/SCREEN_SHARE of its windows (at least SCREEN_LEAST, at
+    most all), evenly spread over them, without greedy prompts or cloze (scored NLL and
+    the trace the latency model replays are all screening reads)."""
+    n = len(data.windows)
+    k = min(n, max(SCREEN_LEAST, n // SCREEN_SHARE))
+    step = n // k if k else 1
+    return dataclasses.replace(
+        data,
+        windows=data.windows[::step][:k],
+        prompts=[],
+        gen_tokens=0,
+        cloze=[],
+        source=f"{data.source} (screening: {k} of {n} windows)",
+    )
 
 
 def coarse_indices(n: int) -> list[int]:
@@ -127,49 +161,67 @@ class Runner:
 
 
 def within(r: dict[str, Any], budget: float) -> bool:
+    """The 95% upper bound of `r`'s Δ nats/token is within `budget`: a point may be chosen."""
     return bool(r.get("delta_nll", {}).get("hi", float("inf")) <= budget)
+
+
+def could_be_within(r: dict[str, Any], budget: float) -> bool:
+    """The lower end of `r`'s 95% interval is within `budget`: screening keeps it."""
+    return bool(r.get("delta_nll", {}).get("lo", float("inf")) <= budget)
 
 
 def select(
     run: Callable[[RunConfig], dict[str, Any]],
+    screen: Callable[[RunConfig], dict[str, Any]],
     residencies: Sequence[float],
     lams: Sequence[float],
     ns: Sequence[int],
     budget: float,
     profiles: Sequence[str],
 ) -> tuple[list[dict[str, Any]], bool]:
-    """Exact, then Cache-Prior (n = 0) and PSR (n > 0) over `lams`, coarse to fine (see the
-    module's docstring), at each residency: (every result, compared with exact at its
-    residency; whether the search finished: False when `run` raised OutOfTime)."""
+    """Exact, then Cache-Prior (n = 0) and PSR (n > 0) over `lams` at each residency:
+    screened with `screen` coarse to fine, the finalists measured with `run` (see the
+    module's docstring). Returns (every `run` result, compared with exact at its residency;
+    whether the search finished: False when a run raised OutOfTime)."""
     grid = sorted(set(lams))
     results: list[dict[str, Any]] = []
-    done: dict[tuple[float, int], dict[int, dict[str, Any]]] = {}
+    screened: dict[tuple[float, int], dict[int, dict[str, Any]]] = {}
+    exact: dict[float, dict[str, Any]] = {}  # screened
 
-    def measure(rho: float, n: int, i: int) -> None:
-        pol = make_policy("cache-prior", grid[i]) if n == 0 else make_policy("psr", grid[i], n)
-        r = run(RunConfig(pol, rho))
-        results.append(r)
-        done.setdefault((rho, n), {})[i] = r
+    def policy(n: int, i: int) -> Any:
+        return make_policy("cache-prior", grid[i]) if n == 0 else make_policy("psr", grid[i], n)
+
+    def screen_round(todo: list[tuple[float, int, int]]) -> None:
+        for rho, n, i in todo:
+            screened.setdefault((rho, n), {})[i] = screen(RunConfig(policy(n, i), rho))
+        compare([*exact.values(), *(r for rs in screened.values() for r in rs.values())], profiles)
+
+    def kept(rs: dict[int, dict[str, Any]]) -> dict[int, bool]:
+        return {i: could_be_within(r, budget) for i, r in rs.items()}
 
     try:
-        for rho in residencies:
-            results.append(run(RunConfig(make_policy("exact"), rho)))
-        for rho in residencies:
-            for n in ns:
-                for i in coarse_indices(len(grid)):
-                    measure(rho, n, i)
-        while True:
-            compare(results, profiles)
-            todo = [
-                (rho, n, i)
-                for (rho, n), rs in done.items()
-                if (i := next_index({j: within(r, budget) for j, r in rs.items()}, len(grid)))
-                is not None
-            ]
-            if not todo:
-                return results, True
-            for rho, n, i in todo:
-                measure(rho, n, i)
+        exact.update({rho: screen(RunConfig(make_policy("exact"), rho)) for rho in residencies})
+        screen_round(
+            [(rho, n, i) for rho in residencies for n in ns for i in coarse_indices(len(grid))]
+        )
+        while todo := [
+            (rho, n, i)
+            for (rho, n), rs in screened.items()
+            if (i := next_index(kept(rs), len(grid))) is not None
+        ]:
+            screen_round(todo)
+        full = {rho: run(RunConfig(make_policy("exact"), rho)) for rho in residencies}
+        results.extend(full.values())
+        for (rho, n), rs in screened.items():
+            top = max((i for i, ok in kept(rs).items() if ok), default=-1)
+            for i in range(top, -1, -1):  # from the highest kept lam down to one within
+                r = run(RunConfig(policy(n, i), rho))
+                results.append(r)
+                compare([full[rho], r], profiles)
+                if within(r, budget):
+                    break
+        return results, True
     except OutOfTime:
-        compare(results, profiles)
         return results, False
+    finally:
+        compare(results, profiles)
