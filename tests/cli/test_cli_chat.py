@@ -63,7 +63,7 @@ def _reference(ckpt: Path, messages: list[dict[str, str]], new: int) -> str:
     """model.generate's greedy answer to `messages` under the chat's template and stops."""
     with psr.load(ckpt, "exact", 0.5, progress=False) as model:
         tok = model.tokenizer
-        ids, source = prompt_ids(tok, messages)
+        ids, source, _ = prompt_ids(tok, messages)
         assert source == "fallback"  # the tiny tokenizer has no template
         out = model.generate(ids, new)[0, len(ids) :].tolist()
     text = tok.decode(out, skip_special_tokens=True)

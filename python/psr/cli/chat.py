@@ -214,7 +214,7 @@ class Chat:
         from psr.serve.chat import prompt_ids
 
         self.messages.append({"role": "user", "content": text})
-        ids, source = prompt_ids(self.model.tokenizer, self.messages)
+        ids, source, _ = prompt_ids(self.model.tokenizer, self.messages)
         room = (self.model.context or len(ids) + self.max_new_tokens) - len(ids)
         if room < 1:
             self.messages.pop()
