@@ -25,7 +25,8 @@ kernels; references in `psr_kernels.cache_state_ref`), copy lists for the store'
 Expert row formats (`psr_kernels.rowformat`, one table): RowFormat.parse(word) -> the
 format (NATIVE, BF16, INT8, FP8, INT4, or GGUF's blocks per part); fmt.layout(H, F, group)
 -> where each part sits (FloatLayout | QuantLayout | GGMLLayout); fmt.cpu_layout(...) ->
-CpuLayout (the CPU kernels'); fmt.dequantize(rows, H, F) -> the reference's matrices;
+CpuLayout (the CPU kernels'); expert_ffn.dequantize_rows(fmt, rows, H, F) -> the
+reference's matrices;
 BlockType traits of GGML's block types (BLOCK_TYPE_TRAITS). `fmt=` takes a RowFormat or
 its word everywhere.
 Slab layout: pack_expert(gate, up, down) -> row; unpack_expert(row, H, F) -> views.

@@ -37,6 +37,7 @@ from psr_kernels.activation import SILU, Activation, glu
 from psr_kernels.ggml import (
     _ggml_down_kernel,
     _ggml_gate_up_kernel,
+    dequantize_ggml_expert,
     ggml_launch_config,
     ggml_part_args,
 )
@@ -45,6 +46,7 @@ from psr_kernels.quant import (
     _quant_gate_up_kernel,
     check_aligned,
     check_quant_slab,
+    dequantize_expert,
     quant_launch_config,
     quant_part_args,
 )
@@ -161,6 +163,20 @@ def _down_kernel(
 
 
 # --------------------------------------------------------------------------- slab layout
+
+
+def dequantize_rows(
+    fmt: RowFormat, rows: torch.Tensor, hidden_size: int, ffn_size: int, group_size: int = 128
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(gate [..., F, H], up [..., F, H], down [..., H, F])` of rows `[..., row]` of
+    format `fmt`: views of float rows, or the reference dequantizer's fp32 matrices (here,
+    not on RowFormat, so the table imports no kernel module)."""
+    if fmt.is_float:
+        return unpack_expert(rows, hidden_size, ffn_size)
+    if fmt.is_blocks:
+        lay = GGMLLayout.of(fmt, hidden_size, ffn_size)
+        return dequantize_ggml_expert(rows, lay)
+    return dequantize_expert(rows, hidden_size, ffn_size, fmt, group_size=group_size)
 
 
 def unpack_expert(
@@ -542,7 +558,7 @@ def expert_row_ffn_ref(
     kernels do. Returns `[N, H]` in x's dtype.
     """
     rf = RowFormat.of_kernel("expert_row_ffn_ref", fmt)
-    gate, up, down = rf.dequantize(row, hidden_size, ffn_size, group_size)
+    gate, up, down = dequantize_rows(rf, row, hidden_size, ffn_size, group_size)
     dtype = x.dtype if rf.is_float and row.dtype == x.dtype else torch.float32
     return swiglu_ref(x, gate, up, down, dtype, act, bias).to(x.dtype)
 
@@ -583,7 +599,7 @@ def expert_ffn_ref(
             present = slots != -1
             slots = torch.where(present, slots, 0)
     # gate/up [T, k, F, H], down [T, k, H, F]; x as [T, 1, 1, H]: one row per expert.
-    gate, up, down = rf.dequantize(slab[slots.long()], hidden_size, ffn_size, group_size)
+    gate, up, down = dequantize_rows(rf, slab[slots.long()], hidden_size, ffn_size, group_size)
     w = weights.float()[..., None, None]  # [T, k, 1, 1]
     xin = x[:, None, None, :] * w if scale_input else x[:, None, None, :]
     out = swiglu_ref(xin, gate, up, down, act=act, bias=bias).squeeze(-2)  # [T, k, H]

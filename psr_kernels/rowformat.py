@@ -242,25 +242,6 @@ class RowFormat:
             str(dtype).removeprefix("torch."), row_bytes
         )
 
-    def dequantize(
-        self, rows: torch.Tensor, hidden_size: int, ffn_size: int, group_size: int = 128
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`(gate [..., F, H], up [..., F, H], down [..., H, F])` of rows `[..., row]`:
-        views of float rows, or the reference dequantizer's fp32 matrices."""
-        if self.is_float:
-            from psr_kernels.expert_ffn import unpack_expert
-
-            return unpack_expert(rows, hidden_size, ffn_size)
-        if self.is_blocks:
-            from psr_kernels.ggml import dequantize_ggml_expert
-
-            lay = self.layout(hidden_size, ffn_size)
-            assert isinstance(lay, GGMLLayout)
-            return dequantize_ggml_expert(rows, lay)
-        from psr_kernels.quant import dequantize_expert
-
-        return dequantize_expert(rows, hidden_size, ffn_size, self, group_size=group_size)
-
 
 FormatLike = RowFormat | str | None  # a format or its word (None: float rows), at a boundary
 

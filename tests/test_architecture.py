@@ -60,12 +60,28 @@ def _modules() -> dict[str, Path]:
     return out
 
 
-def _imports(path: Path, module: str) -> set[str]:
-    """Every module a file imports, at any depth (function-local imports included)."""
+def _run_time_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node of `tree` but those under `if TYPE_CHECKING:` (imports for annotations
+    only, which never run)."""
+    out: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            todo.extend(node.orelse)
+        else:
+            todo.extend(ast.iter_child_nodes(node))
+    return out
+
+
+def _imports(path: Path, module: str, typing_too: bool = True) -> set[str]:
+    """Every module a file imports, at any depth (function-local imports included; those
+    under `if TYPE_CHECKING:` unless `typing_too` is False)."""
     tree = ast.parse(path.read_text(), str(path))
     found: set[str] = set()
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(tree):
+    for node in ast.walk(tree) if typing_too else _run_time_nodes(tree):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -87,6 +103,7 @@ def _layer(name: str) -> int | None:
 
 MODULES = _modules()
 IMPORTS = {m: _imports(p, m) for m, p in MODULES.items()}
+RUN_TIME_IMPORTS = {m: _imports(p, m, typing_too=False) for m, p in MODULES.items()}
 
 
 def test_the_tree_is_what_the_layers_name() -> None:
@@ -258,9 +275,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
 
 def test_no_import_circle() -> None:
     """No module imports, even lazily, one that imports it back (package roots, which
-    only re-export, aside)."""
+    only re-export, and annotation-only imports under TYPE_CHECKING aside)."""
     files = {m for m, p in MODULES.items() if p.name != "__init__.py"}
-    graph = {m: IMPORTS[m] & files for m in files}
+    graph = {m: RUN_TIME_IMPORTS[m] & files for m in files}
     assert _cycle(graph) == []
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 

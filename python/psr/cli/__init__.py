@@ -24,12 +24,12 @@ from typing import NoReturn
 
 from psr.cli.args import Formatter, UsageError
 from psr.cli.bench import add_bench
-from psr.cli.chat import add_chat
 from psr.cli.evaluate import add_demo, add_eval, add_tune
 from psr.cli.generate import add_generate
 from psr.cli.info import add_info
 from psr.cli.lm_eval import NAME as LM_EVAL
 from psr.cli.lm_eval import add_lm_eval, run_lm_eval
+from psr.cli.repl import add_chat
 from psr.cli.serve import add_serve
 
 __all__ = ["EXIT_INTERRUPT", "EXIT_RUNTIME", "EXIT_USAGE", "UsageError", "build_parser", "main"]

@@ -243,6 +243,8 @@ def check_policy_options(args: argparse.Namespace) -> None:
     from psr.policy import make_policy
 
     check_threads(args.threads)
+    if args.slots == 0 and args.experts_on == "gpu":
+        raise UsageError("--slots 0 needs --experts-on cpu or hybrid (a gpu slab holds top_k)")
     try:
         make_policy(args.policy, args.lam, args.n)
     except ValueError as e:
