@@ -138,3 +138,20 @@ def test_the_split_from_a_profile_and_bad_input(ckpt) -> None:
     assert rt.prefill_split == PrefillSplit((3, 3, 3))
     with pytest.raises(ValueError, match="2 thresholds for 3 MoE layers"):
         model.set_prefill_split(PrefillSplit((1, 2)))
+
+
+def test_pageable_rows_are_copied_only(ckpt) -> None:
+    """The CPU kernels read host rows in place: a layer with pageable rows takes no split
+    (refused when asked for, off when chosen from the profile)."""
+    ref = _model(ckpt, None)
+    m = ref.memory(context=1)
+    ref.close()
+    budget = m["device_dense"] + m["device_slab"] + m["host_experts"] // 4
+    paged = psr.load(ckpt, "psr", 0.5, lam=0.3, n=1, progress=False, host_memory=budget)
+    assert paged.memory()["pageable_experts"] > 0
+    with pytest.raises(ValueError, match="held in host memory"):
+        paged.set_prefill_split(PrefillSplit((3, 3, 3)))
+    c = paged.runtime.spec
+    key = shape_key(c.hidden_size, c.ffn_size, str(paged.runtime.store.dtype)[6:])
+    prof = MachineProfile(fingerprint(1, "none", "0"), 0.0, 1e10, {key: ShapeCosts(1, 1e-4, 1e-3)})
+    assert paged.set_prefill_split(profile=prof) == PrefillSplit.off(3)
