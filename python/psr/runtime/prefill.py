@@ -17,8 +17,8 @@ that chose it. Where they are read from:
         current one computes (double-buffered slots; `run_prefill`); except the experts
         the runtime's `PrefillSplit` (psr.machine: per layer, from the machine profile's
         copy and CPU costs) puts on the CPU, those with fewer tokens in the chunk than the
-        layer's threshold: computed from their host rows by the CPU kernels, after the
-        device's work for the layer is issued, so the two overlap (`split_experts`).
+        layer's threshold: computed from their host rows by the CPU kernels on a worker
+        thread while this one issues the copies and the device's work (`split_experts`).
         Where an expert is computed never changes the routing or the seed: the plan
         seeds from the routed ids alone, and a seeded expert computed on the CPU is
         copied into its slot like any other seed.
@@ -32,6 +32,7 @@ as the host path does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -143,7 +144,7 @@ def cpu_part(rt: StepContext, layer: MoELayer, x: torch.Tensor, ids: torch.Tenso
              weights: torch.Tensor, experts: list[int]) -> SidePart:  # fmt: skip
     """The CPU experts `experts` of a split prefill layer over the chunk, from the host
     rows; its inputs are brought to the host now (the layer has routed: no stall), its
-    compute runs when called."""
+    compute runs when called (on run_prefill's worker thread)."""
     compute, host = rt.computes[layer.index], rt.store.host(layer.index)
     only = torch.zeros(rt.spec.num_experts, dtype=torch.bool)
     only[experts] = True
@@ -181,20 +182,36 @@ def run_prefill(
 ) -> torch.Tensor:
     """Exact experts of `x [T, H]` routed to `ids [T, k]` with `weights [T, k]`, by the
     plan: copies into the slab (the next ones in flight while one computes), each expert
-    read from its slot; then `side` (the CPU part of a split layer: its experts are not
-    in the plan) while the device runs what was issued. Sums in fp32; returns x's dtype."""
+    read from its slot; `side` (the CPU part of a split layer: its experts are not in the
+    plan) beside them on a worker thread. Sums in fp32; returns x's dtype."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    # The CPU part on a worker thread (the CPU kernels release the GIL) while this one
+    # issues the copies and the device's experts; added last, so the sum's order is fixed.
+    cpu = None if side is None else _side_worker().submit(side)
     issued = 0
-    for i, (e, slot, _fresh) in enumerate(plan.reads):
-        tok, pos = torch.where(ids == e)
-        issued = _issue(store, layer, plan.reads, i, issued)
-        with store.reading(layer, [slot], [e]) as slab:
-            y = ffn(slab[slot], x[tok], e, weights[tok, pos])
-        out.index_add_(0, tok, y.float())
-    if side is not None:
-        out += side().to(out.device)
+    try:
+        for i, (e, slot, _fresh) in enumerate(plan.reads):
+            tok, pos = torch.where(ids == e)
+            issued = _issue(store, layer, plan.reads, i, issued)
+            with store.reading(layer, [slot], [e]) as slab:
+                y = ffn(slab[slot], x[tok], e, weights[tok, pos])
+            out.index_add_(0, tok, y.float())
+    finally:
+        part = None if cpu is None else cpu.result()  # never left running past the layer
+    if part is not None:
+        out += part.to(out.device)
     seed_copies(store, layer, plan)
     return out.to(x.dtype)
+
+
+_SIDE: list[ThreadPoolExecutor] = []
+
+
+def _side_worker() -> ThreadPoolExecutor:
+    """The one thread split prefill layers compute their CPU part on (created once)."""
+    if not _SIDE:
+        _SIDE.append(ThreadPoolExecutor(1, thread_name_prefix="psr-prefill-cpu"))
+    return _SIDE[0]
 
 
 def seed_copies(store: ExpertStore, layer: int, plan: PrefillPlan) -> None:
