@@ -101,7 +101,7 @@ def main() -> None:
     table = None if a.dry_run else record_union(a.prompts)
     unions = {} if table is None else {"olmoe-1b-7b": ttft.recorded_union(table, 64)}
     rows = ttft.ttft_rows(chunk=a.chunk, unions=unions)
-    md = ttft.ttft_report(unions=unions)
+    md = ttft.ttft_report(unions=unions, chunk=a.chunk)
     if a.dry_run:
         print(md)
         return

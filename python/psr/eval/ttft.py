@@ -382,13 +382,16 @@ def goal(rows: Sequence[dict[str, Any]], profile: str = "rtx4090") -> dict[str, 
 
 
 def ttft_report(
-    profiles: Sequence[str] = ("rtx4090", "h200"), unions: dict[str, Union] | None = None
+    profiles: Sequence[str] = ("rtx4090", "h200"),
+    unions: dict[str, Union] | None = None,
+    chunk: int = 512,
 ) -> str:
-    """What `psr demo` / `psr eval` print: the modeled table, the goal line, the peers'."""
-    rows = ttft_rows(profiles, unions=unions)
+    """What `psr bench ttft` prints (and `psr demo` / `psr eval` may): the modeled table,
+    the goal line, the peers' figures."""
+    rows = ttft_rows(profiles, chunk=chunk, unions=unions)
     g = goal(rows) if "rtx4090" in profiles else None
     text = [
-        f"modeled time to first token (s; chunk 512, MFU {MFU:g} assumed; psr.eval.ttft)",
+        f"modeled time to first token (s; chunk {chunk}, MFU {MFU:g} assumed; psr.eval.ttft)",
         ttft_table(rows),
     ]
     if g is not None:
