@@ -30,3 +30,13 @@ def test_prefill_stage_dry_run(tmp_path: Path) -> None:
     assert off["cpu_experts"] == 0 < on["cpu_experts"]
     assert on["prefill_copies"] < off["prefill_copies"]
     assert row["same_first_token"] and on["tok_s"] > 0 and off["ttft_s"] > 0
+    # gpu_bench.sh's summary shows the stage
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_summary
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    table = gpu_summary.prefill_lines(tmp_path)
+    assert table[1].startswith("## Prefill") and table[-1].startswith(
+        "| embedded (bf16 rows) | 24 | 3 |"
+    )
