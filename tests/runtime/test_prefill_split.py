@@ -29,8 +29,8 @@ def ckpt(tmp_path_factory) -> Path:
     return write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("split") / "olmoe")
 
 
-def _model(ckpt: Path, split: PrefillSplit | None) -> psr.OffloadedModel:
-    model = psr.load(ckpt, "psr", 0.5, lam=0.3, n=1, progress=False)
+def _model(ckpt: Path, split: PrefillSplit | None, **kw) -> psr.OffloadedModel:
+    model = psr.load(ckpt, "psr", 0.5, lam=0.3, n=1, progress=False, **kw)
     model.set_prefill_chunk(CHUNK)
     model.runtime.prefill_reads = "slab"  # CUDA's path, on the CPU backend
     if split is not None:
@@ -61,11 +61,12 @@ def test_split_experts_by_threshold() -> None:
     assert split_experts(split, 1, ids, 6) == ([], [0, 1, 2, 3])
 
 
+@pytest.mark.parametrize("fmt", ["native", "int8"])
 def test_the_split_computes_the_chosen_experts_on_the_cpu_and_changes_no_routing(
-    ckpt, monkeypatch
+    ckpt, monkeypatch, fmt
 ) -> None:
     monkeypatch.setenv("PSR_COPY_DELAY_US", "1000")
-    base = _run(_model(ckpt, None))
+    base = _run(_model(ckpt, None, expert_format=fmt))
     split = PrefillSplit((3, 2, 0))  # layer 0: experts of 1-2 tokens on the CPU; 1: 1; 2: none
     calls: list[tuple[int, list[int]]] = []
     real = ExpertCompute.grouped_host
@@ -76,7 +77,7 @@ def test_the_split_computes_the_chosen_experts_on_the_cpu_and_changes_no_routing
         return real(self, x, ids, weights, host, bias, only=only, out_dtype=out_dtype)
 
     monkeypatch.setattr(ExpertCompute, "grouped_host", spy)
-    model = _model(ckpt, split)
+    model = _model(ckpt, split, expert_format=fmt)
     got = _run(model)
     monkeypatch.setattr(ExpertCompute, "grouped_host", real)
     # routing, the seed and the decode counts identical; tokens equal; logits within rounding
