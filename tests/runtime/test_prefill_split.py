@@ -156,3 +156,17 @@ def test_pageable_rows_are_copied_only(ckpt) -> None:
     key = shape_key(c.hidden_size, c.ffn_size, str(paged.runtime.store.dtype)[6:])
     prof = MachineProfile(fingerprint(1, "none", "0"), 0.0, 1e10, {key: ShapeCosts(1, 1e-4, 1e-3)})
     assert paged.set_prefill_split(profile=prof) == PrefillSplit.off(3)
+
+
+def test_a_failed_copy_beside_the_cpu_part_raises_and_recovers(ckpt) -> None:
+    split = PrefillSplit((3, 3, 3))
+    want = _run(_model(ckpt, split))[0]
+    model = psr.load(ckpt, "psr", 0.5, lam=0.3, n=1, progress=False, copy_retries=0)
+    model.set_prefill_chunk(CHUNK)
+    model.runtime.prefill_reads = "slab"
+    model.set_prefill_split(split)
+    model.runtime.store.fail_next_copies(1)
+    with pytest.raises(psr.CopyError):
+        model.generate(PROMPT, max_new_tokens=NEW)
+    model.runtime.store.fail_next_copies(0)
+    assert _run(model)[0] == want

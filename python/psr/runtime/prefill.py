@@ -32,7 +32,7 @@ as the host path does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -140,8 +140,14 @@ def split_experts(
 SidePart = Callable[[], torch.Tensor]
 
 
-def cpu_part(rt: StepContext, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor,
-             weights: torch.Tensor, experts: list[int]) -> SidePart:  # fmt: skip
+def cpu_part(
+    rt: StepContext,
+    layer: MoELayer,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: list[int],
+) -> SidePart:
     """The CPU experts `experts` of a split prefill layer over the chunk, from the host
     rows; its inputs are brought to the host now (the layer has routed: no stall), its
     compute runs when called (on run_prefill's worker thread)."""
@@ -196,10 +202,12 @@ def run_prefill(
             with store.reading(layer, [slot], [e]) as slab:
                 y = ffn(slab[slot], x[tok], e, weights[tok, pos])
             out.index_add_(0, tok, y.float())
-    finally:
-        part = None if cpu is None else cpu.result()  # never left running past the layer
-    if part is not None:
-        out += part.to(out.device)
+    except BaseException:
+        if cpu is not None:
+            wait([cpu])  # never left running past the layer; the loop's error is raised
+        raise
+    if cpu is not None:
+        out += cpu.result().to(out.device)
     seed_copies(store, layer, plan)
     return out.to(x.dtype)
 
