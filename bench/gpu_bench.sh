@@ -29,6 +29,8 @@
 #                     bf16 (four policies) and int8, int4, fp8 (exact and psr)
 #   kernels   60/30   each Triton kernel vs its torch reference
 #   ggml      45/25   GGUF block formats' expert GEMV (Triton) vs bf16 and int4 rows, GB/s
+#   prefill   90/40   TTFT and prefill tok/s at 512 / 4k tokens, the per-expert CPU split off
+#                     and on, embedded model and a synthetic Q4_K_M-like GGUF (issue 36)
 #   decode   120/70   real decoding, OLMoE-1B-7B shape (random weights), four policies
 #   tiers     60/20   held (pinned) vs pageable rows through the staging ring, GB/s
 set -uo pipefail
@@ -38,7 +40,7 @@ REHEARSE=${PSR_BENCH_REHEARSE:-0}
 for arg in "$@"; do
   case $arg in
     --rehearse) REHEARSE=1 ;;
-    -h | --help) sed -n 2,31p "$0"; exit 0 ;;
+    -h | --help) sed -n 2,33p "$0"; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -86,7 +88,7 @@ else
   R=()
 fi
 
-STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml experts_on decode tiers}
+STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml experts_on prefill decode tiers}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 summarize() { timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/null 2>&1; }
@@ -189,6 +191,10 @@ fi
 # hand-off in stream order on the device step; graphs too), one layer of the Qwen3-30B shape.
 stage experts_on 150 "$PY" bench/experts_on.py --device cuda --layers 1 \
   --ckpt /tmp/psr-experts-on/qwen3moe-1l --tokens 16 --rounds 2 --out "$OUT/experts_on.json"
+# 8b. Prefill (issue 36): time to first token and tok/s at 512 / 4k-token prompts, chunk 512,
+#     residency 0.25, the per-expert CPU split off and on (threshold from this machine's copy
+#     and CPU costs of the model's rows); fail-soft per model, prefill.json after each.
+stage prefill 90 "$PY" bench/gpu_prefill.py --out "$OUT" ${R[@]+"${R[@]}"}
 stage decode 120 "$PY" bench/gpu_decode.py --out "$OUT" ${R[@]+"${R[@]}"}
 
 # 9. Memory tiers (issue 28): copies of held (pinned) rows vs pageable rows read from a file

@@ -254,6 +254,38 @@ def modes_lines(out: Path) -> list[str]:
     return lines
 
 
+def prefill_lines(out: Path) -> list[str]:
+    """The prefill stage (bench/gpu_prefill.py): TTFT and tok/s with the CPU split off / on."""
+    d = load(out, "prefill.json")
+    if not isinstance(d, dict) or not d.get("models"):
+        return []
+    lines = [
+        "",
+        f"## Prefill: time to first token, the CPU split off / on ({d.get('device')}, "
+        f"chunk {d.get('chunk')})",
+        "",
+        "| model | prompt | threshold | TTFT off s | TTFT on s | tok/s off | tok/s on | on/off "
+        "| copies off / on | CPU experts | same first token |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, m in d["models"].items():
+        if "error" in m:
+            lines.append(f"| {name} | error: {str(m['error'])[:160]} |" + " |" * 9)
+            continue
+        for T, r in m.get("prompts", {}).items():
+            if "skipped" in r:
+                lines.append(f"| {name} | {T} | {r['skipped']} |" + " |" * 8)
+                continue
+            off, on = r["off"], r["on"]
+            lines.append(
+                f"| {name} | {T} | {m['threshold']} | {off['ttft_s']:.3f} | {on['ttft_s']:.3f} "
+                f"| {off['tok_s']:.0f} | {on['tok_s']:.0f} | {r['on_over_off_tok_s']:.2f}x | "
+                f"{off['prefill_copies']} / {on['prefill_copies']} | {on['cpu_experts']} | "
+                f"{r['same_first_token']} |"
+            )
+    return lines
+
+
 def summary(out: Path) -> str:
     mode = (out / "MODE").read_text().strip() if (out / "MODE").is_file() else "?"
     v = load(out, "versions.json") or {}
@@ -300,6 +332,7 @@ def summary(out: Path) -> str:
         )
     lines += gather_lines(out)
     lines += modes_lines(out)
+    lines += prefill_lines(out)
     copy = load(out, "copy.json")
     if isinstance(copy, dict):
         lines += [

@@ -47,6 +47,7 @@ from psr.cache import LogicalCache
 from psr.eval.latency import Profile, simulate
 from psr.eval.labels import pct
 from psr.eval.report import markdown_table
+from psr.eval.ttft import ttft_report
 from psr.policy import make_policy
 from psr.runtime.trace import Copy, LayerStep, Trace
 
@@ -86,6 +87,7 @@ print(json.dumps({
     "cache": [use.hits, [m.expert for m in use.misses], cache.order()],
     "vocab": [vocab.canonical_dtype("torch.bf16"), vocab.expert_format("native")],
     "profiles": list(defaults.DEFAULT_PROFILES),
+    "ttft": ttft_report().splitlines()[0],
 }))
 """
 
@@ -118,3 +120,4 @@ def test_pure_modules_work_without_torch() -> None:
     assert r["cache"] == [0, [1, 4], [4, 1]]  # lower id ends most recent
     assert r["vocab"] == ["bfloat16", None]
     assert r["profiles"] == ["rtx4090", "h200"]
+    assert r["ttft"].startswith("modeled time to first token")

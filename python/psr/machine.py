@@ -266,3 +266,68 @@ def hybrid_caps(
         assert profile is not None
         caps.append(choose_inserts(M, top_k, c.copy_s, profile.cpu_fixed_s, c.cpu_expert_s))
     return caps
+
+
+# ------------------------------------------------------------------ prefill (issue 36)
+
+# No measured costs for a layer's experts: prefill copies every expert it uses (CUDA) or
+# reads every one from the host rows (the CPU backend, which copies nothing anyway).
+DEFAULT_PREFILL_CPU_BELOW = 0
+
+
+def prefill_threshold(copy_s: float, cpu_expert_s: float) -> int:
+    """The tokens per expert below which computing an expert on the CPU from its host row
+    is cheaper than copying it: the smallest t with t * cpu_expert_s >= copy_s (the CPU
+    kernels read the row once per token, so t tokens cost t times one; ties go to the
+    copy, which also leaves the expert in a slot). 1: never on the CPU."""
+    for name, v in (("copy_s", copy_s), ("cpu_expert_s", cpu_expert_s)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"prefill_threshold: {name} must be a finite time >= 0, got {v!r}")
+    if cpu_expert_s <= 0:
+        raise ValueError("prefill_threshold: cpu_expert_s must be > 0 (a measured CPU time)")
+    t = max(1, math.ceil(copy_s / cpu_expert_s))
+    while t > 1 and (t - 1) * cpu_expert_s >= copy_s:  # float ratios a hair above an int
+        t -= 1
+    return t
+
+
+@dataclass(frozen=True)
+class PrefillSplit:
+    """Where a prefill chunk computes each expert it uses, per MoE layer: an expert
+    chosen by fewer than `cpu_below[layer]` of the chunk's tokens on the CPU from its
+    host row, every other one copied into a slot and computed on the device (0 or 1: all
+    copied). Hashable: part of a model's configuration (the two paths round differently)."""
+
+    cpu_below: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for t in self.cpu_below:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"PrefillSplit: cpu_below {t!r} must be an int >= 0 (tokens)")
+
+    @classmethod
+    def off(cls, layers: int) -> PrefillSplit:
+        """Every expert copied (the default without measured costs)."""
+        return cls((DEFAULT_PREFILL_CPU_BELOW,) * layers)
+
+    @property
+    def active(self) -> bool:
+        return any(t > 1 for t in self.cpu_below)
+
+    def on_cpu(self, layer: int, tokens: int) -> bool:
+        """Whether MoE layer `layer` computes an expert used by `tokens` tokens on the CPU."""
+        return 0 < tokens < self.cpu_below[layer]
+
+
+def prefill_split(profile: MachineProfile | None, keys: list[str]) -> PrefillSplit:
+    """The split per MoE layer (`keys`: each layer's `shape_key`) from the profile's costs:
+    `prefill_threshold(copy_s, cpu_expert_s)` where both were measured, else every expert
+    copied (DEFAULT_PREFILL_CPU_BELOW: a guess could only slow prefill down)."""
+    below = []
+    for k in keys:
+        c = None if profile is None else profile.shapes.get(k)
+        if c is None or c.copy_s is None or c.cpu_expert_s <= 0:
+            below.append(DEFAULT_PREFILL_CPU_BELOW)
+        else:
+            below.append(prefill_threshold(c.copy_s, c.cpu_expert_s))
+    return PrefillSplit(tuple(below))

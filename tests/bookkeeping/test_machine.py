@@ -81,3 +81,40 @@ def test_profile_round_trip_and_fingerprint_warning(tmp_path: Path, monkeypatch)
     (tmp_path / mc.MACHINE_FILE).write_text("{}")
     with pytest.raises(ValueError, match="not a psr machine profile"):
         mc.read_profile()
+
+
+@pytest.mark.parametrize("copy_s", [0.0, 5e-5, 1e-4, 2.5e-4, 3e-4, 1e-3, 0.7e-3])
+@pytest.mark.parametrize("cpu", [1e-4, 3e-5, 0.1e-3])
+def test_prefill_threshold_is_the_first_count_where_copying_is_no_dearer(copy_s, cpu) -> None:
+    t = mc.prefill_threshold(copy_s, cpu)
+    # brute force: below t the CPU's t * cpu is cheaper than one copy; at t it is not
+    assert all(n * cpu < copy_s for n in range(1, t))
+    assert t * cpu >= copy_s or t == 1
+
+
+def test_prefill_split_from_a_profile_per_layer() -> None:
+    prof = _profile(3.5e-4)  # CPU 1e-4 per token: 1..3 tokens on the CPU, 4 and up copied
+    key, other = mc.shape_key(64, 32, "float32"), mc.shape_key(64, 32, "int8")
+    split = mc.prefill_split(prof, [key, other, key])
+    assert split.cpu_below == (4, mc.DEFAULT_PREFILL_CPU_BELOW, 4)  # int8: not measured
+    assert split.active and hash(split) == hash(mc.PrefillSplit((4, 0, 4)))
+    assert [split.on_cpu(0, n) for n in range(6)] == [False, True, True, True, False, False]
+    assert not any(split.on_cpu(1, n) for n in range(6))
+    assert mc.prefill_split(_profile(None), [key]) == mc.PrefillSplit.off(1)  # no GPU measured
+    assert mc.prefill_split(None, [key, key]) == mc.PrefillSplit.off(2)
+    assert not mc.PrefillSplit.off(2).active
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: mc.prefill_threshold(-1.0, 1e-4), "copy_s"),
+        (lambda: mc.prefill_threshold(1e-4, 0.0), "cpu_expert_s must be > 0"),
+        (lambda: mc.prefill_threshold(float("inf"), 1e-4), "copy_s"),
+        (lambda: mc.PrefillSplit((2, -1)), "cpu_below"),
+        (lambda: mc.PrefillSplit((2, True)), "cpu_below"),
+    ],
+)
+def test_prefill_split_refuses_bad_input(call, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()

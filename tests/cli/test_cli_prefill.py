@@ -44,3 +44,14 @@ def test_bad_chunks_are_one_line_errors(ckpt, capsys, value, message) -> None:
     err = capsys.readouterr().err.strip()
     assert exit_.value.code != 0
     assert err.startswith("psr: error:") and message in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_ttft_prints_the_modeled_table(capsys) -> None:
+    assert main(["bench", "ttft", "--profiles", "rtx4090", "--chunk", "256"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("modeled time to first token (s; chunk 256")
+    assert "| rtx4090 | Qwen3-30B-A3B (Q8_0) | 4096 |" in out and "| h200 |" not in out
+    with pytest.raises(SystemExit):
+        main(["bench", "ttft", "--profiles", "a100"])
+    err = capsys.readouterr().err.strip()
+    assert "no GPU FLOP/s for a100" in err and len(err.splitlines()) == 1

@@ -1,4 +1,4 @@
-"""`psr bench copy | sweep | speculative | serve` (serve: psr.cli.serve)."""
+"""`psr bench copy | sweep | speculative | serve | machine | ttft` (serve: psr.cli.serve)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,38 @@ def add_bench(sub: Any) -> None:
     _add_speculative(bsub)
     add_bench_serve(bsub)
     _add_machine(bsub)
+    _add_ttft(bsub)
+
+
+def _add_ttft(bsub: Any) -> None:
+    from psr.eval.latency import PROFILES
+
+    bt = command(
+        bsub,
+        "ttft",
+        "modeled time to first token on the GPU profiles (no GPU needed): psr's prefill "
+        "schedule, the overlap it lacks, the peers' published figures",
+    )
+    bt.add_argument(
+        "--profiles",
+        type=comma_list(str),
+        default=["rtx4090", "h200"],
+        help=f"latency profiles, comma-separated (built in: {', '.join(PROFILES)})",
+    )
+    bt.add_argument("--chunk", type=positive_int, default=512, help="prefill chunk (tokens)")
+    bt.set_defaults(fn=run_ttft)
+
+
+def run_ttft(args: argparse.Namespace) -> int:
+    from psr.eval.ttft import GPU_TFLOPS, ttft_report
+
+    bad = [p for p in args.profiles if p not in GPU_TFLOPS]
+    if bad:
+        raise UsageError(
+            f"--profiles: no GPU FLOP/s for {', '.join(bad)} (modeled: {', '.join(GPU_TFLOPS)})"
+        )
+    print(ttft_report(args.profiles, chunk=args.chunk))
+    return 0
 
 
 MACHINE_FORMATS = ("float32", "bfloat16", "float16", "int8", "fp8", "int4")

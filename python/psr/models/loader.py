@@ -188,6 +188,8 @@ def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
     where, hybrid_m = cfg.placement
     if placement_class(where).capped:  # else the default: every miss copied
         om.set_experts_on(where, hybrid_m)
+    if om.runtime.store.backend == "cuda":  # prefill's CPU-vs-copy split from the profile
+        om.set_prefill_split()
     return om
 
 

@@ -9,6 +9,7 @@ from typing import Protocol
 import torch
 
 import psr_kernels as pk
+from psr.machine import PrefillSplit
 from psr.policy import Policy
 from psr.runtime.accounting import Accounting
 from psr.runtime.bookkeeping import HostCaches
@@ -73,6 +74,8 @@ class StepContext(RoutingContext, Protocol):
     def prefill_more(self) -> bool: ...  # more chunks of this prompt follow this forward
     @property
     def prefill_reads(self) -> str: ...  # "host" | "slab" (prefill.py)
+    @property
+    def prefill_split(self) -> PrefillSplit: ...  # slab path: experts computed on the CPU
 
     def max_inserts(self, layer: MoELayer) -> int | None: ...
 

@@ -33,6 +33,7 @@ import torch
 
 import psr_kernels as pk
 from psr.cache import LogicalCache
+from psr.machine import PrefillSplit
 from psr.policy import Policy
 from psr.runtime.accounting import Accounting
 from psr.runtime.bookkeeping import HostCaches
@@ -135,6 +136,9 @@ class OffloadRuntime:
         # (every expert held in memory), else staged through the "slab".
         held = all(s.num_held in (None, s.num_experts) for s in store.layers)
         self.prefill_reads = "host" if store.backend == "cpu" and held else "slab"
+        # On the slab path, which of a chunk's experts prefill computes on the CPU from
+        # their host rows instead of copying them (psr.machine.PrefillSplit; set_prefill_split).
+        self.prefill_split = PrefillSplit.off(len(self.layers))
 
     def _set_formats(
         self, expert_format: pk.FormatLike | Sequence[pk.FormatLike], num_layers: int
@@ -161,6 +165,21 @@ class OffloadRuntime:
     def set_decode(self, decode: str) -> None:
         """'device' (the sync-free step wherever it applies) or 'host'."""
         self.decode_mode = decode_mode(decode)
+
+    def set_prefill_split(self, split: PrefillSplit) -> None:
+        """Which experts a slab-path prefill chunk computes on the CPU (one threshold per
+        MoE layer); a split with CPU thresholds needs host rows of every expert."""
+        if len(split.cpu_below) != len(self.layers):
+            raise ValueError(
+                f"prefill split has {len(split.cpu_below)} thresholds for {len(self.layers)} "
+                "MoE layers"
+            )
+        if split.active and any(s.num_held not in (None, s.num_experts) for s in self.store.layers):
+            raise ValueError(
+                "a prefill split computes experts on the CPU from their host rows: every "
+                "expert must be held in host memory (no pageable tier)"
+            )
+        self.prefill_split = split
 
     def set_experts_on(self, experts_on: str, inserts: Sequence[int | None]) -> None:
         """Where decode steps compute misses: 'gpu' (all copied), 'cpu' / 'hybrid' with

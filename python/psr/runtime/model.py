@@ -18,6 +18,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
+from psr.machine import MachineProfile, PrefillSplit
 from psr.policy import Policy, make_policy
 from psr.runtime import chunked
 from psr.runtime import generate as gen
@@ -233,6 +234,20 @@ class OffloadedModel(nn.Module):
         with self.runtime.lock:
             return set_experts_on(self.runtime, experts_on, hybrid_m)
 
+    def set_prefill_split(
+        self, split: PrefillSplit | None = None, profile: MachineProfile | None = None
+    ) -> PrefillSplit:
+        """Which experts a prefill chunk staged through the slab (CUDA) computes on the CPU
+        from their host rows instead of copying: those used by fewer of the chunk's tokens
+        than their layer's threshold (psr.machine.PrefillSplit). Default: chosen from this
+        machine's profile (`psr bench machine`), every expert copied without one. Part of
+        the configuration (the CPU kernels round differently); never changes routing or
+        the caches' seed."""
+        from psr.runtime.placement import set_prefill_split
+
+        with self.runtime.lock:
+            return set_prefill_split(self.runtime, split, profile)
+
     @property
     def experts_on(self) -> str:
         return self.runtime.experts_on
@@ -317,7 +332,7 @@ class OffloadedModel(nn.Module):
         rt = self.runtime
         return (
             self._uid, rt.policy, rt.capacity, rt.experts_on, tuple(rt.inserts),
-            rt.decode_mode, rt.block_k, self.prefill_chunk, graphs,
+            rt.decode_mode, rt.block_k, self.prefill_chunk, graphs, rt.prefill_split,
         )  # fmt: skip
 
     def _prefill(self, graph: DecodeGraph | None, cache: chunked.PromptCache | None) -> Any:

@@ -79,3 +79,25 @@ def set_experts_on(
     caps = resolve_caps(rt, experts_on, hybrid_m, profile)
     rt.set_experts_on(experts_on, caps)
     return caps
+
+
+def set_prefill_split(
+    rt: OffloadRuntime,
+    split: machine.PrefillSplit | None = None,
+    profile: machine.MachineProfile | None = None,
+) -> machine.PrefillSplit:
+    """Set which experts a slab-path prefill chunk computes on the CPU: `split`, else
+    chosen from the machine profile (`profile`, else the saved one; psr.machine.
+    prefill_split: every expert copied where the profile has no costs, or where a layer
+    has pageable rows, which the CPU kernels cannot read in place). Returns it."""
+    if split is None:
+        prof = machine.read_profile() if profile is None else profile
+        if prof is not None:
+            warning = machine.mismatch(prof, here(rt))
+            if warning is not None:
+                machine.log.warning(warning)
+        split = machine.prefill_split(prof, layer_keys(rt))
+        if any(s.num_held not in (None, s.num_experts) for s in rt.store.layers):
+            split = machine.PrefillSplit.off(len(rt.layers))  # pageable rows: copied only
+    rt.set_prefill_split(split)
+    return split

@@ -14,7 +14,14 @@ that chose it. Where they are read from:
         seeded experts are copied into slots, so decode starts with them resident;
   slab  (CUDA) each expert staged through a slot, the experts the cache will not keep
         first (so the kept ones end resident), the next expert's copy issued before the
-        current one computes (double-buffered slots; `run_prefill`).
+        current one computes (double-buffered slots; `run_prefill`); except the experts
+        the runtime's `PrefillSplit` (psr.machine: per layer, from the machine profile's
+        copy and CPU costs) puts on the CPU, those with fewer tokens in the chunk than the
+        layer's threshold: computed from their host rows by the CPU kernels on a worker
+        thread while this one issues the copies and the device's work (`split_experts`).
+        Where an expert is computed never changes the routing or the seed: the plan
+        seeds from the routed ids alone, and a seeded expert computed on the CPU is
+        copied into its slot like any other seed.
 The two round differently (the kernels' sums against one matmul per expert), each
 deterministic; the tests force the slab path on the CPU under copy delays.
 `plan_prefill` decides the slots (updating the slot map). Teacher-forced scoring plans the
@@ -25,11 +32,13 @@ as the host path does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
 
 from psr.cache import prefill_state
+from psr.machine import PrefillSplit
 from psr.runtime.context import StepContext
 from psr.runtime.layer import MoELayer
 from psr.runtime.slots import SlotMap
@@ -116,6 +125,41 @@ def row_ffn(rt: StepContext, layer: MoELayer) -> RowFFN:
     return lambda row, x, e, w: compute.weighted_row(row, x, w, None if table is None else table[e])
 
 
+def split_experts(
+    split: PrefillSplit, layer: int, ids: torch.Tensor, num_experts: int
+) -> tuple[list[int], list[int]]:
+    """A chunk's used experts of MoE layer `layer` (`ids [T, k]` routed), split into
+    (computed on the CPU, copied) by `split`: each ascending."""
+    counts = torch.bincount(ids.reshape(-1).long().cpu(), minlength=num_experts).tolist()
+    cpu = [e for e, n in enumerate(counts) if split.on_cpu(layer, n)]
+    copied = [e for e, n in enumerate(counts) if n > 0 and not split.on_cpu(layer, n)]
+    return cpu, copied
+
+
+# The CPU part of a split layer: () -> its fp32 contribution [T, H] on the CPU.
+SidePart = Callable[[], torch.Tensor]
+
+
+def cpu_part(
+    rt: StepContext,
+    layer: MoELayer,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: list[int],
+) -> SidePart:
+    """The CPU experts `experts` of a split prefill layer over the chunk, from the host
+    rows; its inputs are brought to the host now (the layer has routed: no stall), its
+    compute runs when called (on run_prefill's worker thread)."""
+    compute, host = rt.computes[layer.index], rt.store.host(layer.index)
+    only = torch.zeros(rt.spec.num_experts, dtype=torch.bool)
+    only[experts] = True
+    xc, ic, wc = x.to("cpu"), ids.to("cpu"), weights.to("cpu")
+    bias = layer.expert_bias
+    bias = None if bias is None else bias.to("cpu")
+    return lambda: compute.grouped_host(xc, ic, wc, host, bias, only=only, out_dtype=torch.float32)
+
+
 def _issue(
     store: ExpertStore, layer: int, reads: Sequence[tuple[int, int, bool]], at: int, issued: int
 ) -> int:
@@ -140,20 +184,42 @@ def run_prefill(
     ids: torch.Tensor,
     weights: torch.Tensor,
     ffn: RowFFN,
+    side: SidePart | None = None,
 ) -> torch.Tensor:
     """Exact experts of `x [T, H]` routed to `ids [T, k]` with `weights [T, k]`, by the
     plan: copies into the slab (the next ones in flight while one computes), each expert
-    read from its slot. Sums in fp32; returns x's dtype."""
+    read from its slot; `side` (the CPU part of a split layer: its experts are not in the
+    plan) beside them on a worker thread. Sums in fp32; returns x's dtype."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    # The CPU part on a worker thread (the CPU kernels release the GIL) while this one
+    # issues the copies and the device's experts; added last, so the sum's order is fixed.
+    cpu = None if side is None else _side_worker().submit(side)
     issued = 0
-    for i, (e, slot, _fresh) in enumerate(plan.reads):
-        tok, pos = torch.where(ids == e)
-        issued = _issue(store, layer, plan.reads, i, issued)
-        with store.reading(layer, [slot], [e]) as slab:
-            y = ffn(slab[slot], x[tok], e, weights[tok, pos])
-        out.index_add_(0, tok, y.float())
+    try:
+        for i, (e, slot, _fresh) in enumerate(plan.reads):
+            tok, pos = torch.where(ids == e)
+            issued = _issue(store, layer, plan.reads, i, issued)
+            with store.reading(layer, [slot], [e]) as slab:
+                y = ffn(slab[slot], x[tok], e, weights[tok, pos])
+            out.index_add_(0, tok, y.float())
+    except BaseException:
+        if cpu is not None:
+            wait([cpu])  # never left running past the layer; the loop's error is raised
+        raise
+    if cpu is not None:
+        out += cpu.result().to(out.device)
     seed_copies(store, layer, plan)
     return out.to(x.dtype)
+
+
+_SIDE: list[ThreadPoolExecutor] = []
+
+
+def _side_worker() -> ThreadPoolExecutor:
+    """The one thread split prefill layers compute their CPU part on (created once)."""
+    if not _SIDE:
+        _SIDE.append(ThreadPoolExecutor(1, thread_name_prefix="psr-prefill-cpu"))
+    return _SIDE[0]
 
 
 def seed_copies(store: ExpertStore, layer: int, plan: PrefillPlan) -> None:
@@ -194,8 +260,11 @@ class PrefillStep(Step):
             if plan is not None:
                 seed_copies(rt.store, layer.index, plan)
         else:
-            plan = plan_prefill(layer.slots, layer.history, ids.flatten().tolist(), final)
-            out = run_prefill(rt.store, layer.index, plan, x, ids, weights, row_ffn(rt, layer))
+            on_cpu, copied = split_experts(rt.prefill_split, layer.index, ids, rt.spec.num_experts)
+            side = cpu_part(rt, layer, x, ids, weights, on_cpu) if on_cpu else None
+            plan = plan_prefill(layer.slots, layer.history, copied, final)
+            ffn = row_ffn(rt, layer)
+            out = run_prefill(rt.store, layer.index, plan, x, ids, weights, ffn, side)
         if plan is not None and final:
             layer.cache.reset(plan.init)
             layer.seeded = True

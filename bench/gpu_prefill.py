@@ -1,0 +1,201 @@
+"""Prefill on the GPU (issue 36, gpu_bench.sh's prefill stage): time to first token and
+prefill tok/s at 512 / 4k-token prompts, the per-expert CPU split off and on, on the
+embedded model (bf16 rows; its context is 512, so 504 tokens only) and a synthetic GGUF
+(OLMoE-shaped, H 1024 x F 512, 64 experts top-8, 4 layers, Q4_K gate / up, Q6_K down,
+Q8_0 dense: bench/prefill.py's file; context 4096).
+
+    python bench/gpu_prefill.py --out DIR            (CUDA)
+    python bench/gpu_prefill.py --dry-run [--out DIR] (the CPU, tiny prompts and models:
+        the same code path, prefill forced onto the slab path the split applies to,
+        threshold 3 unless --threshold: on the CPU a "copy" is a memcpy)
+
+Each model loads at residency 0.25 (the offloaded case: a chunk's used experts do not fit
+the slab), prefill chunk 512 (dry run 16). "on" is the split `prefill_threshold` picks
+from this machine's costs of this model's own rows, measured here (one expert's copy to
+the device: a pinned row's `.to(device)`; one token of it on the CPU kernels:
+`ExpertCompute.host_experts`); "off" copies every expert. TTFT is the best of `--reps`
+timed `generate(prompt, max_new_tokens=1)` (prefill and the first token, synchronized)
+after a warm-up; beside it the prefill copies, the experts the split computed on the CPU
+(from the routed ids, psr.runtime.prefill.split_experts) and whether the first token
+agrees with the split off. Fail-soft: an error is recorded per model and prompt, and the
+JSON is rewritten after every measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT), str(ROOT / "tests")]
+
+import torch  # noqa: E402
+from common import write_json  # noqa: E402
+
+RESIDENCY = 0.25
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _median_s(fn: Callable[[], object], dev: torch.device, repeats: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(dev)
+        t = time.perf_counter()
+        fn()
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_costs(model: Any) -> dict[str, float]:
+    """This machine's copy of one of the model's expert rows and one token of it on the
+    CPU kernels (MoE layer 0), seconds."""
+    rt = model.runtime
+    host, dev = rt.store.host(0), rt.store.device
+    x = torch.randn(1, rt.spec.hidden_size)
+    ids, w = torch.ones(1, 1, dtype=torch.long), torch.ones(1, 1)
+    cpu_s = _median_s(lambda: rt.computes[0].host_experts(x, host, ids, w), dev)
+    move = (lambda: host[1].to(dev, non_blocking=True)) if dev.type == "cuda" else host[1].clone
+    return {"copy_s": _median_s(move, dev), "cpu_expert_s": cpu_s}
+
+
+def cpu_experts(model: Any, split: Any, chunk: int, start: int = 0) -> int:
+    """(layer, chunk, expert) triples the split computed on the CPU, from the routed ids."""
+    from psr.runtime.prefill import split_experts
+
+    n, E = 0, model.runtime.spec.num_experts
+    for layer, hist in enumerate(model.runtime.histories()):
+        for s in range(start, len(hist), chunk):
+            cpu, _ = split_experts(split, layer, torch.tensor(hist[s : s + chunk]), E)
+            n += len(cpu)
+    return n
+
+
+def ttft(model: Any, ids: torch.Tensor, reps: int) -> tuple[float, list[int]]:
+    dev = model.runtime.store.device
+    best, out = float("inf"), None
+    for _ in range(reps):
+        _sync(dev)
+        t = time.perf_counter()
+        out = model.generate(ids.to(model.device), max_new_tokens=1)
+        _sync(dev)
+        best = min(best, time.perf_counter() - t)
+    assert out is not None
+    return best, out[0, ids.shape[1] :].tolist()
+
+
+def one_model(path: str, prompts: list[int], a: argparse.Namespace) -> dict[str, Any]:
+    import psr
+    from psr.machine import PrefillSplit, prefill_threshold
+
+    model = psr.load(path, "exact", RESIDENCY, device=a.device, progress=False)
+    model.set_prefill_chunk(a.chunk)
+    if a.dry_run:
+        model.runtime.prefill_reads = "slab"  # CUDA's path, where the split applies
+    costs = measure_costs(model)
+    t = prefill_threshold(costs["copy_s"], costs["cpu_expert_s"])
+    if a.threshold is not None:  # forced (the dry run: the CPU's copies are memcpys)
+        t = a.threshold
+    L = len(model.runtime.layers)
+    splits = {"off": PrefillSplit.off(L), "on": PrefillSplit((t,) * L)}
+    res: dict[str, Any] = {"costs": costs, "threshold": t, "prompts": {}}
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    for T in prompts:
+        if T > model.context:
+            res["prompts"][T] = {"skipped": f"beyond the model's context of {model.context}"}
+            continue
+        ids = torch.randint(0, vocab, (1, T), generator=g)
+        model.generate(ids[:, : min(T, 32)].to(model.device), max_new_tokens=1)  # warm-up
+        row: dict[str, Any] = {}
+        for name, split in splits.items():
+            model.set_prefill_split(split)
+            model.reset_stats()
+            s, tok = ttft(model, ids, a.reps)
+            row[name] = {
+                "ttft_s": s,
+                "tok_s": T / s,
+                "prefill_copies": model.stats["prefill_copies"] // a.reps,
+                "cpu_experts": cpu_experts(model, split, a.chunk),
+                "first_token": tok,
+            }
+        row["same_first_token"] = row["on"]["first_token"] == row["off"]["first_token"]
+        row["on_over_off_tok_s"] = row["on"]["tok_s"] / row["off"]["tok_s"]
+        res["prompts"][T] = row
+    model.close()
+    return res
+
+
+def write_gguf(path: Path, tiny: bool) -> None:
+    from gguf_files import gguf_tiny_model
+    from gguf_files import write_gguf as write
+
+    if tiny:
+        model = gguf_tiny_model("olmoe", layers=2, experts=8)
+    else:
+        model = gguf_tiny_model("olmoe", hidden=1024, ffn=512, layers=4, experts=64)
+        model.config.num_experts_per_tok = 8
+    model.config.max_position_embeddings = 4096
+    write(model, path, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K", "dense": "Q8_0"})
+
+
+def _gguf(path: Path, tiny: bool) -> str:
+    write_gguf(path, tiny)
+    return str(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--prompts", default=None, help="comma-separated (default 512,4096)")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--dry-run", "--tiny", action="store_true", help="the CPU, tiny")
+    ap.add_argument("--threshold", type=int, default=None, help="force it (dry run: 3)")
+    ap.add_argument("--models", default="embedded,gguf", help="comma-separated subset")
+    a = ap.parse_args()
+    if a.dry_run and a.threshold is None:
+        a.threshold = 3
+    a.device = "cpu" if a.dry_run else "cuda"
+    a.chunk = 16 if a.dry_run else 512
+    if not a.dry_run and not torch.cuda.is_available():
+        sys.exit("gpu_prefill.py: no CUDA device (use --dry-run on the CPU)")
+    prompts = [int(p) for p in (a.prompts or ("40" if a.dry_run else "512,4096")).split(",")]
+    from psr.models.embedded import DEFAULT_MODEL
+
+    results: dict[str, Any] = {"device": a.device, "chunk": a.chunk, "models": {}}
+    tmp = Path(tempfile.mkdtemp(prefix="psr-prefill-"))
+    models: dict[str, tuple[str, Callable[[], str]]] = {
+        "embedded": ("embedded (bf16 rows)", lambda: DEFAULT_MODEL),
+        "gguf": ("GGUF Q4_K_M-like", lambda: _gguf(tmp / "m.gguf", a.dry_run)),
+    }
+    for key in a.models.split(","):
+        if key not in models:
+            sys.exit(f"gpu_prefill.py: unknown model {key!r} (embedded, gguf)")
+        name, make = models[key]
+        try:
+            embedded = key == "embedded"
+            ps = [min(p, 504) for p in prompts] if embedded else prompts
+            results["models"][name] = one_model(make(), sorted(set(ps)), a)
+        except Exception as e:  # fail soft: the next model still runs
+            results["models"][name] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+        if a.out is not None:
+            a.out.mkdir(parents=True, exist_ok=True)
+            write_json(a.out / "prefill.json", results)
+        print(name, results["models"][name], flush=True)
+
+
+if __name__ == "__main__":
+    main()
