@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from psr.cli.args import MODEL_HELP, command
+from psr.cli.args import MODEL_HELP, UsageError, command
 
 
 def add_info(sub: Any) -> None:
@@ -22,6 +22,7 @@ def add_info(sub: Any) -> None:
     )
     ins.add_argument("--model", help=f"{MODEL_HELP} (default: the embedded model)")
     ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_plan_options(ins)
     ins.set_defaults(fn=run_inspect)
     ls = command(
         sub,
@@ -30,6 +31,75 @@ def add_info(sub: Any) -> None:
         "and size (names for --model; nothing is downloaded)",
     )
     ls.set_defaults(fn=run_list)
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """The memory plan's flags (psr.models.memory_plan): --gpu-memory asks for a plan."""
+    from psr.cli.args import context_tokens, nonnegative_int, size
+    from psr.models.memory_plan import DENSE_FORMATS
+    from psr.runtime.kv import KV_FORMATS
+    from psr.vocab import EXPERTS_ON
+
+    g = p.add_argument_group("memory plan (with --gpu-memory; exit 1 when it does not fit)")
+    g.add_argument(
+        "--gpu-memory",
+        type=size("--gpu-memory"),
+        metavar="SIZE",
+        help="device memory to plan for (24GiB, 24GB, bytes): dense part, KV cache, "
+        "workspace, and the expert slots that fit in the rest (default: no plan)",
+    )
+    g.add_argument(
+        "--host-memory",
+        type=size("--host-memory"),
+        metavar="SIZE",
+        help="host memory for expert rows; the rest stay pageable in the file (default: "
+        "every expert held)",
+    )
+    g.add_argument(
+        "--context",
+        type=context_tokens,
+        metavar="TOKENS",
+        help="KV cache length (32768 or 32k; default: the model's max_position_embeddings)",
+    )
+    g.add_argument("--experts-on", choices=EXPERTS_ON, default="gpu", help="where misses run")
+    g.add_argument(
+        "--dense-format",
+        choices=DENSE_FORMATS,
+        default=None,
+        help="dense weights as stored in the file (native) or dequantized to the model "
+        "dtype (float; default: what psr.load does)",
+    )
+    g.add_argument("--kv-format", choices=list(KV_FORMATS), default="auto", help="KV values")
+    g.add_argument(
+        "--slots",
+        type=nonnegative_int,
+        help="check these slots per layer (default: the most that fit)",
+    )
+
+
+def _budget(args: argparse.Namespace) -> Any:
+    """The plan's Budget from the flags, or None without --gpu-memory."""
+    from psr.load_config import LoadConfig
+    from psr.models.memory_plan import Budget
+    from psr.vocab import parse_bytes
+
+    if args.gpu_memory is None:
+        for flag in ("host_memory", "context", "slots", "dense_format"):
+            if getattr(args, flag) is not None:
+                name = "--" + flag.replace("_", "-")
+                raise UsageError(f"{name} is part of the memory plan: give --gpu-memory too")
+        return None
+    dense = args.dense_format or getattr(LoadConfig(), "dense_format", "float")
+    host = None if args.host_memory is None else parse_bytes(args.host_memory)
+    return Budget(
+        gpu_memory=parse_bytes(args.gpu_memory),
+        host_memory=host,
+        context=args.context,
+        experts_on=args.experts_on,
+        dense_format=dense,
+        kv_format=args.kv_format,
+        slots=args.slots,
+    )
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -57,9 +127,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--model {path}: no such folder (or .gguf file)")
     if not Path(path).exists():
         raise FileNotFoundError(f"--model {path}: no such file")
-    found = inspect(path)
+    found = inspect(path, _budget(args))
     print(json.dumps(found.to_dict(), indent=2) if args.json else found.table())
-    return 0 if found.supported else 1
+    return 0 if found.supported and (found.plan is None or found.plan.fits) else 1
 
 
 def run_list(args: argparse.Namespace) -> int:
