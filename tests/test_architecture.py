@@ -215,6 +215,8 @@ TORCH_FREE = (
     "psr.eval.report",
     "psr.eval.labels",
     "psr.eval.defaults",
+    "psr.models.memory_plan",
+    "psr.runtime.kv",
 )
 HEAVY = ("torch", "triton", "transformers", "matplotlib")
 

@@ -188,6 +188,11 @@ class LoadConfig:
         return self.residency
 
     @property
+    def plans_slots(self) -> bool:
+        """The memory plan chooses the slots: `gpu_memory` without `residency` or `slots`."""
+        return self.gpu_memory is not None and self.residency is None and self.slots is None
+
+    @property
     def placement(self) -> tuple[str, int | list[int] | None]:
         """(where misses are computed, the hybrid cap) of `experts_on`."""
         return vocab.parse_experts_on(self.experts_on)

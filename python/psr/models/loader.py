@@ -292,15 +292,13 @@ def _planned(
         context=_context(cfg.context, r.config),
         experts_on=cfg.experts_on,
         dense_format="float",
-        slots=None if cfg.residency is None and cfg.slots is None else r.capacity,
+        slots=None if cfg.plans_slots else r.capacity,
         prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
         cuda=r.device.type == "cuda",
         levers=("slots", "experts_on", "context", "host_memory"),
     )
-    plan = plan_memory(facts, budget).check()
-    if plan.slots == r.capacity:
-        return r
-    return resolve(path, ckpt, cfg.replace(slots=plan.slots))
+    plan = plan_memory(facts, budget).check(f"{path} with gpu_memory={cfg.gpu_memory!r}")
+    return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r
 
 
 def _load_drafter(

@@ -24,7 +24,6 @@ import psr.vocab as vocab
 from psr.models.tiers import choose_held, fmt_bytes
 from psr.runtime.kv import kv_by_kind, kv_format
 
-GiB = 2**30
 # Dense formats the plan counts: "native", the file's own tensor types (GGUF blocks; a
 # safetensors checkpoint's dtype), or "float", dequantized to the model dtype (what
 # psr.load does today). Branch densequant's LoadConfig.dense_format takes the same words.
@@ -102,10 +101,6 @@ def workspace_bytes(config: Any, itemsize: int, chunk: int, cuda: bool) -> int:
     return act + (CUDA_RESERVE if cuda else 0)
 
 
-def _gib(n: float) -> str:
-    return fmt_bytes(n)
-
-
 @dataclass
 class MemoryPlan:
     """What goes where (bytes), and the verdict (`fits`; else `shortfall` and `advice`)."""
@@ -126,7 +121,7 @@ class MemoryPlan:
     host_rows: int  # expert rows held in host memory
     pageable: int  # expert rows left in the checkpoint file
     cuda: bool = True
-    shortfall: list[str] = field(default_factory=list)  # "device: 51.30 GiB over (...)"
+    shortfall: list[str] = field(default_factory=list)  # one line per part over, with by how much
     advice: list[str] = field(default_factory=list)  # what to change, with its effect
 
     @property
@@ -154,22 +149,23 @@ class MemoryPlan:
         if self.fits:
             return (
                 f"fits: {self.slots} of {self.num_experts} experts per layer on the device "
-                f"(residency {self.residency:.3g}), {_gib(self.device_total)} of "
-                f"{_gib(self.gpu_memory)}"
+                f"(residency {self.residency:.3g}), {fmt_bytes(self.device_total)} of "
+                f"{fmt_bytes(self.gpu_memory)}"
             )
         fix = f"; change: {', '.join(self.advice)}" if self.advice else ""
         return "does not fit: " + "; ".join(self.shortfall) + fix
 
-    def check(self) -> MemoryPlan:
-        """This plan, or MemoryPlanError with `message()` when it does not fit."""
+    def check(self, what: str = "") -> MemoryPlan:
+        """This plan, or MemoryPlanError with `message()` (after `what: `) when it does not
+        fit."""
         if not self.fits:
-            raise MemoryPlanError(self.message())
+            raise MemoryPlanError(f"{what}: {self.message()}" if what else self.message())
         return self
 
     def table(self) -> str:
-        kv = ", ".join(f"{k} {_gib(v)}" for k, v in self.kv.items())
+        kv = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in self.kv.items())
         where = "device" if self.cuda else "device (host memory: CPU backend)"
-        host = "every expert" if self.host_memory is None else _gib(self.host_memory)
+        host = "every expert" if self.host_memory is None else fmt_bytes(self.host_memory)
         rows = [
             (f"dense part ({self.dense_format})", self.dense, where),
             (
@@ -184,13 +180,13 @@ class MemoryPlan:
                 self.slab,
                 where,
             ),
-            (f"device total of {_gib(self.gpu_memory)}", self.device_total, where),
+            (f"device total of {fmt_bytes(self.gpu_memory)}", self.device_total, where),
             (f"expert rows held (host budget {host})", self.host_rows, "host RAM"),
             ("expert rows pageable", self.pageable, "checkpoint file"),
         ]
         width = max(len(r[0]) for r in rows)
         lines = [f"  plan (experts_on={self.experts_on})"]
-        lines += [f"    {n:<{width}}  {_gib(b):>11}  {w}" for n, b, w in rows]
+        lines += [f"    {n:<{width}}  {fmt_bytes(b):>11}  {w}" for n, b, w in rows]
         lines.append(f"  verdict    {self.message()}")
         return "\n".join(lines)
 
@@ -215,7 +211,7 @@ def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
     if p.device_total > b.gpu_memory:
         over = p.device_total - b.gpu_memory
         p.shortfall.append(
-            f"device memory {_gib(b.gpu_memory)} is short by {_gib(over)} ({_parts(p)})"
+            f"device memory {fmt_bytes(b.gpu_memory)} is short by {fmt_bytes(over)} ({_parts(p)})"
         )
         p.advice += _device_advice(m, b, p, least)
     _host(m, b, p, where)
@@ -225,8 +221,8 @@ def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
 def _parts(p: MemoryPlan) -> str:
     """The device's parts in order, and the first that crosses the budget."""
     parts = [
-        ("dense", p.dense),
-        ("KV", sum(p.kv.values())),
+        ("dense part", p.dense),
+        ("KV cache", sum(p.kv.values())),
         ("workspace", p.workspace),
         (f"slab of {p.slots} slots", p.slab),
     ]
@@ -236,29 +232,29 @@ def _parts(p: MemoryPlan) -> str:
         if not over and total > p.gpu_memory:
             over = name
     shown = " + ".join(f"{name} {fmt_bytes(n)}" for name, n in parts)
-    return f"{shown} = {_gib(total)}; over from the {over}"
+    return f"{shown} = {fmt_bytes(total)}; over from the {over}"
 
 
 def _device_advice(m: ModelMemory, b: Budget, p: MemoryPlan, least: int) -> list[str]:
     """What would bring the device part within budget, each with its effect."""
-    out = [f"gpu_memory >= {_gib(p.device_total)}"]
+    out = [f"gpu_memory >= {fmt_bytes(p.device_total)}"]
     fixed = p.device_total - p.slab
     if "slots" in b.levers and b.slots is not None and b.slots > least and fixed < b.gpu_memory:
         most = max(least, min(b.slots, (b.gpu_memory - fixed) // max(m.slot_bytes, 1)))
         out.append(f"slots <= {most}")
     if "experts_on" in b.levers and least and p.slots == least and b.slots is None:
-        out.append(f"experts_on='cpu' or 'hybrid' (no slot needed: -{_gib(p.slab)})")
+        out.append(f"experts_on='cpu' or 'hybrid' (no slot needed: -{fmt_bytes(p.slab)})")
     native = m.dense["native"]
     if "dense_format" in b.levers and b.dense_format == "float" and native < p.dense:
-        out.append(f"dense_format='native' (-{_gib(p.dense - native)})")
+        out.append(f"dense_format='native' (-{fmt_bytes(p.dense - native)})")
     if "kv_format" in b.levers and b.kv_format == "auto" and m.itemsize > 1:
         try:
             small = sum(kv_by_kind(m.config, m.itemsize, p.context, "fp8").values())
-            out.append(f"kv_format='fp8' (-{_gib(sum(p.kv.values()) - small)})")
+            out.append(f"kv_format='fp8' (-{fmt_bytes(sum(p.kv.values()) - small)})")
         except ValueError:  # a recurrent state has no fp8 form
             pass
     if "context" in b.levers:
-        room = b.gpu_memory - (fixed - sum(p.kv.values())) - least * m.slot_bytes
+        room = b.gpu_memory - p.dense - least * m.slot_bytes
         n = _most_tokens(m, b, p.context, room)
         if n:
             out.append(f"context <= {n} tokens")
@@ -267,7 +263,7 @@ def _device_advice(m: ModelMemory, b: Budget, p: MemoryPlan, least: int) -> list
 
 def _most_tokens(m: ModelMemory, b: Budget, context: int, room: int) -> int:
     """The longest context (< `context`) whose KV cache and workspace fit `room` bytes
-    (0: none); the KV grows with tokens, so a bisection."""
+    (0: none); both grow with tokens, so a bisection."""
 
     def need(n: int) -> int:
         kv = sum(kv_by_kind(m.config, m.itemsize, n, b.kv_format).values())
@@ -288,20 +284,22 @@ def _host(m: ModelMemory, b: Budget, p: MemoryPlan, where: str) -> None:
     if b.host_memory is None:
         p.host_rows = total
         return
-    room = max(b.host_memory - fixed, 0)
-    held = choose_held(m.rows, m.num_experts, room)
+    held = choose_held(m.rows, m.num_experts, max(b.host_memory - fixed, 0))
     p.host_rows = sum(len(h) * r for h, r in zip(held, m.rows, strict=True))
     p.pageable = total - p.host_rows
-    why = m.pageable if where == "gpu" else f"experts_on={b.experts_on!r} reads rows in place"
-    if fixed <= b.host_memory and (p.pageable == 0 or why is None):
+    why = m.pageable if where == "gpu" else f"experts_on={b.experts_on!r} reads them in place"
+    all_rows = bool(p.pageable) and why is not None  # every row must be held
+    if fixed <= b.host_memory and not all_rows:
         return
-    need = fixed + (total if why is not None else 0)
-    what = "the dense part and slab (CPU backend)" if fixed > b.host_memory else "every expert"
+    parts = [("the dense part and slab (CPU backend)", fixed)] if fixed else []
+    parts += [("every expert row", total)] if all_rows else []
+    need = sum(n for _, n in parts)
+    shown = " + ".join(f"{what} {fmt_bytes(n)}" for what, n in parts)
     p.shortfall.append(
-        f"host memory {_gib(b.host_memory)} is short by {_gib(need - b.host_memory)} "
-        f"({what}: {_gib(need)}{'; ' + why if why and p.pageable else ''})"
+        f"host memory {fmt_bytes(b.host_memory)} is short by {fmt_bytes(need - b.host_memory)} "
+        f"({shown}{'; ' + str(why) if all_rows else ''})"
     )
     if "host_memory" in b.levers:
-        p.advice.append(f"host_memory >= {_gib(need)}")
-    if "experts_on" in b.levers and where != "gpu" and m.pageable is None:
-        p.advice.append("experts_on='gpu' (rows beyond the budget read from the file)")
+        p.advice.append(f"host_memory >= {fmt_bytes(need)}")
+    if "experts_on" in b.levers and all_rows and fixed <= b.host_memory and m.pageable is None:
+        p.advice.append("experts_on='gpu' (rows beyond the budget stay in the file)")
