@@ -35,7 +35,7 @@ def add_info(sub: Any) -> None:
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The memory plan's flags (psr.models.memory_plan): --gpu-memory asks for a plan."""
-    from psr.cli.args import context_tokens, nonnegative_int, size
+    from psr.cli.args import context_tokens, dtype, nonnegative_int, size
     from psr.models.memory_plan import DENSE_FORMATS
     from psr.runtime.kv import KV_FORMATS
     from psr.vocab import EXPERTS_ON
@@ -69,6 +69,12 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
         help="dense weights as stored in the file (native) or dequantized to the model "
         "dtype (float; default: what psr.load does)",
     )
+    g.add_argument(
+        "--dtype",
+        type=dtype,
+        help="compute dtype (psr.load's --dtype): dequantized dense weights, KV values, "
+        "activations (default: the checkpoint's)",
+    )
     g.add_argument("--kv-format", choices=list(KV_FORMATS), default="auto", help="KV values")
     g.add_argument(
         "--slots",
@@ -84,7 +90,7 @@ def _budget(args: argparse.Namespace) -> Any:
     from psr.vocab import parse_bytes
 
     if args.gpu_memory is None:
-        for flag in ("host_memory", "context", "slots", "dense_format"):
+        for flag in ("host_memory", "context", "slots", "dense_format", "dtype"):
             if getattr(args, flag) is not None:
                 name = "--" + flag.replace("_", "-")
                 raise UsageError(f"{name} is part of the memory plan: give --gpu-memory too")
@@ -99,6 +105,7 @@ def _budget(args: argparse.Namespace) -> Any:
         dense_format=dense,
         kv_format=args.kv_format,
         slots=args.slots,
+        dtype=args.dtype,
     )
 
 

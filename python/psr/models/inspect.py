@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -77,9 +77,13 @@ class Inspection:
     default_host_memory: int | None = None
     host_memory: str = ""
     plan: MemoryPlan | None = None  # with a Budget: the memory plan (psr.models.memory_plan)
+    # what the plan reads (more plans: memory_plan.plan_memory(found.memory, budget))
+    memory: ModelMemory | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"plan": self.plan.to_dict() if self.plan else None}
+        out = asdict(replace(self, plan=None, memory=None))
+        del out["memory"]
+        return out | {"plan": self.plan.to_dict() if self.plan else None}
 
     def table(self) -> str:
         if not self.supported:
@@ -418,6 +422,7 @@ def _inspection(
         default_host_memory=host_budget,
         host_memory=note,
         plan=None if budget is None else plan_memory(memory, budget),
+        memory=memory,
     )
 
 

@@ -17,10 +17,11 @@ and refuses before any weight is copied. Torch-free (`psr inspect` of a GGUF fil
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psr.vocab as vocab
+from psr.models.formats import rowformat
 from psr.models.tiers import choose_held, fmt_bytes
 from psr.runtime.kv import kv_by_kind, kv_format
 
@@ -78,6 +79,7 @@ class Budget:
     prefill_chunk: int = 512
     cuda: bool = True
     levers: tuple[str, ...] = LEVERS
+    dtype: str | None = None  # the compute dtype (psr.load's dtype=); None: the model's
 
     def __post_init__(self) -> None:
         if self.dense_format not in DENSE_FORMATS:
@@ -86,6 +88,8 @@ class Budget:
             )
         kv_format(self.kv_format)
         vocab.parse_experts_on(self.experts_on)
+        if self.dtype is not None:
+            vocab.canonical_dtype(self.dtype)
 
 
 def workspace_bytes(config: Any, itemsize: int, chunk: int, cuda: bool) -> int:
@@ -194,6 +198,10 @@ class MemoryPlan:
 def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
     """The plan of model `m` under budget `b` (never raises for a plan that does not fit:
     `MemoryPlan.check` does)."""
+    if b.dtype is not None:  # dequantized dense weights, KV values and activations in it
+        size = rowformat().FLOAT_ITEMSIZE[vocab.canonical_dtype(b.dtype)]
+        float_dense = m.dense["float"] // m.itemsize * size
+        m = replace(m, dense=m.dense | {"float": float_dense}, itemsize=size)
     context = b.context if b.context is not None else (m.max_context or 4096)
     dense = m.dense[b.dense_format]
     kv = kv_by_kind(m.config, m.itemsize, context, b.kv_format)
