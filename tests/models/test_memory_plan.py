@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from gguf_files import gguf_tiny_model, write_gguf
+from gguf_files import fit_table, gguf_tiny_model, write_gguf
 from tiny_models import tiny_config, tiny_model
 
 import psr
@@ -239,3 +239,29 @@ def test_load_with_experts_on_cpu_takes_a_slab_below_top_k(tiny_gguf: Path) -> N
     ) as m:
         assert [L.num_slots for L in m.runtime.store.layers] == [1, 1]
         assert len(m.generate([1, 2, 3], max_new_tokens=2)) >= 1
+
+
+def test_deepseek_v3_plan_on_24_gb_from_its_published_header(tmp_path: Path) -> None:
+    """DeepSeek-V3 Q4_K_M's header (bench/fit_table.py): the dense part in the file's own
+    blocks is llama.cpp's `--cpu-moe` device part (every non-expert tensor in its type,
+    from gguf-py's sizes; the router's correction bias apart), and on 24 GB at 32k tokens
+    in bf16 the plan fits the slots left after it, the MLA latent cache (512 + 64 values a
+    token and layer) and the workspace: fewer than top_k=8, so experts_on hybrid."""
+    fit = fit_table()
+    spec = fit.SPECS["DeepSeek-V3 Q4_K_M"]
+    (path,) = fit.write(spec, tmp_path / "ds.gguf")
+    table = fit.tensors(spec)
+    llama = sum(fit.nbytes(sh, t) for n, sh, t in table if "_exps." not in n)
+    bias = sum(fit.nbytes(sh, t) for n, sh, t in table if ".exp_probs_b." in n)
+    experts = sum(fit.nbytes(sh, t) for n, sh, t in table if "_exps." in n)
+    budget = Budget(24 * 10**9, context=32768, dense_format="native", dtype="bfloat16")
+    p = _plan(path, **vars(budget) | {"experts_on": "hybrid"})
+    assert p.dense == llama - bias
+    assert sum(p.kv.values()) == 61 * 576 * 2 * 32768
+    assert p.workspace == 512 * (129280 * 6 + (16 * 7168 + 3 * 18432) * 2) + CUDA_RESERVE
+    assert p.slot_bytes == experts // 256
+    free = 24 * 10**9 - p.dense - sum(p.kv.values()) - p.workspace
+    assert p.fits and p.slots == free // p.slot_bytes < 8
+    gpu = _plan(path, **vars(budget))  # experts_on gpu: top_k slots do not fit
+    assert not gpu.fits and gpu.slots == 8
+    assert "experts_on='cpu' or 'hybrid'" in gpu.message()
