@@ -77,6 +77,9 @@ def test_a_model_that_cannot_fit_is_refused_with_the_shortfall(tiny_gguf: Path) 
         f"gpu_memory >= {(gpu + 100 * 2**10) / 2**20:.2f} MiB",
         "experts_on='cpu' or 'hybrid' (no slot needed: -432.0 KiB)",
     ]
+    # bf16 halves the KV cache and the workspace's float32-sized parts (logits, activations)
+    half = CTX * KV // 2 + 256 * (2112 * 2 + (16 * 256 + 3 * 768) * 2)
+    assert f"dtype='bfloat16' (-{half / 2**20:.2f} MiB)" in p.advice
     with pytest.raises(MemoryPlanError) as e:
         p.check("m.gguf")
     assert str(e.value) == "m.gguf: " + p.message() and "\n" not in str(e.value)

@@ -33,7 +33,7 @@ DENSE_FORMATS = ("native", "float")
 # (an assumption, not measured here; about what a CUDA 12 context takes on a recent GPU).
 CUDA_RESERVE = 512 * 2**20
 # What the plan may suggest changing when it does not fit (psr.load passes the ones it has).
-LEVERS = ("slots", "experts_on", "context", "dense_format", "kv_format", "host_memory")
+LEVERS = ("slots", "experts_on", "context", "dtype", "dense_format", "kv_format", "host_memory")
 
 
 class MemoryPlanError(ValueError):
@@ -177,14 +177,18 @@ class MemoryPlan:
                 sum(self.kv.values()),
                 where,
             ),
-            ("workspace (prefill chunk, CUDA reserve)", self.workspace, where),
+            (
+                "workspace (prefill chunk" + (", CUDA reserve)" if self.cuda else ")"),
+                self.workspace,
+                where,
+            ),
             (
                 f"expert slab: {self.slots}/{self.num_experts} per layer "
                 f"(residency {self.residency:.3g}, top_k {self.top_k})",
                 self.slab,
                 where,
             ),
-            (f"device total of {fmt_bytes(self.gpu_memory)}", self.device_total, where),
+            (f"device total (budget {fmt_bytes(self.gpu_memory)})", self.device_total, where),
             (f"expert rows held (host budget {host})", self.host_rows, "host RAM"),
             ("expert rows pageable", self.pageable, "checkpoint file"),
         ]
@@ -252,6 +256,9 @@ def _device_advice(m: ModelMemory, b: Budget, p: MemoryPlan, least: int) -> list
         out.append(f"slots <= {most}")
     if "experts_on" in b.levers and least and p.slots == least and b.slots is None:
         out.append(f"experts_on='cpu' or 'hybrid' (no slot needed: -{fmt_bytes(p.slab)})")
+    if "dtype" in b.levers and m.itemsize > 2:  # the same slots, half the floats
+        half = plan_memory(m, replace(b, dtype="bfloat16", slots=p.slots, levers=()))
+        out.append(f"dtype='bfloat16' (-{fmt_bytes(p.device_total - half.device_total)})")
     native = m.dense["native"]
     if "dense_format" in b.levers and b.dense_format == "float" and native < p.dense:
         out.append(f"dense_format='native' (-{fmt_bytes(p.dense - native)})")
