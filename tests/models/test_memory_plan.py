@@ -268,3 +268,28 @@ def test_deepseek_v3_plan_on_24_gb_from_its_published_header(tmp_path: Path) -> 
     gpu = _plan(path, **vars(budget))  # experts_on gpu: top_k slots do not fit
     assert not gpu.fits and gpu.slots == 8
     assert "experts_on='cpu' or 'hybrid'" in gpu.message()
+
+
+def test_load_of_a_safetensors_folder_plans_in_its_store_format(tmp_path: Path) -> None:
+    """A float checkpoint quantized to int8 at load: a slot is the int8 rows, and rows
+    converted at load cannot page from the file, so a host budget short of them is refused
+    by the plan, before any weight is copied (CPU backend: the dense part and the slab are
+    host memory too)."""
+    from tiny_models import write_checkpoint
+
+    import psr_kernels as pk
+
+    cfg, model = tiny_config("qwen3_moe"), tiny_model("qwen3_moe")
+    path = write_checkpoint(model, tmp_path / "m")
+    H, F, L = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_hidden_layers
+    row = pk.QuantLayout.of("int8", H, F, 128).nbytes
+    experts = {id(p) for n, p in model.named_parameters() if ".experts." in n}
+    dense = sum(p.numel() * 4 for p in model.parameters() if id(p) not in experts)
+    opts = dict(device="cpu", expert_format="int8", context=64, progress=False)
+    with psr.load(path, gpu_memory="1GiB", **opts) as m:  # type: ignore[arg-type]
+        assert [x.num_slots for x in m.runtime.store.layers] == [8] * L  # every expert
+        assert m.runtime.store.expert_bytes == [row] * L
+    host = dense + 8 * L * row + 4 * row  # dense, slab, and 4 of the 8 x L rows
+    short = (8 * L - 4) * row / 2**10
+    with pytest.raises(MemoryPlanError, match=rf"is short by {short:.1f} KiB \(the dense part"):
+        psr.load(path, gpu_memory="1GiB", host_memory=host, **opts)  # type: ignore[arg-type]
