@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -457,7 +456,9 @@ def _inspect_child(path: str, residency: float) -> None:
     t0 = time.perf_counter()
     r = psr.inspect(path, Budget(gpu_memory=GPU, context=CONTEXTS[0]))
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # VmHWM: this process's peak RSS (ru_maxrss keeps the forking parent's across exec)
+    hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+    peak = int(hwm.split()[1]) * 1024
     assert r.memory is not None
     plans = _plans(r.memory, residency)
     d = r.to_dict()
@@ -587,7 +588,7 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
         "tensor in its file type (token_embd included; llama.cpp itself keeps it in host "
         "memory) + an f16 KV cache of the same values (assumed); no workspace counted. "
         "`psr inspect`: wall time and peak RSS of a fresh process running psr.inspect with a "
-        "plan (interpreter and imports included).",
+        "plan (interpreter and imports included; peak RSS: VmHWM).",
         "",
         *HEAD,
     ]

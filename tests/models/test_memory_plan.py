@@ -114,7 +114,7 @@ def test_host_rows_page_from_the_file_or_are_refused_where_they_cannot(
     ]
 
 
-def test_kv_formats_are_counted(tiny_gguf: Path) -> None:
+def test_kv_formats_are_counted_and_bad_budgets_refused(tiny_gguf: Path) -> None:
     """fp8: a byte a value; int8: q8_0-style blocks, 34 bytes per 32 values (each layer's
     256 values a token are 8 blocks); a recurrent state has neither."""
     got = {f: _plan(tiny_gguf, gpu_memory=2**40, context=CTX, kv_format=f) for f in KV_BYTES}
@@ -124,6 +124,8 @@ def test_kv_formats_are_counted(tiny_gguf: Path) -> None:
     nxt = tiny_config("qwen3_next")
     with pytest.raises(ValueError, match=r"^kv_format='int8': the linear_attention layers"):
         kv_bytes(nxt, 4, 16, "int8")
+    with pytest.raises(ValueError, match=r"^slots=1 must be in \[2, 4\] with experts_on='gpu'"):
+        _plan(tiny_gguf, gpu_memory=2**40, slots=1)
     with pytest.raises(ValueError, match=r"^kv_format must be one of auto, fp8, int8; got 'q4'"):
         Budget(gpu_memory=1, kv_format="q4")
 

@@ -213,6 +213,11 @@ def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
     ws = workspace_bytes(m.config, m.itemsize, chunk, b.cuda)
     where = vocab.parse_experts_on(b.experts_on)[0]
     least = m.top_k if where == "gpu" else 0
+    if b.slots is not None and not least <= b.slots <= m.num_experts:
+        raise ValueError(
+            f"slots={b.slots} must be in [{least}, {m.num_experts}] with "
+            f"experts_on={b.experts_on!r} (top_k={m.top_k}, {m.num_experts} experts)"
+        )
     left = b.gpu_memory - dense - sum(kv.values()) - ws
     fit = max(left, 0) // m.slot_bytes if m.slot_bytes else m.num_experts
     slots = b.slots if b.slots is not None else max(least, min(m.num_experts, fit))
