@@ -216,7 +216,6 @@ TORCH_FREE = (
     "psr.eval.labels",
     "psr.eval.defaults",
     "psr.models.memory_plan",
-    "psr.runtime.kv",
 )
 HEAVY = ("torch", "triton", "transformers", "matplotlib")
 

@@ -157,7 +157,7 @@ def test_the_safetensors_plan_is_the_sum_worked_out_by_hand(tmp_path: Path) -> N
 
 
 def test_psr_inspect_prints_the_plan_and_its_json(tiny_gguf: Path, capsys) -> None:
-    args = ["inspect", "--model", str(tiny_gguf), "--context", "256", "--gpu-memory"]
+    args = ["inspect", "--model", str(tiny_gguf), "--ctx-size", "256", "--gpu-memory"]
     assert main([*args, "1GiB", "--json"]) == 0
     args[-1:-1] = ["--dense-format", "native"]
     js = json.loads(capsys.readouterr().out)["plan"]

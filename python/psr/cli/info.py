@@ -57,6 +57,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--context",
+        "--ctx-size",
+        dest="context",
         type=context_tokens,
         metavar="TOKENS",
         help="KV cache length (32768 or 32k; default: the model's max_position_embeddings)",
