@@ -41,6 +41,8 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _plan(path: Path, **budget: object) -> psr.models.memory_plan.MemoryPlan:
+    """The plan under `budget` (the dense part in the file's own blocks unless told)."""
+    budget.setdefault("dense_format", "native")
     plan = psr.inspect(path, Budget(**budget)).plan  # type: ignore[arg-type]
     assert plan is not None
     return plan

@@ -87,7 +87,6 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
 
 def _budget(args: argparse.Namespace) -> Any:
     """The plan's Budget from the flags, or None without --gpu-memory."""
-    from psr.load_config import LoadConfig
     from psr.models.memory_plan import Budget
     from psr.vocab import parse_bytes
 
@@ -97,14 +96,13 @@ def _budget(args: argparse.Namespace) -> Any:
                 name = "--" + flag.replace("_", "-")
                 raise UsageError(f"{name} is part of the memory plan: give --gpu-memory too")
         return None
-    dense = args.dense_format or getattr(LoadConfig(), "dense_format", "float")
     host = None if args.host_memory is None else parse_bytes(args.host_memory)
     return Budget(
         gpu_memory=parse_bytes(args.gpu_memory),
         host_memory=host,
         context=args.context,
         experts_on=args.experts_on,
-        dense_format=dense,
+        dense_format=args.dense_format,
         kv_format=args.kv_format,
         slots=args.slots,
         dtype=args.dtype,

@@ -73,7 +73,7 @@ class Budget:
     host_memory: int | None = None
     context: int | None = None
     experts_on: str = "gpu"
-    dense_format: str = "native"
+    dense_format: str | None = None  # None: psr.load's (default_dense_format)
     kv_format: str = "auto"
     slots: int | None = None
     prefill_chunk: int = 512
@@ -82,6 +82,8 @@ class Budget:
     dtype: str | None = None  # the compute dtype (psr.load's dtype=); None: the model's
 
     def __post_init__(self) -> None:
+        if self.dense_format is None:
+            object.__setattr__(self, "dense_format", default_dense_format())
         if self.dense_format not in DENSE_FORMATS:
             raise ValueError(
                 f"dense_format must be one of {', '.join(DENSE_FORMATS)}; got {self.dense_format!r}"
@@ -90,6 +92,14 @@ class Budget:
         vocab.parse_experts_on(self.experts_on)
         if self.dtype is not None:
             vocab.canonical_dtype(self.dtype)
+
+
+def default_dense_format() -> str:
+    """What psr.load does with dense weights by default: LoadConfig's dense_format where it
+    has one (branch densequant), else "float" (dequantized to the compute dtype)."""
+    from psr.load_config import LoadConfig
+
+    return str(getattr(LoadConfig(), "dense_format", None) or "float")
 
 
 def workspace_bytes(config: Any, itemsize: int, chunk: int, cuda: bool) -> int:
@@ -207,7 +217,7 @@ def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
         float_dense = m.dense["float"] // m.itemsize * size
         m = replace(m, dense=m.dense | {"float": float_dense}, itemsize=size)
     context = b.context if b.context is not None else (m.max_context or 4096)
-    dense = m.dense[b.dense_format]
+    dense = m.dense[str(b.dense_format)]
     kv = kv_by_kind(m.config, m.itemsize, context, b.kv_format)
     chunk = min(b.prefill_chunk, context)
     ws = workspace_bytes(m.config, m.itemsize, chunk, b.cuda)
@@ -222,7 +232,7 @@ def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
     fit = max(left, 0) // m.slot_bytes if m.slot_bytes else m.num_experts
     slots = b.slots if b.slots is not None else max(least, min(m.num_experts, fit))
     p = MemoryPlan(
-        b.gpu_memory, b.host_memory, context, b.experts_on, b.dense_format, b.kv_format,
+        b.gpu_memory, b.host_memory, context, b.experts_on, str(b.dense_format), b.kv_format,
         dense, kv, ws, m.slot_bytes, m.num_experts, m.top_k, slots, 0, 0, b.cuda,
     )  # fmt: skip
     if p.device_total > b.gpu_memory:
