@@ -186,6 +186,7 @@ def test_psr_inspect_prints_the_plan_and_its_json(tiny_gguf: Path, capsys) -> No
         (["--gpu-memory", "1GiB", "--host-memory", "lots"], "argument --host-memory: 'lots'"),
         (["--gpu-memory", "1GiB", "--context", "0"], "'0' is not a token count like 32768"),
         (["--host-memory", "1GiB"], "--host-memory is part of the memory plan: give --gpu"),
+        (["--kv-format", "fp8"], "--kv-format is part of the memory plan: give --gpu-memory"),
     ],
 )
 def test_bad_plan_flags_are_one_line_usage_errors(

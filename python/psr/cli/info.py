@@ -63,7 +63,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         help="KV cache length (32768 or 32k; default: the model's max_position_embeddings)",
     )
-    g.add_argument("--experts-on", choices=EXPERTS_ON, default="gpu", help="where misses run")
+    g.add_argument("--experts-on", choices=EXPERTS_ON, help="where misses run (default: gpu)")
     g.add_argument(
         "--dense-format",
         choices=DENSE_FORMATS,
@@ -77,7 +77,11 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
         help="compute dtype (psr.load's --dtype): dequantized dense weights, KV values, "
         "activations (default: the checkpoint's)",
     )
-    g.add_argument("--kv-format", choices=list(KV_FORMATS), default="auto", help="KV values")
+    g.add_argument(
+        "--kv-format",
+        choices=list(KV_FORMATS),
+        help="KV values: the dtype (auto), fp8 or int8 (q8_0 blocks); counted only (default: auto)",
+    )
     g.add_argument(
         "--slots",
         type=nonnegative_int,
@@ -91,7 +95,8 @@ def _budget(args: argparse.Namespace) -> Any:
     from psr.vocab import parse_bytes
 
     if args.gpu_memory is None:
-        for flag in ("host_memory", "context", "slots", "dense_format", "dtype"):
+        flags = ("host_memory", "context", "experts_on", "dense_format", "dtype", "kv_format")
+        for flag in (*flags, "slots"):
             if getattr(args, flag) is not None:
                 name = "--" + flag.replace("_", "-")
                 raise UsageError(f"{name} is part of the memory plan: give --gpu-memory too")
@@ -101,9 +106,9 @@ def _budget(args: argparse.Namespace) -> Any:
         gpu_memory=parse_bytes(args.gpu_memory),
         host_memory=host,
         context=args.context,
-        experts_on=args.experts_on,
+        experts_on=args.experts_on or "gpu",
         dense_format=args.dense_format,
-        kv_format=args.kv_format,
+        kv_format=args.kv_format or "auto",
         slots=args.slots,
         dtype=args.dtype,
     )
