@@ -1,10 +1,10 @@
 """Which of the big offloaded MoE models fit a 24 GB GPU: header-faithful GGUF files (the
 metadata and tensor table as published, the data left as holes) of DeepSeek-V3, Kimi-K2,
 GLM-4.5-Air, Qwen3-235B-A22B, gpt-oss-120b and Qwen3-30B-A3B, each opened with `psr
-inspect`, and per model the device bytes of psr today (dense part dequantized to the model
-dtype + the KV cache + the expert slab at a stated residency) beside llama.cpp's `--cpu-moe`
-plan computed from the same tensor table (every non-expert tensor in its file type on the
-device, the routed experts on the CPU).
+inspect`, and per model psr's memory plans (psr.models.memory_plan, the one source of the
+figures: before the plan, and the plan with the dense part dequantized to bf16 or in the
+file's own blocks) beside llama.cpp's `--cpu-moe` plan computed from the same tensor table
+(every non-expert tensor in its file type on the device, the routed experts on the CPU).
 
     PYTHONPATH=python:. .venv/bin/python bench/fit_table.py [--dir /tmp/psr-fit] \
         [--models qwen3-30b-a3b,...] [--residency 0.1] [--out bench/results/fit]
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -409,21 +408,67 @@ def write(s: Spec, path: Path, split_bytes: int = 0) -> list[Path]:
     return files
 
 
-def _inspect_child(path: str) -> None:
-    """In a fresh process: psr.inspect(path), its wall time and peak RSS, as JSON."""
+CONTEXTS = (8192, 32768)
+
+
+def _plans(memory: Any, residency: float) -> dict[str, Any]:
+    """Per context, the memory plans (psr.models.memory_plan) of one model on a 24 GB GPU:
+    `before`, psr before the plan (the dense part dequantized to float32, the GGUF default;
+    a slab of `residency` with experts_on 'gpu'); `bf16`, what psr.load(gpu_memory=...,
+    dtype='bfloat16', experts_on='hybrid') plans on this branch (dense dequantized to
+    bf16); `native`, the same with the dense part in the file's own blocks (dense_format
+    'native', branch densequant)."""
+    import math
+
+    from psr.models.memory_plan import Budget, plan_memory
+
+    E = memory.num_experts
+    slots = math.floor(residency * E + 0.5)
+    asked = {
+        "before": dict(dense_format="float", slots=slots),
+        "bf16": dict(dense_format="float", dtype="bfloat16", experts_on="hybrid"),
+        "native": dict(dense_format="native", dtype="bfloat16", experts_on="hybrid"),
+    }
+    out: dict[str, Any] = {}
+    for ctx in CONTEXTS:
+        for name, kw in asked.items():
+            p = plan_memory(memory, Budget(gpu_memory=GPU, context=ctx, **kw))  # type: ignore[arg-type]
+            out[f"{name}@{ctx}"] = {
+                "slots": p.slots,
+                "residency": p.residency,
+                "dense": p.dense,
+                "kv": sum(p.kv.values()),
+                "workspace": p.workspace,
+                "slab": p.slab,
+                "device_total": p.device_total,
+                "fits": p.fits,
+                "message": p.message(),
+            }
+    return out
+
+
+def _inspect_child(path: str, residency: float) -> None:
+    """In a fresh process: psr.inspect(path) with a plan (24 GB, 8k tokens), its wall time
+    and peak RSS, and every plan of the table from the same header read, as JSON."""
     import psr
+    from psr.models.memory_plan import Budget
 
     t0 = time.perf_counter()
-    r = psr.inspect(path)
+    r = psr.inspect(path, Budget(gpu_memory=GPU, context=CONTEXTS[0]))
     dt = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"seconds": dt, "peak_rss": peak, "inspect": r.to_dict()}))
+    # VmHWM: this process's peak RSS (ru_maxrss keeps the forking parent's across exec)
+    hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
+    peak = int(hwm.split()[1]) * 1024
+    assert r.memory is not None
+    plans = _plans(r.memory, residency)
+    d = r.to_dict()
+    print(json.dumps({"seconds": dt, "peak_rss": peak, "inspect": d, "plans": plans}))
 
 
-def inspect_fresh(path: Path) -> dict[str, Any]:
+def inspect_fresh(path: Path, residency: float) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(path)],
+        [sys.executable, __file__, "--child", str(path), "--residency", str(residency)],
         capture_output=True,
         text=True,
         env=env,
@@ -436,15 +481,13 @@ def inspect_fresh(path: Path) -> dict[str, Any]:
 
 
 def row(s: Spec, files: list[Path], residency: float) -> dict[str, Any]:
-    """The figures of one model (device bytes of psr today and of llama.cpp's plan)."""
-    from psr.models.gguf_load import open_gguf
-    from psr.runtime.kv import kv_bytes
-
+    """The figures of one model: psr's plans (psr.models.memory_plan, in a fresh process
+    running psr.inspect) beside llama.cpp's `--cpu-moe` plan from the same tensor table."""
     table = tensors(s)
     experts = sum(nbytes(sh, t) for n, sh, t in table if "_exps." in n)
     llama_dense = sum(nbytes(sh, t) for n, sh, t in table if "_exps." not in n)
     embd = next(nbytes(sh, t) for n, sh, t in table if n == "token_embd.weight")
-    ins = inspect_fresh(files[0])
+    ins = inspect_fresh(files[0], residency)
     r: dict[str, Any] = {
         "model": s.name,
         "file_bytes": sum(f.stat().st_size for f in files),
@@ -458,24 +501,13 @@ def row(s: Spec, files: list[Path], residency: float) -> dict[str, Any]:
         r["error"] = ins["error"]
         return r
     i = ins["inspect"]
-    r |= {"inspect_s": ins["seconds"], "inspect_peak_rss": ins["peak_rss"]}
-    ck = open_gguf(files[0])
-    try:
-        cfg = ck.config
-    finally:
-        ck.close()
-    E = i["num_experts"]
-    slots = int(np.floor(residency * E + 0.5))
     r |= {
-        "dtype": i["dtype"],
-        "psr_dense": i["dense_bytes"],
-        "slab": i["expert_bytes"]["gguf"] * len(i["sparse_layers"]) * slots,
-        "slots": slots,
-        "kv_8k": kv_bytes(cfg, 4, 8192),
-        "kv_8k_f16": kv_bytes(cfg, 2, 8192),
-        "kv_32k": kv_bytes(cfg, 4, 32768),
-        "kv_32k_f16": kv_bytes(cfg, 2, 32768),
-        "psr_kv_per_1k": i["kv_bytes_per_1k_tokens"],
+        "inspect_s": ins["seconds"],
+        "inspect_peak_rss": ins["peak_rss"],
+        "top_k": i["top_k"],
+        "num_experts": i["num_experts"],
+        "slot_bytes": i["plan"]["slot_bytes"],
+        "plans": ins["plans"],
     }
     return r
 
@@ -484,51 +516,83 @@ def _g(n: int) -> str:
     return f"{n / GiB:.2f}"
 
 
+def _llama(r: dict[str, Any], ctx: int) -> int:
+    """llama.cpp on the device with every expert on the CPU: its non-expert tensors in
+    their file types + an f16 KV cache of the values psr's accounting counts (half psr's
+    float32 KV) at `ctx` tokens."""
+    kv32 = r["plans"][f"before@{ctx}"]["kv"]
+    return int(r["llama_dense"] + kv32 // 2)
+
+
+def _cell(p: dict[str, Any], top_k: int) -> str:
+    """A plan's slots per layer (residency), or by how much it misses 24 GB."""
+    if not p["fits"]:
+        return f"no: short {(p['device_total'] - GPU) / GiB:.2f}"
+    low = " (< top_k: hybrid/cpu)" if p["slots"] < top_k else ""
+    return f"{p['slots']} ({p['residency']:.1%}){low}"
+
+
+def _fits(a: int, b: int) -> str:
+    return f"{'yes' if a <= GPU else 'no'} / {'yes' if b <= GPU else 'no'}"
+
+
+HEAD = [
+    "| model | file | `psr inspect` | dense: float32 / bf16 / native | KV bf16 8k / 32k | "
+    "before @8k / @32k (fits) | plan bf16: slots @8k | @32k | plan native: slots @8k | "
+    "@32k | smallest slab | llama.cpp dense | llama.cpp @8k / @32k (fits) |",
+    "|" + "---|" * 13,
+]
+
+
+def _line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        head = f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | fails: {r['error']} |"
+        return head + " |" * 10
+    p, k, (c8, c32) = r["plans"], r["top_k"], CONTEXTS
+    b8, b32 = p[f"before@{c8}"]["device_total"], p[f"before@{c32}"]["device_total"]
+    l8, l32 = _llama(r, c8), _llama(r, c32)
+    dense = " / ".join(_g(p[f"{n}@{c8}"]["dense"]) for n in ("before", "bf16", "native"))
+    smallest = f"0 (hybrid/cpu); {k}/layer with gpu: {_g(k * r['slot_bytes'])}"
+    return (
+        f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | "
+        f"{r['inspect_s']:.2f} s, {r['inspect_peak_rss'] / 2**20:.0f} MiB | {dense} | "
+        f"{_g(p[f'bf16@{c8}']['kv'])} / {_g(p[f'bf16@{c32}']['kv'])} | "
+        f"{_g(b8)} / {_g(b32)} ({_fits(b8, b32)}) | "
+        f"{_cell(p[f'bf16@{c8}'], k)} | {_cell(p[f'bf16@{c32}'], k)} | "
+        f"{_cell(p[f'native@{c8}'], k)} | {_cell(p[f'native@{c32}'], k)} | {smallest} | "
+        f"{_g(r['llama_dense'])} | {_g(l8)} / {_g(l32)} ({_fits(l8, l32)}) |"
+    )
+
+
 def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: str) -> str:
     out = [
-        f"# Fit table: device bytes on one 24 GB GPU (residency {residency:g})",
+        "# Fit table: what psr's memory plan puts on one 24 GB GPU",
         "",
         f"Command: `{cmd}`",
         "",
         f"Machine: {machine}.",
         "",
-        "GiB. psr today: the dense part dequantized to the model dtype (float32, the GGUF "
-        "default) + the KV cache in that dtype (psr.runtime.kv: what each attention kind "
-        "caches; DeepSeek's MLA latent) + the expert slab (the file's own blocks) at "
-        f"residency {residency:g}. llama.cpp `--cpu-moe`: every non-expert tensor in its "
-        "file type (token_embd included; llama.cpp itself keeps it in host memory) + an "
-        "f16 KV cache of the same values per token (assumed). Fits: total <= 24e9 bytes. "
-        "`psr inspect`: wall time and peak RSS of a fresh process running psr.inspect "
-        "(interpreter, torch and transformers imports included) on the machine named below.",
+        "GiB; 24 GB = 24e9 bytes. Every psr figure is `psr.models.memory_plan` (what `psr "
+        "inspect --gpu-memory 24GB` and `psr.load(gpu_memory=...)` compute): the dense part, "
+        "the KV cache (psr.runtime.kv: what each attention kind caches; DeepSeek's MLA "
+        "latent), a workspace (a 512-token prefill chunk's logits and activations + a "
+        "512 MiB CUDA reserve) and the expert slab (the file's own blocks). **before**: psr "
+        "before the plan, dense dequantized to float32 (the GGUF default), float32 KV, a "
+        f"slab of residency {residency:g} with experts_on 'gpu'. **plan bf16**: "
+        "`psr.load(path, gpu_memory='24GB', dtype='bfloat16', experts_on='hybrid')` on this "
+        "branch: dense dequantized to bf16, bf16 KV, the slots that fit in the rest (a slab "
+        "smaller than top_k, down to none, works with experts_on cpu / hybrid). **plan "
+        "native**: the same with the dense part in the file's own blocks (dense_format "
+        "'native', branch densequant). A cell: slots per layer (residency), or `no: short X` "
+        "GiB when even an empty slab does not fit. llama.cpp `--cpu-moe`: every non-expert "
+        "tensor in its file type (token_embd included; llama.cpp itself keeps it in host "
+        "memory) + an f16 KV cache of the same values (assumed); no workspace counted. "
+        "`psr inspect`: wall time and peak RSS of a fresh process running psr.inspect with a "
+        "plan (interpreter and imports included; peak RSS: VmHWM).",
         "",
-        "| model | file | parts | `psr inspect` | psr dense | KV 8k / 32k | slab | psr @8k | "
-        "psr @32k | fits 24 GB (8k / 32k) | llama.cpp dense | llama.cpp KV 8k / 32k | "
-        "llama.cpp @8k | @32k | fits (8k / 32k) |",
-        "|" + "---|" * 15,
+        *HEAD,
     ]
-    for r in rows:
-        if "error" in r:
-            out.append(
-                f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | {r['parts']} | "
-                f"fails: {r['error']} |" + " |" * 11
-            )
-            continue
-        p8 = r["psr_dense"] + r["kv_8k"] + r["slab"]
-        p32 = r["psr_dense"] + r["kv_32k"] + r["slab"]
-        l8 = r["llama_dense"] + r["kv_8k_f16"]
-        l32 = r["llama_dense"] + r["kv_32k_f16"]
-
-        def fit(a: int, b: int) -> str:
-            return f"{'yes' if a <= GPU else 'no'} / {'yes' if b <= GPU else 'no'}"
-
-        out.append(
-            f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | {r['parts']} | "
-            f"{r['inspect_s']:.2f} s, {r['inspect_peak_rss'] / 2**20:.0f} MiB | "
-            f"{_g(r['psr_dense'])} | {_g(r['kv_8k'])} / {_g(r['kv_32k'])} | "
-            f"{_g(r['slab'])} ({r['slots']}/layer) | {_g(p8)} | {_g(p32)} | {fit(p8, p32)} | "
-            f"{_g(r['llama_dense'])} | {_g(r['kv_8k_f16'])} / {_g(r['kv_32k_f16'])} | "
-            f"{_g(l8)} | {_g(l32)} | {fit(l8, l32)} |"
-        )
+    out += [_line(r) for r in rows]
     out += ["", "Assumptions per model (beyond the published configs):", ""]
     out += [f"- {r['model']}: {r['notes']}" for r in rows if r["notes"]]
     return "\n".join(out) + "\n"
@@ -545,7 +609,7 @@ def main() -> None:
     ap.add_argument("--render", help="write fit.md again from this fit.json (no files built)")
     a = ap.parse_args()
     if a.child:
-        _inspect_child(a.child)
+        _inspect_child(a.child, a.residency)
         return
     if a.render:
         saved = json.loads(Path(a.render).read_text())

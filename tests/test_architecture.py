@@ -215,6 +215,7 @@ TORCH_FREE = (
     "psr.eval.report",
     "psr.eval.labels",
     "psr.eval.defaults",
+    "psr.models.memory_plan",
 )
 HEAVY = ("torch", "triton", "transformers", "matplotlib")
 

@@ -33,7 +33,8 @@ class LoadConfig:
 
     policy: 'exact', 'exact-prefetch', 'cache-prior', 'psr' or 'cache-prior-async' (or a
         psr.policy.Policy).
-    residency: fraction of each layer's experts with a device slot (or `slots`).
+    residency: fraction of each layer's experts with a device slot (or `slots`); None
+        (default): psr.policy.DEFAULT_RESIDENCY, or with `gpu_memory` the memory plan's.
     lam, n: bias strength and predicted experts per layer and token (per policy; defaults
         in psr.policy).
     device: compute device (default: cuda if available); the store's backend follows.
@@ -68,6 +69,11 @@ class LoadConfig:
         copied (psr.models.tiers). CPU backend: the dense weights and the slab count against
         it. On CUDA a model with such experts decodes with decode='host' (the device step's
         gather kernel reads pinned rows).
+    gpu_memory: the device memory the model may take ('24GiB', '24GB', bytes; default:
+        no plan): before any weight is copied, the memory plan (psr.models.memory_plan:
+        dense part, the KV cache of `context` tokens, a workspace, the slab) chooses the
+        slots when neither `residency` nor `slots` is given, and a load that cannot fit
+        (nor `host_memory` hold) is a ValueError naming the part and the shortfall.
     host_profile: which experts to hold: per MoE layer, per expert, how often it is routed
         to (nested lists or a JSON file); default layer-balanced.
     speculative: None, 'block' (the checkpoint's drafter_block.safetensors: heads on the
@@ -99,7 +105,7 @@ class LoadConfig:
     """
 
     policy: str | Policy = field(default=DEFAULT_POLICY, metadata=BOTH)
-    residency: float | None = field(default=DEFAULT_RESIDENCY, metadata=BOTH)
+    residency: float | None = field(default=None, metadata=BOTH)
     slots: int | None = field(default=None, metadata=BOTH)
     lam: float | None = field(default=None, metadata=BOTH)
     n: int | None = field(default=None, metadata=BOTH)
@@ -113,6 +119,7 @@ class LoadConfig:
     expert_format: str | None = field(default=None, metadata=BOTH)
     quant_cache: bool | str | Path | None = field(default=False, metadata=LOAD)
     host_memory: str | int | None = field(default=None, metadata=LOAD)
+    gpu_memory: str | int | None = field(default=None, metadata=LOAD)
     host_profile: Any = field(default=None, metadata=LOAD)  # str | Path | nested counts | None
     speculative: str | None = field(default=None, metadata=LOAD)
     block: int = field(default=4, metadata=LOAD)
@@ -129,6 +136,8 @@ class LoadConfig:
         vocab.parse_experts_on(self.experts_on)
         if self.host_memory is not None:
             vocab.host_memory(self.host_memory)
+        if self.gpu_memory is not None:
+            vocab.parse_bytes(self.gpu_memory, "gpu_memory")
         make_policy(self.policy, self.lam, self.n)
         if isinstance(self.dtype, str):
             vocab.canonical_dtype(self.dtype)
@@ -169,6 +178,19 @@ class LoadConfig:
     def store_format(self) -> str | None:
         """The store's expert format: None (the model's dtype), 'bf16' or a quantized one."""
         return vocab.expert_format(self.expert_format)
+
+    @property
+    def slot_residency(self) -> float | None:
+        """The residency slots come from (None with `slots`): as given, else the default
+        (with `gpu_memory`, psr.load replaces it by the plan's slots)."""
+        if self.residency is None and self.slots is None:
+            return DEFAULT_RESIDENCY
+        return self.residency
+
+    @property
+    def plans_slots(self) -> bool:
+        """The memory plan chooses the slots: `gpu_memory` without `residency` or `slots`."""
+        return self.gpu_memory is not None and self.residency is None and self.slots is None
 
     @property
     def placement(self) -> tuple[str, int | list[int] | None]:

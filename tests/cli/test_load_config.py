@@ -37,7 +37,9 @@ def test_flags_reach_the_config() -> None:
     argv = ["generate", "--prompt", "x", "--policy", "cache-prior", "--residency", "0.25"]
     argv += ["--experts-on", "hybrid", "--hybrid-m", "1,2", "--no-graphs", "--block-k", "3"]
     argv += ["--expert-format", "int8", "--host-memory", "1GiB", "--dtype", "bf16"]
+    argv += ["--gpu-memory", "24GB"]
     cfg = LoadConfig.of("load", **load_options(build_parser().parse_args(argv)))
+    assert cfg.gpu_memory == "24GB" and not cfg.plans_slots  # --residency given: checked
     assert (cfg.policy, cfg.residency, cfg.block_k) == ("cache-prior", 0.25, 3)
     assert cfg.placement == ("hybrid", [1, 2]) and cfg.graphs is False
     assert (cfg.store_format, cfg.host_memory, cfg.dtype) == ("int8", "1GiB", "bfloat16")
@@ -65,6 +67,8 @@ def test_unknown_and_load_only_keywords_are_type_errors() -> None:
         ({"policy": "lru"}, "unknown policy 'lru'"),
         ({"dtype": "int8"}, "unsupported dtype 'int8'"),
         ({"host_memory": "lots"}, "host_memory must be a size like '48GB'"),
+        ({"gpu_memory": "24 gigs"}, "gpu_memory must be a size like '48GB'"),
+        ({"gpu_memory": -1}, "gpu_memory must be >= 0 bytes, got -1"),
     ],
 )
 def test_bad_options_fail_with_one_line_before_anything_loads(options, error) -> None:

@@ -20,6 +20,7 @@ from gguf_files import fit_table, gguf_tiny_model, write_gguf
 import psr.models.tiers as tiers
 from psr.models.gguf import GGUFCheckpoint
 from psr.models.inspect import _inspect_gguf, inspect
+from psr.models.memory_plan import Budget
 
 ROOT = Path(__file__).resolve().parents[2]
 MEMINFO = {"MemTotal": 64 * 2**30, "MemAvailable": 48 * 2**30}
@@ -75,7 +76,20 @@ def test_header_faithful_files_answer_as_the_meta_model_does(
     assert fast.table() == ref.table()
 
 
-CHILD = """
+# the memory plan's flags: the plan is torch-free too
+PLAN = [
+    "--gpu-memory",
+    "24GiB",
+    "--host-memory",
+    "64GiB",
+    "--context",
+    "32k",
+    "--dense-format",
+    "float",
+]
+CHILD = (
+    f"PLAN = {PLAN!r}\n"
+    + """
 import json, sys
 
 class Blocked:
@@ -88,7 +102,7 @@ sys.meta_path.insert(0, Blocked())
 from psr.cli import main
 
 try:
-    rc = main(["inspect", "--json", "--model", sys.argv[1]])
+    rc = main(["inspect", "--json", "--model", sys.argv[1], *PLAN])
 except SystemExit as e:
     rc = e.code
 # VmHWM: this process's peak RSS (ru_maxrss would keep the forking parent's across exec)
@@ -96,12 +110,14 @@ hwm = next(ln for ln in open("/proc/self/status") if ln.startswith("VmHWM:"))
 peak = int(hwm.split()[1]) * 1024
 print(json.dumps({"rc": rc, "peak_rss": peak}))
 """
+)
 
 
 def test_psr_inspect_of_a_gguf_file_imports_no_torch_and_stays_small(tmp_path: Path) -> None:
     """`psr inspect --json FILE.gguf` of Qwen3-30B-A3B Q4_K_M's header (151,936 tokens;
-    18.6 GB of holes) in a process where torch, transformers and triton cannot be
-    imported: it answers (what the in-process call answers) within 200 MB of peak RSS."""
+    18.6 GB of holes), with a memory plan, in a process where torch, transformers and
+    triton cannot be imported: it answers (what the in-process call answers) within 200 MB
+    of peak RSS."""
     fit = fit_table()
     (path,) = fit.write(fit.SPECS["Qwen3-30B-A3B Q4_K_M"], tmp_path / "q.gguf")
     env = {"PYTHONPATH": f"{ROOT / 'python'}:{ROOT}", "OMP_NUM_THREADS": "1", "PATH": ""}
@@ -113,8 +129,10 @@ def test_psr_inspect_of_a_gguf_file_imports_no_torch_and_stays_small(tmp_path: P
     status = json.loads(last)
     assert status["rc"] == 0, out.stderr
     found = json.loads("\n".join(printed))
-    want = inspect(path).to_dict()
+    budget = Budget(24 * 2**30, 64 * 2**30, 32768, dense_format="float")
+    want = inspect(path, budget).to_dict()
     for key in ("host_memory", "default_host_memory"):  # MemAvailable moves between reads
         found.pop(key), want.pop(key)
     assert found == want and found["num_experts"] == 128
+    assert found["plan"]["fits"] and found["plan"]["context"] == 32768
     assert status["peak_rss"] < 200 * 2**20, status["peak_rss"]

@@ -227,6 +227,32 @@ def host_memory(s: str) -> str:
         raise argparse.ArgumentTypeError(str(e).removeprefix("host_memory ")) from None
 
 
+def size(option: str) -> Callable[[str], str]:
+    """A memory size (psr.vocab.parse_bytes: 24GiB, 24GB, 512MiB, bytes) for `option`."""
+
+    def parse(s: str) -> str:
+        from psr.vocab import parse_bytes
+
+        try:
+            parse_bytes(s.strip(), option)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{s!r} is not a size like 24GiB (or 24GB, 512MiB, bytes)"
+            ) from None
+        return s.strip()
+
+    return parse
+
+
+def context_tokens(s: str) -> int:
+    """Tokens: an int >= 1, or N k (N x 1024: 32k)."""
+    m = re.fullmatch(r"([0-9]+)([kK]?)", s.strip())
+    n = (int(m[1]) * (1024 if m[2] else 1)) if m else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a token count like 32768 or 32k")
+    return n
+
+
 def dtype(s: str) -> str:
     """A dtype psr.models.load accepts, in its canonical name."""
     name = s.strip().removeprefix("torch.")

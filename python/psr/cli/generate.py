@@ -29,10 +29,11 @@ from psr.cli.args import (
     positive_float,
     positive_int,
     progress,
+    size,
     token_ids,
     writable_file,
 )
-from psr.policy import POLICIES
+from psr.policy import DEFAULT_RESIDENCY, POLICIES
 from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS, EXPERTS_ON
 
 # Files whose presence makes psr.models.load load a tokenizer.
@@ -109,7 +110,9 @@ def add_model_option(g: argparse.ArgumentParser) -> None:
 POLICY_FLAGS: dict[str, dict[str, Any]] = {
     "policy": dict(choices=POLICIES, help="routing policy"),
     "residency": dict(
-        type=fraction, help="fraction of each layer's experts with a device slot, in (0, 1]"
+        type=fraction,
+        help="fraction of each layer's experts with a device slot, in (0, 1] (default: "
+        f"{DEFAULT_RESIDENCY:g}, or with --gpu-memory the most slots that fit)",
     ),
     "slots": dict(
         type=nonnegative_int,
@@ -184,6 +187,14 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         help="host-memory budget ('48GB', '48GiB', bytes or 'unlimited'): experts beyond it "
         "stay in the memory-mapped checkpoint and are read from it when copied (default: "
         "every expert when the model fits 80%% of available memory; `psr inspect` says)",
+    ),
+    "gpu_memory": dict(
+        type=size("--gpu-memory"),
+        metavar="SIZE",
+        help="device memory the model may take ('24GiB', '24GB', bytes): the memory plan "
+        "(`psr inspect --gpu-memory`) picks the slots unless --residency / --slots is given, "
+        "and a model that cannot fit is refused before loading, with the shortfall "
+        "(default: no plan)",
     ),
     "speculative": dict(
         choices=["block", "ar"],

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from psr.cli.args import MODEL_HELP, command
+from psr.cli.args import MODEL_HELP, UsageError, command
 
 
 def add_info(sub: Any) -> None:
@@ -22,6 +22,7 @@ def add_info(sub: Any) -> None:
     )
     ins.add_argument("--model", help=f"{MODEL_HELP} (default: the embedded model)")
     ins.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_plan_options(ins)
     ins.set_defaults(fn=run_inspect)
     ls = command(
         sub,
@@ -30,6 +31,87 @@ def add_info(sub: Any) -> None:
         "and size (names for --model; nothing is downloaded)",
     )
     ls.set_defaults(fn=run_list)
+
+
+def add_plan_options(p: argparse.ArgumentParser) -> None:
+    """The memory plan's flags (psr.models.memory_plan): --gpu-memory asks for a plan."""
+    from psr.cli.args import context_tokens, dtype, nonnegative_int, size
+    from psr.models.memory_plan import DENSE_FORMATS
+    from psr.runtime.kv import KV_FORMATS
+    from psr.vocab import EXPERTS_ON
+
+    g = p.add_argument_group("memory plan (with --gpu-memory; exit 1 when it does not fit)")
+    g.add_argument(
+        "--gpu-memory",
+        type=size("--gpu-memory"),
+        metavar="SIZE",
+        help="device memory to plan for (24GiB, 24GB, bytes): dense part, KV cache, "
+        "workspace, and the expert slots that fit in the rest (default: no plan)",
+    )
+    g.add_argument(
+        "--host-memory",
+        type=size("--host-memory"),
+        metavar="SIZE",
+        help="host memory for expert rows; the rest stay pageable in the file (default: "
+        "every expert held)",
+    )
+    g.add_argument(
+        "--context",
+        "--ctx-size",
+        dest="context",
+        type=context_tokens,
+        metavar="TOKENS",
+        help="KV cache length (32768 or 32k; default: the model's max_position_embeddings)",
+    )
+    g.add_argument("--experts-on", choices=EXPERTS_ON, help="where misses run (default: gpu)")
+    g.add_argument(
+        "--dense-format",
+        choices=DENSE_FORMATS,
+        default=None,
+        help="dense weights as stored in the file (native) or dequantized to the model "
+        "dtype (float; default: what psr.load does)",
+    )
+    g.add_argument(
+        "--dtype",
+        type=dtype,
+        help="compute dtype (psr.load's --dtype): dequantized dense weights, KV values, "
+        "activations (default: the checkpoint's)",
+    )
+    g.add_argument(
+        "--kv-format",
+        choices=list(KV_FORMATS),
+        help="KV values: the dtype (auto), fp8 or int8 (q8_0 blocks); counted only (default: auto)",
+    )
+    g.add_argument(
+        "--slots",
+        type=nonnegative_int,
+        help="check these slots per layer (default: the most that fit)",
+    )
+
+
+def _budget(args: argparse.Namespace) -> Any:
+    """The plan's Budget from the flags, or None without --gpu-memory."""
+    from psr.models.memory_plan import Budget
+    from psr.vocab import parse_bytes
+
+    if args.gpu_memory is None:
+        flags = ("host_memory", "context", "experts_on", "dense_format", "dtype", "kv_format")
+        for flag in (*flags, "slots"):
+            if getattr(args, flag) is not None:
+                name = "--" + flag.replace("_", "-")
+                raise UsageError(f"{name} is part of the memory plan: give --gpu-memory too")
+        return None
+    host = None if args.host_memory is None else parse_bytes(args.host_memory)
+    return Budget(
+        gpu_memory=parse_bytes(args.gpu_memory),
+        host_memory=host,
+        context=args.context,
+        experts_on=args.experts_on or "gpu",
+        dense_format=args.dense_format,
+        kv_format=args.kv_format or "auto",
+        slots=args.slots,
+        dtype=args.dtype,
+    )
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -57,9 +139,9 @@ def run_inspect(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--model {path}: no such folder (or .gguf file)")
     if not Path(path).exists():
         raise FileNotFoundError(f"--model {path}: no such file")
-    found = inspect(path)
+    found = inspect(path, _budget(args))
     print(json.dumps(found.to_dict(), indent=2) if args.json else found.table())
-    return 0 if found.supported else 1
+    return 0 if found.supported and (found.plan is None or found.plan.fits) else 1
 
 
 def run_list(args: argparse.Namespace) -> int:

@@ -1040,6 +1040,10 @@ class GGUFCheckpoint:
         tensor table, read without building the model (`psr inspect`)."""
         return {name: int(t.n_elements) for name, (_, t) in self._tensors.items()}
 
+    def tensor_bytes(self) -> dict[str, int]:
+        """Every GGUF tensor of the set -> its bytes in the file (its own block type)."""
+        return {name: int(t.n_bytes) for name, (_, t) in self._tensors.items()}
+
     def _require(self, name: str) -> _Dense:
         d = self._dense.get(name)
         if d is None:

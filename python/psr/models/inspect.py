@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from psr.models.families import (
     moe_sizes,
 )
 from psr.models.formats import rowformat
+from psr.models.memory_plan import Budget, MemoryPlan, ModelMemory, plan_memory
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,7 @@ class Inspection:
     expert_bytes: dict[str, int] = field(default_factory=dict)  # one expert, per format
     host_bytes: dict[str, int] = field(default_factory=dict)  # every expert, per format
     dense_bytes: int = 0  # everything but the routed experts, in the model dtype
+    dense_bytes_native: int = 0  # the same in the file's own types (GGUF blocks)
     device_bytes: dict[str, dict[str, int]] = field(default_factory=dict)  # format -> res
     graphs: str = ""
     expert_types: dict[str, int] = field(default_factory=dict)  # GGUF: row format -> layers
@@ -74,9 +76,14 @@ class Inspection:
     # own format (None: every expert held), and what a budget does
     default_host_memory: int | None = None
     host_memory: str = ""
+    plan: MemoryPlan | None = None  # with a Budget: the memory plan (psr.models.memory_plan)
+    # what the plan reads (more plans: memory_plan.plan_memory(found.memory, budget))
+    memory: ModelMemory | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(replace(self, plan=None, memory=None))
+        del out["memory"]
+        return out | {"plan": self.plan.to_dict() if self.plan else None}
 
     def table(self) -> str:
         if not self.supported:
@@ -97,7 +104,12 @@ class Inspection:
             lines.append(
                 "  attention  " + ", ".join(f"{self.attention.count(k)} {k}" for k in kinds)
             )
-        lines.append(f"  dense part {_size(self.dense_bytes)} on the device")
+        native = (
+            f" ({_size(self.dense_bytes_native)} in the file's own types)"
+            if self.dense_bytes_native != self.dense_bytes
+            else ""
+        )
+        lines.append(f"  dense part {_size(self.dense_bytes)} on the device{native}")
         for fmt, n in self.expert_types.items():
             shown = rowformat().RowFormat.parse(fmt).shown
             lines.append(f"  experts    {shown} (gate, up, down) in {n} layers")
@@ -122,6 +134,8 @@ class Inspection:
             lines.append(f"  host mem   {self.host_memory}")
         for name, point in self.operating_points.items():
             lines.append(f"  {name:<11} {point}")
+        if self.plan is not None:
+            lines.append(self.plan.table())
         return "\n".join(lines)
 
 
@@ -164,18 +178,18 @@ def _graphs(config: Any) -> str:
     return GRAPHS_ON
 
 
-def inspect(path: str | Path) -> Inspection:
+def inspect(path: str | Path, budget: Budget | None = None) -> Inspection:
     """What psr would load from `path` (a checkpoint folder or a GGUF file; no weight is
-    read)."""
+    read), and with a `budget` the memory plan under it (`Inspection.plan`)."""
     from psr.models.files import is_gguf
 
     if not is_gguf(path):
-        return _inspect_folder(path)
+        return _inspect_folder(path, budget)
     from psr.models.gguf import GGUFCheckpoint
 
     ck = GGUFCheckpoint(path)  # its header is read once, here (metadata and tensor table)
     try:
-        return _inspect_gguf(path, ck)
+        return _inspect_gguf(path, ck, budget=budget)
     finally:
         ck.close()
 
@@ -190,6 +204,7 @@ class _Model:
     shared: bool
     itemsize: int
     dtype: str
+    dense_native: int = -1  # the same in the file's own types (-1: as `dense`)
 
 
 def _unsupported(
@@ -204,7 +219,7 @@ def _unsupported(
     return None
 
 
-def _inspect_folder(path: str | Path) -> Inspection:
+def _inspect_folder(path: str | Path, budget: Budget | None = None) -> Inspection:
     """`inspect` of a checkpoint folder: the transformers model built on the meta device."""
     import transformers
 
@@ -223,7 +238,7 @@ def _inspect_folder(path: str | Path) -> Inspection:
     n = len(facts.sparse)
     per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
     rows = {fmt: [per[fmt]] * n for fmt in FORMATS}
-    return _inspection(path, config, facts, per, rows, {}, _graphs(config))
+    return _inspection(path, config, facts, per, rows, {}, _graphs(config), budget)
 
 
 def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
@@ -240,14 +255,10 @@ def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     fam = FAMILIES[str(config.model_type)]
     blocks = [moe_block(layer, fam) for layer in model.model.layers]
-    expert_ids = {
-        id(p) for b in blocks if b is not None for p in b.get_submodule("experts").parameters()
-    }
-    params = (p for p in model.parameters() if id(p) not in expert_ids)
     return _Model(
         num_layers=len(blocks),
         sparse=[i for i, b in enumerate(blocks) if b is not None],
-        dense=sum(p.numel() * p.dtype.itemsize for p in params),
+        dense=meta_dense_bytes(model),
         shared=any(
             hasattr(b, name)
             for b in blocks
@@ -259,15 +270,28 @@ def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
     ), dtype
 
 
+def meta_dense_bytes(model: Any) -> int:
+    """Bytes of a (meta) transformers model's parameters but its routed experts, in their
+    dtypes: the dense part psr.load puts on the device."""
+    from psr.models.families import moe_block
+
+    fam = FAMILIES[str(model.config.model_type)]
+    blocks = [moe_block(layer, fam) for layer in model.model.layers]
+    expert_ids = {
+        id(p) for b in blocks if b is not None for p in b.get_submodule("experts").parameters()
+    }
+    params = (p for p in model.parameters() if id(p) not in expert_ids)
+    return sum(p.numel() * p.dtype.itemsize for p in params)
+
+
 # GGUF tensors transformers' model holds as no parameter: the router's correction bias (a
 # buffer), llama.cpp's rope frequencies (computed), the MTP layers' tensors (no layer)
 _NOT_PARAMETERS = re.compile(r"\.exp_probs_b\.|^rope_freqs\.|\.nextn\.")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
-def _header_model(ck: Any, raw: dict[str, Any]) -> _Model:
-    """The model's facts from a GGUF header: the tensor table in place of the meta model
-    (the routed experts are the `*_exps` tensors; shared experts `*_shexp`)."""
+def _dense_names(ck: Any, raw: dict[str, Any]) -> list[str]:
+    """The GGUF tensors of the dense part (the routed experts are the `*_exps` tensors)."""
     L = int(raw["num_hidden_layers"])
 
     def counted(name: str) -> bool:
@@ -275,20 +299,41 @@ def _header_model(ck: Any, raw: dict[str, Any]) -> _Model:
         in_model = m is None or int(m[1]) < L  # llama.cpp's MTP layers come after the last
         return in_model and "_exps." not in name and not _NOT_PARAMETERS.search(name)
 
-    table = ck.tensor_elements()
-    names = [n for n in table if counted(n)]
+    return [n for n in ck.tensor_elements() if counted(n)]
+
+
+def gguf_dense_bytes(ck: Any) -> dict[str, int]:
+    """A GGUF file's dense part per dense format (memory_plan.DENSE_FORMATS): "native", its
+    tensors in their own block types; "float", dequantized to the model dtype. The one
+    place that says so (branch densequant's bytes per dense_format belong here)."""
+    raw = ck.config_dict
+    names = _dense_names(ck, raw)
+    elements, stored = ck.tensor_elements(), ck.tensor_bytes()
     itemsize = rowformat().FLOAT_ITEMSIZE[str(raw["dtype"])]
+    return {
+        "native": sum(stored[n] for n in names),
+        "float": sum(elements[n] for n in names) * itemsize,
+    }
+
+
+def _header_model(ck: Any, raw: dict[str, Any]) -> _Model:
+    """The model's facts from a GGUF header: the tensor table in place of the meta model
+    (shared experts are the `*_shexp` tensors)."""
+    dense = gguf_dense_bytes(ck)
     return _Model(
-        num_layers=L,
+        num_layers=int(raw["num_hidden_layers"]),
         sparse=ck.moe_layers(),
-        dense=sum(table[n] for n in names) * itemsize,
-        shared=any("_shexp." in n for n in names),
-        itemsize=itemsize,
+        dense=dense["float"],
+        shared=any("_shexp." in n for n in _dense_names(ck, raw)),
+        itemsize=rowformat().FLOAT_ITEMSIZE[str(raw["dtype"])],
         dtype=str(raw["dtype"]),
+        dense_native=dense["native"],
     )
 
 
-def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspection:
+def _inspect_gguf(
+    path: str | Path, ck: Any, reference: bool = False, budget: Budget | None = None
+) -> Inspection:
     """`inspect` of the opened GGUF checkpoint `ck` from its header alone (no torch, no
     transformers); `reference`: from transformers' config and meta model instead, as
     `inspect` of a folder does (what tests check the header's answer against)."""
@@ -301,6 +346,7 @@ def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspect
     if reference:
         config = ck.config
         facts, graphs = _meta_model(config)[0], _graphs(config)
+        facts.dense_native = gguf_dense_bytes(ck)["native"]
     else:
         config = SimpleNamespace(**raw)
         if FAMILIES[raw["model_type"]].layer_types:
@@ -315,7 +361,7 @@ def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspect
     rows = [rowformat().GGMLLayout.of(f, H, F).nbytes for f in fmts]
     types = {f.name: fmts.count(f) for f in dict.fromkeys(fmts)}
     per = {"gguf": round(sum(rows) / len(rows))}
-    return _inspection(path, config, facts, per, {"gguf": rows}, types, graphs)
+    return _inspection(path, config, facts, per, {"gguf": rows}, types, graphs, budget)
 
 
 def _inspection(
@@ -326,9 +372,10 @@ def _inspection(
     rows: dict[str, list[int]],
     types: dict[str, int],
     graphs: str,
+    budget: Budget | None = None,
 ) -> Inspection:
     """The Inspection from the model's facts and its expert rows per format (`per`: one
-    expert; `rows`: one expert of each sparse layer)."""
+    expert; `rows`: one expert of each sparse layer), with the plan under `budget`."""
     from psr.runtime.kv import CACHE_KINDS, kv_bytes, layer_kinds
 
     E, k, H, F = moe_sizes(config)
@@ -339,9 +386,12 @@ def _inspection(
     }
     fmt0 = next(iter(per))  # the file's own rows: what can stay in it (pageable)
     n = len(m.sparse)
-    budget, note = _host_memory(m.dense, host[fmt0], per[fmt0] * n * _slots(E), fmt0)
+    host_budget, note = _host_memory(m.dense, host[fmt0], per[fmt0] * n * _slots(E), fmt0)
     fam = FAMILIES[str(config.model_type)]
     kinds = layer_kinds(config)
+    native = m.dense if m.dense_native < 0 else m.dense_native
+    # the file's own rows (pageable: they can stay in the file)
+    memory = ModelMemory(config, {"native": native, "float": m.dense}, rows[fmt0], E, k, m.itemsize)
     return Inspection(
         path=str(path),
         model_type=str(config.model_type),
@@ -365,17 +415,20 @@ def _inspection(
         kv_bytes_per_1k_tokens=kv_bytes(config, m.itemsize, 1024),
         kv_kinds={kind: c for kind in CACHE_KINDS if (c := kinds.count(kind))},
         dense_bytes=m.dense,
+        dense_bytes_native=native,
         device_bytes=device,
         graphs=graphs,
         operating_points=_operating_points(path),
-        default_host_memory=budget,
+        default_host_memory=host_budget,
         host_memory=note,
+        plan=None if budget is None else plan_memory(memory, budget),
+        memory=memory,
     )
 
 
 def _slots(E: int) -> int:
     """Slots per layer at psr.load's default residency."""
-    residency = LoadConfig().residency
+    residency = LoadConfig().slot_residency
     assert residency is not None  # the default is a fraction, not slots
     return math.floor(residency * E + 0.5)
 

@@ -58,7 +58,8 @@ from psr.models.rows import (
 from psr.models.safetensors_experts import bias_tables, module_reader, on_device, safetensors_source
 from psr.models.sources import TOKENIZER_FILES
 from psr.models.tiers import TierPlan, default_budget, load_profile, plan_tiers
-from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy
+from psr.policy import DEFAULT_POLICY, Policy
+from psr.runtime.chunked import DEFAULT_PREFILL_CHUNK
 from psr.runtime.expert_placement import placement_class
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import resolve_capacity
@@ -68,7 +69,7 @@ from psr.runtime.spec import resolve_capacity
 def load(
     path: str | Path,
     policy: str | Policy = DEFAULT_POLICY,
-    residency: float | None = DEFAULT_RESIDENCY,
+    residency: float | None = None,
     **options: Any,
 ) -> OffloadedModel:
     """Load a checkpoint with its experts offloaded to a psr store: a local folder, a GGUF
@@ -87,6 +88,7 @@ def load(
         meta = _meta_model(r)
         moe_idx = meta[1]
         source = _row_source(path, ckpt, r, moe_idx)  # every expert tensor checked first
+        r = _planned(path, ckpt, r, meta[0], source)  # gpu_memory: before any weight is copied
         model = _build_model(ckpt, r, meta)
         drafter, C = _load_drafter(path, r, model, source)
         plan = _tier_plan(r, model, C, source.row_bytes, source.why_not)
@@ -117,7 +119,7 @@ def load(
 def offload(
     hf_model: nn.Module,
     policy: str | Policy = DEFAULT_POLICY,
-    residency: float | None = DEFAULT_RESIDENCY,
+    residency: float | None = None,
     **options: Any,
 ) -> OffloadedModel:
     """Move an already-built transformers MoE model's experts into a psr store, in place.
@@ -140,7 +142,7 @@ def offload(
         raise RuntimeError(f"{type(hf_model).__name__} is already offloaded by psr")
     spec = moe_spec(hf_model.config)
     pol = cfg.make_policy()
-    C = resolve_capacity(spec, pol, cfg.residency, cfg.slots, experts_on=cfg.placement[0])
+    C = resolve_capacity(spec, pol, cfg.slot_residency, cfg.slots, experts_on=cfg.placement[0])
     moe_idx, fam = moe_layer_indices(hf_model), model_family(hf_model)
     modules = [block_of(hf_model, d).get_submodule("experts") for d in moe_idx]
     dtype = expert_parts(modules[0], 0, fam)[0].dtype
@@ -263,6 +265,42 @@ def _row_source(path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int]) ->
     if r.prequant is not None:
         return prequant_source(r.prequant, ckpt, r.spec, moe_idx)
     return safetensors_source(ckpt, r.spec, moe_idx, r.dtype, r.row_format)
+
+
+def _planned(
+    path: str | Path, ckpt: Any, r: Resolved, meta: nn.Module, source: RowSource
+) -> Resolved:
+    """With `gpu_memory`: the memory plan's check (MemoryPlanError, naming the part over and
+    by how much) and, when neither `residency` nor `slots` is given, `r` resolved again at
+    the plan's slots. The dense part is the model dtype's (dense_format 'float': what
+    _build_model copies)."""
+    from psr.models.inspect import gguf_dense_bytes, meta_dense_bytes
+    from psr.models.memory_plan import Budget, ModelMemory, plan_memory
+
+    cfg = r.cfg
+    if cfg.gpu_memory is None:
+        return r
+    dense = meta_dense_bytes(meta)
+    native = gguf_dense_bytes(ckpt)["native"] if r.gguf else dense
+    rows, E = source.row_bytes, r.spec.num_experts
+    facts = ModelMemory(
+        r.config, {"native": native, "float": dense}, rows, E, r.spec.top_k,
+        r.dtype.itemsize, source.why_not,
+    )  # fmt: skip
+    host = cfg.host_memory
+    budget = Budget(
+        gpu_memory=vocab.parse_bytes(cfg.gpu_memory, "gpu_memory"),
+        host_memory=None if host in (None, "unlimited") else vocab.parse_bytes(host),
+        context=_context(cfg.context, r.config),
+        experts_on=cfg.experts_on,
+        dense_format="float",
+        slots=None if cfg.plans_slots else r.capacity,
+        prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
+        cuda=r.device.type == "cuda",
+        levers=("slots", "experts_on", "context", "dtype", "host_memory"),
+    )
+    plan = plan_memory(facts, budget).check(f"{path} with gpu_memory={cfg.gpu_memory!r}")
+    return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r
 
 
 def _load_drafter(

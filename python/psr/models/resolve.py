@@ -131,17 +131,23 @@ def resolve(path: str | Path, ckpt: Any, cfg: LoadConfig) -> Resolved:
     config, method = _hf_config(path, ckpt, gguf)
     spec = moe_spec(config)
     on = cfg.placement[0]  # cpu / hybrid take a slab smaller than top_k
-    C = resolve_capacity(spec, cfg.make_policy(), cfg.residency, cfg.slots, experts_on=on)
-    # cache-prior / psr without lam and n: the model's tuned operating point, if any.
-    pol, pol_source = resolve_policy(
-        cfg.policy,
-        cfg.lam,
-        cfg.n,
-        model_dir=path,
-        residency=C / spec.num_experts,
-        quality_budget=cfg.quality_budget,
+    rho = cfg.slot_residency
+    C = resolve_capacity(spec, cfg.make_policy(), rho, cfg.slots, experts_on=on)
+    # cache-prior / psr without lam and n: the model's tuned operating point, if any (once
+    # the memory plan has chosen the slots: psr.load resolves again at them).
+    pol, pol_source = (
+        (cfg.make_policy(), "planned")
+        if cfg.plans_slots
+        else resolve_policy(
+            cfg.policy,
+            cfg.lam,
+            cfg.n,
+            model_dir=path,
+            residency=C / spec.num_experts,
+            quality_budget=cfg.quality_budget,
+        )
     )
-    resolve_capacity(spec, pol, cfg.residency, cfg.slots, experts_on=on)  # the tuned n too
+    resolve_capacity(spec, pol, rho, cfg.slots, experts_on=on)  # the tuned n too
     dt = resolve_dtype(cfg.dtype, _config_dtype(config))
     dev = resolve_device(cfg.device)
     fmt, quant_cache = pk.RowFormat.parse(cfg.store_format), cfg.quant_cache

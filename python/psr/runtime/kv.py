@@ -78,13 +78,14 @@ def _all(c: Any) -> int | None:
 class CacheKind:
     """What one layer of an attention kind keeps for a sequence: `per_token` values for
     each cached token, at most `window` tokens (None: all), plus a fixed `state` of
-    values (recurrent layers). Values are in the cache's dtype."""
+    values (recurrent layers). Values are in the cache's format (KV_FORMATS)."""
 
     name: str
     what: str
     per_token: Callable[[Any], int]
     window: Callable[[Any], int | None] = _all
     state: Callable[[Any], int] = _none
+    compact: bool = True  # its cached values may take a compact KV format (not a state)
 
 
 # One table: a layer's kind (transformers' `layer_types`, MLA told from the config) ->
@@ -113,6 +114,7 @@ CACHE_KINDS: dict[str, CacheKind] = {
             "a fixed conv + recurrent state (Gated DeltaNet)",
             _none,
             state=_linear_state_values,
+            compact=False,
         ),
     )
 }
@@ -148,19 +150,62 @@ def layer_kinds(config: Any) -> list[str]:
     return kinds
 
 
-def kv_by_kind(config: Any, itemsize: int, tokens: int) -> dict[str, int]:
-    """Bytes of a cache holding `tokens` tokens, per attention kind (CACHE_KINDS)."""
-    c = _text(config)
+@dataclass(frozen=True)
+class KVFormat:
+    """How cached values are stored: blocks of `block` values in `block_bytes` bytes each
+    (None: one value in the model dtype's bytes)."""
+
+    name: str
+    what: str
+    block: int = 1
+    block_bytes: int | None = None
+
+    def nbytes(self, values: int, itemsize: int) -> int:
+        """Bytes of `values` values (a whole number of blocks per token and layer)."""
+        if self.block_bytes is None:
+            return values * itemsize
+        return -(-values // self.block) * self.block_bytes
+
+
+# The KV formats the memory plan counts (`psr inspect --kv-format`): accounting only, the
+# cache psr decodes with is transformers' own in the model dtype ("auto").
+KV_FORMATS: dict[str, KVFormat] = {
+    f.name: f
+    for f in (
+        KVFormat("auto", "the model dtype"),
+        KVFormat("fp8", "fp8 e4m3, one byte a value (a scale per layer)", 1, 1),
+        KVFormat("int8", "q8_0-style blocks: 32 int8 values + an fp16 scale", 32, 34),
+    )
+}
+
+
+def kv_format(name: str) -> KVFormat:
+    """The KV_FORMATS entry of `name`; ValueError naming the choices otherwise."""
+    if name not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}; got {name!r}")
+    return KV_FORMATS[name]
+
+
+def kv_by_kind(config: Any, itemsize: int, tokens: int, fmt: str = "auto") -> dict[str, int]:
+    """Bytes of a cache holding `tokens` tokens, per attention kind (CACHE_KINDS), in KV
+    format `fmt` (KV_FORMATS; a kind that caches a recurrent state takes "auto" only)."""
+    c, f = _text(config), kv_format(fmt)
     out: dict[str, int] = {}
     for name in layer_kinds(config):
         k = CACHE_KINDS[name]
+        if f.block_bytes is not None and not k.compact:
+            raise ValueError(
+                f"kv_format={fmt!r}: the {name} layers keep {k.what}, which has no {fmt} "
+                "form; use kv_format='auto'"
+            )
         w = k.window(c)
         n = tokens if w is None else min(tokens, w)
-        out[name] = out.get(name, 0) + (k.per_token(c) * n + k.state(c)) * itemsize
+        per_token = f.nbytes(k.per_token(c), itemsize) * n
+        out[name] = out.get(name, 0) + per_token + k.state(c) * itemsize
     return out
 
 
-def kv_bytes(config: Any, itemsize: int, tokens: int) -> int:
-    """Bytes of a KV cache holding `tokens` tokens in `itemsize`-byte values: what each
-    layer's attention really caches (CACHE_KINDS), summed over layers."""
-    return sum(kv_by_kind(config, itemsize, tokens).values())
+def kv_bytes(config: Any, itemsize: int, tokens: int, fmt: str = "auto") -> int:
+    """Bytes of a KV cache holding `tokens` tokens in `itemsize`-byte values (or KV format
+    `fmt`): what each layer's attention really caches (CACHE_KINDS), summed over layers."""
+    return sum(kv_by_kind(config, itemsize, tokens, fmt).values())
