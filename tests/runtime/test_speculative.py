@@ -13,6 +13,7 @@ from tiny_models import KV_KWARG, tiny_model, write_checkpoint
 import psr
 from psr.runtime.kv import output_cache
 from psr.runtime.speculative import generate_speculative
+from psr.runtime.verify import BudgetSet, make_verify
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]
 NEW = 20
@@ -57,8 +58,12 @@ def exact_greedy(path, n=NEW) -> list[int]:
     return m.generate(PROMPT, n)[0].tolist()
 
 
-def spec(path, drafter, block_k, policy="psr", residency=0.5, **kw):
+def spec(path, drafter, block_k, policy="psr", residency=0.5, verify="budget", **kw):
+    """Speculative greedy decoding of PROMPT, traced; `block_k` is budget's set size
+    (None for verify='cpu')."""
     m = psr.load(path, policy, residency=residency, progress=False, **kw)
+    rt = m.runtime
+    rule = make_verify(verify, block_k, rt.spec.top_k, rt.capacity, rt.placement)
     rec = m.record_trace()
     out, st = generate_speculative(
         m.hf,
@@ -66,7 +71,7 @@ def spec(path, drafter, block_k, policy="psr", residency=0.5, **kw):
         drafter,
         torch.tensor([PROMPT]),
         NEW,
-        block_k,
+        rule,
         on_block=lambda processed, emitted: rec.trace.emitted.append(emitted),
     )
     return out[0].tolist(), st, m, rec.trace
@@ -105,9 +110,11 @@ def test_acceptance_rule_on_a_stubborn_drafter(ckpt) -> None:
 
 def test_block_counts_add_up(ckpt) -> None:
     _, st, m, trace = spec(ckpt, Stubborn(), block_k=4)
-    s, layers = m.stats, len(m.runtime.layers)
+    s = m.stats
     assert s["tokens"] == st.blocks  # one decode step per verify block
-    assert s["routed"] == st.blocks * layers * 4  # K_b experts per layer and block
+    # The experts the block's tokens route to, at most K_b per layer and block.
+    assert s["routed"] == sum(len(ls.experts) for step in trace.tokens for ls in step)
+    assert all(len(ls.experts) <= 4 for step in trace.tokens for ls in step)
     assert s["hits"] + s["misses"] == s["routed"]
     assert s["copies"] == s["misses"] + s["prefetches"]
     for step in trace.tokens:
@@ -134,7 +141,7 @@ def test_teacher_forced_blocks_equal_verify_blocks(ckpt) -> None:
     P, b = len(PROMPT), 5
     a = psr.load(ckpt, "psr", residency=0.5, lam=0.4, n=1, progress=False)
     ra = a.record_trace()
-    a.runtime.set_block_mode(3)
+    a.runtime.set_block_mode(BudgetSet(3))
     a.runtime.begin_scoring(P, len(ids), block=b)
     try:
         la = a.hf(input_ids=torch.tensor([ids]), use_cache=False).logits
@@ -145,7 +152,7 @@ def test_teacher_forced_blocks_equal_verify_blocks(ckpt) -> None:
     rm = m.record_trace()
     out = m.hf(input_ids=torch.tensor([ids[:P]]), use_cache=True)
     logits, kv = [out.logits], output_cache(out)
-    m.runtime.set_block_mode(3)
+    m.runtime.set_block_mode(BudgetSet(3))
     for t in range(P, len(ids), b):
         out = m.hf(input_ids=torch.tensor([ids[t : t + b]]), use_cache=True, **{KV: kv})
         logits.append(out.logits)
@@ -158,7 +165,7 @@ def test_block_mode_arguments_are_checked(ckpt) -> None:
     m = psr.load(ckpt, "psr", residency=0.5, progress=False)  # 4 slots, top-2
     for bad in (1, 5, 2.5):
         with pytest.raises(ValueError, match="block_k="):
-            m.runtime.set_block_mode(bad)
+            m.runtime.set_block_mode(BudgetSet(bad))
     with pytest.raises(ValueError, match="needs block mode"):
         m.runtime.begin_scoring(4, 12, block=3)
 

@@ -196,6 +196,12 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
         "slots))",
     ),
+    "verify": dict(
+        metavar="MODE",
+        help="with --speculative: 'budget' (one set of --block-k experts per layer and block) "
+        "or 'cpu' / 'cpu:M' (each token's own top-k, the experts outside the slab computed on "
+        "the CPU, at most M misses copied per layer and block) (default: %(default)s)",
+    ),
     "prefill_chunk": dict(
         type=positive_int,
         help="tokens per prefill chunk, at fixed boundaries (default 512, at most the "

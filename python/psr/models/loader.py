@@ -106,11 +106,10 @@ def load(
     om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source, om.host_budget = r.policy_source, plan.budget
     om.threads, om.context_limit = threads, context
-    if drafter is not None:
-        om.set_speculative(
-            drafter, cfg.block_k if cfg.block_k is not None else min(2 * spec.top_k, C)
-        )
-    return _place(om, cfg)
+    _place(om, cfg)
+    if drafter is not None:  # after the placement: verify='cpu' takes experts_on's caps
+        om.set_speculative(drafter, cfg.block_k, cfg.verify)
+    return om
 
 
 @torch.no_grad()

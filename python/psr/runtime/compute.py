@@ -204,22 +204,28 @@ class ExpertCompute:
         weights: torch.Tensor,
         host: torch.Tensor,
         bias_table: torch.Tensor | None = None,
+        only: list[int] | None = None,
     ) -> torch.Tensor:
         """Routed experts of prefill tokens `x [T, H]` (`ids`, `weights` `[T, k]`) from the
         store's host rows, each expert once over its tokens: the experts with fewer than
         `dense_from` tokens in one call of the CPU kernels (each row read in place; the
         others skipped as absent), each other one dequantized once and multiplied (the
         reference's matmul), every expert so where the kernels do not compute this kind.
+        `only`: just these experts (a verify block's CPU experts), the others add nothing.
         Sums in fp32; returns x's dtype."""
         E = self.spec.num_experts
         w = weights.float()
         counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
+        if only is not None:
+            keep = torch.zeros(E, dtype=torch.bool)
+            keep[torch.tensor(only, dtype=torch.long)] = True
+            counts = torch.where(keep, counts, 0)
         kernels = x.device.type == "cpu" and self.host_layout(host) is not None
         cut = self.dense_from(host) if kernels else 0
         dense = torch.zeros(E, dtype=torch.bool) if cut is None else counts >= cut
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if kernels and not bool(dense[counts > 0].all()):
-            table = torch.where(dense, -1, torch.arange(E))
+            table = torch.where(dense | (counts == 0), -1, torch.arange(E))
             out += cpu_expert_ffn(
                 x, host, ids.long(), w, self.spec.hidden_size, self.spec.ffn_size,
                 fmt=self.expert_format, group_size=self.group_size, slot_table=table,

@@ -22,6 +22,7 @@ import torch
 import psr_kernels as pk
 from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
+from psr.runtime.verify import union
 
 if TYPE_CHECKING:
     from psr.runtime.context import StepContext
@@ -113,10 +114,11 @@ class HostDecode(Step):
 
 
 class VerifyBlock(HostDecode):
-    """Speculative verification: one set of `block_k` experts per layer for all of a
-    verify block's tokens (psr_kernels.block_routing), biased toward the logical cache and
-    `use`d as one routing; the next layer's `n` experts of largest summed score over the
-    block's rows are prefetched."""
+    """Speculative verification of a block of tokens in one forward: each MoE layer routes
+    the block as the runtime's verify rule says (runtime/verify.py: one budgeted set, or each
+    token's top-k with CPU experts), `use`s the experts its tokens route to as one routing
+    (capped by the rule), and prefetches the next layer's `n` experts of largest summed
+    score over the block's rows."""
 
     name = "verify"
 
@@ -134,21 +136,42 @@ class VerifyBlock(HostDecode):
     def route_block(
         self, layer: MoELayer, logits: torch.Tensor, physical: bool, trace_token: int = -1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert set for a block's tokens, biased toward the logical cache; the set is
-        `use`d as one routing (its misses copy now when physical)."""
+        """Route a block's tokens by the verify rule, biased toward the logical cache; the
+        experts they route to are `use`d as one routing (their misses copy now when
+        physical, up to the rule's cap; the others are left to the CPU, in `self.cpu`).
+        `self.pending` gets the members read from the slab."""
         rt = self.rt
-        assert rt.block_k is not None
+        rule = rt.verify
+        assert rule is not None
         lam = rt.steering.lam(layer)
         mask = rt.book.mask(layer, rt.policy, logits.device) if lam > 0 else None
-        # Not counted as substituted: a verify step routes one set for its block, and its
-        # `routed` count is that set, not the tokens' top-k slots the count compares.
-        chosen, w, ids = pk.route_block(
-            logits, rt.spec.route_spec(lam), rt.block_k, mask=mask, bias=layer.bias
-        )
-        routed = chosen.tolist()
-        rt.book.use(layer, routed, physical, trace_token)
+        w, ids = rule.select(rt, layer, logits, mask)
+        routed = union(ids)
+        # Not counted as substituted: the `routed` count of a verify step is the block's
+        # union, not the tokens' top-k slots the count compares.
+        cpu = rt.book.use(layer, routed, physical, trace_token, 0, rule.max_inserts(layer))
+        if cpu:
+            self.cpu[layer.index] = cpu
+            routed = [e for e in routed if e not in set(cpu)]
         self.pending[layer.index] = (routed, ids)
         return w, ids
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The block's members from their slab slots, plus (verify='cpu') the union's other
+        experts from the host rows on the CPU, each once over its tokens; summed in that
+        order."""
+        members = self.take(layer, ids)
+        cpu = self.cpu.pop(layer.index, [])
+        y = self.slab_experts(layer, x, ids, weights, members)
+        if not cpu:
+            return y
+        rt = self.rt
+        comp, host = rt.computes[layer.index], rt.store.host(layer.index)
+        w = weights.float().cpu()
+        part = comp.grouped_host(x.cpu(), ids.cpu(), w, host, only=cpu)
+        return y + part.to(y.device)
 
     def predict_block(self, layer: MoELayer, residual: torch.Tensor) -> list[int] | None:
         """The next MoE layer's `n` experts of largest summed score over a block's rows
@@ -166,10 +189,25 @@ class VerifyBlock(HostDecode):
         # Ties to the lower id, as everywhere.
         return torch.sort(score, descending=True, stable=True).indices[:n].tolist()
 
-    def slot_ids(
-        self, layer: MoELayer, ids: torch.Tensor, routed: Sequence[int], slots: list[int]
+    def slab_experts(
+        self,
+        layer: MoELayer,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        routed: list[int],
     ) -> torch.Tensor:
-        """Each token's ids (inside the set) to slots, on the device."""
-        table = torch.full((self.rt.spec.num_experts,), -1, dtype=torch.long)
-        table[torch.tensor(list(routed))] = torch.tensor(slots)
-        return table.to(ids.device)[ids]
+        """The block's members (`routed`) from their slab slots, read once for all its
+        tokens; a token's experts outside them (the CPU's) add nothing here."""
+        rt = self.rt
+        slots = layer.slots.slots(routed)
+        if rt.acct.recorder is not None:
+            rt.acct.recorder.read(layer.index, slots)
+        if not slots:
+            return torch.zeros_like(x)
+        table = torch.full((rt.spec.num_experts,), -1, dtype=torch.long)
+        table[torch.tensor(routed)] = torch.tensor(slots)
+        with rt.store.reading(layer.index, slots, routed) as slab:
+            return rt.computes[layer.index].slab(
+                x, slab, ids, weights.float(), table.to(ids.device), skip_absent=True
+            )

@@ -18,14 +18,16 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
-from psr.policy import Policy, make_policy
+from psr.policy import DEFAULT_VERIFY, Policy, default_block_k, make_policy
 from psr.runtime import chunked
 from psr.runtime import generate as gen
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.graphs import MAX_GRAPHS, SPECULATIVE, DecodeGraph, bucket, graphs_unavailable
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
+from psr.runtime.verify import VerifyRule, make_verify
 from psr.store import StoreError
+from psr.vocab import parse_verify
 
 _UIDS = itertools.count()  # one per OffloadedModel: prompt-cache keys never cross models
 _P = ParamSpec("_P")
@@ -82,9 +84,11 @@ class OffloadedModel(nn.Module):
         self.graphs: bool | str = "auto"
         self.graph_status = "not used yet"
         self._graphs: OrderedDict[int, DecodeGraph] = OrderedDict()  # by length, LRU last
-        # Speculative decoding (set_speculative): the drafter and experts per verify block.
+        # Speculative decoding (set_speculative): the drafter, the verify rule's word and
+        # budget's set size (the rule is built per call, against the placement then).
         self.drafter: Any = None
-        self.block_k: int | None = None
+        self.verify: str | None = None
+        self._block_k: int | None = None
         self.spec_stats: Any = None
         self._uid = next(_UIDS)
         # Tokens per prefill chunk (set_prefill_chunk): the default, at most the context.
@@ -317,7 +321,7 @@ class OffloadedModel(nn.Module):
         rt = self.runtime
         return (
             self._uid, rt.policy, rt.capacity, rt.experts_on, tuple(rt.inserts),
-            rt.decode_mode, rt.block_k, self.prefill_chunk, graphs,
+            rt.decode_mode, rt.verify and rt.verify.describe(), self.prefill_chunk, graphs,
         )  # fmt: skip
 
     def _prefill(self, graph: DecodeGraph | None, cache: chunked.PromptCache | None) -> Any:
@@ -381,9 +385,9 @@ class OffloadedModel(nn.Module):
             self._check_open()
             blocks = block > 1
             if blocks:
-                if self.block_k is None:
-                    raise ValueError("score(block=...) needs a speculative model (block_k)")
-                self.runtime.set_block_mode(self.block_k)
+                if self.drafter is None:
+                    raise ValueError("score(block=...) needs a speculative model (a drafter)")
+                self.runtime.set_block_mode(self.verify_rule())
             self.runtime.begin_scoring(prompt_len, ids.shape[1], block)
             try:
                 logits: torch.Tensor = self.hf(input_ids=ids, use_cache=False).logits
@@ -393,16 +397,43 @@ class OffloadedModel(nn.Module):
                 if blocks:
                     self.runtime.set_block_mode(None)
 
-    def set_speculative(self, drafter: Any, block_k: int | None) -> None:
-        """Decode speculatively with `drafter` (psr.runtime.speculative.Drafter), one set
-        of `block_k` experts per layer and verify block; None switches it off."""
+    def set_speculative(
+        self, drafter: Any, block_k: int | None = None, verify: str = DEFAULT_VERIFY
+    ) -> None:
+        """Decode speculatively with `drafter` (psr.runtime.speculative.Drafter), each
+        verify block routed as `verify` says (runtime/verify.py): 'budget', one set of
+        `block_k` experts per layer and block (default psr.policy.default_block_k), or
+        'cpu' / 'cpu:M', each token's own top-k with the experts outside the slab on the
+        CPU. `drafter=None` switches it off."""
         with self.runtime.lock:
-            if drafter is not None:
-                if block_k is None:
-                    raise ValueError("set_speculative: a drafter needs block_k (an int)")
-                self.runtime.set_block_mode(block_k)  # validates block_k
-                self.runtime.set_block_mode(None)
-            self.drafter, self.block_k = drafter, (block_k if drafter is not None else None)
+            if drafter is None:
+                self.drafter, self.verify, self._block_k = None, None, None
+                return
+            mode, _ = parse_verify(verify)
+            rt = self.runtime
+            if mode == "budget" and block_k is None:
+                block_k = default_block_k(rt.spec.top_k, rt.capacity)
+            old = (self.drafter, self.verify, self._block_k)
+            self.drafter, self.verify, self._block_k = drafter, verify, block_k
+            try:
+                rt.set_block_mode(self.verify_rule())  # the checks, now
+            except ValueError:
+                self.drafter, self.verify, self._block_k = old
+                raise
+            finally:
+                rt.set_block_mode(None)
+
+    @property
+    def block_k(self) -> int | None:
+        """Experts per layer and verify block under verify='budget' (None otherwise)."""
+        return self._block_k
+
+    def verify_rule(self) -> VerifyRule:
+        """The speculative drafter's verify rule against the current slots and placement."""
+        if self.drafter is None or self.verify is None:
+            raise ValueError("no speculative drafter attached (set_speculative)")
+        rt = self.runtime
+        return make_verify(self.verify, self._block_k, rt.spec.top_k, rt.capacity, rt.placement)
 
     def _generate_speculative(
         self, ids: torch.Tensor, settings: Any, streamer: Any
@@ -414,8 +445,7 @@ class OffloadedModel(nn.Module):
         if len(settings.eos_token_ids) > 1:
             raise ValueError("speculative decoding takes one eos_token_id")
         eos = settings.eos_token_ids[0] if settings.eos_token_ids else None
-        block_k = self.block_k
-        assert block_k is not None  # set_speculative pairs a drafter with its block_k
+        rule = self.verify_rule()
         rec = self.runtime.recorder
         out, st = generate_speculative(
             self.hf,
@@ -423,7 +453,7 @@ class OffloadedModel(nn.Module):
             self.drafter,
             ids,
             settings.max_new_tokens,
-            block_k,
+            rule,
             eos_token_id=eos,
             on_block=None if rec is None else lambda _n, emitted: rec.trace.emitted.append(emitted),
         )
