@@ -246,3 +246,126 @@ def test_speculative_grid_is_drafters_by_block_k_by_lam() -> None:
     assert [s.block_k for s in default_specs(8)][:6] == [8, 8, 12, 12, 16, 16]
     with pytest.raises(ValueError, match=r"K_b \[4\] below the model's top-k 8"):
         default_specs(8, 4, ("block",), (4, 8))
+
+
+# --- verify='cpu': each token's own top-k, the union's misses beyond M on the CPU -------
+
+
+@pytest.mark.parametrize(
+    ("verify", "experts_on", "residency"),
+    [("cpu:0", "gpu", 0.5), ("cpu:1", "gpu", 0.5), ("cpu", "gpu", 0.25), ("cpu", "cpu", 0.5)],
+)
+@pytest.mark.parametrize("drafter", ["oracle", "stubborn"])
+def test_exact_cpu_verify_decodes_as_exact_greedy(ckpt, verify, experts_on, residency, drafter):
+    """Exact routing, every token its own top-k: the same tokens as autoregressive exact
+    greedy decoding, whatever the copy budget (the rest computed on the CPU)."""
+    want = exact_greedy(ckpt)
+    d = Oracle(want) if drafter == "oracle" else Stubborn()
+    got, _, m, trace = spec(ckpt, d, None, "exact", residency, verify=verify, experts_on=experts_on)
+    assert got == want
+    s = m.stats
+    assert s["cpu_experts"] > 0  # the budget binds: some experts ran on the CPU
+    assert s["misses"] == s["copies"] - s["prefetches"] + s["cpu_experts"]
+    m_cap = m.runtime.capacity if verify == "cpu" and experts_on == "gpu" else None
+    for step in trace.tokens:
+        for ls in step:
+            copied = [c for c in ls.copies if c.kind == "miss" and c.layer == ls.layer]
+            assert len(copied) + ls.cpu_experts == len(ls.experts) - ls.hits
+            cap = {"cpu:0": 0, "cpu:1": 1}.get(verify, 2 if experts_on == "gpu" else 0)
+            assert len(copied) <= cap and (
+                m_cap is None or len(ls.experts) - ls.cpu_experts <= m_cap
+            )
+
+
+def test_cpu_verify_is_bit_identical_under_random_copy_delays(ckpt, monkeypatch) -> None:
+    """PSR-biased tokens, prefetches and a copy budget of 1: output, counts and trace do not
+    depend on when the copies land."""
+    runs = []
+    for seed in ("1", "2", "3"):
+        monkeypatch.setenv("PSR_COPY_DELAY_US", "2000")
+        monkeypatch.setenv("PSR_COPY_DELAY_SEED", seed)
+        got, st, m, trace = spec(ckpt, Stubborn(), None, lam=0.4, n=2, verify="cpu:1")
+        runs.append((got, st.as_dict(), m.stats.report(), trace.to_json()))
+        assert m.stats["cpu_experts"] > 0
+    assert runs[0] == runs[1] == runs[2]
+
+
+@pytest.mark.parametrize("verify", ["budget", "cpu:1"])
+def test_teacher_forced_blocks_equal_verify_blocks_per_rule(ckpt, verify) -> None:
+    """Scoring a window in blocks = decoding it with a drafter of the true text, under
+    either rule (verify='cpu': the CPU experts read no slot in both)."""
+    ids = PROMPT + [(5 * i + 1) % 64 for i in range(15)]
+    P, b = len(PROMPT), 5
+    logits, traces = [], []
+    for scored in (True, False):
+        m = psr.load(ckpt, "psr", residency=0.5, lam=0.4, n=1, progress=False)
+        rt = m.runtime
+        rec = m.record_trace()
+        rt.set_block_mode(
+            make_verify(verify, 3 if verify == "budget" else None, 2, 4, rt.placement)
+        )
+        if scored:
+            rt.begin_scoring(P, len(ids), block=b)
+            try:
+                logits.append(m.hf(input_ids=torch.tensor([ids]), use_cache=False).logits)
+            finally:
+                rt.end_scoring()
+        else:
+            rt.set_block_mode(None)
+            out = m.hf(input_ids=torch.tensor([ids[:P]]), use_cache=True)
+            parts, kv = [out.logits], output_cache(out)
+            rt.set_block_mode(
+                make_verify(verify, 3 if verify == "budget" else None, 2, 4, rt.placement)
+            )
+            for t in range(P, len(ids), b):
+                out = m.hf(input_ids=torch.tensor([ids[t : t + b]]), use_cache=True, **{KV: kv})
+                parts.append(out.logits)
+            logits.append(torch.cat(parts, 1))
+        rt.set_block_mode(None)
+        traces.append(rec.trace.to_json())
+    assert traces[0] == traces[1]
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=2e-5)
+
+
+def test_budget_uses_only_the_experts_its_tokens_route_to(ckpt) -> None:
+    """A set of K_b = 4 for one token of top-2: the two experts it routes to are `use`d (and
+    copied), the set's two others are not."""
+    from psr.runtime.host_decode import VerifyBlock
+
+    m = psr.load(ckpt, "exact", residency=0.5, progress=False)  # 4 slots of 8, top-2
+    rt = m.runtime
+    L = rt.layers[0]
+    L.cache.reset([0, 1])
+    rt.set_block_mode(BudgetSet(4))
+    logits = torch.tensor([[0.0, 0.0, 5.0, 4.0, 3.0, 2.0, -9.0, -9.0]])  # set {2, 3, 4, 5}
+    before = m.stats["misses"]
+    _, ids = VerifyBlock(rt).route_block(L, logits, physical=False)
+    rt.set_block_mode(None)
+    assert sorted(ids[0].tolist()) == [2, 3]
+    assert sorted(L.cache.order()) == [0, 1, 2, 3]
+    assert m.stats["misses"] - before == 2
+
+
+def test_verify_words_and_budgets_are_checked(ckpt) -> None:
+    from psr.vocab import parse_verify
+
+    assert parse_verify("budget") == ("budget", None)
+    assert parse_verify("cpu:3") == ("cpu", 3)
+    for bad, msg in [
+        ("gpu", "verify must be one of budget, cpu"),
+        ("budget:2", "only 'cpu' takes a miss-copy budget"),
+        ("cpu:x", "expected cpu:M with an integer M >= 0"),
+        ("cpu:-1", "expected cpu:M"),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            parse_verify(bad)
+    with pytest.raises(ValueError, match="verify must be one of"):
+        psr.LoadConfig(verify="exact")
+    m = psr.load(ckpt, "psr", residency=0.5, progress=False, experts_on="cpu")
+    with pytest.raises(ValueError, match="verify='budget' needs experts_on='gpu', not 'cpu'"):
+        m.set_speculative(Stubborn(), 2)
+    assert m.drafter is None
+    m.set_speculative(Stubborn(), verify="cpu")
+    assert m.verify_rule().describe() == "cpu(M=0)"  # experts_on cpu's cap
+    with pytest.raises(ValueError, match="verify='cpu' takes none"):
+        m.set_speculative(Stubborn(), 2, verify="cpu")
