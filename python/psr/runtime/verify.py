@@ -77,7 +77,7 @@ class BudgetSet(VerifyRule):
         self.block_k = block_k
 
     def check(self, top_k: int, capacity: int, placement: ExpertPlacement) -> None:
-        if not top_k <= self.block_k <= capacity:
+        if self.block_k is None or not top_k <= self.block_k <= capacity:
             raise ValueError(
                 f"block_k={self.block_k!r} must be an int in [top_k={top_k}, slots per "
                 f"layer={capacity}]"
