@@ -17,6 +17,7 @@ from psr.cli.args import (
     drafter_kind,
     eval_model,
     nonnegative_float,
+    nonnegative_int,
     positive_int,
     progress,
     residencies,
@@ -193,7 +194,15 @@ def _add_speculative(bsub: Any) -> None:
         "--lams",
         type=comma_list(nonnegative_float),
         default="0,0.2",
-        help="comma list of lam biasing the block set toward the logical cache",
+        help="comma list of lam biasing the block set (verify='budget') or each token's "
+        "top-k (verify='cpu') toward the logical cache",
+    )
+    sp.add_argument(
+        "--cpu-copies",
+        type=comma_list(nonnegative_int),
+        default=[],
+        help="comma list of M: verify='cpu:M' rows (each token's own top-k, at most M misses "
+        "copied per layer and block, the rest computed on the CPU) (default: none)",
     )
     sp.add_argument(
         "--out", default="psr-results/speculative", help="folder for speculative.{md,json}"
@@ -220,6 +229,7 @@ def run_speculative(args: argparse.Namespace) -> int:
         drafters=args.drafters,
         block_ks=args.block_k,
         lams=args.lams,
+        cpu_copies=args.cpu_copies,
         progress=progress(args),
     )
     return 0
