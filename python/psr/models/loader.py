@@ -275,11 +275,13 @@ def _load_drafter(
 
     drafter = load_drafter(path, kind, r.cfg.block, model, r.device, r.dtype)
     lost = -(-drafter.memory_bytes // sum(source.row_bytes))  # ceil: whole slots
-    if C - lost < r.spec.top_k:
+    # experts_on cpu / hybrid run with fewer slots than top_k (down to none).
+    least = 0 if placement_class(r.cfg.placement[0]).capped else r.spec.top_k
+    if C - lost < least:
         raise ValueError(
             f"the {kind} drafter ({drafter.memory_bytes / 2**20:.1f} MiB) takes "
-            f"{lost} of the {C} expert slots per layer, leaving fewer than top_k="
-            f"{r.spec.top_k}: raise the residency"
+            f"{lost} of the {C} expert slots per layer, leaving fewer than {least}: raise "
+            "the residency"
         )
     return drafter, C - lost
 
