@@ -369,3 +369,39 @@ def test_verify_words_and_budgets_are_checked(ckpt) -> None:
     assert m.verify_rule().describe() == "cpu(M=0)"  # experts_on cpu's cap
     with pytest.raises(ValueError, match="verify='cpu' takes none"):
         m.set_speculative(Stubborn(), 2, verify="cpu")
+
+
+def test_speculative_grid_adds_cpu_verify_rows() -> None:
+    from psr.eval.spec_compare import default_specs
+
+    specs = default_specs(8, 4, ("ar",), (16,), (0.0,), cpu_copies=(0, 2))
+    assert [(s.block_k, s.verify) for s in specs] == [
+        (16, "budget"),
+        (None, "cpu:0"),
+        (None, "cpu:2"),
+    ]
+    assert specs[1].label == "spec-ar(B=4, cpu M=0, lam=0, n=1)"
+    assert specs[1].options()["verify"] == "cpu:0"
+
+
+def test_speedups_are_against_the_fastest_autoregressive_row_per_profile() -> None:
+    from psr.eval.spec_compare import _compare
+
+    def row(label, verify, ms, nll):
+        lat = {p: {"ms_per_token": v} for p, v in ms.items()}
+        return {"label": label, "verify": verify, "latency": lat, "nll_items": nll,
+                "generated": [[1, 2, 3]]}  # fmt: skip
+
+    rows = [
+        row("exact", None, {"a": 10.0, "b": 4.0}, [1.0, 2.0, 3.0]),
+        row("psr", None, {"a": 5.0, "b": 3.0}, [1.0, 2.0, 3.0]),
+        row("psr cpu", None, {"a": 6.0, "b": 2.0}, [1.0, 2.0, 3.0]),
+        row("spec", "cpu:0", {"a": 2.5, "b": 1.0}, [1.5, 2.5, 3.5]),
+    ]
+    _compare(rows, ["a", "b"])
+    spec = rows[3]
+    assert spec["best_ar"] == {"a": "psr", "b": "psr cpu"}
+    assert spec["speedup_vs_best_ar"] == {"a": 2.0, "b": 2.0}
+    assert spec["speedup_vs_exact"] == {"a": 4.0, "b": 4.0}
+    assert spec["delta_nll"]["mean"] == pytest.approx(0.5) and not spec["in_budget"]
+    assert rows[1]["in_budget"] and rows[1]["delta_nll"]["mean"] == 0.0
