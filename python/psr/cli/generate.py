@@ -327,7 +327,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if model.spec_stats is not None:
         st = model.spec_stats
         print(
-            f"speculative ({args.speculative}, B={args.block}, K_b={model.block_k}): "
+            f"speculative ({args.speculative}, B={args.block}, "
+            f"{model.verify_rule().describe()}): "
             f"{st.blocks} verify blocks, {st.accepted_per_block:.2f} drafts accepted and "
             f"{st.tokens_per_block:.2f} tokens per block",
             file=sys.stderr,
@@ -337,6 +338,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "drafter": args.speculative,
             "block": args.block,
             "block_k": model.block_k,
+            "verify": model.verify,
             **st.as_dict(),
         }
     print(model.stats.table(), file=sys.stderr)
