@@ -82,9 +82,9 @@ class HostDecode(Step):
 
     def slot_ids(
         self, layer: MoELayer, ids: torch.Tensor, routed: Sequence[int], slots: list[int]
-    ) -> torch.Tensor:
-        """The slots the expert kernel reads, one per routed id."""
-        return torch.tensor([slots], device=ids.device)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the expert kernel reads: one slot per routed id (and no slot table)."""
+        return torch.tensor([slots], device=ids.device), None
 
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -106,11 +106,14 @@ class HostDecode(Step):
         slots = layer.slots.slots(routed)  # the experts this step reads: its routed ids or set
         if rt.acct.recorder is not None:
             rt.acct.recorder.read(layer.index, slots)
-        st = self.slot_ids(layer, ids, routed, slots)
+        if not slots:  # a verify block whose experts all run on the CPU
+            return torch.zeros_like(x)
+        st, table = self.slot_ids(layer, ids, routed, slots)
         with rt.store.reading(layer.index, slots, routed) as slab:
             return rt.computes[layer.index].slab(
-                x, slab, st, weights.float(), bias=layer.biases(ids)
-            )
+                x, slab, st, weights.float(), table, bias=layer.biases(ids),
+                skip_absent=table is not None,
+            )  # fmt: skip
 
 
 class VerifyBlock(HostDecode):
@@ -189,25 +192,11 @@ class VerifyBlock(HostDecode):
         # Ties to the lower id, as everywhere.
         return torch.sort(score, descending=True, stable=True).indices[:n].tolist()
 
-    def slab_experts(
-        self,
-        layer: MoELayer,
-        x: torch.Tensor,
-        ids: torch.Tensor,
-        weights: torch.Tensor,
-        routed: list[int],
-    ) -> torch.Tensor:
-        """The block's members (`routed`) from their slab slots, read once for all its
-        tokens; a token's experts outside them (the CPU's) add nothing here."""
-        rt = self.rt
-        slots = layer.slots.slots(routed)
-        if rt.acct.recorder is not None:
-            rt.acct.recorder.read(layer.index, slots)
-        if not slots:
-            return torch.zeros_like(x)
-        table = torch.full((rt.spec.num_experts,), -1, dtype=torch.long)
-        table[torch.tensor(routed)] = torch.tensor(slots)
-        with rt.store.reading(layer.index, slots, routed) as slab:
-            return rt.computes[layer.index].slab(
-                x, slab, ids, weights.float(), table.to(ids.device), skip_absent=True
-            )
+    def slot_ids(
+        self, layer: MoELayer, ids: torch.Tensor, routed: Sequence[int], slots: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each token's expert ids and the members' slot table on the device (-1: an expert
+        outside the members, computed on the CPU)."""
+        table = torch.full((self.rt.spec.num_experts,), -1, dtype=torch.long)
+        table[torch.tensor(list(routed), dtype=torch.long)] = torch.tensor(slots)
+        return ids, table.to(ids.device)
