@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import psr
-from psr.cli.args import eval_model
 from psr.eval.defaults import PROMPT_TOKENS, WINDOW_TOKENS
 from psr.eval.harness import EvalData
 
@@ -52,7 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None, help="folder for spec_cpu.{md,json}")
     a = ap.parse_args()
-    path = eval_model(a.model)
+    path = a.model or psr.DEFAULT_MODEL
     data = EvalData.from_heldout(
         path, "B", windows=1, window_tokens=WINDOW_TOKENS, prompt_tokens=PROMPT_TOKENS,
         prompts=a.prompts, gen_tokens=a.tokens,
