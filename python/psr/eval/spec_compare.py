@@ -76,6 +76,8 @@ class SpecConfig:
         )
 
     def options(self) -> dict[str, Any]:
+        if self.kind == "oracle":  # attached after loading (_measure)
+            return {"experts_on": self.experts_on}
         return {
             "speculative": self.kind,
             "block": self.block,
@@ -101,9 +103,31 @@ def _dense_params(model: OffloadedModel) -> int:
     return sum(p.numel() for p in model.hf.parameters() if not p.is_meta)
 
 
+class OracleDrafter:
+    """An upper bound, not a drafter one can ship: drafts the exact model's greedy
+    continuation of each prompt (exact routing's generated tokens), for free (no memory, no
+    time). Under exact verification every draft is accepted; what remains is the verify
+    blocks' own cost."""
+
+    kind, memory_bytes = "oracle", 0
+
+    def __init__(self, block: int, references: Sequence[list[int]]) -> None:
+        self.block, self.refs = block, [list(r) for r in references]
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens: list[int], hidden: torch.Tensor | None) -> list[int]:
+        ref = next((r for r in self.refs if r[: len(tokens)] == tokens), [])
+        nxt = ref[len(tokens) : len(tokens) + self.block]
+        return nxt + [0] * (self.block - len(nxt))
+
+
 def _drafter_params(model: OffloadedModel) -> tuple[int, int]:
     """(parameters per pass, passes per block) of the model's drafter."""
     d = model.drafter
+    if d.kind == "oracle":
+        return 0, 0
     if d.kind == "ar":
         return sum(p.numel() for p in d.model.parameters()), d.block
     heads = sum(p.numel() for p in d.heads.parameters())
@@ -174,10 +198,14 @@ def _measure(
     data: EvalData,
     profiles: Sequence[str],
     progress: bool,
+    references: Sequence[list[int]] = (),
 ) -> dict[str, Any] | None:
-    """One configuration's row at residency `rho` (None: it does not fit, said why)."""
+    """One configuration's row at residency `rho` (None: it does not fit, said why);
+    `references`: exact greedy decoding's prompt + tokens, the oracle drafter's."""
     try:
         m = load(path, cfg.policy, rho, dtype="float32", progress=False, **cfg.options())
+        if isinstance(cfg, SpecConfig) and cfg.kind == "oracle":
+            m.set_speculative(OracleDrafter(cfg.block, references), cfg.block_k, cfg.verify)
     except ValueError as e:  # e.g. K_b above the slots the drafter leaves
         print(f"{rho:.1%} {cfg.label}: skipped ({e})")
         return None
@@ -229,7 +257,9 @@ def compare_speculative(
         ars = list(baselines) if baselines is not None else default_baselines(path, rho)
         if not ars or ars[0].policy.name != "exact" or ars[0].experts_on != "gpu":
             raise ValueError("the first baseline must be exact with experts_on='gpu'")
-        got = [_measure(path, rho, c, data, profiles, progress) for c in [*ars, *specs]]
+        got = [_measure(path, rho, c, data, profiles, progress) for c in ars]
+        refs = [[*p, *g] for p, g in zip(data.prompts, got[0]["generated"], strict=True)]
+        got += [_measure(path, rho, c, data, profiles, progress, refs) for c in specs]
         base = [r for r in got if r is not None]
         _compare(base, profiles)
         rows += base
