@@ -11,6 +11,7 @@ import torch
 from tiny_models import KV_KWARG, tiny_model, write_checkpoint
 
 import psr
+from psr.eval.spec_compare import OracleDrafter
 from psr.runtime.kv import output_cache
 from psr.runtime.speculative import generate_speculative
 from psr.runtime.verify import BudgetSet, make_verify
@@ -25,20 +26,9 @@ def ckpt(tmp_path_factory) -> Path:
     return write_checkpoint(tiny_model("olmoe"), tmp_path_factory.mktemp("spec") / "olmoe")
 
 
-class Oracle:
+def Oracle(reference: list[int]) -> OracleDrafter:
     """Drafts the exact model's greedy continuation (every draft is accepted)."""
-
-    kind, block, memory_bytes = "oracle", 3, 0
-
-    def __init__(self, reference: list[int]) -> None:
-        self.ref = reference
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, tokens, hidden):
-        nxt = self.ref[len(tokens) : len(tokens) + self.block]
-        return nxt + [0] * (self.block - len(nxt))
+    return OracleDrafter(3, [reference])
 
 
 class Stubborn:
