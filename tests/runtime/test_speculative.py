@@ -221,6 +221,14 @@ def test_a_drafter_too_big_for_the_slots_is_refused(ckpt, tmp_path) -> None:
         psr.load(path, "psr", residency=0.25, progress=False, speculative="ar")
     with pytest.raises(ValueError, match="speculative must be 'block' or 'ar'"):
         psr.load(path, "psr", residency=0.5, progress=False, speculative="medusa")
+    # With the experts outside the slab computed on the CPU, fewer slots than top-k do.
+    m = psr.load(
+        path, "exact", residency=0.25, progress=False, speculative="ar", block=2,
+        experts_on="cpu", verify="cpu",
+    )  # fmt: skip
+    assert m.runtime.capacity < 2
+    assert m.generate(PROMPT, NEW)[0].tolist() == exact_greedy(path)
+    assert m.spec_stats.blocks == m.stats["tokens"] and m.stats["cpu_experts"] > 0
 
 
 def test_speculative_grid_is_drafters_by_block_k_by_lam() -> None:
