@@ -62,6 +62,7 @@ from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy
 from psr.runtime.expert_placement import placement_class
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import resolve_capacity
+from psr.runtime.verify import verify_class
 
 
 @torch.no_grad()
@@ -333,9 +334,12 @@ def _tier_plan(
         profile = load_profile(r.cfg.host_profile, (len(row_bytes), E))
     plan = plan_tiers(budget, fixed, row_bytes, E, why_not, profile, cuda)
     where = r.cfg.placement[0]
-    if plan.pageable_bytes and placement_class(where).capped:
+    what = f"experts_on={where!r}" if placement_class(where).capped else None
+    if r.cfg.speculative is not None and verify_class(r.cfg.verify).reads_host_rows:
+        what = what or f"verify={r.cfg.verify!r}"
+    if plan.pageable_bytes and what is not None:
         raise ValueError(
-            f"experts_on={where!r} computes misses from the host rows in place, but "
+            f"{what} computes misses from the host rows in place, but "
             f"host_memory leaves {plan.pageable_bytes / 2**30:.2f} GiB of experts in the "
             "checkpoint file: use experts_on='gpu', or a budget that holds every expert"
         )

@@ -135,7 +135,7 @@ class OffloadRuntime:
         self.prefill_more = False
         # Where prefill reads its experts (prefill.py): "host" rows on the CPU backend
         # (every expert held in memory), else staged through the "slab".
-        held = all(s.num_held in (None, s.num_experts) for s in store.layers)
+        held = not self.has_pageable_rows()
         self.prefill_reads = "host" if store.backend == "cpu" and held else "slab"
 
     def _set_formats(
@@ -229,6 +229,12 @@ class OffloadRuntime:
         """Block mode on (each decode forward a verify block routed by `rule`) or off."""
         if rule is not None:
             rule.check(self.spec.top_k, self.capacity, self.placement)
+            if rule.reads_host_rows and self.has_pageable_rows():
+                raise ValueError(
+                    f"verify={rule.name!r} computes experts from the host rows in place, but "
+                    "some experts stay in the checkpoint file (host_memory): use verify="
+                    "'budget', or a budget that holds every expert"
+                )
             if not self.steering.spec_rule:
                 raise ValueError("block mode steers by the spec's rule only")
             if self.spec.n_group > 1:
@@ -240,6 +246,10 @@ class OffloadRuntime:
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
         self.verify = rule
+
+    def has_pageable_rows(self) -> bool:
+        """Whether some experts are not held in host memory (pageable rows)."""
+        return not all(s.num_held in (None, s.num_experts) for s in self.store.layers)
 
     # --- statistics and traces -------------------------------------------------------
     @property

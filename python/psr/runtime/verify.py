@@ -45,6 +45,8 @@ class VerifyRule:
     """How a verify block routes each MoE layer (a subclass per rule)."""
 
     name: ClassVar[str]
+    # Computes experts from the host rows in place: every expert must be held in memory.
+    reads_host_rows: ClassVar[bool] = False
     block_k: int | None = None  # budget's set size (None: no set)
 
     def check(self, top_k: int, capacity: int, placement: ExpertPlacement) -> None:
@@ -105,6 +107,7 @@ class CpuVerify(VerifyRule):
     union's other misses computed on the CPU."""
 
     name = "cpu"
+    reads_host_rows = True
 
     def __init__(self, copies: Sequence[int]) -> None:
         self.copies = list(copies)  # per MoE layer
@@ -128,15 +131,23 @@ class CpuVerify(VerifyRule):
         return f"cpu(M={m.pop()})" if len(m) == 1 else f"cpu(M={','.join(map(str, self.copies))})"
 
 
+VERIFY_RULES: dict[str, type[VerifyRule]] = {cls.name: cls for cls in (BudgetSet, CpuVerify)}
+
+
+def verify_class(verify: str) -> type[VerifyRule]:
+    """The rule class `verify` names ('budget', 'cpu', 'cpu:M'; ValueError naming them)."""
+    return VERIFY_RULES[parse_verify(verify)[0]]
+
+
 def make_verify(
     verify: str, block_k: int | None, top_k: int, capacity: int, placement: ExpertPlacement
 ) -> VerifyRule:
     """The rule `verify` names ('budget', 'cpu', 'cpu:M'), checked against the slots and
     the placement. `block_k`: budget's set size (None: psr.policy.default_block_k is the
     caller's); cpu's M defaults per layer to psr.policy.default_verify_copies."""
-    mode, m = parse_verify(verify)
+    cls, (_, m) = verify_class(verify), parse_verify(verify)
     rule: VerifyRule
-    if mode == "budget":
+    if cls is BudgetSet:
         if block_k is None:
             raise ValueError("verify='budget' needs block_k (an int)")
         rule = BudgetSet(block_k)
