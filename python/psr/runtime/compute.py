@@ -204,22 +204,21 @@ class ExpertCompute:
         weights: torch.Tensor,
         host: torch.Tensor,
         bias_table: torch.Tensor | None = None,
-        only: list[int] | None = None,
+        only: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """Routed experts of prefill tokens `x [T, H]` (`ids`, `weights` `[T, k]`) from the
         store's host rows, each expert once over its tokens: the experts with fewer than
         `dense_from` tokens in one call of the CPU kernels (each row read in place; the
         others skipped as absent), each other one dequantized once and multiplied (the
         reference's matmul), every expert so where the kernels do not compute this kind.
-        `only`: just these experts (a verify block's CPU experts), the others add nothing.
-        Sums in fp32; returns x's dtype."""
+        `only` (bool `[E]`): just those experts (the CPU part of a split prefill). Sums in
+        fp32; returns `out_dtype` (default x's dtype)."""
         E = self.spec.num_experts
         w = weights.float()
         counts = torch.bincount(ids.reshape(-1).long(), minlength=E)
         if only is not None:
-            keep = torch.zeros(E, dtype=torch.bool)
-            keep[torch.tensor(only, dtype=torch.long)] = True
-            counts = torch.where(keep, counts, 0)
+            counts = torch.where(only, counts, 0)
         kernels = x.device.type == "cpu" and self.host_layout(host) is not None
         cut = self.dense_from(host) if kernels else 0
         dense = torch.zeros(E, dtype=torch.bool) if cut is None else counts >= cut
@@ -232,7 +231,7 @@ class ExpertCompute:
                 out_dtype=torch.float32, skip_absent=True,
             )  # fmt: skip
         each = torch.nonzero(dense & (counts > 0)).flatten().tolist()
-        return self._each_expert(out, x, ids, w, host, bias_table, each).to(x.dtype)
+        return self._each_expert(out, x, ids, w, host, bias_table, each).to(out_dtype or x.dtype)
 
     def _each_expert(
         self,

@@ -187,6 +187,11 @@ class OffloadRuntime:
         self.placement = placement
 
     @property
+    def block_k(self) -> int | None:
+        """The verify rule's set size (verify='budget'; None: no set, or no block mode)."""
+        return None if self.verify is None else self.verify.block_k
+
+    @property
     def experts_on(self) -> str:
         """The placement's name: 'gpu', 'cpu' or 'hybrid'."""
         return self.placement.name

@@ -172,8 +172,9 @@ class VerifyBlock(HostDecode):
             return y
         rt = self.rt
         comp, host = rt.computes[layer.index], rt.store.host(layer.index)
-        w = weights.float().cpu()
-        part = comp.grouped_host(x.cpu(), ids.cpu(), w, host, only=cpu)
+        only = torch.zeros(rt.spec.num_experts, dtype=torch.bool)
+        only[torch.tensor(cpu, dtype=torch.long)] = True
+        part = comp.grouped_host(x.cpu(), ids.cpu(), weights.float().cpu(), host, only=only)
         return y + part.to(y.device)
 
     def predict_block(self, layer: MoELayer, residual: torch.Tensor) -> list[int] | None:

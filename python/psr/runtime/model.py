@@ -18,7 +18,7 @@ from typing import Any, ParamSpec, Protocol, TypeVar, runtime_checkable
 import torch
 from torch import nn
 
-from psr.policy import DEFAULT_VERIFY, Policy, default_block_k, make_policy
+from psr.policy import Policy, make_policy
 from psr.runtime import chunked
 from psr.runtime import generate as gen
 from psr.runtime.engine import OffloadRuntime
@@ -27,7 +27,6 @@ from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 from psr.runtime.verify import VerifyRule, make_verify
 from psr.store import StoreError
-from psr.vocab import parse_verify
 
 _UIDS = itertools.count()  # one per OffloadedModel: prompt-cache keys never cross models
 _P = ParamSpec("_P")
@@ -321,7 +320,7 @@ class OffloadedModel(nn.Module):
         rt = self.runtime
         return (
             self._uid, rt.policy, rt.capacity, rt.experts_on, tuple(rt.inserts),
-            rt.decode_mode, rt.verify and rt.verify.describe(), self.prefill_chunk, graphs,
+            rt.decode_mode, rt.block_k, self.prefill_chunk, graphs,
         )  # fmt: skip
 
     def _prefill(self, graph: DecodeGraph | None, cache: chunked.PromptCache | None) -> Any:
@@ -398,21 +397,18 @@ class OffloadedModel(nn.Module):
                     self.runtime.set_block_mode(None)
 
     def set_speculative(
-        self, drafter: Any, block_k: int | None = None, verify: str = DEFAULT_VERIFY
+        self, drafter: Any, block_k: int | None = None, verify: str | None = None
     ) -> None:
         """Decode speculatively with `drafter` (psr.runtime.speculative.Drafter), each
         verify block routed as `verify` says (runtime/verify.py): 'budget', one set of
         `block_k` experts per layer and block (default psr.policy.default_block_k), or
         'cpu' / 'cpu:M', each token's own top-k with the experts outside the slab on the
-        CPU. `drafter=None` switches it off."""
+        CPU (None: psr.policy.DEFAULT_VERIFY). `drafter=None` switches it off."""
         with self.runtime.lock:
             if drafter is None:
                 self.drafter, self.verify, self._block_k = None, None, None
                 return
-            mode, _ = parse_verify(verify)
             rt = self.runtime
-            if mode == "budget" and block_k is None:
-                block_k = default_block_k(rt.spec.top_k, rt.capacity)
             old = (self.drafter, self.verify, self._block_k)
             self.drafter, self.verify, self._block_k = drafter, verify, block_k
             try:
@@ -426,11 +422,11 @@ class OffloadedModel(nn.Module):
     @property
     def block_k(self) -> int | None:
         """Experts per layer and verify block under verify='budget' (None otherwise)."""
-        return self._block_k
+        return None if self.drafter is None else self.verify_rule().block_k
 
     def verify_rule(self) -> VerifyRule:
         """The speculative drafter's verify rule against the current slots and placement."""
-        if self.drafter is None or self.verify is None:
+        if self.drafter is None:
             raise ValueError("no speculative drafter attached (set_speculative)")
         rt = self.runtime
         return make_verify(self.verify, self._block_k, rt.spec.top_k, rt.capacity, rt.placement)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 import psr_kernels as pk
-from psr.policy import default_verify_copies
+from psr.policy import DEFAULT_VERIFY, default_block_k, default_verify_copies
 from psr.vocab import parse_verify
 
 if TYPE_CHECKING:
@@ -134,23 +134,28 @@ class CpuVerify(VerifyRule):
 VERIFY_RULES: dict[str, type[VerifyRule]] = {cls.name: cls for cls in (BudgetSet, CpuVerify)}
 
 
-def verify_class(verify: str) -> type[VerifyRule]:
-    """The rule class `verify` names ('budget', 'cpu', 'cpu:M'; ValueError naming them)."""
-    return VERIFY_RULES[parse_verify(verify)[0]]
+def verify_class(verify: str | None) -> type[VerifyRule]:
+    """The rule class `verify` names ('budget', 'cpu', 'cpu:M'; None: DEFAULT_VERIFY;
+    ValueError naming them)."""
+    return VERIFY_RULES[parse_verify(verify or DEFAULT_VERIFY)[0]]
 
 
 def make_verify(
-    verify: str, block_k: int | None, top_k: int, capacity: int, placement: ExpertPlacement
+    verify: str | None,
+    block_k: int | None,
+    top_k: int,
+    capacity: int,
+    placement: ExpertPlacement,
 ) -> VerifyRule:
-    """The rule `verify` names ('budget', 'cpu', 'cpu:M'), checked against the slots and
-    the placement. `block_k`: budget's set size (None: psr.policy.default_block_k is the
-    caller's); cpu's M defaults per layer to psr.policy.default_verify_copies."""
+    """The rule `verify` names ('budget', 'cpu', 'cpu:M'; None: DEFAULT_VERIFY), checked
+    against the slots and the placement. `block_k`: budget's set size (None:
+    psr.policy.default_block_k); cpu's M defaults per layer to
+    psr.policy.default_verify_copies."""
+    verify = verify or DEFAULT_VERIFY
     cls, (_, m) = verify_class(verify), parse_verify(verify)
     rule: VerifyRule
     if cls is BudgetSet:
-        if block_k is None:
-            raise ValueError("verify='budget' needs block_k (an int)")
-        rule = BudgetSet(block_k)
+        rule = BudgetSet(default_block_k(top_k, capacity) if block_k is None else block_k)
     else:
         if block_k is not None:
             raise ValueError("block_k is verify='budget''s set size; verify='cpu' takes none")
