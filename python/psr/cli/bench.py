@@ -199,6 +199,13 @@ def _add_speculative(bsub: Any) -> None:
         "top-k (verify='cpu') toward the logical cache",
     )
     sp.add_argument(
+        "--prefetch",
+        type=nonnegative_int,
+        default=1,
+        help="n: experts prefetched into the next layer per layer and verify block "
+        "(default: %(default)s)",
+    )
+    sp.add_argument(
         "--cpu-copies",
         type=comma_list(nonnegative_int),
         default=[],
@@ -231,6 +238,7 @@ def run_speculative(args: argparse.Namespace) -> int:
         block_ks=args.block_k,
         lams=args.lams,
         cpu_copies=args.cpu_copies,
+        n=args.prefetch,
         progress=progress(args),
     )
     return 0

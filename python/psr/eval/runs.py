@@ -645,6 +645,7 @@ def speculative(
     block_ks: Sequence[int] | None = None,
     lams: Sequence[float] = (0.0, 0.2),
     cpu_copies: Sequence[int] = (),
+    n: int = 1,
 ) -> list[dict[str, Any]]:
     """Speculative decoding (both drafters; verify='budget' over a K_b x lam grid,
     verify='cpu:M' over `cpu_copies` x lam) against the autoregressive policies at equal
@@ -664,7 +665,7 @@ def speculative(
     if specs is None:
         probe = load(path, "exact", 1.0, progress=False)
         k = probe.runtime.spec.top_k
-        specs = default_specs(k, block, drafters, block_ks, lams, cpu_copies)
+        specs = default_specs(k, block, drafters, block_ks, lams, cpu_copies, n)
         probe.close()
     rows = compare_speculative(path, residencies, specs, data, progress=progress)
     o = Path(out)

@@ -308,9 +308,11 @@ def default_specs(
     block_ks: Sequence[int] | None = None,
     lams: Sequence[float] = (0.0, 0.2),
     cpu_copies: Sequence[int] = (),
+    n: int = 1,
 ) -> list[SpecConfig]:
     """A grid per drafter: verify='budget' over K_b (default {k, 1.5k, 2k}) x lam (the set
-    biased as PSR, or not at lam 0), then verify='cpu:M' over `cpu_copies` x lam; n = 1."""
+    biased as PSR, or not at lam 0), then verify='cpu:M' over `cpu_copies` x lam; `n`
+    experts prefetched per layer and block."""
     kbs = list(block_ks) if block_ks else [top_k, math.ceil(1.5 * top_k), 2 * top_k]
     bad = [kb for kb in kbs if kb < top_k]
     if bad:
@@ -319,8 +321,8 @@ def default_specs(
     for kind in drafters:
         for kb in kbs:
             for lam in lams:
-                out.append(SpecConfig(kind, block, kb, make_policy("psr", lam, 1)))
+                out.append(SpecConfig(kind, block, kb, make_policy("psr", lam, n)))
         for m in cpu_copies:
             for lam in lams:
-                out.append(SpecConfig(kind, block, None, make_policy("psr", lam, 1), f"cpu:{m}"))
+                out.append(SpecConfig(kind, block, None, make_policy("psr", lam, n), f"cpu:{m}"))
     return out
