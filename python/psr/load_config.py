@@ -20,7 +20,7 @@ from typing import Any
 
 import psr.vocab as vocab
 from psr.machine import resolve_threads
-from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, Policy, make_policy
+from psr.policy import DEFAULT_POLICY, DEFAULT_RESIDENCY, DEFAULT_VERIFY, Policy, make_policy
 
 # Each field's metadata: whether `psr.offload` takes it too (`psr.load` takes every one).
 BOTH: dict[str, bool] = {"offload": True}
@@ -82,6 +82,11 @@ class LoadConfig:
         experts per layer and block (default min(2 top_k, slots)). The drafter is resident:
         its memory comes out of the expert slots (equal device memory), so the store gets
         fewer slots than `residency` alone gives.
+    verify: how a verify block bounds the experts its tokens need: 'budget' (default: one set
+        of `block_k` experts per layer and block, each token's top-k inside it) or 'cpu' /
+        'cpu:M' (each token keeps its own top-k; the union's members outside the slab are
+        computed on the CPU from the host rows, at most M misses copied per layer and block;
+        default M: top-k, or experts_on's cap under cpu / hybrid).
     quality_budget: nats/token (95% upper bound) the policy may cost: 'cache-prior' / 'psr'
         then require the model's operating point tuned by `psr tune` for this budget or a
         tighter one (the embedded model ships points for 0.01); without it, such a policy
@@ -124,6 +129,7 @@ class LoadConfig:
     speculative: str | None = field(default=None, metadata=LOAD)
     block: int = field(default=4, metadata=LOAD)
     block_k: int | None = field(default=None, metadata=LOAD)
+    verify: str = field(default=DEFAULT_VERIFY, metadata=LOAD)
     copy_retries: int | None = field(default=None, metadata=BOTH)
     prefill_chunk: int | None = field(default=None, metadata=BOTH)
     threads: int | None = field(default=None, metadata=LOAD)
@@ -134,6 +140,7 @@ class LoadConfig:
         """The checks that need no checkpoint, each a one-line ValueError / TypeError."""
         vocab.graphs_choice(self.graphs)
         vocab.parse_experts_on(self.experts_on)
+        vocab.parse_verify(self.verify)
         if self.host_memory is not None:
             vocab.host_memory(self.host_memory)
         if self.gpu_memory is not None:

@@ -23,6 +23,10 @@ DEFAULT_POLICY = "psr"
 DEFAULT_LAM = 0.03
 DEFAULT_N = 1
 DEFAULT_RESIDENCY = 0.5
+# Speculative verify blocks (issue 41 item 2): how a block bounds its experts (psr.vocab.
+# VERIFY_MODES). "budget" is the seed's block-level set; "cpu" costs no quality beyond the
+# policy's own but needs host rows and CPU time.
+DEFAULT_VERIFY = "budget"
 # What `parse_policies` adds when a spec omits a policy that a comparison needs.
 BASELINE = "exact"
 _HAS_LAM = ("cache-prior", "psr", "cache-prior-async")
@@ -149,6 +153,19 @@ def parse_policies(spec: str, *, with_baseline: bool = True) -> list[Policy]:
     if with_baseline and not any(p.name == BASELINE for p in out):
         out.insert(0, make_policy(BASELINE))
     return out
+
+
+def default_block_k(top_k: int, slots: int) -> int:
+    """Experts per layer and verify block in verify='budget' without an explicit block_k:
+    twice the model's top-k, at most the slots per layer."""
+    return min(2 * top_k, slots)
+
+
+def default_verify_copies(top_k: int, cap: int | None) -> int:
+    """Misses one verify block copies per MoE layer in verify='cpu' without an explicit M:
+    the placement's own cap under experts_on cpu / hybrid (`cap`), else top-k (a block
+    copies at most what one autoregressive token can miss; the rest run on the CPU)."""
+    return top_k if cap is None else cap
 
 
 def standard_policies(points: dict[str, Policy]) -> list[Policy]:

@@ -39,6 +39,12 @@ DECODE_MODES: tuple[str, ...] = ("device", "host")
 # or "hybrid" (at most m misses per layer copied, the rest on the CPU).
 EXPERTS_ON: tuple[str, ...] = ("gpu", "cpu", "hybrid")
 
+# How a speculative verify block bounds the experts its tokens need (issue 41 item 2):
+# "budget" (one set of at most block_k experts per layer for the block, each token's top-k
+# inside it) or "cpu" (each token's own top-k; the union's members outside the slab computed
+# on the CPU, at most M of its misses copied per layer and block: 'cpu:M').
+VERIFY_MODES: tuple[str, ...] = ("budget", "cpu")
+
 
 def canonical_dtype(name: str) -> str:
     """The canonical dtype name of an accepted spelling (`torch.` prefix allowed)."""
@@ -101,6 +107,26 @@ def parse_experts_on(spec: str) -> tuple[str, int | list[int] | None]:
             f"experts_on={spec!r}: expected hybrid:M or hybrid:M1,M2,... with integers M"
         ) from None
     return mode, caps[0] if "," not in rest else caps
+
+
+def parse_verify(spec: str) -> tuple[str, int | None]:
+    """`psr.load`'s `verify`: 'budget', 'cpu' or 'cpu:M' (at most M misses copied per MoE
+    layer and verify block; plain 'cpu': psr.policy.default_verify_copies). Returns (mode,
+    M or None)."""
+    if not isinstance(spec, str):
+        raise ValueError(f"verify must be a string, got {type(spec).__name__}")
+    mode, sep, rest = spec.partition(":")
+    if mode not in VERIFY_MODES:
+        raise ValueError(
+            f"verify must be one of {', '.join(VERIFY_MODES)} (or cpu:M); got {spec!r}"
+        )
+    if not sep:
+        return mode, None
+    if mode != "cpu":
+        raise ValueError(f"verify={spec!r}: only 'cpu' takes a miss-copy budget (cpu:M)")
+    if not rest.isdigit():
+        raise ValueError(f"verify={spec!r}: expected cpu:M with an integer M >= 0")
+    return mode, int(rest)
 
 
 def graphs_choice(graphs: object) -> bool | str:

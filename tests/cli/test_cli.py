@@ -124,9 +124,11 @@ def test_speculative_figures_are_in_the_json(capsys, tmp_path) -> None:
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("speculative"))
     data = json.loads(out_json.read_text())
     spec = data["speculative"]
-    assert (spec["drafter"], spec["block"]) == ("block", 3) and spec["block_k"] >= 1
+    assert (spec["drafter"], spec["block"], spec["verify"]) == ("block", 3, "budget")
+    assert spec["block_k"] >= 1
     assert line == (
-        f"speculative (block, B=3, K_b={spec['block_k']}): {spec['blocks']} verify blocks, "
+        f"speculative (block, B=3, budget(K_b={spec['block_k']})): {spec['blocks']} verify "
+        "blocks, "
         f"{spec['accepted_per_block']:.2f} drafts accepted and "
         f"{spec['tokens_per_block']:.2f} tokens per block"
     )
@@ -136,6 +138,12 @@ def test_speculative_figures_are_in_the_json(capsys, tmp_path) -> None:
     assert spec["tokens_per_block"] == sum(spec["per_block"]) / spec["blocks"]
     assert all(1 <= n <= 3 + 1 for n in spec["per_block"])
     assert len(data["tokens"]) == 6 + 6
+    # Exact verify with CPU experts: the rule in the line and the JSON.
+    argv_cpu = [*argv, "--speculative", "ar", "--verify", "cpu:1", "--json", str(out_json)]
+    assert main(argv_cpu) == 0
+    err = capsys.readouterr().err
+    assert "speculative (ar, B=4, cpu(M=1)): " in err
+    assert json.loads(out_json.read_text())["speculative"]["verify"] == "cpu:1"
     # Without --speculative the JSON has no such entry.
     assert main([*argv, "--json", str(out_json)]) == 0
     assert "speculative" not in json.loads(out_json.read_text())

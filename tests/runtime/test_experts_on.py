@@ -138,14 +138,16 @@ def test_bad_experts_on_is_refused_in_one_line(ckpts, experts_on, match) -> None
     assert "\n" not in str(e.value)
 
 
-def test_hybrid_m_is_for_hybrid_and_speculative_is_refused(ckpts) -> None:
+def test_hybrid_m_is_for_hybrid_and_budget_verify_is_refused(ckpts) -> None:
+    from psr.runtime.verify import BudgetSet
+
     model = psr.load(ckpts["olmoe"], "exact", 0.5, progress=False)
     with pytest.raises(ValueError, match="hybrid_m is for experts_on='hybrid'"):
         model.set_experts_on("cpu", 1)
     assert model.set_experts_on("hybrid", [0, 1, 2]) == [0, 1, 2]
     model.set_experts_on("cpu")
-    with pytest.raises(ValueError, match="block mode needs experts_on='gpu'"):
-        model.runtime.set_block_mode(2)
+    with pytest.raises(ValueError, match="verify='budget' needs experts_on='gpu'"):
+        model.runtime.set_block_mode(BudgetSet(2))
 
 
 def test_hybrid_on_the_cpu_backend_without_a_profile_copies_nothing(

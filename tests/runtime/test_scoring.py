@@ -12,6 +12,7 @@ from tiny_models import FAMILIES, KV_KWARG, bench_module, tiny_model, write_chec
 
 import psr
 from psr.runtime.kv import output_cache
+from psr.runtime.verify import BudgetSet
 
 AheadTwo = bench_module("variants").AheadTwo  # a steering variant beyond the spec
 
@@ -82,7 +83,7 @@ def test_two_ahead_prefetch_scores_as_it_decodes(ckpts, family) -> None:
             AheadTwo(model.runtime, bad)
     model.runtime.set_steering(AheadTwo(model.runtime, 1))
     with pytest.raises(ValueError, match="block mode steers by the spec's rule only"):
-        model.runtime.set_block_mode(model.runtime.spec.top_k)
+        model.runtime.set_block_mode(BudgetSet(model.runtime.spec.top_k))
 
 
 def test_scoring_issues_no_copies_and_leaves_the_model_usable(ckpts) -> None:

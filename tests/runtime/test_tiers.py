@@ -19,6 +19,7 @@ from tiny_models import tiny_model, write_checkpoint
 
 import psr
 from psr.models.tiers import choose_held
+from psr.runtime.verify import CpuVerify
 from psr.vocab import parse_bytes
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]
@@ -147,6 +148,11 @@ def test_bad_budgets_are_refused_before_loading(ckpt: Path) -> None:
         _load(ckpt, host_memory=fixed, host_profile=[[1.0] * 8])
     with pytest.raises(ValueError, match="experts_on='cpu' computes misses from the host rows"):
         _load(ckpt, host_memory=fixed + mem["host_experts"] // 4, experts_on="cpu")
+    paged = _load(ckpt, host_memory=fixed + mem["host_experts"] // 4)
+    rule = CpuVerify([0] * len(paged.runtime.layers))
+    with pytest.raises(ValueError, match="verify='cpu' computes experts from the host rows"):
+        paged.runtime.set_block_mode(rule)  # speculative verify blocks read them too
+    paged.close()
     with pytest.raises(TypeError, match="unexpected keyword argument 'host_mem'"):
         psr.load(ckpt, host_mem="1GB")  # type: ignore[call-arg]
 

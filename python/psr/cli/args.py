@@ -120,8 +120,10 @@ def positive_float(s: str) -> float:
 
 
 def drafter_kind(s: str) -> str:
-    if s not in ("block", "ar"):
-        raise argparse.ArgumentTypeError(f"unknown drafter {s!r}: block or ar")
+    """`psr bench speculative`'s drafters: the shipped ones, or the oracle (an upper bound:
+    exact greedy decoding's own tokens, free)."""
+    if s not in ("block", "ar", "oracle"):
+        raise argparse.ArgumentTypeError(f"unknown drafter {s!r}: block, ar or oracle")
     return s
 
 

@@ -17,6 +17,7 @@ from psr.cli.args import (
     drafter_kind,
     eval_model,
     nonnegative_float,
+    nonnegative_int,
     positive_int,
     progress,
     residencies,
@@ -212,7 +213,8 @@ def _add_speculative(bsub: Any) -> None:
         "--drafters",
         type=comma_list(drafter_kind),
         default="block,ar",
-        help="comma list of drafters to run: block, ar",
+        help="comma list of drafters to run: block, ar, oracle (an upper bound: exact greedy "
+        "decoding's own tokens as drafts, free)",
     )
     sp.add_argument(
         "--block-k",
@@ -225,7 +227,22 @@ def _add_speculative(bsub: Any) -> None:
         "--lams",
         type=comma_list(nonnegative_float),
         default="0,0.2",
-        help="comma list of lam biasing the block set toward the logical cache",
+        help="comma list of lam biasing the block set (verify='budget') or each token's "
+        "top-k (verify='cpu') toward the logical cache",
+    )
+    sp.add_argument(
+        "--prefetch",
+        type=nonnegative_int,
+        default=1,
+        help="n: experts prefetched into the next layer per layer and verify block "
+        "(default: %(default)s)",
+    )
+    sp.add_argument(
+        "--cpu-copies",
+        type=comma_list(nonnegative_int),
+        default=[],
+        help="comma list of M: verify='cpu:M' rows (each token's own top-k, at most M misses "
+        "copied per layer and block, the rest computed on the CPU) (default: none)",
     )
     sp.add_argument(
         "--out", default="psr-results/speculative", help="folder for speculative.{md,json}"
@@ -252,6 +269,8 @@ def run_speculative(args: argparse.Namespace) -> int:
         drafters=args.drafters,
         block_ks=args.block_k,
         lams=args.lams,
+        cpu_copies=args.cpu_copies,
+        n=args.prefetch,
         progress=progress(args),
     )
     return 0

@@ -207,6 +207,12 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         help="with --speculative: experts per layer and verify block (default: min(2 top_k, "
         "slots))",
     ),
+    "verify": dict(
+        metavar="MODE",
+        help="with --speculative: 'budget' (one set of --block-k experts per layer and block) "
+        "or 'cpu' / 'cpu:M' (each token's own top-k, the experts outside the slab computed on "
+        "the CPU, at most M misses copied per layer and block) (default: %(default)s)",
+    ),
     "prefill_chunk": dict(
         type=positive_int,
         help="tokens per prefill chunk, at fixed boundaries (default 512, at most the "
@@ -332,7 +338,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if model.spec_stats is not None:
         st = model.spec_stats
         print(
-            f"speculative ({args.speculative}, B={args.block}, K_b={model.block_k}): "
+            f"speculative ({args.speculative}, B={args.block}, "
+            f"{model.verify_rule().describe()}): "
             f"{st.blocks} verify blocks, {st.accepted_per_block:.2f} drafts accepted and "
             f"{st.tokens_per_block:.2f} tokens per block",
             file=sys.stderr,
@@ -342,6 +349,7 @@ def run_generate(args: argparse.Namespace) -> int:
             "drafter": args.speculative,
             "block": args.block,
             "block_k": model.block_k,
+            "verify": model.verify,
             **st.as_dict(),
         }
     print(model.stats.table(), file=sys.stderr)

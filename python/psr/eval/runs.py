@@ -644,9 +644,12 @@ def speculative(
     drafters: Sequence[str] = ("block", "ar"),
     block_ks: Sequence[int] | None = None,
     lams: Sequence[float] = (0.0, 0.2),
+    cpu_copies: Sequence[int] = (),
+    n: int = 1,
 ) -> list[dict[str, Any]]:
-    """Speculative decoding (both drafters, a K_b x lam grid) against the autoregressive
-    policies at equal device memory, on held-out set B; writes speculative.{md,json}."""
+    """Speculative decoding (both drafters; verify='budget' over a K_b x lam grid,
+    verify='cpu:M' over `cpu_copies` x lam) against the autoregressive policies at equal
+    device memory, on held-out set B; writes speculative.{md,json}."""
     from psr.eval.spec_compare import compare_speculative, default_specs, markdown
     from psr.models.loader import load
 
@@ -661,7 +664,8 @@ def speculative(
     )
     if specs is None:
         probe = load(path, "exact", 1.0, progress=False)
-        specs = default_specs(probe.runtime.spec.top_k, block, drafters, block_ks, lams)
+        k = probe.runtime.spec.top_k
+        specs = default_specs(k, block, drafters, block_ks, lams, cpu_copies, n)
         probe.close()
     rows = compare_speculative(path, residencies, specs, data, progress=progress)
     o = Path(out)

@@ -1,17 +1,22 @@
 """Speculative decoding against autoregressive decoding, at equal device memory.
 
 For each residency, on the same held-out material:
-* autoregressive baselines (exact, Cache-Prior and PSR at their operating points) with
-  all their expert slots;
-* speculative configurations (drafter kind, B drafted tokens, `block_k` experts per
-  layer and verify block) whose drafter's memory is taken out of the expert slots.
+* autoregressive baselines (exact, and the tuned PSR point with its misses copied, on the
+  CPU, or hybrid) with all their expert slots;
+* speculative configurations (drafter kind, B drafted tokens, the verify rule: 'budget'
+  with `block_k` experts per layer and verify block, or 'cpu:M' with each token's own
+  top-k and at most M misses copied per layer and block; runtime/verify.py) whose
+  drafter's memory is taken out of the expert slots.
 
 Speed comes from greedy generation on the held-out prompts (real acceptance), traced and
-replayed by the latency model: each verify block's dense work priced as one token's, its
-experts as its set, the drafter's passes priced per parameter like the target's dense
-work (docs/design.md); ms per emitted token. Quality: teacher-forced NLL of held-out
-windows scored in verify blocks of B + 1 tokens (`OffloadedModel.score(block=...)`),
-paired against exact with BCa intervals, and greedy agreement with exact.
+replayed by the latency model (host-free): each verify block's dense work priced as one
+token's, its slab experts each read once, its CPU experts each read once from host memory
+(the grouped CPU kernel's one weight read for the tokens sharing an expert), the
+drafter's passes priced per parameter like the target's dense work (docs/design.md); ms
+per emitted token, compared per profile with the fastest autoregressive row. Quality:
+teacher-forced NLL of held-out windows scored in verify blocks of B + 1 tokens
+(`OffloadedModel.score(block=...)`), paired against exact with BCa intervals (in budget:
+the upper bound within psr.eval.defaults.BUDGET), and greedy agreement with exact.
 """
 
 from __future__ import annotations
@@ -24,29 +29,62 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from psr.eval.defaults import DEFAULT_PROFILES
+from psr.eval.defaults import BUDGET, DEFAULT_PROFILES
 from psr.eval.harness import EvalData
 from psr.eval.latency import drafter_seconds, simulate
 from psr.eval.quality import greedy_agreement, paired_bootstrap
 from psr.models.loader import load
 from psr.points import operating_points
-from psr.policy import Policy, make_policy, standard_policies
+from psr.policy import DEFAULT_VERIFY, Policy, make_policy
 from psr.runtime.model import OffloadedModel
+from psr.vocab import parse_verify
+
+
+@dataclass(frozen=True)
+class ARConfig:
+    """An autoregressive baseline: a policy and where its misses are computed."""
+
+    policy: Policy
+    experts_on: str = "gpu"
+
+    @property
+    def label(self) -> str:
+        where = "" if self.experts_on == "gpu" else f" experts {self.experts_on}"
+        return self.policy.describe() + where
+
+    def options(self) -> dict[str, Any]:
+        return {"experts_on": self.experts_on}
 
 
 @dataclass(frozen=True)
 class SpecConfig:
-    kind: str  # "block" | "ar"
+    kind: str  # "block" | "ar" (the drafter)
     block: int  # drafted tokens per verify block
-    block_k: int  # experts per layer and verify block
-    policy: Policy  # lam (bias of the set toward the cache) and n (prefetch)
+    block_k: int | None  # verify='budget': experts per layer and verify block
+    policy: Policy  # lam (the bias toward the cache) and n (prefetch)
+    verify: str = DEFAULT_VERIFY  # 'budget' | 'cpu' | 'cpu:M' (psr.vocab.parse_verify)
+    experts_on: str = "gpu"
 
     @property
     def label(self) -> str:
+        mode, m = parse_verify(self.verify)
+        how = f"K_b={self.block_k}" if mode == "budget" else f"cpu M={'top-k' if m is None else m}"
+        where = "" if self.experts_on == "gpu" else f", experts {self.experts_on}"
         return (
-            f"spec-{self.kind}(B={self.block}, K_b={self.block_k}, lam={self.policy.lam:g}, "
-            f"n={self.policy.n})"
+            f"spec-{self.kind}(B={self.block}, {how}, lam={self.policy.lam:g}, "
+            f"n={self.policy.n}{where})"
         )
+
+    def options(self) -> dict[str, Any]:
+        if self.kind == "oracle":  # attached after loading (_measure)
+            return {"experts_on": self.experts_on}
+        return {
+            "speculative": self.kind,
+            "block": self.block,
+            "block_k": self.block_k,
+            "verify": self.verify,
+            "experts_on": self.experts_on,
+        }
 
 
 def _nll_items(model: OffloadedModel, data: EvalData, block: int) -> list[float]:
@@ -65,13 +103,47 @@ def _dense_params(model: OffloadedModel) -> int:
     return sum(p.numel() for p in model.hf.parameters() if not p.is_meta)
 
 
+class OracleDrafter:
+    """An upper bound, not a drafter one can ship: drafts the exact model's greedy
+    continuation of each prompt (exact routing's generated tokens), for free (no memory, no
+    time). Under exact verification every draft is accepted; what remains is the verify
+    blocks' own cost."""
+
+    kind, memory_bytes = "oracle", 0
+
+    def __init__(self, block: int, references: Sequence[list[int]]) -> None:
+        self.block, self.refs = block, [list(r) for r in references]
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens: list[int], hidden: torch.Tensor | None) -> list[int]:
+        ref = next((r for r in self.refs if r[: len(tokens)] == tokens), [])
+        nxt = ref[len(tokens) : len(tokens) + self.block]
+        return nxt + [0] * (self.block - len(nxt))
+
+
 def _drafter_params(model: OffloadedModel) -> tuple[int, int]:
     """(parameters per pass, passes per block) of the model's drafter."""
     d = model.drafter
+    if d.kind == "oracle":
+        return 0, 0
     if d.kind == "ar":
         return sum(p.numel() for p in d.model.parameters()), d.block
     heads = sum(p.numel() for p in d.heads.parameters())
     return heads + d.lm_head.numel(), 1  # one pass; the LM head is read once for B logits
+
+
+def _generate(model: OffloadedModel, data: EvalData) -> tuple[list[list[int]], int, int]:
+    """Greedy generation from every prompt: (tokens, drafts accepted, verify blocks)."""
+    gens, accepted, blocks = [], 0, 0
+    for p in data.prompts:
+        out = model.generate(p, data.gen_tokens)
+        gens.append(out[0, len(p) :].tolist())
+        if model.spec_stats is not None:
+            accepted += model.spec_stats.accepted
+            blocks += model.spec_stats.blocks
+    return gens, accepted, blocks
 
 
 def run(
@@ -84,55 +156,89 @@ def run(
     progress: bool,
 ) -> dict[str, Any]:
     """Score the windows and generate from the prompts with one loaded configuration."""
-    bar = tqdm(
-        total=len(data.windows) + len(data.prompts), desc=label, leave=False, disable=not progress
-    )
     nll = []
-    for w in data.windows:  # one at a time for the progress bar
+    for w in tqdm(data.windows, desc=label, leave=False, disable=not progress):
         nll += _nll_items(model, EvalData([w], data.prompt_len), block)
-        bar.update()
     model.reset_stats()
     rec = model.record_trace()
-    gens, accepted, blocks, emitted = [], 0, 0, 0
-    for p in data.prompts:
-        out = model.generate(p, data.gen_tokens)
-        gens.append(out[0, len(p) :].tolist())
-        if model.spec_stats is not None:
-            st = model.spec_stats
-            accepted, blocks, emitted = (
-                accepted + st.accepted,
-                blocks + st.blocks,
-                emitted + sum(st.per_block),
-            )
-        bar.update()
-    bar.close()
+    gens, accepted, blocks = _generate(model, data)
     model.runtime.recorder = None
-    s = model.stats.report()
+    s = {**model.stats.report(), "cpu_experts": model.stats["cpu_experts"]}
     draft = {}
     if model.drafter is not None:
         params, passes = _drafter_params(model)
-        draft = {
-            p: drafter_seconds(
-                p, model.runtime.num_decoder_layers, _dense_params(model), params, passes
-            )
-            for p in profiles
-        }
-    steps_emitted = emitted if model.drafter is not None else s["tokens"]
+        dense = _dense_params(model)
+        layers = model.runtime.num_decoder_layers
+        draft = {p: drafter_seconds(p, layers, dense, params, passes) for p in profiles}
+    # Emitted tokens: the trace's (a verify block's count each), else one per decode step.
+    emitted = sum(rec.trace.emitted) if model.drafter is not None else s["tokens"]
+    n = max(emitted, 1)
     return {
         "label": label,
         "slots": model.runtime.capacity,
         "nll_items": nll,
         "generated": gens,
         "stats": s,
-        "tokens_emitted": steps_emitted,
+        "tokens_emitted": emitted,
         "accepted_per_block": accepted / blocks if blocks else None,
         "tokens_per_block": emitted / blocks if blocks else None,
-        "copies_per_token": s["copies"] / max(steps_emitted, 1),
+        "copies_per_token": s["copies"] / n,
+        "cpu_experts_per_token": s["cpu_experts"] / n,
         "drafter_ms": {p: v * 1e3 for p, v in draft.items()},
         "latency": {
             p: simulate(rec.trace, p, draft_s=draft.get(p, 0.0)).as_dict() for p in profiles
         },
     }
+
+
+def _measure(
+    path: str,
+    rho: float,
+    cfg: ARConfig | SpecConfig,
+    data: EvalData,
+    profiles: Sequence[str],
+    progress: bool,
+    references: Sequence[list[int]] = (),
+) -> dict[str, Any] | None:
+    """One configuration's row at residency `rho` (None: it does not fit, said why);
+    `references`: exact greedy decoding's prompt + tokens, the oracle drafter's."""
+    try:
+        m = load(path, cfg.policy, rho, dtype="float32", progress=False, **cfg.options())
+        if isinstance(cfg, SpecConfig) and cfg.kind == "oracle":
+            m.set_speculative(OracleDrafter(cfg.block, references), cfg.block_k, cfg.verify)
+    except ValueError as e:  # e.g. K_b above the slots the drafter leaves
+        print(f"{rho:.1%} {cfg.label}: skipped ({e})")
+        return None
+    try:
+        block = cfg.block + 1 if isinstance(cfg, SpecConfig) else 1
+        row = run(path, m, data, cfg.label, block, profiles, progress)
+    finally:
+        m.close()
+    row["residency"], row["experts_on"] = rho, cfg.experts_on
+    row["verify"] = cfg.verify if isinstance(cfg, SpecConfig) else None
+    return row
+
+
+def _compare(rows: list[dict[str, Any]], profiles: Sequence[str]) -> None:
+    """Speedups against exact (the first row) and the fastest autoregressive row, per
+    profile; Δ NLL [BCa CI] and greedy agreement against exact."""
+    exact = rows[0]
+    ms = {id(r): {p: r["latency"][p]["ms_per_token"] for p in profiles} for r in rows}
+    ar = [r for r in rows if r["verify"] is None]
+    for r in rows:
+        r["speedup_vs_exact"] = {p: ms[id(exact)][p] / ms[id(r)][p] for p in profiles}
+        r["speedup_vs_best_ar"], r["best_ar"] = {}, {}
+        for p in profiles:
+            best = min(ar, key=lambda a: ms[id(a)][p])
+            r["speedup_vs_best_ar"][p] = ms[id(best)][p] / ms[id(r)][p]
+            r["best_ar"][p] = best["label"]
+        d = paired_bootstrap(r["nll_items"], exact["nll_items"]).as_dict()
+        r["delta_nll"], r["in_budget"] = d, d["hi"] <= BUDGET
+        agree = [
+            greedy_agreement(a, b)[0]
+            for a, b in zip(r["generated"], exact["generated"], strict=True)
+        ]
+        r["greedy_agreement"] = sum(agree) / max(len(agree), 1)
 
 
 def compare_speculative(
@@ -142,93 +248,56 @@ def compare_speculative(
     data: EvalData,
     profiles: Sequence[str] = DEFAULT_PROFILES,
     progress: bool = True,
+    baselines: Sequence[ARConfig] | None = None,
 ) -> list[dict[str, Any]]:
-    """Autoregressive baselines and speculative configurations per residency (module
-    docstring); adds speedups, Δ NLL [BCa CI] and greedy agreement vs exact."""
+    """Autoregressive baselines (exact first; default `default_baselines`) and speculative
+    configurations per residency (module docstring), compared per profile."""
     rows: list[dict[str, Any]] = []
     for rho in residencies:
-        base: list[dict[str, Any]] = []
-        for pol in standard_policies(operating_points(path, rho)):
-            if pol.name == "exact-prefetch":
-                continue
-            m = load(path, pol, rho, dtype="float32", progress=False)
-            base.append(run(path, m, data, pol.describe(), 1, profiles, progress))
-            m.close()
-        for sc in specs:
-            try:
-                m = load(
-                    path,
-                    sc.policy,
-                    rho,
-                    dtype="float32",
-                    progress=False,
-                    speculative=sc.kind,
-                    block=sc.block,
-                    block_k=sc.block_k,
-                )
-            except ValueError as e:  # e.g. K_b above the slots the drafter leaves
-                print(f"{rho:.1%} {sc.label}: skipped ({e})")
-                continue
-            base.append(run(path, m, data, sc.label, sc.block + 1, profiles, progress))
-            m.close()
-        exact = base[0]
-        best_ar = min(
-            (r for r in base[1:] if not r["label"].startswith("spec-")),
-            key=lambda r: r["latency"][profiles[0]]["ms_per_token"],
-            default=exact,
-        )
-        for r in base:
-            r["residency"] = rho
-            ms = r["latency"][profiles[0]]["ms_per_token"]
-            r["speedup_vs_exact"] = exact["latency"][profiles[0]]["ms_per_token"] / ms
-            r["speedup_vs_best_ar"] = best_ar["latency"][profiles[0]]["ms_per_token"] / ms
-            r["best_ar"] = best_ar["label"]
-            r["delta_nll"] = paired_bootstrap(r["nll_items"], exact["nll_items"]).as_dict()
-            agree = [
-                greedy_agreement(a, b)[0]
-                for a, b in zip(r["generated"], exact["generated"], strict=True)
-            ]
-            r["greedy_agreement"] = sum(agree) / max(len(agree), 1)
+        ars = list(baselines) if baselines is not None else default_baselines(path, rho)
+        if not ars or ars[0].policy.name != "exact" or ars[0].experts_on != "gpu":
+            raise ValueError("the first baseline must be exact with experts_on='gpu'")
+        got = [_measure(path, rho, c, data, profiles, progress) for c in ars]
+        refs = [[*p, *g] for p, g in zip(data.prompts, got[0]["generated"], strict=True)]
+        got += [_measure(path, rho, c, data, profiles, progress, refs) for c in specs]
+        base = [r for r in got if r is not None]
+        _compare(base, profiles)
         rows += base
     return rows
 
 
+def default_baselines(path: str, rho: float) -> list[ARConfig]:
+    """Exact, and the model's tuned PSR point with its misses copied (gpu), all computed on
+    the CPU, and at most 2 copied per layer (hybrid:2)."""
+    psr = operating_points(path, rho)["psr"]
+    ons = ("gpu", "cpu", "hybrid:2")
+    return [ARConfig(make_policy("exact")), *(ARConfig(psr, on) for on in ons)]
+
+
 def markdown(rows: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES) -> str:
-    p0 = profiles[0]
-    cols = [
-        "residency",
-        "config",
-        "slots",
-        "accepted / block",
-        "copies / token",
-        f"{p0} ms/tok (host-free)",
-        "vs exact",
-        "vs best AR",
-        "Δ nats/tok [95% CI]",
-        "greedy agree",
-    ]
+    cols = ["residency", "config", "slots", "accepted / block", "copies / tok", "CPU experts / tok"]
+    cols += [f"{p} ms/tok (vs best AR)" for p in profiles]
+    cols += ["Δ nats/tok [95% CI]", "in budget", "greedy agree"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        d = r["delta_nll"]
-        acc = r["accepted_per_block"]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    f"{r['residency']:.1%}",
-                    r["label"],
-                    str(r["slots"]),
-                    "-" if acc is None else f"{acc:.2f}",
-                    f"{r['copies_per_token']:.2f}",
-                    f"{r['latency'][p0]['ms_per_token']:.2f}",
-                    f"{r['speedup_vs_exact']:.2f}x",
-                    f"{r['speedup_vs_best_ar']:.2f}x",
-                    f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]",
-                    f"{r['greedy_agreement']:.2f}",
-                ]
-            )
-            + " |"
-        )
+        d, acc = r["delta_nll"], r["accepted_per_block"]
+        speed = [
+            f"{r['latency'][p]['ms_per_token']:.2f} ({r['speedup_vs_best_ar'][p]:.2f}x)"
+            for p in profiles
+        ]
+        cells = [
+            f"{r['residency']:.1%}",
+            r["label"],
+            str(r["slots"]),
+            "-" if acc is None else f"{acc:.2f}",
+            f"{r['copies_per_token']:.2f}",
+            f"{r['cpu_experts_per_token']:.2f}",
+            *speed,
+            f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]",
+            "yes" if r["in_budget"] else "no",
+            f"{r['greedy_agreement']:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -238,9 +307,12 @@ def default_specs(
     drafters: Sequence[str] = ("block", "ar"),
     block_ks: Sequence[int] | None = None,
     lams: Sequence[float] = (0.0, 0.2),
+    cpu_copies: Sequence[int] = (),
+    n: int = 1,
 ) -> list[SpecConfig]:
-    """A grid: drafters x K_b (default {k, 1.5k, 2k}) x lam (the set biased as PSR, or
-    not at lam 0), prefetching n = 1."""
+    """A grid per drafter: verify='budget' over K_b (default {k, 1.5k, 2k}) x lam (the set
+    biased as PSR, or not at lam 0), then verify='cpu:M' over `cpu_copies` x lam; `n`
+    experts prefetched per layer and block."""
     kbs = list(block_ks) if block_ks else [top_k, math.ceil(1.5 * top_k), 2 * top_k]
     bad = [kb for kb in kbs if kb < top_k]
     if bad:
@@ -249,5 +321,8 @@ def default_specs(
     for kind in drafters:
         for kb in kbs:
             for lam in lams:
-                out.append(SpecConfig(kind, block, kb, make_policy("psr", lam, 1)))
+                out.append(SpecConfig(kind, block, kb, make_policy("psr", lam, n)))
+        for m in cpu_copies:
+            for lam in lams:
+                out.append(SpecConfig(kind, block, None, make_policy("psr", lam, n), f"cpu:{m}"))
     return out

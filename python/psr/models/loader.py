@@ -63,6 +63,7 @@ from psr.runtime.chunked import DEFAULT_PREFILL_CHUNK
 from psr.runtime.expert_placement import placement_class
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import resolve_capacity
+from psr.runtime.verify import verify_class
 
 
 @torch.no_grad()
@@ -108,11 +109,10 @@ def load(
     om = OffloadedModel(model, runtime, tokenizer, str(path), restorer=restore)
     om.policy_source, om.host_budget = r.policy_source, plan.budget
     om.threads, om.context_limit = threads, context
-    if drafter is not None:
-        om.set_speculative(
-            drafter, cfg.block_k if cfg.block_k is not None else min(2 * spec.top_k, C)
-        )
-    return _place(om, cfg)
+    _place(om, cfg)
+    if drafter is not None:  # after the placement: verify='cpu' takes experts_on's caps
+        om.set_speculative(drafter, cfg.block_k, cfg.verify)
+    return om
 
 
 @torch.no_grad()
@@ -316,11 +316,13 @@ def _load_drafter(
 
     drafter = load_drafter(path, kind, r.cfg.block, model, r.device, r.dtype)
     lost = -(-drafter.memory_bytes // sum(source.row_bytes))  # ceil: whole slots
-    if C - lost < r.spec.top_k:
+    # experts_on cpu / hybrid run with fewer slots than top_k (down to none).
+    least = 0 if placement_class(r.cfg.placement[0]).capped else r.spec.top_k
+    if C - lost < least:
         raise ValueError(
             f"the {kind} drafter ({drafter.memory_bytes / 2**20:.1f} MiB) takes "
-            f"{lost} of the {C} expert slots per layer, leaving fewer than top_k="
-            f"{r.spec.top_k}: raise the residency"
+            f"{lost} of the {C} expert slots per layer, leaving fewer than {least}: raise "
+            "the residency"
         )
     return drafter, C - lost
 
@@ -372,9 +374,12 @@ def _tier_plan(
         profile = load_profile(r.cfg.host_profile, (len(row_bytes), E))
     plan = plan_tiers(budget, fixed, row_bytes, E, why_not, profile, cuda)
     where = r.cfg.placement[0]
-    if plan.pageable_bytes and placement_class(where).capped:
+    what = f"experts_on={where!r}" if placement_class(where).capped else None
+    if r.cfg.speculative is not None and verify_class(r.cfg.verify).reads_host_rows:
+        what = what or f"verify={r.cfg.verify!r}"
+    if plan.pageable_bytes and what is not None:
         raise ValueError(
-            f"experts_on={where!r} computes misses from the host rows in place, but "
+            f"{what} computes misses from the host rows in place, but "
             f"host_memory leaves {plan.pageable_bytes / 2**30:.2f} GiB of experts in the "
             "checkpoint file: use experts_on='gpu', or a budget that holds every expert"
         )

@@ -17,6 +17,7 @@ from psr.runtime.compute import ExpertCompute
 from psr.runtime.expert_placement import ExpertPlacement
 from psr.runtime.layer import MoELayer
 from psr.runtime.spec import MoESpec
+from psr.runtime.verify import VerifyRule
 from psr.store import ExpertStore
 
 # A prediction of the steering: (MoE layer it is for, experts per token, ids per token).
@@ -66,7 +67,7 @@ class StepContext(RoutingContext, Protocol):
     @property
     def max_capacity(self) -> int: ...
     @property
-    def block_k(self) -> int | None: ...
+    def verify(self) -> VerifyRule | None: ...
     @property
     def placement(self) -> ExpertPlacement: ...
 

@@ -16,7 +16,8 @@ Each forward takes one step (`psr.runtime.step`), chosen once when it begins:
   device    a decode token on device-resident caches, no host read (device_decode.py);
   host      a decode token on the host caches, copies issued by the host (host_decode.py):
             decode="host", cache-prior-async, steering variants, trace recording;
-  verify    a speculative verify block: one expert set per layer (host_decode.py);
+  verify    a speculative verify block, routed by the verify rule (verify.py,
+            host_decode.py);
   window    a teacher-forced scoring window in one forward (window.py).
 The engine owns the layers and the configuration; the sequence guard (guard.py), the
 accounting (accounting.py), the expert compute (compute.py), the steering (steering.py)
@@ -50,6 +51,7 @@ from psr.runtime.stats import Stats
 from psr.runtime.steering import Steering
 from psr.runtime.step import Routed, Step
 from psr.runtime.trace import TraceRecorder
+from psr.runtime.verify import VerifyRule
 from psr.runtime.window import Scoring, ScoringWindow
 from psr.store import ExpertStore
 from psr.vocab import DECODE_MODES, decode_mode
@@ -116,9 +118,9 @@ class OffloadRuntime:
         self.steering = Steering(self)
         self.guard = SequenceGuard()
         self.lock = self.guard.lock  # forwards and OffloadedModel methods hold it
-        # Block mode (speculative verification): one expert set of `block_k` per layer and
-        # decode forward, whatever its number of tokens.
-        self.block_k: int | None = None
+        # Block mode (speculative verification): each decode forward, whatever its number of
+        # tokens, is one verify block routed by this rule (runtime/verify.py).
+        self.verify: VerifyRule | None = None
         self.decode_mode = "device"
         self.set_decode(decode)
         # Where misses are computed (set_experts_on): per MoE layer, at most how many of a
@@ -134,7 +136,7 @@ class OffloadRuntime:
         self.prefill_more = False
         # Where prefill reads its experts (prefill.py): "host" rows on the CPU backend
         # (every expert held in memory), else staged through the "slab".
-        held = all(s.num_held in (None, s.num_experts) for s in store.layers)
+        held = not self.has_pageable_rows()
         self.prefill_reads = "host" if store.backend == "cpu" and held else "slab"
         # On the slab path, which of a chunk's experts prefill computes on the CPU from
         # their host rows instead of copying them (psr.machine.PrefillSplit; set_prefill_split).
@@ -195,13 +197,18 @@ class OffloadRuntime:
                 f"experts_on={placement.name!r} needs at least top_k={self.spec.top_k} slots per "
                 f"layer, not {self.capacity}: use experts_on='cpu' / 'hybrid' (or more slots)"
             )
-        if placement.capped and self.block_k is not None:
-            raise ValueError(f"experts_on={placement.name!r} does not support speculative decoding")
+        if self.verify is not None:
+            self.verify.check(self.spec.top_k, self.capacity, placement)
         if placement.capped:
             for i, c in enumerate(self.computes):
                 c.check_host_experts(self.store.host(i))
         self._forget_sequence()
         self.placement = placement
+
+    @property
+    def block_k(self) -> int | None:
+        """The verify rule's set size (verify='budget'; None: no set, or no block mode)."""
+        return None if self.verify is None else self.verify.block_k
 
     @property
     def experts_on(self) -> str:
@@ -238,17 +245,19 @@ class OffloadRuntime:
 
     def set_steering(self, steering: Steering) -> None:
         """Replace the spec's steering rule (research variants: bench/variants.py)."""
-        if self.block_k is not None and not steering.spec_rule:
+        if self.verify is not None and not steering.spec_rule:
             raise ValueError("block mode steers by the spec's rule only")
         self.steering = steering
 
-    def set_block_mode(self, block_k: int | None) -> None:
-        """Block mode on (`block_k` experts per layer and verify block) or off (None)."""
-        if block_k is not None:
-            k, C = self.spec.top_k, self.capacity
-            if isinstance(block_k, bool) or not isinstance(block_k, int) or not k <= block_k <= C:
+    def set_block_mode(self, rule: VerifyRule | None) -> None:
+        """Block mode on (each decode forward a verify block routed by `rule`) or off."""
+        if rule is not None:
+            rule.check(self.spec.top_k, self.capacity, self.placement)
+            if rule.reads_host_rows and self.has_pageable_rows():
                 raise ValueError(
-                    f"block_k={block_k!r} must be an int in [top_k={k}, slots per layer={C}]"
+                    f"verify={rule.name!r} computes experts from the host rows in place, but "
+                    "some experts stay in the checkpoint file (host_memory): use verify="
+                    "'budget', or a budget that holds every expert"
                 )
             if not self.steering.spec_rule:
                 raise ValueError("block mode steers by the spec's rule only")
@@ -260,9 +269,11 @@ class OffloadRuntime:
                 raise ValueError("block mode does not support PhiMoE's sparsemixer router")
             if self.policy.mask != "logical":
                 raise ValueError(f"block mode needs a logical-cache policy, not {self.policy.name}")
-            if self.placement.capped:
-                raise ValueError(f"block mode needs experts_on='gpu', not {self.experts_on!r}")
-        self.block_k = block_k
+        self.verify = rule
+
+    def has_pageable_rows(self) -> bool:
+        """Whether some experts are not held in host memory (pageable rows)."""
+        return not all(s.num_held in (None, s.num_experts) for s in self.store.layers)
 
     # --- statistics and traces -------------------------------------------------------
     @property
@@ -393,13 +404,13 @@ class OffloadRuntime:
         if not self.decoding:
             return PrefillStep(self)
         host = (
-            self.block_k is not None
+            self.verify is not None
             or any(bad for bad, _ in self.host_step_reasons())
             or not self.placement.runs_on_device_step(self._device)
         )
         if host:
             self._device.pull()
-            return self._host if self.block_k is None else VerifyBlock(self)
+            return self._host if self.verify is None else VerifyBlock(self)
         if not self._device.live:
             self._device.begin()
         return self._device
@@ -466,7 +477,7 @@ class OffloadRuntime:
         """The next forward scores `length` tokens: the first `prompt_len` as prefill, each
         later one as a decode step, or (`block` > 1, block mode) each run of `block`
         tokens as one verify block. Refused for timing-dependent masks."""
-        if block > 1 and self.block_k is None:
+        if block > 1 and self.verify is None:
             raise ValueError("scoring in blocks needs block mode (set_block_mode)")
         if self.policy.mask != "logical":
             raise ValueError(

@@ -49,7 +49,7 @@ def bucket(length: int, limit: int | None) -> int:
 
 def graphs_unavailable(runtime: OffloadRuntime) -> str | None:
     """Why a decode token cannot be one graph with this runtime now (None: it can)."""
-    reasons = [*runtime.host_step_reasons(), (runtime.block_k is not None, SPECULATIVE)]
+    reasons = [*runtime.host_step_reasons(), (runtime.verify is not None, SPECULATIVE)]
     why = next((why for bad, why in reasons if bad), None)
     return why or runtime.placement.graphs_blocker(runtime.device_step)
 

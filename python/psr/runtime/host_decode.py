@@ -22,6 +22,7 @@ import torch
 import psr_kernels as pk
 from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
+from psr.runtime.verify import union
 
 if TYPE_CHECKING:
     from psr.runtime.context import StepContext
@@ -81,9 +82,9 @@ class HostDecode(Step):
 
     def slot_ids(
         self, layer: MoELayer, ids: torch.Tensor, routed: Sequence[int], slots: list[int]
-    ) -> torch.Tensor:
-        """The slots the expert kernel reads, one per routed id."""
-        return torch.tensor([slots], device=ids.device)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the expert kernel reads: one slot per routed id (and no slot table)."""
+        return torch.tensor([slots], device=ids.device), None
 
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -105,18 +106,22 @@ class HostDecode(Step):
         slots = layer.slots.slots(routed)  # the experts this step reads: its routed ids or set
         if rt.acct.recorder is not None:
             rt.acct.recorder.read(layer.index, slots)
-        st = self.slot_ids(layer, ids, routed, slots)
+        if not slots:  # a verify block whose experts all run on the CPU
+            return torch.zeros_like(x)
+        st, table = self.slot_ids(layer, ids, routed, slots)
         with rt.store.reading(layer.index, slots, routed) as slab:
             return rt.computes[layer.index].slab(
-                x, slab, st, weights.float(), bias=layer.biases(ids)
-            )
+                x, slab, st, weights.float(), table, bias=layer.biases(ids),
+                skip_absent=table is not None,
+            )  # fmt: skip
 
 
 class VerifyBlock(HostDecode):
-    """Speculative verification: one set of `block_k` experts per layer for all of a
-    verify block's tokens (psr_kernels.block_routing), biased toward the logical cache and
-    `use`d as one routing; the next layer's `n` experts of largest summed score over the
-    block's rows are prefetched."""
+    """Speculative verification of a block of tokens in one forward: each MoE layer routes
+    the block as the runtime's verify rule says (runtime/verify.py: one budgeted set, or each
+    token's top-k with CPU experts), `use`s the experts its tokens route to as one routing
+    (capped by the rule), and prefetches the next layer's `n` experts of largest summed
+    score over the block's rows."""
 
     name = "verify"
 
@@ -134,21 +139,43 @@ class VerifyBlock(HostDecode):
     def route_block(
         self, layer: MoELayer, logits: torch.Tensor, physical: bool, trace_token: int = -1
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert set for a block's tokens, biased toward the logical cache; the set is
-        `use`d as one routing (its misses copy now when physical)."""
+        """Route a block's tokens by the verify rule, biased toward the logical cache; the
+        experts they route to are `use`d as one routing (their misses copy now when
+        physical, up to the rule's cap; the others are left to the CPU, in `self.cpu`).
+        `self.pending` gets the members read from the slab."""
         rt = self.rt
-        assert rt.block_k is not None
+        rule = rt.verify
+        assert rule is not None
         lam = rt.steering.lam(layer)
         mask = rt.book.mask(layer, rt.policy, logits.device) if lam > 0 else None
-        # Not counted as substituted: a verify step routes one set for its block, and its
-        # `routed` count is that set, not the tokens' top-k slots the count compares.
-        chosen, w, ids = pk.route_block(
-            logits, rt.spec.route_spec(lam), rt.block_k, mask=mask, bias=layer.bias
-        )
-        routed = chosen.tolist()
-        rt.book.use(layer, routed, physical, trace_token)
+        w, ids = rule.select(rt, layer, logits, mask)
+        routed = union(ids)
+        # Not counted as substituted: the `routed` count of a verify step is the block's
+        # union, not the tokens' top-k slots the count compares.
+        cpu = rt.book.use(layer, routed, physical, trace_token, 0, rule.max_inserts(layer))
+        if cpu:
+            self.cpu[layer.index] = cpu
+            routed = [e for e in routed if e not in set(cpu)]
         self.pending[layer.index] = (routed, ids)
         return w, ids
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The block's members from their slab slots, plus (verify='cpu') the union's other
+        experts from the host rows on the CPU, each once over its tokens; summed in that
+        order."""
+        members = self.take(layer, ids)
+        cpu = self.cpu.pop(layer.index, [])
+        y = self.slab_experts(layer, x, ids, weights, members)
+        if not cpu:
+            return y
+        rt = self.rt
+        comp, host = rt.computes[layer.index], rt.store.host(layer.index)
+        only = torch.zeros(rt.spec.num_experts, dtype=torch.bool)
+        only[torch.tensor(cpu, dtype=torch.long)] = True
+        part = comp.grouped_host(x.cpu(), ids.cpu(), weights.float().cpu(), host, only=only)
+        return y + part.to(y.device)
 
     def predict_block(self, layer: MoELayer, residual: torch.Tensor) -> list[int] | None:
         """The next MoE layer's `n` experts of largest summed score over a block's rows
@@ -168,8 +195,9 @@ class VerifyBlock(HostDecode):
 
     def slot_ids(
         self, layer: MoELayer, ids: torch.Tensor, routed: Sequence[int], slots: list[int]
-    ) -> torch.Tensor:
-        """Each token's ids (inside the set) to slots, on the device."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each token's expert ids and the members' slot table on the device (-1: an expert
+        outside the members, computed on the CPU)."""
         table = torch.full((self.rt.spec.num_experts,), -1, dtype=torch.long)
-        table[torch.tensor(list(routed))] = torch.tensor(slots)
-        return table.to(ids.device)[ids]
+        table[torch.tensor(list(routed), dtype=torch.long)] = torch.tensor(slots)
+        return ids, table.to(ids.device)

@@ -26,6 +26,7 @@ from psr.runtime.engine import OffloadRuntime
 from psr.runtime.graphs import MAX_GRAPHS, SPECULATIVE, DecodeGraph, bucket, graphs_unavailable
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
+from psr.runtime.verify import VerifyRule, make_verify
 from psr.store import StoreError
 
 _UIDS = itertools.count()  # one per OffloadedModel: prompt-cache keys never cross models
@@ -83,9 +84,11 @@ class OffloadedModel(nn.Module):
         self.graphs: bool | str = "auto"
         self.graph_status = "not used yet"
         self._graphs: OrderedDict[int, DecodeGraph] = OrderedDict()  # by length, LRU last
-        # Speculative decoding (set_speculative): the drafter and experts per verify block.
+        # Speculative decoding (set_speculative): the drafter, the verify rule's word and
+        # budget's set size (the rule is built per call, against the placement then).
         self.drafter: Any = None
-        self.block_k: int | None = None
+        self.verify: str | None = None
+        self._block_k: int | None = None
         self.spec_stats: Any = None
         self._uid = next(_UIDS)
         # Tokens per prefill chunk (set_prefill_chunk): the default, at most the context.
@@ -396,9 +399,9 @@ class OffloadedModel(nn.Module):
             self._check_open()
             blocks = block > 1
             if blocks:
-                if self.block_k is None:
-                    raise ValueError("score(block=...) needs a speculative model (block_k)")
-                self.runtime.set_block_mode(self.block_k)
+                if self.drafter is None:
+                    raise ValueError("score(block=...) needs a speculative model (a drafter)")
+                self.runtime.set_block_mode(self.verify_rule())
             self.runtime.begin_scoring(prompt_len, ids.shape[1], block)
             try:
                 logits: torch.Tensor = self.hf(input_ids=ids, use_cache=False).logits
@@ -408,16 +411,40 @@ class OffloadedModel(nn.Module):
                 if blocks:
                     self.runtime.set_block_mode(None)
 
-    def set_speculative(self, drafter: Any, block_k: int | None) -> None:
-        """Decode speculatively with `drafter` (psr.runtime.speculative.Drafter), one set
-        of `block_k` experts per layer and verify block; None switches it off."""
+    def set_speculative(
+        self, drafter: Any, block_k: int | None = None, verify: str | None = None
+    ) -> None:
+        """Decode speculatively with `drafter` (psr.runtime.speculative.Drafter), each
+        verify block routed as `verify` says (runtime/verify.py): 'budget', one set of
+        `block_k` experts per layer and block (default psr.policy.default_block_k), or
+        'cpu' / 'cpu:M', each token's own top-k with the experts outside the slab on the
+        CPU (None: psr.policy.DEFAULT_VERIFY). `drafter=None` switches it off."""
         with self.runtime.lock:
-            if drafter is not None:
-                if block_k is None:
-                    raise ValueError("set_speculative: a drafter needs block_k (an int)")
-                self.runtime.set_block_mode(block_k)  # validates block_k
-                self.runtime.set_block_mode(None)
-            self.drafter, self.block_k = drafter, (block_k if drafter is not None else None)
+            if drafter is None:
+                self.drafter, self.verify, self._block_k = None, None, None
+                return
+            rt = self.runtime
+            old = (self.drafter, self.verify, self._block_k)
+            self.drafter, self.verify, self._block_k = drafter, verify, block_k
+            try:
+                rt.set_block_mode(self.verify_rule())  # the checks, now
+            except ValueError:
+                self.drafter, self.verify, self._block_k = old
+                raise
+            finally:
+                rt.set_block_mode(None)
+
+    @property
+    def block_k(self) -> int | None:
+        """Experts per layer and verify block under verify='budget' (None otherwise)."""
+        return None if self.drafter is None else self.verify_rule().block_k
+
+    def verify_rule(self) -> VerifyRule:
+        """The speculative drafter's verify rule against the current slots and placement."""
+        if self.drafter is None:
+            raise ValueError("no speculative drafter attached (set_speculative)")
+        rt = self.runtime
+        return make_verify(self.verify, self._block_k, rt.spec.top_k, rt.capacity, rt.placement)
 
     def _generate_speculative(
         self, ids: torch.Tensor, settings: Any, streamer: Any
@@ -429,8 +456,7 @@ class OffloadedModel(nn.Module):
         if len(settings.eos_token_ids) > 1:
             raise ValueError("speculative decoding takes one eos_token_id")
         eos = settings.eos_token_ids[0] if settings.eos_token_ids else None
-        block_k = self.block_k
-        assert block_k is not None  # set_speculative pairs a drafter with its block_k
+        rule = self.verify_rule()
         rec = self.runtime.recorder
         out, st = generate_speculative(
             self.hf,
@@ -438,7 +464,7 @@ class OffloadedModel(nn.Module):
             self.drafter,
             ids,
             settings.max_new_tokens,
-            block_k,
+            rule,
             eos_token_id=eos,
             on_block=None if rec is None else lambda _n, emitted: rec.trace.emitted.append(emitted),
         )

@@ -1,18 +1,20 @@
-"""Speculative decoding with block-level expert selection (batch 1, greedy).
+"""Speculative decoding with bounded verify blocks (batch 1, greedy).
 
 Each step the drafter proposes B tokens after the last accepted one; the target runs
-`[last accepted, d_1, ..., d_B]` in ONE forward in block mode: each MoE layer chooses one
-set of `block_k` experts for the whole block (psr_kernels.block_routing, biased toward
-its logical cache as PSR biases), copies the set's missing members as soon as it is
-known, and every token takes its top-k inside the set. The longest prefix of drafts that
+`[last accepted, d_1, ..., d_B]` in ONE forward in block mode, each MoE layer routed by
+the verify rule (runtime/verify.py): 'budget', one set of `block_k` experts for the whole
+block (psr_kernels.block_routing, biased toward its logical cache as PSR biases), every
+token's top-k inside it; or 'cpu', every token's own top-k, the union's experts outside the
+slab computed on the CPU beyond a per-layer copy budget. The longest prefix of drafts that
 equals the target's own greedy choices is accepted, plus one token from the target; the
 KV cache is cut back to the accepted tokens.
 
 Logical caches (docs/design.md, "Speculative decoding"): per verify block and layer,
-the block's set is `use`d as one routing and the set of largest summed next-layer scores
-(`n` ids) is `prefetch`ed into the next layer. The set depends only on the block's
-tokens, which the deterministic drafter derives from the accepted tokens, so the caches
-and the output are a deterministic function of the prompt: copy timing changes nothing.
+the experts the block's tokens route to are `use`d as one routing and the `n` ids of
+largest summed next-layer score are `prefetch`ed into the next layer. Both depend only on
+the block's tokens, which the deterministic drafter derives from the accepted tokens, so
+the caches and the output are a deterministic function of the prompt: copy timing
+changes nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.kv import cache_kwarg, output_cache
+from psr.runtime.verify import VerifyRule
 
 
 class Drafter(Protocol):
@@ -91,7 +94,7 @@ def generate_speculative(
     drafter: Drafter,
     ids: torch.Tensor,
     max_new_tokens: int,
-    block_k: int,
+    rule: VerifyRule,
     *,
     eos_token_id: int | None = None,
     on_block: Any = None,
@@ -112,7 +115,7 @@ def generate_speculative(
     hidden = _last_hidden(out)[-1]
     tokens.append(last)
     stats.emitted = 1
-    runtime.set_block_mode(block_k)
+    runtime.set_block_mode(rule)
     try:
         while stats.emitted < max_new_tokens and last != eos_token_id:
             drafts = drafter.propose(tokens, hidden)[: drafter.block]

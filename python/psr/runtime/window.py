@@ -87,7 +87,8 @@ class ScoringWindow(Step):
                 rt.book.prefetch(L, preds[j], n, physical=False, at=(trace_token, issuer))
             if sc.block > 1:
                 w, ids = self.blocks.route_block(L, logits[t0:t1], False, trace_token)
-                routed, _ = self.blocks.pending.pop(L.index)
+                routed, _ = self.blocks.pending.pop(L.index)  # the members: the CPU's read no slot
+                self.blocks.cpu.pop(L.index, None)
             else:
                 mask = rt.book.mask(L, rt.policy, logits.device) if lam > 0 else None
                 w, ids, sub = rt.ops.route_counted(
