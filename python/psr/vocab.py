@@ -39,6 +39,11 @@ DECODE_MODES: tuple[str, ...] = ("device", "host")
 # or "hybrid" (at most m misses per layer copied, the rest on the CPU).
 EXPERTS_ON: tuple[str, ...] = ("gpu", "cpu", "hybrid")
 
+# Speculative drafters (psr.models.drafters): "block" (heads on the target's hidden
+# state), "ar" (a small dense LM), "mtp" (the checkpoint's multi-token-prediction layer,
+# or psr's trained one beside the embedded model).
+DRAFTERS: tuple[str, ...] = ("block", "ar", "mtp")
+
 
 def canonical_dtype(name: str) -> str:
     """The canonical dtype name of an accepted spelling (`torch.` prefix allowed)."""

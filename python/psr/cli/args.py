@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from psr.vocab import DTYPE_ALIASES, EXPERT_FORMATS
+from psr.vocab import DRAFTERS, DTYPE_ALIASES, EXPERT_FORMATS
 from psr.vocab import host_memory as _host_memory
 
 T = TypeVar("T")
@@ -120,8 +120,8 @@ def positive_float(s: str) -> float:
 
 
 def drafter_kind(s: str) -> str:
-    if s not in ("block", "ar"):
-        raise argparse.ArgumentTypeError(f"unknown drafter {s!r}: block or ar")
+    if s not in DRAFTERS:
+        raise argparse.ArgumentTypeError(f"unknown drafter {s!r}: {', '.join(DRAFTERS)}")
     return s
 
 

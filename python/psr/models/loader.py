@@ -86,9 +86,10 @@ def load(
         spec, E = r.spec, r.spec.num_experts
         meta = _meta_model(r)
         moe_idx = meta[1]
+        mtp = _plan_mtp(path, ckpt, r, meta[0])  # its tensors checked before any is read
         source = _row_source(path, ckpt, r, moe_idx)  # every expert tensor checked first
         model = _build_model(ckpt, r, meta)
-        drafter, C = _load_drafter(path, r, model, source)
+        drafter, C = _load_drafter(path, r, model, source, mtp)
         plan = _tier_plan(r, model, C, source.row_bytes, source.why_not)
         store = make_store(source, E, C, r.device, cfg.copy_retries, plan.num_held())
         cache = _quant_cache(path, ckpt, r, moe_idx, source)
@@ -252,7 +253,7 @@ def _row_source(path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int]) ->
     """Where this checkpoint's expert rows come from: a GGUF file's or a pre-quantized
     checkpoint's blocks, or a float checkpoint's matrices (in `r.dtype` or the asked format)."""
     if r.gguf:
-        if r.cfg.speculative is not None:
+        if r.cfg.speculative in ("block", "ar"):
             raise ValueError(
                 f"{path}: speculative decoding reads psr's drafter files beside a "
                 "safetensors checkpoint; a GGUF file has none"
@@ -263,8 +264,18 @@ def _row_source(path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int]) ->
     return safetensors_source(ckpt, r.spec, moe_idx, r.dtype, r.row_format)
 
 
+def _plan_mtp(path: str | Path, ckpt: Any, r: Resolved, meta_model: nn.Module) -> Any:
+    """With speculative='mtp' and no psr head beside the checkpoint: its own MTP layer,
+    every tensor checked present (psr.models.mtp.plan_mtp); else None."""
+    from psr.models.mtp import PSR_FILE, plan_mtp
+
+    if r.cfg.speculative != "mtp" or (Path(path) / PSR_FILE).is_file():
+        return None
+    return plan_mtp(ckpt, meta_model)
+
+
 def _load_drafter(
-    path: str | Path, r: Resolved, model: nn.Module, source: RowSource
+    path: str | Path, r: Resolved, model: nn.Module, source: RowSource, mtp: Any
 ) -> tuple[Any, int]:
     """The checkpoint's resident drafter (None without `speculative`), and the expert slots
     per layer left beside it (its memory comes out of the slots: whole slots, in every
@@ -274,7 +285,7 @@ def _load_drafter(
         return None, C
     from psr.models.drafters import load_drafter
 
-    drafter = load_drafter(path, kind, r.cfg.block, model, r.device, r.dtype)
+    drafter = load_drafter(path, kind, r.cfg.block, model, r.device, r.dtype, mtp)
     lost = -(-drafter.memory_bytes // sum(source.row_bytes))  # ceil: whole slots
     if C - lost < r.spec.top_k:
         raise ValueError(

@@ -28,8 +28,10 @@ from psr.runtime.kv import cache_kwarg, output_cache
 
 
 class Drafter(Protocol):
-    """Proposes `block` tokens following `tokens[-1]`; `hidden` is the target's final
-    hidden state at the position that produced `tokens[-1]`."""
+    """Proposes `block` tokens following `tokens[-1]`; `hidden [n, d]` holds the target's
+    final hidden states at the n positions since the previous call (the prompt's after
+    the prefill, the accepted ones after a verify block), the last one the position that
+    produced `tokens[-1]`."""
 
     kind: str
     block: int
@@ -109,7 +111,7 @@ def generate_speculative(
     kv = output_cache(out)
     tokens = ids[0].tolist()
     last = int(out.logits[0, -1].float().argmax())
-    hidden = _last_hidden(out)[-1]
+    hidden = _last_hidden(out)
     tokens.append(last)
     stats.emitted = 1
     runtime.set_block_mode(block_k)
@@ -129,7 +131,7 @@ def generate_speculative(
                 new = new[: new.index(eos_token_id) + 1]
             new = new[:room]
             crop_to(kv, seen + a + 1)  # keep [last, d_1..d_a]; the target token comes next
-            hidden = _last_hidden(out)[a]
+            hidden = _last_hidden(out)[: a + 1]
             tokens += new
             last = new[-1]
             stats.blocks += 1
