@@ -16,9 +16,9 @@ import psr
 from psr.models.checkpoint import Checkpoint, CheckpointError
 from psr.models.drafters import load_drafter
 from psr.models.families import FAMILIES
+from psr.models.families import MTP_SCHEMES as SCHEMES
 from psr.models.mtp import (
     PSR_FILE,
-    SCHEMES,
     MTPDrafter,
     _block_config,
     checkpoint_head,
@@ -244,3 +244,15 @@ def test_incomplete_mtp_layer_names_what_is_missing_before_reading(drop, named, 
     path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds", drop=drop)
     with pytest.raises(CheckpointError, match=f"incomplete: missing {named}"):
         psr.load(path, "exact", residency=1.0, progress=False, speculative="mtp")
+
+
+def test_inspect_says_whether_a_checkpoint_has_an_mtp_head(tmp_path) -> None:
+    from psr.models.inspect import inspect
+
+    with_mtp = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
+    assert inspect(with_mtp).mtp == "model.layers.4.* (speculative='mtp')"
+    assert "MTP head   model.layers.4.*" in inspect(with_mtp).table()
+    plain = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
+    assert inspect(plain).mtp == "none"
+    write_psr_head(plain, depth=2)
+    assert inspect(plain).mtp == f"psr's {PSR_FILE} (speculative='mtp')"

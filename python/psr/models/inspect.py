@@ -24,6 +24,7 @@ from psr.load_config import LoadConfig
 from psr.models.families import (
     EXPERT_KINDS,
     FAMILIES,
+    MTP_SCHEMES,
     ROUTER_KINDS,
     check_config,
     moe_sizes,
@@ -74,6 +75,7 @@ class Inspection:
     # own format (None: every expert held), and what a budget does
     default_host_memory: int | None = None
     host_memory: str = ""
+    mtp: str = ""  # its multi-token-prediction head, if any (speculative='mtp')
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,6 +124,8 @@ class Inspection:
             lines.append(f"  host mem   {self.host_memory}")
         for name, point in self.operating_points.items():
             lines.append(f"  {name:<11} {point}")
+        if self.mtp:
+            lines.append(f"  MTP head   {self.mtp}")
         return "\n".join(lines)
 
 
@@ -223,7 +227,35 @@ def _inspect_folder(path: str | Path) -> Inspection:
     n = len(facts.sparse)
     per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
     rows = {fmt: [per[fmt]] * n for fmt in FORMATS}
-    return _inspection(path, config, facts, per, rows, {}, _graphs(config))
+    out = _inspection(path, config, facts, per, rows, {}, _graphs(config))
+    out.mtp = _mtp_folder(path, config)
+    return out
+
+
+def _mtp_folder(path: str | Path, config: Any) -> str:
+    """Whether speculative='mtp' finds a head: psr's file beside it, else the family's
+    MTP layer in the checkpoint's tensor table (headers only)."""
+    from psr.models.checkpoint import Checkpoint, CheckpointError
+    from psr.models.mtp import PSR_FILE
+
+    if (Path(path) / PSR_FILE).is_file():
+        return f"psr's {PSR_FILE} (speculative='mtp')"
+    try:
+        ck = Checkpoint(path)
+    except CheckpointError:  # a config without weights: no tensor table to read
+        return ""
+    try:
+        return _mtp_line(str(config.model_type), int(config.num_hidden_layers), ck)
+    finally:
+        ck.close()
+
+
+def _mtp_line(model_type: str, layers: int, names: Any) -> str:
+    scheme = MTP_SCHEMES.get(model_type)
+    if scheme is None:
+        return "none"
+    proj = scheme.names(layers)["proj"]
+    return f"{proj.rsplit('.', 2)[0]}.* (speculative='mtp')" if proj in names else "none"
 
 
 def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
@@ -315,7 +347,11 @@ def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspect
     rows = [rowformat().GGMLLayout.of(f, H, F).nbytes for f in fmts]
     types = {f.name: fmts.count(f) for f in dict.fromkeys(fmts)}
     per = {"gguf": round(sum(rows) / len(rows))}
-    return _inspection(path, config, facts, per, {"gguf": rows}, types, graphs)
+    out = _inspection(path, config, facts, per, {"gguf": rows}, types, graphs)
+    nextn = f"blk.{int(raw['num_hidden_layers'])}.nextn.eh_proj.weight"
+    if nextn in ck.tensor_elements():  # llama.cpp's converter keeps the MTP layer
+        out.mtp = f"{nextn.rsplit('.', 2)[0]}.* in the file (psr reads GGUF MTP layers not yet)"
+    return out
 
 
 def _inspection(

@@ -11,7 +11,7 @@ and drafts k > 1 tokens by applying the layer again on its own output h'' and th
 token it just drafted (one position further), as the models were trained. Families
 differ only in names, the concatenation order (MiMo: hidden first) and which hidden
 the next depth reads (DeepSeek/GLM: h'' before the final norm; Qwen3-Next/MiMo: after):
-one `MTPScheme` row each in `SCHEMES`.
+one `MTPScheme` row each in `MTP_SCHEMES`.
 
 The decoder block is the family's own transformers decoder layer (attention with its
 own KV cache; its FFN an MoE layer for DeepSeek-V3 / GLM-4.5 / Qwen3-Next), built with
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from psr.models.checkpoint import CheckpointError
+from psr.models.families import MTP_SCHEMES, MTPScheme
 from psr.runtime.speculative import crop_to
 
 PSR_FORMAT = "psr-mtp-v1"
@@ -45,65 +46,6 @@ PSR_FORMAT = "psr-mtp-v1"
 # to 3 from one nextn layer; beyond 4 the acceptance of a re-applied depth-1 layer is
 # negligible). psr's own head says how deep it was trained in its metadata.
 CHECKPOINT_MAX_DRAFT = 4
-
-
-@dataclass(frozen=True)
-class MTPScheme:
-    """How one family names its (first) MTP layer on disk; `{L}` is the layer's index
-    (`num_hidden_layers` for DeepSeek-style layers numbered after the trunk)."""
-
-    prefix: str  # the layer's own tensors
-    enorm: str  # RMSNorm_e over the token's embedding
-    hnorm: str  # RMSNorm_h over the target's hidden state
-    proj: str  # M [d, 2d]
-    norm: str  # the final norm before the head
-    block: str  # prefix of the decoder block's tensors
-    count_keys: tuple[str, ...]  # config keys with the number of MTP layers
-    head: str | None = None  # the layer's own LM head (else the target's)
-    embed: str | None = None  # the layer's own embedding (else the target's)
-    hidden_first: bool = False  # [RMSNorm_h(h); RMSNorm_e(e)] (MiMo)
-    feeds_normed: bool = False  # the next depth reads h'' after the final norm
-
-
-_DEEPSEEK = MTPScheme(
-    prefix="model.layers.{L}.",
-    enorm="enorm.weight",
-    hnorm="hnorm.weight",
-    proj="eh_proj.weight",
-    norm="shared_head.norm.weight",
-    block="model.layers.{L}.",
-    count_keys=("num_nextn_predict_layers",),
-    head="shared_head.head.weight",
-    embed="embed_tokens.weight",
-)
-_QWEN3_NEXT = MTPScheme(
-    prefix="mtp.",
-    enorm="pre_fc_norm_embedding.weight",
-    hnorm="pre_fc_norm_hidden.weight",
-    proj="fc.weight",
-    norm="norm.weight",
-    block="mtp.layers.0.",
-    count_keys=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
-    feeds_normed=True,
-)
-# model_type -> scheme (transformers' model types; MiMo is Qwen2-based)
-SCHEMES: dict[str, MTPScheme] = {
-    "deepseek_v3": _DEEPSEEK,
-    "glm4_moe": _DEEPSEEK,
-    "qwen3_next": _QWEN3_NEXT,
-    "qwen3_5_moe_text": _QWEN3_NEXT,
-    "mimo": MTPScheme(
-        prefix="model.mtp_layers.0.",
-        enorm="token_layernorm.weight",
-        hnorm="hidden_layernorm.weight",
-        proj="input_proj.weight",
-        norm="final_layernorm.weight",
-        block="model.mtp_layers.0.",
-        count_keys=("num_nextn_predict_layers",),
-        hidden_first=True,
-        feeds_normed=True,
-    ),
-}
 
 
 def causal_mask(past: int, q: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -385,20 +327,15 @@ def plan_mtp(ckpt: Any, target: Any) -> MTPPlan:
 
     config = target.config
     mt = str(getattr(config, "model_type", ""))
-    scheme = SCHEMES.get(mt)
+    scheme = MTP_SCHEMES.get(mt)
     L = int(config.num_hidden_layers)
     if scheme is None:
-        known = ", ".join(SCHEMES)
+        known = ", ".join(MTP_SCHEMES)
         raise CheckpointError(
             f"speculative='mtp': {ckpt.path} has no MTP head ({mt} checkpoints carry none; "
             f"MTP layers are read from {known}, psr's own from drafter_mtp.safetensors beside it)"
         )
-    prefix = scheme.prefix.format(L=L)
-    names = {
-        r: prefix + getattr(scheme, r)
-        for r in ("enorm", "hnorm", "proj", "norm", "head", "embed")
-        if getattr(scheme, r) is not None
-    }
+    names = scheme.names(L)
     if names["proj"] not in ckpt:  # many conversions drop the MTP layer, config or not
         key = next((k for k in scheme.count_keys if hasattr(config, k)), scheme.count_keys[0])
         raise CheckpointError(
