@@ -17,7 +17,7 @@
   decoder block with its own attention, then the target's LM head, predicting t + 2;
   re-applied on its own output for depth 2 during training (drafting re-applies it).
   The target's hidden states are computed once for a fixed pool of windows. Written as
-  `<out>/drafter_mtp.safetensors`:
+  `<out>/drafter_mtp/mtp.safetensors`:
 
       OMP_NUM_THREADS=1 python scripts/train_drafters.py --which mtp --mtp-steps 1500 \
           --mtp-pool 2048 --out python/psr/models/default_model
@@ -269,6 +269,7 @@ def train_mtp(args, target_path: str, data, held) -> dict:
     head.eval()
     acc = mtp_heldout_top1(head, target, held, depth=4)
     meta = psr_head_meta(head, args.mtp_depth_max)
+    (Path(args.out) / PSR_FILE).parent.mkdir(exist_ok=True)
     save_file(
         {k: v.to(torch.bfloat16).contiguous() for k, v in head.state_dict().items()},
         str(Path(args.out) / PSR_FILE),

@@ -202,6 +202,7 @@ def write_psr_head(path: Path, depth: int) -> None:
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.2 * torch.randn_like(p))
+    (path / PSR_FILE).parent.mkdir(exist_ok=True)
     save_file(head.state_dict(), str(path / PSR_FILE), metadata=psr_head_meta(head, depth))
 
 
@@ -256,3 +257,12 @@ def test_inspect_says_whether_a_checkpoint_has_an_mtp_head(tmp_path) -> None:
     assert inspect(plain).mtp == "none"
     write_psr_head(plain, depth=2)
     assert inspect(plain).mtp == f"psr's {PSR_FILE} (speculative='mtp')"
+
+
+def test_a_psr_head_leaves_the_models_key_and_its_tuned_points_alone(tmp_path) -> None:
+    from psr.points import model_key
+
+    path = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
+    key = model_key(path)
+    write_psr_head(path, depth=2)
+    assert model_key(path) == key

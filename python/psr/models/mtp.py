@@ -21,7 +21,7 @@ forward: simplest correct first (its experts never enter the slab, so it costs n
 device memory and leaves the target's logical caches untouched); a dense one (the
 embedded model's trained head) sits on the target's device.
 
-The embedded model's head (`drafter_mtp.safetensors`, scripts/train_drafters.py mtp) is psr's
+The embedded model's head (`drafter_mtp/mtp.safetensors`, scripts/train_drafters.py mtp) is psr's
 own format: a Llama decoder block over the target's hidden size, the target's input
 embedding and LM head shared.
 """
@@ -333,7 +333,7 @@ def plan_mtp(ckpt: Any, target: Any) -> MTPPlan:
         known = ", ".join(MTP_SCHEMES)
         raise CheckpointError(
             f"speculative='mtp': {ckpt.path} has no MTP head ({mt} checkpoints carry none; "
-            f"MTP layers are read from {known}, psr's own from drafter_mtp.safetensors beside it)"
+            f"MTP layers are read from {known}, psr's own from drafter_mtp/mtp.safetensors beside it)"
         )
     names = scheme.names(L)
     if names["proj"] not in ckpt:  # many conversions drop the MTP layer, config or not
@@ -453,13 +453,15 @@ def checkpoint_head(plan: MTPPlan, target: Any, dtype: torch.dtype) -> MTPHead:
     )
 
 
-PSR_FILE = "drafter_mtp.safetensors"
+# In a folder of its own: the model's key (psr.points.model_key) hashes the top folder's
+# safetensors headers, and the tuned points must survive adding a drafter.
+PSR_FILE = "drafter_mtp/mtp.safetensors"
 
 
 def load_mtp_drafter(
     model_dir: str | Path, plan: MTPPlan | None, target: Any, block: int, dtype: torch.dtype
 ) -> MTPDrafter:
-    """psr's head beside the checkpoint (`drafter_mtp.safetensors`), else the checkpoint's own MTP
+    """psr's head beside the checkpoint (`drafter_mtp/mtp.safetensors`), else the checkpoint's own MTP
     layer (`plan`, from `plan_mtp`)."""
     own = Path(model_dir) / PSR_FILE
     if own.is_file():
