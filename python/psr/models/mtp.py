@@ -333,7 +333,7 @@ def plan_mtp(ckpt: Any, target: Any) -> MTPPlan:
         known = ", ".join(MTP_SCHEMES)
         raise CheckpointError(
             f"speculative='mtp': {ckpt.path} has no MTP head ({mt} checkpoints carry none; "
-            f"MTP layers are read from {known}, psr's own from drafter_mtp/mtp.safetensors beside it)"
+            f"MTP layers are read from {known}, psr's own from {PSR_FILE} beside it)"
         )
     names = scheme.names(L)
     if names["proj"] not in ckpt:  # many conversions drop the MTP layer, config or not
@@ -461,8 +461,8 @@ PSR_FILE = "drafter_mtp/mtp.safetensors"
 def load_mtp_drafter(
     model_dir: str | Path, plan: MTPPlan | None, target: Any, block: int, dtype: torch.dtype
 ) -> MTPDrafter:
-    """psr's head beside the checkpoint (`drafter_mtp/mtp.safetensors`), else the checkpoint's own MTP
-    layer (`plan`, from `plan_mtp`)."""
+    """psr's head beside the checkpoint (`PSR_FILE`), else the checkpoint's own MTP layer
+    (`plan`, from `plan_mtp`)."""
     own = Path(model_dir) / PSR_FILE
     if own.is_file():
         head, depth = load_psr_head(
