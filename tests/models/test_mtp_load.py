@@ -266,3 +266,36 @@ def test_a_psr_head_leaves_the_models_key_and_its_tuned_points_alone(tmp_path) -
     key = model_key(path)
     write_psr_head(path, depth=2)
     assert model_key(path) == key
+
+
+@torch.no_grad()
+def test_gguf_nextn_layer_is_the_equation(tmp_path) -> None:
+    """GLM-4.5's MTP layer as llama.cpp's converter writes it (`blk.L.nextn.*`, the block
+    as `blk.L.*`), F32: psr's head from the GGUF file against the equation around the
+    same block."""
+    import gguf
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    from psr.models.gguf import GGUFCheckpoint
+
+    model = gguf_tiny_model("glm4_moe", hidden=64, ffn=32, vocab=256)
+    write_gguf(model, tmp_path / "glm.gguf")  # the block: a copy of the last layer
+    L = model.config.num_hidden_layers
+    ck = GGUFCheckpoint(tmp_path / "glm.gguf")
+    head = checkpoint_head(plan_mtp(ck, model), model, torch.float32)
+    raw = {t.name: t for t in gguf.GGUFReader(tmp_path / "glm.gguf").tensors}  # by GGUF name
+
+    def nextn(part: str) -> torch.Tensor:
+        return torch.from_numpy(raw[f"blk.{L}.nextn.{part}.weight"].data.copy())
+
+    parts = {"block": model.model.layers[L - 1], "proj": nextn("eh_proj")}
+    parts |= {"enorm": nextn("enorm"), "hnorm": nextn("hnorm"), "norm": nextn("shared_head_norm")}
+    torch.manual_seed(6)
+    h, ids = torch.randn(1, 6, 64), torch.randint(0, 256, (1, 6))
+    _, logits = head(h, ids, 0, None)
+    _, want = ref_mtp(model, "glm4_moe", parts, h, ids)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    ck.close()
+    from psr.models.inspect import inspect
+
+    assert inspect(tmp_path / "glm.gguf").mtp == f"blk.{L}.* (speculative='mtp')"

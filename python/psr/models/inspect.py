@@ -350,7 +350,7 @@ def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspect
     out = _inspection(path, config, facts, per, {"gguf": rows}, types, graphs)
     nextn = f"blk.{int(raw['num_hidden_layers'])}.nextn.eh_proj.weight"
     if nextn in ck.tensor_elements():  # llama.cpp's converter keeps the MTP layer
-        out.mtp = f"{nextn.rsplit('.', 2)[0]}.* in the file (psr reads GGUF MTP layers not yet)"
+        out.mtp = f"{nextn.rsplit('.', 2)[0]}.* (speculative='mtp')"
     return out
 
 

@@ -387,7 +387,7 @@ def _missing_experts(view: Any, cfg: Any, L: int) -> list[str]:
 def _fill_block(plan: MTPPlan, dev: torch.device, dtype: torch.dtype) -> nn.Module:
     """The planned block with every tensor read from the checkpoint (its routed experts
     packed as transformers' module keeps them: gate_up [E, 2F, H], down [E, H, F])."""
-    from psr.models.families import FAMILIES, disk_names, moe_spec
+    from psr.models.families import FAMILIES, disk_names, fused_expert_names, moe_spec
     from psr.models.hf import set_tensor
     from psr.models.safetensors_experts import expert_reader
 
@@ -408,10 +408,14 @@ def _fill_block(plan: MTPPlan, dev: torch.device, dtype: torch.dtype) -> nn.Modu
         if sorted(attrs) != ["down_proj", "gate_up_proj"]:
             raise CheckpointError(f"MTP block experts {owner}: unsupported layout {attrs}")
         spec = moe_spec(plan.config)
-        read = expert_reader(view, spec, plan.layer)
-        rows = [read(e) for e in range(spec.num_experts)]
-        gate_up = torch.stack([torch.cat([p.float() for p in r[:-1]]) for r in rows])
-        down = torch.stack([r[-1].float() for r in rows])
+        fused = [(g, d) for g, d in fused_expert_names(mt, plan.layer) if g in view and d in view]
+        if fused:  # whole tensors, read once (a GGUF file's, dequantized)
+            gate_up, down = view.get(fused[0][0]).float(), view.get(fused[0][1]).float()
+        else:
+            read = expert_reader(view, spec, plan.layer)
+            rows = [read(e) for e in range(spec.num_experts)]
+            gate_up = torch.stack([torch.cat([p.float() for p in r[:-1]]) for r in rows])
+            down = torch.stack([r[-1].float() for r in rows])
         set_tensor(block, f"{owner}.gate_up_proj", gate_up.to(dev, dtype))
         set_tensor(block, f"{owner}.down_proj", down.to(dev, dtype))
     block.self_attn.layer_idx = 0  # its own one-layer KV cache
