@@ -348,9 +348,9 @@ def _inspect_gguf(path: str | Path, ck: Any, reference: bool = False) -> Inspect
     types = {f.name: fmts.count(f) for f in dict.fromkeys(fmts)}
     per = {"gguf": round(sum(rows) / len(rows))}
     out = _inspection(path, config, facts, per, {"gguf": rows}, types, graphs)
-    nextn = f"blk.{int(raw['num_hidden_layers'])}.nextn.eh_proj.weight"
-    if nextn in ck.tensor_elements():  # llama.cpp's converter keeps the MTP layer
-        out.mtp = f"{nextn.rsplit('.', 2)[0]}.* (speculative='mtp')"
+    L = int(raw["num_hidden_layers"])
+    if f"blk.{L}.nextn.eh_proj.weight" in ck.tensor_elements():  # llama.cpp kept the layer
+        out.mtp = f"blk.{L}.* (speculative='mtp')"
     return out
 
 
