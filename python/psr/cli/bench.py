@@ -180,7 +180,7 @@ def _add_speculative(bsub: Any) -> None:
         "--drafters",
         type=comma_list(drafter_kind),
         default="block,ar",
-        help="comma list of drafters to run: block, ar",
+        help="comma list of drafters to run: block, ar, mtp",
     )
     sp.add_argument(
         "--block-k",

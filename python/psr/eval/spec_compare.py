@@ -67,11 +67,8 @@ def _dense_params(model: OffloadedModel) -> int:
 
 def _drafter_params(model: OffloadedModel) -> tuple[int, int]:
     """(parameters per pass, passes per block) of the model's drafter."""
-    d = model.drafter
-    if d.kind == "ar":
-        return sum(p.numel() for p in d.model.parameters()), d.block
-    heads = sum(p.numel() for p in d.heads.parameters())
-    return heads + d.lm_head.numel(), 1  # one pass; the LM head is read once for B logits
+    cost: tuple[int, int] = model.drafter.pass_cost
+    return cost
 
 
 def run(

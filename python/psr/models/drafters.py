@@ -73,6 +73,12 @@ class BlockDrafter:
         # The LM head is the target's own (resident anyway); only the heads are extra.
         return sum(p.numel() * p.element_size() for p in self.heads.parameters())
 
+    @property
+    def pass_cost(self) -> tuple[int, int]:
+        """(weights read per pass, passes per block): one pass, the LM head read once for
+        B logits (the latency model prices drafting by it)."""
+        return sum(p.numel() for p in self.heads.parameters()) + self.lm_head.numel(), 1
+
     @torch.no_grad()
     def propose(self, tokens: list[int], hidden: torch.Tensor | None) -> list[int]:
         if hidden is None:
@@ -99,6 +105,11 @@ class ARDrafter:
     @property
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def pass_cost(self) -> tuple[int, int]:
+        """(weights read per pass, passes per block): B sequential decode steps."""
+        return sum(p.numel() for p in self.model.parameters()), self.block
 
     def reset(self) -> None:
         self._cache, self._seen = None, []

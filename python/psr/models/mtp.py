@@ -136,6 +136,12 @@ class MTPDrafter:
             return 0
         return sum(p.numel() * p.element_size() for p in self.head.parameters())
 
+    @property
+    def pass_cost(self) -> tuple[int, int]:
+        """(weights read per pass, passes per block): one pass over the accepted rows, then
+        B - 1 re-applications, each reading the layer and the shared LM head."""
+        return sum(p.numel() for p in self.head.parameters()) + self.head.head.numel(), self.block
+
     def reset(self) -> None:
         from transformers.cache_utils import DynamicCache
 
