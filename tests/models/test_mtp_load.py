@@ -242,9 +242,16 @@ def test_mtp_on_a_checkpoint_without_one_is_refused(tmp_path) -> None:
     ],
 )
 def test_incomplete_mtp_layer_names_what_is_missing_before_reading(drop, named, tmp_path) -> None:
+    import psr.models.loader as loader
+
+    def no_weights(*a, **k):
+        raise AssertionError("a weight was read")
+
     path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds", drop=drop)
-    with pytest.raises(CheckpointError, match=f"incomplete: missing {named}"):
-        psr.load(path, "exact", residency=1.0, progress=False, speculative="mtp")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "_build_model", no_weights)
+        with pytest.raises(CheckpointError, match=f"incomplete: missing {named}"):
+            psr.load(path, "exact", residency=1.0, progress=False, speculative="mtp")
 
 
 def test_inspect_says_whether_a_checkpoint_has_an_mtp_head(tmp_path) -> None:
@@ -299,3 +306,22 @@ def test_gguf_nextn_layer_is_the_equation(tmp_path) -> None:
     from psr.models.inspect import inspect
 
     assert inspect(tmp_path / "glm.gguf").mtp == f"blk.{L}.* (speculative='mtp')"
+
+
+def test_psr_generate_with_the_embedded_models_mtp_head(capsys) -> None:
+    """The shipped head (drafter_mtp/): `psr generate --speculative mtp` decodes with it;
+    it was trained for 4 drafts and refuses a fifth before any weight is read."""
+    from psr.cli import main
+
+    argv = ["generate", "--prompt-ids", "1870,620,52,14,2009,305", "--max-new-tokens", "8"]
+    assert main([*argv, "--quiet", "--device", "cpu", "--speculative", "mtp", "--block", "3"]) == 0
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("speculative"))
+    assert line.startswith("speculative (mtp, B=3, K_b=")
+    import psr.models.loader as loader
+
+    def no_weights(*a, **k):
+        raise AssertionError("a weight was read")
+
+    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match="at most 4 tokens"):
+        mp.setattr(loader, "_build_model", no_weights)
+        psr.load(psr.DEFAULT_MODEL, device="cpu", progress=False, speculative="mtp", block=5)

@@ -265,13 +265,16 @@ def _row_source(path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int]) ->
 
 
 def _plan_mtp(path: str | Path, ckpt: Any, r: Resolved, meta_model: nn.Module) -> Any:
-    """With speculative='mtp' and no psr head beside the checkpoint: its own MTP layer,
-    every tensor checked present (psr.models.mtp.plan_mtp); else None."""
-    from psr.models.mtp import PSR_FILE, plan_mtp
+    """With speculative='mtp', before any weight is read: `block` checked against the
+    head's depth, and without a psr head beside the checkpoint its own MTP layer, every
+    tensor checked present (psr.models.mtp.plan_mtp); else None."""
+    from psr.models.mtp import CHECKPOINT_MAX_DRAFT, PSR_FILE, check_block, plan_mtp, psr_head_depth
 
-    if r.cfg.speculative != "mtp" or (Path(path) / PSR_FILE).is_file():
+    if r.cfg.speculative != "mtp":
         return None
-    return plan_mtp(ckpt, meta_model)
+    own = Path(path) / PSR_FILE
+    check_block(r.cfg.block, psr_head_depth(own) if own.is_file() else CHECKPOINT_MAX_DRAFT)
+    return None if own.is_file() else plan_mtp(ckpt, meta_model)
 
 
 def _load_drafter(

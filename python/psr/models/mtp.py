@@ -106,6 +106,15 @@ class MTPHead(nn.Module):
         return (normed if self.feeds_normed else y), F.linear(normed, self.head)
 
 
+def check_block(block: int, max_draft: int) -> None:
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be an int >= 1, got {block!r}")
+    if block > max_draft:
+        raise ValueError(
+            f"the MTP head drafts at most {max_draft} tokens; block={block} asks for more"
+        )
+
+
 class MTPDrafter:
     """Drafts `block` tokens by applying an MTP head to the target's hidden states and
     then to its own (psr.runtime.speculative.Drafter). Its KV cache holds one entry per
@@ -115,12 +124,7 @@ class MTPDrafter:
     kind = "mtp"
 
     def __init__(self, head: MTPHead, block: int, max_draft: int, device_bytes: bool) -> None:
-        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-            raise ValueError(f"block must be an int >= 1, got {block!r}")
-        if block > max_draft:
-            raise ValueError(
-                f"the MTP head drafts at most {max_draft} tokens; block={block} asks for more"
-            )
+        check_block(block, max_draft)
         self.head = head.eval()
         self.block, self.max_draft = block, max_draft
         self._device_bytes = device_bytes
@@ -240,6 +244,17 @@ def psr_head_meta(head: MTPHead, depth: int) -> dict[str, str]:
         "rope_theta": str(cfg.rope_parameters["rope_theta"]),
         "depth": str(depth),
     }
+
+
+def psr_head_depth(path: str | Path) -> int:
+    """The draft depth psr's head file was trained for (its metadata; no tensor read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != PSR_FORMAT:
+        raise CheckpointError(f"{path} is not a psr MTP head (format {meta.get('format')})")
+    return int(meta["depth"])
 
 
 def load_psr_head(
