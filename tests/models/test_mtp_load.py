@@ -325,3 +325,11 @@ def test_psr_generate_with_the_embedded_models_mtp_head(capsys) -> None:
     with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match="at most 4 tokens"):
         mp.setattr(loader, "_build_model", no_weights)
         psr.load(psr.DEFAULT_MODEL, device="cpu", progress=False, speculative="mtp", block=5)
+
+
+def test_speculative_on_linear_attention_layers_is_refused(tmp_path) -> None:
+    """Qwen3-Next's MTP layer loads (above), but its Gated DeltaNet layers' state cannot
+    be cut back to the accepted tokens: one line at load, not a crash while decoding."""
+    path = write_mtp_checkpoint("qwen3_next", tmp_path / "qn")
+    with pytest.raises(ValueError, match="linear-attention layers keep a recurrent state"):
+        psr.load(path, "exact", residency=1.0, progress=False, speculative="mtp")

@@ -86,6 +86,7 @@ def load(
         spec, E = r.spec, r.spec.num_experts
         meta = _meta_model(r)
         moe_idx = meta[1]
+        _check_speculative(path, r)
         mtp = _plan_mtp(path, ckpt, r, meta[0])  # its tensors checked before any is read
         source = _row_source(path, ckpt, r, moe_idx)  # every expert tensor checked first
         model = _build_model(ckpt, r, meta)
@@ -262,6 +263,19 @@ def _row_source(path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int]) ->
     if r.prequant is not None:
         return prequant_source(r.prequant, ckpt, r.spec, moe_idx)
     return safetensors_source(ckpt, r.spec, moe_idx, r.dtype, r.row_format)
+
+
+def _check_speculative(path: str | Path, r: Resolved) -> None:
+    """Speculative decoding cuts the KV cache back after each verify block: refused, before
+    any weight is read, for layers whose recurrent state transformers cannot cut back."""
+    from psr.runtime.kv import layer_kinds
+
+    if r.cfg.speculative is not None and "linear_attention" in layer_kinds(r.config):
+        raise ValueError(
+            f"{path}: speculative decoding cuts the KV cache back after each verify block, "
+            f"and {r.config.model_type}'s linear-attention layers keep a recurrent state "
+            "transformers cannot cut back"
+        )
 
 
 def _plan_mtp(path: str | Path, ckpt: Any, r: Resolved, meta_model: nn.Module) -> Any:
