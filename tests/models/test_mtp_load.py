@@ -5,6 +5,7 @@ around the family's own decoder block; psr's own head beside the embedded-style 
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -145,6 +146,19 @@ def ref_mtp(target, family: str, parts: dict, h: torch.Tensor, ids: torch.Tensor
 FAMILIES_MTP = ["deepseek_v3", "glm4_moe", "qwen3_next", "mimo"]
 
 
+@contextlib.contextmanager
+def no_weight_read():
+    """psr.load fails the test if it gets as far as reading a weight."""
+    import psr.models.loader as loader
+
+    def refuse(*a, **k):
+        raise AssertionError("a weight was read")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loader, "_build_model", refuse)
+        yield
+
+
 @pytest.mark.parametrize("family", FAMILIES_MTP)
 @torch.no_grad()
 def test_checkpoint_mtp_layer_is_the_equation_and_drafts_by_reapplication(family, tmp_path) -> None:
@@ -242,16 +256,9 @@ def test_mtp_on_a_checkpoint_without_one_is_refused(tmp_path) -> None:
     ],
 )
 def test_incomplete_mtp_layer_names_what_is_missing_before_reading(drop, named, tmp_path) -> None:
-    import psr.models.loader as loader
-
-    def no_weights(*a, **k):
-        raise AssertionError("a weight was read")
-
     path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds", drop=drop)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(loader, "_build_model", no_weights)
-        with pytest.raises(CheckpointError, match=f"incomplete: missing {named}"):
-            psr.load(path, "exact", residency=1.0, progress=False, speculative="mtp")
+    with no_weight_read(), pytest.raises(CheckpointError, match=f"incomplete: missing {named}"):
+        psr.load(path, "exact", residency=1.0, progress=False, speculative="mtp")
 
 
 def test_inspect_says_whether_a_checkpoint_has_an_mtp_head(tmp_path) -> None:
@@ -317,13 +324,7 @@ def test_psr_generate_with_the_embedded_models_mtp_head(capsys) -> None:
     assert main([*argv, "--quiet", "--device", "cpu", "--speculative", "mtp", "--block", "3"]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("speculative"))
     assert line.startswith("speculative (mtp, B=3, K_b=")
-    import psr.models.loader as loader
-
-    def no_weights(*a, **k):
-        raise AssertionError("a weight was read")
-
-    with pytest.MonkeyPatch.context() as mp, pytest.raises(ValueError, match="at most 4 tokens"):
-        mp.setattr(loader, "_build_model", no_weights)
+    with no_weight_read(), pytest.raises(ValueError, match="at most 4 tokens"):
         psr.load(psr.DEFAULT_MODEL, device="cpu", progress=False, speculative="mtp", block=5)
 
 
