@@ -982,6 +982,8 @@ class GGUFCheckpoint:
                 continue  # absent: the loader names it (or ties lm_head)
             part, t = self._tensors[gname]
             if int(t.n_elements) != int(np.prod(shape, dtype=np.int64)):
+                if hf.startswith(f"model.layers.{cfg['num_hidden_layers']}."):
+                    continue  # the MTP layer's: speculative='mtp' names it missing
                 gshape = list(t.shape)
                 raise GGUFError(
                     f"GGUF file {self._where(gname)}: tensor {gname!r} has shape {gshape}, but "
