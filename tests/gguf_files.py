@@ -321,7 +321,9 @@ class _Writer:
             self.nextn_layer(sd)
 
     def nextn_layer(self, sd: dict[str, torch.Tensor]) -> None:
-        """A GLM MTP layer as llama.cpp writes it after the decoder layers (psr skips it)."""
+        """A GLM MTP layer as llama.cpp writes it after the decoder layers: the last decoder
+        layer's copy as its block, random nextn.* tensors (psr.models.mtp reads them; the
+        twin holds the trunk's tensors only)."""
         L, H = self.cfg.num_hidden_layers, self.cfg.hidden_size
         last = f"model.layers.{L - 1}."
         for name, w in sd.items():
@@ -334,9 +336,15 @@ class _Writer:
         F = gate_up.shape[1] // 2
         for part, w in (("gate", gate_up[:, :F]), ("up", gate_up[:, F:]), ("down", down)):
             self.put(f"blk.{L}.ffn_{part}_exps.weight", w.contiguous(), QT.F32)
-        self.put(f"blk.{L}.nextn.eh_proj.weight", torch.zeros(H, 2 * H), QT.F32)
-        self.put(f"blk.{L}.nextn.enorm.weight", torch.ones(H), QT.F32)
-        self.put(f"blk.{L}.nextn.hnorm.weight", torch.ones(H), QT.F32)
+        gen = torch.Generator().manual_seed(L)
+        own = {
+            "eh_proj": torch.randn(H, 2 * H, generator=gen) * 0.05,
+            "enorm": 1 + 0.1 * torch.randn(H, generator=gen),
+            "hnorm": 1 + 0.1 * torch.randn(H, generator=gen),
+            "shared_head_norm": 1 + 0.1 * torch.randn(H, generator=gen),
+        }
+        for part, w in own.items():
+            self.put(f"blk.{L}.nextn.{part}.weight", w, QT.F32)
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         c = self.cfg

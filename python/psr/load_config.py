@@ -77,7 +77,10 @@ class LoadConfig:
     host_profile: which experts to hold: per MoE layer, per expert, how often it is routed
         to (nested lists or a JSON file); default layer-balanced.
     speculative: None, 'block' (the checkpoint's drafter_block.safetensors: heads on the
-        target's hidden state) or 'ar' (its drafter_ar/ dense model): greedy speculative
+        target's hidden state), 'ar' (its drafter_ar/ dense model) or 'mtp' (psr's
+        drafter_mtp/mtp.safetensors beside it, else the checkpoint's own MTP layer: DeepSeek-V3,
+        GLM-4.5, Qwen3-Next; psr.models.mtp; one with routed experts is held in host
+        memory and costs no slots): greedy speculative
         decoding with `block` drafted tokens per verify block and one set of `block_k`
         experts per layer and block (default min(2 top_k, slots)). The drafter is resident:
         its memory comes out of the expert slots (equal device memory), so the store gets

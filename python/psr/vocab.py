@@ -44,6 +44,10 @@ EXPERTS_ON: tuple[str, ...] = ("gpu", "cpu", "hybrid")
 # inside it) or "cpu" (each token's own top-k; the union's members outside the slab computed
 # on the CPU, at most M of its misses copied per layer and block: 'cpu:M').
 VERIFY_MODES: tuple[str, ...] = ("budget", "cpu")
+# Speculative drafters (psr.models.drafters): "block" (heads on the target's hidden
+# state), "ar" (a small dense LM), "mtp" (the checkpoint's multi-token-prediction layer,
+# or psr's trained one beside the embedded model).
+DRAFTERS: tuple[str, ...] = ("block", "ar", "mtp")
 
 
 def canonical_dtype(name: str) -> str:

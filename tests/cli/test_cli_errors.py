@@ -133,8 +133,8 @@ BAD_ARGUMENTS = [
     (["bench", "sweep", "--windows", "0"], "argument --windows: expected an integer >= 1"),
     (
         ["bench", "speculative", "--drafters", "block,medusa"],
-        "argument --drafters: entry 2 of 'block,medusa': unknown drafter 'medusa': block, ar or "
-        "oracle",
+        "argument --drafters: entry 2 of 'block,medusa': unknown drafter 'medusa': block, ar, "
+        "mtp, oracle",
     ),
     ([*G, "--max-new-tokens", "-1"], "argument --max-new-tokens: expected an integer >= 0"),
     ([*G, "--max-new-tokens", "1.5"], "argument --max-new-tokens: expected an integer, got '1.5'"),

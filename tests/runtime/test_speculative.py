@@ -219,7 +219,7 @@ def test_a_drafter_too_big_for_the_slots_is_refused(ckpt, tmp_path) -> None:
     _write_drafters(path)
     with pytest.raises(ValueError, match=r"drafter .* takes .* expert slots"):
         psr.load(path, "psr", residency=0.25, progress=False, speculative="ar")
-    with pytest.raises(ValueError, match="speculative must be 'block' or 'ar'"):
+    with pytest.raises(ValueError, match="speculative must be one of block, ar, mtp"):
         psr.load(path, "psr", residency=0.5, progress=False, speculative="medusa")
     # With the experts outside the slab computed on the CPU, fewer slots than top-k do.
     m = psr.load(

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from psr.vocab import DTYPE_ALIASES, EXPERT_FORMATS
+from psr.vocab import DRAFTERS, DTYPE_ALIASES, EXPERT_FORMATS
 from psr.vocab import host_memory as _host_memory
 
 T = TypeVar("T")
@@ -122,8 +122,9 @@ def positive_float(s: str) -> float:
 def drafter_kind(s: str) -> str:
     """`psr bench speculative`'s drafters: the shipped ones, or the oracle (an upper bound:
     exact greedy decoding's own tokens, free)."""
-    if s not in ("block", "ar", "oracle"):
-        raise argparse.ArgumentTypeError(f"unknown drafter {s!r}: block, ar or oracle")
+    kinds = (*DRAFTERS, "oracle")
+    if s not in kinds:
+        raise argparse.ArgumentTypeError(f"unknown drafter {s!r}: {', '.join(kinds)}")
     return s
 
 

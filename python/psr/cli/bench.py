@@ -213,8 +213,8 @@ def _add_speculative(bsub: Any) -> None:
         "--drafters",
         type=comma_list(drafter_kind),
         default="block,ar",
-        help="comma list of drafters to run: block, ar, oracle (an upper bound: exact greedy "
-        "decoding's own tokens as drafts, free)",
+        help="comma list of drafters to run: block, ar, mtp, oracle (an upper bound: exact "
+        "greedy decoding's own tokens as drafts, free)",
     )
     sp.add_argument(
         "--block-k",

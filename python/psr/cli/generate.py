@@ -34,7 +34,7 @@ from psr.cli.args import (
     writable_file,
 )
 from psr.policy import DEFAULT_RESIDENCY, POLICIES
-from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS, EXPERTS_ON
+from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, DRAFTERS, EXPERT_FORMATS, EXPERTS_ON
 
 # Files whose presence makes psr.models.load load a tokenizer.
 
@@ -197,9 +197,9 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         "(default: no plan)",
     ),
     "speculative": dict(
-        choices=["block", "ar"],
-        help="greedy speculative decoding with the checkpoint's block heads or AR drafter; "
-        "its memory comes out of the expert slots (default: off)",
+        choices=list(DRAFTERS),
+        help="greedy speculative decoding with the checkpoint's block heads, AR drafter or "
+        "MTP layer; a resident drafter's memory comes out of the expert slots (default: off)",
     ),
     "block": dict(type=positive_int, help="with --speculative: drafted tokens per block"),
     "block_k": dict(

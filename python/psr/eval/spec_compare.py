@@ -110,6 +110,7 @@ class OracleDrafter:
     blocks' own cost."""
 
     kind, memory_bytes = "oracle", 0
+    pass_cost = (0, 0)  # drafting reads nothing
 
     def __init__(self, block: int, references: Sequence[list[int]]) -> None:
         self.block, self.refs = block, [list(r) for r in references]
@@ -125,13 +126,8 @@ class OracleDrafter:
 
 def _drafter_params(model: OffloadedModel) -> tuple[int, int]:
     """(parameters per pass, passes per block) of the model's drafter."""
-    d = model.drafter
-    if d.kind == "oracle":
-        return 0, 0
-    if d.kind == "ar":
-        return sum(p.numel() for p in d.model.parameters()), d.block
-    heads = sum(p.numel() for p in d.heads.parameters())
-    return heads + d.lm_head.numel(), 1  # one pass; the LM head is read once for B logits
+    cost: tuple[int, int] = model.drafter.pass_cost
+    return cost
 
 
 def _generate(model: OffloadedModel, data: EvalData) -> tuple[list[list[int]], int, int]:

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from psr.models.checkpoint import CheckpointError
+from psr.models.mtp import MTPDrafter, MTPPlan, load_mtp_drafter
 from psr.runtime.speculative import crop_to
+from psr.vocab import DRAFTERS
 
 
 class BlockHeads(nn.Module):
@@ -71,11 +73,17 @@ class BlockDrafter:
         # The LM head is the target's own (resident anyway); only the heads are extra.
         return sum(p.numel() * p.element_size() for p in self.heads.parameters())
 
+    @property
+    def pass_cost(self) -> tuple[int, int]:
+        """(weights read per pass, passes per block): one pass, the LM head read once for
+        B logits (the latency model prices drafting by it)."""
+        return sum(p.numel() for p in self.heads.parameters()) + self.lm_head.numel(), 1
+
     @torch.no_grad()
     def propose(self, tokens: list[int], hidden: torch.Tensor | None) -> list[int]:
         if hidden is None:
             raise ValueError("the block drafter needs the target's last hidden state")
-        h = hidden.reshape(-1)[None].to(self.lm_head.dtype)
+        h = hidden.reshape(-1, hidden.shape[-1])[-1:].to(self.lm_head.dtype)
         e = self.embed[tokens[-1]][None]
         return [int(lg.float().argmax(-1)) for lg in self.heads(h, e, self.lm_head)]
 
@@ -97,6 +105,11 @@ class ARDrafter:
     @property
     def memory_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def pass_cost(self) -> tuple[int, int]:
+        """(weights read per pass, passes per block): B sequential decode steps."""
+        return sum(p.numel() for p in self.model.parameters()), self.block
 
     def reset(self) -> None:
         self._cache, self._seen = None, []
@@ -184,12 +197,16 @@ def load_drafter(
     target: nn.Module,
     device: torch.device,
     dtype: torch.dtype,
-) -> BlockDrafter | ARDrafter:
-    """The checkpoint's drafter of `kind` ('block' or 'ar') drafting `block` tokens."""
-    if kind not in ("block", "ar"):
-        raise ValueError(f"speculative must be 'block' or 'ar', got {kind!r}")
+    mtp: MTPPlan | None = None,
+) -> BlockDrafter | ARDrafter | MTPDrafter:
+    """The checkpoint's drafter of `kind` (psr.vocab.DRAFTERS) drafting `block` tokens;
+    `mtp`: the checkpoint's MTP layer as `psr.models.mtp.plan_mtp` checked it."""
+    if kind not in DRAFTERS:
+        raise ValueError(f"speculative must be one of {', '.join(DRAFTERS)}, got {kind!r}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be an int >= 1, got {block!r}")
+    if kind == "mtp":
+        return load_mtp_drafter(model_dir, mtp, target, block, dtype)
     if kind == "ar":
         return load_ar_drafter(Path(model_dir) / "drafter_ar", block, device, dtype)
     d = load_block_drafter(

@@ -608,3 +608,73 @@ def module_bias_table(experts: nn.Module) -> torch.Tensor | None:
         return None
     p = experts.get_parameter
     return gpt_oss_bias_table(p("gate_up_proj_bias").detach(), p("down_proj_bias").detach())
+
+
+# --- multi-token-prediction (MTP) layers ---------------------------------------------------
+# Where a family's checkpoint keeps its first MTP layer (psr.models.mtp reads it; names as
+# vLLM's deepseek_mtp / glm4_moe_mtp / qwen3_next_mtp / mimo_mtp model files load them).
+
+
+@dataclass(frozen=True)
+class MTPScheme:
+    """How one family names its (first) MTP layer on disk; `{L}` is the layer's index
+    (`num_hidden_layers` for DeepSeek-style layers numbered after the trunk)."""
+
+    prefix: str  # the layer's own tensors
+    enorm: str  # RMSNorm_e over the token's embedding
+    hnorm: str  # RMSNorm_h over the target's hidden state
+    proj: str  # M [d, 2d]
+    norm: str  # the final norm before the head
+    block: str  # prefix of the decoder block's tensors
+    count_keys: tuple[str, ...]  # config keys with the number of MTP layers
+    head: str | None = None  # the layer's own LM head (else the target's)
+    embed: str | None = None  # the layer's own embedding (else the target's)
+    hidden_first: bool = False  # [RMSNorm_h(h); RMSNorm_e(e)] (MiMo)
+    feeds_normed: bool = False  # the next depth reads h'' after the final norm
+
+    def names(self, layer: int) -> dict[str, str]:
+        """role -> the layer's own tensor on disk (`layer`: num_hidden_layers)."""
+        roles = ("enorm", "hnorm", "proj", "norm", "head", "embed")
+        p = self.prefix.format(L=layer)
+        return {r: p + getattr(self, r) for r in roles if getattr(self, r) is not None}
+
+
+_DEEPSEEK = MTPScheme(
+    prefix="model.layers.{L}.",
+    enorm="enorm.weight",
+    hnorm="hnorm.weight",
+    proj="eh_proj.weight",
+    norm="shared_head.norm.weight",
+    block="model.layers.{L}.",
+    count_keys=("num_nextn_predict_layers",),
+    head="shared_head.head.weight",
+    embed="embed_tokens.weight",
+)
+_QWEN3_NEXT = MTPScheme(
+    prefix="mtp.",
+    enorm="pre_fc_norm_embedding.weight",
+    hnorm="pre_fc_norm_hidden.weight",
+    proj="fc.weight",
+    norm="norm.weight",
+    block="mtp.layers.0.",
+    count_keys=("mtp_num_hidden_layers", "num_nextn_predict_layers"),
+    feeds_normed=True,
+)
+# model_type -> its MTP layer's names (transformers' model types; MiMo is Qwen2-based)
+MTP_SCHEMES: dict[str, MTPScheme] = {
+    "deepseek_v3": _DEEPSEEK,
+    "glm4_moe": _DEEPSEEK,
+    "qwen3_next": _QWEN3_NEXT,
+    "qwen3_5_moe_text": _QWEN3_NEXT,
+    "mimo": MTPScheme(
+        prefix="model.mtp_layers.0.",
+        enorm="token_layernorm.weight",
+        hnorm="hidden_layernorm.weight",
+        proj="input_proj.weight",
+        norm="final_layernorm.weight",
+        block="model.mtp_layers.0.",
+        count_keys=("num_nextn_predict_layers",),
+        hidden_first=True,
+        feeds_normed=True,
+    ),
+}

@@ -804,7 +804,8 @@ class _Dense:
     heads: int = 0  # > 0: un-permute llama q/k rows over this many heads
     other: str | None = None  # a second GGUF tensor composed with the first by `join`
     # "interleave": gpt-oss's gate/up bias columns alternate; "kv_b": DeepSeek's kv_b_proj
-    # from llama.cpp's attn_k_b [heads, rank, nope] and attn_v_b [heads, v, rank]
+    # from llama.cpp's attn_k_b [heads, rank, nope] and attn_v_b [heads, v, rank]; "rows":
+    # an MTP layer's fused experts, gate [E, F, H] rows then up's
     join: str = ""
 
 
@@ -939,16 +940,28 @@ class GGUFCheckpoint:
         name = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
         return None if name is None else str(name)
 
+    def _mtp_layers(self) -> int:
+        """1 when the file keeps an MTP (nextn) layer as blk.L, L the trunk's layers (the
+        first one, which psr.models.mtp reads), else 0."""
+        L = int(self.config_dict["num_hidden_layers"])
+        return int(f"blk.{L}.nextn.eh_proj.weight" in self._tensors)
+
     def _hf_state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """The transformers model's non-expert tensors and their shapes (built on meta)."""
+        """The transformers model's non-expert tensors and their shapes (built on meta),
+        with the MTP layer as one more decoder layer where the file has one."""
         import torch
         import transformers
 
+        config = self.config
+        config.num_hidden_layers += self._mtp_layers()
+        if self._mtp_layers() and getattr(config, "layer_types", None):
+            config.layer_types = [*config.layer_types, "full_attention"]
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = transformers.AutoModelForCausalLM.from_config(self.config)
+            model = transformers.AutoModelForCausalLM.from_config(config)
         block = FAMILIES[self.arch_spec.model_type].block
-        prefixes = tuple(f"model.layers.{d}.{block}.experts." for d in self._experts)
+        mtp = range(config.num_hidden_layers - self._mtp_layers(), config.num_hidden_layers)
+        prefixes = tuple(f"model.layers.{d}.{block}.experts." for d in [*self._experts, *mtp])
         return {
             k: tuple(v.shape) for k, v in model.state_dict().items() if not k.startswith(prefixes)
         }
@@ -956,7 +969,9 @@ class GGUFCheckpoint:
     def _map_dense(self) -> dict[str, _Dense]:
         cfg = self.config_dict
         arch_enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
-        tmap = gguf.get_tensor_name_map(arch_enum, int(cfg["num_hidden_layers"]))
+        tmap = gguf.get_tensor_name_map(
+            arch_enum, int(cfg["num_hidden_layers"]) + self._mtp_layers()
+        )
         out: dict[str, _Dense] = {}
         for hf, shape in self._hf_state_shapes().items():
             gname = self._gguf_name(hf, tmap)
@@ -967,6 +982,8 @@ class GGUFCheckpoint:
                 continue  # absent: the loader names it (or ties lm_head)
             part, t = self._tensors[gname]
             if int(t.n_elements) != int(np.prod(shape, dtype=np.int64)):
+                if hf.startswith(f"model.layers.{cfg['num_hidden_layers']}."):
+                    continue  # the MTP layer's: speculative='mtp' names it missing
                 gshape = list(t.shape)
                 raise GGUFError(
                     f"GGUF file {self._where(gname)}: tensor {gname!r} has shape {gshape}, but "
@@ -978,6 +995,42 @@ class GGUFCheckpoint:
                 heads = int(cfg["num_attention_heads" if q else "num_key_value_heads"])
             out[hf] = _Dense(gname, part, shape, heads)
         out.update(self._expert_biases())
+        out.update(self._mtp_own())
+        return out
+
+    def _mtp_own(self) -> dict[str, _Dense]:
+        """The MTP layer's own tensors as llama.cpp's converter writes them
+        (`blk.L.nextn.*`, its routed experts `blk.L.ffn_*_exps`) under DeepSeek-V3's HF
+        names (`model.layers.L.enorm`, ..., `mlp.experts.gate_up_proj` fused)."""
+        if not self._mtp_layers():
+            return {}
+        cfg = self.config_dict
+        L, d, V = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["vocab_size"])
+        hf, g = f"model.layers.{L}.", f"blk.{L}."
+        roles = {
+            "enorm.weight": ("nextn.enorm.weight", (d,)),
+            "hnorm.weight": ("nextn.hnorm.weight", (d,)),
+            "eh_proj.weight": ("nextn.eh_proj.weight", (d, 2 * d)),
+            "shared_head.norm.weight": ("nextn.shared_head_norm.weight", (d,)),
+            "shared_head.head.weight": ("nextn.shared_head_head.weight", (V, d)),
+            "embed_tokens.weight": ("nextn.embed_tokens.weight", (V, d)),
+        }
+        out = {
+            hf + name: _Dense(g + gname, self._tensors[g + gname][0], shape)
+            for name, (gname, shape) in roles.items()
+            if g + gname in self._tensors
+        }
+        gate, up, down = (f"{g}ffn_{p}_exps.weight" for p in _EXPERT_PARTS)
+        if all(n in self._tensors for n in (gate, up, down)):
+            E = int(cfg[self.arch_spec.experts_key])
+            F = int(cfg[FAMILIES[self.arch_spec.model_type].keys[3]])
+            block = FAMILIES[self.arch_spec.model_type].block
+            part = self._tensors[gate][0]
+            H = d
+            out[f"{hf}{block}.experts.gate_up_proj"] = _Dense(
+                gate, part, (E, 2 * F, H), other=up, join="rows"
+            )
+            out[f"{hf}{block}.experts.down_proj"] = _Dense(down, self._tensors[down][0], (E, H, F))
         return out
 
     def _kv_b(self, hf: str, shape: tuple[int, ...]) -> _Dense | None:
@@ -1033,7 +1086,9 @@ class GGUFCheckpoint:
         return name in self._dense
 
     def names(self) -> list[str]:
-        return list(self._dense)
+        """The trunk's dense tensors (an MTP layer's are readable by name, not listed)."""
+        mtp = f"model.layers.{int(self.config_dict['num_hidden_layers'])}."
+        return [n for n in self._dense if not n.startswith(mtp)]
 
     def tensor_elements(self) -> dict[str, int]:
         """Every GGUF tensor of the set (its own name) -> its element count: the header's
@@ -1083,6 +1138,10 @@ class GGUFCheckpoint:
         out = self._read(d.gguf_name)
         if d.other is not None and d.join == "interleave":
             out = torch.stack([out, self._read(d.other)], dim=-1)
+        elif d.other is not None and d.join == "rows":
+            E, F2, H = d.shape
+            half = (E, F2 // 2, H)
+            out = torch.cat([out.reshape(half), self._read(d.other).reshape(half)], dim=1)
         elif d.other is not None:  # kv_b: per head, the k rows (nope) then the v rows
             out = torch.cat([out.transpose(1, 2), self._read(d.other)], dim=1)
         out = out.reshape(d.shape)

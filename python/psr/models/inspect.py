@@ -24,6 +24,7 @@ from psr.load_config import LoadConfig
 from psr.models.families import (
     EXPERT_KINDS,
     FAMILIES,
+    MTP_SCHEMES,
     ROUTER_KINDS,
     check_config,
     moe_sizes,
@@ -79,6 +80,7 @@ class Inspection:
     plan: MemoryPlan | None = None  # with a Budget: the memory plan (psr.models.memory_plan)
     # what the plan reads (more plans: memory_plan.plan_memory(found.memory, budget))
     memory: ModelMemory | None = field(default=None, repr=False)
+    mtp: str = ""  # its multi-token-prediction head, if any (speculative='mtp')
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(replace(self, plan=None, memory=None))
@@ -134,6 +136,8 @@ class Inspection:
             lines.append(f"  host mem   {self.host_memory}")
         for name, point in self.operating_points.items():
             lines.append(f"  {name:<11} {point}")
+        if self.mtp:
+            lines.append(f"  MTP head   {self.mtp}")
         if self.plan is not None:
             lines.append(self.plan.table())
         return "\n".join(lines)
@@ -238,7 +242,35 @@ def _inspect_folder(path: str | Path, budget: Budget | None = None) -> Inspectio
     n = len(facts.sparse)
     per = {fmt: _expert_bytes(fmt, dtype, H, F) for fmt in FORMATS}
     rows = {fmt: [per[fmt]] * n for fmt in FORMATS}
-    return _inspection(path, config, facts, per, rows, {}, _graphs(config), budget)
+    out = _inspection(path, config, facts, per, rows, {}, _graphs(config), budget)
+    out.mtp = _mtp_folder(path, config)
+    return out
+
+
+def _mtp_folder(path: str | Path, config: Any) -> str:
+    """Whether speculative='mtp' finds a head: psr's file beside it, else the family's
+    MTP layer in the checkpoint's tensor table (headers only)."""
+    from psr.models.checkpoint import Checkpoint, CheckpointError
+    from psr.models.mtp import PSR_FILE
+
+    if (Path(path) / PSR_FILE).is_file():
+        return f"psr's {PSR_FILE} (speculative='mtp')"
+    try:
+        ck = Checkpoint(path)
+    except CheckpointError:  # a config without weights: no tensor table to read
+        return ""
+    try:
+        return _mtp_line(str(config.model_type), int(config.num_hidden_layers), ck)
+    finally:
+        ck.close()
+
+
+def _mtp_line(model_type: str, layers: int, names: Any) -> str:
+    scheme = MTP_SCHEMES.get(model_type)
+    if scheme is None:
+        return "none"
+    proj = scheme.names(layers)["proj"]
+    return f"{proj.rsplit('.', 2)[0]}.* (speculative='mtp')" if proj in names else "none"
 
 
 def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
@@ -361,7 +393,11 @@ def _inspect_gguf(
     rows = [rowformat().GGMLLayout.of(f, H, F).nbytes for f in fmts]
     types = {f.name: fmts.count(f) for f in dict.fromkeys(fmts)}
     per = {"gguf": round(sum(rows) / len(rows))}
-    return _inspection(path, config, facts, per, {"gguf": rows}, types, graphs, budget)
+    out = _inspection(path, config, facts, per, {"gguf": rows}, types, graphs, budget)
+    L = int(raw["num_hidden_layers"])
+    if f"blk.{L}.nextn.eh_proj.weight" in ck.tensor_elements():  # llama.cpp kept the layer
+        out.mtp = f"blk.{L}.* (speculative='mtp')"
+    return out
 
 
 def _inspection(

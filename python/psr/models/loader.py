@@ -88,10 +88,12 @@ def load(
         spec, E = r.spec, r.spec.num_experts
         meta = _meta_model(r)
         moe_idx = meta[1]
+        _check_speculative(path, r)
+        mtp = _plan_mtp(path, ckpt, r, meta[0])  # its tensors checked before any is read
         source = _row_source(path, ckpt, r, moe_idx)  # every expert tensor checked first
         r = _planned(path, ckpt, r, meta[0], source)  # gpu_memory: before any weight is copied
         model = _build_model(ckpt, r, meta)
-        drafter, C = _load_drafter(path, r, model, source)
+        drafter, C = _load_drafter(path, r, model, source, mtp)
         plan = _tier_plan(r, model, C, source.row_bytes, source.why_not)
         store = make_store(source, E, C, r.device, cfg.copy_retries, plan.num_held())
         cache = _quant_cache(path, ckpt, r, moe_idx, source)
@@ -256,7 +258,7 @@ def _row_source(path: str | Path, ckpt: Any, r: Resolved, moe_idx: list[int]) ->
     """Where this checkpoint's expert rows come from: a GGUF file's or a pre-quantized
     checkpoint's blocks, or a float checkpoint's matrices (in `r.dtype` or the asked format)."""
     if r.gguf:
-        if r.cfg.speculative is not None:
+        if r.cfg.speculative in ("block", "ar"):
             raise ValueError(
                 f"{path}: speculative decoding reads psr's drafter files beside a "
                 "safetensors checkpoint; a GGUF file has none"
@@ -303,8 +305,34 @@ def _planned(
     return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r
 
 
+def _check_speculative(path: str | Path, r: Resolved) -> None:
+    """Speculative decoding cuts the KV cache back after each verify block: refused, before
+    any weight is read, for layers whose recurrent state transformers cannot cut back."""
+    from psr.runtime.kv import layer_kinds
+
+    if r.cfg.speculative is not None and "linear_attention" in layer_kinds(r.config):
+        raise ValueError(
+            f"{path}: speculative decoding cuts the KV cache back after each verify block, "
+            f"and {r.config.model_type}'s linear-attention layers keep a recurrent state "
+            "transformers cannot cut back"
+        )
+
+
+def _plan_mtp(path: str | Path, ckpt: Any, r: Resolved, meta_model: nn.Module) -> Any:
+    """With speculative='mtp', before any weight is read: `block` checked against the
+    head's depth, and without a psr head beside the checkpoint its own MTP layer, every
+    tensor checked present (psr.models.mtp.plan_mtp); else None."""
+    from psr.models.mtp import CHECKPOINT_MAX_DRAFT, PSR_FILE, check_block, plan_mtp, psr_head_depth
+
+    if r.cfg.speculative != "mtp":
+        return None
+    own = Path(path) / PSR_FILE
+    check_block(r.cfg.block, psr_head_depth(own) if own.is_file() else CHECKPOINT_MAX_DRAFT)
+    return None if own.is_file() else plan_mtp(ckpt, meta_model)
+
+
 def _load_drafter(
-    path: str | Path, r: Resolved, model: nn.Module, source: RowSource
+    path: str | Path, r: Resolved, model: nn.Module, source: RowSource, mtp: Any
 ) -> tuple[Any, int]:
     """The checkpoint's resident drafter (None without `speculative`), and the expert slots
     per layer left beside it (its memory comes out of the slots: whole slots, in every
@@ -314,7 +342,7 @@ def _load_drafter(
         return None, C
     from psr.models.drafters import load_drafter
 
-    drafter = load_drafter(path, kind, r.cfg.block, model, r.device, r.dtype)
+    drafter = load_drafter(path, kind, r.cfg.block, model, r.device, r.dtype, mtp)
     lost = -(-drafter.memory_bytes // sum(source.row_bytes))  # ceil: whole slots
     # experts_on cpu / hybrid run with fewer slots than top_k (down to none).
     least = 0 if placement_class(r.cfg.placement[0]).capped else r.spec.top_k

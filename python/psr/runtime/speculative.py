@@ -31,14 +31,21 @@ from psr.runtime.verify import VerifyRule
 
 
 class Drafter(Protocol):
-    """Proposes `block` tokens following `tokens[-1]`; `hidden` is the target's final
-    hidden state at the position that produced `tokens[-1]`."""
+    """Proposes `block` tokens following `tokens[-1]`; `hidden [n, d]` holds the target's
+    final hidden states at the n positions since the previous call (the prompt's after
+    the prefill, the accepted ones after a verify block), the last one the position that
+    produced `tokens[-1]`."""
 
     kind: str
     block: int
 
     @property
     def memory_bytes(self) -> int: ...
+
+    @property
+    def pass_cost(self) -> tuple[int, int]:
+        """(weights read per pass, passes per block): what the latency model prices."""
+        ...
 
     def propose(self, tokens: list[int], hidden: torch.Tensor | None) -> list[int]: ...
 
@@ -112,7 +119,7 @@ def generate_speculative(
     kv = output_cache(out)
     tokens = ids[0].tolist()
     last = int(out.logits[0, -1].float().argmax())
-    hidden = _last_hidden(out)[-1]
+    hidden = _last_hidden(out)
     tokens.append(last)
     stats.emitted = 1
     runtime.set_block_mode(rule)
@@ -132,7 +139,7 @@ def generate_speculative(
                 new = new[: new.index(eos_token_id) + 1]
             new = new[:room]
             crop_to(kv, seen + a + 1)  # keep [last, d_1..d_a]; the target token comes next
-            hidden = _last_hidden(out)[a]
+            hidden = _last_hidden(out)[: a + 1]
             tokens += new
             last = new[-1]
             stats.blocks += 1
