@@ -28,6 +28,7 @@ from psr.models.mtp import (
     psr_head_meta,
 )
 from psr.runtime.speculative import generate_speculative
+from psr.runtime.verify import BudgetSet
 
 PROMPT = [5, 17, 33, 2, 9, 41, 12, 60, 7, 22, 3, 50]
 
@@ -232,7 +233,9 @@ def test_psr_head_beside_the_model_decodes_exactly_as_greedy(tmp_path) -> None:
     # Verify blocks of all 8 experts (its slots given back): exactly greedy.
     e = psr.load(path, "exact", residency=1.0, progress=False)
     drafter = load_drafter(path, "mtp", 3, e.hf, torch.device("cpu"), torch.float32)
-    got, _ = generate_speculative(e.hf, e.runtime, drafter, torch.tensor([PROMPT]), 12, 8)
+    got, _ = generate_speculative(
+        e.hf, e.runtime, drafter, torch.tensor([PROMPT]), 12, BudgetSet(8)
+    )
     assert got.tolist() == want.tolist()
     with pytest.raises(ValueError, match="drafts at most 3 tokens; block=4"):
         psr.load(path, "exact", residency=1.0, progress=False, speculative="mtp", block=4)
