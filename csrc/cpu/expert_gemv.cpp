@@ -533,6 +533,40 @@ int64_t vec_pos(Fmt fmt, int64_t K, int64_t i) {
   return fmt == Fmt::int4 ? (i % 2) * ((K + 1) / 2) + i / 2 : i;
 }
 
+// The row dot products of `fmt` on ISA path `isa` (checked: one this CPU runs).
+Dots dots_for(Isa isa, Fmt fmt) {
+  bool ok = false;
+  for (Isa i : supported_isas()) ok |= i == isa;
+  if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
+  BlockRowDotFn bdot = isa == Isa::avx512 ? avx512_ggml_dot()
+                       : isa == Isa::avx2 ? avx2_ggml_dot()
+                                          : nullptr;
+  return Dots{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
+              bdot ? bdot : scalar_ggml_dot()};
+}
+
+// The routed (token, expert) pairs grouped by the row they read: order holds the indices
+// t * k + j of present pairs sorted by row (then index), group g is order[starts[g],
+// starts[g + 1]). Grouping changes which thread computes a pair, never how.
+void group_by_row(const std::vector<const uint8_t*>& rows, std::vector<int64_t>& order,
+                  std::vector<int64_t>& starts) {
+  order.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i)
+    if (rows[static_cast<size_t>(i)]) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::less<const uint8_t*>()(rows[static_cast<size_t>(a)], rows[static_cast<size_t>(b)]);
+  });
+  starts.clear();
+  for (size_t u = 0; u < order.size(); ++u)
+    if (u == 0 || rows[static_cast<size_t>(order[u])] != rows[static_cast<size_t>(order[u - 1])])
+      starts.push_back(static_cast<int64_t>(u));
+  starts.push_back(static_cast<int64_t>(order.size()));
+}
+
+// Tokens per down-phase item: a quad of down rows is read once for the chunk's tokens
+// (the chunk changes which thread computes a token, never how).
+constexpr int64_t kTokenChunk = 8;
+
 }  // namespace
 
 void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
@@ -541,14 +575,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   const std::vector<const uint8_t*> rows = routed_rows(L, c);
   const int64_t H = L.hidden, F = L.ffn, T = c.tokens, K = c.k;
   const Fmt fmt = L.fmt;
-  bool ok = false;
-  for (Isa i : supported_isas()) ok |= i == isa;
-  if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
-  BlockRowDotFn bdot = isa == Isa::avx512 ? avx512_ggml_dot()
-                       : isa == Isa::avx2 ? avx2_ggml_dot()
-                                          : nullptr;
-  const Dots ds{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
-                bdot ? bdot : scalar_ggml_dot()};
+  const Dots ds = dots_for(isa, fmt);
   if (T == 0) return;
   if (K == 0) {
     std::fill(c.y, c.y + T * H, 0.f);
@@ -567,43 +594,97 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       for (int64_t i = 0; i < H; ++i) xs[t * xl + vec_pos(fmt, H, i)] = c.x[t * H + i];
   }
   std::vector<float> h(static_cast<size_t>(T * K * hl), 0.f);
+  std::vector<int64_t> order, starts;
+  group_by_row(rows, order, starts);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
 
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
   const int64_t fb = (F + kBlock - 1) / kBlock, hb = (H + kBlock - 1) / kBlock;
-  Pool::get().run(threads, T * K * fb, [&](int64_t b, int64_t e) {
+  Pool::get().run(threads, groups * fb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t tj = item / fb, f0 = (item % fb) * kBlock, t = tj / K;
-      if (!rows[tj]) continue;  // absent: no h, skipped below
-      const float* v = i4 ? xs.data() + t * xl : c.x + t * H;
-      const float* v2 = i4 ? v + xl / 2 : nullptr;
-      float* ht = h.data() + tj * hl;
+      const int64_t g = item / fb, f0 = (item % fb) * kBlock;
+      const uint8_t* row = rows[static_cast<size_t>(order[static_cast<size_t>(starts[g])])];
       for (int64_t r0 = f0; r0 < std::min(F, f0 + kBlock); r0 += 4) {
         int64_t q[4];
         quad(r0, F, q);
-        float g[4], u[4];
-        dot_rows(ds, fmt, rows[tj], gate, q, v, v2, g);
-        dot_rows(ds, fmt, rows[tj], up, q, v, v2, u);
-        for (int r = 0; r < 4 && r0 + r < F; ++r)
-          ht[vec_pos(fmt, F, r0 + r)] = activate(c, g[r], u[r]);
+        for (int64_t u = starts[g]; u < starts[g + 1]; ++u) {  // the row's tokens
+          const int64_t tj = order[static_cast<size_t>(u)], t = tj / K;
+          const float* v = i4 ? xs.data() + t * xl : c.x + t * H;
+          const float* v2 = i4 ? v + xl / 2 : nullptr;
+          float gv[4], uv[4];
+          dot_rows(ds, fmt, row, gate, q, v, v2, gv);
+          dot_rows(ds, fmt, row, up, q, v, v2, uv);
+          float* ht = h.data() + tj * hl;
+          for (int r = 0; r < 4 && r0 + r < F; ++r)
+            ht[vec_pos(fmt, F, r0 + r)] = activate(c, gv[r], uv[r]);
+        }
       }
     }
   });
-  Pool::get().run(threads, T * hb, [&](int64_t b, int64_t e) {
+  const int64_t chunks = (T + kTokenChunk - 1) / kTokenChunk;
+  Pool::get().run(threads, chunks * hb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t t = item / hb, h0 = (item % hb) * kBlock;
+      const int64_t t0 = (item / hb) * kTokenChunk, h0 = (item % hb) * kBlock;
       for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += 4) {
         int64_t q[4];
         quad(r0, H, q);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int64_t j = 0; j < K; ++j) {
-          if (!rows[t * K + j]) continue;  // absent: contributes nothing
-          const float* v = h.data() + (t * K + j) * hl;
-          float d[4];
-          dot_rows(ds, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
-          const float wj = c.weights[t * K + j];
-          for (int r = 0; r < 4; ++r) acc[r] += wj * d[r];
+        for (int64_t t = t0; t < std::min(T, t0 + kTokenChunk); ++t) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          for (int64_t j = 0; j < K; ++j) {  // experts in order: the sum T = 1 makes
+            if (!rows[t * K + j]) continue;  // absent: contributes nothing
+            const float* v = h.data() + (t * K + j) * hl;
+            float d[4];
+            dot_rows(ds, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
+            const float wj = c.weights[t * K + j];
+            for (int r = 0; r < 4; ++r) acc[r] += wj * d[r];
+          }
+          for (int r = 0; r < 4 && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
         }
-        for (int r = 0; r < 4 && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
+      }
+    }
+  });
+}
+
+// Tokens per pass over a block of rows: the chunk's inputs stay in L1 while the block
+// (read from memory once) is reused from cache for every chunk.
+constexpr int64_t kLinearChunk = 8;
+
+void linear(const LinearCall& c, int threads, Isa isa) {
+  check_threads(threads);
+  const int64_t T = c.tokens, K = c.in, N = c.out;
+  if (T < 0 || K < 1 || N < 1) bad("linear: tokens must be >= 0, in and out features >= 1");
+  if (!c.x || !c.w || !c.y) bad("linear: null pointer argument");
+  int64_t rb = -1;
+  if (c.fmt == Fmt::ggml) {
+    rb = ggml_row_bytes(c.type, K);
+    if (rb < 0)
+      bad("linear: GGML type " + std::to_string(c.type) + " is unknown or a row of " +
+          std::to_string(K) + " inputs is not whole blocks");
+  } else if (c.fmt == Fmt::f32 || c.fmt == Fmt::bf16 || c.fmt == Fmt::f16) {
+    rb = K * itemsize(c.fmt);
+  } else {
+    bad("linear: weights must be float32 / bfloat16 / float16 or GGML blocks");
+  }
+  if (c.w_stride < rb) bad("linear: weight row stride is shorter than a row");
+  const Dots ds = dots_for(isa, c.fmt);
+  if (T == 0) return;
+  const Matrix m{0, 0, c.w_stride, K, K, c.type};
+  const int64_t nb = (N + kBlock - 1) / kBlock;
+  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  Pool::get().run(threads, nb, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t n0 = item * kBlock, n1 = std::min(N, n0 + kBlock);
+      for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk) {
+        for (int64_t r0 = n0; r0 < n1; r0 += 4) {
+          int64_t q[4];
+          quad(r0, N, q);
+          for (int64_t t = t0; t < std::min(T, t0 + kLinearChunk); ++t) {
+            float d[4];
+            dot_rows(ds, c.fmt, c.w, m, q, c.x + t * K, nullptr, d);
+            for (int r = 0; r < 4 && r0 + r < n1; ++r)
+              c.y[t * N + r0 + r] = c.bias ? d[r] + c.bias[r0 + r] : d[r];
+          }
+        }
       }
     }
   });

@@ -5,10 +5,14 @@
 //
 // Rows are never gathered: each thread reads the routed experts' rows where they live.
 // Two phases, each split statically over a small persistent thread pool:
-//   1. gate/up: items (token, expert, block of F rows) -> h[t, j, :] (fp32);
-//   2. down:    items (token, block of H rows), each summing its experts in order j = 0..k-1.
-// Every output element is computed by one thread in a fixed order, so results are
-// bit-identical run to run and for any thread count (for a given ISA path).
+//   1. gate/up: items (expert row, block of F rows) -> h[t, j, :] (fp32) for every (t, j)
+//      routed to that row, tokens looped inside each quad of rows (read once, then from L1);
+//   2. down:    items (chunk of tokens, block of H rows), tokens inside each quad of rows,
+//      each summing its experts in order j = 0..k-1.
+// Every output element is one call of the format's row dot product on the same inputs,
+// summed by one thread in a fixed order: results are bit-identical run to run, for any
+// thread count and whatever other tokens share the call (batch invariant: a token's
+// output equals its T = 1 output), for a given ISA path.
 //
 // Vector paths (AVX2+FMA+F16C, AVX-512 F/BW/VL) are compiled with target pragmas in
 // their own files and chosen at run time by CPU feature detection; a portable scalar
@@ -137,6 +141,25 @@ struct Call {
 // std::out_of_range with a one-line message), then computes y. Thread-safe (calls are
 // serialised on the pool). threads in [1, hardware threads].
 void expert_ffn(const Layout& lay, const Call& call, int threads, Isa isa);
+
+// A dense linear layer y[t, n] = dot(W[n, :], x[t, :]) (+ bias[n]) with W's rows in a
+// float format (Fmt f32 / bf16 / f16) or GGML blocks (Fmt ggml, `type`). Items are blocks
+// of N rows; the tokens loop inside each quad of rows (a row read once for all T tokens).
+// Each y[t, n] is one row dot product, so rows are bit-identical for any T, any co-rows
+// and any thread count (for a given ISA path).
+struct LinearCall {
+  const float* x = nullptr;     // [T, K] fp32, contiguous
+  int64_t tokens = 0;           // T
+  int64_t in = 0;               // K
+  const uint8_t* w = nullptr;   // row n at w + n * w_stride
+  int64_t out = 0;              // N
+  int64_t w_stride = 0;         // bytes
+  Fmt fmt = Fmt::f32;           // f32, bf16, f16 or ggml
+  int type = 0;                 // ggml: the block type
+  const float* bias = nullptr;  // optional [N] fp32
+  float* y = nullptr;           // [T, N] fp32 out
+};
+void linear(const LinearCall& call, int threads, Isa isa);
 
 // ISA paths this CPU runs, best last (scalar always).
 std::vector<Isa> supported_isas();
