@@ -653,7 +653,7 @@ void linear(const LinearCall& c, int threads, Isa isa) {
   check_threads(threads);
   const int64_t T = c.tokens, K = c.in, N = c.out;
   if (T < 0 || K < 1 || N < 1) bad("linear: tokens must be >= 0, in and out features >= 1");
-  if (!c.x || !c.w || !c.y) bad("linear: null pointer argument");
+  if (!c.w || (T > 0 && (!c.x || !c.y))) bad("linear: null pointer argument");
   int64_t rb = -1;
   if (c.fmt == Fmt::ggml) {
     rb = ggml_row_bytes(c.type, K);

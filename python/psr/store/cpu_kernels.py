@@ -167,7 +167,7 @@ def cpu_expert_ffn(
 # expert kernels' float row dots, GGML blocks through their block row dots (one dot
 # product per format). Each y[t, n] is one row dot product computed by one thread, so a
 # row of the output is bit-identical whatever T, the other rows and the thread count.
-_LINEAR_FLOAT_FMTS = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LINEAR_FLOAT_FMTS = {d: str(d).removeprefix("torch.") for d in CPU_FLOAT_DTYPES}
 
 
 @functools.cache
@@ -215,9 +215,11 @@ def _linear_weight(
     if in_features is None:
         raise ValueError("cpu_linear: in_features is required with ggml_type")
     if weight.dtype != torch.uint8:
-        raise ValueError(f"cpu_linear: weight of ggml_type {name} must be uint8, got {weight.dtype}")
+        raise ValueError(
+            f"cpu_linear: weight of ggml_type {name} must be uint8, not {weight.dtype}"
+        )
     if K % qk:
-        raise ValueError(f"cpu_linear: in_features={K} is not a whole number of {name} blocks ({qk})")
+        raise ValueError(f"cpu_linear: in_features={K} is not whole {name} blocks of {qk}")
     if weight.shape[1] != K // qk * bs:
         raise ValueError(
             f"cpu_linear: weight rows of {name} with in_features={K} hold {K // qk * bs} bytes,"
