@@ -460,7 +460,8 @@ struct Matrix {
 struct Dots {
   DotFn dot;
   GroupDotFn gdot;
-  BlockRowDotFn bdot;  // ggml
+  BlockRowDotFn bdot;    // ggml
+  BlockRowDotsFn bdots;  // ggml, several inputs (nullptr: bdot per input)
 };
 
 // out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
@@ -512,6 +513,28 @@ void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, con
   for (int r = 0; r < 4; ++r) out[r] = acc[r];
 }
 
+// dot_rows for n inputs sharing the expert row `base` (the tokens routed to it):
+// out[4 u + r] = dot_rows' out[r] for input u, bit for bit. GGML rows through the
+// several-input dots where the path has them (each block decoded once per kRowInputs
+// inputs), other formats input by input (the rows then come from L1).
+void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m,
+                     const int64_t rows[4], const float* const* v, const float* const* v2,
+                     int64_t n, float* out) {
+  if (fmt != Fmt::ggml || !ds.bdots) {
+    for (int64_t u = 0; u < n; ++u)
+      dot_rows(ds, fmt, base, m, rows, v[u], v2 ? v2[u] : nullptr, out + 4 * u);
+    return;
+  }
+  for (int64_t u0 = 0; u0 < n; u0 += kRowInputs) {
+    const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, n - u0));
+    for (int r = 0; r < 4; ++r) {
+      float o[kRowInputs];
+      ds.bdots(m.type, base + m.at + rows[r] * m.rb, m.K, v + u0, nv, o);
+      for (int i = 0; i < nv; ++i) out[4 * (u0 + i) + r] = o[i];
+    }
+  }
+}
+
 inline float activate(const Call& c, float g, float u) {
   if (c.act == Act::swiglu_oai) {
     g = std::min(g, c.limit);
@@ -542,7 +565,7 @@ Dots dots_for(Isa isa, Fmt fmt) {
                        : isa == Isa::avx2 ? avx2_ggml_dot()
                                           : nullptr;
   return Dots{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
-              bdot ? bdot : scalar_ggml_dot()};
+              bdot ? bdot : scalar_ggml_dot(), isa == Isa::avx512 ? avx512_ggml_dots() : nullptr};
 }
 
 // The routed (token, expert) pairs grouped by the row they read: order holds the indices
@@ -603,20 +626,25 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   Pool::get().run(threads, groups * fb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t g = item / fb, f0 = (item % fb) * kBlock;
-      const uint8_t* row = rows[static_cast<size_t>(order[static_cast<size_t>(starts[g])])];
+      const int64_t* users = order.data() + starts[g];  // the row's (token, expert) pairs
+      const int64_t n = starts[g + 1] - starts[g];
+      const uint8_t* row = rows[static_cast<size_t>(users[0])];
+      std::vector<const float*> v(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
+      for (int64_t u = 0; u < n; ++u) {
+        const int64_t t = users[u] / K;
+        v[u] = i4 ? xs.data() + t * xl : c.x + t * H;
+        v2[u] = i4 ? v[u] + xl / 2 : nullptr;
+      }
+      std::vector<float> gv(static_cast<size_t>(4 * n)), uv(static_cast<size_t>(4 * n));
       for (int64_t r0 = f0; r0 < std::min(F, f0 + kBlock); r0 += 4) {
         int64_t q[4];
         quad(r0, F, q);
-        for (int64_t u = starts[g]; u < starts[g + 1]; ++u) {  // the row's tokens
-          const int64_t tj = order[static_cast<size_t>(u)], t = tj / K;
-          const float* v = i4 ? xs.data() + t * xl : c.x + t * H;
-          const float* v2 = i4 ? v + xl / 2 : nullptr;
-          float gv[4], uv[4];
-          dot_rows(ds, fmt, row, gate, q, v, v2, gv);
-          dot_rows(ds, fmt, row, up, q, v, v2, uv);
-          float* ht = h.data() + tj * hl;
+        dot_rows_shared(ds, fmt, row, gate, q, v.data(), i4 ? v2.data() : nullptr, n, gv.data());
+        dot_rows_shared(ds, fmt, row, up, q, v.data(), i4 ? v2.data() : nullptr, n, uv.data());
+        for (int64_t u = 0; u < n; ++u) {
+          float* ht = h.data() + users[u] * hl;
           for (int r = 0; r < 4 && r0 + r < F; ++r)
-            ht[vec_pos(fmt, F, r0 + r)] = activate(c, gv[r], uv[r]);
+            ht[vec_pos(fmt, F, r0 + r)] = activate(c, gv[4 * u + r], uv[4 * u + r]);
         }
       }
     }
@@ -625,18 +653,32 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   Pool::get().run(threads, chunks * hb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t t0 = (item / hb) * kTokenChunk, h0 = (item % hb) * kBlock;
+      const int64_t t1 = std::min(T, t0 + kTokenChunk), p0 = t0 * K, np = (t1 - t0) * K;
+      // The chunk's pairs grouped by row: each down row quad read once for its tokens.
+      std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
+      std::vector<int64_t> ord, st;
+      group_by_row(mine, ord, st);
+      std::vector<const float*> v(ord.size()), v2(ord.size());
+      for (size_t u = 0; u < ord.size(); ++u) {
+        v[u] = h.data() + (p0 + ord[u]) * hl;
+        v2[u] = i4 ? v[u] + hl / 2 : nullptr;
+      }
+      std::vector<float> dg(4 * ord.size()), d(static_cast<size_t>(4 * np));
       for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += 4) {
         int64_t q[4];
         quad(r0, H, q);
-        for (int64_t t = t0; t < std::min(T, t0 + kTokenChunk); ++t) {
+        for (size_t g = 0; g + 1 < st.size(); ++g)
+          dot_rows_shared(ds, fmt, mine[static_cast<size_t>(ord[st[g]])], down, q, v.data() + st[g],
+                          i4 ? v2.data() + st[g] : nullptr, st[g + 1] - st[g],
+                          dg.data() + 4 * st[g]);
+        for (size_t u = 0; u < ord.size(); ++u)
+          for (int r = 0; r < 4; ++r) d[4 * ord[u] + r] = dg[4 * u + r];
+        for (int64_t t = t0; t < t1; ++t) {
           float acc[4] = {0.f, 0.f, 0.f, 0.f};
           for (int64_t j = 0; j < K; ++j) {  // experts in order: the sum T = 1 makes
             if (!rows[t * K + j]) continue;  // absent: contributes nothing
-            const float* v = h.data() + (t * K + j) * hl;
-            float d[4];
-            dot_rows(ds, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
             const float wj = c.weights[t * K + j];
-            for (int r = 0; r < 4; ++r) acc[r] += wj * d[r];
+            for (int r = 0; r < 4; ++r) acc[r] += wj * d[4 * (t * K + j - p0) + r];
           }
           for (int r = 0; r < 4 && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
         }
@@ -675,15 +717,17 @@ void linear(const LinearCall& c, int threads, Isa isa) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t n0 = item * kBlock, n1 = std::min(N, n0 + kBlock);
       for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk) {
+        const int64_t nt = std::min(T - t0, kLinearChunk);
+        const float* v[kLinearChunk];
+        for (int64_t t = 0; t < nt; ++t) v[t] = c.x + (t0 + t) * K;
         for (int64_t r0 = n0; r0 < n1; r0 += 4) {
           int64_t q[4];
           quad(r0, N, q);
-          for (int64_t t = t0; t < std::min(T, t0 + kLinearChunk); ++t) {
-            float d[4];
-            dot_rows(ds, c.fmt, c.w, m, q, c.x + t * K, nullptr, d);
+          float d[4 * kLinearChunk];
+          dot_rows_shared(ds, c.fmt, c.w, m, q, v, nullptr, nt, d);
+          for (int64_t t = 0; t < nt; ++t)
             for (int r = 0; r < 4 && r0 + r < n1; ++r)
-              c.y[t * N + r0 + r] = c.bias ? d[r] + c.bias[r0 + r] : d[r];
-          }
+              c.y[(t0 + t) * N + r0 + r] = c.bias ? d[4 * t + r] + c.bias[r0 + r] : d[4 * t + r];
         }
       }
     }

@@ -187,8 +187,15 @@ GroupDotFn avx512_int4_groups();  // nullptr where not compiled
 // GGML block rows: sum_k w[k] v[k] over one row of K inputs of block type `type`.
 using BlockRowDotFn = float (*)(int type, const uint8_t* row, int64_t K, const float* v);
 BlockRowDotFn scalar_ggml_dot();
-BlockRowDotFn avx2_ggml_dot();                // nullptr where not compiled
-BlockRowDotFn avx512_ggml_dot();              // nullptr where not compiled
+BlockRowDotFn avx2_ggml_dot();    // nullptr where not compiled
+BlockRowDotFn avx512_ggml_dot();  // nullptr where not compiled
+// One row against nv <= kRowInputs inputs: out[t] = the BlockRowDotFn of the same path on
+// v[t] alone, bit for bit, the row's blocks decoded once for all of them (the tokens of a
+// batch sharing a weight row). nullptr where a path has none (the caller loops).
+constexpr int kRowInputs = 4;
+using BlockRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const float* const* v,
+                                int nv, float* out);
+BlockRowDotsFn avx512_ggml_dots();            // nullptr where not compiled
 int64_t ggml_row_bytes(int type, int64_t K);  // -1: unknown type or K not whole blocks
 DotFn scalar_dot(Fmt f);
 DotFn avx2_dot(Fmt f);    // nullptr where not compiled
