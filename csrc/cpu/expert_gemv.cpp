@@ -565,7 +565,10 @@ Dots dots_for(Isa isa, Fmt fmt) {
                        : isa == Isa::avx2 ? avx2_ggml_dot()
                                           : nullptr;
   return Dots{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
-              bdot ? bdot : scalar_ggml_dot(), isa == Isa::avx512 ? avx512_ggml_dots() : nullptr};
+              bdot ? bdot : scalar_ggml_dot(),
+              isa == Isa::avx512 ? avx512_ggml_dots()
+              : isa == Isa::avx2 ? avx2_ggml_dots()
+                                 : nullptr};
 }
 
 // The routed (token, expert) pairs grouped by the row they read: order holds the indices

@@ -195,6 +195,7 @@ BlockRowDotFn avx512_ggml_dot();  // nullptr where not compiled
 constexpr int kRowInputs = 4;
 using BlockRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const float* const* v,
                                 int nv, float* out);
+BlockRowDotsFn avx2_ggml_dots();              // nullptr where not compiled
 BlockRowDotsFn avx512_ggml_dots();            // nullptr where not compiled
 int64_t ggml_row_bytes(int type, int64_t K);  // -1: unknown type or K not whole blocks
 DotFn scalar_dot(Fmt f);

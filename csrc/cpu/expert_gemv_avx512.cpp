@@ -502,8 +502,8 @@ const GroupDotFn kAvx512Int4Groups = dot4_int4_groups;
 const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
 
-void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
-                   float* out) {
+static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
+                          float* out) {
   if (!several_inputs(type)) {
     for (int t = 0; t < nv; ++t) out[t] = ggml_row_dot(type, row, K, v[t]);
     return;
