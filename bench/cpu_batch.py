@@ -44,9 +44,9 @@ LINEAR_TOKENS = (1, 4, 8)
 class _Experts:
     """128 experts' rows of one format; each call routes all its tokens to the next 8."""
 
-    def __init__(self, fmt: str | None, dtype: torch.dtype) -> None:
+    def __init__(self, fmt: str | None, dtype: torch.dtype, isa: str) -> None:
         nbytes = pk.GGMLLayout.of(fmt, H, F).nbytes if fmt else 3 * H * F * dtype.itemsize
-        self.fmt = fmt
+        self.fmt, self.isa = fmt, isa
         self.rows = _rows(_buffer(EXPERTS * nbytes), H, F, fmt, dtype)
         assert self.rows.shape[0] == EXPERTS
         self.at = 0
@@ -57,7 +57,9 @@ class _Experts:
         return ids[None].expand(T, TOP_K).contiguous()
 
     def call(self, x: torch.Tensor, slots: torch.Tensor, w: torch.Tensor, threads: int) -> None:
-        store.cpu_expert_ffn(x, self.rows, slots, w, H, F, fmt=self.fmt, threads=threads)
+        store.cpu_expert_ffn(
+            x, self.rows, slots, w, H, F, fmt=self.fmt, threads=threads, isa=self.isa
+        )
 
 
 def _experts_round(ex: _Experts, T: int, threads: int, reps: int) -> tuple[float, float]:
@@ -76,18 +78,18 @@ def _experts_round(ex: _Experts, T: int, threads: int, reps: int) -> tuple[float
 
 
 def _linear_round(
-    W: torch.Tensor, T: int, threads: int, reps: int
+    W: torch.Tensor, T: int, threads: int, reps: int, isa: str
 ) -> tuple[float, float, float | None]:
     """Seconds of cpu_linear at T, F.linear at T, and (T = 8) 8 one-token cpu_linear calls."""
     x = torch.randn(T, W.shape[1]).to(torch.bfloat16)
     torch.set_num_threads(threads)
-    ours = time_call(lambda: store.cpu_linear(x, W, threads=threads), reps)
+    ours = time_call(lambda: store.cpu_linear(x, W, threads=threads, isa=isa), reps)
     theirs = time_call(lambda: tF.linear(x, W), reps)
     one_by_one = None
     if T == 8:
         rows = [x[t : t + 1] for t in range(T)]
         one_by_one = time_call(
-            lambda: [store.cpu_linear(r, W, threads=threads) for r in rows], reps
+            lambda: [store.cpu_linear(r, W, threads=threads, isa=isa) for r in rows], reps
         )
     return ours, theirs, one_by_one
 
@@ -97,6 +99,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5, help="calls per configuration per round")
+    ap.add_argument("--isa", default="auto", help="auto or one of psr.store.cpu_isas()")
     ap.add_argument("--out", type=Path, default=None)
     return ap.parse_args()
 
@@ -104,7 +107,7 @@ def _args() -> argparse.Namespace:
 def main() -> None:
     a = _args()
     threads = [int(t) for t in a.threads.split(",")]
-    experts = {name: _Experts(*spec) for name, spec in EXPERT_FORMATS.items()}
+    experts = {name: _Experts(*spec, a.isa) for name, spec in EXPERT_FORMATS.items()}
     g = torch.Generator().manual_seed(0)
     weights = {
         name: (torch.randn(n, k, generator=g) / k**0.5).to(torch.bfloat16)
@@ -120,10 +123,13 @@ def main() -> None:
                     ex_res.setdefault((name, t, T), []).append(_experts_round(ex, T, t, a.reps))
             for name, W in weights.items():
                 for T in LINEAR_TOKENS:
-                    lin_res.setdefault((name, t, T), []).append(_linear_round(W, T, t, a.reps))
+                    lin_res.setdefault((name, t, T), []).append(
+                        _linear_round(W, T, t, a.reps, a.isa)
+                    )
     load1 = os.getloadavg()
     print(f"# load before {load0[0]:.2f} {load0[1]:.2f}, after {load1[0]:.2f} {load1[1]:.2f}")
-    print(f"# isa {store.cpu_isas()[-1]}; medians of {a.rounds} rounds x {a.reps} calls")
+    isa = store.cpu_isas()[-1] if a.isa == "auto" else a.isa
+    print(f"# isa {isa}; medians of {a.rounds} rounds x {a.reps} calls")
     print("\n(a) grouped expert FFN, Qwen3-30B-A3B experts (2048 x 768, top-8 of 128 rows)")
     print("| format | threads | T | one T-token call ms | T one-token calls ms | ratio |")
     print("|---|---|---|---|---|---|")
