@@ -462,6 +462,7 @@ struct Dots {
   GroupDotFn gdot;
   BlockRowDotFn bdot;    // ggml
   BlockRowDotsFn bdots;  // ggml, several inputs (nullptr: bdot per input)
+  DotsFn dots;           // several inputs (nullptr: dot per input)
 };
 
 // out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
@@ -520,6 +521,21 @@ void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, con
 void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m,
                      const int64_t rows[4], const float* const* v, const float* const* v2,
                      int64_t n, float* out) {
+  if (ds.dots && fmt != Fmt::ggml && fmt != Fmt::int4) {  // int8 / fp8: one scale a row
+    const uint8_t* w[4];
+    for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
+    for (int64_t u0 = 0; u0 < n; u0 += kRowInputs) {
+      const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, n - u0));
+      ds.dots(w, m.K, v + u0, nv, out + 4 * u0);
+      if (!quantized(fmt)) continue;
+      for (int r = 0; r < 4; ++r) {  // as dot_rows: the row's scale times its sum
+        float sc;
+        std::memcpy(&sc, base + m.s_at + rows[r] * 4, 4);
+        for (int i = 0; i < nv; ++i) out[4 * (u0 + i) + r] *= sc;
+      }
+    }
+    return;
+  }
   if (fmt != Fmt::ggml || !ds.bdots) {
     for (int64_t u = 0; u < n; ++u)
       dot_rows(ds, fmt, base, m, rows, v[u], v2 ? v2[u] : nullptr, out + 4 * u);
@@ -568,7 +584,8 @@ Dots dots_for(Isa isa, Fmt fmt) {
               bdot ? bdot : scalar_ggml_dot(),
               isa == Isa::avx512 ? avx512_ggml_dots()
               : isa == Isa::avx2 ? avx2_ggml_dots()
-                                 : nullptr};
+                                 : nullptr,
+              isa == Isa::avx512 ? avx512_dots(fmt) : nullptr};
 }
 
 // The routed (token, expert) pairs grouped by the row they read: order holds the indices

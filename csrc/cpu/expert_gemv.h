@@ -174,11 +174,19 @@ double triad_bytes_per_s(int64_t n, int threads, int reps);
 int max_threads();
 
 // --- per-ISA row kernels (expert_gemv_*.cpp) -------------------------------------------
+// Inputs a several-input kernel takes at once (the tokens sharing a weight row).
+constexpr int kRowInputs = 4;
 // out[r] = sum_{i < n} w_r[i] * v[i] for four rows r (raw codes for quantized formats).
 // int4: n counts bytes; byte i holds elements 2i (low nibble, times v[i]) and 2i + 1
 // (high nibble, times v2[i]). Rows may repeat; nothing past w_r + (bytes of n) is read.
 using DotFn = void (*)(const uint8_t* const w[4], int64_t n, const float* v, const float* v2,
                        float out[4]);
+// Four rows against nv <= kRowInputs inputs: out[4 t + r] = DotFn's out[r] of the same path
+// on v[t] alone, bit for bit, each chunk of the rows loaded and widened once for all of
+// them (f32 / bf16 / f16 / int8 / fp8; nullptr where a path has none: the caller loops).
+using DotsFn = void (*)(const uint8_t* const w[4], int64_t n, const float* const* v, int nv,
+                        float* out);
+DotsFn avx512_dots(Fmt f);  // nullptr where not compiled or for int4
 // int4 with several scale groups: out[r] = sum_g s_r[g] * (partial dot of group g), the
 // group sums kept in vector lanes (one horizontal sum per row). gbytes: bytes per group.
 using GroupDotFn = void (*)(const uint8_t* const w[4], int64_t ng, int64_t gbytes, const float* v,
@@ -192,7 +200,6 @@ BlockRowDotFn avx512_ggml_dot();  // nullptr where not compiled
 // One row against nv <= kRowInputs inputs: out[t] = the BlockRowDotFn of the same path on
 // v[t] alone, bit for bit, the row's blocks decoded once for all of them (the tokens of a
 // batch sharing a weight row). nullptr where a path has none (the caller loops).
-constexpr int kRowInputs = 4;
 using BlockRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const float* const* v,
                                 int nv, float* out);
 BlockRowDotsFn avx2_ggml_dots();              // nullptr where not compiled

@@ -90,29 +90,60 @@ struct LoadFP8 {  // the codes' values / 256 (dot4 scales the sums back)
   }
 };
 
-template <class Load>
-void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Four rows against NV inputs (each row chunk loaded and widened once for all of them):
+// out[4 t + r]. Input t's accumulators see the same operations in the same order as at
+// NV = 1 (dot4, the one-input kernel), so the same bits.
+template <class Load, int NV>
+void dot4_nv(const uint8_t* const w[4], int64_t n, const float* const* v, float* out) {
+  __m512 a[NV][4];
+  for (int t = 0; t < NV; ++t)
+    for (int r = 0; r < 4; ++r) a[t][r] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {  // whole chunks: plain loads (folded into the widening)
-    const __m512 x = _mm512_loadu_ps(v + i);
-    a0 = _mm512_fmadd_ps(Load::full(w[0], i), x, a0);
-    a1 = _mm512_fmadd_ps(Load::full(w[1], i), x, a1);
-    a2 = _mm512_fmadd_ps(Load::full(w[2], i), x, a2);
-    a3 = _mm512_fmadd_ps(Load::full(w[3], i), x, a3);
+    const __m512 w0 = Load::full(w[0], i), w1 = Load::full(w[1], i);
+    const __m512 w2 = Load::full(w[2], i), w3 = Load::full(w[3], i);
+    for (int t = 0; t < NV; ++t) {
+      const __m512 x = _mm512_loadu_ps(v[t] + i);
+      a[t][0] = _mm512_fmadd_ps(w0, x, a[t][0]);
+      a[t][1] = _mm512_fmadd_ps(w1, x, a[t][1]);
+      a[t][2] = _mm512_fmadd_ps(w2, x, a[t][2]);
+      a[t][3] = _mm512_fmadd_ps(w3, x, a[t][3]);
+    }
   }
   if (i < n) {  // the tail: masked loads touch nothing past the row
     const __mmask16 m = tail_mask(n - i);
-    const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
-    a0 = _mm512_fmadd_ps(Load::at(w[0], i, m), x, a0);
-    a1 = _mm512_fmadd_ps(Load::at(w[1], i, m), x, a1);
-    a2 = _mm512_fmadd_ps(Load::at(w[2], i, m), x, a2);
-    a3 = _mm512_fmadd_ps(Load::at(w[3], i, m), x, a3);
+    const __m512 w0 = Load::at(w[0], i, m), w1 = Load::at(w[1], i, m);
+    const __m512 w2 = Load::at(w[2], i, m), w3 = Load::at(w[3], i, m);
+    for (int t = 0; t < NV; ++t) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, v[t] + i);
+      a[t][0] = _mm512_fmadd_ps(w0, x, a[t][0]);
+      a[t][1] = _mm512_fmadd_ps(w1, x, a[t][1]);
+      a[t][2] = _mm512_fmadd_ps(w2, x, a[t][2]);
+      a[t][3] = _mm512_fmadd_ps(w3, x, a[t][3]);
+    }
   }
-  out[0] = _mm512_reduce_add_ps(a0) * Load::kScale;  // a power of two: exact
-  out[1] = _mm512_reduce_add_ps(a1) * Load::kScale;
-  out[2] = _mm512_reduce_add_ps(a2) * Load::kScale;
-  out[3] = _mm512_reduce_add_ps(a3) * Load::kScale;
+  for (int t = 0; t < NV; ++t)
+    for (int r = 0; r < 4; ++r)
+      out[4 * t + r] = _mm512_reduce_add_ps(a[t][r]) * Load::kScale;  // a power of two: exact
+}
+
+template <class Load>
+void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  dot4_nv<Load, 1>(w, n, &v, out);
+}
+
+template <class Load>
+void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, float* out) {
+  switch (nv) {
+    case 1:
+      return dot4_nv<Load, 1>(w, n, v, out);
+    case 2:
+      return dot4_nv<Load, 2>(w, n, v, out);
+    case 3:
+      return dot4_nv<Load, 3>(w, n, v, out);
+    default:
+      return dot4_nv<Load, 4>(w, n, v, out);  // nv = kRowInputs
+  }
 }
 
 // int4: 16 bytes = 32 elements per step; low nibbles times v (even elements), high times v2.
@@ -501,6 +532,8 @@ const GroupDotFn kAvx512Int4Groups = dot4_int4_groups;
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
+const DotsFn kAvx512SeveralDots[5] = {dots4<LoadF32>, dots4<LoadBF16>, dots4<LoadF16>,
+                                      dots4<LoadI8>, dots4<LoadFP8>};
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -539,6 +572,10 @@ DotFn avx512_dot(Fmt f) {
   return i >= 0 && i < 6 ? kAvx512Dots[i] : nullptr;
 }
 GroupDotFn avx512_int4_groups() { return kAvx512Int4Groups; }
+DotsFn avx512_dots(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 5 ? kAvx512SeveralDots[i] : nullptr;
+}
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
@@ -548,6 +585,7 @@ DotFn avx512_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx512_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx512_ggml_dots() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
+DotsFn avx512_dots(Fmt) { return nullptr; }
 }  // namespace psr::cpu
 
 #endif
