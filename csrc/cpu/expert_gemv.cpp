@@ -585,7 +585,9 @@ Dots dots_for(Isa isa, Fmt fmt) {
               isa == Isa::avx512 ? avx512_ggml_dots()
               : isa == Isa::avx2 ? avx2_ggml_dots()
                                  : nullptr,
-              isa == Isa::avx512 ? avx512_dots(fmt) : nullptr};
+              isa == Isa::avx512 ? avx512_dots(fmt)
+              : isa == Isa::avx2 ? avx2_dots(fmt)
+                                 : nullptr};
 }
 
 // The routed (token, expert) pairs grouped by the row they read: order holds the indices

@@ -186,6 +186,7 @@ using DotFn = void (*)(const uint8_t* const w[4], int64_t n, const float* v, con
 // them (f32 / bf16 / f16 / int8 / fp8; nullptr where a path has none: the caller loops).
 using DotsFn = void (*)(const uint8_t* const w[4], int64_t n, const float* const* v, int nv,
                         float* out);
+DotsFn avx2_dots(Fmt f);    // nullptr where not compiled or for int4
 DotsFn avx512_dots(Fmt f);  // nullptr where not compiled or for int4
 // int4 with several scale groups: out[r] = sum_g s_r[g] * (partial dot of group g), the
 // group sums kept in vector lanes (one horizontal sum per row). gbytes: bytes per group.

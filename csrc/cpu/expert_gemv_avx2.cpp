@@ -97,22 +97,51 @@ struct FP8 {
   static float one(const uint8_t* p, int64_t i) { return fp8_e4m3_to_f32(p[i]); }
 };
 
-template <class W>
-void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Four rows against NV inputs (each chunk of the rows widened once for all of them):
+// out[4 t + r]. Input t sees the same operations in the same order as at NV = 1 (dot4,
+// the one-input kernel), so the same bits.
+template <class W, int NV>
+void dot4_nv(const uint8_t* const w[4], int64_t n, const float* const* v, float* out) {
+  __m256 a[NV][4];
+  for (int t = 0; t < NV; ++t)
+    for (int r = 0; r < 4; ++r) a[t][r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(v + i);
-    a0 = _mm256_fmadd_ps(W::vec(w[0], i), x, a0);
-    a1 = _mm256_fmadd_ps(W::vec(w[1], i), x, a1);
-    a2 = _mm256_fmadd_ps(W::vec(w[2], i), x, a2);
-    a3 = _mm256_fmadd_ps(W::vec(w[3], i), x, a3);
+    const __m256 w0 = W::vec(w[0], i), w1 = W::vec(w[1], i), w2 = W::vec(w[2], i),
+                 w3 = W::vec(w[3], i);
+    for (int t = 0; t < NV; ++t) {
+      const __m256 x = _mm256_loadu_ps(v[t] + i);
+      a[t][0] = _mm256_fmadd_ps(w0, x, a[t][0]);
+      a[t][1] = _mm256_fmadd_ps(w1, x, a[t][1]);
+      a[t][2] = _mm256_fmadd_ps(w2, x, a[t][2]);
+      a[t][3] = _mm256_fmadd_ps(w3, x, a[t][3]);
+    }
   }
-  const __m256 a[4] = {a0, a1, a2, a3};
-  for (int r = 0; r < 4; ++r) {
-    float s = hsum(a[r]);
-    for (int64_t j = i; j < n; ++j) s += W::one(w[r], j) * v[j];
-    out[r] = s;
+  for (int t = 0; t < NV; ++t) {
+    for (int r = 0; r < 4; ++r) {
+      float s = hsum(a[t][r]);
+      for (int64_t j = i; j < n; ++j) s += W::one(w[r], j) * v[t][j];
+      out[4 * t + r] = s;
+    }
+  }
+}
+
+template <class W>
+void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  dot4_nv<W, 1>(w, n, &v, out);
+}
+
+template <class W>
+void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, float* out) {
+  switch (nv) {
+    case 1:
+      return dot4_nv<W, 1>(w, n, v, out);
+    case 2:
+      return dot4_nv<W, 2>(w, n, v, out);
+    case 3:
+      return dot4_nv<W, 3>(w, n, v, out);
+    default:
+      return dot4_nv<W, 4>(w, n, v, out);  // nv = kRowInputs
   }
 }
 
@@ -380,6 +409,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
 
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
+const DotsFn kAvx2SeveralDots[5] = {dots4<F32>, dots4<BF16>, dots4<F16>, dots4<I8>, dots4<FP8>};
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -413,6 +443,10 @@ const BlockRowDotsFn kAvx2GgmlDots = ggml_row_dots;
 namespace psr::cpu {
 BlockRowDotFn avx2_ggml_dot() { return kAvx2GgmlDot; }
 BlockRowDotsFn avx2_ggml_dots() { return kAvx2GgmlDots; }
+DotsFn avx2_dots(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 5 ? kAvx2SeveralDots[i] : nullptr;
+}
 DotFn avx2_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx2Dots[i] : nullptr;
@@ -425,6 +459,7 @@ namespace psr::cpu {
 DotFn avx2_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx2_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx2_ggml_dots() { return nullptr; }
+DotsFn avx2_dots(Fmt) { return nullptr; }
 }  // namespace psr::cpu
 
 #endif
