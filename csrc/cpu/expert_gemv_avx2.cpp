@@ -133,16 +133,7 @@ void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, fl
 
 template <class W>
 void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, float* out) {
-  switch (nv) {
-    case 1:
-      return dot4_nv<W, 1>(w, n, v, out);
-    case 2:
-      return dot4_nv<W, 2>(w, n, v, out);
-    case 3:
-      return dot4_nv<W, 3>(w, n, v, out);
-    default:
-      return dot4_nv<W, 4>(w, n, v, out);  // nv = kRowInputs
-  }
+  g_for_inputs(nv, [&](auto k) { dot4_nv<W, decltype(k)::value>(w, n, v, out); });
 }
 
 inline __m256 nib_fma(const uint8_t* p, __m256 ve, __m256 vo, __m256 a) {
@@ -271,13 +262,7 @@ inline void k_scales_mins(const uint8_t* b, float (&sc)[8], float (&mn)[8]) {
   in_memory(mn);
 }
 
-// Types whose blocks are decoded once for several inputs (ggml_rows_nv).
-bool several_inputs(int type) {
-  return type == ggml_type::Q8_0 || type == ggml_type::Q4_K || type == ggml_type::Q5_K ||
-         type == ggml_type::Q6_K;
-}
-
-// out[t] = the dot of one row of `type` (several_inputs) with each of NV inputs v[t]: the
+// out[t] = the dot of one row of `type` (g_several_inputs) with each of NV inputs v[t]: the
 // codes widened once, input t's accumulator given the same operations in the same order as
 // at NV = 1 (the one-input dot), so the same bits.
 template <int NV>
@@ -363,13 +348,13 @@ void ggml_rows_nv(int type, const uint8_t* row, int64_t K, const float* const* v
       }
       break;
     default:
-      break;  // not several_inputs: never called
+      break;  // not g_several_inputs: never called
   }
   for (int t = 0; t < NV; ++t) out[t] = hsum(acc[t]);
 }
 
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
-  if (several_inputs(type)) {  // the same code as several inputs take: the same bits
+  if (g_several_inputs(type)) {  // the same code as several inputs take: the same bits
     float out;
     ggml_rows_nv<1>(type, row, K, &v, &out);
     return out;
@@ -413,20 +398,11 @@ const DotsFn kAvx2SeveralDots[5] = {dots4<F32>, dots4<BF16>, dots4<F16>, dots4<I
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
-  if (!several_inputs(type)) {
+  if (!g_several_inputs(type)) {
     for (int t = 0; t < nv; ++t) out[t] = ggml_row_dot(type, row, K, v[t]);
     return;
   }
-  switch (nv) {
-    case 1:
-      return ggml_rows_nv<1>(type, row, K, v, out);
-    case 2:
-      return ggml_rows_nv<2>(type, row, K, v, out);
-    case 3:
-      return ggml_rows_nv<3>(type, row, K, v, out);
-    default:
-      return ggml_rows_nv<4>(type, row, K, v, out);  // nv = kRowInputs
-  }
+  g_for_inputs(nv, [&](auto k) { ggml_rows_nv<decltype(k)::value>(type, row, K, v, out); });
 }
 
 const BlockRowDotFn kAvx2GgmlDot = ggml_row_dot;

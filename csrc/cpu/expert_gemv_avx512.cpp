@@ -134,16 +134,7 @@ void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, fl
 
 template <class Load>
 void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, float* out) {
-  switch (nv) {
-    case 1:
-      return dot4_nv<Load, 1>(w, n, v, out);
-    case 2:
-      return dot4_nv<Load, 2>(w, n, v, out);
-    case 3:
-      return dot4_nv<Load, 3>(w, n, v, out);
-    default:
-      return dot4_nv<Load, 4>(w, n, v, out);  // nv = kRowInputs
-  }
+  g_for_inputs(nv, [&](auto k) { dot4_nv<Load, decltype(k)::value>(w, n, v, out); });
 }
 
 // int4: 16 bytes = 32 elements per step; low nibbles times v (even elements), high times v2.
@@ -413,13 +404,7 @@ float float_row(const uint8_t* row, int64_t K, const float* v) {
   return _mm512_reduce_add_ps(a0);
 }
 
-// Types whose blocks are decoded once for several inputs (ggml_rows_nv).
-bool several_inputs(int type) {
-  return type == ggml_type::Q8_0 || type == ggml_type::Q4_K || type == ggml_type::Q5_K ||
-         type == ggml_type::Q6_K;
-}
-
-// out[t] = the dot of one row of `type` (several_inputs) with each of NV inputs v[t].
+// out[t] = the dot of one row of `type` (g_several_inputs) with each of NV inputs v[t].
 template <int NV>
 void ggml_rows_nv(int type, const uint8_t* row, int64_t K, const float* const* v, float* out) {
   __m512 a[NV][4];
@@ -464,13 +449,13 @@ void ggml_rows_nv(int type, const uint8_t* row, int64_t K, const float* const* v
       }
       break;
     default:
-      break;  // not several_inputs: never called
+      break;  // not g_several_inputs: never called
   }
   for (int t = 0; t < NV; ++t) out[t] = sum4(a[t]);
 }
 
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
-  if (several_inputs(type)) {  // the same code as several inputs take: the same bits
+  if (g_several_inputs(type)) {  // the same code as several inputs take: the same bits
     float out;
     ggml_rows_nv<1>(type, row, K, &v, &out);
     return out;
@@ -537,20 +522,11 @@ const DotsFn kAvx512SeveralDots[5] = {dots4<LoadF32>, dots4<LoadBF16>, dots4<Loa
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
-  if (!several_inputs(type)) {
+  if (!g_several_inputs(type)) {
     for (int t = 0; t < nv; ++t) out[t] = ggml_row_dot(type, row, K, v[t]);
     return;
   }
-  switch (nv) {
-    case 1:
-      return ggml_rows_nv<1>(type, row, K, v, out);
-    case 2:
-      return ggml_rows_nv<2>(type, row, K, v, out);
-    case 3:
-      return ggml_rows_nv<3>(type, row, K, v, out);
-    default:
-      return ggml_rows_nv<4>(type, row, K, v, out);  // nv = kRowInputs
-  }
+  g_for_inputs(nv, [&](auto k) { ggml_rows_nv<decltype(k)::value>(type, row, K, v, out); });
 }
 
 const BlockRowDotFn kAvx512GgmlDot = ggml_row_dot;
