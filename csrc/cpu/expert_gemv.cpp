@@ -515,9 +515,10 @@ void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, con
 }
 
 // dot_rows for n inputs sharing the expert row `base` (the tokens routed to it):
-// out[4 u + r] = dot_rows' out[r] for input u, bit for bit. GGML rows through the
-// several-input dots where the path has them (each block decoded once per kRowInputs
-// inputs), other formats input by input (the rows then come from L1).
+// out[4 u + r] = dot_rows' out[r] for input u, bit for bit. Float / int8 / fp8 rows and
+// GGML blocks go through the path's several-input dots where it has them (each chunk
+// widened, each block decoded once per kRowInputs inputs); int4, the other block types and
+// the scalar path input by input (the rows then come from L1).
 void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m,
                      const int64_t rows[4], const float* const* v, const float* const* v2,
                      int64_t n, float* out) {
