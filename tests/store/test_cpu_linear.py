@@ -18,7 +18,10 @@ THREADS = sorted({1, min(2, store.cpu_max_threads())})
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 # Block types of dense layers in real files (attention / output head: Q4_K, Q6_K, Q8_0, ...)
 # and one of each family: legacy 32-blocks, K-quants, IQ grids, MXFP4, float.
-GGML = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_1", "Q2_K", "IQ4_XS", "IQ2_XXS", "MXFP4", "F16", "BF16"]
+# Q8_0 and the K-quants Q4_K / Q5_K / Q6_K take the several-input kernels (a block decoded once
+# for up to four tokens), the others one token at a time.
+GGML = ["Q4_K", "Q5_K", "Q6_K", "Q8_0", "Q4_0", "Q5_1", "Q2_K", "IQ4_XS", "IQ2_XXS", "MXFP4"]
+GGML += ["F16", "BF16"]
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
