@@ -230,6 +230,28 @@ PYBIND11_MODULE(_C, m) {
       py::arg("threads"), py::arg("isa"), py::arg("act"), py::arg("alpha"), py::arg("limit"),
       py::arg("skip_absent") = false, release_gil(),
       "Routed experts of x read in place from packed rows (addresses of live, checked tensors)");
+  m.def(
+      "cpu_linear",
+      [](uintptr_t x, int64_t tokens, int64_t in, uintptr_t w, int64_t out, int64_t w_stride,
+         int fmt, int type, uintptr_t bias, uintptr_t y, int threads, const std::string& isa) {
+        psr::cpu::LinearCall c;
+        c.x = reinterpret_cast<const float*>(x);
+        c.tokens = tokens;
+        c.in = in;
+        c.w = reinterpret_cast<const uint8_t*>(w);
+        c.out = out;
+        c.w_stride = w_stride;
+        c.fmt = static_cast<psr::cpu::Fmt>(fmt);
+        c.type = type;
+        c.bias = reinterpret_cast<const float*>(bias);
+        c.y = reinterpret_cast<float*>(y);
+        psr::cpu::linear(c, threads, psr::cpu::isa_from_name(isa));
+      },
+      py::arg("x"), py::arg("tokens"), py::arg("in_features"), py::arg("weight"),
+      py::arg("out_features"), py::arg("row_stride"), py::arg("fmt"), py::arg("ggml_type"),
+      py::arg("bias"), py::arg("y"), py::arg("threads"), py::arg("isa"), release_gil(),
+      "Batch-invariant dense linear y = x W^T (+ bias) from float or GGML rows (addresses of "
+      "live, checked tensors)");
   m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),
         py::arg("reps"), release_gil(),
         "STREAM triad on the kernels' thread pool: best bytes/s (12 n bytes per pass)");

@@ -460,7 +460,9 @@ struct Matrix {
 struct Dots {
   DotFn dot;
   GroupDotFn gdot;
-  BlockRowDotFn bdot;  // ggml
+  BlockRowDotFn bdot;    // ggml
+  BlockRowDotsFn bdots;  // ggml, several inputs (nullptr: bdot per input)
+  DotsFn dots;           // several inputs (nullptr: dot per input)
 };
 
 // out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
@@ -512,6 +514,44 @@ void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, con
   for (int r = 0; r < 4; ++r) out[r] = acc[r];
 }
 
+// dot_rows for n inputs sharing the expert row `base` (the tokens routed to it):
+// out[4 u + r] = dot_rows' out[r] for input u, bit for bit. Float / int8 / fp8 rows and
+// GGML blocks go through the path's several-input dots where it has them (each chunk
+// widened, each block decoded once per kRowInputs inputs); int4, the other block types and
+// the scalar path input by input (the rows then come from L1).
+void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m,
+                     const int64_t rows[4], const float* const* v, const float* const* v2,
+                     int64_t n, float* out) {
+  if (ds.dots && fmt != Fmt::ggml && fmt != Fmt::int4) {  // int8 / fp8: one scale a row
+    const uint8_t* w[4];
+    for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
+    for (int64_t u0 = 0; u0 < n; u0 += kRowInputs) {
+      const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, n - u0));
+      ds.dots(w, m.K, v + u0, nv, out + 4 * u0);
+      if (!quantized(fmt)) continue;
+      for (int r = 0; r < 4; ++r) {  // as dot_rows: the row's scale times its sum
+        float sc;
+        std::memcpy(&sc, base + m.s_at + rows[r] * 4, 4);
+        for (int i = 0; i < nv; ++i) out[4 * (u0 + i) + r] *= sc;
+      }
+    }
+    return;
+  }
+  if (fmt != Fmt::ggml || !ds.bdots) {
+    for (int64_t u = 0; u < n; ++u)
+      dot_rows(ds, fmt, base, m, rows, v[u], v2 ? v2[u] : nullptr, out + 4 * u);
+    return;
+  }
+  for (int64_t u0 = 0; u0 < n; u0 += kRowInputs) {
+    const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, n - u0));
+    for (int r = 0; r < 4; ++r) {
+      float o[kRowInputs];
+      ds.bdots(m.type, base + m.at + rows[r] * m.rb, m.K, v + u0, nv, o);
+      for (int i = 0; i < nv; ++i) out[4 * (u0 + i) + r] = o[i];
+    }
+  }
+}
+
 inline float activate(const Call& c, float g, float u) {
   if (c.act == Act::swiglu_oai) {
     g = std::min(g, c.limit);
@@ -533,6 +573,46 @@ int64_t vec_pos(Fmt fmt, int64_t K, int64_t i) {
   return fmt == Fmt::int4 ? (i % 2) * ((K + 1) / 2) + i / 2 : i;
 }
 
+// The row dot products of `fmt` on ISA path `isa` (checked: one this CPU runs).
+Dots dots_for(Isa isa, Fmt fmt) {
+  bool ok = false;
+  for (Isa i : supported_isas()) ok |= i == isa;
+  if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
+  BlockRowDotFn bdot = isa == Isa::avx512 ? avx512_ggml_dot()
+                       : isa == Isa::avx2 ? avx2_ggml_dot()
+                                          : nullptr;
+  return Dots{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
+              bdot ? bdot : scalar_ggml_dot(),
+              isa == Isa::avx512 ? avx512_ggml_dots()
+              : isa == Isa::avx2 ? avx2_ggml_dots()
+                                 : nullptr,
+              isa == Isa::avx512 ? avx512_dots(fmt)
+              : isa == Isa::avx2 ? avx2_dots(fmt)
+                                 : nullptr};
+}
+
+// The routed (token, expert) pairs grouped by the row they read: order holds the indices
+// t * k + j of present pairs sorted by row (then index), group g is order[starts[g],
+// starts[g + 1]). Grouping changes which thread computes a pair, never how.
+void group_by_row(const std::vector<const uint8_t*>& rows, std::vector<int64_t>& order,
+                  std::vector<int64_t>& starts) {
+  order.clear();
+  for (int64_t i = 0; i < static_cast<int64_t>(rows.size()); ++i)
+    if (rows[static_cast<size_t>(i)]) order.push_back(i);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return std::less<const uint8_t*>()(rows[static_cast<size_t>(a)], rows[static_cast<size_t>(b)]);
+  });
+  starts.clear();
+  for (size_t u = 0; u < order.size(); ++u)
+    if (u == 0 || rows[static_cast<size_t>(order[u])] != rows[static_cast<size_t>(order[u - 1])])
+      starts.push_back(static_cast<int64_t>(u));
+  starts.push_back(static_cast<int64_t>(order.size()));
+}
+
+// Tokens per down-phase item: a quad of down rows is read once for the chunk's tokens
+// (the chunk changes which thread computes a token, never how).
+constexpr int64_t kTokenChunk = 8;
+
 }  // namespace
 
 void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
@@ -541,14 +621,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   const std::vector<const uint8_t*> rows = routed_rows(L, c);
   const int64_t H = L.hidden, F = L.ffn, T = c.tokens, K = c.k;
   const Fmt fmt = L.fmt;
-  bool ok = false;
-  for (Isa i : supported_isas()) ok |= i == isa;
-  if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
-  BlockRowDotFn bdot = isa == Isa::avx512 ? avx512_ggml_dot()
-                       : isa == Isa::avx2 ? avx2_ggml_dot()
-                                          : nullptr;
-  const Dots ds{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
-                bdot ? bdot : scalar_ggml_dot()};
+  const Dots ds = dots_for(isa, fmt);
   if (T == 0) return;
   if (K == 0) {
     std::fill(c.y, c.y + T * H, 0.f);
@@ -567,43 +640,118 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       for (int64_t i = 0; i < H; ++i) xs[t * xl + vec_pos(fmt, H, i)] = c.x[t * H + i];
   }
   std::vector<float> h(static_cast<size_t>(T * K * hl), 0.f);
+  std::vector<int64_t> order, starts;
+  group_by_row(rows, order, starts);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
 
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
   const int64_t fb = (F + kBlock - 1) / kBlock, hb = (H + kBlock - 1) / kBlock;
-  Pool::get().run(threads, T * K * fb, [&](int64_t b, int64_t e) {
+  Pool::get().run(threads, groups * fb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t tj = item / fb, f0 = (item % fb) * kBlock, t = tj / K;
-      if (!rows[tj]) continue;  // absent: no h, skipped below
-      const float* v = i4 ? xs.data() + t * xl : c.x + t * H;
-      const float* v2 = i4 ? v + xl / 2 : nullptr;
-      float* ht = h.data() + tj * hl;
+      const int64_t g = item / fb, f0 = (item % fb) * kBlock;
+      const int64_t* users = order.data() + starts[g];  // the row's (token, expert) pairs
+      const int64_t n = starts[g + 1] - starts[g];
+      const uint8_t* row = rows[static_cast<size_t>(users[0])];
+      std::vector<const float*> v(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
+      for (int64_t u = 0; u < n; ++u) {
+        const int64_t t = users[u] / K;
+        v[u] = i4 ? xs.data() + t * xl : c.x + t * H;
+        v2[u] = i4 ? v[u] + xl / 2 : nullptr;
+      }
+      std::vector<float> gv(static_cast<size_t>(4 * n)), uv(static_cast<size_t>(4 * n));
       for (int64_t r0 = f0; r0 < std::min(F, f0 + kBlock); r0 += 4) {
         int64_t q[4];
         quad(r0, F, q);
-        float g[4], u[4];
-        dot_rows(ds, fmt, rows[tj], gate, q, v, v2, g);
-        dot_rows(ds, fmt, rows[tj], up, q, v, v2, u);
-        for (int r = 0; r < 4 && r0 + r < F; ++r)
-          ht[vec_pos(fmt, F, r0 + r)] = activate(c, g[r], u[r]);
+        dot_rows_shared(ds, fmt, row, gate, q, v.data(), i4 ? v2.data() : nullptr, n, gv.data());
+        dot_rows_shared(ds, fmt, row, up, q, v.data(), i4 ? v2.data() : nullptr, n, uv.data());
+        for (int64_t u = 0; u < n; ++u) {
+          float* ht = h.data() + users[u] * hl;
+          for (int r = 0; r < 4 && r0 + r < F; ++r)
+            ht[vec_pos(fmt, F, r0 + r)] = activate(c, gv[4 * u + r], uv[4 * u + r]);
+        }
       }
     }
   });
-  Pool::get().run(threads, T * hb, [&](int64_t b, int64_t e) {
+  const int64_t chunks = (T + kTokenChunk - 1) / kTokenChunk;
+  Pool::get().run(threads, chunks * hb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t t = item / hb, h0 = (item % hb) * kBlock;
+      const int64_t t0 = (item / hb) * kTokenChunk, h0 = (item % hb) * kBlock;
+      const int64_t t1 = std::min(T, t0 + kTokenChunk), p0 = t0 * K, np = (t1 - t0) * K;
+      // The chunk's pairs grouped by row: each down row quad read once for its tokens.
+      std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
+      std::vector<int64_t> ord, st;
+      group_by_row(mine, ord, st);
+      std::vector<const float*> v(ord.size()), v2(ord.size());
+      for (size_t u = 0; u < ord.size(); ++u) {
+        v[u] = h.data() + (p0 + ord[u]) * hl;
+        v2[u] = i4 ? v[u] + hl / 2 : nullptr;
+      }
+      std::vector<float> dg(4 * ord.size()), d(static_cast<size_t>(4 * np));
       for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += 4) {
         int64_t q[4];
         quad(r0, H, q);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        for (int64_t j = 0; j < K; ++j) {
-          if (!rows[t * K + j]) continue;  // absent: contributes nothing
-          const float* v = h.data() + (t * K + j) * hl;
-          float d[4];
-          dot_rows(ds, fmt, rows[t * K + j], down, q, v, i4 ? v + hl / 2 : nullptr, d);
-          const float wj = c.weights[t * K + j];
-          for (int r = 0; r < 4; ++r) acc[r] += wj * d[r];
+        for (size_t g = 0; g + 1 < st.size(); ++g)
+          dot_rows_shared(ds, fmt, mine[static_cast<size_t>(ord[st[g]])], down, q, v.data() + st[g],
+                          i4 ? v2.data() + st[g] : nullptr, st[g + 1] - st[g],
+                          dg.data() + 4 * st[g]);
+        for (size_t u = 0; u < ord.size(); ++u)
+          for (int r = 0; r < 4; ++r) d[4 * ord[u] + r] = dg[4 * u + r];
+        for (int64_t t = t0; t < t1; ++t) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          for (int64_t j = 0; j < K; ++j) {  // experts in order: the sum T = 1 makes
+            if (!rows[t * K + j]) continue;  // absent: contributes nothing
+            const float wj = c.weights[t * K + j];
+            for (int r = 0; r < 4; ++r) acc[r] += wj * d[4 * (t * K + j - p0) + r];
+          }
+          for (int r = 0; r < 4 && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
         }
-        for (int r = 0; r < 4 && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
+      }
+    }
+  });
+}
+
+// Tokens per pass over a block of rows: the chunk's inputs stay in L1 while the block
+// (read from memory once) is reused from cache for every chunk.
+constexpr int64_t kLinearChunk = 8;
+
+void linear(const LinearCall& c, int threads, Isa isa) {
+  check_threads(threads);
+  const int64_t T = c.tokens, K = c.in, N = c.out;
+  if (T < 0 || K < 1 || N < 1) bad("linear: tokens must be >= 0, in and out features >= 1");
+  if (!c.w || (T > 0 && (!c.x || !c.y))) bad("linear: null pointer argument");
+  int64_t rb = -1;
+  if (c.fmt == Fmt::ggml) {
+    rb = ggml_row_bytes(c.type, K);
+    if (rb < 0)
+      bad("linear: GGML type " + std::to_string(c.type) + " is unknown or a row of " +
+          std::to_string(K) + " inputs is not whole blocks");
+  } else if (c.fmt == Fmt::f32 || c.fmt == Fmt::bf16 || c.fmt == Fmt::f16) {
+    rb = K * itemsize(c.fmt);
+  } else {
+    bad("linear: weights must be float32 / bfloat16 / float16 or GGML blocks");
+  }
+  if (c.w_stride < rb) bad("linear: weight row stride is shorter than a row");
+  const Dots ds = dots_for(isa, c.fmt);
+  if (T == 0) return;
+  const Matrix m{0, 0, c.w_stride, K, K, c.type};
+  const int64_t nb = (N + kBlock - 1) / kBlock;
+  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  Pool::get().run(threads, nb, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t n0 = item * kBlock, n1 = std::min(N, n0 + kBlock);
+      for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk) {
+        const int64_t nt = std::min(T - t0, kLinearChunk);
+        const float* v[kLinearChunk];
+        for (int64_t t = 0; t < nt; ++t) v[t] = c.x + (t0 + t) * K;
+        for (int64_t r0 = n0; r0 < n1; r0 += 4) {
+          int64_t q[4];
+          quad(r0, N, q);
+          float d[4 * kLinearChunk];
+          dot_rows_shared(ds, c.fmt, c.w, m, q, v, nullptr, nt, d);
+          for (int64_t t = 0; t < nt; ++t)
+            for (int r = 0; r < 4 && r0 + r < n1; ++r)
+              c.y[(t0 + t) * N + r0 + r] = c.bias ? d[4 * t + r] + c.bias[r0 + r] : d[4 * t + r];
+        }
       }
     }
   });

@@ -5,10 +5,14 @@
 //
 // Rows are never gathered: each thread reads the routed experts' rows where they live.
 // Two phases, each split statically over a small persistent thread pool:
-//   1. gate/up: items (token, expert, block of F rows) -> h[t, j, :] (fp32);
-//   2. down:    items (token, block of H rows), each summing its experts in order j = 0..k-1.
-// Every output element is computed by one thread in a fixed order, so results are
-// bit-identical run to run and for any thread count (for a given ISA path).
+//   1. gate/up: items (expert row, block of F rows) -> h[t, j, :] (fp32) for every (t, j)
+//      routed to that row, tokens looped inside each quad of rows (read once, then from L1);
+//   2. down:    items (chunk of tokens, block of H rows), tokens inside each quad of rows,
+//      each summing its experts in order j = 0..k-1.
+// Every output element is one call of the format's row dot product on the same inputs,
+// summed by one thread in a fixed order: results are bit-identical run to run, for any
+// thread count and whatever other tokens share the call (batch invariant: a token's
+// output equals its T = 1 output), for a given ISA path.
 //
 // Vector paths (AVX2+FMA+F16C, AVX-512 F/BW/VL) are compiled with target pragmas in
 // their own files and chosen at run time by CPU feature detection; a portable scalar
@@ -138,6 +142,25 @@ struct Call {
 // serialised on the pool). threads in [1, hardware threads].
 void expert_ffn(const Layout& lay, const Call& call, int threads, Isa isa);
 
+// A dense linear layer y[t, n] = dot(W[n, :], x[t, :]) (+ bias[n]) with W's rows in a
+// float format (Fmt f32 / bf16 / f16) or GGML blocks (Fmt ggml, `type`). Items are blocks
+// of N rows; the tokens loop inside each quad of rows (a row read once for all T tokens).
+// Each y[t, n] is one row dot product, so rows are bit-identical for any T, any co-rows
+// and any thread count (for a given ISA path).
+struct LinearCall {
+  const float* x = nullptr;     // [T, K] fp32, contiguous
+  int64_t tokens = 0;           // T
+  int64_t in = 0;               // K
+  const uint8_t* w = nullptr;   // row n at w + n * w_stride
+  int64_t out = 0;              // N
+  int64_t w_stride = 0;         // bytes
+  Fmt fmt = Fmt::f32;           // f32, bf16, f16 or ggml
+  int type = 0;                 // ggml: the block type
+  const float* bias = nullptr;  // optional [N] fp32
+  float* y = nullptr;           // [T, N] fp32 out
+};
+void linear(const LinearCall& call, int threads, Isa isa);
+
 // ISA paths this CPU runs, best last (scalar always).
 std::vector<Isa> supported_isas();
 Isa best_isa();
@@ -151,11 +174,20 @@ double triad_bytes_per_s(int64_t n, int threads, int reps);
 int max_threads();
 
 // --- per-ISA row kernels (expert_gemv_*.cpp) -------------------------------------------
+// Inputs a several-input kernel takes at once (the tokens sharing a weight row).
+constexpr int kRowInputs = 4;
 // out[r] = sum_{i < n} w_r[i] * v[i] for four rows r (raw codes for quantized formats).
 // int4: n counts bytes; byte i holds elements 2i (low nibble, times v[i]) and 2i + 1
 // (high nibble, times v2[i]). Rows may repeat; nothing past w_r + (bytes of n) is read.
 using DotFn = void (*)(const uint8_t* const w[4], int64_t n, const float* v, const float* v2,
                        float out[4]);
+// Four rows against nv <= kRowInputs inputs: out[4 t + r] = DotFn's out[r] of the same path
+// on v[t] alone, bit for bit, each chunk of the rows loaded and widened once for all of
+// them (f32 / bf16 / f16 / int8 / fp8; nullptr where a path has none: the caller loops).
+using DotsFn = void (*)(const uint8_t* const w[4], int64_t n, const float* const* v, int nv,
+                        float* out);
+DotsFn avx2_dots(Fmt f);    // nullptr where not compiled or for int4
+DotsFn avx512_dots(Fmt f);  // nullptr where not compiled or for int4
 // int4 with several scale groups: out[r] = sum_g s_r[g] * (partial dot of group g), the
 // group sums kept in vector lanes (one horizontal sum per row). gbytes: bytes per group.
 using GroupDotFn = void (*)(const uint8_t* const w[4], int64_t ng, int64_t gbytes, const float* v,
@@ -164,8 +196,15 @@ GroupDotFn avx512_int4_groups();  // nullptr where not compiled
 // GGML block rows: sum_k w[k] v[k] over one row of K inputs of block type `type`.
 using BlockRowDotFn = float (*)(int type, const uint8_t* row, int64_t K, const float* v);
 BlockRowDotFn scalar_ggml_dot();
-BlockRowDotFn avx2_ggml_dot();                // nullptr where not compiled
-BlockRowDotFn avx512_ggml_dot();              // nullptr where not compiled
+BlockRowDotFn avx2_ggml_dot();    // nullptr where not compiled
+BlockRowDotFn avx512_ggml_dot();  // nullptr where not compiled
+// One row against nv <= kRowInputs inputs: out[t] = the BlockRowDotFn of the same path on
+// v[t] alone, bit for bit, the row's blocks decoded once for all of them (the tokens of a
+// batch sharing a weight row). nullptr where a path has none (the caller loops).
+using BlockRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const float* const* v,
+                                int nv, float* out);
+BlockRowDotsFn avx2_ggml_dots();              // nullptr where not compiled
+BlockRowDotsFn avx512_ggml_dots();            // nullptr where not compiled
 int64_t ggml_row_bytes(int type, int64_t K);  // -1: unknown type or K not whole blocks
 DotFn scalar_dot(Fmt f);
 DotFn avx2_dot(Fmt f);    // nullptr where not compiled

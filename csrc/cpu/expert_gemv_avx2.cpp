@@ -97,23 +97,43 @@ struct FP8 {
   static float one(const uint8_t* p, int64_t i) { return fp8_e4m3_to_f32(p[i]); }
 };
 
-template <class W>
-void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Four rows against NV inputs (each chunk of the rows widened once for all of them):
+// out[4 t + r]. Input t sees the same operations in the same order as at NV = 1 (dot4,
+// the one-input kernel), so the same bits.
+template <class W, int NV>
+void dot4_nv(const uint8_t* const w[4], int64_t n, const float* const* v, float* out) {
+  __m256 a[NV][4];
+  for (int t = 0; t < NV; ++t)
+    for (int r = 0; r < 4; ++r) a[t][r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_loadu_ps(v + i);
-    a0 = _mm256_fmadd_ps(W::vec(w[0], i), x, a0);
-    a1 = _mm256_fmadd_ps(W::vec(w[1], i), x, a1);
-    a2 = _mm256_fmadd_ps(W::vec(w[2], i), x, a2);
-    a3 = _mm256_fmadd_ps(W::vec(w[3], i), x, a3);
+    const __m256 w0 = W::vec(w[0], i), w1 = W::vec(w[1], i), w2 = W::vec(w[2], i),
+                 w3 = W::vec(w[3], i);
+    for (int t = 0; t < NV; ++t) {
+      const __m256 x = _mm256_loadu_ps(v[t] + i);
+      a[t][0] = _mm256_fmadd_ps(w0, x, a[t][0]);
+      a[t][1] = _mm256_fmadd_ps(w1, x, a[t][1]);
+      a[t][2] = _mm256_fmadd_ps(w2, x, a[t][2]);
+      a[t][3] = _mm256_fmadd_ps(w3, x, a[t][3]);
+    }
   }
-  const __m256 a[4] = {a0, a1, a2, a3};
-  for (int r = 0; r < 4; ++r) {
-    float s = hsum(a[r]);
-    for (int64_t j = i; j < n; ++j) s += W::one(w[r], j) * v[j];
-    out[r] = s;
+  for (int t = 0; t < NV; ++t) {
+    for (int r = 0; r < 4; ++r) {
+      float s = hsum(a[t][r]);
+      for (int64_t j = i; j < n; ++j) s += W::one(w[r], j) * v[t][j];
+      out[4 * t + r] = s;
+    }
   }
+}
+
+template <class W>
+void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  dot4_nv<W, 1>(w, n, &v, out);
+}
+
+template <class W>
+void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, float* out) {
+  g_for_inputs(nv, [&](auto k) { dot4_nv<W, decltype(k)::value>(w, n, v, out); });
 }
 
 inline __m256 nib_fma(const uint8_t* p, __m256 ve, __m256 vo, __m256 a) {
@@ -161,13 +181,25 @@ inline __m128i hi_nib(__m128i raw) {
 inline __m128i ld16(const uint8_t* p) {
   return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
-// Sixteen signed bytes against v[0..15]: p += b * v; sx += v (kSum).
+// Sixteen signed bytes widened to fp32 once (several inputs then share them).
+struct W16 {
+  __m256 lo, hi;
+};
+inline W16 widen(__m128i b) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b)))};
+}
+// Sixteen widened bytes against v[0..15]: p += w * v; sx += v (kSum).
+template <bool kSum>
+inline void dot16(const W16& w, const float* v, __m256& p, __m256& sx) {
+  const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+  p = _mm256_fmadd_ps(w.lo, v0, p);
+  p = _mm256_fmadd_ps(w.hi, v1, p);
+  if (kSum) sx = _mm256_add_ps(sx, _mm256_add_ps(v0, v1));
+}
 template <bool kSum>
 inline void bytes16(__m128i b, const float* v, __m256& p, __m256& sx) {
-  const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
-  p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), v0, p);
-  p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(b, b))), v1, p);
-  if (kSum) sx = _mm256_add_ps(sx, _mm256_add_ps(v0, v1));
+  dot16<kSum>(widen(b), v, p, sx);
 }
 
 // A 32-block of 4-bit codes (low nibbles elements 0..15, high 16..31) through `lut`
@@ -181,11 +213,14 @@ inline __m256 nib32(const uint8_t* qs, __m128i lut, const float* v, float s, __m
 }
 
 // 32 codes 0..15 (c0: elements 0..15, c1: 16..31): s * sum(q v) + m * sum(v).
-inline __m256 nib32_min(__m128i c0, __m128i c1, const float* v, float s, float m, __m256 acc) {
+inline __m256 min32(const W16& c0, const W16& c1, const float* v, float s, float m, __m256 acc) {
   __m256 p = _mm256_setzero_ps(), sx = p;
-  bytes16<true>(c0, v, p, sx);
-  bytes16<true>(c1, v + 16, p, sx);
+  dot16<true>(c0, v, p, sx);
+  dot16<true>(c1, v + 16, p, sx);
   return _mm256_fmadd_ps(sx, _mm256_set1_ps(m), _mm256_fmadd_ps(p, _mm256_set1_ps(s), acc));
+}
+inline __m256 nib32_min(__m128i c0, __m128i c1, const float* v, float s, float m, __m256 acc) {
+  return min32(widen(c0), widen(c1), v, s, m, acc);
 }
 
 // Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
@@ -227,73 +262,56 @@ inline void k_scales_mins(const uint8_t* b, float (&sc)[8], float (&mn)[8]) {
   in_memory(mn);
 }
 
-float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
-  __m256 acc = _mm256_setzero_ps();
+// out[t] = the dot of one row of `type` (g_several_inputs) with each of NV inputs v[t]: the
+// codes widened once, input t's accumulator given the same operations in the same order as
+// at NV = 1 (the one-input dot), so the same bits.
+template <int NV>
+void ggml_rows_nv(int type, const uint8_t* row, int64_t K, const float* const* v, float* out) {
+  __m256 acc[NV];
+  for (int t = 0; t < NV; ++t) acc[t] = _mm256_setzero_ps();
   switch (type) {
     case ggml_type::Q8_0:
       for (int64_t k = 0; k < K; k += 32, row += 34) {
         ahead(row, 1);
-        __m256 p = _mm256_setzero_ps(), unused = p;
-        bytes16<false>(ld16(row + 2), v + k, p, unused);
-        bytes16<false>(ld16(row + 18), v + k + 16, p, unused);
-        acc = _mm256_fmadd_ps(p, _mm256_set1_ps(g_h2f(row)), acc);
-      }
-      break;
-    case ggml_type::Q4_0: {  // d (q - 8)
-      const __m128i lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-      for (int64_t k = 0; k < K; k += 32, row += 18) {
-        ahead(row, 1);
-        acc = nib32(row + 2, lut, v + k, g_h2f(row), acc);
-      }
-      break;
-    }
-    case ggml_type::MXFP4: {  // twice the FP4 values, half the block's power of two
-      const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
-      for (int64_t k = 0; k < K; k += 32, row += 17) {
-        ahead(row, 1);
-        acc = nib32(row + 1, lut, v + k, 0.5f * g_e8m0(row[0]), acc);
-      }
-      break;
-    }
-    case ggml_type::Q4_1:  // d q + m
-      for (int64_t k = 0; k < K; k += 32, row += 20) {
-        ahead(row, 1);
-        const __m128i raw = ld16(row + 4);
-        acc = nib32_min(lo_nib(raw), hi_nib(raw), v + k, g_h2f(row), g_h2f(row + 2), acc);
-      }
-      break;
-    case ggml_type::Q4_K:  // per sub-block d * sc * q - dmin * m
-      for (int64_t k = 0; k < K; k += 256, row += 144) {
-        ahead(row, 3);
-        alignas(32) float sc[8], mn[8];  // d * sc_s, -(dmin * m_s)
-        k_scales_mins(row, sc, mn);
-        for (int j = 0; j < 4; ++j) {
-          const __m128i r0 = ld16(row + 16 + 32 * j), r1 = ld16(row + 32 + 32 * j);
-          const float* v0 = v + k + 64 * j;
-          acc = nib32_min(lo_nib(r0), lo_nib(r1), v0, sc[2 * j], mn[2 * j], acc);
-          acc = nib32_min(hi_nib(r0), hi_nib(r1), v0 + 32, sc[2 * j + 1], mn[2 * j + 1], acc);
+        const W16 w0 = widen(ld16(row + 2)), w1 = widen(ld16(row + 18));
+        const __m256 d = _mm256_set1_ps(g_h2f(row));
+        for (int t = 0; t < NV; ++t) {
+          __m256 p = _mm256_setzero_ps(), unused = p;
+          dot16<false>(w0, v[t] + k, p, unused);
+          dot16<false>(w1, v[t] + k + 16, p, unused);
+          acc[t] = _mm256_fmadd_ps(p, d, acc[t]);
         }
       }
       break;
-    case ggml_type::Q5_K:  // Q4_K's codes plus a fifth bit, bit 2j (2j + 1) of qh[l] for sub-block
-                           // 2j's (2j + 1's) element l
-      for (int64_t k = 0; k < K; k += 256, row += 176) {
+    case ggml_type::Q4_K:  // per sub-block d * sc * q - dmin * m
+    case ggml_type::Q5_K:  // Q4_K's codes plus a fifth bit, bit 2j (2j + 1) of qh[l] for
+                           // sub-block 2j's (2j + 1's) element l
+      for (int64_t k = 0; k < K; k += 256, row += type == ggml_type::Q4_K ? 144 : 176) {
         ahead(row, 3);
-        alignas(32) float sc[8], mn[8];
+        alignas(32) float sc[8], mn[8];  // d * sc_s, -(dmin * m_s)
         k_scales_mins(row, sc, mn);
+        const bool q5 = type == ggml_type::Q5_K;
+        const uint8_t* qs = row + (q5 ? 48 : 16);
         const __m128i h0 = ld16(row + 16), h1 = ld16(row + 32), one = _mm_set1_epi8(1);
         for (int j = 0; j < 4; ++j) {
-          const __m128i r0 = ld16(row + 48 + 32 * j), r1 = ld16(row + 64 + 32 * j);
-          const __m128i s0 = _mm_cvtsi32_si128(2 * j), s1 = _mm_cvtsi32_si128(2 * j + 1);
-          auto fifth = [&](__m128i h, __m128i sh) {  // the bit at sh as 16
-            return _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, sh), one), 4);
-          };
-          const float* v0 = v + k + 64 * j;
-          acc = nib32_min(_mm_or_si128(lo_nib(r0), fifth(h0, s0)),
-                          _mm_or_si128(lo_nib(r1), fifth(h1, s0)), v0, sc[2 * j], mn[2 * j], acc);
-          acc = nib32_min(_mm_or_si128(hi_nib(r0), fifth(h0, s1)),
-                          _mm_or_si128(hi_nib(r1), fifth(h1, s1)), v0 + 32, sc[2 * j + 1],
-                          mn[2 * j + 1], acc);
+          const __m128i r0 = ld16(qs + 32 * j), r1 = ld16(qs + 16 + 32 * j);
+          __m128i c[4] = {lo_nib(r0), lo_nib(r1), hi_nib(r0), hi_nib(r1)};
+          if (q5) {
+            const __m128i s0 = _mm_cvtsi32_si128(2 * j), s1 = _mm_cvtsi32_si128(2 * j + 1);
+            auto fifth = [&](__m128i h, __m128i sh) {  // the bit at sh as 16
+              return _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(h, sh), one), 4);
+            };
+            c[0] = _mm_or_si128(c[0], fifth(h0, s0));
+            c[1] = _mm_or_si128(c[1], fifth(h1, s0));
+            c[2] = _mm_or_si128(c[2], fifth(h0, s1));
+            c[3] = _mm_or_si128(c[3], fifth(h1, s1));
+          }
+          const W16 w[4] = {widen(c[0]), widen(c[1]), widen(c[2]), widen(c[3])};
+          for (int t = 0; t < NV; ++t) {
+            const float* v0 = v[t] + k + 64 * j;
+            acc[t] = min32(w[0], w[1], v0, sc[2 * j], mn[2 * j], acc[t]);
+            acc[t] = min32(w[2], w[3], v0 + 32, sc[2 * j + 1], mn[2 * j + 1], acc[t]);
+          }
         }
       }
       break;
@@ -317,13 +335,53 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
                   _mm_and_si128(_mm_srl_epi16(ld16(row + 64 * n + 32 * (g & 1) + 16 * hh), sh), m4);
               const __m128i h2 =
                   _mm_and_si128(_mm_srl_epi16(ld16(row + 128 + 32 * n + 16 * hh), hs), m3);
-              const __m128i q = _mm_sub_epi8(_mm_or_si128(l4, _mm_slli_epi16(h2, 4)), k32);
-              __m256 p = _mm256_setzero_ps(), unused = p;
-              bytes16<false>(q, v + k + 128 * n + 32 * g + 16 * hh, p, unused);
-              acc = _mm256_fmadd_ps(p, _mm256_set1_ps(sc[8 * n + 2 * g + hh]), acc);
+              const W16 w = widen(_mm_sub_epi8(_mm_or_si128(l4, _mm_slli_epi16(h2, 4)), k32));
+              const __m256 s = _mm256_set1_ps(sc[8 * n + 2 * g + hh]);
+              for (int t = 0; t < NV; ++t) {
+                __m256 p = _mm256_setzero_ps(), unused = p;
+                dot16<false>(w, v[t] + k + 128 * n + 32 * g + 16 * hh, p, unused);
+                acc[t] = _mm256_fmadd_ps(p, s, acc[t]);
+              }
             }
           }
         }
+      }
+      break;
+    default:
+      break;  // not g_several_inputs: never called
+  }
+  for (int t = 0; t < NV; ++t) out[t] = hsum(acc[t]);
+}
+
+float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
+  if (g_several_inputs(type)) {  // the same code as several inputs take: the same bits
+    float out;
+    ggml_rows_nv<1>(type, row, K, &v, &out);
+    return out;
+  }
+  __m256 acc = _mm256_setzero_ps();
+  switch (type) {
+    case ggml_type::Q4_0: {  // d (q - 8)
+      const __m128i lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+      for (int64_t k = 0; k < K; k += 32, row += 18) {
+        ahead(row, 1);
+        acc = nib32(row + 2, lut, v + k, g_h2f(row), acc);
+      }
+      break;
+    }
+    case ggml_type::MXFP4: {  // twice the FP4 values, half the block's power of two
+      const __m128i lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+      for (int64_t k = 0; k < K; k += 32, row += 17) {
+        ahead(row, 1);
+        acc = nib32(row + 1, lut, v + k, 0.5f * g_e8m0(row[0]), acc);
+      }
+      break;
+    }
+    case ggml_type::Q4_1:  // d q + m
+      for (int64_t k = 0; k < K; k += 32, row += 20) {
+        ahead(row, 1);
+        const __m128i raw = ld16(row + 4);
+        acc = nib32_min(lo_nib(raw), hi_nib(raw), v + k, g_h2f(row), g_h2f(row + 2), acc);
       }
       break;
     default:
@@ -336,8 +394,19 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
 
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
+const DotsFn kAvx2SeveralDots[5] = {dots4<F32>, dots4<BF16>, dots4<F16>, dots4<I8>, dots4<FP8>};
+
+static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
+                          float* out) {
+  if (!g_several_inputs(type)) {
+    for (int t = 0; t < nv; ++t) out[t] = ggml_row_dot(type, row, K, v[t]);
+    return;
+  }
+  g_for_inputs(nv, [&](auto k) { ggml_rows_nv<decltype(k)::value>(type, row, K, v, out); });
+}
 
 const BlockRowDotFn kAvx2GgmlDot = ggml_row_dot;
+const BlockRowDotsFn kAvx2GgmlDots = ggml_row_dots;
 }  // namespace psr::cpu
 
 #if defined(__clang__)
@@ -349,6 +418,11 @@ const BlockRowDotFn kAvx2GgmlDot = ggml_row_dot;
 // Outside the target region: runs on any CPU (it only reads a table of addresses).
 namespace psr::cpu {
 BlockRowDotFn avx2_ggml_dot() { return kAvx2GgmlDot; }
+BlockRowDotsFn avx2_ggml_dots() { return kAvx2GgmlDots; }
+DotsFn avx2_dots(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 5 ? kAvx2SeveralDots[i] : nullptr;
+}
 DotFn avx2_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx2Dots[i] : nullptr;
@@ -360,6 +434,8 @@ DotFn avx2_dot(Fmt f) {
 namespace psr::cpu {
 DotFn avx2_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx2_ggml_dot() { return nullptr; }
+BlockRowDotsFn avx2_ggml_dots() { return nullptr; }
+DotsFn avx2_dots(Fmt) { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

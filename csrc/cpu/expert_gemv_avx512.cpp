@@ -90,29 +90,51 @@ struct LoadFP8 {  // the codes' values / 256 (dot4 scales the sums back)
   }
 };
 
-template <class Load>
-void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+// Four rows against NV inputs (each row chunk loaded and widened once for all of them):
+// out[4 t + r]. Input t's accumulators see the same operations in the same order as at
+// NV = 1 (dot4, the one-input kernel), so the same bits.
+template <class Load, int NV>
+void dot4_nv(const uint8_t* const w[4], int64_t n, const float* const* v, float* out) {
+  __m512 a[NV][4];
+  for (int t = 0; t < NV; ++t)
+    for (int r = 0; r < 4; ++r) a[t][r] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {  // whole chunks: plain loads (folded into the widening)
-    const __m512 x = _mm512_loadu_ps(v + i);
-    a0 = _mm512_fmadd_ps(Load::full(w[0], i), x, a0);
-    a1 = _mm512_fmadd_ps(Load::full(w[1], i), x, a1);
-    a2 = _mm512_fmadd_ps(Load::full(w[2], i), x, a2);
-    a3 = _mm512_fmadd_ps(Load::full(w[3], i), x, a3);
+    const __m512 w0 = Load::full(w[0], i), w1 = Load::full(w[1], i);
+    const __m512 w2 = Load::full(w[2], i), w3 = Load::full(w[3], i);
+    for (int t = 0; t < NV; ++t) {
+      const __m512 x = _mm512_loadu_ps(v[t] + i);
+      a[t][0] = _mm512_fmadd_ps(w0, x, a[t][0]);
+      a[t][1] = _mm512_fmadd_ps(w1, x, a[t][1]);
+      a[t][2] = _mm512_fmadd_ps(w2, x, a[t][2]);
+      a[t][3] = _mm512_fmadd_ps(w3, x, a[t][3]);
+    }
   }
   if (i < n) {  // the tail: masked loads touch nothing past the row
     const __mmask16 m = tail_mask(n - i);
-    const __m512 x = _mm512_maskz_loadu_ps(m, v + i);
-    a0 = _mm512_fmadd_ps(Load::at(w[0], i, m), x, a0);
-    a1 = _mm512_fmadd_ps(Load::at(w[1], i, m), x, a1);
-    a2 = _mm512_fmadd_ps(Load::at(w[2], i, m), x, a2);
-    a3 = _mm512_fmadd_ps(Load::at(w[3], i, m), x, a3);
+    const __m512 w0 = Load::at(w[0], i, m), w1 = Load::at(w[1], i, m);
+    const __m512 w2 = Load::at(w[2], i, m), w3 = Load::at(w[3], i, m);
+    for (int t = 0; t < NV; ++t) {
+      const __m512 x = _mm512_maskz_loadu_ps(m, v[t] + i);
+      a[t][0] = _mm512_fmadd_ps(w0, x, a[t][0]);
+      a[t][1] = _mm512_fmadd_ps(w1, x, a[t][1]);
+      a[t][2] = _mm512_fmadd_ps(w2, x, a[t][2]);
+      a[t][3] = _mm512_fmadd_ps(w3, x, a[t][3]);
+    }
   }
-  out[0] = _mm512_reduce_add_ps(a0) * Load::kScale;  // a power of two: exact
-  out[1] = _mm512_reduce_add_ps(a1) * Load::kScale;
-  out[2] = _mm512_reduce_add_ps(a2) * Load::kScale;
-  out[3] = _mm512_reduce_add_ps(a3) * Load::kScale;
+  for (int t = 0; t < NV; ++t)
+    for (int r = 0; r < 4; ++r)
+      out[4 * t + r] = _mm512_reduce_add_ps(a[t][r]) * Load::kScale;  // a power of two: exact
+}
+
+template <class Load>
+void dot4(const uint8_t* const w[4], int64_t n, const float* v, const float*, float out[4]) {
+  dot4_nv<Load, 1>(w, n, &v, out);
+}
+
+template <class Load>
+void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, float* out) {
+  g_for_inputs(nv, [&](auto k) { dot4_nv<Load, decltype(k)::value>(w, n, v, out); });
 }
 
 // int4: 16 bytes = 32 elements per step; low nibbles times v (even elements), high times v2.
@@ -265,8 +287,10 @@ inline void k_scales_mins(const uint8_t* b, float out[16]) {
 }
 
 // Q4_K / Q5_K: sub-block s's weights d * sc_s * q - dmin * m_s as a table over its codes.
-template <bool kQ5>
-void kquant45(const uint8_t* b, const float* v, __m512 a[4]) {
+// NV inputs at once (the block decoded once for all of them): input t's accumulators see
+// the same operations in the same order as with NV = 1, so its sum is the same bits.
+template <bool kQ5, int NV>
+void kquant45(const uint8_t* b, const float* const v[NV], __m512 a[NV][4]) {
   alignas(64) float sm[16];  // d * sc_s, -(dmin * m_s) interleaved
   k_scales_mins(b, sm);
   in_memory(sm);
@@ -280,7 +304,6 @@ void kquant45(const uint8_t* b, const float* v, __m512 a[4]) {
     const __m512 l2 = _mm512_fmadd_ps(bcast(sm + 4 * j + 2), io, bcast(sm + 4 * j + 3));
     for (int hh = 0; hh < 2; ++hh) {
       const __m512i bq = widen16(qs + 32 * j + 16 * hh);
-      const float* v0 = v + 64 * j + 16 * hh;
       const __m512i hi = _mm512_srli_epi32(bq, 4);
       __m512 w0, w1;
       if (kQ5) {  // bits 0..3 the code's, bit 4 the fifth bit (0xE4: select by m4)
@@ -295,8 +318,11 @@ void kquant45(const uint8_t* b, const float* v, __m512 a[4]) {
         w0 = _mm512_permutexvar_ps(bq, l1);
         w1 = _mm512_permutexvar_ps(hi, l2);
       }
-      a[hh] = _mm512_fmadd_ps(w0, ldv(v0), a[hh]);
-      a[2 + hh] = _mm512_fmadd_ps(w1, ldv(v0 + 32), a[2 + hh]);
+      for (int t = 0; t < NV; ++t) {
+        const float* v0 = v[t] + 64 * j + 16 * hh;
+        a[t][hh] = _mm512_fmadd_ps(w0, ldv(v0), a[t][hh]);
+        a[t][2 + hh] = _mm512_fmadd_ps(w1, ldv(v0 + 32), a[t][2 + hh]);
+      }
     }
   }
 }
@@ -304,7 +330,8 @@ void kquant45(const uint8_t* b, const float* v, __m512 a[4]) {
 // Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements. The
 // codes of 64 elements are assembled as bytes in one register, stored to the stack and
 // widened 16 at a time by loads.
-void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
+template <int NV>
+void kquant6(const uint8_t* b, const float* const v[NV], __m512 a[NV][4]) {
   alignas(64) float s[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15
   _mm512_store_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
@@ -333,7 +360,8 @@ void kquant6(const uint8_t* b, const float* v, __m512 a[4]) {
   for (int i = 0; i < 16; ++i) {
     const __m512 w = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
-    a[i % 4] = _mm512_fmadd_ps(_mm512_mul_ps(w, bcast(s + i)), ldv(v + 16 * i), a[i % 4]);
+    const __m512 ws = _mm512_mul_ps(w, bcast(s + i));
+    for (int t = 0; t < NV; ++t) a[t][i % 4] = _mm512_fmadd_ps(ws, ldv(v[t] + 16 * i), a[t][i % 4]);
   }
 }
 
@@ -376,7 +404,62 @@ float float_row(const uint8_t* row, int64_t K, const float* v) {
   return _mm512_reduce_add_ps(a0);
 }
 
+// out[t] = the dot of one row of `type` (g_several_inputs) with each of NV inputs v[t].
+template <int NV>
+void ggml_rows_nv(int type, const uint8_t* row, int64_t K, const float* const* v, float* out) {
+  __m512 a[NV][4];
+  for (int t = 0; t < NV; ++t)
+    for (int i = 0; i < 4; ++i) a[t][i] = _mm512_setzero_ps();
+  const float* vk[NV];
+  switch (type) {
+    case ggml_type::Q8_0:  // the block's partial dot, scaled once; blocks alternate two
+                           // accumulators
+      for (int64_t k = 0; k < K; k += 32, row += 34) {
+        ahead(row, 1);
+        const __m512 q0 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2))));
+        const __m512 q1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18))));
+        const __m512 d = f16_bcast(row);
+        for (int t = 0; t < NV; ++t) {
+          const __m512 p =
+              _mm512_fmadd_ps(q1, ldv(v[t] + k + 16), _mm512_mul_ps(q0, ldv(v[t] + k)));
+          a[t][(k & 32) ? 1 : 0] = _mm512_fmadd_ps(p, d, a[t][(k & 32) ? 1 : 0]);
+        }
+      }
+      for (int t = 0; t < NV; ++t) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a[t][0], a[t][1]));
+      return;
+    case ggml_type::Q4_K:
+    case ggml_type::Q5_K:
+      for (int64_t k = 0; k < K; k += 256, row += type == ggml_type::Q4_K ? 144 : 176) {
+        ahead(row, 3);
+        for (int t = 0; t < NV; ++t) vk[t] = v[t] + k;
+        if (type == ggml_type::Q4_K) {
+          kquant45<false, NV>(row, vk, a);
+        } else {
+          kquant45<true, NV>(row, vk, a);
+        }
+      }
+      break;
+    case ggml_type::Q6_K:
+      for (int64_t k = 0; k < K; k += 256, row += 210) {
+        ahead(row, 4);
+        for (int t = 0; t < NV; ++t) vk[t] = v[t] + k;
+        kquant6<NV>(row, vk, a);
+      }
+      break;
+    default:
+      break;  // not g_several_inputs: never called
+  }
+  for (int t = 0; t < NV; ++t) out[t] = sum4(a[t]);
+}
+
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
+  if (g_several_inputs(type)) {  // the same code as several inputs take: the same bits
+    float out;
+    ggml_rows_nv<1>(type, row, K, &v, &out);
+    return out;
+  }
   __m512 a0 = _mm512_setzero_ps(), a1 = a0;
   __m512 a[4] = {a0, a0, a0, a0};
   switch (type) {
@@ -386,22 +469,6 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
       return float_row<LoadF16>(row, K, v);
     case ggml_type::BF16:
       return float_row<LoadBF16>(row, K, v);
-    case ggml_type::Q8_0:  // the block's partial dot, scaled once; blocks alternate two
-                           // accumulators
-      for (int64_t k = 0; k < K; k += 32, row += 34) {
-        ahead(row, 1);
-        const __m512 q0 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2))));
-        const __m512 q1 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 18))));
-        const __m512 p = _mm512_fmadd_ps(q1, ldv(v + k + 16), _mm512_mul_ps(q0, ldv(v + k)));
-        if (k & 32) {
-          a1 = _mm512_fmadd_ps(p, f16_bcast(row), a1);
-        } else {
-          a0 = _mm512_fmadd_ps(p, f16_bcast(row), a0);
-        }
-      }
-      break;
     case ggml_type::Q4_0:
       q4_0_row(row, K, v, a);
       return sum4(a);
@@ -426,24 +493,6 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
         nib_block(row + 1, t, v + k, a0, a1);
       }
       break;
-    case ggml_type::Q4_K:
-      for (int64_t k = 0; k < K; k += 256, row += 144) {
-        ahead(row, 3);
-        kquant45<false>(row, v + k, a);
-      }
-      return sum4(a);
-    case ggml_type::Q5_K:
-      for (int64_t k = 0; k < K; k += 256, row += 176) {
-        ahead(row, 3);
-        kquant45<true>(row, v + k, a);
-      }
-      return sum4(a);
-    case ggml_type::Q6_K:
-      for (int64_t k = 0; k < K; k += 256, row += 210) {
-        ahead(row, 4);
-        kquant6(row, v + k, a);
-      }
-      return sum4(a);
     case ggml_type::FP8_B128:  // codes / 256 dotted per block, times the block's scale, then * 256
       for (int64_t k = 0; k < K; k += 128, row += 132) {
         float s;
@@ -468,8 +517,20 @@ const GroupDotFn kAvx512Int4Groups = dot4_int4_groups;
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
+const DotsFn kAvx512SeveralDots[5] = {dots4<LoadF32>, dots4<LoadBF16>, dots4<LoadF16>,
+                                      dots4<LoadI8>, dots4<LoadFP8>};
+
+static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
+                          float* out) {
+  if (!g_several_inputs(type)) {
+    for (int t = 0; t < nv; ++t) out[t] = ggml_row_dot(type, row, K, v[t]);
+    return;
+  }
+  g_for_inputs(nv, [&](auto k) { ggml_rows_nv<decltype(k)::value>(type, row, K, v, out); });
+}
 
 const BlockRowDotFn kAvx512GgmlDot = ggml_row_dot;
+const BlockRowDotsFn kAvx512GgmlDots = ggml_row_dots;
 }  // namespace psr::cpu
 
 #if defined(__clang__)
@@ -481,11 +542,16 @@ const BlockRowDotFn kAvx512GgmlDot = ggml_row_dot;
 // Outside the target region: runs on any CPU (it only reads a table of addresses).
 namespace psr::cpu {
 BlockRowDotFn avx512_ggml_dot() { return kAvx512GgmlDot; }
+BlockRowDotsFn avx512_ggml_dots() { return kAvx512GgmlDots; }
 DotFn avx512_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx512Dots[i] : nullptr;
 }
 GroupDotFn avx512_int4_groups() { return kAvx512Int4Groups; }
+DotsFn avx512_dots(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 5 ? kAvx512SeveralDots[i] : nullptr;
+}
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
@@ -493,7 +559,9 @@ GroupDotFn avx512_int4_groups() { return kAvx512Int4Groups; }
 namespace psr::cpu {
 DotFn avx512_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx512_ggml_dot() { return nullptr; }
+BlockRowDotsFn avx512_ggml_dots() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
+DotsFn avx512_dots(Fmt) { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "expert_gemv.h"
 #include "ggml_tables.h"
@@ -299,6 +300,30 @@ inline int g_dequant(int type, const uint8_t* __restrict b, float* __restrict ou
     }
     default:
       return 0;
+  }
+}
+
+// The block types an ISA path decodes once for several inputs (its ggml_rows_nv<NV>; the
+// others run their one-input dot per input).
+inline bool g_several_inputs(int type) {
+  return type == ggml_type::Q8_0 || type == ggml_type::Q4_K || type == ggml_type::Q5_K ||
+         type == ggml_type::Q6_K;
+}
+
+// f(std::integral_constant<int, NV>{}) with NV = nv in [1, kRowInputs]: a several-input
+// kernel instantiated per input count (its loops over the inputs then unroll).
+template <class Fn>
+inline void g_for_inputs(int nv, Fn&& f) {
+  static_assert(kRowInputs == 4, "one case per input count");
+  switch (nv) {
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+    case 2:
+      return f(std::integral_constant<int, 2>{});
+    case 3:
+      return f(std::integral_constant<int, 3>{});
+    default:
+      return f(std::integral_constant<int, 4>{});
   }
 }
 

@@ -45,6 +45,20 @@ def cpu_expert_ffn(
     limit: float,
     skip_absent: bool = False,
 ) -> None: ...
+def cpu_linear(
+    x: int,
+    tokens: int,
+    in_features: int,
+    weight: int,
+    out_features: int,
+    row_stride: int,
+    fmt: int,
+    ggml_type: int,
+    bias: int,
+    y: int,
+    threads: int,
+    isa: str,
+) -> None: ...
 def cpu_triad(n: int, threads: int, reps: int) -> float: ...
 
 @type_check_only

@@ -2,7 +2,7 @@
 
 expert_store  ExpertStore (host rows, device slabs, copies, tiers, the CPU hand-off),
               LayerSpec, CopyReason, the backend choice, StoreError / CopyError
-cpu_kernels   the CPU expert kernels: cpu_expert_ffn, cpu_layout, cpu_isas, cpu_triad
+cpu_kernels   the CPU kernels: cpu_expert_ffn, cpu_linear, cpu_layout, cpu_isas, cpu_triad
 """
 
 from psr.store.cpu_kernels import (
@@ -11,6 +11,7 @@ from psr.store.cpu_kernels import (
     cpu_expert_ffn,
     cpu_isas,
     cpu_layout,
+    cpu_linear,
     cpu_max_threads,
     cpu_triad,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "cpu_expert_ffn",
     "cpu_isas",
     "cpu_layout",
+    "cpu_linear",
     "cpu_max_threads",
     "cpu_triad",
     "cuda_available",

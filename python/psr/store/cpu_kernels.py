@@ -161,3 +161,118 @@ def cpu_expert_ffn(
     )  # fmt: skip
     out = out_dtype or x.dtype
     return y if out == torch.float32 else y.to(out)
+
+
+# The dense linear layer of csrc/cpu/expert_gemv.h (`linear`): float rows through the
+# expert kernels' float row dots, GGML blocks through their block row dots (one dot
+# product per format). Each y[t, n] is one row dot product computed by one thread, so a
+# row of the output is bit-identical whatever T, the other rows and the thread count.
+_LINEAR_FLOAT_FMTS = {d: str(d).removeprefix("torch.") for d in CPU_FLOAT_DTYPES}
+
+
+@functools.cache
+def _fmt_codes() -> dict[str, int]:
+    return dict(_C.cpu_formats())
+
+
+@functools.cache
+def _ggml_blocks() -> dict[int, tuple[str, int, int]]:
+    """GGML type id -> (name, block_len, block_bytes) of the types the CPU kernels compute."""
+    return {tid: (name, qk, bs) for name, tid, qk, bs in _C.ggml_type_traits()}
+
+
+def _linear_threads(threads: int | None) -> int:
+    n = torch.get_num_threads() if threads is None else threads
+    if not isinstance(n, int) or not 1 <= n <= cpu_max_threads():
+        raise ValueError(f"cpu_linear: threads must be an int in [1, {cpu_max_threads()}], got {n}")
+    return n
+
+
+def _linear_weight(
+    weight: object, ggml_type: int | None, in_features: int | None, K: int
+) -> tuple[torch.Tensor, str, int]:
+    """The checked weight, its format's name and its GGML type id (0 for float rows)."""
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError("cpu_linear: weight must be a 2-D CPU tensor [N, K] or [N, row_bytes]")
+    if weight.shape[0] < 1:
+        raise ValueError("cpu_linear: weight must have at least one row (out feature)")
+    if in_features is not None and in_features != K:
+        raise ValueError(f"cpu_linear: in_features={in_features} but x has {K} columns")
+    if ggml_type is None:
+        if weight.dtype not in _LINEAR_FLOAT_FMTS:
+            raise ValueError(
+                "cpu_linear: weight must be float32, bfloat16 or float16 without ggml_type,"
+                f" got {weight.dtype}"
+            )
+        if weight.shape[1] != K:
+            raise ValueError(f"cpu_linear: weight {list(weight.shape)} does not take x's K={K}")
+        return weight, _LINEAR_FLOAT_FMTS[weight.dtype], 0
+    if isinstance(ggml_type, bool) or not isinstance(ggml_type, int):
+        raise ValueError(f"cpu_linear: ggml_type must be an int GGML type id, got {ggml_type!r}")
+    if ggml_type not in _ggml_blocks():
+        raise ValueError(f"cpu_linear: ggml_type {ggml_type} is not a type the CPU kernels compute")
+    name, qk, bs = _ggml_blocks()[ggml_type]
+    if in_features is None:
+        raise ValueError("cpu_linear: in_features is required with ggml_type")
+    if weight.dtype != torch.uint8:
+        raise ValueError(
+            f"cpu_linear: weight of ggml_type {name} must be uint8, not {weight.dtype}"
+        )
+    if K % qk:
+        raise ValueError(f"cpu_linear: in_features={K} is not whole {name} blocks of {qk}")
+    if weight.shape[1] != K // qk * bs:
+        raise ValueError(
+            f"cpu_linear: weight rows of {name} with in_features={K} hold {K // qk * bs} bytes,"
+            f" got {weight.shape[1]}"
+        )
+    return weight, "ggml", ggml_type
+
+
+def cpu_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    ggml_type: int | None = None,
+    in_features: int | None = None,
+    bias: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str = "auto",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A batch-invariant dense linear layer `x @ W^T (+ bias)` on the CPU, computed in fp32.
+
+    `x` `[T, K]` of any float dtype; `weight` a float `[N, K]` tensor (float32 / bfloat16 /
+    float16), or with `ggml_type` (a GGML type id, `_C.ggml_type_traits()`) a uint8
+    `[N, row_bytes]` tensor of GGUF blocks (`in_features` = K required). `bias` `[N]`.
+    Each weight row is read once for all T tokens; each output element is one row dot
+    product by one thread in a fixed order, so every output row is bit-identical for any
+    T, any other rows and any thread count (on one ISA path). `threads` (default
+    torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
+    Returns `[T, N]` in `out_dtype` (default x's dtype).
+    """
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
+        raise ValueError("cpu_linear: x must be a 2-D CPU tensor [T, K]")
+    if not x.is_floating_point() or x.shape[1] < 1:
+        raise ValueError(f"cpu_linear: x must be float [T, K >= 1], got {x.dtype} {list(x.shape)}")
+    K = x.shape[1]
+    w, fmt, gtype = _linear_weight(weight, ggml_type, in_features, K)
+    N = w.shape[0]
+    if w.stride(1) != 1:
+        w = w.contiguous()
+    b = 0
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.device.type != "cpu" or bias.shape != (N,):
+            raise ValueError(f"cpu_linear: bias must be a CPU tensor [N={N}]")
+        if not bias.is_floating_point():
+            raise ValueError(f"cpu_linear: bias must be float, got {bias.dtype}")
+        bias = bias.to(torch.float32).contiguous()
+        b = bias.data_ptr()
+    n_threads = _linear_threads(threads)
+    xf = x.to(torch.float32).contiguous()
+    y = torch.empty(x.shape[0], N, dtype=torch.float32)
+    _C.cpu_linear(
+        xf.data_ptr(), x.shape[0], K, w.data_ptr(), N, w.stride(0) * w.element_size(),
+        _fmt_codes()[fmt], gtype, b, y.data_ptr(), n_threads, isa,
+    )  # fmt: skip
+    out = out_dtype or x.dtype
+    return y if out == torch.float32 else y.to(out)
