@@ -33,7 +33,7 @@ from psr.cli.args import (
     writable_file,
 )
 from psr.policy import POLICIES
-from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, EXPERT_FORMATS, EXPERTS_ON
+from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, DENSE_FORMATS, EXPERT_FORMATS, EXPERTS_ON
 
 # Files whose presence makes psr.models.load load a tokenizer.
 
@@ -169,6 +169,11 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         default="native",
         help="how the host store keeps experts and copies move them: native (the model's "
         "dtype), bf16, or quantized int8 / fp8 / int4 (dequantized on the fly)",
+    ),
+    "dense_format": dict(
+        choices=DENSE_FORMATS,
+        help="dense weights on the device: native (a GGUF file's blocks as stored, computed "
+        "by psr's dense kernels) or float (dequantized to --dtype: more memory)",
     ),
     "quant_cache": dict(
         nargs="?",

@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from psr.models.dense_bytes import TensorEntry, keeps_blocks
 from psr.models.families import FAMILIES
 from psr.models.files import CheckpointError
 from psr.models.formats import rowformat
@@ -844,6 +845,14 @@ class GGUFCheckpoint:
         used |= {t.name for layer in self._experts.values() for t in layer.values()}
         return [n for n in self._tensors if n not in used]
 
+    def tensor_table(self) -> dict[str, TensorEntry]:
+        """Every GGUF tensor of the set -> its type, shape and bytes (the header's table,
+        read without torch: psr.models.dense_bytes counts from it)."""
+        return {
+            name: TensorEntry(t.tensor_type.name, tuple(t.shape), int(t.n_bytes))
+            for name, (_, t) in self._tensors.items()
+        }
+
     @property
     def config(self) -> Any:
         import transformers
@@ -1083,6 +1092,20 @@ class GGUFCheckpoint:
             out = torch.cat([out.transpose(1, 2), self._read(d.other)], dim=1)
         out = out.reshape(d.shape)
         return _unpermute(out, d.heads) if d.heads else out
+
+    def get_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """A dense tensor in HF layout as the file's blocks, for `dense_format="native"`:
+        (its GGML type, uint8 `[rows, row bytes]`, llama's q/k rows un-permuted as `get`
+        does; a view of the map), or None where it stays float (psr.models.dense_bytes)."""
+        d = self._require(name)
+        part, t = self._tensors[d.gguf_name]
+        qt = t.tensor_type.name
+        if d.other is not None or len(d.shape) != 2 or not keeps_blocks(d.gguf_name, qt, 2):
+            return None
+        if len(t.shape) != 2 or tuple(t.shape) != tuple(d.shape):
+            return None
+        raw = readonly_tensor(_raw(self._readers[part], t).reshape(d.shape[0], -1))
+        return qt, (_unpermute(raw, d.heads) if d.heads else raw)
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """`tensor[i]`; a quantized tensor's row alone where no permutation applies."""

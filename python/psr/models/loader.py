@@ -25,6 +25,7 @@ import psr_kernels as pk  # tests count quantize_expert calls through it
 from psr.load_config import LoadConfig
 from psr.machine import resolve_threads
 from psr.models.checkpoint import CheckpointError
+from psr.models.dense_weights import keep_blocks
 from psr.models.families import (
     disk_names,
     expert_parts,
@@ -225,7 +226,10 @@ def _build_model(ckpt: Any, r: Resolved, meta: tuple[nn.Module, list[int]]) -> n
     expert_prefixes = tuple(f"model.layers.{d}.{block}.experts." for d in moe_idx)
     state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
     tied = bool(getattr(r.config, "tie_word_embeddings", False))
-    for name in state_names:
+    kept: set[str] = set()  # dense_format native: a GGUF file's dense matrices stay in their blocks
+    if r.gguf and r.cfg.dense_format == "native":
+        kept = keep_blocks(model, ckpt, state_names, dt, dev, r.cfg.compute, tied)
+    for name in (n for n in state_names if n not in kept):
         src = next((c for c in disk_names(r.spec.family, name) if c in ckpt), None)
         if src is None:
             if name == "lm_head.weight" and tied:
@@ -241,7 +245,7 @@ def _build_model(ckpt: Any, r: Resolved, meta: tuple[nn.Module, list[int]]) -> n
         if t.is_floating_point():
             t = t.to(torch.float32 if keep_fp32(model, name) else dt)
         set_tensor(model, name, t.to(dev))
-    if tied:
+    if tied and "lm_head.weight" not in kept:
         model.lm_head.weight = model.get_input_embeddings().weight
     materialize_rotary(model, dev)
     built: nn.Module = model

@@ -1,0 +1,63 @@
+"""The dense (non-expert) part of a GGUF model per `dense_format`: which tensors stay in the
+file's blocks, and the device bytes they take, from the header's tensor table alone (no
+torch). The one rule the loader (`psr.models.loader`: what it builds), `psr inspect`, the
+memory plan and bench/fit_table.py (what they count) share.
+
+`dense_format="native"` keeps a tensor as the file stores it when it is a 2-D matrix in a
+block type psr's dense kernels compute (`psr_kernels.linear`), other than F32; everything
+else becomes the model dtype, as `"float"` makes every tensor:
+
+* F32 tensors, 1-D ones (norms, biases, gates of one row), in the dtype;
+* the routers (`ffn_gate_inp`): psr's routing kernels read float weights;
+* llama.cpp's split MLA `attn_k_b` / `attn_v_b`: recombined into DeepSeek's `kv_b_proj`
+  at load (the k half transposed across its blocks).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from psr.models.formats import rowformat
+from psr.vocab import DENSE_FORMATS
+
+# GGUF tensors kept float whatever their type (module doc).
+_FLOAT_ALWAYS = re.compile(r"\.ffn_gate_inp\.|\.attn_[kv]_b\.")
+
+
+class TensorEntry(NamedTuple):
+    """A GGUF tensor as its header describes it."""
+
+    type_name: str  # GGML type ("Q4_K", "F32", ...)
+    shape: tuple[int, ...]  # numpy order (rows first)
+    nbytes: int  # in the file
+
+
+def keeps_blocks(gguf_name: str, type_name: str, ndim: int) -> bool:
+    """Whether `dense_format="native"` keeps this dense GGUF tensor in its blocks."""
+    return ndim == 2 and type_name != "F32" and not _FLOAT_ALWAYS.search(gguf_name)
+
+
+def computable(type_name: str) -> bool:
+    """A block type psr's dense kernels compute (the expert kernels' table)."""
+    return type_name in rowformat().BLOCK_TYPE_TRAITS
+
+
+def dense_bytes(
+    table: Mapping[str, TensorEntry], names: Iterable[str], dense_format: str, itemsize: int
+) -> int:
+    """Device bytes of the dense tensors `names` of a GGUF `table` under `dense_format`
+    ("native" | "float"), the float ones in a dtype of `itemsize` bytes; tied embeddings
+    (no `output.weight`) count once, as the model shares them."""
+    if dense_format not in DENSE_FORMATS:
+        raise ValueError(f"dense_format must be one of {', '.join(DENSE_FORMATS)}")
+    total = 0
+    for name in names:
+        t = table[name]
+        if dense_format == "native" and keeps_blocks(name, t.type_name, len(t.shape)):
+            total += t.nbytes
+        else:
+            total += math.prod(t.shape) * itemsize
+    return total

@@ -1,0 +1,73 @@
+"""`dense_format="native"` at load: a GGUF file's dense matrices kept in their blocks.
+
+Before the loader reads any dense tensor, `keep_blocks` swaps each `nn.Linear` /
+`nn.Embedding` of the meta model whose weight the file holds in a block type (the rule:
+`psr.models.dense_bytes.keeps_blocks`) for a `QuantLinear` / `QuantEmbedding` over the
+file's bytes on the device (`psr.runtime.dense`); a tied output head shares the
+embedding's blocks. Every such tensor's type is checked first: one the dense kernels lack
+is refused in one line before anything is copied. What is not kept (norms, routers, F32
+tensors, biases) the loader reads as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from psr.models.dense_bytes import computable
+from psr.runtime.dense import QuantEmbedding, QuantLinear
+from psr_kernels.linear import LinearFormat
+
+_KINDS = (nn.Linear, nn.Embedding)  # exactly these: subclasses may scale or reshape
+
+
+def _candidates(model: nn.Module, ckpt: Any, names: list[str]) -> list[tuple[str, str, Any]]:
+    """(module name, GGML type, blocks) of each weight in `names` the file keeps in blocks."""
+    out = []
+    for name in names:
+        mod_name, _, attr = name.rpartition(".")
+        if attr != "weight" or type(model.get_submodule(mod_name)) not in _KINDS:
+            continue
+        if name not in ckpt:
+            continue
+        got = ckpt.get_blocks(name)
+        if got is not None:
+            out.append((mod_name, *got))
+    return out
+
+
+def keep_blocks(
+    model: nn.Module, ckpt: Any, names: list[str], dtype: torch.dtype, device: torch.device,
+    compute: str, tied: bool,
+) -> set[str]:  # fmt: skip
+    """Swap the meta model's modules whose weights (among `names`, HF names) the GGUF file
+    `ckpt` keeps in blocks; returns the weights it loaded ("lm_head.weight" too when it
+    ties the head to kept embeddings)."""
+    found = _candidates(model, ckpt, names)
+    for mod_name, qt, _ in found:
+        if not computable(qt):
+            raise ValueError(
+                f"{ckpt.path}: dense tensor {ckpt.gguf_name(mod_name + '.weight')!r} is {qt}, "
+                "a block type psr's dense kernels lack: load it with dense_format='float'"
+            )
+    loaded: set[str] = set()
+    for mod_name, qt, raw in found:
+        old = model.get_submodule(mod_name)
+        fmt = LinearFormat.parse(qt)
+        blocks = raw.to(device=device, memory_format=torch.contiguous_format, copy=True)
+        new: nn.Module
+        if isinstance(old, nn.Embedding):
+            new = QuantEmbedding(blocks, fmt, old.embedding_dim, dtype)
+        else:
+            assert isinstance(old, nn.Linear)  # _candidates: one of _KINDS
+            new = QuantLinear(blocks, fmt, old.in_features, bias=old.bias, compute=compute)
+        model.set_submodule(mod_name, new)
+        loaded.add(mod_name + ".weight")
+    emb = model.get_input_embeddings()  # type: ignore[operator]
+    if tied and isinstance(emb, QuantEmbedding):
+        head = QuantLinear(emb.qweight, emb.fmt, emb.embedding_dim, compute=compute)
+        model.set_submodule("lm_head", head)
+        loaded.add("lm_head.weight")
+    return loaded

@@ -1,0 +1,141 @@
+"""Dense layers whose weights stay in their stored format on the device (issue 39 item 1):
+drop-in `nn.Linear` / `nn.Embedding` replacements for a model's attention projections,
+shared experts, dense FFN layers, output head and embeddings.
+
+    QuantLinear(qweight, fmt, in_features, scales=, bias=, compute=)   y = x W^T + b
+    QuantEmbedding(qweight, fmt, embedding_dim, dtype, scales=)         rows of W, dequantized
+
+`qweight` (uint8 `[N, row bytes]`) and `scales` are buffers in `psr_kernels.linear`'s
+layout for the `LinearFormat` `fmt` (a GGML block type, or int8 / fp8 / int4 codes with
+fp32 scales). `dense_linear` is the one dispatch: Triton on CUDA (`psr_kernels.linear`,
+batch-invariant), the CPU kernels on the CPU (`cpu_linear`), the torch reference where
+neither applies. The embedding dequantizes only the looked-up rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import psr_kernels as pk
+from psr.store import cpu_kernels
+from psr_kernels.linear import LinearFormat
+
+
+def _cpu_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    fmt: LinearFormat,
+    in_features: int,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The CPU path: psr's CPU kernels for GGML blocks where the extension has them
+    (`cpu_kernels.cpu_linear`, rows bit-identical for any T), else the reference."""
+    kernel = getattr(cpu_kernels, "cpu_linear", None)  # lands with branch cpukern
+    if kernel is None or fmt.block is None:
+        return pk.linear_ref(x, qweight, fmt, in_features, scales, bias, out_dtype)
+    y: torch.Tensor = kernel(
+        x,
+        qweight,
+        ggml_type=fmt.block.type_id,
+        in_features=in_features,
+        bias=bias,
+        out_dtype=out_dtype,
+    )
+    return y
+
+
+def dense_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    fmt: LinearFormat,
+    in_features: int,
+    scales: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    compute: str = "auto",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`x [T, K] @ W^T (+ bias)` on the compute path `compute` resolves to on x's device
+    (`pk.resolve_compute`): Triton, the CPU kernels (torch path on the CPU), or the torch
+    reference (torch path elsewhere)."""
+    out = out_dtype or x.dtype
+    if pk.resolve_compute(compute, x.device) == "triton":
+        return pk.linear(x, qweight, fmt, in_features, scales, bias, out)
+    if x.device.type == "cpu":
+        return _cpu_linear(x, qweight, fmt, in_features, scales, bias, out)
+    return pk.linear_ref(x, qweight, fmt, in_features, scales, bias, out)
+
+
+class QuantLinear(nn.Module):
+    """`nn.Linear` over a weight kept in its stored format (`fmt`)."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        fmt: LinearFormat,
+        in_features: int,
+        scales: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        compute: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = fmt, int(in_features), qweight.shape[0]
+        self.compute = compute
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor | None
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = dense_linear(
+            x.reshape(-1, self.in_features),
+            self.qweight,
+            self.fmt,
+            self.in_features,
+            self.scales,
+            self.bias,
+            self.compute,
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as fp32 `[out, in]` (a new tensor: for tests and conversions)."""
+        return pk.dequantize_weight(self.qweight, self.fmt, self.in_features, self.scales)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over rows kept in their stored format: a lookup dequantizes only the
+    rows it reads, to `dtype`."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        fmt: LinearFormat,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        scales: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.fmt, self.embedding_dim, self.dtype = fmt, int(embedding_dim), dtype
+        self.num_embeddings = qweight.shape[0]
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor | None
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.qweight.index_select(0, flat)
+        s = None if self.scales is None else self.scales.index_select(0, flat)
+        w = pk.decode_rows(rows, self.fmt, self.embedding_dim, s)
+        return w.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
