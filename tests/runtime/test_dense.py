@@ -1,0 +1,136 @@
+"""Dense weights kept in their stored format: `QuantLinear` / `QuantEmbedding` against the
+references on both compute paths, and `psr.load(..., dense_format=)` of a GGUF file with
+Q8_0 and Q4_K dense matrices: native (the file's blocks) against float (dequantized) and
+the transformers twin, its memory smaller by what the header says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from ggml_blocks import random_blocks
+from gguf_files import gguf_tiny_model, twin_model, write_gguf
+
+import psr
+import psr_kernels as pk
+from psr.load_config import LoadConfig
+from psr.models.dense_bytes import dense_bytes, keeps_blocks
+from psr.models.gguf import GGUFCheckpoint
+from psr.runtime.dense import QuantEmbedding, QuantLinear
+from psr_kernels.linear import LinearFormat
+
+PROMPT = torch.tensor([[1, 50, 7, 90, 33, 200, 12, 5]])
+FORMATS = [(t, None) for t in pk.BLOCK_TYPES] + [("int8", None), ("fp8", 64), ("int4", 32)]
+
+
+def _weight(word: str, group: int | None, n: int) -> tuple[LinearFormat, int, torch.Tensor, Any]:
+    fmt = LinearFormat.parse(word, group)
+    k = 256 if fmt.block is None or fmt.block.block_len > 32 else 64
+    if fmt.block is not None:
+        raw = random_blocks(word, n, k, np.random.default_rng(n))
+        return fmt, k, torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8), None
+    q, s = pk.quantize_weight(torch.randn(n, k, generator=torch.Generator().manual_seed(n)), fmt)
+    return fmt, k, q, s
+
+
+@pytest.mark.parametrize(("word", "group"), FORMATS)
+@pytest.mark.parametrize("compute", ["triton", "torch"])
+def test_quant_linear_equals_the_reference(word: str, group, compute: str) -> None:
+    fmt, k, q, s = _weight(word, group, 12)
+    bias = torch.randn(12)
+    lin = QuantLinear(q.reshape(12, -1), fmt, k, scales=s, bias=bias, compute=compute)
+    x = torch.randn(2, 3, k)
+    want = pk.linear_ref(x.reshape(6, k), lin.qweight, fmt, k, s, bias).reshape(2, 3, 12)
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
+    w = lin.dequantized()
+    torch.testing.assert_close(lin(x), x @ w.T + bias, rtol=1e-5, atol=1e-5)
+    if word in ("Q4_K", "int8"):  # the embedding: only the looked-up rows, in its dtype
+        emb = QuantEmbedding(lin.qweight, fmt, k, torch.bfloat16, scales=s)
+        ids = torch.tensor([[3, 0], [11, 3]])
+        assert torch.equal(emb(ids), w[ids].to(torch.bfloat16))
+
+
+def _gguf(tmp_path: Path, tied: bool) -> tuple[Path, torch.nn.Module]:
+    """A tiny Qwen3-MoE GGUF: dense matrices Q8_0 in layer 0, Q4_K elsewhere (embeddings and
+    output head included), Q8_0 experts; and its transformers twin."""
+    model = gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256)
+    if tied:
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    path = tmp_path / f"dense{'_tied' if tied else ''}.gguf"
+    types = {"experts": "Q8_0", "dense": lambda layer: "Q8_0" if layer == 0 else "Q4_K"}
+    return path, twin_model(model, write_gguf(model, path, types))  # type: ignore[dict-item]
+
+
+def _load(path: Path, dense_format: str, compute: str = "torch") -> psr.OffloadedModel:
+    return psr.load(
+        path, "exact", residency=0.5, device="cpu", compute=compute, progress=False,
+        dense_format=dense_format,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_native_equals_float_and_the_twin_in_less_memory(tmp_path: Path, tied: bool) -> None:
+    path, twin = _gguf(tmp_path, tied)
+    with torch.no_grad():
+        want = twin(input_ids=PROMPT).logits
+        tokens = twin.generate(PROMPT, max_new_tokens=3, do_sample=False)
+    native, flt = _load(path, "native"), _load(path, "float")
+    hf = native.hf
+    assert isinstance(hf.model.embed_tokens, QuantEmbedding)
+    assert isinstance(hf.model.layers[0].self_attn.q_proj, QuantLinear)
+    assert str(hf.model.layers[0].self_attn.q_proj.fmt) == "Q8_0"
+    assert str(hf.model.layers[1].mlp.gate.inner.weight.dtype) == "torch.float32"  # router
+    assert isinstance(hf.lm_head, QuantLinear) and str(hf.lm_head.fmt) == "Q4_K"
+    if tied:  # one copy of the blocks
+        assert hf.lm_head.qweight.data_ptr() == hf.model.embed_tokens.qweight.data_ptr()
+    for m in (native, flt):
+        torch.testing.assert_close(m(PROMPT), want, rtol=3e-4, atol=3e-4)
+        assert torch.equal(m.generate(PROMPT, max_new_tokens=3), tokens)
+    # the same arithmetic: dequantized fp32 weights, fp32 F.linear
+    torch.testing.assert_close(native(PROMPT), flt(PROMPT), rtol=1e-6, atol=1e-6)
+    ck = GGUFCheckpoint(path)
+    table = ck.tensor_table()
+    ck.close()
+    dense = [n for n in table if "_exps." not in n]
+    kept = [n for n in dense if keeps_blocks(n, table[n].type_name, len(table[n].shape))]
+    assert {table[n].type_name for n in kept} == {"Q8_0", "Q4_K"} and len(kept) == 9 + (not tied)
+    saved = dense_bytes(table, dense, "float", 4) - dense_bytes(table, dense, "native", 4)
+    assert saved == sum(int(np.prod(table[n].shape)) * 4 - table[n].nbytes for n in kept)
+    got = flt.memory()["device_dense"] - native.memory()["device_dense"]
+    assert got == saved
+    assert native.memory()["device_dense"] < flt.memory()["device_dense"] / 4  # 4 B -> ~1
+    native.close()
+    flt.close()
+
+
+def test_triton_path_on_kept_blocks(tmp_path: Path) -> None:
+    """The Triton dense kernels (interpreted) in the loaded model: one forward."""
+    path, twin = _gguf(tmp_path, tied=False)
+    with torch.no_grad():
+        want = twin(input_ids=PROMPT).logits
+    with _load(path, "native", compute="triton") as m:
+        torch.testing.assert_close(m(PROMPT), want, rtol=3e-4, atol=3e-4)
+
+
+def test_a_block_type_the_dense_kernels_lack_is_refused(tmp_path: Path) -> None:
+    model = gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256)
+    path = tmp_path / "tq.gguf"
+    write_gguf(model, path, {"experts": "Q8_0", "dense": "TQ2_0"})
+    with pytest.raises(ValueError, match=r"'token_embd.weight' is TQ2_0, a block type psr's "):
+        _load(path, "native")
+    _load(path, "float").close()  # dequantized by gguf-py, as before
+
+
+def test_dense_format_option() -> None:
+    assert LoadConfig().dense_format == "native"
+    with pytest.raises(ValueError, match=r"^dense_format must be one of native, float; got 'q4'$"):
+        LoadConfig(dense_format="q4")
+    from psr.cli import build_parser
+    from psr.cli.generate import load_options
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--dense-format", "float"])
+    assert LoadConfig.of("load", **load_options(args)).dense_format == "float"
