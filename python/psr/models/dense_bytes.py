@@ -18,11 +18,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from psr.models.formats import rowformat
 from psr.vocab import DENSE_FORMATS
 
+# GGUF tensors transformers' model holds as no parameter: the router's correction bias (a
+# buffer), llama.cpp's rope frequencies (computed), the MTP layers' tensors (no layer)
+_NOT_PARAMETERS = re.compile(r"\.exp_probs_b\.|^rope_freqs\.|\.nextn\.")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
 # GGUF tensors kept float whatever their type (module doc).
 _FLOAT_ALWAYS = re.compile(r"\.ffn_gate_inp\.|\.attn_[kv]_b\.")
 
@@ -33,6 +37,19 @@ class TensorEntry(NamedTuple):
     type_name: str  # GGML type ("Q4_K", "F32", ...)
     shape: tuple[int, ...]  # numpy order (rows first)
     nbytes: int  # in the file
+
+
+def dense_part(names: Iterable[str], num_layers: int) -> list[str]:
+    """The GGUF tensors (of `names`) the device holds beside the routed experts: every one
+    but the experts (`*_exps`), llama.cpp's MTP layers (after the last of `num_layers`) and
+    what transformers' model holds as no parameter."""
+
+    def counted(name: str) -> bool:
+        m = _LAYER.match(name)
+        in_model = m is None or int(m[1]) < num_layers
+        return in_model and "_exps." not in name and not _NOT_PARAMETERS.search(name)
+
+    return [n for n in names if counted(n)]
 
 
 def keeps_blocks(gguf_name: str, type_name: str, ndim: int) -> bool:
@@ -61,3 +78,13 @@ def dense_bytes(
         else:
             total += math.prod(t.shape) * itemsize
     return total
+
+
+def gguf_dense_bytes(ck: Any, dense_format: str, itemsize: int) -> int:
+    """Device bytes of an opened GGUF checkpoint's dense part (`psr.models.gguf.
+    GGUFCheckpoint`: its header's table) under `dense_format`, float tensors in a dtype of
+    `itemsize` bytes: what `psr.load` puts on the device beside the slab (the memory plan's
+    and `psr inspect`'s figure)."""
+    table: Mapping[str, TensorEntry] = ck.tensor_table()
+    names = dense_part(table, int(ck.config_dict["num_hidden_layers"]))
+    return dense_bytes(table, names, dense_format, itemsize)
