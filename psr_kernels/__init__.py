@@ -41,7 +41,8 @@ Block-wise FP8 checkpoints (128 x 128 tile scales) as blocks: pack_fp8_b128 -> F
 Dense layers on stored weights (`psr_kernels.linear`): LinearFormat.parse("Q4_K" | "int8",
 group) -> fmt; linear(x, qweight, fmt, K, scales=, bias=) -> x W^T (Triton, batch-invariant:
 row t bit-identical for any T); linear_ref (torch); dequantize_weight / decode_rows -> fp32
-rows; quantize_weight(w, fmt) -> (codes, scales) for int8 / fp8 / int4.
+rows; quantize_weight(w, fmt) -> (codes, scales) for int8 / fp8 / int4; linear_heads_t(x,
+blocks, fmt, heads) -> x W_h per head for transposed blocks (MLA's split attn_k_b).
 Compute dispatch (`psr_kernels.dispatch`): resolve_compute(compute, device) ->
 "triton" | "torch" and kernel_ops(compute, device) -> the ops of that path;
 compute is "auto" | "triton" | "torch", "auto" honouring the env default PSR_COMPUTE.
@@ -89,6 +90,8 @@ from psr_kernels.linear import (
     decode_rows,
     dequantize_weight,
     linear,
+    linear_heads_t,
+    linear_heads_t_ref,
     linear_ref,
     quantize_weight,
 )
@@ -204,6 +207,8 @@ __all__ = [
     "is_ggml_format",
     "kernel_ops",
     "linear",
+    "linear_heads_t",
+    "linear_heads_t_ref",
     "linear_ref",
     "make_vllm_routing_function",
     "pack_expert",

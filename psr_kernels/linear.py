@@ -228,11 +228,13 @@ def _linear_kernel(
     T,  # rows of x: never specialised on, so any T runs the same code (batch invariance)
     N,
     K,
+    C,  # TRANS_W: outputs per head (the stored rows' length)
     tab_ptr,  # the IQ types' grids and signs (`ggml.iq_table`)
     IS_BLOCKS: tl.constexpr,  # GGML blocks (WTYPE) or psr's codes with scales (QFMT)
     WTYPE: tl.constexpr,
     QFMT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    TRANS_W: tl.constexpr,  # blocks of heads' W_h^T: output n of head n // C is column n % C
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -244,17 +246,24 @@ def _linear_kernel(
     rows = w_ptr + ns[:, None].to(tl.int64) * RB
     s_rows = s_ptr.to(tl.pointer_type(tl.float32)) + ns[:, None].to(tl.int64) * NG
     x_rows = x_ptr + ms[:, None].to(tl.int64) * s_xt
+    head_rows = w_ptr + ((ns // C) * K)[None, :].to(tl.int64) * RB  # TRANS_W: row h * K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):  # one order for every T: no split-K
         ks = k0 + tl.arange(0, BLOCK_K)[None, :]
         km = ks < K
         x = tl.load(x_rows + ks, mask=mm[:, None] & km, other=0.0).to(tl.float32)
-        wm = nm[:, None] & km
-        if IS_BLOCKS:
-            w = _ggml_tile(rows, ks, wm, tab_ptr, WTYPE)
+        if TRANS_W:  # w [BK, BN]: stored row h * K + k, column n % C
+            kc = k0 + tl.arange(0, BLOCK_K)[:, None]
+            wm = (kc < K) & nm[None, :]
+            w = _ggml_tile(head_rows + kc.to(tl.int64) * RB, (ns % C)[None, :], wm, tab_ptr, WTYPE)
         else:
-            w = _quant_tile(rows, ks, wm, s_rows, G, QFMT)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")  # fp32 products, no TF32
+            wm = nm[:, None] & km
+            if IS_BLOCKS:
+                w = _ggml_tile(rows, ks, wm, tab_ptr, WTYPE)
+            else:
+                w = _quant_tile(rows, ks, wm, s_rows, G, QFMT)
+            w = tl.trans(w)
+        acc = tl.dot(x, w, acc, input_precision="ieee")  # fp32 products, no TF32
     if HAS_BIAS:
         acc += tl.load(b_ptr + ns, mask=nm, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + ms[:, None].to(tl.int64) * s_yt + ns[None, :]
@@ -286,14 +295,72 @@ def linear(
     if x.shape[0] == 0 or n == 0:
         return y
     s = scales if scales is not None else torch.empty(1, dtype=torch.float32, device=dev)
+    _launch(x, w, fmt, in_features, s, bias, y, n, 1)
+    return y
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    fmt: LinearFormat,
+    k: int,
+    s: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    n: int,
+    cols: int,
+    trans: bool = False,
+) -> None:
+    """The one launch of `_linear_kernel` (fixed tiles) for `n` outputs."""
     block = fmt.block
     grid = (triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
     _linear_kernel[grid](
-        x, x.stride(0), w, w.shape[1], s.contiguous(), fmt.group_of(in_features),
+        x, x.stride(0), w, w.shape[1], s.contiguous(), fmt.group_of(k),
         s.shape[-1] if block is None else 1, bias if bias is not None else s, y, y.stride(0),
-        x.shape[0], n, in_features, iq_table(dev),
+        x.shape[0], n, k, cols, iq_table(y.device),
         IS_BLOCKS=block is not None, WTYPE=block.type_id if block is not None else -1,
         QFMT=fmt.quant.code if fmt.quant is not None else -1, HAS_BIAS=bias is not None,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        TRANS_W=trans, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
     )  # fmt: skip
+
+
+def _check_heads(op: str, qweight: torch.Tensor, fmt: LinearFormat, heads: int) -> tuple[int, int]:
+    """(K, C) of blocks holding `heads` matrices W_h^T [K, C] (rows h * K + k)."""
+    if fmt.block is None or qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"{op}: the heads' blocks are GGML rows, uint8 [heads * K, row bytes]")
+    if heads < 1 or qweight.shape[0] % heads:
+        raise ValueError(f"{op}: {qweight.shape[0]} rows are not {heads} heads' matrices")
+    c = qweight.shape[1] // fmt.block.block_bytes * fmt.block.block_len
+    if fmt.row_bytes(c) != qweight.shape[1]:
+        raise ValueError(f"{op}: rows of {qweight.shape[1]} bytes are not whole {fmt} blocks")
+    return qweight.shape[0] // heads, c
+
+
+def linear_heads_t_ref(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: LinearFormat, heads: int
+) -> torch.Tensor:
+    """The reference of `linear_heads_t`: W dequantized to fp32, one matmul per head."""
+    k, c = _check_heads("linear_heads_t_ref", qweight, fmt, heads)
+    _check_x("linear_heads_t_ref", x, k)
+    w = dequantize_weight(qweight, fmt, c).reshape(heads, k, c)
+    y = torch.einsum("tk,hkc->thc", x.float(), w)
+    return y.reshape(x.shape[0], heads * c).to(x.dtype)
+
+
+def linear_heads_t(
+    x: torch.Tensor, qweight: torch.Tensor, fmt: LinearFormat, heads: int
+) -> torch.Tensor:
+    """`y[t, h * C + c] = sum_k x[t, k] W_h[k, c]` for `heads` matrices W_h `[K, C]` stored
+    as GGML rows `h * K + k` (llama.cpp's split MLA `attn_k_b [heads, rank, nope]`: the
+    transposed weight DeepSeek's kv_b_proj applies), the same kernel and batch invariance
+    as `linear`."""
+    op = "linear_heads_t"
+    k, c = _check_heads(op, qweight, fmt, heads)
+    _check_x(op, x, k)
+    dev = check_launchable(op, x, qweight)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    y = torch.empty(x.shape[0], heads * c, dtype=x.dtype, device=dev)
+    if x.shape[0]:
+        s = torch.empty(1, dtype=torch.float32, device=dev)
+        _launch(x, qweight.contiguous(), fmt, k, s, None, y, heads * c, c, trans=True)
     return y

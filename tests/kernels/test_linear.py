@@ -110,6 +110,24 @@ def test_rows_are_bit_identical_for_any_batch(word: str, group, dtype: torch.dty
     assert torch.equal(pk.linear(shuffled, q, fmt, k, s), full[[BLOCK_M + 2, 0, 5]])
 
 
+@pytest.mark.parametrize(("t", "cols"), [("Q8_0", 64), ("Q4_K", 256), ("F16", 40)])
+def test_heads_of_transposed_blocks(t: str, cols: int) -> None:
+    """`linear_heads_t`: 3 heads' W_h [K, C] as rows h * K + k (MLA's attn_k_b), against
+    gguf-py's twin; rows bit-identical for any T."""
+    heads, k = 3, 48
+    q, w = _ggml_weight(t, heads * k, cols, seed=8)
+    x = torch.randn(BLOCK_M + 2, k, generator=torch.Generator().manual_seed(9))
+    fmt = LinearFormat.parse(t)
+    want = torch.einsum("tk,hkc->thc", x.double(), w.double().reshape(heads, k, cols))
+    y = pk.linear_heads_t(x, q, fmt, heads)
+    torch.testing.assert_close(y.double(), want.reshape(len(x), -1), rtol=0, atol=1e-5)
+    ref = pk.linear_heads_t_ref(x, q, fmt, heads)
+    torch.testing.assert_close(ref, y, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pk.linear_heads_t(x[BLOCK_M : BLOCK_M + 1], q, fmt, heads), y[BLOCK_M:-1])
+    with pytest.raises(ValueError, match="144 rows are not 5 heads' matrices"):
+        pk.linear_heads_t(x, q, fmt, 5)
+
+
 def test_decode_rows_and_empty_batches() -> None:
     q, w = _ggml_weight("Q5_K", 8, 256, seed=7)
     fmt = LinearFormat.parse("Q5_K")

@@ -19,7 +19,7 @@ import psr_kernels as pk
 from psr.load_config import LoadConfig
 from psr.models.dense_bytes import dense_bytes, keeps_blocks
 from psr.models.gguf import GGUFCheckpoint
-from psr.runtime.dense import QuantEmbedding, QuantLinear
+from psr.runtime.dense import MlaKvB, QuantEmbedding, QuantLinear
 from psr_kernels.linear import LinearFormat
 
 PROMPT = torch.tensor([[1, 50, 7, 90, 33, 200, 12, 5]])
@@ -53,16 +53,19 @@ def test_quant_linear_equals_the_reference(word: str, group, compute: str) -> No
         assert torch.equal(emb(ids), w[ids].to(torch.bfloat16))
 
 
-def _gguf(tmp_path: Path, tied: bool) -> tuple[Path, torch.nn.Module]:
+def _gguf(tmp_path: Path, tied: bool, family: str = "qwen3_moe") -> tuple[Path, Any]:
     """A tiny Qwen3-MoE GGUF: dense matrices Q8_0 in layer 0, Q4_K elsewhere (embeddings and
-    output head included), Q8_0 experts; and its transformers twin."""
-    model = gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256)
+    output head included), Q8_0 experts; and its transformers twin. DeepSeek-V3 (MLA: rows
+    of 64 and 128): Q8_0 dense, llama.cpp's split attn_k_b / attn_v_b."""
+    model = gguf_tiny_model(family, head_dim=64, vocab=256)
     if tied:
         model.config.tie_word_embeddings = True
         model.lm_head.weight = model.model.embed_tokens.weight
-    path = tmp_path / f"dense{'_tied' if tied else ''}.gguf"
-    types = {"experts": "Q8_0", "dense": lambda layer: "Q8_0" if layer == 0 else "Q4_K"}
-    return path, twin_model(model, write_gguf(model, path, types))  # type: ignore[dict-item]
+    path = tmp_path / f"{family}{'_tied' if tied else ''}.gguf"
+    types: dict[str, Any] = {"experts": "Q8_0", "dense": "Q8_0"}
+    if family == "qwen3_moe":
+        types["dense"] = lambda layer: "Q8_0" if layer == 0 else "Q4_K"
+    return path, twin_model(model, write_gguf(model, path, types))
 
 
 def _load(path: Path, dense_format: str, compute: str = "torch") -> psr.OffloadedModel:
@@ -72,19 +75,28 @@ def _load(path: Path, dense_format: str, compute: str = "torch") -> psr.Offloade
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_native_equals_float_and_the_twin_in_less_memory(tmp_path: Path, tied: bool) -> None:
-    path, twin = _gguf(tmp_path, tied)
+@pytest.mark.parametrize(
+    ("family", "tied"), [("qwen3_moe", False), ("qwen3_moe", True), ("deepseek_v3", False)]
+)
+def test_native_equals_float_and_the_twin_in_less_memory(
+    tmp_path: Path, family: str, tied: bool
+) -> None:
+    path, twin = _gguf(tmp_path, tied, family)
     with torch.no_grad():
         want = twin(input_ids=PROMPT).logits
         tokens = twin.generate(PROMPT, max_new_tokens=3, do_sample=False)
     native, flt = _load(path, "native"), _load(path, "float")
     hf = native.hf
     assert isinstance(hf.model.embed_tokens, QuantEmbedding)
-    assert isinstance(hf.model.layers[0].self_attn.q_proj, QuantLinear)
-    assert str(hf.model.layers[0].self_attn.q_proj.fmt) == "Q8_0"
-    assert str(hf.model.layers[1].mlp.gate.inner.weight.dtype) == "torch.float32"  # router
-    assert isinstance(hf.lm_head, QuantLinear) and str(hf.lm_head.fmt) == "Q4_K"
+    attn = hf.model.layers[1].self_attn
+    assert isinstance(hf.lm_head, QuantLinear) and isinstance(attn.o_proj, QuantLinear)
+    if family == "deepseek_v3":
+        assert isinstance(attn.kv_b_proj, MlaKvB)
+        assert str(attn.kv_b_proj.k_fmt) == str(attn.kv_b_proj.v_fmt) == "Q8_0"
+    else:
+        assert str(hf.model.layers[0].self_attn.q_proj.fmt) == "Q8_0"
+        assert str(hf.model.layers[1].mlp.gate.inner.weight.dtype) == "torch.float32"  # router
+        assert str(hf.lm_head.fmt) == "Q4_K"
     if tied:  # one copy of the blocks
         assert hf.lm_head.qweight.data_ptr() == hf.model.embed_tokens.qweight.data_ptr()
     for m in (native, flt):
@@ -97,12 +109,17 @@ def test_native_equals_float_and_the_twin_in_less_memory(tmp_path: Path, tied: b
     ck.close()
     dense = [n for n in table if "_exps." not in n]
     kept = [n for n in dense if keeps_blocks(n, table[n].type_name, len(table[n].shape))]
-    assert {table[n].type_name for n in kept} == {"Q8_0", "Q4_K"} and len(kept) == 9 + (not tied)
+    if family == "qwen3_moe":
+        assert {table[n].type_name for n in kept} == {"Q8_0", "Q4_K"}
+        assert len(kept) == 9 + (not tied)
+    else:  # every dense matrix but the routers, the split kv_b included
+        assert {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"} <= set(kept)
     saved = dense_bytes(table, dense, "float", 4) - dense_bytes(table, dense, "native", 4)
     assert saved == sum(int(np.prod(table[n].shape)) * 4 - table[n].nbytes for n in kept)
     got = flt.memory()["device_dense"] - native.memory()["device_dense"]
     assert got == saved
-    assert native.memory()["device_dense"] < flt.memory()["device_dense"] / 4  # 4 B -> ~1
+    # 4 B -> ~1 B a weight (fp32 routers, norms and rotary tables stay)
+    assert native.memory()["device_dense"] < flt.memory()["device_dense"] / 3
     native.close()
     flt.close()
 
@@ -114,6 +131,22 @@ def test_triton_path_on_kept_blocks(tmp_path: Path) -> None:
         want = twin(input_ids=PROMPT).logits
     with _load(path, "native", compute="triton") as m:
         torch.testing.assert_close(m(PROMPT), want, rtol=3e-4, atol=3e-4)
+
+
+def test_mla_kv_b_on_both_paths(tmp_path: Path) -> None:
+    """DeepSeek's kv_b_proj from the split blocks: Triton (interpreted) = torch = the float
+    path's recomposed matrix."""
+    path, _ = _gguf(tmp_path, tied=False, family="deepseek_v3")
+    ck = GGUFCheckpoint(path)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    w = ck.get(name)
+    (kt, k), (vt, v), heads = ck.get_split_kv_b(name)
+    ck.close()
+    x = torch.randn(3, w.shape[1])
+    fk, fv = LinearFormat.parse(kt), LinearFormat.parse(vt)
+    for compute in ("triton", "torch"):
+        m = MlaKvB(k.clone(), fk, v.clone(), fv, heads, compute=compute)
+        torch.testing.assert_close(m(x[None])[0], x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_a_block_type_the_dense_kernels_lack_is_refused(tmp_path: Path) -> None:

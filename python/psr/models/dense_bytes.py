@@ -8,9 +8,11 @@ block type psr's dense kernels compute (`psr_kernels.linear`), other than F32; e
 else becomes the model dtype, as `"float"` makes every tensor:
 
 * F32 tensors, 1-D ones (norms, biases, gates of one row), in the dtype;
-* the routers (`ffn_gate_inp`): psr's routing kernels read float weights;
-* llama.cpp's split MLA `attn_k_b` / `attn_v_b`: recombined into DeepSeek's `kv_b_proj`
-  at load (the k half transposed across its blocks).
+* the routers (`ffn_gate_inp`): psr's routing kernels read float weights.
+
+llama.cpp's split MLA `attn_k_b [heads, rank, nope]` / `attn_v_b [heads, v, rank]` (3-D)
+stay in their blocks whatever their type: DeepSeek's `kv_b_proj` computes from both
+(`psr.runtime.dense.MlaKvB`; the k half is the transposed weight, `linear_heads_t`).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from psr.vocab import DENSE_FORMATS
 # buffer), llama.cpp's rope frequencies (computed), the MTP layers' tensors (no layer)
 _NOT_PARAMETERS = re.compile(r"\.exp_probs_b\.|^rope_freqs\.|\.nextn\.")
 _LAYER = re.compile(r"^blk\.(\d+)\.")
-# GGUF tensors kept float whatever their type (module doc).
-_FLOAT_ALWAYS = re.compile(r"\.ffn_gate_inp\.|\.attn_[kv]_b\.")
+# GGUF tensors kept float whatever their type (module doc), and llama.cpp's split MLA
+# kv_b, kept in blocks whatever their type (psr.runtime.dense.MlaKvB computes them).
+_FLOAT_ALWAYS = re.compile(r"\.ffn_gate_inp\.")
+_MLA_SPLIT = re.compile(r"\.attn_[kv]_b\.weight$")
 
 
 class TensorEntry(NamedTuple):
@@ -54,6 +58,8 @@ def dense_part(names: Iterable[str], num_layers: int) -> list[str]:
 
 def keeps_blocks(gguf_name: str, type_name: str, ndim: int) -> bool:
     """Whether `dense_format="native"` keeps this dense GGUF tensor in its blocks."""
+    if _MLA_SPLIT.search(gguf_name):
+        return ndim == 3
     return ndim == 2 and type_name != "F32" and not _FLOAT_ALWAYS.search(gguf_name)
 
 

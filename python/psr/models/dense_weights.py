@@ -17,14 +17,15 @@ import torch
 from torch import nn
 
 from psr.models.dense_bytes import computable
-from psr.runtime.dense import QuantEmbedding, QuantLinear
+from psr.runtime.dense import MlaKvB, QuantEmbedding, QuantLinear
 from psr_kernels.linear import LinearFormat
 
 _KINDS = (nn.Linear, nn.Embedding)  # exactly these: subclasses may scale or reshape
 
 
-def _candidates(model: nn.Module, ckpt: Any, names: list[str]) -> list[tuple[str, str, Any]]:
-    """(module name, GGML type, blocks) of each weight in `names` the file keeps in blocks."""
+def _candidates(model: nn.Module, ckpt: Any, names: list[str]) -> list[tuple[str, Any]]:
+    """(module name, what the file keeps) of each weight in `names` kept in blocks: a
+    (GGML type, blocks) pair, or DeepSeek's split kv_b (`GGUFCheckpoint.get_split_kv_b`)."""
     out = []
     for name in names:
         mod_name, _, attr = name.rpartition(".")
@@ -32,10 +33,33 @@ def _candidates(model: nn.Module, ckpt: Any, names: list[str]) -> list[tuple[str
             continue
         if name not in ckpt:
             continue
-        got = ckpt.get_blocks(name)
+        got = ckpt.get_split_kv_b(name) or ckpt.get_blocks(name)
         if got is not None:
-            out.append((mod_name, *got))
+            out.append((mod_name, got))
     return out
+
+
+def _types(kept: Any) -> list[str]:
+    return [kept[0][0], kept[1][0]] if len(kept) == 3 else [kept[0]]
+
+
+def _module(
+    old: nn.Module, kept: Any, dtype: torch.dtype, dev: torch.device, compute: str
+) -> nn.Module:
+    """The module over the kept blocks (copied to `dev`) that replaces `old`."""
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=dev, memory_format=torch.contiguous_format, copy=True)
+
+    if len(kept) == 3:  # split kv_b: (k type, k rows), (v type, v rows), heads
+        (kt, k), (vt, v), heads = kept
+        fk, fv = LinearFormat.parse(kt), LinearFormat.parse(vt)
+        return MlaKvB(own(k), fk, own(v), fv, heads, compute=compute)
+    fmt, blocks = LinearFormat.parse(kept[0]), own(kept[1])
+    if isinstance(old, nn.Embedding):
+        return QuantEmbedding(blocks, fmt, old.embedding_dim, dtype)
+    assert isinstance(old, nn.Linear)  # _candidates: one of _KINDS
+    return QuantLinear(blocks, fmt, old.in_features, bias=old.bias, compute=compute)
 
 
 def keep_blocks(
@@ -46,23 +70,17 @@ def keep_blocks(
     `ckpt` keeps in blocks; returns the weights it loaded ("lm_head.weight" too when it
     ties the head to kept embeddings)."""
     found = _candidates(model, ckpt, names)
-    for mod_name, qt, _ in found:
-        if not computable(qt):
-            raise ValueError(
-                f"{ckpt.path}: dense tensor {ckpt.gguf_name(mod_name + '.weight')!r} is {qt}, "
-                "a block type psr's dense kernels lack: load it with dense_format='float'"
-            )
+    for mod_name, kept in found:
+        for qt in _types(kept):
+            if not computable(qt):
+                raise ValueError(
+                    f"{ckpt.path}: dense tensor {ckpt.gguf_name(mod_name + '.weight')!r} is "
+                    f"{qt}, a block type psr's dense kernels lack: load it with "
+                    "dense_format='float'"
+                )
     loaded: set[str] = set()
-    for mod_name, qt, raw in found:
-        old = model.get_submodule(mod_name)
-        fmt = LinearFormat.parse(qt)
-        blocks = raw.to(device=device, memory_format=torch.contiguous_format, copy=True)
-        new: nn.Module
-        if isinstance(old, nn.Embedding):
-            new = QuantEmbedding(blocks, fmt, old.embedding_dim, dtype)
-        else:
-            assert isinstance(old, nn.Linear)  # _candidates: one of _KINDS
-            new = QuantLinear(blocks, fmt, old.in_features, bias=old.bias, compute=compute)
+    for mod_name, kept in found:
+        new = _module(model.get_submodule(mod_name), kept, dtype, device, compute)
         model.set_submodule(mod_name, new)
         loaded.add(mod_name + ".weight")
     emb = model.get_input_embeddings()  # type: ignore[operator]

@@ -1107,6 +1107,28 @@ class GGUFCheckpoint:
         raw = readonly_tensor(_raw(self._readers[part], t).reshape(d.shape[0], -1))
         return qt, (_unpermute(raw, d.heads) if d.heads else raw)
 
+    def get_split_kv_b(
+        self, name: str
+    ) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor], int] | None:
+        """DeepSeek's kv_b_proj `name` where the file holds llama.cpp's split attn_k_b /
+        attn_v_b, as their blocks: ((k type, uint8 [heads * rank, row bytes of nope]), (v type,
+        uint8 [heads * v, row bytes of rank]), heads), views of the map; else None."""
+        d = self._require(name)
+        if d.join != "kv_b" or d.other is None:
+            return None
+        parts = []
+        for g in (d.gguf_name, d.other):
+            part, t = self._tensors[g]
+            rows = int(np.prod(t.shape[:-1]))
+            parts.append(
+                (
+                    t.tensor_type.name,
+                    readonly_tensor(_raw(self._readers[part], t).reshape(rows, -1)),
+                )
+            )
+        heads = int(self._tensors[d.gguf_name][1].shape[0])
+        return parts[0], parts[1], heads
+
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """`tensor[i]`; a quantized tensor's row alone where no permutation applies."""
         import torch

@@ -4,6 +4,7 @@ shared experts, dense FFN layers, output head and embeddings.
 
     QuantLinear(qweight, fmt, in_features, scales=, bias=, compute=)   y = x W^T + b
     QuantEmbedding(qweight, fmt, embedding_dim, dtype, scales=)         rows of W, dequantized
+    MlaKvB(k, k_fmt, v, v_fmt, heads, compute=)      DeepSeek's kv_b_proj from split blocks
 
 `qweight` (uint8 `[N, row bytes]`) and `scales` are buffers in `psr_kernels.linear`'s
 layout for the `LinearFormat` `fmt` (a GGML block type, or int8 / fp8 / int4 codes with
@@ -139,3 +140,41 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
+
+
+class MlaKvB(nn.Module):
+    """DeepSeek's `kv_b_proj` (`[T, rank] -> [T, heads * (nope + v)]`, each head's nope k
+    values then its v values) from llama.cpp's split MLA blocks: `k` = attn_k_b's rows
+    `[heads * rank, nope]` (the transposed weight: `pk.linear_heads_t`) and `v` = attn_v_b's
+    rows `[heads * v, rank]` (a plain linear)."""
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        k_fmt: LinearFormat,
+        v: torch.Tensor,
+        v_fmt: LinearFormat,
+        heads: int,
+        compute: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.k_fmt, self.v_fmt, self.heads, self.compute = k_fmt, v_fmt, int(heads), compute
+        self.rank = k.shape[0] // self.heads
+        self.k_blocks: torch.Tensor
+        self.v_blocks: torch.Tensor
+        self.register_buffer("k_blocks", k)
+        self.register_buffer("v_blocks", v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.rank)
+        if pk.resolve_compute(self.compute, x.device) == "triton":
+            k = pk.linear_heads_t(x2, self.k_blocks, self.k_fmt, self.heads)
+        else:
+            k = pk.linear_heads_t_ref(x2, self.k_blocks, self.k_fmt, self.heads)
+        v = dense_linear(x2, self.v_blocks, self.v_fmt, self.rank, compute=self.compute)
+        t, h = x2.shape[0], self.heads
+        y = torch.cat([k.view(t, h, -1), v.view(t, h, -1)], -1)
+        return y.reshape(*lead, -1)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, rank={self.rank}, k {self.k_fmt}, v {self.v_fmt}"
