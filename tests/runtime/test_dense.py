@@ -167,3 +167,18 @@ def test_dense_format_option() -> None:
 
     args = build_parser().parse_args(["generate", "--prompt", "x", "--dense-format", "float"])
     assert LoadConfig.of("load", **load_options(args)).dense_format == "float"
+
+
+def test_the_dense_custom_ops_pass_opcheck() -> None:
+    """What a compiled forward (graphs on the CPU) calls: the ops' fake shapes and schemas."""
+    import psr.runtime.dense  # noqa: F401  (registers the ops)
+
+    _, k, q, _ = _weight("Q8_0", None, 8)
+    q = q.reshape(8, -1)
+    x = torch.randn(3, k)
+    ops = torch.ops.psr_dense
+    torch.library.opcheck(ops.linear, (x, q, None, torch.randn(8), "Q8_0", 0, k, "torch"))
+    torch.library.opcheck(ops.rows, (q[[1, 5]], None, "Q8_0", 0, k))
+    torch.library.opcheck(ops.heads_t, (torch.randn(3, 4), q, "Q8_0", 2, "torch"))
+    _, k8, q8, s8 = _weight("int8", None, 8)
+    torch.library.opcheck(ops.linear, (torch.randn(2, k8), q8, s8, None, "int8", 0, k8, "torch"))

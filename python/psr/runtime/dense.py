@@ -69,6 +69,81 @@ def dense_linear(
     return pk.linear_ref(x, qweight, fmt, in_features, scales, bias, out)
 
 
+# The dense layers as torch custom ops, so that a compiled forward (graphs on the CPU:
+# torch.compile fullgraph) traces through them as opaque calls; eager forwards call the
+# functions directly (no custom-op dispatch), as runtime/store_ops.py does.
+@torch.library.custom_op("psr_dense::linear", mutates_args=())
+def _linear_op(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    fmt: str,
+    group: int,
+    k: int,
+    compute: str,
+) -> torch.Tensor:
+    return dense_linear(
+        x, qweight, LinearFormat.parse(fmt, group or None), k, scales, bias, compute
+    )
+
+
+@_linear_op.register_fake
+def _(x, qweight, scales, bias, fmt, group, k, compute):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _heads_t(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: LinearFormat, heads: int, compute: str
+) -> torch.Tensor:
+    """`pk.linear_heads_t` on the compute path `compute` resolves to (else its reference)."""
+    if pk.resolve_compute(compute, x.device) == "triton":
+        return pk.linear_heads_t(x, blocks, fmt, heads)
+    return pk.linear_heads_t_ref(x, blocks, fmt, heads)
+
+
+@torch.library.custom_op("psr_dense::heads_t", mutates_args=())
+def _heads_t_op(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: str, heads: int, compute: str
+) -> torch.Tensor:
+    return _heads_t(x, blocks, LinearFormat.parse(fmt), heads, compute)
+
+
+@_heads_t_op.register_fake
+def _(x, blocks, fmt, heads, compute):  # type: ignore[no-untyped-def]
+    b = LinearFormat.parse(fmt).block
+    assert b is not None
+    return x.new_empty(x.shape[0], heads * (blocks.shape[1] // b.block_bytes * b.block_len))
+
+
+@torch.library.custom_op("psr_dense::rows", mutates_args=())
+def _rows_op(
+    rows: torch.Tensor, scales: torch.Tensor | None, fmt: str, group: int, k: int
+) -> torch.Tensor:
+    return pk.decode_rows(rows, LinearFormat.parse(fmt, group or None), k, scales)
+
+
+@_rows_op.register_fake
+def _(rows, scales, fmt, group, k):  # type: ignore[no-untyped-def]
+    return rows.new_empty(rows.shape[0], k, dtype=torch.float32)
+
+
+def _linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    fmt: LinearFormat,
+    k: int,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    compute: str,
+) -> torch.Tensor:
+    """`dense_linear`, through its custom op while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        y: torch.Tensor = _linear_op(x, qweight, scales, bias, fmt.name, fmt.group, k, compute)
+        return y
+    return dense_linear(x, qweight, fmt, k, scales, bias, compute)
+
+
 class QuantLinear(nn.Module):
     """`nn.Linear` over a weight kept in its stored format (`fmt`)."""
 
@@ -92,7 +167,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = dense_linear(
+        y = _linear(
             x.reshape(-1, self.in_features),
             self.qweight,
             self.fmt,
@@ -135,7 +210,12 @@ class QuantEmbedding(nn.Module):
         flat = ids.reshape(-1)
         rows = self.qweight.index_select(0, flat)
         s = None if self.scales is None else self.scales.index_select(0, flat)
-        w = pk.decode_rows(rows, self.fmt, self.embedding_dim, s)
+        fmt, k = self.fmt, self.embedding_dim
+        w: torch.Tensor
+        if torch.compiler.is_compiling():
+            w = _rows_op(rows, s, fmt.name, fmt.group, k)
+        else:
+            w = pk.decode_rows(rows, fmt, k, s)
         return w.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -167,11 +247,11 @@ class MlaKvB(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, x2 = x.shape[:-1], x.reshape(-1, self.rank)
-        if pk.resolve_compute(self.compute, x.device) == "triton":
-            k = pk.linear_heads_t(x2, self.k_blocks, self.k_fmt, self.heads)
+        if torch.compiler.is_compiling():
+            k = _heads_t_op(x2, self.k_blocks, self.k_fmt.name, self.heads, self.compute)
         else:
-            k = pk.linear_heads_t_ref(x2, self.k_blocks, self.k_fmt, self.heads)
-        v = dense_linear(x2, self.v_blocks, self.v_fmt, self.rank, compute=self.compute)
+            k = _heads_t(x2, self.k_blocks, self.k_fmt, self.heads, self.compute)
+        v = _linear(x2, self.v_blocks, self.v_fmt, self.rank, None, None, self.compute)
         t, h = x2.shape[0], self.heads
         y = torch.cat([k.view(t, h, -1), v.view(t, h, -1)], -1)
         return y.reshape(*lead, -1)
