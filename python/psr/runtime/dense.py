@@ -60,7 +60,12 @@ def dense_linear(
 ) -> torch.Tensor:
     """`x [T, K] @ W^T (+ bias)` on the compute path `compute` resolves to on x's device
     (`pk.resolve_compute`): Triton, the CPU kernels (torch path on the CPU), or the torch
-    reference (torch path elsewhere)."""
+    reference (torch path elsewhere). While torch.compile traces, its custom op."""
+    if torch.compiler.is_compiling() and out_dtype is None:
+        y: torch.Tensor = _linear_op(
+            x, qweight, scales, bias, fmt.name, fmt.group, in_features, compute
+        )
+        return y
     out = out_dtype or x.dtype
     if pk.resolve_compute(compute, x.device) == "triton":
         return pk.linear(x, qweight, fmt, in_features, scales, bias, out)
@@ -128,22 +133,6 @@ def _(rows, scales, fmt, group, k):  # type: ignore[no-untyped-def]
     return rows.new_empty(rows.shape[0], k, dtype=torch.float32)
 
 
-def _linear(
-    x: torch.Tensor,
-    qweight: torch.Tensor,
-    fmt: LinearFormat,
-    k: int,
-    scales: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    compute: str,
-) -> torch.Tensor:
-    """`dense_linear`, through its custom op while torch.compile traces."""
-    if torch.compiler.is_compiling():
-        y: torch.Tensor = _linear_op(x, qweight, scales, bias, fmt.name, fmt.group, k, compute)
-        return y
-    return dense_linear(x, qweight, fmt, k, scales, bias, compute)
-
-
 class QuantLinear(nn.Module):
     """`nn.Linear` over a weight kept in its stored format (`fmt`)."""
 
@@ -167,7 +156,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = _linear(
+        y = dense_linear(
             x.reshape(-1, self.in_features),
             self.qweight,
             self.fmt,
@@ -251,7 +240,7 @@ class MlaKvB(nn.Module):
             k = _heads_t_op(x2, self.k_blocks, self.k_fmt.name, self.heads, self.compute)
         else:
             k = _heads_t(x2, self.k_blocks, self.k_fmt, self.heads, self.compute)
-        v = _linear(x2, self.v_blocks, self.v_fmt, self.rank, None, None, self.compute)
+        v = dense_linear(x2, self.v_blocks, self.v_fmt, self.rank, compute=self.compute)
         t, h = x2.shape[0], self.heads
         y = torch.cat([k.view(t, h, -1), v.view(t, h, -1)], -1)
         return y.reshape(*lead, -1)
