@@ -62,8 +62,9 @@ class LoadConfig:
         embeddings and output head) are kept on the device: 'native' (default: as the file
         stores them; a GGUF file's Q8_0 / Q4_K / Q6_K ... stay in their blocks and run
         through psr's dense kernels, F32 tensors and routers become `dtype`; a float
-        checkpoint's weights in `dtype`) or 'float' (every dense weight dequantized to
-        `dtype`: more memory, the arithmetic of the dequantized twin).
+        checkpoint's weights in `dtype`), 'float' (every dense weight dequantized to
+        `dtype`: more memory, the arithmetic of the dequantized twin), or for a float
+        checkpoint 'int8' / 'fp8' (weight-only, per output channel, quantized at load).
     quant_cache: with a quantized `expert_format`, keep the quantized rows on disk and read
         them on later loads of the same checkpoint: True (the user cache folder, or
         $PSR_CACHE/quantized) or a folder, never inside the model folder

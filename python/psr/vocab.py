@@ -28,8 +28,9 @@ EXPERT_FORMATS: tuple[str, ...] = ("native", "bf16", *QUANT_FORMATS)
 
 # How a load keeps the dense (non-expert) weights on the device: "native" (as the file
 # stores them: a GGUF file's GGML blocks, computed by psr's dense kernels; a float
-# checkpoint's floats in the model dtype) or "float" (everything dequantized to the dtype).
-DENSE_FORMATS: tuple[str, ...] = ("native", "float")
+# checkpoint's floats in the model dtype), "float" (everything dequantized to the dtype),
+# or, for a float checkpoint, quantized at load per output channel: "int8" / "fp8".
+DENSE_FORMATS: tuple[str, ...] = ("native", "float", "int8", "fp8")
 
 # Compute paths: "auto" (Triton on CUDA, the torch references elsewhere; $PSR_COMPUTE
 # overrides), or one forced.

@@ -182,3 +182,37 @@ def test_the_dense_custom_ops_pass_opcheck() -> None:
     torch.library.opcheck(ops.heads_t, (torch.randn(3, 4), q, "Q8_0", 2, "torch"))
     _, k8, q8, s8 = _weight("int8", None, 8)
     torch.library.opcheck(ops.linear, (torch.randn(2, k8), q8, s8, None, "int8", 0, k8, "torch"))
+
+
+@pytest.mark.parametrize("word", ["int8", "fp8"])
+def test_int8_fp8_dense_weights_of_a_float_checkpoint(tmp_path: Path, word: str) -> None:
+    """dense_format int8 / fp8 quantizes a safetensors checkpoint's dense Linear / Embedding
+    weights per output channel: equal to the float model holding the same dequantized
+    weights, in the bytes of the codes and scales; routers and experts untouched."""
+    from tiny_models import tiny_model, write_checkpoint
+
+    ck = write_checkpoint(tiny_model("qwen2_moe"), tmp_path / "qwen2_moe")
+    ids = PROMPT % 64
+    quant = psr.load(ck, "exact", 0.5, device="cpu", progress=False, dense_format=word)
+    flt = psr.load(ck, "exact", 0.5, device="cpu", progress=False, dense_format="float")
+    fmt = LinearFormat.parse(word)
+    saved = 0
+    mods = dict(flt.hf.named_modules())
+    for name, mod in quant.hf.named_modules():
+        if isinstance(mod, QuantLinear | QuantEmbedding):
+            assert mod.fmt == fmt, name
+            w = mods[name].weight
+            k = w.shape[1]
+            deq = pk.dequantize_weight(mod.qweight, fmt, k, mod.scales)
+            saved += w.numel() * w.element_size() - fmt.nbytes(w.shape[0], k)
+            with torch.no_grad():
+                w.copy_(deq.to(w.dtype))  # the float model, fake-quantized
+    names = {n for n, m in quant.hf.named_modules() if isinstance(m, QuantLinear)}
+    want = {"model.layers.0.mlp.shared_expert.down_proj", "model.layers.1.mlp.down_proj"}
+    assert want | {"lm_head", "model.layers.0.mlp.shared_expert_gate"} <= names
+    assert not any(".mlp.gate" in n and "proj" not in n for n in names)  # routers stay
+    assert isinstance(quant.hf.model.embed_tokens, QuantEmbedding)
+    torch.testing.assert_close(quant(ids), flt(ids), rtol=1e-5, atol=1e-5)
+    assert flt.memory()["device_dense"] - quant.memory()["device_dense"] == saved
+    with pytest.raises(ValueError, match=r"dense weights are stored quantized already"):
+        _load(_gguf(tmp_path, tied=False)[0], word)

@@ -173,7 +173,8 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
     "dense_format": dict(
         choices=DENSE_FORMATS,
         help="dense weights on the device: native (a GGUF file's blocks as stored, computed "
-        "by psr's dense kernels) or float (dequantized to --dtype: more memory)",
+        "by psr's dense kernels), float (dequantized to --dtype: more memory), or int8 / fp8 "
+        "(a float checkpoint's, quantized per output channel at load)",
     ),
     "quant_cache": dict(
         nargs="?",

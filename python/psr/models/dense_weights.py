@@ -7,6 +7,10 @@ file's bytes on the device (`psr.runtime.dense`); a tied output head shares the
 embedding's blocks. Every such tensor's type is checked first: one the dense kernels lack
 is refused in one line before anything is copied. What is not kept (norms, routers, F32
 tensors, biases) the loader reads as before.
+
+`dense_format="int8"` / `"fp8"` on a float checkpoint: `quantize_dense` replaces the built
+model's exact `nn.Linear` / `nn.Embedding` modules (not the MoE blocks' routers and experts)
+by the same modules over per-output-channel codes (`psr_kernels.linear.quantize_weight`).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import torch
 from torch import nn
 
 from psr.models.dense_bytes import computable
+from psr.models.hf import block_of, model_family
 from psr.runtime.dense import MlaKvB, QuantEmbedding, QuantLinear
-from psr_kernels.linear import LinearFormat
+from psr_kernels.linear import LinearFormat, quantize_weight
 
 _KINDS = (nn.Linear, nn.Embedding)  # exactly these: subclasses may scale or reshape
 
@@ -89,3 +94,33 @@ def keep_blocks(
         model.set_submodule("lm_head", head)
         loaded.add("lm_head.weight")
     return loaded
+
+
+def quantize_dense(model: nn.Module, word: str, moe_idx: list[int], compute: str) -> None:
+    """Quantize the built model's dense `nn.Linear` / `nn.Embedding` weights to `word`
+    ("int8" | "fp8", a scale per output channel / embedding row), in place; a tied head
+    shares the embedding's codes."""
+    fam = model_family(model)
+    skip: set[int] = set()  # the routers (psr's routing reads floats) and the experts
+    for d in moe_idx:
+        block = block_of(model, d)
+        for sub in (block.get_submodule(fam.router), block.get_submodule("experts")):
+            skip |= {id(m) for m in sub.modules()}
+    fmt = LinearFormat.parse(word)
+    emb = model.get_input_embeddings()  # type: ignore[operator]
+    tied = getattr(getattr(model, "lm_head", None), "weight", None) is emb.weight
+    for name, mod in list(model.named_modules()):
+        if id(mod) in skip or type(mod) not in _KINDS or (tied and name == "lm_head"):
+            continue
+        q, s = quantize_weight(mod.weight, fmt)
+        new: nn.Module
+        if isinstance(mod, nn.Embedding):
+            new = QuantEmbedding(q, fmt, mod.embedding_dim, mod.weight.dtype, scales=s)
+        else:
+            assert isinstance(mod, nn.Linear)
+            new = QuantLinear(q, fmt, mod.in_features, scales=s, bias=mod.bias, compute=compute)
+        model.set_submodule(name, new)
+    emb = model.get_input_embeddings()  # type: ignore[operator]
+    if tied and isinstance(emb, QuantEmbedding):
+        head = QuantLinear(emb.qweight, fmt, emb.embedding_dim, scales=emb.scales, compute=compute)
+        model.set_submodule("lm_head", head)

@@ -25,7 +25,7 @@ import psr_kernels as pk  # tests count quantize_expert calls through it
 from psr.load_config import LoadConfig
 from psr.machine import resolve_threads
 from psr.models.checkpoint import CheckpointError
-from psr.models.dense_weights import keep_blocks
+from psr.models.dense_weights import keep_blocks, quantize_dense
 from psr.models.families import (
     disk_names,
     expert_parts,
@@ -247,6 +247,8 @@ def _build_model(ckpt: Any, r: Resolved, meta: tuple[nn.Module, list[int]]) -> n
         set_tensor(model, name, t.to(dev))
     if tied and "lm_head.weight" not in kept:
         model.lm_head.weight = model.get_input_embeddings().weight
+    if r.cfg.dense_format in vocab.QUANT_FORMATS:  # a float checkpoint's, quantized now
+        quantize_dense(model, r.cfg.dense_format, moe_idx, r.cfg.compute)
     materialize_rotary(model, dev)
     built: nn.Module = model
     return built
