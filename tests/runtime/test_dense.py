@@ -160,7 +160,9 @@ def test_a_block_type_the_dense_kernels_lack_is_refused(tmp_path: Path) -> None:
 
 def test_dense_format_option() -> None:
     assert LoadConfig().dense_format == "native"
-    with pytest.raises(ValueError, match=r"^dense_format must be one of native, float; got 'q4'$"):
+    with pytest.raises(
+        ValueError, match=r"^dense_format must be one of native, float, int8, fp8; got 'q4'$"
+    ):
         LoadConfig(dense_format="q4")
     from psr.cli import build_parser
     from psr.cli.generate import load_options
