@@ -312,16 +312,29 @@ def _launch(
     trans: bool = False,
 ) -> None:
     """The one launch of `_linear_kernel` (fixed tiles) for `n` outputs."""
-    block = fmt.block
     grid = (triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(n, BLOCK_N))
     _linear_kernel[grid](
         x, x.stride(0), w, w.shape[1], s.contiguous(), fmt.group_of(k),
-        s.shape[-1] if block is None else 1, bias if bias is not None else s, y, y.stride(0),
-        x.shape[0], n, k, cols, iq_table(y.device),
-        IS_BLOCKS=block is not None, WTYPE=block.type_id if block is not None else -1,
-        QFMT=fmt.quant.code if fmt.quant is not None else -1, HAS_BIAS=bias is not None,
-        TRANS_W=trans, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+        s.shape[-1] if fmt.block is None else 1, bias if bias is not None else s, y,
+        y.stride(0), x.shape[0], n, k, cols, iq_table(y.device),
+        **linear_constexprs(fmt, bias is not None, trans), num_warps=NUM_WARPS,
     )  # fmt: skip
+
+
+def linear_constexprs(fmt: LinearFormat, has_bias: bool, trans: bool) -> dict[str, object]:
+    """`_linear_kernel`'s constexprs for `fmt` (what `linear` launches and the cubin-compile
+    test compiles): the format's flags and the fixed tiles, never T."""
+    block, quant = fmt.block, fmt.quant
+    return dict(
+        IS_BLOCKS=block is not None,
+        WTYPE=block.type_id if block is not None else -1,
+        QFMT=quant.code if quant is not None else -1,
+        HAS_BIAS=has_bias,
+        TRANS_W=trans,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        BLOCK_K=BLOCK_K,
+    )
 
 
 def _check_heads(op: str, qweight: torch.Tensor, fmt: LinearFormat, heads: int) -> tuple[int, int]:
