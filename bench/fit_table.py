@@ -437,7 +437,6 @@ def inspect_fresh(path: Path) -> dict[str, Any]:
 
 def row(s: Spec, files: list[Path], residency: float) -> dict[str, Any]:
     """The figures of one model (device bytes of psr today and of llama.cpp's plan)."""
-    from psr.models.dense_bytes import gguf_dense_bytes
     from psr.models.gguf_load import open_gguf
     from psr.runtime.kv import kv_bytes
 
@@ -463,18 +462,13 @@ def row(s: Spec, files: list[Path], residency: float) -> dict[str, Any]:
     ck = open_gguf(files[0])
     try:
         cfg = ck.config
-        itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[i["dtype"]]
-        float_dense = gguf_dense_bytes(ck, "float", itemsize)
-        native_dense = gguf_dense_bytes(ck, "native", itemsize)
     finally:
         ck.close()
-    assert float_dense == i["dense_bytes"], (float_dense, i["dense_bytes"])  # one count
     E = i["num_experts"]
     slots = int(np.floor(residency * E + 0.5))
     r |= {
         "dtype": i["dtype"],
         "psr_dense": i["dense_bytes"],
-        "psr_dense_native": native_dense,
         "slab": i["expert_bytes"]["gguf"] * len(i["sparse_layers"]) * slots,
         "slots": slots,
         "kv_8k": kv_bytes(cfg, 4, 8192),
@@ -498,10 +492,9 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
         "",
         f"Machine: {machine}.",
         "",
-        "GiB. psr with `dense_format='float'` (before): the dense part dequantized to the "
-        "model dtype (float32, the GGUF default) + the KV cache in that dtype "
-        "(psr.runtime.kv: what each attention kind caches; DeepSeek's MLA latent) + the "
-        "expert slab (the file's own blocks) at "
+        "GiB. psr today: the dense part dequantized to the model dtype (float32, the GGUF "
+        "default) + the KV cache in that dtype (psr.runtime.kv: what each attention kind "
+        "caches; DeepSeek's MLA latent) + the expert slab (the file's own blocks) at "
         f"residency {residency:g}. llama.cpp `--cpu-moe`: every non-expert tensor in its "
         "file type (token_embd included; llama.cpp itself keeps it in host memory) + an "
         "f16 KV cache of the same values per token (assumed). Fits: total <= 24e9 bytes. "
@@ -536,35 +529,9 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
             f"{_g(r['llama_dense'])} | {_g(r['kv_8k_f16'])} / {_g(r['kv_32k_f16'])} | "
             f"{_g(l8)} | {_g(l32)} | {fit(l8, l32)} |"
         )
-    out += _native_table([r for r in rows if "psr_dense_native" in r])
     out += ["", "Assumptions per model (beyond the published configs):", ""]
     out += [f"- {r['model']}: {r['notes']}" for r in rows if r["notes"]]
     return "\n".join(out) + "\n"
-
-
-def _native_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The same models with `dense_format='native'` (after): psr.models.dense_bytes."""
-    if not rows:
-        return []
-    out = [
-        "",
-        "With `dense_format='native'` (after; psr.load's default): the dense matrices in the "
-        "file's blocks (F32 tensors, 1-D ones, routers and MLA's split k_b / v_b in the "
-        "dtype: psr.models.dense_bytes), the same KV cache and slab.",
-        "",
-        "| model | psr dense float (before) | psr dense native (after) | after / llama.cpp dense | "
-        "psr @8k | psr @32k | fits 24 GB (8k / 32k) |",
-        "|" + "---|" * 7,
-    ]
-    for r in rows:
-        d = r["psr_dense_native"]
-        p8, p32 = d + r["kv_8k"] + r["slab"], d + r["kv_32k"] + r["slab"]
-        fits = f"{'yes' if p8 <= GPU else 'no'} / {'yes' if p32 <= GPU else 'no'}"
-        out.append(
-            f"| {r['model']} | {_g(r['psr_dense'])} | {_g(d)} | "
-            f"{d / r['llama_dense']:.2f}x | {_g(p8)} | {_g(p32)} | {fits} |"
-        )
-    return out
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ unsupported checkpoint, the one line that says which part psr lacks.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -20,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import psr.vocab as vocab
 from psr.load_config import LoadConfig
-from psr.models.dense_bytes import dense_part
 from psr.models.families import (
     EXPERT_KINDS,
     FAMILIES,
@@ -259,12 +259,24 @@ def _meta_model(config: Any) -> tuple[_Model, torch.dtype]:
     ), dtype
 
 
+# GGUF tensors transformers' model holds as no parameter: the router's correction bias (a
+# buffer), llama.cpp's rope frequencies (computed), the MTP layers' tensors (no layer)
+_NOT_PARAMETERS = re.compile(r"\.exp_probs_b\.|^rope_freqs\.|\.nextn\.")
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
 def _header_model(ck: Any, raw: dict[str, Any]) -> _Model:
     """The model's facts from a GGUF header: the tensor table in place of the meta model
     (the routed experts are the `*_exps` tensors; shared experts `*_shexp`)."""
     L = int(raw["num_hidden_layers"])
+
+    def counted(name: str) -> bool:
+        m = _LAYER.match(name)
+        in_model = m is None or int(m[1]) < L  # llama.cpp's MTP layers come after the last
+        return in_model and "_exps." not in name and not _NOT_PARAMETERS.search(name)
+
     table = ck.tensor_elements()
-    names = dense_part(table, L)
+    names = [n for n in table if counted(n)]
     itemsize = rowformat().FLOAT_ITEMSIZE[str(raw["dtype"])]
     return _Model(
         num_layers=L,
