@@ -38,6 +38,11 @@ Q5_0 Q5_1 Q4_K Q5_K Q6_K MXFP4): fmt = ggml_format(gate, up, down) ("gguf:Q4_K,Q
 GGMLLayout.of(fmt, H, F); pack_ggml_expert(lay, [gate, up, down bytes]) -> row;
 dequantize_ggml(bytes, type, shape) -> fp32 (the reference; decode_ggml: the kernels').
 Block-wise FP8 checkpoints (128 x 128 tile scales) as blocks: pack_fp8_b128 -> FP8_B128 rows.
+Dense layers on stored weights (`psr_kernels.linear`): LinearFormat.parse("Q4_K" | "int8",
+group) -> fmt; linear(x, qweight, fmt, K, scales=, bias=) -> x W^T (Triton, batch-invariant:
+row t bit-identical for any T); linear_ref (torch); dequantize_weight / decode_rows -> fp32
+rows; quantize_weight(w, fmt) -> (codes, scales) for int8 / fp8 / int4; linear_heads_t(x,
+blocks, fmt, heads) -> x W_h per head for transposed blocks (MLA's split attn_k_b).
 Compute dispatch (`psr_kernels.dispatch`): resolve_compute(compute, device) ->
 "triton" | "torch" and kernel_ops(compute, device) -> the ops of that path;
 compute is "auto" | "triton" | "torch", "auto" honouring the env default PSR_COMPUTE.
@@ -79,6 +84,16 @@ from psr_kernels.ggml import (
     pack_fp8_b128,
     pack_ggml_expert,
     pack_ggml_parts,
+)
+from psr_kernels.linear import (
+    LinearFormat,
+    decode_rows,
+    dequantize_weight,
+    linear,
+    linear_heads_t,
+    linear_heads_t_ref,
+    linear_ref,
+    quantize_weight,
 )
 from psr_kernels.ops import (
     expert_ffn_op,
@@ -158,6 +173,7 @@ __all__ = [
     "FormatLike",
     "GGMLLayout",
     "KernelOps",
+    "LinearFormat",
     "NonFiniteError",
     "QuantLayout",
     "RouteSpec",
@@ -172,12 +188,14 @@ __all__ = [
     "cache_use",
     "cache_use_ref",
     "decode_ggml",
+    "decode_rows",
     "decode_step",
     "decode_step_ref",
     "default_compute",
     "dequantize_expert",
     "dequantize_ggml",
     "dequantize_ggml_expert",
+    "dequantize_weight",
     "expert_ffn",
     "expert_ffn_op",
     "expert_ffn_ref",
@@ -188,6 +206,10 @@ __all__ = [
     "ggml_types",
     "is_ggml_format",
     "kernel_ops",
+    "linear",
+    "linear_heads_t",
+    "linear_heads_t_ref",
+    "linear_ref",
     "make_vllm_routing_function",
     "pack_expert",
     "pack_fp8_b128",
@@ -197,6 +219,7 @@ __all__ = [
     "predict_next_op",
     "predict_next_ref",
     "quantize_expert",
+    "quantize_weight",
     "resolve_compute",
     "rms_norm_ref",
     "route",

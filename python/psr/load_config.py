@@ -59,6 +59,13 @@ class LoadConfig:
         (the model's dtype), 'bf16', or quantized while loading: 'int8' (per output
         channel), 'fp8' (e4m3, per channel), 'int4' (group 128); the kernels dequantize on
         the fly.
+    dense_format: how the dense weights (attention, shared experts, dense FFN layers, the
+        embeddings and output head) are kept on the device: 'native' (default: as the file
+        stores them; a GGUF file's Q8_0 / Q4_K / Q6_K ... stay in their blocks and run
+        through psr's dense kernels, F32 tensors and routers become `dtype`; a float
+        checkpoint's weights in `dtype`), 'float' (every dense weight dequantized to
+        `dtype`: more memory, the arithmetic of the dequantized twin), or for a float
+        checkpoint 'int8' / 'fp8' (weight-only, per output channel, quantized at load).
     quant_cache: with a quantized `expert_format`, keep the quantized rows on disk and read
         them on later loads of the same checkpoint: True (the user cache folder, or
         $PSR_CACHE/quantized) or a folder, never inside the model folder
@@ -125,6 +132,7 @@ class LoadConfig:
     experts_on: str = field(default="gpu", metadata=BOTH)
     graphs: bool | str = field(default="auto", metadata=BOTH)
     expert_format: str | None = field(default=None, metadata=BOTH)
+    dense_format: str = field(default="native", metadata=LOAD)
     quant_cache: bool | str | Path | None = field(default=False, metadata=LOAD)
     host_memory: str | int | None = field(default=None, metadata=LOAD)
     gpu_memory: str | int | None = field(default=None, metadata=LOAD)
@@ -154,6 +162,7 @@ class LoadConfig:
         vocab.compute_choice(self.compute)
         vocab.decode_mode(self.decode)
         vocab.expert_format(self.expert_format)
+        vocab.dense_format(self.dense_format)
         resolve_threads(self.threads)
         for name in ("context", "prefill_chunk"):
             v = getattr(self, name)

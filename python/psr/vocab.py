@@ -26,6 +26,12 @@ DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 QUANT_FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
 EXPERT_FORMATS: tuple[str, ...] = ("native", "bf16", *QUANT_FORMATS)
 
+# How a load keeps the dense (non-expert) weights on the device: "native" (as the file
+# stores them: a GGUF file's GGML blocks, computed by psr's dense kernels; a float
+# checkpoint's floats in the model dtype), "float" (everything dequantized to the dtype),
+# or, for a float checkpoint, quantized at load per output channel: "int8" / "fp8".
+DENSE_FORMATS: tuple[str, ...] = ("native", "float", "int8", "fp8")
+
 # Compute paths: "auto" (Triton on CUDA, the torch references elsewhere; $PSR_COMPUTE
 # overrides), or one forced.
 COMPUTE_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
@@ -68,6 +74,13 @@ def expert_format(fmt: str | None) -> str | None:
         return None
     if fmt not in EXPERT_FORMATS:
         raise ValueError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}; got {fmt!r}")
+    return fmt
+
+
+def dense_format(fmt: str) -> str:
+    """A `dense_format` argument checked: one of DENSE_FORMATS."""
+    if fmt not in DENSE_FORMATS:
+        raise ValueError(f"dense_format must be one of {', '.join(DENSE_FORMATS)}; got {fmt!r}")
     return fmt
 
 

@@ -3,9 +3,9 @@
 The interpreter runs the kernels' logic but not Triton's GPU compiler, which rejects
 things the interpreter accepts (types, layouts, shapes, constexpr logic). Triton ships
 ptxas, so the launch configurations the wrappers choose for real model shapes
-(`route_kernel_config`, `ffn_launch_config`, `quant_launch_config`: the same functions
-the wrappers launch with) are compiled here to sm_80 and sm_90 cubins, in a subprocess
-without TRITON_INTERPRET.
+(`route_kernel_config`, `ffn_launch_config`, `quant_launch_config`, `linear_constexprs`:
+the same functions the wrappers launch with) are compiled here to sm_80 and sm_90 cubins,
+in a subprocess without TRITON_INTERPRET.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ SCRIPT = textwrap.dedent(
         BLOCK_TYPES, GGMLLayout, _ggml_decode_kernel, _ggml_down_kernel, _ggml_gate_up_kernel,
         ggml_format, ggml_launch_config,
     )
+    from psr_kernels.linear import NUM_WARPS, LinearFormat, _linear_kernel, linear_constexprs
 
     import concurrent.futures
     import importlib
@@ -189,6 +190,23 @@ SCRIPT = textwrap.dedent(
     compile_(_ggml_decode_kernel, {"src": p("u8"), "out": p("fp32"), "tab": p("u8")},
              dict(T=12, BLOCK_R=16, BLOCK_K=128), 4, 90)
     n += 1
+    # Dense layers on stored weights (psr_kernels.linear): block types of each decoder
+    # family with a bias (bf16 x; every type's `_ggml_tile` branch is compiled above), MLA's
+    # transposed heads, int8 / fp8 / int4 codes (fp32 x); sm_80 once. (All 24 block types
+    # compiled too when this was written: 72 s on one core.)
+    lin = {"x_ptr": p("bf16"), "w_ptr": p("u8"), "s_ptr": p("fp32"), "b_ptr": p("bf16"),
+           "y_ptr": p("bf16"), "tab_ptr": p("u8")}
+    some = ("BF16", "Q8_0", "Q4_K", "Q6_K", "MXFP4", "IQ2_XXS", "FP8_B128")
+    lin_cases = [(90, LinearFormat.parse(t), True, False) for t in some]
+    lin_cases += [(90, LinearFormat.parse(t), False, True) for t in ("Q8_0", "F16")]
+    lin_cases += [(90, LinearFormat.parse(q, 32 if q == "int4" else None), False, False)
+                  for q in FORMATS]
+    lin_cases += [(80, LinearFormat.parse("Q4_K"), True, False)]
+    for arch, fmt, bias, trans in lin_cases:
+        x = {} if fmt.block is not None else {"x_ptr": p("fp32"), "y_ptr": p("fp32")}
+        compile_(_linear_kernel, {**lin, **x}, linear_constexprs(fmt, bias, trans),
+                 NUM_WARPS, arch)
+        n += 1
     def key(job):
         module, name, types, consts, warps, arch = job
         fn = getattr(importlib.import_module(module), name)
@@ -221,4 +239,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 168 variants, 144 distinct" in r.stdout
+    assert "compiled 181 variants, 157 distinct" in r.stdout

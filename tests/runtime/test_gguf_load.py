@@ -52,9 +52,11 @@ def _reference(twin, new: int) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, tokens
 
 
-def _check(path: Path, twin, compute: str, new: int = NEW) -> psr.OffloadedModel:
+def _check(path: Path, twin, compute: str, new: int = NEW, **kw) -> psr.OffloadedModel:
     want_logits, want_tokens = _reference(twin, new)
-    model = psr.load(path, "exact", residency=0.5, device="cpu", compute=compute, progress=False)
+    model = psr.load(
+        path, "exact", residency=0.5, device="cpu", compute=compute, progress=False, **kw
+    )
     torch.testing.assert_close(model(PROMPT), want_logits, rtol=3e-4, atol=3e-4)
     assert torch.equal(model.generate(PROMPT, max_new_tokens=new), want_tokens)
     return model
@@ -92,9 +94,10 @@ def test_exact_equals_transformers_on_the_twin(model_and_files, name: str) -> No
 
 def test_triton_path_equals_transformers(model_and_files) -> None:
     """The mixed file (Q4_K, Q6_K and Q8_0 experts; each type's kernel is tested alone in
-    tests/kernels/test_ggml.py): two decode tokens under the interpreter."""
+    tests/kernels/test_ggml.py): two decode tokens under the interpreter. Dense weights
+    float: the dense kernels' Triton path is tests/runtime/test_dense.py's."""
     path, twin = model_and_files[1]["mixed"]
-    _check(path, twin, "triton", new=2).close()
+    _check(path, twin, "triton", new=2, dense_format="float").close()
 
 
 def test_every_policy_is_deterministic_under_copy_delays(model_and_files, monkeypatch) -> None:

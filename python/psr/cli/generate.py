@@ -34,7 +34,14 @@ from psr.cli.args import (
     writable_file,
 )
 from psr.policy import DEFAULT_RESIDENCY, POLICIES
-from psr.vocab import COMPUTE_CHOICES, DECODE_MODES, DRAFTERS, EXPERT_FORMATS, EXPERTS_ON
+from psr.vocab import (
+    COMPUTE_CHOICES,
+    DECODE_MODES,
+    DENSE_FORMATS,
+    DRAFTERS,
+    EXPERT_FORMATS,
+    EXPERTS_ON,
+)
 
 # Files whose presence makes psr.models.load load a tokenizer.
 
@@ -172,6 +179,12 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         default="native",
         help="how the host store keeps experts and copies move them: native (the model's "
         "dtype), bf16, or quantized int8 / fp8 / int4 (dequantized on the fly)",
+    ),
+    "dense_format": dict(
+        choices=DENSE_FORMATS,
+        help="dense weights on the device: native (a GGUF file's blocks as stored, computed "
+        "by psr's dense kernels), float (dequantized to --dtype: more memory), or int8 / fp8 "
+        "(a float checkpoint's, quantized per output channel at load)",
     ),
     "quant_cache": dict(
         nargs="?",

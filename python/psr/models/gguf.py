@@ -26,6 +26,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from psr.models.dense_bytes import TensorEntry, keeps_blocks
 from psr.models.families import FAMILIES
 from psr.models.files import CheckpointError
 from psr.models.formats import rowformat
@@ -845,6 +846,14 @@ class GGUFCheckpoint:
         used |= {t.name for layer in self._experts.values() for t in layer.values()}
         return [n for n in self._tensors if n not in used]
 
+    def tensor_table(self) -> dict[str, TensorEntry]:
+        """Every GGUF tensor of the set -> its type, shape and bytes (the header's table,
+        read without torch: psr.models.dense_bytes counts from it)."""
+        return {
+            name: TensorEntry(t.tensor_type.name, tuple(t.shape), int(t.n_bytes))
+            for name, (_, t) in self._tensors.items()
+        }
+
     @property
     def config(self) -> Any:
         import transformers
@@ -1146,6 +1155,42 @@ class GGUFCheckpoint:
             out = torch.cat([out.transpose(1, 2), self._read(d.other)], dim=1)
         out = out.reshape(d.shape)
         return _unpermute(out, d.heads) if d.heads else out
+
+    def get_blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """A dense tensor in HF layout as the file's blocks, for `dense_format="native"`:
+        (its GGML type, uint8 `[rows, row bytes]`, llama's q/k rows un-permuted as `get`
+        does; a view of the map), or None where it stays float (psr.models.dense_bytes)."""
+        d = self._require(name)
+        part, t = self._tensors[d.gguf_name]
+        qt = t.tensor_type.name
+        if d.other is not None or len(d.shape) != 2 or not keeps_blocks(d.gguf_name, qt, 2):
+            return None
+        if len(t.shape) != 2 or tuple(t.shape) != tuple(d.shape):
+            return None
+        raw = readonly_tensor(_raw(self._readers[part], t).reshape(d.shape[0], -1))
+        return qt, (_unpermute(raw, d.heads) if d.heads else raw)
+
+    def get_split_kv_b(
+        self, name: str
+    ) -> tuple[tuple[str, torch.Tensor], tuple[str, torch.Tensor], int] | None:
+        """DeepSeek's kv_b_proj `name` where the file holds llama.cpp's split attn_k_b /
+        attn_v_b, as their blocks: ((k type, uint8 [heads * rank, row bytes of nope]), (v type,
+        uint8 [heads * v, row bytes of rank]), heads), views of the map; else None."""
+        d = self._require(name)
+        if d.join != "kv_b" or d.other is None:
+            return None
+        parts = []
+        for g in (d.gguf_name, d.other):
+            part, t = self._tensors[g]
+            rows = int(np.prod(t.shape[:-1]))
+            parts.append(
+                (
+                    t.tensor_type.name,
+                    readonly_tensor(_raw(self._readers[part], t).reshape(rows, -1)),
+                )
+            )
+        heads = int(self._tensors[d.gguf_name][1].shape[0])
+        return parts[0], parts[1], heads
 
     def get_row(self, name: str, i: int) -> torch.Tensor:
         """`tensor[i]`; a quantized tensor's row alone where no permutation applies."""

@@ -336,16 +336,12 @@ def _dense_names(ck: Any, raw: dict[str, Any]) -> list[str]:
 
 def gguf_dense_bytes(ck: Any) -> dict[str, int]:
     """A GGUF file's dense part per dense format (memory_plan.DENSE_FORMATS): "native", its
-    tensors in their own block types; "float", dequantized to the model dtype. The one
-    place that says so (branch densequant's bytes per dense_format belong here)."""
-    raw = ck.config_dict
-    names = _dense_names(ck, raw)
-    elements, stored = ck.tensor_elements(), ck.tensor_bytes()
-    itemsize = rowformat().FLOAT_ITEMSIZE[str(raw["dtype"])]
-    return {
-        "native": sum(stored[n] for n in names),
-        "float": sum(elements[n] for n in names) * itemsize,
-    }
+    matrices in their own block types; "float", dequantized to the model dtype. Counted by
+    psr.models.dense_bytes, the rule the loader keeps blocks by."""
+    from psr.models.dense_bytes import gguf_dense_bytes as counted
+
+    itemsize = rowformat().FLOAT_ITEMSIZE[str(ck.config_dict["dtype"])]
+    return {fmt: counted(ck, fmt, itemsize) for fmt in ("native", "float")}
 
 
 def _header_model(ck: Any, raw: dict[str, Any]) -> _Model:

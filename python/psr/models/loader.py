@@ -25,6 +25,7 @@ import psr_kernels as pk  # tests count quantize_expert calls through it
 from psr.load_config import LoadConfig
 from psr.machine import resolve_threads
 from psr.models.checkpoint import CheckpointError
+from psr.models.dense_weights import keep_blocks, quantize_dense
 from psr.models.families import (
     disk_names,
     expert_parts,
@@ -231,7 +232,10 @@ def _build_model(ckpt: Any, r: Resolved, meta: tuple[nn.Module, list[int]]) -> n
     expert_prefixes = tuple(f"model.layers.{d}.{block}.experts." for d in moe_idx)
     state_names = [k for k in model.state_dict() if not k.startswith(expert_prefixes)]
     tied = bool(getattr(r.config, "tie_word_embeddings", False))
-    for name in state_names:
+    kept: set[str] = set()  # dense_format native: a GGUF file's dense matrices stay in their blocks
+    if r.gguf and r.cfg.dense_format == "native":
+        kept = keep_blocks(model, ckpt, state_names, dt, dev, r.cfg.compute, tied)
+    for name in (n for n in state_names if n not in kept):
         src = next((c for c in disk_names(r.spec.family, name) if c in ckpt), None)
         if src is None:
             if name == "lm_head.weight" and tied:
@@ -247,8 +251,10 @@ def _build_model(ckpt: Any, r: Resolved, meta: tuple[nn.Module, list[int]]) -> n
         if t.is_floating_point():
             t = t.to(torch.float32 if keep_fp32(model, name) else dt)
         set_tensor(model, name, t.to(dev))
-    if tied:
+    if tied and "lm_head.weight" not in kept:
         model.lm_head.weight = model.get_input_embeddings().weight
+    if r.cfg.dense_format in vocab.QUANT_FORMATS:  # a float checkpoint's, quantized now
+        quantize_dense(model, r.cfg.dense_format, moe_idx, r.cfg.compute)
     materialize_rotary(model, dev)
     built: nn.Module = model
     return built
@@ -274,8 +280,8 @@ def _planned(
 ) -> Resolved:
     """With `gpu_memory`: the memory plan's check (MemoryPlanError, naming the part over and
     by how much) and, when neither `residency` nor `slots` is given, `r` resolved again at
-    the plan's slots. The dense part is the model dtype's (dense_format 'float': what
-    _build_model copies)."""
+    the plan's slots. The dense part as `dense_format` keeps it (int8 / fp8 counted as
+    float, on the safe side)."""
     from psr.models.inspect import gguf_dense_bytes, meta_dense_bytes
     from psr.models.memory_plan import Budget, ModelMemory, plan_memory
 
@@ -295,11 +301,13 @@ def _planned(
         host_memory=None if host in (None, "unlimited") else vocab.parse_bytes(host),
         context=_context(cfg.context, r.config),
         experts_on=cfg.experts_on,
-        dense_format="float",
+        # int8 / fp8 (a float checkpoint's dense part quantized at load) counted as float:
+        # the plan errs on the safe side there.
+        dense_format="native" if cfg.dense_format == "native" else "float",
         slots=None if cfg.plans_slots else r.capacity,
         prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
         cuda=r.device.type == "cuda",
-        levers=("slots", "experts_on", "context", "dtype", "host_memory"),
+        levers=("slots", "experts_on", "context", "dtype", "host_memory", "dense_format"),
     )
     plan = plan_memory(facts, budget).check(f"{path} with gpu_memory={cfg.gpu_memory!r}")
     return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r

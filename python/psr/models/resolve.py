@@ -157,6 +157,12 @@ def resolve(path: str | Path, ckpt: Any, cfg: LoadConfig) -> Resolved:
             f"{path}: {what} experts stay in their own blocks (the types the file has); "
             f"expert_format must be 'native' (got {cfg.expert_format!r}) and quant_cache off"
         )
+    if (gguf or method) and cfg.dense_format in vocab.QUANT_FORMATS:
+        what = "a GGUF file's" if gguf else f"this {method} checkpoint's"
+        raise ValueError(
+            f"{path}: {what} dense weights are stored quantized already; dense_format="
+            f"{cfg.dense_format!r} quantizes a float checkpoint's (use 'native' or 'float')"
+        )
     cache_root = resolve_root(quant_cache, path)
     if cache_root is not None and not fmt.is_quant:
         raise ValueError(

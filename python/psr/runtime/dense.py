@@ -1,0 +1,249 @@
+"""Dense layers whose weights stay in their stored format on the device (issue 39 item 1):
+drop-in `nn.Linear` / `nn.Embedding` replacements for a model's attention projections,
+shared experts, dense FFN layers, output head and embeddings.
+
+    QuantLinear(qweight, fmt, in_features, scales=, bias=, compute=)   y = x W^T + b
+    QuantEmbedding(qweight, fmt, embedding_dim, dtype, scales=)         rows of W, dequantized
+    MlaKvB(k, k_fmt, v, v_fmt, heads, compute=)      DeepSeek's kv_b_proj from split blocks
+
+`qweight` (uint8 `[N, row bytes]`) and `scales` are buffers in `psr_kernels.linear`'s
+layout for the `LinearFormat` `fmt` (a GGML block type, or int8 / fp8 / int4 codes with
+fp32 scales). `dense_linear` is the one dispatch: Triton on CUDA (`psr_kernels.linear`,
+batch-invariant), the CPU kernels on the CPU (`cpu_linear`), the torch reference where
+neither applies. The embedding dequantizes only the looked-up rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import psr_kernels as pk
+from psr.store import cpu_kernels
+from psr_kernels.linear import LinearFormat
+
+
+def _cpu_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    fmt: LinearFormat,
+    in_features: int,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The CPU path: psr's CPU kernels for GGML blocks where the extension has them
+    (`cpu_kernels.cpu_linear`, rows bit-identical for any T), else the reference."""
+    kernel = getattr(cpu_kernels, "cpu_linear", None)  # lands with branch cpukern
+    if kernel is None or fmt.block is None:
+        return pk.linear_ref(x, qweight, fmt, in_features, scales, bias, out_dtype)
+    y: torch.Tensor = kernel(
+        x,
+        qweight,
+        ggml_type=fmt.block.type_id,
+        in_features=in_features,
+        bias=bias,
+        out_dtype=out_dtype,
+    )
+    return y
+
+
+def dense_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    fmt: LinearFormat,
+    in_features: int,
+    scales: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    compute: str = "auto",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`x [T, K] @ W^T (+ bias)` on the compute path `compute` resolves to on x's device
+    (`pk.resolve_compute`): Triton, the CPU kernels (torch path on the CPU), or the torch
+    reference (torch path elsewhere). While torch.compile traces, its custom op."""
+    if torch.compiler.is_compiling() and out_dtype is None:
+        y: torch.Tensor = _linear_op(
+            x, qweight, scales, bias, fmt.name, fmt.group, in_features, compute
+        )
+        return y
+    out = out_dtype or x.dtype
+    if pk.resolve_compute(compute, x.device) == "triton":
+        return pk.linear(x, qweight, fmt, in_features, scales, bias, out)
+    if x.device.type == "cpu":
+        return _cpu_linear(x, qweight, fmt, in_features, scales, bias, out)
+    return pk.linear_ref(x, qweight, fmt, in_features, scales, bias, out)
+
+
+# The dense layers as torch custom ops, so that a compiled forward (graphs on the CPU:
+# torch.compile fullgraph) traces through them as opaque calls; eager forwards call the
+# functions directly (no custom-op dispatch), as runtime/store_ops.py does.
+@torch.library.custom_op("psr_dense::linear", mutates_args=())
+def _linear_op(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    fmt: str,
+    group: int,
+    k: int,
+    compute: str,
+) -> torch.Tensor:
+    return dense_linear(
+        x, qweight, LinearFormat.parse(fmt, group or None), k, scales, bias, compute
+    )
+
+
+@_linear_op.register_fake
+def _(x, qweight, scales, bias, fmt, group, k, compute):  # type: ignore[no-untyped-def]
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _heads_t(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: LinearFormat, heads: int, compute: str
+) -> torch.Tensor:
+    """`pk.linear_heads_t` on the compute path `compute` resolves to (else its reference)."""
+    if pk.resolve_compute(compute, x.device) == "triton":
+        return pk.linear_heads_t(x, blocks, fmt, heads)
+    return pk.linear_heads_t_ref(x, blocks, fmt, heads)
+
+
+@torch.library.custom_op("psr_dense::heads_t", mutates_args=())
+def _heads_t_op(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: str, heads: int, compute: str
+) -> torch.Tensor:
+    return _heads_t(x, blocks, LinearFormat.parse(fmt), heads, compute)
+
+
+@_heads_t_op.register_fake
+def _(x, blocks, fmt, heads, compute):  # type: ignore[no-untyped-def]
+    b = LinearFormat.parse(fmt).block
+    assert b is not None
+    return x.new_empty(x.shape[0], heads * (blocks.shape[1] // b.block_bytes * b.block_len))
+
+
+@torch.library.custom_op("psr_dense::rows", mutates_args=())
+def _rows_op(
+    rows: torch.Tensor, scales: torch.Tensor | None, fmt: str, group: int, k: int
+) -> torch.Tensor:
+    return pk.decode_rows(rows, LinearFormat.parse(fmt, group or None), k, scales)
+
+
+@_rows_op.register_fake
+def _(rows, scales, fmt, group, k):  # type: ignore[no-untyped-def]
+    return rows.new_empty(rows.shape[0], k, dtype=torch.float32)
+
+
+class QuantLinear(nn.Module):
+    """`nn.Linear` over a weight kept in its stored format (`fmt`)."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        fmt: LinearFormat,
+        in_features: int,
+        scales: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+        compute: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.fmt, self.in_features, self.out_features = fmt, int(in_features), qweight.shape[0]
+        self.compute = compute
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor | None
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = dense_linear(
+            x.reshape(-1, self.in_features),
+            self.qweight,
+            self.fmt,
+            self.in_features,
+            self.scales,
+            self.bias,
+            self.compute,
+        )
+        return y.reshape(*lead, self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as fp32 `[out, in]` (a new tensor: for tests and conversions)."""
+        return pk.dequantize_weight(self.qweight, self.fmt, self.in_features, self.scales)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt}"
+
+
+class QuantEmbedding(nn.Module):
+    """`nn.Embedding` over rows kept in their stored format: a lookup dequantizes only the
+    rows it reads, to `dtype`."""
+
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        fmt: LinearFormat,
+        embedding_dim: int,
+        dtype: torch.dtype,
+        scales: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.fmt, self.embedding_dim, self.dtype = fmt, int(embedding_dim), dtype
+        self.num_embeddings = qweight.shape[0]
+        self.qweight: torch.Tensor
+        self.scales: torch.Tensor | None
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.qweight.index_select(0, flat)
+        s = None if self.scales is None else self.scales.index_select(0, flat)
+        fmt, k = self.fmt, self.embedding_dim
+        w: torch.Tensor
+        if torch.compiler.is_compiling():
+            w = _rows_op(rows, s, fmt.name, fmt.group, k)
+        else:
+            w = pk.decode_rows(rows, fmt, k, s)
+        return w.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.fmt}"
+
+
+class MlaKvB(nn.Module):
+    """DeepSeek's `kv_b_proj` (`[T, rank] -> [T, heads * (nope + v)]`, each head's nope k
+    values then its v values) from llama.cpp's split MLA blocks: `k` = attn_k_b's rows
+    `[heads * rank, nope]` (the transposed weight: `pk.linear_heads_t`) and `v` = attn_v_b's
+    rows `[heads * v, rank]` (a plain linear)."""
+
+    def __init__(
+        self,
+        k: torch.Tensor,
+        k_fmt: LinearFormat,
+        v: torch.Tensor,
+        v_fmt: LinearFormat,
+        heads: int,
+        compute: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.k_fmt, self.v_fmt, self.heads, self.compute = k_fmt, v_fmt, int(heads), compute
+        self.rank = k.shape[0] // self.heads
+        self.k_blocks: torch.Tensor
+        self.v_blocks: torch.Tensor
+        self.register_buffer("k_blocks", k)
+        self.register_buffer("v_blocks", v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, x2 = x.shape[:-1], x.reshape(-1, self.rank)
+        if torch.compiler.is_compiling():
+            k = _heads_t_op(x2, self.k_blocks, self.k_fmt.name, self.heads, self.compute)
+        else:
+            k = _heads_t(x2, self.k_blocks, self.k_fmt, self.heads, self.compute)
+        v = dense_linear(x2, self.v_blocks, self.v_fmt, self.rank, compute=self.compute)
+        t, h = x2.shape[0], self.heads
+        y = torch.cat([k.view(t, h, -1), v.view(t, h, -1)], -1)
+        return y.reshape(*lead, -1)
+
+    def extra_repr(self) -> str:
+        return f"heads={self.heads}, rank={self.rank}, k {self.k_fmt}, v {self.v_fmt}"
