@@ -34,10 +34,9 @@ def _cpu_linear(
 ) -> torch.Tensor:
     """The CPU path: psr's CPU kernels for GGML blocks where the extension has them
     (`cpu_kernels.cpu_linear`, rows bit-identical for any T), else the reference."""
-    kernel = getattr(cpu_kernels, "cpu_linear", None)  # lands with branch cpukern
-    if kernel is None or fmt.block is None:
+    if fmt.block is None:
         return pk.linear_ref(x, qweight, fmt, in_features, scales, bias, out_dtype)
-    y: torch.Tensor = kernel(
+    y: torch.Tensor = cpu_kernels.cpu_linear(
         x,
         qweight,
         ggml_type=fmt.block.type_id,
