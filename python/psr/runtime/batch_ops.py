@@ -1,0 +1,145 @@
+"""The dense side of a batched decode forward (runtime/batch.py): the model's own
+transformers forward over `[b, 1]` tokens, each row computed as its sequence alone would be.
+
+* **Dense linears: one seam.** `batch_linear` is the one function that computes a dense
+  linear of a batch (every `nn.Linear` of the model while a batch forward runs, and the
+  routers' logits). Batch-invariant mode computes each row as at b = 1 (torch's CPU matmul
+  is not batch-invariant: `F.linear` on `[4, K]` differs from four `[1, K]` calls); the plain
+  mode is one `F.linear` over all rows (`batch_invariant=False`, never the default). A
+  batch-invariant kernel that reads the weight once for all rows replaces the loop here.
+* **Attention: per sequence, on its own KV.** `BatchKV` stands in for the KV cache: each
+  attention layer's `update` appends row i to sequence i's own transformers cache (the one
+  its solo prefill built) and keeps the full keys; the attention function registered as
+  `psr_batch` then runs the model's own attention implementation (sdpa / eager) once per
+  sequence over its own keys, with the mask a solo decode step passes (none: one query
+  attends to every cached position). Sequences of any lengths, no padding.
+* Norms, rotary embeddings and embeddings are row-wise in transformers already.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION = "psr_batch"  # the attention implementation's name while a batch forward runs
+_active = threading.local()  # the running batch forward's BatchKV (per thread)
+
+
+def batch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` over a batch `x [..., K]`: (invariant) each row as a
+    one-row call computes it, whatever the batch; else one call over every row."""
+    if not invariant:
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 1:
+        return F.linear(x, weight, bias)
+    out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class BatchKV:
+    """The KV cache a batch forward passes the model: row i is sequence i's own cache."""
+
+    def __init__(self, caches: Sequence[Any]) -> None:
+        self.caches = list(caches)
+        # attention layer -> per sequence, its full (keys, values) after this step's update
+        self.current: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """Each row appended to its sequence's cache, as its solo decode step appends it."""
+        self.current[layer_idx] = [
+            kv.update(key_states[i : i + 1], value_states[i : i + 1], layer_idx, *args, **kwargs)
+            for i, kv in enumerate(self.caches)
+        ]
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(kv.get_seq_length(layer_idx) for kv in self.caches)
+
+
+def _attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """The registered `psr_batch` attention: the model's own implementation once per
+    sequence, over that sequence's keys and values (BatchKV), with no mask (a solo decode
+    step's: its one query sees every cached position)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    kv: BatchKV = _active.kv
+    inner = _active.inner
+    fn = sdpa_attention_forward if inner == "sdpa" else ALL_ATTENTION_FUNCTIONS.get(inner)
+    if fn is None:  # eager: the module's own file defines it
+        import sys
+
+        fn = sys.modules[type(module).__module__].eager_attention_forward
+    rows = kv.current[module.layer_idx]  # type: ignore[index]
+    outs = [fn(module, query[i : i + 1], k, v, None, **kwargs)[0] for i, (k, v) in enumerate(rows)]
+    return torch.cat(outs), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, _attention)
+
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+
+
+def check_attention(config: Any) -> None:
+    """Refuse (one line) a model whose attention a batch forward cannot run per sequence as
+    its solo steps run it: other implementations, windows, linear attention."""
+    impl = config._attn_implementation
+    if impl not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"batched decode runs attention with sdpa or eager, not {impl!r} (load the model "
+            "with one of them)"
+        )
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise ValueError(
+            f"batched decode supports full attention only, not {sorted(types - {'full_attention'})}"
+            " or sliding windows"
+        )
+
+
+class DenseSeam:
+    """Every `nn.Linear` of a model through `batch_linear` while a batch forward runs."""
+
+    def __init__(self, model: nn.Module, invariant: bool) -> None:
+        self.invariant = invariant
+        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+    def _forward(self, m: nn.Linear) -> Any:
+        inv = self.invariant
+        return lambda x: batch_linear(x, m.weight, m.bias, inv)
+
+    @contextmanager
+    def active(self, config: Any, kv: BatchKV) -> Iterator[None]:
+        """The seam and the per-sequence attention in place for one forward."""
+        _register()
+        inner = config._attn_implementation
+        for m in self.linears:
+            m.forward = self._forward(m)  # type: ignore[method-assign]
+        _active.kv, _active.inner = kv, inner
+        config._attn_implementation = ATTENTION
+        try:
+            yield
+        finally:
+            config._attn_implementation = inner
+            _active.kv = _active.inner = None
+            for m in self.linears:
+                del m.forward
