@@ -256,7 +256,7 @@ class BatchDecoder:
         with self.rt.lock:
             while not self._awaiting() and self._prefill_chunk():
                 pass
-            return {s.id: s.logits for s in self._awaiting()}
+            return {s.id: s.logits for s in self._awaiting() if s.logits is not None}
 
     def feed(self, tokens: Mapping[int, int]) -> None:
         """One batched decode step: each given sequence (awaiting a token) takes its token;
@@ -363,3 +363,46 @@ def _check_model(model: OffloadedModel) -> None:
     if not rt.steering.spec_rule:
         raise ValueError("batched decode steers by the spec's rule only")
     check_attention(model.config)
+
+
+def generate_batch(
+    model: OffloadedModel,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    settings: Any,
+    seeds: Sequence[int],
+    max_batch: int,
+    batch_invariant: bool = True,
+) -> list[list[int]]:
+    """`OffloadedModel.generate_batch`: each prompt's new tokens, chosen as
+    psr.runtime.generate chooses them (greedy, or its warpers and a generator seeded by the
+    prompt's seed), the prompts admitted in order as places free up."""
+    from psr.runtime import generate as gen
+
+    dec = BatchDecoder(model, max_batch, batch_invariant=batch_invariant)
+    warp = gen.warpers(settings) if settings.do_sample else None
+    eos = set(settings.eos_token_ids)
+    queue = list(range(len(prompts)))
+    out: list[list[int]] = [[] for _ in prompts]
+    ids: dict[int, torch.Tensor] = {}  # sequence -> its ids so far (the warpers read them)
+    gens: dict[int, torch.Generator] = {}
+    which: dict[int, int] = {}  # sequence -> prompt index
+    if settings.max_new_tokens == 0:
+        return out
+    while queue or dec.live:
+        while queue and len(dec.live) < max_batch:
+            j = queue.pop(0)
+            s = dec.add(prompts[j])
+            which[s], ids[s] = j, model._ids(prompts[j])
+            gens[s] = torch.Generator(device=ids[s].device).manual_seed(seeds[j])
+        tokens: dict[int, int] = {}
+        for s, logits in dec.ready().items():
+            nxt = gen.next_token(logits, ids[s], warp, gens[s])
+            ids[s] = torch.cat([ids[s], nxt], dim=1)
+            token = int(nxt)
+            out[which[s]].append(token)
+            if token in eos or len(out[which[s]]) >= settings.max_new_tokens:
+                dec.remove(s)
+            else:
+                tokens[s] = token
+        dec.feed(tokens)
+    return out

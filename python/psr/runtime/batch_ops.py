@@ -65,7 +65,7 @@ class BatchKV:
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(kv.get_seq_length(layer_idx) for kv in self.caches)
+        return max(int(kv.get_seq_length(layer_idx)) for kv in self.caches)
 
 
 def _attention(

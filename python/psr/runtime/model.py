@@ -535,6 +535,46 @@ class OffloadedModel(nn.Module):
                 ids, settings, seed, streamer, progress, logits_processor, logprobs, prompt_cache
             )
 
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        max_new_tokens: int | None = None,
+        *,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
+        max_batch: int | None = None,
+        batch_invariant: bool = True,
+    ) -> list[list[int]]:
+        """Decode several prompts together (psr.runtime.batch.BatchDecoder): returns each
+        prompt's new tokens. Each sequence's tokens are its solo `generate`'s with the same
+        settings and `seeds[i]` (default 0), whatever its co-runners: its own logical
+        caches, each row computed as at batch 1. At most `max_batch` (default: all) decode
+        at once; the others join as sequences finish (continuous batching)."""
+        from psr.runtime.batch import generate_batch
+
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        settings = gen.resolve_settings(
+            max((len(p) for p in prompts), default=0),
+            {
+                "max_new_tokens": max_new_tokens,
+                "do_sample": do_sample,
+                "temperature": temperature,
+                "top_k": top_k,
+                "top_p": top_p,
+                "eos_token_id": eos_token_id,
+            },
+        )
+        return generate_batch(
+            self, prompts, settings, list(seeds or [0] * len(prompts)),
+            max_batch or max(1, len(prompts)), batch_invariant,
+        )  # fmt: skip
+
     def _generate_plain(
         self,
         ids: torch.Tensor,
