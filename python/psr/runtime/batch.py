@@ -115,7 +115,8 @@ class BatchPrefill(PrefillStep):
             init = prefill_state(hist, cache.capacity)
             cache.reset(init)
             self.slab.hold(i, init)
-            self.slab.ensure(i, init, CopyReason.PREFILL, spill=False)
+            if not reads_host(rt, layer):  # decode reads the slab: the seed made resident
+                self.slab.ensure(i, init, CopyReason.PREFILL, spill=False)
         return out
 
     def _staged(
@@ -185,7 +186,7 @@ class BatchStep(Step):
                 dec.count(prefetches=len(ins))
                 prefetched.setdefault(target, []).extend(x.expert for x in ins)
         for target, experts in prefetched.items():
-            if experts:
+            if experts and not reads_host(rt, rt.layers[target]):
                 dec.slab.ensure(target, experts, CopyReason.PREFETCH, spill=False)
         self.pending[i] = rows
         return self.out(logits, torch.cat(ws), torch.cat(idss))

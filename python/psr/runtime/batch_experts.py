@@ -14,7 +14,7 @@ The slab's experts are read in runs of rows whose union fits the slab (batch_sla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from psr.runtime.batch_slab import SharedSlab
 from psr.runtime.compute import ExpertCompute
 from psr.runtime.layer import MoELayer
+from psr.runtime.prefill import reads_host
 from psr.store import CopyReason
 
 if TYPE_CHECKING:
@@ -52,23 +53,13 @@ def batch_experts(
     )
     w = weights.float()
     y_slab = torch.zeros_like(x)
-    for group in slab.groups(i, [r.members for r in rows]):
-        union = sorted({e for g in group for e in rows[g].members})
-        if not union:  # CPU experts only (experts_on cpu): nothing read from the slab
-            for g in [] if together else group:
-                y_slab[g] = _solo_row(rt, layer, rt.store.slab(i), x[g : g + 1], ids[g : g + 1],
-                                      w[g : g + 1], rows[g], {})[0]  # fmt: skip
-            continue
-        where = slab.ensure(i, union, CopyReason.MISS)
-        slots = [where[e] for e in union]
-        with rt.store.reading(i, slots, union) as s:
-            if together:
-                at = torch.tensor(group, device=x.device)
-                y_slab[at] = _slab_rows(comp, s, x[at], w[at], [rows[g] for g in group], where)
-            else:
-                for g in group:
-                    y_slab[g] = _solo_row(rt, layer, s, x[g : g + 1], ids[g : g + 1],
-                                          w[g : g + 1], rows[g], where)[0]  # fmt: skip
+    for group, where, s in _runs(rt, slab, layer, rows):
+        if together and any(rows[g].members for g in group):
+            at = torch.tensor(group, device=x.device)
+            y_slab[at] = _slab_rows(comp, s, x[at], w[at], [rows[g] for g in group], where)
+        for g in [] if together else group:
+            y_slab[g] = _solo_row(rt, layer, s, x[g : g + 1], ids[g : g + 1],
+                                  w[g : g + 1], rows[g], where)[0]  # fmt: skip
     if not any_cpu or not together:
         return y_slab
     k = ids.shape[1]
@@ -78,6 +69,38 @@ def batch_experts(
     has_cpu = torch.tensor([bool(r.cpu) for r in rows], device=x.device)[:, None]
     has_slab = torch.tensor([bool(r.members) for r in rows], device=x.device)[:, None]
     return torch.where(has_slab, torch.where(has_cpu, y_slab + y_cpu, y_slab), y_cpu)
+
+
+def _runs(
+    rt: StepContext, slab: SharedSlab, layer: MoELayer, rows: Sequence[Row]
+) -> Iterator[tuple[list[int], dict[int, int], torch.Tensor]]:
+    """(rows, expert -> row of `s`, `s`) to compute the members from: where prefill reads
+    (the CPU backend, every expert held: the host rows themselves, the same bytes a slot
+    would hold, no copy), else the shared slab in runs of rows whose union fits it, each
+    run's missing experts copied once and its slots held while it computes."""
+    i = layer.index
+    if reads_host(rt, layer):
+        yield list(range(len(rows))), _IDENTITY, rt.store.host(i)
+        return
+    for group in slab.groups(i, [r.members for r in rows]):
+        union = sorted({e for g in group for e in rows[g].members})
+        if not union:  # CPU experts only (experts_on cpu): nothing read from the slab
+            yield group, {}, rt.store.slab(i)
+            continue
+        where = slab.ensure(i, union, CopyReason.MISS)
+        slots = [where[e] for e in union]
+        with rt.store.reading(i, slots, union) as s:
+            yield group, where, s
+
+
+class _Identity(dict[int, int]):
+    """Expert e -> host row e."""
+
+    def __missing__(self, e: int) -> int:
+        return e
+
+
+_IDENTITY = _Identity()
 
 
 def _slab_rows(
