@@ -27,7 +27,8 @@ def embedded() -> psr.OffloadedModel:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("batch")
-    return {f: write_checkpoint(tiny_model(f), root / f) for f in ("olmoe", "qwen2_moe")}
+    families = ("olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")
+    return {f: write_checkpoint(tiny_model(f), root / f) for f in families}
 
 
 def _tiny(ckpts, family: str = "olmoe", **kw) -> psr.OffloadedModel:
@@ -241,6 +242,15 @@ def test_remove_frees_and_bad_input_is_refused(ckpts) -> None:
     async_model = psr.load(ckpts["olmoe"], "cache-prior-async", 0.25, progress=False)
     with pytest.raises(ValueError, match="logical-cache policy"):
         BatchDecoder(async_model, 2)
+
+
+@pytest.mark.parametrize(
+    ("family", "why"), [("deepseek_v3", "latent attention"), ("gpt_oss", "sliding windows")]
+)
+def test_attention_a_batch_cannot_run_per_sequence_is_refused(ckpts, family, why) -> None:
+    model = psr.load(ckpts[family], "exact", 0.5, progress=False)
+    with pytest.raises(ValueError, match=why):
+        BatchDecoder(model, 2)
 
 
 def test_prefill_staged_through_the_shared_slab(ckpts) -> None:

@@ -101,12 +101,17 @@ SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 def check_attention(config: Any) -> None:
     """Refuse (one line) a model whose attention a batch forward cannot run per sequence as
-    its solo steps run it: other implementations, windows, linear attention."""
+    its solo steps run it: other implementations, windows, linear attention, MLA (its latent
+    is expanded after the cache update by a linear over the whole cache)."""
     impl = config._attn_implementation
     if impl not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"batched decode runs attention with sdpa or eager, not {impl!r} (load the model "
             "with one of them)"
+        )
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            "batched decode does not support multi-head latent attention (DeepSeek's MLA) yet"
         )
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"} or getattr(config, "use_sliding_window", False):
