@@ -34,15 +34,15 @@ _active = threading.local()  # the running batch forward's BatchKV (per thread)
 def batch_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, invariant: bool
 ) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` over a batch `x [..., K]`: (invariant) each row as a
-    one-row call computes it, whatever the batch; else one call over every row."""
-    if not invariant:
+    """`F.linear(x, weight, bias)` over a batch `x [b, ..., K]` (the sequences along the
+    first dimension): (invariant) each sequence's slice `[1, ..., K]` as its solo call
+    computes it (the same shape: torch takes different kernels for `[1, 1, K]` and
+    `[1, K]`), whatever the batch; else one call over every row."""
+    if not invariant or x.shape[0] == 1:
         return F.linear(x, weight, bias)
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] == 1:
-        return F.linear(x, weight, bias)
-    out = torch.cat([F.linear(rows[i : i + 1], weight, bias) for i in range(rows.shape[0])])
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    # Each slice in a fresh tensor: BLAS kernels may take another path for an input that
+    # starts inside another tensor (alignment), and the solo call's input is its own.
+    return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])])
 
 
 class BatchKV:
@@ -97,21 +97,17 @@ def _register() -> None:
 
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
+_PSR = ("PSRRouter", "OffloadedExperts")  # psr's modules: the batch step runs them per row
 
 
 def check_attention(config: Any) -> None:
     """Refuse (one line) a model whose attention a batch forward cannot run per sequence as
-    its solo steps run it: other implementations, windows, linear attention, MLA (its latent
-    is expanded after the cache update by a linear over the whole cache)."""
+    its solo steps run it: other implementations, windows, linear attention."""
     impl = config._attn_implementation
     if impl not in SUPPORTED_ATTENTION:
         raise ValueError(
             f"batched decode runs attention with sdpa or eager, not {impl!r} (load the model "
             "with one of them)"
-        )
-    if getattr(config, "kv_lora_rank", None):
-        raise ValueError(
-            "batched decode does not support multi-head latent attention (DeepSeek's MLA) yet"
         )
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"} or getattr(config, "use_sliding_window", False):
@@ -121,16 +117,94 @@ def check_attention(config: Any) -> None:
         )
 
 
+def latent(config: Any) -> bool:
+    """Multi-head latent attention (DeepSeek's MLA): the cache holds a latent that a linear
+    over the whole cache expands after the update, so its attention modules run whole
+    per sequence (`DenseSeam`), their projections at b = 1."""
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
 class DenseSeam:
-    """Every `nn.Linear` of a model through `batch_linear` while a batch forward runs."""
+    """Every `nn.Linear` of a model through `batch_linear` while a batch forward runs, and
+    its attention per sequence: the attention function (`psr_batch`), or for latent
+    attention each attention module's whole forward once per sequence."""
 
     def __init__(self, model: nn.Module, invariant: bool) -> None:
         self.invariant = invariant
         self.linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        self.latent = latent(model.config)
+        self.attention = [
+            m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")
+        ]
+        # Row-local leaf modules (norms, activations, rotary embeddings): once per sequence.
+        # Elementwise transcendentals are not batch-invariant in torch (a tensor's first
+        # elements take the vectorized loop, its tail the scalar one: SiLU over 16 elements
+        # differs from the same 16 inside 32).
+        skip = (nn.Linear, nn.Embedding, nn.Dropout)
+        self.leaves = [
+            m
+            for m in model.modules()
+            if not any(m.children()) and not isinstance(m, skip) and type(m).__name__ not in _PSR
+        ]
+
+    @staticmethod
+    def _rows(m: nn.Module) -> Any:
+        inner = m.forward
+
+        def forward(*args: Any, **kw: Any) -> Any:
+            kv: BatchKV = _active.kv
+            b = len(kv.caches)
+            first = args[0] if args else next(iter(kw.values()))
+            rows = isinstance(first, torch.Tensor) and first.dim() > 0 and first.shape[0] == b
+            if _active.whole or b == 1 or not rows:
+                return inner(*args, **kw)
+
+            def cut(v: Any, i: int) -> Any:
+                ok = isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b
+                return v[i : i + 1].clone() if ok else v
+
+            outs = [
+                inner(*[cut(a, i) for a in args], **{k: cut(v, i) for k, v in kw.items()})
+                for i in range(b)
+            ]
+            if isinstance(outs[0], tuple):
+                return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+            return torch.cat(outs)
+
+        return forward
+
+    @staticmethod
+    def _per_sequence(m: nn.Module) -> Any:
+        inner = m.forward
+
+        def forward(*args: Any, **kw: Any) -> tuple[torch.Tensor, None]:
+            kv: BatchKV = _active.kv
+            hidden = kw.pop("hidden_states") if "hidden_states" in kw else args[0]
+            cos, sin = kw.pop("position_embeddings")
+            pos = kw.pop("position_ids", None)
+            kw.pop("attention_mask", None)
+            name = next(k for k, v in kw.items() if v is kv)
+            config = m.config  # the model's own attention inside (psr_batch outside: no mask)
+            config._attn_implementation = _active.inner
+            _active.whole = True  # linears inside run as the solo call runs them
+            try:
+                outs = [
+                    inner(hidden_states=hidden[i : i + 1], attention_mask=None,
+                          position_embeddings=(cos[i : i + 1], sin[i : i + 1]),
+                          position_ids=None if pos is None else pos[i : i + 1],
+                          **{**kw, name: c})[0]
+                    for i, c in enumerate(kv.caches)
+                ]  # fmt: skip
+            finally:
+                config._attn_implementation = ATTENTION
+                _active.whole = False
+            return torch.cat(outs), None
+
+        return forward
 
     def _forward(self, m: nn.Linear) -> Any:
         inv = self.invariant
-        return lambda x: batch_linear(x, m.weight, m.bias, inv)
+        return lambda x: batch_linear(x, m.weight, m.bias, inv and not _active.whole)
 
     @contextmanager
     def active(self, config: Any, kv: BatchKV) -> Iterator[None]:
@@ -139,12 +213,18 @@ class DenseSeam:
         inner = config._attn_implementation
         for m in self.linears:
             m.forward = self._forward(m)  # type: ignore[method-assign]
-        _active.kv, _active.inner = kv, inner
+        whole = self.attention if self.latent else []
+        for m in whole:
+            m.forward = self._per_sequence(m)  # type: ignore[method-assign]
+        leaves = self.leaves if self.invariant else []
+        for m in leaves:
+            m.forward = self._rows(m)  # type: ignore[method-assign]
+        _active.kv, _active.inner, _active.whole = kv, inner, False
         config._attn_implementation = ATTENTION
         try:
             yield
         finally:
             config._attn_implementation = inner
             _active.kv = _active.inner = None
-            for m in self.linears:
+            for m in [*self.linears, *whole, *leaves]:
                 del m.forward

@@ -504,14 +504,7 @@ class OffloadedModel(nn.Module):
         _check_unpadded(ids, attention_mask)
         settings = gen.resolve_settings(
             ids.shape[1],
-            {
-                "max_new_tokens": max_new_tokens,
-                "do_sample": do_sample,
-                "temperature": temperature,
-                "top_k": top_k,
-                "top_p": top_p,
-                "eos_token_id": eos_token_id,
-            },
+            _explicit(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id),
             generation_config,
             kwargs,
         )
@@ -561,14 +554,7 @@ class OffloadedModel(nn.Module):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         settings = gen.resolve_settings(
             max((len(p) for p in prompts), default=0),
-            {
-                "max_new_tokens": max_new_tokens,
-                "do_sample": do_sample,
-                "temperature": temperature,
-                "top_k": top_k,
-                "top_p": top_p,
-                "eos_token_id": eos_token_id,
-            },
+            _explicit(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id),
         )
         return generate_batch(
             self, prompts, settings, list(seeds or [0] * len(prompts)),
@@ -607,6 +593,21 @@ class OffloadedModel(nn.Module):
         finally:
             if graph is not None:
                 self.runtime.acct.stats.totals["captures"] += graph.captures - captures
+
+
+def _explicit(
+    max_new_tokens: int | None, do_sample: bool | None, temperature: float | None,
+    top_k: int | None, top_p: float | None, eos_token_id: int | Sequence[int] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The decoding arguments given by keyword, as `gen.resolve_settings` takes them."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "eos_token_id": eos_token_id,
+    }
 
 
 def _check_unpadded(ids: torch.Tensor, attention_mask: torch.Tensor | Iterable[int] | None) -> None:
