@@ -184,7 +184,7 @@ class DenseSeam:
             pos = kw.pop("position_ids", None)
             kw.pop("attention_mask", None)
             name = next(k for k, v in kw.items() if v is kv)
-            config = m.config  # the model's own attention inside (psr_batch outside: no mask)
+            config: Any = m.config  # the model's own attention inside (psr_batch outside)
             config._attn_implementation = _active.inner
             _active.whole = True  # linears inside run as the solo call runs them
             try:
@@ -211,14 +211,14 @@ class DenseSeam:
         """The seam and the per-sequence attention in place for one forward."""
         _register()
         inner = config._attn_implementation
-        for m in self.linears:
-            m.forward = self._forward(m)  # type: ignore[method-assign]
+        for lin in self.linears:
+            lin.forward = self._forward(lin)  # type: ignore[method-assign]
         whole = self.attention if self.latent else []
         for m in whole:
-            m.forward = self._per_sequence(m)  # type: ignore[method-assign]
+            m.forward = self._per_sequence(m)
         leaves = self.leaves if self.invariant else []
         for m in leaves:
-            m.forward = self._rows(m)  # type: ignore[method-assign]
+            m.forward = self._rows(m)
         _active.kv, _active.inner, _active.whole = kv, inner, False
         config._attn_implementation = ATTENTION
         try:
@@ -226,5 +226,5 @@ class DenseSeam:
         finally:
             config._attn_implementation = inner
             _active.kv = _active.inner = None
-            for m in [*self.linears, *whole, *leaves]:
-                del m.forward
+            for mod in [*self.linears, *whole, *leaves]:
+                del mod.forward
