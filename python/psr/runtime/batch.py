@@ -29,20 +29,22 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 import psr_kernels as pk
-from psr.cache import LogicalCache, prefill_state
+from psr.cache import LogicalCache
 from psr.runtime.batch_ops import BatchKV, DenseSeam, batch_linear, check_attention
 from psr.runtime.batch_slab import SharedSlab
 from psr.runtime.chunked import boundaries
 from psr.runtime.kv import cache_kwarg, output_cache
 from psr.runtime.layer import MoELayer
-from psr.runtime.prefill import PrefillStep, reads_host, row_ffn
+from psr.runtime.prefill import PrefillStep, reads_host
+from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
 from psr.store import CopyReason
 
@@ -82,8 +84,10 @@ class _Row:
 
 
 class BatchPrefill(PrefillStep):
-    """A newcomer's prefill chunk: the solo prefill's routing and expert arithmetic, its own
-    history and caches, staged through the shared slab (never evicting a held slot)."""
+    """A newcomer's prefill chunk: the solo prefill step itself (its routing, its expert
+    arithmetic, its seed), run on the sequence's own history and caches, lent to each
+    layer for the call, and on a slot map of the store's slots as they are (a copy it
+    stages may evict an expert another sequence holds: it is copied back when read)."""
 
     name = "batch-prefill"
 
@@ -91,51 +95,29 @@ class BatchPrefill(PrefillStep):
         super().__init__(runtime)
         self.slab, self.seq = slab, seq
 
-    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
-        rt = self.rt
-        logits = self.logits(layer, x)
+    @contextmanager
+    def _lent(self, layer: MoELayer) -> Iterator[None]:
+        i, rt = layer.index, self.rt
+        saved = layer.cache, layer.history, layer.slots, layer.seeded
+        layer.cache, layer.history = self.seq.caches[i], self.seq.history[i]
+        layer.slots = SlotMap(rt.store.slot_experts(i)[: rt.capacity])
         try:
-            w, ids = rt.ops.route(logits, rt.spec.route_spec(), bias=layer.bias)
-        except pk.NonFiniteError as e:
-            raise non_finite([layer.index], "found in prefill") from e
-        self.seq.history[layer.index].extend(ids.tolist())
-        return self.out(logits, w, ids)
+            yield
+        finally:
+            layer.cache, layer.history, layer.slots, layer.seeded = saved
+
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        with self._lent(layer):
+            return super().route(layer, x)
 
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        rt, i = self.rt, layer.index
-        hist, cache = self.seq.history[i], self.seq.caches[i]
-        if reads_host(rt, layer):
-            host = rt.store.host(i)
-            out = rt.computes[i].grouped_host(x, ids, weights, host, layer.expert_bias)
-        else:
-            out = self._staged(layer, x, ids, weights, set(prefill_state(hist, cache.capacity)))
-        if not rt.prefill_more:  # the prompt's last chunk: the spec's seed
-            init = prefill_state(hist, cache.capacity)
-            cache.reset(init)
-            self.slab.hold(i, init)
-            if not reads_host(rt, layer):  # decode reads the slab: the seed made resident
-                self.slab.ensure(i, init, CopyReason.PREFILL, spill=False)
+        with self._lent(layer):
+            out = super().experts(layer, x, ids, weights)
+        if not self.rt.prefill_more:  # the prompt's last chunk: the cache is seeded
+            self.slab.hold(layer.index, self.seq.caches[layer.index].order())
         return out
-
-    def _staged(
-        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-        keep: set[int],
-    ) -> torch.Tensor:  # fmt: skip
-        """Each expert once over its tokens from a slab slot, in the solo prefill's order
-        (those the seed will not keep first: prefill.plan_prefill), so the sums agree."""
-        i, ffn = layer.index, row_ffn(self.rt, layer)
-        used = sorted(set(ids.flatten().tolist()))
-        order = [e for e in used if e not in keep] + [e for e in used if e in keep]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in order:
-            tok, pos = torch.where(ids == e)
-            slot = self.slab.ensure(i, [e], CopyReason.PREFILL)[e]
-            with self.rt.store.reading(i, [slot], [e]) as s:
-                y = ffn(s[slot], x[tok], e, weights[tok, pos])
-            out.index_add_(0, tok, y.float())
-        return out.to(x.dtype)
 
 
 class BatchStep(Step):
@@ -156,6 +138,7 @@ class BatchStep(Step):
         lam = rt.steering.lam(layer)
         cap = rt.max_inserts(layer)
         residual = layer.need_residual()
+        # Each row's slices are fresh tensors, as a solo step's are (batch_ops.batch_linear).
         rows, ws, idss = [], [], []
         prefetched: dict[int, list[int]] = {}
         for r, seq in enumerate(self.seqs):
@@ -163,7 +146,7 @@ class BatchStep(Step):
             mask = torch.tensor(cache.mask(), dtype=torch.bool, device=x.device) if lam else None
             try:
                 w, ids, sub = rt.ops.route_counted(
-                    logits[r : r + 1], rt.spec.route_spec(lam), mask=mask, bias=layer.bias
+                    logits[r : r + 1].clone(), rt.spec.route_spec(lam), mask=mask, bias=layer.bias
                 )
             except pk.NonFiniteError as e:
                 raise non_finite([i], "found while decoding") from e
@@ -177,14 +160,14 @@ class BatchStep(Step):
             ws.append(w)
             idss.append(ids)
             try:
-                predictions = rt.steering.predictions(layer, residual[r : r + 1])
+                predictions = rt.steering.predictions(layer, residual[r : r + 1].clone())
             except pk.NonFiniteError as e:
                 raise non_finite([i + 1], "found while predicting it") from e
             for target, n, pred in predictions:
                 ins = seq.caches[target].prefetch(pred[0], n)
                 dec.track(target, ins)
                 dec.count(prefetches=len(ins))
-                prefetched.setdefault(target, []).extend(x.expert for x in ins)
+                prefetched.setdefault(target, []).extend(a.expert for a in ins)
         for target, experts in prefetched.items():
             if experts and not reads_host(rt, rt.layers[target]):
                 dec.slab.ensure(target, experts, CopyReason.PREFETCH, spill=False)

@@ -86,7 +86,10 @@ def _attention(
 
         fn = sys.modules[type(module).__module__].eager_attention_forward
     rows = kv.current[module.layer_idx]  # type: ignore[index]
-    outs = [fn(module, query[i : i + 1], k, v, None, **kwargs)[0] for i, (k, v) in enumerate(rows)]
+    outs = [
+        fn(module, query[i : i + 1].clone(), k, v, None, **kwargs)[0]
+        for i, (k, v) in enumerate(rows)
+    ]
     return torch.cat(outs), None
 
 
@@ -189,7 +192,7 @@ class DenseSeam:
             _active.whole = True  # linears inside run as the solo call runs them
             try:
                 outs = [
-                    inner(hidden_states=hidden[i : i + 1], attention_mask=None,
+                    inner(hidden_states=hidden[i : i + 1].clone(), attention_mask=None,
                           position_embeddings=(cos[i : i + 1], sin[i : i + 1]),
                           position_ids=None if pos is None else pos[i : i + 1],
                           **{**kw, name: c})[0]
