@@ -93,12 +93,9 @@ class SharedSlab:
         out: list[list[int]] = []
         union: set[int] = set()
         for i, need in enumerate(needs):
-            u = union | set(need)
-            if out and out[-1] and len(u) > limit:
+            if not out or len(union | set(need)) > limit:
                 out.append([])
-                u = set(need)
-            if not out:
-                out.append([])
+                union = set()
             out[-1].append(i)
-            union = u
+            union |= set(need)
         return out
