@@ -8,7 +8,8 @@ sequence at a time), `accounting` (stats, traces, store counters), `compute` (ex
 FFNs), `steering` (lam and predictions: the seam variants subclass), `bookkeeping` (host
 logical caches mirrored by store copies), `layer`, `slots`, `kv`, `chunked` (chunked
 prefill, the prompt cache). `modules` are the drop-in router / experts modules; `model`
-is the public OffloadedModel; `generate` its decoding loop; `stats` and `trace` record
+is the public OffloadedModel; `generate` its decoding loop; `batch` batched decoding
+(`BatchDecoder`: per-sequence caches and KV, each row as its solo run); `stats` and `trace` record
 what happened. Imports only psr.cache, psr.policy, psr.vocab, psr.store and psr_kernels
 (never psr.models, psr.eval or the CLI).
 
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from psr.lazy import lazy_exports
 
 _EXPORTS = {
+    "psr.runtime.batch": ("BatchDecoder",),
     "psr.runtime.chunked": ("PromptCache",),
     "psr.runtime.engine": ("DECODE_MODES", "OffloadRuntime"),
     "psr.runtime.layer": ("MoELayer",),
@@ -39,6 +41,7 @@ __all__ = [
     "DECODE_MODES",
     "REPORT_KEYS",
     "TIMING_KEYS",
+    "BatchDecoder",
     "MoELayer",
     "MoESpec",
     "OffloadRuntime",
@@ -54,6 +57,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from psr.runtime.batch import BatchDecoder
     from psr.runtime.chunked import PromptCache
     from psr.runtime.engine import DECODE_MODES, OffloadRuntime
     from psr.runtime.layer import MoELayer

@@ -70,6 +70,11 @@ class ExpertCompute:
             and (not self.expert_format.is_float or slab.dtype in CPU_FLOAT_DTYPES)
         )
 
+    def batch_rows(self, x: torch.Tensor, slab: torch.Tensor) -> bool:
+        """Whether `slab` computes the rows of `x` in one call as one-row calls compute each
+        (the CPU kernels: items per token; batched decode, runtime/batch_experts.py)."""
+        return self._on_cpu_kernels(x, slab)
+
     def slab(
         self,
         x: torch.Tensor,
@@ -147,22 +152,28 @@ class ExpertCompute:
         ids: torch.Tensor,
         weights: torch.Tensor,
         bias: torch.Tensor | None = None,
+        slot_table: torch.Tensor | None = None,
+        skip_absent: bool = False,
     ) -> torch.Tensor:
         """Routed experts `ids [1, c]` (expert ids: host row indices) of one token `x [1, H]`
         with their gate weights `[1, c]`, computed on the CPU from the store's host rows
         `host` (experts_on cpu / hybrid; `bias`: their `[1, c, 2F + H]`). On CUDA, x goes
         to the host and the result back, synchronously (the host step's; the device step
         hands off in stream order: `ExpertStore.cpu_experts`). Returns `[1, H]` on x's
-        device."""
+        device. The CPU kernels also take `T` tokens and a `slot_table` of host rows with
+        `skip_absent` (batched decode: each token as a one-token call)."""
         c = self.spec
         xc = x.to("cpu")
         w = weights.to("cpu", torch.float32)
         if self._on_host_kernels(host):
             y = cpu_expert_ffn(
                 xc, host, ids.to("cpu"), w, c.hidden_size, c.ffn_size, fmt=self.expert_format,
-                group_size=self.group_size, out_dtype=x.dtype,
+                group_size=self.group_size, out_dtype=x.dtype, slot_table=slot_table,
+                skip_absent=skip_absent,
             )  # fmt: skip
             return y.to(x.device)
+        if slot_table is not None:
+            raise ValueError("host_experts: a slot_table needs the CPU kernels")
         # The reference, one expert at a time in the given order (kinds the kernels lack).
         out = torch.zeros(xc.shape, dtype=torch.float32)
         for j, e in enumerate(ids.reshape(-1).tolist()):

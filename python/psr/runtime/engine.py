@@ -27,7 +27,8 @@ and the host caches (bookkeeping.py) each do one job.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -130,6 +131,7 @@ class OffloadRuntime:
         self._host = HostDecode(self)
         self._device = DeviceDecode(self)
         self._step: Step = PrefillStep(self)
+        self._batch: Step | None = None  # a batch decoder's forward runs (batch_forward)
         self._call_t0: float | None = None
         # Chunked prefill (psr.runtime.chunked): True while the prefill forward running is
         # followed by more chunks of the same prompt (the caches are seeded after the last).
@@ -415,10 +417,27 @@ class OffloadRuntime:
             self._device.begin()
         return self._device
 
+    @contextmanager
+    def batch_forward(self, step: Step) -> Iterator[None]:
+        """The forwards inside run `step` (a batch decoder's, runtime/batch.py: sequences,
+        caches and counts of its own). Under `lock`; the current solo sequence, if any,
+        ends (its device caches handed back: the batch moves slots)."""
+        with self.lock:
+            self._device.pull()
+            self.guard.end()
+            self._batch = step
+            try:
+                yield
+            finally:
+                self._batch = None
+
     def enter_forward(self, kv: Any, new: bool | None = None) -> str:
         """Before a model forward (under `lock`), with its KV cache: begins a sequence or
         checks that this forward continues the current one (guard.py; `new` says which
         when the caller knows), then picks the step. Returns its name."""
+        if self._batch is not None:
+            self._step = self._batch
+            return self._step.name
         self.guard.enter(kv, self.begin_sequence, new)
         self._step = self._choose_step()
         if self._step is self._device:
@@ -431,6 +450,8 @@ class OffloadRuntime:
 
     def exit_forward(self, output: Any, seconds: float, tokens: int) -> None:
         """After a model forward of `seconds` over `tokens` tokens."""
+        if self._step is self._batch:
+            return  # the batch decoder counts its own
         self.guard.exit(output)
         if self._step.name in ("prefill", "window"):
             self.count_prefill(tokens)
@@ -455,7 +476,7 @@ class OffloadRuntime:
 
     def capture_residual(self, L: MoELayer, h: torch.Tensor) -> None:
         """Input of the layer's post-attention norm: the state entering its MoE block."""
-        if h.dim() == 3 and h.shape[0] != 1:
+        if h.dim() == 3 and h.shape[0] != 1 and self._batch is None:
             raise ValueError(
                 f"psr decodes one sequence at a time (batch 1); got batch {h.shape[0]}"
             )

@@ -545,14 +545,7 @@ class OffloadedModel(nn.Module):
         _check_unpadded(ids, attention_mask)
         settings = gen.resolve_settings(
             ids.shape[1],
-            {
-                "max_new_tokens": max_new_tokens,
-                "do_sample": do_sample,
-                "temperature": temperature,
-                "top_k": top_k,
-                "top_p": top_p,
-                "eos_token_id": eos_token_id,
-            },
+            _explicit(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id),
             generation_config,
             kwargs,
         )
@@ -575,6 +568,39 @@ class OffloadedModel(nn.Module):
             return self._generate_plain(
                 ids, settings, seed, streamer, progress, logits_processor, logprobs, prompt_cache
             )
+
+    @torch.no_grad()
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int] | torch.Tensor],
+        max_new_tokens: int | None = None,
+        *,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
+        seeds: Sequence[int] | None = None,
+        max_batch: int | None = None,
+        batch_invariant: bool = True,
+    ) -> list[list[int]]:
+        """Decode several prompts together (psr.runtime.batch.BatchDecoder): returns each
+        prompt's new tokens. Each sequence's tokens are its solo `generate`'s with the same
+        settings and `seeds[i]` (default 0), whatever its co-runners: its own logical
+        caches, each row computed as at batch 1. At most `max_batch` (default: all) decode
+        at once; the others join as sequences finish (continuous batching)."""
+        from psr.runtime.batch import generate_batch
+
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        settings = gen.resolve_settings(
+            max((len(p) for p in prompts), default=0),
+            _explicit(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id),
+        )
+        return generate_batch(
+            self, prompts, settings, list(seeds or [0] * len(prompts)),
+            max_batch or max(1, len(prompts)), batch_invariant,
+        )  # fmt: skip
 
     def _generate_plain(
         self,
@@ -608,6 +634,21 @@ class OffloadedModel(nn.Module):
         finally:
             if graph is not None:
                 self.runtime.acct.stats.totals["captures"] += graph.captures - captures
+
+
+def _explicit(
+    max_new_tokens: int | None, do_sample: bool | None, temperature: float | None,
+    top_k: int | None, top_p: float | None, eos_token_id: int | Sequence[int] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """The decoding arguments given by keyword, as `gen.resolve_settings` takes them."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": do_sample,
+        "temperature": temperature,
+        "top_k": top_k,
+        "top_p": top_p,
+        "eos_token_id": eos_token_id,
+    }
 
 
 def _check_unpadded(ids: torch.Tensor, attention_mask: torch.Tensor | Iterable[int] | None) -> None:

@@ -6,6 +6,7 @@ decode step, a teacher-forced scoring window, or a speculative verify block."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from psr.runtime.context import StepContext
 
 Routed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (logits, weights, ids)
+Linear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 def non_finite(layers: list[int], when: str) -> ValueError:
@@ -46,13 +48,14 @@ class Step:
         raise NotImplementedError
 
     # --- shared by the modes -------------------------------------------------------
-    def logits(self, layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-        """The router's logits, computed as the model computes them."""
+    def logits(self, layer: MoELayer, x: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+        """The router's logits, computed as the model computes them (by `linear`: batched
+        decode passes its batch-invariant one)."""
         w, b = layer.gate_weight, layer.gate_bias
         # fp32 where the model computes it so (DeepSeek casts; a router kept in fp32).
         if self.rt.spec.logits_fp32 or w.dtype == torch.float32:
-            return F.linear(x.float(), w.float(), None if b is None else b.float())
-        return F.linear(x, w, b)
+            return linear(x.float(), w.float(), None if b is None else b.float())
+        return linear(x, w, b)
 
     def out(self, logits: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> Routed:
         """What the router returns: weights cast back to the logits' dtype where the model

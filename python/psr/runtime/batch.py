@@ -1,0 +1,392 @@
+"""Batched decode, isolated: b sequences decode together, each token equal to its solo run.
+
+    dec = BatchDecoder(model, max_batch=4)
+    a, b = dec.add(prompt_a), dec.add(prompt_b)     # prefilled in chunks, between steps
+    while dec.live:
+        logits = dec.ready()                       # {sequence: logits [V]} awaiting a token
+        dec.feed({s: int(l.argmax()) for s, l in logits.items()})   # one batched step
+    dec.remove(a)                                  # frees its KV, caches and slot references
+
+* **Isolated by default.** Each sequence keeps its own logical caches (its solo capacity,
+  updated only by its own tokens: `use`, `prefetch`, the prefill seed), so it routes as it
+  would alone. One slab serves them all (batch_slab.py: reference counts, each expert copied
+  once per layer step however many sequences need it).
+* **Each row as at b = 1** (`batch_invariant=True`, the default): the dense linears and the
+  routers' logits through one seam (batch_ops.batch_linear), attention per sequence on its
+  own KV, routing / `use` / predictions per sequence as the host decode step does them; the
+  routed experts of all rows in one call of the CPU expert kernels, which compute each token
+  as a one-token call does (other compute paths: one call per row, the host step's). So a
+  sequence's logits are bit-identical to its solo run (`model.generate`, the host or device
+  step) whatever its co-runners, their join times and the copies' timing.
+* **Continuous batching.** `add` queues a prompt; its prefill (the solo prefill: exact
+  routing, psr.runtime.chunked's chunks and boundaries) runs one chunk after each `feed`, or
+  in `ready` when no sequence awaits a token, so a long prompt never stalls the others for
+  more than a chunk. Sequences join and leave between steps.
+* Decode steps take the host-driven path (the device step and graphs hold one sequence's
+  caches); the batch's counts are its own (`BatchDecoder.stats`), not the model's `stats`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import psr_kernels as pk
+from psr.cache import LogicalCache
+from psr.runtime.batch_ops import BatchKV, DenseSeam, batch_linear, check_attention
+from psr.runtime.batch_slab import SharedSlab
+from psr.runtime.chunked import boundaries
+from psr.runtime.kv import cache_kwarg, output_cache
+from psr.runtime.layer import MoELayer
+from psr.runtime.prefill import PrefillStep, reads_host
+from psr.runtime.slots import SlotMap
+from psr.runtime.step import Routed, Step, non_finite
+from psr.store import CopyReason
+
+if TYPE_CHECKING:
+    from psr.runtime.context import StepContext
+    from psr.runtime.model import OffloadedModel
+
+
+@dataclass
+class _Seq:
+    """One sequence of a batch: its prompt, KV cache, logical caches and next logits."""
+
+    id: int
+    prompt: torch.Tensor  # [1, P] on the model's device
+    caches: list[LogicalCache]
+    history: list[list[list[int]]]  # per MoE layer, prefill's routed ids per token
+    kv: Any = None
+    done: int = 0  # prompt tokens prefilled
+    length: int = 0  # tokens in its KV cache
+    logits: torch.Tensor | None = None  # awaiting a token
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done < self.prompt.shape[1]
+
+
+@dataclass
+class _Row:
+    """A sequence's routing at one layer step: its routed ids and those on the CPU."""
+
+    routed: list[int]
+    cpu: set[int] = field(default_factory=set)
+
+    @property
+    def members(self) -> list[int]:
+        return [e for e in self.routed if e not in self.cpu]
+
+
+class BatchPrefill(PrefillStep):
+    """A newcomer's prefill chunk: the solo prefill step itself (its routing, its expert
+    arithmetic, its seed), run on the sequence's own history and caches, lent to each
+    layer for the call, and on a slot map of the store's slots as they are (a copy it
+    stages may evict an expert another sequence holds: it is copied back when read)."""
+
+    name = "batch-prefill"
+
+    def __init__(self, runtime: StepContext, slab: SharedSlab, seq: _Seq) -> None:
+        super().__init__(runtime)
+        self.slab, self.seq = slab, seq
+
+    @contextmanager
+    def _lent(self, layer: MoELayer) -> Iterator[None]:
+        i, rt = layer.index, self.rt
+        saved = layer.cache, layer.history, layer.slots, layer.seeded
+        layer.cache, layer.history = self.seq.caches[i], self.seq.history[i]
+        layer.slots = SlotMap(rt.store.slot_experts(i)[: rt.capacity])
+        try:
+            yield
+        finally:
+            layer.cache, layer.history, layer.slots, layer.seeded = saved
+
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        with self._lent(layer):
+            return super().route(layer, x)
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        with self._lent(layer):
+            out = super().experts(layer, x, ids, weights)
+        if not self.rt.prefill_more:  # the prompt's last chunk: the cache is seeded
+            self.slab.hold(layer.index, self.seq.caches[layer.index].order())
+        return out
+
+
+class BatchStep(Step):
+    """One batched decode forward: per MoE layer, each row routed on its own sequence's
+    caches (as the host decode step routes one token), then every row's experts."""
+
+    name = "batch"
+
+    def __init__(self, runtime: StepContext, dec: BatchDecoder, seqs: Sequence[_Seq]) -> None:
+        super().__init__(runtime)
+        self.dec, self.seqs = dec, list(seqs)
+        self.pending: dict[int, list[_Row]] = {}
+
+    def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
+        rt, dec, i = self.rt, self.dec, layer.index
+        inv = dec.batch_invariant
+        logits = self.logits(layer, x, lambda a, w, b: batch_linear(a, w, b, inv))
+        lam = rt.steering.lam(layer)
+        cap = rt.max_inserts(layer)
+        residual = layer.need_residual()
+        # Each row's slices are fresh tensors, as a solo step's are (batch_ops.batch_linear).
+        rows, ws, idss = [], [], []
+        prefetched: dict[int, list[int]] = {}
+        for r, seq in enumerate(self.seqs):
+            cache = seq.caches[i]
+            mask = torch.tensor(cache.mask(), dtype=torch.bool, device=x.device) if lam else None
+            try:
+                w, ids, sub = rt.ops.route_counted(
+                    logits[r : r + 1].clone(), rt.spec.route_spec(lam), mask=mask, bias=layer.bias
+                )
+            except pk.NonFiniteError as e:
+                raise non_finite([i], "found while decoding") from e
+            *routed, substituted = torch.cat([ids[0], sub.to(ids.dtype)]).tolist()
+            used = cache.use(routed) if cap is None else cache.use(routed, cap)
+            dec.track(i, used.misses)
+            dec.count(routed=len(routed), hits=used.hits, misses=len(used.misses) + len(used.cpu),
+                      prefetch_used=used.prefetch_used, substituted=substituted,
+                      cpu_experts=len(used.cpu))  # fmt: skip
+            rows.append(_Row(routed, set(used.cpu)))
+            ws.append(w)
+            idss.append(ids)
+            try:
+                predictions = rt.steering.predictions(layer, residual[r : r + 1].clone())
+            except pk.NonFiniteError as e:
+                raise non_finite([i + 1], "found while predicting it") from e
+            for target, n, pred in predictions:
+                ins = seq.caches[target].prefetch(pred[0], n)
+                dec.track(target, ins)
+                dec.count(prefetches=len(ins))
+                prefetched.setdefault(target, []).extend(a.expert for a in ins)
+        for target, experts in prefetched.items():
+            if experts and not reads_host(rt, rt.layers[target]):
+                dec.slab.ensure(target, experts, CopyReason.PREFETCH, spill=False)
+        self.pending[i] = rows
+        return self.out(logits, torch.cat(ws), torch.cat(idss))
+
+    def experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        rows = self.pending.pop(layer.index)
+        return self.dec.compute_experts(layer, x, ids, weights, rows)
+
+
+class BatchDecoder:
+    """Isolated batched decoding over one model (module docstring).
+
+    `max_batch`: the most live sequences (prefilling or decoding); `add` refuses more.
+    `batch_invariant` (default True): each row computed as at b = 1, so every sequence's
+    logits equal its solo run's; False computes the dense linears over the whole batch
+    (faster, but rows then depend on their co-runners; never the default).
+    """
+
+    def __init__(
+        self, model: OffloadedModel, max_batch: int, *, batch_invariant: bool = True
+    ) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        rt = model.runtime
+        with rt.lock:
+            model._check_open()
+            _check_model(model)
+            self.model, self.rt = model, rt
+            self.max_batch = max_batch
+            self.batch_invariant = bool(batch_invariant)
+            self.slab = SharedSlab(rt.store, len(rt.layers))
+            self._seam = DenseSeam(model.hf, self.batch_invariant)
+            self._kv_name = cache_kwarg(model.hf)
+            self._seqs: dict[int, _Seq] = {}
+            self._next_id = 0
+            self.stats: Counter[str] = Counter()
+
+    # --- the public calls -------------------------------------------------------------
+    @property
+    def live(self) -> list[int]:
+        """The live sequences' ids, oldest first."""
+        return list(self._seqs)
+
+    def add(self, prompt_ids: Sequence[int] | torch.Tensor) -> int:
+        """Queue a prompt (one sequence's token ids); returns its sequence id. Its prefill
+        runs in chunks after the next `feed`s (or in `ready`)."""
+        rt = self.rt
+        with rt.lock:
+            self.model._check_open()
+            ids = self.model._ids(prompt_ids)
+            if len(self._seqs) >= self.max_batch:
+                raise ValueError(
+                    f"the batch is full: {self.max_batch} live sequences (max_batch); remove one"
+                )
+            C, E = rt.capacity, rt.spec.num_experts
+            n = len(rt.layers)
+            seq = _Seq(self._next_id, ids, [LogicalCache(C, E) for _ in range(n)],
+                       [[] for _ in range(n)])  # fmt: skip
+            self._next_id += 1
+            self._seqs[seq.id] = seq
+            return seq.id
+
+    def ready(self) -> dict[int, torch.Tensor]:
+        """Logits `[V]` of the sequences awaiting their next token. When none awaits one,
+        queued prefills run (chunk by chunk) until one does or none is left."""
+        with self.rt.lock:
+            while not self._awaiting() and self._prefill_chunk():
+                pass
+            return {s.id: s.logits for s in self._awaiting() if s.logits is not None}
+
+    def feed(self, tokens: Mapping[int, int]) -> None:
+        """One batched decode step: each given sequence (awaiting a token) takes its token;
+        afterwards one chunk of a queued prefill runs."""
+        with self.rt.lock:
+            self.model._check_open()
+            seqs = [self._checked(sid, tok) for sid, tok in sorted(tokens.items())]
+            if seqs:
+                self._step(seqs, [int(tokens[s.id]) for s in seqs])
+            self._prefill_chunk()
+
+    def remove(self, seq_id: int) -> None:
+        """The sequence leaves (finished or cancelled): its KV, its logical caches and its
+        references to slab slots are freed."""
+        with self.rt.lock:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is None:
+                raise KeyError(f"no live sequence {seq_id!r} in this batch")
+            for i, cache in enumerate(seq.caches):
+                self.slab.drop(i, cache.order())
+                cache.reset()
+            seq.kv = seq.logits = None
+
+    # --- inside -------------------------------------------------------------------------
+    def _awaiting(self) -> list[_Seq]:
+        return [s for s in self._seqs.values() if s.logits is not None]
+
+    def _checked(self, seq_id: int, token: int) -> _Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"no live sequence {seq_id!r} in this batch")
+        if seq.logits is None:
+            raise ValueError(f"sequence {seq_id} is not awaiting a token (see ready())")
+        vocab = self.model.config.vocab_size
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise ValueError(f"sequence {seq_id}: token {token!r} is not an id in [0, {vocab})")
+        limit = self.model.context
+        if limit is not None and seq.length + 1 > limit:
+            raise ValueError(f"sequence {seq_id} is at the model's context of {limit} tokens")
+        return seq
+
+    def _step(self, seqs: list[_Seq], tokens: list[int]) -> None:
+        dev = self.model.device
+        ids = torch.tensor([[t] for t in tokens], device=dev)
+        pos = torch.tensor([[s.length] for s in seqs], device=dev)
+        kv = BatchKV([s.kv for s in seqs])
+        step = BatchStep(self.rt, self, seqs)
+        with self.rt.batch_forward(step), self._seam.active(self.model.config, kv):
+            out = self.model.hf(input_ids=ids, position_ids=pos, use_cache=True,
+                                **{self._kv_name: kv})  # fmt: skip
+        logits = out.logits[:, -1]
+        for r, s in enumerate(seqs):
+            s.logits, s.length = logits[r], s.length + 1
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(seqs)
+
+    def _prefill_chunk(self) -> bool:
+        """One chunk of the oldest queued prefill (the solo prefill's chunks); False if none."""
+        seq = next((s for s in self._seqs.values() if s.prefilling), None)
+        if seq is None:
+            return False
+        T, chunk = seq.prompt.shape[1], self.model.prefill_chunk
+        end = boundaries(seq.done, T, chunk)[0]
+        rt = self.rt
+        past = {} if seq.kv is None else {self._kv_name: seq.kv}
+        rt.prefill_more = end < T
+        try:
+            with rt.batch_forward(BatchPrefill(rt, self.slab, seq)):
+                out = self.model.hf(input_ids=seq.prompt[:, seq.done : end], use_cache=True, **past)
+        finally:
+            rt.prefill_more = False
+        self.stats["prefill_tokens"] += end - seq.done
+        seq.kv, seq.done, seq.length = output_cache(out), end, end
+        if end == T:
+            seq.logits = out.logits[0, -1]
+        return True
+
+    def track(self, layer: int, inserts: Sequence[Any]) -> None:
+        """A sequence's logical insertions (and their evictions) in the slab's references."""
+        self.slab.hold(layer, [x.expert for x in inserts])
+        self.slab.drop(layer, [x.evicted for x in inserts if x.evicted is not None])
+
+    def count(self, **counts: int) -> None:
+        self.stats.update(counts)
+
+    def compute_experts(
+        self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+        rows: list[_Row],
+    ) -> torch.Tensor:  # fmt: skip
+        from psr.runtime.batch_experts import batch_experts
+
+        return batch_experts(self.rt, self.slab, layer, x, ids, weights, rows)
+
+
+def _check_model(model: OffloadedModel) -> None:
+    """Refuse (one line) what batched decode does not run."""
+    rt = model.runtime
+    if model.drafter is not None or rt.block_k is not None:
+        raise ValueError("batched decode does not support speculative decoding")
+    if rt.policy.mask != "logical":
+        raise ValueError(
+            f"batched decode needs a logical-cache policy; {rt.policy.name} reads copy timing"
+        )
+    if not rt.steering.spec_rule:
+        raise ValueError("batched decode steers by the spec's rule only")
+    check_attention(model.config)
+
+
+def generate_batch(
+    model: OffloadedModel,
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    settings: Any,
+    seeds: Sequence[int],
+    max_batch: int,
+    batch_invariant: bool = True,
+) -> list[list[int]]:
+    """`OffloadedModel.generate_batch`: each prompt's new tokens, chosen as
+    psr.runtime.generate chooses them (greedy, or its warpers and a generator seeded by the
+    prompt's seed), the prompts admitted in order as places free up."""
+    from psr.runtime import generate as gen
+
+    dec = BatchDecoder(model, max_batch, batch_invariant=batch_invariant)
+    warp = gen.warpers(settings) if settings.do_sample else None
+    eos = set(settings.eos_token_ids)
+    queue = list(range(len(prompts)))
+    out: list[list[int]] = [[] for _ in prompts]
+    ids: dict[int, torch.Tensor] = {}  # sequence -> its ids so far (the warpers read them)
+    gens: dict[int, torch.Generator] = {}
+    which: dict[int, int] = {}  # sequence -> prompt index
+    if settings.max_new_tokens == 0:
+        return out
+    while queue or dec.live:
+        while queue and len(dec.live) < max_batch:
+            j = queue.pop(0)
+            s = dec.add(prompts[j])
+            which[s], ids[s] = j, model._ids(prompts[j])
+            gens[s] = torch.Generator(device=ids[s].device).manual_seed(seeds[j])
+        tokens: dict[int, int] = {}
+        for s, logits in dec.ready().items():
+            nxt = gen.next_token(logits, ids[s], warp, gens[s])
+            ids[s] = torch.cat([ids[s], nxt], dim=1)
+            token = int(nxt)
+            out[which[s]].append(token)
+            if token in eos or len(out[which[s]]) >= settings.max_new_tokens:
+                dec.remove(s)
+            else:
+                tokens[s] = token
+        dec.feed(tokens)
+    return out

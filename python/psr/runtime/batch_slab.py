@@ -1,0 +1,101 @@
+"""The shared slab of a batch (runtime/batch.py): one physical slab for b sequences whose
+logical caches are their own.
+
+Per MoE layer, `refs[e]` counts the live sequences whose logical cache holds expert e: the
+union of what they need. What a slot holds is the store's word (`slot_experts`, read at
+each use, so a solo call in between leaves nothing stale). An expert some sequence inserts
+is copied once, whichever and however many sequences insert it; a copy goes into, in this
+order, an empty slot, a slot whose expert no live cache holds (refs 0), and only when the
+union of the live caches exceeds the slab (b x C > slots) a slot of a held expert (it is
+copied back when next read: latency only). A slot that this step reads is never chosen.
+Prefetches take empty or refs-0 slots only (none free: the copy is skipped, its expert
+copied when read). Nothing here feeds back into routing: the logical caches never read it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+from psr.store import CopyReason, ExpertStore
+
+
+class SharedSlab:
+    def __init__(self, store: ExpertStore, num_layers: int) -> None:
+        self.store = store
+        self.refs: list[Counter[int]] = [Counter() for _ in range(num_layers)]
+        self.counts: Counter[str] = Counter()  # copies, shared, spilled, skipped_prefetches
+
+    def slots(self, layer: int) -> int:
+        return len(self.store.slot_experts(layer))
+
+    def hold(self, layer: int, experts: Iterable[int]) -> None:
+        """A sequence's logical cache took these experts."""
+        self.refs[layer].update(experts)
+
+    def drop(self, layer: int, experts: Iterable[int]) -> None:
+        """A sequence's logical cache let these experts go (evicted, or it left)."""
+        refs = self.refs[layer]
+        for e in experts:
+            refs[e] -= 1
+            if refs[e] <= 0:
+                del refs[e]
+
+    def where(self, layer: int) -> dict[int, int]:
+        """Expert -> the slot holding (or loading) it, as the store says."""
+        return {e: s for s, e in enumerate(self.store.slot_experts(layer)) if e >= 0}
+
+    def ensure(
+        self, layer: int, experts: Sequence[int], reason: CopyReason, spill: bool = True
+    ) -> dict[int, int]:
+        """Copy each of `experts` not in a slot into one (module docstring); the others'
+        slots are protected. Returns expert -> slot for those that have one."""
+        held = self.store.slot_experts(layer)
+        where = {e: s for s, e in enumerate(held) if e >= 0}
+        want = list(dict.fromkeys(experts))
+        missing = [e for e in want if e not in where]
+        if not missing:
+            self.counts["shared"] += len(want)
+            return where
+        protect = set(want)
+        refs = self.refs[layer]
+        # Victims: empty, then experts no live cache holds, then (spill) the least held.
+        order = sorted(
+            (s for s, e in enumerate(held) if e not in protect),
+            key=lambda s: (held[s] >= 0, refs.get(held[s], 0), s),
+        )
+        if not spill:
+            order = [s for s in order if held[s] < 0 or refs.get(held[s], 0) == 0]
+        if len(order) < len(missing) and spill:
+            raise RuntimeError(
+                f"MoE layer {layer}: {len(want)} experts read at once exceed the slab's "
+                f"{len(held)} slots"
+            )
+        slots, copied = [], []
+        for s, e in zip(order, missing, strict=False):
+            if held[s] >= 0 and refs.get(held[s], 0) > 0:
+                self.counts["spilled"] += 1
+            where.pop(held[s], None)
+            where[e] = s
+            slots.append(s)
+            copied.append(e)
+        self.counts["skipped_prefetches"] += len(missing) - len(copied)
+        self.counts["copies"] += len(copied)
+        self.counts["shared"] += len(want) - len(missing)
+        if slots:
+            self.store.enqueue_copies(layer, slots, copied, reason=reason)
+        return where
+
+    def groups(self, layer: int, needs: Sequence[Sequence[int]]) -> list[list[int]]:
+        """Rows (sequences) in runs whose union of slab experts fits the slab: a layer step
+        reads one run at a time when the batch's union does not fit at once."""
+        limit = self.slots(layer)
+        out: list[list[int]] = []
+        union: set[int] = set()
+        for i, need in enumerate(needs):
+            if not out or len(union | set(need)) > limit:
+                out.append([])
+                union = set()
+            out[-1].append(i)
+            union |= set(need)
+        return out

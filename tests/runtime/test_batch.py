@@ -1,0 +1,260 @@
+"""Batched decode (issue 38 items 1-3): each sequence's logits inside a batch are
+bit-identical (torch.equal) to its solo run, whatever its co-runners, their join and leave
+times, the copies' timing and where the experts run; the shared slab never evicts what a
+step reads; `remove` frees everything; bad input refused in one line."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_model, write_checkpoint
+
+import psr
+from psr.runtime.batch import BatchDecoder
+from psr.runtime.batch_ops import batch_linear
+from psr.runtime.batch_slab import SharedSlab
+from psr.store import CopyReason
+
+
+@pytest.fixture(scope="module")
+def embedded() -> psr.OffloadedModel:
+    return psr.load(psr.DEFAULT_MODEL, "psr", 0.5, progress=False)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("batch")
+    families = ("olmoe", "qwen2_moe", "deepseek_v3", "gpt_oss")
+    return {f: write_checkpoint(tiny_model(f), root / f) for f in families}
+
+
+def _tiny(ckpts, family: str = "olmoe", **kw) -> psr.OffloadedModel:
+    kw = {"lam": 0.3, "n": 1, **kw}
+    return psr.load(ckpts[family], "psr", 0.25, progress=False, dtype="float32", **kw)
+
+
+def _solo(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """The solo run's tokens and the logits each was chosen from `[n, V]`."""
+    out = model.generate(prompt, max_new_tokens=n)
+    logits = model.decode_logits(out, len(prompt))[0, len(prompt) - 1 : len(prompt) - 1 + n]
+    return out[0, len(prompt) :].tolist(), logits
+
+
+def _batched(model, prompts, n, joins=None, max_batch=None, **kw):
+    """Greedy decoding of `prompts` in one BatchDecoder, prompt j added at step `joins[j]`
+    and leaving after `n[j]` tokens; returns each one's tokens and logits."""
+    joins = joins or [0] * len(prompts)
+    n = n if isinstance(n, list) else [n] * len(prompts)
+    dec = BatchDecoder(model, max_batch or len(prompts), **kw)
+    seq_of: dict[int, int] = {}
+    toks: list[list[int]] = [[] for _ in prompts]
+    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
+    step = 0
+    while step == 0 or dec.live or len(seq_of) < len(prompts):
+        for j, at in enumerate(joins):
+            if at == step:
+                seq_of[dec.add(prompts[j])] = j
+        feed = {}
+        for s, lg in dec.ready().items():
+            j = seq_of[s]
+            logits[j].append(lg)
+            toks[j].append(int(lg.float().argmax()))
+            if len(toks[j]) == n[j]:
+                dec.remove(s)
+            else:
+                feed[s] = toks[j][-1]
+        dec.feed(feed)
+        step += 1
+    return toks, [torch.stack(x) for x in logits], dec
+
+
+def _assert_solo(model, prompts, n, toks, logits) -> None:
+    n = n if isinstance(n, list) else [n] * len(prompts)
+    for j, p in enumerate(prompts):
+        st, sl = _solo(model, p, n[j])
+        assert toks[j] == st, f"prompt {j}"
+        assert torch.equal(logits[j], sl), f"prompt {j}"
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 20, 30, 17, 19, 23, 29, 31, 37], [42, 42, 42]]  # vocab 64
+
+
+def test_embedded_model_rows_equal_solo_runs(embedded) -> None:
+    toks, logits, dec = _batched(embedded, PROMPTS, 10, joins=[0, 0, 3])
+    _assert_solo(embedded, PROMPTS, 10, toks, logits)
+    assert not any(dec.slab.refs)  # everything freed
+
+
+def test_embedded_model_experts_on_cpu(embedded) -> None:
+    embedded.set_experts_on("cpu")
+    try:
+        toks, logits, dec = _batched(embedded, PROMPTS, 8, joins=[0, 1, 1])
+        assert dec.stats["cpu_experts"] > 0
+        _assert_solo(embedded, PROMPTS, 8, toks, logits)
+    finally:
+        embedded.set_experts_on("gpu")
+
+
+@pytest.mark.parametrize("reads", ["host", "slab"])
+@pytest.mark.parametrize("experts_on", ["gpu", "cpu", "hybrid:1"], ids=["all", "cpu", "hybrid"])
+def test_random_co_runners_joins_leaves_and_copy_delays(ckpts, experts_on, reads) -> None:
+    """`reads`: where the batch reads members from: the host rows (the CPU backend's) or,
+    as on CUDA, the shared slab (2 slots per layer: runs of rows, copies, spills)."""
+    model = _tiny(ckpts, experts_on=experts_on)
+    model.runtime.prefill_reads = reads
+    rng = random.Random(7)
+    prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 14))] for _ in range(5)]
+    n = [rng.randint(2, 9) for _ in prompts]
+    joins = [rng.randint(0, 6) for _ in prompts]
+    model.runtime.store.set_copy_delay(2000, seed=3)
+    toks, logits, dec = _batched(model, prompts, n, joins, max_batch=5)
+    model.runtime.store.set_copy_delay(0)
+    _assert_solo(model, prompts, n, toks, logits)
+    if reads == "slab" and experts_on == "gpu":
+        assert dec.slab.counts["shared"] > 0 and dec.slab.counts["spilled"] > 0
+    assert (dec.slab.counts["copies"] > 0) == (reads == "slab")
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_shared_experts_dense_layers_and_latent_attention(ckpts, family) -> None:
+    model = _tiny(ckpts, family)
+    toks, logits, _ = _batched(model, PROMPTS[:2], 6, joins=[0, 2])
+    _assert_solo(model, PROMPTS[:2], 6, toks, logits)
+
+
+def test_chunked_prefill_interleaves_with_decode_steps(ckpts) -> None:
+    model = _tiny(ckpts)
+    model.set_prefill_chunk(4)
+    long = list(range(3, 40))  # 10 chunks
+    dec = BatchDecoder(model, 2)
+    a = dec.add([1, 2, 3])
+    first = dec.ready()
+    b = dec.add(long)
+    steps_while_b_prefills = 0
+    toks = {a: [int(first[a].argmax())]}
+    while b not in dec.ready():
+        dec.feed({a: toks[a][-1]})
+        toks[a].append(int(dec.ready()[a].argmax()))
+        steps_while_b_prefills += 1
+    assert steps_while_b_prefills == 10  # one chunk after each step: a never waited longer
+    st, _ = _solo(model, [1, 2, 3], len(toks[a]))
+    assert toks[a] == st
+    _, sl = _solo(model, long, 1)
+    assert torch.equal(dec.ready()[b], sl[0])
+
+
+def test_a_solo_call_between_steps_changes_nothing(ckpts) -> None:
+    model = _tiny(ckpts)
+    dec = BatchDecoder(model, 2)
+    s = [dec.add(p) for p in PROMPTS[:2]]
+    while len(dec.ready()) < 2:
+        dec.feed({})  # no step: the next queued prefill chunk
+    got = {x: [] for x in s}
+    for step in range(6):
+        r = dec.ready()
+        for x in s:
+            got[x].append(r[x])
+        if step == 2:
+            model.generate([9, 9, 9, 1], max_new_tokens=4)  # moves slots, new solo sequence
+        dec.feed({x: int(r[x].argmax()) for x in s})
+    for j, x in enumerate(s):
+        _, sl = _solo(model, PROMPTS[j], 6)
+        assert torch.equal(torch.stack(got[x]), sl)
+
+
+def test_generate_batch_equals_generate(ckpts) -> None:
+    model = _tiny(ckpts)
+    prompts = [PROMPTS[0], PROMPTS[1], [7], PROMPTS[2]]
+    got = model.generate_batch(prompts, 6, max_batch=2)  # two join as two finish
+    for p, g in zip(prompts, got, strict=True):
+        assert g == model.generate(p, max_new_tokens=6)[0, len(p) :].tolist()
+    sampled = model.generate_batch(
+        prompts, 5, do_sample=True, temperature=0.8, top_k=20, seeds=[1, 2, 3, 4]
+    )
+    for j, (p, g) in enumerate(zip(prompts, sampled, strict=True)):
+        solo = model.generate(p, max_new_tokens=5, do_sample=True, temperature=0.8, top_k=20,
+                              seed=j + 1)  # fmt: skip
+        assert g == solo[0, len(p) :].tolist()
+
+
+def test_plain_batched_path_is_an_option(ckpts) -> None:
+    model = _tiny(ckpts)
+    toks, _, _ = _batched(model, PROMPTS, 4, batch_invariant=False)
+    assert [len(t) for t in toks] == [4, 4, 4]
+
+
+def test_batch_linear_rows_are_one_row_calls() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(s, generator=g) for s in ((5, 1, 96), (80, 96), (80,)))
+    rows = torch.cat([torch.nn.functional.linear(x[i], w, b) for i in range(5)])
+    assert torch.equal(batch_linear(x, w, b, invariant=True).reshape(5, 80), rows)
+    plain = batch_linear(x, w, b, invariant=False)
+    assert torch.equal(plain, torch.nn.functional.linear(x, w, b))
+
+
+def test_shared_slab_evicts_unheld_slots_first_and_never_a_read_one(ckpts) -> None:
+    model = _tiny(ckpts)  # 2 slots per layer of 8 experts
+    store = model.runtime.store
+    slab = SharedSlab(store, len(model.runtime.layers))
+    where = slab.ensure(0, [3, 4], CopyReason.MISS)
+    slab.hold(0, [3])
+    where = slab.ensure(0, [5], CopyReason.MISS)  # 4 is held by no one: its slot goes
+    assert 3 in where and 5 in where and 4 not in where
+    where = slab.ensure(0, [6], CopyReason.PREFETCH, spill=False)  # 5 unheld, 3 held
+    assert 3 in where and 6 in where
+    slab.hold(0, [6])
+    assert slab.ensure(0, [7], CopyReason.PREFETCH, spill=False).keys() == {3, 6}  # skipped
+    assert slab.counts["skipped_prefetches"] == 1
+    where = slab.ensure(0, [6, 7], CopyReason.MISS)  # spills held 3, never 6 (read now)
+    assert set(where) == {6, 7} and slab.counts["spilled"] == 1
+    with pytest.raises(RuntimeError, match="exceed the slab"):
+        slab.ensure(0, [1, 2, 3], CopyReason.MISS)
+    assert slab.groups(0, [[1, 2], [2], [3], [4, 5]]) == [[0, 1], [2], [3]]
+    slab.drop(0, [3, 6])
+    assert not slab.refs[0]
+
+
+def test_remove_frees_and_bad_input_is_refused(ckpts) -> None:
+    model = _tiny(ckpts)
+    dec = BatchDecoder(model, 2)
+    a, b = dec.add([1, 2]), dec.add([3])
+    with pytest.raises(ValueError, match="batch is full"):
+        dec.add([4])
+    r = dec.ready()
+    with pytest.raises(ValueError, match="not an id"):
+        dec.feed({a: 10_000})
+    dec.feed({a: int(r[a].argmax())})
+    dec.remove(b)
+    c = dec.add([5, 6])  # queued: its prefill runs after the next step
+    with pytest.raises(ValueError, match="not awaiting"):
+        dec.feed({c: 1})
+    for s in (a, c):
+        dec.remove(s)
+    assert not dec.live and not any(dec.slab.refs)
+    with pytest.raises(KeyError, match="no live sequence"):
+        dec.remove(a)
+    with pytest.raises(ValueError, match="max_batch"):
+        BatchDecoder(model, 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        dec.add([])
+    async_model = psr.load(ckpts["olmoe"], "cache-prior-async", 0.25, progress=False)
+    with pytest.raises(ValueError, match="logical-cache policy"):
+        BatchDecoder(async_model, 2)
+
+
+def test_attention_a_batch_cannot_run_per_sequence_is_refused(ckpts) -> None:
+    model = psr.load(ckpts["gpt_oss"], "exact", 0.5, progress=False)
+    with pytest.raises(ValueError, match="sliding windows"):
+        BatchDecoder(model, 2)
+
+
+def test_prefill_staged_through_the_shared_slab(ckpts) -> None:
+    model = _tiny(ckpts)
+    model.runtime.prefill_reads = "slab"  # as on CUDA: each expert staged through a slot
+    model.runtime.store.set_copy_delay(1000, seed=1)
+    toks, logits, dec = _batched(model, PROMPTS, 5, joins=[0, 2, 2])
+    _assert_solo(model, PROMPTS, 5, toks, logits)
+    assert dec.slab.counts["copies"] > 0
