@@ -124,3 +124,65 @@ def test_a_client_that_leaves_frees_its_slot(server) -> None:
 def test_parallel_with_an_explicit_prompt_cache_is_a_usage_error(home) -> None:
     with pytest.raises(RuntimeError, match="--prompt-cache and --parallel > 1 do not combine"):
         RemoteServer([*SERVE_ARGS, "--parallel", "2", "--prompt-cache", "64"])
+
+
+def test_n_choices_are_the_seeds_solo_runs(server, model) -> None:
+    # n = 3 sampled with seed 5: choice i is the solo run seeded 5 + i, decoded together.
+    r = server.client().completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0.9, seed=5, n=3,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    want = [
+        solo(model, PROMPTS[1], 12, do_sample=True, temperature=0.9, seed=5 + i) for i in range(3)
+    ]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [(c.model_extra or {})["token_ids"] for c in r.choices] == want
+    assert len({tuple(w) for w in want}) > 1  # the seeds differ
+    assert r.usage.completion_tokens == sum(len(w) for w in want)
+
+
+def test_n_streamed_chat_choices(server, model) -> None:
+    tok = model.tokenizer
+    stream = server.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+        temperature=0.7, seed=11, n=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    got: dict[int, list[int]] = {0: [], 1: []}
+    finished, usage, ids = set(), None, None
+    for c in stream:
+        if c.usage is not None:
+            usage = c.usage
+        ids = ids or (c.model_extra or {}).get("prompt_token_ids")  # the fallback template's
+        for ch in c.choices:
+            got[ch.index] += (ch.model_extra or {}).get("token_ids") or []
+            if ch.finish_reason is not None:
+                finished.add(ch.index)
+    assert finished == {0, 1}
+    assert ids
+    for i in range(2):
+        out = model.generate(ids, max_new_tokens=6, eos_token_id=tok.eos_token_id,
+                             do_sample=True, temperature=0.7, seed=11 + i)  # fmt: skip
+        assert got[i] == out[0, len(ids) :].tolist()
+    assert usage is not None and usage.completion_tokens == len(got[0]) + len(got[1])
+
+
+def test_best_of_returns_the_best_mean_logprob(server, model) -> None:
+    from psr.serve.decoding import LogprobSink
+
+    ids = model.tokenizer(PROMPTS[3])["input_ids"]
+    scored = []
+    for i in range(3):
+        sink = LogprobSink(0)
+        eos = model.tokenizer.eos_token_id
+        out = model.generate(ids, max_new_tokens=8, eos_token_id=eos, do_sample=True,
+                             temperature=1.0, seed=21 + i, logprobs=sink)  # fmt: skip
+        tokens = out[0, len(ids) :].tolist()
+        scored.append((sum(row[1] for row in sink.rows) / len(tokens), tokens))
+    best = max(scored)[1]
+    r = server.client().completions.create(
+        model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, seed=21, best_of=3,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert len(r.choices) == 1
+    assert (r.choices[0].model_extra or {})["token_ids"] == best

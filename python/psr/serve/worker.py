@@ -120,6 +120,7 @@ class Finished:
     # cache_read_input_tokens (resumed from the prompt cache).
     cached_tokens: int = 0
     stop_string: str | None = None  # the stop string that ended it, if one did
+    logprob_sum: float = 0.0  # of its tokens (a scored job's: best_of ranks by the mean)
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class Job:
     # Special tokens stay in the text (all but EOS): a tool-call format whose markers are
     # special tokens of the checkpoint's vocabulary (Mistral's [TOOL_CALLS]).
     keep_special: bool = False
+    score: bool = False  # sum its tokens' logprobs (best_of > n ranks the choices)
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it
     # Created in the event loop's thread (submit runs there); filled by the worker.
@@ -323,15 +325,15 @@ class Engine:
         if self._thread is not None and self.ready.is_set():
             self._thread.join(timeout)
 
-    def submit(self, job: Job) -> None:
-        """Queue `job` (FIFO), or raise QueueFull / NotReady."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue `jobs` (FIFO; all or none), or raise QueueFull / NotReady."""
         with self._cond:
             if self._stopping or not self.ready.is_set():
                 raise NotReady
             free = (self.parallel or 1) - len(self._active)
-            if len(self._queue) >= self.max_queue + max(free, 0):
+            if len(self._queue) + len(jobs) > self.max_queue + max(free, 0):
                 raise QueueFull
-            self._queue.append(job)
+            self._queue.extend(jobs)
             self.metrics.queue_depth.set(len(self._queue))
             self._cond.notify()
 
@@ -479,6 +481,8 @@ class Engine:
         stops = StopBuffer(job.stops)
         s = job.sampling
         sink = None if s is None or s.logprobs is None else LogprobSink(s.logprobs)
+        if sink is None and job.score:
+            sink = LogprobSink(0)
         processors, mask = self._processors(job)
         streamer = _Streamer(job, detok, stops, lambda ev: self._emit(job, ev), sink, mask)
         ignore_eos = s is not None and s.ignore_eos
@@ -548,9 +552,8 @@ class Engine:
                     mask.seconds * 1e3 / max(mask.masks, 1), 4
                 )
                 self.metrics.grammar.observe(mask.seconds / max(mask.masks, 1))
-            last = Finished(
-                finish, len(job.prompt_ids), n, figures, cached, stop_string=stops.matched
-            )
+            lps = 0.0 if run.sink is None else sum(row[1] for row in run.sink.rows)
+            last = Finished(finish, len(job.prompt_ids), n, figures, cached, stops.matched, lps)
             outcome = finish
         elif error is not None:
             last = Failed(f"{type(error).__name__}: {error}")
