@@ -117,6 +117,7 @@ class InProcessServer(_Base):
         name: str = "test",
         max_queue: int = 16,
         options: Any = None,
+        parallel: int | None = 1,
     ) -> None:
         import uvicorn
 
@@ -124,7 +125,7 @@ class InProcessServer(_Base):
         from psr.serve.metrics import Metrics
         from psr.serve.worker import Engine
 
-        self.engine = Engine(loader, max_queue=max_queue, metrics=Metrics(name))
+        self.engine = Engine(loader, max_queue=max_queue, metrics=Metrics(name), parallel=parallel)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(

@@ -340,7 +340,7 @@ BAD_OPENAI = [
         "messages",
         "tool_call_id",
     ),
-    ({"tools": TOOLS, "n": 2}, "n", "n"),
+    ({"tools": TOOLS, "n": 0}, "n", "n"),
 ]
 
 

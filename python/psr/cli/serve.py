@@ -32,6 +32,7 @@ from psr.cli.generate import (
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+DEFAULT_PROMPT_CACHE_MIB = 1024
 
 
 def port(s: str) -> int:
@@ -42,6 +43,13 @@ def port(s: str) -> int:
     if not 1 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port in [1, 65535], got {s!r}")
     return v
+
+
+def _parallel(s: str) -> int | None:
+    """--parallel: 'auto' (None) or a count >= 1."""
+    if s.strip().lower() == "auto":
+        return None
+    return positive_int(s)
 
 
 def _load_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +82,14 @@ def add_serve(sub: Any) -> None:
         default=16,
         help="requests that may wait while one decodes; more are answered 429",
     )
+    s.add_argument(
+        "--parallel",
+        type=_parallel,
+        default=None,
+        metavar="N|auto",
+        help="requests that decode at once in one batch, each token as it would be alone "
+        "(default auto: 4 on the CPU backend; 1 on CUDA and with --prompt-cache)",
+    )
     _access_args(s)
     s.add_argument(
         "--max-body",
@@ -103,10 +119,11 @@ def add_serve(sub: Any) -> None:
     s.add_argument(
         "--prompt-cache",
         type=nonnegative_int,
-        default=1024,
+        default=None,
         metavar="MIB",
         help="memory for the prefill states of earlier prompts, so a request extending one "
-        "(a conversation's next turn) resumes from it; tokens unchanged (default 1024; 0: off)",
+        f"(a conversation's next turn) resumes from it; tokens unchanged (default "
+        f"{DEFAULT_PROMPT_CACHE_MIB}, off with --parallel > 1; 0: off)",
     )
     s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(fn=run_serve)
@@ -190,6 +207,20 @@ def _check(args: argparse.Namespace) -> str:
             "psr serve reads text prompts and writes text"
         )
     return str(path)
+
+
+def _prompt_cache_mib(args: argparse.Namespace) -> int:
+    """--prompt-cache's MiB: its default, or 0 by default with --parallel > 1 (batched
+    prefill does not resume from the cache yet); both asked for: a usage error."""
+    parallel = args.parallel or 1
+    if args.prompt_cache is None:
+        return 0 if parallel > 1 else DEFAULT_PROMPT_CACHE_MIB
+    if args.prompt_cache and parallel > 1:
+        raise ValueError(
+            "--prompt-cache and --parallel > 1 do not combine yet (batched prefill does "
+            "not resume from the cache): give one of them"
+        )
+    return int(args.prompt_cache)
 
 
 def _check_bind(host: str, port: int) -> None:
@@ -301,11 +332,13 @@ def run_serve(args: argparse.Namespace) -> int:
     from psr.serve.worker import Engine
 
     show_progress = progress(args)
+    cache_mib = _prompt_cache_mib(args)
     engine = Engine(
         lambda: load_model(path, args, show_progress),
         max_queue=args.max_queue,
         metrics=Metrics(name),
-        prompt_cache=PromptCache(args.prompt_cache * 2**20) if args.prompt_cache else None,
+        prompt_cache=PromptCache(cache_mib * 2**20) if cache_mib else None,
+        parallel=args.parallel,
     )
     config = uvicorn.Config(
         create_app(engine, served_name=name, options=options),

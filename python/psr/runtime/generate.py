@@ -264,6 +264,41 @@ def _read_token(raw: torch.Tensor, nxt: torch.Tensor, logprobs: Any) -> int:
     return token
 
 
+class TokenChooser:
+    """One sequence's choice of each next token from its logits, as `generate` makes it:
+    the logits processor, then the arg-max or a seeded draw from the warped softmax, the
+    logprobs read with the token. A batched decoder (psr serve's slots) makes each
+    sequence's choices with its own chooser, so its tokens are those of its solo run."""
+
+    def __init__(
+        self,
+        ids: torch.Tensor,
+        settings: Settings,
+        seed: int = 0,
+        logits_processor: Any = None,
+        logprobs: Any = None,
+    ) -> None:
+        self.ids, self.settings = ids, settings
+        self.processor, self.logprobs = logits_processor, logprobs
+        self.warp = warpers(settings) if settings.do_sample else None
+        self.gen = torch.Generator(device=ids.device).manual_seed(seed)
+        self.eos = set(settings.eos_token_ids)
+        self.new = 0  # tokens chosen
+        self.done = settings.max_new_tokens == 0  # EOS chosen or max_new_tokens reached
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from the last position's logits `[V]` (appended to `ids`)."""
+        raw = logits
+        if self.processor is not None:
+            logits = self.processor(self.ids, logits.float()[None])[0]
+        nxt = next_token(logits, self.ids, self.warp, self.gen)
+        self.ids = torch.cat([self.ids, nxt], dim=1)
+        token = _read_token(raw, nxt, self.logprobs)
+        self.new += 1
+        self.done = token in self.eos or self.new >= self.settings.max_new_tokens
+        return token
+
+
 def generate(
     hf: nn.Module,
     ids: torch.Tensor,
@@ -296,9 +331,7 @@ def generate(
     chosen token's log-softmax of the raw logits and the `top` largest, computed on the
     device and read with the token in the same single host read."""
     s = settings
-    eos = set(s.eos_token_ids)
-    warp = warpers(s) if s.do_sample else None
-    gen = torch.Generator(device=ids.device).manual_seed(seed)
+    chooser = TokenChooser(ids, s, seed, logits_processor, logprobs)
     if streamer is not None:
         streamer.put(ids.cpu())
     try:
@@ -309,23 +342,19 @@ def generate(
         logits, kv = _prompt_logits(hf, ids, graph, prefill)
         bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
         for i in bar:
-            raw = logits
-            if logits_processor is not None:
-                logits = logits_processor(ids, logits.float()[None])[0]
-            nxt = next_token(logits, ids, warp, gen)
-            ids = torch.cat([ids, nxt], dim=1)
-            token = _read_token(raw, nxt, logprobs)
+            token = chooser.choose(logits)
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
-            if token in eos or i == s.max_new_tokens - 1:
+            if chooser.done:
                 break
+            nxt = chooser.ids[:, -1:]
             if graph is not None:
                 logits = graph.step(nxt, P + i)[0]
             else:
                 out = hf(input_ids=nxt, use_cache=True, **{kv_name: kv})
                 kv = output_cache(out)
                 logits = out.logits[0, -1]
-        return ids
+        return chooser.ids
     finally:
         if streamer is not None:
             streamer.end()  # also on an error: a consumer waiting on it is released

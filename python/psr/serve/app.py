@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,6 +40,7 @@ from psr.serve.metrics import CONTENT_TYPE
 from psr.serve.output import THINK_OPEN, Output, merged
 from psr.serve.protocol import (
     COMPLETION_MAX_TOKENS,
+    SEED_LIMIT,
     APIError,
     ChatRequest,
     CompletionRequest,
@@ -148,8 +149,10 @@ class _Prepared:
 class _Responder:
     """OpenAI's response objects for one request, whole or in chunks."""
 
-    def __init__(self, p: _Prepared, model_name: str, engine: Engine) -> None:
+    def __init__(self, p: _Prepared, model_name: str, engine: Engine, index: int = 0) -> None:
         self.p = p
+        self.index = index  # the choice's index (n > 1)
+        self.finished: Finished | None = None  # its Finished, once streamed
         self.model_name = model_name
         self.engine = engine
         self.logprobs = p.request.sampling.logprobs
@@ -214,7 +217,7 @@ class _Responder:
 
     def whole(self, deltas: list[Delta], f: Finished) -> dict[str, Any]:
         text = "".join(d.text for d in deltas)
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             choice["message"] = self.message(text)
         else:
@@ -260,7 +263,7 @@ class _Responder:
         logprobs: tuple[Logprob, ...] = (),
         part: tools.Part | None = None,
     ) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if part is not None:
@@ -310,9 +313,10 @@ class _Responder:
         ]
 
     async def stream(
-        self, first: Event, events: Callable[[], Awaitable[Event]]
+        self, first: Event, events: Callable[[], Awaitable[Event]], last: bool = True
     ) -> AsyncIterator[str]:
-        """The SSE body from the first event on; the caller cancels the job on exit."""
+        """The SSE body from the first event on; the caller cancels the job on exit.
+        `last` False (one of n choices): no usage chunk and no [DONE] (the caller's)."""
         if self.chat:
             yield _sse(self.chunk("", first=True))
         elif self.p.echo or self.token_ids:
@@ -331,13 +335,16 @@ class _Responder:
                         yield _sse(self.chunk(None, part=part))
                     self.counted()
                 yield _sse(self.chunk(None if self.chat else "", finish=ev))
-                if self.p.request.include_usage:
+                self.finished = ev
+                if last and self.p.request.include_usage:
                     yield _sse(self.usage_chunk(ev))
-                yield SSE_DONE
+                if last:
+                    yield SSE_DONE
                 return
             elif isinstance(ev, Failed):
                 yield _sse(APIError(ev.status, ev.message).body())
-                yield SSE_DONE
+                if last:
+                    yield SSE_DONE
                 return
             else:  # Disconnected: nobody is reading
                 return
@@ -493,7 +500,7 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
             # Checks, the template, tokenizing and the grammar: in a thread (a long
             # prompt must not stall the streams the event loop is writing).
             p = await asyncio.to_thread(_prepare, engine, served_name, rid, kind, body, opts)
-            job = _submit(engine, rid, request_id, p)
+            jobs = _submit(engine, rid, request_id, p)
         except APIError as e:
             engine.metrics.count(outcome_of(e.status))
             log.info("%s [%s] %d: %s", rid, request_id, e.status, e.message)
@@ -501,7 +508,10 @@ def _add_generation_routes(app: FastAPI, engine: Engine, served_name: str, opts:
         if p.request.ignored:
             names = ", ".join(p.request.ignored)
             log.warning("%s [%s] ignored unknown fields: %s", rid, request_id, names)
-        response = await _respond(engine, job, p, served_name, request)
+        if len(jobs) == 1:
+            response = await _respond(engine, jobs[0], p, served_name, request)
+        else:
+            response = await _respond_many(engine, jobs, p, served_name, request)
         if p.request.ignored:
             response.headers["Warning"] = f'299 psr "unknown fields ignored: {names}"'
         return response
@@ -514,21 +524,27 @@ def _response_id(kind: str) -> str:
     return f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex[:24]}"
 
 
-def _submit(engine: Engine, rid: str, request_id: str, p: _Prepared) -> Job:
-    """The prepared request's job, queued (a full queue: 429 with Retry-After; an engine not
-    ready: 503)."""
-    job = Job(
-        rid,
-        p.prompt_ids,
-        _params(engine, p),
-        p.request.sampling.stop,
-        sampling=p.request.sampling,
-        grammar=p.grammar,
-        request_id=request_id,
-        keep_special=p.keep_special,
-    )
+def _submit(engine: Engine, rid: str, request_id: str, p: _Prepared) -> list[Job]:
+    """The prepared request's jobs (best_of of them, the i-th sampled with seed + i),
+    queued together (a full queue: 429 with Retry-After; an engine not ready: 503)."""
+    s = p.request.sampling
+    params = _params(engine, p)
+    jobs = [
+        Job(
+            rid if i == 0 else f"{rid}-{i}",
+            p.prompt_ids,
+            replace(params, seed=(params.seed + i) % SEED_LIMIT) if params.do_sample else params,
+            s.stop,
+            sampling=s,
+            grammar=p.grammar,
+            request_id=request_id,
+            keep_special=p.keep_special,
+            score=s.best_of > s.n,
+        )
+        for i in range(s.best_of)
+    ]
     try:
-        engine.submit(job)
+        engine.submit(*jobs)
     except QueueFull:
         raise APIError(
             429,
@@ -538,7 +554,7 @@ def _submit(engine: Engine, rid: str, request_id: str, p: _Prepared) -> Job:
         ) from None
     except NotReady:
         raise _unavailable(engine) from None
-    return job
+    return jobs
 
 
 def _request_id(request: Request) -> str:
@@ -830,15 +846,16 @@ def _params(engine: Engine, p: _Prepared) -> Params:
     return Params(max_tokens, True, s.temperature, s.top_k, s.top_p, seed, s.min_p)
 
 
-async def _watch_disconnect(request: Request, engine: Engine, job: Job) -> None:
-    """Cancel `job` when the client goes away (the body has been read: what the server
+async def _watch_disconnect(request: Request, engine: Engine, *jobs: Job) -> None:
+    """Cancel `jobs` when the client goes away (the body has been read: what the server
     receives next is the disconnect)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             break
-    engine.cancel(job)
-    job.events.put_nowait(Disconnected())
+    for job in jobs:
+        engine.cancel(job)
+        job.events.put_nowait(Disconnected())
 
 
 async def _respond(
@@ -881,6 +898,106 @@ async def _respond(
         watch.cancel()
         if not handed_over:
             engine.cancel(job)  # no-op once finished; else (handler cancelled) stop it
+
+
+async def _respond_many(
+    engine: Engine, jobs: list[Job], p: _Prepared, served: str, request: Request
+) -> Response:
+    """n > 1 (or best_of): one choice per job, each decoded as its own request would be
+    (in one batch with --parallel); whole, the best_of's n of highest mean logprob."""
+    rs = [_Responder(p, served, engine, i) for i in range(len(jobs))]
+    watch = asyncio.create_task(_watch_disconnect(request, engine, *jobs))
+    handed_over = False
+    try:
+        firsts = [await job.events.get() for job in jobs]
+        bad = next((ev for ev in firsts if isinstance(ev, (Failed, Disconnected))), None)
+        if bad is not None:
+            return _failure(bad, request.url.path)
+        if p.request.stream:
+            watch.cancel()
+            handed_over = True
+            return StreamingResponse(
+                _merged_streams(engine, jobs, rs, firsts), media_type="text/event-stream",
+                headers=SSE_HEADERS,
+            )  # fmt: skip
+        done: list[tuple[list[Delta], Finished]] = []
+        for job, ev in zip(jobs, firsts, strict=True):
+            deltas: list[Delta] = []
+            while isinstance(ev, Delta):
+                deltas.append(ev)
+                ev = await job.events.get()
+            if not isinstance(ev, Finished):
+                return _failure(ev, request.url.path)
+            done.append((deltas, ev))
+        return JSONResponse(_choices(p, rs, done))
+    finally:
+        watch.cancel()
+        if not handed_over:
+            for job in jobs:
+                engine.cancel(job)
+
+
+def _choices(
+    p: _Prepared, rs: list[_Responder], done: list[tuple[list[Delta], Finished]]
+) -> dict[str, Any]:
+    """The whole response of several choices: the n best (best_of) by mean logprob."""
+    order = list(range(len(done)))
+    n = p.request.sampling.n
+    if len(done) > n:
+        order.sort(key=lambda i: -done[i][1].logprob_sum / max(done[i][1].completion_tokens, 1))
+        order = order[:n]
+    out = rs[0].whole(*done[0])
+    out["choices"] = []
+    for k, i in enumerate(order):
+        rs[i].index = k
+        out["choices"].append(rs[i].whole(*done[i])["choices"][0])
+    out["usage"] = _usage([f for _, f in done])
+    out["psr"] = {"choices": [rs[i].psr(done[i][1]) for i in order]}
+    return out
+
+
+def _usage(finished: list[Finished]) -> dict[str, Any]:
+    """Usage over several choices: the prompt once, every decoded token."""
+    out = _Responder.usage(finished[0])
+    out["completion_tokens"] = sum(f.completion_tokens for f in finished)
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    return out
+
+
+async def _merged_streams(
+    engine: Engine, jobs: list[Job], rs: list[_Responder], firsts: list[Event]
+) -> AsyncIterator[str]:
+    """The choices' chunks as they come, then the usage (if asked) and one [DONE]."""
+    queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+    async def pump(r: _Responder, job: Job, first: Event) -> None:
+        try:
+            async for chunk in r.stream(first, job.events.get, last=False):
+                await queue.put(chunk)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(*a)) for a in zip(rs, jobs, firsts, strict=True)]
+    try:
+        left = len(tasks)
+        while left:
+            chunk = await queue.get()
+            if chunk is None:
+                left -= 1
+            else:
+                yield chunk
+        finished = [r.finished for r in rs]
+        if all(f is not None for f in finished):
+            if rs[0].p.request.include_usage:
+                tail = rs[0].usage_chunk(finished[0])  # type: ignore[arg-type]
+                tail["usage"] = _usage(finished)  # type: ignore[arg-type]
+                yield _sse(tail)
+        yield SSE_DONE
+    finally:
+        for t in tasks:
+            t.cancel()
+        for job in jobs:
+            engine.cancel(job)  # no-op once finished
 
 
 def _failure(ev: Failed | Disconnected, path: str) -> Response:

@@ -11,6 +11,7 @@ switch, which a server process owns).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from itertools import pairwise
 from typing import Any
 
@@ -42,6 +43,7 @@ OUTCOMES = (
 )
 PHASES = ("prefill", "decode")
 TIERS = ("pinned", "page_cache", "disk")  # where decode's expert bytes were read from
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -141,7 +143,13 @@ class Metrics:
     def _add_latency_metrics(self, make: _Make) -> None:
         histogram = make.histogram
         self.queue_depth = make.gauge("psr_queue_depth", "Requests waiting to decode")
-        self.running = make.gauge("psr_running_requests", "Requests decoding (0 or 1)")
+        self.running = make.gauge(
+            "psr_running_requests", "Requests decoding (the active slots of --parallel)"
+        )
+        self.slots = make.gauge("psr_slots", "Requests that may decode at once (--parallel)")
+        self.batch_size = histogram(
+            "psr_batch_size", "Sequences in each batched decode step", _BATCH_BUCKETS
+        )
         self.ttft = histogram(
             "psr_time_to_first_token_seconds",
             "From a request's arrival to its first token (queueing included)",
@@ -181,7 +189,7 @@ class Metrics:
 
     def add_request(
         self,
-        stats: dict[str, float],
+        stats: dict[str, float] | None,
         prompt_tokens: int,
         completion_tokens: int,
         token_times: list[float],
@@ -191,11 +199,25 @@ class Metrics:
     ) -> None:
         """One decoded request: `stats` its stats differences, `token_times` when each of
         its tokens was made (perf_counter), `arrived` when it was accepted, `started` when
-        the worker took it, `cached_tokens` of its prompt resumed from the prompt cache."""
+        the worker took it, `cached_tokens` of its prompt resumed from the prompt cache.
+        `stats` None: a request decoded in a batch, whose expert counts `add_experts` adds
+        per step for the whole batch."""
         self.prompt_tokens.inc(prompt_tokens)
         self.prompt_cached.inc(cached_tokens)
         self.prompt_computed.inc(prompt_tokens - cached_tokens)
         self.generated_tokens.inc(completion_tokens)
+        if stats is not None:
+            self.add_experts(stats)
+        if started is not None:
+            self.queue_time.observe(started - arrived)
+        if token_times:
+            self.ttft.observe(token_times[0] - arrived)
+            self.e2e.observe(token_times[-1] - arrived)
+        for a, b in pairwise(token_times):
+            self.tpot.observe(b - a)
+
+    def add_experts(self, stats: Mapping[str, float]) -> None:
+        """Expert routing and copy counts (a request's, or a batch step's)."""
         self.routed.inc(stats["routed"])
         self.hits.inc(stats["hits"])
         self.misses.inc(stats["misses"])
@@ -212,13 +234,6 @@ class Metrics:
         ):
             self.read_bytes.labels(tier).inc(stats.get(key, 0))
         self.pageable_stall.inc(stats.get("stall_pageable_s", 0.0))
-        if started is not None:
-            self.queue_time.observe(started - arrived)
-        if token_times:
-            self.ttft.observe(token_times[0] - arrived)
-            self.e2e.observe(token_times[-1] - arrived)
-        for a, b in pairwise(token_times):
-            self.tpot.observe(b - a)
 
     def render(self) -> bytes:
         out: Any = generate_latest(self.registry)

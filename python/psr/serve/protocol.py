@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from psr.serve.tools.base import Tool
@@ -100,6 +100,8 @@ class Sampling:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the token's and the k most likely
     structured: Structured | None = None
+    n: int = 1  # choices returned
+    best_of: int = 1  # sequences decoded (>= n): the n of highest mean logprob returned
 
     @property
     def greedy(self) -> bool:
@@ -267,13 +269,15 @@ _SAMPLING = frozenset(
 )
 _STREAM = frozenset({"stream", "stream_options"})
 # Checked by _common_refusals: accepted only with values that change nothing.
-_REFUSED_COMMON = frozenset({"n", "logit_bias"})
+_REFUSED_COMMON = frozenset({"logit_bias"})
+MAX_CHOICES = 16  # n and best_of: sequences one request may decode
 COMPLETION_KEYS = frozenset(
     {"model", "prompt", "echo", "best_of", "suffix", "return_token_ids", "response_format"}
     | _METADATA
     | _SAMPLING
     | _STREAM
     | _REFUSED_COMMON
+    | {"n"}
 )
 CHAT_KEYS = frozenset(
     {
@@ -290,6 +294,7 @@ CHAT_KEYS = frozenset(
         "return_token_ids",
         "chat_template_kwargs",
         "reasoning_effort",
+        "n",
     }
     | _METADATA
     | _SAMPLING
@@ -323,6 +328,7 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
         raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = _int(body, "top_k", -1)
     rep = _number(body, "repetition_penalty")
+    n = _int(body, "n", 1, MAX_CHOICES + 1) or 1
     if rep is not None and rep <= 0:
         raise bad_request(f"repetition_penalty must be > 0, got {rep}", "repetition_penalty")
     return Sampling(
@@ -339,7 +345,23 @@ def _sampling(body: dict[str, Any], max_tokens: int | None, logprobs: int | None
         ignore_eos=_bool(body, "ignore_eos"),
         logprobs=logprobs,
         structured=_structured(body),
+        n=n,
+        best_of=n,
     )
+
+
+def _best_of(body: dict[str, Any], s: Sampling, stream: bool) -> Sampling:
+    """Completions' best_of: >= n sequences decoded, the n best (mean logprob) returned."""
+    best_of = _int(body, "best_of", 1, MAX_CHOICES + 1)
+    if best_of is None:
+        return s
+    if best_of < s.n:
+        raise bad_request(f"best_of must be >= n ({s.n}), got {best_of}", "best_of")
+    if stream and best_of > s.n:
+        raise bad_request(
+            "best_of > n cannot be streamed (the best are known at the end)", "best_of"
+        )
+    return replace(s, best_of=best_of)
 
 
 def _structured(body: dict[str, Any]) -> Structured | None:
@@ -428,7 +450,6 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _common_refusals(body: dict[str, Any]) -> None:
-    _refuse_unless(body, "n", (1,), "psr decodes one sequence per request (n must be 1)")
     _refuse_unless(body, "logit_bias", ({},), "psr's decoding takes no logit bias")
 
 
@@ -450,17 +471,17 @@ def parse_completion(body: Any, strict: bool = False) -> CompletionRequest:
     body = _check_body(body)
     ignored = _check_keys(body, COMPLETION_KEYS, strict)
     _common_refusals(body)
-    _refuse_unless(body, "best_of", (1,), "psr decodes one sequence per request")
     _refuse_unless(body, "suffix", ("",), "psr does not insert text (no suffix)")
     logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS + 1)
     max_tokens = _int(body, "max_tokens", 1)
     stream, include_usage = _stream(body)
+    sampling = _sampling(
+        body, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, logprobs
+    )
     return CompletionRequest(
         model=_model(body),
         prompt=_prompt(body.get("prompt")),
-        sampling=_sampling(
-            body, COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, logprobs
-        ),
+        sampling=_best_of(body, sampling, stream),
         stream=stream,
         include_usage=include_usage,
         echo=_bool(body, "echo"),

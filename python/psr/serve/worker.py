@@ -120,6 +120,7 @@ class Finished:
     # cache_read_input_tokens (resumed from the prompt cache).
     cached_tokens: int = 0
     stop_string: str | None = None  # the stop string that ended it, if one did
+    logprob_sum: float = 0.0  # of its tokens (a scored job's: best_of ranks by the mean)
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class Job:
     # Special tokens stay in the text (all but EOS): a tool-call format whose markers are
     # special tokens of the checkpoint's vocabulary (Mistral's [TOOL_CALLS]).
     keep_special: bool = False
+    score: bool = False  # sum its tokens' logprobs (best_of > n ranks the choices)
     arrived: float = field(default_factory=time.perf_counter)
     started: float | None = None  # when the worker took it
     # Created in the event loop's thread (submit runs there); filled by the worker.
@@ -223,6 +225,20 @@ class _Streamer:
         return Logprob(piece(token), lp, tuple((piece(t), v) for t, v in top))
 
 
+@dataclass
+class Run:
+    """One request's decoding state in the worker (`Engine.prepare`)."""
+
+    job: Job
+    detok: Detokenizer
+    stops: StopBuffer
+    sink: LogprobSink | None
+    processors: Processors | None
+    mask: GrammarMask | None
+    streamer: _Streamer
+    eos: tuple[int, ...]  # the ids that end it (none with ignore_eos)
+
+
 class Engine:
     """The queue and the worker. `start(loop)` loads the model in the worker thread and
     serves the queue; `submit(job)` (event loop thread) queues a request; `cancel(job)`
@@ -235,11 +251,17 @@ class Engine:
         max_queue: int = 16,
         metrics: Metrics | None = None,
         prompt_cache: PromptCache | None = None,
+        parallel: int | None = 1,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if parallel is not None and (isinstance(parallel, bool) or parallel < 1):
+            raise ValueError(f"parallel must be an int >= 1 or None (auto), got {parallel!r}")
         self._loader = loader
         self.max_queue = max_queue
+        # Requests decoding at once (psr.serve.slots: one batch); None: chosen at load
+        # (slots.auto_parallel). Resolved once the model is loaded.
+        self.parallel = parallel
         self.metrics = metrics or Metrics()
         # Prefill states of earlier prompts (psr.runtime.chunked): a request extending an
         # earlier one (a conversation's next turn) resumes from it; None: no cache.
@@ -269,7 +291,7 @@ class Engine:
         self.context: int | None = None
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
-        self._running: Job | None = None
+        self._active: list[Job] = []  # decoding now (at most `parallel`)
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -291,8 +313,8 @@ class Engine:
         with self._cond:
             self._stopping = True
             reason = "the server is shutting down"
-            if self._running is not None:
-                self._cancel(self._running, reason, 503)  # the worker answers it
+            for job in self._active:
+                self._cancel(job, reason, 503)  # the worker answers it
             for job in self._queue:
                 self._cancel(job, reason, 503)
                 self._emit(job, Failed(reason, status=503))
@@ -303,15 +325,15 @@ class Engine:
         if self._thread is not None and self.ready.is_set():
             self._thread.join(timeout)
 
-    def submit(self, job: Job) -> None:
-        """Queue `job` (FIFO), or raise QueueFull / NotReady."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue `jobs` (FIFO; all or none), or raise QueueFull / NotReady."""
         with self._cond:
             if self._stopping or not self.ready.is_set():
                 raise NotReady
-            busy = len(self._queue) + (self._running is not None)
-            if busy > self.max_queue:
+            free = (self.parallel or 1) - len(self._active)
+            if len(self._queue) + len(jobs) > self.max_queue + max(free, 0):
                 raise QueueFull
-            self._queue.append(job)
+            self._queue.extend(jobs)
             self.metrics.queue_depth.set(len(self._queue))
             self._cond.notify()
 
@@ -373,6 +395,9 @@ class Engine:
                 raise ValueError(f"{model.path}: no tokenizer; the server reads and writes text")
             if self.prompt_cache is not None:
                 model.check_prompt_cache(self.prompt_cache)
+            from psr.serve.slots import open_slots
+
+            slots = open_slots(self, model)
         except BaseException as e:
             self.load_error = e
             log.error("loading the model failed: %s", e)
@@ -396,23 +421,45 @@ class Engine:
         log.info("model loaded: %s, policy %s", model.path, model.policy.describe())
         if self.on_ready is not None:
             self.on_ready()
+        if slots is not None:
+            slots.run()
+            return
         while True:
-            with self._cond:
-                while not self._queue and not self._stopping:
-                    self._cond.wait()
-                if self._stopping:
-                    return
+            jobs = self.take(wait=True)
+            if not jobs:
+                return  # stopping
+            try:
+                self._decode(jobs[0])
+            finally:
+                self.leave(jobs[0])
+
+    def take(self, wait: bool) -> list[Job]:
+        """Queued jobs for the free slots, oldest first (they become active); with `wait`,
+        block until there is one. Empty when stopping (or none queued, not waiting)."""
+        with self._cond:
+            while wait and not self._queue and not self._stopping:
+                self._cond.wait()
+            if self._stopping:
+                return []
+            jobs: list[Job] = []
+            while self._queue and len(self._active) < (self.parallel or 1):
                 job = self._queue.popleft()
                 job.started = time.perf_counter()
-                self._running = job
-                self.metrics.queue_depth.set(len(self._queue))
-                self.metrics.running.set(1)
-            try:
-                self._decode(job)
-            finally:
-                with self._cond:
-                    self._running = None
-                    self.metrics.running.set(0)
+                self._active.append(job)
+                jobs.append(job)
+            self.metrics.queue_depth.set(len(self._queue))
+            self.metrics.running.set(len(self._active))
+            return jobs
+
+    def leave(self, job: Job) -> None:
+        """`job` no longer decodes: its slot is free."""
+        with self._cond:
+            self._active.remove(job)
+            self.metrics.running.set(len(self._active))
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     def _processors(self, job: Job) -> tuple[Processors | None, GrammarMask | None]:
         items: list[Any] = []
@@ -427,24 +474,32 @@ class Engine:
             items.append(mask)
         return (Processors(items) if items else None), mask
 
-    def _decode(self, job: Job) -> None:
-        model = self.model
+    def prepare(self, job: Job) -> Run:
+        """`job`'s decoding state: detokenizer, stop strings, logprobs, processors, streamer."""
         decode = self.decode_special if job.keep_special else self.decode_text
         detok = Detokenizer(decode, job.prompt_ids)
         stops = StopBuffer(job.stops)
         s = job.sampling
         sink = None if s is None or s.logprobs is None else LogprobSink(s.logprobs)
+        if sink is None and job.score:
+            sink = LogprobSink(0)
         processors, mask = self._processors(job)
         streamer = _Streamer(job, detok, stops, lambda ev: self._emit(job, ev), sink, mask)
         ignore_eos = s is not None and s.ignore_eos
+        eos = () if ignore_eos else self.eos_token_ids
+        return Run(job, detok, stops, sink, processors, mask, streamer, eos)
+
+    def _decode(self, job: Job) -> None:
+        model = self.model
+        run = self.prepare(job)
         before = dict(model.stats.totals)
         finish: str | None = None
         error: Exception | None = None
         extra: dict[str, Any] = {}
-        if processors is not None:
-            extra["logits_processor"] = processors
-        if sink is not None:
-            extra["logprobs"] = sink
+        if run.processors is not None:
+            extra["logits_processor"] = run.processors
+        if run.sink is not None:
+            extra["logprobs"] = run.sink
         if self.prompt_cache is not None:
             extra["prompt_cache"] = self.prompt_cache
             self.prompt_cache.last_cached = 0
@@ -452,13 +507,12 @@ class Engine:
             model.generate(
                 job.prompt_ids,
                 **job.params.generate_kwargs(),
-                eos_token_id=None if ignore_eos else (list(self.eos_token_ids) or None),
-                streamer=streamer,
+                eos_token_id=list(run.eos) or None,
+                streamer=run.streamer,
                 **extra,
             )
-            final = streamer.tokens[-1] if streamer.tokens else None
-            eos = final in self.eos_token_ids and not ignore_eos
-            finish = "stop" if eos else "length"
+            final = run.streamer.tokens[-1] if run.streamer.tokens else None
+            finish = "stop" if final in run.eos else "length"
         except (_StopString, _GrammarDone):
             finish = "stop"
         except _Cancelled:
@@ -468,7 +522,22 @@ class Engine:
         after = model.stats.totals
         diff = {k: after[k] - before.get(k, 0) for k in after}
         cached = 0 if self.prompt_cache is None else self.prompt_cache.last_cached
-        n = len(streamer.tokens)
+        self.conclude(run, finish, error, self._psr_figures(model, diff), diff, cached)
+
+    def conclude(
+        self,
+        run: Run,
+        finish: str | None,
+        error: Exception | None,
+        figures: dict[str, Any],
+        diff: dict[str, float] | None,
+        cached: int = 0,
+    ) -> None:
+        """`run`'s end: `finish` ("stop" / "length"), else `error`, else it was cancelled.
+        The last text, the Finished / Failed event, metrics and the log line. `diff`: its
+        stats differences (None in a batch, whose counts are the batch's)."""
+        job, stops, detok, mask = run.job, run.stops, run.detok, run.mask
+        n = len(run.streamer.tokens)
         last: Event
         if finish is not None:
             tail = stops.feed(detok.flush())
@@ -478,15 +547,13 @@ class Engine:
                 tail += stops.flush()
             if tail:
                 self._emit(job, Delta(tail, ()))
-            figures = self._psr_figures(model, diff)
             if mask is not None:
                 figures["grammar_mask_ms_per_token"] = round(
                     mask.seconds * 1e3 / max(mask.masks, 1), 4
                 )
                 self.metrics.grammar.observe(mask.seconds / max(mask.masks, 1))
-            last = Finished(
-                finish, len(job.prompt_ids), n, figures, cached, stop_string=stops.matched
-            )
+            lps = 0.0 if run.sink is None else sum(row[1] for row in run.sink.rows)
+            last = Finished(finish, len(job.prompt_ids), n, figures, cached, stops.matched, lps)
             outcome = finish
         elif error is not None:
             last = Failed(f"{type(error).__name__}: {error}")
@@ -497,10 +564,11 @@ class Engine:
         # Counted and logged before the answer goes out: a client that has its response
         # finds the request in /metrics.
         self.metrics.count(outcome)
+        times = run.streamer.times
         self.metrics.add_request(
-            diff, len(job.prompt_ids), n, streamer.times, job.arrived, job.started, cached
+            diff, len(job.prompt_ids), n, times, job.arrived, job.started, cached
         )
-        self._log(job, outcome, n, streamer.times, diff, error)
+        self._log(job, outcome, n, times, diff, error)
         self._emit(job, last)
 
     @staticmethod
@@ -527,7 +595,7 @@ class Engine:
         outcome: str,
         n: int,
         times: list[float],
-        d: dict[str, float],
+        d: dict[str, float] | None,
         error: Exception | None,
     ) -> None:
         ttft = f"{(times[0] - job.arrived) * 1e3:.0f} ms" if times else "-"
@@ -535,8 +603,10 @@ class Engine:
         rid = f" [{job.request_id}]" if job.request_id else ""
         line = (
             f"{job.id}{rid} {outcome}: prompt {len(job.prompt_ids)} + completion {n} tokens, "
-            f"ttft {ttft}, {rate} tokens/s, hits {int(d['hits'])} misses {int(d['misses'])}"
+            f"ttft {ttft}, {rate} tokens/s"
         )
+        if d is not None:
+            line += f", hits {int(d['hits'])} misses {int(d['misses'])}"
         if error is not None:
             line += f" ({type(error).__name__}: {error})"
         log.info(line)

@@ -1,0 +1,209 @@
+"""`psr serve --parallel N`: up to N requests decode together, each as it would alone.
+
+The worker thread runs one `psr.runtime.batch.BatchDecoder`: queued requests join it
+between steps (their prompts prefilled chunk by chunk between the others' steps), each
+step chooses every waiting sequence's next token with that request's own
+`TokenChooser` (its penalties, grammar mask, seeded sampling and logprobs, as
+`model.generate` makes them), then decodes the batch one token. The decoder keeps every
+sequence isolated (its own logical caches; each row computed as at batch 1), so a
+request's tokens are those of its solo run whoever shares its steps. A request that ends
+(EOS, length, a stop string, its grammar complete, cancelled, failed) leaves at once and
+frees its slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from psr.runtime.generate import TokenChooser, resolve_settings
+from psr.serve.worker import Run, _Cancelled, _GrammarDone, _StopString
+
+if TYPE_CHECKING:
+    from psr.runtime.batch import BatchDecoder
+    from psr.serve.worker import Engine, Job
+
+log = logging.getLogger("psr.serve")
+
+# --parallel's default on a backend where one request decodes as fast alone in a batch as
+# through the solo path (the CPU: both take the host step).
+AUTO_PARALLEL = 4
+
+
+def auto_parallel(model: Any, prompt_cache: bool) -> tuple[int, str]:
+    """`--parallel auto`: the slots to open and why. CUDA keeps one (its solo decode runs
+    the device step and CUDA graphs, which the batch does not capture yet); the prompt
+    cache keeps one (batched prefill does not resume from it yet)."""
+    if prompt_cache:
+        return 1, "the prompt cache serves one request at a time"
+    if model.runtime.store.backend == "cuda":
+        return 1, "on CUDA one request decodes faster through the device step and graphs"
+    return AUTO_PARALLEL, f"{AUTO_PARALLEL} slots (the CPU backend's batched host step)"
+
+
+def open_slots(engine: Engine, model: Any) -> Slots | None:
+    """Resolve `engine.parallel` for the loaded `model`: the batch's slots, or None for the
+    one-at-a-time worker. An explicit parallel > 1 that cannot batch raises ValueError."""
+    from psr.runtime.batch import BatchDecoder
+
+    cache = engine.prompt_cache is not None
+    if engine.parallel is None:
+        engine.parallel, why = auto_parallel(model, cache)
+        log.info("--parallel auto: %s", why)
+        if engine.parallel > 1:
+            try:
+                dec = BatchDecoder(model, engine.parallel)
+            except ValueError as e:
+                log.info("--parallel auto: 1 slot (%s)", e)
+                engine.parallel = 1
+                return None
+            return Slots(engine, dec)
+    engine.metrics.slots.set(engine.parallel)
+    if engine.parallel == 1:
+        return None
+    if cache:
+        raise ValueError("--parallel > 1 does not combine with --prompt-cache yet")
+    try:
+        dec = BatchDecoder(model, engine.parallel)
+    except ValueError as e:
+        raise ValueError(f"--parallel {engine.parallel}: {e}") from e
+    return Slots(engine, dec)
+
+
+@dataclass
+class _Slot:
+    """A request decoding in the batch."""
+
+    run: Run
+    seq: int  # its sequence in the decoder
+    chooser: TokenChooser
+    steps: int = 0  # batched steps it took part in
+    batch_sum: int = 0  # sum of those steps' batch sizes
+
+
+class Slots:
+    """The batched worker loop (module docstring); `run` in the worker thread."""
+
+    def __init__(self, engine: Engine, dec: BatchDecoder) -> None:
+        self.engine, self.dec = engine, dec
+        self.slots: dict[int, _Slot] = {}  # by sequence id
+        engine.metrics.slots.set(dec.max_batch)
+
+    def run(self) -> None:
+        """Serve until the engine stops; every live request is answered (503) then."""
+        eng = self.engine
+        while True:
+            jobs = eng.take(wait=not self.slots)
+            if eng.stopping:
+                for slot in list(self.slots.values()):
+                    self._end(slot, None, None)
+                return
+            for job in jobs:
+                self._join(job)
+            self._drop_cancelled()
+            if self.slots:
+                self._step()
+
+    # --- one request -------------------------------------------------------------------
+    def _join(self, job: Job) -> None:
+        eng = self.engine
+        run = eng.prepare(job)
+        try:
+            kw = job.params.generate_kwargs()
+            seed = kw.pop("seed", 0)
+            kw["eos_token_id"] = list(run.eos) or None
+            settings = resolve_settings(len(job.prompt_ids), kw, None, {})
+            ids = torch.tensor([job.prompt_ids], device=eng.model.device)
+            chooser = TokenChooser(ids, settings, seed, run.processors, run.sink)
+            seq = self.dec.add(job.prompt_ids)
+        except Exception as e:  # this request's 500 only
+            eng.conclude(run, None, e, {}, None)
+            eng.leave(job)
+            return
+        run.streamer.put(ids.cpu())  # the streamer's protocol: the prompt first
+        self.slots[seq] = _Slot(run, seq, chooser)
+
+    def _drop_cancelled(self) -> None:
+        for slot in [s for s in self.slots.values() if s.run.job.cancelled]:
+            self._end(slot, None, None)
+
+    def _end(self, slot: _Slot, finish: str | None, error: Exception | None) -> None:
+        """`slot`'s request leaves the batch and is answered."""
+        self.slots.pop(slot.seq, None)
+        try:
+            self.dec.remove(slot.seq)
+        except KeyError:
+            pass
+        eng = self.engine
+        figures: dict[str, Any] = {
+            "policy": eng.model.policy.describe(),
+            "decode_steps": len(slot.run.streamer.tokens),
+            "batched_steps": slot.steps,
+            "mean_batch": round(slot.batch_sum / slot.steps, 3) if slot.steps else 0.0,
+        }
+        eng.conclude(slot.run, finish, error, figures, None)
+        eng.leave(slot.run.job)
+
+    def _choose(self, slot: _Slot, logits: torch.Tensor) -> int | None:
+        """`slot`'s next token, or None when its request has ended (answered here)."""
+        try:
+            token = slot.chooser.choose(logits)
+            slot.run.streamer.put(torch.tensor([token]))
+        except (_StopString, _GrammarDone):
+            self._end(slot, "stop", None)
+            return None
+        except _Cancelled:
+            self._end(slot, None, None)
+            return None
+        except Exception as e:
+            self._end(slot, None, e)
+            return None
+        if slot.chooser.done:
+            self._end(slot, "stop" if token in slot.run.eos else "length", None)
+            return None
+        return token
+
+    # --- one step ----------------------------------------------------------------------
+    def _step(self) -> None:
+        """Each waiting sequence's token, then one batched decode step (which also runs a
+        chunk of a joining request's prefill)."""
+        before = dict(self.dec.stats)
+        try:
+            ready = self.dec.ready()
+        except Exception as e:  # a prefill failed: the prefilling requests' 500
+            for slot in [s for s in self.slots.values() if not s.chooser.new]:
+                self._end(slot, None, e)
+            return
+        tokens: dict[int, int] = {}
+        for seq, logits in ready.items():
+            token = self._choose(self.slots[seq], logits)
+            if token is not None:
+                tokens[seq] = token
+        batch = [self.slots[s] for s in tokens]
+        try:
+            self.dec.feed(tokens)
+        except Exception as e:  # the step failed: its requests' 500
+            for slot in batch:
+                self._end(slot, None, e)
+            return
+        if tokens:
+            self.engine.metrics.batch_size.observe(len(tokens))
+            for slot in batch:
+                slot.steps += 1
+                slot.batch_sum += len(tokens)
+        diff = {k: v - before.get(k, 0) for k, v in self.dec.stats.items()}
+        self.engine.metrics.add_experts(_expert_counts(diff))
+
+
+def _expert_counts(diff: dict[str, int]) -> dict[str, float]:
+    """A step's counts in the metrics' names (what the batch does not count: 0)."""
+    return {k: float(diff.get(k, 0)) for k in _EXPERT_KEYS}
+
+
+_EXPERT_KEYS = (
+    "routed", "hits", "misses", "prefetches", "prefetch_used", "substituted", "cpu_experts",
+    "bytes_copied", "stall_s", "prefill_bytes", "prefill_stall_s",
+)  # fmt: skip

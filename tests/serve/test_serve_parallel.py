@@ -1,0 +1,188 @@
+"""`psr serve --parallel N`: requests decode together, each answer its solo run's."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from servers import RemoteServer
+
+from psr.cli import build_parser
+from psr.cli.generate import load_options
+from psr.models import DEFAULT_MODEL, load
+
+SERVE_ARGS = ["--dtype", "float32", "--quiet"]
+NAME = "default_model"
+PROMPTS = ["The quick brown fox", "To be, or not to be,", "Now is the winter", "Friends, Romans,"]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PSR_HOME", str(tmp_path_factory.mktemp("serve_home")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def server(home):
+    s = RemoteServer([*SERVE_ARGS, "--parallel", "4"])
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def model(home):
+    args = build_parser().parse_args(["serve", *SERVE_ARGS])
+    return load(DEFAULT_MODEL, **load_options(args), progress=False)
+
+
+def solo(model, prompt: str, n: int, **kw) -> list[int]:
+    ids = model.tokenizer(prompt)["input_ids"]
+    out = model.generate(ids, max_new_tokens=n, eos_token_id=model.tokenizer.eos_token_id, **kw)
+    return out[0, len(ids) :].tolist()
+
+
+def as_generate(body: dict) -> dict:
+    """model.generate's arguments for an API request's sampling fields."""
+    if body["temperature"] == 0:
+        return {}
+    return {"do_sample": True, **body}
+
+
+def test_four_openai_streams_decode_together_each_as_alone(server, model) -> None:
+    # Greedy and seeded sampling, different lengths: four streams at once through the
+    # openai client, each one's tokens those of its solo run (model.generate).
+    cases = [
+        (PROMPTS[0], 24, {"temperature": 0}),
+        (PROMPTS[1], 17, {"temperature": 0.8, "seed": 7}),
+        (PROMPTS[2], 30, {"temperature": 0}),
+        (PROMPTS[3], 9, {"temperature": 1.0, "top_p": 0.9, "seed": 3}),
+    ]
+    want = [solo(model, p, n, **as_generate(body)) for p, n, body in cases]
+    before = server.metrics()
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(cases))
+
+    def client(i: int) -> None:
+        prompt, n, body = cases[i]
+        try:
+            start.wait()
+            stream = server.client(timeout=300).completions.create(
+                model=NAME, prompt=prompt, max_tokens=n, stream=True,
+                extra_body={"return_token_ids": True}, **body,
+            )  # fmt: skip
+            got[i] = [t for c in stream for ch in c.choices
+                      for t in ((ch.model_extra or {}).get("token_ids") or [])]  # fmt: skip
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert [got[i] for i in range(len(cases))] == want
+    after = server.metrics()
+    assert after["psr_slots"] == 4
+    steps = after["psr_batch_size_count"] - before.get("psr_batch_size_count", 0)
+    rows = after["psr_batch_size_sum"] - before.get("psr_batch_size_sum", 0)
+    assert rows == sum(len(w) - 1 for w in want)  # every token but each request's first
+    assert rows / steps > 1.5  # they did share steps
+    assert after["psr_running_requests"] == 0
+
+
+def test_a_second_request_does_not_wait_for_the_first(server) -> None:
+    # A long stream is decoding; a short request arriving after it finishes first.
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0}
+    with server.http() as h, h.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        t0 = time.perf_counter()
+        short = server.client().completions.create(
+            model=NAME, prompt=PROMPTS[1], max_tokens=3, temperature=0
+        )
+        assert short.usage.completion_tokens == 3
+        assert time.perf_counter() - t0 < 120
+        # the long one is still going: its stream has more to give
+        assert next(lines) is not None
+
+
+def test_a_client_that_leaves_frees_its_slot(server) -> None:
+    before = server.metrics()
+    key = 'psr_requests_total{outcome="cancelled"}'
+    body = {"model": NAME, "prompt": PROMPTS[2], "max_tokens": 400, "temperature": 0}
+    with server.http() as h, h.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+        assert next(r.iter_lines()).startswith("data: ")
+    server.wait_until(lambda m: m[key] > before.get(key, 0) and m["psr_running_requests"] == 0)
+    made = server.metrics()["psr_generated_tokens_total"] - before["psr_generated_tokens_total"]
+    assert 1 <= made < 40  # not the 400 asked for
+
+
+def test_parallel_with_an_explicit_prompt_cache_is_a_usage_error(home) -> None:
+    with pytest.raises(RuntimeError, match="--prompt-cache and --parallel > 1 do not combine"):
+        RemoteServer([*SERVE_ARGS, "--parallel", "2", "--prompt-cache", "64"])
+
+
+def test_n_choices_are_the_seeds_solo_runs(server, model) -> None:
+    # n = 3 sampled with seed 5: choice i is the solo run seeded 5 + i, decoded together.
+    r = server.client().completions.create(
+        model=NAME, prompt=PROMPTS[1], max_tokens=12, temperature=0.9, seed=5, n=3,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    want = [
+        solo(model, PROMPTS[1], 12, do_sample=True, temperature=0.9, seed=5 + i) for i in range(3)
+    ]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [(c.model_extra or {})["token_ids"] for c in r.choices] == want
+    assert len({tuple(w) for w in want}) > 1  # the seeds differ
+    assert r.usage.completion_tokens == sum(len(w) for w in want)
+
+
+def test_n_streamed_chat_choices(server, model) -> None:
+    tok = model.tokenizer
+    stream = server.client().chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+        temperature=0.7, seed=11, n=2, stream=True, stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    got: dict[int, list[int]] = {0: [], 1: []}
+    finished, usage, ids = set(), None, None
+    for c in stream:
+        if c.usage is not None:
+            usage = c.usage
+        ids = ids or (c.model_extra or {}).get("prompt_token_ids")  # the fallback template's
+        for ch in c.choices:
+            got[ch.index] += (ch.model_extra or {}).get("token_ids") or []
+            if ch.finish_reason is not None:
+                finished.add(ch.index)
+    assert finished == {0, 1}
+    assert ids
+    for i in range(2):
+        out = model.generate(ids, max_new_tokens=6, eos_token_id=tok.eos_token_id,
+                             do_sample=True, temperature=0.7, seed=11 + i)  # fmt: skip
+        assert got[i] == out[0, len(ids) :].tolist()
+    assert usage is not None and usage.completion_tokens == len(got[0]) + len(got[1])
+
+
+def test_best_of_returns_the_best_mean_logprob(server, model) -> None:
+    from psr.serve.decoding import LogprobSink
+
+    ids = model.tokenizer(PROMPTS[3])["input_ids"]
+    scored = []
+    for i in range(3):
+        sink = LogprobSink(0)
+        eos = model.tokenizer.eos_token_id
+        out = model.generate(ids, max_new_tokens=8, eos_token_id=eos, do_sample=True,
+                             temperature=1.0, seed=21 + i, logprobs=sink)  # fmt: skip
+        tokens = out[0, len(ids) :].tolist()
+        scored.append((sum(row[1] for row in sink.rows) / len(tokens), tokens))
+    best = max(scored)[1]
+    r = server.client().completions.create(
+        model=NAME, prompt=PROMPTS[3], max_tokens=8, temperature=1.0, seed=21, best_of=3,
+        extra_body={"return_token_ids": True},
+    )  # fmt: skip
+    assert len(r.choices) == 1
+    assert (r.choices[0].model_extra or {})["token_ids"] == best
