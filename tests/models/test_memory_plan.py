@@ -21,10 +21,12 @@ from psr.models.memory_plan import CUDA_RESERVE, Budget, MemoryPlanError
 # top-2, 4 heads of 64, 2 KV heads, expert FFN 256, intermediate_size 768, 256 positions.
 # Dense elements: token_embd and output 256 x 2112 each; per layer q, o 256 x 256, k, v
 # 128 x 256, the router 4 x 256 (all Q8_0: 34 bytes per 32 values), q/k norms 64 each and
-# two norms of 256 (F32); output_norm 256 (F32).
-Q8 = 2 * 256 * 2112 + 2 * (2 * 256 * 256 + 2 * 128 * 256 + 4 * 256)
+# two norms of 256 (F32); output_norm 256 (F32). Natively the matrices stay in their
+# blocks but the routers, which become float32 (psr.models.dense_bytes' rule).
+ROUTERS = 2 * 4 * 256
+Q8 = 2 * 256 * 2112 + 2 * (2 * 256 * 256 + 2 * 128 * 256) + ROUTERS
 F32 = 2 * (2 * 64 + 2 * 256) + 256
-DENSE = {"native": Q8 // 32 * 34 + F32 * 4, "float": (Q8 + F32) * 4}
+DENSE = {"native": (Q8 - ROUTERS) // 32 * 34 + (F32 + ROUTERS) * 4, "float": (Q8 + F32) * 4}
 ROW = 3 * (256 * 256 // 256 * 144)  # gate, up, down in Q4_K: 144 bytes per 256 values
 SLOT = 2 * ROW  # one slot in each of the two sparse layers
 KV = 2 * (2 * 2 * 64) * 4  # bytes a token: 2 layers x keys and values of 2 heads x 64
@@ -71,7 +73,7 @@ def test_a_model_that_cannot_fit_is_refused_with_the_shortfall(tiny_gguf: Path) 
     p = _plan(tiny_gguf, gpu_memory=gpu, context=CTX)
     assert not p.fits and p.slots == 2
     assert p.shortfall == [
-        f"device memory {gpu / 2**20:.2f} MiB is short by 100.0 KiB (dense part 1.50 MiB + "
+        f"device memory {gpu / 2**20:.2f} MiB is short by 100.0 KiB (dense part 1.51 MiB + "
         "KV cache 512.0 KiB + workspace 522.38 MiB + slab of 2 slots 432.0 KiB = "
         f"{(gpu + 100 * 2**10) / 2**20:.2f} MiB; over from the slab of 2 slots)"
     ]
@@ -166,7 +168,7 @@ def test_psr_inspect_prints_the_plan_and_its_json(tiny_gguf: Path, capsys) -> No
     assert (js["fits"], js["slots"], js["dense"], js["slab"]) == (
         True,
         4,
-        DENSE["float"],  # the default: what psr.load does (LoadConfig's dense_format)
+        DENSE["native"],  # the default: what psr.load does (LoadConfig's dense_format)
         4 * ROW * 2,
     )
     assert js["kv"] == {"full_attention": CTX * KV} and js["device_total"] <= 2**30
@@ -211,13 +213,13 @@ def test_context_takes_k() -> None:
 def test_load_takes_the_slots_the_plan_fits(tiny_gguf: Path) -> None:
     """CPU backend (no CUDA reserve): the plan gives 3 slots; the loaded model holds what
     the plan counted (its dense part also holds the rotary buffers, 256 bytes)."""
-    gpu = DENSE["float"] + CTX * KV + WS + 3 * SLOT + 1000
+    gpu = DENSE["native"] + CTX * KV + WS + 3 * SLOT + 1000
     with psr.load(tiny_gguf, device="cpu", gpu_memory=gpu, context=CTX, progress=False) as m:
         mem = m.memory(CTX)
         assert [L.num_slots for L in m.runtime.store.layers] == [3, 3]
         assert len(m.generate([1, 2, 3], max_new_tokens=2)) >= 1
     assert (mem["device_slab"], mem["device_kv"]) == (3 * SLOT, CTX * KV)
-    assert 0 <= mem["device_dense"] - DENSE["float"] <= 1024
+    assert 0 <= mem["device_dense"] - DENSE["native"] <= 1024
 
 
 def test_load_refuses_before_copying_a_weight(
@@ -227,7 +229,7 @@ def test_load_refuses_before_copying_a_weight(
         raise AssertionError("a weight was copied before the plan refused")
 
     monkeypatch.setattr(loader, "_build_model", no_copy)
-    gpu = DENSE["float"] + CTX * KV + WS + 2 * SLOT - 2**10
+    gpu = DENSE["native"] + CTX * KV + WS + 2 * SLOT - 2**10
     opts = dict(device="cpu", gpu_memory=gpu, context=CTX, progress=False)
     with pytest.raises(MemoryPlanError) as e:
         psr.load(tiny_gguf, **opts)
@@ -241,7 +243,7 @@ def test_load_refuses_before_copying_a_weight(
 
 
 def test_load_with_experts_on_cpu_takes_a_slab_below_top_k(tiny_gguf: Path) -> None:
-    gpu = DENSE["float"] + CTX * KV + WS + SLOT + 1000
+    gpu = DENSE["native"] + CTX * KV + WS + SLOT + 1000
     with psr.load(
         tiny_gguf, device="cpu", gpu_memory=gpu, context=CTX, experts_on="cpu", progress=False
     ) as m:

@@ -326,7 +326,7 @@ def test_psr_generate_with_the_embedded_models_mtp_head(capsys) -> None:
     argv = ["generate", "--prompt-ids", "1870,620,52,14,2009,305", "--max-new-tokens", "8"]
     assert main([*argv, "--quiet", "--device", "cpu", "--speculative", "mtp", "--block", "3"]) == 0
     line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("speculative"))
-    assert line.startswith("speculative (mtp, B=3, K_b=")
+    assert line.startswith("speculative (mtp, B=3, budget(K_b=")
     with no_weight_read(), pytest.raises(ValueError, match="at most 4 tokens"):
         psr.load(psr.DEFAULT_MODEL, device="cpu", progress=False, speculative="mtp", block=5)
 

@@ -102,8 +102,9 @@ def test_native_equals_float_and_the_twin_in_less_memory(
     for m in (native, flt):
         torch.testing.assert_close(m(PROMPT), want, rtol=3e-4, atol=3e-4)
         assert torch.equal(m.generate(PROMPT, max_new_tokens=3), tokens)
-    # the same arithmetic: dequantized fp32 weights, fp32 F.linear
-    torch.testing.assert_close(native(PROMPT), flt(PROMPT), rtol=1e-6, atol=1e-6)
+    # the same weights: the CPU kernels' fp32 dot of the blocks vs F.linear of them
+    # dequantized differ only in summation order
+    torch.testing.assert_close(native(PROMPT), flt(PROMPT), rtol=1e-5, atol=1e-5)
     ck = GGUFCheckpoint(path)
     table = ck.tensor_table()
     ck.close()

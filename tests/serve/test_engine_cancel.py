@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from psr.runtime.stats import Stats
-from psr.serve.worker import Delta, Engine, Failed, Finished, Job, Params, _Cancelled
+from psr.serve.job import Delta, Failed, Finished, Job, Params, _Cancelled
+from psr.serve.worker import Engine
 
 TIMEOUT = 10.0  # a bound on each wait, never a means of synchronising
 EOS = 0

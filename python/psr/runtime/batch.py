@@ -360,15 +360,12 @@ def generate_batch(
     """`OffloadedModel.generate_batch`: each prompt's new tokens, chosen as
     psr.runtime.generate chooses them (greedy, or its warpers and a generator seeded by the
     prompt's seed), the prompts admitted in order as places free up."""
-    from psr.runtime import generate as gen
+    from psr.runtime.generate import TokenChooser
 
     dec = BatchDecoder(model, max_batch, batch_invariant=batch_invariant)
-    warp = gen.warpers(settings) if settings.do_sample else None
-    eos = set(settings.eos_token_ids)
     queue = list(range(len(prompts)))
     out: list[list[int]] = [[] for _ in prompts]
-    ids: dict[int, torch.Tensor] = {}  # sequence -> its ids so far (the warpers read them)
-    gens: dict[int, torch.Generator] = {}
+    choosers: dict[int, TokenChooser] = {}  # sequence -> its choices
     which: dict[int, int] = {}  # sequence -> prompt index
     if settings.max_new_tokens == 0:
         return out
@@ -376,15 +373,12 @@ def generate_batch(
         while queue and len(dec.live) < max_batch:
             j = queue.pop(0)
             s = dec.add(prompts[j])
-            which[s], ids[s] = j, model._ids(prompts[j])
-            gens[s] = torch.Generator(device=ids[s].device).manual_seed(seeds[j])
+            which[s], choosers[s] = j, TokenChooser(model._ids(prompts[j]), settings, seeds[j])
         tokens: dict[int, int] = {}
         for s, logits in dec.ready().items():
-            nxt = gen.next_token(logits, ids[s], warp, gens[s])
-            ids[s] = torch.cat([ids[s], nxt], dim=1)
-            token = int(nxt)
+            token = choosers[s].choose(logits)
             out[which[s]].append(token)
-            if token in eos or len(out[which[s]]) >= settings.max_new_tokens:
+            if choosers[s].done:
                 dec.remove(s)
             else:
                 tokens[s] = token

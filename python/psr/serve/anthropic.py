@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from psr.serve import tools
+from psr.serve.job import Delta, Event, Failed, Finished
 from psr.serve.output import Output
 from psr.serve.protocol import (
     APIError,
@@ -31,7 +32,6 @@ from psr.serve.protocol import (
     make_tool,
     parse_chat,
 )
-from psr.serve.worker import Delta, Event, Failed, Finished
 
 _ERROR_TYPES = {
     400: "invalid_request_error",

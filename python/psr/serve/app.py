@@ -36,6 +36,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from psr.serve import anthropic, chat, tools
 from psr.serve.access import Access, AccessMiddleware
 from psr.serve.decoding import GrammarError
+from psr.serve.job import (
+    Delta,
+    Disconnected,
+    Event,
+    Failed,
+    Finished,
+    Job,
+    Logprob,
+    Params,
+)
 from psr.serve.metrics import CONTENT_TYPE
 from psr.serve.output import THINK_OPEN, Output, merged
 from psr.serve.protocol import (
@@ -50,19 +60,7 @@ from psr.serve.protocol import (
     parse_chat,
     parse_completion,
 )
-from psr.serve.worker import (
-    Delta,
-    Disconnected,
-    Engine,
-    Event,
-    Failed,
-    Finished,
-    Job,
-    Logprob,
-    NotReady,
-    Params,
-    QueueFull,
-)
+from psr.serve.worker import Engine, NotReady, QueueFull
 
 log = logging.getLogger("psr.serve")
 

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from psr.runtime.generate import TokenChooser, resolve_settings
-from psr.serve.worker import Run, _Cancelled, _GrammarDone, _StopString
+from psr.serve.job import Run, _Cancelled, _GrammarDone, _StopString
 
 if TYPE_CHECKING:
     from psr.runtime.batch import BatchDecoder
-    from psr.serve.worker import Engine, Job
+    from psr.serve.job import Job
+    from psr.serve.worker import Engine
 
 log = logging.getLogger("psr.serve")
 
