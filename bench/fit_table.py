@@ -415,9 +415,9 @@ def _plans(memory: Any, residency: float) -> dict[str, Any]:
     """Per context, the memory plans (psr.models.memory_plan) of one model on a 24 GB GPU:
     `before`, psr before the plan (the dense part dequantized to float32, the GGUF default;
     a slab of `residency` with experts_on 'gpu'); `bf16`, what psr.load(gpu_memory=...,
-    dtype='bfloat16', experts_on='hybrid') plans on this branch (dense dequantized to
-    bf16); `native`, the same with the dense part in the file's own blocks (dense_format
-    'native', branch densequant)."""
+    dtype='bfloat16', experts_on='hybrid', dense_format='float') plans (dense dequantized
+    to bf16); `native`, the same with the dense part in the file's own blocks (dense_format
+    'native', the GGUF default)."""
     import math
 
     from psr.models.memory_plan import Budget, plan_memory
@@ -577,13 +577,13 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
         "the KV cache (psr.runtime.kv: what each attention kind caches; DeepSeek's MLA "
         "latent), a workspace (a 512-token prefill chunk's logits and activations + a "
         "512 MiB CUDA reserve) and the expert slab (the file's own blocks). **before**: psr "
-        "before the plan, dense dequantized to float32 (the GGUF default), float32 KV, a "
+        "before the plan, dense dequantized to float32 (then the GGUF default), float32 KV, a "
         f"slab of residency {residency:g} with experts_on 'gpu'. **plan bf16**: "
-        "`psr.load(path, gpu_memory='24GB', dtype='bfloat16', experts_on='hybrid')` on this "
-        "branch: dense dequantized to bf16, bf16 KV, the slots that fit in the rest (a slab "
+        "`psr.load(path, gpu_memory='24GB', dtype='bfloat16', experts_on='hybrid', "
+        "dense_format='float')`: dense dequantized to bf16, bf16 KV, the slots that fit in the rest (a slab "
         "smaller than top_k, down to none, works with experts_on cpu / hybrid). **plan "
         "native**: the same with the dense part in the file's own blocks (dense_format "
-        "'native', branch densequant). A cell: slots per layer (residency), or `no: short X` "
+        "'native', now the GGUF default). A cell: slots per layer (residency), or `no: short X` "
         "GiB when even an empty slab does not fit. llama.cpp `--cpu-moe`: every non-expert "
         "tensor in its file type (token_embd included; llama.cpp itself keeps it in host "
         "memory) + an f16 KV cache of the same values (assumed); no workspace counted. "
