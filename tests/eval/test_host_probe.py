@@ -120,6 +120,25 @@ def test_copies_carry_their_reason(tiny, monkeypatch) -> None:
         inner(model.runtime.store, 0, [0], [0], reason="miss")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_a_schedule_counted_without_running_the_kernels_is_the_same(tiny, fmt) -> None:
+    """measure_schedule(kernels=False): the device step's decode forwards with their Triton
+    launches and native store calls counted, not run, give the schedule the real kernels
+    give (the sync-free step's host reads nothing they write); the host-driven step,
+    which reads them, is refused."""
+    got = []
+    for kernels in (True, False):
+        model = psr.load(
+            tiny, "psr", 0.5, lam=0.5, n=2, compute="triton", expert_format=fmt, progress=False
+        )
+        got.append(measure_schedule(model, PROMPT, new_tokens=4, kernels=kernels))
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=2), model.generate(PROMPT, 2))
+    assert got[0] == got[1] and got[0].mode == "device"
+    host = _model("tiny", tiny, "host", "triton")
+    with pytest.raises(ValueError, match="needs the device step"):
+        measure_schedule(host, PROMPT, kernels=False)
+
+
 def test_stubbed_native_calls_do_nothing_but_still_check() -> None:
     """ExpertStore.stub_native_calls (the public hook stubbed_launches times the host's
     Python through): while on, a copy and its wait leave the slot as it was, the

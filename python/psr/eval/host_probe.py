@@ -219,9 +219,12 @@ class HostProbe:
     MoE layer, `dense` and `token` one LayerCounts each, `modes` the step that ran
     ("device" or "host")."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, switch: Callable[[bool], None] | None = None) -> None:
         self.model = model
         self.rt = model.runtime
+        # stubbed_launches' switch: on from a decode forward's first MoE hook to its end
+        # (the kernels and native store calls counted, not run); None: everything runs.
+        self.switch = switch
         self.steps: list[list[LayerCounts]] = []
         self.dense: list[LayerCounts] = []
         self.token: list[LayerCounts] = []
@@ -264,11 +267,18 @@ class HostProbe:
             if fwd is None or self._hooked is not None or not rt.decoding:
                 return inner(L, *args)
             fwd.decoded = True
+            if self.switch is not None:
+                self.switch(True)
             self._hooked, self._hook_name = fwd.layers[L.index], name
             try:
-                return inner(L, *args)
+                out = inner(L, *args)
             finally:
                 self._hooked = None
+            if self.switch is not None and name == "experts" and isinstance(out, torch.Tensor):
+                self.inside_launch = True  # not the step's own op: not counted
+                out.zero_()  # the stubbed FFN left it unwritten: finite numbers downstream
+                self.inside_launch = False
+            return out
 
         setattr(rt, name, hooked)
         self._undo.append(lambda: delattr(rt, name))
@@ -286,6 +296,8 @@ class HostProbe:
             try:
                 return inner(*args, **kwargs)
             finally:
+                if self.switch is not None:
+                    self.switch(False)
                 self._fwd = None
                 self._between = LayerCounts()
                 if fwd.decoded:
@@ -463,14 +475,29 @@ class HostProbe:
         )
 
 
-def measure_schedule(model: Any, prompt: torch.Tensor, new_tokens: int = 4) -> HostSchedule:
+def measure_schedule(
+    model: Any, prompt: torch.Tensor, new_tokens: int = 4, kernels: bool = True
+) -> HostSchedule:
     """Decode `new_tokens` greedily under a HostProbe; its schedule (at least 3 new tokens:
-    the first decode forward is not used)."""
+    the first decode forward is not used). `kernels=False` (the device step only): in
+    decode forwards the Triton launches and the store's native calls are counted but not
+    run (stubbed_launches; the prefill runs for real). The device step's host reads
+    nothing they write, so its calls, launches and syncs are the same, without the
+    kernels' work (under Triton's interpreter, most of a measurement)."""
     if new_tokens < 3:
         raise ValueError(
             f"new_tokens must be >= 3 (two decode forwards after the first), got {new_tokens}"
         )
-    with HostProbe(model) as probe:
+    if kernels:
+        with HostProbe(model) as probe:
+            model.generate(prompt, max_new_tokens=new_tokens)
+        return probe.schedule()
+    if model.runtime.decode_mode != "device":
+        raise ValueError(
+            "measure_schedule(kernels=False) needs the device step (decode='device'), not "
+            f"{model.runtime.decode_mode!r}: the host-driven step reads what kernels write"
+        )
+    with stubbed_launches(model) as switch, HostProbe(model, switch) as probe:
         model.generate(prompt, max_new_tokens=new_tokens)
     return probe.schedule()
 
