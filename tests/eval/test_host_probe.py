@@ -93,7 +93,7 @@ def test_device_and_host_schedules_on_the_triton_path(tiny, which) -> None:
             ("launch", "cat"),
             ("sync", "__int__"),
         ]
-        assert "python/psr/runtime/generate.py:" in s.token[-1].what
+        assert s.token[-1].what == "__int__ @ loop"  # named by where the probe is
 
 
 def test_copies_carry_their_reason(tiny, monkeypatch) -> None:
@@ -118,6 +118,50 @@ def test_copies_carry_their_reason(tiny, monkeypatch) -> None:
         assert sum(n for r, n in copied if r == reason) == stats[key] > 0
     with pytest.raises(TypeError, match="reason must be a CopyReason, got 'miss'"):
         inner(model.runtime.store, 0, [0], [0], reason="miss")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fmt", [None, "int8"])
+def test_a_schedule_counted_without_running_the_kernels_is_the_same(tiny, fmt) -> None:
+    """measure_schedule(kernels=False): the device step's decode forwards with their Triton
+    launches and native store calls counted, not run, give the schedule the real kernels
+    give (the sync-free step's host reads nothing they write); the host-driven step,
+    which reads them, is refused."""
+    got = []
+    for kernels in (True, False):
+        model = psr.load(
+            tiny, "psr", 0.5, lam=0.5, n=2, compute="triton", expert_format=fmt, progress=False
+        )
+        got.append(measure_schedule(model, PROMPT, new_tokens=4, kernels=kernels))
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=2), model.generate(PROMPT, 2))
+    assert got[0] == got[1] and got[0].mode == "device"
+    host = _model("tiny", tiny, "host", "triton")
+    with pytest.raises(ValueError, match="needs the device step"):
+        measure_schedule(host, PROMPT, kernels=False)
+
+
+def test_stubbed_native_calls_do_nothing_but_still_check() -> None:
+    """ExpertStore.stub_native_calls (the public hook stubbed_launches times the host's
+    Python through): while on, a copy and its wait leave the slot as it was, the
+    wrapper's argument checks still refuse bad input and other calls stay real; off, the
+    same calls copy."""
+    store = ExpertStore([psr.LayerSpec(4, 2, 8)], torch.float32, backend="cpu")
+    for e in range(4):
+        store.register(0, e, [torch.full((8,), float(e + 1))])
+    before = store.slab(0)[0].clone()
+    store.stub_native_calls(True)
+    store.enqueue_copies(0, [0], [2], reason=CopyReason.MISS)
+    store.acquire(0, [0])
+    store.release(0, [0])
+    assert torch.equal(store.slab(0)[0], before) and store.slot_experts(0)[0] != 2
+    with pytest.raises(TypeError, match="reason must be a CopyReason"):
+        store.enqueue_copies(0, [0], [2], reason="miss")  # type: ignore[arg-type]
+    assert torch.equal(store.row(0, 3), torch.full((8,), 4.0))  # not stubbed
+    store.stub_native_calls(False)
+    store.enqueue_copies(0, [0], [2], reason=CopyReason.MISS)
+    store.acquire(0, [0], [2])
+    store.release(0, [0])
+    assert torch.equal(store.slab(0)[0], torch.full((8,), 3.0))
+    store.close()
 
 
 def test_torch_path_counts_and_probe_cleanup(tiny) -> None:

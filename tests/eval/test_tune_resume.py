@@ -97,6 +97,40 @@ def test_finalists_step_down_until_one_is_within_the_budget() -> None:
     assert choose(results, 0.5, "cache-prior", 0.006, "rtx4090")[0]["config"]["lam"] == 0.1
 
 
+def test_psr_finalists_are_measured_fastest_first_across_n() -> None:
+    """PSR's n = 1 and n = 2 are one family: its candidates are measured in full fastest
+    first (by their screened latency), whichever n, and the first within the budget ends
+    the walk; n = 1's lams, slower here, are screened but never measured in full. Cache-
+    Prior (n = 0) walks on its own. The points are those of the full grid: each family's
+    fastest within budget."""
+    full: list[tuple[int, float]] = []
+
+    def fake(rc, screen: bool):
+        lam, n = rc.policy.lam or 0.0, rc.policy.n or 0
+        if not screen:
+            full.append((n, lam))
+        cost = 0.0 if rc.policy.name == "exact" else lam * (0.05 if screen else 0.06)
+        return {
+            "config": rc.as_dict(),
+            "label": rc.label,
+            "latency": {"rtx4090": {"ms_per_token": 10 - lam - n}},
+            "generated": [],
+            "nll_items": [1.0 + cost] * 4,
+            "cloze_items": [],
+        }
+
+    grid = [0.05, 0.1, 0.2, 0.3]
+    results, finished = select(
+        lambda rc: fake(rc, False), lambda rc: fake(rc, True), [0.5], grid, [0, 1, 2], 0.0125,
+        ["rtx4090"],
+    )  # fmt: skip
+    # screening keeps lam <= 0.2 (0.05 x 0.2 = 0.01); in full only lam <= 0.2 holds (0.012)
+    assert finished and full == [(0, 0.0), (0, 0.2), (2, 0.2)]
+    for fam, n in (("cache-prior", 0), ("psr", 2)):
+        best = choose(results, 0.5, fam, 0.0125, "rtx4090")[0]["config"]
+        assert (best["lam"], best["n"] or 0) == (0.2, n)
+
+
 def test_screening_takes_an_evenly_spread_eighth_of_the_windows_without_prompts() -> None:
     data = EvalData(
         windows=[[i] * 3 for i in range(160)], prompt_len=1, prompts=[[1]], gen_tokens=4

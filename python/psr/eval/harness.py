@@ -290,8 +290,11 @@ def _measure_one(path: str, rc: RunConfig, prompt: list[int], decode: str) -> Ho
     from psr.eval.host_probe import measure_schedule
 
     model = rc.load(path, compute="triton", decode=decode)
+    # Without a GPU, the device step's kernels are counted, not run (under Triton's
+    # interpreter they were most of the demo's schedule time): the same schedule.
+    kernels = decode != "device" or torch.cuda.is_available()
     try:
-        return measure_schedule(model, torch.tensor([prompt]), SCHEDULE_TOKENS)
+        return measure_schedule(model, torch.tensor([prompt]), SCHEDULE_TOKENS, kernels=kernels)
     finally:
         model.close()
 

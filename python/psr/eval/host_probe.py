@@ -10,7 +10,8 @@ forward it records, in the order the host issues them, three kinds of cells:
 Each cell counts, and logs as `HostOp`s (psr.runtime.trace.HOST_OP_KINDS):
   reads     ("sync") host reads of device data (`item`, `tolist`, `__bool__`, `__int__`,
             `__float__`, `__index__`, `numpy`, `cpu`): each makes the host wait for the
-            device queue on a GPU; recorded with the source line that made it;
+            device queue on a GPU; recorded with the place it was made in (`place`:
+            the MoE hook, the forward or the loop; never a call stack);
   h2d       tensors built from host data (`torch.tensor`, `torch.as_tensor`), which on a
             GPU copy synchronously from pageable memory;
   launches  device work launched: aten ops that are not views or allocations (a
@@ -34,12 +35,10 @@ from __future__ import annotations
 
 import functools
 import time
-import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,7 +75,6 @@ _STORE_METHODS = {
     "cpu_experts": "cpu",
     "cpu_join": "cpu_join",
 }
-_SKIP_FILES = frozenset({"host_probe.py", "contextlib.py", "functools.py"})
 
 
 def _replace_forward(hf: Any, forward: Any, undo: list[Any]) -> None:
@@ -98,7 +96,7 @@ def _replace_forward(hf: Any, forward: Any, undo: list[Any]) -> None:
 class LayerCounts:
     """One cell of one decode forward: a MoE layer's hooks, the dense part or the loop."""
 
-    reads: list[str] = field(default_factory=list)  # each read's kind @ source line
+    reads: list[str] = field(default_factory=list)  # each read's kind @ place (HostProbe.place)
     h2d: int = 0
     aten: Counter[str] = field(default_factory=Counter)
     triton: Counter[str] = field(default_factory=Counter)
@@ -123,41 +121,6 @@ class LayerCounts:
         return [e.kind for e in self.events]
 
 
-def _site(path: Path) -> str | None:
-    """A frame's file as the repository or package names it, None for torch's own."""
-    parts = path.parts
-    if path.name in _SKIP_FILES:
-        return None
-    for i, part in enumerate(parts):
-        if part == "psr" and i > 0 and parts[i - 1] == "python":
-            return "/".join(parts[i - 1 :])
-        if part in ("psr", "psr_kernels"):
-            return "/".join(parts[i:])
-    if "torch" in parts:
-        return None
-    if "site-packages" in parts:
-        return "/".join(parts[parts.index("site-packages") + 1 :])
-    return str(path)
-
-
-def _where() -> str:
-    """The innermost non-torch source line of the current call stack (file:line), and for
-    a line in psr_kernels the psr line that called it."""
-    inner = None
-    for frame in reversed(traceback.extract_stack()):
-        site = _site(Path(frame.filename))
-        if site is None:
-            continue
-        here = f"{site}:{frame.lineno}"
-        if inner is None:
-            if not site.startswith("psr_kernels/"):
-                return here
-            inner = f"{here} ({frame.name})"
-        elif site.startswith("python/psr/") or site.startswith("psr/"):
-            return f"{inner} < {here}"
-    return inner or "?"
-
-
 class _Reads(TorchFunctionMode):
     def __init__(self, probe: HostProbe) -> None:
         super().__init__()
@@ -167,12 +130,12 @@ class _Reads(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         cur = self.probe.current
         if cur is not None and name in READS:
-            site = f"{name} @ {_where()}"
+            site = f"{name} @ {self.probe.place}"
             cur.reads.append(site)
             cur.events.append(HostOp("sync", site))
         elif cur is not None and name in H2D:
             cur.h2d += 1
-            cur.events.append(HostOp("h2d", f"{name} @ {_where()}"))
+            cur.events.append(HostOp("h2d", f"{name} @ {self.probe.place}"))
         return func(*args, **(kwargs or {}))
 
 
@@ -256,9 +219,12 @@ class HostProbe:
     MoE layer, `dense` and `token` one LayerCounts each, `modes` the step that ran
     ("device" or "host")."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, switch: Callable[[bool], None] | None = None) -> None:
         self.model = model
         self.rt = model.runtime
+        # stubbed_launches' switch: on from a decode forward's first MoE hook to its end
+        # (the kernels and native store calls counted, not run); None: everything runs.
+        self.switch = switch
         self.steps: list[list[LayerCounts]] = []
         self.dense: list[LayerCounts] = []
         self.token: list[LayerCounts] = []
@@ -266,6 +232,7 @@ class HostProbe:
         # Inside a Triton launch or a store call: their own tensor traffic is not counted.
         self.inside_launch = False
         self._hooked: LayerCounts | None = None
+        self._hook_name = ""  # the hook `_hooked` counts for: "route" or "experts"
         self._fwd: _Forward | None = None
         self._between = LayerCounts()  # ops since the last forward ended
         self._undo: list[Callable[[], None]] = []
@@ -281,6 +248,15 @@ class HostProbe:
             return self._fwd.dense
         return self._between
 
+    @property
+    def place(self) -> str:
+        """Where the op being made is, as read sites name it: the MoE hook it is in
+        ("route" or "experts"), the rest of a forward ("forward") or the loop between
+        forwards ("loop"). Named by the hook the probe entered, not by a call stack."""
+        if self._hooked is not None:
+            return self._hook_name
+        return "forward" if self._fwd is not None else "loop"
+
     # --- patching --------------------------------------------------------------------
     def _hook(self, name: str) -> None:
         rt = self.rt
@@ -291,11 +267,18 @@ class HostProbe:
             if fwd is None or self._hooked is not None or not rt.decoding:
                 return inner(L, *args)
             fwd.decoded = True
-            self._hooked = fwd.layers[L.index]
+            if self.switch is not None:
+                self.switch(True)
+            self._hooked, self._hook_name = fwd.layers[L.index], name
             try:
-                return inner(L, *args)
+                out = inner(L, *args)
             finally:
                 self._hooked = None
+            if self.switch is not None and name == "experts" and isinstance(out, torch.Tensor):
+                self.inside_launch = True  # not the step's own op: not counted
+                out.zero_()  # the stubbed FFN left it unwritten: finite numbers downstream
+                self.inside_launch = False
+            return out
 
         setattr(rt, name, hooked)
         self._undo.append(lambda: delattr(rt, name))
@@ -313,6 +296,8 @@ class HostProbe:
             try:
                 return inner(*args, **kwargs)
             finally:
+                if self.switch is not None:
+                    self.switch(False)
                 self._fwd = None
                 self._between = LayerCounts()
                 if fwd.decoded:
@@ -422,7 +407,7 @@ class HostProbe:
         }
 
     def read_sites(self, part: str = "moe", first: int = 0) -> Counter[str]:
-        """Every read's kind and source line, with how often it happened, in the MoE path
+        """Every read's kind and place (`place`), with how often it happened, in the MoE path
         (`part` "moe"), the dense part ("dense") or the loop ("token")."""
         idx = self._steady(first)
         if part == "moe":
@@ -490,14 +475,29 @@ class HostProbe:
         )
 
 
-def measure_schedule(model: Any, prompt: torch.Tensor, new_tokens: int = 4) -> HostSchedule:
+def measure_schedule(
+    model: Any, prompt: torch.Tensor, new_tokens: int = 4, kernels: bool = True
+) -> HostSchedule:
     """Decode `new_tokens` greedily under a HostProbe; its schedule (at least 3 new tokens:
-    the first decode forward is not used)."""
+    the first decode forward is not used). `kernels=False` (the device step only): in
+    decode forwards the Triton launches and the store's native calls are counted but not
+    run (stubbed_launches; the prefill runs for real). The device step's host reads
+    nothing they write, so its calls, launches and syncs are the same, without the
+    kernels' work (under Triton's interpreter, most of a measurement)."""
     if new_tokens < 3:
         raise ValueError(
             f"new_tokens must be >= 3 (two decode forwards after the first), got {new_tokens}"
         )
-    with HostProbe(model) as probe:
+    if kernels:
+        with HostProbe(model) as probe:
+            model.generate(prompt, max_new_tokens=new_tokens)
+        return probe.schedule()
+    if model.runtime.decode_mode != "device":
+        raise ValueError(
+            "measure_schedule(kernels=False) needs the device step (decode='device'), not "
+            f"{model.runtime.decode_mode!r}: the host-driven step reads what kernels write"
+        )
+    with stubbed_launches(model) as switch, HostProbe(model, switch) as probe:
         model.generate(prompt, max_new_tokens=new_tokens)
     return probe.schedule()
 
@@ -550,11 +550,6 @@ def host_ms_per_layer(model: Any, prompt: torch.Tensor, new_tokens: int) -> floa
 
 
 # --- the host's own costs, timed with the launches stubbed ---------------------------
-_STUBBED_STORE_CALLS = (
-    "enqueue_copies", "acquire", "release", "gather", "join", "cpu_experts", "cpu_join"
-)  # fmt: skip
-
-
 # The cost timer's clock: this thread's CPU time, not wall time. On a shared machine the
 # wall time of a step swells with every other process's load (2x between runs here); the
 # CPU time the step itself used does not (one thread: the store's calls are stubbed and
@@ -562,43 +557,25 @@ _STUBBED_STORE_CALLS = (
 _clock = time.thread_time
 
 
-def _noop(*args: Any, **kwargs: Any) -> None:
-    return None
-
-
-class _StubStore:
-    """The C++ store with its copy, acquire, release, gather and join calls doing nothing
-    (the latency model prices each as a store call); every other call is the real one."""
-
-    def __init__(self, real: Any) -> None:
-        self._real = real
-        for name in _STUBBED_STORE_CALLS:
-            setattr(self, name, _noop)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
 @contextmanager
 def stubbed_launches(model: Any) -> Iterator[Callable[[bool], None]]:
     """While switched on (the yielded function: on(True)), Triton launches return at once
-    (JITFunction.run, InterpretedFunction.run) and the store's C++ copy / acquire /
-    release / gather / join calls do nothing, so what is left of a decode step's host time
-    is Python and the aten ops (timed apart by `_AtenTimer`). Outputs the kernels would
-    write stay unwritten: only decode forwards of a step whose host reads nothing they
-    write (the device step) run so; the prefill that seeds the caches runs for real."""
+    (JITFunction.run, InterpretedFunction.run) and the store's native copy / acquire /
+    release / gather / join / CPU-expert calls do nothing (ExpertStore.stub_native_calls),
+    so what is left of a decode step's host time is Python and the aten ops (timed apart
+    by `_AtenTimer`). Outputs the kernels would write stay unwritten: only decode forwards
+    of a step whose host reads nothing they write (the device step) run so; the prefill
+    that seeds the caches runs for real."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     store = model.runtime.store
-    real = store._store
-    stub = _StubStore(real)
     saved = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
     on = [False]
 
     def switch(state: bool) -> None:
         on[0] = state
-        store._store = stub if state else real
+        store.stub_native_calls(state)
 
     def patched(run: Callable[..., Any]) -> Callable[..., Any]:
         def maybe(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -611,7 +588,7 @@ def stubbed_launches(model: Any) -> Iterator[Callable[[bool], None]]:
     try:
         yield switch
     finally:
-        store._store = real
+        store.stub_native_calls(False)
         for cls, run in saved:
             cls.run = run  # type: ignore[method-assign]
 

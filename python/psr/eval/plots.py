@@ -224,48 +224,8 @@ def _frontier_panel(
     fronts: dict[float, list[dict[str, Any]]] = {}
     for rho in _residencies(results):
         pts = [r for r in results if r["config"]["residency"] == rho and "delta_nll" in r]
-        for fam in FAMILIES:
-            for quant in (False, True):  # quantized expert copies: hollow markers
-                sel = [r for r in pts if family(r) == fam and _quantized(r) == quant]
-                if not sel:
-                    continue
-                d = [r["delta_nll"] for r in sel]
-                ax.errorbar(
-                    [x["mean"] for x in d],
-                    [_value(r, metric, profile) for r in sel],
-                    xerr=[
-                        [max(x["mean"] - x["lo"], 0.0) for x in d],
-                        [max(x["hi"] - x["mean"], 0.0) for x in d],
-                    ],
-                    fmt=MARKERS[fam],
-                    color=colors[rho],
-                    ms=6,
-                    mfc="white" if quant else colors[rho],
-                    mec=colors[rho] if quant else "white",
-                    mew=1.2 if quant else 0.6,
-                    elinewidth=0.9,
-                    ecolor=colors[rho],
-                    capsize=2,
-                    alpha=0.9,
-                    zorder=3,
-                    gid=f"points:{rho:g}:{fam}{':quantized' if quant else ''}",
-                )
-        front = pareto([(_value(r, metric, profile), r["delta_nll"]["mean"], r) for r in pts])
-        front.sort(key=lambda r: r["delta_nll"]["mean"])
-        fronts[rho] = front
-        ax.plot(
-            [r["delta_nll"]["mean"] for r in front],
-            [_value(r, metric, profile) for r in front],
-            color=colors[rho],
-            lw=1.6,
-            drawstyle="steps-post",
-            marker="o",
-            ms=12,
-            mfc="none",
-            mew=1.2,
-            zorder=2,
-            gid=f"pareto-front:{rho:g}",
-        )
+        _scatter_points(ax, pts, rho, colors[rho], metric, profile)
+        fronts[rho] = _draw_front(ax, pts, rho, colors[rho], metric, profile)
     ax.axvline(0.0, color="0.3", lw=0.9, zorder=1)
     if budget is not None:
         ax.axvline(budget, color="0.3", lw=0.9, ls="--", zorder=1)
@@ -277,23 +237,101 @@ def _frontier_panel(
     y0, y1 = ax.get_ylim()
     if budget is not None and budget < x1:  # grey out what is over the budget
         ax.axvspan(budget, x1, color="0.5", alpha=0.1, lw=0, zorder=0)
-    for rho, front in fronts.items():  # the front's open ends: up from the first, right from
-        if front:  # the last (everything above and to the right of the line is dominated)
-            a, b = front[0], front[-1]
-            ax.plot(
-                [a["delta_nll"]["mean"]] * 2,
-                [_value(a, metric, profile), y1],
-                [b["delta_nll"]["mean"], x1],
-                [_value(b, metric, profile)] * 2,
-                color=colors[rho],
-                lw=1.0,
-                ls=(0, (5, 3)),
-                alpha=0.7,
-                zorder=2,
-                gid=f"pareto-tail:{rho:g}",
-            )
+    for rho, front in fronts.items():
+        _front_tails(ax, front, rho, colors[rho], metric, profile, (x1, y1))
     ax.set_xlim(x0, x1)
     ax.set_ylim(y0, y1)
+    _label_frontier_axes(ax, metric, profile)
+    return fronts
+
+
+def _scatter_points(
+    ax, pts: list[dict[str, Any]], rho: float, color: str, metric: str, profile: str
+) -> None:
+    """A residency's points per family, with their Δ's 95% interval as x error bars
+    (quantized expert copies: hollow markers)."""
+    for fam in FAMILIES:
+        for quant in (False, True):
+            sel = [r for r in pts if family(r) == fam and _quantized(r) == quant]
+            if not sel:
+                continue
+            d = [r["delta_nll"] for r in sel]
+            ax.errorbar(
+                [x["mean"] for x in d],
+                [_value(r, metric, profile) for r in sel],
+                xerr=[
+                    [max(x["mean"] - x["lo"], 0.0) for x in d],
+                    [max(x["hi"] - x["mean"], 0.0) for x in d],
+                ],
+                fmt=MARKERS[fam],
+                color=color,
+                ms=6,
+                mfc="white" if quant else color,
+                mec=color if quant else "white",
+                mew=1.2 if quant else 0.6,
+                elinewidth=0.9,
+                ecolor=color,
+                capsize=2,
+                alpha=0.9,
+                zorder=3,
+                gid=f"points:{rho:g}:{fam}{':quantized' if quant else ''}",
+            )
+
+
+def _draw_front(
+    ax, pts: list[dict[str, Any]], rho: float, color: str, metric: str, profile: str
+) -> list[dict[str, Any]]:
+    """A residency's Pareto front (lower `metric`, lower Δ) as a step line; returns it,
+    ordered by Δ."""
+    front = pareto([(_value(r, metric, profile), r["delta_nll"]["mean"], r) for r in pts])
+    front.sort(key=lambda r: r["delta_nll"]["mean"])
+    ax.plot(
+        [r["delta_nll"]["mean"] for r in front],
+        [_value(r, metric, profile) for r in front],
+        color=color,
+        lw=1.6,
+        drawstyle="steps-post",
+        marker="o",
+        ms=12,
+        mfc="none",
+        mew=1.2,
+        zorder=2,
+        gid=f"pareto-front:{rho:g}",
+    )
+    return front
+
+
+def _front_tails(
+    ax,
+    front: list[dict[str, Any]],
+    rho: float,
+    color: str,
+    metric: str,
+    profile: str,
+    corner: tuple[float, float],
+) -> None:
+    """The front's open ends, dashed to the axes' far `corner` (x1, y1): up from its first
+    point, right from its last (everything above and to the right of the line is
+    dominated)."""
+    if not front:
+        return
+    a, b = front[0], front[-1]
+    x1, y1 = corner
+    ax.plot(
+        [a["delta_nll"]["mean"]] * 2,
+        [_value(a, metric, profile), y1],
+        [b["delta_nll"]["mean"], x1],
+        [_value(b, metric, profile)] * 2,
+        color=color,
+        lw=1.0,
+        ls=(0, (5, 3)),
+        alpha=0.7,
+        zorder=2,
+        gid=f"pareto-tail:{rho:g}",
+    )
+
+
+def _label_frontier_axes(ax, metric: str, profile: str) -> None:
     ax.set_xlabel(DELTA_LABEL)
     if metric == "ms":
         ax.set_ylabel(f"modeled ms/token on {profile}, host-free")
@@ -302,7 +340,6 @@ def _frontier_panel(
         ax.set_ylabel("expert misses/token")
         ax.set_title("expert misses vs quality", fontsize=10)
     ax.grid(alpha=0.25)
-    return fronts
 
 
 def _legend_handles(results: list[dict[str, Any]], budget: float | None, quality: bool):

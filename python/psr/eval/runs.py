@@ -500,7 +500,7 @@ def tune(
     `sweep.json` of an earlier selection, to replicate only). `max_minutes`: no
     configuration starts after that many minutes; the tune then reports the best points so
     far, marked as such, writes none, and a re-run resumes."""
-    from psr.eval.search import OutOfTime, Runner, screening, select
+    from psr.eval.search import OutOfTime, Runner
 
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
@@ -511,37 +511,14 @@ def tune(
     if select_from is not None:
         check_selection_set(sel, select_from, sets["A"][0])
     else:
-        data_a = EvalData.from_sets(
-            path,
-            sets,
-            "A",
-            windows=windows,
-            window_tokens=window_tokens,
-            prompt_tokens=PROMPT_TOKENS,
-            prompts=TUNE_PROMPTS,  # greedy agreement in set A's table too
-            gen_tokens=TUNE_GEN_TOKENS,
+        data_a = _tuning_data(path, sets, "A", windows, window_tokens)
+        sel, stopped = _select_on_a(
+            path, out, runner, data_a, residencies, lams, ns, budget, profile
         )
-        screen_a = screening(data_a)
-        results, finished = select(
-            lambda rc: runner(rc, data_a, "A"),
-            lambda rc: runner(rc, screen_a, "A-screen"),
-            residencies, lams, ns, budget, profiles,
-        )  # fmt: skip
-        if not finished:
-            return _stopped(results, residencies, budget, profile, runner, "selecting on set A")
-        sel = sweep_report(path, f"{out}/select", results, data_a, residencies, budget, profile)
-    scored = windows * (window_tokens - PROMPT_TOKENS)
-    note = interval_note(sel["results"], budget, scored)
-    data_b = EvalData.from_sets(
-        path,
-        sets,
-        "B",
-        windows=windows,
-        window_tokens=window_tokens,
-        prompt_tokens=PROMPT_TOKENS,
-        prompts=TUNE_PROMPTS,  # greedy agreement beside Δ nats in the report
-        gen_tokens=TUNE_GEN_TOKENS,
-    )
+        if stopped is not None:
+            return stopped
+    note = interval_note(sel["results"], budget, windows * (window_tokens - PROMPT_TOKENS))
+    data_b = _tuning_data(path, sets, "B", windows, window_tokens)
     chosen: dict[str, dict[str, Policy]] = {}
     log: list[dict[str, Any]] = []
     replicated: list[dict[str, Any]] = []
@@ -563,6 +540,69 @@ def tune(
     }
     written = write_operating_points(path, chosen, meta, write)
     save(replicated, f"{out}/replicate", "replicate", {"model": path, **meta}, profiles)
+    _print_points(log, chosen, budget, profile, note)
+    print(
+        f"configurations: {runner.measured} measured, {runner.reused} read back from "
+        f"{runner.folder}"
+    )
+    print(f"wrote {written} (psr.load uses it for {path})")
+    counts = {"measured": runner.measured, "reused": runner.reused}
+    return {"points": chosen, "file": str(written), "complete": True, **counts, **meta}
+
+
+def _tuning_data(
+    path: str, sets: dict[str, tuple[str, str]], split: str, windows: int, window_tokens: int
+) -> EvalData:
+    """What `tune` measures on set `split`: the windows, and a few greedy prompts for the
+    agreement beside Δ nats/token in the tables."""
+    return EvalData.from_sets(
+        path,
+        sets,
+        split,
+        windows=windows,
+        window_tokens=window_tokens,
+        prompt_tokens=PROMPT_TOKENS,
+        prompts=TUNE_PROMPTS,
+        gen_tokens=TUNE_GEN_TOKENS,
+    )
+
+
+def _select_on_a(
+    path: str,
+    out: str,
+    runner: Any,
+    data_a: EvalData,
+    residencies: Sequence[float],
+    lams: Sequence[float],
+    ns: Sequence[int],
+    budget: float,
+    profile: str,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Set A's selection (psr.eval.search.select), reported as `out/select/sweep.*`:
+    (the sweep report, None), or at the deadline ({}, the best points so far)."""
+    from psr.eval.search import screening, select
+
+    profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
+    screen_a = screening(data_a)
+    results, finished = select(
+        lambda rc: runner(rc, data_a, "A"),
+        lambda rc: runner(rc, screen_a, "A-screen"),
+        residencies, lams, ns, budget, profiles,
+    )  # fmt: skip
+    if not finished:
+        return {}, _stopped(results, residencies, budget, profile, runner, "selecting on set A")
+    return sweep_report(path, f"{out}/select", results, data_a, residencies, budget, profile), None
+
+
+def _print_points(
+    log: list[dict[str, Any]],
+    chosen: dict[str, dict[str, Policy]],
+    budget: float,
+    profile: str,
+    note: str | None,
+) -> None:
+    """The replication's lines (each candidate on A and B, kept or not), the families left
+    without a point and why, and the intervals' note."""
     print(
         f"\noperating points (selected on A, replicated on B, budget {budget} nats/token; "
         f"speedups modeled host-free on {profile}):"
@@ -587,13 +627,6 @@ def tune(
             print(f"  {float(rho):.1%} {fam}: {why} within budget; no point written")
     if note:
         print(f"note: {note}")
-    print(
-        f"configurations: {runner.measured} measured, {runner.reused} read back from "
-        f"{runner.folder}"
-    )
-    print(f"wrote {written} (psr.load uses it for {path})")
-    counts = {"measured": runner.measured, "reused": runner.reused}
-    return {"points": chosen, "file": str(written), "complete": True, **counts, **meta}
 
 
 def _stopped(

@@ -12,11 +12,15 @@ measured on all of them, each configuration's result saved as it completes, a de
   whose cost is clearly above the budget are never measured in full. The 2.5% is
   nominal: a bootstrap interval over few windows (the items) is narrower than its
   coverage says, so the real rate is somewhat higher at SCREEN_LEAST windows.
-* **Finalists.** Per residency and n, from the highest lam that screening kept downward,
-  each measured on all of set A's windows until one is within the budget (the 95% upper
-  bound, as before). With quality cost rising in lam this is the lam the full search over
-  set A finds, unless screening dropped it (the 2.5% above); the point chosen is the
-  fastest within budget of all measured in full, and set B replicates it as before.
+* **Finalists, fastest first.** Per residency and family (Cache-Prior: n = 0; PSR: every
+  n > 0 together), the candidates are each n's lams from the highest that screening kept
+  downward, ranked by their screened modeled latency (`finalists`); they are measured on
+  all of set A's windows in that order until one is within the budget (the 95% upper
+  bound, as before), which is the family's point. With quality cost rising in lam and
+  the screened latency ranking the candidates as the full one does, this is the point
+  the full search over set A finds, unless screening dropped it (the 2.5% above); a
+  family's slower n is not measured in full once a faster candidate is within budget
+  (one walk per family, not one per n), and set B replicates it as before.
 * **Saved results.** Each configuration's result is a JSON file under the run folder as
   soon as it is measured, keyed by the checkpoint (psr.points.model_key), the data it was
   measured on and the configuration; a re-run with the same arguments reads them instead
@@ -31,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import sys
 import time
@@ -170,6 +175,31 @@ def could_be_within(r: dict[str, Any], budget: float) -> bool:
     return bool(r.get("delta_nll", {}).get("lo", float("inf")) <= budget)
 
 
+def finalists(
+    screened: dict[tuple[float, int], dict[int, dict[str, Any]]],
+    rho: float,
+    ns: Sequence[int],
+    budget: float,
+    profile: str,
+) -> list[tuple[int, int]]:
+    """One family's candidates at residency `rho` to measure in full, as (n, grid index),
+    fastest first by their screened modeled latency on `profile`: for each n in `ns`
+    the grid's lams up to the highest that screening kept (could be within the budget),
+    so a walk that fails goes on to the next-fastest candidate, whichever n it has."""
+    out: list[tuple[float, int, int]] = []
+    for n in ns:
+        rs = screened.get((rho, n), {})
+        top = max((i for i, r in rs.items() if could_be_within(r, budget)), default=-1)
+        ms = math.inf
+        for i in range(top, -1, -1):
+            # A lam screening skipped ranks as the screened one above it (its latency lies
+            # between its neighbours': it falls as lam rises), right after that one.
+            if i in rs:
+                ms = rs[i]["latency"][profile]["ms_per_token"]
+            out.append((ms, -i, n))
+    return [(n, -neg) for _, neg, n in sorted(out)]
+
+
 def select(
     run: Callable[[RunConfig], dict[str, Any]],
     screen: Callable[[RunConfig], dict[str, Any]],
@@ -212,14 +242,15 @@ def select(
             screen_round(todo)
         full = {rho: run(RunConfig(make_policy("exact"), rho)) for rho in residencies}
         results.extend(full.values())
-        for (rho, n), rs in screened.items():
-            top = max((i for i, ok in kept(rs).items() if ok), default=-1)
-            for i in range(top, -1, -1):  # from the highest kept lam down to one within
-                r = run(RunConfig(policy(n, i), rho))
-                results.append(r)
-                compare([full[rho], r], profiles)
-                if within(r, budget):
-                    break
+        for rho in residencies:
+            for fam_ns in ([n for n in ns if n == 0], [n for n in ns if n > 0]):
+                cands = finalists(screened, rho, fam_ns, budget, profiles[0])
+                for n, i in cands:  # fastest first, until one is within the budget
+                    r = run(RunConfig(policy(n, i), rho))
+                    results.append(r)
+                    compare([full[rho], r], profiles)
+                    if within(r, budget):
+                        break
         return results, True
     except OutOfTime:
         return results, False

@@ -84,6 +84,27 @@ class CopyReason(enum.StrEnum):
     DIRECT = "direct"  # asked for outside the runtime's bookkeeping (benchmarks, tools)
 
 
+# The calls `ExpertStore.stub_native_calls` turns into no-ops on the native side: the
+# copy engine's and the CPU hand-off's, which the latency model prices as store calls.
+STUBBABLE_CALLS = frozenset(
+    {"enqueue_copies", "acquire", "release", "gather", "join", "cpu_experts", "cpu_join"}
+)
+
+
+class _NativeStub:
+    """What `ExpertStore._live` hands a stubbed call: every method does nothing."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _do_nothing
+
+
+def _do_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+_NATIVE_STUB = _NativeStub()
+
+
 # --- backends ----------------------------------------------------------------
 
 _BACKENDS = ("cpu", "cuda")
@@ -258,6 +279,7 @@ class ExpertStore:
         copy_retries: int | None = None,
     ) -> None:
         self._store: _C.Store | None = None  # set last: a failed __init__ leaves nothing to close
+        self._stubbed = False  # stub_native_calls
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         backend = current_backend() if backend is None else backend
@@ -334,7 +356,17 @@ class ExpertStore:
         store = self._store
         if store is None:
             raise StoreError(f"ExpertStore.{method}: the store is closed")
+        if self._stubbed and method in STUBBABLE_CALLS:
+            return _NATIVE_STUB  # type: ignore[return-value]
         return store
+
+    def stub_native_calls(self, on: bool) -> None:
+        """While on, the native side of STUBBABLE_CALLS (copies, waits, releases, gathers,
+        joins, the CPU experts' hand-off) does nothing; this wrapper's own checks still
+        run. For timing a decode step's host Python without the work those calls start
+        (psr.eval.host_probe.stubbed_launches): what they would write stays unwritten."""
+        self._live("stub_native_calls")
+        self._stubbed = bool(on)
 
     # --- memory -------------------------------------------------------------
     def slab(self, layer: int) -> torch.Tensor:
