@@ -178,10 +178,21 @@ def demo(
     print("latency modeled for an OLMoE-1B-7B-sized expert, host-free and host-aware\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
+    print(f"\n{_ttft(out, ('rtx4090',))}")
     print("\nexperts on gpu / cpu / hybrid and the powered figures: psr eval")
     written = ", ".join(str(v) for v in paths.values())
     print(f"\nwrote {written} ({time.time() - t0:.0f} s)")
     return results
+
+
+def _ttft(out: str, profiles: tuple[str, ...] = ("rtx4090", "h200")) -> str:
+    """The modeled time to first token (psr.eval.ttft, milliseconds to compute), written
+    beside the results as ttft.md for every GPU profile; returns `profiles`' table."""
+    from psr.eval.ttft import ttft_report
+
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "ttft.md").write_text(ttft_report() + "\n")
+    return ttft_report(profiles)
 
 
 def evaluate(
@@ -220,6 +231,7 @@ def evaluate(
     print(f"measured on {describe(data)}\n")
     print(markdown_table(results))
     print(f"\n{host_note(results)}")
+    print(f"\n{_ttft(out)}")
     if appendix:
         print(f"\n{appendix}")
     print(f"\nwrote {', '.join(str(v) for v in paths.values())}")
