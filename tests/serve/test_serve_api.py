@@ -32,13 +32,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PSR_HOME", str(tmp_path_factory.mktemp("serve_api_home")))
-        yield
-
-
-@pytest.fixture(scope="module")
 def server(home, tmp_path_factory):
     d = tmp_path_factory.mktemp("serve_api")
     (d / "keys").write_text(f"# team keys\n\n{FILE_KEY}\n")

@@ -28,14 +28,6 @@ PROMPTS = ["The quick brown fox", "To be, or not to be,", "Now is the winter", "
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """One PSR_HOME for the server and the reference model: the same operating points."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PSR_HOME", str(tmp_path_factory.mktemp("serve_home")))
-        yield
-
-
-@pytest.fixture(scope="module")
 def server(home):
     s = RemoteServer(SERVE_ARGS)
     yield s

@@ -18,13 +18,6 @@ PROMPTS = ["The quick brown fox", "To be, or not to be,", "Now is the winter", "
 
 
 @pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PSR_HOME", str(tmp_path_factory.mktemp("serve_home")))
-        yield
-
-
-@pytest.fixture(scope="module")
 def server(home):
     s = RemoteServer([*SERVE_ARGS, "--parallel", "4"])
     yield s
