@@ -63,10 +63,12 @@ export PSR_SANITIZED=1      # tests skip their own sanitizer build
 export PSR_SKIP_CUDA_BUILD=1  # this extension has no CUDA backend: skip the cubin check
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+# The store is the extension's one door; which file it loaded is a start-up check here.
 "$PY" -c "
-import psr.store as s
-assert s._C.__file__.startswith('$OUT'), s._C.__file__
-print('sanitized extension:', s._C.__file__)"
+import psr.store, sys
+f = sys.modules['psr._C'].__file__
+assert f.startswith('$OUT'), f
+print('sanitized extension:', f)"
 
 echo "== tests/store under $SAN"
 "$PY" -m pytest -q -p no:cacheprovider "$ROOT/tests/store" "$@"
