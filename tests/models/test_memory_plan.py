@@ -131,7 +131,8 @@ def test_kv_formats_are_counted_and_bad_budgets_refused(tiny_gguf: Path) -> None
         kv_bytes(nxt, 4, 16, "int8")
     with pytest.raises(ValueError, match=r"^slots=1 must be in \[2, 4\] with experts_on='gpu'"):
         _plan(tiny_gguf, gpu_memory=2**40, slots=1)
-    with pytest.raises(ValueError, match=r"^kv_format must be one of auto, bf16, int8, fp8; got 'q4'"):
+    bad = r"^kv_format must be one of auto, bf16, int8, fp8; got 'q4'"
+    with pytest.raises(ValueError, match=bad):
         Budget(gpu_memory=1, kv_format="q4")
 
 

@@ -314,9 +314,6 @@ def _planned(
         slots=None if cfg.plans_slots else r.capacity,
         prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
         cuda=r.device.type == "cuda",
-        levers=(
-            "slots", "experts_on", "context", "dtype", "host_memory", "dense_format", "kv_format"
-        ),
     )
     plan = plan_memory(facts, budget).check(f"{path} with gpu_memory={cfg.gpu_memory!r}")
     return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r

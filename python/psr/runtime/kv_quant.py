@@ -64,7 +64,7 @@ class PackedLayer(DynamicLayer):
     is_croppable = True
 
     def __init__(self, fmt: KVFormat, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
         self.fmt = fmt
         self.key_scales: torch.Tensor | None = None
         self.value_scales: torch.Tensor | None = None
@@ -83,6 +83,7 @@ class PackedLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._count(key_states.shape[-2])
+        assert self.keys is not None and self.values is not None  # set by lazy_initialization
         k, ks = _cat(self.keys, self.key_scales, pack(key_states, self.fmt))
         v, vs = _cat(self.values, self.value_scales, pack(value_states, self.fmt))
         self._keep(k, ks, v, vs)
@@ -165,7 +166,8 @@ def _packed(layer: Any, f: KVFormat) -> Any:
         return PackedSlidingLayer(f, layer.sliding_window)
     if type(layer) is DummyLayer:
         return layer
-    raise ValueError(f"kv_format={f.name!r}: a {type(layer).__name__} cache layer has no packed form")
+    what = type(layer).__name__
+    raise ValueError(f"kv_format={f.name!r}: a {what} cache layer has no packed form")
 
 
 def new_cache(config: Any, fmt: str) -> DynamicCache:
