@@ -62,7 +62,7 @@ class DecodeGraph:
 
         fmt = getattr(hf, "psr_kv_format", "auto")  # runtime/kv_quant.py
         if fmt != "auto":
-            raise ValueError(f"kv_format={fmt!r} has no static cache layer (graphs need 'auto')")
+            raise ValueError(f"kv_format={fmt!r} has no static cache layer; graphs need 'auto'")
         self.hf = hf
         self.rt = runtime
         self.max_len = max_len
