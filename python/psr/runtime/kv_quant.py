@@ -31,7 +31,7 @@ from transformers.cache_utils import (
     DynamicSlidingWindowLayer,
 )
 
-from psr.runtime.kv import KVFormat, check_kv_format, kv_format
+from psr.runtime.kv import KVFormat, check_kv_format
 
 _INT8_MAX = 127.0
 
@@ -192,8 +192,3 @@ def set_kv_format(hf: nn.Module, fmt: str) -> None:
     hf.psr_kv_format = f.name  # type: ignore[assignment]
     maker = None if f.dtype is None else functools.partial(new_cache, hf.config, f.name)
     hf.psr_new_cache = maker  # type: ignore[assignment]
-
-
-def model_kv_format(hf: nn.Module) -> KVFormat:
-    """The KV format `hf` decodes with (set_kv_format; default "auto")."""
-    return kv_format(str(getattr(hf, "psr_kv_format", "auto")))
