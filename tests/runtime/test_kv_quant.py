@@ -179,3 +179,14 @@ def test_decode_graphs_run_eagerly_and_say_why() -> None:
     om.graphs = True
     assert torch.equal(om.generate(ids, max_new_tokens=4), eager)
     assert om.graph_status.startswith("off: no static KV cache for this model (kv_format='int8'")
+
+
+def test_transformers_generate_on_an_offloaded_model_packs_its_cache() -> None:
+    """transformers' own `generate` makes an empty DynamicCache: psr's forward packs its
+    layers in place, so the tooling decodes with the kv_format too (psr's tokens)."""
+    hf = tiny_model("qwen3_moe")
+    om = psr.offload(hf, kv_format="int8")
+    ids = _prompt(12)
+    out = hf.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert {type(x) for x in output_cache(out).layers} == {PACKED_LAYERS[0]}
+    assert torch.equal(out.sequences, om.generate(ids, max_new_tokens=4))

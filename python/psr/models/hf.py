@@ -259,7 +259,7 @@ def uninstall(model: nn.Module) -> None:
             sw.hook.remove()
         del model.forward  # the class's forward again
         del model.psr_runtime, model.psr_installation
-        for name in ("psr_new_cache", "psr_kv_format"):  # a kv_format's (runtime/kv_quant.py)
+        for name in ("psr_kv_cache", "psr_kv_format"):  # a kv_format's (runtime/kv_quant.py)
             model.__dict__.pop(name, None)
         runtime.store.close()
 
@@ -382,9 +382,12 @@ def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> Callable[..., An
         if self is None:
             raise RuntimeError("psr: the model behind this forward was freed")
         kv = kwargs.get("cache", kwargs.get("past_key_values"))
-        new_cache = getattr(self, "psr_new_cache", None)  # a kv_format's (runtime/kv_quant.py)
-        if kv is None and new_cache is not None and kwargs.get("use_cache", self.config.use_cache):
-            kv = kwargs[kv_name] = new_cache()
+        packed = getattr(self, "psr_kv_cache", None)  # a kv_format's (runtime/kv_quant.py)
+        if packed is not None and kwargs.get("use_cache", self.config.use_cache):
+            if kv is None:
+                kv = kwargs[kv_name] = packed(None)
+            else:
+                packed(kv)  # an empty transformers cache: its layers packed in place
         ids = kwargs.get("input_ids", args[0] if args else None)
         with runtime.lock:
             runtime.enter_forward(kv)

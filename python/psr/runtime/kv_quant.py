@@ -14,7 +14,8 @@ head each). Kinds that keep a recurrent state are refused when the model loads
 says why).
 
 The psr forward wrapper (models/hf.py) gives a forward that would start a sequence
-without a cache one from `new_cache`; `set_kv_format` installs it on a model.
+without a cache one from `new_cache`, and packs an empty transformers DynamicCache passed
+in (`cache_for`); `set_kv_format` installs it on a model.
 """
 
 from __future__ import annotations
@@ -160,6 +161,8 @@ def _cat(
 
 # transformers' dynamic layer class -> its packed twin (a DummyLayer caches nothing).
 def _packed(layer: Any, f: KVFormat) -> Any:
+    if isinstance(layer, PACKED_LAYERS):
+        return layer
     if type(layer) is DynamicLayer:
         return PackedLayer(f)
     if type(layer) is DynamicSlidingWindowLayer:
@@ -168,6 +171,11 @@ def _packed(layer: Any, f: KVFormat) -> Any:
         return layer
     what = type(layer).__name__
     raise ValueError(f"kv_format={f.name!r}: a {what} cache layer has no packed form")
+
+
+# The packed layers, for the prompt cache (chunked.py): like transformers' dynamic ones they
+# replace their tensors on update, never write them in place.
+PACKED_LAYERS: tuple[type, ...] = (PackedLayer, PackedSlidingLayer)
 
 
 def new_cache(config: Any, fmt: str) -> DynamicCache:
@@ -180,15 +188,25 @@ def new_cache(config: Any, fmt: str) -> DynamicCache:
     return cache
 
 
-# The packed layers, for the prompt cache (chunked.py): like transformers' dynamic ones they
-# replace their tensors on update, never write them in place.
-PACKED_LAYERS: tuple[type, ...] = (PackedLayer, PackedSlidingLayer)
+def cache_for(config: Any, fmt: str, kv: Any) -> Any:
+    """The cache a forward starting a sequence uses in KV format `fmt`: `new_cache`'s for
+    none, else `kv` itself, its layers packed in place when it is an empty transformers
+    DynamicCache (the one transformers' `generate` makes for an offloaded model)."""
+    if kv is None:
+        return new_cache(config, fmt)
+    empty = not any(getattr(x, "is_initialized", False) for x in kv.layers)
+    if type(kv) is DynamicCache and empty and not kv.offloading:
+        f = check_kv_format(config, fmt)
+        kv.layers = [_packed(x, f) for x in kv.layers]
+        if kv.layer_class_to_replicate is DynamicLayer:  # layers made on first update
+            kv.layer_class_to_replicate = functools.partial(PackedLayer, f)
+    return kv
 
 
 def set_kv_format(hf: nn.Module, fmt: str) -> None:
-    """Decode `hf` (psr-wrapped) with KV format `fmt`: a forward that starts a sequence
-    without a cache gets `new_cache`'s (a one-line ValueError for a kind that has none)."""
+    """Decode `hf` (psr-wrapped) with KV format `fmt`: psr's forward wrapper passes each
+    forward's cache through `cache_for` (a one-line ValueError for a kind that has none)."""
     f = check_kv_format(hf.config, fmt)
     hf.psr_kv_format = f.name  # type: ignore[assignment]
-    maker = None if f.dtype is None else functools.partial(new_cache, hf.config, f.name)
-    hf.psr_new_cache = maker  # type: ignore[assignment]
+    maker = None if f.dtype is None else functools.partial(cache_for, hf.config, f.name)
+    hf.psr_kv_cache = maker  # type: ignore[assignment]
