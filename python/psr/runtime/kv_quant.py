@@ -199,7 +199,7 @@ def cache_for(config: Any, fmt: str, kv: Any) -> Any:
         f = check_kv_format(config, fmt)
         kv.layers = [_packed(x, f) for x in kv.layers]
         if kv.layer_class_to_replicate is DynamicLayer:  # layers made on first update
-            kv.layer_class_to_replicate = functools.partial(PackedLayer, f)
+            kv.layer_class_to_replicate = functools.partial(PackedLayer, f)  # type: ignore[assignment]
     return kv
 
 
