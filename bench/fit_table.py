@@ -544,6 +544,15 @@ HEAD = [
 ]
 
 
+KV_NOTE = (
+    "KV formats: the table's KV is bf16 (llama.cpp's f16). `kv_format='int8'` / `'fp8'` "
+    "(psr.runtime.kv_quant) keeps a byte a value and an fp32 scale per token and head: "
+    "DeepSeek-V3 / Kimi-K2's 576 MLA values a layer and token take 584 bytes instead of "
+    "1152 (0.51x), a GQA head of 128 keys or values 132 instead of 256 (0.52x); not "
+    "tabulated (the plan counts it: `psr inspect --kv-format int8`)."
+)
+
+
 def _line(r: dict[str, Any]) -> str:
     if "error" in r:
         head = f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | fails: {r['error']} |"
@@ -594,6 +603,7 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
         *HEAD,
     ]
     out += [_line(r) for r in rows]
+    out += ["", KV_NOTE]
     out += ["", "Assumptions per model (beyond the published configs):", ""]
     out += [f"- {r['model']}: {r['notes']}" for r in rows if r["notes"]]
     return "\n".join(out) + "\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -273,12 +274,16 @@ KV_KWARG = _kv_kwarg()
 ROUTER_WEIGHTS = ("mlp.gate.weight", "router.weight", "gate.wg.weight")
 
 
-def tiny_model(family: str, seed: int = 0):
-    """A random model whose routers are sharp enough for routing choices to matter."""
+def tiny_model(family: str, seed: int = 0, **config: Any):
+    """A random model whose routers are sharp enough for routing choices to matter
+    (`config`: fields of tiny_config's changed, e.g. a longer max_position_embeddings)."""
     import transformers
 
+    cfg = tiny_config(family)
+    for k, v in config.items():
+        setattr(cfg, k, v)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith(ROUTER_WEIGHTS):

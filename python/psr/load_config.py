@@ -66,6 +66,14 @@ class LoadConfig:
         checkpoint's weights in `dtype`), 'float' (every dense weight dequantized to
         `dtype`: more memory, the arithmetic of the dequantized twin), or for a float
         checkpoint 'int8' / 'fp8' (weight-only, per output channel, quantized at load).
+    kv_format: how the KV cache keeps keys and values (psr.runtime.kv_quant): 'auto'
+        (default: transformers' own cache in `dtype`), 'bf16', or 'int8' / 'fp8' (e4m3),
+        one fp32 scale per token and head, dequantized to `dtype` when attention reads
+        them: about half (bf16: of float32) or a quarter of float32's bytes. Every
+        attention kind that caches keys and values takes it (MHA/GQA, sliding windows,
+        DeepSeek's MLA latent); a model with linear-attention layers is refused, and so is
+        `graphs=True` (decode graphs capture a static cache, which has no packed form;
+        graphs='auto' decodes eagerly).
     quant_cache: with a quantized `expert_format`, keep the quantized rows on disk and read
         them on later loads of the same checkpoint: True (the user cache folder, or
         $PSR_CACHE/quantized) or a folder, never inside the model folder
@@ -133,6 +141,7 @@ class LoadConfig:
     graphs: bool | str = field(default="auto", metadata=BOTH)
     expert_format: str | None = field(default=None, metadata=BOTH)
     dense_format: str = field(default="native", metadata=LOAD)
+    kv_format: str = field(default="auto", metadata=BOTH)
     quant_cache: bool | str | Path | None = field(default=False, metadata=LOAD)
     host_memory: str | int | None = field(default=None, metadata=LOAD)
     gpu_memory: str | int | None = field(default=None, metadata=LOAD)
@@ -163,6 +172,11 @@ class LoadConfig:
         vocab.decode_mode(self.decode)
         vocab.expert_format(self.expert_format)
         vocab.dense_format(self.dense_format)
+        if vocab.kv_format(self.kv_format) != "auto" and self.graphs is True:
+            raise ValueError(
+                f"kv_format={self.kv_format!r} cannot run with graphs=True: decode graphs "
+                "capture a static KV cache, which has no packed form (use graphs='auto' or False)"
+            )
         resolve_threads(self.threads)
         for name in ("context", "prefill_chunk"):
             v = getattr(self, name)

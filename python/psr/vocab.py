@@ -32,6 +32,11 @@ EXPERT_FORMATS: tuple[str, ...] = ("native", "bf16", *QUANT_FORMATS)
 # or, for a float checkpoint, quantized at load per output channel: "int8" / "fp8".
 DENSE_FORMATS: tuple[str, ...] = ("native", "float", "int8", "fp8")
 
+# How the KV cache keeps keys and values: "auto" (transformers' own, in the model dtype),
+# "bf16", or quantized with a scale per (token, head), "int8" / "fp8" (psr.runtime.kv's
+# KV_FORMATS says what each stores; psr.runtime.kv_quant builds them).
+KV_FORMATS: tuple[str, ...] = ("auto", "bf16", "int8", "fp8")
+
 # Compute paths: "auto" (Triton on CUDA, the torch references elsewhere; $PSR_COMPUTE
 # overrides), or one forced.
 COMPUTE_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
@@ -81,6 +86,13 @@ def dense_format(fmt: str) -> str:
     """A `dense_format` argument checked: one of DENSE_FORMATS."""
     if fmt not in DENSE_FORMATS:
         raise ValueError(f"dense_format must be one of {', '.join(DENSE_FORMATS)}; got {fmt!r}")
+    return fmt
+
+
+def kv_format(fmt: str) -> str:
+    """A `kv_format` argument checked: one of KV_FORMATS."""
+    if fmt not in KV_FORMATS:
+        raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}; got {fmt!r}")
     return fmt
 
 

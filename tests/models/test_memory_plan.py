@@ -119,8 +119,9 @@ def test_host_rows_page_from_the_file_or_are_refused_where_they_cannot(
 
 
 def test_kv_formats_are_counted_and_bad_budgets_refused(tiny_gguf: Path) -> None:
-    """fp8: a byte a value; int8: q8_0-style blocks, 34 bytes per 32 values (each layer's
-    256 values a token are 8 blocks); a recurrent state has neither."""
+    """bf16: two bytes a value; fp8 / int8: a byte a value and an fp32 scale per (token,
+    head) of keys and of values (each layer's 256 values a token are 4 rows of 64); a
+    recurrent state has none of them."""
     got = {f: _plan(tiny_gguf, gpu_memory=2**40, context=CTX, kv_format=f) for f in KV_BYTES}
     assert {f: sum(p.kv.values()) for f, p in got.items()} == KV_BYTES
     from psr.runtime.kv import kv_bytes
@@ -130,11 +131,17 @@ def test_kv_formats_are_counted_and_bad_budgets_refused(tiny_gguf: Path) -> None
         kv_bytes(nxt, 4, 16, "int8")
     with pytest.raises(ValueError, match=r"^slots=1 must be in \[2, 4\] with experts_on='gpu'"):
         _plan(tiny_gguf, gpu_memory=2**40, slots=1)
-    with pytest.raises(ValueError, match=r"^kv_format must be one of auto, fp8, int8; got 'q4'"):
+    bad = r"^kv_format must be one of auto, bf16, int8, fp8; got 'q4'"
+    with pytest.raises(ValueError, match=bad):
         Budget(gpu_memory=1, kv_format="q4")
 
 
-KV_BYTES = {"auto": CTX * KV, "fp8": CTX * 2 * 256, "int8": CTX * 2 * 8 * 34}
+KV_BYTES = {
+    "auto": CTX * KV,
+    "bf16": CTX * 2 * 256 * 2,
+    "fp8": CTX * 2 * (256 + 4 * 4),
+    "int8": CTX * 2 * (256 + 4 * 4),
+}
 
 
 def test_the_safetensors_plan_is_the_sum_worked_out_by_hand(tmp_path: Path) -> None:

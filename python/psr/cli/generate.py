@@ -41,6 +41,7 @@ from psr.vocab import (
     DRAFTERS,
     EXPERT_FORMATS,
     EXPERTS_ON,
+    KV_FORMATS,
 )
 
 # Files whose presence makes psr.models.load load a tokenizer.
@@ -185,6 +186,12 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         help="dense weights on the device: native (a GGUF file's blocks as stored, computed "
         "by psr's dense kernels), float (dequantized to --dtype: more memory), or int8 / fp8 "
         "(a float checkpoint's, quantized per output channel at load)",
+    ),
+    "kv_format": dict(
+        choices=KV_FORMATS,
+        help="how the KV cache keeps keys and values: auto (the dtype), bf16, or int8 / fp8 "
+        "with a scale per token and head, dequantized when attention reads them (not with "
+        "--graphs; linear-attention layers refused)",
     ),
     "quant_cache": dict(
         nargs="?",

@@ -80,7 +80,8 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-format",
         choices=list(KV_FORMATS),
-        help="KV values: the dtype (auto), fp8 or int8 (q8_0 blocks); counted only (default: auto)",
+        help="KV values as psr.load's --kv-format keeps them: the dtype (auto), bf16, or "
+        "int8 / fp8 with a scale per token and head (default: auto)",
     )
     g.add_argument(
         "--slots",

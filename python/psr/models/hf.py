@@ -27,6 +27,7 @@ from psr.models.families import (
     transposed_module_tensors,
 )
 from psr.runtime.engine import OffloadRuntime
+from psr.runtime.kv import cache_kwarg
 from psr.runtime.layer import MoELayer, Wiring
 from psr.runtime.modules import OffloadedExperts, PSRRouter
 from psr.runtime.spec import MoESpec
@@ -258,6 +259,8 @@ def uninstall(model: nn.Module) -> None:
             sw.hook.remove()
         del model.forward  # the class's forward again
         del model.psr_runtime, model.psr_installation
+        for name in ("psr_kv_cache", "psr_kv_format"):  # a kv_format's (runtime/kv_quant.py)
+            model.__dict__.pop(name, None)
         runtime.store.close()
 
 
@@ -371,6 +374,7 @@ def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> Callable[..., An
     no reference cycle keeps a dropped model (and its store) alive."""
     fwd = type(model).forward
     ref = weakref.ref(model)
+    kv_name = cache_kwarg(model)
 
     @functools.wraps(fwd)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -378,6 +382,12 @@ def _wrap_forward(model: nn.Module, runtime: OffloadRuntime) -> Callable[..., An
         if self is None:
             raise RuntimeError("psr: the model behind this forward was freed")
         kv = kwargs.get("cache", kwargs.get("past_key_values"))
+        packed = getattr(self, "psr_kv_cache", None)  # a kv_format's (runtime/kv_quant.py)
+        if packed is not None and kwargs.get("use_cache", self.config.use_cache):
+            if kv is None:
+                kv = kwargs[kv_name] = packed(None)
+            else:
+                packed(kv)  # an empty transformers cache: its layers packed in place
         ids = kwargs.get("input_ids", args[0] if args else None)
         with runtime.lock:
             runtime.enter_forward(kv)

@@ -62,6 +62,8 @@ from psr.models.tiers import TierPlan, default_budget, load_profile, plan_tiers
 from psr.policy import DEFAULT_POLICY, Policy
 from psr.runtime.chunked import DEFAULT_PREFILL_CHUNK
 from psr.runtime.expert_placement import placement_class
+from psr.runtime.kv import check_kv_format
+from psr.runtime.kv_quant import set_kv_format
 from psr.runtime.model import OffloadedModel
 from psr.runtime.spec import resolve_capacity
 from psr.runtime.verify import verify_class
@@ -86,6 +88,7 @@ def load(
     try:
         r = resolve(path, ckpt, cfg)
         context = _context(cfg.context, r.config)
+        check_kv_format(r.config, cfg.kv_format)  # a kind without it: before any weight
         spec, E = r.spec, r.spec.num_experts
         meta = _meta_model(r)
         moe_idx = meta[1]
@@ -144,6 +147,7 @@ def offload(
     if hasattr(hf_model, "psr_runtime"):
         raise RuntimeError(f"{type(hf_model).__name__} is already offloaded by psr")
     spec = moe_spec(hf_model.config)
+    check_kv_format(hf_model.config, cfg.kv_format)
     pol = cfg.make_policy()
     C = resolve_capacity(spec, pol, cfg.slot_residency, cfg.slots, experts_on=cfg.placement[0])
     moe_idx, fam = moe_layer_indices(hf_model), model_family(hf_model)
@@ -186,8 +190,10 @@ def _context(context: int | None, config: Any) -> int | None:
 
 
 def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
-    """The options that apply to the built model: decode graphs, where misses are computed."""
+    """The options that apply to the built model: decode graphs, the KV format, where
+    misses are computed."""
     om.graphs = cfg.graphs
+    set_kv_format(om.hf, cfg.kv_format)
     if cfg.prefill_chunk is not None:
         om.set_prefill_chunk(cfg.prefill_chunk)
     where, hybrid_m = cfg.placement
@@ -304,10 +310,10 @@ def _planned(
         # int8 / fp8 (a float checkpoint's dense part quantized at load) counted as float:
         # the plan errs on the safe side there.
         dense_format="native" if cfg.dense_format == "native" else "float",
+        kv_format=cfg.kv_format,
         slots=None if cfg.plans_slots else r.capacity,
         prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
         cuda=r.device.type == "cuda",
-        levers=("slots", "experts_on", "context", "dtype", "host_memory", "dense_format"),
     )
     plan = plan_memory(facts, budget).check(f"{path} with gpu_memory={cfg.gpu_memory!r}")
     return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r

@@ -60,6 +60,9 @@ class DecodeGraph:
     def __init__(self, hf: nn.Module, runtime: OffloadRuntime, max_len: int) -> None:
         from transformers import StaticCache
 
+        fmt = getattr(hf, "psr_kv_format", "auto")  # runtime/kv_quant.py
+        if fmt != "auto":
+            raise ValueError(f"kv_format={fmt!r} has no static cache layer; graphs need 'auto'")
         self.hf = hf
         self.rt = runtime
         self.max_len = max_len

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import psr.vocab as vocab
+
 if TYPE_CHECKING:  # the accounting below is torch-free (`psr inspect` of a GGUF file)
     from torch import nn
 
@@ -35,11 +37,19 @@ def _text(config: Any) -> Any:
     return getattr(config, "text_config", None) or config
 
 
+def _kv_heads(c: Any) -> int:
+    return int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+
+
 def _kv_heads_values(c: Any) -> int:
     """Keys and values of every KV head (MHA, GQA, MQA)."""
-    heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
     head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    return 2 * heads * head_dim
+    return 2 * _kv_heads(c) * head_dim
+
+
+def _kv_heads_rows(c: Any) -> int:
+    """A key row and a value row per KV head."""
+    return 2 * _kv_heads(c)
 
 
 def _mla_values(c: Any) -> int:
@@ -47,6 +57,11 @@ def _mla_values(c: Any) -> int:
     (kv_lora_rank, as keys) and the shared rope key (qk_rope_head_dim, as values), one
     head; the per-head keys and values are expanded from them at each step."""
     return int(c.kv_lora_rank) + int(c.qk_rope_head_dim)
+
+
+def _two_rows(c: Any) -> int:
+    """MLA's latent (as keys) and rope key (as values): one head each."""
+    return 2
 
 
 def _mla_expanded_values(c: Any) -> int:
@@ -66,6 +81,10 @@ def _linear_state_values(c: Any) -> int:
     return conv + heads * int(c.linear_key_head_dim) * int(c.linear_value_head_dim)
 
 
+def _mla_expanded_rows(c: Any) -> int:
+    return 2 * int(c.num_attention_heads)
+
+
 def _none(c: Any) -> int:
     return 0
 
@@ -77,12 +96,14 @@ def _all(c: Any) -> int | None:
 @dataclass(frozen=True)
 class CacheKind:
     """What one layer of an attention kind keeps for a sequence: `per_token` values for
-    each cached token, at most `window` tokens (None: all), plus a fixed `state` of
-    values (recurrent layers). Values are in the cache's format (KV_FORMATS)."""
+    each cached token, in `rows` rows (one per head of keys and of values: a quantized
+    format keeps a scale per row), at most `window` tokens (None: all), plus a fixed
+    `state` of values (recurrent layers). Values are in the cache's format (KV_FORMATS)."""
 
     name: str
     what: str
     per_token: Callable[[Any], int]
+    rows: Callable[[Any], int]
     window: Callable[[Any], int | None] = _all
     state: Callable[[Any], int] = _none
     compact: bool = True  # its cached values may take a compact KV format (not a state)
@@ -94,24 +115,37 @@ class CacheKind:
 CACHE_KINDS: dict[str, CacheKind] = {
     k.name: k
     for k in (
-        CacheKind("full_attention", "keys and values per KV head (MHA/GQA)", _kv_heads_values),
-        CacheKind("mla", "MLA latent + rope key, one head", _mla_values),
-        CacheKind("mla_expanded", "MLA expanded: keys and values per head", _mla_expanded_values),
+        CacheKind(
+            "full_attention",
+            "keys and values per KV head (MHA/GQA)",
+            _kv_heads_values,
+            _kv_heads_rows,
+        ),
+        CacheKind("mla", "MLA latent + rope key, one head", _mla_values, _two_rows),
+        CacheKind(
+            "mla_expanded",
+            "MLA expanded: keys and values per head",
+            _mla_expanded_values,
+            _mla_expanded_rows,
+        ),
         CacheKind(
             "sliding_attention",
             "keys and values per KV head, the last sliding_window tokens",
             _kv_heads_values,
+            _kv_heads_rows,
             window=lambda c: int(c.sliding_window),
         ),
         CacheKind(
             "chunked_attention",
             "keys and values per KV head, the last attention_chunk_size tokens",
             _kv_heads_values,
+            _kv_heads_rows,
             window=lambda c: int(c.attention_chunk_size),
         ),
         CacheKind(
             "linear_attention",
             "a fixed conv + recurrent state (Gated DeltaNet)",
+            _none,
             _none,
             state=_linear_state_values,
             compact=False,
@@ -152,55 +186,73 @@ def layer_kinds(config: Any) -> list[str]:
 
 @dataclass(frozen=True)
 class KVFormat:
-    """How cached values are stored: blocks of `block` values in `block_bytes` bytes each
-    (None: one value in the model dtype's bytes)."""
+    """How cached values are stored (psr.runtime.kv_quant builds the cache): `value_bytes`
+    per value (None: the model dtype's) and `scale_bytes` per row (one head's keys or
+    values at one token: a quantized format's per-(token, head) scale)."""
 
     name: str
     what: str
-    block: int = 1
-    block_bytes: int | None = None
+    value_bytes: int | None = None
+    scale_bytes: int = 0
+    dtype: str | None = None  # the stored values' torch dtype name (None: the model's)
 
-    def nbytes(self, values: int, itemsize: int) -> int:
-        """Bytes of `values` values (a whole number of blocks per token and layer)."""
-        if self.block_bytes is None:
-            return values * itemsize
-        return -(-values // self.block) * self.block_bytes
+    @property
+    def quantized(self) -> bool:
+        return self.scale_bytes > 0
+
+    def nbytes(self, values: int, rows: int, itemsize: int) -> int:
+        """Bytes of `values` values in `rows` rows."""
+        size = itemsize if self.value_bytes is None else self.value_bytes
+        return values * size + rows * self.scale_bytes
 
 
-# The KV formats the memory plan counts (`psr inspect --kv-format`): accounting only, the
-# cache psr decodes with is transformers' own in the model dtype ("auto").
+# The KV formats `psr.load(kv_format=...)` builds and the memory plan counts (`psr inspect
+# --kv-format`): "auto" is transformers' own cache in the model dtype.
 KV_FORMATS: dict[str, KVFormat] = {
     f.name: f
     for f in (
-        KVFormat("auto", "the model dtype"),
-        KVFormat("fp8", "fp8 e4m3, one byte a value (a scale per layer)", 1, 1),
-        KVFormat("int8", "q8_0-style blocks: 32 int8 values + an fp16 scale", 32, 34),
+        KVFormat("auto", "the model dtype (transformers' own cache)"),
+        KVFormat("bf16", "bfloat16 values", 2, 0, "bfloat16"),
+        KVFormat("int8", "int8 values, an fp32 absmax scale per (token, head)", 1, 4, "int8"),
+        KVFormat("fp8", "fp8 e4m3 values, an fp32 scale per (token, head)", 1, 4, "float8_e4m3fn"),
     )
 }
 
 
+assert tuple(KV_FORMATS) == vocab.KV_FORMATS  # the option's words (no torch) name these
+
+
 def kv_format(name: str) -> KVFormat:
     """The KV_FORMATS entry of `name`; ValueError naming the choices otherwise."""
-    if name not in KV_FORMATS:
-        raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}; got {name!r}")
-    return KV_FORMATS[name]
+    return KV_FORMATS[vocab.kv_format(name)]
+
+
+def check_kv_format(config: Any, fmt: str) -> KVFormat:
+    """KV format `fmt` checked against every layer kind of `config` (one that keeps a
+    recurrent state has no compact form): a one-line ValueError naming the kind."""
+    f = kv_format(fmt)
+    if f.dtype is None:
+        return f
+    for name in dict.fromkeys(layer_kinds(config)):
+        k = CACHE_KINDS[name]
+        if not k.compact:
+            raise ValueError(
+                f"kv_format={fmt!r}: the {name} layers keep {k.what}, which has no {fmt} "
+                "form; use kv_format='auto'"
+            )
+    return f
 
 
 def kv_by_kind(config: Any, itemsize: int, tokens: int, fmt: str = "auto") -> dict[str, int]:
     """Bytes of a cache holding `tokens` tokens, per attention kind (CACHE_KINDS), in KV
     format `fmt` (KV_FORMATS; a kind that caches a recurrent state takes "auto" only)."""
-    c, f = _text(config), kv_format(fmt)
+    c, f = _text(config), check_kv_format(config, fmt)
     out: dict[str, int] = {}
     for name in layer_kinds(config):
         k = CACHE_KINDS[name]
-        if f.block_bytes is not None and not k.compact:
-            raise ValueError(
-                f"kv_format={fmt!r}: the {name} layers keep {k.what}, which has no {fmt} "
-                "form; use kv_format='auto'"
-            )
         w = k.window(c)
         n = tokens if w is None else min(tokens, w)
-        per_token = f.nbytes(k.per_token(c), itemsize) * n
+        per_token = f.nbytes(k.per_token(c), k.rows(c), itemsize) * n
         out[name] = out.get(name, 0) + per_token + k.state(c) * itemsize
     return out
 

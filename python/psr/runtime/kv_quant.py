@@ -1,0 +1,212 @@
+"""A compact KV cache: `psr.load(..., kv_format="int8" | "fp8" | "bf16")`.
+
+Keys and values are stored in the format's dtype (psr.runtime.kv.KV_FORMATS): int8 with
+a symmetric absmax fp32 scale per (token, head), fp8 e4m3 with an fp32 scale per (token,
+head), bf16 as is; what attention reads is the stored form dequantized to the compute
+dtype, the tokens just appended included (so a forward reads what a later one will: a
+prompt-cache hit is bit-identical to a miss). Built as transformers cache layers
+(subclasses of its DynamicLayer / DynamicSlidingWindowLayer), so every attention kind
+that caches through `update` takes it: MHA / GQA, sliding and chunked windows, DeepSeek's
+MLA latent (transformers >= 5.24 caches the latent as keys and the rope key as values, one
+head each). Kinds that keep a recurrent state are refused when the model loads
+(kv.check_kv_format). Decode graphs capture a static cache, which has no packed layer:
+`graphs=True` with a kv_format is refused, and graphs='auto' runs eagerly (graph_status
+says why).
+
+The psr forward wrapper (models/hf.py) gives a forward that would start a sequence
+without a cache one from `new_cache`, and packs an empty transformers DynamicCache passed
+in (`cache_for`); `set_kv_format` installs it on a model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+)
+
+from psr.runtime.kv import KVFormat, check_kv_format
+
+_INT8_MAX = 127.0
+
+
+def pack(x: torch.Tensor, f: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`x [..., D]` in format `f`: the stored values and their scales `[..., 1]` (fp32;
+    None for an unscaled format)."""
+    dtype = getattr(torch, str(f.dtype))
+    if not f.quantized:
+        return x.to(dtype), None
+    top = _INT8_MAX if dtype == torch.int8 else torch.finfo(dtype).max
+    amax = x.detach().abs().amax(dim=-1, keepdim=True).float()
+    scale = (amax / top).clamp(min=torch.finfo(torch.float32).tiny)  # an all-zero row: 0s
+    q = x.float() / scale
+    if dtype == torch.int8:
+        q = q.round().clamp(-_INT8_MAX, _INT8_MAX)
+    return q.to(dtype), scale
+
+
+def unpack(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Stored values back in the compute `dtype`."""
+    return q.to(dtype) if scale is None else (q.float() * scale).to(dtype)
+
+
+class PackedLayer(DynamicLayer):
+    """A full-attention layer whose keys and values are kept packed (module docstring):
+    `keys` / `values` `[B, H, T, D]` in the format's dtype, `key_scales` / `value_scales`
+    `[B, H, T, 1]` fp32 (None for bf16)."""
+
+    is_croppable = True
+
+    def __init__(self, fmt: KVFormat, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        self.fmt = fmt
+        self.key_scales: torch.Tensor | None = None
+        self.value_scales: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.dtype = key_states.dtype
+        self.keys, self.key_scales = pack(key_states[..., :0, :], self.fmt)
+        self.values, self.value_scales = pack(value_states[..., :0, :], self.fmt)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens packed; return every cached token's keys and values
+        (the new ones included) dequantized."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._count(key_states.shape[-2])
+        assert self.keys is not None and self.values is not None  # set by lazy_initialization
+        k, ks = _cat(self.keys, self.key_scales, pack(key_states, self.fmt))
+        v, vs = _cat(self.values, self.value_scales, pack(value_states, self.fmt))
+        self._keep(k, ks, v, vs)
+        return unpack(k, ks, self.dtype), unpack(v, vs, self.dtype)
+
+    def _count(self, tokens: int) -> None:
+        """Tokens seen (a window layer's position)."""
+
+    def _keep(
+        self, k: torch.Tensor, ks: torch.Tensor | None, v: torch.Tensor, vs: torch.Tensor | None
+    ) -> None:
+        self.keys, self.key_scales, self.values, self.value_scales = k, ks, v, vs
+
+    def reset(self) -> None:
+        super().reset()
+        self.key_scales = self.value_scales = None
+
+    def _map(self, fn: Any) -> None:
+        """`fn` applied to every stored tensor (batch reorders and selections)."""
+        if self.get_seq_length() == 0:
+            return
+        for name in ("keys", "values", "key_scales", "value_scales"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, fn(t))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)  # keys / values (and a window's count)
+        if self.is_initialized and self.key_scales is not None and self.value_scales is not None:
+            n = self.keys.shape[-2]  # type: ignore[union-attr]
+            self.key_scales = self.key_scales[..., :n, :]
+            self.value_scales = self.value_scales[..., :n, :]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+
+class PackedSlidingLayer(PackedLayer, DynamicSlidingWindowLayer):
+    """A sliding-window (or chunked) layer kept packed: as transformers' dynamic window
+    layer, the last `sliding_window - 1` tokens stay cached and a forward reads them and
+    its own."""
+
+    def __init__(self, fmt: KVFormat, sliding_window: int) -> None:
+        super().__init__(fmt, sliding_window=sliding_window)
+
+    def _count(self, tokens: int) -> None:
+        self.cumulative_length += tokens
+
+    def _keep(
+        self, k: torch.Tensor, ks: torch.Tensor | None, v: torch.Tensor, vs: torch.Tensor | None
+    ) -> None:
+        keep = slice(-self.sliding_window + 1, None)
+        super()._keep(
+            k[:, :, keep],
+            None if ks is None else ks[:, :, keep],
+            v[:, :, keep],
+            None if vs is None else vs[:, :, keep],
+        )
+
+
+def _cat(
+    q: torch.Tensor, s: torch.Tensor | None, new: tuple[torch.Tensor, torch.Tensor | None]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Cached (values, scales) with `new` appended along the tokens."""
+    q = torch.cat([q, new[0]], dim=-2)
+    return q, None if s is None or new[1] is None else torch.cat([s, new[1]], dim=-2)
+
+
+# transformers' dynamic layer class -> its packed twin (a DummyLayer caches nothing).
+def _packed(layer: Any, f: KVFormat) -> Any:
+    if isinstance(layer, PACKED_LAYERS):
+        return layer
+    if type(layer) is DynamicLayer:
+        return PackedLayer(f)
+    if type(layer) is DynamicSlidingWindowLayer:
+        return PackedSlidingLayer(f, layer.sliding_window)
+    if type(layer) is DummyLayer:
+        return layer
+    what = type(layer).__name__
+    raise ValueError(f"kv_format={f.name!r}: a {what} cache layer has no packed form")
+
+
+# The packed layers, for the prompt cache (chunked.py): like transformers' dynamic ones they
+# replace their tensors on update, never write them in place.
+PACKED_LAYERS: tuple[type, ...] = (PackedLayer, PackedSlidingLayer)
+
+
+def new_cache(config: Any, fmt: str) -> DynamicCache:
+    """An empty cache of `config`'s layers in KV format `fmt` (KV_FORMATS; "auto":
+    transformers' own)."""
+    f = check_kv_format(config, fmt)
+    cache = DynamicCache(config=config)
+    if f.dtype is not None:
+        cache.layers = [_packed(x, f) for x in cache.layers]
+    return cache
+
+
+def cache_for(config: Any, fmt: str, kv: Any) -> Any:
+    """The cache a forward starting a sequence uses in KV format `fmt`: `new_cache`'s for
+    none, else `kv` itself, its layers packed in place when it is an empty transformers
+    DynamicCache (the one transformers' `generate` makes for an offloaded model)."""
+    if kv is None:
+        return new_cache(config, fmt)
+    empty = not any(getattr(x, "is_initialized", False) for x in kv.layers)
+    if type(kv) is DynamicCache and empty and not kv.offloading:
+        f = check_kv_format(config, fmt)
+        kv.layers = [_packed(x, f) for x in kv.layers]
+        if kv.layer_class_to_replicate is DynamicLayer:  # layers made on first update
+            kv.layer_class_to_replicate = functools.partial(PackedLayer, f)  # type: ignore[assignment]
+    return kv
+
+
+def set_kv_format(hf: nn.Module, fmt: str) -> None:
+    """Decode `hf` (psr-wrapped) with KV format `fmt`: psr's forward wrapper passes each
+    forward's cache through `cache_for` (a one-line ValueError for a kind that has none)."""
+    f = check_kv_format(hf.config, fmt)
+    hf.psr_kv_format = f.name  # type: ignore[assignment]
+    maker = None if f.dtype is None else functools.partial(cache_for, hf.config, f.name)
+    hf.psr_kv_cache = maker  # type: ignore[assignment]
