@@ -13,6 +13,10 @@ transformers forward over `[b, 1]` tokens, each row computed as its sequence alo
   `psr_batch` then runs the model's own attention implementation (sdpa / eager) once per
   sequence over its own keys, with the mask a solo decode step passes (none: one query
   attends to every cached position). Sequences of any lengths, no padding.
+* **Row-invariant modules: one call.** A module whose own forward computes each row as
+  that row alone (`_row_invariant`: a `QuantLinear` over GGML blocks on the CPU, which
+  is `cpu_kernels.cpu_linear`, each output element one row dot product in a fixed order
+  whatever T) runs once over all rows, reading its weight once for the batch.
 * Norms, rotary embeddings and embeddings are row-wise in transformers already.
 """
 
@@ -26,6 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import psr_kernels as pk
+from psr.runtime.dense import QuantLinear
 
 ATTENTION = "psr_batch"  # the attention implementation's name while a batch forward runs
 _active = threading.local()  # the running batch forward's BatchKV (per thread)
@@ -43,6 +50,20 @@ def batch_linear(
     # Each slice in a fresh tensor: BLAS kernels may take another path for an input that
     # starts inside another tensor (alignment), and the solo call's input is its own.
     return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])])
+
+
+def _row_invariant(module: nn.Module) -> bool:
+    """Whether `module`'s own forward over `[b, ..., K]` gives each row bit-identically as
+    over that row alone, so a batch forward calls it once (the seam's one predicate): a
+    `QuantLinear` over GGML blocks on the CPU, whose forward is `cpu_kernels.cpu_linear`."""
+    if not isinstance(module, QuantLinear) or module.fmt.block is None:
+        return False
+    if module.qweight.device.type != "cpu":
+        return False
+    try:
+        return pk.resolve_compute(module.compute, "cpu") == "torch"
+    except RuntimeError:  # compute='triton' without the interpreter: its forward refuses
+        return False
 
 
 class BatchKV:
@@ -134,7 +155,11 @@ class DenseSeam:
 
     def __init__(self, model: nn.Module, invariant: bool) -> None:
         self.invariant = invariant
-        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        # Row-invariant modules keep their own forward: one call for every row.
+        whole = {id(m) for m in model.modules() if invariant and _row_invariant(m)}
+        self.linears = [
+            m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in whole
+        ]
         self.latent = latent(model.config)
         self.attention = [
             m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")
@@ -147,7 +172,10 @@ class DenseSeam:
         self.leaves = [
             m
             for m in model.modules()
-            if not any(m.children()) and not isinstance(m, skip) and type(m).__name__ not in _PSR
+            if not any(m.children())
+            and not isinstance(m, skip)
+            and type(m).__name__ not in _PSR
+            and id(m) not in whole
         ]
 
     @staticmethod
