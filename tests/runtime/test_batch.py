@@ -14,7 +14,8 @@ from tiny_models import tiny_model, write_checkpoint
 
 import psr
 from psr.runtime.batch import BatchDecoder
-from psr.runtime.batch_ops import batch_linear
+from psr.runtime.batch_ops import DenseSeam, _row_invariant, batch_linear
+from psr.runtime.dense import QuantLinear
 from psr.runtime.batch_slab import SharedSlab
 from psr.store import CopyReason
 
@@ -193,6 +194,28 @@ def test_batch_linear_rows_are_one_row_calls() -> None:
     assert torch.equal(batch_linear(x, w, b, invariant=True).reshape(5, 80), rows)
     plain = batch_linear(x, w, b, invariant=False)
     assert torch.equal(plain, torch.nn.functional.linear(x, w, b))
+
+
+def test_gguf_dense_blocks_run_once_for_all_rows(tmp_path: Path) -> None:
+    """A GGUF's dense matrices kept in their blocks (QuantLinear: cpu_linear on the CPU,
+    rows bit-identical for any T) run once over the batch, and every row still equals its
+    solo run; experts on the CPU (one call for all rows too)."""
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    path = tmp_path / "q.gguf"
+    types = {"experts": "Q8_0", "dense": lambda layer: "Q8_0" if layer == 0 else "Q4_K"}
+    write_gguf(gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256), path, types)
+    model = psr.load(path, "psr", 0.5, device="cpu", experts_on="cpu", progress=False)
+    quant = [m for m in model.hf.modules() if isinstance(m, QuantLinear)]
+    assert quant and all(_row_invariant(m) for m in quant)
+    seam = DenseSeam(model.hf, invariant=True)
+    assert not {id(m) for m in quant} & {id(m) for m in [*seam.linears, *seam.leaves]}
+    x = torch.randn(5, 1, quant[0].in_features)
+    rows = torch.cat([quant[0](x[i : i + 1].clone()) for i in range(5)])
+    assert torch.equal(quant[0](x), rows)  # the premise, on the model's own layer
+    toks, logits, dec = _batched(model, PROMPTS, 6, joins=[0, 0, 2])
+    assert dec.stats["cpu_experts"] > 0
+    _assert_solo(model, PROMPTS, 6, toks, logits)
 
 
 def test_shared_slab_evicts_unheld_slots_first_and_never_a_read_one(ckpts) -> None:
