@@ -15,8 +15,8 @@ from tiny_models import tiny_model, write_checkpoint
 import psr
 from psr.runtime.batch import BatchDecoder
 from psr.runtime.batch_ops import DenseSeam, _row_invariant, batch_linear
-from psr.runtime.dense import QuantLinear
 from psr.runtime.batch_slab import SharedSlab
+from psr.runtime.dense import QuantLinear
 from psr.store import CopyReason
 
 
@@ -207,15 +207,38 @@ def test_gguf_dense_blocks_run_once_for_all_rows(tmp_path: Path) -> None:
     write_gguf(gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256), path, types)
     model = psr.load(path, "psr", 0.5, device="cpu", experts_on="cpu", progress=False)
     quant = [m for m in model.hf.modules() if isinstance(m, QuantLinear)]
-    assert quant and all(_row_invariant(m) for m in quant)
+    norms = [m for m in model.hf.modules() if type(m).__name__ == "Qwen3MoeRMSNorm"]
+    assert quant and norms and all(_row_invariant(m) for m in quant + norms)
     seam = DenseSeam(model.hf, invariant=True)
-    assert not {id(m) for m in quant} & {id(m) for m in [*seam.linears, *seam.leaves]}
+    assert not {id(m) for m in quant + norms} & {id(m) for m in [*seam.linears, *seam.leaves]}
     x = torch.randn(5, 1, quant[0].in_features)
     rows = torch.cat([quant[0](x[i : i + 1].clone()) for i in range(5)])
     assert torch.equal(quant[0](x), rows)  # the premise, on the model's own layer
     toks, logits, dec = _batched(model, PROMPTS, 6, joins=[0, 0, 2])
     assert dec.stats["cpu_experts"] > 0
     _assert_solo(model, PROMPTS, 6, toks, logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_run_once_for_all_rows(dtype) -> None:
+    """transformers' RMS norms (the audited bytecode) give each row of a batch bit-identically
+    as alone, at row lengths on and off the vector width; other norms are not claimed."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for cls in (OlmoeRMSNorm, Qwen3MoeRMSNorm, GptOssRMSNorm):
+        for H in (7, 33, 128, 2050):
+            norm = cls(H).to(dtype)
+            norm.weight.data = torch.randn(H, generator=g).to(dtype)
+            assert _row_invariant(norm)
+            x = (torch.randn(19, 1, H, generator=g) * 3).to(dtype)
+            rows = torch.cat([norm(x[i : i + 1].clone()) for i in range(19)])
+            assert torch.equal(norm(x), rows), (cls.__name__, H)
+    assert not _row_invariant(GemmaRMSNorm(8))  # not audited: per row
+    assert not _row_invariant(torch.nn.LayerNorm(8))
 
 
 def test_shared_slab_evicts_unheld_slots_first_and_never_a_read_one(ckpts) -> None:

@@ -16,8 +16,8 @@ transformers forward over `[b, 1]` tokens, each row computed as its sequence alo
 * **Row-invariant modules: one call.** A module whose own forward computes each row as
   that row alone (`_row_invariant`: a `QuantLinear` over GGML blocks on the CPU, which
   is `cpu_kernels.cpu_linear`, each output element one row dot product in a fixed order
-  whatever T) runs once over all rows, reading its weight once for the batch.
-* Norms, rotary embeddings and embeddings are row-wise in transformers already.
+  whatever T, reading its weight once for the batch; transformers' RMS norms) runs once
+  over all rows. Other leaves (activations, rotary embeddings) run once per row.
 """
 
 from __future__ import annotations
@@ -54,16 +54,48 @@ def batch_linear(
 
 def _row_invariant(module: nn.Module) -> bool:
     """Whether `module`'s own forward over `[b, ..., K]` gives each row bit-identically as
-    over that row alone, so a batch forward calls it once (the seam's one predicate): a
-    `QuantLinear` over GGML blocks on the CPU, whose forward is `cpu_kernels.cpu_linear`."""
-    if not isinstance(module, QuantLinear) or module.fmt.block is None:
+    over that row alone, so a batch forward calls it once (the seam's one predicate):
+
+    * a `QuantLinear` over GGML blocks on the CPU: its forward is `cpu_kernels.cpu_linear`
+      (each output element one row dot product in a fixed order, whatever T);
+    * an RMS norm on the CPU whose forward is the bytecode of one of transformers' RMS
+      norms audited here (`_NORMS`): casts, `x * x`, a sum over the last dim then a
+      division (torch's CPU mean; a contiguous row is summed by one loop that depends on
+      its length only, the rows split whole between threads), `+ eps`, rsqrt (`1 /
+      sqrt`, correctly rounded in the vector and the scalar loop alike), products: no
+      transcendental, nothing that mixes rows."""
+    if isinstance(module, QuantLinear):
+        if module.fmt.block is None or module.qweight.device.type != "cpu":
+            return False
+        try:
+            return pk.resolve_compute(module.compute, "cpu") == "torch"
+        except RuntimeError:  # compute='triton' without the interpreter: its forward refuses
+            return False
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 1:
         return False
-    if module.qweight.device.type != "cpu":
+    if not isinstance(getattr(module, "variance_epsilon", None), float):
         return False
-    try:
-        return pk.resolve_compute(module.compute, "cpu") == "torch"
-    except RuntimeError:  # compute='triton' without the interpreter: its forward refuses
-        return False
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and any(_same_code(code, c) for c in _norms())
+
+
+def _same_code(a: Any, b: Any) -> bool:
+    return (a.co_code, a.co_names, a.co_consts, a.co_varnames) == (
+        b.co_code, b.co_names, b.co_consts, b.co_varnames
+    )  # fmt: skip
+
+
+_NORMS: list[Any] = []  # the audited norms' code objects (imported on first use)
+
+
+def _norms() -> list[Any]:
+    if not _NORMS:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        _NORMS.extend(f.forward.__code__ for f in (LlamaRMSNorm, GptOssRMSNorm))
+    return _NORMS
 
 
 class BatchKV:
@@ -164,7 +196,7 @@ class DenseSeam:
         self.attention = [
             m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")
         ]
-        # Row-local leaf modules (norms, activations, rotary embeddings): once per sequence.
+        # Other row-local leaf modules (activations, rotary embeddings): once per sequence.
         # Elementwise transcendentals are not batch-invariant in torch (a tensor's first
         # elements take the vectorized loop, its tail the scalar one: SiLU over 16 elements
         # differs from the same 16 inside 32).
