@@ -291,6 +291,39 @@ def test_remove_frees_and_bad_input_is_refused(ckpts) -> None:
         BatchDecoder(async_model, 2)
 
 
+def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
+    """kv_tokens: a prompt longer than the budget is refused; a prefill that does not fit
+    beside the others' KV waits until one leaves; a step that would pass it is refused with
+    nothing changed; every sequence's logits stay its solo run's."""
+    model = _tiny(ckpts)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="kv_tokens must be an int >= 1"):
+            BatchDecoder(model, 2, kv_tokens=bad)
+    dec = BatchDecoder(model, 2, kv_tokens=12)
+    with pytest.raises(ValueError, match=r"a prompt of 13 tokens exceeds the batch's KV budget"):
+        dec.add(list(range(1, 14)))
+    a, b = dec.add(PROMPTS[0]), dec.add(PROMPTS[1])  # 5 + 9 > 12: b's prefill waits
+    got: list[torch.Tensor] = []
+    for _ in range(8):  # a: 5 prompt tokens + 7 steps = 12
+        r = dec.ready()
+        assert list(r) == [a] and dec.kv_held <= 12
+        got.append(r[a])
+        if len(got) < 8:
+            dec.feed({a: int(r[a].float().argmax())})
+    with pytest.raises(ValueError, match=r"would hold 13 KV tokens, beyond the batch's kv_tok"):
+        dec.feed({a: int(got[-1].float().argmax())})
+    assert dec.kv_held == 12 and torch.equal(dec.ready()[a], got[-1])  # nothing changed
+    assert torch.equal(torch.stack(got), _solo(model, PROMPTS[0], 8)[1])
+    dec.remove(a)
+    got = []
+    for _ in range(4):  # b: 9 + 3 steps
+        r = dec.ready()
+        got.append(r[b])
+        if len(got) < 4:
+            dec.feed({b: int(r[b].float().argmax())})
+    assert torch.equal(torch.stack(got), _solo(model, PROMPTS[1], 4)[1])
+
+
 def test_attention_a_batch_cannot_run_per_sequence_is_refused(ckpts) -> None:
     model = psr.load(ckpts["gpt_oss"], "exact", 0.5, progress=False)
     with pytest.raises(ValueError, match="sliding windows"):

@@ -188,19 +188,29 @@ class BatchDecoder:
     `batch_invariant` (default True): each row computed as at b = 1, so every sequence's
     logits equal its solo run's; False computes the dense linears over the whole batch
     (faster, but rows then depend on their co-runners; never the default).
+    `kv_tokens` (default None: each sequence up to the model's context): the most tokens
+    the live sequences' KV caches hold together (the memory the caller has for KV). Never
+    met by evicting a live sequence's KV: a prompt longer than it is refused at `add`, a
+    queued prefill chunk that does not fit waits (until a sequence leaves), and a `feed`
+    whose step would pass it is refused before anything changes.
     """
 
     def __init__(
-        self, model: OffloadedModel, max_batch: int, *, batch_invariant: bool = True
-    ) -> None:
+        self, model: OffloadedModel, max_batch: int, *, batch_invariant: bool = True,
+        kv_tokens: int | None = None,
+    ) -> None:  # fmt: skip
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if kv_tokens is not None and (
+            isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1
+        ):
+            raise ValueError(f"kv_tokens must be an int >= 1 or None, got {kv_tokens!r}")
         rt = model.runtime
         with rt.lock:
             model._check_open()
             _check_model(model)
             self.model, self.rt = model, rt
-            self.max_batch = max_batch
+            self.max_batch, self.kv_tokens = max_batch, kv_tokens
             self.batch_invariant = bool(batch_invariant)
             self.slab = SharedSlab(rt.store, len(rt.layers))
             self._seam = DenseSeam(model.hf, self.batch_invariant)
@@ -226,6 +236,11 @@ class BatchDecoder:
                 raise ValueError(
                     f"the batch is full: {self.max_batch} live sequences (max_batch); remove one"
                 )
+            if self.kv_tokens is not None and ids.shape[1] > self.kv_tokens:
+                raise ValueError(
+                    f"a prompt of {ids.shape[1]} tokens exceeds the batch's KV budget of "
+                    f"{self.kv_tokens} tokens (kv_tokens)"
+                )
             C, E = rt.capacity, rt.spec.num_experts
             n = len(rt.layers)
             seq = _Seq(self._next_id, ids, [LogicalCache(C, E) for _ in range(n)],
@@ -248,6 +263,12 @@ class BatchDecoder:
         with self.rt.lock:
             self.model._check_open()
             seqs = [self._checked(sid, tok) for sid, tok in sorted(tokens.items())]
+            held = self.kv_held
+            if seqs and self.kv_tokens is not None and held + len(seqs) > self.kv_tokens:
+                raise ValueError(
+                    f"this step would hold {held + len(seqs)} KV tokens, beyond the batch's "
+                    f"kv_tokens={self.kv_tokens}: remove a sequence (none was evicted)"
+                )
             if seqs:
                 self._step(seqs, [int(tokens[s.id]) for s in seqs])
             self._prefill_chunk()
@@ -263,6 +284,11 @@ class BatchDecoder:
                 self.slab.drop(i, cache.order())
                 cache.reset()
             seq.kv = seq.logits = None
+
+    @property
+    def kv_held(self) -> int:
+        """Tokens the live sequences' KV caches hold together."""
+        return sum(s.length for s in self._seqs.values())
 
     # --- inside -------------------------------------------------------------------------
     def _awaiting(self) -> list[_Seq]:
@@ -298,12 +324,15 @@ class BatchDecoder:
         self.stats["tokens"] += len(seqs)
 
     def _prefill_chunk(self) -> bool:
-        """One chunk of the oldest queued prefill (the solo prefill's chunks); False if none."""
+        """One chunk of the oldest queued prefill (the solo prefill's chunks); False if none,
+        or if it waits: the chunk does not fit the KV budget beside the others' KV."""
         seq = next((s for s in self._seqs.values() if s.prefilling), None)
         if seq is None:
             return False
         T, chunk = seq.prompt.shape[1], self.model.prefill_chunk
         end = boundaries(seq.done, T, chunk)[0]
+        if self.kv_tokens is not None and self.kv_held + end - seq.done > self.kv_tokens:
+            return False
         rt = self.rt
         past = {} if seq.kv is None else {self._kv_name: seq.kv}
         rt.prefill_more = end < T
