@@ -324,6 +324,38 @@ def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
     assert torch.equal(torch.stack(got), _solo(model, PROMPTS[1], 4)[1])
 
 
+def test_recorded_batch_trace_counts_each_copy_once_and_prices(ckpts) -> None:
+    """record_trace: one trace token per batch step; each layer step the union of its rows'
+    experts and the shared slab's copies (each once, however many rows need it); the
+    latency model prices it."""
+    from psr.eval.latency import simulate
+
+    model = _tiny(ckpts)
+    model.runtime.prefill_reads = "slab"  # members through the shared slab (copies)
+    dec = BatchDecoder(model, 3)
+    for p in PROMPTS:
+        dec.add(p)
+    r = dec.ready()
+    while len(r) < 3:
+        dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+        r = dec.ready()
+    trace = dec.record_trace()
+    before = dec.slab.counts["copies"]
+    for _ in range(4):
+        dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+        r = dec.ready()
+    assert len(trace.tokens) == 4
+    copies = [c for tok in trace.tokens for s in tok for c in s.copies]
+    assert len(copies) == dec.slab.counts["copies"] - before > 0
+    for tok in trace.tokens:
+        assert [s.layer for s in tok] == list(range(len(model.runtime.layers)))
+        for s in tok:
+            assert s.experts == sorted(set(s.experts))
+            assert model.runtime.spec.top_k <= len(s.experts) <= 3 * model.runtime.spec.top_k
+            assert not {c.expert for c in s.copies if c.kind == "miss"} - set(s.experts)
+    assert simulate(trace, "rtx4090").ms_per_token > 0
+
+
 def test_attention_a_batch_cannot_run_per_sequence_is_refused(ckpts) -> None:
     model = psr.load(ckpts["gpt_oss"], "exact", 0.5, progress=False)
     with pytest.raises(ValueError, match="sliding windows"):

@@ -46,6 +46,7 @@ from psr.runtime.layer import MoELayer
 from psr.runtime.prefill import PrefillStep, reads_host
 from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
+from psr.runtime.trace import Copy, LayerStep, Trace
 from psr.store import CopyReason
 
 if TYPE_CHECKING:
@@ -130,10 +131,14 @@ class BatchStep(Step):
         super().__init__(runtime)
         self.dec, self.seqs = dec, list(seqs)
         self.pending: dict[int, list[_Row]] = {}
+        self.layer_steps: list[tuple[int, int]] = []  # (MoE layer, slab.log's length then)
+        self.routed: dict[int, list[_Row]] = {}  # MoE layer -> its rows (record_trace)
 
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         rt, dec, i = self.rt, self.dec, layer.index
         inv = dec.batch_invariant
+        if dec.slab.log is not None:
+            self.layer_steps.append((i, len(dec.slab.log)))
         logits = self.logits(layer, x, lambda a, w, b: batch_linear(a, w, b, inv))
         lam = rt.steering.lam(layer)
         cap = rt.max_inserts(layer)
@@ -178,6 +183,7 @@ class BatchStep(Step):
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         rows = self.pending.pop(layer.index)
+        self.routed[layer.index] = rows
         return self.dec.compute_experts(layer, x, ids, weights, rows)
 
 
@@ -218,6 +224,7 @@ class BatchDecoder:
             self._seqs: dict[int, _Seq] = {}
             self._next_id = 0
             self.stats: Counter[str] = Counter()
+            self.trace: Trace | None = None  # record_trace
 
     # --- the public calls -------------------------------------------------------------
     @property
@@ -285,6 +292,18 @@ class BatchDecoder:
                 cache.reset()
             seq.kv = seq.logits = None
 
+    def record_trace(self) -> Trace:
+        """Record the batch's decode steps from now on: one trace token per batch step,
+        each MoE layer's step the union of its rows' experts (read once for the batch)
+        and the copies the shared slab issued during it (psr.eval.latency prices it)."""
+        rt = self.rt
+        self.trace = Trace(
+            rt.num_decoder_layers, [L.decoder_index for L in rt.layers], rt.spec.top_k,
+            rt.expert_bytes, rt.policy.describe(), bytes_ratio=rt.bytes_ratio,
+        )  # fmt: skip
+        self.slab.log = []
+        return self.trace
+
     @property
     def kv_held(self) -> int:
         """Tokens the live sequences' KV caches hold together."""
@@ -317,11 +336,30 @@ class BatchDecoder:
         with self.rt.batch_forward(step), self._seam.active(self.model.config, kv):
             out = self.model.hf(input_ids=ids, position_ids=pos, use_cache=True,
                                 **{self._kv_name: kv})  # fmt: skip
+        if self.trace is not None:
+            self._record(step)
         logits = out.logits[:, -1]
         for r, s in enumerate(seqs):
             s.logits, s.length = logits[r], s.length + 1
         self.stats["steps"] += 1
         self.stats["tokens"] += len(seqs)
+
+    def _record(self, step: BatchStep) -> None:
+        """The step's layer steps into the trace, each with the copies issued from its
+        routing to the next layer's."""
+        assert self.trace is not None and self.slab.log is not None
+        log, tok = self.slab.log, []
+        ends = [at for _, at in step.layer_steps[1:]] + [len(log)]
+        for (i, at), end in zip(step.layer_steps, ends, strict=True):
+            rows = step.routed[i]
+            union = sorted({e for r in rows for e in r.members})
+            cpu = {e for r in rows for e in r.cpu}
+            copies = [Copy(layer, slot, e, "prefetch" if why == CopyReason.PREFETCH else "miss")
+                      for layer, slot, e, why in log[at:end]]  # fmt: skip
+            misses = sum(c.kind == "miss" and c.layer == i for c in copies)
+            tok.append(LayerStep(i, union, [], len(union) - misses, copies, cpu_experts=len(cpu)))
+        self.trace.tokens.append(tok)
+        log.clear()
 
     def _prefill_chunk(self) -> bool:
         """One chunk of the oldest queued prefill (the solo prefill's chunks); False if none,
