@@ -1,7 +1,7 @@
 """Batched decode (issue 38): throughput against sequential runs, and determinism.
 
     OMP_NUM_THREADS=1 python bench/batch.py --threads 1 --out bench/results/batch
-        [--models embedded,embedded-gguf,qwen3-gguf] [--skip determinism]
+        [--models embedded,embedded-gguf,qwen3-gguf] [--skip determinism] [--skip modeled]
 
 throughput   per --models model, on the CPU backend, experts on the CPU (experts_on="cpu",
              psr at its tuned point, residency 0.5), `--threads` CPU threads: for b in
@@ -27,6 +27,15 @@ determinism  --det-prompts prompts x --det-tokens tokens decoded alone, then ins
              random copy delays (PSR_COPY_DELAY-style, up to --delay-us), the members read
              through the shared slab (as on CUDA: copies, runs of rows, spills) with the
              default placement: the count of tokens that differ from the solo runs.
+modeled      the embedded model (standing for OLMoE-1B-7B, as psr.eval's profiles price
+             it), experts on the GPU side: its members read through the shared slab (as on
+             CUDA); for b in --batches, b prompts decoded together for --tokens steps after
+             their prefill, the steps recorded (BatchDecoder.record_trace: per layer step the
+             union of the rows' experts, read once, and the slab's copies, each once) and
+             priced by psr.eval.latency (host-free) on the rtx4090 and h200 profiles: copies
+             per token, modeled ms per batch step (= per-request ms/token) and per token
+             (aggregate). The dense work is priced once per step (weight reads dominate at
+             small b), as for a speculative verify block.
 Writes batch.json and batch.md (rewritten after each part).
 """
 
@@ -206,6 +215,44 @@ def determinism(args: argparse.Namespace, out: dict[str, Any]) -> None:
         write(args, out)
 
 
+def modeled(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from psr.eval.latency import simulate
+
+    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, threads=args.threads, progress=False)
+    model.runtime.prefill_reads = "slab"  # members through the shared slab, as on CUDA
+    prompts = prompts_from_text(max(args.batches), args.prompt_tokens, 1)
+    rows = []
+    for b in args.batches:
+        dec = BatchDecoder(model, b)
+        for p in prompts[:b]:
+            dec.add(p)
+        r = dec.ready()
+        while len(r) < b:  # every prompt prefilled: the steps recorded all have b rows
+            dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+            r = dec.ready()
+        trace = dec.record_trace()
+        for _ in range(args.tokens):
+            dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+            r = dec.ready()
+        steps = len(trace.tokens)
+        layer_steps = [s for tok in trace.tokens for s in tok]
+        union = sum(len(s.experts) for s in layer_steps) / len(layer_steps)
+        copies = sum(len(s.copies) for s in layer_steps)
+        row: dict[str, Any] = {"b": b, "steps": steps, "copies_per_token": copies / (steps * b),
+                               "experts_read_per_layer_step": union}  # fmt: skip
+        for prof in ("rtx4090", "h200"):
+            res = simulate(trace, prof)
+            row[f"{prof}_ms_per_step"] = res.ms_per_token
+            row[f"{prof}_ms_per_token"] = res.ms_per_token / b
+        rows.append(row)
+        print("modeled", row, flush=True)
+        for s in list(dec.live):
+            dec.remove(s)
+    model.close()
+    out["modeled"] = {"rows": rows, "command": out["command"], "tokens": args.tokens}
+    write(args, out)
+
+
 def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "batch.json", out)
@@ -237,6 +284,26 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 f"{r['batched_differing_tokens']} / {r['plain_differing_tokens']} |"
             )
         lines.append("")
+    if "modeled" in out:
+        m = out["modeled"]
+        lines += [
+            f"### Modeled on the GPU profiles (psr.eval.latency, host-free): the embedded "
+            f"model priced as OLMoE-1B-7B, {m['tokens']} recorded batch steps per b",
+            "",
+            f"`{m['command']}`",
+            "",
+            "| b | copies / token | experts read / layer step | RTX 4090 ms / step (per "
+            "request) | RTX 4090 ms / token (aggregate) | H200 ms / step | H200 ms / token |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in m["rows"]:
+            lines.append(
+                f"| {r['b']} | {r['copies_per_token']:.2f} | "
+                f"{r['experts_read_per_layer_step']:.1f} | {r['rtx4090_ms_per_step']:.2f} | "
+                f"{r['rtx4090_ms_per_token']:.2f} | {r['h200_ms_per_step']:.2f} | "
+                f"{r['h200_ms_per_token']:.2f} |"
+            )
+        lines.append("")
     if "determinism" in out:
         d = out["determinism"]
         lines += ["", f"`{out['determinism_command']}`", "",
@@ -249,6 +316,7 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 
 MODELS = ("embedded", "embedded-gguf", "qwen3-gguf")
+PARTS = ("throughput", "modeled", "determinism")
 
 
 def _models(text: str) -> list[str]:
@@ -276,7 +344,7 @@ def main() -> None:
     ap.add_argument("--det-batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[2, 4, 8])  # fmt: skip
     ap.add_argument("--delay-us", type=int, default=300)
-    ap.add_argument("--skip", choices=("throughput", "determinism"), default=None)
+    ap.add_argument("--skip", choices=PARTS, action="append", default=[])
     ap.add_argument("--out", type=Path, default=Path("bench/results/batch"))
     args = ap.parse_args()
     # Each part keeps its own command; a run of one part keeps the other's results.
@@ -286,10 +354,12 @@ def main() -> None:
         out["throughput"] = {"embedded": {"rows": out["throughput"],
                                           "command": out.pop("throughput_command")}}  # fmt: skip
     out["command"] = "OMP_NUM_THREADS=1 python bench/batch.py " + " ".join(sys.argv[1:])
-    if args.skip != "throughput":
+    if "throughput" not in args.skip:
         for name in args.models:
             throughput(args, out, name)
-    if args.skip != "determinism":
+    if "modeled" not in args.skip:
+        modeled(args, out)
+    if "determinism" not in args.skip:
         determinism(args, out)
 
 

@@ -294,14 +294,15 @@ class BatchDecoder:
 
     def record_trace(self) -> Trace:
         """Record the batch's decode steps from now on: one trace token per batch step,
-        each MoE layer's step the union of its rows' experts (read once for the batch)
-        and the copies the shared slab issued during it (psr.eval.latency prices it)."""
+        each MoE layer's step the union of its rows' experts (read once for the batch;
+        once per run of rows when the union does not fit the slab) with their slots, and
+        the copies the shared slab issued during it (psr.eval.latency prices it)."""
         rt = self.rt
         self.trace = Trace(
             rt.num_decoder_layers, [L.decoder_index for L in rt.layers], rt.spec.top_k,
             rt.expert_bytes, rt.policy.describe(), bytes_ratio=rt.bytes_ratio,
         )  # fmt: skip
-        self.slab.log = []
+        self.slab.log, self.slab.reads = [], []
         return self.trace
 
     @property
@@ -349,17 +350,24 @@ class BatchDecoder:
         routing to the next layer's."""
         assert self.trace is not None and self.slab.log is not None
         log, tok = self.slab.log, []
+        reads = self.slab.reads or []
         ends = [at for _, at in step.layer_steps[1:]] + [len(log)]
         for (i, at), end in zip(step.layer_steps, ends, strict=True):
             rows = step.routed[i]
-            union = sorted({e for r in rows for e in r.members})
+            # The slab's reads (runs of rows: an expert two runs read is read twice), or,
+            # read from the host rows (the CPU backend), the union of the members.
+            runs = [(u, s) for j, u, s in reads if j == i]
+            union = [e for u, _ in runs for e in u] or sorted({e for r in rows for e in r.members})
+            slots = [x for _, s in runs for x in s]
             cpu = {e for r in rows for e in r.cpu}
             copies = [Copy(layer, slot, e, "prefetch" if why == CopyReason.PREFETCH else "miss")
                       for layer, slot, e, why in log[at:end]]  # fmt: skip
             misses = sum(c.kind == "miss" and c.layer == i for c in copies)
-            tok.append(LayerStep(i, union, [], len(union) - misses, copies, cpu_experts=len(cpu)))
+            tok.append(LayerStep(i, union, slots, len(union) - misses, copies,
+                                 cpu_experts=len(cpu)))  # fmt: skip
         self.trace.tokens.append(tok)
         log.clear()
+        reads.clear()
 
     def _prefill_chunk(self) -> bool:
         """One chunk of the oldest queued prefill (the solo prefill's chunks); False if none,

@@ -28,6 +28,8 @@ class SharedSlab:
         # (layer, slot, expert, reason) of each copy issued, in order, while a list
         # (BatchDecoder.record_trace); None: not kept.
         self.log: list[tuple[int, int, int, CopyReason]] | None = None
+        # (layer, experts, slots) of each run of rows read, while a list (idem).
+        self.reads: list[tuple[int, list[int], list[int]]] | None = None
 
     def slots(self, layer: int) -> int:
         return len(self.store.slot_experts(layer))
