@@ -64,13 +64,24 @@ def _row_invariant(module: nn.Module) -> bool:
       its length only, the rows split whole between threads), `+ eps`, rsqrt (`1 /
       sqrt`, correctly rounded in the vector and the scalar loop alike), products: no
       transcendental, nothing that mixes rows."""
-    if isinstance(module, QuantLinear):
-        if module.fmt.block is None or module.qweight.device.type != "cpu":
-            return False
-        try:
-            return pk.resolve_compute(module.compute, "cpu") == "torch"
-        except RuntimeError:  # compute='triton' without the interpreter: its forward refuses
-            return False
+    return _linear_row_invariant(module) or _norm_row_invariant(module)
+
+
+def _linear_row_invariant(module: nn.Module) -> bool:
+    """A dense layer whose CPU forward is `cpu_kernels.cpu_linear` (a QuantLinear over
+    GGML blocks; runtime/dense.py's own predicate may replace this one)."""
+    if not isinstance(module, QuantLinear):
+        return False
+    if module.fmt.block is None or module.qweight.device.type != "cpu":
+        return False
+    try:
+        return pk.resolve_compute(module.compute, "cpu") == "torch"
+    except RuntimeError:  # compute='triton' without the interpreter: its forward refuses
+        return False
+
+
+def _norm_row_invariant(module: nn.Module) -> bool:
+    """One of transformers' RMS norms, by its audited bytecode, on the CPU."""
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 1:
         return False
