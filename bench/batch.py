@@ -269,18 +269,21 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
             "| b | sequential tok/s | batched tok/s | plain tok/s | batched / sequential "
             "(median ratio) | invariance cost (median invariant / plain time) | solo "
             "ms/token | batched ms/token | plain ms/token | wall s (seq / batched / plain) "
-            "| CPU s (seq / batched / plain) | differing tokens (batched / plain) |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "| CPU s (seq / batched / plain) | sequential / batched CPU s | differing tokens "
+            "(batched / plain) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in t["rows"]:
             w, c = r.get("wall_s"), r.get("cpu_s")
             ws = "{sequential:.2f} / {batched:.2f} / {plain:.2f}".format(**w) if w else "-"
             cs = "{sequential:.2f} / {batched:.2f} / {plain:.2f}".format(**c) if c else "-"
+            cr = f"{c['sequential'] / c['batched']:.2f}x" if c else "-"
             lines.append(
                 f"| {r['b']} | {r['sequential_tok_s']:.1f} | {r['batched_tok_s']:.1f} | "
                 f"{r['plain_tok_s']:.1f} | {r['speedup_median']:.2f}x | "
                 f"{r['plain_over_invariant_median']:.2f}x | {r['solo_ms_per_token']:.1f} | "
                 f"{r['batched_ms_per_token']:.1f} | {r['plain_ms_per_token']:.1f} | {ws} | {cs} | "
+                f"{cr} | "
                 f"{r['batched_differing_tokens']} / {r['plain_differing_tokens']} |"
             )
         lines.append("")
