@@ -1,24 +1,41 @@
 """Batched decode (issue 38): throughput against sequential runs, and determinism.
 
     OMP_NUM_THREADS=1 python bench/batch.py --threads 1 --out bench/results/batch
+        [--models embedded,embedded-gguf,qwen3-gguf] [--skip determinism] [--skip modeled]
 
-throughput   the embedded model on the CPU backend, experts on the CPU (experts_on="cpu",
+throughput   per --models model, on the CPU backend, experts on the CPU (experts_on="cpu",
              psr at its tuned point, residency 0.5), `--threads` CPU threads: for b in
-             --batches, b prompts (--prompt-tokens each, from the held-out text) decoded
-             --tokens new tokens each, side by side in one run, --repeats times
-             (interleaved; ratios within a repeat, their median): sequentially with
-             `generate`, with `generate_batch` (batch-invariant, the default) and with
-             the plain batched path
-             (batch_invariant=False). Aggregate tok/s = b x tokens / wall time (prefill
-             included); per-request ms/token: sequential, the mean of each run's own wall
-             time / tokens; batched, the batch's wall time / tokens (every request lives
-             for all of it). Differing tokens: against the sequential runs.
+             --batches, b prompts (--prompt-tokens each) decoded --tokens new tokens each,
+             side by side in one run, --repeats times (interleaved; ratios within a
+             repeat, their median): sequentially with `generate`, with `generate_batch`
+             (batch-invariant, the default) and with the plain batched path
+             (batch_invariant=False). Models: `embedded` (psr's embedded model, float
+             dense: one F.linear per row), `embedded-gguf` (the same written as GGUF by
+             scripts/embedded_to_gguf.py, experts and dense matrices Q8_0, dense kept in
+             its blocks: QuantLinear, one cpu_linear call for all rows), `qwen3-gguf` (a
+             Qwen3-30B-A3B-shaped GGUF with --qwen-layers layers and a vocabulary of
+             --qwen-vocab, random weights: bench/cpu_decode.py's writer, Q4_K_M-like
+             experts, BF16 dense kept in its blocks; prompts are random ids).
+             Aggregate tok/s = b x tokens / wall time (prefill included); per-request
+             ms/token: sequential, the mean of each run's own wall time / tokens; batched,
+             the batch's wall time / tokens (every request lives for all of it). CPU
+             seconds (this process) beside the wall; the load average before and after.
+             Differing tokens: against the sequential runs.
 determinism  --det-prompts prompts x --det-tokens tokens decoded alone, then inside batches
              of each --det-batches size with random co-runners (the prompts shuffled),
              random join times (each prompt's earliest step uniform in [0, tokens]) and
              random copy delays (PSR_COPY_DELAY-style, up to --delay-us), the members read
              through the shared slab (as on CUDA: copies, runs of rows, spills) with the
              default placement: the count of tokens that differ from the solo runs.
+modeled      the embedded model (standing for OLMoE-1B-7B, as psr.eval's profiles price
+             it), experts on the GPU side: its members read through the shared slab (as on
+             CUDA); for b in --batches, b prompts decoded together for --tokens steps after
+             their prefill, the steps recorded (BatchDecoder.record_trace: per layer step the
+             union of the rows' experts, read once, and the slab's copies, each once) and
+             priced by psr.eval.latency (host-free) on the rtx4090 and h200 profiles: copies
+             per token, modeled ms per batch step (= per-request ms/token) and per token
+             (aggregate). The dense work is priced once per step (weight reads dominate at
+             small b), as for a speculative verify block.
 Writes batch.json and batch.md (rewritten after each part).
 """
 
@@ -26,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -39,6 +57,8 @@ from common import write_json
 import psr
 from psr.models.embedded import heldout_text, tokenizer_of
 from psr.runtime.batch import BatchDecoder
+
+WORK = Path("/tmp/psr-bench-batch")  # the written GGUF files (kept: rewritten only if absent)
 
 
 def prompts_from_text(n: int, length: int, seed: int) -> list[list[int]]:
@@ -56,28 +76,61 @@ def _differ(a: list[list[int]], b: list[list[int]]) -> int:
 def _timed_runs(model: psr.OffloadedModel, ps: list[list[int]], N: int) -> dict[str, Any]:
     """One repeat at one b: the sequential runs, then both batched paths, back to back."""
     times, solo = [], []
+    c = time.process_time()
     for p in ps:
         t = time.perf_counter()
         solo.append(model.generate(p, max_new_tokens=N)[0, len(p) :].tolist())
         times.append(time.perf_counter() - t)
     r: dict[str, Any] = {"sequential": sum(times), "per_request": times}
+    r["sequential_cpu"] = time.process_time() - c
     for name, inv in (("batched", True), ("plain", False)):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         got = model.generate_batch(ps, N, batch_invariant=inv)
         r[name] = time.perf_counter() - t
+        r[f"{name}_cpu"] = time.process_time() - c
         r[f"{name}_differ"] = _differ(got, solo)
     return r
 
 
-def throughput(args: argparse.Namespace, out: dict[str, Any]) -> None:
+def _model(name: str, args: argparse.Namespace) -> tuple[psr.OffloadedModel, list[list[int]]]:
+    """The model `name` (module docstring), loaded with experts on the CPU, and its prompts."""
+    n, P = max(args.batches), args.prompt_tokens
+    opts: dict[str, Any] = dict(experts_on="cpu", threads=args.threads, progress=False)
+    if name == "embedded":
+        return psr.load(psr.DEFAULT_MODEL, "psr", 0.5, **opts), prompts_from_text(n, P, 1)
+    WORK.mkdir(parents=True, exist_ok=True)
+    if name == "embedded-gguf":
+        path = WORK / "embedded-q8.gguf"
+        if not path.exists():
+            script = Path(__file__).resolve().parent.parent / "scripts" / "embedded_to_gguf.py"
+            cmd = [sys.executable, str(script), str(path), "--type", "Q8_0", "--dense", "Q8_0"]
+            import subprocess
+
+            subprocess.run(cmd, check=True)
+        return psr.load(path, "psr", 0.5, **opts), prompts_from_text(n, P, 1)
+    from cpu_decode import write_checkpoint, write_gguf
+
+    path = WORK / f"qwen3-{args.qwen_layers}l-{args.qwen_vocab}v.gguf"
+    if not path.exists():
+        ckpt = WORK / "qwen3-ckpt"
+        write_checkpoint(ckpt, args.qwen_layers, args.qwen_vocab)
+        write_gguf(ckpt, path, args.qwen_layers, args.qwen_vocab, "bf16", experts="Q4_K_M")
+        import shutil
+
+        shutil.rmtree(ckpt)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(259, args.qwen_vocab) for _ in range(P)] for _ in range(n)]
+    return psr.load(path, "psr", 0.5, **opts), prompts
+
+
+def throughput(args: argparse.Namespace, out: dict[str, Any], name: str) -> None:
     """Repeats interleave the batch sizes and, inside each, the three ways (a loaded
     machine's load drifts): the ratios are taken within a repeat, their median reported,
     and the times are each way's fastest repeat."""
-    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, experts_on="cpu", threads=args.threads,
-                     progress=False)  # fmt: skip
-    prompts = prompts_from_text(max(args.batches), args.prompt_tokens, 1)
+    model, prompts = _model(name, args)
     N = args.tokens
     model.generate(prompts[0], max_new_tokens=4)  # warm-up
+    load0 = os.getloadavg()
     runs: dict[int, list[dict[str, Any]]] = {b: [] for b in args.batches}
     for _ in range(args.repeats):
         for b in args.batches:
@@ -85,6 +138,7 @@ def throughput(args: argparse.Namespace, out: dict[str, Any]) -> None:
     rows = []
     for b, rs in runs.items():
         best = {k: min(r[k] for r in rs) for k in ("sequential", "batched", "plain")}
+        cpu = {k: min(r[f"{k}_cpu"] for r in rs) for k in ("sequential", "batched", "plain")}
         fastest = min(rs, key=lambda r: r["sequential"])["per_request"]
         rows.append({
             "b": b,
@@ -97,12 +151,17 @@ def throughput(args: argparse.Namespace, out: dict[str, Any]) -> None:
             "solo_ms_per_token": 1000 * sum(fastest) / len(fastest) / N,
             "batched_ms_per_token": 1000 * best["batched"] / N,
             "plain_ms_per_token": 1000 * best["plain"] / N,
+            "wall_s": best,
+            "cpu_s": cpu,
             "batched_differing_tokens": max(r["batched_differ"] for r in rs),
             "plain_differing_tokens": max(r["plain_differ"] for r in rs),
         })  # fmt: skip
-        print(rows[-1], flush=True)
-    out["throughput"] = rows
-    out["throughput_command"] = out["command"]
+        print(name, rows[-1], flush=True)
+    model.close()
+    out.setdefault("throughput", {})[name] = {
+        "rows": rows, "command": out["command"], "load": [load0, os.getloadavg()],
+        "tokens": N, "prompt_tokens": args.prompt_tokens, "threads": args.threads,
+    }  # fmt: skip
     write(args, out)
 
 
@@ -156,27 +215,98 @@ def determinism(args: argparse.Namespace, out: dict[str, Any]) -> None:
         write(args, out)
 
 
+def modeled(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    from psr.eval.latency import simulate
+
+    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, threads=args.threads, progress=False)
+    model.runtime.prefill_reads = "slab"  # members through the shared slab, as on CUDA
+    prompts = prompts_from_text(max(args.batches), args.prompt_tokens, 1)
+    rows = []
+    for b in args.batches:
+        dec = BatchDecoder(model, b)
+        for p in prompts[:b]:
+            dec.add(p)
+        r = dec.ready()
+        while len(r) < b:  # every prompt prefilled: the steps recorded all have b rows
+            dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+            r = dec.ready()
+        trace = dec.record_trace()
+        for _ in range(args.tokens):
+            dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+            r = dec.ready()
+        steps = len(trace.tokens)
+        layer_steps = [s for tok in trace.tokens for s in tok]
+        union = sum(len(s.experts) for s in layer_steps) / len(layer_steps)
+        copies = sum(len(s.copies) for s in layer_steps)
+        row: dict[str, Any] = {"b": b, "steps": steps, "copies_per_token": copies / (steps * b),
+                               "experts_read_per_layer_step": union}  # fmt: skip
+        for prof in ("rtx4090", "h200"):
+            res = simulate(trace, prof)
+            row[f"{prof}_ms_per_step"] = res.ms_per_token
+            row[f"{prof}_ms_per_token"] = res.ms_per_token / b
+        rows.append(row)
+        print("modeled", row, flush=True)
+        for s in list(dec.live):
+            dec.remove(s)
+    model.close()
+    out["modeled"] = {"rows": rows, "command": out["command"], "tokens": args.tokens}
+    write(args, out)
+
+
 def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "batch.json", out)
     lines = []
-    if "throughput" in out:
+    for name, t in out.get("throughput", {}).items():
+        (l0, l1) = (t["load"][0][0], t["load"][1][0]) if "load" in t else (None, None)
+        load = f"; load average {l0:.2f} before, {l1:.2f} after" if l0 is not None else ""
         lines += [
-            f"`{out['throughput_command']}`",
+            f"### {name}: {t.get('tokens', 32)} new tokens per request, "
+            f"{t.get('prompt_tokens', 32)}-token prompts{load}",
+            "",
+            f"`{t['command']}`",
             "",
             "| b | sequential tok/s | batched tok/s | plain tok/s | batched / sequential "
             "(median ratio) | invariance cost (median invariant / plain time) | solo "
-            "ms/token | batched ms/token | plain ms/token | differing tokens (batched / plain) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "ms/token | batched ms/token | plain ms/token | wall s (seq / batched / plain) "
+            "| CPU s (seq / batched / plain) | sequential / batched CPU s | differing tokens "
+            "(batched / plain) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in out["throughput"]:
+        for r in t["rows"]:
+            w, c = r.get("wall_s"), r.get("cpu_s")
+            ws = "{sequential:.2f} / {batched:.2f} / {plain:.2f}".format(**w) if w else "-"
+            cs = "{sequential:.2f} / {batched:.2f} / {plain:.2f}".format(**c) if c else "-"
+            cr = f"{c['sequential'] / c['batched']:.2f}x" if c else "-"
             lines.append(
                 f"| {r['b']} | {r['sequential_tok_s']:.1f} | {r['batched_tok_s']:.1f} | "
                 f"{r['plain_tok_s']:.1f} | {r['speedup_median']:.2f}x | "
                 f"{r['plain_over_invariant_median']:.2f}x | {r['solo_ms_per_token']:.1f} | "
-                f"{r['batched_ms_per_token']:.1f} | {r['plain_ms_per_token']:.1f} | "
+                f"{r['batched_ms_per_token']:.1f} | {r['plain_ms_per_token']:.1f} | {ws} | {cs} | "
+                f"{cr} | "
                 f"{r['batched_differing_tokens']} / {r['plain_differing_tokens']} |"
             )
+        lines.append("")
+    if "modeled" in out:
+        m = out["modeled"]
+        lines += [
+            f"### Modeled on the GPU profiles (psr.eval.latency, host-free): the embedded "
+            f"model priced as OLMoE-1B-7B, {m['tokens']} recorded batch steps per b",
+            "",
+            f"`{m['command']}`",
+            "",
+            "| b | copies / token | experts read / layer step | RTX 4090 ms / step (per "
+            "request) | RTX 4090 ms / token (aggregate) | H200 ms / step | H200 ms / token |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in m["rows"]:
+            lines.append(
+                f"| {r['b']} | {r['copies_per_token']:.2f} | "
+                f"{r['experts_read_per_layer_step']:.1f} | {r['rtx4090_ms_per_step']:.2f} | "
+                f"{r['rtx4090_ms_per_token']:.2f} | {r['h200_ms_per_step']:.2f} | "
+                f"{r['h200_ms_per_token']:.2f} |"
+            )
+        lines.append("")
     if "determinism" in out:
         d = out["determinism"]
         lines += ["", f"`{out['determinism_command']}`", "",
@@ -188,9 +318,24 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
     (args.out / "batch.md").write_text("\n".join(lines) + "\n")
 
 
+MODELS = ("embedded", "embedded-gguf", "qwen3-gguf")
+PARTS = ("throughput", "modeled", "determinism")
+
+
+def _models(text: str) -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in MODELS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown model {bad[0]!r}: one of {', '.join(MODELS)}")
+    return names
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--models", type=_models, default=["embedded"])
+    ap.add_argument("--qwen-layers", type=int, default=2)
+    ap.add_argument("--qwen-vocab", type=int, default=8192)
     ap.add_argument(
         "--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8]
     )
@@ -202,16 +347,22 @@ def main() -> None:
     ap.add_argument("--det-batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[2, 4, 8])  # fmt: skip
     ap.add_argument("--delay-us", type=int, default=300)
-    ap.add_argument("--skip", choices=("throughput", "determinism"), default=None)
+    ap.add_argument("--skip", choices=PARTS, action="append", default=[])
     ap.add_argument("--out", type=Path, default=Path("bench/results/batch"))
     args = ap.parse_args()
     # Each part keeps its own command; a run of one part keeps the other's results.
     old = args.out / "batch.json"
     out: dict[str, Any] = json.loads(old.read_text()) if old.exists() else {}
+    if isinstance(out.get("throughput"), list):  # the single-model layout before --models
+        out["throughput"] = {"embedded": {"rows": out["throughput"],
+                                          "command": out.pop("throughput_command")}}  # fmt: skip
     out["command"] = "OMP_NUM_THREADS=1 python bench/batch.py " + " ".join(sys.argv[1:])
-    if args.skip != "throughput":
-        throughput(args, out)
-    if args.skip != "determinism":
+    if "throughput" not in args.skip:
+        for name in args.models:
+            throughput(args, out, name)
+    if "modeled" not in args.skip:
+        modeled(args, out)
+    if "determinism" not in args.skip:
         determinism(args, out)
 
 

@@ -14,8 +14,9 @@ from tiny_models import tiny_model, write_checkpoint
 
 import psr
 from psr.runtime.batch import BatchDecoder
-from psr.runtime.batch_ops import batch_linear
+from psr.runtime.batch_ops import DenseSeam, _row_invariant, batch_linear
 from psr.runtime.batch_slab import SharedSlab
+from psr.runtime.dense import QuantLinear
 from psr.store import CopyReason
 
 
@@ -195,6 +196,51 @@ def test_batch_linear_rows_are_one_row_calls() -> None:
     assert torch.equal(plain, torch.nn.functional.linear(x, w, b))
 
 
+def test_gguf_dense_blocks_run_once_for_all_rows(tmp_path: Path) -> None:
+    """A GGUF's dense matrices kept in their blocks (QuantLinear: cpu_linear on the CPU,
+    rows bit-identical for any T) run once over the batch, and every row still equals its
+    solo run; experts on the CPU (one call for all rows too)."""
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    path = tmp_path / "q.gguf"
+    types = {"experts": "Q8_0", "dense": lambda layer: "Q8_0" if layer == 0 else "Q4_K"}
+    write_gguf(gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256), path, types)
+    model = psr.load(path, "psr", 0.5, device="cpu", experts_on="cpu", progress=False)
+    quant = [m for m in model.hf.modules() if isinstance(m, QuantLinear)]
+    norms = [m for m in model.hf.modules() if type(m).__name__ == "Qwen3MoeRMSNorm"]
+    assert quant and norms and all(_row_invariant(m) for m in quant + norms)
+    seam = DenseSeam(model.hf, invariant=True)
+    assert not {id(m) for m in quant + norms} & {id(m) for m in [*seam.linears, *seam.leaves]}
+    x = torch.randn(5, 1, quant[0].in_features)
+    rows = torch.cat([quant[0](x[i : i + 1].clone()) for i in range(5)])
+    assert torch.equal(quant[0](x), rows)  # the premise, on the model's own layer
+    toks, logits, dec = _batched(model, PROMPTS, 6, joins=[0, 0, 2])
+    assert dec.stats["cpu_experts"] > 0
+    _assert_solo(model, PROMPTS, 6, toks, logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norms_run_once_for_all_rows(dtype) -> None:
+    """transformers' RMS norms (the audited bytecode) give each row of a batch bit-identically
+    as alone, at row lengths on and off the vector width; other norms are not claimed."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+    from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for cls in (OlmoeRMSNorm, Qwen3MoeRMSNorm, GptOssRMSNorm):
+        for H in (7, 33, 128, 2050):
+            norm = cls(H).to(dtype)
+            norm.weight.data = torch.randn(H, generator=g).to(dtype)
+            assert _row_invariant(norm)
+            x = (torch.randn(19, 1, H, generator=g) * 3).to(dtype)
+            rows = torch.cat([norm(x[i : i + 1].clone()) for i in range(19)])
+            assert torch.equal(norm(x), rows), (cls.__name__, H)
+    assert not _row_invariant(GemmaRMSNorm(8))  # not audited: per row
+    assert not _row_invariant(torch.nn.LayerNorm(8))
+
+
 def test_shared_slab_evicts_unheld_slots_first_and_never_a_read_one(ckpts) -> None:
     model = _tiny(ckpts)  # 2 slots per layer of 8 experts
     store = model.runtime.store
@@ -243,6 +289,71 @@ def test_remove_frees_and_bad_input_is_refused(ckpts) -> None:
     async_model = psr.load(ckpts["olmoe"], "cache-prior-async", 0.25, progress=False)
     with pytest.raises(ValueError, match="logical-cache policy"):
         BatchDecoder(async_model, 2)
+
+
+def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
+    """kv_tokens: a prompt longer than the budget is refused; a prefill that does not fit
+    beside the others' KV waits until one leaves; a step that would pass it is refused with
+    nothing changed; every sequence's logits stay its solo run's."""
+    model = _tiny(ckpts)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="kv_tokens must be an int >= 1"):
+            BatchDecoder(model, 2, kv_tokens=bad)
+    dec = BatchDecoder(model, 2, kv_tokens=12)
+    with pytest.raises(ValueError, match=r"a prompt of 13 tokens exceeds the batch's KV budget"):
+        dec.add(list(range(1, 14)))
+    a, b = dec.add(PROMPTS[0]), dec.add(PROMPTS[1])  # 5 + 9 > 12: b's prefill waits
+    got: list[torch.Tensor] = []
+    for _ in range(8):  # a: 5 prompt tokens + 7 steps = 12
+        r = dec.ready()
+        assert list(r) == [a] and dec.kv_held <= 12
+        got.append(r[a])
+        if len(got) < 8:
+            dec.feed({a: int(r[a].float().argmax())})
+    with pytest.raises(ValueError, match=r"would hold 13 KV tokens, beyond the batch's kv_tok"):
+        dec.feed({a: int(got[-1].float().argmax())})
+    assert dec.kv_held == 12 and torch.equal(dec.ready()[a], got[-1])  # nothing changed
+    assert torch.equal(torch.stack(got), _solo(model, PROMPTS[0], 8)[1])
+    dec.remove(a)
+    got = []
+    for _ in range(4):  # b: 9 + 3 steps
+        r = dec.ready()
+        got.append(r[b])
+        if len(got) < 4:
+            dec.feed({b: int(r[b].float().argmax())})
+    assert torch.equal(torch.stack(got), _solo(model, PROMPTS[1], 4)[1])
+
+
+def test_recorded_batch_trace_counts_each_copy_once_and_prices(ckpts) -> None:
+    """record_trace: one trace token per batch step; each layer step the union of its rows'
+    experts and the shared slab's copies (each once, however many rows need it); the
+    latency model prices it."""
+    from psr.eval.latency import simulate
+
+    model = _tiny(ckpts)
+    model.runtime.prefill_reads = "slab"  # members through the shared slab (copies)
+    dec = BatchDecoder(model, 3)
+    for p in PROMPTS:
+        dec.add(p)
+    r = dec.ready()
+    while len(r) < 3:
+        dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+        r = dec.ready()
+    trace = dec.record_trace()
+    before = dec.slab.counts["copies"]
+    for _ in range(4):
+        dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+        r = dec.ready()
+    assert len(trace.tokens) == 4
+    copies = [c for tok in trace.tokens for s in tok for c in s.copies]
+    assert len(copies) == dec.slab.counts["copies"] - before > 0
+    for tok in trace.tokens:
+        assert [s.layer for s in tok] == list(range(len(model.runtime.layers)))
+        for s in tok:
+            assert len(s.slots) == len(s.experts) and min(s.slots) >= 0
+            assert model.runtime.spec.top_k <= len(s.experts) <= 3 * model.runtime.spec.top_k
+            assert not {c.expert for c in s.copies if c.kind == "miss"} - set(s.experts)
+    assert simulate(trace, "rtx4090").ms_per_token > 0
 
 
 def test_attention_a_batch_cannot_run_per_sequence_is_refused(ckpts) -> None:

@@ -46,6 +46,7 @@ from psr.runtime.layer import MoELayer
 from psr.runtime.prefill import PrefillStep, reads_host
 from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
+from psr.runtime.trace import Copy, LayerStep, Trace
 from psr.store import CopyReason
 
 if TYPE_CHECKING:
@@ -130,10 +131,14 @@ class BatchStep(Step):
         super().__init__(runtime)
         self.dec, self.seqs = dec, list(seqs)
         self.pending: dict[int, list[_Row]] = {}
+        self.layer_steps: list[tuple[int, int]] = []  # (MoE layer, slab.log's length then)
+        self.routed: dict[int, list[_Row]] = {}  # MoE layer -> its rows (record_trace)
 
     def route(self, layer: MoELayer, x: torch.Tensor) -> Routed:
         rt, dec, i = self.rt, self.dec, layer.index
         inv = dec.batch_invariant
+        if dec.slab.log is not None:
+            self.layer_steps.append((i, len(dec.slab.log)))
         logits = self.logits(layer, x, lambda a, w, b: batch_linear(a, w, b, inv))
         lam = rt.steering.lam(layer)
         cap = rt.max_inserts(layer)
@@ -178,6 +183,7 @@ class BatchStep(Step):
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         rows = self.pending.pop(layer.index)
+        self.routed[layer.index] = rows
         return self.dec.compute_experts(layer, x, ids, weights, rows)
 
 
@@ -188,19 +194,29 @@ class BatchDecoder:
     `batch_invariant` (default True): each row computed as at b = 1, so every sequence's
     logits equal its solo run's; False computes the dense linears over the whole batch
     (faster, but rows then depend on their co-runners; never the default).
+    `kv_tokens` (default None: each sequence up to the model's context): the most tokens
+    the live sequences' KV caches hold together (the memory the caller has for KV). Never
+    met by evicting a live sequence's KV: a prompt longer than it is refused at `add`, a
+    queued prefill chunk that does not fit waits (until a sequence leaves), and a `feed`
+    whose step would pass it is refused before anything changes.
     """
 
     def __init__(
-        self, model: OffloadedModel, max_batch: int, *, batch_invariant: bool = True
-    ) -> None:
+        self, model: OffloadedModel, max_batch: int, *, batch_invariant: bool = True,
+        kv_tokens: int | None = None,
+    ) -> None:  # fmt: skip
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if kv_tokens is not None and (
+            isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1
+        ):
+            raise ValueError(f"kv_tokens must be an int >= 1 or None, got {kv_tokens!r}")
         rt = model.runtime
         with rt.lock:
             model._check_open()
             _check_model(model)
             self.model, self.rt = model, rt
-            self.max_batch = max_batch
+            self.max_batch, self.kv_tokens = max_batch, kv_tokens
             self.batch_invariant = bool(batch_invariant)
             self.slab = SharedSlab(rt.store, len(rt.layers))
             self._seam = DenseSeam(model.hf, self.batch_invariant)
@@ -208,6 +224,7 @@ class BatchDecoder:
             self._seqs: dict[int, _Seq] = {}
             self._next_id = 0
             self.stats: Counter[str] = Counter()
+            self.trace: Trace | None = None  # record_trace
 
     # --- the public calls -------------------------------------------------------------
     @property
@@ -225,6 +242,11 @@ class BatchDecoder:
             if len(self._seqs) >= self.max_batch:
                 raise ValueError(
                     f"the batch is full: {self.max_batch} live sequences (max_batch); remove one"
+                )
+            if self.kv_tokens is not None and ids.shape[1] > self.kv_tokens:
+                raise ValueError(
+                    f"a prompt of {ids.shape[1]} tokens exceeds the batch's KV budget of "
+                    f"{self.kv_tokens} tokens (kv_tokens)"
                 )
             C, E = rt.capacity, rt.spec.num_experts
             n = len(rt.layers)
@@ -248,6 +270,12 @@ class BatchDecoder:
         with self.rt.lock:
             self.model._check_open()
             seqs = [self._checked(sid, tok) for sid, tok in sorted(tokens.items())]
+            held = self.kv_held
+            if seqs and self.kv_tokens is not None and held + len(seqs) > self.kv_tokens:
+                raise ValueError(
+                    f"this step would hold {held + len(seqs)} KV tokens, beyond the batch's "
+                    f"kv_tokens={self.kv_tokens}: remove a sequence (none was evicted)"
+                )
             if seqs:
                 self._step(seqs, [int(tokens[s.id]) for s in seqs])
             self._prefill_chunk()
@@ -263,6 +291,24 @@ class BatchDecoder:
                 self.slab.drop(i, cache.order())
                 cache.reset()
             seq.kv = seq.logits = None
+
+    def record_trace(self) -> Trace:
+        """Record the batch's decode steps from now on: one trace token per batch step,
+        each MoE layer's step the union of its rows' experts (read once for the batch;
+        once per run of rows when the union does not fit the slab) with their slots, and
+        the copies the shared slab issued during it (psr.eval.latency prices it)."""
+        rt = self.rt
+        self.trace = Trace(
+            rt.num_decoder_layers, [L.decoder_index for L in rt.layers], rt.spec.top_k,
+            rt.expert_bytes, rt.policy.describe(), bytes_ratio=rt.bytes_ratio,
+        )  # fmt: skip
+        self.slab.log, self.slab.reads = [], []
+        return self.trace
+
+    @property
+    def kv_held(self) -> int:
+        """Tokens the live sequences' KV caches hold together."""
+        return sum(s.length for s in self._seqs.values())
 
     # --- inside -------------------------------------------------------------------------
     def _awaiting(self) -> list[_Seq]:
@@ -291,19 +337,48 @@ class BatchDecoder:
         with self.rt.batch_forward(step), self._seam.active(self.model.config, kv):
             out = self.model.hf(input_ids=ids, position_ids=pos, use_cache=True,
                                 **{self._kv_name: kv})  # fmt: skip
+        if self.trace is not None:
+            self._record(step)
         logits = out.logits[:, -1]
         for r, s in enumerate(seqs):
             s.logits, s.length = logits[r], s.length + 1
         self.stats["steps"] += 1
         self.stats["tokens"] += len(seqs)
 
+    def _record(self, step: BatchStep) -> None:
+        """The step's layer steps into the trace, each with the copies issued from its
+        routing to the next layer's."""
+        assert self.trace is not None and self.slab.log is not None
+        log, tok = self.slab.log, []
+        reads = self.slab.reads or []
+        ends = [at for _, at in step.layer_steps[1:]] + [len(log)]
+        for (i, at), end in zip(step.layer_steps, ends, strict=True):
+            rows = step.routed[i]
+            # The slab's reads (runs of rows: an expert two runs read is read twice), or,
+            # read from the host rows (the CPU backend), the union of the members.
+            runs = [(u, s) for j, u, s in reads if j == i]
+            union = [e for u, _ in runs for e in u] or sorted({e for r in rows for e in r.members})
+            slots = [x for _, s in runs for x in s]
+            cpu = {e for r in rows for e in r.cpu}
+            copies = [Copy(layer, slot, e, "prefetch" if why == CopyReason.PREFETCH else "miss")
+                      for layer, slot, e, why in log[at:end]]  # fmt: skip
+            misses = sum(c.kind == "miss" and c.layer == i for c in copies)
+            tok.append(LayerStep(i, union, slots, len(union) - misses, copies,
+                                 cpu_experts=len(cpu)))  # fmt: skip
+        self.trace.tokens.append(tok)
+        log.clear()
+        reads.clear()
+
     def _prefill_chunk(self) -> bool:
-        """One chunk of the oldest queued prefill (the solo prefill's chunks); False if none."""
+        """One chunk of the oldest queued prefill (the solo prefill's chunks); False if none,
+        or if it waits: the chunk does not fit the KV budget beside the others' KV."""
         seq = next((s for s in self._seqs.values() if s.prefilling), None)
         if seq is None:
             return False
         T, chunk = seq.prompt.shape[1], self.model.prefill_chunk
         end = boundaries(seq.done, T, chunk)[0]
+        if self.kv_tokens is not None and self.kv_held + end - seq.done > self.kv_tokens:
+            return False
         rt = self.rt
         past = {} if seq.kv is None else {self._kv_name: seq.kv}
         rt.prefill_more = end < T

@@ -89,6 +89,8 @@ def _runs(
             continue
         where = slab.ensure(i, union, CopyReason.MISS)
         slots = [where[e] for e in union]
+        if slab.reads is not None:
+            slab.reads.append((i, union, slots))
         with rt.store.reading(i, slots, union) as s:
             yield group, where, s
 

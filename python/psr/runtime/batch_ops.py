@@ -13,7 +13,11 @@ transformers forward over `[b, 1]` tokens, each row computed as its sequence alo
   `psr_batch` then runs the model's own attention implementation (sdpa / eager) once per
   sequence over its own keys, with the mask a solo decode step passes (none: one query
   attends to every cached position). Sequences of any lengths, no padding.
-* Norms, rotary embeddings and embeddings are row-wise in transformers already.
+* **Row-invariant modules: one call.** A module whose own forward computes each row as
+  that row alone (`_row_invariant`: a `QuantLinear` over GGML blocks on the CPU, which
+  is `cpu_kernels.cpu_linear`, each output element one row dot product in a fixed order
+  whatever T, reading its weight once for the batch; transformers' RMS norms) runs once
+  over all rows. Other leaves (activations, rotary embeddings) run once per row.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import psr_kernels as pk
+from psr.runtime.dense import QuantLinear
 
 ATTENTION = "psr_batch"  # the attention implementation's name while a batch forward runs
 _active = threading.local()  # the running batch forward's BatchKV (per thread)
@@ -43,6 +50,63 @@ def batch_linear(
     # Each slice in a fresh tensor: BLAS kernels may take another path for an input that
     # starts inside another tensor (alignment), and the solo call's input is its own.
     return torch.cat([F.linear(x[i : i + 1].clone(), weight, bias) for i in range(x.shape[0])])
+
+
+def _row_invariant(module: nn.Module) -> bool:
+    """Whether `module`'s own forward over `[b, ..., K]` gives each row bit-identically as
+    over that row alone, so a batch forward calls it once (the seam's one predicate):
+
+    * a `QuantLinear` over GGML blocks on the CPU: its forward is `cpu_kernels.cpu_linear`
+      (each output element one row dot product in a fixed order, whatever T);
+    * an RMS norm on the CPU whose forward is the bytecode of one of transformers' RMS
+      norms audited here (`_NORMS`): casts, `x * x`, a sum over the last dim then a
+      division (torch's CPU mean; a contiguous row is summed by one loop that depends on
+      its length only, the rows split whole between threads), `+ eps`, rsqrt (`1 /
+      sqrt`, correctly rounded in the vector and the scalar loop alike), products: no
+      transcendental, nothing that mixes rows."""
+    return _linear_row_invariant(module) or _norm_row_invariant(module)
+
+
+def _linear_row_invariant(module: nn.Module) -> bool:
+    """A dense layer whose CPU forward is `cpu_kernels.cpu_linear` (a QuantLinear over
+    GGML blocks; runtime/dense.py's own predicate may replace this one)."""
+    if not isinstance(module, QuantLinear):
+        return False
+    if module.fmt.block is None or module.qweight.device.type != "cpu":
+        return False
+    try:
+        return pk.resolve_compute(module.compute, "cpu") == "torch"
+    except RuntimeError:  # compute='triton' without the interpreter: its forward refuses
+        return False
+
+
+def _norm_row_invariant(module: nn.Module) -> bool:
+    """One of transformers' RMS norms, by its audited bytecode, on the CPU."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 1:
+        return False
+    if not isinstance(getattr(module, "variance_epsilon", None), float):
+        return False
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and any(_same_code(code, c) for c in _norms())
+
+
+def _same_code(a: Any, b: Any) -> bool:
+    return (a.co_code, a.co_names, a.co_consts, a.co_varnames) == (
+        b.co_code, b.co_names, b.co_consts, b.co_varnames
+    )  # fmt: skip
+
+
+_NORMS: list[Any] = []  # the audited norms' code objects (imported on first use)
+
+
+def _norms() -> list[Any]:
+    if not _NORMS:
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        _NORMS.extend(f.forward.__code__ for f in (LlamaRMSNorm, GptOssRMSNorm))
+    return _NORMS
 
 
 class BatchKV:
@@ -134,12 +198,16 @@ class DenseSeam:
 
     def __init__(self, model: nn.Module, invariant: bool) -> None:
         self.invariant = invariant
-        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        # Row-invariant modules keep their own forward: one call for every row.
+        whole = {id(m) for m in model.modules() if invariant and _row_invariant(m)}
+        self.linears = [
+            m for m in model.modules() if isinstance(m, nn.Linear) and id(m) not in whole
+        ]
         self.latent = latent(model.config)
         self.attention = [
             m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")
         ]
-        # Row-local leaf modules (norms, activations, rotary embeddings): once per sequence.
+        # Other row-local leaf modules (activations, rotary embeddings): once per sequence.
         # Elementwise transcendentals are not batch-invariant in torch (a tensor's first
         # elements take the vectorized loop, its tail the scalar one: SiLU over 16 elements
         # differs from the same 16 inside 32).
@@ -147,7 +215,10 @@ class DenseSeam:
         self.leaves = [
             m
             for m in model.modules()
-            if not any(m.children()) and not isinstance(m, skip) and type(m).__name__ not in _PSR
+            if not any(m.children())
+            and not isinstance(m, skip)
+            and type(m).__name__ not in _PSR
+            and id(m) not in whole
         ]
 
     @staticmethod

@@ -25,6 +25,11 @@ class SharedSlab:
         self.store = store
         self.refs: list[Counter[int]] = [Counter() for _ in range(num_layers)]
         self.counts: Counter[str] = Counter()  # copies, shared, spilled, skipped_prefetches
+        # (layer, slot, expert, reason) of each copy issued, in order, while a list
+        # (BatchDecoder.record_trace); None: not kept.
+        self.log: list[tuple[int, int, int, CopyReason]] | None = None
+        # (layer, experts, slots) of each run of rows read, while a list (idem).
+        self.reads: list[tuple[int, list[int], list[int]]] | None = None
 
     def slots(self, layer: int) -> int:
         return len(self.store.slot_experts(layer))
@@ -84,6 +89,8 @@ class SharedSlab:
         self.counts["shared"] += len(want) - len(missing)
         if slots:
             self.store.enqueue_copies(layer, slots, copied, reason=reason)
+            if self.log is not None:
+                self.log.extend((layer, s, e, reason) for s, e in zip(slots, copied, strict=True))
         return where
 
     def groups(self, layer: int, needs: Sequence[Sequence[int]]) -> list[list[int]]:
