@@ -118,6 +118,34 @@ void dot_int4(const uint8_t* const w[4], int64_t n, const float* v, const float*
   }
 }
 
+template <class Load>
+void scalar_axpy_of(const uint8_t* v, int64_t n, const float* a, int na, float* acc,
+                    int64_t acc_stride, Load load) {
+  for (int h = 0; h < na; ++h)
+    for (int64_t i = 0; i < n; ++i) acc[h * acc_stride + i] += a[h] * load(v, i);
+}
+void axpy_f32(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
+  scalar_axpy_of(v, n, a, na, acc, st, [](const uint8_t* p, int64_t i) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  });
+}
+void axpy_bf16(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
+  scalar_axpy_of(v, n, a, na, acc, st, [](const uint8_t* p, int64_t i) {
+    uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return bf16_to_f32(b);
+  });
+}
+void axpy_f16(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
+  scalar_axpy_of(v, n, a, na, acc, st, [](const uint8_t* p, int64_t i) {
+    uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    return f16_to_f32(b);
+  });
+}
+
 }  // namespace
 
 BlockRowDotFn scalar_ggml_dot() { return g_row_dot; }
@@ -147,6 +175,19 @@ DotFn scalar_dot(Fmt f) {
       return nullptr;  // per part: the block row dots
   }
   return nullptr;
+}
+
+AxpyFn scalar_axpy(Fmt f) {
+  switch (f) {
+    case Fmt::f32:
+      return axpy_f32;
+    case Fmt::bf16:
+      return axpy_bf16;
+    case Fmt::f16:
+      return axpy_f16;
+    default:
+      return nullptr;
+  }
 }
 
 // --- ISA selection -----------------------------------------------------------------------
@@ -755,6 +796,15 @@ void linear(const LinearCall& c, int threads, Isa isa) {
       }
     }
   });
+}
+
+DotFn row_dot(Isa isa, Fmt f) { return dots_for(isa, f).dot; }
+DotsFn row_dots(Isa isa, Fmt f) { return dots_for(isa, f).dots; }
+
+void parallel_run(int threads, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  check_threads(threads);
+  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  Pool::get().run(threads, n, fn);
 }
 
 double triad_bytes_per_s(int64_t n, int threads, int reps) {

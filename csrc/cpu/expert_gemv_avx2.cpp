@@ -136,6 +136,22 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
   g_for_inputs(nv, [&](auto k) { dot4_nv<W, decltype(k)::value>(w, n, v, out); });
 }
 
+// Attention's weighted V sum: acc[h][i] += a[h] * v[i], one fused multiply-add each.
+template <class W>
+void axpy(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = W::vec(v, i);
+    for (int h = 0; h < na; ++h) {
+      float* p = acc + h * st + i;
+      _mm256_storeu_ps(p, _mm256_fmadd_ps(_mm256_set1_ps(a[h]), x, _mm256_loadu_ps(p)));
+    }
+  }
+  for (; i < n; ++i)
+    for (int h = 0; h < na; ++h)
+      acc[h * st + i] = __builtin_fmaf(a[h], W::one(v, i), acc[h * st + i]);
+}
+
 inline __m256 nib_fma(const uint8_t* p, __m256 ve, __m256 vo, __m256 a) {
   const __m256i b = _mm256_cvtepu8_epi32(load8(p));
   const __m256i k8 = _mm256_set1_epi32(8);
@@ -395,6 +411,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
 const DotsFn kAvx2SeveralDots[5] = {dots4<F32>, dots4<BF16>, dots4<F16>, dots4<I8>, dots4<FP8>};
+const AxpyFn kAvx2Axpy[3] = {axpy<F32>, axpy<BF16>, axpy<F16>};
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -427,6 +444,10 @@ DotFn avx2_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx2Dots[i] : nullptr;
 }
+AxpyFn avx2_axpy(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 3 ? kAvx2Axpy[i] : nullptr;
+}
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
@@ -436,6 +457,7 @@ DotFn avx2_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx2_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx2_ggml_dots() { return nullptr; }
 DotsFn avx2_dots(Fmt) { return nullptr; }
+AxpyFn avx2_axpy(Fmt) { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

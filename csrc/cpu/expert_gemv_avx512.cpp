@@ -137,6 +137,28 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
   g_for_inputs(nv, [&](auto k) { dot4_nv<Load, decltype(k)::value>(w, n, v, out); });
 }
 
+// Attention's weighted V sum: acc[h][i] += a[h] * v[i], one fused multiply-add each.
+template <class Load>
+void axpy(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = Load::full(v, i);
+    for (int h = 0; h < na; ++h) {
+      float* p = acc + h * st + i;
+      _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_set1_ps(a[h]), x, _mm512_loadu_ps(p)));
+    }
+  }
+  if (i < n) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 x = Load::at(v, i, m);
+    for (int h = 0; h < na; ++h) {
+      float* p = acc + h * st + i;
+      const __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(a[h]), x, _mm512_maskz_loadu_ps(m, p));
+      _mm512_mask_storeu_ps(p, m, y);
+    }
+  }
+}
+
 // int4: 16 bytes = 32 elements per step; low nibbles times v (even elements), high times v2.
 // A nibble becomes its signed value by one in-register table lookup (vpermps reads the low
 // four bits of each lane): no masking, sign extension or int -> float conversion.
@@ -519,6 +541,7 @@ const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
 const DotsFn kAvx512SeveralDots[5] = {dots4<LoadF32>, dots4<LoadBF16>, dots4<LoadF16>,
                                       dots4<LoadI8>, dots4<LoadFP8>};
+const AxpyFn kAvx512Axpy[3] = {axpy<LoadF32>, axpy<LoadBF16>, axpy<LoadF16>};
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -552,6 +575,10 @@ DotsFn avx512_dots(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 5 ? kAvx512SeveralDots[i] : nullptr;
 }
+AxpyFn avx512_axpy(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 3 ? kAvx512Axpy[i] : nullptr;
+}
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
@@ -562,6 +589,7 @@ BlockRowDotFn avx512_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx512_ggml_dots() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
 DotsFn avx512_dots(Fmt) { return nullptr; }
+AxpyFn avx512_axpy(Fmt) { return nullptr; }
 }  // namespace psr::cpu
 
 #endif
