@@ -35,6 +35,7 @@ struct Kernels {
   DotFn dot;
   DotsFn dots;  // nullptr: dot per head
   AxpyFn axpy;
+  ExpFn exp;
 };
 
 AxpyFn axpy_for(Isa isa, Fmt f) {
@@ -42,6 +43,13 @@ AxpyFn axpy_for(Isa isa, Fmt f) {
   if (isa == Isa::avx512) a = avx512_axpy(f);
   if (isa == Isa::avx2) a = avx2_axpy(f);
   return a ? a : scalar_axpy(f);
+}
+
+ExpFn exp_for(Isa isa) {
+  ExpFn f = nullptr;
+  if (isa == Isa::avx512) f = avx512_exp();
+  if (isa == Isa::avx2) f = avx2_exp();
+  return f ? f : scalar_exp();
 }
 
 void check(const AttentionCall& c) {
@@ -58,6 +66,31 @@ void check(const AttentionCall& c) {
   if (c.tokens > 0 && (!c.q || !c.k || !c.v || !c.y)) bad("null pointer argument");
   float_bytes(c.k_fmt);
   float_bytes(c.v_fmt);
+}
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int kLanes = 8;  // independent partial sums / maxima (instruction-level parallelism)
+
+// max(m0, x[0..n)): exact in any order (no NaN), so partial maxima change nothing.
+float window_max(const float* x, int64_t n, float m0) {
+  float m[kLanes];
+  std::fill(m, m + kLanes, m0);
+  for (int64_t j = 0; j < n; ++j) m[j % kLanes] = std::max(m[j % kLanes], x[j]);
+  for (int l = 1; l < kLanes; ++l) m[0] = std::max(m[0], m[l]);
+  return m[0];
+}
+
+// sum(x[0..n)) in a fixed order given n: kLanes partial sums of x[l], x[l + kLanes], ...
+// (relative to the window's first key), then added lane 0 first.
+float window_sum(const float* x, int64_t n) {
+  float z[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) z[l] += x[j + l];
+  for (; j < n; ++j) z[j % kLanes] += x[j];
+  float t = 0.f;
+  for (int l = 0; l < kLanes; ++l) t += z[l];
+  return t;
 }
 
 // The outputs of query token t for kv head g's query heads: scores into buf [kRowInputs][n]
@@ -90,15 +123,11 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t, int64_t g,
         for (int r = 0; r < 4 && j0 + r < n; ++r) s[i * n + j0 + r] = d[4 * i + r] * c.scale;
     }
     float sum[kRowInputs];
-    for (int i = 0; i < nh; ++i) {  // softmax numerators in key order, the sink's term last
+    for (int i = 0; i < nh; ++i) {  // softmax numerators, their sum, the sink's term last
       float* si = s + i * n;
-      float m = c.sinks ? c.sinks[hq + i] : -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) m = std::max(m, si[j]);
-      float z = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        si[j] = std::exp(si[j] - m);
-        z += si[j];
-      }
+      const float m = window_max(si, n, c.sinks ? c.sinks[hq + i] : -kInf);
+      ks.exp(si, n, m);
+      const float z = window_sum(si, n);
       sum[i] = c.sinks ? z + std::exp(c.sinks[hq + i] - m) : z;
     }
     std::fill(acc, acc + nh * c.dv, 0.f);
@@ -119,7 +148,8 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t, int64_t g,
 
 void attention(const AttentionCall& c, int threads, Isa isa) {
   check(c);
-  const Kernels ks{row_dot(isa, c.k_fmt), row_dots(isa, c.k_fmt), axpy_for(isa, c.v_fmt)};
+  const Kernels ks{row_dot(isa, c.k_fmt), row_dots(isa, c.k_fmt), axpy_for(isa, c.v_fmt),
+                     exp_for(isa)};
   if (c.tokens == 0) {
     parallel_run(threads, 0, [](int64_t, int64_t) {});  // still checks threads
     return;

@@ -177,6 +177,12 @@ DotFn scalar_dot(Fmt f) {
   return nullptr;
 }
 
+ExpFn scalar_exp() {
+  return [](float* x, int64_t n, float m) {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - m);
+  };
+}
+
 AxpyFn scalar_axpy(Fmt f) {
   switch (f) {
     case Fmt::f32:

@@ -192,6 +192,12 @@ void attention(const AttentionCall& call, int threads, Isa isa);
 // each element one multiply-add in the caller's order, so lane layout never matters.
 using AxpyFn = void (*)(const uint8_t* v, int64_t n, const float* a, int na, float* acc,
                         int64_t acc_stride);
+// x[i] = exp(x[i] - m) for i < n, elementwise (an element's value never depends on its
+// neighbours or its lane): the scalar path's is std::exp, the vector paths' one polynomial.
+using ExpFn = void (*)(float* x, int64_t n, float m);
+ExpFn scalar_exp();
+ExpFn avx2_exp();    // nullptr where not compiled
+ExpFn avx512_exp();  // nullptr where not compiled
 AxpyFn scalar_axpy(Fmt f);
 AxpyFn avx2_axpy(Fmt f);    // nullptr where not compiled
 AxpyFn avx512_axpy(Fmt f);  // nullptr where not compiled

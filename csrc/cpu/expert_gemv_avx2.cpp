@@ -152,6 +152,41 @@ void axpy(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64
       acc[h * st + i] = __builtin_fmaf(a[h], W::one(v, i), acc[h * st + i]);
 }
 
+// exp(x - m) on 8 lanes: expert_gemv_avx512.cpp's exp16 (Cephes' expf), 2^n built in the
+// exponent bits; under e^-87.3 it is 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_max_ps(fx, _mm256_set1_ps(-126.f))),
+                       _mm256_set1_epi32(127)),
+      23);
+  const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  return _mm256_and_ps(out, keep);
+}
+
+void exp_minus(float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+  if (i < n) {  // the tail through a padded copy: the same lanes' arithmetic
+    float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t j = i; j < n; ++j) t[j - i] = x[j];
+    _mm256_storeu_ps(t, exp8(_mm256_sub_ps(_mm256_loadu_ps(t), mv)));
+    for (int64_t j = i; j < n; ++j) x[j] = t[j - i];
+  }
+}
+
 inline __m256 nib_fma(const uint8_t* p, __m256 ve, __m256 vo, __m256 a) {
   const __m256i b = _mm256_cvtepu8_epi32(load8(p));
   const __m256i k8 = _mm256_set1_epi32(8);
@@ -412,6 +447,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
 const DotsFn kAvx2SeveralDots[5] = {dots4<F32>, dots4<BF16>, dots4<F16>, dots4<I8>, dots4<FP8>};
 const AxpyFn kAvx2Axpy[3] = {axpy<F32>, axpy<BF16>, axpy<F16>};
+const ExpFn kAvx2Exp = exp_minus;
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -444,6 +480,7 @@ DotFn avx2_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx2Dots[i] : nullptr;
 }
+ExpFn avx2_exp() { return kAvx2Exp; }
 AxpyFn avx2_axpy(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 3 ? kAvx2Axpy[i] : nullptr;
@@ -458,6 +495,7 @@ BlockRowDotFn avx2_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx2_ggml_dots() { return nullptr; }
 DotsFn avx2_dots(Fmt) { return nullptr; }
 AxpyFn avx2_axpy(Fmt) { return nullptr; }
+ExpFn avx2_exp() { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

@@ -159,6 +159,32 @@ void axpy(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64
   }
 }
 
+// exp(x - m) on 16 lanes (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, scaled
+// by 2^n); about 1 ulp; under e^-87.3 it is 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, fx));
+}
+
+void exp_minus(float* x, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    _mm512_mask_storeu_ps(x + i, k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+  }
+}
+
 // int4: 16 bytes = 32 elements per step; low nibbles times v (even elements), high times v2.
 // A nibble becomes its signed value by one in-register table lookup (vpermps reads the low
 // four bits of each lane): no masking, sign extension or int -> float conversion.
@@ -542,6 +568,7 @@ const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
 const DotsFn kAvx512SeveralDots[5] = {dots4<LoadF32>, dots4<LoadBF16>, dots4<LoadF16>,
                                       dots4<LoadI8>, dots4<LoadFP8>};
 const AxpyFn kAvx512Axpy[3] = {axpy<LoadF32>, axpy<LoadBF16>, axpy<LoadF16>};
+const ExpFn kAvx512Exp = exp_minus;
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -575,6 +602,7 @@ DotsFn avx512_dots(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 5 ? kAvx512SeveralDots[i] : nullptr;
 }
+ExpFn avx512_exp() { return kAvx512Exp; }
 AxpyFn avx512_axpy(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 3 ? kAvx512Axpy[i] : nullptr;
@@ -590,6 +618,7 @@ BlockRowDotsFn avx512_ggml_dots() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
 DotsFn avx512_dots(Fmt) { return nullptr; }
 AxpyFn avx512_axpy(Fmt) { return nullptr; }
+ExpFn avx512_exp() { return nullptr; }
 }  // namespace psr::cpu
 
 #endif
