@@ -1,6 +1,6 @@
 // Row-invariant causal attention on the CPU (expert_gemv.h's `attention`): the expert
 // kernels' row dots give the scores (each key a weight row, the query the input), their
-// axpy the weighted V sum. Items are (token, kv head): the group's query heads, kRowInputs
+// weighted sum the V sum. Items are (token, kv head): the group's query heads, kRowInputs
 // at a time, share each key quad's loads. Everything one output row sees depends only on
 // its position p and the keys / values at positions <= p, so the row's bits do too.
 #include <algorithm>
@@ -34,15 +34,15 @@ int64_t float_bytes(Fmt f) {
 struct Kernels {
   DotFn dot;
   DotsFn dots;  // nullptr: dot per head
-  AxpyFn axpy;
+  WsumFn wsum;
   ExpFn exp;
 };
 
-AxpyFn axpy_for(Isa isa, Fmt f) {
-  AxpyFn a = nullptr;
-  if (isa == Isa::avx512) a = avx512_axpy(f);
-  if (isa == Isa::avx2) a = avx2_axpy(f);
-  return a ? a : scalar_axpy(f);
+WsumFn wsum_for(Isa isa, Fmt f) {
+  WsumFn w = nullptr;
+  if (isa == Isa::avx512) w = avx512_wsum(f);
+  if (isa == Isa::avx2) w = avx2_wsum(f);
+  return w ? w : scalar_wsum(f);
 }
 
 ExpFn exp_for(Isa isa) {
@@ -130,12 +130,7 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t, int64_t g,
       const float z = window_sum(si, n);
       sum[i] = c.sinks ? z + std::exp(c.sinks[hq + i] - m) : z;
     }
-    std::fill(acc, acc + nh * c.dv, 0.f);
-    for (int64_t j = 0; j < n; ++j) {
-      float a[kRowInputs];
-      for (int i = 0; i < nh; ++i) a[i] = s[i * n + j];
-      ks.axpy(vg + j * c.v_sl * vb, c.dv, a, nh, acc, c.dv);
-    }
+    ks.wsum(vg, c.v_sl * vb, n, c.dv, s, n, nh, acc, c.dv);
     for (int i = 0; i < nh; ++i) {
       const float inv = 1.f / sum[i];
       float* y = c.y + (t * c.q_heads + hq + i) * c.dv;
@@ -148,7 +143,7 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t, int64_t g,
 
 void attention(const AttentionCall& c, int threads, Isa isa) {
   check(c);
-  const Kernels ks{row_dot(isa, c.k_fmt), row_dots(isa, c.k_fmt), axpy_for(isa, c.v_fmt),
+  const Kernels ks{row_dot(isa, c.k_fmt), row_dots(isa, c.k_fmt), wsum_for(isa, c.v_fmt),
                      exp_for(isa)};
   if (c.tokens == 0) {
     parallel_run(threads, 0, [](int64_t, int64_t) {});  // still checks threads

@@ -119,31 +119,34 @@ void dot_int4(const uint8_t* const w[4], int64_t n, const float* v, const float*
 }
 
 template <class Load>
-void scalar_axpy_of(const uint8_t* v, int64_t n, const float* a, int na, float* acc,
-                    int64_t acc_stride, Load load) {
+void scalar_wsum_of(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a,
+                    int64_t as, int na, float* out, int64_t os, Load load) {
   for (int h = 0; h < na; ++h)
-    for (int64_t i = 0; i < n; ++i) acc[h * acc_stride + i] += a[h] * load(v, i);
+    for (int64_t e = 0; e < dv; ++e) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc += a[h * as + j] * load(v + j * vs, e);
+      out[h * os + e] = acc;
+    }
 }
-void axpy_f32(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
-  scalar_axpy_of(v, n, a, na, acc, st, [](const uint8_t* p, int64_t i) {
-    float f;
-    std::memcpy(&f, p + 4 * i, 4);
-    return f;
-  });
+float load_f32(const uint8_t* p, int64_t i) {
+  float f;
+  std::memcpy(&f, p + 4 * i, 4);
+  return f;
 }
-void axpy_bf16(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
-  scalar_axpy_of(v, n, a, na, acc, st, [](const uint8_t* p, int64_t i) {
-    uint16_t b;
-    std::memcpy(&b, p + 2 * i, 2);
-    return bf16_to_f32(b);
-  });
+float load_bf16(const uint8_t* p, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return bf16_to_f32(b);
 }
-void axpy_f16(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
-  scalar_axpy_of(v, n, a, na, acc, st, [](const uint8_t* p, int64_t i) {
-    uint16_t b;
-    std::memcpy(&b, p + 2 * i, 2);
-    return f16_to_f32(b);
-  });
+float load_f16(const uint8_t* p, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return f16_to_f32(b);
+}
+template <float (*Load)(const uint8_t*, int64_t)>
+void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
+          float* out, int64_t os) {
+  scalar_wsum_of(v, vs, n, dv, a, as, na, out, os, Load);
 }
 
 }  // namespace
@@ -183,14 +186,14 @@ ExpFn scalar_exp() {
   };
 }
 
-AxpyFn scalar_axpy(Fmt f) {
+WsumFn scalar_wsum(Fmt f) {
   switch (f) {
     case Fmt::f32:
-      return axpy_f32;
+      return wsum<load_f32>;
     case Fmt::bf16:
-      return axpy_bf16;
+      return wsum<load_bf16>;
     case Fmt::f16:
-      return axpy_f16;
+      return wsum<load_f16>;
     default:
       return nullptr;
   }

@@ -168,7 +168,7 @@ void linear(const LinearCall& call, int threads, Isa isa);
 // from the keys <= p only, in an order that depends on p alone: scores are the path's row
 // dots (DotFn / DotsFn on k rows, the query as the input), their max, exp(s - max) summed
 // in key order (then the sink's term), the weighted V sum accumulated in key order
-// (AxpyFn), then divided by the sum. So a row's output is bit-identical whatever T, L,
+// (WsumFn), then divided by the sum. So a row's output is bit-identical whatever T, L,
 // q_start split, other rows or thread count (for a given ISA path).
 struct AttentionCall {
   const float* q = nullptr;  // [T, Hq, Dk] fp32, contiguous
@@ -188,19 +188,21 @@ struct AttentionCall {
   float* y = nullptr;            // [T, Hq, Dv] fp32 out
 };
 void attention(const AttentionCall& call, int threads, Isa isa);
-// acc[h * acc_stride + i] += a[h] * v[i] for i < n, h < na (v widened from its format);
-// each element one multiply-add in the caller's order, so lane layout never matters.
-using AxpyFn = void (*)(const uint8_t* v, int64_t n, const float* a, int na, float* acc,
-                        int64_t acc_stride);
+// The weighted sum of n rows: out[h * os + e] = sum_{j < n} a[h * as + j] * v_j[e] for
+// e < dv, h < na <= kRowInputs (v_j at v + j * vs bytes, widened from its format). Each
+// element is accumulated from 0 in key order j = 0, 1, ..., one multiply-add a key (fused
+// on the vector paths), so its bits never depend on lanes, blocking or the other heads.
+using WsumFn = void (*)(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a,
+                        int64_t as, int na, float* out, int64_t os);
 // x[i] = exp(x[i] - m) for i < n, elementwise (an element's value never depends on its
 // neighbours or its lane): the scalar path's is std::exp, the vector paths' one polynomial.
 using ExpFn = void (*)(float* x, int64_t n, float m);
 ExpFn scalar_exp();
 ExpFn avx2_exp();    // nullptr where not compiled
 ExpFn avx512_exp();  // nullptr where not compiled
-AxpyFn scalar_axpy(Fmt f);
-AxpyFn avx2_axpy(Fmt f);    // nullptr where not compiled
-AxpyFn avx512_axpy(Fmt f);  // nullptr where not compiled
+WsumFn scalar_wsum(Fmt f);
+WsumFn avx2_wsum(Fmt f);    // nullptr where not compiled
+WsumFn avx512_wsum(Fmt f);  // nullptr where not compiled
 // fn over [0, n) split in `threads` contiguous parts on the kernels' pool, one call at a
 // time (threads checked against [1, max_threads()]).
 void parallel_run(int threads, int64_t n, const std::function<void(int64_t, int64_t)>& fn);

@@ -136,20 +136,45 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
   g_for_inputs(nv, [&](auto k) { dot4_nv<W, decltype(k)::value>(w, n, v, out); });
 }
 
-// Attention's weighted V sum: acc[h][i] += a[h] * v[i], one fused multiply-add each.
-template <class W>
-void axpy(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 x = W::vec(v, i);
-    for (int h = 0; h < na; ++h) {
-      float* p = acc + h * st + i;
-      _mm256_storeu_ps(p, _mm256_fmadd_ps(_mm256_set1_ps(a[h]), x, _mm256_loadu_ps(p)));
+// Attention's weighted V sum (WsumFn): C vectors of 8 output columns at a time for NH heads,
+// the accumulators in registers across the keys; the last columns one by one.
+template <class W, int NH, int C>
+void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, const float* a, int64_t as,
+                float* out, int64_t os) {
+  __m256 acc[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* vj = v + j * vs;
+    __m256 x[C];
+    for (int c = 0; c < C; ++c) x[c] = W::vec(vj, e0 + 8 * c);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 b = _mm256_set1_ps(a[h * as + j]);
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm256_fmadd_ps(b, x[c], acc[h][c]);
     }
   }
-  for (; i < n; ++i)
-    for (int h = 0; h < na; ++h)
-      acc[h * st + i] = __builtin_fmaf(a[h], W::one(v, i), acc[h * st + i]);
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + h * os + e0 + 8 * c, acc[h][c]);
+}
+
+template <class W, int NH>
+void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
+             float* out, int64_t os) {
+  int64_t e0 = 0;
+  for (; e0 + 16 <= dv; e0 += 16) wsum_block<W, NH, 2>(v, vs, n, e0, a, as, out, os);
+  for (; e0 + 8 <= dv; e0 += 8) wsum_block<W, NH, 1>(v, vs, n, e0, a, as, out, os);
+  for (; e0 < dv; ++e0)
+    for (int h = 0; h < NH; ++h) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc = __builtin_fmaf(a[h * as + j], W::one(v + j * vs, e0), acc);
+      out[h * os + e0] = acc;
+    }
+}
+
+template <class W>
+void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
+          float* out, int64_t os) {
+  g_for_inputs(na, [&](auto k) { wsum_nh<W, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
 }
 
 // exp(x - m) on 8 lanes: expert_gemv_avx512.cpp's exp16 (Cephes' expf), 2^n built in the
@@ -446,7 +471,7 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
 const DotsFn kAvx2SeveralDots[5] = {dots4<F32>, dots4<BF16>, dots4<F16>, dots4<I8>, dots4<FP8>};
-const AxpyFn kAvx2Axpy[3] = {axpy<F32>, axpy<BF16>, axpy<F16>};
+const WsumFn kAvx2Wsum[3] = {wsum<F32>, wsum<BF16>, wsum<F16>};
 const ExpFn kAvx2Exp = exp_minus;
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
@@ -481,9 +506,9 @@ DotFn avx2_dot(Fmt f) {
   return i >= 0 && i < 6 ? kAvx2Dots[i] : nullptr;
 }
 ExpFn avx2_exp() { return kAvx2Exp; }
-AxpyFn avx2_axpy(Fmt f) {
+WsumFn avx2_wsum(Fmt f) {
   const int i = static_cast<int>(f);
-  return i >= 0 && i < 3 ? kAvx2Axpy[i] : nullptr;
+  return i >= 0 && i < 3 ? kAvx2Wsum[i] : nullptr;
 }
 }  // namespace psr::cpu
 
@@ -494,7 +519,7 @@ DotFn avx2_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx2_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx2_ggml_dots() { return nullptr; }
 DotsFn avx2_dots(Fmt) { return nullptr; }
-AxpyFn avx2_axpy(Fmt) { return nullptr; }
+WsumFn avx2_wsum(Fmt) { return nullptr; }
 ExpFn avx2_exp() { return nullptr; }
 }  // namespace psr::cpu
 

@@ -137,26 +137,41 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
   g_for_inputs(nv, [&](auto k) { dot4_nv<Load, decltype(k)::value>(w, n, v, out); });
 }
 
-// Attention's weighted V sum: acc[h][i] += a[h] * v[i], one fused multiply-add each.
+// Attention's weighted V sum (WsumFn): 64 output columns (four vectors) at a time for NH
+// heads, the accumulators in registers across the keys; the last block masked.
+template <class Load, int NH, bool kFull>
+void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, int64_t dv, const float* a,
+                int64_t as, float* out, int64_t os) {
+  __mmask16 m[4];
+  for (int c = 0; c < 4; ++c) m[c] = e0 + 16 * c < dv ? tail_mask(dv - e0 - 16 * c) : 0;
+  __m512 acc[NH][4];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* vj = v + j * vs;
+    __m512 x[4];
+    for (int c = 0; c < 4; ++c) x[c] = kFull ? Load::full(vj, e0 + 16 * c) : Load::at(vj, e0 + 16 * c, m[c]);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 b = _mm512_set1_ps(a[h * as + j]);
+      for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_fmadd_ps(b, x[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + h * os + e0 + 16 * c, m[c], acc[h][c]);
+}
+
+template <class Load, int NH>
+void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
+             float* out, int64_t os) {
+  int64_t e0 = 0;
+  for (; e0 + 64 <= dv; e0 += 64) wsum_block<Load, NH, true>(v, vs, n, e0, dv, a, as, out, os);
+  if (e0 < dv) wsum_block<Load, NH, false>(v, vs, n, e0, dv, a, as, out, os);
+}
+
 template <class Load>
-void axpy(const uint8_t* v, int64_t n, const float* a, int na, float* acc, int64_t st) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 x = Load::full(v, i);
-    for (int h = 0; h < na; ++h) {
-      float* p = acc + h * st + i;
-      _mm512_storeu_ps(p, _mm512_fmadd_ps(_mm512_set1_ps(a[h]), x, _mm512_loadu_ps(p)));
-    }
-  }
-  if (i < n) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 x = Load::at(v, i, m);
-    for (int h = 0; h < na; ++h) {
-      float* p = acc + h * st + i;
-      const __m512 y = _mm512_fmadd_ps(_mm512_set1_ps(a[h]), x, _mm512_maskz_loadu_ps(m, p));
-      _mm512_mask_storeu_ps(p, m, y);
-    }
-  }
+void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
+          float* out, int64_t os) {
+  g_for_inputs(na, [&](auto k) { wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
 }
 
 // exp(x - m) on 16 lanes (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, scaled
@@ -567,7 +582,7 @@ const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
 const DotsFn kAvx512SeveralDots[5] = {dots4<LoadF32>, dots4<LoadBF16>, dots4<LoadF16>,
                                       dots4<LoadI8>, dots4<LoadFP8>};
-const AxpyFn kAvx512Axpy[3] = {axpy<LoadF32>, axpy<LoadBF16>, axpy<LoadF16>};
+const WsumFn kAvx512Wsum[3] = {wsum<LoadF32>, wsum<LoadBF16>, wsum<LoadF16>};
 const ExpFn kAvx512Exp = exp_minus;
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
@@ -603,9 +618,9 @@ DotsFn avx512_dots(Fmt f) {
   return i >= 0 && i < 5 ? kAvx512SeveralDots[i] : nullptr;
 }
 ExpFn avx512_exp() { return kAvx512Exp; }
-AxpyFn avx512_axpy(Fmt f) {
+WsumFn avx512_wsum(Fmt f) {
   const int i = static_cast<int>(f);
-  return i >= 0 && i < 3 ? kAvx512Axpy[i] : nullptr;
+  return i >= 0 && i < 3 ? kAvx512Wsum[i] : nullptr;
 }
 }  // namespace psr::cpu
 
@@ -617,7 +632,7 @@ BlockRowDotFn avx512_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx512_ggml_dots() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
 DotsFn avx512_dots(Fmt) { return nullptr; }
-AxpyFn avx512_axpy(Fmt) { return nullptr; }
+WsumFn avx512_wsum(Fmt) { return nullptr; }
 ExpFn avx512_exp() { return nullptr; }
 }  // namespace psr::cpu
 
