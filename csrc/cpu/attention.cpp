@@ -75,7 +75,10 @@ constexpr int kLanes = 8;  // independent partial sums / maxima (instruction-lev
 float window_max(const float* x, int64_t n, float m0) {
   float m[kLanes];
   std::fill(m, m + kLanes, m0);
-  for (int64_t j = 0; j < n; ++j) m[j % kLanes] = std::max(m[j % kLanes], x[j]);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) m[l] = std::max(m[l], x[j + l]);
+  for (; j < n; ++j) m[0] = std::max(m[0], x[j]);
   for (int l = 1; l < kLanes; ++l) m[0] = std::max(m[0], m[l]);
   return m[0];
 }
@@ -87,7 +90,7 @@ float window_sum(const float* x, int64_t n) {
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
     for (int l = 0; l < kLanes; ++l) z[l] += x[j + l];
-  for (; j < n; ++j) z[j % kLanes] += x[j];
+  for (int l = 0; j < n; ++j, ++l) z[l] += x[j];
   float t = 0.f;
   for (int l = 0; l < kLanes; ++l) t += z[l];
   return t;
@@ -149,9 +152,16 @@ void attention(const AttentionCall& c, int threads, Isa isa) {
     parallel_run(threads, 0, [](int64_t, int64_t) {});  // still checks threads
     return;
   }
-  parallel_run(threads, c.tokens * c.kv_heads, [&](int64_t b, int64_t e) {
+  // Items (u, g), u taking the tokens from both ends in turn (0, T-1, 1, T-2, ...): each
+  // thread's contiguous range gets short and long causal rows alike (which thread computes
+  // a row never changes how).
+  const int64_t T = c.tokens;
+  parallel_run(threads, T * c.kv_heads, [&](int64_t b, int64_t e) {
     std::vector<float> buf;
-    for (int64_t item = b; item < e; ++item) attend(c, ks, item / c.kv_heads, item % c.kv_heads, buf);
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t u = item / c.kv_heads;
+      attend(c, ks, u % 2 ? T - 1 - u / 2 : u / 2, item % c.kv_heads, buf);
+    }
   });
 }
 
