@@ -49,14 +49,14 @@ def _calls(T: int, L: int, dtype: torch.dtype) -> dict[str, Callable[[], object]
             q, k, v, is_causal=causal, scale=scale, enable_gqa=True
         )
 
-    def sdpa_rows() -> object:  # one query row at a time, each over its keys 0..p
-        return [
-            tF.scaled_dot_product_attention(
-                q[:, :, t : t + 1], k[:, :, : L - T + t + 1], v[:, :, : L - T + t + 1],
-                scale=scale, enable_gqa=True,
-            )  # fmt: skip
-            for t in range(T)
-        ]
+    def sdpa_row(t: int) -> object:  # query row t over its keys 0..p
+        p = L - T + t
+        return tF.scaled_dot_product_attention(
+            q[:, :, t : t + 1], k[:, :, : p + 1], v[:, :, : p + 1], scale=scale, enable_gqa=True
+        )
+
+    def sdpa_rows() -> object:
+        return [sdpa_row(t) for t in range(T)]
 
     calls: dict[str, Callable[[], object]] = {"cpu_attention": kernel, "sdpa": sdpa}
     if T > 1:
@@ -76,9 +76,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    setups = {
-        (name, dn): _calls(T, L, dt) for name, T, L in CASES for dn, dt in DTYPES.items()
-    }
+    setups = {(name, dn): _calls(T, L, dt) for name, T, L in CASES for dn, dt in DTYPES.items()}
     times: dict[tuple[str, str], dict[str, list[float]]] = {
         key: {c: [] for c in calls} for key, calls in setups.items()
     }

@@ -255,8 +255,8 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "cpu_attention",
       [](uintptr_t q, int64_t tokens, int64_t q_heads, int64_t dk, uintptr_t k, int k_fmt,
-         int64_t k_sl, int64_t k_sh, uintptr_t v, int v_fmt, int64_t v_sl, int64_t v_sh,
-         int64_t dv, int64_t keys, int64_t kv_heads, int64_t q_start, int64_t window, float scale,
+         int64_t k_sl, int64_t k_sh, uintptr_t v, int v_fmt, int64_t v_sl, int64_t v_sh, int64_t dv,
+         int64_t keys, int64_t kv_heads, int64_t q_start, int64_t window, float scale,
          uintptr_t sinks, uintptr_t y, int threads, const std::string& isa) {
         psr::cpu::AttentionCall c;
         c.q = reinterpret_cast<const float*>(q);

@@ -147,7 +147,7 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t, int64_t g,
 void attention(const AttentionCall& c, int threads, Isa isa) {
   check(c);
   const Kernels ks{row_dot(isa, c.k_fmt), row_dots(isa, c.k_fmt), wsum_for(isa, c.v_fmt),
-                     exp_for(isa)};
+                   exp_for(isa)};
   if (c.tokens == 0) {
     parallel_run(threads, 0, [](int64_t, int64_t) {});  // still checks threads
     return;

@@ -119,8 +119,8 @@ void dot_int4(const uint8_t* const w[4], int64_t n, const float* v, const float*
 }
 
 template <class Load>
-void scalar_wsum_of(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a,
-                    int64_t as, int na, float* out, int64_t os, Load load) {
+void scalar_wsum_of(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
+                    int na, float* out, int64_t os, Load load) {
   for (int h = 0; h < na; ++h)
     for (int64_t e = 0; e < dv; ++e) {
       float acc = 0.f;

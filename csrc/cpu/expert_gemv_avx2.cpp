@@ -166,7 +166,8 @@ void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a
   for (; e0 < dv; ++e0)
     for (int h = 0; h < NH; ++h) {
       float acc = 0.f;
-      for (int64_t j = 0; j < n; ++j) acc = __builtin_fmaf(a[h * as + j], W::one(v + j * vs, e0), acc);
+      for (int64_t j = 0; j < n; ++j)
+        acc = __builtin_fmaf(a[h * as + j], W::one(v + j * vs, e0), acc);
       out[h * os + e0] = acc;
     }
 }
@@ -203,7 +204,8 @@ inline __m256 exp8(__m256 x) {
 void exp_minus(float* x, int64_t n, float m) {
   const __m256 mv = _mm256_set1_ps(m);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
   if (i < n) {  // the tail through a padded copy: the same lanes' arithmetic
     float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t j = i; j < n; ++j) t[j - i] = x[j];

@@ -150,7 +150,8 @@ void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, int64_t dv,
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* vj = v + j * vs;
     __m512 x[4];
-    for (int c = 0; c < 4; ++c) x[c] = kFull ? Load::full(vj, e0 + 16 * c) : Load::at(vj, e0 + 16 * c, m[c]);
+    for (int c = 0; c < 4; ++c)
+      x[c] = kFull ? Load::full(vj, e0 + 16 * c) : Load::at(vj, e0 + 16 * c, m[c]);
     for (int h = 0; h < NH; ++h) {
       const __m512 b = _mm512_set1_ps(a[h * as + j]);
       for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_fmadd_ps(b, x[c], acc[h][c]);
@@ -171,7 +172,8 @@ void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a
 template <class Load>
 void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
           float* out, int64_t os) {
-  g_for_inputs(na, [&](auto k) { wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
+  g_for_inputs(na,
+               [&](auto k) { wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
 }
 
 // exp(x - m) on 16 lanes (Cephes' expf: x = n ln2 + r, a degree-5 polynomial in r, scaled
