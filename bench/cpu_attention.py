@@ -1,6 +1,6 @@
 """The row-invariant CPU attention (`psr.store.cpu_attention`) side by side with torch's SDPA.
 
-    .venv/bin/python bench/cpu_attention.py [--rounds 5] [--out FILE.json]
+    .venv/bin/python bench/cpu_attention.py [--rounds 5] [--isa auto] [--out FILE.json]
 
 Hq 32, Hkv 4 (GQA), D 128, one thread (torch.set_num_threads(1), the kernel's threads=1),
 bf16 and f32: a decode step at L = 512 and 4096 (T = 1; SDPA without a mask, which is the
@@ -32,7 +32,7 @@ CASES = [("decode L=512", 1, 512), ("decode L=4096", 1, 4096), ("prefill 512", 5
 DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
-def _calls(T: int, L: int, dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+def _calls(T: int, L: int, dtype: torch.dtype, isa: str) -> dict[str, Callable[[], object]]:
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, HQ, T, D, generator=g).to(dtype)
     k = torch.randn(1, HKV, L, D, generator=g).to(dtype)
@@ -42,7 +42,7 @@ def _calls(T: int, L: int, dtype: torch.dtype) -> dict[str, Callable[[], object]
     causal = T > 1  # T = 1 at the last position: every key, no mask
 
     def kernel() -> object:
-        return store.cpu_attention(qt, kt, vt, q_start=L - T, scale=scale, threads=1)
+        return store.cpu_attention(qt, kt, vt, q_start=L - T, scale=scale, threads=1, isa=isa)
 
     def sdpa() -> object:
         return tF.scaled_dot_product_attention(
@@ -73,10 +73,14 @@ def _cpu_time(fn: Callable[[], object]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--isa", default="auto", help="the kernel's ISA path (store.cpu_isas())")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    setups = {(name, dn): _calls(T, L, dt) for name, T, L in CASES for dn, dt in DTYPES.items()}
+    isa = store.cpu_isas()[-1] if args.isa == "auto" else args.isa
+    setups = {
+        (name, dn): _calls(T, L, dt, args.isa) for name, T, L in CASES for dn, dt in DTYPES.items()
+    }
     times: dict[tuple[str, str], dict[str, list[float]]] = {
         key: {c: [] for c in calls} for key, calls in setups.items()
     }
@@ -88,7 +92,7 @@ def main() -> None:
             for c, fn in calls.items():
                 times[key][c].append(_cpu_time(fn))
     print(f"load average {os.getloadavg()[0]:.1f}; one thread; Hq {HQ}, Hkv {HKV}, D {D}; "
-          f"best CPU ms of {args.rounds} rounds; isa {store.cpu_isas()[-1]}")  # fmt: skip
+          f"best CPU ms of {args.rounds} rounds; isa {isa}")  # fmt: skip
     print("| case | dtype | cpu_attention ms | sdpa ms | sdpa / kernel | sdpa per row ms "
           "| per row / kernel |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
@@ -105,7 +109,7 @@ def main() -> None:
             "median_ms": {c: statistics.median(v) * 1e3 for c, v in t.items()},
         })  # fmt: skip
     if args.out:
-        write_json(args.out, {"rounds": args.rounds, "isa": store.cpu_isas()[-1], "rows": rows,
+        write_json(args.out, {"rounds": args.rounds, "isa": isa, "rows": rows,
                               "load": os.getloadavg()[0]})  # fmt: skip
 
 
