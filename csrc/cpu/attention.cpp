@@ -20,15 +20,9 @@ namespace {
 }
 
 int64_t float_bytes(Fmt f) {
-  switch (f) {
-    case Fmt::f32:
-      return 4;
-    case Fmt::bf16:
-    case Fmt::f16:
-      return 2;
-    default:
-      bad("keys and values must be float32 / bfloat16 / float16");
-  }
+  if (f != Fmt::f32 && f != Fmt::bf16 && f != Fmt::f16)
+    bad("keys and values must be float32 / bfloat16 / float16");
+  return f == Fmt::f32 ? 4 : 2;
 }
 
 struct Kernels {

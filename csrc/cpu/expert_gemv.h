@@ -197,6 +197,12 @@ using WsumFn = void (*)(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, con
 // x[i] = exp(x[i] - m) for i < n, elementwise (an element's value never depends on its
 // neighbours or its lane): the scalar path's is std::exp, the vector paths' one polynomial.
 using ExpFn = void (*)(float* x, int64_t n, float m);
+// The vector paths' exp (Cephes' expf): x = k ln2 + r (ln2 in two parts), e^r ~ 1 + r +
+// r^2 P(r) with P's coefficients highest first, times 2^k; 0 under kExpMin.
+inline constexpr float kExpLog2e = 1.44269504088896341f, kExpLn2Hi = 0.693359375f,
+                       kExpLn2Lo = -2.12194440e-4f, kExpMin = -87.3f;
+inline constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 ExpFn scalar_exp();
 ExpFn avx2_exp();    // nullptr where not compiled
 ExpFn avx512_exp();  // nullptr where not compiled

@@ -178,26 +178,21 @@ void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, i
   g_for_inputs(na, [&](auto k) { wsum_nh<W, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
 }
 
-// exp(x - m) on 8 lanes: expert_gemv_avx512.cpp's exp16 (Cephes' expf), 2^n built in the
-// exponent bits; under e^-87.3 it is 0.
+// exp(x - m) on 8 lanes: expert_gemv.h's kExp* polynomial, 2^k built in the exponent bits.
 inline __m256 exp8(__m256 x) {
-  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kExpLog2e)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kExpLn2Hi), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kExpLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_max_ps(fx, _mm256_set1_ps(-126.f))),
                        _mm256_set1_epi32(127)),
       23);
   const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ);
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_GE_OQ);
   return _mm256_and_ps(out, keep);
 }
 
