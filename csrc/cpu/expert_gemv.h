@@ -166,10 +166,11 @@ void linear(const LinearCall& call, int threads, Isa isa);
 // construction (attention.cpp): query t at absolute position p = q_start + t attends keys
 // j in (p - window, p] (window 0: [0, p]); each (t, head) output is computed by one thread
 // from the keys <= p only, in an order that depends on p alone: scores are the path's row
-// dots (DotFn / DotsFn on k rows, the query as the input), their max, exp(s - max) summed
-// in key order (then the sink's term), the weighted V sum accumulated in key order
-// (WsumFn), then divided by the sum. So a row's output is bit-identical whatever T, L,
-// q_start split, other rows or thread count (for a given ISA path).
+// dots (DotFn / DotsFn on k rows, the query as the input), their max, exp(s - max) (ExpFn)
+// summed in 8 partial lanes from the window's first key (then the sink's term), the
+// weighted V sum accumulated in key order (WsumFn), then divided by the sum. So a row's
+// output is bit-identical whatever T, L, q_start split, other rows or thread count (for a
+// given ISA path).
 struct AttentionCall {
   const float* q = nullptr;  // [T, Hq, Dk] fp32, contiguous
   int64_t tokens = 0;        // T
