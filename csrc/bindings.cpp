@@ -252,6 +252,42 @@ PYBIND11_MODULE(_C, m) {
       py::arg("bias"), py::arg("y"), py::arg("threads"), py::arg("isa"), release_gil(),
       "Batch-invariant dense linear y = x W^T (+ bias) from float or GGML rows (addresses of "
       "live, checked tensors)");
+  m.def(
+      "cpu_attention",
+      [](uintptr_t q, int64_t tokens, int64_t q_heads, int64_t dk, uintptr_t k, int k_fmt,
+         int64_t k_sl, int64_t k_sh, uintptr_t v, int v_fmt, int64_t v_sl, int64_t v_sh, int64_t dv,
+         int64_t keys, int64_t kv_heads, int64_t q_start, int64_t window, float scale,
+         uintptr_t sinks, uintptr_t y, int threads, const std::string& isa) {
+        psr::cpu::AttentionCall c;
+        c.q = reinterpret_cast<const float*>(q);
+        c.tokens = tokens;
+        c.q_heads = q_heads;
+        c.dk = dk;
+        c.dv = dv;
+        c.k = reinterpret_cast<const uint8_t*>(k);
+        c.v = reinterpret_cast<const uint8_t*>(v);
+        c.k_fmt = static_cast<psr::cpu::Fmt>(k_fmt);
+        c.v_fmt = static_cast<psr::cpu::Fmt>(v_fmt);
+        c.k_sl = k_sl;
+        c.k_sh = k_sh;
+        c.v_sl = v_sl;
+        c.v_sh = v_sh;
+        c.keys = keys;
+        c.kv_heads = kv_heads;
+        c.q_start = q_start;
+        c.window = window;
+        c.scale = scale;
+        c.sinks = reinterpret_cast<const float*>(sinks);
+        c.y = reinterpret_cast<float*>(y);
+        psr::cpu::attention(c, threads, psr::cpu::isa_from_name(isa));
+      },
+      py::arg("q"), py::arg("tokens"), py::arg("q_heads"), py::arg("dk"), py::arg("k"),
+      py::arg("k_fmt"), py::arg("k_sl"), py::arg("k_sh"), py::arg("v"), py::arg("v_fmt"),
+      py::arg("v_sl"), py::arg("v_sh"), py::arg("dv"), py::arg("keys"), py::arg("kv_heads"),
+      py::arg("q_start"), py::arg("window"), py::arg("scale"), py::arg("sinks"), py::arg("y"),
+      py::arg("threads"), py::arg("isa"), release_gil(),
+      "Row-invariant causal attention (window, sinks) from float k / v rows (addresses of "
+      "live, checked tensors; strides in elements)");
   m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),
         py::arg("reps"), release_gil(),
         "STREAM triad on the kernels' thread pool: best bytes/s (12 n bytes per pass)");

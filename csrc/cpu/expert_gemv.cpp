@@ -118,6 +118,37 @@ void dot_int4(const uint8_t* const w[4], int64_t n, const float* v, const float*
   }
 }
 
+template <class Load>
+void scalar_wsum_of(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
+                    int na, float* out, int64_t os, Load load) {
+  for (int h = 0; h < na; ++h)
+    for (int64_t e = 0; e < dv; ++e) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j) acc += a[h * as + j] * load(v + j * vs, e);
+      out[h * os + e] = acc;
+    }
+}
+float load_f32(const uint8_t* p, int64_t i) {
+  float f;
+  std::memcpy(&f, p + 4 * i, 4);
+  return f;
+}
+float load_bf16(const uint8_t* p, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return bf16_to_f32(b);
+}
+float load_f16(const uint8_t* p, int64_t i) {
+  uint16_t b;
+  std::memcpy(&b, p + 2 * i, 2);
+  return f16_to_f32(b);
+}
+template <float (*Load)(const uint8_t*, int64_t)>
+void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
+          float* out, int64_t os) {
+  scalar_wsum_of(v, vs, n, dv, a, as, na, out, os, Load);
+}
+
 }  // namespace
 
 BlockRowDotFn scalar_ggml_dot() { return g_row_dot; }
@@ -147,6 +178,25 @@ DotFn scalar_dot(Fmt f) {
       return nullptr;  // per part: the block row dots
   }
   return nullptr;
+}
+
+ExpFn scalar_exp() {
+  return [](float* x, int64_t n, float m) {
+    for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - m);
+  };
+}
+
+WsumFn scalar_wsum(Fmt f) {
+  switch (f) {
+    case Fmt::f32:
+      return wsum<load_f32>;
+    case Fmt::bf16:
+      return wsum<load_bf16>;
+    case Fmt::f16:
+      return wsum<load_f16>;
+    default:
+      return nullptr;
+  }
 }
 
 // --- ISA selection -----------------------------------------------------------------------
@@ -755,6 +805,15 @@ void linear(const LinearCall& c, int threads, Isa isa) {
       }
     }
   });
+}
+
+DotFn row_dot(Isa isa, Fmt f) { return dots_for(isa, f).dot; }
+DotsFn row_dots(Isa isa, Fmt f) { return dots_for(isa, f).dots; }
+
+void parallel_run(int threads, int64_t n, const std::function<void(int64_t, int64_t)>& fn) {
+  check_threads(threads);
+  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  Pool::get().run(threads, n, fn);
 }
 
 double triad_bytes_per_s(int64_t n, int threads, int reps) {

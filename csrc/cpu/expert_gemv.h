@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -161,6 +162,58 @@ struct LinearCall {
 };
 void linear(const LinearCall& call, int threads, Isa isa);
 
+// Causal (optionally sliding-window, optionally sink) attention, row-invariant by
+// construction (attention.cpp): query t at absolute position p = q_start + t attends keys
+// j in (p - window, p] (window 0: [0, p]); each (t, head) output is computed by one thread
+// from the keys <= p only, in an order that depends on p alone: scores are the path's row
+// dots (DotFn / DotsFn on k rows, the query as the input), their max, exp(s - max) (ExpFn)
+// summed in 8 partial lanes from the window's first key (then the sink's term), the
+// weighted V sum accumulated in key order (WsumFn), then divided by the sum. So a row's
+// output is bit-identical whatever T, L, q_start split, other rows or thread count (for a
+// given ISA path).
+struct AttentionCall {
+  const float* q = nullptr;  // [T, Hq, Dk] fp32, contiguous
+  int64_t tokens = 0;        // T
+  int64_t q_heads = 0;       // Hq (a multiple of Hkv: head h reads kv head h / (Hq / Hkv))
+  int64_t dk = 0, dv = 0;
+  const uint8_t* k = nullptr;  // key j of kv head g at k + (j * k_sl + g * k_sh) elements
+  const uint8_t* v = nullptr;  // value j of kv head g at v + (j * v_sl + g * v_sh) elements
+  Fmt k_fmt = Fmt::f32, v_fmt = Fmt::f32;  // f32 / bf16 / f16
+  int64_t k_sl = 0, k_sh = 0, v_sl = 0, v_sh = 0;
+  int64_t keys = 0;      // L >= q_start + T
+  int64_t kv_heads = 0;  // Hkv
+  int64_t q_start = 0;
+  int64_t window = 0;  // 0: none
+  float scale = 1.f;
+  const float* sinks = nullptr;  // optional [Hq] fp32 logits (no value)
+  float* y = nullptr;            // [T, Hq, Dv] fp32 out
+};
+void attention(const AttentionCall& call, int threads, Isa isa);
+// The weighted sum of n rows: out[h * os + e] = sum_{j < n} a[h * as + j] * v_j[e] for
+// e < dv, h < na <= kRowInputs (v_j at v + j * vs bytes, widened from its format). Each
+// element is accumulated from 0 in key order j = 0, 1, ..., one multiply-add a key (fused
+// on the vector paths), so its bits never depend on lanes, blocking or the other heads.
+using WsumFn = void (*)(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a,
+                        int64_t as, int na, float* out, int64_t os);
+// x[i] = exp(x[i] - m) for i < n, elementwise (an element's value never depends on its
+// neighbours or its lane): the scalar path's is std::exp, the vector paths' one polynomial.
+using ExpFn = void (*)(float* x, int64_t n, float m);
+// The vector paths' exp (Cephes' expf): x = k ln2 + r (ln2 in two parts), e^r ~ 1 + r +
+// r^2 P(r) with P's coefficients highest first, times 2^k; 0 under kExpMin.
+inline constexpr float kExpLog2e = 1.44269504088896341f, kExpLn2Hi = 0.693359375f,
+                       kExpLn2Lo = -2.12194440e-4f, kExpMin = -87.3f;
+inline constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                      4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+ExpFn scalar_exp();
+ExpFn avx2_exp();    // nullptr where not compiled
+ExpFn avx512_exp();  // nullptr where not compiled
+WsumFn scalar_wsum(Fmt f);
+WsumFn avx2_wsum(Fmt f);    // nullptr where not compiled
+WsumFn avx512_wsum(Fmt f);  // nullptr where not compiled
+// fn over [0, n) split in `threads` contiguous parts on the kernels' pool, one call at a
+// time (threads checked against [1, max_threads()]).
+void parallel_run(int threads, int64_t n, const std::function<void(int64_t, int64_t)>& fn);
+
 // ISA paths this CPU runs, best last (scalar always).
 std::vector<Isa> supported_isas();
 Isa best_isa();
@@ -210,6 +263,10 @@ DotFn scalar_dot(Fmt f);
 DotFn avx2_dot(Fmt f);    // nullptr where not compiled
 DotFn avx512_dot(Fmt f);  // nullptr where not compiled
 
+// The row dot of `f` on path `isa` (DotFn; the scalar one where a path has none) and its
+// several-input form (nullptr: none), after checking this CPU runs `isa`.
+DotFn row_dot(Isa isa, Fmt f);
+DotsFn row_dots(Isa isa, Fmt f);
 // Scalar decoders shared by the paths' tails.
 float bf16_to_f32(uint16_t b);
 float f16_to_f32(uint16_t h);

@@ -136,6 +136,79 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
   g_for_inputs(nv, [&](auto k) { dot4_nv<W, decltype(k)::value>(w, n, v, out); });
 }
 
+// Attention's weighted V sum (WsumFn): C vectors of 8 output columns at a time for NH heads,
+// the accumulators in registers across the keys; the last columns one by one.
+template <class W, int NH, int C>
+void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, const float* a, int64_t as,
+                float* out, int64_t os) {
+  __m256 acc[NH][C];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* vj = v + j * vs;
+    __m256 x[C];
+    for (int c = 0; c < C; ++c) x[c] = W::vec(vj, e0 + 8 * c);
+    for (int h = 0; h < NH; ++h) {
+      const __m256 b = _mm256_set1_ps(a[h * as + j]);
+      for (int c = 0; c < C; ++c) acc[h][c] = _mm256_fmadd_ps(b, x[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + h * os + e0 + 8 * c, acc[h][c]);
+}
+
+template <class W, int NH>
+void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
+             float* out, int64_t os) {
+  int64_t e0 = 0;
+  for (; e0 + 16 <= dv; e0 += 16) wsum_block<W, NH, 2>(v, vs, n, e0, a, as, out, os);
+  for (; e0 + 8 <= dv; e0 += 8) wsum_block<W, NH, 1>(v, vs, n, e0, a, as, out, os);
+  for (; e0 < dv; ++e0)
+    for (int h = 0; h < NH; ++h) {
+      float acc = 0.f;
+      for (int64_t j = 0; j < n; ++j)
+        acc = __builtin_fmaf(a[h * as + j], W::one(v + j * vs, e0), acc);
+      out[h * os + e0] = acc;
+    }
+}
+
+template <class W>
+void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
+          float* out, int64_t os) {
+  g_for_inputs(na, [&](auto k) { wsum_nh<W, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
+}
+
+// exp(x - m) on 8 lanes: expert_gemv.h's kExp* polynomial, 2^k built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kExpLog2e)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kExpLn2Hi), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kExpLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_max_ps(fx, _mm256_set1_ps(-126.f))),
+                       _mm256_set1_epi32(127)),
+      23);
+  const __m256 out = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpMin), _CMP_GE_OQ);
+  return _mm256_and_ps(out, keep);
+}
+
+void exp_minus(float* x, int64_t n, float m) {
+  const __m256 mv = _mm256_set1_ps(m);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
+  if (i < n) {  // the tail through a padded copy: the same lanes' arithmetic
+    float t[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t j = i; j < n; ++j) t[j - i] = x[j];
+    _mm256_storeu_ps(t, exp8(_mm256_sub_ps(_mm256_loadu_ps(t), mv)));
+    for (int64_t j = i; j < n; ++j) x[j] = t[j - i];
+  }
+}
+
 inline __m256 nib_fma(const uint8_t* p, __m256 ve, __m256 vo, __m256 a) {
   const __m256i b = _mm256_cvtepu8_epi32(load8(p));
   const __m256i k8 = _mm256_set1_epi32(8);
@@ -395,6 +468,8 @@ float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
 // Instantiated here, inside the target region; indexed by Fmt.
 const DotFn kAvx2Dots[6] = {dot4<F32>, dot4<BF16>, dot4<F16>, dot4<I8>, dot4<FP8>, dot4_int4};
 const DotsFn kAvx2SeveralDots[5] = {dots4<F32>, dots4<BF16>, dots4<F16>, dots4<I8>, dots4<FP8>};
+const WsumFn kAvx2Wsum[3] = {wsum<F32>, wsum<BF16>, wsum<F16>};
+const ExpFn kAvx2Exp = exp_minus;
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -427,6 +502,11 @@ DotFn avx2_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx2Dots[i] : nullptr;
 }
+ExpFn avx2_exp() { return kAvx2Exp; }
+WsumFn avx2_wsum(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 3 ? kAvx2Wsum[i] : nullptr;
+}
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
@@ -436,6 +516,8 @@ DotFn avx2_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx2_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx2_ggml_dots() { return nullptr; }
 DotsFn avx2_dots(Fmt) { return nullptr; }
+WsumFn avx2_wsum(Fmt) { return nullptr; }
+ExpFn avx2_exp() { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

@@ -137,6 +137,66 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
   g_for_inputs(nv, [&](auto k) { dot4_nv<Load, decltype(k)::value>(w, n, v, out); });
 }
 
+// Attention's weighted V sum (WsumFn): 64 output columns (four vectors) at a time for NH
+// heads, the accumulators in registers across the keys; the last block masked.
+template <class Load, int NH, bool kFull>
+void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, int64_t dv, const float* a,
+                int64_t as, float* out, int64_t os) {
+  __mmask16 m[4];
+  for (int c = 0; c < 4; ++c) m[c] = e0 + 16 * c < dv ? tail_mask(dv - e0 - 16 * c) : 0;
+  __m512 acc[NH][4];
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* vj = v + j * vs;
+    __m512 x[4];
+    for (int c = 0; c < 4; ++c)
+      x[c] = kFull ? Load::full(vj, e0 + 16 * c) : Load::at(vj, e0 + 16 * c, m[c]);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 b = _mm512_set1_ps(a[h * as + j]);
+      for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_fmadd_ps(b, x[c], acc[h][c]);
+    }
+  }
+  for (int h = 0; h < NH; ++h)
+    for (int c = 0; c < 4; ++c) _mm512_mask_storeu_ps(out + h * os + e0 + 16 * c, m[c], acc[h][c]);
+}
+
+template <class Load, int NH>
+void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
+             float* out, int64_t os) {
+  int64_t e0 = 0;
+  for (; e0 + 64 <= dv; e0 += 64) wsum_block<Load, NH, true>(v, vs, n, e0, dv, a, as, out, os);
+  if (e0 < dv) wsum_block<Load, NH, false>(v, vs, n, e0, dv, a, as, out, os);
+}
+
+template <class Load>
+void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
+          float* out, int64_t os) {
+  g_for_inputs(na,
+               [&](auto k) { wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
+}
+
+// exp(x - m) on 16 lanes: expert_gemv.h's kExp* polynomial (about 1 ulp), 2^k by scalef.
+inline __m512 exp16(__m512 x) {
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kExpLog2e)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kExpLn2Hi), x);
+  r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kExpLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpMin), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(y, fx));
+}
+
+void exp_minus(float* x, int64_t n, float m) {
+  const __m512 mv = _mm512_set1_ps(m);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = tail_mask(n - i);
+    _mm512_mask_storeu_ps(x + i, k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+  }
+}
+
 // int4: 16 bytes = 32 elements per step; low nibbles times v (even elements), high times v2.
 // A nibble becomes its signed value by one in-register table lookup (vpermps reads the low
 // four bits of each lane): no masking, sign extension or int -> float conversion.
@@ -519,6 +579,8 @@ const DotFn kAvx512Dots[6] = {dot4<LoadF32>, dot4<LoadBF16>, dot4<LoadF16>,
                               dot4<LoadI8>,  dot4<LoadFP8>,  dot4_int4};
 const DotsFn kAvx512SeveralDots[5] = {dots4<LoadF32>, dots4<LoadBF16>, dots4<LoadF16>,
                                       dots4<LoadI8>, dots4<LoadFP8>};
+const WsumFn kAvx512Wsum[3] = {wsum<LoadF32>, wsum<LoadBF16>, wsum<LoadF16>};
+const ExpFn kAvx512Exp = exp_minus;
 
 static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* const* v, int nv,
                           float* out) {
@@ -552,6 +614,11 @@ DotsFn avx512_dots(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 5 ? kAvx512SeveralDots[i] : nullptr;
 }
+ExpFn avx512_exp() { return kAvx512Exp; }
+WsumFn avx512_wsum(Fmt f) {
+  const int i = static_cast<int>(f);
+  return i >= 0 && i < 3 ? kAvx512Wsum[i] : nullptr;
+}
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
@@ -562,6 +629,8 @@ BlockRowDotFn avx512_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx512_ggml_dots() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
 DotsFn avx512_dots(Fmt) { return nullptr; }
+WsumFn avx512_wsum(Fmt) { return nullptr; }
+ExpFn avx512_exp() { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

@@ -60,6 +60,30 @@ def cpu_linear(
     isa: str,
 ) -> None: ...
 def cpu_triad(n: int, threads: int, reps: int) -> float: ...
+def cpu_attention(
+    q: int,
+    tokens: int,
+    q_heads: int,
+    dk: int,
+    k: int,
+    k_fmt: int,
+    k_sl: int,
+    k_sh: int,
+    v: int,
+    v_fmt: int,
+    v_sl: int,
+    v_sh: int,
+    dv: int,
+    keys: int,
+    kv_heads: int,
+    q_start: int,
+    window: int,
+    scale: float,
+    sinks: int,
+    y: int,
+    threads: int,
+    isa: str,
+) -> None: ...
 
 @type_check_only
 class _pybind11_type(type):

@@ -2,12 +2,14 @@
 
 expert_store  ExpertStore (host rows, device slabs, copies, tiers, the CPU hand-off),
               LayerSpec, CopyReason, the backend choice, StoreError / CopyError
-cpu_kernels   the CPU kernels: cpu_expert_ffn, cpu_linear, cpu_layout, cpu_isas, cpu_triad
+cpu_kernels   the CPU kernels: cpu_expert_ffn, cpu_linear, cpu_attention, cpu_layout, cpu_isas,
+              cpu_triad
 """
 
 from psr.store.cpu_kernels import (
     CPU_ACTIVATIONS,
     CPU_FLOAT_DTYPES,
+    cpu_attention,
     cpu_expert_ffn,
     cpu_isas,
     cpu_layout,
@@ -40,6 +42,7 @@ __all__ = [
     "Segment",
     "StoreError",
     "backend_info",
+    "cpu_attention",
     "cpu_expert_ffn",
     "cpu_isas",
     "cpu_layout",

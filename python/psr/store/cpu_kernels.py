@@ -181,10 +181,10 @@ def _ggml_blocks() -> dict[int, tuple[str, int, int]]:
     return {tid: (name, qk, bs) for name, tid, qk, bs in _C.ggml_type_traits()}
 
 
-def _linear_threads(threads: int | None) -> int:
+def _linear_threads(threads: int | None, who: str = "cpu_linear") -> int:
     n = torch.get_num_threads() if threads is None else threads
     if not isinstance(n, int) or not 1 <= n <= cpu_max_threads():
-        raise ValueError(f"cpu_linear: threads must be an int in [1, {cpu_max_threads()}], got {n}")
+        raise ValueError(f"{who}: threads must be an int in [1, {cpu_max_threads()}], got {n}")
     return n
 
 
@@ -275,4 +275,96 @@ def cpu_linear(
         _fmt_codes()[fmt], gtype, b, y.data_ptr(), n_threads, isa,
     )  # fmt: skip
     out = out_dtype or x.dtype
+    return y if out == torch.float32 else y.to(out)
+
+
+# Causal attention of csrc/cpu/attention.cpp (expert_gemv.h's `attention`): scores by the
+# float row dots above (each key a row, the query the input), the weighted V sum in key
+# order. Each (token, head) output is computed by one thread from the keys at positions
+# <= its own, in an order fixed by its position: row-invariant (any chunking of a prompt,
+# a decode step or a prefill row, any thread count give the same bits on one ISA path).
+
+
+def _attention_input(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != 3:
+        raise ValueError(f"cpu_attention: {name} must be a 3-D CPU tensor")
+    if t.dtype not in CPU_FLOAT_DTYPES:
+        raise ValueError(
+            f"cpu_attention: {name} must be float32, bfloat16 or float16, got {t.dtype}"
+        )
+    if min(t.shape[1:]) < 1:
+        raise ValueError(f"cpu_attention: {name} {list(t.shape)} has an empty head dimension")
+    return t if t.stride(2) == 1 else t.contiguous()
+
+
+def _attention_sinks(sinks: object, hq: int) -> torch.Tensor | None:
+    """`sinks` checked, as a contiguous fp32 [Hq] tensor (None: no sinks)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.device.type != "cpu" or sinks.shape != (hq,):
+        raise ValueError(f"cpu_attention: sinks must be a CPU tensor [Hq={hq}]")
+    if not sinks.is_floating_point():
+        raise ValueError(f"cpu_attention: sinks must be float, got {sinks.dtype}")
+    return sinks.to(torch.float32).contiguous()
+
+
+def cpu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_start: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str = "auto",
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Row-invariant causal attention on the CPU, accumulated in fp32.
+
+    `q` `[T, Hq, Dk]`, `k` `[L, Hkv, Dk]`, `v` `[L, Hkv, Dv]` (float32 / bfloat16 /
+    float16 each; any strides, the last dim contiguous or copied); query head h reads kv
+    head h // (Hq // Hkv). Query t sits at position p = q_start + t and attends keys j <= p
+    (L >= q_start + T), and with `window` only j > p - window (transformers'
+    sliding_window). `sinks` `[Hq]`: gpt-oss's per-head logit in the softmax denominator
+    with no value. Scores are `scale * q . k_j`. Each output row is bit-identical whatever
+    T, L, q_start split, other rows and thread count, on one ISA path. `threads` (default
+    torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
+    Returns `[T, Hq, Dv]` in `out_dtype` (default q's dtype).
+    """
+    q, k, v = _attention_input("q", q), _attention_input("k", k), _attention_input("v", v)
+    T, Hq, Dk = q.shape
+    L, Hkv, Dv = v.shape
+    if k.shape[:2] != v.shape[:2] or k.shape[2] != Dk:
+        raise ValueError(
+            f"cpu_attention: k {list(k.shape)} and v {list(v.shape)} do not match q"
+            f" {list(q.shape)} as [L, Hkv, Dk] / [L, Hkv, Dv]"
+        )
+    if Hq % Hkv:
+        raise ValueError(f"cpu_attention: {Hq} query heads are not a multiple of {Hkv} kv heads")
+    if isinstance(q_start, bool) or not isinstance(q_start, int) or q_start < 0:
+        raise ValueError(f"cpu_attention: q_start must be an int >= 0, got {q_start!r}")
+    if L < q_start + T:
+        raise ValueError(
+            f"cpu_attention: {L} keys do not reach the last query at position {q_start + T - 1}"
+        )
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"cpu_attention: window must be None or an int >= 1, got {window!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"cpu_attention: scale must be a float, got {scale!r}")
+    sf = _attention_sinks(sinks, Hq)
+    n_threads = _linear_threads(threads, "cpu_attention")
+    qf = q.to(torch.float32).contiguous()
+    y = torch.empty(T, Hq, Dv, dtype=torch.float32)
+    codes = _fmt_codes()
+    _C.cpu_attention(
+        qf.data_ptr(), T, Hq, Dk, k.data_ptr(), codes[_LINEAR_FLOAT_FMTS[k.dtype]],
+        k.stride(0), k.stride(1), v.data_ptr(), codes[_LINEAR_FLOAT_FMTS[v.dtype]],
+        v.stride(0), v.stride(1), Dv, L, Hkv, q_start, window or 0, float(scale),
+        0 if sf is None else sf.data_ptr(), y.data_ptr(), n_threads, isa,
+    )  # fmt: skip
+    out = out_dtype or q.dtype
     return y if out == torch.float32 else y.to(out)
