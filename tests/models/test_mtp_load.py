@@ -191,17 +191,49 @@ def test_checkpoint_mtp_layer_is_the_equation_and_drafts_by_reapplication(family
     assert got == want
 
 
-def test_load_with_the_checkpoints_mtp_layer_decodes_exactly_as_greedy(tmp_path) -> None:
-    """DeepSeek-V3 without router groups: verify blocks take no group-limited router yet,
-    nor Qwen3-Next's linear-attention caches (transformers cannot cut them back)."""
-    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds", groups=False)
+@pytest.mark.parametrize(("verify", "block_k"), [("budget", 8), ("cpu", None)])
+def test_load_with_the_checkpoints_mtp_layer_decodes_exactly_as_greedy(
+    verify, block_k, tmp_path
+) -> None:
+    """DeepSeek-V3 with its group-limited router (n_group 2, topk_group 1): with every
+    expert allowed (K_b = E) or each token's own top-k (cpu), the verify blocks decode as
+    greedy. (Qwen3-Next's linear-attention caches cannot be cut back: refused below.)"""
+    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
     want = psr.load(path, "exact", residency=1.0, progress=False).generate(PROMPT, 12)
     m = psr.load(
-        path, "exact", residency=1.0, progress=False, speculative="mtp", block=2, block_k=8
-    )
+        path, "exact", residency=1.0, progress=False, speculative="mtp", block=2,
+        block_k=block_k, verify=verify,
+    )  # fmt: skip
+    assert m.runtime.spec.n_group == 2
     assert isinstance(m.drafter, MTPDrafter) and m.drafter.memory_bytes == 0  # host-held
     assert m.generate(PROMPT, 12).tolist() == want.tolist()
     assert m.spec_stats.blocks > 0
+
+
+@pytest.mark.parametrize(("verify", "block_k"), [("budget", 4), ("cpu:1", None)])
+def test_group_limited_verify_blocks_are_deterministic_under_copy_delays(
+    verify, block_k, tmp_path, monkeypatch
+) -> None:
+    """DeepSeek-V3's group-limited router, half the experts resident, PSR steering, the
+    MTP drafter: random copy delays change neither the tokens nor the logical caches'
+    traffic (misses, copies, CPU experts), under both verify rules."""
+    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
+    runs = []
+    for delay, seed in ((0, 0), (3000, 1), (3000, 2)):
+        monkeypatch.setenv("PSR_COPY_DELAY_US", str(delay))
+        monkeypatch.setenv("PSR_COPY_DELAY_SEED", str(seed))
+        m = psr.load(
+            path, "psr", residency=0.5, lam=0.3, n=1, progress=False, speculative="mtp",
+            block=2, block_k=block_k, verify=verify,
+        )  # fmt: skip
+        try:
+            tokens = m.generate(PROMPT, 12).tolist()
+            s = m.stats
+            runs.append((tokens, s["misses"], s["copies"], s["cpu_experts"], m.spec_stats.blocks))
+        finally:
+            m.close()
+    assert runs[0][1] > 0 and runs[0][4] > 0  # misses happened, blocks were verified
+    assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
 def write_psr_head(path: Path, depth: int) -> None:
