@@ -317,37 +317,51 @@ def test_a_psr_head_leaves_the_models_key_and_its_tuned_points_alone(tmp_path) -
     assert model_key(path) == key
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
 @torch.no_grad()
-def test_gguf_nextn_layer_is_the_equation(tmp_path) -> None:
-    """GLM-4.5's MTP layer as llama.cpp's converter writes it (`blk.L.nextn.*`, the block
-    as `blk.L.*`), F32: psr's head from the GGUF file against the equation around the
-    same block."""
+def test_gguf_nextn_layer_is_the_equation(family, tmp_path) -> None:
+    """GLM-4.5's and DeepSeek-V3's MTP layer as llama.cpp's converter writes it
+    (`blk.L.nextn.*`, the block as `blk.L.*`; DeepSeek's with its own embedding and head,
+    its MLA attention split as the converter splits it), F32: psr's head from the GGUF
+    file against the equation around the same block, one depth and three by
+    re-application."""
     import gguf
     from gguf_files import gguf_tiny_model, write_gguf
 
     from psr.models.gguf import GGUFCheckpoint
 
-    model = gguf_tiny_model("glm4_moe", hidden=64, ffn=32, vocab=256)
-    write_gguf(model, tmp_path / "glm.gguf")  # the block: a copy of the last layer
+    model = gguf_tiny_model(family, hidden=64, ffn=32, vocab=256)
+    write_gguf(model, tmp_path / "m.gguf", nextn=True)  # the block: a copy of the last layer
     L = model.config.num_hidden_layers
-    ck = GGUFCheckpoint(tmp_path / "glm.gguf")
+    ck = GGUFCheckpoint(tmp_path / "m.gguf")
     head = checkpoint_head(plan_mtp(ck, model), model, torch.float32)
-    raw = {t.name: t for t in gguf.GGUFReader(tmp_path / "glm.gguf").tensors}  # by GGUF name
+    raw = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}  # by GGUF name
 
     def nextn(part: str) -> torch.Tensor:
         return torch.from_numpy(raw[f"blk.{L}.nextn.{part}.weight"].data.copy())
 
     parts = {"block": model.model.layers[L - 1], "proj": nextn("eh_proj")}
     parts |= {"enorm": nextn("enorm"), "hnorm": nextn("hnorm"), "norm": nextn("shared_head_norm")}
+    if family == "deepseek_v3":
+        parts |= {"embed": nextn("embed_tokens"), "head": nextn("shared_head_head")}
     torch.manual_seed(6)
     h, ids = torch.randn(1, 6, 64), torch.randint(0, 256, (1, 6))
     _, logits = head(h, ids, 0, None)
-    _, want = ref_mtp(model, "glm4_moe", parts, h, ids)
+    _, want = ref_mtp(model, family, parts, h, ids)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    d = MTPDrafter(head, block=3, max_draft=4, device_bytes=False)
+    got = d.propose([0, *ids[0].tolist()], h[0])
+    rows, toks, drafts = h, ids, []
+    for _ in range(3):
+        ry, rlogits = ref_mtp(model, family, parts, rows, toks)
+        drafts.append(int(rlogits[0, -1].argmax()))
+        rows = torch.cat([rows, ry[:, -1:]], 1)
+        toks = torch.cat([toks, torch.tensor([[drafts[-1]]])], 1)
+    assert got == drafts
     ck.close()
     from psr.models.inspect import inspect
 
-    assert inspect(tmp_path / "glm.gguf").mtp == f"blk.{L}.* (speculative='mtp')"
+    assert inspect(tmp_path / "m.gguf").mtp == f"blk.{L}.* (speculative='mtp')"
 
 
 def test_psr_generate_with_the_embedded_models_mtp_head(capsys) -> None:
