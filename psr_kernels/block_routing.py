@@ -16,8 +16,9 @@ S and G_t first, then (where S holds fewer than k of its groups' experts) from S
 members: the set stays at most `block_k`, the substitution is the set's quality cost.
 
 With `block_k = E` every expert is allowed and each token's routing is the model's
-exact routing (what `route_ref` gives with lam = 0), group limit included. This is a handful of small torch
-ops per layer and block; it runs as is on CPU and CUDA tensors (no Triton kernel).
+exact routing (what `route_ref` gives with lam = 0), group limit included. This is a
+handful of small torch ops per layer and block; it runs as is on CPU and CUDA tensors (no
+Triton kernel).
 """
 
 from __future__ import annotations

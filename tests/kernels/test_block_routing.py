@@ -112,9 +112,7 @@ def plain_group_block(logits, bias, k, kb, n_group, topk_group):
     reach = set().union(*own)
     score = [sum(z[t][e] for t in range(T) if e in own[t]) for e in range(E)]
     chosen = sorted(range(E), key=lambda e: (e not in reach, -score[e], e))[:kb]
-    ids = [
-        sorted(chosen, key=lambda e: (e not in own[t], -z[t][e], e))[:k] for t in range(T)
-    ]
+    ids = [sorted(chosen, key=lambda e: (e not in own[t], -z[t][e], e))[:k] for t in range(T)]
     return sorted(chosen), ids
 
 
