@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_mtp_cpu import table_lines  # scripts/ beside this file
+
 
 def synthetic_model(layers: int, experts: int, vocab: int, seed: int) -> Any:
     import torch
@@ -172,16 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{info['train_loss_last']:.2f}); CPU only, {args.threads} thread(s), exact policy, "
         f"all experts held, K_b = E; {len(prompts)} random prompts x {args.new} new tokens, "
         f"the fastest of {args.reps} runs each; identical tokens in every row (asserted)",
-        "", "| config | tok/CPU-s | vs no drafter | tok/wall-s | vs no drafter (wall) | "
-        "accepted / block | tokens / forward |", "|---|---|---|---|---|---|---|",
+        "", *table_lines(rows, digits=2),
     ]  # fmt: skip
-    for r in rows:
-        ac = "-" if r["accepted_per_block"] is None else f"{r['accepted_per_block']:.2f}"
-        lines.append(
-            f"| {r['config']} | {r['tok_per_cpu_s']:.2f} | {r['speedup']:.2f}x | "
-            f"{r['tok_per_wall_s']:.2f} | {r['wall_speedup']:.2f}x | {ac} | "
-            f"{r['tokens_per_forward']:.2f} |"
-        )
     table = "\n".join(lines)
     print(table)
     m.close()
