@@ -147,6 +147,20 @@ def ref_mtp(target, family: str, parts: dict, h: torch.Tensor, ids: torch.Tensor
 FAMILIES_MTP = ["deepseek_v3", "glm4_moe", "qwen3_next", "mimo"]
 
 
+def assert_drafts_by_reapplication(head, target, family: str, parts: dict, h, ids) -> None:
+    """Three drafts by re-application, through the drafter's cache, against the equation
+    re-run from scratch on [the target's rows; the layer's own last row]."""
+    d = MTPDrafter(head, block=3, max_draft=4, device_bytes=False)
+    got = d.propose([0, *ids[0].tolist()], h[0])
+    rows, toks, want = h, ids, []
+    for _ in range(3):
+        ry, rlogits = ref_mtp(target, family, parts, rows, toks)
+        want.append(int(rlogits[0, -1].argmax()))
+        rows = torch.cat([rows, ry[:, -1:]], 1)
+        toks = torch.cat([toks, torch.tensor([[want[-1]]])], 1)
+    assert got == want
+
+
 @contextlib.contextmanager
 def no_weight_read():
     """psr.load fails the test if it gets as far as reading a weight."""
@@ -177,18 +191,7 @@ def test_checkpoint_mtp_layer_is_the_equation_and_drafts_by_reapplication(family
     _, logits = head(h, ids, 0, None)
     _, rlogits = ref_mtp(target, family, parts, h, ids)
     torch.testing.assert_close(logits, rlogits, atol=1e-4, rtol=1e-4)
-    # Three drafts by re-application, through the drafter's cache, against the equation
-    # re-run from scratch on [the target's rows; the layer's own last row].
-    d = MTPDrafter(head, block=3, max_draft=4, device_bytes=False)
-    tokens = [0, *ids[0].tolist()]
-    got = d.propose(tokens, h[0])
-    rows, toks, want = h, ids, []
-    for _ in range(3):
-        ry, rlogits = ref_mtp(target, family, parts, rows, toks)
-        want.append(int(rlogits[0, -1].argmax()))
-        rows = torch.cat([rows, ry[:, -1:]], 1)
-        toks = torch.cat([toks, torch.tensor([[want[-1]]])], 1)
-    assert got == want
+    assert_drafts_by_reapplication(head, target, family, parts, h, ids)
 
 
 @pytest.mark.parametrize(("verify", "block_k"), [("budget", 8), ("cpu", None)])
@@ -349,15 +352,7 @@ def test_gguf_nextn_layer_is_the_equation(family, tmp_path) -> None:
     _, logits = head(h, ids, 0, None)
     _, want = ref_mtp(model, family, parts, h, ids)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
-    d = MTPDrafter(head, block=3, max_draft=4, device_bytes=False)
-    got = d.propose([0, *ids[0].tolist()], h[0])
-    rows, toks, drafts = h, ids, []
-    for _ in range(3):
-        ry, rlogits = ref_mtp(model, family, parts, rows, toks)
-        drafts.append(int(rlogits[0, -1].argmax()))
-        rows = torch.cat([rows, ry[:, -1:]], 1)
-        toks = torch.cat([toks, torch.tensor([[drafts[-1]]])], 1)
-    assert got == drafts
+    assert_drafts_by_reapplication(head, model, family, parts, h, ids)
     ck.close()
     from psr.models.inspect import inspect
 
