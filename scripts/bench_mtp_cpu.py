@@ -22,6 +22,24 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+
+def table_lines(rows: list[dict[str, Any]], digits: int = 1) -> list[str]:
+    """The side-by-side table: a row per configuration, speeds with `digits` decimals."""
+    lines = [
+        "| config | tok/CPU-s | vs no drafter | tok/wall-s | vs no drafter (wall) | "
+        "accepted / block | tokens / forward |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ac = "-" if r["accepted_per_block"] is None else f"{r['accepted_per_block']:.2f}"
+        lines.append(
+            f"| {r['config']} | {r['tok_per_cpu_s']:.{digits}f} | {r['speedup']:.2f}x | "
+            f"{r['tok_per_wall_s']:.{digits}f} | {r['wall_speedup']:.2f}x | {ac} | "
+            f"{r['tokens_per_forward']:.2f} |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,17 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         f"tokens, the fastest of {args.reps} runs each (CPU time of this process, and "
         "wall); identical tokens in every row (asserted)",
         "",
-        "| config | tok/CPU-s | vs no drafter | tok/wall-s | vs no drafter (wall) | "
-        "accepted / block | tokens / forward |",
-        "|---|---|---|---|---|---|---|",
+        *table_lines(rows),
     ]
-    for r in rows:
-        ac = "-" if r["accepted_per_block"] is None else f"{r['accepted_per_block']:.2f}"
-        lines.append(
-            f"| {r['config']} | {r['tok_per_cpu_s']:.1f} | {r['speedup']:.2f}x | "
-            f"{r['tok_per_wall_s']:.1f} | {r['wall_speedup']:.2f}x | {ac} | "
-            f"{r['tokens_per_forward']:.2f} |"
-        )
     table = "\n".join(lines)
     print(table)
     if args.out:

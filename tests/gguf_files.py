@@ -214,9 +214,16 @@ def _row_order(rows: int, n_head: int) -> torch.Tensor:
 
 class _Writer:
     def __init__(
-        self, model: Any, types: str | dict[str, TypeSpec], seed: int, mla_split: bool = True
+        self,
+        model: Any,
+        types: str | dict[str, TypeSpec],
+        seed: int,
+        mla_split: bool = True,
+        nextn: bool | None = None,
     ) -> None:
         self.model, self.cfg, self.types, self.mla_split = model, model.config, types, mla_split
+        # an MTP (nextn) layer after the trunk: GLM-4.5's files carry one; DeepSeek-V3's on ask
+        self.nextn = self.cfg.model_type == "glm4_moe" if nextn is None else nextn
         self.arch = ARCH_OF[self.cfg.model_type]
         enum = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == self.arch)
         self.tmap = gguf.get_tensor_name_map(enum, self.cfg.num_hidden_layers)
@@ -317,21 +324,25 @@ class _Writer:
             self.dense(name, w)
         if tied:
             self.twin["lm_head.weight"] = self.twin["model.embed_tokens.weight"]
-        if self.cfg.model_type == "glm4_moe":
+        if self.nextn:
             self.nextn_layer(sd)
 
     def nextn_layer(self, sd: dict[str, torch.Tensor]) -> None:
-        """A GLM MTP layer as llama.cpp writes it after the decoder layers: the last decoder
-        layer's copy as its block, random nextn.* tensors (psr.models.mtp reads them; the
-        twin holds the trunk's tensors only)."""
+        """An MTP layer as llama.cpp writes it after the decoder layers: the last decoder
+        layer's copy as its block (written as that layer's tensors are, renamed to blk.L),
+        random nextn.* tensors (psr.models.mtp reads them; the twin holds the trunk's
+        tensors only). DeepSeek-V3's also carries its own embedding and head."""
         L, H = self.cfg.num_hidden_layers, self.cfg.hidden_size
         last = f"model.layers.{L - 1}."
         for name, w in sd.items():
             if name.startswith(last) and ".mlp.experts." not in name:
-                gname = self.tmap.get_name(name, try_suffixes=(".weight", ".bias"))
-                if gname is not None:
-                    self.put(gname.replace(f"blk.{L - 1}.", f"blk.{L}."), w, QT.F32)
-        self.put(f"blk.{L}.exp_probs_b.bias", sd[last + "mlp.gate.e_score_correction_bias"], QT.F32)
+                n, twin = len(self.tensors), self.twin.get(name)
+                self.dense(name, w)
+                for i in range(n, len(self.tensors)):
+                    gname, data, qt = self.tensors[i]
+                    self.tensors[i] = (gname.replace(f"blk.{L - 1}.", f"blk.{L}."), data, qt)
+                if twin is not None:
+                    self.twin[name] = twin
         gate_up, down = sd[last + "mlp.experts.gate_up_proj"], sd[last + "mlp.experts.down_proj"]
         F = gate_up.shape[1] // 2
         for part, w in (("gate", gate_up[:, :F]), ("up", gate_up[:, F:]), ("down", down)):
@@ -343,13 +354,17 @@ class _Writer:
             "hnorm": 1 + 0.1 * torch.randn(H, generator=gen),
             "shared_head_norm": 1 + 0.1 * torch.randn(H, generator=gen),
         }
+        if self.cfg.model_type.startswith("deepseek"):
+            V = self.cfg.vocab_size
+            own["embed_tokens"] = torch.randn(V, H, generator=gen) * 0.05
+            own["shared_head_head"] = torch.randn(V, H, generator=gen) * 0.05
         for part, w in own.items():
             self.put(f"blk.{L}.nextn.{part}.weight", w, QT.F32)
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         c = self.cfg
         w.add_name("psr tiny " + c.model_type)
-        w.add_block_count(c.num_hidden_layers + (c.model_type == "glm4_moe"))  # + MTP layer
+        w.add_block_count(c.num_hidden_layers + self.nextn)  # + MTP layer
         w.add_context_length(c.max_position_embeddings)
         w.add_embedding_length(c.hidden_size)
         w.add_head_count(c.num_attention_heads)
@@ -419,6 +434,8 @@ class _Writer:
         if v3 or c.topk_method == "group_limited_greedy":
             w.add_expert_group_count(c.n_group)
             w.add_expert_group_used_count(c.topk_group)
+        if self.nextn:
+            w.add_nextn_predict_layers(1)
 
     def glm4moe_metadata(self, w: gguf.GGUFWriter) -> None:
         c = self.cfg
@@ -482,20 +499,22 @@ def write_gguf(
     override: dict[str, int] | None = None,
     mla_split: bool = True,
     tokenizer_pre: str = "gpt-2",
+    nextn: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write `model` (a transformers model, or a folder transformers loads) to `path` as
     llama.cpp would; `split` > 1: that many parts named `STEM-0000i-of-0000N.gguf` with
     llama.cpp's split.* keys; `omit`: metadata keys left out,
     `override`: uint32 keys set to other values; `mla_split=False`: DeepSeek's
     kv_b_proj whole and head sizes in key/value_length, as converters before llama.cpp's
-    MLA cache wrote them. Returns the float twin: the
+    MLA cache wrote them; `nextn`: an MTP layer after the trunk (default: GLM-4.5 only).
+    Returns the float twin: the
     model's state dict (its live names) with every written tensor replaced by gguf-py's
     dequantization of its bytes."""
     if isinstance(model, str | Path):
         import transformers
 
         model = transformers.AutoModelForCausalLM.from_pretrained(model).eval()
-    wr = _Writer(model, types, seed, mla_split)
+    wr = _Writer(model, types, seed, mla_split, nextn)
     wr.collect()
     per_part = -(-len(wr.tensors) // split) if split > 1 else 0
     w = gguf.GGUFWriter(path, wr.arch, split_max_tensors=per_part)

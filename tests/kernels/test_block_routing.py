@@ -96,9 +96,45 @@ def test_bad_block_arguments(kw, match) -> None:
         route_block_ref(torch.zeros(2, 8), pk.RouteSpec(kw["top_k"]), kw["block_k"])
 
 
-def test_block_routing_refuses_group_limited_routers() -> None:
-    spec = pk.RouteSpec(2, scoring="sigmoid", n_group=4, topk_group=2)
-    with pytest.raises(ValueError, match=r"group-limited routers \(n_group=4\) are not supported"):
-        route_block_ref(torch.zeros(2, 8), spec, 4)
+def plain_group_block(logits, bias, k, kb, n_group, topk_group):
+    """Loops only, sigmoid router with correction bias (DeepSeek-V3): each token's groups
+    by top-2 sums, the block score over each token's groups, S from the reached experts
+    first, each token's top-k in S and its groups first, then S's other members."""
+    T, E = logits.shape
+    per = E // n_group
+    s = [[1 / (1 + math.exp(-float(v))) for v in row] for row in logits.tolist()]
+    z = [[s[t][e] + float(bias[e]) for e in range(E)] for t in range(T)]
+    own = []
+    for t in range(T):
+        gs = [sum(sorted(z[t][g * per : (g + 1) * per], reverse=True)[:2]) for g in range(n_group)]
+        keep = sorted(range(n_group), key=lambda g: (-gs[g], g))[:topk_group]
+        own.append({e for g in keep for e in range(g * per, (g + 1) * per)})
+    reach = set().union(*own)
+    score = [sum(z[t][e] for t in range(T) if e in own[t]) for e in range(E)]
+    chosen = sorted(range(E), key=lambda e: (e not in reach, -score[e], e))[:kb]
+    ids = [sorted(chosen, key=lambda e: (e not in own[t], -z[t][e], e))[:k] for t in range(T)]
+    return sorted(chosen), ids
+
+
+@pytest.mark.parametrize("kb", [4, 6, 16])
+def test_group_limited_block_routing_against_plain_loops(kb) -> None:
+    """DeepSeek-V3's group limit in block mode: the set and each token's picks as the loops
+    say; at K_b = E every token's routing is the router's own (route_ref)."""
+    torch.manual_seed(3)
+    T, E, k = 5, 16, 2
+    logits, bias = torch.randn(T, E) * 2, torch.randn(E) * 0.1
+    spec = pk.RouteSpec(k, scoring="sigmoid", n_group=4, topk_group=2, renormalize=True)
+    chosen, w, ids = route_block_ref(logits, spec, kb, bias=bias)
+    want_set, want_ids = plain_group_block(logits, bias, k, kb, 4, 2)
+    assert chosen.tolist() == want_set
+    assert ids.tolist() == want_ids
+    assert set(ids.reshape(-1).tolist()) <= set(want_set)
+    if kb == E:
+        rw, rids = pk.route_ref(logits, spec, bias=bias)
+        assert ids.tolist() == rids.tolist()
+        torch.testing.assert_close(w, rw)
+
+
+def test_block_routing_refuses_a_bad_spec() -> None:
     with pytest.raises(TypeError, match="route_block: spec must be a psr_kernels"):
         route_block_ref(torch.zeros(2, 8), 2, 4)

@@ -147,6 +147,20 @@ def ref_mtp(target, family: str, parts: dict, h: torch.Tensor, ids: torch.Tensor
 FAMILIES_MTP = ["deepseek_v3", "glm4_moe", "qwen3_next", "mimo"]
 
 
+def assert_drafts_by_reapplication(head, target, family: str, parts: dict, h, ids) -> None:
+    """Three drafts by re-application, through the drafter's cache, against the equation
+    re-run from scratch on [the target's rows; the layer's own last row]."""
+    d = MTPDrafter(head, block=3, max_draft=4, device_bytes=False)
+    got = d.propose([0, *ids[0].tolist()], h[0])
+    rows, toks, want = h, ids, []
+    for _ in range(3):
+        ry, rlogits = ref_mtp(target, family, parts, rows, toks)
+        want.append(int(rlogits[0, -1].argmax()))
+        rows = torch.cat([rows, ry[:, -1:]], 1)
+        toks = torch.cat([toks, torch.tensor([[want[-1]]])], 1)
+    assert got == want
+
+
 @contextlib.contextmanager
 def no_weight_read():
     """psr.load fails the test if it gets as far as reading a weight."""
@@ -177,31 +191,52 @@ def test_checkpoint_mtp_layer_is_the_equation_and_drafts_by_reapplication(family
     _, logits = head(h, ids, 0, None)
     _, rlogits = ref_mtp(target, family, parts, h, ids)
     torch.testing.assert_close(logits, rlogits, atol=1e-4, rtol=1e-4)
-    # Three drafts by re-application, through the drafter's cache, against the equation
-    # re-run from scratch on [the target's rows; the layer's own last row].
-    d = MTPDrafter(head, block=3, max_draft=4, device_bytes=False)
-    tokens = [0, *ids[0].tolist()]
-    got = d.propose(tokens, h[0])
-    rows, toks, want = h, ids, []
-    for _ in range(3):
-        ry, rlogits = ref_mtp(target, family, parts, rows, toks)
-        want.append(int(rlogits[0, -1].argmax()))
-        rows = torch.cat([rows, ry[:, -1:]], 1)
-        toks = torch.cat([toks, torch.tensor([[want[-1]]])], 1)
-    assert got == want
+    assert_drafts_by_reapplication(head, target, family, parts, h, ids)
 
 
-def test_load_with_the_checkpoints_mtp_layer_decodes_exactly_as_greedy(tmp_path) -> None:
-    """DeepSeek-V3 without router groups: verify blocks take no group-limited router yet,
-    nor Qwen3-Next's linear-attention caches (transformers cannot cut them back)."""
-    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds", groups=False)
+@pytest.mark.parametrize(("verify", "block_k"), [("budget", 8), ("cpu", None)])
+def test_load_with_the_checkpoints_mtp_layer_decodes_exactly_as_greedy(
+    verify, block_k, tmp_path
+) -> None:
+    """DeepSeek-V3 with its group-limited router (n_group 2, topk_group 1): with every
+    expert allowed (K_b = E) or each token's own top-k (cpu), the verify blocks decode as
+    greedy. (Qwen3-Next's linear-attention caches cannot be cut back: refused below.)"""
+    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
     want = psr.load(path, "exact", residency=1.0, progress=False).generate(PROMPT, 12)
     m = psr.load(
-        path, "exact", residency=1.0, progress=False, speculative="mtp", block=2, block_k=8
-    )
+        path, "exact", residency=1.0, progress=False, speculative="mtp", block=2,
+        block_k=block_k, verify=verify,
+    )  # fmt: skip
+    assert m.runtime.spec.n_group == 2
     assert isinstance(m.drafter, MTPDrafter) and m.drafter.memory_bytes == 0  # host-held
     assert m.generate(PROMPT, 12).tolist() == want.tolist()
     assert m.spec_stats.blocks > 0
+
+
+@pytest.mark.parametrize(("verify", "block_k"), [("budget", 4), ("cpu:1", None)])
+def test_group_limited_verify_blocks_are_deterministic_under_copy_delays(
+    verify, block_k, tmp_path, monkeypatch
+) -> None:
+    """DeepSeek-V3's group-limited router, half the experts resident, PSR steering, the
+    MTP drafter: random copy delays change neither the tokens nor the logical caches'
+    traffic (misses, copies, CPU experts), under both verify rules."""
+    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
+    runs = []
+    for delay, seed in ((0, 0), (3000, 1), (3000, 2)):
+        monkeypatch.setenv("PSR_COPY_DELAY_US", str(delay))
+        monkeypatch.setenv("PSR_COPY_DELAY_SEED", str(seed))
+        m = psr.load(
+            path, "psr", residency=0.5, lam=0.3, n=1, progress=False, speculative="mtp",
+            block=2, block_k=block_k, verify=verify,
+        )  # fmt: skip
+        try:
+            tokens = m.generate(PROMPT, 12).tolist()
+            s = m.stats
+            runs.append((tokens, s["misses"], s["copies"], s["cpu_experts"], m.spec_stats.blocks))
+        finally:
+            m.close()
+    assert runs[0][1] > 0 and runs[0][4] > 0  # misses happened, blocks were verified
+    assert runs[1] == runs[0] and runs[2] == runs[0]
 
 
 def write_psr_head(path: Path, depth: int) -> None:
@@ -285,37 +320,43 @@ def test_a_psr_head_leaves_the_models_key_and_its_tuned_points_alone(tmp_path) -
     assert model_key(path) == key
 
 
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
 @torch.no_grad()
-def test_gguf_nextn_layer_is_the_equation(tmp_path) -> None:
-    """GLM-4.5's MTP layer as llama.cpp's converter writes it (`blk.L.nextn.*`, the block
-    as `blk.L.*`), F32: psr's head from the GGUF file against the equation around the
-    same block."""
+def test_gguf_nextn_layer_is_the_equation(family, tmp_path) -> None:
+    """GLM-4.5's and DeepSeek-V3's MTP layer as llama.cpp's converter writes it
+    (`blk.L.nextn.*`, the block as `blk.L.*`; DeepSeek's with its own embedding and head,
+    its MLA attention split as the converter splits it), F32: psr's head from the GGUF
+    file against the equation around the same block, one depth and three by
+    re-application."""
     import gguf
     from gguf_files import gguf_tiny_model, write_gguf
 
     from psr.models.gguf import GGUFCheckpoint
 
-    model = gguf_tiny_model("glm4_moe", hidden=64, ffn=32, vocab=256)
-    write_gguf(model, tmp_path / "glm.gguf")  # the block: a copy of the last layer
+    model = gguf_tiny_model(family, hidden=64, ffn=32, vocab=256)
+    write_gguf(model, tmp_path / "m.gguf", nextn=True)  # the block: a copy of the last layer
     L = model.config.num_hidden_layers
-    ck = GGUFCheckpoint(tmp_path / "glm.gguf")
+    ck = GGUFCheckpoint(tmp_path / "m.gguf")
     head = checkpoint_head(plan_mtp(ck, model), model, torch.float32)
-    raw = {t.name: t for t in gguf.GGUFReader(tmp_path / "glm.gguf").tensors}  # by GGUF name
+    raw = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}  # by GGUF name
 
     def nextn(part: str) -> torch.Tensor:
         return torch.from_numpy(raw[f"blk.{L}.nextn.{part}.weight"].data.copy())
 
     parts = {"block": model.model.layers[L - 1], "proj": nextn("eh_proj")}
     parts |= {"enorm": nextn("enorm"), "hnorm": nextn("hnorm"), "norm": nextn("shared_head_norm")}
+    if family == "deepseek_v3":
+        parts |= {"embed": nextn("embed_tokens"), "head": nextn("shared_head_head")}
     torch.manual_seed(6)
     h, ids = torch.randn(1, 6, 64), torch.randint(0, 256, (1, 6))
     _, logits = head(h, ids, 0, None)
-    _, want = ref_mtp(model, "glm4_moe", parts, h, ids)
+    _, want = ref_mtp(model, family, parts, h, ids)
     torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
+    assert_drafts_by_reapplication(head, model, family, parts, h, ids)
     ck.close()
     from psr.models.inspect import inspect
 
-    assert inspect(tmp_path / "glm.gguf").mtp == f"blk.{L}.* (speculative='mtp')"
+    assert inspect(tmp_path / "m.gguf").mtp == f"blk.{L}.* (speculative='mtp')"
 
 
 def test_psr_generate_with_the_embedded_models_mtp_head(capsys) -> None:

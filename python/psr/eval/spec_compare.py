@@ -58,7 +58,7 @@ class ARConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    kind: str  # "block" | "ar" (the drafter)
+    kind: str  # "block" | "ar" | "mtp" | "oracle" (the drafter)
     block: int  # drafted tokens per verify block
     block_k: int | None  # verify='budget': experts per layer and verify block
     policy: Policy  # lam (the bias toward the cache) and n (prefetch)

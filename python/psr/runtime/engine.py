@@ -263,8 +263,6 @@ class OffloadRuntime:
                 )
             if not self.steering.spec_rule:
                 raise ValueError("block mode steers by the spec's rule only")
-            if self.spec.n_group > 1:
-                raise ValueError("block mode does not support group-limited routers")
             if self.spec.expert_bias:
                 raise ValueError("block mode does not support experts with biases (gpt-oss)")
             if self.spec.scoring == "sparsemixer":
