@@ -186,8 +186,11 @@ def _context(context: int | None, config: Any) -> int | None:
 
 
 def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
-    """The options that apply to the built model: decode graphs, where misses are computed."""
+    """The options that apply to the built model: decode graphs, where misses are computed,
+    the row-invariant CPU forward (on wherever it can be, unless graphs are asked for)."""
     om.graphs = cfg.graphs
+    if cfg.graphs is not True and om.row_invariant_blocker() is None:
+        om.set_row_invariant(True)
     if cfg.prefill_chunk is not None:
         om.set_prefill_chunk(cfg.prefill_chunk)
     where, hybrid_m = cfg.placement
