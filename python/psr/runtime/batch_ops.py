@@ -27,6 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from psr.runtime.attention import ATTENTION as ROWS_ATTENTION
+from psr.runtime.dense import row_invariant
+
 ATTENTION = "psr_batch"  # the attention implementation's name while a batch forward runs
 _active = threading.local()  # the running batch forward's BatchKV (per thread)
 
@@ -99,7 +102,7 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION, _attention)
 
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", ROWS_ATTENTION)
 _PSR = ("PSRRouter", "OffloadedExperts")  # psr's modules: the batch step runs them per row
 
 
@@ -134,7 +137,10 @@ class DenseSeam:
 
     def __init__(self, model: nn.Module, invariant: bool) -> None:
         self.invariant = invariant
-        self.linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        # (row-invariant linears compute each row as alone already: no seam)
+        self.linears = [
+            m for m in model.modules() if isinstance(m, nn.Linear) and not row_invariant(m)
+        ]
         self.latent = latent(model.config)
         self.attention = [
             m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "o_proj")

@@ -147,6 +147,13 @@ def _(rows, scales, fmt, group, k):  # type: ignore[no-untyped-def]
     return rows.new_empty(rows.shape[0], k, dtype=torch.float32)
 
 
+# Rows of a rows_linear output start this many elements apart: torch's elementwise loops
+# (vectorized chunks, then a scalar tail that rounds transcendentals differently) then take
+# every row the same way whatever the number of rows (sigmoid over a [T, 1] gate, SiLU over
+# a narrow FFN). Wider outputs whose width is a multiple of it are contiguous as they are.
+ROW_ALIGN = 64
+
+
 def rows_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -154,15 +161,19 @@ def rows_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` on the CPU by `cpu_linear` (fp32 sums): each row of
-    `x [..., K]` computed as it is alone, whatever the other rows. Returns x's dtype (or
-    `out_dtype`)."""
-    lead, k = x.shape[:-1], x.shape[-1]
+    `x [..., K]` computed as it is alone, whatever the other rows; an output width that is
+    not a multiple of ROW_ALIGN comes as a view of rows ROW_ALIGN-aligned. Returns x's
+    dtype (or `out_dtype`)."""
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     if x.numel() == 0:
         return F.linear(x, weight, bias).to(out_dtype or x.dtype)
     y: torch.Tensor = cpu_kernels.cpu_linear(
         x.reshape(-1, k), weight, bias=bias, out_dtype=out_dtype or x.dtype
     )
-    return y.reshape(*lead, weight.shape[0])
+    if n % ROW_ALIGN:
+        wide = -(-n // ROW_ALIGN) * ROW_ALIGN
+        y = y.new_empty(y.shape[0], wide)[:, :n].copy_(y)
+    return y.reshape(*lead, n)
 
 
 class RowLinear(nn.Linear):
