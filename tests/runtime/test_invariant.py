@@ -36,7 +36,7 @@ def _logits_and_kv(model: psr.OffloadedModel, ids: torch.Tensor, chunk: int):
 
 
 def _check_chunk_invariance(model: psr.OffloadedModel) -> None:
-    assert model.row_invariant  # the CPU backend's default
+    model.set_row_invariant(True)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, model.config.vocab_size, (1, T), generator=g)
     base = _logits_and_kv(model, ids, T)
@@ -61,6 +61,7 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
 @pytest.mark.parametrize("family", ["olmoe", "qwen2_moe", "deepseek_v3"])
 def test_tiny_families_are_chunk_invariant(ckpts, family) -> None:
     with psr.load(ckpts[family], "exact", 1.0, device="cpu", progress=False) as model:
+        assert not model.row_invariant  # loader.ROW_INVARIANT_DEFAULT
         _check_chunk_invariance(model)
         linears = [m for m in model.hf.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and all(isinstance(m, RowLinear) and row_invariant(m) for m in linears)
@@ -85,15 +86,33 @@ def test_a_gguf_native_model_is_chunk_invariant(tmp_path, family) -> None:
 def test_switching_off_restores_the_chunked_forward(ckpts) -> None:
     with psr.load(ckpts["olmoe"], "exact", 1.0, device="cpu", progress=False) as model:
         impl = model.config._attn_implementation
-        assert impl == "psr_rows"
+        model.set_row_invariant(True)
+        assert model.config._attn_implementation == "psr_rows"
+        assert model.runtime.compute.row_invariant
         model.set_row_invariant(False)
-        assert not model.row_invariant and model.config._attn_implementation != impl
+        assert not model.row_invariant and model.config._attn_implementation == impl
         assert not any(isinstance(m, RowLinear) for m in model.hf.modules())
         assert not model.runtime.compute.row_invariant
         model.set_row_invariant(True)
-        assert model.row_invariant
-    with psr.load(ckpts["olmoe"], "exact", 1.0, device="cpu", graphs=True, progress=False) as m:
-        assert not m.row_invariant  # graphs asked for: their static cache, sdpa
+        assert model.row_invariant and "row-invariant" in _graph_status(model)
+        psr.restore(model)  # the model's own forward back
+        assert model.config._attn_implementation == impl
+        assert not any(isinstance(m, RowLinear) for m in model.hf.modules())
+
+
+def _graph_status(model: psr.OffloadedModel) -> str:
+    model.graphs = True
+    model.generate(torch.arange(4)[None], max_new_tokens=1)
+    return model.graph_status
+
+
+def test_models_it_cannot_cover_are_refused_in_one_line(tmp_path) -> None:
+    """Linear attention (Qwen3-Next) and expert kinds the CPU kernels lack (gpt-oss)."""
+    for family, why in (("qwen3_next", "linear_attention"), ("gpt_oss", "CPU kernels")):
+        ck = write_checkpoint(tiny_model(family), tmp_path / family)
+        with psr.load(ck, "exact", 1.0, device="cpu", progress=False) as model:
+            with pytest.raises(ValueError, match=f"row-invariant forward unavailable: .*{why}"):
+                model.set_row_invariant(True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

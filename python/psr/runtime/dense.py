@@ -161,19 +161,25 @@ def rows_linear(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` on the CPU by `cpu_linear` (fp32 sums): each row of
-    `x [..., K]` computed as it is alone, whatever the other rows; an output width that is
-    not a multiple of ROW_ALIGN comes as a view of rows ROW_ALIGN-aligned. Returns x's
-    dtype (or `out_dtype`)."""
+    `x [..., K]` computed as it is alone, whatever the other rows. Returns x's dtype (or
+    `out_dtype`), contiguous (`row_aligned` for a layer's output)."""
     lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
     if x.numel() == 0:
         return F.linear(x, weight, bias).to(out_dtype or x.dtype)
     y: torch.Tensor = cpu_kernels.cpu_linear(
         x.reshape(-1, k), weight, bias=bias, out_dtype=out_dtype or x.dtype
     )
-    if n % ROW_ALIGN:
-        wide = -(-n // ROW_ALIGN) * ROW_ALIGN
-        y = y.new_empty(y.shape[0], wide)[:, :n].copy_(y)
     return y.reshape(*lead, n)
+
+
+def row_aligned(y: torch.Tensor) -> torch.Tensor:
+    """`y [..., N]` as a view whose rows start ROW_ALIGN elements apart (a copy) where N is
+    not a multiple of it; else y."""
+    n = y.shape[-1]
+    if n % ROW_ALIGN == 0 or y.dim() < 2:
+        return y
+    wide = -(-n // ROW_ALIGN) * ROW_ALIGN
+    return y.new_empty(*y.shape[:-1], wide)[..., :n].copy_(y)
 
 
 class RowLinear(nn.Linear):
@@ -183,7 +189,7 @@ class RowLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or self.weight.dtype not in cpu_kernels.CPU_FLOAT_DTYPES:
             return F.linear(x, self.weight, self.bias)
-        return rows_linear(x, self.weight, self.bias)
+        return row_aligned(rows_linear(x, self.weight, self.bias))
 
 
 def to_row_linears(model: nn.Module, on: bool) -> None:
@@ -240,7 +246,8 @@ class QuantLinear(nn.Module):
             self.bias,
             self.compute,
         )
-        return y.reshape(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features)
+        return row_aligned(y) if y.device.type == "cpu" and not torch.compiler.is_compiling() else y
 
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 `[out, in]` (a new tensor: for tests and conversions)."""

@@ -34,6 +34,32 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+ROWS_FROM = "psr_rows_from"  # on a row-invariant model: the attention implementation it replaced
+
+
+def rows_forward(hf: nn.Module, on: bool) -> None:
+    """The transformers side of the row-invariant forward on (`on`) or off: the attention
+    implementation of every config in `hf` (`psr_rows`, or back to the one it replaced)
+    and its float linears (RowLinear, or back). `psr.restore` turns it off."""
+    from psr.runtime import attention
+    from psr.runtime.dense import to_row_linears
+
+    was = getattr(hf, ROWS_FROM, None)
+    if on == (was is not None):
+        return
+    configs = {id(m.config): m.config for m in hf.modules() if hasattr(m, "config")}
+    if on:
+        attention.register()
+        setattr(hf, ROWS_FROM, hf.config._attn_implementation)
+        impl = attention.ATTENTION
+    else:
+        impl = was
+        delattr(hf, ROWS_FROM)
+    for c in configs.values():
+        c._attn_implementation = impl
+    to_row_linears(hf, on)
+
+
 @runtime_checkable
 class _SavesPretrained(Protocol):
     """A transformers model's saving method (what `OffloadedModel.save_pretrained` calls)."""
@@ -95,9 +121,6 @@ class OffloadedModel(nn.Module):
         limit = getattr(self.config, "max_position_embeddings", None)
         chunk = chunked.DEFAULT_PREFILL_CHUNK
         self.prefill_chunk = min(chunk, int(limit)) if limit else chunk
-        # Row-invariant CPU forward (set_row_invariant): the attention implementation it
-        # replaced, None while off.
-        self._rows_from: str | None = None
 
     def set_prefill_chunk(self, chunk: int) -> None:
         """Prefill prompts in chunks of `chunk` tokens at fixed boundaries (psr.runtime.
@@ -113,7 +136,7 @@ class OffloadedModel(nn.Module):
         logits bit-identically whatever the other tokens of the forward (any prefill
         chunking; a decode step as that row of a prefill): then a prompt-cache hit
         resumes at any cached prefix length (psr.runtime.chunked)."""
-        return self._rows_from is not None
+        return getattr(self.hf, ROWS_FROM, None) is not None
 
     def row_invariant_blocker(self) -> str | None:
         """Why this model's forward cannot be made row-invariant (None: it can): the CPU
@@ -140,24 +163,12 @@ class OffloadedModel(nn.Module):
         (runtime/attention.py), prefill's experts through the CPU kernels at any count
         (runtime/compute.py). Decode graphs stay off while it is on (a static cache).
         A model that cannot be (`row_invariant_blocker`): a one-line ValueError."""
-        from psr.runtime import attention
-        from psr.runtime.dense import to_row_linears
-
         with self.runtime.lock:
             if bool(on) == self.row_invariant:
                 return
             if on and (why := self.row_invariant_blocker()) is not None:
                 raise ValueError(f"row-invariant forward unavailable: {why}")
-            configs = {id(m.config): m.config for m in self.hf.modules() if hasattr(m, "config")}
-            if on:
-                attention.register()
-                self._rows_from = self.config._attn_implementation
-                impl = attention.ATTENTION
-            else:
-                impl, self._rows_from = self._rows_from, None
-            for c in configs.values():
-                c._attn_implementation = impl
-            to_row_linears(self.hf, bool(on))
+            rows_forward(self.hf, bool(on))
             for c in self.runtime.computes:
                 c.row_invariant = bool(on)
 
