@@ -198,7 +198,7 @@ def to_row_linears(model: nn.Module, on: bool) -> None:
         if on and type(m) is nn.Linear:
             m.__class__ = RowLinear
         elif not on and type(m) is RowLinear:
-            m.__class__ = nn.Linear
+            m.__class__ = nn.Linear  # type: ignore[assignment]
 
 
 def row_invariant(module: nn.Module) -> bool:

@@ -47,13 +47,14 @@ def rows_forward(hf: nn.Module, on: bool) -> None:
     was = getattr(hf, ROWS_FROM, None)
     if on == (was is not None):
         return
-    configs = {id(m.config): m.config for m in hf.modules() if hasattr(m, "config")}
+    configs: dict[int, Any] = {id(m.config): m.config for m in hf.modules() if hasattr(m, "config")}
+    impl: Any = was
     if on:
         attention.register()
-        setattr(hf, ROWS_FROM, hf.config._attn_implementation)
+        config: Any = hf.config
+        setattr(hf, ROWS_FROM, config._attn_implementation)
         impl = attention.ATTENTION
     else:
-        impl = was
         delattr(hf, ROWS_FROM)
     for c in configs.values():
         c._attn_implementation = impl
