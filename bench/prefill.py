@@ -11,9 +11,12 @@ up, Q6_K down, Q8_0 dense; context 4096). Each prefill figure is the best of `--
 timed `generate(prompt, max_new_tokens=1)` calls (prefill and the first token) in a worker
 process with the tree's python/ on PYTHONPATH, before and after alternating per round,
 in tokens per second of the process's CPU time (the machine is shared; wall time beside).
+Each tree's figure with its default forward; this tree's also with the row-invariant CPU
+forward (`set_row_invariant`, what `psr serve` runs with its prompt cache).
 The conversation (this tree): a 2000-token first turn, then a second turn extending it by
 100 tokens, each generating 16 greedy tokens; the second turn's time to its first token
-without the cache and with it (resumed from the longest cached boundary), and its tokens
+without the cache and with it (resumed from the longest cached prefix: the first turn's
+end with the row-invariant forward, else its last chunk boundary), and its tokens
 compared.
 """
 
@@ -31,14 +34,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = 504  # the embedded model's context is 512
 FIRST, EXTRA = 2000, 100
+DECODE = 32  # decode tokens timed
 
 
-def _load(path: str, chunk: int | None):  # type: ignore[no-untyped-def]
+def _load(path: str, chunk: int | None, rows: int = 0):  # type: ignore[no-untyped-def]
+    """The model; `rows`: with the row-invariant CPU forward (a tree that has it)."""
     import psr
 
     model = psr.load(path, "exact", 1.0, device="cpu", progress=False)
     if chunk is not None:
         model.set_prefill_chunk(chunk)
+    if hasattr(model, "set_row_invariant"):
+        model.set_row_invariant(bool(rows))
     return model
 
 
@@ -57,17 +64,28 @@ def _timed(fn) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     return time.perf_counter() - t, time.process_time() - c
 
 
-def worker_prefill(path: str, reps: int) -> dict:
-    """Best prefill tok/s of `reps` runs of a PROMPT-token prompt (any psr version)."""
+def worker_prefill(path: str, reps: int, rows: int = 0) -> dict:
+    """Best prefill tok/s of `reps` runs of a PROMPT-token prompt, and decode tok/s (DECODE
+    greedy tokens after a 32-token prompt, less that prompt's prefill and first token):
+    any psr version (`rows`: row-invariant forward on, where the tree has it)."""
     import torch
 
     torch.set_num_threads(1)
-    model = _load(path, None)
+    model = _load(path, None, rows)
     ids = _ids(PROMPT, model.config.vocab_size, 0)
     model.generate(ids[:, :32], max_new_tokens=1)  # warm-up
     runs = [_timed(lambda: model.generate(ids, max_new_tokens=1)) for _ in range(reps)]
     wall, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
-    return {"tok_s": PROMPT / cpu, "wall_tok_s": PROMPT / wall, "cpu_s": cpu, "wall_s": wall}
+    short = [_timed(lambda: model.generate(ids[:, :32], max_new_tokens=1)) for _ in range(reps)]
+    long = [
+        _timed(lambda: model.generate(ids[:, :32], max_new_tokens=DECODE + 1)) for _ in range(reps)
+    ]
+    dec = [min(r[i] for r in long) - min(r[i] for r in short) for i in (0, 1)]
+    return {
+        "tok_s": PROMPT / cpu, "wall_tok_s": PROMPT / wall, "cpu_s": cpu, "wall_s": wall,
+        "decode_tok_s": DECODE / dec[1], "decode_wall_tok_s": DECODE / dec[0],
+        "row_invariant": bool(getattr(model, "row_invariant", False)),
+    }  # fmt: skip
 
 
 class _FirstToken:
@@ -86,19 +104,19 @@ class _FirstToken:
         pass
 
 
-def worker_conversation(path: str, chunk: int) -> dict:
+def worker_conversation(path: str, chunk: int, rows: int) -> dict:
     """Second-turn TTFT with and without the prompt cache, and its 16 tokens compared
-    (this tree only)."""
+    (this tree only; `rows`: the row-invariant forward, any-length resume)."""
     import torch
 
     from psr.runtime.chunked import PromptCache
 
     torch.set_num_threads(1)
-    model = _load(path, chunk)
+    model = _load(path, chunk, rows)
     ids = _ids(FIRST + EXTRA, model.config.vocab_size, 1)
     first, second = ids[:, :FIRST], ids
     model.generate(ids[:, :32], max_new_tokens=1)  # warm-up
-    out: dict = {"chunk": chunk, "first_tokens": FIRST, "second_tokens": FIRST + EXTRA}
+    out: dict = {"chunk": chunk, "rows": bool(rows), "first_tokens": FIRST}
 
     def turn(ids: torch.Tensor, cache: PromptCache | None) -> tuple[torch.Tensor, tuple]:
         s = _FirstToken()
@@ -122,12 +140,12 @@ def worker_conversation(path: str, chunk: int) -> dict:
     return out
 
 
-def worker_identity(path: str, length: int) -> dict:
+def worker_identity(path: str, length: int, rows: int) -> dict:
     """Across prefill chunks: the same tokens? logits bit-identical? (this tree only)"""
     import torch
 
     torch.set_num_threads(1)
-    model = _load(path, None)
+    model = _load(path, None, rows)
     ids = _ids(length, model.config.vocab_size, 2)
     out: dict = {}
     base = None
@@ -193,41 +211,51 @@ def main() -> None:
     gguf = tmp / "olmoe-q4km.gguf"
     write_gguf(gguf)
     models = {"embedded (bf16 rows)": DEFAULT_MODEL, "GGUF Q4_K_M-like": str(gguf)}
-    trees = {"after": ROOT} | ({"before": a.before} if a.before else {})
+    # (tree, row-invariant forward): after = this tree with it, as the prompt cache runs
+    trees = {"after": (ROOT, 1), "after, rows off": (ROOT, 0)}
+    trees |= {"before": (a.before, 0)} if a.before else {}
     rows: dict = {}
     for r in range(a.rounds):
         for label, path in models.items():
             for name in trees if r % 2 == 0 else reversed(list(trees)):
-                got = run(trees[name], "prefill", path, str(a.reps))
+                tree, on = trees[name]
+                got = run(tree, "prefill", path, str(a.reps), str(on))
                 rows.setdefault(label, {}).setdefault(name, []).append(got)
                 print(f"round {r} {label} {name}: {got}", flush=True)
     conv = []
-    for c in a.chunks.split(","):
-        conv.append(run(ROOT, "conversation", str(gguf), c))
+    for c, on in [(c, 1) for c in a.chunks.split(",")] + [(a.chunks.split(",")[-1], 0)]:
+        conv.append(run(ROOT, "conversation", str(gguf), c, str(on)))
         print(conv[-1], flush=True)
-    ident = {label: run(ROOT, "identity", path, str(PROMPT)) for label, path in models.items()}
+    ident = {label: run(ROOT, "identity", path, str(PROMPT), "1") for label, path in models.items()}
     lines = [
-        "| model | prompt | before tok/s (CPU time) | after tok/s (CPU time) | after / before "
-        "| before tok/s (wall) | after tok/s (wall) |",
-        "|---|---|---|---|---|---|---|",
+        "| model | measure | before tok/s (CPU time) | after: row-invariant | after / before "
+        "| after: rows off | rows off / before | before / after / rows off (wall) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    measures = {f"prefill {PROMPT}": "tok_s", f"decode {DECODE}": "decode_tok_s"}
+    nan = float("nan")
     for label, by in rows.items():
-        best = {k: max(r["tok_s"] for r in v) for k, v in by.items()}
-        wall = {k: max(r["wall_tok_s"] for r in v) for k, v in by.items()}
-        b, w = best.get("before", float("nan")), wall.get("before", float("nan"))
-        lines.append(
-            f"| {label} | {PROMPT} | {b:.1f} | {best['after']:.1f} | {best['after'] / b:.2f}x "
-            f"| {w:.1f} | {wall['after']:.1f} |"
-        )
+        for measure, name in measures.items():
+            wname = name.replace("tok_s", "wall_tok_s")
+            best = {k: max(r.get(name, nan) for r in v) for k, v in by.items()}
+            wall = {k: max(r.get(wname, nan) for r in v) for k, v in by.items()}
+            b, on, off = best.get("before", nan), best["after"], best["after, rows off"]
+            w = [wall.get(k, nan) for k in ("before", "after", "after, rows off")]
+            lines.append(
+                f"| {label} | {measure} | {b:.1f} | {on:.1f} | {on / b:.2f}x | {off:.1f} | "
+                f"{off / b:.2f}x | {w[0]:.1f} / {w[1]:.1f} / {w[2]:.1f} |"
+            )
     lines += [
         "",
-        "| chunk | first turn (2000) TTFT s | second (2100) no cache s | second with cache s "
-        "| cached tokens | with cache / first turn | identical tokens (16) |",
-        "|---|---|---|---|---|---|---|",
+        "| chunk | forward | first turn (2000) TTFT s | second (2100) no cache s "
+        "| second with cache s | cached tokens | with cache / first turn | identical tokens (16) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for c in conv:
+        kind = "row-invariant" if c["rows"] else "chunked"
         lines.append(
-            f"| {c['chunk']} | {c['first_turn_cpu_s']:.2f} ({c['first_turn_wall_s']:.2f}) | "
+            f"| {c['chunk']} | {kind} | "
+            f"{c['first_turn_cpu_s']:.2f} ({c['first_turn_wall_s']:.2f}) | "
             f"{c['second_no_cache_cpu_s']:.2f} ({c['second_no_cache_wall_s']:.2f}) | "
             f"{c['second_cache_cpu_s']:.2f} ({c['second_cache_wall_s']:.2f}) | "
             f"{c['cached_tokens']} | {c['second_cache_over_first_cpu']:.1%} "
@@ -236,7 +264,8 @@ def main() -> None:
     lines.append("\n(seconds of CPU time, wall time in parentheses)")
     lines += [
         "",
-        f"Across prefill chunks ({PROMPT}-token prompt, 8 new tokens; against one chunk):",
+        f"Across prefill chunks, row-invariant forward ({PROMPT}-token prompt, 8 new tokens; "
+        "against one chunk):",
         "",
         "| model | chunk | same tokens | logits bit-identical | max abs logit diff |",
         "|---|---|---|---|---|",

@@ -120,8 +120,9 @@ class LoadConfig:
         it as max_model_len. Default: the checkpoint's max_position_embeddings; more than
         that is an error.
     prefill_chunk: tokens per prefill chunk, at fixed absolute boundaries (default 512, at
-        most the context; `model.set_prefill_chunk` changes it): attention and the expert
-        grouping round per chunk, so the chunk is part of the configuration (the prompt
+        most the context; `model.set_prefill_chunk` changes it): unless the forward is
+        row-invariant (`model.set_row_invariant`), attention and the expert grouping round
+        per chunk, so the chunk is part of the configuration (the prompt
         cache keys it).
     progress: progress bars while the experts load (None, the default: only when stderr is
         a terminal).

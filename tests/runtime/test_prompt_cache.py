@@ -1,8 +1,10 @@
 """Chunked prefill and the prompt cache (issue 36): the caches are seeded from the routed
 ids alone whatever the chunking; a prompt-cache hit changes nothing (tokens, logits and
 decode counts bit-identical to the same request without the cache) for every policy,
-both decode steps, under copy delays, on both prefill read paths; entries never cross
-models or configurations; bad input refused in one line."""
+both decode steps, under copy delays, on both prefill read paths, resumed at any cached
+prefix (the row-invariant CPU forward, the default) or at a chunk boundary (a forward
+that rounds by chunk); entries never cross models or configurations; bad input refused
+in one line."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ def ckpt(tmp_path_factory) -> Path:
 def _load(path: Path, policy: str, **kw) -> psr.OffloadedModel:
     model = psr.load(path, policy, 0.5, progress=False, **kw)
     model.set_prefill_chunk(CHUNK)
+    if not kw.get("graphs"):
+        model.set_row_invariant(True)  # the prompt cache's forward (psr serve's)
     return model
 
 
@@ -61,18 +65,22 @@ def test_boundaries_are_absolute() -> None:
     assert boundaries(8, 30, 8) == [16, 24, 30]
 
 
+@pytest.mark.parametrize("rows", [True, False], ids=["any-length", "boundaries"])
 @pytest.mark.parametrize("decode", ["device", "host"])
 @pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
-def test_a_hit_changes_nothing(ckpt, monkeypatch, policy, kw, decode) -> None:
+def test_a_hit_changes_nothing(ckpt, monkeypatch, policy, kw, decode, rows) -> None:
     monkeypatch.setenv("PSR_COPY_DELAY_US", "2000")
     monkeypatch.setenv("PSR_COPY_DELAY_SEED", "3")
     model = _load(ckpt, policy, decode=decode, **kw)
+    model.set_row_invariant(rows)
     miss = _gen(model, SECOND)
     cache = PromptCache(1 << 26)
     _gen(model, FIRST, cache)
-    assert cache.last_cached == 0 and len(cache) == 4  # boundaries 8, 16, 24, 32 (< 40)
+    # boundaries 8, 16, 24, 32 (< 40), and a row-invariant forward keeps the end (40)
+    assert cache.last_cached == 0 and len(cache) == (5 if rows else 4)
     hit = _gen(model, SECOND, cache)
-    assert cache.last_cached == 32  # the longest cached boundary before 61
+    # the longest cached prefix before 61: the first turn's end, else its last boundary
+    assert cache.last_cached == (40 if rows else 32)
     assert hit[0] == miss[0] and hit[2] == miss[2]
     assert torch.equal(hit[1], miss[1])  # bit-identical
     # the same request again: its own boundaries (up to 56) were kept by the hit
@@ -127,10 +135,15 @@ def test_entries_never_cross_models_or_configurations(ckpt) -> None:
     a.configure("psr", 0.5, lam=0.3, n=1)
     a.set_prefill_chunk(2 * CHUNK)
     a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
-    assert cache.last_cached == 0  # another chunking
+    assert cache.last_cached == 40  # row-invariant: the chunk does not matter, FIRST's end
+    a.set_row_invariant(False)
+    a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
+    assert cache.last_cached == 0  # another forward
     a.set_prefill_chunk(CHUNK)
     a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
-    assert cache.last_cached == 32
+    assert cache.last_cached == 0  # another chunking (the chunk-dependent forward's key)
+    a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
+    assert cache.last_cached == 56
 
 
 def test_the_budget_bounds_the_cache(ckpt) -> None:
@@ -141,8 +154,9 @@ def test_the_budget_bounds_the_cache(ckpt) -> None:
     small = PromptCache(2 * per)
     model.generate(SECOND, max_new_tokens=1, prompt_cache=small)
     assert 0 < len(small) < len(big) and small.nbytes <= small.max_bytes
-    model.generate(SECOND, max_new_tokens=1, prompt_cache=small)
-    assert small.last_cached == 56  # the most recent boundaries are the ones kept
+    longer = torch.cat([SECOND, FIRST[:, :3]], dim=1)
+    model.generate(longer, max_new_tokens=1, prompt_cache=small)
+    assert small.last_cached == 61  # the most recent (the last prompt's end) are kept
 
 
 def test_bad_input_is_refused_in_one_line(ckpt) -> None:

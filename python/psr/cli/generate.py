@@ -236,7 +236,8 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
     "prefill_chunk": dict(
         type=positive_int,
         help="tokens per prefill chunk, at fixed boundaries (default 512, at most the "
-        "context): part of the configuration, as the prompt cache keys it",
+        "context): part of the configuration, as the prompt cache keys it, unless the "
+        "forward is row-invariant (psr serve's with a prompt cache on the CPU)",
     ),
     "threads": dict(type=positive_int, metavar="N", help=THREADS_HELP),
     "context": dict(

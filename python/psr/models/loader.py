@@ -64,9 +64,15 @@ from psr.runtime.chunked import DEFAULT_PREFILL_CHUNK
 from psr.runtime.expert_placement import placement_class
 from psr.runtime.kv import check_kv_format
 from psr.runtime.kv_quant import set_kv_format
-from psr.runtime.model import OffloadedModel
+from psr.runtime.model import OffloadedModel, rows_forward
 from psr.runtime.spec import resolve_capacity
 from psr.runtime.verify import verify_class
+
+# Whether a load makes the CPU forward row-invariant wherever it can be (unless graphs are
+# asked for). Off: with attention one query row at a time in torch (runtime/attention.py)
+# it prefills slower than the chunked forward (bench/results/prefill/); `psr serve` turns
+# it on for its prompt cache, `model.set_row_invariant()` anywhere.
+ROW_INVARIANT_DEFAULT = False
 
 
 @torch.no_grad()
@@ -191,9 +197,12 @@ def _context(context: int | None, config: Any) -> int | None:
 
 def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
     """The options that apply to the built model: decode graphs, the KV format, where
-    misses are computed."""
+    misses are computed, the row-invariant CPU forward (ROW_INVARIANT_DEFAULT)."""
     om.graphs = cfg.graphs
     set_kv_format(om.hf, cfg.kv_format)
+    rows = ROW_INVARIANT_DEFAULT and cfg.graphs is not True
+    if rows and om.row_invariant_blocker() is None:
+        om.set_row_invariant(True)
     if cfg.prefill_chunk is not None:
         om.set_prefill_chunk(cfg.prefill_chunk)
     where, hybrid_m = cfg.placement
@@ -214,6 +223,7 @@ def restore(model: nn.Module) -> nn.Module:
     hf = model.hf if isinstance(model, OffloadedModel) else model
     if not isinstance(hf, nn.Module):
         raise TypeError(f"psr.restore needs an offloaded model, got {type(model).__name__}")
+    rows_forward(hf, False)
     uninstall(hf)
     return hf
 

@@ -14,10 +14,10 @@ transformers forward over `[b, 1]` tokens, each row computed as its sequence alo
   sequence over its own keys, with the mask a solo decode step passes (none: one query
   attends to every cached position). Sequences of any lengths, no padding.
 * **Row-invariant modules: one call.** A module whose own forward computes each row as
-  that row alone (`_row_invariant`: a `QuantLinear` over GGML blocks on the CPU, which
-  is `cpu_kernels.cpu_linear`, each output element one row dot product in a fixed order
-  whatever T, reading its weight once for the batch; transformers' RMS norms) runs once
-  over all rows. Other leaves (activations, rotary embeddings) run once per row.
+  that row alone (`_row_invariant`: psr's dense layers on the CPU, `dense.row_invariant`,
+  whose forward is `cpu_kernels.cpu_linear`, each output element one row dot product in
+  a fixed order whatever T, reading its weight once for the batch; transformers' RMS
+  norms) runs once over all rows. Other leaves (activations, rotary embeddings) run once per row.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import psr_kernels as pk
-from psr.runtime.dense import QuantLinear
+from psr.runtime.attention import ATTENTION as ROWS_ATTENTION
+from psr.runtime.dense import row_invariant
 
 ATTENTION = "psr_batch"  # the attention implementation's name while a batch forward runs
 _active = threading.local()  # the running batch forward's BatchKV (per thread)
@@ -56,7 +56,7 @@ def _row_invariant(module: nn.Module) -> bool:
     """Whether `module`'s own forward over `[b, ..., K]` gives each row bit-identically as
     over that row alone, so a batch forward calls it once (the seam's one predicate):
 
-    * a `QuantLinear` over GGML blocks on the CPU: its forward is `cpu_kernels.cpu_linear`
+    * psr's dense layers on the CPU (`dense.row_invariant`): their forward is `cpu_linear`
       (each output element one row dot product in a fixed order, whatever T);
     * an RMS norm on the CPU whose forward is the bytecode of one of transformers' RMS
       norms audited here (`_NORMS`): casts, `x * x`, a sum over the last dim then a
@@ -68,14 +68,10 @@ def _row_invariant(module: nn.Module) -> bool:
 
 
 def _linear_row_invariant(module: nn.Module) -> bool:
-    """A dense layer whose CPU forward is `cpu_kernels.cpu_linear` (a QuantLinear over
-    GGML blocks; runtime/dense.py's own predicate may replace this one)."""
-    if not isinstance(module, QuantLinear):
-        return False
-    if module.fmt.block is None or module.qweight.device.type != "cpu":
-        return False
+    """A dense layer whose CPU forward is `cpu_kernels.cpu_linear` (runtime/dense.py's
+    predicate: RowLinear, QuantLinear, MlaKvB on the CPU)."""
     try:
-        return pk.resolve_compute(module.compute, "cpu") == "torch"
+        return row_invariant(module)
     except RuntimeError:  # compute='triton' without the interpreter: its forward refuses
         return False
 
@@ -163,7 +159,7 @@ def _register() -> None:
     AttentionInterface.register(ATTENTION, _attention)
 
 
-SUPPORTED_ATTENTION = ("sdpa", "eager")
+SUPPORTED_ATTENTION = ("sdpa", "eager", ROWS_ATTENTION)
 _PSR = ("PSRRouter", "OffloadedExperts")  # psr's modules: the batch step runs them per row
 
 

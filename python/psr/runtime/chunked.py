@@ -2,19 +2,26 @@
 
 A prompt is prefilled in chunks of `prefill_chunk` tokens at fixed absolute boundaries
 (c, 2c, ...; the last chunk ends at the prompt's end), one forward each, the KV cache
-carried between them. Attention over a chunk and the experts grouped per chunk round as
-the chunk makes them, so the chunk is part of a model's configuration (set at load,
-`OffloadedModel.prefill_chunk`): a given configuration reproduces its tokens and logits.
-The logical caches are seeded after the last chunk from the routed ids alone
-(prefill.py), whatever the chunking.
+carried between them. The logical caches are seeded after the last chunk from the routed
+ids alone (prefill.py), whatever the chunking.
 
-`PromptCache` keeps, after each boundary b < the prompt's end, everything the rest of the
-run depends on: the KV cache of the first b tokens and every MoE layer's routing history
-(the caches are seeded from it after the prompt's last chunk, so it is their whole state
-at a boundary), keyed by the token ids up to b and by the model and its configuration.
-A later prompt that extends a cached one resumes from the longest cached boundary before
-its end and computes the chunks after it: exactly the chunks a miss computes, on the same
-state, so a hit changes nothing (tokens and logits bit-identical). Held in memory up to a
+Whether the chunk matters depends on the forward. A row-invariant one (the CPU backend's
+default: `OffloadedModel.row_invariant`; linears by `cpu_linear`, attention one query row
+at a time, the experts by the CPU kernels) computes every token bit-identically whatever
+the chunking, so the chunk is a speed setting only. Otherwise attention over a chunk and
+the experts grouped per chunk round as the chunk makes them: the chunk is then part of
+the model's configuration (a given configuration reproduces its tokens and logits).
+
+`PromptCache` keeps, after each boundary b < the prompt's end (and, for a row-invariant
+forward, after the prompt's end), everything the rest of the run depends on: the KV cache
+of the first b tokens and every MoE layer's routing history (the caches are seeded from it
+after the prompt's last chunk, so it is their whole state there), keyed by the token ids
+up to b and by the model and its configuration. A later prompt that extends a cached one
+resumes from the longest cached prefix before its end (an index of the cached lengths per
+configuration: one lookup per length, no scan of the tokens) and computes the rest: a
+chunk boundary for a chunk-dependent forward, so exactly the chunks a miss computes on the
+same state; any length for a row-invariant one, whose tokens do not depend on the chunks.
+Either way a hit changes nothing (tokens and logits bit-identical). Held in memory up to a
 byte budget, least recently used dropped first.
 """
 
@@ -22,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from numbers import Integral
@@ -109,13 +116,15 @@ class Entry:
 
 @dataclass
 class PromptCache:
-    """Prefill states at chunk boundaries, for prompts that extend earlier ones (module
+    """Prefill states at prompt prefixes, for prompts that extend earlier ones (module
     docstring). `max_bytes`: the budget (KV and histories), least recently used dropped
     first. The caller keeps it and passes it to `generate(..., prompt_cache=...)`; one
     cache may serve several models (entries are keyed by the model and configuration)."""
 
     max_bytes: int
     _entries: OrderedDict[tuple[Hashable, bytes], Entry] = field(default_factory=OrderedDict)
+    # per configuration, how many entries hold each prefix length (the lookup's index)
+    _lengths: dict[Hashable, Counter[int]] = field(default_factory=dict)
     nbytes: int = 0
     hits: int = 0
     misses: int = 0
@@ -145,16 +154,29 @@ class PromptCache:
     def _key(config: Hashable, ids: torch.Tensor) -> tuple[Hashable, bytes]:
         return config, ids.to("cpu", torch.int64).numpy().tobytes()
 
-    def lookup(self, config: Hashable, ids: torch.Tensor, chunk: int) -> tuple[int, Entry | None]:
-        """The longest cached boundary before the end of prompt `ids [T]` (0, None: none)."""
+    def lookup(self, config: Hashable, ids: torch.Tensor) -> tuple[int, Entry | None]:
+        """The longest cached prefix of prompt `ids [T]` before its end (0, None: none)."""
+        T = ids.shape[0]
         with self._lock:
-            for b in range((ids.shape[0] - 1) // chunk * chunk, 0, -chunk):
+            lengths = self._lengths.get(config, Counter())
+            for b in sorted((n for n in lengths if n < T), reverse=True):
                 key = self._key(config, ids[:b])
                 entry = self._entries.get(key)
                 if entry is not None:
                     self._entries.move_to_end(key)
                     return b, entry
             return 0, None
+
+    def _index(self, key: tuple[Hashable, bytes], entry: Entry, step: int) -> None:
+        """Count `key`'s prefix length in (step 1) or out of (-1) its configuration's index."""
+        config, n = key[0], len(key[1]) // 8  # int64 ids
+        lengths = self._lengths.setdefault(config, Counter())
+        lengths[n] += step
+        if lengths[n] <= 0:
+            del lengths[n]
+        if not lengths:
+            del self._lengths[config]
+        self.nbytes += step * entry.nbytes
 
     def put(self, config: Hashable, ids: torch.Tensor, entry: Entry) -> None:
         """Keep the state after prompt prefix `ids`; the least recently used go first."""
@@ -164,12 +186,12 @@ class PromptCache:
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self.nbytes -= old.nbytes
+                self._index(key, old, -1)
             self._entries[key] = entry
-            self.nbytes += entry.nbytes
+            self._index(key, entry, 1)
             while self.nbytes > self.max_bytes:
-                _, gone = self._entries.popitem(last=False)
-                self.nbytes -= gone.nbytes
+                gone_key, gone = self._entries.popitem(last=False)
+                self._index(gone_key, gone, -1)
 
     def count(self, cached: int, computed: int) -> None:
         """One request: `cached` prompt tokens resumed, `computed` prefilled."""
@@ -197,17 +219,19 @@ def prefill(
     config: Hashable = None,
     into: Any = None,
     keep_all: bool = False,
+    any_length: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """Prefill prompt `ids [1, T]` chunk by chunk (module docstring) through `forward`,
-    resuming from `cache` where it holds a boundary of this prompt under `config`, and
-    keeping every boundary computed. `runtime` (the OffloadRuntime) is told which forward
+    resuming from `cache` where it holds a prefix of this prompt under `config`, and
+    keeping every boundary computed and (`any_length`: the forward is row-invariant, any
+    prefix resumes) the prompt's end. `runtime` (the OffloadRuntime) is told which forward
     is the prompt's last chunk. `into`: a static cache a snapshot is restored into (graphs).
     Returns the logits `[1, m, V]` of the last position (`keep_all`: of every position
     computed) and the KV cache."""
     T = ids.shape[1]
     start, kv = 0, None
     if cache is not None:
-        start, entry = cache.lookup(config, ids[0], chunk)
+        start, entry = cache.lookup(config, ids[0])
         if entry is not None:
             kv = kv_restore(entry.kv, into)
             runtime.resume_prefill(kv, [h.tolist() for h in entry.histories])
@@ -221,7 +245,7 @@ def prefill(
         finally:
             runtime.prefill_more = False
         kept = [*kept, logits] if keep_all else [logits[:, -1:]]
-        if cache is not None and end < T:
+        if cache is not None and (end < T or any_length):
             snap = kv_snapshot(kv, end)
             if snap is not None:
                 hist = [torch.tensor(h, dtype=torch.int32) for h in runtime.histories()]

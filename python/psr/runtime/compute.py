@@ -6,7 +6,10 @@ expert kernels (`psr.store.cpu_expert_ffn`: every routed row read in place, vect
 threaded over `torch.get_num_threads()`), not the torch reference: the one dispatch point
 is `ExpertCompute.slab`. `PSR_CPU_EXPERTS=torch` (read when a model is built) forces the
 reference (for A/B runs); `auto` (the default) or `kernels` take the kernels. The two
-round differently (each deterministic), so they may give different tokens. While
+round differently (each deterministic), so they may give different tokens. While a model's
+CPU forward is row-invariant (`ExpertCompute.row_invariant`, runtime/model.py) prefill takes
+the kernels at any token count (never DENSE_FROM's matmul): each token's experts then sum
+as its decode step sums them, whatever the chunk. While
 torch.compile traces (graphs=True on the CPU) the kernels run as a custom op
 (`psr_store::cpu_expert_ffn`), so a compiled forward computes what the eager one does.
 """
@@ -61,6 +64,9 @@ class ExpertCompute:
         # Misses computed on the CPU (experts_on cpu / hybrid) take the kernels on any
         # device, for the kinds they compute; the other kinds take the reference there.
         self.host_kernels = plain and cpu_experts_mode() != "torch"
+        # Row-invariant forward (OffloadedModel.set_row_invariant): no dense matmul per
+        # expert in prefill; each token through the kernels as alone.
+        self.row_invariant = False
 
     def _on_cpu_kernels(self, x: torch.Tensor, slab: torch.Tensor) -> bool:
         return (
@@ -196,8 +202,11 @@ class ExpertCompute:
 
     def dense_from(self, host: torch.Tensor) -> int | None:
         """Tokens per expert from which prefill dequantizes an expert of these host rows
-        once and multiplies (None: the CPU kernels at any count; DENSE_FROM)."""
+        once and multiplies (None: the CPU kernels at any count; DENSE_FROM, none while the
+        forward is row-invariant)."""
         fmt = self.expert_format
+        if self.row_invariant:
+            return None
         if fmt.is_float:
             kinds = [str(host.dtype).removeprefix("torch.")]
         elif fmt.is_blocks:

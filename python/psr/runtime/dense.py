@@ -5,17 +5,23 @@ shared experts, dense FFN layers, output head and embeddings.
     QuantLinear(qweight, fmt, in_features, scales=, bias=, compute=)   y = x W^T + b
     QuantEmbedding(qweight, fmt, embedding_dim, dtype, scales=)         rows of W, dequantized
     MlaKvB(k, k_fmt, v, v_fmt, heads, compute=)      DeepSeek's kv_b_proj from split blocks
+    RowLinear                     a float `nn.Linear` computed by `cpu_linear` on the CPU
+    row_invariant(module)         whether a dense module's CPU forward is `cpu_linear`
 
 `qweight` (uint8 `[N, row bytes]`) and `scales` are buffers in `psr_kernels.linear`'s
 layout for the `LinearFormat` `fmt` (a GGML block type, or int8 / fp8 / int4 codes with
 fp32 scales). `dense_linear` is the one dispatch: Triton on CUDA (`psr_kernels.linear`,
-batch-invariant), the CPU kernels on the CPU (`cpu_linear`), the torch reference where
-neither applies. The embedding dequantizes only the looked-up rows.
+batch-invariant), the CPU kernels on the CPU (`cpu_linear`: each output row bit-identical
+for any number of rows; formats without GGML blocks dequantized to fp32 first), the torch
+reference elsewhere. The embedding dequantizes only the looked-up rows. A model's float
+`nn.Linear` layers become `RowLinear` while its CPU forward is row-invariant
+(runtime/model.py: `OffloadedModel.set_row_invariant`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import psr_kernels as pk
@@ -32,10 +38,11 @@ def _cpu_linear(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The CPU path: psr's CPU kernels for GGML blocks where the extension has them
-    (`cpu_kernels.cpu_linear`, rows bit-identical for any T), else the reference."""
+    """The CPU path: psr's CPU kernels (`cpu_kernels.cpu_linear`, rows bit-identical for
+    any T) over the GGML blocks, or over the fp32 weight dequantized from other formats."""
     if fmt.block is None:
-        return pk.linear_ref(x, qweight, fmt, in_features, scales, bias, out_dtype)
+        w = pk.dequantize_weight(qweight, fmt, in_features, scales)
+        return rows_linear(x, w, bias, out_dtype)
     y: torch.Tensor = cpu_kernels.cpu_linear(
         x,
         qweight,
@@ -100,9 +107,17 @@ def _(x, qweight, scales, bias, fmt, group, k, compute):  # type: ignore[no-unty
 def _heads_t(
     x: torch.Tensor, blocks: torch.Tensor, fmt: LinearFormat, heads: int, compute: str
 ) -> torch.Tensor:
-    """`pk.linear_heads_t` on the compute path `compute` resolves to (else its reference)."""
+    """`pk.linear_heads_t` on the compute path `compute` resolves to; on the CPU
+    `cpu_linear` over the heads' transposed matrices stacked (every head reads the same x:
+    `[heads * C, K]`, rows bit-identical for any T); else its reference."""
     if pk.resolve_compute(compute, x.device) == "triton":
         return pk.linear_heads_t(x, blocks, fmt, heads)
+    if x.device.type == "cpu":
+        b, k = fmt.block, x.shape[1]
+        assert b is not None  # llama.cpp's split MLA blocks
+        c = blocks.shape[1] // b.block_bytes * b.block_len
+        w = pk.dequantize_weight(blocks, fmt, c).reshape(heads, k, c)
+        return rows_linear(x, w.transpose(1, 2).reshape(heads * c, k))
     return pk.linear_heads_t_ref(x, blocks, fmt, heads)
 
 
@@ -130,6 +145,73 @@ def _rows_op(
 @_rows_op.register_fake
 def _(rows, scales, fmt, group, k):  # type: ignore[no-untyped-def]
     return rows.new_empty(rows.shape[0], k, dtype=torch.float32)
+
+
+# Rows of a rows_linear output start this many elements apart: torch's elementwise loops
+# (vectorized chunks, then a scalar tail that rounds transcendentals differently) then take
+# every row the same way whatever the number of rows (sigmoid over a [T, 1] gate, SiLU over
+# a narrow FFN). Wider outputs whose width is a multiple of it are contiguous as they are.
+ROW_ALIGN = 64
+
+
+def rows_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` on the CPU by `cpu_linear` (fp32 sums): each row of
+    `x [..., K]` computed as it is alone, whatever the other rows. Returns x's dtype (or
+    `out_dtype`), contiguous (`row_aligned` for a layer's output)."""
+    lead, k, n = x.shape[:-1], x.shape[-1], weight.shape[0]
+    if x.numel() == 0:
+        return F.linear(x, weight, bias).to(out_dtype or x.dtype)
+    y: torch.Tensor = cpu_kernels.cpu_linear(
+        x.reshape(-1, k), weight, bias=bias, out_dtype=out_dtype or x.dtype
+    )
+    return y.reshape(*lead, n)
+
+
+def row_aligned(y: torch.Tensor) -> torch.Tensor:
+    """`y [..., N]` as a view whose rows start ROW_ALIGN elements apart (a copy) where N is
+    not a multiple of it; else y."""
+    n = y.shape[-1]
+    if n % ROW_ALIGN == 0 or y.dim() < 2:
+        return y
+    wide = -(-n // ROW_ALIGN) * ROW_ALIGN
+    return y.new_empty(*y.shape[:-1], wide)[..., :n].copy_(y)
+
+
+class RowLinear(nn.Linear):
+    """A float `nn.Linear` (the same parameters and state dict) whose forward on the CPU is
+    `rows_linear`: row-invariant. A model's linears become one by `to_row_linears`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or self.weight.dtype not in cpu_kernels.CPU_FLOAT_DTYPES:
+            return F.linear(x, self.weight, self.bias)
+        return row_aligned(rows_linear(x, self.weight, self.bias))
+
+
+def to_row_linears(model: nn.Module, on: bool) -> None:
+    """Every plain float `nn.Linear` of `model` made a `RowLinear` (`on`), or back."""
+    for m in model.modules():
+        if on and type(m) is nn.Linear:
+            m.__class__ = RowLinear
+        elif not on and type(m) is RowLinear:
+            m.__class__ = nn.Linear  # type: ignore[assignment]
+
+
+def row_invariant(module: nn.Module) -> bool:
+    """Whether `module`'s forward on the CPU computes each row as it would alone (its
+    forward is `cpu_linear`): a `RowLinear` with float weights the CPU kernels read, and
+    psr's dense layers on the CPU (QuantLinear, MlaKvB)."""
+    if isinstance(module, RowLinear):
+        w = module.weight
+        return w.device.type == "cpu" and w.dtype in cpu_kernels.CPU_FLOAT_DTYPES
+    if isinstance(module, QuantLinear | MlaKvB):
+        w = module.qweight if isinstance(module, QuantLinear) else module.k_blocks
+        return w.device.type == "cpu" and pk.resolve_compute(module.compute, w.device) == "torch"
+    return False
 
 
 class QuantLinear(nn.Module):
@@ -164,7 +246,8 @@ class QuantLinear(nn.Module):
             self.bias,
             self.compute,
         )
-        return y.reshape(*lead, self.out_features)
+        y = y.reshape(*lead, self.out_features)
+        return row_aligned(y) if y.device.type == "cpu" and not torch.compiler.is_compiling() else y
 
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 `[out, in]` (a new tensor: for tests and conversions)."""

@@ -34,6 +34,33 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
+ROWS_FROM = "psr_rows_from"  # on a row-invariant model: the attention implementation it replaced
+
+
+def rows_forward(hf: nn.Module, on: bool) -> None:
+    """The transformers side of the row-invariant forward on (`on`) or off: the attention
+    implementation of every config in `hf` (`psr_rows`, or back to the one it replaced)
+    and its float linears (RowLinear, or back). `psr.restore` turns it off."""
+    from psr.runtime import attention
+    from psr.runtime.dense import to_row_linears
+
+    was = getattr(hf, ROWS_FROM, None)
+    if on == (was is not None):
+        return
+    configs: dict[int, Any] = {id(m.config): m.config for m in hf.modules() if hasattr(m, "config")}
+    impl: Any = was
+    if on:
+        attention.register()
+        config: Any = hf.config
+        setattr(hf, ROWS_FROM, config._attn_implementation)
+        impl = attention.ATTENTION
+    else:
+        delattr(hf, ROWS_FROM)
+    for c in configs.values():
+        c._attn_implementation = impl
+    to_row_linears(hf, on)
+
+
 @runtime_checkable
 class _SavesPretrained(Protocol):
     """A transformers model's saving method (what `OffloadedModel.save_pretrained` calls)."""
@@ -98,10 +125,53 @@ class OffloadedModel(nn.Module):
 
     def set_prefill_chunk(self, chunk: int) -> None:
         """Prefill prompts in chunks of `chunk` tokens at fixed boundaries (psr.runtime.
-        chunked): part of the configuration (attention and the grouped experts round by
-        chunk), so a configuration reproduces its tokens; in [1, the model's context]."""
+        chunked), in [1, the model's context]. Unless the forward is row-invariant
+        (`row_invariant`), attention and the grouped experts round by chunk: the chunk is
+        then part of the configuration (a configuration reproduces its tokens)."""
         with self.runtime.lock:
             self.prefill_chunk = chunked.check_chunk(chunk, self.context)
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether the forward computes every token's hidden states, KV, routed ids and
+        logits bit-identically whatever the other tokens of the forward (any prefill
+        chunking; a decode step as that row of a prefill): then a prompt-cache hit
+        resumes at any cached prefix length (psr.runtime.chunked)."""
+        return getattr(self.hf, ROWS_FROM, None) is not None
+
+    def row_invariant_blocker(self) -> str | None:
+        """Why this model's forward cannot be made row-invariant (None: it can): the CPU
+        backend only, attention rows_attention computes, experts the CPU kernels compute."""
+        from psr.runtime.attention import why_not_rows
+
+        rt = self.runtime
+        if rt.store.backend != "cpu" or self.device.type != "cpu":
+            return "the CPU backend only"
+        why = why_not_rows(self.config)
+        if why is not None:
+            return why
+        hosts = [rt.store.host(i) for i in range(len(rt.layers))]
+        if not all(
+            c.cpu_kernels and c.host_layout(h) is not None
+            for c, h in zip(rt.computes, hosts, strict=True)
+        ):
+            return "experts the CPU kernels do not compute (biases, scaled inputs, the format)"
+        return None
+
+    def set_row_invariant(self, on: bool = True) -> None:
+        """Make the CPU forward row-invariant (`on`) or not: float linears through
+        `cpu_linear` (runtime/dense.py: RowLinear), attention one query row at a time
+        (runtime/attention.py), prefill's experts through the CPU kernels at any count
+        (runtime/compute.py). Decode graphs stay off while it is on (a static cache).
+        A model that cannot be (`row_invariant_blocker`): a one-line ValueError."""
+        with self.runtime.lock:
+            if bool(on) == self.row_invariant:
+                return
+            if on and (why := self.row_invariant_blocker()) is not None:
+                raise ValueError(f"row-invariant forward unavailable: {why}")
+            rows_forward(self.hf, bool(on))
+            for c in self.runtime.computes:
+                c.row_invariant = bool(on)
 
     @property
     def config(self) -> Any:
@@ -335,7 +405,8 @@ class OffloadedModel(nn.Module):
         rt = self.runtime
         return (
             self._uid, rt.policy, rt.capacity, rt.experts_on, tuple(rt.inserts),
-            rt.decode_mode, rt.block_k, self.prefill_chunk, graphs, rt.prefill_split,
+            rt.decode_mode, rt.block_k, "rows" if self.row_invariant else self.prefill_chunk,
+            graphs, rt.prefill_split,
         )  # fmt: skip
 
     def _prefill(self, graph: DecodeGraph | None, cache: chunked.PromptCache | None) -> Any:
@@ -362,8 +433,9 @@ class OffloadedModel(nn.Module):
                 return out.logits, output_cache(out)
 
         into = None if graph is None else graph.cache
+        any_length = self.row_invariant and graph is None
         return lambda ids, keep_all: chunked.prefill(
-            self.runtime, forward, ids, chunk, cache, key, into, keep_all
+            self.runtime, forward, ids, chunk, cache, key, into, keep_all, any_length
         )
 
     @torch.no_grad()
@@ -486,6 +558,8 @@ class OffloadedModel(nn.Module):
             )
             return None
         reason = graphs_unavailable(self.runtime)
+        if reason is None and self.row_invariant:
+            reason = "the row-invariant forward (its attention reads a dynamic cache)"
         if reason is not None:
             self.graph_status = f"off: {reason}"
             return None
@@ -538,9 +612,9 @@ class OffloadedModel(nn.Module):
         (put the prompt, then each new token; end). `logits_processor` and `logprobs`: see
         `psr.runtime.generate.generate` (not with a speculative drafter). The prompt is
         prefilled in chunks of `prefill_chunk`; `prompt_cache` (a
-        psr.runtime.chunked.PromptCache the caller keeps): resume from the longest chunk
-        boundary of this prompt it holds and keep the new ones; a hit changes nothing
-        (tokens and logits as without it)."""
+        psr.runtime.chunked.PromptCache the caller keeps): resume from the longest cached
+        prefix of this prompt (any length while `row_invariant`, else a chunk boundary) and
+        keep the new states; a hit changes nothing (tokens and logits as without it)."""
         ids = self._ids(input_ids)
         _check_unpadded(ids, attention_mask)
         settings = gen.resolve_settings(

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from psr.runtime.dense import row_aligned, rows_linear
 from psr.runtime.layer import MoELayer
 
 if TYPE_CHECKING:
@@ -26,6 +27,12 @@ def non_finite(layers: list[int], when: str) -> ValueError:
     return ValueError(
         f"MoE layer {layers[0]}: router logits contain NaN or inf ({when}; layers {layers})"
     )
+
+
+def _rows_logits(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """Router logits by `rows_linear`, rows aligned (a sigmoid router's transcendentals then
+    round each row alike: dense.row_aligned)."""
+    return row_aligned(rows_linear(x, w, b))
 
 
 class Step:
@@ -50,8 +57,11 @@ class Step:
     # --- shared by the modes -------------------------------------------------------
     def logits(self, layer: MoELayer, x: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
         """The router's logits, computed as the model computes them (by `linear`: batched
-        decode passes its batch-invariant one)."""
+        decode passes its batch-invariant one; a row-invariant CPU forward takes
+        `rows_linear`, which is both)."""
         w, b = layer.gate_weight, layer.gate_bias
+        if self.rt.computes[layer.index].row_invariant and x.device.type == "cpu":
+            linear = _rows_logits
         # fp32 where the model computes it so (DeepSeek casts; a router kept in fp32).
         if self.rt.spec.logits_fp32 or w.dtype == torch.float32:
             return linear(x.float(), w.float(), None if b is None else b.float())

@@ -229,6 +229,9 @@ class Engine:
                 raise ValueError(f"{model.path}: no tokenizer; the server reads and writes text")
             if self.prompt_cache is not None:
                 model.check_prompt_cache(self.prompt_cache)
+                # resume at any cached prefix (a turn's end), not a chunk boundary
+                if model.row_invariant_blocker() is None:
+                    model.set_row_invariant(True)
             from psr.serve.parallel import open_slots
 
             slots = open_slots(self, model)
