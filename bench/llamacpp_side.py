@@ -206,17 +206,29 @@ def file_bytes(path: Path) -> dict[str, Any]:
     return out
 
 
+def _children_cpu() -> float:
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def llama_bench(a: argparse.Namespace, path: Path, threads: int) -> dict[str, Any]:
-    cmd = [str(a.llama / "llama-bench"), "-m", str(path), "-p", str(PROMPT), "-n", str(GEN)]
-    cmd += ["-t", str(threads), "-r", str(a.reps), "-o", "json"]
+    """`llama-bench -p 512 -n 0` then `-p 0 -n 64`; beside its tok/s, tok/s of its CPU time
+    (the process's, from rusage: it includes the load and the warm-up run, which count as
+    tokens too, a full prompt for pp and one token for tg; so a slight underestimate)."""
     load0 = os.getloadavg()[0]
-    t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    rows = json.loads(p.stdout)
-    got: dict[str, Any] = {"cmd": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t}
-    for r in rows:
-        key = "prefill" if r["n_prompt"] else "decode"
+    got: dict[str, Any] = {}
+    for key, p, n in (("prefill", PROMPT, 0), ("decode", 0, GEN)):
+        cmd = [str(a.llama / "llama-bench"), "-m", str(path), "-p", str(p), "-n", str(n)]
+        cmd += ["-t", str(threads), "-r", str(a.reps), "-o", "json"]
+        c = _children_cpu()
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        cpu = _children_cpu() - c
+        (r,) = json.loads(out.stdout)
+        toks = (p or n) * a.reps + (p or 1)  # the timed runs and the warm-up
         got[key] = {"tok_s": r["avg_ts"], "std": r["stddev_ts"], "samples": r["samples_ts"]}
+        got[key] |= {"cpu_tok_s": toks / cpu, "cpu_s": cpu, "cmd": " ".join(cmd[1:])}
     got["load"] = [load0, os.getloadavg()[0]]
     return got
 
@@ -260,7 +272,10 @@ def worker(path: str, threads: int, reps: int) -> dict[str, Any]:
     load0 = os.getloadavg()[0]
     t = time.perf_counter()
     model = psr.load(path, "exact", 1.0, device="cpu", threads=threads, progress=False)
-    out: dict[str, Any] = {"load_s": time.perf_counter() - t, "threads": torch.get_num_threads()}
+    out: dict[str, Any] = {
+        "load_s": time.perf_counter() - t,
+        "torch_threads": torch.get_num_threads(),
+    }
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 2048, (1, PROMPT), generator=g)  # the tokenizer's ids
     model.generate(ids[:, :16], max_new_tokens=2)  # warm-up
@@ -323,7 +338,17 @@ def worker_batch(path: str, threads: int, reps: int) -> dict[str, Any]:
         if best is None or n / w > best["tok_s"]:
             best = {"tok_s": n / w, "cpu_tok_s": n / c, "tokens": n, "wall_s": w}
     assert best is not None
-    return {"serve": best, "threads": torch.get_num_threads(), "load": [load0, os.getloadavg()[0]]}
+    return {
+        "serve": best,
+        "torch_threads": torch.get_num_threads(),
+        "load": [load0, os.getloadavg()[0]],
+    }
+
+
+def _proc_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process `pid` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def llama_server(a: argparse.Namespace, path: Path, threads: int) -> dict[str, Any]:
@@ -359,12 +384,12 @@ def llama_server(a: argparse.Namespace, path: Path, threads: int) -> dict[str, A
         load0, best = os.getloadavg()[0], None
         with concurrent.futures.ThreadPoolExecutor(STREAMS) as ex:
             for _ in range(a.reps):
-                t = time.perf_counter()
+                t, c = time.perf_counter(), _proc_cpu(srv.pid)
                 outs = list(ex.map(lambda p: post(p, GEN), prompts))
-                w = time.perf_counter() - t
+                w, c = time.perf_counter() - t, _proc_cpu(srv.pid) - c
                 n = sum(int(o["tokens_predicted"]) for o in outs)
                 if best is None or n / w > best["tok_s"]:
-                    best = {"tok_s": n / w, "tokens": n, "wall_s": w}
+                    best = {"tok_s": n / w, "cpu_tok_s": n / c, "tokens": n, "wall_s": w}
         assert best is not None
         return {"serve": best, "cmd": " ".join(cmd[1:]), "load": [load0, os.getloadavg()[0]]}
     finally:
@@ -399,7 +424,7 @@ def _best(runs: list[dict[str, Any]], stage: str, key: str = "tok_s") -> float:
 
 def _ratios(by: dict[str, list[dict[str, Any]]], stage: str, key: str = "tok_s") -> str:
     """psr / llama.cpp within each round (side by side), as 'lo-hi' over rounds."""
-    ll = {r["round"]: r[stage]["tok_s"] for r in by.get("llama.cpp", [])}
+    ll = {r["round"]: r[stage][key] for r in by.get("llama.cpp", [])}
     got = sorted(p[stage][key] / ll[p["round"]] for p in by.get("psr", []) if p["round"] in ll)
     if not got:
         return "-"
@@ -437,21 +462,28 @@ def report(docs: list[dict[str, Any]]) -> str:
             f"| {label} | {total / mib:.0f} | {f['dense'] / mib:.1f} | {f['experts'] / mib:.0f} "
             f"| {_per_token_bytes(label, f) / mib:.1f} | {show} |"
         )
-    for stage, what in (("prefill", "prompt 512 tok/s"), ("decode", "decode 64 tok/s")):
+    stages = (("prefill", "prompt 512 tok/s"), ("decode", "decode 64 tok/s"))
+    stages += (("serve", f"{STREAMS} streams aggregate tok/s"),)
+    for stage, what in stages:
+        rows = [
+            (label, t, by)
+            for (label, t), by in groups.items()
+            if "psr" in by and "llama.cpp" in by and stage in by["psr"][0]
+        ]
+        if not rows:
+            continue
         out += [
             "",
-            f"| file | threads | llama.cpp {what} | psr {what} (wall) | psr (CPU time) "
-            "| psr / llama.cpp per round | load avg |",
-            "|---|---|---|---|---|---|---|",
+            f"| file | threads | llama.cpp {what}: wall (CPU time) | psr: wall (CPU time) "
+            "| psr / llama.cpp per round: wall (CPU time) | load avg |",
+            "|---|---|---|---|---|---|",
         ]
-        for (label, t), by in groups.items():
-            if "-twin" in label or "psr" not in by or "llama.cpp" not in by:
-                continue
+        for label, t, by in rows:
+            ll, ps = by["llama.cpp"], by["psr"]
             out.append(
-                f"| {label} | {t} | {_best(by['llama.cpp'], stage):.1f} "
-                f"| {_best(by['psr'], stage):.1f} "
-                f"| {_best(by['psr'], stage, 'cpu_tok_s'):.1f} | {_ratios(by, stage)} "
-                f"| {_load(by['llama.cpp'] + by['psr'])} |"
+                f"| {label} | {t} | {_best(ll, stage):.1f} ({_best(ll, stage, 'cpu_tok_s'):.1f}) "
+                f"| {_best(ps, stage):.1f} ({_best(ps, stage, 'cpu_tok_s'):.1f}) "
+                f"| {_ratios(by, stage)} ({_ratios(by, stage, 'cpu_tok_s')}) | {_load(ll + ps)} |"
             )
     out += [
         "",
@@ -461,7 +493,7 @@ def report(docs: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (label, t), by in groups.items():
-        if "psr" not in by or "llama.cpp" not in by:
+        if "psr" not in by or "llama.cpp" not in by or "decode" not in by["psr"][0]:
             continue
         b = _per_token_bytes(label, files[label])
         ll, ps = _best(by["llama.cpp"], "decode"), _best(by["psr"], "decode")
@@ -489,6 +521,7 @@ def main() -> None:
     ap.add_argument("--twins", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--reps", type=int, default=2, help="timed runs per program and round")
+    ap.add_argument("--match", default="", help="run only the files whose label has this")
     ap.add_argument("--keep-f16", action="store_true")
     ap.add_argument("--make-only", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="folder: appends runs-*.json")
@@ -504,7 +537,7 @@ def main() -> None:
         fn = worker_batch if a.worker[0] == "batch" else worker
         print(json.dumps(fn(a.worker[1], int(a.worker[2]), int(a.worker[3]))))
         return
-    files = make_files(a)
+    files = {k: v for k, v in make_files(a).items() if a.match in k}
     if a.make_only:
         return
     info = {label: file_bytes(p) for label, p in files.items()}
