@@ -233,6 +233,35 @@ def llama_bench(a: argparse.Namespace, path: Path, threads: int) -> dict[str, An
     return got
 
 
+def llama_overhead(a: argparse.Namespace, path: Path, threads: int) -> float:
+    """CPU seconds of a `llama-bench -p 0 -n 1` run (load, repacking, a warm-up token and one
+    timed token): the best of `a.reps` runs, subtracted from the pp / tg runs' CPU time."""
+    cmd = [str(a.llama / "llama-bench"), "-m", str(path), "-p", "0", "-n", "1"]
+    cmd += ["-t", str(threads), "-r", "1", "-o", "json"]
+    best = float("inf")
+    for _ in range(a.reps):
+        c = _children_cpu()
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        best = min(best, _children_cpu() - c)
+    return best
+
+
+def _corrected(run: dict[str, Any], overhead: dict[str, float]) -> dict[str, Any]:
+    """A llama.cpp run with its CPU tok/s net of the load overhead: the pp run's prompts
+    (the timed ones and the warm-up) over (its CPU - overhead); the tg run's tokens less the
+    overhead run's two over (its CPU - overhead)."""
+    ovh = overhead.get(f"{run['file']}/{run['threads']}")
+    if ovh is None:
+        return run
+    out = dict(run)
+    for stage, per, extra in (("prefill", PROMPT, PROMPT), ("decode", GEN, -1)):
+        st = dict(run[stage])
+        reps = int(st["cmd"].split(" -r ")[1].split()[0])
+        st["cpu_tok_s"] = (per * reps + extra) / (st["cpu_s"] - ovh)
+        out[stage] = st
+    return out
+
+
 class _Clock:
     """A streamer: wall and CPU time of each put (the first is the prompt); resets the
     dense timer at the first new token so it covers the decode span only."""
@@ -244,7 +273,7 @@ class _Clock:
     def put(self, _value: Any) -> None:
         self.marks.append((time.perf_counter(), time.process_time()))
         if len(self.marks) == 2:
-            self.dense.update(s=0.0, calls=0, bytes=0)
+            self.dense.update(s=0.0, cpu_s=0.0, calls=0, bytes=0)
 
     def end(self) -> None:
         pass
@@ -257,13 +286,14 @@ def worker(path: str, threads: int, reps: int) -> dict[str, Any]:
     import psr
     from psr.store import cpu_kernels
 
-    dense = {"s": 0.0, "calls": 0, "bytes": 0}
+    dense = {"s": 0.0, "cpu_s": 0.0, "calls": 0, "bytes": 0}
     inner = cpu_kernels.cpu_linear
 
     def timed(x: torch.Tensor, weight: torch.Tensor, **kw: Any) -> torch.Tensor:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         y = inner(x, weight, **kw)
         dense["s"] += time.perf_counter() - t
+        dense["cpu_s"] += time.process_time() - c
         dense["calls"] += 1
         dense["bytes"] += weight.numel() * weight.element_size()
         return y
@@ -300,6 +330,7 @@ def worker(path: str, threads: int, reps: int) -> dict[str, Any]:
                 "tok_s": GEN / (w1 - w0),
                 "cpu_tok_s": GEN / (c1 - c0),
                 "dense_ms_per_tok": 1e3 * dense["s"] / GEN,
+                "dense_cpu_ms_per_tok": 1e3 * dense["cpu_s"] / GEN,
                 "dense_bytes_per_tok": dense["bytes"] / GEN,
                 "dense_calls_per_tok": dense["calls"] / GEN,
             }
@@ -436,13 +467,17 @@ def _load(runs: list[dict[str, Any]]) -> str:
     return f"{min(loads):.1f}-{max(loads):.1f}"
 
 
-def report(docs: list[dict[str, Any]]) -> str:
-    """Markdown tables of the runs in `docs` (runs-*.json): files, prefill, decode, dense."""
+def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
+    """Markdown tables of the runs in `docs` (runs-*.json): files, prefill, decode, dense;
+    llama.cpp's CPU tok/s net of `overhead` ({"FILE/THREADS": CPU s}) where it has one."""
     files: dict[str, Any] = {}
     groups: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
-    for doc in docs:
+    for i, doc in enumerate(docs):
         files |= doc["meta"]["files"]
         for r in doc["runs"]:
+            r = dict(r, round=(i, r["round"]))  # rounds of different invocations differ
+            if r["prog"] == "llama.cpp" and "prefill" in r:
+                r = _corrected(r, overhead)
             key = (r["file"], r["threads"])
             groups.setdefault(key, {}).setdefault(r["prog"], []).append(r)
     mib = 2**20
@@ -496,16 +531,15 @@ def report(docs: list[dict[str, Any]]) -> str:
         if "psr" not in by or "llama.cpp" not in by or "decode" not in by["psr"][0]:
             continue
         b = _per_token_bytes(label, files[label])
-        ll, ps = _best(by["llama.cpp"], "decode"), _best(by["psr"], "decode")
-        d = max((r["decode"] for r in by["psr"]), key=lambda d: d["tok_s"])
-        lin = (
-            d["dense_bytes_per_tok"] / d["dense_ms_per_tok"] / 1e6 if d["dense_ms_per_tok"] else 0.0
-        )
+        key = "cpu_tok_s"
+        ll, ps = _best(by["llama.cpp"], "decode", key), _best(by["psr"], "decode", key)
+        d = max((r["decode"] for r in by["psr"]), key=lambda d: d[key])
+        ms = d.get("dense_cpu_ms_per_tok", d["dense_ms_per_tok"])
+        lin = d["dense_bytes_per_tok"] / ms / 1e6 if ms else 0.0
         out.append(
             f"| {label} | {t} | {b / mib:.1f} | {ll:.1f} | {ps:.1f} | {b * ll / 1e9:.2f} "
-            f"| {b * ps / 1e9:.2f} | {d['dense_ms_per_tok']:.1f} "
-            f"({d['dense_bytes_per_tok'] / mib:.1f}) "
-            f"| {lin:.2f} | {_ratios(by, 'decode')} |"
+            f"| {b * ps / 1e9:.2f} | {ms:.1f} ({d['dense_bytes_per_tok'] / mib:.1f}) "
+            f"| {lin:.2f} | {_ratios(by, 'decode', key)} |"
         )
     return "\n".join(out)
 
@@ -525,13 +559,17 @@ def main() -> None:
     ap.add_argument("--keep-f16", action="store_true")
     ap.add_argument("--make-only", action="store_true")
     ap.add_argument("--out", type=Path, default=None, help="folder: appends runs-*.json")
+    ap.add_argument("--overhead", action="store_true", help="llama-bench's load CPU time")
     ap.add_argument("--report", action="store_true", help="tables of --out's runs-*.json")
     ap.add_argument("--serve", action="store_true", help="issue 38: 4 streams, not pp/tg")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.report:
         docs = [json.loads(p.read_text()) for p in sorted(a.out.glob("runs-*.json"))]
-        print(report(docs))
+        ovh: dict[str, float] = {}
+        for p in sorted(a.out.glob("overhead-*.json")):
+            ovh |= json.loads(p.read_text())
+        print(report(docs, ovh))
         return
     if a.worker:
         fn = worker_batch if a.worker[0] == "batch" else worker
@@ -540,9 +578,15 @@ def main() -> None:
     files = {k: v for k, v in make_files(a).items() if a.match in k}
     if a.make_only:
         return
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    if a.overhead:
+        ovh = {f"{k}/{t}": llama_overhead(a, p, t) for k, p in files.items() for t in a.threads}
+        print(ovh)
+        if a.out:
+            (a.out / f"overhead-{stamp}.json").write_text(json.dumps(ovh, indent=1) + "\n")
+        return
     info = {label: file_bytes(p) for label, p in files.items()}
     runs: list[dict[str, Any]] = []
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     for r in range(a.rounds):
         for label, path in files.items():
             for t in a.threads:
