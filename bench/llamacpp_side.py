@@ -471,15 +471,17 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
     """Markdown tables of the runs in `docs` (runs-*.json): files, prefill, decode, dense;
     llama.cpp's CPU tok/s net of `overhead` ({"FILE/THREADS": CPU s}) where it has one."""
     files: dict[str, Any] = {}
-    groups: dict[tuple[str, int], dict[str, list[dict[str, Any]]]] = {}
+    groups: dict[tuple[str, int, str], dict[str, list[dict[str, Any]]]] = {}
     for i, doc in enumerate(docs):
         files |= doc["meta"]["files"]
         for r in doc["runs"]:
             r = dict(r, round=(i, r["round"]))  # rounds of different invocations differ
             if r["prog"] == "llama.cpp" and "prefill" in r:
                 r = _corrected(r, overhead)
-            key = (r["file"], r["threads"])
-            groups.setdefault(key, {}).setdefault(r["prog"], []).append(r)
+            kind = "serve" if "serve" in r else "single"
+            groups.setdefault((r["file"], r["threads"], kind), {}).setdefault(r["prog"], []).append(
+                r
+            )
     mib = 2**20
     out = [
         "| file | MiB | dense MiB (no embedding) | experts MiB | weight MiB read per token "
@@ -502,7 +504,7 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
     for stage, what in stages:
         rows = [
             (label, t, by)
-            for (label, t), by in groups.items()
+            for (label, t, _), by in groups.items()
             if "psr" in by and "llama.cpp" in by and stage in by["psr"][0]
         ]
         if not rows:
@@ -527,7 +529,7 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
         "| psr / llama.cpp per round |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (label, t), by in groups.items():
+    for (label, t, _), by in groups.items():
         if "psr" not in by or "llama.cpp" not in by or "decode" not in by["psr"][0]:
             continue
         b = _per_token_bytes(label, files[label])
