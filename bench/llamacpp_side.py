@@ -17,14 +17,18 @@ one (llama.cpp's own type mix). A "dense twin" of each shape has the same dense 
 but 2 experts of FFN 256, top-1: per token it reads almost only dense weights (attention
 projections, router, LM head), so its decode time per byte is each program's dense part.
 
-Per round, per file and thread count: `llama-bench -m FILE -p 512 -n 64 -t T -r R -o json`
-(pp512 and tg64: the same tests as `-p 512 -n 0` and `-p 0 -n 64`), then (order reversed
-every other round) one psr worker process with OMP_NUM_THREADS=T: `psr.load(FILE, "exact",
-residency=1.0, device="cpu", threads=T)` (every expert resident on the CPU, dense weights
-in their GGUF blocks), prefill = `generate(512 ids, max_new_tokens=1)` (as bench/prefill.py),
-decode = 64 tokens after the first (a streamer's timestamps), psr's `cpu_linear` calls
-(its dense kernel) timed inside the decode span. Figures: best of rounds; ratios only
-between runs of the same round; the load average beside each run.
+Per round, per file and thread count: `llama-bench -m FILE -p 512 -n 0 -t T -r R -o json`
+and `-p 0 -n 64`, then (order reversed every other round) one psr worker process with
+OMP_NUM_THREADS=T: `psr.load(FILE, "exact", 1.0, device="cpu", threads=T)` (every expert
+resident on the CPU, dense weights in their GGUF blocks), prefill = `generate(512 ids,
+max_new_tokens=1)` (as bench/prefill.py), decode = 64 tokens after the first (a streamer's
+timestamps), psr's `cpu_linear` calls (its dense kernel) timed inside the decode span.
+`--serve` (issue 38) instead: `llama-server -np 4` with four concurrent `/completion`
+requests against psr's `generate_batch` of the same four prompts. Each figure in wall and
+CPU time (psr: process_time; llama.cpp: the child's rusage, less `--overhead`'s CPU of a
+`-p 0 -n 1` run: load and repacking; the server: /proc around the requests): the machine
+is shared. Figures: best of rounds; ratios only between runs of the same round; the load
+average beside each run. `--report` prints the tables of `--out`'s JSON.
 """
 
 from __future__ import annotations
