@@ -4,9 +4,10 @@ step's one query is the same computation as that row inside any prefill chunk).
 
 `rows_attention` is the one function (the CPU attention kernel, `cpu_attention`);
 `ATTENTION` ("psr_rows") is the name it is registered under in transformers' attention
-interface (`register`), which models set as their `_attn_implementation` while their CPU forward is row-invariant (runtime/model.py).
-It reads the keys the cache update returned: the whole dynamic cache of the layer (the
-queries are its last rows), never a static cache (graphs keep sdpa).
+interface (`register`), which models set as their `_attn_implementation` while their
+CPU forward is row-invariant (runtime/model.py). It reads the keys the cache update
+returned: the whole dynamic cache of the layer (the queries are its last rows), never a
+static cache (graphs keep sdpa).
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ class OffloadedModel(nn.Module):
 
     def set_row_invariant(self, on: bool = True) -> None:
         """Make the CPU forward row-invariant (`on`) or not: float linears through
-        `cpu_linear` (runtime/dense.py: RowLinear), attention one query row at a time
+        `cpu_linear` (runtime/dense.py: RowLinear), attention by the `cpu_attention` kernel
         (runtime/attention.py), prefill's experts through the CPU kernels at any count
         (runtime/compute.py). Decode graphs stay off while it is on (a static cache).
         A model that cannot be (`row_invariant_blocker`): a one-line ValueError."""
