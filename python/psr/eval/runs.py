@@ -41,6 +41,7 @@ from psr.eval.harness import (
 from psr.eval.labels import pareto
 from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
+from psr.eval.workers import Workers
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
 from psr.points import operating_points, operating_points_with_source, write_operating_points
 from psr.policy import Policy, make_policy, standard_policies
@@ -91,27 +92,22 @@ def run_all(
     host: bool = False,
     modes_recorded: bool = False,
     modes_replayed: bool = True,
+    workers: Workers | None = None,
 ) -> list[dict[str, Any]]:
-    """Every configuration through `run_config`, then `compare`. `host`: each one's decode
-    schedule measured (measure_schedules) and its latency modeled host-aware too.
-    `modes_recorded`: biased policies' cpu / hybrid traces recorded (run_config), for the
-    modes tables; `modes_replayed=False`: no input for exact's replayed modes table."""
+    """Every configuration through `run_config` (on `workers`, default this process; the
+    results in `configs`' order), then `compare`. `host`: each one's decode schedule
+    measured (measure_schedules) and its latency modeled host-aware too. `modes_recorded`:
+    biased policies' cpu / hybrid traces recorded (run_config), for the modes tables;
+    `modes_replayed=False`: no input for exact's replayed modes table."""
+    workers = workers or Workers()
     # Measured first: in a child process (a CPU without Triton) beside the scoring.
     job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
-    results = []
+    # One bar per configuration in this process; with workers, one bar over them all.
+    inner = progress and workers.workers == 1
+    tasks = [(path, rc, data, profiles, inner, modes_recorded, modes_replayed) for rc in configs]
     try:
-        for rc in tqdm(configs, desc=desc, disable=not progress):
-            results.append(
-                run_config(
-                    path,
-                    rc,
-                    data,
-                    profiles,
-                    progress=progress,
-                    modes_recorded=modes_recorded,
-                    modes_replayed=modes_replayed,
-                )
-            )
+        with tqdm(total=len(configs), desc=desc, disable=not progress) as bar:
+            results = workers.map(_run_one, tasks, lambda i, r: bar.update())
     except BaseException:
         if job is not None:
             job.cancel()
@@ -122,6 +118,27 @@ def run_all(
             add_host_latency(r, schedules[rc], profiles)
     compare(results, profiles)
     return results
+
+
+def _run_one(
+    path: str,
+    rc: RunConfig,
+    data: EvalData,
+    profiles: Sequence[str],
+    progress: bool,
+    modes_recorded: bool,
+    modes_replayed: bool,
+) -> dict[str, Any]:
+    """run_config with run_all's options: a worker's task."""
+    return run_config(
+        path,
+        rc,
+        data,
+        profiles,
+        progress=progress,
+        modes_recorded=modes_recorded,
+        modes_replayed=modes_replayed,
+    )
 
 
 def describe(data: EvalData) -> str:
@@ -144,6 +161,7 @@ def demo(
     residencies: Sequence[float] = (0.5, 0.25),
     progress: bool = True,
     quick: bool = False,
+    workers: Workers | None = None,
 ) -> list[dict[str, Any]]:
     """The main job: the embedded model under the four policies at 50% and 25% residency,
     at its tuned operating points, plus PSR with int8 expert copies, on held-out set B
@@ -168,7 +186,14 @@ def demo(
         configs.insert(configs.index(rc) + 1, RunConfig(rc.policy, rc.residency, "int8"))
     # The table only: the gpu / cpu / hybrid tables are `psr eval`'s (the demo's time).
     results = run_all(
-        path, configs, data, "psr demo", progress=progress, host=True, modes_replayed=False
+        path,
+        configs,
+        data,
+        "psr demo",
+        progress=progress,
+        host=True,
+        modes_replayed=False,
+        workers=workers,
     )
     extra = {"model": path, "data": describe(data), "operating_points": sources}
     paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
@@ -208,6 +233,7 @@ def evaluate(
     progress: bool = True,
     traces: bool = False,
     record_modes: bool = False,
+    workers: Workers | None = None,
 ) -> list[dict[str, Any]]:
     """Quality suite: decode-path likelihood, cloze, greedy agreement, modeled latency.
     `record_modes`: the modes tables of biased policies from recorded cpu / hybrid runs
@@ -223,7 +249,14 @@ def evaluate(
         cloze=cloze,
     )
     results = run_all(
-        path, configs, data, "psr eval", progress=progress, host=True, modes_recorded=record_modes
+        path,
+        configs,
+        data,
+        "psr eval",
+        progress=progress,
+        host=True,
+        modes_recorded=record_modes,
+        workers=workers,
     )
     appendix = modes_appendix(results, DEFAULT_PROFILES)
     extra = {"model": path, "data": describe(data)}
@@ -289,6 +322,7 @@ def sweep(
     window_tokens: int = WINDOW_TOKENS,
     sets: dict[str, tuple[str, str]] | None = None,
     prompts: int = 0,
+    workers: Workers | None = None,
 ) -> dict[str, Any]:
     """lam x n per residency on held-out set `split` (of `sets`, default the model's
     heldout.txt): the Pareto front of modeled latency against Δ nats/token, and per family
@@ -306,9 +340,8 @@ def sweep(
         gen_tokens=TUNE_GEN_TOKENS,
     )
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
-    results = run_all(
-        path, sweep_configs(residencies, lams, ns), data, "psr sweep", profiles, progress
-    )
+    configs = sweep_configs(residencies, lams, ns)
+    results = run_all(path, configs, data, "psr sweep", profiles, progress, workers=workers)
     return sweep_report(path, out, results, data, residencies, budget, profile)
 
 
