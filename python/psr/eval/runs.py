@@ -464,7 +464,7 @@ def interval_note(results: list[dict[str, Any]], budget: float, tokens: int) -> 
 
 
 def _replicate(
-    run: Callable[[RunConfig], dict[str, Any]],
+    run: Callable[[Sequence[RunConfig]], list[dict[str, Any]]],
     sel: dict[str, Any],
     residencies: Sequence[float],
     budget: float,
@@ -474,40 +474,62 @@ def _replicate(
     replicated: list[dict[str, Any]],
 ) -> None:
     """Per residency and family, set A's fastest candidates within budget measured on set B
-    (`run`: a configuration's result there), fastest first, until one is within budget
-    there too, filling `chosen` (the points), `log` and `replicated` (results) as it goes.
-    A family with none is left out: no point is written that was not measured to hold."""
+    (`run`: configurations' results there), fastest first, until one is within budget
+    there too (the walks together: psr.eval.search.walk_together), filling `chosen` (the
+    points), `log` and `replicated` (results, per residency exact and then each family's
+    candidates). A family with none is left out: no point is written that was not
+    measured to hold."""
+    from psr.eval.search import walk_together
+
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
-    for rho in residencies:
-        exact_b = run(RunConfig(make_policy("exact"), rho))
-        replicated.append(exact_b)
-        chosen[f"{rho:g}"] = {}
+    at, fams, walks = [], [], []
+    for k, rho in enumerate(residencies):
         for fam in ("cache-prior", "psr"):
-            for cand in choose(sel["results"], rho, fam, budget, profile)[:3]:
-                pol = make_policy(fam, cand["config"]["lam"], cand["config"]["n"])
-                rb = run(RunConfig(pol, rho))
-                compare([exact_b, rb], profiles)
+            cands = choose(sel["results"], rho, fam, budget, profile)[:3]
+            at.append(k)
+            fams.append(fam)
+            walks.append(
+                [(c, make_policy(fam, c["config"]["lam"], c["config"]["n"])) for c in cands]
+            )
+
+    def ok(w: int, rb: dict[str, Any], exact_b: list[dict[str, Any]]) -> bool:
+        compare([exact_b[at[w]], rb], profiles)
+        return within_budget(rb, budget)
+
+    exact_b: list[dict[str, Any]] = []
+    got: list[list[dict[str, Any]]] = []
+    exacts = [RunConfig(make_policy("exact"), rho) for rho in residencies]
+    rcs = [[RunConfig(pol, residencies[at[w]]) for _, pol in walk] for w, walk in enumerate(walks)]
+    walk_together(run, exacts, rcs, ok, exact_b, got)
+    for k, rho in enumerate(residencies):
+        replicated.append(exact_b[k])
+        chosen[f"{rho:g}"] = {}
+        for w in (w for w in range(len(walks)) if at[w] == k):
+            for (cand, pol), rb in zip(walks[w], got[w], strict=False):
                 replicated.append(rb)
-                ok = within_budget(rb, budget)
-                log.append(
-                    {
-                        "residency": rho,
-                        "policy": pol.describe(),
-                        "A": cand["delta_nll"],
-                        "B": rb["delta_nll"],
-                        "speedup_A": cand["speedup"][profile],
-                        "speedup_B": rb["speedup"][profile],
-                        # how far the routing moved: routed experts outside the exact top-k
-                        "substitution_rate_A": cand["stats"].get("substitution_rate"),
-                        "substitution_rate_B": rb["stats"]["substitution_rate"],
-                        "greedy_agreement_A": cand.get("greedy_agreement"),
-                        "greedy_agreement_B": rb.get("greedy_agreement"),
-                        "replicated": ok,
-                    }
-                )
-                if ok:
-                    chosen[f"{rho:g}"][fam] = pol
-                    break
+                log.append(_replication_row(rho, pol, cand, rb, budget, profile))
+                if log[-1]["replicated"]:
+                    chosen[f"{rho:g}"][fams[w]] = pol
+
+
+def _replication_row(
+    rho: float, pol: Policy, cand: dict[str, Any], rb: dict[str, Any], budget: float, profile: str
+) -> dict[str, Any]:
+    """A candidate's line in the replication log: set A's figures beside set B's."""
+    return {
+        "residency": rho,
+        "policy": pol.describe(),
+        "A": cand["delta_nll"],
+        "B": rb["delta_nll"],
+        "speedup_A": cand["speedup"][profile],
+        "speedup_B": rb["speedup"][profile],
+        # how far the routing moved: routed experts outside the exact top-k
+        "substitution_rate_A": cand["stats"].get("substitution_rate"),
+        "substitution_rate_B": rb["stats"]["substitution_rate"],
+        "greedy_agreement_A": cand.get("greedy_agreement"),
+        "greedy_agreement_B": rb.get("greedy_agreement"),
+        "replicated": within_budget(rb, budget),
+    }
 
 
 def _rate(rate: float | None) -> str:
@@ -529,6 +551,7 @@ def tune(
     select_from: str | None = None,
     text: str | Path | None = None,
     max_minutes: float | None = None,
+    workers: Workers | None = None,
 ) -> dict[str, Any]:
     """Operating points per residency: select on set A (the fastest Cache-Prior and PSR
     point whose quality cost's 95% upper bound is within `budget`, modeled on `profile`),
@@ -549,7 +572,7 @@ def tune(
 
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
-    runner = Runner(path, f"{out}/runs", profiles, deadline, progress)
+    runner = Runner(path, f"{out}/runs", profiles, deadline, progress, workers)
     if select_from is not None:
         sel = load_selection(select_from, path, residencies)
     sets, windows = tuning_sets(path, text, budget, windows, window_tokens)
@@ -569,7 +592,7 @@ def tune(
     replicated: list[dict[str, Any]] = []
     try:
         _replicate(
-            lambda rc: runner(rc, data_b, "B"),
+            lambda rcs: runner.many(rcs, data_b, "B"),
             sel, residencies, budget, profile, chosen, log, replicated,
         )  # fmt: skip
     except OutOfTime:
@@ -630,8 +653,8 @@ def _select_on_a(
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     screen_a = screening(data_a)
     results, finished = select(
-        lambda rc: runner(rc, data_a, "A"),
-        lambda rc: runner(rc, screen_a, "A-screen"),
+        lambda rcs: runner.many(rcs, data_a, "A"),
+        lambda rcs: runner.many(rcs, screen_a, "A-screen"),
         residencies, lams, ns, budget, profiles,
     )  # fmt: skip
     if not finished:
