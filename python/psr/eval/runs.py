@@ -41,6 +41,7 @@ from psr.eval.harness import (
 from psr.eval.labels import pareto
 from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
+from psr.eval.search import within as within_budget
 from psr.eval.workers import Workers
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
 from psr.points import operating_points, operating_points_with_source, write_operating_points
@@ -287,11 +288,6 @@ def sweep_configs(
                 for n in ns
             ]
     return configs
-
-
-def within_budget(r: dict[str, Any], budget: float) -> bool:
-    """The quality cost's 95% upper bound is at most `budget` nats/token."""
-    return r.get("delta_nll", {}).get("hi", float("inf")) <= budget
 
 
 def choose(

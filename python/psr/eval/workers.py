@@ -65,7 +65,7 @@ class Workers:
         self,
         fn: Callable[..., Any],
         tasks: Sequence[tuple[Any, ...]],
-        done: Callable[[int, Any], None] | None = None,
+        done: Callable[[int, Any], object] | None = None,
     ) -> list[Any]:
         """`[fn(*t) for t in tasks]`, the tasks spread over the workers; `fn` must be a
         module-level function and its arguments and result picklable. `done(i, result)` is
