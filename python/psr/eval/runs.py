@@ -41,6 +41,7 @@ from psr.eval.harness import (
 from psr.eval.labels import pareto
 from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
+from psr.eval.search import OutOfTime, Runner, screening, select, walk_together
 from psr.eval.search import within as within_budget
 from psr.eval.workers import Workers
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
@@ -387,7 +388,7 @@ def load_selection(file: str | Path, path: str, residencies: Sequence[float]) ->
     on a set A of the same model, at every residency in `residencies` (check_selection_set:
     on the same set A)."""
     try:
-        sel = json.loads(Path(file).read_text())
+        sel: dict[str, Any] = json.loads(Path(file).read_text())
         results, data = sel["results"], sel["data"]
         have = {float(r["config"]["residency"]) for r in results}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -475,8 +476,6 @@ def _replicate(
     points), `log` and `replicated` (results, per residency exact and then each family's
     candidates). A family with none is left out: no point is written that was not
     measured to hold."""
-    from psr.eval.search import walk_together
-
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     at, fams, walks = [], [], []
     for k, rho in enumerate(residencies):
@@ -564,8 +563,6 @@ def tune(
     `sweep.json` of an earlier selection, to replicate only). `max_minutes`: no
     configuration starts after that many minutes; the tune then reports the best points so
     far, marked as such, writes none, and a re-run resumes."""
-    from psr.eval.search import OutOfTime, Runner
-
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     runner = Runner(path, f"{out}/runs", profiles, deadline, progress, workers)
@@ -634,7 +631,7 @@ def _tuning_data(
 def _select_on_a(
     path: str,
     out: str,
-    runner: Any,
+    runner: Runner,
     data_a: EvalData,
     residencies: Sequence[float],
     lams: Sequence[float],
@@ -644,8 +641,6 @@ def _select_on_a(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Set A's selection (psr.eval.search.select), reported as `out/select/sweep.*`:
     (the sweep report, None), or at the deadline ({}, the best points so far)."""
-    from psr.eval.search import screening, select
-
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     screen_a = screening(data_a)
     results, finished = select(
@@ -698,7 +693,7 @@ def _stopped(
     residencies: Sequence[float],
     budget: float,
     profile: str,
-    runner: Any,
+    runner: Runner,
     stage: str,
 ) -> dict[str, Any]:
     """The tune's end at its deadline: per residency and family the fastest point within
