@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.pool import Pool
 from typing import Any
 
-from psr.machine import THREADS_ENV, allowed_cpus, physical_cores
+from psr.machine import THREADS_ENV, check_cpus, physical_cores
 
 
 def default_workers() -> int:
@@ -29,15 +29,7 @@ def default_workers() -> int:
 
 def check_workers(workers: int) -> int:
     """`workers` as given, if the process may use that many CPUs; else ValueError."""
-    cpus = len(allowed_cpus())
-    if workers < 1:
-        raise ValueError(f"workers={workers}: expected an integer >= 1")
-    if workers > cpus:
-        raise ValueError(
-            f"workers={workers}: only {cpus} CPUs are available to this process (its "
-            f"affinity mask; the default is its {physical_cores()} physical cores)"
-        )
-    return workers
+    return check_cpus(workers, "workers")
 
 
 def _start(threads: int) -> None:
