@@ -167,6 +167,12 @@ def resolve_threads(threads: int | None) -> int:
         n = int(value)
     except ValueError:
         raise ValueError(f"{source}={value!r}: expected an integer >= 1") from None
+    return check_cpus(n, source)
+
+
+def check_cpus(n: int, source: str) -> int:
+    """`n` (threads or processes, named `source` in the error), if at least 1 and at most
+    the logical CPUs the process may use; else ValueError, one line."""
     cpus = len(allowed_cpus())
     if n < 1:
         raise ValueError(f"{source}={n}: expected an integer >= 1")

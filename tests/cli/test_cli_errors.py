@@ -428,12 +428,15 @@ def test_demo_writes_under_psr_results_where_it_runs(tmp_path, monkeypatch, caps
     import inspect
 
     import psr.eval.runs
+    from psr.machine import physical_cores
 
     seen = {}
     monkeypatch.setattr(psr.eval.runs, "demo", lambda out, **kw: seen.update(out=out, kw=kw))
     monkeypatch.chdir(tmp_path)
     assert main(["demo", "--quick"]) == 0
+    workers = seen["kw"].pop("workers")  # --workers' default: the physical cores
     assert seen["out"] == "psr-results/demo" and seen["kw"] == {"progress": False, "quick": True}
+    assert workers.workers == physical_cores() and workers.threads >= 1
     assert (tmp_path / "psr-results" / "demo").is_dir() and not (tmp_path / "bench").exists()
     monkeypatch.undo()  # the library's own default is the same folder
     assert inspect.signature(psr.eval.runs.demo).parameters["out"].default == "psr-results/demo"

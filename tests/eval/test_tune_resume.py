@@ -22,6 +22,11 @@ TEXT = (
 ) * 12
 
 
+def each(fn):
+    """select's batch form of a one-configuration function."""
+    return lambda rcs: [fn(rc) for rc in rcs]
+
+
 def test_screening_keeps_a_noisy_good_lam_and_measures_only_finalists_in_full() -> None:
     """Synthetic results (Δ nats rising with lam, latency falling). Screening (40 items of
     ±0.03 noise around a cost overestimated by 0.008) screens 6 of 9 lams coarse to fine;
@@ -57,7 +62,7 @@ def test_screening_keeps_a_noisy_good_lam_and_measures_only_finalists_in_full() 
         return r
 
     results, finished = select(
-        lambda rc: fake(rc, False), screen, [0.5], grid, [0], 0.025, ["rtx4090"]
+        each(lambda rc: fake(rc, False)), each(screen), [0.5], grid, [0], 0.025, ["rtx4090"]
     )
     assert finished and screened == [0.0, 0.01, 0.15, 1.0, 0.3, 0.2]  # exact, coarse, bisect
     assert full == [0.0, 0.2]  # exact and the one finalist
@@ -91,7 +96,13 @@ def test_finalists_step_down_until_one_is_within_the_budget() -> None:
 
     grid = [0.1, 0.2, 0.3, 0.5]
     results, finished = select(
-        lambda rc: fake(rc, 0.05), lambda rc: fake(rc, 0.015), [0.5], grid, [0], 0.006, ["rtx4090"]
+        each(lambda rc: fake(rc, 0.05)),
+        each(lambda rc: fake(rc, 0.015)),
+        [0.5],
+        grid,
+        [0],
+        0.006,
+        ["rtx4090"],
     )
     assert finished and full == [0.0, 0.3, 0.2, 0.1]
     assert choose(results, 0.5, "cache-prior", 0.006, "rtx4090")[0]["config"]["lam"] == 0.1
@@ -121,7 +132,8 @@ def test_psr_finalists_are_measured_fastest_first_across_n() -> None:
 
     grid = [0.05, 0.1, 0.2, 0.3]
     results, finished = select(
-        lambda rc: fake(rc, False), lambda rc: fake(rc, True), [0.5], grid, [0, 1, 2], 0.0125,
+        each(lambda rc: fake(rc, False)), each(lambda rc: fake(rc, True)), [0.5], grid, [0, 1, 2],
+        0.0125,
         ["rtx4090"],
     )  # fmt: skip
     # screening keeps lam <= 0.2 (0.05 x 0.2 = 0.01); in full only lam <= 0.2 holds (0.012)

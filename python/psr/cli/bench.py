@@ -25,7 +25,7 @@ from psr.cli.args import (
     writable_dir,
     writable_file,
 )
-from psr.cli.evaluate import check_profile, tuning_args
+from psr.cli.evaluate import apply_workers, check_profile, tuning_args
 from psr.cli.serve import add_bench_serve
 
 
@@ -172,21 +172,22 @@ def run_sweep(args: argparse.Namespace) -> int:
     path = eval_model(args.model)
     writable_dir(args.out, "--out")
     check_profile(args.profile)
-    apply_threads(args)
     from psr.eval.runs import sweep
 
-    sweep(
-        path,
-        args.out,
-        args.residency,
-        args.lams,
-        args.ns,
-        budget=args.budget,
-        windows=args.windows,
-        split=args.split,
-        profile=args.profile,
-        progress=progress(args),
-    )
+    with apply_workers(args) as workers:
+        sweep(
+            path,
+            args.out,
+            args.residency,
+            args.lams,
+            args.ns,
+            budget=args.budget,
+            windows=args.windows,
+            split=args.split,
+            profile=args.profile,
+            progress=progress(args),
+            workers=workers,
+        )
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psr.cli.args import (
     EMBEDDED,
@@ -13,6 +13,7 @@ from psr.cli.args import (
     UsageError,
     add_threads_option,
     apply_threads,
+    check_threads,
     comma_list,
     command,
     eval_model,
@@ -31,8 +32,43 @@ from psr.cli.args import (
     writable_file,
 )
 
+if TYPE_CHECKING:
+    from psr.eval.workers import Workers
+
 # Relative to where psr runs, as `psr eval`'s; committed results pass --out explicitly.
 DEMO_OUT = "psr-results/demo"
+
+
+WORKERS_HELP = (
+    "worker processes the configurations are measured in, each with --threads threads "
+    "(default: the physical cores available to the process; threads then default to the "
+    "thread default shared out among them, at least 1 each); the same results whatever "
+    "the count"
+)
+
+
+def add_workers_option(p: argparse.ArgumentParser) -> None:
+    """--workers and --threads: the processes measuring configurations and their threads."""
+    p.add_argument("--workers", type=positive_int, default=None, metavar="N", help=WORKERS_HELP)
+    add_threads_option(p)
+
+
+def apply_workers(args: argparse.Namespace) -> Workers:
+    """The worker processes of --workers, each with --threads threads (also this
+    process's), by default the thread default shared out among the workers."""
+    from psr.eval.workers import check_workers, default_workers
+
+    n = default_workers() if args.workers is None else args.workers
+    try:
+        check_workers(n)
+    except ValueError as e:
+        raise UsageError(f"--workers {str(e).removeprefix('workers=')}") from None
+    if n > 1 and args.threads is None:
+        args.threads = max(1, check_threads(None) // n)
+    threads = apply_threads(args)
+    from psr.eval.workers import Workers
+
+    return Workers(n, threads)
 
 
 def add_demo(sub: Any) -> None:
@@ -40,16 +76,16 @@ def add_demo(sub: Any) -> None:
     d.add_argument("--out", default=DEMO_OUT, help="folder for demo.{md,json,png}")
     d.add_argument("--quick", action="store_true", help="fewer prompts and tokens")
     d.add_argument("--quiet", action="store_true", help=QUIET_HELP)
-    add_threads_option(d)
+    add_workers_option(d)
     d.set_defaults(fn=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
     writable_dir(args.out, "--out")
-    apply_threads(args)
     from psr.eval.runs import demo
 
-    demo(args.out, progress=progress(args), quick=args.quick)
+    with apply_workers(args) as workers:
+        demo(args.out, progress=progress(args), quick=args.quick, workers=workers)
     return 0
 
 
@@ -102,29 +138,30 @@ def add_eval(sub: Any) -> None:
         "with experts_on cpu and hybrid, traces recorded (exact's are replayed either way)",
     )
     ev.add_argument("--quiet", action="store_true", help=QUIET_HELP)
-    add_threads_option(ev)
+    add_workers_option(ev)
     ev.set_defaults(fn=run_eval)
 
 
 def run_eval(args: argparse.Namespace) -> int:
     path = eval_model(args.model)
     writable_dir(args.out, "--out")
-    apply_threads(args)
     from psr.eval.runs import evaluate, grid
 
-    evaluate(
-        path,
-        grid(args.policies, args.residency, args.expert_format, path),
-        args.out,
-        split=args.split,
-        windows=args.windows,
-        cloze=args.cloze,
-        prompts=args.prompts,
-        gen_tokens=args.gen_tokens,
-        progress=progress(args),
-        traces=args.traces,
-        record_modes=args.record_modes,
-    )
+    with apply_workers(args) as workers:
+        evaluate(
+            path,
+            grid(args.policies, args.residency, args.expert_format, path),
+            args.out,
+            split=args.split,
+            windows=args.windows,
+            cloze=args.cloze,
+            prompts=args.prompts,
+            gen_tokens=args.gen_tokens,
+            progress=progress(args),
+            traces=args.traces,
+            record_modes=args.record_modes,
+            workers=workers,
+        )
     return 0
 
 
@@ -168,7 +205,7 @@ def tuning_args(
         help="teacher-forced windows of 128 decode-path tokens per configuration",
     )
     c.add_argument("--quiet", action="store_true", help=QUIET_HELP)
-    add_threads_option(c)
+    add_workers_option(c)
 
 
 def check_profile(name: str) -> None:
@@ -241,22 +278,23 @@ def run_tune(args: argparse.Namespace) -> int:
     check_profile(args.profile)
     if args.write:
         writable_file(args.write, "--write")
-    apply_threads(args)
     from psr.eval.runs import tune
 
-    tune(
-        path,
-        args.out,
-        args.residency,
-        budget=args.budget,
-        profile=args.profile,
-        lams=args.lams,
-        ns=args.ns,
-        windows=args.windows,
-        write=args.write,
-        progress=progress(args),
-        select_from=args.select_from,
-        text=args.text,
-        max_minutes=args.max_minutes,
-    )
+    with apply_workers(args) as workers:
+        tune(
+            path,
+            args.out,
+            args.residency,
+            budget=args.budget,
+            profile=args.profile,
+            lams=args.lams,
+            ns=args.ns,
+            windows=args.windows,
+            write=args.write,
+            progress=progress(args),
+            select_from=args.select_from,
+            text=args.text,
+            max_minutes=args.max_minutes,
+            workers=workers,
+        )
     return 0

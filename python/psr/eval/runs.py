@@ -41,6 +41,9 @@ from psr.eval.harness import (
 from psr.eval.labels import pareto
 from psr.eval.modes import modes_appendix
 from psr.eval.report import host_note, markdown_table, save
+from psr.eval.search import OutOfTime, Runner, screening, select, walk_together
+from psr.eval.search import within as within_budget
+from psr.eval.workers import Workers
 from psr.models.embedded import DEFAULT_MODEL, heldout_sets, tokenizer_of
 from psr.points import operating_points, operating_points_with_source, write_operating_points
 from psr.policy import Policy, make_policy, standard_policies
@@ -91,27 +94,22 @@ def run_all(
     host: bool = False,
     modes_recorded: bool = False,
     modes_replayed: bool = True,
+    workers: Workers | None = None,
 ) -> list[dict[str, Any]]:
-    """Every configuration through `run_config`, then `compare`. `host`: each one's decode
-    schedule measured (measure_schedules) and its latency modeled host-aware too.
-    `modes_recorded`: biased policies' cpu / hybrid traces recorded (run_config), for the
-    modes tables; `modes_replayed=False`: no input for exact's replayed modes table."""
+    """Every configuration through `run_config` (on `workers`, default this process; the
+    results in `configs`' order), then `compare`. `host`: each one's decode schedule
+    measured (measure_schedules) and its latency modeled host-aware too. `modes_recorded`:
+    biased policies' cpu / hybrid traces recorded (run_config), for the modes tables;
+    `modes_replayed=False`: no input for exact's replayed modes table."""
+    workers = workers or Workers()
     # Measured first: in a child process (a CPU without Triton) beside the scoring.
     job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
-    results = []
+    # One bar per configuration in this process; with workers, one bar over them all.
+    inner = progress and workers.workers == 1
+    tasks = [(path, rc, data, profiles, inner, modes_recorded, modes_replayed) for rc in configs]
     try:
-        for rc in tqdm(configs, desc=desc, disable=not progress):
-            results.append(
-                run_config(
-                    path,
-                    rc,
-                    data,
-                    profiles,
-                    progress=progress,
-                    modes_recorded=modes_recorded,
-                    modes_replayed=modes_replayed,
-                )
-            )
+        with tqdm(total=len(configs), desc=desc, disable=not progress) as bar:
+            results = workers.map(_run_one, tasks, lambda i, r: bar.update())
     except BaseException:
         if job is not None:
             job.cancel()
@@ -122,6 +120,27 @@ def run_all(
             add_host_latency(r, schedules[rc], profiles)
     compare(results, profiles)
     return results
+
+
+def _run_one(
+    path: str,
+    rc: RunConfig,
+    data: EvalData,
+    profiles: Sequence[str],
+    progress: bool,
+    modes_recorded: bool,
+    modes_replayed: bool,
+) -> dict[str, Any]:
+    """run_config with run_all's options: a worker's task."""
+    return run_config(
+        path,
+        rc,
+        data,
+        profiles,
+        progress=progress,
+        modes_recorded=modes_recorded,
+        modes_replayed=modes_replayed,
+    )
 
 
 def describe(data: EvalData) -> str:
@@ -144,6 +163,7 @@ def demo(
     residencies: Sequence[float] = (0.5, 0.25),
     progress: bool = True,
     quick: bool = False,
+    workers: Workers | None = None,
 ) -> list[dict[str, Any]]:
     """The main job: the embedded model under the four policies at 50% and 25% residency,
     at its tuned operating points, plus PSR with int8 expert copies, on held-out set B
@@ -168,7 +188,14 @@ def demo(
         configs.insert(configs.index(rc) + 1, RunConfig(rc.policy, rc.residency, "int8"))
     # The table only: the gpu / cpu / hybrid tables are `psr eval`'s (the demo's time).
     results = run_all(
-        path, configs, data, "psr demo", progress=progress, host=True, modes_replayed=False
+        path,
+        configs,
+        data,
+        "psr demo",
+        progress=progress,
+        host=True,
+        modes_replayed=False,
+        workers=workers,
     )
     extra = {"model": path, "data": describe(data), "operating_points": sources}
     paths = save(results, out, "demo", {**extra, "seconds": time.time() - t0})
@@ -208,6 +235,7 @@ def evaluate(
     progress: bool = True,
     traces: bool = False,
     record_modes: bool = False,
+    workers: Workers | None = None,
 ) -> list[dict[str, Any]]:
     """Quality suite: decode-path likelihood, cloze, greedy agreement, modeled latency.
     `record_modes`: the modes tables of biased policies from recorded cpu / hybrid runs
@@ -223,7 +251,14 @@ def evaluate(
         cloze=cloze,
     )
     results = run_all(
-        path, configs, data, "psr eval", progress=progress, host=True, modes_recorded=record_modes
+        path,
+        configs,
+        data,
+        "psr eval",
+        progress=progress,
+        host=True,
+        modes_recorded=record_modes,
+        workers=workers,
     )
     appendix = modes_appendix(results, DEFAULT_PROFILES)
     extra = {"model": path, "data": describe(data)}
@@ -256,11 +291,6 @@ def sweep_configs(
     return configs
 
 
-def within_budget(r: dict[str, Any], budget: float) -> bool:
-    """The quality cost's 95% upper bound is at most `budget` nats/token."""
-    return r.get("delta_nll", {}).get("hi", float("inf")) <= budget
-
-
 def choose(
     results: list[dict[str, Any]], residency: float, family: str, budget: float, profile: str
 ) -> list[dict[str, Any]]:
@@ -289,6 +319,7 @@ def sweep(
     window_tokens: int = WINDOW_TOKENS,
     sets: dict[str, tuple[str, str]] | None = None,
     prompts: int = 0,
+    workers: Workers | None = None,
 ) -> dict[str, Any]:
     """lam x n per residency on held-out set `split` (of `sets`, default the model's
     heldout.txt): the Pareto front of modeled latency against Δ nats/token, and per family
@@ -306,9 +337,8 @@ def sweep(
         gen_tokens=TUNE_GEN_TOKENS,
     )
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
-    results = run_all(
-        path, sweep_configs(residencies, lams, ns), data, "psr sweep", profiles, progress
-    )
+    configs = sweep_configs(residencies, lams, ns)
+    results = run_all(path, configs, data, "psr sweep", profiles, progress, workers=workers)
     return sweep_report(path, out, results, data, residencies, budget, profile)
 
 
@@ -358,7 +388,7 @@ def load_selection(file: str | Path, path: str, residencies: Sequence[float]) ->
     on a set A of the same model, at every residency in `residencies` (check_selection_set:
     on the same set A)."""
     try:
-        sel = json.loads(Path(file).read_text())
+        sel: dict[str, Any] = json.loads(Path(file).read_text())
         results, data = sel["results"], sel["data"]
         have = {float(r["config"]["residency"]) for r in results}
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -431,7 +461,7 @@ def interval_note(results: list[dict[str, Any]], budget: float, tokens: int) -> 
 
 
 def _replicate(
-    run: Callable[[RunConfig], dict[str, Any]],
+    run: Callable[[Sequence[RunConfig]], list[dict[str, Any]]],
     sel: dict[str, Any],
     residencies: Sequence[float],
     budget: float,
@@ -441,40 +471,60 @@ def _replicate(
     replicated: list[dict[str, Any]],
 ) -> None:
     """Per residency and family, set A's fastest candidates within budget measured on set B
-    (`run`: a configuration's result there), fastest first, until one is within budget
-    there too, filling `chosen` (the points), `log` and `replicated` (results) as it goes.
-    A family with none is left out: no point is written that was not measured to hold."""
+    (`run`: configurations' results there), fastest first, until one is within budget
+    there too (the walks together: psr.eval.search.walk_together), filling `chosen` (the
+    points), `log` and `replicated` (results, per residency exact and then each family's
+    candidates). A family with none is left out: no point is written that was not
+    measured to hold."""
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
-    for rho in residencies:
-        exact_b = run(RunConfig(make_policy("exact"), rho))
-        replicated.append(exact_b)
-        chosen[f"{rho:g}"] = {}
+    at, fams, walks = [], [], []
+    for k, rho in enumerate(residencies):
         for fam in ("cache-prior", "psr"):
-            for cand in choose(sel["results"], rho, fam, budget, profile)[:3]:
-                pol = make_policy(fam, cand["config"]["lam"], cand["config"]["n"])
-                rb = run(RunConfig(pol, rho))
-                compare([exact_b, rb], profiles)
+            cands = choose(sel["results"], rho, fam, budget, profile)[:3]
+            at.append(k)
+            fams.append(fam)
+            walks.append(
+                [(c, make_policy(fam, c["config"]["lam"], c["config"]["n"])) for c in cands]
+            )
+
+    def ok(w: int, rb: dict[str, Any], exact_b: list[dict[str, Any]]) -> bool:
+        compare([exact_b[at[w]], rb], profiles)
+        return within_budget(rb, budget)
+
+    exact_b: list[dict[str, Any]] = []
+    got: list[list[dict[str, Any]]] = []
+    exacts = [RunConfig(make_policy("exact"), rho) for rho in residencies]
+    rcs = [[RunConfig(pol, residencies[at[w]]) for _, pol in walk] for w, walk in enumerate(walks)]
+    walk_together(run, exacts, rcs, ok, exact_b, got)
+    for k, rho in enumerate(residencies):
+        replicated.append(exact_b[k])
+        chosen[f"{rho:g}"] = {}
+        for w in (w for w in range(len(walks)) if at[w] == k):
+            for (cand, pol), rb in zip(walks[w], got[w], strict=False):
                 replicated.append(rb)
-                ok = within_budget(rb, budget)
-                log.append(
-                    {
-                        "residency": rho,
-                        "policy": pol.describe(),
-                        "A": cand["delta_nll"],
-                        "B": rb["delta_nll"],
-                        "speedup_A": cand["speedup"][profile],
-                        "speedup_B": rb["speedup"][profile],
-                        # how far the routing moved: routed experts outside the exact top-k
-                        "substitution_rate_A": cand["stats"].get("substitution_rate"),
-                        "substitution_rate_B": rb["stats"]["substitution_rate"],
-                        "greedy_agreement_A": cand.get("greedy_agreement"),
-                        "greedy_agreement_B": rb.get("greedy_agreement"),
-                        "replicated": ok,
-                    }
-                )
-                if ok:
-                    chosen[f"{rho:g}"][fam] = pol
-                    break
+                log.append(_replication_row(rho, pol, cand, rb, budget, profile))
+                if log[-1]["replicated"]:
+                    chosen[f"{rho:g}"][fams[w]] = pol
+
+
+def _replication_row(
+    rho: float, pol: Policy, cand: dict[str, Any], rb: dict[str, Any], budget: float, profile: str
+) -> dict[str, Any]:
+    """A candidate's line in the replication log: set A's figures beside set B's."""
+    return {
+        "residency": rho,
+        "policy": pol.describe(),
+        "A": cand["delta_nll"],
+        "B": rb["delta_nll"],
+        "speedup_A": cand["speedup"][profile],
+        "speedup_B": rb["speedup"][profile],
+        # how far the routing moved: routed experts outside the exact top-k
+        "substitution_rate_A": cand["stats"].get("substitution_rate"),
+        "substitution_rate_B": rb["stats"]["substitution_rate"],
+        "greedy_agreement_A": cand.get("greedy_agreement"),
+        "greedy_agreement_B": rb.get("greedy_agreement"),
+        "replicated": within_budget(rb, budget),
+    }
 
 
 def _rate(rate: float | None) -> str:
@@ -496,6 +546,7 @@ def tune(
     select_from: str | None = None,
     text: str | Path | None = None,
     max_minutes: float | None = None,
+    workers: Workers | None = None,
 ) -> dict[str, Any]:
     """Operating points per residency: select on set A (the fastest Cache-Prior and PSR
     point whose quality cost's 95% upper bound is within `budget`, modeled on `profile`),
@@ -512,11 +563,9 @@ def tune(
     `sweep.json` of an earlier selection, to replicate only). `max_minutes`: no
     configuration starts after that many minutes; the tune then reports the best points so
     far, marked as such, writes none, and a re-run resumes."""
-    from psr.eval.search import OutOfTime, Runner
-
     deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
-    runner = Runner(path, f"{out}/runs", profiles, deadline, progress)
+    runner = Runner(path, f"{out}/runs", profiles, deadline, progress, workers)
     if select_from is not None:
         sel = load_selection(select_from, path, residencies)
     sets, windows = tuning_sets(path, text, budget, windows, window_tokens)
@@ -536,7 +585,7 @@ def tune(
     replicated: list[dict[str, Any]] = []
     try:
         _replicate(
-            lambda rc: runner(rc, data_b, "B"),
+            lambda rcs: runner.many(rcs, data_b, "B"),
             sel, residencies, budget, profile, chosen, log, replicated,
         )  # fmt: skip
     except OutOfTime:
@@ -582,7 +631,7 @@ def _tuning_data(
 def _select_on_a(
     path: str,
     out: str,
-    runner: Any,
+    runner: Runner,
     data_a: EvalData,
     residencies: Sequence[float],
     lams: Sequence[float],
@@ -592,13 +641,11 @@ def _select_on_a(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Set A's selection (psr.eval.search.select), reported as `out/select/sweep.*`:
     (the sweep report, None), or at the deadline ({}, the best points so far)."""
-    from psr.eval.search import screening, select
-
     profiles = tuple(dict.fromkeys([profile, *DEFAULT_PROFILES]))
     screen_a = screening(data_a)
     results, finished = select(
-        lambda rc: runner(rc, data_a, "A"),
-        lambda rc: runner(rc, screen_a, "A-screen"),
+        lambda rcs: runner.many(rcs, data_a, "A"),
+        lambda rcs: runner.many(rcs, screen_a, "A-screen"),
         residencies, lams, ns, budget, profiles,
     )  # fmt: skip
     if not finished:
@@ -646,7 +693,7 @@ def _stopped(
     residencies: Sequence[float],
     budget: float,
     profile: str,
-    runner: Any,
+    runner: Runner,
     stage: str,
 ) -> dict[str, Any]:
     """The tune's end at its deadline: per residency and family the fastest point within

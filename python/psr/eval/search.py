@@ -36,6 +36,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -46,6 +47,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from psr.eval.harness import EvalData, RunConfig, compare, run_config
+from psr.eval.workers import Workers
 from psr.points import model_key
 from psr.policy import make_policy
 
@@ -103,8 +105,9 @@ def next_index(measured: dict[int, bool], n: int) -> int | None:
 
 
 class Runner:
-    """Measures configurations (psr.eval.harness.run_config) or reads their saved results,
-    one progress line each on stderr, until `deadline` (time.monotonic())."""
+    """Measures configurations (psr.eval.harness.run_config) on `workers` or reads their
+    saved results, one progress line each on stderr, until `deadline` (time.monotonic(),
+    one clock for every process)."""
 
     def __init__(
         self,
@@ -113,9 +116,11 @@ class Runner:
         profiles: Sequence[str],
         deadline: float | None = None,
         progress: bool = False,
+        workers: Workers | None = None,
     ) -> None:
         self.path, self.folder, self.profiles = path, Path(folder), tuple(profiles)
         self.deadline, self.progress = deadline, progress
+        self.workers = workers or Workers()
         self.model = model_key(path)
         self.measured = self.reused = 0
 
@@ -134,35 +139,82 @@ class Runner:
 
     def __call__(self, rc: RunConfig, data: EvalData, split: str) -> dict[str, Any]:
         """`rc`'s result on `data` (held-out set `split`): saved, or measured and saved."""
-        f, key = self._file(rc, split), self._key(rc, data)
-        if f.is_file():
-            try:
-                saved = json.loads(f.read_text())
-            except ValueError:
-                saved = None  # a file cut short by an interruption: measured again
-            if isinstance(saved, dict) and saved.get("key") == key:
-                self.reused += 1
-                self._line(f"set {split} {rc.residency:.1%} {rc.label}: saved result")
-                result: dict[str, Any] = saved["result"]
-                return result
-        if self.deadline is not None and time.monotonic() >= self.deadline:
-            raise OutOfTime(rc.label)
-        t = time.perf_counter()
-        r = run_config(self.path, rc, data, self.profiles, progress=self.progress)
-        r = {k: v for k, v in r.items() if k not in _NOT_SAVED}
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"key": key, "result": r}))
-        tmp.replace(f)  # whole or absent: an interruption leaves no half-written result
-        self.measured += 1
-        self._line(
-            f"set {split} {rc.residency:.1%} {rc.label}: measured in "
-            f"{time.perf_counter() - t:.1f} s, saved to {f}"
-        )
-        return r
+        return self.many([rc], data, split)[0]
 
-    def _line(self, text: str) -> None:
-        tqdm.write(f"psr tune: {text}", file=sys.stderr)
+    def many(self, rcs: Sequence[RunConfig], data: EvalData, split: str) -> list[dict[str, Any]]:
+        """Each of `rcs`' results on `data` (held-out set `split`), in order: the saved
+        ones read back, the others measured together on the workers and saved as each
+        completes. OutOfTime when any was not started before the deadline (the others'
+        results are saved)."""
+        out = [self._saved(rc, data, split) for rc in rcs]
+        todo = [i for i, r in enumerate(out) if r is None]
+        if todo and self.deadline is not None and time.monotonic() >= self.deadline:
+            raise OutOfTime(rcs[todo[0]].label)
+        inner = self.progress and self.workers.workers == 1
+        tasks = [
+            (self.path, rcs[i], data, split, self.profiles, inner, self._file(rcs[i], split),
+             self._key(rcs[i], data), self.deadline)
+            for i in todo
+        ]  # fmt: skip
+        late = []
+        for i, r in zip(todo, self.workers.map(_measure, tasks), strict=True):
+            if r is None:
+                late.append(rcs[i].label)
+            else:
+                out[i] = r
+                self.measured += 1
+        if late:
+            raise OutOfTime(late[0])
+        return out  # type: ignore[return-value]
+
+    def _saved(self, rc: RunConfig, data: EvalData, split: str) -> dict[str, Any] | None:
+        """`rc`'s saved result on `data`, if a whole one with the same key is saved."""
+        f = self._file(rc, split)
+        if not f.is_file():
+            return None
+        try:
+            saved = json.loads(f.read_text())
+        except ValueError:
+            return None  # a file cut short by an interruption: measured again
+        if not (isinstance(saved, dict) and saved.get("key") == self._key(rc, data)):
+            return None
+        self.reused += 1
+        _line(f"set {split} {rc.residency:.1%} {rc.label}: saved result")
+        result: dict[str, Any] = saved["result"]
+        return result
+
+
+def _line(text: str) -> None:
+    tqdm.write(f"psr tune: {text}", file=sys.stderr)
+
+
+def _measure(
+    path: str,
+    rc: RunConfig,
+    data: EvalData,
+    split: str,
+    profiles: Sequence[str],
+    progress: bool,
+    f: Path,
+    key: dict[str, Any],
+    deadline: float | None,
+) -> dict[str, Any] | None:
+    """One configuration measured and saved to `f` (a worker's task); None, measuring
+    nothing, once `deadline` has passed."""
+    if deadline is not None and time.monotonic() >= deadline:
+        return None
+    t = time.perf_counter()
+    r = run_config(path, rc, data, profiles, progress=progress)
+    r = {k: v for k, v in r.items() if k not in _NOT_SAVED}
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"key": key, "result": r}))
+    tmp.replace(f)  # whole or absent: an interruption leaves no half-written result
+    _line(
+        f"set {split} {rc.residency:.1%} {rc.label}: measured in "
+        f"{time.perf_counter() - t:.1f} s, saved to {f}"
+    )
+    return r
 
 
 def within(r: dict[str, Any], budget: float) -> bool:
@@ -200,9 +252,38 @@ def finalists(
     return [(n, -neg) for _, neg, n in sorted(out)]
 
 
+Batch = Callable[[Sequence[RunConfig]], list[dict[str, Any]]]
+
+
+def walk_together(
+    run: Batch,
+    fixed: Sequence[RunConfig],
+    walks: Sequence[Sequence[RunConfig]],
+    ok: Callable[[int, dict[str, Any], list[dict[str, Any]]], bool],
+    head: list[dict[str, Any]],
+    got: list[list[dict[str, Any]]],
+) -> None:
+    """`fixed` measured into `head`, and each walk's configurations in order into its list
+    in `got` until `ok(walk, result, head)`. The walks advance together, one configuration
+    each per `run` call (`fixed` in the first): the configurations measured are those of
+    walking them one after another, in fewer calls, each a batch for the workers. `head`
+    and `got` fill in place, so an OutOfTime leaves what was measured before it."""
+    got[:] = [[] for _ in walks]
+    live = [w for w, cs in enumerate(walks) if cs]
+    first = run([*fixed, *(walks[w][0] for w in live)])
+    head[:] = first[: len(fixed)]
+    batch = first[len(fixed) :]
+    while live:
+        for w, r in zip(live, batch, strict=True):
+            got[w].append(r)
+        live = [w for w in live if not ok(w, got[w][-1], head) and len(got[w]) < len(walks[w])]
+        if live:
+            batch = run([walks[w][len(got[w])] for w in live])
+
+
 def select(
-    run: Callable[[RunConfig], dict[str, Any]],
-    screen: Callable[[RunConfig], dict[str, Any]],
+    run: Batch,
+    screen: Batch,
     residencies: Sequence[float],
     lams: Sequence[float],
     ns: Sequence[int],
@@ -211,48 +292,56 @@ def select(
 ) -> tuple[list[dict[str, Any]], bool]:
     """Exact, then Cache-Prior (n = 0) and PSR (n > 0) over `lams` at each residency:
     screened with `screen` coarse to fine, the finalists measured with `run` (see the
-    module's docstring). Returns (every `run` result, compared with exact at its residency;
-    whether the search finished: False when a run raised OutOfTime)."""
+    module's docstring); each call measures a batch of configurations that do not depend
+    on each other. Returns (every `run` result, compared with exact at its residency, in
+    the order of one walk after another; whether the search finished: False when a run
+    raised OutOfTime)."""
     grid = sorted(set(lams))
-    results: list[dict[str, Any]] = []
     screened: dict[tuple[float, int], dict[int, dict[str, Any]]] = {}
     exact: dict[float, dict[str, Any]] = {}  # screened
 
     def policy(n: int, i: int) -> Any:
         return make_policy("cache-prior", grid[i]) if n == 0 else make_policy("psr", grid[i], n)
 
-    def screen_round(todo: list[tuple[float, int, int]]) -> None:
-        for rho, n, i in todo:
-            screened.setdefault((rho, n), {})[i] = screen(RunConfig(policy(n, i), rho))
+    def screen_round(todo: list[tuple[float, int, int]], lead: Sequence[RunConfig] = ()) -> None:
+        got = screen([*lead, *(RunConfig(policy(n, i), rho) for rho, n, i in todo)])
+        exact.update(zip([rc.residency for rc in lead], got, strict=False))
+        for (rho, n, i), r in zip(todo, got[len(lead) :], strict=True):
+            screened.setdefault((rho, n), {})[i] = r
         compare([*exact.values(), *(r for rs in screened.values() for r in rs.values())], profiles)
 
     def kept(rs: dict[int, dict[str, Any]]) -> dict[int, bool]:
         return {i: could_be_within(r, budget) for i, r in rs.items()}
 
+    exacts = [RunConfig(make_policy("exact"), rho) for rho in residencies]
+    full: list[dict[str, Any]] = []  # exact at each residency, in full
+    walked: list[list[dict[str, Any]]] = []
+    finished = False
     try:
-        exact.update({rho: screen(RunConfig(make_policy("exact"), rho)) for rho in residencies})
-        screen_round(
-            [(rho, n, i) for rho in residencies for n in ns for i in coarse_indices(len(grid))]
-        )
+        coarse = [(rho, n, i) for rho in residencies for n in ns for i in coarse_indices(len(grid))]
+        screen_round(coarse, exacts)
         while todo := [
             (rho, n, i)
             for (rho, n), rs in screened.items()
             if (i := next_index(kept(rs), len(grid))) is not None
         ]:
             screen_round(todo)
-        full = {rho: run(RunConfig(make_policy("exact"), rho)) for rho in residencies}
-        results.extend(full.values())
-        for rho in residencies:
+        # Per residency and family, its finalists fastest first until one is within budget.
+        at, walks = [], []
+        for k, rho in enumerate(residencies):
             for fam_ns in ([n for n in ns if n == 0], [n for n in ns if n > 0]):
                 cands = finalists(screened, rho, fam_ns, budget, profiles[0])
-                for n, i in cands:  # fastest first, until one is within the budget
-                    r = run(RunConfig(policy(n, i), rho))
-                    results.append(r)
-                    compare([full[rho], r], profiles)
-                    if within(r, budget):
-                        break
-        return results, True
+                at.append(k)
+                walks.append([RunConfig(policy(n, i), rho) for n, i in cands])
+
+        def ok(w: int, r: dict[str, Any], head: list[dict[str, Any]]) -> bool:
+            compare([head[at[w]], r], profiles)
+            return within(r, budget)
+
+        walk_together(run, exacts, walks, ok, full, walked)
+        finished = True
     except OutOfTime:
-        return results, False
-    finally:
-        compare(results, profiles)
+        pass
+    results = [*full, *(r for rs in walked for r in rs)]
+    compare(results, profiles)
+    return results, finished
