@@ -22,28 +22,9 @@ from psr.store import cpu_kernels
 ATTENTION = "psr_rows"
 
 
-def rows_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    q_start: int,
-    scale: float,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of queries `q [T, Hq, Dk]` over keys `k [L, Hkv, Dk]` and values
-    `v [L, Hkv, Dv]`: query t sits at key position `q_start + t` and sees the keys up to it,
-    the last `window` of them with a sliding window (transformers': key j is seen from
-    position p when p - window < j <= p); `sinks [Hq]` (gpt-oss) add one logit per head to
-    each softmax's denominator; grouped-query heads (Hq a multiple of Hkv, query head h
-    reads kv head h // (Hq / Hkv)). The CPU kernel `cpu_attention`: each row computed by one
-    thread in an order that depends on its position and its keys only (bit-identical for
-    any chunking, key count and thread count). Returns `[T, Hq, Dv]` in q's dtype."""
-    y: torch.Tensor = cpu_kernels.cpu_attention(
-        q, k, v, q_start=q_start, scale=scale, window=window, sinks=sinks
-    )
-    return y
+# The one function: the CPU attention kernel (psr.store.cpu_attention documents its causal,
+# sliding-window, sinks and grouped-query semantics and why each row is invariant).
+rows_attention = cpu_kernels.cpu_attention
 
 
 def _attention(

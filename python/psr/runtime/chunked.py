@@ -5,10 +5,11 @@ A prompt is prefilled in chunks of `prefill_chunk` tokens at fixed absolute boun
 carried between them. The logical caches are seeded after the last chunk from the routed
 ids alone (prefill.py), whatever the chunking.
 
-Whether the chunk matters depends on the forward. A row-invariant one (the CPU backend's
-default: `OffloadedModel.row_invariant`; linears by `cpu_linear`, attention one query row
-at a time, the experts by the CPU kernels) computes every token bit-identically whatever
-the chunking, so the chunk is a speed setting only. Otherwise attention over a chunk and
+Whether the chunk matters depends on the forward. A row-invariant one (on the CPU backend,
+`OffloadedModel.set_row_invariant`, which `psr serve` turns on with its prompt cache;
+linears by `cpu_linear`, attention by `cpu_attention`, the experts by the CPU kernels)
+computes every token bit-identically whatever the chunking, so the chunk is a speed
+setting only. Otherwise attention over a chunk and
 the experts grouped per chunk round as the chunk makes them: the chunk is then part of
 the model's configuration (a given configuration reproduces its tokens and logits).
 
