@@ -31,7 +31,7 @@ def main() -> None:
         def run(*args: Any, **kw: Any) -> Any:
             c = time.process_time()
             y = fn(*args, **kw)
-            key = f"cpu_linear T={args[1]} K={args[2]} N={args[4]}" if name == "cpu_linear" else name
+            key = name if name != "cpu_linear" else f"{name} T={args[1]} K={args[2]} N={args[4]}"
             spent[key] = spent.get(key, 0.0) + time.process_time() - c
             return y
 
@@ -50,7 +50,8 @@ def main() -> None:
     for k, v in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"  {k:48s} {v:7.3f} s  {100 * v / total:5.1f}%")
     rest = total - sum(spent.values())
-    print(f"  {'rest (torch attention, norms, router, Python)':48s} {rest:7.3f} s  {100 * rest / total:5.1f}%")
+    rest_name = "rest (torch attention, norms, router, Python)"
+    print(f"  {rest_name:48s} {rest:7.3f} s  {100 * rest / total:5.1f}%")
 
 
 if __name__ == "__main__":
