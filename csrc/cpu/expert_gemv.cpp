@@ -685,27 +685,34 @@ void group_by_row(const std::vector<const uint8_t*>& rows, std::vector<int64_t>&
 // (the chunk changes which thread computes a token, never how).
 constexpr int64_t kTokenChunk = 8;
 
-// expert_ffn's down phase by expert (the tiled GEMM's form): each routed row's down rows
-// against all its (token, expert) pairs' h at once into d[pair, H] (the tiled GEMM where
-// a row has kGemmMin pairs, the row dots otherwise: the same bits), then each token's
-// y = sum_j w_j d[t, j] over its experts in order j = 0..k-1, as the chunked form sums.
+// Tokens per pass of the down phase by expert: bounds its d[pair, H] buffer.
+constexpr int64_t kDownTokens = 512;
+
+// expert_ffn's down phase by expert (the tiled GEMM's form) for tokens [t0, t1): each routed
+// row's down rows against all its (token, expert) pairs' h at once into d[pair, H] (the
+// tiled GEMM where a row has kGemmMin pairs, the row dots otherwise: the same bits), then
+// each token's y = sum_j w_j d[t, j] over its experts in order j = 0..k-1, as the chunked
+// form sums.
 void down_by_expert(const Dots& ds, Fmt fmt, const Matrix& down,
-                    const std::vector<const uint8_t*>& rows, const std::vector<int64_t>& order,
-                    const std::vector<int64_t>& starts, const float* h, int64_t hl, const Call& c,
-                    int64_t H, int threads) {
-  const int64_t T = c.tokens, K = c.k, groups = static_cast<int64_t>(starts.size()) - 1;
-  std::vector<float> d(static_cast<size_t>(T * K * H));
+                    const std::vector<const uint8_t*>& rows, int64_t t0, int64_t t1, const float* h,
+                    int64_t hl, const Call& c, int64_t H, int threads) {
+  const int64_t K = c.k, p0 = t0 * K, np = (t1 - t0) * K;
+  const std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
+  std::vector<int64_t> order, starts;
+  group_by_row(mine, order, starts);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  std::vector<float> d(static_cast<size_t>(np * H));  // pair p0 + i at d + i * H
   const int64_t hb = (H + kGemmRows - 1) / kGemmRows;
   Pool::get().run(threads, groups * hb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t g = item / hb, h0 = (item % hb) * kGemmRows, h1 = std::min(H, h0 + kGemmRows);
       const int64_t* users = order.data() + starts[g];
       const int64_t n = starts[g + 1] - starts[g];
-      const uint8_t* row = rows[static_cast<size_t>(users[0])];
+      const uint8_t* row = mine[static_cast<size_t>(users[0])];
       std::vector<const float*> v(static_cast<size_t>(n));
       std::vector<float*> out(static_cast<size_t>(n));
       for (int64_t u = 0; u < n; ++u) {
-        v[u] = h + users[u] * hl;
+        v[u] = h + (p0 + users[u]) * hl;
         out[u] = d.data() + users[u] * H + h0;
       }
       if (tiled(ds, down, n)) {
@@ -722,14 +729,14 @@ void down_by_expert(const Dots& ds, Fmt fmt, const Matrix& down,
       }
     }
   });
-  Pool::get().run(threads, T, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
+  Pool::get().run(threads, t1 - t0, [&](int64_t b, int64_t e) {
+    for (int64_t t = t0 + b; t < t0 + e; ++t)
       for (int64_t i = 0; i < H; ++i) {
         float acc = 0.f;
         for (int64_t j = 0; j < K; ++j) {  // experts in order: the sum T = 1 makes
           if (!rows[t * K + j]) continue;  // absent: contributes nothing
           const float wj = c.weights[t * K + j];
-          acc += wj * d[(t * K + j) * H + i];
+          acc += wj * d[(t * K + j - p0) * H + i];
         }
         c.y[t * H + i] = acc;
       }
@@ -812,7 +819,9 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
     }
   });
   if (ds.gemm && g_several_inputs(down.type) && T >= kGemmMin) {
-    down_by_expert(ds, fmt, down, rows, order, starts, h.data(), hl, c, H, threads);
+    for (int64_t t0 = 0; t0 < T; t0 += kDownTokens)
+      down_by_expert(ds, fmt, down, rows, t0, std::min(T, t0 + kDownTokens), h.data(), hl, c, H,
+                     threads);
     return;
   }
   const int64_t chunks = (T + kTokenChunk - 1) / kTokenChunk;

@@ -82,3 +82,27 @@ def test_expert_ffn_rows_equal_their_single_token_rows(types) -> None:
                 )
                 assert torch.equal(y, alone[:n]), (isa, n, threads)
         torch.testing.assert_close(alone, ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
+
+
+def test_expert_ffn_of_a_long_prompt_equals_its_pieces() -> None:
+    """600 tokens (the down projection by expert in passes of 512 tokens) against the same
+    tokens in calls of 40: the same bits, on one and two threads."""
+    rng = np.random.default_rng(15)
+    H, F, T = 256, 256, 600
+    types = ("Q4_K", "Q4_K", "Q6_K")
+    slab = torch.stack([expert_rows(types, H, F, rng)[0] for _ in range(4)])
+    fmt = pk.ggml_format(*types)
+    g = torch.Generator().manual_seed(16)
+    x, w = torch.randn(T, H, generator=g), torch.rand(T, 2, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(T)])
+    pieces = torch.cat(
+        [
+            store.cpu_expert_ffn(x[i : i + 40], slab, ids[i : i + 40], w[i : i + 40], H, F, fmt=fmt)
+            for i in range(0, T, 40)
+        ]
+    )
+    for threads in THREADS:
+        y = store.cpu_expert_ffn(x, slab, ids, w, H, F, fmt=fmt, threads=threads)
+        assert torch.equal(y, pieces), threads
+    ref = pk.expert_ffn_ref(x[:20], slab, ids[:20], w[:20], H, F, fmt=fmt)
+    torch.testing.assert_close(y[:20], ref, rtol=2e-5, atol=2e-5 * float(ref.abs().max()))
