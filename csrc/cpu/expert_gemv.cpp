@@ -513,6 +513,7 @@ struct Dots {
   BlockRowDotFn bdot;    // ggml
   BlockRowDotsFn bdots;  // ggml, several inputs (nullptr: bdot per input)
   DotsFn dots;           // several inputs (nullptr: dot per input)
+  BlockGemmFn gemm;      // ggml, tiled over inputs (nullptr: the row dots)
 };
 
 // out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
@@ -631,14 +632,35 @@ Dots dots_for(Isa isa, Fmt fmt) {
   BlockRowDotFn bdot = isa == Isa::avx512 ? avx512_ggml_dot()
                        : isa == Isa::avx2 ? avx2_ggml_dot()
                                           : nullptr;
-  return Dots{dot_for(isa, fmt), isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
+  return Dots{dot_for(isa, fmt),
+              isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
               bdot ? bdot : scalar_ggml_dot(),
               isa == Isa::avx512 ? avx512_ggml_dots()
               : isa == Isa::avx2 ? avx2_ggml_dots()
                                  : nullptr,
               isa == Isa::avx512 ? avx512_dots(fmt)
               : isa == Isa::avx2 ? avx2_dots(fmt)
-                                 : nullptr};
+                                 : nullptr,
+              isa == Isa::avx512 && fmt == Fmt::ggml ? avx512_ggml_gemm() : nullptr};
+}
+
+// Inputs sharing a weight matrix from which the tiled GEMM runs (below it the row dots'
+// kRowInputs-at-a-time decode is as fast); either way every output has the same bits.
+constexpr int64_t kGemmMin = 8;
+// Output rows per work item of the tiled GEMM: the items' inputs are streamed once a item.
+constexpr int64_t kGemmRows = 64;
+
+// Whether matrix m's n inputs go through ds's tiled GEMM.
+bool tiled(const Dots& ds, const Matrix& m, int64_t n) {
+  return ds.gemm != nullptr && n >= kGemmMin && g_several_inputs(m.type);
+}
+
+// Rows [r0, r1) of matrix m in expert row `base` against n inputs by the tiled GEMM:
+// out[u][r - r0] (the row dots' bits).
+void gemm_rows(const Dots& ds, const uint8_t* base, const Matrix& m, int64_t r0, int64_t r1,
+               const float* const* v, int64_t n, float* const* out) {
+  std::vector<float> scratch(static_cast<size_t>(gemm_scratch_floats(m.K)));
+  ds.gemm(m.type, base + m.at + r0 * m.rb, m.rb, m.K, r1 - r0, v, n, out, scratch.data());
 }
 
 // The routed (token, expert) pairs grouped by the row they read: order holds the indices
@@ -662,6 +684,64 @@ void group_by_row(const std::vector<const uint8_t*>& rows, std::vector<int64_t>&
 // Tokens per down-phase item: a quad of down rows is read once for the chunk's tokens
 // (the chunk changes which thread computes a token, never how).
 constexpr int64_t kTokenChunk = 8;
+
+// Tokens per pass of the down phase by expert: bounds its d[pair, H] buffer.
+constexpr int64_t kDownTokens = 512;
+
+// expert_ffn's down phase by expert (the tiled GEMM's form) for tokens [t0, t1): each routed
+// row's down rows against all its (token, expert) pairs' h at once into d[pair, H] (the
+// tiled GEMM where a row has kGemmMin pairs, the row dots otherwise: the same bits), then
+// each token's y = sum_j w_j d[t, j] over its experts in order j = 0..k-1, as the chunked
+// form sums.
+void down_by_expert(const Dots& ds, Fmt fmt, const Matrix& down,
+                    const std::vector<const uint8_t*>& rows, int64_t t0, int64_t t1, const float* h,
+                    int64_t hl, const Call& c, int64_t H, int threads) {
+  const int64_t K = c.k, p0 = t0 * K, np = (t1 - t0) * K;
+  const std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
+  std::vector<int64_t> order, starts;
+  group_by_row(mine, order, starts);
+  const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
+  std::vector<float> d(static_cast<size_t>(np * H));  // pair p0 + i at d + i * H
+  const int64_t hb = (H + kGemmRows - 1) / kGemmRows;
+  Pool::get().run(threads, groups * hb, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item) {
+      const int64_t g = item / hb, h0 = (item % hb) * kGemmRows, h1 = std::min(H, h0 + kGemmRows);
+      const int64_t* users = order.data() + starts[g];
+      const int64_t n = starts[g + 1] - starts[g];
+      const uint8_t* row = mine[static_cast<size_t>(users[0])];
+      std::vector<const float*> v(static_cast<size_t>(n));
+      std::vector<float*> out(static_cast<size_t>(n));
+      for (int64_t u = 0; u < n; ++u) {
+        v[u] = h + (p0 + users[u]) * hl;
+        out[u] = d.data() + users[u] * H + h0;
+      }
+      if (tiled(ds, down, n)) {
+        gemm_rows(ds, row, down, h0, h1, v.data(), n, out.data());
+        continue;
+      }
+      std::vector<float> dg(static_cast<size_t>(4 * n));
+      for (int64_t r0 = h0; r0 < h1; r0 += 4) {
+        int64_t q[4];
+        quad(r0, H, q);
+        dot_rows_shared(ds, fmt, row, down, q, v.data(), nullptr, n, dg.data());
+        for (int64_t u = 0; u < n; ++u)
+          for (int r = 0; r < 4 && r0 + r < h1; ++r) out[u][r0 - h0 + r] = dg[4 * u + r];
+      }
+    }
+  });
+  Pool::get().run(threads, t1 - t0, [&](int64_t b, int64_t e) {
+    for (int64_t t = t0 + b; t < t0 + e; ++t)
+      for (int64_t i = 0; i < H; ++i) {
+        float acc = 0.f;
+        for (int64_t j = 0; j < K; ++j) {  // experts in order: the sum T = 1 makes
+          if (!rows[t * K + j]) continue;  // absent: contributes nothing
+          const float wj = c.weights[t * K + j];
+          acc += wj * d[(t * K + j - p0) * H + i];
+        }
+        c.y[t * H + i] = acc;
+      }
+  });
+}
 
 }  // namespace
 
@@ -695,10 +775,11 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
 
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
-  const int64_t fb = (F + kBlock - 1) / kBlock, hb = (H + kBlock - 1) / kBlock;
+  const int64_t blk = ds.gemm ? kGemmRows : kBlock;  // rows per gate/up item
+  const int64_t fb = (F + blk - 1) / blk, hb = (H + kBlock - 1) / kBlock;
   Pool::get().run(threads, groups * fb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t g = item / fb, f0 = (item % fb) * kBlock;
+      const int64_t g = item / fb, f0 = (item % fb) * blk, f1 = std::min(F, f0 + blk);
       const int64_t* users = order.data() + starts[g];  // the row's (token, expert) pairs
       const int64_t n = starts[g + 1] - starts[g];
       const uint8_t* row = rows[static_cast<size_t>(users[0])];
@@ -708,8 +789,23 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         v[u] = i4 ? xs.data() + t * xl : c.x + t * H;
         v2[u] = i4 ? v[u] + xl / 2 : nullptr;
       }
+      if (tiled(ds, gate, n) && tiled(ds, up, n)) {  // the expert's tokens as one GEMM
+        const int64_t nf = f1 - f0;
+        std::vector<float> gu(static_cast<size_t>(2 * n * nf));
+        std::vector<float*> go(static_cast<size_t>(n)), uo(static_cast<size_t>(n));
+        for (int64_t u = 0; u < n; ++u) {
+          go[u] = gu.data() + u * nf;
+          uo[u] = gu.data() + (n + u) * nf;
+        }
+        gemm_rows(ds, row, gate, f0, f1, v.data(), n, go.data());
+        gemm_rows(ds, row, up, f0, f1, v.data(), n, uo.data());
+        for (int64_t u = 0; u < n; ++u)
+          for (int64_t r = 0; r < nf; ++r)
+            h[users[u] * hl + f0 + r] = activate(c, go[u][r], uo[u][r]);
+        continue;
+      }
       std::vector<float> gv(static_cast<size_t>(4 * n)), uv(static_cast<size_t>(4 * n));
-      for (int64_t r0 = f0; r0 < std::min(F, f0 + kBlock); r0 += 4) {
+      for (int64_t r0 = f0; r0 < f1; r0 += 4) {
         int64_t q[4];
         quad(r0, F, q);
         dot_rows_shared(ds, fmt, row, gate, q, v.data(), i4 ? v2.data() : nullptr, n, gv.data());
@@ -722,6 +818,12 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       }
     }
   });
+  if (ds.gemm && g_several_inputs(down.type) && T >= kGemmMin) {
+    for (int64_t t0 = 0; t0 < T; t0 += kDownTokens)
+      down_by_expert(ds, fmt, down, rows, t0, std::min(T, t0 + kDownTokens), h.data(), hl, c, H,
+                     threads);
+    return;
+  }
   const int64_t chunks = (T + kTokenChunk - 1) / kTokenChunk;
   Pool::get().run(threads, chunks * hb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
@@ -784,8 +886,24 @@ void linear(const LinearCall& c, int threads, Isa isa) {
   const Dots ds = dots_for(isa, c.fmt);
   if (T == 0) return;
   const Matrix m{0, 0, c.w_stride, K, K, c.type};
-  const int64_t nb = (N + kBlock - 1) / kBlock;
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  if (c.fmt == Fmt::ggml && tiled(ds, m, T)) {  // threads split the output rows
+    std::vector<const float*> v(static_cast<size_t>(T));
+    for (int64_t t = 0; t < T; ++t) v[t] = c.x + t * K;
+    Pool::get().run(threads, (N + kGemmRows - 1) / kGemmRows, [&](int64_t b, int64_t e) {
+      std::vector<float*> out(static_cast<size_t>(T));
+      for (int64_t item = b; item < e; ++item) {
+        const int64_t n0 = item * kGemmRows, n1 = std::min(N, n0 + kGemmRows);
+        for (int64_t t = 0; t < T; ++t) out[t] = c.y + t * N + n0;
+        gemm_rows(ds, c.w, m, n0, n1, v.data(), T, out.data());
+        if (c.bias)
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t n = n0; n < n1; ++n) c.y[t * N + n] += c.bias[n];
+      }
+    });
+    return;
+  }
+  const int64_t nb = (N + kBlock - 1) / kBlock;
   Pool::get().run(threads, nb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t n0 = item * kBlock, n1 = std::min(N, n0 + kBlock);

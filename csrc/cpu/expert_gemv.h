@@ -256,8 +256,17 @@ BlockRowDotFn avx512_ggml_dot();  // nullptr where not compiled
 // batch sharing a weight row). nullptr where a path has none (the caller loops).
 using BlockRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const float* const* v,
                                 int nv, float* out);
-BlockRowDotsFn avx2_ggml_dots();              // nullptr where not compiled
-BlockRowDotsFn avx512_ggml_dots();            // nullptr where not compiled
+BlockRowDotsFn avx2_ggml_dots();    // nullptr where not compiled
+BlockRowDotsFn avx512_ggml_dots();  // nullptr where not compiled
+// The tiled GEMM of GGML rows (the block types of g_several_inputs): out[u][r] = the
+// path's BlockRowDotFn of row r (at w + r * stride, r < nr) with v[u] (u < nv), bit for
+// bit, each row's blocks decoded once per tile of inputs (not once per kRowInputs) and 4
+// rows x 4 inputs computed a step. scratch: gemm_scratch_floats(K) floats. nullptr where a
+// path has none (the caller runs the row dots: the same bits).
+using BlockGemmFn = void (*)(int type, const uint8_t* w, int64_t stride, int64_t K, int64_t nr,
+                             const float* const* v, int64_t nv, float* const* out, float* scratch);
+BlockGemmFn avx512_ggml_gemm();  // nullptr where not compiled
+inline int64_t gemm_scratch_floats(int64_t K) { return 4 * K + 4 * (K / 32); }
 int64_t ggml_row_bytes(int type, int64_t K);  // -1: unknown type or K not whole blocks
 DotFn scalar_dot(Fmt f);
 DotFn avx2_dot(Fmt f);    // nullptr where not compiled

@@ -347,10 +347,10 @@ inline void k_scales_mins(const uint8_t* b, float out[16]) {
 }
 
 // Q4_K / Q5_K: sub-block s's weights d * sc_s * q - dmin * m_s as a table over its codes.
-// NV inputs at once (the block decoded once for all of them): input t's accumulators see
-// the same operations in the same order as with NV = 1, so its sum is the same bits.
-template <bool kQ5, int NV>
-void kquant45(const uint8_t* b, const float* const v[NV], __m512 a[NV][4]) {
+// Each 16 weights go to sink(c, w): c the chunk (elements 16 c ..) within the block. Every
+// user of a block's weights (the row dots below, the tiled GEMM's decode) is this code.
+template <bool kQ5, class Sink>
+void kquant45(const uint8_t* b, Sink&& sink) {
   alignas(64) float sm[16];  // d * sc_s, -(dmin * m_s) interleaved
   k_scales_mins(b, sm);
   in_memory(sm);
@@ -378,20 +378,17 @@ void kquant45(const uint8_t* b, const float* const v[NV], __m512 a[NV][4]) {
         w0 = _mm512_permutexvar_ps(bq, l1);
         w1 = _mm512_permutexvar_ps(hi, l2);
       }
-      for (int t = 0; t < NV; ++t) {
-        const float* v0 = v[t] + 64 * j + 16 * hh;
-        a[t][hh] = _mm512_fmadd_ps(w0, ldv(v0), a[t][hh]);
-        a[t][2 + hh] = _mm512_fmadd_ps(w1, ldv(v0 + 32), a[t][2 + hh]);
-      }
+      sink(4 * j + hh, w0);
+      sink(4 * j + 2 + hh, w1);
     }
   }
 }
 
 // Q6_K: 6-bit codes (4 low bits in ql, 2 high in qh) minus 32, a scale per 16 elements. The
 // codes of 64 elements are assembled as bytes in one register, stored to the stack and
-// widened 16 at a time by loads.
-template <int NV>
-void kquant6(const uint8_t* b, const float* const v[NV], __m512 a[NV][4]) {
+// widened 16 at a time by loads; each 16 weights go to sink(c, w) as kquant45's.
+template <class Sink>
+void kquant6(const uint8_t* b, Sink&& sink) {
   alignas(64) float s[16];  // d * sc[i], the scale of elements 16 i .. 16 i + 15
   _mm512_store_ps(s, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))),
@@ -420,8 +417,7 @@ void kquant6(const uint8_t* b, const float* const v[NV], __m512 a[NV][4]) {
   for (int i = 0; i < 16; ++i) {
     const __m512 w = _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(q + 16 * i))));
-    const __m512 ws = _mm512_mul_ps(w, bcast(s + i));
-    for (int t = 0; t < NV; ++t) a[t][i % 4] = _mm512_fmadd_ps(ws, ldv(v[t] + 16 * i), a[t][i % 4]);
+    sink(i, _mm512_mul_ps(w, bcast(s + i)));
   }
 }
 
@@ -494,10 +490,16 @@ void ggml_rows_nv(int type, const uint8_t* row, int64_t K, const float* const* v
       for (int64_t k = 0; k < K; k += 256, row += type == ggml_type::Q4_K ? 144 : 176) {
         ahead(row, 3);
         for (int t = 0; t < NV; ++t) vk[t] = v[t] + k;
+        // chunk c of the block into accumulator c % 4 of each input (the tiled GEMM's
+        // classes: ggml_gemm_avx512)
+        auto acc = [&](int c, __m512 w) {
+          for (int t = 0; t < NV; ++t)
+            a[t][c % 4] = _mm512_fmadd_ps(w, ldv(vk[t] + 16 * c), a[t][c % 4]);
+        };
         if (type == ggml_type::Q4_K) {
-          kquant45<false, NV>(row, vk, a);
+          kquant45<false>(row, acc);
         } else {
-          kquant45<true, NV>(row, vk, a);
+          kquant45<true>(row, acc);
         }
       }
       break;
@@ -505,13 +507,149 @@ void ggml_rows_nv(int type, const uint8_t* row, int64_t K, const float* const* v
       for (int64_t k = 0; k < K; k += 256, row += 210) {
         ahead(row, 4);
         for (int t = 0; t < NV; ++t) vk[t] = v[t] + k;
-        kquant6<NV>(row, vk, a);
+        kquant6(row, [&](int c, __m512 w) {
+          for (int t = 0; t < NV; ++t)
+            a[t][c % 4] = _mm512_fmadd_ps(w, ldv(vk[t] + 16 * c), a[t][c % 4]);
+        });
       }
       break;
     default:
       break;  // not g_several_inputs: never called
   }
   for (int t = 0; t < NV; ++t) out[t] = sum4(a[t]);
+}
+
+// --- the tiled GEMM of GGML rows (BlockGemmFn) -----------------------------------------
+// Each row's blocks are decoded once per tile of kGemmTokens inputs into fp32 scratch (the
+// row dots' own decoders: kquant45 / kquant6's sinks, Q8_0's widened codes and scale), then
+// 4 rows x 4 inputs a step. The row dot keeps four accumulators (K-quants: chunk c of 16
+// weights into accumulator c % 4; Q8_0: two, by block parity) that each add their chunks in
+// row order; here each such class is one pass over the row, in the same order, with the
+// same operations: every output is the row dot's bits.
+constexpr int64_t kGemmTokens = 64;  // inputs per tile: their vectors stay in L2
+
+inline int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// Q4_K / Q5_K / Q6_K: o[4 t + r] = the dot of decoded row r (W + r K) with x[t].
+inline void tile_kquant(const float* W, int64_t K, const float* const x[4], float o[16]) {
+  alignas(64) float cls[4][16][16];  // class q's partial sums of output i
+  const int64_t nc = K / 16;
+  for (int q = 0; q < 4; ++q) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t c = q; c < nc; c += 4) {
+      const __m512 w0 = ldv(W + 16 * c), w1 = ldv(W + K + 16 * c);
+      const __m512 w2 = ldv(W + 2 * K + 16 * c), w3 = ldv(W + 3 * K + 16 * c);
+      for (int t = 0; t < 4; ++t) {
+        const __m512 v = ldv(x[t] + 16 * c);
+        a[4 * t] = _mm512_fmadd_ps(w0, v, a[4 * t]);
+        a[4 * t + 1] = _mm512_fmadd_ps(w1, v, a[4 * t + 1]);
+        a[4 * t + 2] = _mm512_fmadd_ps(w2, v, a[4 * t + 2]);
+        a[4 * t + 3] = _mm512_fmadd_ps(w3, v, a[4 * t + 3]);
+      }
+    }
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(cls[q][i], a[i]);
+  }
+  for (int i = 0; i < 16; ++i) {
+    const __m512 a[4] = {_mm512_load_ps(cls[0][i]), _mm512_load_ps(cls[1][i]),
+                         _mm512_load_ps(cls[2][i]), _mm512_load_ps(cls[3][i])};
+    o[i] = sum4(a);
+  }
+}
+
+// Q8_0: codes as floats (W), each block's scale (D, K / 32 a row): per block the partial
+// dot q0 v0 + q1 v1, then times the scale into the accumulator of the block's parity.
+inline void tile_q8_0(const float* W, const float* D, int64_t K, const float* const x[4],
+                      float o[16]) {
+  alignas(64) float cls[2][16][16];
+  const int64_t nb = K / 32;
+  for (int q = 0; q < 2; ++q) {
+    __m512 a[16];
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+    for (int64_t b = q; b < nb; b += 2) {
+      __m512 q0[4], q1[4], d[4];
+      for (int r = 0; r < 4; ++r) {
+        q0[r] = ldv(W + r * K + 32 * b);
+        q1[r] = ldv(W + r * K + 32 * b + 16);
+        d[r] = bcast(D + r * nb + b);
+      }
+      for (int t = 0; t < 4; ++t) {
+        const __m512 v0 = ldv(x[t] + 32 * b), v1 = ldv(x[t] + 32 * b + 16);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 p = _mm512_fmadd_ps(q1[r], v1, _mm512_mul_ps(q0[r], v0));
+          a[4 * t + r] = _mm512_fmadd_ps(p, d[r], a[4 * t + r]);
+        }
+      }
+    }
+    for (int i = 0; i < 16; ++i) _mm512_store_ps(cls[q][i], a[i]);
+  }
+  for (int i = 0; i < 16; ++i)
+    o[i] =
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_load_ps(cls[0][i]), _mm512_load_ps(cls[1][i])));
+}
+
+// Rows rows[0..3] of `type` into W (K floats a row) and, Q8_0, D (K / 32 scales a row).
+void tile_decode(int type, const uint8_t* const rows[4], int64_t K, float* W, float* D) {
+  for (int r = 0; r < 4; ++r) {
+    const uint8_t* row = rows[r];
+    float* o = W + r * K;
+    switch (type) {
+      case ggml_type::Q8_0:
+        for (int64_t b = 0; b < K / 32; ++b, row += 34) {
+          for (int h = 0; h < 2; ++h)
+            _mm512_storeu_ps(o + 32 * b + 16 * h,
+                             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                 reinterpret_cast<const __m128i*>(row + 2 + 16 * h)))));
+          D[r * (K / 32) + b] = _mm512_cvtss_f32(f16_bcast(row));
+        }
+        break;
+      case ggml_type::Q4_K:
+      case ggml_type::Q5_K:
+      case ggml_type::Q6_K: {
+        const int64_t bs = type == ggml_type::Q4_K ? 144 : type == ggml_type::Q5_K ? 176 : 210;
+        for (int64_t k = 0; k < K; k += 256, row += bs) {
+          auto put = [&](int c, __m512 w) { _mm512_storeu_ps(o + k + 16 * c, w); };
+          if (type == ggml_type::Q4_K) {
+            kquant45<false>(row, put);
+          } else if (type == ggml_type::Q5_K) {
+            kquant45<true>(row, put);
+          } else {
+            kquant6(row, put);
+          }
+        }
+        break;
+      }
+      default:
+        break;  // not g_several_inputs: never called
+    }
+  }
+}
+
+void ggml_gemm(int type, const uint8_t* w, int64_t stride, int64_t K, int64_t nr,
+               const float* const* v, int64_t nv, float* const* out, float* scratch) {
+  float* W = scratch;
+  float* D = scratch + 4 * K;
+  for (int64_t t0 = 0; t0 < nv; t0 += kGemmTokens) {
+    const int64_t t1 = lesser(nv, t0 + kGemmTokens);
+    for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+      const uint8_t* rows[4];
+      for (int r = 0; r < 4; ++r) rows[r] = w + lesser(r0 + r, nr - 1) * stride;  // repeats
+      tile_decode(type, rows, K, W, D);
+      const int64_t rn = lesser(4, nr - r0);
+      for (int64_t u0 = t0; u0 < t1; u0 += 4) {
+        const float* x[4];
+        for (int t = 0; t < 4; ++t) x[t] = v[lesser(u0 + t, t1 - 1)];  // repeats
+        float o[16];
+        if (type == ggml_type::Q8_0) {
+          tile_q8_0(W, D, K, x, o);
+        } else {
+          tile_kquant(W, K, x, o);
+        }
+        for (int64_t t = 0; t < lesser(4, t1 - u0); ++t)
+          for (int64_t r = 0; r < rn; ++r) out[u0 + t][r0 + r] = o[4 * t + r];
+      }
+    }
+  }
 }
 
 float ggml_row_dot(int type, const uint8_t* row, int64_t K, const float* v) {
@@ -593,6 +731,7 @@ static void ggml_row_dots(int type, const uint8_t* row, int64_t K, const float* 
 
 const BlockRowDotFn kAvx512GgmlDot = ggml_row_dot;
 const BlockRowDotsFn kAvx512GgmlDots = ggml_row_dots;
+const BlockGemmFn kAvx512GgmlGemm = ggml_gemm;
 }  // namespace psr::cpu
 
 #if defined(__clang__)
@@ -605,6 +744,7 @@ const BlockRowDotsFn kAvx512GgmlDots = ggml_row_dots;
 namespace psr::cpu {
 BlockRowDotFn avx512_ggml_dot() { return kAvx512GgmlDot; }
 BlockRowDotsFn avx512_ggml_dots() { return kAvx512GgmlDots; }
+BlockGemmFn avx512_ggml_gemm() { return kAvx512GgmlGemm; }
 DotFn avx512_dot(Fmt f) {
   const int i = static_cast<int>(f);
   return i >= 0 && i < 6 ? kAvx512Dots[i] : nullptr;
@@ -627,6 +767,7 @@ namespace psr::cpu {
 DotFn avx512_dot(Fmt) { return nullptr; }
 BlockRowDotFn avx512_ggml_dot() { return nullptr; }
 BlockRowDotsFn avx512_ggml_dots() { return nullptr; }
+BlockGemmFn avx512_ggml_gemm() { return nullptr; }
 GroupDotFn avx512_int4_groups() { return nullptr; }
 DotsFn avx512_dots(Fmt) { return nullptr; }
 WsumFn avx512_wsum(Fmt) { return nullptr; }

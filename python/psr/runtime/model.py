@@ -422,20 +422,30 @@ class OffloadedModel(nn.Module):
             def forward(part: torch.Tensor, pos: int, kv: Any) -> tuple[torch.Tensor, Any]:
                 return graph.prefill(part, pos)[:, None], graph.cache
 
+            def forward_for(keep_all: bool) -> chunked.Forward:
+                return forward
+
         else:
             from psr.runtime.kv import cache_kwarg, output_cache
 
             name = cache_kwarg(self.hf)
 
-            def forward(part: torch.Tensor, pos: int, kv: Any) -> tuple[torch.Tensor, Any]:
-                past = {} if kv is None else {name: kv}
-                out = self.hf(input_ids=part, use_cache=True, **past)
-                return out.logits, output_cache(out)
+            def forward_for(keep_all: bool) -> chunked.Forward:
+                # Only the last position's logits are used unless keep_all: the LM head over
+                # every prompt row was most of a CPU prefill's dense work (issue 36).
+                keep = {} if keep_all else {"logits_to_keep": 1}
+
+                def forward(part: torch.Tensor, pos: int, kv: Any) -> tuple[torch.Tensor, Any]:
+                    past = {} if kv is None else {name: kv}
+                    out = self.hf(input_ids=part, use_cache=True, **past, **keep)
+                    return out.logits, output_cache(out)
+
+                return forward
 
         into = None if graph is None else graph.cache
         any_length = self.row_invariant and graph is None
         return lambda ids, keep_all: chunked.prefill(
-            self.runtime, forward, ids, chunk, cache, key, into, keep_all, any_length
+            self.runtime, forward_for(keep_all), ids, chunk, cache, key, into, keep_all, any_length
         )
 
     @torch.no_grad()
