@@ -223,7 +223,8 @@ def llama_bench(a: argparse.Namespace, path: Path, threads: int) -> dict[str, An
     tokens too, a full prompt for pp and one token for tg; so a slight underestimate)."""
     load0 = os.getloadavg()[0]
     got: dict[str, Any] = {}
-    for key, p, n in (("prefill", PROMPT, 0), ("decode", 0, GEN)):
+    stages = (("prefill", PROMPT, 0), ("decode", 0, GEN))
+    for key, p, n in stages[1:] if a.decode_only else stages:
         cmd = [str(a.llama / "llama-bench"), "-m", str(path), "-p", str(p), "-n", str(n)]
         cmd += ["-t", str(threads), "-r", str(a.reps), "-o", "json"]
         c = _children_cpu()
@@ -259,6 +260,8 @@ def _corrected(run: dict[str, Any], overhead: dict[str, float]) -> dict[str, Any
         return run
     out = dict(run)
     for stage, per, extra in (("prefill", PROMPT, PROMPT), ("decode", GEN, -1)):
+        if stage not in run:  # a --decode-only run
+            continue
         st = dict(run[stage])
         reps = int(st["cmd"].split(" -r ")[1].split()[0])
         st["cpu_tok_s"] = (per * reps + extra) / (st["cpu_s"] - ovh)
@@ -283,8 +286,9 @@ class _Clock:
         pass
 
 
-def worker(path: str, threads: int, reps: int) -> dict[str, Any]:
-    """psr on one file: prefill and decode tok/s, and the time in its dense kernel."""
+def worker(path: str, threads: int, reps: int, prefill: bool = True) -> dict[str, Any]:
+    """psr on one file: prefill (unless not `prefill`) and decode tok/s, and the time in
+    its dense kernel."""
     import torch
 
     import psr
@@ -314,16 +318,17 @@ def worker(path: str, threads: int, reps: int) -> dict[str, Any]:
     ids = torch.randint(0, 2048, (1, PROMPT), generator=g)  # the tokenizer's ids
     model.generate(ids[:, :16], max_new_tokens=2)  # warm-up
     pre = []
-    for _ in range(reps):
+    for _ in range(reps if prefill else 0):
         w, c = time.perf_counter(), time.process_time()
         model.generate(ids, max_new_tokens=1)
         pre.append((time.perf_counter() - w, time.process_time() - c))
-    wall, cpu = min(p[0] for p in pre), min(p[1] for p in pre)
-    out["prefill"] = {
-        "tok_s": PROMPT / wall,
-        "cpu_tok_s": PROMPT / cpu,
-        "runs_wall_s": [p[0] for p in pre],
-    }
+    if pre:
+        wall, cpu = min(p[0] for p in pre), min(p[1] for p in pre)
+        out["prefill"] = {
+            "tok_s": PROMPT / wall,
+            "cpu_tok_s": PROMPT / cpu,
+            "runs_wall_s": [p[0] for p in pre],
+        }
     dec = []
     for _ in range(reps):
         clock = _Clock(dense)
@@ -436,6 +441,8 @@ def run_psr(
     a: argparse.Namespace, path: Path, threads: int, kind: str = "single"
 ) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'python'}:{ROOT}", "OMP_NUM_THREADS": str(threads)}
+    if kind == "single" and a.decode_only:
+        kind = "decode"
     cmd = [sys.executable, __file__, "--worker", kind, str(path), str(threads), str(a.reps)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if p.returncode:
@@ -480,7 +487,7 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
         files |= doc["meta"]["files"]
         for r in doc["runs"]:
             r = dict(r, round=(i, r["round"]))  # rounds of different invocations differ
-            if r["prog"] == "llama.cpp" and "prefill" in r:
+            if r["prog"] == "llama.cpp" and "serve" not in r:
                 r = _corrected(r, overhead)
             kind = "serve" if "serve" in r else "single"
             groups.setdefault((r["file"], r["threads"], kind), {}).setdefault(r["prog"], []).append(
@@ -571,6 +578,7 @@ def main() -> None:
     ap.add_argument("--overhead", action="store_true", help="llama-bench's load CPU time")
     ap.add_argument("--report", action="store_true", help="tables of --out's runs-*.json")
     ap.add_argument("--serve", action="store_true", help="issue 38: 4 streams, not pp/tg")
+    ap.add_argument("--decode-only", action="store_true", help="tg runs only (no pp / prefill)")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.report:
@@ -581,8 +589,11 @@ def main() -> None:
         print(report(docs, ovh))
         return
     if a.worker:
-        fn = worker_batch if a.worker[0] == "batch" else worker
-        print(json.dumps(fn(a.worker[1], int(a.worker[2]), int(a.worker[3]))))
+        kind, path, threads, reps = a.worker[0], a.worker[1], int(a.worker[2]), int(a.worker[3])
+        if kind == "batch":
+            print(json.dumps(worker_batch(path, threads, reps)))
+        else:
+            print(json.dumps(worker(path, threads, reps, prefill=kind != "decode")))
         return
     files = {k: v for k, v in make_files(a).items() if a.match in k}
     if a.make_only:

@@ -14,6 +14,10 @@
 
 namespace py = pybind11;
 
+namespace psr::cpu {
+void bind_router(py::module_& m);  // cpu/router.cpp: the CPU decode step's cache `use`
+}
+
 namespace {
 
 // DLPack ABI (dlpack.h, v0.x "dltensor" capsules), declared here to avoid a
@@ -288,6 +292,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("threads"), py::arg("isa"), release_gil(),
       "Row-invariant causal attention (window, sinks) from float k / v rows (addresses of "
       "live, checked tensors; strides in elements)");
+  psr::cpu::bind_router(m);
   m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),
         py::arg("reps"), release_gil(),
         "STREAM triad on the kernels' thread pool: best bytes/s (12 n bytes per pass)");

@@ -26,6 +26,7 @@ import contextlib
 import functools
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Protocol
 
 import torch
 import triton
@@ -46,6 +47,22 @@ from psr_kernels.cache_state import (
 from psr_kernels.cache_state_ref import cache_prefetch_ref, cache_use_ref
 from psr_kernels.routing import RouteSpec, require_spec, router_logits, select_experts
 from psr_kernels.routing_ref import predict_next_ref, route_counted_ref
+
+
+class CacheUse(Protocol):
+    """`decode_step_ref`'s `use`: `_flag` of `logits` and `cache_use_ref` of `ids` on
+    `layer`'s row, bit for bit."""
+
+    def __call__(
+        self,
+        state: torch.Tensor,
+        layout: CacheLayout,
+        layer: int,
+        ids: torch.Tensor,
+        *,
+        capped: bool,
+        logits: torch.Tensor | None,
+    ) -> None: ...
 
 
 @triton.jit
@@ -397,22 +414,30 @@ def decode_step_ref(
     checked: bool = False,
     next_gate_bias: torch.Tensor | None = None,
     capped: bool = True,
+    use: CacheUse | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `decode_step` (same arguments and results): the routing
     and cache references in the kernel's order, with no host read (`capped=False`: 9 aten
-    ops fewer per call)."""
+    ops fewer per call). `use`: a function that does what `_flag` of the logits and
+    `cache_use_ref` do to the row, bit for bit, in fewer ops (`psr.store.cpu_router`'s
+    `cpu_cache_use`: one extension call on the CPU); not while torch.compile traces."""
     op = "decode_step_ref"
     if not checked:
         _check(op, logits, spec, state, layout, layer, n, residual, norm_weight, gate_weight)
     lo, E = layout, layout.num_experts
     mask = state[layer, lo.member : lo.member + E] != 0 if spec.lam > 0 else None
-    w, ids, sub = route_counted_ref(logits, spec, mask=mask, bias=bias, check_finite=False)
+    w, ids, sub = route_counted_ref(
+        logits, spec, mask=mask, bias=bias, check_finite=False, checked=checked
+    )
     with _no_autograd():  # no tensor made in here leaves this function
-        _flag(state, lo, layer, logits)
         if mask is not None:  # the kernel's count: substituted ids, beside `use`'s counts
             at = lo.header + COUNTS + SUBSTITUTED
             state[layer, at : at + 1].add_(sub)
-        cache_use_ref(state, lo, layer, ids, capped=capped)
+        if use is None or torch.compiler.is_compiling():
+            _flag(state, lo, layer, logits)
+            cache_use_ref(state, lo, layer, ids, capped=capped)
+        else:
+            use(state, lo, layer, ids, capped=capped, logits=logits)
         if n:
             assert residual is not None and norm_weight is not None and gate_weight is not None
             pred, _ = predict_next_ref(

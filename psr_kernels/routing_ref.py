@@ -177,14 +177,18 @@ def route_counted_ref(
     bias: torch.Tensor | None = None,
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
+    checked: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `route_counted`: `route_ref`'s results and the
-    substituted count per token `[T]` int32."""
+    substituted count per token `[T]` int32. `checked=True`: the arguments passed these
+    checks before with the same kinds (the decode step's later calls of a layer), so they
+    are skipped (Python a CPU decode token paid per MoE layer)."""
     op = "route_counted_ref"
-    require_spec(op, spec)
-    check_float(op, "logits", logits, 2)
-    T, E = logits.shape
-    spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
+    if not checked:
+        require_spec(op, spec)
+        check_float(op, "logits", logits, 2)
+        T, E = logits.shape
+        spec.check(op, num_experts=E, num_tokens=T, mask=mask, bias=bias)
     if check_finite:
         _require_finite(op, "logits", logits)
     w, ids, sub = _route_parts(logits, spec, mask, bias, counted=True)

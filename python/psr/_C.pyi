@@ -60,6 +60,16 @@ def cpu_linear(
     isa: str,
 ) -> None: ...
 def cpu_triad(n: int, threads: int, reps: int) -> float: ...
+def cpu_cache_use(
+    row: int,
+    offsets: int,
+    n_offsets: int,
+    ids: int,
+    k: int,
+    capped: bool,
+    logits: int,
+    n_logits: int,
+) -> None: ...
 def cpu_attention(
     q: int,
     tokens: int,

@@ -41,6 +41,7 @@ import torch
 from psr.runtime import store_ops
 from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
+from psr.store.cpu_router import cpu_cache_use
 from psr_kernels import cache_state as cs
 
 if TYPE_CHECKING:
@@ -101,6 +102,12 @@ class DeviceDecode(Step):
         # Layers whose kernel arguments were checked (on their first call): a layer's
         # arguments keep their shapes, dtypes and devices, so later calls skip the checks.
         self.checked: set[int] = set()
+        # The CPU references' cache `use` as one extension call (the same row, bit for bit).
+        self.use_kw = (
+            {"use": cpu_cache_use}
+            if rt.ops.path == "torch" and self.state.device.type == "cpu"
+            else {}
+        )
 
     def hands_off(self) -> bool:
         """Whether cpu / hybrid steps hand the CPU list to the host in stream order (no
@@ -142,6 +149,7 @@ class DeviceDecode(Step):
             checked=i in self.checked,
             capped=rt.placement.capped,
             **kw,
+            **self.use_kw,
         )
         store, key, slabs = rt.store, self.store_key, self.slabs
         store_ops.join(store, key, slabs[i], i)

@@ -4,6 +4,7 @@ expert_store  ExpertStore (host rows, device slabs, copies, tiers, the CPU hand-
               LayerSpec, CopyReason, the backend choice, StoreError / CopyError
 cpu_kernels   the CPU kernels: cpu_expert_ffn, cpu_linear, cpu_attention, cpu_layout, cpu_isas,
               cpu_triad
+cpu_router    the CPU decode step's logical-cache `use` in one call: cpu_cache_use
 """
 
 from psr.store.cpu_kernels import (

@@ -1,0 +1,179 @@
+// The CPU decode step's logical-cache `use` in one call (issue 39: the router and cache
+// bookkeeping of a decode token on the CPU were ~45 torch ops per MoE layer).
+//
+// cache_use(row, layout, ids, k, capped, logits, n) does on one layer's int32 row of the
+// packed state (psr_kernels.cache_state) exactly what psr_kernels.cache_state_ref's
+// `cache_use_ref` does, then what decode.py's `_flag` does for the router logits:
+//   - the routed ids ascending; hits, prefetches used, misses;
+//   - the place key of every slot (free: below zero, lowest slot first; a member's slot:
+//     its stamp; a routed member's, and any slot at or past the capacity: not a place);
+//   - the j-th inserted miss (ascending) takes the j-th place, evicting that place's member;
+//     the miss copy list (slot, expert, kind) with its count, -1 rows past it;
+//   - capped: at most min(the row's cap, capacity - hits) misses inserted, the others listed
+//     ascending in the CPU list with its count (-1 past it) and counted as cpu experts;
+//   - the routed ids most recent (stamp = clock + # routed ids above it), not pending;
+//     the counters;
+//   - the non-finite flag |= any logit not finite (an exponent test: fast-math safe).
+// Integer work only (the flag is a bit test), so the row is bit-identical to the reference's
+// (tests/runtime/test_cpu_router.py checks it over random steps). The layout's offsets and
+// header fields come from Python (`psr.store.cpu_router`: one definition, cache_state.py).
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace psr::cpu {
+namespace {
+
+// The offsets vector's entries (psr.store.cpu_router._offsets builds it in this order).
+enum Off : int {
+  kE, kS, kK, kMember, kPending, kSlotOf, kSlotExpert, kHeader, kMissList, kCpuList,
+  kClock, kCapacity, kRouted, kHits, kMisses, kPrefetchUsed, kCpuExperts, kFlag, kMissN,
+  kCpuN, kInserts, kKindMiss, kNumOffsets
+};
+
+constexpr int64_t kBig = 2147483647;  // above any stamp: not a place (cache_state_ref._BIG)
+
+bool any_non_finite(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    if ((u & 0x7f800000u) == 0x7f800000u) return true;
+  }
+  return false;
+}
+
+void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bool capped,
+               const float* logits, int64_t n_logits) {
+  const int64_t E = o[kE], S = o[kS], K = o[kK];
+  if (k < 1 || k > K) throw std::invalid_argument("cpu_cache_use: need 1 <= k <= top_k");
+  int32_t* stamp = row;
+  int32_t* member = row + o[kMember];
+  int32_t* pending = row + o[kPending];
+  int32_t* slot_of = row + o[kSlotOf];
+  int32_t* slot_expert = row + o[kSlotExpert];
+  int32_t* hdr = row + o[kHeader];
+  int32_t* miss_list = row + o[kMissList];
+  int32_t* cpu_list = row + o[kCpuList];
+
+  if (logits != nullptr && any_non_finite(logits, n_logits)) hdr[o[kFlag]] |= 1;
+
+  std::vector<int64_t> routed(ids, ids + k);
+  std::sort(routed.begin(), routed.end());
+  for (int64_t i = 0; i < k; ++i) {
+    if (routed[i] < 0 || routed[i] >= E)
+      throw std::invalid_argument("cpu_cache_use: routed id " + std::to_string(routed[i]) +
+                                  " outside [0, " + std::to_string(E) + ")");
+    if (i && routed[i] == routed[i - 1])
+      throw std::invalid_argument("cpu_cache_use: routed ids must be distinct");
+  }
+  int64_t hits = 0, used = 0;
+  for (int64_t e : routed) {
+    hits += member[e];
+    used += pending[e];
+  }
+  const int64_t n_miss = k - hits;
+  // The misses ascending, then the routed members ascending (a stable sort of the member
+  // flags), then -1 up to K.
+  std::vector<int64_t> miss;
+  miss.reserve(K);
+  for (int64_t e : routed)
+    if (!member[e]) miss.push_back(e);
+  for (int64_t e : routed)
+    if (member[e]) miss.push_back(e);
+  miss.resize(K, -1);
+
+  int64_t n_ins = n_miss, n_cpu = 0;
+  const int64_t capacity = hdr[o[kCapacity]];
+  if (capped) {
+    const int64_t room = capacity - hits;
+    n_ins = std::min(n_miss, std::min<int64_t>(hdr[o[kInserts]], room));
+    n_cpu = n_miss - n_ins;
+  }
+  // Place keys of the slots; the n_ins smallest (distinct) are the places, ascending.
+  std::vector<int64_t> key(S);
+  for (int64_t s = 0; s < S; ++s) key[s] = s < capacity ? s - (S + 1) : kBig;
+  for (int64_t e = 0; e < E; ++e)
+    if (slot_of[e] >= 0 && slot_of[e] < S) key[slot_of[e]] = stamp[e];
+  for (int64_t e : routed)
+    if (slot_of[e] >= 0 && slot_of[e] < S) key[slot_of[e]] = kBig;
+  std::vector<std::pair<int64_t, int64_t>> places;  // (key, slot)
+  places.reserve(S);
+  for (int64_t s = 0; s < S; ++s)
+    if (key[s] < kBig) places.emplace_back(key[s], s);
+  if (static_cast<int64_t>(places.size()) < n_ins)
+    throw std::logic_error("cpu_cache_use: fewer places than misses to insert (state invariant)");
+  std::partial_sort(places.begin(), places.begin() + n_ins, places.end());
+
+  for (int64_t j = 0; j < K; ++j) {
+    miss_list[3 * j] = -1;
+    miss_list[3 * j + 1] = -1;
+    miss_list[3 * j + 2] = static_cast<int32_t>(o[kKindMiss]);
+  }
+  for (int64_t j = 0; j < n_ins; ++j) {
+    const auto [pkey, place] = places[j];
+    const int64_t m = miss[j];
+    if (pkey >= 0) {  // a member's place: evict it
+      const int64_t v = slot_expert[place];
+      if (v < 0 || v >= E) throw std::logic_error("cpu_cache_use: a member's slot names no expert");
+      member[v] = 0;
+      pending[v] = 0;
+      slot_of[v] = -1;
+    }
+    member[m] = 1;
+    slot_of[m] = static_cast<int32_t>(place);
+    slot_expert[place] = static_cast<int32_t>(m);
+    miss_list[3 * j] = static_cast<int32_t>(place);
+    miss_list[3 * j + 1] = static_cast<int32_t>(m);
+  }
+  if (capped)
+    for (int64_t j = 0; j < K; ++j)
+      cpu_list[j] = j < n_cpu ? static_cast<int32_t>(miss[std::min(j + n_ins, K - 1)]) : -1;
+  const int64_t clock = hdr[o[kClock]];
+  for (int64_t i = 0; i < k; ++i) {
+    stamp[routed[i]] = static_cast<int32_t>(clock + (k - 1 - i));
+    pending[routed[i]] = 0;
+  }
+  auto add = [&](int at, int64_t v) { hdr[o[at]] = static_cast<int32_t>(hdr[o[at]] + v); };
+  add(kClock, k);
+  add(kRouted, k);
+  add(kHits, hits);
+  add(kPrefetchUsed, used);
+  add(kMisses, n_miss);
+  hdr[o[kMissN]] = static_cast<int32_t>(n_ins);
+  if (capped) {
+    add(kCpuExperts, n_cpu);
+    hdr[o[kCpuN]] = static_cast<int32_t>(n_cpu);
+  }
+}
+
+}  // namespace
+
+void bind_router(py::module_& m) {
+  m.def(
+      "cpu_cache_use",
+      [](uintptr_t row, uintptr_t offsets, int64_t n_offsets, uintptr_t ids, int64_t k,
+         bool capped, uintptr_t logits, int64_t n_logits) {
+        if (!row || !offsets || !ids) throw std::invalid_argument("cpu_cache_use: null address");
+        if (n_offsets != kNumOffsets)
+          throw std::invalid_argument("cpu_cache_use: offsets must hold " +
+                                      std::to_string(kNumOffsets) + " integers");
+        cache_use(reinterpret_cast<int32_t*>(row), reinterpret_cast<const int64_t*>(offsets),
+                  reinterpret_cast<const int64_t*>(ids), k, capped,
+                  reinterpret_cast<const float*>(logits), n_logits);
+      },
+      py::arg("row"), py::arg("offsets"), py::arg("n_offsets"), py::arg("ids"), py::arg("k"),
+      py::arg("capped"), py::arg("logits"), py::arg("n_logits"),
+      "The logical cache's `use` of one token's routed ids on one layer's int32 state row, "
+      "and the non-finite flag of its float32 router logits (addresses of live, checked "
+      "tensors; psr.store.cpu_router)");
+}
+
+}  // namespace psr::cpu
