@@ -94,29 +94,28 @@ def _run(model, prompts, n, joins, max_batch, slab_slots=None, trace=False):
 
 
 def _decode(dec, prompts, n, joins, trace):
+    """Each waiting prompt joins once its step came and a place is free; each sequence
+    takes its greedy tokens until it has n[j], then leaves."""
     seq_of: dict[int, int] = {}
-    toks: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    step = 0
+    waiting, step = list(range(len(prompts))), 0
     if trace:
         dec.record_trace()
-    waiting = list(range(len(prompts)))
     while waiting or dec.live:
-        for j in [j for j in waiting if joins[j] <= step][: dec.max_batch - len(dec.live)]:
+        came = [j for j in waiting if joins[j] <= step]
+        for j in came[: dec.max_batch - len(dec.live)]:
             waiting.remove(j)
             seq_of[dec.add(prompts[j])] = j
-        feed = {}
-        for s, lg in dec.ready().items():
-            j = seq_of[s]
+        got = {s: (seq_of[s], lg) for s, lg in dec.ready().items()}
+        for j, lg in got.values():
             logits[j].append(lg)
-            toks[j].append(int(lg.float().argmax()))
-            if len(toks[j]) == n[j]:
-                dec.remove(s)
-            else:
-                feed[s] = toks[j][-1]
-        dec.feed(feed)
+        done = {s for s, (j, _) in got.items() if len(logits[j]) == n[j]}
+        for s in done:
+            dec.remove(s)
+        dec.feed({s: int(lg.float().argmax()) for s, (_, lg) in got.items() if s not in done})
         step += 1
-    return toks, [torch.stack(x) for x in logits]
+    stacked = [torch.stack(x) for x in logits]
+    return [x.float().argmax(-1).tolist() for x in stacked], stacked
 
 
 def _solo(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
