@@ -357,6 +357,45 @@ def routing(args: argparse.Namespace, out: dict[str, Any]) -> None:
         write(args, out)
 
 
+def profile(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Where a batched decode's time goes (cProfile, the embedded model as throughput loads
+    it, b = 4, --tokens new tokens, after a warm-up), the row-invariant forward off and on:
+    the total, the dense linears (F.linear / cpu_linear), the per-row routing
+    (BatchStep.route: routing, cache updates, predictions) and the expert kernel."""
+    import cProfile
+    import pstats
+
+    from psr.runtime.batch import BatchStep
+
+    model, prompts = _model("embedded", args)
+    ps, res = prompts[:4], {}
+    route = BatchStep.route.__code__
+    for on in (False, True):
+        model.set_row_invariant(on)
+        model.generate_batch(ps, 4)
+        prof = cProfile.Profile()
+        prof.enable()
+        model.generate_batch(ps, args.tokens)
+        prof.disable()
+        st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+
+        def spent(pred: Any, cumulative: bool = False, st: Any = st) -> float:
+            return sum(v[3 if cumulative else 2] for k, v in st.items() if pred(k))
+
+        res["on" if on else "off"] = {
+            "total_s": max(v[3] for v in st.values()),
+            "linear_s": spent(lambda k: k[2] in ("<built-in method torch._C._nn.linear>",
+                                                 "<built-in method psr._C.cpu_linear>")),
+            "route_s": spent(lambda k: (k[0], k[1]) == (route.co_filename,
+                                                       route.co_firstlineno), True),
+            "expert_kernel_s": spent(lambda k: k[2] == "<built-in method psr._C.cpu_expert_ffn>"),
+        }  # fmt: skip
+        print("profile", on, res, flush=True)
+    model.close()
+    out["profile"] = {"rows": res, "command": out["command"], "tokens": args.tokens}
+    write(args, out)
+
+
 def _dense_bytes(model: psr.OffloadedModel) -> int:
     """Bytes of the dense weights a decode step reads whatever b (the embeddings' b rows
     aside): every parameter and buffer but the input embedding table."""
@@ -452,6 +491,24 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
                 f"{r['experts_ms_per_step']:.1f} | {r['other_ms_per_step']:.1f} |"
             )
         lines.append("")
+    if "profile" in out:
+        pr = out["profile"]
+        lines += [
+            f"### Where a batched step's time goes: the embedded model, b = 4, "
+            f"{pr['tokens']} new tokens (cProfile, seconds)",
+            "",
+            f"`{pr['command']}`",
+            "",
+            "| row-invariant forward | total | dense linears | per-row routing (route) | "
+            "expert kernel |",
+            "|---|---|---|---|---|",
+        ]
+        for k, r in pr["rows"].items():
+            lines.append(
+                f"| {k} | {r['total_s']:.2f} | {r['linear_s']:.2f} | {r['route_s']:.2f} | "
+                f"{r['expert_kernel_s']:.2f} |"
+            )
+        lines.append("")
     if "determinism" in out:
         d = out["determinism"]
         lines += ["", f"`{out['determinism_command']}`", "",
@@ -464,7 +521,7 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
 
 
 MODELS = ("embedded", "embedded-gguf", "qwen3-gguf")
-PARTS = ("throughput", "modeled", "routing", "determinism")
+PARTS = ("throughput", "modeled", "routing", "profile", "determinism")
 
 
 def _models(text: str) -> list[str]:
@@ -517,6 +574,8 @@ def main() -> None:
         modeled(args, out)
     if "routing" not in args.skip:
         routing(args, out)
+    if "profile" not in args.skip:
+        profile(args, out)
     if "determinism" not in args.skip:
         determinism(args, out)
 
