@@ -1,7 +1,8 @@
 """Batched decode (issue 38): throughput against sequential runs, and determinism.
 
     OMP_NUM_THREADS=1 python bench/batch.py --threads 1 --out bench/results/batch
-        [--models embedded,embedded-gguf,qwen3-gguf] [--skip determinism] [--skip modeled]
+        [--models embedded,embedded-gguf,qwen3-gguf] [--row-invariant off,on]
+        [--skip throughput|modeled|routing|profile|determinism] [--modeled-residency 0.5,0.25]
 
 throughput   per --models model, on the CPU backend, experts on the CPU (experts_on="cpu",
              psr at its tuned point, residency 0.5), `--threads` CPU threads: for b in
@@ -20,13 +21,16 @@ throughput   per --models model, on the CPU backend, experts on the CPU (experts
              ms/token: sequential, the mean of each run's own wall time / tokens; batched,
              the batch's wall time / tokens (every request lives for all of it). CPU
              seconds (this process) beside the wall; the load average before and after.
-             Differing tokens: against the sequential runs.
+             Differing tokens: against the sequential runs. --row-invariant off,on: each
+             model also with `model.set_row_invariant()` (interleaved within each repeat;
+             a model that cannot be is skipped with its reason).
 determinism  --det-prompts prompts x --det-tokens tokens decoded alone, then inside batches
              of each --det-batches size with random co-runners (the prompts shuffled),
              random join times (each prompt's earliest step uniform in [0, tokens]) and
              random copy delays (PSR_COPY_DELAY-style, up to --delay-us), the members read
              through the shared slab (as on CUDA: copies, runs of rows, spills) with the
-             default placement: the count of tokens that differ from the solo runs.
+             default placement, the store's slots --batch-slots (default: the solo
+             slots): the count of tokens that differ from the solo runs.
 modeled      the embedded model (standing for OLMoE-1B-7B, as psr.eval's profiles price
              it), experts on the GPU side: its members read through the shared slab (as on
              CUDA); for b in --batches, b prompts decoded together for --tokens steps after
@@ -35,8 +39,14 @@ modeled      the embedded model (standing for OLMoE-1B-7B, as psr.eval's profile
              priced by psr.eval.latency (host-free) on the rtx4090 and h200 profiles: copies
              per token, modeled ms per batch step (= per-request ms/token) and per token
              (aggregate). The dense work is priced once per step (weight reads dominate at
-             small b), as for a speculative verify block.
-Writes batch.json and batch.md (rewritten after each part).
+             small b), as for a speculative verify block. Per --modeled-residency and b,
+             the single-sequence slab (slab_slots = the solo slots C) against the
+             union-sized one (batch_slots; BatchDecoder's default min(E, b x C)).
+routing      per --models model: distinct experts per MoE layer, expert and dense MB per
+             token, and the time per step inside the routed experts' call and outside it.
+profile      cProfile of a b = 4 batched decode of the embedded model, row-invariant
+             forward off and on: dense linears, per-row routing, the expert kernel.
+Writes batch.json and batch.md (rewritten after each part; notes.md beside them is by hand).
 """
 
 from __future__ import annotations
@@ -217,13 +227,15 @@ def schedule(model: psr.OffloadedModel, prompts: list[list[int]], T: int, b: int
 
 
 def determinism(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, threads=args.threads, progress=False)
+    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, threads=args.threads, progress=False,
+                     batch_slots=args.batch_slots)  # fmt: skip
     model.runtime.prefill_reads = "slab"  # members through the shared slab, as on CUDA
     prompts = prompts_from_text(args.det_prompts, args.prompt_tokens, 2)
     T = args.det_tokens
     t = time.perf_counter()
     solo = [model.generate(p, max_new_tokens=T)[0, len(p) :].tolist() for p in prompts]
-    res: dict[str, Any] = {"prompts": len(prompts), "tokens": T, "solo_s": time.perf_counter() - t}
+    res: dict[str, Any] = {"prompts": len(prompts), "tokens": T, "solo_s": time.perf_counter() - t,
+                           "batch_slots": args.batch_slots}  # fmt: skip
     out["determinism"] = res
     out["determinism_command"] = out["command"]
     rng = random.Random(3)
@@ -512,7 +524,9 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
     if "determinism" in out:
         d = out["determinism"]
         lines += ["", f"`{out['determinism_command']}`", "",
-                  f"Determinism: {d['prompts']} prompts x {d['tokens']} tokens", "",
+                  f"Determinism: {d['prompts']} prompts x {d['tokens']} tokens, "
+                  f"batch_slots {d.get('batch_slots')} (each BatchDecoder's slab: "
+                  "min(batch_slots, b x slots))", "",
                   "| b | differing tokens | of | seconds |", "|---|---|---|---|"]  # fmt: skip
         for k, v in d.items():
             if k.startswith("b"):
@@ -549,6 +563,8 @@ def main() -> None:
     ap.add_argument("--det-batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[2, 4, 8])  # fmt: skip
     ap.add_argument("--delay-us", type=int, default=300)
+    ap.add_argument("--batch-slots", type=int, default=None,
+                    help="determinism: the load's batch_slots (default: solo slots)")  # fmt: skip
     ap.add_argument("--skip", choices=PARTS, action="append", default=[])
     ap.add_argument(
         "--row-invariant",
