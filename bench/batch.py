@@ -529,7 +529,7 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
                   "min(batch_slots, b x slots))", "",
                   "| b | differing tokens | of | seconds |", "|---|---|---|---|"]  # fmt: skip
         for k, v in d.items():
-            if k.startswith("b"):
+            if k[0] == "b" and k[1:].isdigit():
                 lines.append(f"| {k[1:]} | {v['differing_tokens']} | {v['of']} | {v['s']:.0f} |")
     (args.out / "batch.md").write_text("\n".join(lines) + "\n")
 

@@ -240,3 +240,24 @@ def test_a_slab_of_the_first_slots_frees_second_copies_first(model) -> None:
     assert slab.counts["copies"] == 3 and slab.counts["skipped_prefetches"] == 1
     slab.drop(0, [1, 2, 5, 6])
     assert not slab.refs[0]
+
+
+def test_the_memory_plan_counts_the_batch_slots(tmp_path: Path, monkeypatch) -> None:
+    """With gpu_memory and slots, the plan checks the store's batch_slots, before any
+    weight is copied: a budget that holds 2 slots per layer refuses 4."""
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    import psr.models.loader as loader
+    from psr.models.memory_plan import Budget, MemoryPlanError
+
+    path = tmp_path / "q.gguf"
+    write_gguf(gguf_tiny_model("qwen3_moe"), path, {"experts": "Q4_K", "dense": "Q8_0"})
+    budget = Budget(gpu_memory=2**40, slots=2, context=64, dense_format="native", cuda=False)
+    need = psr.inspect(path, budget).plan
+    assert need is not None and need.slots == 2
+    opts = dict(device="cpu", gpu_memory=need.device_total + 64, context=64, progress=False)
+    with psr.load(path, slots=2, **opts) as m:  # type: ignore[arg-type]
+        assert m.runtime.store.layers[0].num_slots == 2
+    monkeypatch.setattr(loader, "_build_model", lambda *a: pytest.fail("a weight was copied"))
+    with pytest.raises(MemoryPlanError, match=r"slab of 4 slots"):
+        psr.load(path, slots=2, batch_slots=4, **opts)  # type: ignore[arg-type]
