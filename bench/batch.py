@@ -460,61 +460,52 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
         lines.append("")
     if "modeled" in out:
         m = out["modeled"]
-        lines += [
-            f"### Modeled on the GPU profiles (psr.eval.latency, host-free): the embedded "
+        lines += _section(
+            f"Modeled on the GPU profiles (psr.eval.latency, host-free): the embedded "
             f"model priced as OLMoE-1B-7B, {m['tokens']} recorded batch steps per b; the "
             "single-sequence slab (C slots: the solo capacity) against the union-sized one "
             "(min(E, b x C) slots, LoadConfig.batch_slots); each sequence's cache C slots",
-            "",
-            f"`{m['command']}`",
-            "",
-            "| residency (C) | slab | b | slab slots | copies / token | experts read / layer "
-            "step | spilled | RTX 4090 ms / step (per request) | RTX 4090 ms / token "
-            "(aggregate) | H200 ms / step | H200 ms / token |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
+            m["command"],
+            ["residency (C)", "slab", "b", "slab slots", "copies / token",
+             "experts read / layer step", "spilled", "RTX 4090 ms / step (per request)",
+             "RTX 4090 ms / token (aggregate)", "H200 ms / step", "H200 ms / token"],
+        )  # fmt: skip
         for r in m["rows"]:
-            lines.append(
-                f"| {r.get('residency', 0.5)} ({r.get('C', '-')}) | {r.get('slab', 'single')} "
-                f"| {r['b']} | {r.get('slab_slots', '-')} | {r['copies_per_token']:.2f} | "
-                f"{r['experts_read_per_layer_step']:.1f} | {r.get('spilled', '-')} | "
-                f"{r['rtx4090_ms_per_step']:.2f} | {r['rtx4090_ms_per_token']:.2f} | "
-                f"{r['h200_ms_per_step']:.2f} | {r['h200_ms_per_token']:.2f} |"
-            )
+            lines.append(_cells(
+                f"{r.get('residency', 0.5)} ({r.get('C', '-')})", r.get("slab", "single"),
+                r["b"], r.get("slab_slots", "-"), f"{r['copies_per_token']:.2f}",
+                f"{r['experts_read_per_layer_step']:.1f}", r.get("spilled", "-"),
+                *(f"{r[k]:.2f}" for k in ("rtx4090_ms_per_step", "rtx4090_ms_per_token",
+                                          "h200_ms_per_step", "h200_ms_per_token")),
+            ))  # fmt: skip
         lines.append("")
     for name, t in out.get("routing", {}).items():
-        lines += [
-            f"### What a batched step reads: {name}, {t['tokens']} steps per b (load "
+        lines += _section(
+            f"What a batched step reads: {name}, {t['tokens']} steps per b (load "
             f"average {t['load'][0]:.2f})",
-            "",
-            f"`{t['command']}`",
-            "",
-            "| b | distinct experts / MoE layer | routed (token, expert) pairs / layer | expert "
-            "MB / token | dense MB / token | total MB / token | experts ms / step | other "
-            "ms / step |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
+            t["command"],
+            ["b", "distinct experts / MoE layer", "routed (token, expert) pairs / layer",
+             "expert MB / token", "dense MB / token", "total MB / token",
+             "experts ms / step", "other ms / step"],
+        )  # fmt: skip
         for r in t["rows"]:
-            total = r["expert_mb_per_token"] + r["dense_mb_per_token"]
-            lines.append(
-                f"| {r['b']} | {r['distinct_experts_per_layer']:.1f} | "
-                f"{r['routed_per_layer']:.1f} | {r['expert_mb_per_token']:.2f} | "
-                f"{r['dense_mb_per_token']:.2f} | {total:.2f} | "
-                f"{r['experts_ms_per_step']:.1f} | {r['other_ms_per_step']:.1f} |"
-            )
+            mb = [r["expert_mb_per_token"], r["dense_mb_per_token"]]
+            lines.append(_cells(
+                r["b"], *(f"{r[k]:.1f}" for k in ("distinct_experts_per_layer",
+                                                   "routed_per_layer")),
+                *(f"{x:.2f}" for x in [*mb, sum(mb)]),
+                *(f"{r[k]:.1f}" for k in ("experts_ms_per_step", "other_ms_per_step")),
+            ))  # fmt: skip
         lines.append("")
     if "profile" in out:
         pr = out["profile"]
-        lines += [
-            f"### Where a batched step's time goes: the embedded model, b = 4, "
+        lines += _section(
+            f"Where a batched step's time goes: the embedded model, b = 4, "
             f"{pr['tokens']} new tokens (cProfile, seconds)",
-            "",
-            f"`{pr['command']}`",
-            "",
-            "| row-invariant forward | total | dense linears | per-row routing (route) | "
-            "expert kernel |",
-            "|---|---|---|---|---|",
-        ]
+            pr["command"],
+            ["row-invariant forward", "total", "dense linears", "per-row routing (route)",
+             "expert kernel"],
+        )  # fmt: skip
         for k, r in pr["rows"].items():
             lines.append(
                 f"| {k} | {r['total_s']:.2f} | {r['linear_s']:.2f} | {r['route_s']:.2f} | "
@@ -523,15 +514,26 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
         lines.append("")
     if "determinism" in out:
         d = out["determinism"]
+        n = d.get("batch_slots")
+        slab = ("the slab of the solo slots" if n is None else f"batch_slots {n} (each "
+                "BatchDecoder's slab: min(batch_slots, b x slots))")  # fmt: skip
         lines += ["", f"`{out['determinism_command']}`", "",
-                  f"Determinism: {d['prompts']} prompts x {d['tokens']} tokens, "
-                  f"batch_slots {d.get('batch_slots')} (each BatchDecoder's slab: "
-                  "min(batch_slots, b x slots))", "",
+                  f"Determinism: {d['prompts']} prompts x {d['tokens']} tokens, {slab}", "",
                   "| b | differing tokens | of | seconds |", "|---|---|---|---|"]  # fmt: skip
         for k, v in d.items():
             if k[0] == "b" and k[1:].isdigit():
                 lines.append(f"| {k[1:]} | {v['differing_tokens']} | {v['of']} | {v['s']:.0f} |")
     (args.out / "batch.md").write_text("\n".join(lines) + "\n")
+
+
+def _cells(*cells: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _section(title: str, command: str, columns: list[str]) -> list[str]:
+    """A results section's heading, its command and its table's header."""
+    return [f"### {title}", "", f"`{command}`", "", "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns)]  # fmt: skip
 
 
 MODELS = ("embedded", "embedded-gguf", "qwen3-gguf")
