@@ -1,7 +1,8 @@
 """Batched decode (issue 38): throughput against sequential runs, and determinism.
 
     OMP_NUM_THREADS=1 python bench/batch.py --threads 1 --out bench/results/batch
-        [--models embedded,embedded-gguf,qwen3-gguf] [--skip determinism] [--skip modeled]
+        [--models embedded,embedded-gguf,qwen3-gguf] [--row-invariant off,on]
+        [--skip throughput|modeled|routing|profile|determinism] [--modeled-residency 0.5,0.25]
 
 throughput   per --models model, on the CPU backend, experts on the CPU (experts_on="cpu",
              psr at its tuned point, residency 0.5), `--threads` CPU threads: for b in
@@ -20,13 +21,16 @@ throughput   per --models model, on the CPU backend, experts on the CPU (experts
              ms/token: sequential, the mean of each run's own wall time / tokens; batched,
              the batch's wall time / tokens (every request lives for all of it). CPU
              seconds (this process) beside the wall; the load average before and after.
-             Differing tokens: against the sequential runs.
+             Differing tokens: against the sequential runs. --row-invariant off,on: each
+             model also with `model.set_row_invariant()` (interleaved within each repeat;
+             a model that cannot be is skipped with its reason).
 determinism  --det-prompts prompts x --det-tokens tokens decoded alone, then inside batches
              of each --det-batches size with random co-runners (the prompts shuffled),
              random join times (each prompt's earliest step uniform in [0, tokens]) and
              random copy delays (PSR_COPY_DELAY-style, up to --delay-us), the members read
              through the shared slab (as on CUDA: copies, runs of rows, spills) with the
-             default placement: the count of tokens that differ from the solo runs.
+             default placement, the store's slots --batch-slots (default: the solo
+             slots): the count of tokens that differ from the solo runs.
 modeled      the embedded model (standing for OLMoE-1B-7B, as psr.eval's profiles price
              it), experts on the GPU side: its members read through the shared slab (as on
              CUDA); for b in --batches, b prompts decoded together for --tokens steps after
@@ -35,8 +39,14 @@ modeled      the embedded model (standing for OLMoE-1B-7B, as psr.eval's profile
              priced by psr.eval.latency (host-free) on the rtx4090 and h200 profiles: copies
              per token, modeled ms per batch step (= per-request ms/token) and per token
              (aggregate). The dense work is priced once per step (weight reads dominate at
-             small b), as for a speculative verify block.
-Writes batch.json and batch.md (rewritten after each part).
+             small b), as for a speculative verify block. Per --modeled-residency and b,
+             the single-sequence slab (slab_slots = the solo slots C) against the
+             union-sized one (batch_slots; BatchDecoder's default min(E, b x C)).
+routing      per --models model: distinct experts per MoE layer, expert and dense MB per
+             token, and the time per step inside the routed experts' call and outside it.
+profile      cProfile of a b = 4 batched decode of the embedded model, row-invariant
+             forward off and on: dense linears, per-row routing, the expert kernel.
+Writes batch.json and batch.md (rewritten after each part; notes.md beside them is by hand).
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 from common import write_json
 
 import psr
@@ -124,17 +135,44 @@ def _model(name: str, args: argparse.Namespace) -> tuple[psr.OffloadedModel, lis
 
 
 def throughput(args: argparse.Namespace, out: dict[str, Any], name: str) -> None:
-    """Repeats interleave the batch sizes and, inside each, the three ways (a loaded
-    machine's load drifts): the ratios are taken within a repeat, their median reported,
-    and the times are each way's fastest repeat."""
+    """Repeats interleave the batch sizes and, inside each, the row-invariant modes and
+    the three ways (a loaded machine's load drifts): the ratios are taken within a repeat,
+    their median reported, and the times are each way's fastest repeat."""
     model, prompts = _model(name, args)
     N = args.tokens
-    model.generate(prompts[0], max_new_tokens=4)  # warm-up
+    modes = [m for m in args.row_invariant if m == "off" or _can_row_invariant(model, name)]
+    for mode in modes:
+        model.set_row_invariant(mode == "on")
+        model.generate(prompts[0], max_new_tokens=4)  # warm-up
     load0 = os.getloadavg()
-    runs: dict[int, list[dict[str, Any]]] = {b: [] for b in args.batches}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {
+        (m, b): [] for m in modes for b in args.batches
+    }
     for _ in range(args.repeats):
         for b in args.batches:
-            runs[b].append(_timed_runs(model, prompts[:b], N))
+            for mode in modes:
+                model.set_row_invariant(mode == "on")
+                runs[mode, b].append(_timed_runs(model, prompts[:b], N))
+    model.set_row_invariant(False)
+    model.close()
+    for mode in modes:
+        key = name if mode == "off" else f"{name}, row-invariant forward"
+        rows = _rows({b: runs[mode, b] for b in args.batches}, N, key)
+        out.setdefault("throughput", {})[key] = {
+            "rows": rows, "command": out["command"], "load": [load0, os.getloadavg()],
+            "tokens": N, "prompt_tokens": args.prompt_tokens, "threads": args.threads,
+        }  # fmt: skip
+    write(args, out)
+
+
+def _can_row_invariant(model: psr.OffloadedModel, name: str) -> bool:
+    why = model.row_invariant_blocker()
+    if why is not None:
+        print(f"{name}: no row-invariant forward ({why})", flush=True)
+    return why is None
+
+
+def _rows(runs: dict[int, list[dict[str, Any]]], N: int, name: str) -> list[dict[str, Any]]:
     rows = []
     for b, rs in runs.items():
         best = {k: min(r[k] for r in rs) for k in ("sequential", "batched", "plain")}
@@ -157,12 +195,7 @@ def throughput(args: argparse.Namespace, out: dict[str, Any], name: str) -> None
             "plain_differing_tokens": max(r["plain_differ"] for r in rs),
         })  # fmt: skip
         print(name, rows[-1], flush=True)
-    model.close()
-    out.setdefault("throughput", {})[name] = {
-        "rows": rows, "command": out["command"], "load": [load0, os.getloadavg()],
-        "tokens": N, "prompt_tokens": args.prompt_tokens, "threads": args.threads,
-    }  # fmt: skip
-    write(args, out)
+    return rows
 
 
 def schedule(model: psr.OffloadedModel, prompts: list[list[int]], T: int, b: int,
@@ -194,13 +227,15 @@ def schedule(model: psr.OffloadedModel, prompts: list[list[int]], T: int, b: int
 
 
 def determinism(args: argparse.Namespace, out: dict[str, Any]) -> None:
-    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, threads=args.threads, progress=False)
+    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, threads=args.threads, progress=False,
+                     batch_slots=args.batch_slots)  # fmt: skip
     model.runtime.prefill_reads = "slab"  # members through the shared slab, as on CUDA
     prompts = prompts_from_text(args.det_prompts, args.prompt_tokens, 2)
     T = args.det_tokens
     t = time.perf_counter()
     solo = [model.generate(p, max_new_tokens=T)[0, len(p) :].tolist() for p in prompts]
-    res: dict[str, Any] = {"prompts": len(prompts), "tokens": T, "solo_s": time.perf_counter() - t}
+    res: dict[str, Any] = {"prompts": len(prompts), "tokens": T, "solo_s": time.perf_counter() - t,
+                           "batch_slots": args.batch_slots}  # fmt: skip
     out["determinism"] = res
     out["determinism_command"] = out["command"]
     rng = random.Random(3)
@@ -215,42 +250,178 @@ def determinism(args: argparse.Namespace, out: dict[str, Any]) -> None:
         write(args, out)
 
 
+def _until_all_decode(dec: BatchDecoder, b: int) -> dict[int, torch.Tensor]:
+    """Prefill every queued prompt (feeding the earlier ones greedily meanwhile)."""
+    r = dec.ready()
+    while len(r) < b:
+        dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+        r = dec.ready()
+    return r
+
+
+def _greedy_steps(dec: BatchDecoder, r: dict[int, torch.Tensor], steps: int) -> None:
+    for _ in range(steps):
+        dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
+        r = dec.ready()
+
+
 def modeled(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Per residency and b: the same prompts decoded with the single-sequence slab (the
+    solo slots, slab_slots=C) and with the union-sized one (the load's batch_slots =
+    min(E, max b x C); BatchDecoder's default min(store, b x C)), each recorded and priced."""
     from psr.eval.latency import simulate
 
-    model = psr.load(psr.DEFAULT_MODEL, "psr", 0.5, threads=args.threads, progress=False)
-    model.runtime.prefill_reads = "slab"  # members through the shared slab, as on CUDA
-    prompts = prompts_from_text(max(args.batches), args.prompt_tokens, 1)
     rows = []
-    for b in args.batches:
-        dec = BatchDecoder(model, b)
-        for p in prompts[:b]:
-            dec.add(p)
-        r = dec.ready()
-        while len(r) < b:  # every prompt prefilled: the steps recorded all have b rows
-            dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
-            r = dec.ready()
-        trace = dec.record_trace()
-        for _ in range(args.tokens):
-            dec.feed({s: int(lg.float().argmax()) for s, lg in r.items()})
-            r = dec.ready()
-        steps = len(trace.tokens)
-        layer_steps = [s for tok in trace.tokens for s in tok]
-        union = sum(len(s.experts) for s in layer_steps) / len(layer_steps)
-        copies = sum(len(s.copies) for s in layer_steps)
-        row: dict[str, Any] = {"b": b, "steps": steps, "copies_per_token": copies / (steps * b),
-                               "experts_read_per_layer_step": union}  # fmt: skip
-        for prof in ("rtx4090", "h200"):
-            res = simulate(trace, prof)
-            row[f"{prof}_ms_per_step"] = res.ms_per_token
-            row[f"{prof}_ms_per_token"] = res.ms_per_token / b
-        rows.append(row)
-        print("modeled", row, flush=True)
-        for s in list(dec.live):
-            dec.remove(s)
-    model.close()
+    for rho in args.modeled_residency:
+        probe = psr.load(psr.DEFAULT_MODEL, "psr", rho, progress=False)
+        C, E = probe.runtime.capacity, probe.runtime.spec.num_experts
+        probe.close()
+        model = psr.load(psr.DEFAULT_MODEL, "psr", rho, threads=args.threads, progress=False,
+                         batch_slots=min(E, max(args.batches) * C))  # fmt: skip
+        model.runtime.prefill_reads = "slab"  # members through the shared slab, as on CUDA
+        prompts = prompts_from_text(max(args.batches), args.prompt_tokens, 1)
+        for b in args.batches:
+            for slab in ("single", "union"):
+                dec = BatchDecoder(model, b, slab_slots=C if slab == "single" else None)
+                for p in prompts[:b]:
+                    dec.add(p)
+                r = _until_all_decode(dec, b)  # the steps recorded all have b rows
+                trace = dec.record_trace()
+                _greedy_steps(dec, r, args.tokens)
+                steps = len(trace.tokens)
+                layer_steps = [s for tok in trace.tokens for s in tok]
+                union = sum(len(s.experts) for s in layer_steps) / len(layer_steps)
+                copies = sum(len(s.copies) for s in layer_steps)
+                row: dict[str, Any] = {
+                    "residency": rho, "C": C, "slab": slab, "slab_slots": dec.slab.size,
+                    "b": b, "steps": steps, "copies_per_token": copies / (steps * b),
+                    "experts_read_per_layer_step": union,
+                    "spilled": dec.slab.counts["spilled"],
+                }  # fmt: skip
+                for prof in ("rtx4090", "h200"):
+                    res = simulate(trace, prof)
+                    row[f"{prof}_ms_per_step"] = res.ms_per_token
+                    row[f"{prof}_ms_per_token"] = res.ms_per_token / b
+                rows.append(row)
+                print("modeled", row, flush=True)
+                for s in list(dec.live):
+                    dec.remove(s)
+        model.close()
     out["modeled"] = {"rows": rows, "command": out["command"], "tokens": args.tokens}
     write(args, out)
+
+
+def routing(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Per --models model (as throughput loads it) and b: what one batched decode step
+    reads, from its rows' routing over --tokens steps: distinct experts per MoE layer, the
+    bytes read per token (the distinct experts' rows once per step, the dense weights
+    once per step: ideal when memory-bound), and the wall time per step inside the routed
+    experts' call (batch_experts) and outside it."""
+    res = out.setdefault("routing", {})
+    for name in args.models:
+        model, prompts = _model(name, args)
+        rt = model.runtime
+        row_bytes = rt.store.expert_bytes[: len(rt.layers)]
+        dense = _dense_bytes(model)
+        rows = []
+        for b in args.batches:
+            dec = BatchDecoder(model, b)
+            for p in prompts[:b]:
+                dec.add(p)
+            r = _until_all_decode(dec, b)
+            distinct: list[int] = []
+            pairs: list[int] = []
+            spent = [0.0]
+            inner = dec.compute_experts
+
+            def timed(layer, x, ids, weights, rows_, inner=inner, distinct=distinct,
+                      pairs=pairs, spent=spent):  # fmt: skip
+                distinct.append(len({e for row in rows_ for e in row.routed}))
+                pairs.append(sum(len(row.routed) for row in rows_))
+                t = time.perf_counter()
+                y = inner(layer, x, ids, weights, rows_)
+                spent[0] += time.perf_counter() - t
+                return y
+
+            dec.compute_experts = timed  # type: ignore[method-assign]
+            t = time.perf_counter()
+            _greedy_steps(dec, r, args.tokens)
+            wall = time.perf_counter() - t
+            L, T = len(rt.layers), args.tokens
+            expert_bytes = sum(
+                d * row_bytes[i % L] for i, d in enumerate(distinct)
+            ) / (T * b)  # fmt: skip
+            row = {
+                "b": b, "distinct_experts_per_layer": sum(distinct) / len(distinct),
+                "routed_per_layer": sum(pairs) / len(pairs),
+                "expert_mb_per_token": expert_bytes / 1e6,
+                "dense_mb_per_token": dense / b / 1e6,
+                "experts_ms_per_step": 1000 * spent[0] / T,
+                "other_ms_per_step": 1000 * (wall - spent[0]) / T,
+            }  # fmt: skip
+            rows.append(row)
+            print("routing", name, row, flush=True)
+            for s in list(dec.live):
+                dec.remove(s)
+        model.close()
+        res[name] = {"rows": rows, "command": out["command"], "tokens": args.tokens,
+                     "load": os.getloadavg()}  # fmt: skip
+        write(args, out)
+
+
+def profile(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    """Where a batched decode's time goes (cProfile, the embedded model as throughput loads
+    it, b = 4, --tokens new tokens, after a warm-up), the row-invariant forward off and on:
+    the total, the dense linears (F.linear / cpu_linear), the per-row routing
+    (BatchStep.route: routing, cache updates, predictions) and the expert kernel."""
+    import cProfile
+    import pstats
+
+    from psr.runtime.batch import BatchStep
+
+    model, prompts = _model("embedded", args)
+    ps, res = prompts[:4], {}
+    route = BatchStep.route.__code__
+    for on in (False, True):
+        model.set_row_invariant(on)
+        model.generate_batch(ps, 4)
+        prof = cProfile.Profile()
+        prof.enable()
+        model.generate_batch(ps, args.tokens)
+        prof.disable()
+        st = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+
+        def spent(pred: Any, cumulative: bool = False, st: Any = st) -> float:
+            return sum(v[3 if cumulative else 2] for k, v in st.items() if pred(k))
+
+        res["on" if on else "off"] = {
+            "total_s": max(v[3] for v in st.values()),
+            "linear_s": spent(lambda k: k[2] in ("<built-in method torch._C._nn.linear>",
+                                                 "<built-in method psr._C.cpu_linear>")),
+            "route_s": spent(lambda k: (k[0], k[1]) == (route.co_filename,
+                                                       route.co_firstlineno), True),
+            "expert_kernel_s": spent(lambda k: k[2] == "<built-in method psr._C.cpu_expert_ffn>"),
+        }  # fmt: skip
+        print("profile", on, res, flush=True)
+    model.close()
+    out["profile"] = {"rows": res, "command": out["command"], "tokens": args.tokens}
+    write(args, out)
+
+
+def _dense_bytes(model: psr.OffloadedModel) -> int:
+    """Bytes of the dense weights a decode step reads whatever b (the embeddings' b rows
+    aside): every parameter and buffer but the input embedding table."""
+    hf = model.hf
+    emb = hf.get_input_embeddings()
+    skip = {id(t) for t in emb.parameters()} | {id(t) for t in emb.buffers()}
+    seen: set[int] = set()
+    total = 0
+    for t in [*hf.parameters(), *hf.buffers()]:
+        if id(t) in skip or t.is_meta or t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
 
 
 def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -289,37 +460,84 @@ def write(args: argparse.Namespace, out: dict[str, Any]) -> None:
         lines.append("")
     if "modeled" in out:
         m = out["modeled"]
-        lines += [
-            f"### Modeled on the GPU profiles (psr.eval.latency, host-free): the embedded "
-            f"model priced as OLMoE-1B-7B, {m['tokens']} recorded batch steps per b",
-            "",
-            f"`{m['command']}`",
-            "",
-            "| b | copies / token | experts read / layer step | RTX 4090 ms / step (per "
-            "request) | RTX 4090 ms / token (aggregate) | H200 ms / step | H200 ms / token |",
-            "|---|---|---|---|---|---|---|",
-        ]
+        lines += _section(
+            f"Modeled on the GPU profiles (psr.eval.latency, host-free): the embedded "
+            f"model priced as OLMoE-1B-7B, {m['tokens']} recorded batch steps per b; the "
+            "single-sequence slab (C slots: the solo capacity) against the union-sized one "
+            "(min(E, b x C) slots, LoadConfig.batch_slots); each sequence's cache C slots",
+            m["command"],
+            ["residency (C)", "slab", "b", "slab slots", "copies / token",
+             "experts read / layer step", "spilled", "RTX 4090 ms / step (per request)",
+             "RTX 4090 ms / token (aggregate)", "H200 ms / step", "H200 ms / token"],
+        )  # fmt: skip
         for r in m["rows"]:
+            lines.append(_cells(
+                f"{r.get('residency', 0.5)} ({r.get('C', '-')})", r.get("slab", "single"),
+                r["b"], r.get("slab_slots", "-"), f"{r['copies_per_token']:.2f}",
+                f"{r['experts_read_per_layer_step']:.1f}", r.get("spilled", "-"),
+                *(f"{r[k]:.2f}" for k in ("rtx4090_ms_per_step", "rtx4090_ms_per_token",
+                                          "h200_ms_per_step", "h200_ms_per_token")),
+            ))  # fmt: skip
+        lines.append("")
+    for name, t in out.get("routing", {}).items():
+        lines += _section(
+            f"What a batched step reads: {name}, {t['tokens']} steps per b (load "
+            f"average {t['load'][0]:.2f})",
+            t["command"],
+            ["b", "distinct experts / MoE layer", "routed (token, expert) pairs / layer",
+             "expert MB / token", "dense MB / token", "total MB / token",
+             "experts ms / step", "other ms / step"],
+        )  # fmt: skip
+        for r in t["rows"]:
+            mb = [r["expert_mb_per_token"], r["dense_mb_per_token"]]
+            lines.append(_cells(
+                r["b"], *(f"{r[k]:.1f}" for k in ("distinct_experts_per_layer",
+                                                   "routed_per_layer")),
+                *(f"{x:.2f}" for x in [*mb, sum(mb)]),
+                *(f"{r[k]:.1f}" for k in ("experts_ms_per_step", "other_ms_per_step")),
+            ))  # fmt: skip
+        lines.append("")
+    if "profile" in out:
+        pr = out["profile"]
+        lines += _section(
+            f"Where a batched step's time goes: the embedded model, b = 4, "
+            f"{pr['tokens']} new tokens (cProfile, seconds)",
+            pr["command"],
+            ["row-invariant forward", "total", "dense linears", "per-row routing (route)",
+             "expert kernel"],
+        )  # fmt: skip
+        for k, r in pr["rows"].items():
             lines.append(
-                f"| {r['b']} | {r['copies_per_token']:.2f} | "
-                f"{r['experts_read_per_layer_step']:.1f} | {r['rtx4090_ms_per_step']:.2f} | "
-                f"{r['rtx4090_ms_per_token']:.2f} | {r['h200_ms_per_step']:.2f} | "
-                f"{r['h200_ms_per_token']:.2f} |"
+                f"| {k} | {r['total_s']:.2f} | {r['linear_s']:.2f} | {r['route_s']:.2f} | "
+                f"{r['expert_kernel_s']:.2f} |"
             )
         lines.append("")
     if "determinism" in out:
         d = out["determinism"]
+        n = d.get("batch_slots")
+        slab = ("the slab of the solo slots" if n is None else f"batch_slots {n} (each "
+                "BatchDecoder's slab: min(batch_slots, b x slots))")  # fmt: skip
         lines += ["", f"`{out['determinism_command']}`", "",
-                  f"Determinism: {d['prompts']} prompts x {d['tokens']} tokens", "",
+                  f"Determinism: {d['prompts']} prompts x {d['tokens']} tokens, {slab}", "",
                   "| b | differing tokens | of | seconds |", "|---|---|---|---|"]  # fmt: skip
         for k, v in d.items():
-            if k.startswith("b"):
+            if k[0] == "b" and k[1:].isdigit():
                 lines.append(f"| {k[1:]} | {v['differing_tokens']} | {v['of']} | {v['s']:.0f} |")
     (args.out / "batch.md").write_text("\n".join(lines) + "\n")
 
 
+def _cells(*cells: Any) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _section(title: str, command: str, columns: list[str]) -> list[str]:
+    """A results section's heading, its command and its table's header."""
+    return [f"### {title}", "", f"`{command}`", "", "| " + " | ".join(columns) + " |",
+            "|" + "---|" * len(columns)]  # fmt: skip
+
+
 MODELS = ("embedded", "embedded-gguf", "qwen3-gguf")
-PARTS = ("throughput", "modeled", "determinism")
+PARTS = ("throughput", "modeled", "routing", "profile", "determinism")
 
 
 def _models(text: str) -> list[str]:
@@ -347,7 +565,17 @@ def main() -> None:
     ap.add_argument("--det-batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[2, 4, 8])  # fmt: skip
     ap.add_argument("--delay-us", type=int, default=300)
+    ap.add_argument("--batch-slots", type=int, default=None,
+                    help="determinism: the load's batch_slots (default: solo slots)")  # fmt: skip
     ap.add_argument("--skip", choices=PARTS, action="append", default=[])
+    ap.add_argument(
+        "--row-invariant",
+        type=lambda s: s.split(","),
+        default=["off"],
+        help="throughput with the row-invariant forward off and/or on: off,on",
+    )
+    ap.add_argument("--modeled-residency", type=lambda s: [float(x) for x in s.split(",")],
+                    default=[0.5])  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("bench/results/batch"))
     args = ap.parse_args()
     # Each part keeps its own command; a run of one part keeps the other's results.
@@ -362,6 +590,10 @@ def main() -> None:
             throughput(args, out, name)
     if "modeled" not in args.skip:
         modeled(args, out)
+    if "routing" not in args.skip:
+        routing(args, out)
+    if "profile" not in args.skip:
+        profile(args, out)
     if "determinism" not in args.skip:
         determinism(args, out)
 

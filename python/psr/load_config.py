@@ -35,6 +35,15 @@ class LoadConfig:
         psr.policy.Policy).
     residency: fraction of each layer's experts with a device slot (or `slots`); None
         (default): psr.policy.DEFAULT_RESIDENCY, or with `gpu_memory` the memory plan's.
+    batch_slots: the physical slab's slots per MoE layer, for batched decode
+        (psr.runtime.batch.BatchDecoder, `model.generate_batch`): the store gets
+        max(slots, batch_slots) while each sequence's logical cache keeps the solo `slots`
+        (so its routing and tokens stay its solo run's); a batch of b uses up to
+        b x slots of them (the union of what its sequences hold). None (default): the solo
+        slots, no more memory (a batch's union then spills them: more copies). More
+        than the experts per layer, or fewer than `slots`, is an error; with `gpu_memory`
+        it needs `slots` or `residency` (the plan then checks the larger slab fits).
+        Solo decoding uses the first `slots` only.
     lam, n: bias strength and predicted experts per layer and token (per policy; defaults
         in psr.policy).
     device: compute device (default: cuda if available); the store's backend follows.
@@ -131,6 +140,7 @@ class LoadConfig:
     policy: str | Policy = field(default=DEFAULT_POLICY, metadata=BOTH)
     residency: float | None = field(default=None, metadata=BOTH)
     slots: int | None = field(default=None, metadata=BOTH)
+    batch_slots: int | None = field(default=None, metadata=BOTH)
     lam: float | None = field(default=None, metadata=BOTH)
     n: int | None = field(default=None, metadata=BOTH)
     quality_budget: float | None = field(default=None, metadata=LOAD)
@@ -183,6 +193,14 @@ class LoadConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"{name} must be an int >= 1 (tokens), got {v!r}")
+        b = self.batch_slots
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+            raise ValueError(f"batch_slots must be an int >= 1 (slots per layer), got {b!r}")
+        if b is not None and self.plans_slots:
+            raise ValueError(
+                "batch_slots with gpu_memory needs slots or residency (the plan would "
+                "choose the solo slots the batch's slab is sized against)"
+            )
         # speculative / block: checked with the drafter files (psr.models.drafters).
 
     @classmethod

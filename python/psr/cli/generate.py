@@ -127,6 +127,13 @@ POLICY_FLAGS: dict[str, dict[str, Any]] = {
         help="slots per layer, overriding --residency (default: from --residency); below "
         "top_k, down to 0, with --experts-on cpu / hybrid",
     ),
+    "batch_slots": dict(
+        type=positive_int,
+        metavar="N",
+        help="the slab's slots per layer for batched decode (several requests at once): "
+        "each sequence's cache keeps --slots, a batch of b shares up to b x slots of these "
+        "(default: --slots; more memory, fewer copies)",
+    ),
     "lam": dict(
         type=nonnegative_float,
         help="bias toward cached experts, >= 0 (default: the policy's, psr.policy)",

@@ -65,7 +65,7 @@ from psr.runtime.expert_placement import placement_class
 from psr.runtime.kv import check_kv_format
 from psr.runtime.kv_quant import set_kv_format
 from psr.runtime.model import OffloadedModel, rows_forward
-from psr.runtime.spec import resolve_capacity
+from psr.runtime.spec import resolve_capacity, resolve_slab_slots
 from psr.runtime.verify import verify_class
 
 # Whether a load makes the CPU forward row-invariant wherever it can be (unless graphs are
@@ -104,8 +104,9 @@ def load(
         r = _planned(path, ckpt, r, meta[0], source)  # gpu_memory: before any weight is copied
         model = _build_model(ckpt, r, meta)
         drafter, C = _load_drafter(path, r, model, source, mtp)
-        plan = _tier_plan(r, model, C, source.row_bytes, source.why_not)
-        store = make_store(source, E, C, r.device, cfg.copy_retries, plan.num_held())
+        slab = resolve_slab_slots(spec, C, cfg.batch_slots)  # batches' slots: C each
+        plan = _tier_plan(r, model, slab, source.row_bytes, source.why_not)
+        store = make_store(source, E, slab, r.device, cfg.copy_retries, plan.num_held())
         cache = _quant_cache(path, ckpt, r, moe_idx, source)
         fill_cached(store, source, E, cfg.show_progress, source.tiers(plan), cache)
         biases = bias_tables(ckpt, spec, moe_idx, r.device, r.blocks) if spec.expert_bias else None
@@ -165,7 +166,8 @@ def offload(
     fmt = pk.RowFormat.parse(cfg.store_format)
     readers = [module_reader(m, fam) for m in modules]
     source = matrix_source(readers, spec, dtype, fmt, fmt.name)
-    store = make_store(source, spec.num_experts, C, device, cfg.copy_retries)
+    slab = resolve_slab_slots(spec, C, cfg.batch_slots)  # batches' slots: C each
+    store = make_store(source, spec.num_experts, slab, device, cfg.copy_retries)
     fill_store(store, source, spec.num_experts, cfg.show_progress)
     biases = None
     if spec.expert_bias:
@@ -321,7 +323,7 @@ def _planned(
         # the plan errs on the safe side there.
         dense_format="native" if cfg.dense_format == "native" else "float",
         kv_format=cfg.kv_format,
-        slots=None if cfg.plans_slots else r.capacity,
+        slots=None if cfg.plans_slots else resolve_slab_slots(r.spec, r.capacity, cfg.batch_slots),
         prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
         cuda=r.device.type == "cuda",
     )
@@ -408,13 +410,13 @@ def dense_bytes(model: nn.Module) -> int:
 
 
 def _tier_plan(
-    r: Resolved, model: nn.Module, capacity: int, row_bytes: list[int], why_not: str | None
+    r: Resolved, model: nn.Module, slab_slots: int, row_bytes: list[int], why_not: str | None
 ) -> TierPlan:
     """The held experts under `host_memory` (None: the default, `tiers.default_budget`;
     'unlimited': all). On the CPU backend the dense weights and the slab count against it."""
     host_memory, E = r.cfg.host_memory, r.spec.num_experts
     cuda = r.device.type == "cuda"
-    fixed = 0 if cuda else dense_bytes(model) + capacity * sum(row_bytes)
+    fixed = 0 if cuda else dense_bytes(model) + slab_slots * sum(row_bytes)
     if host_memory is None:
         budget = default_budget(fixed, E * sum(row_bytes))
     elif host_memory == "unlimited":

@@ -21,7 +21,7 @@ from psr.models.gguf_load import is_gguf, open_gguf
 from psr.models.quant_cache import resolve_root
 from psr.points import resolve_policy
 from psr.policy import Policy
-from psr.runtime.spec import MoESpec, resolve_capacity
+from psr.runtime.spec import MoESpec, resolve_capacity, resolve_slab_slots
 from psr.store import current_backend
 
 # The torch dtypes psr computes in (psr.vocab names them; aliases resolve to these).
@@ -133,6 +133,7 @@ def resolve(path: str | Path, ckpt: Any, cfg: LoadConfig) -> Resolved:
     on = cfg.placement[0]  # cpu / hybrid take a slab smaller than top_k
     rho = cfg.slot_residency
     C = resolve_capacity(spec, cfg.make_policy(), rho, cfg.slots, experts_on=on)
+    resolve_slab_slots(spec, C, cfg.batch_slots)
     # cache-prior / psr without lam and n: the model's tuned operating point, if any (once
     # the memory plan has chosen the slots: psr.load resolves again at them).
     pol, pol_source = (

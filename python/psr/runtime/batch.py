@@ -39,7 +39,7 @@ import torch
 import psr_kernels as pk
 from psr.cache import LogicalCache
 from psr.runtime.batch_ops import BatchKV, DenseSeam, batch_linear, check_attention
-from psr.runtime.batch_slab import SharedSlab
+from psr.runtime.batch_slab import SharedSlab, slab_size
 from psr.runtime.chunked import boundaries
 from psr.runtime.kv import cache_kwarg, output_cache
 from psr.runtime.layer import MoELayer
@@ -199,11 +199,14 @@ class BatchDecoder:
     met by evicting a live sequence's KV: a prompt longer than it is refused at `add`, a
     queued prefill chunk that does not fit waits (until a sequence leaves), and a `feed`
     whose step would pass it is refused before anything changes.
+    `slab_slots` (default: min(the store's slots, max_batch x the solo slots)): the shared
+    slab's slots per MoE layer (batch_slab.py), from the solo slots up to the store's
+    (`batch_slots` at load); each sequence's logical cache keeps the solo slots.
     """
 
     def __init__(
         self, model: OffloadedModel, max_batch: int, *, batch_invariant: bool = True,
-        kv_tokens: int | None = None,
+        kv_tokens: int | None = None, slab_slots: int | None = None,
     ) -> None:  # fmt: skip
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -218,7 +221,8 @@ class BatchDecoder:
             self.model, self.rt = model, rt
             self.max_batch, self.kv_tokens = max_batch, kv_tokens
             self.batch_invariant = bool(batch_invariant)
-            self.slab = SharedSlab(rt.store, len(rt.layers))
+            size = slab_size(rt.capacity, rt.max_capacity, max_batch, slab_slots)
+            self.slab = SharedSlab(rt.store, len(rt.layers), size)
             self._seam = DenseSeam(model.hf, self.batch_invariant)
             self._kv_name = cache_kwarg(model.hf)
             self._seqs: dict[int, _Seq] = {}

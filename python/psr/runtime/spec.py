@@ -137,3 +137,19 @@ def resolve_capacity(
     if policy.n > C:
         raise ValueError(f"n={policy.n} prefetches exceed the {C} slots per layer")
     return C
+
+
+def resolve_slab_slots(spec: MoESpec, capacity: int, batch_slots: int | None) -> int:
+    """The store's slots per layer: the solo `capacity`, or `batch_slots` (LoadConfig) for
+    batched decode, between the capacity and the experts per layer, else a ValueError."""
+    if batch_slots is None:
+        return capacity
+    E = spec.num_experts
+    if batch_slots < capacity:
+        raise ValueError(
+            f"batch_slots={batch_slots} is fewer than the {capacity} solo slots per layer: "
+            "a batch's slab holds at least one sequence's cache"
+        )
+    if batch_slots > E:
+        raise ValueError(f"batch_slots={batch_slots} exceeds the {E} experts per layer")
+    return batch_slots
