@@ -1,4 +1,5 @@
-"""`psr serve --parallel N`: requests decode together, each answer its solo run's."""
+"""`psr serve --parallel N`: requests decode together, each answer its solo run's; the
+prompt cache is on (its default) and a conversation's next turn resumes from it."""
 
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def server(home):
 @pytest.fixture(scope="module")
 def model(home):
     args = build_parser().parse_args(["serve", *SERVE_ARGS])
-    return load(DEFAULT_MODEL, **load_options(args), progress=False)
+    m = load(DEFAULT_MODEL, **load_options(args), progress=False)
+    m.set_row_invariant(True)  # the server's forward with its prompt cache (on by default)
+    return m
 
 
 def solo(model, prompt: str, n: int, **kw) -> list[int]:
@@ -114,9 +117,58 @@ def test_a_client_that_leaves_frees_its_slot(server) -> None:
     assert 1 <= made < 40  # not the 400 asked for
 
 
-def test_parallel_with_an_explicit_prompt_cache_is_a_usage_error(home) -> None:
-    with pytest.raises(RuntimeError, match="--prompt-cache and --parallel > 1 do not combine"):
-        RemoteServer([*SERVE_ARGS, "--parallel", "2", "--prompt-cache", "64"])
+def test_conversations_second_turns_resume_from_the_prompt_cache(server, model) -> None:
+    # Four two-turn conversations at once through the openai client: each second turn
+    # (the first turn's prompt and answer, then more) resumes from the cached end of its
+    # first turn's prompt, and every answer is its solo run's (model.generate, no cache).
+    tok = model.tokenizer
+    more = tok(" and so it goes on", add_special_tokens=False)["input_ids"]
+    firsts = [tok(p)["input_ids"] for p in PROMPTS]
+    before = server.metrics()
+    got: dict[int, list[tuple[list[int], list[int], int]]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(PROMPTS))
+
+    def turn(ids: list[int], n: int) -> tuple[list[int], list[int], int]:
+        stream = server.client(timeout=300).completions.create(
+            model=NAME, prompt=ids, max_tokens=n, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        out, cached = [], -1
+        for c in stream:
+            if c.usage is not None:
+                cached = c.usage.prompt_tokens_details.cached_tokens
+            for ch in c.choices:
+                out += (ch.model_extra or {}).get("token_ids") or []
+        return ids, out, cached
+
+    def conversation(i: int) -> None:
+        try:
+            start.wait()
+            one = turn(firsts[i], 6 + i)
+            two = turn([*one[0], *one[1], *more], 5)
+            got[i] = [one, two]
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    eos = tok.eos_token_id
+    for i in range(len(PROMPTS)):
+        for ids, out, _ in got[i]:
+            want = model.generate(ids, max_new_tokens=len(out), eos_token_id=eos)
+            assert out == want[0, len(ids) :].tolist(), f"conversation {i}"
+        assert [c for _, _, c in got[i]] == [0, len(firsts[i])]  # turn 2 from turn 1's end
+    after = server.metrics()
+    cached = sum(len(f) for f in firsts)
+    prompts = sum(len(ids) for turns in got.values() for ids, _, _ in turns)
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["psr_prompt_tokens_cached_total"] == cached
+    assert d["psr_prompt_tokens_computed_total"] == prompts - cached
 
 
 def test_n_choices_are_the_seeds_solo_runs(server, model) -> None:
