@@ -44,12 +44,13 @@ def _solo(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
     return out[0, len(prompt) :].tolist(), logits
 
 
-def _batched(model, prompts, n, joins=None, max_batch=None, **kw):
-    """Greedy decoding of `prompts` in one BatchDecoder, prompt j added at step `joins[j]`
-    and leaving after `n[j]` tokens; returns each one's tokens and logits."""
+def _batched(model, prompts, n, joins=None, max_batch=None, dec=None, **kw):
+    """Greedy decoding of `prompts` in one BatchDecoder (`dec`, or a new one), prompt j
+    added at step `joins[j]` and leaving after `n[j]` tokens; returns each one's tokens
+    and logits."""
     joins = joins or [0] * len(prompts)
     n = n if isinstance(n, list) else [n] * len(prompts)
-    dec = BatchDecoder(model, max_batch or len(prompts), **kw)
+    dec = dec or BatchDecoder(model, max_batch or len(prompts), **kw)
     seq_of: dict[int, int] = {}
     toks: list[list[int]] = [[] for _ in prompts]
     logits: list[list[torch.Tensor]] = [[] for _ in prompts]
@@ -124,6 +125,16 @@ def test_shared_experts_dense_layers_and_latent_attention(ckpts, family) -> None
     model = _tiny(ckpts, family)
     toks, logits, _ = _batched(model, PROMPTS[:2], 6, joins=[0, 2])
     _assert_solo(model, PROMPTS[:2], 6, toks, logits)
+
+
+def test_the_row_invariant_forward_switched_on_after_the_decoder_is_built(ckpts) -> None:
+    """psr serve's forward with its prompt cache: its row-invariant linears then run once
+    for all rows (the seam follows the model's forward), each row still its solo run."""
+    model = _tiny(ckpts)
+    dec = BatchDecoder(model, 3)
+    model.set_row_invariant(True)
+    toks, logits, _ = _batched(model, PROMPTS, 6, joins=[0, 1, 3], dec=dec)
+    _assert_solo(model, PROMPTS, 6, toks, logits)
 
 
 def test_chunked_prefill_interleaves_with_decode_steps(ckpts) -> None:

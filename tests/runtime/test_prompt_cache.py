@@ -178,6 +178,10 @@ def test_bad_input_is_refused_in_one_line(ckpt) -> None:
         model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(16))
     with pytest.raises(TypeError, match="prompt_cache must be a psr PromptCache"):
         model.generate(FIRST, max_new_tokens=1, prompt_cache={})
+    with pytest.raises(ValueError, match="below one prefill chunk's KV"):
+        BatchDecoder(model, 2, prompt_cache=PromptCache(16))
+    with pytest.raises(TypeError, match="prompt_cache must be a psr PromptCache"):
+        BatchDecoder(model, 2, prompt_cache={})  # type: ignore[arg-type]
 
 
 def test_a_hit_changes_nothing_through_a_static_cache(ckpt) -> None:
@@ -308,3 +312,21 @@ def test_a_packed_kv_format_budget_counts_its_packed_bytes(ckpt) -> None:
     model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(packed))
     with pytest.raises(ValueError, match=f"below one prefill chunk's KV .*{packed} bytes"):
         model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(packed - 1))
+
+
+def test_a_hit_in_a_batch_counts_its_tokens_in_the_kv_budget(ckpt) -> None:
+    """A resumed prefix enters the KV cache with the newcomer's first chunk: it waits
+    while the cached tokens and that chunk do not fit beside the others' KV."""
+    model = _load(ckpt, "psr", lam=0.3, n=1)
+    cache = PromptCache(1 << 26)
+    dec = BatchDecoder(model, 2, kv_tokens=70, prompt_cache=cache)
+    a = dec.add(FIRST)
+    (logits,) = dec.ready().values()
+    b = dec.add(SECOND)
+    dec.feed({a: int(logits.argmax())})  # a holds 41; b's 40 cached + 8 would make 89
+    assert dec.kv_held == 41 and dec.cached_tokens(b) == 0
+    dec.remove(a)
+    assert list(dec.ready()) == [b]
+    assert dec.cached_tokens(b) == FIRST.shape[1] and dec.kv_held == SECOND.shape[1]
+    computed = FIRST.shape[1] + (SECOND.shape[1] - FIRST.shape[1])  # a's, then b's rest
+    assert dec.stats["prefill_tokens"] == computed
