@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch_runs import batched, solo
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
@@ -208,42 +209,6 @@ def test_a_hit_changes_nothing_through_a_static_cache(ckpt) -> None:
     assert hit[0] == miss[0] and torch.equal(hit[1], miss[1])
 
 
-def _batch(model, prompts, joins, n, cache):
-    """Greedy decoding of `prompts` in one BatchDecoder with prompt cache `cache`, prompt
-    j joining at step `joins[j]`: each one's tokens, the logits each was chosen from, and
-    its cached prompt tokens."""
-    dec = BatchDecoder(model, len(prompts), prompt_cache=cache)
-    which: dict[int, int] = {}
-    toks: list[list[int]] = [[] for _ in prompts]
-    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    cached = [0] * len(prompts)
-    step = 0
-    while step == 0 or dec.live or len(which) < len(prompts):
-        for j, at in enumerate(joins):
-            if at == step:
-                which[dec.add(prompts[j])] = j
-        feed = {}
-        for s, lg in dec.ready().items():
-            j = which[s]
-            logits[j].append(lg)
-            toks[j].append(int(lg.argmax()))
-            if len(toks[j]) == n:
-                cached[j] = dec.cached_tokens(s)
-                dec.remove(s)
-            else:
-                feed[s] = toks[j][-1]
-        dec.feed(feed)
-        step += 1
-    return toks, [torch.stack(x) for x in logits], cached
-
-
-def _alone(model, ids):
-    """A prompt's solo run without a cache: its tokens and the logits each was chosen from."""
-    out = model.generate(ids, max_new_tokens=NEW)
-    P = len(ids)
-    return out[0, P:].tolist(), model.decode_logits(out, P)[0, P - 1 : P - 1 + NEW]
-
-
 @pytest.mark.parametrize("rows", [True, False], ids=["any-length", "boundaries"])
 @pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
 def test_a_hit_inside_a_batch_changes_nothing(ckpt, policy, kw, rows) -> None:
@@ -262,14 +227,15 @@ def test_a_hit_inside_a_batch_changes_nothing(ckpt, policy, kw, rows) -> None:
     joins = [0, at[0], at[1], at[1], at[2] + 1, at[2] + 1, at[3] + 2]  # turn 2 after turn 1
     cache = PromptCache(1 << 26)
     model.runtime.store.set_copy_delay(2000, seed=3)
-    toks, logits, cached = _batch(model, prompts, joins, NEW, cache)
+    cached: list[int] = []
+    toks, logits, _ = batched(model, prompts, NEW, joins, prompt_cache=cache, cached=cached)
     model.runtime.store.set_copy_delay(0)
     # a second turn resumes from its first turn's end (row-invariant), else its last
     # boundary before that end; nothing else is a prefix of another prompt
     ends = [len(f) if rows else (len(f) - 1) // CHUNK * CHUNK for f in first]
     assert cached == [0, 0, 0, 0, ends[0], 0, ends[1]]
     for j, p in enumerate(prompts):
-        want = _alone(model, p)
+        want = solo(model, p, NEW)
         assert toks[j] == want[0], f"prompt {j}"
         assert torch.equal(logits[j], want[1]), f"prompt {j}"
     # one cache for both paths: a solo request resumes from a batch's entries
@@ -288,11 +254,12 @@ def test_a_hit_inside_a_batch_on_the_slab_path(ckpt) -> None:
     prompts = [FIRST[0].tolist(), [3, 1, 4, 1, 5], SECOND[0].tolist()]
     cache = PromptCache(1 << 26)
     model.runtime.store.set_copy_delay(3000, seed=5)
-    toks, logits, cached = _batch(model, prompts, [0, 1, 2], NEW, cache)
+    cached: list[int] = []
+    toks, logits, _ = batched(model, prompts, NEW, [0, 1, 2], prompt_cache=cache, cached=cached)
     model.runtime.store.set_copy_delay(0)
     assert cached == [0, 0, FIRST.shape[1]]
     for j, p in enumerate(prompts):
-        want = _alone(model, p)
+        want = solo(model, p, NEW)
         assert toks[j] == want[0] and torch.equal(logits[j], want[1]), f"prompt {j}"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from servers import RemoteServer
@@ -46,6 +47,26 @@ def as_generate(body: dict) -> dict:
     return {"do_sample": True, **body}
 
 
+def at_once(n: int, fn: Callable[[int], None]) -> None:
+    """`fn(0)` .. `fn(n - 1)` in n threads started together; their errors re-raised."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            fn(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def test_four_openai_streams_decode_together_each_as_alone(server, model) -> None:
     # Greedy and seeded sampling, different lengths: four streams at once through the
     # openai client, each one's tokens those of its solo run (model.generate).
@@ -58,28 +79,17 @@ def test_four_openai_streams_decode_together_each_as_alone(server, model) -> Non
     want = [solo(model, p, n, **as_generate(body)) for p, n, body in cases]
     before = server.metrics()
     got: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(cases))
 
     def client(i: int) -> None:
         prompt, n, body = cases[i]
-        try:
-            start.wait()
-            stream = server.client(timeout=300).completions.create(
-                model=NAME, prompt=prompt, max_tokens=n, stream=True,
-                extra_body={"return_token_ids": True}, **body,
-            )  # fmt: skip
-            got[i] = [t for c in stream for ch in c.choices
-                      for t in ((ch.model_extra or {}).get("token_ids") or [])]  # fmt: skip
-        except BaseException as e:
-            errors.append(e)
+        stream = server.client(timeout=300).completions.create(
+            model=NAME, prompt=prompt, max_tokens=n, stream=True,
+            extra_body={"return_token_ids": True}, **body,
+        )  # fmt: skip
+        got[i] = [t for c in stream for ch in c.choices
+                  for t in ((ch.model_extra or {}).get("token_ids") or [])]  # fmt: skip
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(len(cases), client)
     assert [got[i] for i in range(len(cases))] == want
     after = server.metrics()
     assert after["psr_slots"] == 4
@@ -126,8 +136,6 @@ def test_conversations_second_turns_resume_from_the_prompt_cache(server, model) 
     firsts = [tok(p)["input_ids"] for p in PROMPTS]
     before = server.metrics()
     got: dict[int, list[tuple[list[int], list[int], int]]] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(PROMPTS))
 
     def turn(ids: list[int], n: int) -> tuple[list[int], list[int], int]:
         stream = server.client(timeout=300).completions.create(
@@ -143,20 +151,10 @@ def test_conversations_second_turns_resume_from_the_prompt_cache(server, model) 
         return ids, out, cached
 
     def conversation(i: int) -> None:
-        try:
-            start.wait()
-            one = turn(firsts[i], 6 + i)
-            two = turn([*one[0], *one[1], *more], 5)
-            got[i] = [one, two]
-        except BaseException as e:
-            errors.append(e)
+        one = turn(firsts[i], 6 + i)
+        got[i] = [one, turn([*one[0], *one[1], *more], 5)]
 
-    threads = [threading.Thread(target=conversation, args=(i,)) for i in range(len(PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(len(PROMPTS), conversation)
     eos = tok.eos_token_id
     for i in range(len(PROMPTS)):
         for ids, out, _ in got[i]:
