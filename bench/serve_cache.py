@@ -11,17 +11,18 @@ configurations run the same model object and forward), alternating the two confi
 
 The model: the embedded model (psr.DEFAULT_MODEL) with its context raised from 512 to
 `--context` tokens (a copy of its folder whose config says so; RoPE takes any position:
-its text beyond 512 is not what it was trained on, which changes no timing), loaded as
-`psr serve --model <it> --threads 1` loads it, the row-invariant forward on in both
-configurations (`psr serve` turns it on with its prompt cache; kept on without it so the
-two answer with the same forward and their tokens compare). Prompts: windows of the
-model's held-out text.
+its text beyond 512 is not what it was trained on, which changes no timing), loaded with
+`psr.load`'s defaults (as `psr serve --model <it> --threads 1` loads it), the
+row-invariant forward on in both configurations (`psr serve` turns it on with its prompt
+cache; kept on without it so the two answer with the same forward and their tokens
+compare). Prompts: windows of the model's held-out text.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -156,14 +157,11 @@ def main() -> None:
     if a.extend <= a.answer:
         ap.error("--extend must exceed --answer (the second turn adds the answer and new text)")
 
-    from psr.cli import build_parser
-    from psr.cli.generate import load_options
     from psr.models import load
 
     tmp = tempfile.TemporaryDirectory()
     path = _model_copy(a.context, Path(tmp.name))
-    args = build_parser().parse_args(["serve", "--model", str(path), "--threads", "1"])
-    model = load(str(path), **load_options(args), progress=False)
+    model = load(str(path), threads=1, progress=False)  # psr serve's defaults, one thread
     model.set_row_invariant(True)
     text = (path / "heldout.txt").read_text()
     ids = model.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -172,6 +170,7 @@ def main() -> None:
     news = [ids[i * span + a.prompt : (i + 1) * span] for i in range(a.conversations)]
     assert all(len(f) == a.prompt for f in firsts) and all(len(n) == span - a.prompt for n in news)
 
+    load0 = os.getloadavg()[0]
     runs: list[dict[str, Any]] = []
     for r in range(a.rounds):
         for cache in (False, True):
@@ -203,6 +202,7 @@ def main() -> None:
         rows.append((r, statistics.mean(t1), statistics.mean(on1), statistics.mean(off2),
                      statistics.mean(on2), max(off2), max(on2)))  # fmt: skip
     cached = [t["cached"] for t in turns(True, 1)]
+    load = os.getloadavg()[0]
     command = "OMP_NUM_THREADS=1 PYTHONPATH=python .venv/bin/python bench/serve_cache.py " + (
         shlex.join(sys.argv[1:])
     )
@@ -212,7 +212,9 @@ def main() -> None:
         f"{a.extend} tokens ({a.answer} answered + {a.extend - a.answer} new), {a.answer} "
         f"greedy tokens per turn; the embedded model at context {a.context}, policy "
         f"{model.policy.describe()}, {a.rounds} rounds alternating without / with the prompt "
-        f"cache ({a.cache_mib} MiB)",
+        f"cache ({a.cache_mib} MiB); the shared 2-core VM's load average {load0:.1f} at the "
+        f"start, {load:.1f} at the end (other people's work: the wall figures are noisy, the "
+        "ratios within a round the figure to read)",
         "",
         f"    {command}",
         "",
