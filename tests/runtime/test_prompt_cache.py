@@ -297,3 +297,14 @@ def test_a_hit_in_a_batch_counts_its_tokens_in_the_kv_budget(ckpt) -> None:
     assert dec.cached_tokens(b) == FIRST.shape[1] and dec.kv_held == SECOND.shape[1]
     computed = FIRST.shape[1] + (SECOND.shape[1] - FIRST.shape[1])  # a's, then b's rest
     assert dec.stats["prefill_tokens"] == computed
+
+
+def test_generate_batch_takes_the_prompt_cache(ckpt) -> None:
+    """The second prompt's prefill begins after the first's (oldest first): it resumes
+    from the first's end, and both answer as `generate` alone does."""
+    model = _load(ckpt, "psr", lam=0.3, n=1)
+    cache = PromptCache(1 << 26)
+    got = model.generate_batch([FIRST[0], SECOND[0]], NEW, prompt_cache=cache)
+    assert cache.hits == 1 and cache.cached_tokens == FIRST.shape[1]
+    for ids, g in zip((FIRST, SECOND), got, strict=True):
+        assert g == model.generate(ids, max_new_tokens=NEW)[0, ids.shape[1] :].tolist()

@@ -480,13 +480,14 @@ def generate_batch(
     seeds: Sequence[int],
     max_batch: int,
     batch_invariant: bool = True,
+    prompt_cache: PromptCache | None = None,
 ) -> list[list[int]]:
     """`OffloadedModel.generate_batch`: each prompt's new tokens, chosen as
     psr.runtime.generate chooses them (greedy, or its warpers and a generator seeded by the
     prompt's seed), the prompts admitted in order as places free up."""
     from psr.runtime.generate import TokenChooser
 
-    dec = BatchDecoder(model, max_batch, batch_invariant=batch_invariant)
+    dec = BatchDecoder(model, max_batch, batch_invariant=batch_invariant, prompt_cache=prompt_cache)
     queue = list(range(len(prompts)))
     out: list[list[int]] = [[] for _ in prompts]
     choosers: dict[int, TokenChooser] = {}  # sequence -> its choices

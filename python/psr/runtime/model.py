@@ -657,12 +657,14 @@ class OffloadedModel(nn.Module):
         seeds: Sequence[int] | None = None,
         max_batch: int | None = None,
         batch_invariant: bool = True,
+        prompt_cache: chunked.PromptCache | None = None,
     ) -> list[list[int]]:
         """Decode several prompts together (psr.runtime.batch.BatchDecoder): returns each
         prompt's new tokens. Each sequence's tokens are its solo `generate`'s with the same
         settings and `seeds[i]` (default 0), whatever its co-runners: its own logical
         caches, each row computed as at batch 1. At most `max_batch` (default: all) decode
-        at once; the others join as sequences finish (continuous batching)."""
+        at once; the others join as sequences finish (continuous batching). `prompt_cache`:
+        as `generate`'s, each prompt resuming from it when its prefill begins."""
         from psr.runtime.batch import generate_batch
 
         if seeds is not None and len(seeds) != len(prompts):
@@ -673,7 +675,7 @@ class OffloadedModel(nn.Module):
         )
         return generate_batch(
             self, prompts, settings, list(seeds or [0] * len(prompts)),
-            max_batch or max(1, len(prompts)), batch_invariant,
+            max_batch or max(1, len(prompts)), batch_invariant, prompt_cache,
         )  # fmt: skip
 
     def _generate_plain(
