@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch_runs import batched, solo
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
@@ -37,45 +38,10 @@ def _tiny(ckpts, family: str = "olmoe", **kw) -> psr.OffloadedModel:
     return psr.load(ckpts[family], "psr", 0.25, progress=False, dtype="float32", **kw)
 
 
-def _solo(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """The solo run's tokens and the logits each was chosen from `[n, V]`."""
-    out = model.generate(prompt, max_new_tokens=n)
-    logits = model.decode_logits(out, len(prompt))[0, len(prompt) - 1 : len(prompt) - 1 + n]
-    return out[0, len(prompt) :].tolist(), logits
-
-
-def _batched(model, prompts, n, joins=None, max_batch=None, **kw):
-    """Greedy decoding of `prompts` in one BatchDecoder, prompt j added at step `joins[j]`
-    and leaving after `n[j]` tokens; returns each one's tokens and logits."""
-    joins = joins or [0] * len(prompts)
-    n = n if isinstance(n, list) else [n] * len(prompts)
-    dec = BatchDecoder(model, max_batch or len(prompts), **kw)
-    seq_of: dict[int, int] = {}
-    toks: list[list[int]] = [[] for _ in prompts]
-    logits: list[list[torch.Tensor]] = [[] for _ in prompts]
-    step = 0
-    while step == 0 or dec.live or len(seq_of) < len(prompts):
-        for j, at in enumerate(joins):
-            if at == step:
-                seq_of[dec.add(prompts[j])] = j
-        feed = {}
-        for s, lg in dec.ready().items():
-            j = seq_of[s]
-            logits[j].append(lg)
-            toks[j].append(int(lg.float().argmax()))
-            if len(toks[j]) == n[j]:
-                dec.remove(s)
-            else:
-                feed[s] = toks[j][-1]
-        dec.feed(feed)
-        step += 1
-    return toks, [torch.stack(x) for x in logits], dec
-
-
 def _assert_solo(model, prompts, n, toks, logits) -> None:
     n = n if isinstance(n, list) else [n] * len(prompts)
     for j, p in enumerate(prompts):
-        st, sl = _solo(model, p, n[j])
+        st, sl = solo(model, p, n[j])
         assert toks[j] == st, f"prompt {j}"
         assert torch.equal(logits[j], sl), f"prompt {j}"
 
@@ -84,7 +50,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 20, 30, 17, 19, 23, 29, 31, 37], [42, 42, 42]] 
 
 
 def test_embedded_model_rows_equal_solo_runs(embedded) -> None:
-    toks, logits, dec = _batched(embedded, PROMPTS, 10, joins=[0, 0, 3])
+    toks, logits, dec = batched(embedded, PROMPTS, 10, joins=[0, 0, 3])
     _assert_solo(embedded, PROMPTS, 10, toks, logits)
     assert not any(dec.slab.refs)  # everything freed
 
@@ -92,7 +58,7 @@ def test_embedded_model_rows_equal_solo_runs(embedded) -> None:
 def test_embedded_model_experts_on_cpu(embedded) -> None:
     embedded.set_experts_on("cpu")
     try:
-        toks, logits, dec = _batched(embedded, PROMPTS, 8, joins=[0, 1, 1])
+        toks, logits, dec = batched(embedded, PROMPTS, 8, joins=[0, 1, 1])
         assert dec.stats["cpu_experts"] > 0
         _assert_solo(embedded, PROMPTS, 8, toks, logits)
     finally:
@@ -111,7 +77,7 @@ def test_random_co_runners_joins_leaves_and_copy_delays(ckpts, experts_on, reads
     n = [rng.randint(2, 9) for _ in prompts]
     joins = [rng.randint(0, 6) for _ in prompts]
     model.runtime.store.set_copy_delay(2000, seed=3)
-    toks, logits, dec = _batched(model, prompts, n, joins, max_batch=5)
+    toks, logits, dec = batched(model, prompts, n, joins, max_batch=5)
     model.runtime.store.set_copy_delay(0)
     _assert_solo(model, prompts, n, toks, logits)
     if reads == "slab" and experts_on == "gpu":
@@ -122,8 +88,18 @@ def test_random_co_runners_joins_leaves_and_copy_delays(ckpts, experts_on, reads
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_shared_experts_dense_layers_and_latent_attention(ckpts, family) -> None:
     model = _tiny(ckpts, family)
-    toks, logits, _ = _batched(model, PROMPTS[:2], 6, joins=[0, 2])
+    toks, logits, _ = batched(model, PROMPTS[:2], 6, joins=[0, 2])
     _assert_solo(model, PROMPTS[:2], 6, toks, logits)
+
+
+def test_the_row_invariant_forward_switched_on_after_the_decoder_is_built(ckpts) -> None:
+    """psr serve's forward with its prompt cache: its row-invariant linears then run once
+    for all rows (the seam follows the model's forward), each row still its solo run."""
+    model = _tiny(ckpts)
+    dec = BatchDecoder(model, 3)
+    model.set_row_invariant(True)
+    toks, logits, _ = batched(model, PROMPTS, 6, joins=[0, 1, 3], dec=dec)
+    _assert_solo(model, PROMPTS, 6, toks, logits)
 
 
 def test_chunked_prefill_interleaves_with_decode_steps(ckpts) -> None:
@@ -141,9 +117,9 @@ def test_chunked_prefill_interleaves_with_decode_steps(ckpts) -> None:
         toks[a].append(int(dec.ready()[a].argmax()))
         steps_while_b_prefills += 1
     assert steps_while_b_prefills == 10  # one chunk after each step: a never waited longer
-    st, _ = _solo(model, [1, 2, 3], len(toks[a]))
+    st, _ = solo(model, [1, 2, 3], len(toks[a]))
     assert toks[a] == st
-    _, sl = _solo(model, long, 1)
+    _, sl = solo(model, long, 1)
     assert torch.equal(dec.ready()[b], sl[0])
 
 
@@ -162,7 +138,7 @@ def test_a_solo_call_between_steps_changes_nothing(ckpts) -> None:
             model.generate([9, 9, 9, 1], max_new_tokens=4)  # moves slots, new solo sequence
         dec.feed({x: int(r[x].argmax()) for x in s})
     for j, x in enumerate(s):
-        _, sl = _solo(model, PROMPTS[j], 6)
+        _, sl = solo(model, PROMPTS[j], 6)
         assert torch.equal(torch.stack(got[x]), sl)
 
 
@@ -176,14 +152,14 @@ def test_generate_batch_equals_generate(ckpts) -> None:
         prompts, 5, do_sample=True, temperature=0.8, top_k=20, seeds=[1, 2, 3, 4]
     )
     for j, (p, g) in enumerate(zip(prompts, sampled, strict=True)):
-        solo = model.generate(p, max_new_tokens=5, do_sample=True, temperature=0.8, top_k=20,
-                              seed=j + 1)  # fmt: skip
-        assert g == solo[0, len(p) :].tolist()
+        alone = model.generate(p, max_new_tokens=5, do_sample=True, temperature=0.8, top_k=20,
+                               seed=j + 1)  # fmt: skip
+        assert g == alone[0, len(p) :].tolist()
 
 
 def test_plain_batched_path_is_an_option(ckpts) -> None:
     model = _tiny(ckpts)
-    toks, _, _ = _batched(model, PROMPTS, 4, batch_invariant=False)
+    toks, _, _ = batched(model, PROMPTS, 4, batch_invariant=False)
     assert [len(t) for t in toks] == [4, 4, 4]
 
 
@@ -214,7 +190,7 @@ def test_gguf_dense_blocks_run_once_for_all_rows(tmp_path: Path) -> None:
     x = torch.randn(5, 1, quant[0].in_features)
     rows = torch.cat([quant[0](x[i : i + 1].clone()) for i in range(5)])
     assert torch.equal(quant[0](x), rows)  # the premise, on the model's own layer
-    toks, logits, dec = _batched(model, PROMPTS, 6, joins=[0, 0, 2])
+    toks, logits, dec = batched(model, PROMPTS, 6, joins=[0, 0, 2])
     assert dec.stats["cpu_experts"] > 0
     _assert_solo(model, PROMPTS, 6, toks, logits)
 
@@ -313,7 +289,7 @@ def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
     with pytest.raises(ValueError, match=r"would hold 13 KV tokens, beyond the batch's kv_tok"):
         dec.feed({a: int(got[-1].float().argmax())})
     assert dec.kv_held == 12 and torch.equal(dec.ready()[a], got[-1])  # nothing changed
-    assert torch.equal(torch.stack(got), _solo(model, PROMPTS[0], 8)[1])
+    assert torch.equal(torch.stack(got), solo(model, PROMPTS[0], 8)[1])
     dec.remove(a)
     got = []
     for _ in range(4):  # b: 9 + 3 steps
@@ -321,7 +297,7 @@ def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
         got.append(r[b])
         if len(got) < 4:
             dec.feed({b: int(r[b].float().argmax())})
-    assert torch.equal(torch.stack(got), _solo(model, PROMPTS[1], 4)[1])
+    assert torch.equal(torch.stack(got), solo(model, PROMPTS[1], 4)[1])
 
 
 def test_recorded_batch_trace_counts_each_copy_once_and_prices(ckpts) -> None:
@@ -366,6 +342,6 @@ def test_prefill_staged_through_the_shared_slab(ckpts) -> None:
     model = _tiny(ckpts)
     model.runtime.prefill_reads = "slab"  # as on CUDA: each expert staged through a slot
     model.runtime.store.set_copy_delay(1000, seed=1)
-    toks, logits, dec = _batched(model, PROMPTS, 5, joins=[0, 2, 2])
+    toks, logits, dec = batched(model, PROMPTS, 5, joins=[0, 2, 2])
     _assert_solo(model, PROMPTS, 5, toks, logits)
     assert dec.slab.counts["copies"] > 0

@@ -3,20 +3,26 @@ ids alone whatever the chunking; a prompt-cache hit changes nothing (tokens, log
 decode counts bit-identical to the same request without the cache) for every policy,
 both decode steps, under copy delays, on both prefill read paths, resumed at any cached
 prefix (the row-invariant CPU forward, the default) or at a chunk boundary (a forward
-that rounds by chunk); entries never cross models or configurations; bad input refused
-in one line."""
+that rounds by chunk), alone or inside a batch (BatchDecoder: a newcomer resumes from the
+cache, whatever its co-runners and the copies' timing); entries never cross models or
+configurations; the budget counts a packed KV format's bytes; bad input refused in one
+line."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
 import torch
+from batch_runs import batched, solo
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
 from psr.cache import prefill_state
+from psr.runtime.batch import BatchDecoder
 from psr.runtime.chunked import PromptCache, boundaries
+from psr.runtime.kv import kv_bytes
 
 CHUNK = 8
 FIRST = torch.arange(40).remainder(61)[None] * 7 % 64  # a 40-token first turn
@@ -173,6 +179,10 @@ def test_bad_input_is_refused_in_one_line(ckpt) -> None:
         model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(16))
     with pytest.raises(TypeError, match="prompt_cache must be a psr PromptCache"):
         model.generate(FIRST, max_new_tokens=1, prompt_cache={})
+    with pytest.raises(ValueError, match="below one prefill chunk's KV"):
+        BatchDecoder(model, 2, prompt_cache=PromptCache(16))
+    with pytest.raises(TypeError, match="prompt_cache must be a psr PromptCache"):
+        BatchDecoder(model, 2, prompt_cache={})  # type: ignore[arg-type]
 
 
 def test_a_hit_changes_nothing_through_a_static_cache(ckpt) -> None:
@@ -197,3 +207,104 @@ def test_a_hit_changes_nothing_through_a_static_cache(ckpt) -> None:
     hit = run(SECOND, cache)
     assert cache.last_cached == 32
     assert hit[0] == miss[0] and torch.equal(hit[1], miss[1])
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["any-length", "boundaries"])
+@pytest.mark.parametrize(("policy", "kw"), POLICIES, ids=[p for p, _ in POLICIES])
+def test_a_hit_inside_a_batch_changes_nothing(ckpt, policy, kw, rows) -> None:
+    """Two conversations' second turns join a batch beside random co-runners, at random
+    steps after their first turns, under copy delays: each resumes from its first turn's
+    cached state and every sequence's tokens and logits are its solo run's (no cache)."""
+    model = _load(ckpt, policy, **kw)
+    model.set_row_invariant(rows)
+    rng = random.Random(11)
+    other = [rng.randrange(64) for _ in range(20)]
+    first = [FIRST[0].tolist(), other]
+    second = [SECOND[0].tolist(), other + [rng.randrange(64) for _ in range(9)]]
+    co = [[rng.randrange(64) for _ in range(rng.randint(1, 14))] for _ in range(3)]
+    prompts = [first[0], co[0], first[1], co[1], second[0], co[2], second[1]]
+    at = sorted(rng.randint(0, 8) for _ in range(4))
+    joins = [0, at[0], at[1], at[1], at[2] + 1, at[2] + 1, at[3] + 2]  # turn 2 after turn 1
+    cache = PromptCache(1 << 26)
+    model.runtime.store.set_copy_delay(2000, seed=3)
+    cached: list[int] = []
+    toks, logits, _ = batched(model, prompts, NEW, joins, prompt_cache=cache, cached=cached)
+    model.runtime.store.set_copy_delay(0)
+    # a second turn resumes from its first turn's end (row-invariant), else its last
+    # boundary before that end; nothing else is a prefix of another prompt
+    ends = [len(f) if rows else (len(f) - 1) // CHUNK * CHUNK for f in first]
+    assert cached == [0, 0, 0, 0, ends[0], 0, ends[1]]
+    for j, p in enumerate(prompts):
+        want = solo(model, p, NEW)
+        assert toks[j] == want[0], f"prompt {j}"
+        assert torch.equal(logits[j], want[1]), f"prompt {j}"
+    # one cache for both paths: a solo request resumes from a batch's entries
+    third = torch.tensor([[*second[1], 1, 2, 3]])
+    miss = _gen(model, third)
+    hit = _gen(model, third, cache)
+    assert cache.last_cached == (len(second[1]) if rows else 24)
+    assert hit[0] == miss[0] and torch.equal(hit[1], miss[1])
+
+
+def test_a_hit_inside_a_batch_on_the_slab_path(ckpt) -> None:
+    """Prefill staged through the shared slab (CUDA's path, forced on the CPU), a batch
+    entry resumed by a later newcomer: its tokens and logits are its solo run's."""
+    model = _load(ckpt, "psr", lam=0.3, n=1)
+    model.runtime.prefill_reads = "slab"
+    prompts = [FIRST[0].tolist(), [3, 1, 4, 1, 5], SECOND[0].tolist()]
+    cache = PromptCache(1 << 26)
+    model.runtime.store.set_copy_delay(3000, seed=5)
+    cached: list[int] = []
+    toks, logits, _ = batched(model, prompts, NEW, [0, 1, 2], prompt_cache=cache, cached=cached)
+    model.runtime.store.set_copy_delay(0)
+    assert cached == [0, 0, FIRST.shape[1]]
+    for j, p in enumerate(prompts):
+        want = solo(model, p, NEW)
+        assert toks[j] == want[0] and torch.equal(logits[j], want[1]), f"prompt {j}"
+
+
+def test_a_packed_kv_format_budget_counts_its_packed_bytes(ckpt) -> None:
+    """kv_format='int8': a chunk's KV is its int8 values and fp32 scales, the bytes the
+    cache's tensors take (what the memory plan counts), not the compute dtype's."""
+    model = psr.load(ckpt, "exact", 0.5, progress=False, kv_format="int8")
+    model.set_prefill_chunk(CHUNK)
+    cache = PromptCache(1 << 26)
+    model.generate(FIRST[:, : CHUNK + 1], max_new_tokens=1, prompt_cache=cache)
+    at, entry = cache.lookup(model._prefill_key(False), FIRST[0, : CHUNK + 1])
+    assert at == CHUNK and entry is not None
+    packed = entry.nbytes - sum(h.nbytes for h in entry.histories)  # the KV tensors' bytes
+    itemsize = next(model.hf.parameters()).element_size()
+    assert packed == kv_bytes(model.config, itemsize, CHUNK, "int8")
+    assert packed < kv_bytes(model.config, itemsize, CHUNK) // 2  # the float count: 4x
+    model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(packed))
+    with pytest.raises(ValueError, match=f"below one prefill chunk's KV .*{packed} bytes"):
+        model.generate(FIRST, max_new_tokens=1, prompt_cache=PromptCache(packed - 1))
+
+
+def test_a_hit_in_a_batch_counts_its_tokens_in_the_kv_budget(ckpt) -> None:
+    """A resumed prefix enters the KV cache with the newcomer's first chunk: it waits
+    while the cached tokens and that chunk do not fit beside the others' KV."""
+    model = _load(ckpt, "psr", lam=0.3, n=1)
+    cache = PromptCache(1 << 26)
+    dec = BatchDecoder(model, 2, kv_tokens=70, prompt_cache=cache)
+    a = dec.add(FIRST)
+    (logits,) = dec.ready().values()
+    b = dec.add(SECOND)
+    dec.feed({a: int(logits.argmax())})  # a holds 41; b's 40 cached + 8 would make 89
+    assert dec.kv_held == 41 and dec.cached_tokens(b) == 0
+    dec.remove(a)
+    assert list(dec.ready()) == [b]
+    assert dec.cached_tokens(b) == FIRST.shape[1] and dec.kv_held == SECOND.shape[1]
+    computed = FIRST.shape[1] + (SECOND.shape[1] - FIRST.shape[1])  # a's, then b's rest
+    assert dec.stats["prefill_tokens"] == computed
+
+
+def test_generate_batch_takes_the_prompt_cache(ckpt) -> None:
+    """The second prompt's prefill begins after the first's (oldest first): it resumes
+    from the first's end, and both answer as `generate` alone does."""
+    model = _load(ckpt, "psr", lam=0.3, n=1)
+    cache = PromptCache(1 << 26)
+    got = model.generate_batch([FIRST[0], SECOND[0]], NEW, prompt_cache=cache)
+    assert cache.hits == 1 and cache.cached_tokens == FIRST.shape[1]
+    for ids, g in zip((FIRST, SECOND), got, strict=True):
+        assert g == model.generate(ids, max_new_tokens=NEW)[0, ids.shape[1] :].tolist()

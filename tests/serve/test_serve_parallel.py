@@ -1,9 +1,11 @@
-"""`psr serve --parallel N`: requests decode together, each answer its solo run's."""
+"""`psr serve --parallel N`: requests decode together, each answer its solo run's; the
+prompt cache is on (its default) and a conversation's next turn resumes from it."""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from servers import RemoteServer
@@ -27,7 +29,9 @@ def server(home):
 @pytest.fixture(scope="module")
 def model(home):
     args = build_parser().parse_args(["serve", *SERVE_ARGS])
-    return load(DEFAULT_MODEL, **load_options(args), progress=False)
+    m = load(DEFAULT_MODEL, **load_options(args), progress=False)
+    m.set_row_invariant(True)  # the server's forward with its prompt cache (on by default)
+    return m
 
 
 def solo(model, prompt: str, n: int, **kw) -> list[int]:
@@ -43,6 +47,26 @@ def as_generate(body: dict) -> dict:
     return {"do_sample": True, **body}
 
 
+def at_once(n: int, fn: Callable[[int], None]) -> None:
+    """`fn(0)` .. `fn(n - 1)` in n threads started together; their errors re-raised."""
+    errors: list[BaseException] = []
+    start = threading.Barrier(n)
+
+    def run(i: int) -> None:
+        try:
+            start.wait()
+            fn(i)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
 def test_four_openai_streams_decode_together_each_as_alone(server, model) -> None:
     # Greedy and seeded sampling, different lengths: four streams at once through the
     # openai client, each one's tokens those of its solo run (model.generate).
@@ -55,28 +79,17 @@ def test_four_openai_streams_decode_together_each_as_alone(server, model) -> Non
     want = [solo(model, p, n, **as_generate(body)) for p, n, body in cases]
     before = server.metrics()
     got: dict[int, list[int]] = {}
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(cases))
 
     def client(i: int) -> None:
         prompt, n, body = cases[i]
-        try:
-            start.wait()
-            stream = server.client(timeout=300).completions.create(
-                model=NAME, prompt=prompt, max_tokens=n, stream=True,
-                extra_body={"return_token_ids": True}, **body,
-            )  # fmt: skip
-            got[i] = [t for c in stream for ch in c.choices
-                      for t in ((ch.model_extra or {}).get("token_ids") or [])]  # fmt: skip
-        except BaseException as e:
-            errors.append(e)
+        stream = server.client(timeout=300).completions.create(
+            model=NAME, prompt=prompt, max_tokens=n, stream=True,
+            extra_body={"return_token_ids": True}, **body,
+        )  # fmt: skip
+        got[i] = [t for c in stream for ch in c.choices
+                  for t in ((ch.model_extra or {}).get("token_ids") or [])]  # fmt: skip
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(cases))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    at_once(len(cases), client)
     assert [got[i] for i in range(len(cases))] == want
     after = server.metrics()
     assert after["psr_slots"] == 4
@@ -114,9 +127,46 @@ def test_a_client_that_leaves_frees_its_slot(server) -> None:
     assert 1 <= made < 40  # not the 400 asked for
 
 
-def test_parallel_with_an_explicit_prompt_cache_is_a_usage_error(home) -> None:
-    with pytest.raises(RuntimeError, match="--prompt-cache and --parallel > 1 do not combine"):
-        RemoteServer([*SERVE_ARGS, "--parallel", "2", "--prompt-cache", "64"])
+def test_conversations_second_turns_resume_from_the_prompt_cache(server, model) -> None:
+    # Four two-turn conversations at once through the openai client: each second turn
+    # (the first turn's prompt and answer, then more) resumes from the cached end of its
+    # first turn's prompt, and every answer is its solo run's (model.generate, no cache).
+    tok = model.tokenizer
+    more = tok(" and so it goes on", add_special_tokens=False)["input_ids"]
+    firsts = [tok(p)["input_ids"] for p in PROMPTS]
+    before = server.metrics()
+    got: dict[int, list[tuple[list[int], list[int], int]]] = {}
+
+    def turn(ids: list[int], n: int) -> tuple[list[int], list[int], int]:
+        stream = server.client(timeout=300).completions.create(
+            model=NAME, prompt=ids, max_tokens=n, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        out, cached = [], -1
+        for c in stream:
+            if c.usage is not None:
+                cached = c.usage.prompt_tokens_details.cached_tokens
+            for ch in c.choices:
+                out += (ch.model_extra or {}).get("token_ids") or []
+        return ids, out, cached
+
+    def conversation(i: int) -> None:
+        one = turn(firsts[i], 6 + i)
+        got[i] = [one, turn([*one[0], *one[1], *more], 5)]
+
+    at_once(len(PROMPTS), conversation)
+    eos = tok.eos_token_id
+    for i in range(len(PROMPTS)):
+        for ids, out, _ in got[i]:
+            want = model.generate(ids, max_new_tokens=len(out), eos_token_id=eos)
+            assert out == want[0, len(ids) :].tolist(), f"conversation {i}"
+        assert [c for _, _, c in got[i]] == [0, len(firsts[i])]  # turn 2 from turn 1's end
+    after = server.metrics()
+    cached = sum(len(f) for f in firsts)
+    prompts = sum(len(ids) for turns in got.values() for ids, _, _ in turns)
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    assert d["psr_prompt_tokens_cached_total"] == cached
+    assert d["psr_prompt_tokens_computed_total"] == prompts - cached
 
 
 def test_n_choices_are_the_seeds_solo_runs(server, model) -> None:

@@ -87,8 +87,9 @@ def add_serve(sub: Any) -> None:
         type=_parallel,
         default=None,
         metavar="N|auto",
-        help="requests that decode at once in one batch, each token as it would be alone "
-        "(default auto: 4 on the CPU backend; 1 on CUDA and with --prompt-cache)",
+        help="requests that decode at once in one batch, each token as it would be alone, "
+        "sharing the prompt cache (default auto: 1 on CUDA and with the prompt cache, "
+        "else 4 on the CPU backend)",
     )
     _access_args(s)
     s.add_argument(
@@ -119,11 +120,11 @@ def add_serve(sub: Any) -> None:
     s.add_argument(
         "--prompt-cache",
         type=nonnegative_int,
-        default=None,
+        default=DEFAULT_PROMPT_CACHE_MIB,
         metavar="MIB",
         help="memory for the prefill states of earlier prompts, so a request extending one "
-        f"(a conversation's next turn) resumes from it; tokens unchanged (default "
-        f"{DEFAULT_PROMPT_CACHE_MIB}, off with --parallel > 1; 0: off)",
+        f"(a conversation's next turn) resumes from it, with one slot or --parallel N; "
+        f"tokens unchanged (default {DEFAULT_PROMPT_CACHE_MIB}; 0: off)",
     )
     s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(fn=run_serve)
@@ -207,20 +208,6 @@ def _check(args: argparse.Namespace) -> str:
             "psr serve reads text prompts and writes text"
         )
     return str(path)
-
-
-def _prompt_cache_mib(args: argparse.Namespace) -> int:
-    """--prompt-cache's MiB: its default, or 0 by default with --parallel > 1 (batched
-    prefill does not resume from the cache yet); both asked for: a usage error."""
-    parallel = args.parallel or 1
-    if args.prompt_cache is None:
-        return 0 if parallel > 1 else DEFAULT_PROMPT_CACHE_MIB
-    if args.prompt_cache and parallel > 1:
-        raise ValueError(
-            "--prompt-cache and --parallel > 1 do not combine yet (batched prefill does "
-            "not resume from the cache): give one of them"
-        )
-    return int(args.prompt_cache)
 
 
 def _check_bind(host: str, port: int) -> None:
@@ -332,7 +319,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from psr.serve.worker import Engine
 
     show_progress = progress(args)
-    cache_mib = _prompt_cache_mib(args)
+    cache_mib = args.prompt_cache
     engine = Engine(
         lambda: load_model(path, args, show_progress),
         max_queue=args.max_queue,

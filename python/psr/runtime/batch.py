@@ -22,6 +22,13 @@
   routing, psr.runtime.chunked's chunks and boundaries) runs one chunk after each `feed`, or
   in `ready` when no sequence awaits a token, so a long prompt never stalls the others for
   more than a chunk. Sequences join and leave between steps.
+* **The prompt cache** (`prompt_cache=`, psr.runtime.chunked's `PromptCache`, keyed as the
+  solo prefill keys it: one cache serves both). A newcomer resumes from the longest cached
+  prefix of its prompt when its prefill begins (its KV cache and routing history restored
+  into its own state; its caches are seeded from that history after its last chunk, as
+  solo), and its prefill keeps the states a solo prefill keeps. Hits resume where a solo
+  hit would (any length for a row-invariant forward, else a chunk boundary), so a hit
+  changes nothing: its tokens and logits are its solo run's.
 * Decode steps take the host-driven path (the device step and graphs hold one sequence's
   caches); the batch's counts are its own (`BatchDecoder.stats`), not the model's `stats`.
 """
@@ -40,7 +47,7 @@ import psr_kernels as pk
 from psr.cache import LogicalCache
 from psr.runtime.batch_ops import BatchKV, DenseSeam, batch_linear, check_attention
 from psr.runtime.batch_slab import SharedSlab, slab_size
-from psr.runtime.chunked import boundaries
+from psr.runtime.chunked import PromptCache, boundaries, keeps
 from psr.runtime.kv import cache_kwarg, output_cache
 from psr.runtime.layer import MoELayer
 from psr.runtime.prefill import PrefillStep, reads_host
@@ -63,7 +70,8 @@ class _Seq:
     caches: list[LogicalCache]
     history: list[list[list[int]]]  # per MoE layer, prefill's routed ids per token
     kv: Any = None
-    done: int = 0  # prompt tokens prefilled
+    done: int = 0  # prompt tokens prefilled (or resumed from the prompt cache)
+    cached: int = 0  # prompt tokens resumed from the prompt cache
     length: int = 0  # tokens in its KV cache
     logits: torch.Tensor | None = None  # awaiting a token
 
@@ -202,11 +210,14 @@ class BatchDecoder:
     `slab_slots` (default: min(the store's slots, max_batch x the solo slots)): the shared
     slab's slots per MoE layer (batch_slab.py), from the solo slots up to the store's
     (`batch_slots` at load); each sequence's logical cache keeps the solo slots.
+    `prompt_cache` (default None): a `PromptCache` newcomers resume from and their
+    prefills fill (module docstring); its budget must hold one prefill chunk's KV.
     """
 
     def __init__(
         self, model: OffloadedModel, max_batch: int, *, batch_invariant: bool = True,
         kv_tokens: int | None = None, slab_slots: int | None = None,
+        prompt_cache: PromptCache | None = None,
     ) -> None:  # fmt: skip
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -214,16 +225,26 @@ class BatchDecoder:
             isinstance(kv_tokens, bool) or not isinstance(kv_tokens, int) or kv_tokens < 1
         ):
             raise ValueError(f"kv_tokens must be an int >= 1 or None, got {kv_tokens!r}")
+        if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
+            raise TypeError(
+                f"prompt_cache must be a psr PromptCache, got {type(prompt_cache).__name__}"
+            )
         rt = model.runtime
         with rt.lock:
             model._check_open()
             _check_model(model)
+            if prompt_cache is not None:
+                model.check_prompt_cache(prompt_cache)
             self.model, self.rt = model, rt
             self.max_batch, self.kv_tokens = max_batch, kv_tokens
             self.batch_invariant = bool(batch_invariant)
+            self.prompt_cache = prompt_cache
             size = slab_size(rt.capacity, rt.max_capacity, max_batch, slab_slots)
             self.slab = SharedSlab(rt.store, len(rt.layers), size)
+            # The dense seam of the forward the model has now (row-invariant or not: which
+            # modules run once for all rows); rebuilt when that changes (`_dense_seam`).
             self._seam = DenseSeam(model.hf, self.batch_invariant)
+            self._seam_rows = model.row_invariant
             self._kv_name = cache_kwarg(model.hf)
             self._seqs: dict[int, _Seq] = {}
             self._next_id = 0
@@ -309,6 +330,14 @@ class BatchDecoder:
         self.slab.log, self.slab.reads = [], []
         return self.trace
 
+    def cached_tokens(self, seq_id: int) -> int:
+        """Prompt tokens of live sequence `seq_id` resumed from the prompt cache (0 before
+        its prefill begins, or without a hit)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"no live sequence {seq_id!r} in this batch")
+        return seq.cached
+
     @property
     def kv_held(self) -> int:
         """Tokens the live sequences' KV caches hold together."""
@@ -338,7 +367,7 @@ class BatchDecoder:
         pos = torch.tensor([[s.length] for s in seqs], device=dev)
         kv = BatchKV([s.kv for s in seqs])
         step = BatchStep(self.rt, self, seqs)
-        with self.rt.batch_forward(step), self._seam.active(self.model.config, kv):
+        with self.rt.batch_forward(step), self._dense_seam().active(self.model.config, kv):
             out = self.model.hf(input_ids=ids, position_ids=pos, use_cache=True,
                                 **{self._kv_name: kv})  # fmt: skip
         if self.trace is not None:
@@ -348,6 +377,14 @@ class BatchDecoder:
             s.logits, s.length = logits[r], s.length + 1
         self.stats["steps"] += 1
         self.stats["tokens"] += len(seqs)
+
+    def _dense_seam(self) -> DenseSeam:
+        """The seam for the model's forward as it is now (set_row_invariant may have
+        switched it since the last step: its row-invariant modules run once for all rows)."""
+        if self._seam_rows != self.model.row_invariant:
+            self._seam = DenseSeam(self.model.hf, self.batch_invariant)
+            self._seam_rows = self.model.row_invariant
+        return self._seam
 
     def _record(self, step: BatchStep) -> None:
         """The step's layer steps into the trace, each with the copies issued from its
@@ -380,9 +417,19 @@ class BatchDecoder:
         if seq is None:
             return False
         T, chunk = seq.prompt.shape[1], self.model.prefill_chunk
-        end = boundaries(seq.done, T, chunk)[0]
+        cache, key = self.prompt_cache, self.model._prefill_key(False)
+        start, entry = seq.done, None
+        if cache is not None and seq.done == 0:  # its prefill begins: the longest hit
+            start, entry = cache.lookup(key, seq.prompt[0])
+        end = boundaries(start, T, chunk)[0]
+        # A hit's tokens count too: they enter the KV cache with the first chunk.
         if self.kv_tokens is not None and self.kv_held + end - seq.done > self.kv_tokens:
             return False
+        if cache is not None and seq.done == 0:
+            if entry is not None:
+                seq.kv, seq.history = entry.restore()
+                seq.done = seq.length = seq.cached = start
+            cache.count(start, T - start)
         rt = self.rt
         past = {} if seq.kv is None else {self._kv_name: seq.kv}
         rt.prefill_more = end < T
@@ -393,6 +440,9 @@ class BatchDecoder:
             rt.prefill_more = False
         self.stats["prefill_tokens"] += end - seq.done
         seq.kv, seq.done, seq.length = output_cache(out), end, end
+        # No graphs in a batch: a row-invariant forward's hits resume at any length.
+        if cache is not None and keeps(end, T, self.model.row_invariant):
+            cache.keep(key, seq.prompt[0, :end], seq.kv, seq.history)
         if end == T:
             seq.logits = out.logits[0, -1]
         return True
@@ -435,13 +485,14 @@ def generate_batch(
     seeds: Sequence[int],
     max_batch: int,
     batch_invariant: bool = True,
+    prompt_cache: PromptCache | None = None,
 ) -> list[list[int]]:
     """`OffloadedModel.generate_batch`: each prompt's new tokens, chosen as
     psr.runtime.generate chooses them (greedy, or its warpers and a generator seeded by the
     prompt's seed), the prompts admitted in order as places free up."""
     from psr.runtime.generate import TokenChooser
 
-    dec = BatchDecoder(model, max_batch, batch_invariant=batch_invariant)
+    dec = BatchDecoder(model, max_batch, batch_invariant=batch_invariant, prompt_cache=prompt_cache)
     queue = list(range(len(prompts)))
     out: list[list[int]] = [[] for _ in prompts]
     choosers: dict[int, TokenChooser] = {}  # sequence -> its choices

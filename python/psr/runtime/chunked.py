@@ -114,6 +114,18 @@ class Entry:
     histories: list[torch.Tensor]  # per MoE layer, [b, k] routed ids (int32)
     nbytes: int
 
+    def restore(self, into: Any = None) -> tuple[Any, list[list[list[int]]]]:
+        """The state it holds, for a sequence to resume from: its KV cache (`kv_restore`;
+        `into`: a static cache to refill) and each MoE layer's routed ids per token."""
+        return kv_restore(self.kv, into), [h.tolist() for h in self.histories]
+
+
+def keeps(end: int, length: int, any_length: bool) -> bool:
+    """Whether the state after a chunk ending at `end` of a `length`-token prompt is kept:
+    every boundary before the end, and the end itself for a row-invariant forward (whose
+    hits may resume at any length)."""
+    return end < length or any_length
+
 
 @dataclass
 class PromptCache:
@@ -194,6 +206,18 @@ class PromptCache:
                 gone_key, gone = self._entries.popitem(last=False)
                 self._index(gone_key, gone, -1)
 
+    def keep(
+        self, config: Hashable, ids: torch.Tensor, kv: Any, histories: list[list[list[int]]]
+    ) -> None:
+        """Keep the state after prompt prefix `ids [b]`: the KV cache `kv` holding its b
+        tokens and each MoE layer's routed ids `histories` (a cache psr cannot copy: not
+        kept)."""
+        snap = kv_snapshot(kv, ids.shape[0])
+        if snap is None:
+            return
+        hist = [torch.tensor(h, dtype=torch.int32) for h in histories]
+        self.put(config, ids, Entry(snap[0], hist, snap[1] + sum(h.nbytes for h in hist)))
+
     def count(self, cached: int, computed: int) -> None:
         """One request: `cached` prompt tokens resumed, `computed` prefilled."""
         with self._lock:
@@ -234,8 +258,8 @@ def prefill(
     if cache is not None:
         start, entry = cache.lookup(config, ids[0])
         if entry is not None:
-            kv = kv_restore(entry.kv, into)
-            runtime.resume_prefill(kv, [h.tolist() for h in entry.histories])
+            kv, histories = entry.restore(into)
+            runtime.resume_prefill(kv, histories)
         cache.count(start, T - start)
     kept: list[torch.Tensor] = []
     pos = start
@@ -246,11 +270,7 @@ def prefill(
         finally:
             runtime.prefill_more = False
         kept = [*kept, logits] if keep_all else [logits[:, -1:]]
-        if cache is not None and (end < T or any_length):
-            snap = kv_snapshot(kv, end)
-            if snap is not None:
-                hist = [torch.tensor(h, dtype=torch.int32) for h in runtime.histories()]
-                nbytes = snap[1] + sum(h.nbytes for h in hist)
-                cache.put(config, ids[0, :end], Entry(snap[0], hist, nbytes))
+        if cache is not None and keeps(end, T, any_length):
+            cache.keep(config, ids[0, :end], kv, runtime.histories())
         pos = end
     return torch.cat(kept, dim=1), kv

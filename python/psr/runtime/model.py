@@ -225,10 +225,7 @@ class OffloadedModel(nn.Module):
         left in the memory-mapped checkpoint), `device_slab` (the expert slots),
         `device_dense` (every other weight and buffer on the compute device: attention,
         norms, embeddings, routers, shared experts) and `device_kv` (a KV cache of
-        `context` tokens, default the model's `context`, in the model
-        dtype)."""
-        from psr.runtime.kv import kv_bytes
-
+        `context` tokens, default the model's `context`, in its KV format)."""
         store = self.runtime.store
         rows = store.expert_bytes
         held = [L.num_experts if L.num_held is None else L.num_held for L in store.layers]
@@ -242,16 +239,22 @@ class OffloadedModel(nn.Module):
                 continue
             seen.add(t.data_ptr())
             dense += t.numel() * t.element_size()
-        cfg = self.config
         n = context if context is not None else int(self.context or 0)
-        itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
         return {
             "host_experts": host,
             "pageable_experts": total - host,
             "device_slab": slab,
             "device_dense": dense,
-            "device_kv": kv_bytes(cfg, itemsize, n),
+            "device_kv": self._kv_bytes(n),
         }
+
+    def _kv_bytes(self, tokens: int) -> int:
+        """Bytes of this model's KV cache holding `tokens` tokens, in its KV format (a
+        packed one's values and scales: runtime/kv_quant.py), as the memory plan counts."""
+        from psr.runtime.kv import kv_bytes
+
+        itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
+        return kv_bytes(self.config, itemsize, tokens, getattr(self.hf, "psr_kv_format", "auto"))
 
     def restore(self) -> nn.Module:
         """`psr.restore(model)`: the transformers model with its own router and experts
@@ -393,11 +396,8 @@ class OffloadedModel(nn.Module):
 
     def check_prompt_cache(self, cache: chunked.PromptCache) -> None:
         """Refuse (one line) a prompt cache whose budget is below one prefill chunk's KV."""
-        from psr.runtime.kv import kv_bytes
-
         chunk = self.prefill_chunk
-        itemsize = next(p for p in self.hf.parameters() if not p.is_meta).element_size()
-        cache.check_budget(kv_bytes(self.config, itemsize, chunk), chunk)
+        cache.check_budget(self._kv_bytes(chunk), chunk)
 
     def _prefill_key(self, graphs: bool) -> tuple[Any, ...]:
         """What a prompt-cache entry is keyed by besides the tokens: this model and its
@@ -667,12 +667,14 @@ class OffloadedModel(nn.Module):
         seeds: Sequence[int] | None = None,
         max_batch: int | None = None,
         batch_invariant: bool = True,
+        prompt_cache: chunked.PromptCache | None = None,
     ) -> list[list[int]]:
         """Decode several prompts together (psr.runtime.batch.BatchDecoder): returns each
         prompt's new tokens. Each sequence's tokens are its solo `generate`'s with the same
         settings and `seeds[i]` (default 0), whatever its co-runners: its own logical
         caches, each row computed as at batch 1. At most `max_batch` (default: all) decode
-        at once; the others join as sequences finish (continuous batching)."""
+        at once; the others join as sequences finish (continuous batching). `prompt_cache`:
+        as `generate`'s, each prompt resuming from it when its prefill begins."""
         from psr.runtime.batch import generate_batch
 
         if seeds is not None and len(seeds) != len(prompts):
@@ -683,7 +685,7 @@ class OffloadedModel(nn.Module):
         )
         return generate_batch(
             self, prompts, settings, list(seeds or [0] * len(prompts)),
-            max_batch or max(1, len(prompts)), batch_invariant,
+            max_batch or max(1, len(prompts)), batch_invariant, prompt_cache,
         )  # fmt: skip
 
     def _generate_plain(

@@ -6,9 +6,11 @@ step chooses every waiting sequence's next token with that request's own
 `TokenChooser` (its penalties, grammar mask, seeded sampling and logprobs, as
 `model.generate` makes them), then decodes the batch one token. The decoder keeps every
 sequence isolated (its own logical caches; each row computed as at batch 1), so a
-request's tokens are those of its solo run whoever shares its steps. A request that ends
-(EOS, length, a stop string, its grammar complete, cancelled, failed) leaves at once and
-frees its slot.
+request's tokens are those of its solo run whoever shares its steps. With the server's
+prompt cache the decoder resumes a newcomer from it and keeps its prefill's states
+(runtime/batch.py), shared with the one-slot path; a hit changes no token, and the
+request's `cached_tokens` are its own. A request that ends (EOS, length, a stop string,
+its grammar complete, cancelled, failed) leaves at once and frees its slot.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ AUTO_PARALLEL = 4
 
 def auto_parallel(model: Any, prompt_cache: bool) -> tuple[int, str]:
     """`--parallel auto`: the slots to open and why. CUDA keeps one (its solo decode runs
-    the device step and CUDA graphs, which the batch does not capture yet); the prompt
-    cache keeps one (batched prefill does not resume from it yet)."""
+    the device step and CUDA graphs, which the batch does not capture yet); so does the
+    prompt cache, for now: the default stays the one-slot server (its per-request routing
+    figures), and `--parallel N` opens N slots that share the cache."""
     if prompt_cache:
-        return 1, "the prompt cache serves one request at a time"
+        return 1, "one slot with the prompt cache (--parallel N: N slots sharing it)"
     if model.runtime.store.backend == "cuda":
         return 1, "on CUDA one request decodes faster through the device step and graphs"
     return AUTO_PARALLEL, f"{AUTO_PARALLEL} slots (the CPU backend's batched host step)"
@@ -56,7 +59,7 @@ def open_slots(engine: Engine, model: Any) -> Slots | None:
         log.info("--parallel auto: %s", why)
         if engine.parallel > 1:
             try:
-                dec = BatchDecoder(model, engine.parallel)
+                dec = BatchDecoder(model, engine.parallel, prompt_cache=engine.prompt_cache)
             except ValueError as e:
                 log.info("--parallel auto: 1 slot (%s)", e)
                 engine.parallel = 1
@@ -65,10 +68,8 @@ def open_slots(engine: Engine, model: Any) -> Slots | None:
     engine.metrics.slots.set(engine.parallel)
     if engine.parallel == 1:
         return None
-    if cache:
-        raise ValueError("--parallel > 1 does not combine with --prompt-cache yet")
     try:
-        dec = BatchDecoder(model, engine.parallel)
+        dec = BatchDecoder(model, engine.parallel, prompt_cache=engine.prompt_cache)
     except ValueError as e:
         raise ValueError(f"--parallel {engine.parallel}: {e}") from e
     return Slots(engine, dec)
@@ -134,7 +135,9 @@ class Slots:
     def _end(self, slot: _Slot, finish: str | None, error: Exception | None) -> None:
         """`slot`'s request leaves the batch and is answered."""
         self.slots.pop(slot.seq, None)
+        cached = 0
         try:
+            cached = self.dec.cached_tokens(slot.seq)
             self.dec.remove(slot.seq)
         except KeyError:
             pass
@@ -145,7 +148,7 @@ class Slots:
             "batched_steps": slot.steps,
             "mean_batch": round(slot.batch_sum / slot.steps, 3) if slot.steps else 0.0,
         }
-        eng.conclude(slot.run, finish, error, figures, None)
+        eng.conclude(slot.run, finish, error, figures, None, cached)
         eng.leave(slot.run.job)
 
     def _choose(self, slot: _Slot, logits: torch.Tensor) -> int | None:
