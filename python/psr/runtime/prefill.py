@@ -191,6 +191,8 @@ def run_beside(
             wait([cpu])  # never left running past the layer; the loop's error is raised
         raise
     return None if cpu is None else cpu.result()
+
+
 _SIDE: list[ThreadPoolExecutor] = []
 
 
