@@ -19,7 +19,7 @@ import psr
 from psr.machine import PrefillSplit
 from psr.runtime import streamed
 from psr.runtime.slots import SlotMap
-from psr.runtime.stream_plan import plan_stream, prefetch_plan, schedule
+from psr.runtime.stream_plan import plan_stream, prefetch_plan, prefetch_targets, schedule
 
 CHUNK = 8
 PROMPT = torch.arange(37)[None] * 7 % 64  # 5 chunks: 4 of 8 tokens and one of 5
@@ -121,19 +121,24 @@ def test_the_issued_schedule_is_the_planners(ckpts, monkeypatch) -> None:
         h = hist[i][: PROMPT.shape[1]]
         chunks = [h[s:e] for s, e in itertools.pairwise(ends)]
         sp = plan_stream(slots[i], h, chunks, lambda n: False)
-        ahead = prefetch_plan(slots[i + 1], range(E)) if i + 1 < len(slots) else []
+        ahead = [
+            (p - i, s, e)
+            for p in prefetch_targets(i, len(slots))
+            for s, e in prefetch_plan(slots[p], range(E))
+        ]
         assert rec.events == schedule(i, sp.plan, sp.chunks, ahead).events
-    assert any(ev.kind == "prefetch" for ev in model.prefill_schedules[0].events)
+    first = model.prefill_schedules[0].events  # the first layer fills the next two
+    assert {ev.ahead for ev in first if ev.kind == "prefetch"} == {1, 2}
 
 
 def test_an_error_in_a_chunk_is_raised_and_no_thread_is_left(ckpts, monkeypatch) -> None:
     model = _model(ckpts["olmoe"], True)
     real = streamed.streamed_layer
 
-    def boom(rt, step, layer, chunks, nxt):
+    def boom(rt, step, layer, chunks):
         if layer.index == 1:
             raise RuntimeError("injected at layer 1")
-        return real(rt, step, layer, chunks, nxt)
+        return real(rt, step, layer, chunks)
 
     monkeypatch.setattr(streamed, "streamed_layer", boom)
     before = threading.active_count()

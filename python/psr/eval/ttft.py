@@ -47,6 +47,18 @@ from typing import Any
 
 from psr.eval.latency import Profile, get_profile
 from psr.machine import prefill_threshold
+from psr.runtime.slots import SlotMap
+from psr.runtime.stream_plan import (
+    PREFETCH_DEPTH,
+    PREFETCH_TOKENS,
+    ChunkSplit,
+    LayerSchedule,
+    plan_prefill,
+    plan_stream,
+    prefetch_plan,
+    prefetch_targets,
+    schedule,
+)
 
 PROMPTS = (64, 512, 4096, 16384)  # 64: where the CPU split tells
 SECOND_TURN = 100  # tokens a second turn adds to the conversation
@@ -402,3 +414,106 @@ def ttft_report(
         )
     text += ["published (their hardware, as quoted in issue 36)", published_table()]
     return "\n\n".join(text)
+
+
+# --- psr's built schedules, priced (issue 36 goal 3) -----------------------------------------
+# The schedule psr's prefill issues (psr.runtime.stream_plan: the same planner the runtime
+# executes and records, tests/runtime/test_layer_major.py), from synthetic uniform routing
+# (each token k distinct experts of E, seeded; one draw shared by the layers), priced on a
+# timeline of the link, the device and the CPU worker:
+#   dense     per chunk and layer as `_stage` prices it, before the layer's experts (it
+#             routes there: the host learns the used set from the device, so the layer's
+#             first copies are issued only then);
+#   copy      issued when the host reaches it (the reads before it synchronise the host
+#             with the device: each read finds its tokens with a data-dependent `where`),
+#             starts once the link is free and its slot's last read is done; one expert's
+#             copy time; `prefetch` the same into the next layer, `seed` after the reads;
+#   read      starts when the device is free and its expert's copy has landed (a wait
+#             otherwise); per chunk it covers: max(hbm read, 6 H F n / flops) + launch;
+#   CPU part  the split's experts on the CPU worker beside the layer's device work.
+SCHEDULE_RESIDENCY = 0.25  # the slab per layer (the offloaded case): capacity E / 4
+
+
+def uniform_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> list[list[int]]:
+    """Synthetic routing: each token `top_k` distinct experts of `experts`, uniformly."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.sample(range(experts), top_k) for _ in range(tokens)]
+
+
+def _price_layer(sched: LayerSchedule, sh: MoEShape, c: Costs, t: dict[str, Any],
+                 at: int, starts: Sequence[int]) -> None:  # fmt: skip
+    """Advance the timeline `t` (device, link, waits; `ahead`: per MoE layer, its
+    prefetched experts' arrival) over MoE layer `at`."""
+    L = sh.moe_layers
+    t0 = t["device"]
+    for s, n in zip(starts, sched.chunk_tokens, strict=True):
+        flops = 2 * sh.dense_params / L * n + 4 * sh.d_attn * n * (s + n / 2)
+        t["device"] += max(c.dense_floor, flops / c.flops)
+    ready, free = t["ahead"].pop(at, {}), {}  # free: slot -> its last read's end
+    for ev in sched.events:
+        if ev.kind == "read":
+            start = max(t["device"], ready.get(ev.expert, 0.0))
+            t["waits"] += start > t["device"]
+            work = sum(
+                max(c.hbm_read, 6 * sh.hidden * sh.ffn * n / c.flops) + c.overhead
+                for n in ev.tokens if n
+            )  # fmt: skip
+            t["device"] = start + work
+            free[ev.slot] = t["device"]
+        elif ev.kind != "prefetch" or at + ev.ahead < L:  # (none past the last layer)
+            slot_free = free.get(ev.slot, 0.0) if ev.kind != "prefetch" else 0.0
+            t["link"] = max(t["link"], t["device"], slot_free) + c.copy
+            t["copies"] += 1
+            into = t["ahead"].setdefault(at + ev.ahead, {}) if ev.kind == "prefetch" else ready
+            into[ev.expert] = t["link"]
+    cpu = c.cpu_fixed + sum(sched.cpu_tokens) * c.cpu_token if sum(sched.cpu_tokens) else 0.0
+    t["device"] = max(t["device"], t0 + cpu)
+
+
+def built_schedules(
+    sh: MoEShape, c: Costs, tokens: int, chunk: int, layer_major: bool
+) -> list[tuple[LayerSchedule, list[int]]]:
+    """The schedules psr issues for a `tokens` prompt, in execution order, each with its
+    chunks' start positions: layer by layer over every chunk (`layer_major`), else chunk
+    by chunk, each chunk through every layer. Layers share one routing draw, so once warm
+    they issue the same schedule: planned until then (layer-major: PREFETCH_DEPTH + 1
+    layers; chunk-major: 2), the last one repeated."""
+    routed = uniform_routing(tokens, sh.experts, sh.top_k)
+    cap = max(1, round(SCHEDULE_RESIDENCY * sh.experts))
+    on_cpu = lambda n: 0 < n < c.threshold  # noqa: E731
+    ends = [*range(chunk, tokens, chunk), tokens]
+    starts = [0, *ends[:-1]]
+    depth = PREFETCH_DEPTH + 1  # layer 0 cold; 1 prefetched by 0; 2 on, the steady state
+    slots = [SlotMap([-1] * cap) for _ in range(min(depth + PREFETCH_DEPTH, sh.moe_layers))]
+    if layer_major:
+        plans, parts = [], [routed[s:e] for s, e in zip(starts, ends, strict=True)]
+        for i, sm in enumerate(slots[:depth]):
+            sp = plan_stream(sm, routed, parts, on_cpu)
+            ahead = []
+            if tokens >= PREFETCH_TOKENS:
+                for p in prefetch_targets(i, len(slots)):
+                    ahead += [(p - i, s, e) for s, e in prefetch_plan(slots[p], range(sh.experts))]
+            plans.append((schedule(i, sp.plan, sp.chunks, ahead), starts))
+        return [*plans, *[plans[-1]] * (sh.moe_layers - len(plans))][: sh.moe_layers]
+    out = []
+    for s, e in zip(starts, ends, strict=True):
+        split = ChunkSplit.of(routed[s:e], on_cpu)
+        layer = []
+        for i, sm in enumerate(slots[:2]):
+            plan = plan_prefill(sm, routed[:e], split.copied, e == tokens)
+            layer.append((schedule(i, plan, [split]), [s]))
+        out += [*layer, *[layer[-1]] * (sh.moe_layers - 2)][: sh.moe_layers]
+    return out
+
+
+def price_schedules(
+    sh: MoEShape, c: Costs, scheds: Sequence[tuple[LayerSchedule, list[int]]]
+) -> tuple[float, int, int]:
+    """(seconds to the first token, copies, reads waited for) of `scheds` on the timeline."""
+    t: dict[str, Any] = {"device": 0.0, "link": 0.0, "waits": 0, "copies": 0, "ahead": {}}
+    for i, (sched, starts) in enumerate(scheds):
+        _price_layer(sched, sh, c, t, i % sh.moe_layers, starts)
+    # the first token's logits are the device's; seed copies still on the link do not wait
+    return t["device"], t["copies"], t["waits"]

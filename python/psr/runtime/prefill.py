@@ -113,20 +113,18 @@ def run_events(
     chunks: Inputs,
     ffn: RowFFN,
     on_read: OnRead,
-    next_layer: int | None = None,
 ) -> None:
     """Issue a layer's schedule (stream_plan.schedule) in order: its copies, its reads (each
     expert computed from its slot over every chunk's tokens that chose it, handed to
-    `on_read`), the next layer's prefetch into `next_layer`'s slots, the seed copies. The
-    slots waited for are counted into `sched.waits`."""
+    `on_read`), the later layers' prefetch, the seed copies. The slots waited for are
+    counted into `sched.waits`."""
     layer = sched.layer
     waits = store.counters().get("waits", 0)
     for ev in sched.events:
         if ev.kind == "read":
             _read(store, layer, ev, chunks, ffn, on_read)
         else:
-            into = next_layer if ev.kind == "prefetch" else layer
-            assert into is not None, "a prefetch without a next layer"
+            into = layer + ev.ahead  # MoE layers are the store's layers, in order
             store.enqueue_copies(into, [ev.slot], [ev.expert], reason=CopyReason.PREFILL)
     sched.waits = int(store.counters().get("waits", 0) - waits)
 
@@ -178,14 +176,13 @@ def run_beside(
     ffn: RowFFN,
     on_read: OnRead,
     side: SidePart | None,
-    next_layer: int | None = None,
 ) -> torch.Tensor | None:
     """`run_events` with `side` (the CPU part of a split layer) on the worker thread beside
     it (the CPU kernels release the GIL); its result is returned, never left running past
     the layer."""
     cpu = None if side is None else _side_worker().submit(side)
     try:
-        run_events(store, sched, chunks, ffn, on_read, next_layer)
+        run_events(store, sched, chunks, ffn, on_read)
     except BaseException:
         if cpu is not None:
             wait([cpu])  # never left running past the layer; the loop's error is raised

@@ -8,9 +8,9 @@ Two plans stage a MoE layer's used experts through its slab slots:
               all the chunks that use it.
 Either plan reads the experts the cache will not keep first (so the kept ones end resident)
 and ends with the layer's slots mapping exactly the seeded experts. `schedule` turns a
-plan's reads into the events the runtime issues, in issue order: the copies run LOOKAHEAD
-reads ahead of the compute (double-buffered slots), a copy never overwrites a slot a read
-not yet done still needs; then the next layer's prefetch (streamed) and the seed copies.
+plan's reads into the events the runtime issues, in issue order: up to LOOKAHEAD copies
+in flight ahead of the compute (double-buffered slots), a copy never overwrites a slot a read
+not yet done still needs; then the later layers' prefetch (streamed) and the seed copies.
 The runtime executes exactly these events (and records them), and psr.eval.ttft prices
 them on the GPU profiles, so a modeled TTFT comes from the schedule psr issues.
 
@@ -29,9 +29,23 @@ from dataclasses import dataclass, field
 from psr.cache import prefill_state
 from psr.runtime.slots import SlotMap
 
-# Experts whose copies are in flight ahead of the one computing (2: double buffering; a
-# copy is issued only into a slot no pending read still needs).
+# Copies in flight ahead of the read computing (2: double buffering; a copy is issued
+# only into a slot no pending read still needs; reads of resident experts between them
+# do not count).
 LOOKAHEAD = 2
+# Above this many prompt tokens a streamed layer prefetches the next MoE layer's experts
+# during its own (uniform top-8 routing over 64-128 experts uses every one by ~100 tokens).
+PREFETCH_TOKENS = 256
+# How many MoE layers ahead a streamed layer's prefetch reaches: the first layer fills the
+# next PREFETCH_DEPTH, each later one the layer PREFETCH_DEPTH ahead, so while a layer's
+# dense part runs (its routing unknown) the link copies a later layer's experts.
+PREFETCH_DEPTH = 2
+
+
+def prefetch_targets(position: int, layers: int) -> list[int]:
+    """The MoE layers (positions) the streamed layer at `position` prefetches into."""
+    ahead = range(1, PREFETCH_DEPTH + 1) if position == 0 else [PREFETCH_DEPTH]
+    return [position + a for a in ahead if position + a < layers]
 
 
 @dataclass
@@ -49,10 +63,13 @@ def read_order(history: Sequence[Sequence[int]], capacity: int, used: Sequence[i
     return [e for e in used if e not in keep] + [e for e in used if e in keep]
 
 
-def _stage_slot(slots: SlotMap, keep: set[int], here: dict[int, int], later: set[int]) -> int:
+def _stage_slot(
+    slots: SlotMap, keep: set[int], here: dict[int, int], later: set[int], last: dict[int, int]
+) -> int:
     """A slot to load an expert into: empty, else holding neither a `keep` expert (a
     duplicate copy of one counts as free) nor one read `later`, else not read later, else
-    any."""
+    any; of those, the one read longest ago (`last`: slot -> its last read's position), so
+    a copy goes where the compute finished first (double buffering, not one slot reused)."""
     preds: tuple[Callable[[int, int], bool], ...] = (
         lambda s, e: e < 0,
         lambda s, e: (e not in keep or here.get(e) != s) and e not in later,
@@ -60,14 +77,17 @@ def _stage_slot(slots: SlotMap, keep: set[int], here: dict[int, int], later: set
         lambda s, e: True,
     )
     for pred in preds:
-        for s in range(slots.capacity):
-            if pred(s, slots.slot_expert[s]):
-                return s
+        ok = [s for s in range(slots.capacity) if pred(s, slots.slot_expert[s])]
+        if ok:
+            return min(ok, key=lambda s: last.get(s, -1))
     raise AssertionError("unreachable")
 
 
-def _put(slots: SlotMap, keep: set[int], here: dict[int, int], e: int, later: set[int]) -> int:
-    s = _stage_slot(slots, keep, here, later)
+def _put(
+    slots: SlotMap, keep: set[int], here: dict[int, int], e: int, later: set[int],
+    last: dict[int, int],
+) -> int:  # fmt: skip
+    s = _stage_slot(slots, keep, here, later, last)
     if here.get(slots.slot_expert[s]) == s:
         del here[slots.slot_expert[s]]
     slots.slot_expert[s] = e
@@ -86,15 +106,16 @@ def plan_prefill(
     keep = set(state)
     order = read_order(history, slots.capacity, used)
     here = {e: s for s, e in enumerate(slots.slot_expert) if e >= 0}
-    reads = []
+    reads, last = [], {}
     for i, e in enumerate(order):
         fresh = e not in here
         if fresh:
-            _put(slots, keep, here, e, set(order[i + 1 :]))
+            _put(slots, keep, here, e, set(order[i + 1 :]), last)
         reads.append((e, here[e], fresh))
+        last[here[e]] = i
     if not final:
         return PrefillPlan(reads, [], [])
-    seed = [(_put(slots, keep, here, e, set()), e) for e in state if e not in here]
+    seed = [(_put(slots, keep, here, e, set(), last), e) for e in state if e not in here]
     slots.slot_of = {e: here[e] for e in state}
     return PrefillPlan(reads, seed, state)
 
@@ -168,12 +189,14 @@ def plan_stream(
 class Event:
     """One thing a layer's prefill issues: `copy` (expert into slot, this layer),
     `read` (compute expert from slot over `tokens` per chunk), `prefetch` (a copy into
-    the next layer's slot), `seed` (a seeded expert's copy after the reads)."""
+    the slot of the MoE layer `ahead` after this one), `seed` (a seeded expert's copy
+    after the reads)."""
 
     kind: str
     expert: int
     slot: int
     tokens: tuple[int, ...] = ()
+    ahead: int = 0  # prefetch: into the MoE layer this many after this one
 
 
 @dataclass
@@ -195,28 +218,31 @@ def schedule(
     layer: int,
     plan: PrefillPlan,
     chunks: Sequence[ChunkSplit],
-    prefetch: Sequence[tuple[int, int]] = (),
+    prefetch: Sequence[tuple[int, int, int]] = (),
 ) -> LayerSchedule:
-    """The events a plan issues: copies LOOKAHEAD reads ahead, never into a slot a pending
-    read still needs; `prefetch` (the next layer's) once this layer's copies are all
-    issued; the seed copies last."""
+    """The events a plan issues: up to LOOKAHEAD copies in flight ahead of the read
+    computing, never into a slot a pending read still needs; `prefetch` ((layers ahead,
+    slot, expert), prefetch_plan's) once this layer's copies are all issued; the seed
+    copies last."""
     reads = plan.reads
     out = LayerSchedule(layer, tuple(c.tokens for c in chunks))
     out.cpu_tokens = tuple(sum(c.counts[e] for e in c.cpu) for c in chunks)
     issued = 0
     for at, (e, slot, _fresh) in enumerate(reads):
-        while issued < len(reads) and issued < at + LOOKAHEAD:
+        while issued < len(reads):
             ei, si, fresh = reads[issued]
+            if fresh and sum(r[2] for r in reads[at:issued]) >= LOOKAHEAD:
+                break  # LOOKAHEAD copies already in flight ahead of read `at`
             if any(reads[j][1] == si for j in range(at, issued)):
                 break  # written after read `at` releases it: issued on a later turn
             if fresh:
                 out.events.append(Event("copy", ei, si))
             issued += 1
         if issued == len(reads) and prefetch and not out.count("prefetch"):
-            out.events += [Event("prefetch", ex, sx) for sx, ex in prefetch]
+            out.events += [Event("prefetch", ex, sx, (), a) for a, sx, ex in prefetch]
         tokens = tuple(c.counts[e] if e in c.copied else 0 for c in chunks)
         out.events.append(Event("read", e, slot, tokens))
     if not reads:
-        out.events += [Event("prefetch", ex, sx) for sx, ex in prefetch]
+        out.events += [Event("prefetch", ex, sx, (), a) for a, sx, ex in prefetch]
     out.events += [Event("seed", e, s) for s, e in plan.seed]
     return out

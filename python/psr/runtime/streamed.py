@@ -8,10 +8,10 @@ chunks run as one forward each, as before, but layer by layer: each chunk's forw
 its own thread and only one runs at a time, handing on at each MoE layer's experts, in the
 order (layer, chunk). The last chunk to reach a layer computes it for every chunk
 (`streamed_layer`): one streamed plan (stream_plan.plan_stream: each used expert copied
-once, double-buffered, then the next MoE layer's predicted set, where the prompt is long
-enough to use every expert, prefetched into its slots), each expert computed from its slot
-over every chunk's tokens that chose it, the CPU split's experts (per chunk, as the
-per-chunk path picks them) on the CPU worker beside.
+once, double-buffered, then later MoE layers' first experts, where the prompt is long
+enough to use every expert, prefetched into their slots: stream_plan.prefetch_targets),
+each expert computed from its slot over every chunk's tokens that chose it, the CPU
+split's experts (per chunk, as the per-chunk path picks them) on the CPU worker beside.
 
 Nothing computed changes. Each chunk's attention sees the same cache prefix (per layer the
 chunks append in order), each expert runs over the same tokens, and each chunk's
@@ -45,11 +45,14 @@ from psr.runtime.prefill import (
     run_beside,
     seeded,
 )
-from psr.runtime.stream_plan import LayerSchedule, plan_stream, prefetch_plan, schedule
-
-# Above this many prompt tokens the next MoE layer's experts are prefetched during this
-# one (uniform top-8 routing over 64-128 experts uses every expert by ~100 tokens).
-PREFETCH_TOKENS = 256
+from psr.runtime.stream_plan import (
+    PREFETCH_TOKENS,
+    LayerSchedule,
+    plan_stream,
+    prefetch_plan,
+    prefetch_targets,
+    schedule,
+)
 
 
 class Aborted(Exception):
@@ -83,7 +86,7 @@ class Baton:
 
 
 def streamed_layer(
-    rt: Any, step: PrefillStep, layer: MoELayer, chunks: Inputs, next_layer: MoELayer | None
+    rt: Any, step: PrefillStep, layer: MoELayer, chunks: Inputs
 ) -> tuple[list[torch.Tensor], LayerSchedule | None]:
     """`layer`'s experts for every chunk of the prompt (module docstring); the layer's
     cache seeded. Returns each chunk's output and the schedule issued (None: host reads)."""
@@ -95,9 +98,13 @@ def streamed_layer(
     routed = [ids.tolist() for _, ids, _ in chunks]
     sp = plan_stream(layer.slots, layer.history, routed, lambda n: split.on_cpu(layer.index, n))
     tokens = sum(s.tokens for s in sp.chunks)
-    ahead: list[tuple[int, int]] = []
-    if next_layer is not None and tokens >= PREFETCH_TOKENS and not reads_host(rt, next_layer):
-        ahead = prefetch_plan(next_layer.slots, range(rt.spec.num_experts))
+    ahead: list[tuple[int, int, int]] = []
+    if tokens >= PREFETCH_TOKENS:  # every expert likely used: the later layers' first ones
+        for p in prefetch_targets(layer.index, len(rt.layers)):
+            later = rt.layers[p]
+            if not reads_host(rt, later):
+                experts = range(rt.spec.num_experts)
+                ahead += [(p - layer.index, s, e) for s, e in prefetch_plan(later.slots, experts)]
     sched = schedule(layer.index, sp.plan, sp.chunks, ahead)
     ys: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in chunks]
 
@@ -111,8 +118,7 @@ def streamed_layer(
     side = None
     if any(p is not None for p in parts):  # every chunk's CPU part, one after the other
         side = lambda: torch.cat([p() for p in parts if p is not None])  # noqa: E731
-    nxt = None if next_layer is None else next_layer.index
-    cpu = run_beside(rt.store, sched, chunks, row_ffn(rt, layer), keep, side, nxt)
+    cpu = run_beside(rt.store, sched, chunks, row_ffn(rt, layer), keep, side)
     outs, at = [], 0
     for c, (x, _, _) in enumerate(chunks):
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -143,8 +149,6 @@ class LayerMajor:
         self.inputs: list[Any] = [None] * n_chunks
         self.outs: list[torch.Tensor | None] = [None] * n_chunks
         self.schedules: list[LayerSchedule] = []  # what each layer issued, in order
-        layers = rt.layers
-        self.next = {L.index: layers[i + 1] for i, L in enumerate(layers[:-1])}
 
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -153,8 +157,7 @@ class LayerMajor:
         self.inputs[c] = (x, ids, weights)
         if c == self.baton.n - 1:  # the last chunk reached the layer: compute it for all
             chunks, self.inputs = self.inputs, [None] * self.baton.n
-            nxt = self.next.get(layer.index)
-            outs, sched = streamed_layer(self.rt, self.step, layer, chunks, nxt)
+            outs, sched = streamed_layer(self.rt, self.step, layer, chunks)
             self.outs = list(outs)
             if sched is not None:
                 self.schedules.append(sched)
