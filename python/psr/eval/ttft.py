@@ -517,3 +517,66 @@ def price_schedules(
         _price_layer(sched, sh, c, t, i % sh.moe_layers, starts)
     # the first token's logits are the device's; seed copies still on the link do not wait
     return t["device"], t["copies"], t["waits"]
+
+
+BUILT_SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b")
+BUILT_PROMPTS = (512, 4096, 16384)
+
+
+def built_rows(
+    profiles: Sequence[str] = ("rtx4090", "h200"),
+    shapes: Sequence[str] = BUILT_SHAPES,
+    prompts: Sequence[int] = BUILT_PROMPTS,
+    chunk: int = 512,
+) -> list[dict[str, Any]]:
+    """Every (profile, shape, prompt): the bound and psr's two built schedules priced
+    (chunk-major: today's default; layer-major: `set_layer_major`), their copies and the
+    reads that waited for one."""
+    rows = []
+    for prof in profiles:
+        for key in shapes:
+            sh, p = SHAPES[key], get_profile(prof)
+            c = Costs.of(sh, p)
+            for T in prompts:
+                m = model_ttft(key, prof, T, chunk)
+                row: dict[str, Any] = {
+                    "profile": p.name, "key": key, "shape": sh.name, "prompt": T,
+                    "chunk": chunk, "residency": SCHEDULE_RESIDENCY, "bound_s": m.bound_s,
+                    "copy_s": m.copy_s, "compute_s": m.compute_s, "threshold": c.threshold,
+                }  # fmt: skip
+                for name, lm in (("chunk_major", False), ("layer_major", True)):
+                    s, copies, waits = price_schedules(sh, c, built_schedules(sh, c, T, chunk, lm))
+                    row |= {f"{name}_s": s, f"{name}_copies": copies, f"{name}_waits": waits}
+                rows.append(row)
+    return rows
+
+
+def built_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The built schedules' rows as a markdown table (seconds)."""
+    lines = [
+        "| profile | model (format) | prompt | used experts / link s | compute s | "
+        "psr chunk-major s | x bound | copies | psr layer-major s | x bound | copies | "
+        "reads waited |",
+        "|" + "---|" * 12,
+    ]
+    for r in rows:
+        b = r["bound_s"]
+        lines.append(
+            f"| {r['profile']} | {r['shape']} ({SHAPES[r['key']].fmt}) | {r['prompt']} | "
+            f"{_s(r['copy_s'])} | {_s(r['compute_s'])} | {_s(r['chunk_major_s'])} | "
+            f"{r['chunk_major_s'] / b:.2f} | {r['chunk_major_copies']:,} | "
+            f"{_s(r['layer_major_s'])} | {r['layer_major_s'] / b:.2f} | "
+            f"{r['layer_major_copies']:,} | {r['layer_major_waits']:,} |"
+        )
+    return "\n".join(lines)
+
+
+def built_goal(rows: Sequence[dict[str, Any]], profile: str = "rtx4090") -> dict[str, Any]:
+    """The issue's goal on `profile` from the built schedules: the worst ratio to the
+    bound of each, and whether it is within GOAL_RATIO."""
+    mine = [r for r in rows if r["profile"] == profile]
+    out: dict[str, Any] = {"profile": profile}
+    for name in ("chunk_major", "layer_major"):
+        worst = max(r[f"{name}_s"] / r["bound_s"] for r in mine)
+        out |= {f"worst_{name}": worst, f"{name}_met": worst <= GOAL_RATIO}
+    return out
