@@ -106,7 +106,8 @@ def plan_prefill(
     keep = set(state)
     order = read_order(history, slots.capacity, used)
     here = {e: s for s, e in enumerate(slots.slot_expert) if e >= 0}
-    reads, last = [], {}
+    reads: list[tuple[int, int, bool]] = []
+    last: dict[int, int] = {}  # slot -> the position of its last read
     for i, e in enumerate(order):
         fresh = e not in here
         if fresh:

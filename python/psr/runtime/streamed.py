@@ -163,7 +163,8 @@ class LayerMajor:
                 self.schedules.append(sched)
         self.baton.give(c)
         self.baton.wait(c)
-        out, self.outs[c] = self.outs[c], None
+        out: torch.Tensor | None = self.outs[c]
+        self.outs[c] = None
         assert out is not None
         return out
 
