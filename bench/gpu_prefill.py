@@ -129,7 +129,9 @@ def one_model(path: str, prompts: list[int], a: argparse.Namespace) -> dict[str,
     import psr
     from psr.machine import PrefillSplit, prefill_threshold
 
-    model = psr.load(path, "exact", RESIDENCY, device=a.device, progress=False)
+    # graphs off: layer-major prefill runs on the eager KV cache (decode graphs' static one
+    # stays chunk-major), so every variant prefills through the same cache
+    model = psr.load(path, "exact", RESIDENCY, device=a.device, progress=False, graphs=False)
     model.set_prefill_chunk(a.chunk)
     if a.dry_run:
         model.runtime.prefill_reads = "slab"  # CUDA's path, where the split applies

@@ -1,7 +1,12 @@
-"""Modeled time to first token (issue 36 item 5): a prompt's prefill on the GPU profiles
-of psr.eval.latency, copy-bound (the used experts' bytes over the host link) against the
-compute, for psr's prefill schedule as it is and for the overlap it lacks; beside the
-peers' published figures. Torch-free, like the latency model.
+"""Modeled time to first token (issue 36 item 5, goal 3): a prompt's prefill on the GPU
+profiles of psr.eval.latency, copy-bound (the used experts' bytes over the host link)
+against the compute; beside the peers' published figures. Torch-free, like the latency
+model. Two models:
+  built     (`built_rows`, the end of this module) the schedule psr's prefill issues,
+            chunk-major and layer-major (psr.runtime.stream_plan: the planner the runtime
+            executes), priced event by event on a timeline: psr's own columns;
+  formula   (`model_ttft`, below) closed forms for every shape, the second turn and the
+            CPU split's expected counts.
 
 A prompt of T tokens is prefilled in chunks of c tokens (psr.runtime.chunked); per chunk
 and MoE layer the chunk's used experts are copied into slots and computed once each over

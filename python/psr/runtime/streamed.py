@@ -169,11 +169,12 @@ class LayerMajor:
         return out
 
     def _chunk(self, c: int, part: torch.Tensor, kv: Any, forward: ChunkForward,
-               logits: list[Any], grad: bool, stream: Any) -> None:  # fmt: skip
+               logits: list[Any], modes: tuple[bool, bool], stream: Any) -> None:  # fmt: skip
         self.me.chunk = c
+        grad, inference = modes  # the caller's autograd modes (per thread in torch)
         try:
             self.baton.wait(c)
-            with torch.set_grad_enabled(grad), _stream(stream):
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad), _stream(stream):
                 logits[c] = forward(part, kv)
             self.baton.give(c)
         except Aborted:
@@ -187,12 +188,12 @@ class LayerMajor:
         ends = boundaries(0, ids.shape[1], chunk)
         starts = [0, *ends[:-1]]
         logits: list[Any] = [None] * len(ends)
-        grad = torch.is_grad_enabled()
+        modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         stream = torch.cuda.current_stream() if ids.device.type == "cuda" else None
         threads = [
             threading.Thread(
                 target=self._chunk,
-                args=(c, ids[:, s:e], kv, forward, logits, grad, stream),
+                args=(c, ids[:, s:e], kv, forward, logits, modes, stream),
                 name=f"psr-prefill-chunk{c}",
             )
             for c, (s, e) in enumerate(zip(starts, ends, strict=True))
