@@ -32,14 +32,14 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     # top-4: a sum of three or more contributions depends on its order (two commute)
     return {
         f: write_checkpoint(tiny_model(f, num_experts_per_tok=4), root / f)
-        for f in ("olmoe", "qwen2_moe")
+        for f in ("olmoe", "qwen2_moe", "deepseek_v3", "mixtral")
     }
 
 
-def _model(path: Path, layer_major: bool, experts_on: str = "gpu", split=None):
+def _model(path: Path, layer_major: bool, experts_on: str = "gpu", split=None, reads="slab"):
     model = psr.load(path, "psr", 0.5, lam=0.3, n=1, experts_on=experts_on, progress=False)
     model.set_prefill_chunk(CHUNK)
-    model.runtime.prefill_reads = "slab"  # CUDA's path, on the CPU backend
+    model.runtime.prefill_reads = reads  # "slab": CUDA's path, on the CPU backend
     if split is not None:
         model.set_prefill_split(split)
     model.set_layer_major(layer_major)
@@ -71,10 +71,14 @@ def _same(a, b) -> None:
 
 @pytest.mark.parametrize(
     ("family", "experts_on"),
-    [("olmoe", "gpu"), ("olmoe", "cpu"), ("olmoe", "hybrid:1"), ("qwen2_moe", "gpu")],
-)
+    [
+        ("olmoe", "gpu"), ("olmoe", "cpu"), ("olmoe", "hybrid:1"), ("qwen2_moe", "gpu"),
+        ("deepseek_v3", "gpu"), ("mixtral", "gpu"),
+    ],
+)  # fmt: skip
 def test_layer_major_is_bit_identical_under_copy_delays(ckpts, monkeypatch, family, experts_on):
     base = _run(_model(ckpts[family], False, experts_on))
+    monkeypatch.setattr(streamed, "PREFETCH_TOKENS", 16)  # later layers prefetched too
     monkeypatch.setenv("PSR_COPY_DELAY_US", "2000")
     for seed in ("1", "2"):
         monkeypatch.setenv("PSR_COPY_DELAY_SEED", seed)
@@ -86,6 +90,14 @@ def test_layer_major_is_bit_identical_under_copy_delays(ckpts, monkeypatch, fami
             assert sum(s.chunk_tokens) == PROMPT.shape[1]
             copied = [ev.expert for ev in s.events if ev.kind == "copy"]
             assert len(copied) == len(set(copied))
+
+
+def test_layer_major_on_the_host_path_is_bit_identical(ckpts) -> None:
+    """The CPU backend's own prefill (host rows, no slab) runs each chunk's code in turn."""
+    base = _run(_model(ckpts["olmoe"], False, reads="host"))
+    model = _model(ckpts["olmoe"], True, reads="host")
+    _same(_run(model), base)
+    assert model.prefill_schedules == []  # nothing staged: no schedule issued
 
 
 def test_layer_major_with_the_cpu_split_is_bit_identical(ckpts, monkeypatch) -> None:
