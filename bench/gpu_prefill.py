@@ -1,5 +1,6 @@
 """Prefill on the GPU (issue 36, gpu_bench.sh's prefill stage): time to first token and
-prefill tok/s at 512 / 4k-token prompts, the per-expert CPU split off and on, on the
+prefill tok/s at 512 / 4k-token prompts, the per-expert CPU split off and on, and
+layer-major (split on, `set_layer_major`: psr.runtime.streamed), on the
 embedded model (bf16 rows; its context is 512, so 504 tokens only) and a synthetic GGUF
 (OLMoE-shaped, H 1024 x F 512, 64 experts top-8, 4 layers, Q4_K gate / up, Q6_K down,
 Q8_0 dense: bench/prefill.py's file; context 4096).
@@ -17,8 +18,10 @@ the device: a pinned row's `.to(device)`; one token of it on the CPU kernels:
 timed `generate(prompt, max_new_tokens=1)` (prefill and the first token, synchronized)
 after a warm-up; beside it the prefill copies, the experts the split computed on the CPU
 (from the routed ids, psr.runtime.prefill.split_experts) and whether the first token
-agrees with the split off. Fail-soft: an error is recorded per model and prompt, and the
-JSON is rewritten after every measurement.
+agrees with the split off; layer-major beside them with what its schedules issued
+(copies, prefetches, reads that waited) and whether its first token equals the split
+on's (it must: layer-major changes only the order of the work). Fail-soft: an error is
+recorded per model and prompt, and the JSON is rewritten after every measurement.
 """
 
 from __future__ import annotations
@@ -96,11 +99,39 @@ def ttft(model: Any, ids: torch.Tensor, reps: int) -> tuple[float, list[int]]:
     return best, out[0, ids.shape[1] :].tolist()
 
 
+# The variants timed per prompt: (name, the CPU split on?, layer-major?).
+VARIANTS = (("off", False, False), ("on", True, False), ("layer_major", True, True))
+
+
+def variant(model: Any, ids: torch.Tensor, a: argparse.Namespace, split: Any, lm: bool) -> dict:
+    """One variant's TTFT, tok/s, prefill copies, CPU experts and first token; layer-major
+    with what its schedules issued (copies, prefetches, reads that waited, summed)."""
+    model.set_prefill_split(split)
+    model.set_layer_major(lm)
+    model.reset_stats()
+    s, tok = ttft(model, ids, a.reps)
+    row = {
+        "ttft_s": s,
+        "tok_s": ids.shape[1] / s,
+        "prefill_copies": model.stats["prefill_copies"] // a.reps,
+        "cpu_experts": cpu_experts(model, split, a.chunk),
+        "first_token": tok,
+    }
+    if lm:
+        scheds = model.prefill_schedules
+        row["schedule"] = {
+            k: sum(x.count(k) for x in scheds) for k in ("copy", "prefetch", "seed", "read")
+        } | {"waits": sum(x.waits for x in scheds), "layers": len(scheds)}
+    return row
+
+
 def one_model(path: str, prompts: list[int], a: argparse.Namespace) -> dict[str, Any]:
     import psr
     from psr.machine import PrefillSplit, prefill_threshold
 
-    model = psr.load(path, "exact", RESIDENCY, device=a.device, progress=False)
+    # graphs off: layer-major prefill runs on the eager KV cache (decode graphs' static one
+    # stays chunk-major), so every variant prefills through the same cache
+    model = psr.load(path, "exact", RESIDENCY, device=a.device, progress=False, graphs=False)
     model.set_prefill_chunk(a.chunk)
     if a.dry_run:
         model.runtime.prefill_reads = "slab"  # CUDA's path, where the split applies
@@ -109,7 +140,7 @@ def one_model(path: str, prompts: list[int], a: argparse.Namespace) -> dict[str,
     if a.threshold is not None:  # forced (the dry run: the CPU's copies are memcpys)
         t = a.threshold
     L = len(model.runtime.layers)
-    splits = {"off": PrefillSplit.off(L), "on": PrefillSplit((t,) * L)}
+    splits = {False: PrefillSplit.off(L), True: PrefillSplit((t,) * L)}
     res: dict[str, Any] = {"costs": costs, "threshold": t, "prompts": {}}
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
@@ -120,19 +151,15 @@ def one_model(path: str, prompts: list[int], a: argparse.Namespace) -> dict[str,
         ids = torch.randint(0, vocab, (1, T), generator=g)
         model.generate(ids[:, : min(T, 32)].to(model.device), max_new_tokens=1)  # warm-up
         row: dict[str, Any] = {}
-        for name, split in splits.items():
-            model.set_prefill_split(split)
-            model.reset_stats()
-            s, tok = ttft(model, ids, a.reps)
-            row[name] = {
-                "ttft_s": s,
-                "tok_s": T / s,
-                "prefill_copies": model.stats["prefill_copies"] // a.reps,
-                "cpu_experts": cpu_experts(model, split, a.chunk),
-                "first_token": tok,
-            }
+        for name, on, lm in VARIANTS:
+            row[name] = variant(model, ids, a, splits[on], lm)
         row["same_first_token"] = row["on"]["first_token"] == row["off"]["first_token"]
+        # layer-major computes exactly what chunk-major does (the split on both)
+        row["layer_major_same_first_token"] = (
+            row["layer_major"]["first_token"] == row["on"]["first_token"]
+        )
         row["on_over_off_tok_s"] = row["on"]["tok_s"] / row["off"]["tok_s"]
+        row["layer_major_over_on_tok_s"] = row["layer_major"]["tok_s"] / row["on"]["tok_s"]
         res["prompts"][T] = row
     model.close()
     return res

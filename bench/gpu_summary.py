@@ -255,7 +255,8 @@ def modes_lines(out: Path) -> list[str]:
 
 
 def prefill_lines(out: Path) -> list[str]:
-    """The prefill stage (bench/gpu_prefill.py): TTFT and tok/s with the CPU split off / on."""
+    """The prefill stage (bench/gpu_prefill.py): TTFT and tok/s with the CPU split off / on,
+    and layer-major."""
     d = load(out, "prefill.json")
     if not isinstance(d, dict) or not d.get("models"):
         return []
@@ -265,23 +266,32 @@ def prefill_lines(out: Path) -> list[str]:
         f"chunk {d.get('chunk')})",
         "",
         "| model | prompt | threshold | TTFT off s | TTFT on s | tok/s off | tok/s on | on/off "
-        "| copies off / on | CPU experts | same first token |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| copies off / on | CPU experts | same first token | TTFT layer-major s | "
+        "copies layer-major | same as on |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, m in d["models"].items():
         if "error" in m:
-            lines.append(f"| {name} | error: {str(m['error'])[:160]} |" + " |" * 9)
+            lines.append(f"| {name} | error: {str(m['error'])[:160]} |" + " |" * 12)
             continue
         for T, r in m.get("prompts", {}).items():
             if "skipped" in r:
-                lines.append(f"| {name} | {T} | {r['skipped']} |" + " |" * 8)
+                lines.append(f"| {name} | {T} | {r['skipped']} |" + " |" * 11)
                 continue
-            off, on = r["off"], r["on"]
+            off, on, lm = r["off"], r["on"], r.get("layer_major")
+            lm_cols = (
+                "- | - | - |"
+                if lm is None
+                else (
+                    f"{lm['ttft_s']:.3f} | {lm['prefill_copies']} | "
+                    f"{r['layer_major_same_first_token']} |"
+                )
+            )
             lines.append(
                 f"| {name} | {T} | {m['threshold']} | {off['ttft_s']:.3f} | {on['ttft_s']:.3f} "
                 f"| {off['tok_s']:.0f} | {on['tok_s']:.0f} | {r['on_over_off_tok_s']:.2f}x | "
                 f"{off['prefill_copies']} / {on['prefill_copies']} | {on['cpu_experts']} | "
-                f"{r['same_first_token']} |"
+                f"{r['same_first_token']} | {lm_cols}"
             )
     return lines
 

@@ -1,15 +1,22 @@
-"""Modeled time to first token (issue 36 item 5): psr.eval.ttft's table for 512 / 4k /
-16k-token prompts on the GPU profiles, with the embedded model's recorded routing beside
-uniform routing, written as markdown and JSON with the command that made them.
+"""Modeled time to first token (issue 36 item 5, goal 3), written as markdown and JSON with
+the command that made them:
+
+1. psr's built schedules priced (psr.eval.ttft.built_rows): the copies, reads and
+   prefetches psr's prefill planner issues (psr.runtime.stream_plan, what the runtime
+   executes: tests/runtime/test_layer_major.py) for 512 / 4k / 16k-token prompts,
+   OLMoE- and Qwen3-30B-A3B-shaped, chunk-major (the default) and layer-major
+   (`set_layer_major`), on a timeline of the RTX 4090 and H200 profiles, against the copy
+   bound max(used experts' bytes / link, compute);
+2. the formula model of every shape (psr.eval.ttft.ttft_report), uniform routing, and
+   with `--record` the embedded model's recorded routing beside it.
 
     OMP_NUM_THREADS=1 PYTHONPATH=python .venv/bin/python bench/ttft.py --out bench/results/ttft
 
-Recorded routing: the embedded model (64 experts, top-8, OLMoE's routing shape; context
-512) prefills `--prompts` windows of 512 tokens of its held-out text (exact routing, on
-the CPU); the mean distinct experts per MoE layer of every n-token window (n = 1, 2, 4,
-.., 512, non-overlapping) is its union u(n), priced as OLMoE-1B-7B's experts (as the
-latency model prices the embedded model's traces). Past 512 tokens it is held at u(512).
-`--dry-run`: uniform routing only (no model run), printed, nothing written.
+Recorded routing (`--record`): the embedded model (64 experts, top-8, OLMoE's routing
+shape; context 512) prefills `--prompts` windows of 512 tokens of its held-out text; the
+mean distinct experts per MoE layer of every n-token window (n = 1, 2, 4, .., 512) is its
+union u(n), priced as OLMoE-1B-7B's experts. Past 512 tokens it is held at u(512).
+`--dry-run`: printed, nothing written.
 """
 
 from __future__ import annotations
@@ -27,40 +34,23 @@ from common import write_json  # noqa: E402
 from psr.eval import ttft  # noqa: E402
 
 WINDOW = 512  # the embedded model's context
-NOTES = """Notes (what the model says; costs are the profiles' and MFU an assumption, so these
-are estimates, not measurements):
-- Goal (within 1.2x of max(used experts' bytes / link, compute) on the RTX 4090 profile):
-  psr's prefill schedule today meets it only for prompts of one chunk (64, 512 tokens:
-  1.00-1.01x). At 4k / 16k it is 8-18x off (8-31x on the H200 profile): every chunk
-  copies its layer's used set again, and a 512-token chunk already uses (nearly) every
-  expert of a layer (recorded: 63.6 of 64 on the embedded model; uniform: all of them for
-  the four shapes), so a T-token prompt moves T / 512 times the experts the bound moves.
-  The copies do not overlap across layers (layer L+1's used set is known once it routes)
-  or chunks. Copying layer L+1's set during layer L ("+ prefetch L+1") gains under 3%:
-  each chunk is copy-bound, so the overlap hides only its small compute. What reaches the
-  goal is layer-major prefill (every chunk of the prompt through layer L while its
-  experts are resident, layer L+1's set in flight): 1.00-1.03x on the 4090 profile, 1.05x
-  worst on the H200. Its price: the prompt's hidden states per layer ([T, H] bf16: 64
-  MiB at 16k for OLMoE / Qwen3, 224 MiB for DeepSeek-V3), two layers' used experts in
-  slots (OLMoE bf16 1.6 GB, Qwen3-30B-A3B Q8_0 1.3 GB, gpt-oss-120b 3.4 GB, DeepSeek-V3
-  Q4_K 12.7 GB), and a forward driven layer by layer across chunks (transformers' forward
-  is chunk-major; attention per chunk is unchanged, so the chunking's numerics are kept).
-- The model assumes a slab much smaller than the experts (the offloaded case): with
-  every expert of a layer resident (OLMoE's 12.9 GB fit a 4090 at residency 1.0) later
-  chunks copy nothing and today's schedule is compute-bound.
-- Second turn with the prompt cache: it computes only the tokens after the last cached
-  boundary (at most a chunk plus the 100 new ones), so its TTFT is about one chunk's
-  copies: 0.53 s against 17 s for a 16k conversation (OLMoE, 4090 profile, today).
-- The per-expert CPU split (psr.machine.PrefillSplit) prices a token of an expert on the
-  CPU at its bytes / cpu_gbps (the kernels read the row once per token): thresholds of 3
-  (4090 profile) and 4 (H200) tokens. Chunks of 512 give ~32-64 tokens per expert, so the
-  split moves nothing at 512+ tokens; it halves a 64-token prompt's TTFT for the big
-  shapes (DeepSeek-V3 12.9 -> 6.1 s, gpt-oss-120b 2.1 -> 1.0 s, 4090 profile). A grouped
-  CPU kernel reading a row once for t tokens would raise the thresholds.
-- The peers' figures are theirs, on their hardware: KTransformers' Qwen3-30B-A3B 4k prompt
-  in ~1.33 s (RTX 5090) against psr's modeled 10 s today / 1.28 s layer-major (4090
-  profile); llama.cpp's gpt-oss-120b at 2,091 tok/s (RTX 3090, micro-batch 8192) against
-  psr's modeled 4k prompt in 20 s today / 2.5 s layer-major.
+NOTES = """Notes (costs are the profiles', MFU an assumption: estimates, not measurements):
+- Built schedules: synthetic uniform routing (each token 8 distinct experts, seeded; one
+  draw shared by the layers), a slab of a quarter of each layer's experts (the offloaded
+  case), the per-expert CPU split at the profile's threshold, chunks of 512, every layer's
+  slots empty at the start. A copy is issued when the host reaches it (each read
+  synchronises the host: its tokens come from a data-dependent `where`), at most two in
+  flight ahead of the compute, into the slot read longest ago; a layer's copies start
+  once it has routed. Layer-major prefetches the next layers' first experts (the first
+  layer the next two, each later one the layer two ahead) into their slots above 256
+  prompt tokens.
+- Chunk-major copies each layer's used set once per chunk: 6.4-13.5x the bound at 4k-16k
+  tokens on the RTX 4090 profile. Layer-major copies it once per prompt and overlaps the
+  copies with the compute and the dense part: within 1.02x of the bound on both profiles
+  and shapes (the goal's 1.2x on the RTX 4090 met). Its price: every chunk's hidden state
+  and each layer's expert outputs ([T k, H]) held at once; one thread per chunk.
+- The formula model below is last session's (its "layer-major" column assumed the
+  schedule the runtime now builds); it stays for the other shapes and the second turn.
 """
 
 
@@ -94,14 +84,24 @@ def record_union(prompts: int) -> dict[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/ttft")
+    ap.add_argument("--record", action="store_true", help="the embedded model's routing too")
     ap.add_argument("--prompts", type=int, default=8, help="held-out windows of 512 tokens")
     ap.add_argument("--chunk", type=int, default=512)
-    ap.add_argument("--dry-run", action="store_true", help="uniform routing only, print")
+    ap.add_argument("--dry-run", action="store_true", help="print, write nothing")
     a = ap.parse_args()
-    table = None if a.dry_run else record_union(a.prompts)
+    built = ttft.built_rows(chunk=a.chunk)
+    g = ttft.built_goal(built)
+    table = record_union(a.prompts) if a.record else None
     unions = {} if table is None else {"olmoe-1b-7b": ttft.recorded_union(table, 64)}
     rows = ttft.ttft_rows(chunk=a.chunk, unions=unions)
-    md = ttft.ttft_report(unions=unions, chunk=a.chunk)
+    md = (
+        f"psr's built schedules priced (s; chunk {a.chunk}, residency "
+        f"{ttft.SCHEDULE_RESIDENCY}, MFU {ttft.MFU:g} assumed; psr.eval.ttft.built_rows)\n\n"
+        f"{ttft.built_table(built)}\n\ngoal (within {ttft.GOAL_RATIO}x of the bound on "
+        f"rtx4090): chunk-major worst {g['worst_chunk_major']:.2f}x, layer-major worst "
+        f"{g['worst_layer_major']:.2f}x\n\nThe formula model (every shape)\n\n"
+        + ttft.ttft_report(unions=unions, chunk=a.chunk)
+    )
     if a.dry_run:
         print(md)
         return
@@ -115,11 +115,17 @@ def main() -> None:
             for n, u in (table or {}).items()
         ]
     )
+    recorded = (
+        ""
+        if table is None
+        else (
+            f"The embedded model's recorded union (its {WINDOW}-token windows):\n\n{union_md}\n\n"
+        )
+    )
     (out / "README.md").write_text(
-        f"# Modeled time to first token (issue 36 item 5)\n\n    {cmd}\n\n"
-        f"(module docstrings of bench/ttft.py and psr.eval.ttft for the model)\n\n{md}\n\n"
-        f"The embedded model's recorded union (its {WINDOW}-token held-out windows):\n\n"
-        f"{union_md}\n\n{NOTES}"
+        f"# Modeled time to first token (issue 36 item 5, goal 3)\n\n    {cmd}\n\n"
+        f"(module docstrings of bench/ttft.py, psr.eval.ttft and psr.runtime.stream_plan)"
+        f"\n\n{md}\n\n{recorded}{NOTES}"
     )
     write_json(
         out / "ttft.json",
@@ -128,6 +134,8 @@ def main() -> None:
             "mfu": ttft.MFU,
             "gpu_tflops": ttft.GPU_TFLOPS,
             "shapes": {k: vars(v) for k, v in ttft.SHAPES.items()},
+            "built": built,
+            "built_goal": g,
             "recorded_union": table,
             "rows": rows,
             "goal": ttft.goal(rows),

@@ -1,6 +1,6 @@
 """Rehearsal of gpu_bench.sh's prefill stage (bench/gpu_prefill.py --dry-run) on the CPU: it
 runs, writes every field, and the split it forces takes experts off the copies without
-changing the first token."""
+changing the first token; layer-major beside it, the same first token, no more copies."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ def test_prefill_stage_dry_run(tmp_path: Path) -> None:
     assert off["cpu_experts"] == 0 < on["cpu_experts"]
     assert on["prefill_copies"] < off["prefill_copies"]
     assert row["same_first_token"] and on["tok_s"] > 0 and off["ttft_s"] > 0
+    # layer-major (the split on): the same first token, each layer's experts copied once
+    lm = row["layer_major"]
+    assert row["layer_major_same_first_token"] and lm["cpu_experts"] == on["cpu_experts"]
+    assert lm["prefill_copies"] <= on["prefill_copies"]
+    assert lm["schedule"]["layers"] == 8 and lm["schedule"]["read"] > 0  # 8 MoE layers
     # gpu_bench.sh's summary shows the stage
     sys.path.insert(0, str(ROOT / "bench"))
     try:

@@ -94,3 +94,36 @@ def test_report_goal_and_bad_input() -> None:
         ttft.model_ttft("olmoe-1b-7b", "rtx4090", 0)
     with pytest.raises(ValueError, match="no GPU FLOP/s"):
         ttft.model_ttft("olmoe-1b-7b", replace(PROFILES["h200"], name="x"), 10)
+
+
+def test_a_schedule_priced_by_hand() -> None:
+    from psr.runtime.stream_plan import Event, LayerSchedule
+
+    shape, prof = _unit()
+    c = ttft.Costs.of(shape, prof)
+    s = LayerSchedule(0, (10,))
+    s.events = [Event("copy", 0, 0), Event("copy", 1, 1)]
+    s.events += [Event("read", 0, 0, (10,)), Event("read", 1, 1, (4,))]
+    # dense 0.5 ms; the copies issued then, 1 ms each on the link (done at 1.5, 2.5 ms);
+    # each read waits for its copy and takes max(1 us HBM read, its flops) = 1 us
+    t, copies, waits = ttft.price_schedules(shape, c, [(s, [0])])
+    assert t == pytest.approx(2.501e-3) and copies == 2 and waits == 2
+
+
+def test_built_schedules_copy_once_per_prompt_layer_major() -> None:
+    sh = ttft.SHAPES["olmoe-1b-7b"]
+    c = ttft.Costs.of(sh, PROFILES["rtx4090"])
+    lm = ttft.built_schedules(sh, c, 2048, 512, True)
+    cm = ttft.built_schedules(sh, c, 2048, 512, False)
+    assert len(lm) == sh.moe_layers and len(cm) == 4 * sh.moe_layers
+    # every expert used (uniform, 2048 tokens): read once per layer, crossing the link once
+    # (a copy or a prefetch by an earlier layer; the last layer prefetches nothing)
+    reads = [ev.expert for s, _ in lm for ev in s.events if ev.kind == "read"]
+    assert len(reads) == sh.moe_layers * sh.experts
+    t_lm, n_lm, _ = ttft.price_schedules(sh, c, lm)
+    t_cm, n_cm, _ = ttft.price_schedules(sh, c, cm)
+    assert n_lm == sh.moe_layers * sh.experts
+    # chunk-major: each chunk's used set again, less what its slots still held (<= 16)
+    assert 4 * n_lm - 4 * sh.moe_layers * 16 <= n_cm < 4 * n_lm
+    bound = ttft.model_ttft(sh, PROFILES["rtx4090"], 2048).bound_s
+    assert bound <= t_lm <= ttft.GOAL_RATIO * bound < t_cm

@@ -1,7 +1,12 @@
-"""Modeled time to first token (issue 36 item 5): a prompt's prefill on the GPU profiles
-of psr.eval.latency, copy-bound (the used experts' bytes over the host link) against the
-compute, for psr's prefill schedule as it is and for the overlap it lacks; beside the
-peers' published figures. Torch-free, like the latency model.
+"""Modeled time to first token (issue 36 item 5, goal 3): a prompt's prefill on the GPU
+profiles of psr.eval.latency, copy-bound (the used experts' bytes over the host link)
+against the compute; beside the peers' published figures. Torch-free, like the latency
+model. Two models:
+  built     (`built_rows`, the end of this module) the schedule psr's prefill issues,
+            chunk-major and layer-major (psr.runtime.stream_plan: the planner the runtime
+            executes), priced event by event on a timeline: psr's own columns;
+  formula   (`model_ttft`, below) closed forms for every shape, the second turn and the
+            CPU split's expected counts.
 
 A prompt of T tokens is prefilled in chunks of c tokens (psr.runtime.chunked); per chunk
 and MoE layer the chunk's used experts are copied into slots and computed once each over
@@ -47,6 +52,18 @@ from typing import Any
 
 from psr.eval.latency import Profile, get_profile
 from psr.machine import prefill_threshold
+from psr.runtime.slots import SlotMap
+from psr.runtime.stream_plan import (
+    PREFETCH_DEPTH,
+    PREFETCH_TOKENS,
+    ChunkSplit,
+    LayerSchedule,
+    plan_prefill,
+    plan_stream,
+    prefetch_plan,
+    prefetch_targets,
+    schedule,
+)
 
 PROMPTS = (64, 512, 4096, 16384)  # 64: where the CPU split tells
 SECOND_TURN = 100  # tokens a second turn adds to the conversation
@@ -402,3 +419,169 @@ def ttft_report(
         )
     text += ["published (their hardware, as quoted in issue 36)", published_table()]
     return "\n\n".join(text)
+
+
+# --- psr's built schedules, priced (issue 36 goal 3) -----------------------------------------
+# The schedule psr's prefill issues (psr.runtime.stream_plan: the same planner the runtime
+# executes and records, tests/runtime/test_layer_major.py), from synthetic uniform routing
+# (each token k distinct experts of E, seeded; one draw shared by the layers), priced on a
+# timeline of the link, the device and the CPU worker:
+#   dense     per chunk and layer as `_stage` prices it, before the layer's experts (it
+#             routes there: the host learns the used set from the device, so the layer's
+#             first copies are issued only then);
+#   copy      issued when the host reaches it (the reads before it synchronise the host
+#             with the device: each read finds its tokens with a data-dependent `where`),
+#             starts once the link is free and its slot's last read is done; one expert's
+#             copy time; `prefetch` the same into the next layer, `seed` after the reads;
+#   read      starts when the device is free and its expert's copy has landed (a wait
+#             otherwise); per chunk it covers: max(hbm read, 6 H F n / flops) + launch;
+#   CPU part  the split's experts on the CPU worker beside the layer's device work.
+SCHEDULE_RESIDENCY = 0.25  # the slab per layer (the offloaded case): capacity E / 4
+
+
+def uniform_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> list[list[int]]:
+    """Synthetic routing: each token `top_k` distinct experts of `experts`, uniformly."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.sample(range(experts), top_k) for _ in range(tokens)]
+
+
+def _price_layer(sched: LayerSchedule, sh: MoEShape, c: Costs, t: dict[str, Any],
+                 at: int, starts: Sequence[int]) -> None:  # fmt: skip
+    """Advance the timeline `t` (device, link, waits; `ahead`: per MoE layer, its
+    prefetched experts' arrival) over MoE layer `at`."""
+    L = sh.moe_layers
+    t0 = t["device"]
+    for s, n in zip(starts, sched.chunk_tokens, strict=True):
+        flops = 2 * sh.dense_params / L * n + 4 * sh.d_attn * n * (s + n / 2)
+        t["device"] += max(c.dense_floor, flops / c.flops)
+    ready, free = t["ahead"].pop(at, {}), {}  # free: slot -> its last read's end
+    for ev in sched.events:
+        if ev.kind == "read":
+            start = max(t["device"], ready.get(ev.expert, 0.0))
+            t["waits"] += start > t["device"]
+            work = sum(
+                max(c.hbm_read, 6 * sh.hidden * sh.ffn * n / c.flops) + c.overhead
+                for n in ev.tokens if n
+            )  # fmt: skip
+            t["device"] = start + work
+            free[ev.slot] = t["device"]
+        elif ev.kind != "prefetch" or at + ev.ahead < L:  # (none past the last layer)
+            slot_free = free.get(ev.slot, 0.0) if ev.kind != "prefetch" else 0.0
+            t["link"] = max(t["link"], t["device"], slot_free) + c.copy
+            t["copies"] += 1
+            into = t["ahead"].setdefault(at + ev.ahead, {}) if ev.kind == "prefetch" else ready
+            into[ev.expert] = t["link"]
+    cpu = c.cpu_fixed + sum(sched.cpu_tokens) * c.cpu_token if sum(sched.cpu_tokens) else 0.0
+    t["device"] = max(t["device"], t0 + cpu)
+
+
+def built_schedules(
+    sh: MoEShape, c: Costs, tokens: int, chunk: int, layer_major: bool
+) -> list[tuple[LayerSchedule, list[int]]]:
+    """The schedules psr issues for a `tokens` prompt, in execution order, each with its
+    chunks' start positions: layer by layer over every chunk (`layer_major`), else chunk
+    by chunk, each chunk through every layer. Layers share one routing draw, so once warm
+    they issue the same schedule: planned until then (layer-major: PREFETCH_DEPTH + 1
+    layers; chunk-major: 2), the last one repeated."""
+    routed = uniform_routing(tokens, sh.experts, sh.top_k)
+    cap = max(1, round(SCHEDULE_RESIDENCY * sh.experts))
+    on_cpu = lambda n: 0 < n < c.threshold  # noqa: E731
+    ends = [*range(chunk, tokens, chunk), tokens]
+    starts = [0, *ends[:-1]]
+    depth = PREFETCH_DEPTH + 1  # layer 0 cold; 1 prefetched by 0; 2 on, the steady state
+    slots = [SlotMap([-1] * cap) for _ in range(min(depth + PREFETCH_DEPTH, sh.moe_layers))]
+    if layer_major:
+        plans, parts = [], [routed[s:e] for s, e in zip(starts, ends, strict=True)]
+        for i, sm in enumerate(slots[:depth]):
+            sp = plan_stream(sm, routed, parts, on_cpu)
+            ahead = []
+            if tokens >= PREFETCH_TOKENS:
+                for p in prefetch_targets(i, len(slots)):
+                    ahead += [(p - i, s, e) for s, e in prefetch_plan(slots[p], range(sh.experts))]
+            plans.append((schedule(i, sp.plan, sp.chunks, ahead), starts))
+        return [*plans, *[plans[-1]] * (sh.moe_layers - len(plans))][: sh.moe_layers]
+    out = []
+    for s, e in zip(starts, ends, strict=True):
+        split = ChunkSplit.of(routed[s:e], on_cpu)
+        layer = []
+        for i, sm in enumerate(slots[:2]):
+            plan = plan_prefill(sm, routed[:e], split.copied, e == tokens)
+            layer.append((schedule(i, plan, [split]), [s]))
+        out += [*layer, *[layer[-1]] * (sh.moe_layers - 2)][: sh.moe_layers]
+    return out
+
+
+def price_schedules(
+    sh: MoEShape, c: Costs, scheds: Sequence[tuple[LayerSchedule, list[int]]]
+) -> tuple[float, int, int]:
+    """(seconds to the first token, copies, reads waited for) of `scheds` on the timeline."""
+    t: dict[str, Any] = {"device": 0.0, "link": 0.0, "waits": 0, "copies": 0, "ahead": {}}
+    for i, (sched, starts) in enumerate(scheds):
+        _price_layer(sched, sh, c, t, i % sh.moe_layers, starts)
+    # the first token's logits are the device's; seed copies still on the link do not wait
+    return t["device"], t["copies"], t["waits"]
+
+
+BUILT_SHAPES = ("olmoe-1b-7b", "qwen3-30b-a3b")
+BUILT_PROMPTS = (512, 4096, 16384)
+
+
+def built_rows(
+    profiles: Sequence[str] = ("rtx4090", "h200"),
+    shapes: Sequence[str] = BUILT_SHAPES,
+    prompts: Sequence[int] = BUILT_PROMPTS,
+    chunk: int = 512,
+) -> list[dict[str, Any]]:
+    """Every (profile, shape, prompt): the bound and psr's two built schedules priced
+    (chunk-major: today's default; layer-major: `set_layer_major`), their copies and the
+    reads that waited for one."""
+    rows = []
+    for prof in profiles:
+        for key in shapes:
+            sh, p = SHAPES[key], get_profile(prof)
+            c = Costs.of(sh, p)
+            for T in prompts:
+                m = model_ttft(key, prof, T, chunk)
+                row: dict[str, Any] = {
+                    "profile": p.name, "key": key, "shape": sh.name, "prompt": T,
+                    "chunk": chunk, "residency": SCHEDULE_RESIDENCY, "bound_s": m.bound_s,
+                    "copy_s": m.copy_s, "compute_s": m.compute_s, "threshold": c.threshold,
+                }  # fmt: skip
+                for name, lm in (("chunk_major", False), ("layer_major", True)):
+                    s, copies, waits = price_schedules(sh, c, built_schedules(sh, c, T, chunk, lm))
+                    row |= {f"{name}_s": s, f"{name}_copies": copies, f"{name}_waits": waits}
+                rows.append(row)
+    return rows
+
+
+def built_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The built schedules' rows as a markdown table (seconds)."""
+    lines = [
+        "| profile | model (format) | prompt | used experts / link s | compute s | "
+        "psr chunk-major s | x bound | copies | psr layer-major s | x bound | copies | "
+        "reads waited |",
+        "|" + "---|" * 12,
+    ]
+    for r in rows:
+        b = r["bound_s"]
+        lines.append(
+            f"| {r['profile']} | {r['shape']} ({SHAPES[r['key']].fmt}) | {r['prompt']} | "
+            f"{_s(r['copy_s'])} | {_s(r['compute_s'])} | {_s(r['chunk_major_s'])} | "
+            f"{r['chunk_major_s'] / b:.2f} | {r['chunk_major_copies']:,} | "
+            f"{_s(r['layer_major_s'])} | {r['layer_major_s'] / b:.2f} | "
+            f"{r['layer_major_copies']:,} | {r['layer_major_waits']:,} |"
+        )
+    return "\n".join(lines)
+
+
+def built_goal(rows: Sequence[dict[str, Any]], profile: str = "rtx4090") -> dict[str, Any]:
+    """The issue's goal on `profile` from the built schedules: the worst ratio to the
+    bound of each, and whether it is within GOAL_RATIO."""
+    mine = [r for r in rows if r["profile"] == profile]
+    out: dict[str, Any] = {"profile": profile}
+    for name in ("chunk_major", "layer_major"):
+        worst = max(r[f"{name}_s"] / r["bound_s"] for r in mine)
+        out |= {f"worst_{name}": worst, f"{name}_met": worst <= GOAL_RATIO}
+    return out

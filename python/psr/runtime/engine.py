@@ -377,6 +377,11 @@ class OffloadRuntime:
         return self._device.live
 
     @property
+    def step(self) -> Step:
+        """The step the current (or last) forward took (streamed.py diverts a prefill's)."""
+        return self._step
+
+    @property
     def step_name(self) -> str:
         """The step the current (or last) forward took: "prefill", "window", "host",
         "device", ... (enter_forward picks it)."""

@@ -122,6 +122,9 @@ class OffloadedModel(nn.Module):
         limit = getattr(self.config, "max_position_embeddings", None)
         chunk = chunked.DEFAULT_PREFILL_CHUNK
         self.prefill_chunk = min(chunk, int(limit)) if limit else chunk
+        # Layer-major prefill (set_layer_major, runtime/streamed.py) and what it issued last.
+        self.layer_major = False
+        self.prefill_schedules: list[Any] = []
 
     def set_prefill_chunk(self, chunk: int) -> None:
         """Prefill prompts in chunks of `chunk` tokens at fixed boundaries (psr.runtime.
@@ -130,6 +133,15 @@ class OffloadedModel(nn.Module):
         then part of the configuration (a configuration reproduces its tokens)."""
         with self.runtime.lock:
             self.prefill_chunk = chunked.check_chunk(chunk, self.context)
+
+    def set_layer_major(self, on: bool = True) -> None:
+        """Prefill layer by layer across the prompt's chunks (psr.runtime.streamed: each
+        layer's used experts copied once per prompt; outputs bit-identical to chunk by
+        chunk); not with a prompt cache or decode graphs (those stay chunk by chunk)."""
+        if not isinstance(on, bool):
+            raise ValueError(f"set_layer_major: on must be a bool, got {on!r}")
+        with self.runtime.lock:
+            self.layer_major = on
 
     @property
     def row_invariant(self) -> bool:
@@ -417,6 +429,10 @@ class OffloadedModel(nn.Module):
         if cache is not None:
             self.check_prompt_cache(cache)
         key = self._prefill_key(graph is not None)
+        if self.layer_major and graph is None and cache is None:
+            from psr.runtime.streamed import layer_major_prefill
+
+            return layer_major_prefill(self, chunk)
         if graph is not None:
 
             def forward(part: torch.Tensor, pos: int, kv: Any) -> tuple[torch.Tensor, Any]:

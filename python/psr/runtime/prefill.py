@@ -33,82 +33,24 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
 
 import torch
 
-from psr.cache import prefill_state
 from psr.machine import PrefillSplit
 from psr.runtime.context import StepContext
 from psr.runtime.layer import MoELayer
-from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
+from psr.runtime.stream_plan import ChunkSplit, Event, LayerSchedule, PrefillPlan, schedule
+from psr.runtime.stream_plan import plan_prefill as plan_prefill
 from psr.store import CopyReason, ExpertStore
 from psr_kernels import NonFiniteError
 
 # One expert's weighted FFN over some tokens: (its row, the tokens' x, its expert id, their
 # gate weights) -> its contribution to y.
 RowFFN = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
-
-# Slab path: experts whose copies are in flight ahead of the one computing (2: double
-# buffering; a copy is issued only into a slot no pending read still needs).
-LOOKAHEAD = 2
-
-
-@dataclass
-class PrefillPlan:
-    reads: list[tuple[int, int, bool]]  # (expert, slot, copy it first?) in compute order
-    seed: list[tuple[int, int]]  # (slot, expert): cache members prefill did not compute with
-    init: list[int]  # the layer's initial logical cache, least recent first
-
-
-def _stage_slot(slots: SlotMap, keep: set[int], here: dict[int, int]) -> int:
-    """A slot to load a prefill expert into: empty, else not holding a `keep` expert
-    (a duplicate copy of one counts as free), else any."""
-    preds: tuple[Callable[[int, int], bool], ...] = (
-        lambda s, e: e < 0,
-        lambda s, e: e not in keep or here.get(e) != s,
-        lambda s, e: True,
-    )
-    for pred in preds:
-        for s in range(slots.capacity):
-            if pred(s, slots.slot_expert[s]):
-                return s
-    raise AssertionError("unreachable")
-
-
-def _put(slots: SlotMap, keep: set[int], here: dict[int, int], e: int) -> int:
-    s = _stage_slot(slots, keep, here)
-    if here.get(slots.slot_expert[s]) == s:
-        del here[slots.slot_expert[s]]
-    slots.slot_expert[s] = e
-    here[e] = s
-    return s
-
-
-def plan_prefill(
-    slots: SlotMap, history: Sequence[Sequence[int]], used: Sequence[int], final: bool = True
-) -> PrefillPlan:
-    """Stage the prefill's `used` experts and (`final`: the prompt's last chunk) seed the
-    cache from `history` (the routed ids of each prompt token so far); `slots` then ends
-    mapping exactly the seeded experts. A chunk before the last stages only (`seed` and
-    `init` empty; the experts likely kept are still staged last)."""
-    state = prefill_state(history, slots.capacity)
-    keep = set(state)
-    used = sorted(set(used))
-    order = [e for e in used if e not in keep] + [e for e in used if e in keep]
-    here = {e: s for s, e in enumerate(slots.slot_expert) if e >= 0}
-    reads = []
-    for e in order:
-        fresh = e not in here
-        if fresh:
-            _put(slots, keep, here, e)
-        reads.append((e, here[e], fresh))
-    if not final:
-        return PrefillPlan(reads, [], [])
-    seed = [(_put(slots, keep, here, e), e) for e in state if e not in here]
-    slots.slot_of = {e: here[e] for e in state}
-    return PrefillPlan(reads, seed, state)
+# A chunk's experts diverted elsewhere (the streamed layer-major prefill, streamed.py):
+# (layer, x, ids, weights) -> the layer's output for this chunk.
+ExpertsFn = Callable[[MoELayer, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def reads_host(rt: StepContext, layer: MoELayer) -> bool:
@@ -160,20 +102,44 @@ def cpu_part(
     return lambda: compute.grouped_host(xc, ic, wc, host, bias, only=only, out_dtype=torch.float32)
 
 
-def _issue(
-    store: ExpertStore, layer: int, reads: Sequence[tuple[int, int, bool]], at: int, issued: int
-) -> int:
-    """Issue the copies of reads `issued ..` while they are at most LOOKAHEAD ahead of read
-    `at` and their slot is not one a read not yet computed (`at ..`) still needs. Returns
-    the new `issued` (always > `at`)."""
-    while issued < len(reads) and issued < at + LOOKAHEAD:
-        e, slot, fresh = reads[issued]
-        if any(reads[j][1] == slot for j in range(at, issued)):
-            break  # written after read `at` releases it: issued on a later turn
-        if fresh:
-            store.enqueue_copies(layer, [slot], [e], reason=CopyReason.PREFILL)
-        issued += 1
-    return issued
+# Where a read's contribution goes: (chunk, expert, its tokens, their y).
+OnRead = Callable[[int, int, torch.Tensor, torch.Tensor], None]
+Inputs = Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # per chunk (x, ids, w)
+
+
+def run_events(
+    store: ExpertStore,
+    sched: LayerSchedule,
+    chunks: Inputs,
+    ffn: RowFFN,
+    on_read: OnRead,
+) -> None:
+    """Issue a layer's schedule (stream_plan.schedule) in order: its copies, its reads (each
+    expert computed from its slot over every chunk's tokens that chose it, handed to
+    `on_read`), the later layers' prefetch, the seed copies. The slots waited for are
+    counted into `sched.waits`."""
+    layer = sched.layer
+    waits = store.counters().get("waits", 0)
+    for ev in sched.events:
+        if ev.kind == "read":
+            _read(store, layer, ev, chunks, ffn, on_read)
+        else:
+            into = layer + ev.ahead  # MoE layers are the store's layers, in order
+            store.enqueue_copies(into, [ev.slot], [ev.expert], reason=CopyReason.PREFILL)
+    sched.waits = int(store.counters().get("waits", 0) - waits)
+
+
+def _read(
+    store: ExpertStore, layer: int, ev: Event, chunks: Inputs, ffn: RowFFN, on_read: OnRead
+) -> None:
+    """One read event: expert `ev.expert` from its slot over each chunk's tokens."""
+    e, slot = ev.expert, ev.slot
+    with store.reading(layer, [slot], [e]) as slab:
+        for c, n in enumerate(ev.tokens):
+            if n:
+                x, ids, weights = chunks[c]
+                tok, pos = torch.where(ids == e)
+                on_read(c, e, tok, ffn(slab[slot], x[tok], e, weights[tok, pos]))
 
 
 def run_prefill(
@@ -184,32 +150,44 @@ def run_prefill(
     ids: torch.Tensor,
     weights: torch.Tensor,
     ffn: RowFFN,
+    split: ChunkSplit,
     side: SidePart | None = None,
 ) -> torch.Tensor:
     """Exact experts of `x [T, H]` routed to `ids [T, k]` with `weights [T, k]`, by the
-    plan: copies into the slab (the next ones in flight while one computes), each expert
-    read from its slot; `side` (the CPU part of a split layer: its experts are not in the
-    plan) beside them on a worker thread. Sums in fp32; returns x's dtype."""
+    plan's schedule: copies into the slab (the next ones in flight while one computes),
+    each expert read from its slot and summed as it is read; `side` (the CPU part of a
+    split layer: its experts are not in the plan) beside them on a worker thread, added
+    last. Sums in fp32; returns x's dtype."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    # The CPU part on a worker thread (the CPU kernels release the GIL) while this one
-    # issues the copies and the device's experts; added last, so the sum's order is fixed.
+
+    def add(_c: int, _e: int, tok: torch.Tensor, y: torch.Tensor) -> None:
+        out.index_add_(0, tok, y.float())
+
+    cpu = run_beside(store, schedule(layer, plan, [split]), [(x, ids, weights)], ffn, add, side)
+    if cpu is not None:
+        out += cpu.to(out.device)
+    return out.to(x.dtype)
+
+
+def run_beside(
+    store: ExpertStore,
+    sched: LayerSchedule,
+    chunks: Inputs,
+    ffn: RowFFN,
+    on_read: OnRead,
+    side: SidePart | None,
+) -> torch.Tensor | None:
+    """`run_events` with `side` (the CPU part of a split layer) on the worker thread beside
+    it (the CPU kernels release the GIL); its result is returned, never left running past
+    the layer."""
     cpu = None if side is None else _side_worker().submit(side)
-    issued = 0
     try:
-        for i, (e, slot, _fresh) in enumerate(plan.reads):
-            tok, pos = torch.where(ids == e)
-            issued = _issue(store, layer, plan.reads, i, issued)
-            with store.reading(layer, [slot], [e]) as slab:
-                y = ffn(slab[slot], x[tok], e, weights[tok, pos])
-            out.index_add_(0, tok, y.float())
+        run_events(store, sched, chunks, ffn, on_read)
     except BaseException:
         if cpu is not None:
             wait([cpu])  # never left running past the layer; the loop's error is raised
         raise
-    if cpu is not None:
-        out += cpu.result().to(out.device)
-    seed_copies(store, layer, plan)
-    return out.to(x.dtype)
+    return None if cpu is None else cpu.result()
 
 
 _SIDE: list[ThreadPoolExecutor] = []
@@ -248,11 +226,27 @@ class PrefillStep(Step):
         layer.history.extend(ids.tolist())
         return self.out(logits, w, ids)
 
+    # The streamed layer-major prefill (streamed.py) diverts each chunk's experts to it.
+    divert: ExpertsFn | None = None
+
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.divert is not None:
+            return self.divert(layer, x, ids, weights)
+        return self.chunk_experts(layer, x, ids, weights, final=not self.rt.prefill_more)
+
+    def chunk_experts(
+        self,
+        layer: MoELayer,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        final: bool,
+    ) -> torch.Tensor:
+        """One chunk's experts of `layer` (`final`: the prompt's last chunk: then the
+        layer's cache is seeded)."""
         rt = self.rt
-        final = not rt.prefill_more
         if reads_host(rt, layer):
             compute, host = rt.computes[layer.index], rt.store.host(layer.index)
             out = compute.grouped_host(x, ids, weights, host, layer.expert_bias)
@@ -260,14 +254,20 @@ class PrefillStep(Step):
             if plan is not None:
                 seed_copies(rt.store, layer.index, plan)
         else:
-            on_cpu, copied = split_experts(rt.prefill_split, layer.index, ids, rt.spec.num_experts)
-            side = cpu_part(rt, layer, x, ids, weights, on_cpu) if on_cpu else None
-            plan = plan_prefill(layer.slots, layer.history, copied, final)
+            split = rt.prefill_split
+            chunk = ChunkSplit.of(ids.tolist(), lambda n: split.on_cpu(layer.index, n))
+            side = cpu_part(rt, layer, x, ids, weights, chunk.cpu) if chunk.cpu else None
+            plan = plan_prefill(layer.slots, layer.history, chunk.copied, final)
             ffn = row_ffn(rt, layer)
-            out = run_prefill(rt.store, layer.index, plan, x, ids, weights, ffn, side)
+            out = run_prefill(rt.store, layer.index, plan, x, ids, weights, ffn, chunk, side)
         if plan is not None and final:
-            layer.cache.reset(plan.init)
-            layer.seeded = True
-            if rt.decoding:
-                rt.acct.end_prefill()
+            seeded(rt, layer, plan)
         return out
+
+
+def seeded(rt: StepContext, layer: MoELayer, plan: PrefillPlan) -> None:
+    """After the prompt's last chunk: `layer`'s logical cache seeded by the plan."""
+    layer.cache.reset(plan.init)
+    layer.seeded = True
+    if rt.decoding:
+        rt.acct.end_prefill()
