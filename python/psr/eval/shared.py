@@ -162,8 +162,8 @@ def replay(model: OffloadedModel, windows: Sequence[Sequence[Tapped]], routed: T
                 )
                 on_cpu = set(use.cpu)
                 rec.read(m, slots.slots([e for e in ids if e not in on_cpu]))
-            preds = tap.predictions.get(n) if n else None
-            queued = [] if preds is None else [(m, n, preds)]
+            ahead = tap.predictions.get(n) if n else None  # into the next layer
+            queued = [] if ahead is None else [(m, n, ahead)]
         first += decode
     if first != len(routed.tokens):
         raise ValueError(f"the windows hold {first} decode tokens, the trace {len(routed.tokens)}")
