@@ -442,6 +442,10 @@ class ScheduleJob:
             self.child.kill()
             self.child.wait()
 
+    def done(self) -> bool:
+        """Whether `result()` returns without waiting."""
+        return self.got is not None or (self.child is not None and self.child.poll() is not None)
+
     def result(self) -> dict[RunConfig, HostSchedule]:
         """The schedules by configuration (waits for the child process, if any)."""
         if self.got is None:

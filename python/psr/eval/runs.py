@@ -115,21 +115,34 @@ def run_all(
         (path, [configs[i] for i in g], data, profiles, inner, modes_recorded, modes_replayed)
         for g in groups
     ]
+    results: list[dict[str, Any]] = [{} for _ in configs]
+    waiting: list[int] = []  # results still without their host-aware latency
+
+    def host_latency(wait: bool) -> None:
+        # Modeled as results arrive once the schedules are in (beside the workers' last
+        # tasks, not after them); the rest once the workers are done.
+        if job is None or not (wait or job.done()):
+            return
+        schedules = job.result()
+        for i in waiting:
+            add_host_latency(results[i], schedules[configs[i]], profiles)
+        waiting.clear()
+
+    def arrived(k: int, rs: list[dict[str, Any]], bar: Any) -> None:
+        bar.update(len(rs))
+        for i, r in zip(groups[k], rs, strict=True):
+            results[i] = r
+        waiting.extend(groups[k])
+        host_latency(wait=False)
+
     try:
         with tqdm(total=len(configs), desc=desc, disable=not progress) as bar:
-            done = workers.map(_run_group, tasks, lambda i, r: bar.update(len(r)))
+            workers.map(_run_group, tasks, lambda k, rs: arrived(k, rs, bar))
     except BaseException:
         if job is not None:
             job.cancel()
         raise
-    results: list[dict[str, Any]] = [{} for _ in configs]
-    for g, rs in zip(groups, done, strict=True):
-        for i, r in zip(g, rs, strict=True):
-            results[i] = r
-    if job is not None:
-        schedules = job.result()
-        for rc, r in zip(configs, results, strict=True):
-            add_host_latency(r, schedules[rc], profiles)
+    host_latency(wait=True)
     compare(results, profiles)
     return results
 
