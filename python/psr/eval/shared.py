@@ -12,7 +12,7 @@ MoE layer the prompt's routed ids and the predictions each other member's `n` ma
 (psr.runtime.window: per layer, the prompt seeds the cache, then per decode token the
 prefetches queued by the layer before it, then `use`). The logical caches never read
 physical state, so the replay is what the member's own run would count;
-tests/eval/test_shared.py checks every figure bit for bit against separate runs.
+tests/eval/test_eval.py checks every figure bit for bit against separate runs.
 """
 
 from __future__ import annotations
