@@ -189,14 +189,14 @@ def run_config(
         if modes_replayed and modes.replayable(rc.policy) and data.windows
         else None
     )
-    rt = model.runtime
+    rt, routing = model.runtime, None
     steering = rt.steering
-    if tap is not None:
-        rt.set_steering(RoutingTap(rt, tap))
+    if tap is not None:  # the spec's steering, recording (only while windows are scored)
+        routing = RoutingTap(rt, tap)
+        rt.set_steering(routing)
     try:
         nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
     finally:
-        routing = rt.steering.windows if isinstance(rt.steering, RoutingTap) else None
         rt.set_steering(steering)
     starts = None
     if watch is not None:
@@ -222,7 +222,7 @@ def run_config(
     if recorded is not None:
         out["mode_traces"] = recorded  # not saved (report.save): the modes table's input
     if routing is not None:
-        out["routing"] = routing  # not saved: run_class's replay input
+        out["routing"] = routing.windows  # not saved: run_class's replay input
     if schedule is not None:
         add_host_latency(out, schedule, profiles)
     return out
