@@ -44,6 +44,14 @@ class Policy:
     n: int = 0
     mask: str = "logical"
 
+    @property
+    def routes_by_cache(self) -> bool:
+        """Whether the routed ids can depend on the cache: only through the bias toward
+        it (lam > 0; routing reads no mask without). With lam = 0 routing is the exact
+        top-k at every residency and prefetch count: such configurations route, score and
+        generate alike, only their caches' accounting differs (psr.eval.shared)."""
+        return self.lam > 0
+
     def describe(self) -> str:
         """Human label, e.g. `psr(lam=0.2, n=1)`."""
         if self.name == "exact":

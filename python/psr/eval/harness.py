@@ -30,10 +30,11 @@ from psr.eval.quality import (
     paired_bootstrap,
     perplexity_items,
 )
+from psr.eval.shared import RoutingTap, replay
 from psr.models.embedded import heldout_sets, tokenizer_of
 from psr.models.loader import load
 from psr.policy import Policy, parse_policy
-from psr.runtime.trace import HostSchedule
+from psr.runtime.trace import HostSchedule, Trace
 
 if TYPE_CHECKING:
     from psr.runtime.model import OffloadedModel
@@ -64,6 +65,17 @@ class RunConfig:
             progress=False,
             **kw,
         )
+
+    @property
+    def routing_class(self) -> tuple[Any, ...] | None:
+        """What decides this configuration's routed ids when its routing reads no cache
+        (`Policy.routes_by_cache` False, logical cache): its expert format alone, not the
+        residency or `n`; such configurations are measured with one forward
+        (`run_class`). None: routing that reads the cache (or timing): measured alone."""
+        p = self.policy
+        if p.routes_by_cache or p.mask != "logical":
+            return None
+        return ("exact routing", self.expert_format)
 
     def as_dict(self) -> dict[str, Any]:
         """`{policy, residency, lam, n, expert_format}` (None where it has none)."""
@@ -155,9 +167,12 @@ def run_config(
     schedule: HostSchedule | None = None,
     modes_recorded: bool = False,
     modes_replayed: bool = True,
+    tap: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """One config: score the windows (teacher forced, decode path: NLL, counts and the
     trace the latency model replays), generate greedily from the prompts, score cloze.
+    `tap`: the windows' routing recorded for the prefetch counts given (`routing`, not
+    saved: the input of `run_class`'s replays).
     Modeled latency host-free (`latency`) and, given the configuration's measured decode
     schedule (`measure_schedules`), host-aware too (`latency_host`). `modes_recorded`: a policy
     that `modes.replay` cannot take (biased, or prefetching) scores the windows again in
@@ -174,7 +189,15 @@ def run_config(
         if modes_replayed and modes.replayable(rc.policy) and data.windows
         else None
     )
-    nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
+    rt, routing = model.runtime, None
+    steering = rt.steering
+    if tap is not None:  # the spec's steering, recording (only while windows are scored)
+        routing = RoutingTap(rt, tap)
+        rt.set_steering(routing)
+    try:
+        nll = perplexity_items(model, data.windows, data.prompt_len, bar) if data.windows else []
+    finally:
+        rt.set_steering(steering)
     starts = None
     if watch is not None:
         watch.close()
@@ -195,22 +218,84 @@ def run_config(
     cz = cloze_scores(model, data.cloze, bar) if data.cloze else []
     bar.close()
     model.close()
+    out = _result(rc, stats, rec.trace, profiles, gens, nll, cz, starts)
+    if recorded is not None:
+        out["mode_traces"] = recorded  # not saved (report.save): the modes table's input
+    if routing is not None:
+        out["routing"] = routing.windows  # not saved: run_class's replay input
+    if schedule is not None:
+        add_host_latency(out, schedule, profiles)
+    return out
+
+
+def _result(
+    rc: RunConfig,
+    stats: dict[str, float],
+    trace: Trace,
+    profiles: Sequence[str],
+    generated: list[list[int]],
+    nll: list[float],
+    cloze: list[float],
+    starts: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A configuration's result as `run_config` returns it."""
     out = {
         "config": rc.as_dict(),
         "label": rc.label,
         "stats": stats,
-        "latency": {p: simulate(rec.trace, p).as_dict() for p in profiles},
-        "generated": gens,
+        "latency": {p: simulate(trace, p).as_dict() for p in profiles},
+        "generated": generated,
         "nll_items": nll,
-        "cloze_items": cz,
-        "trace": rec.trace,  # serialised only when a report keeps traces (seconds per run)
+        "cloze_items": cloze,
+        "trace": trace,  # serialised only when a report keeps traces (seconds per run)
     }
     if starts is not None:
         out["mode_starts"] = starts  # not saved (report.save): replay input only
-    if recorded is not None:
-        out["mode_traces"] = recorded  # not saved (report.save): the modes table's input
-    if schedule is not None:
-        add_host_latency(out, schedule, profiles)
+    return out
+
+
+def run_class(
+    path: str,
+    configs: Sequence[RunConfig],
+    data: EvalData,
+    profiles: Sequence[str] = DEFAULT_PROFILES,
+    *,
+    progress: bool = False,
+    modes_replayed: bool = True,
+) -> list[dict[str, Any]]:
+    """`run_config` of each of `configs`, which share one `routing_class` (not None): the
+    first measured, each other one's caches replayed over its routing (psr.eval.shared)
+    and its scores and tokens taken from it: the same results as separate runs, with one
+    forward (each other member's model is loaded, for its slots, but not run)."""
+    if len({rc.routing_class for rc in configs}) != 1 or configs[0].routing_class is None:
+        raise ValueError("run_class takes configurations of one routing class")
+    lead = run_config(
+        path,
+        configs[0],
+        data,
+        profiles,
+        progress=progress,
+        modes_replayed=modes_replayed,
+        tap=[rc.policy.n for rc in configs[1:]],
+    )
+    windows = lead.pop("routing")
+    out = [lead]
+    for rc in configs[1:]:
+        model = rc.load(path)
+        try:
+            rep = replay(model, windows, lead["trace"])
+            starts = None
+            if modes_replayed and modes.replayable(rc.policy) and windows:
+                starts = {
+                    "window": windows[0][0].decode_tokens,
+                    "starts": rep.starts,
+                    "capacity": model.runtime.capacity,
+                    "num_experts": model.runtime.spec.num_experts,
+                }
+        finally:
+            model.close()
+        gens, nll, cz = lead["generated"], lead["nll_items"], lead["cloze_items"]
+        out.append(_result(rc, rep.stats, rep.trace, profiles, gens, nll, cz, starts))
     return out
 
 
@@ -356,6 +441,10 @@ class ScheduleJob:
         if self.child is not None and self.child.poll() is None:
             self.child.kill()
             self.child.wait()
+
+    def done(self) -> bool:
+        """Whether `result()` returns without waiting."""
+        return self.got is not None or (self.child is not None and self.child.poll() is not None)
 
     def result(self) -> dict[RunConfig, HostSchedule]:
         """The schedules by configuration (waits for the child process, if any)."""

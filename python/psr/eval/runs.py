@@ -35,6 +35,7 @@ from psr.eval.harness import (
     ScheduleJob,
     add_host_latency,
     compare,
+    run_class,
     run_config,
     schedule_prompt,
 )
@@ -97,7 +98,8 @@ def run_all(
     workers: Workers | None = None,
 ) -> list[dict[str, Any]]:
     """Every configuration through `run_config` (on `workers`, default this process; the
-    results in `configs`' order), then `compare`. `host`: each one's decode schedule
+    results in `configs`' order; those routed alike through one `run_class`), then
+    `compare`. `host`: each one's decode schedule
     measured (measure_schedules) and its latency modeled host-aware too. `modes_recorded`:
     biased policies' cpu / hybrid traces recorded (run_config), for the modes tables;
     `modes_replayed=False`: no input for exact's replayed modes table."""
@@ -106,41 +108,81 @@ def run_all(
     job = ScheduleJob(path, configs, schedule_prompt(data), progress=progress) if host else None
     # One bar per configuration in this process; with workers, one bar over them all.
     inner = progress and workers.workers == 1
-    tasks = [(path, rc, data, profiles, inner, modes_recorded, modes_replayed) for rc in configs]
+    # Configurations routed alike measured with one forward (run_class), largest first;
+    # recorded modes score each configuration's windows again: each alone.
+    groups = routing_groups(configs, share=not modes_recorded)
+    tasks = [
+        (path, [configs[i] for i in g], data, profiles, inner, modes_recorded, modes_replayed)
+        for g in groups
+    ]
+    results: list[dict[str, Any]] = [{} for _ in configs]
+    waiting: list[int] = []  # results still without their host-aware latency
+
+    def host_latency(wait: bool) -> None:
+        # Modeled as results arrive once the schedules are in (beside the workers' last
+        # tasks, not after them); the rest once the workers are done.
+        if job is None or not (wait or job.done()):
+            return
+        schedules = job.result()
+        for i in waiting:
+            add_host_latency(results[i], schedules[configs[i]], profiles)
+        waiting.clear()
+
+    def arrived(k: int, rs: list[dict[str, Any]], bar: Any) -> None:
+        bar.update(len(rs))
+        for i, r in zip(groups[k], rs, strict=True):
+            results[i] = r
+        waiting.extend(groups[k])
+        host_latency(wait=False)
+
     try:
         with tqdm(total=len(configs), desc=desc, disable=not progress) as bar:
-            results = workers.map(_run_one, tasks, lambda i, r: bar.update())
+            workers.map(_run_group, tasks, lambda k, rs: arrived(k, rs, bar))
     except BaseException:
         if job is not None:
             job.cancel()
         raise
-    if job is not None:
-        schedules = job.result()
-        for rc, r in zip(configs, results, strict=True):
-            add_host_latency(r, schedules[rc], profiles)
+    host_latency(wait=True)
     compare(results, profiles)
     return results
 
 
-def _run_one(
+def routing_groups(configs: Sequence[RunConfig], share: bool = True) -> list[list[int]]:
+    """Indices of `configs` grouped by `RunConfig.routing_class` (None, or `share` False:
+    one each), each group in `configs`' order, the groups largest first (then in order)."""
+    groups: dict[Any, list[int]] = {}
+    for i, rc in enumerate(configs):
+        key = rc.routing_class if share and rc.routing_class is not None else ("alone", i)
+        groups.setdefault(key, []).append(i)
+    return sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+
+
+def _run_group(
     path: str,
-    rc: RunConfig,
+    rcs: list[RunConfig],
     data: EvalData,
     profiles: Sequence[str],
     progress: bool,
     modes_recorded: bool,
     modes_replayed: bool,
-) -> dict[str, Any]:
-    """run_config with run_all's options: a worker's task."""
-    return run_config(
-        path,
-        rc,
-        data,
-        profiles,
-        progress=progress,
-        modes_recorded=modes_recorded,
-        modes_replayed=modes_replayed,
-    )
+) -> list[dict[str, Any]]:
+    """run_config, or for configurations routed alike run_class, with run_all's options:
+    a worker's task."""
+    if len(rcs) > 1:
+        return run_class(
+            path, rcs, data, profiles, progress=progress, modes_replayed=modes_replayed
+        )
+    return [
+        run_config(
+            path,
+            rcs[0],
+            data,
+            profiles,
+            progress=progress,
+            modes_recorded=modes_recorded,
+            modes_replayed=modes_replayed,
+        )
+    ]
 
 
 def describe(data: EvalData) -> str:
