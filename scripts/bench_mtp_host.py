@@ -25,14 +25,19 @@ from typing import Any
 os.environ.setdefault("TRITON_INTERPRET", "1")  # the schedules' Triton path on a CPU
 
 
-def specs(blocks: list[int], top_k: int, prefetch2: bool) -> list[Any]:
+def specs(blocks: list[int], top_k: int, prefetch2: bool, drafter: str = "mtp") -> list[Any]:
     """Per B: budget K_b = 2k at lam 0 / 0.1 (B = 4 also 3k), exact verify with CPU experts
     M = 0 and 2 at lam 0 / 0.1; B = 1 also n = 2 prefetched (M = 0 at lam 0.1 / 0.15, M = 1
-    at lam 0.1)."""
+    at lam 0.1). The oracle drafter (an upper bound): exact verify, M = 0 and 2, lam 0."""
     from psr.eval.spec_compare import SpecConfig
     from psr.policy import make_policy
 
     out = []
+    if drafter == "oracle":
+        for b in blocks:
+            for m in (0, 2):
+                out.append(SpecConfig("oracle", b, None, make_policy("psr", 0.0, 1), f"cpu:{m}"))
+        return out
     for b in blocks:
         for kb in (top_k * 2, top_k * 3) if b == 4 else (top_k * 2,):
             for lam in (0.0, 0.1):
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=24)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--gen-tokens", type=int, default=40)
+    p.add_argument("--drafter", choices=("mtp", "oracle"), default="mtp")
     p.add_argument("--no-prefetch2", action="store_true", help="skip the B = 1, n = 2 rows")
     p.add_argument("--out", required=True)
     p.add_argument("--name", default="speculative_host", help="the files' name, .md / .json")
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     probe = load(path, "exact", 1.0, progress=False)
     k = probe.runtime.spec.top_k
     probe.close()
-    grid = specs([int(b) for b in args.blocks.split(",")], k, not args.no_prefetch2)
+    blocks = [int(b) for b in args.blocks.split(",")]
+    grid = specs(blocks, k, not args.no_prefetch2, args.drafter)
     rows = compare_speculative(path, [args.residency], grid, data, host=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
