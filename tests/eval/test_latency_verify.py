@@ -6,44 +6,21 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import test_latency_cpu as cpu_case
 import torch
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
-from psr.eval.latency import Profile, simulate
+from psr.eval.latency import simulate
 from psr.runtime.speculative import generate_speculative
 from psr.runtime.trace import Copy, HostOp, HostSchedule, LayerStep, Trace
 from psr.runtime.verify import make_verify
 
-# Round numbers: copy 1.0 ms, GPU expert 0.1 ms, dense 0.5 ms per layer; the CPU reads an
-# expert in 0.5 ms, computes a token row of it in 0.1 ms, 0.1 ms hand-off per layer.
-V = Profile(
-    "unit",
-    h2d_gbps=1.0,
-    copy_overhead_us=0.0,
-    hbm_gbps=10.0,
-    expert_overhead_us=0.0,
-    dense_ms_per_layer=0.5,
-    expert_bytes=1_000_000,
-    cpu_gbps=2.0,
-    cpu_layer_us=100.0,
-    cpu_expert_us=0.0,
-    cpu_gflops=10.0,
-    expert_flops=1_000_000,
-)
-# Host costs: every launch 0.1 ms, a sync 0.05 ms; Python, store calls and small kernels free.
-H = replace(
-    V,
-    launch_us=100.0,
-    triton_launch_us=100.0,
-    sync_us=50.0,
-    store_call_us=0.0,
-    python_us_per_layer=0.0,
-    device_python_us_per_layer=0.0,
-    dense_python_us_per_layer=0.0,
-    token_us=0.0,
-    small_kernel_us=0.0,
-)
+# test_latency_cpu's round numbers (copy 1.0 ms, GPU expert 0.1 ms, dense 0.5 ms per
+# layer, 0.1 ms CPU hand-off per layer; host: a launch 0.1 ms, a sync 0.05 ms), with a CPU
+# that reads an expert in 0.5 ms and computes a token row of it in 0.1 ms.
+CPU = {"cpu_gbps": 2.0, "cpu_gflops": 10.0, "expert_flops": 1_000_000}
+V, H = replace(cpu_case.P, **CPU), replace(cpu_case.H, **CPU)
 
 
 def block_trace() -> Trace:
