@@ -347,7 +347,7 @@ def test_host_schedule_errors_name_the_problem() -> None:
         simulate(with_host(t, sched(DEVICE_STEP, token=[op("wait")])), H, host=True)
     spec = trace([[step(0, [0]), step(1, [0])]])
     spec.emitted = [2]
-    with pytest.raises(ValueError, match="not speculative verify blocks"):
+    with pytest.raises(ValueError, match="verify blocks need a schedule measured from verify"):
         simulate(with_host(spec, sched([FFN])), H, host=True)
 
 

@@ -403,3 +403,76 @@ def test_speedups_are_against_the_fastest_autoregressive_row_per_profile() -> No
     assert spec["speedup_vs_exact"] == {"a": 4.0, "b": 4.0}
     assert spec["delta_nll"]["mean"] == pytest.approx(0.5) and not spec["in_budget"]
     assert rows[1]["in_budget"] and rows[1]["delta_nll"]["mean"] == 0.0
+
+
+def test_host_aware_speedups_take_graphs_where_the_step_is_captured() -> None:
+    """Host-aware: an autoregressive row counts at the faster of eager and graphs, a verify
+    block (never captured) eager; each row against the fastest autoregressive one."""
+    from psr.eval.spec_compare import _compare, host_markdown
+
+    def row(label, verify, free, eager, graph=None):
+        r = {"label": label, "verify": verify, "nll_items": [1.0, 2.0], "residency": 0.5,
+             "generated": [[1]], "accepted_per_block": None if verify is None else 1.0,
+             "copies_per_token": 1.0, "cpu_experts_per_token": 0.0,
+             "latency": {"a": {"ms_per_token": free}},
+             "latency_host": {"a": {"ms_per_token": eager}}}  # fmt: skip
+        if graph is not None:
+            r["latency_graph"] = {"a": {"ms_per_token": graph}}
+        return r
+
+    rows = [
+        row("exact", None, 10.0, 14.0, 12.0),
+        row("psr", None, 5.0, 9.0, 6.0),
+        row("spec", "cpu:0", 4.0, 8.0),
+    ]
+    _compare(rows, ["a"])
+    spec = rows[2]
+    assert spec["speedup_vs_best_ar"] == {"a": 1.25}
+    assert spec["host_speedup_vs_best_ar"] == {"a": 0.75} and spec["host_best_ar"] == {"a": "psr"}
+    assert rows[1]["host_speedup_vs_best_ar"] == {"a": 1.0}
+    table = host_markdown(rows, ["a"])
+    assert "| 4.00 (1.25x) | 8.00 (0.75x) |" in table and "| 5.00 (1.00x) | 6.00 (1.00x) |" in table
+
+
+def test_schedule_keys_tell_apart_what_changes_the_calls() -> None:
+    from psr.eval.spec_compare import ARConfig, SpecConfig, schedule_key
+    from psr.policy import make_policy
+
+    psr_ = make_policy("psr", 0.1, 1)
+    assert schedule_key(SpecConfig("mtp", 2, None, psr_, "cpu:0")) == schedule_key(
+        SpecConfig("mtp", 2, None, psr_, "cpu:2")
+    )  # M changes how many copies a call issues, not the calls
+    keys = {
+        schedule_key(c)
+        for c in (
+            SpecConfig("mtp", 2, None, psr_, "cpu:0"),
+            SpecConfig("mtp", 4, None, psr_, "cpu:0"),
+            SpecConfig("mtp", 2, 16, psr_),
+            SpecConfig("mtp", 2, None, make_policy("psr", 0.0, 1), "cpu:0"),
+            ARConfig(psr_),
+            ARConfig(psr_, "cpu"),
+        )
+    }
+    assert len(keys) == 6
+
+
+def test_a_verify_block_schedule_is_measured_and_priced(ckpt) -> None:
+    """A speculative decode under the host probe gives a 'verify' schedule (the slab read
+    and the loop's read of the target's choices in it) that prices the traced blocks."""
+    from psr.eval.latency import simulate
+    from psr.eval.spec_compare import SpecConfig, measure_host_schedule
+    from psr.policy import make_policy
+
+    want = exact_greedy(ckpt)
+    cfg = SpecConfig("oracle", 2, None, make_policy("psr", 0.1, 1), "cpu:0")
+    s = measure_host_schedule(str(ckpt), 0.5, cfg, PROMPT, [want])
+    assert s.mode == "verify"
+    assert [o.kind for o in s.moe_layer].count("release") == 1
+    assert any(o.kind == "sync" for o in s.token)
+    _, _, _m, trace = spec(ckpt, Oracle(want), None, lam=0.1, verify="cpu:0")
+    assert len(trace.emitted) == len(trace.tokens) > 0
+    free = simulate(trace, "rtx4090")
+    trace.host = s
+    aware = simulate(trace, "rtx4090", host=True)
+    assert aware.host_model.startswith("host-aware(rtx4090 verify")
+    assert aware.ms_per_token > free.ms_per_token and aware.host_ms > 0

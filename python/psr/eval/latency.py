@@ -50,6 +50,21 @@ merge) + per expert cpu_expert_us + expert_bytes / cpu_gbps, runs beside the GPU
 experts, and the layer's output waits for both (the wait counted as stall; `cpu_ms` the
 CPU's busy time per token).
 
+Verify blocks (speculative traces, `Trace.emitted`; issue 41): a step is one block of T
+tokens. Both models price its dense work once (batch-1 weight reads dominate), its slab
+experts (the union of its tokens' experts, copies issued up to the verify rule's budget)
+each once, and its CPU experts each once for the rows routed to it: cpu_s(experts, rows)
+= hand-off + per expert call + max(weights read at cpu_gbps, rows x expert_flops at
+cpu_gflops), bandwidth bound at a block's few rows per expert. The drafter's `draft_s`
+per block runs on the compute stream; ms per token divides by the tokens emitted.
+Host-aware needs a schedule measured from verify blocks (HostSchedule mode "verify",
+measure_schedule on a model decoding speculatively): the host-driven step's ops
+(python_us_per_layer) up to each layer's slab read (its "release"); the CPU experts as
+that step runs them, synchronously: the host reads the layer's input once the compute
+stream drained, waits for the CPU, copies the result back and launches the sum; the ops
+between blocks (the target's choices read, the drafter's passes) as a token's, `draft_s`
+spread over their launches. Verify blocks run eagerly (graphs refuse them).
+
 The pageable tier (issue 28): a copy whose trace `Copy` has `tier == "pageable"` (traces
 without the field are pinned) first reads its expert at `pageable_gbps`, on the same
 stream, then copies it (a copy, a gather).
@@ -71,6 +86,7 @@ from psr.runtime.trace import HOST_OP_KINDS, Copy, HostOp, HostSchedule, LayerSt
 
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2
 HOST_FREE = "host-free"
+VERIFY = "verify"  # a HostSchedule measured from speculative verify blocks
 
 # The host's own Python, measured on this machine with the launches stubbed
 # (bench/results/host_path/host_costs.json, psr's fastest of 3 rounds: `python
@@ -102,13 +118,13 @@ _HOST_NOTE = (
 # measured by the GPU script's experts_on stage (FreeToken #151: unpriced, such costs
 # turned a measured-bandwidth choice 8.3x slower).
 _CPU_DESKTOP = (
-    "CPU: dual-channel DDR5-5600 (89.6 GB/s peak, ~70 GB/s triad), expert kernels 50 GB/s; "
-    "15 us per layer hand-off, 1 us per expert (assumed)"
+    "CPU: dual-channel DDR5-5600 (89.6 GB/s peak, ~70 GB/s triad), expert kernels 50 GB/s "
+    "and 500 GFLOP/s over many rows; 15 us per layer hand-off, 1 us per expert (assumed)"
 )
 _CPU_SERVER = (
     "CPU: one server socket, 8-channel DDR5-4800 (Sapphire Rapids class: 307 GB/s peak, "
-    "~240 GB/s triad), expert kernels 170 GB/s; 15 us per layer hand-off, 1 us per expert "
-    "(assumed)"
+    "~240 GB/s triad), expert kernels 170 GB/s and 2 TFLOP/s over many rows; 15 us per "
+    "layer hand-off, 1 us per expert (assumed)"
 )
 
 
@@ -141,6 +157,11 @@ class Profile:
     cpu_gbps: float = 50.0  # the CPU expert kernels' achieved bandwidth over host rows
     cpu_layer_us: float = 15.0  # per layer with CPU work: hand-off, wake-up, merge
     cpu_expert_us: float = 1.0  # per CPU expert: its kernel call
+    # The CPU expert kernels' achieved FLOP rate over many token rows: a verify block's
+    # CPU expert reads its weights once for the block's rows routed to it (roofline,
+    # `cpu_s`); `expert_flops` per token row (2 per weight of the modeled expert).
+    cpu_gflops: float = 500.0
+    expert_flops: int = OLMOE_EXPERT_BYTES  # bf16: 2 bytes, 2 FLOP per weight
     # A copy from the pageable tier (Copy.tier == "pageable", issue 28) first reads its
     # expert at this rate (NVMe 3-7 GB/s; the page cache at memcpy speed), then copies it.
     pageable_gbps: float = 5.0
@@ -154,12 +175,19 @@ class Profile:
             return self.expert_bytes / (self.pageable_gbps * 1e9)
         raise ValueError(f"copy of expert {c.expert}: tier {tier!r} is not 'pinned' or 'pageable'")
 
-    def cpu_s(self, experts: int) -> float:
-        """A layer's CPU work for `experts` routed experts (0: none, no hand-off)."""
+    def cpu_s(self, experts: int, rows: int = 0) -> float:
+        """A layer's CPU work for `experts` routed experts computing `rows` token rows in
+        all (0: one row each, a decode token) (experts 0: none, no hand-off): the hand-off,
+        a call per expert, and each expert's weights read once for all its rows or its
+        rows' FLOPs, whichever takes longer (a verify block's few rows per expert stay
+        bandwidth bound)."""
         if experts <= 0:
             return 0.0
-        per = self.expert_bytes / (self.cpu_gbps * 1e9) + self.cpu_expert_us * 1e-6
-        return self.cpu_layer_us * 1e-6 + experts * per
+        if rows and rows < experts:
+            raise ValueError(f"{rows} CPU token rows for {experts} CPU experts (>= 1 each)")
+        read = experts * self.expert_bytes / (self.cpu_gbps * 1e9)
+        flops = max(rows, experts) * self.expert_flops / (self.cpu_gflops * 1e9)
+        return (self.cpu_layer_us + experts * self.cpu_expert_us) * 1e-6 + max(read, flops)
 
     def copy_s(self) -> float:
         return self.expert_bytes / (self.h2d_gbps * 1e9) + self.copy_overhead_us * 1e-6
@@ -216,6 +244,7 @@ PROFILES = {
         expert_overhead_us=4.0,
         dense_ms_per_layer=0.08,
         cpu_gbps=170.0,
+        cpu_gflops=2000.0,
         notes="H200 (PCIe 5.0 x16 host link, HBM3e): 0.23 ms per OLMoE expert copy; "
         + _CPU_SERVER
         + "; "
@@ -278,9 +307,12 @@ def simulate(
     as_graph`, what CUDA runs by default); its `first_token_ms` is the eager token's.
 
     Speculative traces (`trace.emitted`): each step is a verify block whose dense work is
-    priced as one token's (batch-1 weight reads dominate), whose experts are its set, and
+    priced as one token's (batch-1 weight reads dominate), whose experts are its set (each
+    read once; its CPU experts each once for the block's rows routed to it, `cpu_s`), and
     which the drafter's `draft_s` precedes on the compute stream; ms per token divides by
-    the tokens the steps emitted (host-free only)."""
+    the tokens the steps emitted. Host-aware, a speculative trace needs a schedule measured
+    from verify blocks (mode "verify"; `_HostAware`: the verify block's host-driven step,
+    the drafter's and the loop's ops between blocks carrying `draft_s`)."""
     p = get_profile(profile)
     if trace.bytes_ratio != 1.0:  # a quantized format moves and reads fewer bytes
         p = replace(p, expert_bytes=round(p.expert_bytes * trace.bytes_ratio))
@@ -291,12 +323,17 @@ def simulate(
     if expert_bytes is not None:
         p = replace(p, expert_bytes=expert_bytes)
     if host and trace.host is not None:
-        if trace.emitted:
+        verify = trace.host.mode == VERIFY
+        if bool(trace.emitted) != verify:
+            what = "speculative verify blocks" if trace.emitted else "decode tokens"
             raise ValueError(
-                "the host-aware model prices decode tokens, not speculative verify blocks; "
-                "simulate this trace with host=False"
+                f"trace of {what} with a {trace.host.mode!r} host schedule: verify blocks "
+                f"need a schedule measured from verify blocks ({VERIFY!r}), decode tokens one "
+                "measured from decode tokens"
             )
-        eager = _HostAware(trace, p, trace.host).run()
+        eager = _HostAware(trace, p, trace.host, draft_s).run()
+        if verify:  # no cache hand-over: the verify block is the host-driven step
+            return eager
         eager.first_token_ms = p.begin_us * 1e-3 + eager.ms_per_token
         if not graph:
             return eager
@@ -357,8 +394,9 @@ def _host_free(trace: Trace, p: Profile, draft_s: float) -> LatencyResult:
             m = step.layer
             n_cpu = cpu_experts(step)
             if n_cpu:  # the CPU starts once the layer has routed, beside the GPU's experts
-                cpu_free = max(cpu_free, now) + p.cpu_s(n_cpu)
-                cpu_busy += p.cpu_s(n_cpu)
+                t_cpu = p.cpu_s(n_cpu, step.cpu_rows)
+                cpu_free = max(cpu_free, now) + t_cpu
+                cpu_busy += t_cpu
             for c in step.copies:  # issued once the layer has routed
                 key = (c.layer, c.slot)
                 begin = max(copy_free, now, last_read.get(key, 0.0))
@@ -458,13 +496,28 @@ def _plan(ops: list[HostOp], p: Profile, python_s: float, where: str) -> _Plan:
     return _Plan(tuple(out), sum(op.ffn for op in out))
 
 
+def _slab_part(ops: list[HostOp], where: str) -> list[HostOp]:
+    """A verify schedule's MoE layer up to its slab read's end (its last "release"); what
+    follows is the CPU experts' hand-off, which the model prices itself (`_verify_cpu`:
+    recorded on a CPU machine, its ops are the CPU kernels' host-side ops, not launches)."""
+    ends = [i for i, o in enumerate(ops) if o.kind == "release"]
+    if not ends:
+        raise ValueError(
+            f"verify host schedule {where}: no slab read (wait ... release); measure it from "
+            "verify blocks that read the slab"
+        )
+    return ops[: ends[-1] + 1]
+
+
 class _HostAware:
     """One host thread issuing a measured schedule to a compute stream, a copy stream
     (host-issued copies) and a side stream (forked gathers): module docstring."""
 
-    def __init__(self, trace: Trace, p: Profile, sched: HostSchedule) -> None:
+    def __init__(self, trace: Trace, p: Profile, sched: HostSchedule, draft_s: float = 0.0) -> None:
         self.trace, self.p, self.mode = trace, p, sched.mode
         self.label = p.host_label(sched.mode)
+        self.verify = sched.mode == VERIFY
+        self.draft_s = draft_s if self.verify else 0.0
         self.lead_s = 0.0  # host time before a token's GPU work can start
         if sched.mode == "graph":
             # The GPU replays the captured ops in their order; the host pays the loop's
@@ -480,9 +533,12 @@ class _HostAware:
                 token_us=0.0,
             )
             self.p = p
-        py = p.python_us_per_layer if sched.mode == "host" else p.device_python_us_per_layer
-        self.layer_plan = _plan(sched.moe_layer, p, py * 1e-6, "moe_layer")
-        last = sched.last_moe_layer or sched.moe_layer
+        host_step = sched.mode in ("host", VERIFY)
+        py = p.python_us_per_layer if host_step else p.device_python_us_per_layer
+        layer, last = sched.moe_layer, sched.last_moe_layer or sched.moe_layer
+        if self.verify:
+            layer, last = _slab_part(layer, "moe_layer"), _slab_part(last, "last_moe_layer")
+        self.layer_plan = _plan(layer, p, py * 1e-6, "moe_layer")
         self.last_plan = _plan(last, p, py * 1e-6, "last_moe_layer")
         self.token_plan = _plan(sched.token, p, 0.0, "token")
         # A decoder layer's dense part: k launches of equal host cost and GPU time.
@@ -590,10 +646,12 @@ class _HostAware:
         self.compute += ffn_total
         for s in step.slots:
             self.last_read[(m, s)] = self.cf
-        if n_cpu:  # the CPU's experts, from the routing on; the output merges them
+        if n_cpu and self.verify:
+            self._verify_cpu(self.p.cpu_s(n_cpu, step.cpu_rows))
+        elif n_cpu:  # the CPU's experts, from the routing on; the output merges them
             begin = max(self.cpu_free, self.cf if routed_at is None else routed_at)
-            self.cpu_free = begin + self.p.cpu_s(n_cpu)
-            self.cpu_busy += self.p.cpu_s(n_cpu)
+            self.cpu_free = begin + self.p.cpu_s(n_cpu, step.cpu_rows)
+            self.cpu_busy += self.p.cpu_s(n_cpu, step.cpu_rows)
             self._compute_waits(self.cpu_free)
         missing = [c for c in step.copies if c.kind not in done]
         if missing:
@@ -602,12 +660,34 @@ class _HostAware:
                 f"layer {m}, but the trace has {len(missing)} there"
             )
 
+    def _verify_cpu(self, t: float) -> None:
+        """A verify block's CPU experts (HostDecode's synchronous hand-off): the host reads
+        the layer's input once the compute stream is done (with the slab's experts), the
+        CPU computes the experts while the host waits, the host copies the result back and
+        launches the sum; the compute stream idles meanwhile (stall)."""
+        self._sync()
+        begin = max(self.h, self.cpu_free)
+        self.cpu_free = begin + t
+        self.cpu_busy += t
+        self.stall += self.cpu_free - max(self.cf, begin)
+        self.h = self.cpu_free
+        self._host(2 * self.p.launch_us * 1e-6)  # the result's copy, the sum
+        self.cf = max(self.cf, self.h) + self.p.small_kernel_us * 1e-6
+        self.compute += self.p.small_kernel_us * 1e-6
+
     def _token_ops(self) -> None:
+        """The loop's ops after a token (a verify block: the target's choices read, then
+        the drafter's passes, whose GPU time `draft_s` is spread over their launches)."""
         self._host(self.p.token_us * 1e-6)
+        launches = sum(op.kind == "launch" for op in self.token_plan.ops)
+        draft = self.draft_s / launches if launches else 0.0
+        if self.draft_s and not launches:  # the drafter's work with no launch recorded
+            self.cf = max(self.cf, self.h) + self.draft_s
+        self.compute += self.draft_s
         for op in self.token_plan.ops:
             self._host(op.host_s)
             if op.kind == "launch":
-                self.cf = max(self.cf, self.h) + op.gpu_s
+                self.cf = max(self.cf, self.h) + op.gpu_s + draft
                 self.compute += op.gpu_s
             else:  # sync, h2d
                 self._sync()
@@ -630,13 +710,13 @@ class _HostAware:
             new_end = max(self.h, self.cf)  # the token is done on the host and the device
             per_token.append((new_end - end) * 1e3)
             end = new_end
-        n = max(len(trace.tokens), 1)
+        n = max(sum(trace.emitted) if trace.emitted else len(trace.tokens), 1)
         comp, copy, busy, cpu = (
             x / n * 1e3 for x in (self.compute, self.copy_busy, self.host_busy, self.cpu_busy)
         )
         return LatencyResult(
             profile=p.name,
-            tokens=len(trace.tokens),
+            tokens=n if trace.emitted else len(trace.tokens),
             ms_per_token=sum(per_token) / n,
             lower_bound_ms=max(comp, copy, busy, cpu),
             compute_ms=comp,
@@ -666,6 +746,7 @@ HOST_KEYS = (
     "cpu_gbps",
     "cpu_layer_us",
     "cpu_expert_us",
+    "cpu_gflops",
     "pageable_gbps",
 )
 _DEVICE_KEYS = ("h2d_gbps", "expert_ms", "dense_ms_per_layer", "expert_bytes")

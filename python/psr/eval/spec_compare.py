@@ -17,6 +17,14 @@ per emitted token, compared per profile with the fastest autoregressive row. Qua
 teacher-forced NLL of held-out windows scored in verify blocks of B + 1 tokens
 (`OffloadedModel.score(block=...)`), paired against exact with BCa intervals (in budget:
 the upper bound within psr.eval.defaults.BUDGET), and greedy agreement with exact.
+
+Host-aware (`host=True`): each configuration's host schedule is measured from a real
+decode on psr's GPU path (the Triton kernels; needs CUDA or TRITON_INTERPRET=1) by
+psr.eval.host_probe.measure_schedule: autoregressive rows on the device step (launches
+counted, not run, without a GPU), priced eager and as CUDA graphs (`latency_graph`, CUDA's
+default); speculative rows on their verify blocks (the host-driven step: graphs refuse
+them), run for real. `latency_host` holds the eager figures (psr.eval.latency's module
+docstring says how a verify block is priced).
 """
 
 from __future__ import annotations
@@ -37,7 +45,11 @@ from psr.models.loader import load
 from psr.points import operating_points
 from psr.policy import DEFAULT_VERIFY, Policy, make_policy
 from psr.runtime.model import OffloadedModel
+from psr.runtime.trace import HostSchedule
 from psr.vocab import parse_verify
+
+# Prompt tokens a schedule measurement prefills (the schedule does not depend on them).
+SCHEDULE_PROMPT_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -150,8 +162,10 @@ def run(
     block: int,
     profiles: Sequence[str],
     progress: bool,
+    schedule: HostSchedule | None = None,
 ) -> dict[str, Any]:
-    """Score the windows and generate from the prompts with one loaded configuration."""
+    """Score the windows and generate from the prompts with one loaded configuration;
+    with the configuration's measured `schedule`, its host-aware latency too."""
     nll = []
     for w in tqdm(data.windows, desc=label, leave=False, disable=not progress):
         nll += _nll_items(model, EvalData([w], data.prompt_len), block)
@@ -169,7 +183,18 @@ def run(
     # Emitted tokens: the trace's (a verify block's count each), else one per decode step.
     emitted = sum(rec.trace.emitted) if model.drafter is not None else s["tokens"]
     n = max(emitted, 1)
+    host = {}
+    if schedule is not None:
+        rec.trace.host = schedule
+        host = {"host_mode": schedule.mode, "latency_host": {}, "latency_graph": {}}
+        for p in profiles:
+            d = draft.get(p, 0.0)
+            host["latency_host"][p] = simulate(rec.trace, p, draft_s=d, host=True).as_dict()
+            if schedule.mode == "device":  # CUDA's default: one captured graph per token
+                g = simulate(rec.trace, p, host=True, graph=True)
+                host["latency_graph"][p] = g.as_dict()
     return {
+        **host,
         "label": label,
         "slots": model.runtime.capacity,
         "nll_items": nll,
@@ -187,6 +212,43 @@ def run(
     }
 
 
+def _load(
+    path: str, rho: float, cfg: ARConfig | SpecConfig, refs: Sequence[list[int]], **kw: Any
+) -> OffloadedModel:
+    m = load(path, cfg.policy, rho, dtype="float32", progress=False, **cfg.options(), **kw)
+    if isinstance(cfg, SpecConfig) and cfg.kind == "oracle":
+        m.set_speculative(OracleDrafter(cfg.block, refs), cfg.block_k, cfg.verify)
+    return m
+
+
+def schedule_key(cfg: ARConfig | SpecConfig) -> tuple[Any, ...]:
+    """What decides a configuration's host schedule: where its misses are computed, whether
+    it predicts and biases, and for a speculative one its drafter, B and verify rule (not
+    the residency, K_b or M, which change how many copies a call issues, not the calls)."""
+    p = cfg.policy
+    key = (type(cfg).__name__, cfg.experts_on, p.n > 0, p.lam > 0)
+    if isinstance(cfg, SpecConfig):
+        key += (cfg.kind, cfg.block, parse_verify(cfg.verify)[0])
+    return key
+
+
+def measure_host_schedule(
+    path: str, rho: float, cfg: ARConfig | SpecConfig, prompt: list[int], refs: Sequence[list[int]]
+) -> HostSchedule:
+    """`cfg`'s host schedule on psr's GPU path (module docstring), from `prompt`."""
+    from psr.eval.host_probe import measure_schedule
+
+    spec = isinstance(cfg, SpecConfig)
+    gpu = torch.cuda.is_available()
+    m = _load(path, rho, cfg, refs, compute="triton", decode="host" if spec else "device")
+    try:
+        # Speculative: enough new tokens for 3 verify blocks whatever the acceptance.
+        new = 3 * (cfg.block + 1) + 1 if spec else 4
+        return measure_schedule(m, torch.tensor([prompt]), new, kernels=spec or gpu)
+    finally:
+        m.close()
+
+
 def _measure(
     path: str,
     rho: float,
@@ -195,19 +257,26 @@ def _measure(
     profiles: Sequence[str],
     progress: bool,
     references: Sequence[list[int]] = (),
+    schedules: dict[tuple[Any, ...], HostSchedule] | None = None,
 ) -> dict[str, Any] | None:
     """One configuration's row at residency `rho` (None: it does not fit, said why);
-    `references`: exact greedy decoding's prompt + tokens, the oracle drafter's."""
+    `references`: exact greedy decoding's prompt + tokens, the oracle drafter's.
+    `schedules` (host-aware): measured host schedules by schedule_key, filled as needed."""
     try:
-        m = load(path, cfg.policy, rho, dtype="float32", progress=False, **cfg.options())
-        if isinstance(cfg, SpecConfig) and cfg.kind == "oracle":
-            m.set_speculative(OracleDrafter(cfg.block, references), cfg.block_k, cfg.verify)
+        m = _load(path, rho, cfg, references)
     except ValueError as e:  # e.g. K_b above the slots the drafter leaves
         print(f"{rho:.1%} {cfg.label}: skipped ({e})")
         return None
+    sched = None
     try:
+        if schedules is not None:
+            key = schedule_key(cfg)
+            if key not in schedules:
+                prompt = data.prompts[0][:SCHEDULE_PROMPT_TOKENS]
+                schedules[key] = measure_host_schedule(path, rho, cfg, prompt, references)
+            sched = schedules[key]
         block = cfg.block + 1 if isinstance(cfg, SpecConfig) else 1
-        row = run(path, m, data, cfg.label, block, profiles, progress)
+        row = run(path, m, data, cfg.label, block, profiles, progress, sched)
     finally:
         m.close()
     row["residency"], row["experts_on"] = rho, cfg.experts_on
@@ -215,12 +284,22 @@ def _measure(
     return row
 
 
+def host_ms(row: dict[str, Any], profile: str) -> float:
+    """A row's host-aware ms per token: the faster of eager and CUDA graphs where its
+    step can be captured (autoregressive), else eager (verify blocks)."""
+    eager: float = row["latency_host"][profile]["ms_per_token"]
+    graph = row.get("latency_graph", {}).get(profile)
+    return eager if graph is None else min(eager, graph["ms_per_token"])
+
+
 def _compare(rows: list[dict[str, Any]], profiles: Sequence[str]) -> None:
     """Speedups against exact (the first row) and the fastest autoregressive row, per
-    profile; Δ NLL [BCa CI] and greedy agreement against exact."""
+    profile (host-free, and host-aware where measured); Δ NLL [BCa CI] and greedy
+    agreement against exact."""
     exact = rows[0]
     ms = {id(r): {p: r["latency"][p]["ms_per_token"] for p in profiles} for r in rows}
     ar = [r for r in rows if r["verify"] is None]
+    host = all("latency_host" in r for r in rows)
     for r in rows:
         r["speedup_vs_exact"] = {p: ms[id(exact)][p] / ms[id(r)][p] for p in profiles}
         r["speedup_vs_best_ar"], r["best_ar"] = {}, {}
@@ -228,6 +307,12 @@ def _compare(rows: list[dict[str, Any]], profiles: Sequence[str]) -> None:
             best = min(ar, key=lambda a: ms[id(a)][p])
             r["speedup_vs_best_ar"][p] = ms[id(best)][p] / ms[id(r)][p]
             r["best_ar"][p] = best["label"]
+        if host:
+            r["host_speedup_vs_best_ar"], r["host_best_ar"] = {}, {}
+            for p in profiles:
+                best = min(ar, key=lambda a: host_ms(a, p))
+                r["host_speedup_vs_best_ar"][p] = host_ms(best, p) / host_ms(r, p)
+                r["host_best_ar"][p] = best["label"]
         d = paired_bootstrap(r["nll_items"], exact["nll_items"]).as_dict()
         r["delta_nll"], r["in_budget"] = d, d["hi"] <= BUDGET
         agree = [
@@ -245,17 +330,20 @@ def compare_speculative(
     profiles: Sequence[str] = DEFAULT_PROFILES,
     progress: bool = True,
     baselines: Sequence[ARConfig] | None = None,
+    host: bool = False,
 ) -> list[dict[str, Any]]:
     """Autoregressive baselines (exact first; default `default_baselines`) and speculative
-    configurations per residency (module docstring), compared per profile."""
+    configurations per residency (module docstring), compared per profile; `host`: with
+    host-aware figures from measured schedules."""
     rows: list[dict[str, Any]] = []
+    scheds: dict[tuple[Any, ...], HostSchedule] | None = {} if host else None
     for rho in residencies:
         ars = list(baselines) if baselines is not None else default_baselines(path, rho)
         if not ars or ars[0].policy.name != "exact" or ars[0].experts_on != "gpu":
             raise ValueError("the first baseline must be exact with experts_on='gpu'")
-        got = [_measure(path, rho, c, data, profiles, progress) for c in ars]
+        got = [_measure(path, rho, c, data, profiles, progress, (), scheds) for c in ars]
         refs = [[*p, *g] for p, g in zip(data.prompts, got[0]["generated"], strict=True)]
-        got += [_measure(path, rho, c, data, profiles, progress, refs) for c in specs]
+        got += [_measure(path, rho, c, data, profiles, progress, refs, scheds) for c in specs]
         base = [r for r in got if r is not None]
         _compare(base, profiles)
         rows += base
@@ -292,6 +380,36 @@ def markdown(rows: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFI
             f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]",
             "yes" if r["in_budget"] else "no",
             f"{r['greedy_agreement']:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def host_markdown(rows: list[dict[str, Any]], profiles: Sequence[str] = DEFAULT_PROFILES) -> str:
+    """Host-free against host-aware ms per token (each against the fastest autoregressive
+    row of its kind), per profile."""
+    cols = ["residency", "config", "accepted / block", "copies / tok", "CPU experts / tok"]
+    for p in profiles:
+        cols += [f"{p} host-free ms/tok (vs best AR)", f"{p} host-aware ms/tok (vs best AR)"]
+    cols += ["Δ nats/tok [95% CI]", "in budget"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        d, acc = r["delta_nll"], r["accepted_per_block"]
+        speed = []
+        for p in profiles:
+            speed.append(
+                f"{r['latency'][p]['ms_per_token']:.2f} ({r['speedup_vs_best_ar'][p]:.2f}x)"
+            )
+            speed.append(f"{host_ms(r, p):.2f} ({r['host_speedup_vs_best_ar'][p]:.2f}x)")
+        cells = [
+            f"{r['residency']:.1%}",
+            r["label"],
+            "-" if acc is None else f"{acc:.2f}",
+            f"{r['copies_per_token']:.2f}",
+            f"{r['cpu_experts_per_token']:.2f}",
+            *speed,
+            f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]",
+            "yes" if r["in_budget"] else "no",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -155,6 +155,9 @@ class VerifyBlock(HostDecode):
         cpu = rt.book.use(layer, routed, physical, trace_token, 0, rule.max_inserts(layer))
         if cpu:
             self.cpu[layer.index] = cpu
+            if rt.acct.recorder is not None:  # the CPU's token rows, for the latency model
+                on_cpu = torch.isin(ids, torch.tensor(cpu, device=ids.device))
+                rt.acct.recorder.cpu_rows(layer.index, int(on_cpu.sum()))
             routed = [e for e in routed if e not in set(cpu)]
         self.pending[layer.index] = (routed, ids)
         return w, ids

@@ -37,6 +37,9 @@ class LayerStep:
     # Routed experts of this step computed on the CPU (experts_on cpu / hybrid: misses not
     # copied, so not in `copies`); 0 in traces written before it was recorded.
     cpu_experts: int = 0
+    # Token rows those CPU experts compute (a verify block: each expert once over the
+    # block's tokens routed to it); 0: one row each (a decode token; older traces).
+    cpu_rows: int = 0
 
 
 # What the host does for one decode step (psr.eval.host_probe measures it on a real decode;
@@ -211,3 +214,9 @@ class TraceRecorder:
     def read(self, layer: int, slots: list[int]) -> None:
         if self._step is not None and self._step.layer == layer:
             self._step.slots = list(slots)
+
+    def cpu_rows(self, layer: int, rows: int) -> None:
+        """The current step (MoE layer `layer`) computes `rows` token rows on the CPU (a
+        verify block's CPU experts over the tokens routed to each)."""
+        if self._step is not None and self._step.layer == layer:
+            self._step.cpu_rows = int(rows)
