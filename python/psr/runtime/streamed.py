@@ -248,11 +248,16 @@ def layer_major_prefill(model: Any, chunk: int) -> Callable[[torch.Tensor, bool]
     hf, name = model.hf, cache_kwarg(model.hf)
     forward = type(hf).forward  # the model's own: the runtime's locked wrapper is entered once
 
-    def one(part: torch.Tensor, kv: Any) -> torch.Tensor:
-        logits: torch.Tensor = forward(hf, input_ids=part, use_cache=True, **{name: kv}).logits
-        return logits
-
     def run(ids: torch.Tensor, keep_all: bool) -> tuple[torch.Tensor, Any]:
+        # The LM head over the last row only unless keep_all, as the chunk-major prefill
+        # (model.py) computes it: the same row of the same matmul shape, the same bits.
+        keep = {} if keep_all else {"logits_to_keep": 1}
+
+        def one(part: torch.Tensor, kv: Any) -> torch.Tensor:
+            out = forward(hf, input_ids=part, use_cache=True, **{name: kv}, **keep)
+            logits: torch.Tensor = out.logits
+            return logits
+
         packed = getattr(hf, "psr_kv_cache", None)  # a kv_format's (runtime/kv_quant.py)
         kv = packed(None) if packed is not None else DynamicCache(config=hf.config)
         logits, model.prefill_schedules = prefill_layer_major(model.runtime, ids, chunk, kv, one)
