@@ -34,9 +34,29 @@ namespace {
 
 // The offsets vector's entries (psr.store.cpu_router._offsets builds it in this order).
 enum Off : int {
-  kE, kS, kK, kMember, kPending, kSlotOf, kSlotExpert, kHeader, kMissList, kCpuList,
-  kClock, kCapacity, kRouted, kHits, kMisses, kPrefetchUsed, kCpuExperts, kFlag, kMissN,
-  kCpuN, kInserts, kKindMiss, kNumOffsets
+  kE,
+  kS,
+  kK,
+  kMember,
+  kPending,
+  kSlotOf,
+  kSlotExpert,
+  kHeader,
+  kMissList,
+  kCpuList,
+  kClock,
+  kCapacity,
+  kRouted,
+  kHits,
+  kMisses,
+  kPrefetchUsed,
+  kCpuExperts,
+  kFlag,
+  kMissN,
+  kCpuN,
+  kInserts,
+  kKindMiss,
+  kNumOffsets
 };
 
 constexpr int64_t kBig = 2147483647;  // above any stamp: not a place (cache_state_ref._BIG)
@@ -159,8 +179,8 @@ void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bo
 void bind_router(py::module_& m) {
   m.def(
       "cpu_cache_use",
-      [](uintptr_t row, uintptr_t offsets, int64_t n_offsets, uintptr_t ids, int64_t k,
-         bool capped, uintptr_t logits, int64_t n_logits) {
+      [](uintptr_t row, uintptr_t offsets, int64_t n_offsets, uintptr_t ids, int64_t k, bool capped,
+         uintptr_t logits, int64_t n_logits) {
         if (!row || !offsets || !ids) throw std::invalid_argument("cpu_cache_use: null address");
         if (n_offsets != kNumOffsets)
           throw std::invalid_argument("cpu_cache_use: offsets must hold " +
