@@ -24,7 +24,14 @@ DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
 # How the host store keeps experts and copies move them: "native" (the model's dtype),
 # "bf16", or quantized rows that the kernels dequantize on the fly.
 QUANT_FORMATS: tuple[str, ...] = ("int8", "fp8", "int4")
-EXPERT_FORMATS: tuple[str, ...] = ("native", "bf16", *QUANT_FORMATS)
+# Each word's store format (None: the model's own dtype; psr_kernels.RowFormat parses it).
+_STORE_FORMATS: dict[str | None, str | None] = {
+    None: None,
+    "native": None,
+    "bf16": "bf16",
+    **{f: f for f in QUANT_FORMATS},
+}
+EXPERT_FORMATS: tuple[str, ...] = tuple(w for w in _STORE_FORMATS if w is not None)
 
 # How a load keeps the dense (non-expert) weights on the device: "native" (as the file
 # stores them: a GGUF file's GGML blocks, computed by psr's dense kernels; a float
@@ -75,11 +82,9 @@ def canonical_dtype(name: str) -> str:
 def expert_format(fmt: str | None) -> str | None:
     """The store format of an `expert_format` argument: None for "native" (or None), else
     one of "bf16", "int8", "fp8", "int4"; a ValueError names the accepted ones."""
-    if fmt is None or fmt == "native":
-        return None
-    if fmt not in EXPERT_FORMATS:
+    if fmt not in _STORE_FORMATS:
         raise ValueError(f"expert_format must be one of {', '.join(EXPERT_FORMATS)}; got {fmt!r}")
-    return fmt
+    return _STORE_FORMATS[fmt]
 
 
 def dense_format(fmt: str) -> str:
