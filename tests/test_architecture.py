@@ -332,3 +332,43 @@ def test_every_export_resolves() -> None:
     assert set(psr._WHERE) == set(psr.__all__)
     for name in psr.__all__:
         assert getattr(psr, name) is not None
+
+
+_FRAME_CALLS = ("_getframe", "currentframe", "stack")  # of sys / inspect
+_FRAME_ATTRS = ("f_back", "f_locals", "f_globals")
+
+
+def private_reads(source: str) -> list[str]:
+    """`obj._name` reads of another object's private attribute (not self / cls) and frame
+    walks (sys._getframe, inspect.currentframe / stack, f_back, f_locals) in `source`."""
+    out = []
+    for n in ast.walk(ast.parse(source)):
+        if not isinstance(n, ast.Attribute):
+            continue
+        base = ast.unparse(n.value)
+        private = n.attr.startswith("_") and not n.attr.startswith("__")
+        frame = (n.attr in _FRAME_CALLS and base in ("sys", "inspect")) or n.attr in _FRAME_ATTRS
+        if (private and base not in ("self", "cls")) or frame:
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+    return out
+
+
+def test_eval_measures_by_contract() -> None:
+    """eval/ learns what it measures from the runtime's public API and the store's copy
+    reasons, never from private attributes or stack frames (issue 40 item 5)."""
+    found = {
+        p.relative_to(ROOT).as_posix(): hits
+        for p in sorted((SOURCES["psr"] / "eval").rglob("*.py"))
+        if (hits := private_reads(p.read_text()))
+    }
+    assert not found, found
+
+
+def test_the_private_read_finder_sees_what_it_forbids() -> None:
+    src = "a = rt._slots\nb = self._x\nc = sys._getframe(1).f_back\nd = inspect.stack()\n"
+    assert sorted(private_reads(src)) == [
+        "1: rt._slots",
+        "3: sys._getframe",
+        "3: sys._getframe(1).f_back",
+        "4: inspect.stack",
+    ]
