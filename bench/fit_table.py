@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -565,6 +566,11 @@ def inspect_fresh(path: Path, residency: float) -> dict[str, Any]:
     return res
 
 
+# psr inspect's flags for the plan the goal table shows (24 GB, 8k tokens, bf16, hybrid)
+INSPECT_PLAN = ["--gpu-memory", "24GB", "--context", "8k", "--dtype", "bfloat16"]
+INSPECT_PLAN += ["--experts-on", "hybrid"]
+
+
 def _elapsed(text: str) -> float:
     """GNU time's "h:mm:ss" or "m:ss.ss" as seconds."""
     out = 0.0
@@ -574,16 +580,16 @@ def _elapsed(text: str) -> float:
 
 
 def inspect_timed(path: Path) -> dict[str, Any]:
-    """`/usr/bin/time -v psr inspect --model PATH --gpu-memory 24GB --context 8k` in a fresh
-    process: wall seconds, CPU seconds and maximum RSS as GNU time reports them."""
-    cmd = [sys.executable, "-m", "psr.cli", "inspect", "--model", str(path)]
-    cmd += ["--gpu-memory", "24GB", "--context", "8k"]
+    """`/usr/bin/time -v psr inspect --model PATH` with the goal table's plan (INSPECT_PLAN)
+    in a fresh process: wall seconds, CPU seconds and maximum RSS as GNU time reports them."""
+    cmd = [sys.executable, "-m", "psr.cli", "inspect", "--model", str(path), *INSPECT_PLAN]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run(
         ["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env, check=False
     )
     if out.returncode:
-        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1]}
+        said = out.stderr.split("\tCommand being timed")[0].strip().splitlines() or ["?"]
+        return {"error": said[-1]}
     got = {}
     for ln in out.stderr.splitlines():
         k, _, v = ln.strip().rpartition(": ")
@@ -679,8 +685,7 @@ def _line(r: dict[str, Any]) -> str:
     dense = " / ".join(_g(p[f"{n}@{c8}"]["dense"]) for n in ("before", "bf16", "native"))
     smallest = f"0 (hybrid/cpu); {k}/layer with gpu: {_g(k * r['slot_bytes'])}"
     return (
-        f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | "
-        f"{_inspect_cell(r)} | {dense} | "
+        f"| {r['model']} | {_file_cell(r)} | {_inspect_cell(r)} | {dense} | "
         f"{_g(p[f'bf16@{c8}']['kv'])} / {_g(p[f'bf16@{c32}']['kv'])} | "
         f"{_g(b8)} / {_g(b32)} ({_fits(b8, b32)}) | "
         f"{_cell(p[f'bf16@{c8}'], k)} | {_cell(p[f'bf16@{c32}'], k)} | "
@@ -743,6 +748,11 @@ def _goal_line(r: dict[str, Any]) -> str:
     )
 
 
+def _file_cell(r: dict[str, Any]) -> str:
+    parts = f" in {r['parts']} parts" if r["parts"] > 1 else ""
+    return f"{r['file_bytes'] / 1e9:.1f} GB{parts}"
+
+
 def _inspect_cell(r: dict[str, Any]) -> str:
     t = r.get("inspect_cli", {})
     if "error" in t:
@@ -782,7 +792,7 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
         "tensor in its file type (token_embd included; llama.cpp itself keeps it in host "
         "memory) + an f16 KV cache of the same values (assumed); no workspace counted. "
         "`psr inspect`: `/usr/bin/time -v python -m psr.cli inspect --model FILE "
-        "--gpu-memory 24GB --context 8k` in a fresh process (wall clock, user + system CPU, "
+        f"{' '.join(INSPECT_PLAN)}` in a fresh process (wall clock, user + system CPU, "
         "maximum resident set size; interpreter and imports included), one run per file.",
         "",
         *HEAD,
@@ -845,9 +855,10 @@ def main() -> None:
         print(json.dumps(rows[-1]), file=sys.stderr)
     from psr.models.tiers import meminfo
 
-    cmd = "PYTHONPATH=python:. python " + " ".join(sys.argv)
+    cmd = "OMP_NUM_THREADS=1 PYTHONPATH=python:. python " + shlex.join(sys.argv)
     machine = f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, " + (
-        f"MemTotal {meminfo().get('MemTotal', 0) / GiB:.1f} GiB"
+        f"MemTotal {meminfo().get('MemTotal', 0) / GiB:.1f} GiB, MemAvailable "
+        f"{meminfo().get('MemAvailable', 0) / GiB:.1f} GiB"
     )
     md = markdown(rows, a.residency, cmd, machine)
     print(md)
