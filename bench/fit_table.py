@@ -480,6 +480,7 @@ CONTEXTS = (8192, 32768)
 GOAL_RESIDENCY = 0.1  # the goal's slab: 10% of the experts
 GOAL_DENSE = 1.15  # dense bytes within this ratio of llama.cpp's
 UNBOUNDED = 10**15  # a GPU no plan fills
+PROFILE = "rtx4090"  # the rates (psr.eval.latency) the modeled decode times read
 # GPU sizes (GB = 1e9 bytes, as the 24 GB of the goal) for "the smallest GPU that would"
 GPUS = (
     (24, "RTX 4090"),
@@ -500,20 +501,27 @@ def _plans(memory: Any, residency: float) -> dict[str, Any]:
     'native', the GGUF default)."""
     import math
 
+    from psr.eval.latency import get_profile
     from psr.models.memory_plan import Budget, plan_memory
+
+    RATES = get_profile(PROFILE)
 
     E = memory.num_experts
     slots = math.floor(residency * E + 0.5)
     asked = {
         "before": dict(dense_format="float", slots=slots),
         "bf16": dict(dense_format="float", dtype="bfloat16", experts_on="hybrid"),
-        "native": dict(dense_format="native", dtype="bfloat16", experts_on="hybrid"),
+        "native": dict(
+            dense_format="native", dtype="bfloat16", experts_on="hybrid", rates=RATES.rates()
+        ),
     }
     # the goal's slab (GOAL_RESIDENCY of the experts) on a GPU of unbounded memory: the
     # device_total is the memory that slab needs
     goal = math.ceil(GOAL_RESIDENCY * E)
     asked["goal"] = asked["native"] | dict(slots=goal)
     asked["native_int8"] = asked["native"] | dict(kv_format="int8")
+    # llama.cpp's --cpu-moe placement priced alike: no slab, every expert on the CPU
+    asked["cpu_moe"] = asked["native"] | dict(slots=0, experts_on="cpu")
     out: dict[str, Any] = {}
     for ctx in CONTEXTS:
         for name, kw in asked.items():
@@ -529,6 +537,7 @@ def _plans(memory: Any, residency: float) -> dict[str, Any]:
                 "device_total": p.device_total,
                 "fits": p.fits,
                 "message": p.message(),
+                "modeled": p.modeled,
             }
     return out
 
@@ -698,8 +707,8 @@ GOAL_HEAD = [
     "| file | routed experts (10%) | dense: psr native / llama.cpp (ratio) | psr @8k: dense + "
     "KV + workspace + slab = device (slots) | psr @32k: device (slots) | largest slab on 24 GB "
     "@8k | llama.cpp `--cpu-moe` @8k / @32k | goal on 24 GB | a 10% slab @8k needs | "
-    "smallest GPU for it |",
-    "|" + "---|" * 10,
+    "smallest GPU for it | modeled decode ms/token, RTX 4090 rates: psr @8k / no slab |",
+    "|" + "---|" * 11,
 ]
 
 
@@ -744,8 +753,15 @@ def _goal_line(r: dict[str, Any]) -> str:
         f"({p8['slots']}) | {_g(p32['device_total'])} ({p32['slots']}) | "
         f"{p8['residency']:.1%} (int8 KV: {i8['residency']:.1%}) | "
         f"{_g(_llama(r, c8))} / {_g(_llama(r, c32))} | {verdict} | "
-        f"{_g(need)} GiB = {need / 1e9:.1f} GB | {smallest_gpu(need)} |"
+        f"{_g(need)} GiB = {need / 1e9:.1f} GB | {smallest_gpu(need)} | {_modeled(r)} |"
     )
+
+
+def _modeled(r: dict[str, Any]) -> str:
+    """The modeled decode times of the plan at 8k and of no slab (every expert on the CPU)."""
+    c8 = CONTEXTS[0]
+    ms = [r["plans"][f"{n}@{c8}"].get("modeled") for n in ("native", "cpu_moe")]
+    return " / ".join(f"{m['ms_per_token']:.1f}" if m else "-" for m in ms)
 
 
 def _file_cell(r: dict[str, Any]) -> str:
@@ -758,6 +774,19 @@ def _inspect_cell(r: dict[str, Any]) -> str:
     if "error" in t:
         return f"fails: {t['error']}"
     return f"{t['wall_s']:.2f} s, {t['cpu_s']:.2f} CPU-s, {t['max_rss'] / 2**20:.0f} MiB"
+
+
+MODELED_NOTE = (
+    "Modeled decode: `psr.models.memory_plan.modeled_decode` (what `psr inspect --gpu-memory "
+    "... --profile rtx4090` prints), a batch-1 roofline on psr.eval.latency's rtx4090 rates "
+    "(HBM 900 GB/s, PCIe 25 GB/s, CPU expert kernels 50 GB/s over host rows: a desktop "
+    "with dual-channel DDR5, assumed, not measured): dense bytes and the 8k KV read once, "
+    "per MoE layer k (1 - C/E) misses (routing independent of the cache, a pessimistic "
+    "prior) computed on the CPU beside the slab's hits or copied, whichever is faster; no "
+    "host launch cost or Python. `no slab`: the same plan with C = 0, every expert on the "
+    "CPU (llama.cpp's `--cpu-moe` placement, priced with psr's rates, not llama.cpp's "
+    "measured speed). A ratio between the two is the model's, not a measurement."
+)
 
 
 def _assumed(r: dict[str, Any]) -> str:
@@ -816,6 +845,7 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
         *GOAL_HEAD,
     ]
     out += [_goal_line(r) for r in rows]
+    out += ["", MODELED_NOTE]
     out += ["", "Assumptions per model (beyond the published configs):", ""]
     out += [_assumed(r) for r in rows if r["notes"] or r.get("published")]
     return "\n".join(out) + "\n"
