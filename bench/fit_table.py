@@ -789,6 +789,29 @@ MODELED_NOTE = (
 )
 
 
+BEFORE_AFTER_HEAD = [
+    "| file | before: dense float32 + KV float32 + workspace @8k | after: dense native + KV "
+    "bf16 + workspace @8k | after, with the planned slab (slots) | llama.cpp `--cpu-moe` "
+    "@8k |",
+    "|" + "---|" * 5,
+]
+
+
+def _before_after(r: dict[str, Any]) -> str:
+    """Device GiB at 8k tokens without a slab, before (psr's dense part dequantized to
+    float32, the GGUF default before the plan) and after (the file's own blocks), beside the
+    plan with its slab and llama.cpp's --cpu-moe."""
+    if "error" in r:
+        return f"| {r['model']} | fails |" + " |" * 3
+    c8 = CONTEXTS[0]
+    b, n = r["plans"][f"before@{c8}"], r["plans"][f"native@{c8}"]
+    base = [p["dense"] + p["kv"] + p["workspace"] for p in (b, n)]
+    return (
+        f"| {r['model']} | {_g(base[0])} | {_g(base[1])} | {_g(n['device_total'])} "
+        f"({n['slots']}) | {_g(_llama(r, c8))} |"
+    )
+
+
 def _assumed(r: dict[str, Any]) -> str:
     line = f"- {r['model']}: {r['notes']}"
     if r.get("published"):
@@ -846,6 +869,8 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
     ]
     out += [_goal_line(r) for r in rows]
     out += ["", MODELED_NOTE]
+    out += ["", "## Before and after, per file (GiB at 8k tokens)", "", *BEFORE_AFTER_HEAD]
+    out += [_before_after(r) for r in rows]
     out += ["", "Assumptions per model (beyond the published configs):", ""]
     out += [_assumed(r) for r in rows if r["notes"] or r.get("published")]
     return "\n".join(out) + "\n"
