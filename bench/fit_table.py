@@ -5,9 +5,15 @@ inspect`, and per model psr's memory plans (psr.models.memory_plan, the one sour
 figures: before the plan, and the plan with the dense part dequantized to bf16 or in the
 file's own blocks) beside llama.cpp's `--cpu-moe` plan computed from the same tensor table
 (every non-expert tensor in its file type on the device, the routed experts on the CPU).
+DeepSeek-V3 and Kimi-K2 also in the low-bit "dynamic" mixes they are run as on one card
+(UD_MIXES: Unsloth's UD-IQ1_S to UD-Q2_K_XL layouts). Issue 39's goal is checked file by
+file: the largest slab on 24 GB at 8k tokens, the memory a 10% slab needs and the smallest
+GPU that holds it, and the plan's modeled decode time beside no slab. `psr inspect` is
+timed by `/usr/bin/time -v` in a fresh process per file.
 
-    PYTHONPATH=python:. .venv/bin/python bench/fit_table.py [--dir /tmp/psr-fit] \
-        [--models qwen3-30b-a3b,...] [--residency 0.1] [--out bench/results/fit]
+    OMP_NUM_THREADS=1 PYTHONPATH=python:. python bench/fit_table.py [--dir /tmp/psr-fit] \
+        [--models 'Qwen3-30B-A3B Q4_K_M,...'] [--residency 0.1] [--split-gb 45] \
+        [--out bench/results/fit]
 
 Files are written sparse under --dir (logical sizes up to ~400 GB, a few MB on disk) and
 deleted afterwards. Where the published file is not reproduced exactly, the spec below
