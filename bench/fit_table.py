@@ -5,9 +5,15 @@ inspect`, and per model psr's memory plans (psr.models.memory_plan, the one sour
 figures: before the plan, and the plan with the dense part dequantized to bf16 or in the
 file's own blocks) beside llama.cpp's `--cpu-moe` plan computed from the same tensor table
 (every non-expert tensor in its file type on the device, the routed experts on the CPU).
+DeepSeek-V3 and Kimi-K2 also in the low-bit "dynamic" mixes they are run as on one card
+(UD_MIXES: Unsloth's UD-IQ1_S to UD-Q2_K_XL layouts). Issue 39's goal is checked file by
+file: the largest slab on 24 GB at 8k tokens, the memory a 10% slab needs and the smallest
+GPU that holds it, and the plan's modeled decode time beside no slab. `psr inspect` is
+timed by `/usr/bin/time -v` in a fresh process per file.
 
-    PYTHONPATH=python:. .venv/bin/python bench/fit_table.py [--dir /tmp/psr-fit] \
-        [--models qwen3-30b-a3b,...] [--residency 0.1] [--out bench/results/fit]
+    OMP_NUM_THREADS=1 PYTHONPATH=python:. python bench/fit_table.py [--dir /tmp/psr-fit] \
+        [--models 'Qwen3-30B-A3B Q4_K_M,...'] [--residency 0.1] [--split-gb 45] \
+        [--out bench/results/fit]
 
 Files are written sparse under --dir (logical sizes up to ~400 GB, a few MB on disk) and
 deleted afterwards. Where the published file is not reproduced exactly, the spec below
@@ -19,10 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,9 +67,10 @@ class Spec:
     shared: int = 0  # shared experts
     nextn: int = 0  # MTP layers kept in the file (GLM); DeepSeek's converter drops them
     mla: tuple[int, int, int, int, int] | None = None  # q_lora, kv_lora, nope, rope, v
-    recipe: str = "Q4_K_M"
+    recipe: str = "Q4_K_M"  # "Q4_K_M", "MXFP4" or a UD_MIXES key
     keys: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
+    published: str = ""  # the published file's size, where known (the modeled one is beside)
 
 
 SPECS = {
@@ -211,6 +219,64 @@ SPECS = {
 }
 
 
+# Unsloth's "dynamic" low-bit files, the ones DeepSeek-V3 / R1 and Kimi-K2 run as on one 24
+# GB card (unsloth.ai/blog/deepseekr1-dynamic, Jan 2025: "MoE bits" and "down_proj" per
+# file): the routed experts at 1.5-2.6 bits, their down projections a step higher in some
+# layers (modeled as llama.cpp's low-bit rule does it: the first eighth of the MoE layers),
+# everything else at 4/6 bits (modeled: llama.cpp's Q4_K_M rules) and the shared experts
+# at 6 bits (Q6_K). recipe -> (routed gate / up, routed down, routed down in the first
+# eighth of the MoE layers).
+UD_MIXES = {
+    "UD-IQ1_S": ("IQ1_S", "IQ1_S", "IQ2_XXS"),  # blog: 1.58-bit, down 2.06/1.56
+    "UD-IQ1_M": ("IQ1_M", "IQ2_XXS", "IQ2_XXS"),  # 1.73-bit, down 2.06
+    "UD-IQ2_XXS": ("IQ2_XXS", "Q2_K", "Q2_K"),  # 2.22-bit, down 2.5/2.06 (2.06 not modeled)
+    "UD-Q2_K_XL": ("Q2_K", "Q2_K", "Q3_K"),  # 2.51-bit, down 3.5/2.5
+}
+
+
+R1_BLOG = "unsloth.ai/blog/deepseekr1-dynamic (DeepSeek-R1, V3's shapes)"
+
+
+def _mix(recipe: str) -> str:
+    gate_up, down, first = UD_MIXES[recipe]
+    return (
+        f"routed gate/up {gate_up}, down {down} ({first} in the first eighth of the MoE "
+        "layers), shared experts Q6_K, the rest by llama.cpp's Q4_K_M rules"
+    )
+
+
+def _ud(base: str, recipe: str, published: str, notes: str) -> Spec:
+    """`base`'s shapes in the dynamic mix `recipe` (UD_MIXES)."""
+    b = SPECS[base]
+    name = f"{b.name.rsplit(' ', 1)[0]} {recipe}"
+    return replace(b, name=name, recipe=recipe, published=published, notes=notes)
+
+
+_UD = [
+    _ud("DeepSeek-V3 Q4_K_M", r, f"{size} GiB ({R1_BLOG})", _mix(r))
+    for r, size in (("UD-IQ1_S", 131), ("UD-IQ1_M", 158), ("UD-IQ2_XXS", 183), ("UD-Q2_K_XL", 212))
+] + [
+    _ud(
+        "Kimi-K2 Q4_K_M",
+        r,
+        size,
+        _mix(r) + " (no per-tensor layout published for Kimi-K2 found: the R1 blog's mix "
+        "on Kimi-K2's shapes)",
+    )
+    for r, size in (
+        ("UD-IQ1_S", "Unsloth's Kimi-K2.5 page: 240 GB at 1.8 bits (UD-TQ1_0, a type psr lacks)"),
+        ("UD-Q2_K_XL", "Unsloth's Kimi-K2.5 page: 375 GB (UD-Q2_K_XL)"),
+    )
+]
+ORDER = [
+    "DeepSeek-V3 Q4_K_M",
+    *[s.name for s in _UD if s.name.startswith("DeepSeek")],
+    "Kimi-K2 Q4_K_M",
+    *[s.name for s in _UD if s.name.startswith("Kimi")],
+]
+SPECS = {n: ({s.name: s for s in _UD} | SPECS)[n] for n in ORDER} | SPECS
+
+
 def _more_bits(i: int, n: int) -> bool:
     """llama.cpp's use_more_bits: the first and last eighth and every third layer between."""
     return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
@@ -224,6 +290,14 @@ def _qtype(s: Spec, name: str, shape: tuple[int, ...], layer: int) -> str:
         return "F32"
     if s.recipe == "MXFP4":
         return "MXFP4" if "_exps." in name else "Q8_0"
+    if s.recipe in UD_MIXES:
+        gate_up, down, down_first = UD_MIXES[s.recipe]
+        if "_exps." in name:
+            moe = layer - s.dense_layers
+            first = moe < (s.layers - s.nextn - s.dense_layers) // 8
+            return (down_first if first else down) if "ffn_down" in name else gate_up
+        if "_shexp." in name:
+            return Q["Q6_K"] if shape[-1] % 256 else "Q6_K"
     if name == "output.weight":
         t = "Q6_K"
     elif "attn_v." in name or "ffn_down" in name:
@@ -409,6 +483,19 @@ def write(s: Spec, path: Path, split_bytes: int = 0) -> list[Path]:
 
 
 CONTEXTS = (8192, 32768)
+GOAL_RESIDENCY = 0.1  # the goal's slab: 10% of the experts
+GOAL_DENSE = 1.15  # dense bytes within this ratio of llama.cpp's
+UNBOUNDED = 10**15  # a GPU no plan fills
+PROFILE = "rtx4090"  # the rates (psr.eval.latency) the modeled decode times read
+# GPU sizes (GB = 1e9 bytes, as the 24 GB of the goal) for "the smallest GPU that would"
+GPUS = (
+    (24, "RTX 4090"),
+    (32, "RTX 5090"),
+    (48, "RTX 6000 Ada"),
+    (80, "H100 80GB"),
+    (96, "RTX PRO 6000"),
+    (141, "H200"),
+)
 
 
 def _plans(memory: Any, residency: float) -> dict[str, Any]:
@@ -420,19 +507,32 @@ def _plans(memory: Any, residency: float) -> dict[str, Any]:
     'native', the GGUF default)."""
     import math
 
+    from psr.eval.latency import get_profile
     from psr.models.memory_plan import Budget, plan_memory
+
+    RATES = get_profile(PROFILE)
 
     E = memory.num_experts
     slots = math.floor(residency * E + 0.5)
     asked = {
         "before": dict(dense_format="float", slots=slots),
         "bf16": dict(dense_format="float", dtype="bfloat16", experts_on="hybrid"),
-        "native": dict(dense_format="native", dtype="bfloat16", experts_on="hybrid"),
+        "native": dict(
+            dense_format="native", dtype="bfloat16", experts_on="hybrid", rates=RATES.rates()
+        ),
     }
+    # the goal's slab (GOAL_RESIDENCY of the experts) on a GPU of unbounded memory: the
+    # device_total is the memory that slab needs
+    goal = math.ceil(GOAL_RESIDENCY * E)
+    asked["goal"] = asked["native"] | dict(slots=goal)
+    asked["native_int8"] = asked["native"] | dict(kv_format="int8")
+    # llama.cpp's --cpu-moe placement priced alike: no slab, every expert on the CPU
+    asked["cpu_moe"] = asked["native"] | dict(slots=0, experts_on="cpu")
     out: dict[str, Any] = {}
     for ctx in CONTEXTS:
         for name, kw in asked.items():
-            p = plan_memory(memory, Budget(gpu_memory=GPU, context=ctx, **kw))  # type: ignore[arg-type]
+            gpu = UNBOUNDED if name == "goal" else GPU
+            p = plan_memory(memory, Budget(gpu_memory=gpu, context=ctx, **kw))  # type: ignore[arg-type]
             out[f"{name}@{ctx}"] = {
                 "slots": p.slots,
                 "residency": p.residency,
@@ -443,6 +543,7 @@ def _plans(memory: Any, residency: float) -> dict[str, Any]:
                 "device_total": p.device_total,
                 "fits": p.fits,
                 "message": p.message(),
+                "modeled": p.modeled,
             }
     return out
 
@@ -480,6 +581,40 @@ def inspect_fresh(path: Path, residency: float) -> dict[str, Any]:
     return res
 
 
+# psr inspect's flags for the plan the goal table shows (24 GB, 8k tokens, bf16, hybrid)
+INSPECT_PLAN = ["--gpu-memory", "24GB", "--context", "8k", "--dtype", "bfloat16"]
+INSPECT_PLAN += ["--experts-on", "hybrid"]
+
+
+def _elapsed(text: str) -> float:
+    """GNU time's "h:mm:ss" or "m:ss.ss" as seconds."""
+    out = 0.0
+    for part in text.split(":"):
+        out = out * 60 + float(part)
+    return out
+
+
+def inspect_timed(path: Path) -> dict[str, Any]:
+    """`/usr/bin/time -v psr inspect --model PATH` with the goal table's plan (INSPECT_PLAN)
+    in a fresh process: wall seconds, CPU seconds and maximum RSS as GNU time reports them."""
+    cmd = [sys.executable, "-m", "psr.cli", "inspect", "--model", str(path), *INSPECT_PLAN]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        ["/usr/bin/time", "-v", *cmd], capture_output=True, text=True, env=env, check=False
+    )
+    if out.returncode:
+        said = out.stderr.split("\tCommand being timed")[0].strip().splitlines() or ["?"]
+        return {"error": said[-1]}
+    got = {}
+    for ln in out.stderr.splitlines():
+        k, _, v = ln.strip().rpartition(": ")
+        got[k] = v
+    wall = _elapsed(got["Elapsed (wall clock) time (h:mm:ss or m:ss)"])
+    cpu = float(got["User time (seconds)"]) + float(got["System time (seconds)"])
+    rss = int(got["Maximum resident set size (kbytes)"]) * 1024
+    return {"wall_s": wall, "cpu_s": cpu, "max_rss": rss}
+
+
 def row(s: Spec, files: list[Path], residency: float) -> dict[str, Any]:
     """The figures of one model: psr's plans (psr.models.memory_plan, in a fresh process
     running psr.inspect) beside llama.cpp's `--cpu-moe` plan from the same tensor table."""
@@ -496,6 +631,8 @@ def row(s: Spec, files: list[Path], residency: float) -> dict[str, Any]:
         "llama_dense": llama_dense,
         "llama_embd": embd,
         "notes": s.notes,
+        "published": s.published,
+        "inspect_cli": inspect_timed(files[0]),
     }
     if "error" in ins:
         r["error"] = ins["error"]
@@ -563,14 +700,129 @@ def _line(r: dict[str, Any]) -> str:
     dense = " / ".join(_g(p[f"{n}@{c8}"]["dense"]) for n in ("before", "bf16", "native"))
     smallest = f"0 (hybrid/cpu); {k}/layer with gpu: {_g(k * r['slot_bytes'])}"
     return (
-        f"| {r['model']} | {r['file_bytes'] / 1e9:.1f} GB | "
-        f"{r['inspect_s']:.2f} s, {r['inspect_peak_rss'] / 2**20:.0f} MiB | {dense} | "
+        f"| {r['model']} | {_file_cell(r)} | {_inspect_cell(r)} | {dense} | "
         f"{_g(p[f'bf16@{c8}']['kv'])} / {_g(p[f'bf16@{c32}']['kv'])} | "
         f"{_g(b8)} / {_g(b32)} ({_fits(b8, b32)}) | "
         f"{_cell(p[f'bf16@{c8}'], k)} | {_cell(p[f'bf16@{c32}'], k)} | "
         f"{_cell(p[f'native@{c8}'], k)} | {_cell(p[f'native@{c32}'], k)} | {smallest} | "
         f"{_g(r['llama_dense'])} | {_g(l8)} / {_g(l32)} ({_fits(l8, l32)}) |"
     )
+
+
+GOAL_HEAD = [
+    "| file | routed experts (10%) | dense: psr native / llama.cpp (ratio) | psr @8k: dense + "
+    "KV + workspace + slab = device (slots) | psr @32k: device (slots) | largest slab on 24 GB "
+    "@8k | llama.cpp `--cpu-moe` @8k / @32k | goal on 24 GB | a 10% slab @8k needs | "
+    "smallest GPU for it | modeled decode ms/token, RTX 4090 rates: psr @8k / no slab |",
+    "|" + "---|" * 11,
+]
+
+
+def smallest_gpu(need: int) -> str:
+    """The first of GPUS whose memory holds `need` bytes."""
+    for gb, name in GPUS:
+        if need <= gb * 10**9:
+            return f"{gb} GB ({name})"
+    return f"> {GPUS[-1][0]} GB"
+
+
+def goal(r: dict[str, Any]) -> dict[str, Any]:
+    """The goal's verdict for one row: on 24 GB at 8k tokens, the plan's slab >= 10% of the
+    experts and the dense part within 1.15x llama.cpp's; else what is short."""
+    c8 = CONTEXTS[0]
+    p8, g8 = r["plans"][f"native@{c8}"], r["plans"][f"goal@{c8}"]
+    ratio = p8["dense"] / r["llama_dense"]
+    short = []
+    if not p8["fits"]:
+        short.append("even an empty slab does not fit")
+    elif p8["residency"] < GOAL_RESIDENCY:
+        short.append(f"slab {p8['residency']:.1%} < 10%")
+    if ratio > GOAL_DENSE:
+        short.append(f"dense {ratio:.2f}x llama.cpp's")
+    return {"met": not short, "short": short, "ratio": ratio, "need": g8["device_total"]}
+
+
+def _goal_line(r: dict[str, Any]) -> str:
+    if "error" in r:
+        return f"| {r['model']} | fails: {r['error']} |" + " |" * 8
+    c8, c32 = CONTEXTS
+    p8, p32 = r["plans"][f"native@{c8}"], r["plans"][f"native@{c32}"]
+    i8 = r["plans"][f"native_int8@{c8}"]
+    g = goal(r)
+    ex = r["experts_bytes"]
+    parts = " + ".join(_g(p8[k]) for k in ("dense", "kv", "workspace", "slab"))
+    verdict = "**yes**" if g["met"] else "no: " + "; ".join(g["short"])
+    need = g["need"]
+    return (
+        f"| {r['model']} | {_g(ex)} ({_g(ex // 10)}) | {_g(p8['dense'])} / "
+        f"{_g(r['llama_dense'])} ({g['ratio']:.2f}x) | {parts} = {_g(p8['device_total'])} "
+        f"({p8['slots']}) | {_g(p32['device_total'])} ({p32['slots']}) | "
+        f"{p8['residency']:.1%} (int8 KV: {i8['residency']:.1%}) | "
+        f"{_g(_llama(r, c8))} / {_g(_llama(r, c32))} | {verdict} | "
+        f"{_g(need)} GiB = {need / 1e9:.1f} GB | {smallest_gpu(need)} | {_modeled(r)} |"
+    )
+
+
+def _modeled(r: dict[str, Any]) -> str:
+    """The modeled decode times of the plan at 8k and of no slab (every expert on the CPU)."""
+    c8 = CONTEXTS[0]
+    ms = [r["plans"][f"{n}@{c8}"].get("modeled") for n in ("native", "cpu_moe")]
+    return " / ".join(f"{m['ms_per_token']:.1f}" if m else "-" for m in ms)
+
+
+def _file_cell(r: dict[str, Any]) -> str:
+    parts = f" in {r['parts']} parts" if r["parts"] > 1 else ""
+    return f"{r['file_bytes'] / 1e9:.1f} GB{parts}"
+
+
+def _inspect_cell(r: dict[str, Any]) -> str:
+    t = r.get("inspect_cli", {})
+    if "error" in t:
+        return f"fails: {t['error']}"
+    return f"{t['wall_s']:.2f} s, {t['cpu_s']:.2f} CPU-s, {t['max_rss'] / 2**20:.0f} MiB"
+
+
+MODELED_NOTE = (
+    "Modeled decode: `psr.models.memory_plan.modeled_decode` (what `psr inspect --gpu-memory "
+    "... --profile rtx4090` prints), a batch-1 roofline on psr.eval.latency's rtx4090 rates "
+    "(HBM 900 GB/s, PCIe 25 GB/s, CPU expert kernels 50 GB/s over host rows: a desktop "
+    "with dual-channel DDR5, assumed, not measured): dense bytes and the 8k KV read once, "
+    "per MoE layer k (1 - C/E) misses (routing independent of the cache, a pessimistic "
+    "prior) computed on the CPU beside the slab's hits or copied, whichever is faster; no "
+    "host launch cost or Python. `no slab`: the same plan with C = 0, every expert on the "
+    "CPU (llama.cpp's `--cpu-moe` placement, priced with psr's rates, not llama.cpp's "
+    "measured speed). A ratio between the two is the model's, not a measurement."
+)
+
+
+BEFORE_AFTER_HEAD = [
+    "| file | before: dense float32 + KV float32 + workspace @8k | after: dense native + KV "
+    "bf16 + workspace @8k | after, with the planned slab (slots) | llama.cpp `--cpu-moe` "
+    "@8k |",
+    "|" + "---|" * 5,
+]
+
+
+def _before_after(r: dict[str, Any]) -> str:
+    """Device GiB at 8k tokens without a slab, before (psr's dense part dequantized to
+    float32, the GGUF default before the plan) and after (the file's own blocks), beside the
+    plan with its slab and llama.cpp's --cpu-moe."""
+    if "error" in r:
+        return f"| {r['model']} | fails |" + " |" * 3
+    c8 = CONTEXTS[0]
+    b, n = r["plans"][f"before@{c8}"], r["plans"][f"native@{c8}"]
+    base = [p["dense"] + p["kv"] + p["workspace"] for p in (b, n)]
+    return (
+        f"| {r['model']} | {_g(base[0])} | {_g(base[1])} | {_g(n['device_total'])} "
+        f"({n['slots']}) | {_g(_llama(r, c8))} |"
+    )
+
+
+def _assumed(r: dict[str, Any]) -> str:
+    line = f"- {r['model']}: {r['notes']}"
+    if r.get("published"):
+        line += f"; modeled {r['file_bytes'] / GiB:.1f} GiB, published {r['published']}"
+    return line
 
 
 def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: str) -> str:
@@ -597,15 +849,36 @@ def markdown(rows: list[dict[str, Any]], residency: float, cmd: str, machine: st
         "GiB when even an empty slab does not fit. llama.cpp `--cpu-moe`: every non-expert "
         "tensor in its file type (token_embd included; llama.cpp itself keeps it in host "
         "memory) + an f16 KV cache of the same values (assumed); no workspace counted. "
-        "`psr inspect`: wall time and peak RSS of a fresh process running psr.inspect with a "
-        "plan (interpreter and imports included; peak RSS: VmHWM).",
+        "`psr inspect`: `/usr/bin/time -v python -m psr.cli inspect --model FILE "
+        f"{' '.join(INSPECT_PLAN)}` in a fresh process (wall clock, user + system CPU, "
+        "maximum resident set size; interpreter and imports included), one run per file.",
         "",
         *HEAD,
     ]
     out += [_line(r) for r in rows]
     out += ["", KV_NOTE]
+    out += [
+        "",
+        "## The goal, file by file",
+        "",
+        "Issue 39's goal: every model fits a 24 GB GPU with >= 8k tokens of context and a "
+        "slab of >= 10% of the experts, the dense bytes within 1.15x llama.cpp's for the same "
+        "file. Per file: psr's plan (`psr.load(path, gpu_memory='24GB', context=8192, "
+        "experts_on='hybrid', dtype='bfloat16')`, dense in the file's blocks, bf16 KV) with "
+        "its parts; the largest slab that fits at 8k (the plan's slots / experts); "
+        "llama.cpp's `--cpu-moe` device bytes from the same tensor table (no slab, no "
+        "workspace); the verdict; and the device memory a slab of 10% of the experts "
+        "(ceil(0.1 x experts) slots per layer) needs at 8k with the same parts, with the "
+        "smallest common GPU that holds it (GB = 1e9 bytes).",
+        "",
+        *GOAL_HEAD,
+    ]
+    out += [_goal_line(r) for r in rows]
+    out += ["", MODELED_NOTE]
+    out += ["", "## Before and after, per file (GiB at 8k tokens)", "", *BEFORE_AFTER_HEAD]
+    out += [_before_after(r) for r in rows]
     out += ["", "Assumptions per model (beyond the published configs):", ""]
-    out += [f"- {r['model']}: {r['notes']}" for r in rows if r["notes"]]
+    out += [_assumed(r) for r in rows if r["notes"] or r.get("published")]
     return "\n".join(out) + "\n"
 
 
@@ -633,7 +906,7 @@ def main() -> None:
     rows = []
     for name in a.models.split(","):
         s = SPECS[name]
-        stem = d / (name.split()[0] + ".gguf")
+        stem = d / (name.replace(" ", "-") + ".gguf")
         files = write(s, stem, int(a.split_gb * 1e9))
         try:
             rows.append(row(s, files, a.residency))
@@ -643,9 +916,10 @@ def main() -> None:
         print(json.dumps(rows[-1]), file=sys.stderr)
     from psr.models.tiers import meminfo
 
-    cmd = "PYTHONPATH=python:. python " + " ".join(sys.argv)
+    cmd = "OMP_NUM_THREADS=1 PYTHONPATH=python:. python " + shlex.join(sys.argv)
     machine = f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, " + (
-        f"MemTotal {meminfo().get('MemTotal', 0) / GiB:.1f} GiB"
+        f"MemTotal {meminfo().get('MemTotal', 0) / GiB:.1f} GiB, MemAvailable "
+        f"{meminfo().get('MemAvailable', 0) / GiB:.1f} GiB"
     )
     md = markdown(rows, a.residency, cmd, machine)
     print(md)

@@ -155,7 +155,8 @@ def test_a_150k_vocabulary_header_opens_and_inspects_in_little_memory(tmp_path: 
 def test_a_split_set_bigger_than_memory_opens(tmp_path: Path) -> None:
     """DeepSeek-V3 Q4_K_M as published (404.5 GB) in parts each larger than this
     machine's memory: every part maps (a copy-on-write map of one fails with ENOMEM),
-    the config and every layer's expert rows read from the header, RSS barely moves."""
+    the config and every layer's expert rows read from the header, psr.inspect answers
+    from any part, RSS barely moves."""
     fit = fit_table()
     spec = fit.SPECS["DeepSeek-V3 Q4_K_M"]
     parts = fit.write(spec, tmp_path / "ds.gguf", split_bytes=150 * 10**9)
@@ -180,6 +181,12 @@ def test_a_split_set_bigger_than_memory_opens(tmp_path: Path) -> None:
     assert {f.name for f in fmts} == {"gguf:Q4_K,Q4_K,Q6_K", "gguf:Q4_K,Q4_K,Q4_K"}
     assert rss_bytes() - before < 64 * 2**20
     ck.close()
+    import psr
+
+    found = psr.inspect(parts[2])  # and inspects, from any part
+    assert (found.num_experts, len(found.sparse_layers)) == (256, 58)
+    assert sum(found.expert_types.values()) == 58
+    assert rss_bytes() - before < 64 * 2**20
 
 
 def test_a_safetensors_file_bigger_than_memory_reads_a_row(tmp_path: Path) -> None:

@@ -129,10 +129,14 @@ def test_psr_inspect_of_a_gguf_file_imports_no_torch_and_stays_small(tmp_path: P
     status = json.loads(last)
     assert status["rc"] == 0, out.stderr
     found = json.loads("\n".join(printed))
-    budget = Budget(24 * 2**30, 64 * 2**30, 32768, dense_format="float")
+    from psr.eval.latency import get_profile
+
+    rates = get_profile("rtx4090").rates()  # psr inspect's default --profile
+    budget = Budget(24 * 2**30, 64 * 2**30, 32768, dense_format="float", rates=rates)
     want = inspect(path, budget).to_dict()
     for key in ("host_memory", "default_host_memory"):  # MemAvailable moves between reads
         found.pop(key), want.pop(key)
     assert found == want and found["num_experts"] == 128
     assert found["plan"]["fits"] and found["plan"]["context"] == 32768
+    assert found["plan"]["modeled"]["rates"] == "rtx4090"
     assert status["peak_rss"] < 200 * 2**20, status["peak_rss"]

@@ -15,7 +15,7 @@ from tiny_models import tiny_config, tiny_model
 import psr
 import psr.models.loader as loader
 from psr.cli import main
-from psr.models.memory_plan import CUDA_RESERVE, Budget, MemoryPlanError
+from psr.models.memory_plan import CUDA_RESERVE, Budget, MemoryPlanError, Rates
 
 # The tiny file, by hand: hidden 256, vocab 2112, 2 layers (both sparse), 4 experts,
 # top-2, 4 heads of 64, 2 KV heads, expert FFN 256, intermediate_size 768, 256 positions.
@@ -188,6 +188,62 @@ def test_psr_inspect_prints_the_plan_and_its_json(tiny_gguf: Path, capsys) -> No
     assert "verdict    fits: 1 of 4 experts per layer" in capsys.readouterr().out
 
 
+# rates chosen so each term is easy to follow: 1 GB/s of device memory, 0.5 GB/s of host
+# link (+ 5 µs a copy), 0.25 GB/s of CPU expert kernels (+ 1 µs an expert, 15 µs a layer)
+RATES = Rates("test", 1.0, 0.5, 5.0, 0.25, 15.0, 1.0)
+
+
+# ids not "gpu": conftest skips tests with a "gpu" keyword where no CUDA device is
+@pytest.mark.parametrize(
+    "experts_on", ["gpu", "cpu", "hybrid", "hybrid:0"], ids=["copied", "cpu", "hybrid", "cap0"]
+)
+def test_the_modeled_decode_time_worked_out_by_hand(tiny_gguf: Path, experts_on: str) -> None:
+    """3 of 4 slots: k (1 - C/E) = 2 (1 - 3/4) = 0.5 of the two routed experts miss per
+    layer. Both layers: 1.5 hits read on the device; 'cpu' computes the half miss on the
+    CPU beside them (hand-off + a call + half a row at CPU rate), 'gpu' copies it beside
+    them then reads it on the device; 'hybrid' takes the faster ('hybrid:0' may copy
+    none). Plus the dense part and the KV cache read once."""
+    fixed = DENSE["native"] + CTX * KV + WS + CUDA_RESERVE
+    none = _plan(tiny_gguf, gpu_memory=fixed + 3 * SLOT, context=CTX, experts_on=experts_on)
+    assert none.modeled is None  # no rates, no modeled time
+    p = _plan(
+        tiny_gguf, gpu_memory=fixed + 3 * SLOT, context=CTX, experts_on=experts_on, rates=RATES
+    )
+    assert p.slots == 3 and p.modeled is not None
+    hits = 1.5 * ROW / 1e9
+    cpu = max(hits, 15e-6 + 0.5 * (ROW / 0.25e9 + 1e-6))
+    gpu = max(hits, 0.5 * (ROW / 0.5e9 + 5e-6)) + 0.5 * ROW / 1e9
+    layer = {"cpu": cpu, "gpu": gpu, "hybrid": min(cpu, gpu), "hybrid:0": cpu}[experts_on]
+    dense, kv = DENSE["native"] / 1e9, CTX * KV / 1e9
+    want = dict(dense_ms=dense * 1e3, kv_ms=kv * 1e3, experts_ms=2 * layer * 1e3)
+    for key, ms in want.items():
+        assert p.modeled[key] == pytest.approx(ms, rel=1e-12), key
+    assert p.modeled["ms_per_token"] == pytest.approx(sum(want.values()), rel=1e-12)
+    assert (p.modeled["misses_per_layer"], p.modeled["rates"]) == (0.5, "test")
+    assert "  modeled    " in p.table() and "ms/token decode on test" in p.table()
+    # every expert on the device: no miss; a plan that does not fit has no modeled time
+    full = _plan(tiny_gguf, gpu_memory=2**40, context=CTX, rates=RATES)
+    assert full.modeled is not None and full.modeled["experts_ms"] == pytest.approx(
+        2 * 2 * ROW / 1e9 * 1e3
+    )
+    assert _plan(tiny_gguf, gpu_memory=fixed, context=CTX, rates=RATES).modeled is None
+
+
+def test_psr_inspect_prices_the_plan_with_a_profile(tiny_gguf: Path, capsys) -> None:
+    """`psr inspect --gpu-memory` prints the modeled decode time on rtx4090's rates by
+    default, `--profile h200` on the H200's; the JSON carries what the library computes."""
+    from psr.eval.latency import get_profile
+
+    args = ["inspect", "--model", str(tiny_gguf), "--ctx-size", "256", "--gpu-memory", "1GiB"]
+    assert main(args) == 0
+    assert "ms/token decode on rtx4090 (roofline:" in capsys.readouterr().out
+    assert main([*args, "--profile", "h200", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["plan"]["modeled"]
+    budget = Budget(2**30, context=256, rates=get_profile("h200").rates())
+    want = psr.inspect(tiny_gguf, budget).plan
+    assert want is not None and got == want.modeled and got["rates"] == "h200"
+
+
 @pytest.mark.parametrize(
     ("argv", "error"),
     [
@@ -196,6 +252,8 @@ def test_psr_inspect_prints_the_plan_and_its_json(tiny_gguf: Path, capsys) -> No
         (["--gpu-memory", "1GiB", "--context", "0"], "'0' is not a token count like 32768"),
         (["--host-memory", "1GiB"], "--host-memory is part of the memory plan: give --gpu"),
         (["--kv-format", "fp8"], "--kv-format is part of the memory plan: give --gpu-memory"),
+        (["--profile", "h200"], "--profile is part of the memory plan: give --gpu-memory"),
+        (["--gpu-memory", "1GiB", "--profile", "x"], "--profile: unknown profile 'x'; built in"),
     ],
 )
 def test_bad_plan_flags_are_one_line_usage_errors(

@@ -88,22 +88,31 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
         type=nonnegative_int,
         help="check these slots per layer (default: the most that fit)",
     )
+    g.add_argument(
+        "--profile",
+        metavar="NAME",
+        help="the device whose rates price the plan's modeled decode ms/token (a batch-1 "
+        "roofline): a latency profile (rtx4090, h200) or a Profile JSON file (default: "
+        "rtx4090)",
+    )
 
 
 def _budget(args: argparse.Namespace) -> Any:
     """The plan's Budget from the flags, or None without --gpu-memory."""
+    from psr.eval.defaults import PROFILE
     from psr.models.memory_plan import Budget
     from psr.vocab import parse_bytes
 
     if args.gpu_memory is None:
         flags = ("host_memory", "context", "experts_on", "dense_format", "dtype", "kv_format")
-        for flag in (*flags, "slots"):
+        for flag in (*flags, "slots", "profile"):
             if getattr(args, flag) is not None:
                 name = "--" + flag.replace("_", "-")
                 raise UsageError(f"{name} is part of the memory plan: give --gpu-memory too")
         return None
     host = None if args.host_memory is None else parse_bytes(args.host_memory)
     return Budget(
+        rates=plan_rates(args.profile or PROFILE),
         gpu_memory=parse_bytes(args.gpu_memory),
         host_memory=host,
         context=args.context,
@@ -113,6 +122,17 @@ def _budget(args: argparse.Namespace) -> Any:
         slots=args.slots,
         dtype=args.dtype,
     )
+
+
+def plan_rates(profile: str) -> Any:
+    """The memory plan's Rates from a latency profile (psr.eval.latency: a built-in name or
+    a Profile JSON file)."""
+    from psr.eval.latency import get_profile
+
+    try:
+        return get_profile(profile).rates()
+    except ValueError as e:
+        raise UsageError(f"--profile: {e}") from None
 
 
 def run_info(args: argparse.Namespace) -> int:

@@ -82,6 +82,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from psr.models.memory_plan import Rates
 from psr.runtime.trace import HOST_OP_KINDS, Copy, HostOp, HostSchedule, LayerStep, Trace
 
 OLMOE_EXPERT_BYTES = 3 * 2048 * 1024 * 2
@@ -214,6 +215,13 @@ class Profile:
             f"host-aware({self.name} {mode}: {self.launch_us:g}/{self.triton_launch_us:g}/"
             f"{self.sync_us:g} µs)"
         )
+
+    def rates(self) -> Rates:
+        """The figures a memory plan's modeled decode time reads (psr.models.memory_plan)."""
+        return Rates(
+            self.name, self.hbm_gbps, self.h2d_gbps, self.copy_overhead_us, self.cpu_gbps,
+            self.cpu_layer_us, self.cpu_expert_us,
+        )  # fmt: skip
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

@@ -10,6 +10,9 @@ needed with 'cpu' / 'hybrid'). In host memory: the expert rows up to the budget
 (psr.models.tiers: on the CPU backend the dense part and the slab count against it too);
 the rest stay pageable in the checkpoint file where the file holds the rows' bytes.
 
+A plan that fits carries, given a device's rates (`Rates`: a latency profile's, `psr inspect
+--profile`), its modeled decode time per token: a batch-1 roofline (`modeled_decode`).
+
 A plan that does not fit says which part is over, by how much, and what to change. `psr
 inspect --gpu-memory` prints it; `psr.load(..., gpu_memory=...)` chooses its slots from it
 and refuses before any weight is copied. Torch-free (`psr inspect` of a GGUF file).
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import psr.vocab as vocab
+from psr.machine import expected_misses
 from psr.models.formats import rowformat
 from psr.models.tiers import choose_held, fmt_bytes
 from psr.runtime.kv import kv_by_kind, kv_format
@@ -64,6 +68,20 @@ class ModelMemory:
 
 
 @dataclass(frozen=True)
+class Rates:
+    """What the modeled decode time reads: a latency profile's figures (psr.eval.latency.
+    Profile; `psr inspect --profile` passes one). Bandwidths in GB/s, costs in µs."""
+
+    name: str
+    hbm_gbps: float  # device memory: batch-1 GEMVs read their weights at this rate
+    h2d_gbps: float  # host -> device copies of expert rows
+    copy_overhead_us: float  # per copy
+    cpu_gbps: float  # the CPU expert kernels over host rows
+    cpu_layer_us: float  # per layer with CPU experts: hand-off and merge
+    cpu_expert_us: float  # per CPU expert
+
+
+@dataclass(frozen=True)
 class Budget:
     """What the plan is asked for. gpu_memory / host_memory in bytes (host None: every
     expert held); context None: the model's max_position_embeddings; slots None: as many
@@ -80,6 +98,7 @@ class Budget:
     cuda: bool = True
     levers: tuple[str, ...] = LEVERS
     dtype: str | None = None  # the compute dtype (psr.load's dtype=); None: the model's
+    rates: Rates | None = None  # a device's rates: the plan's modeled decode time (CUDA)
 
     def __post_init__(self) -> None:
         if self.dense_format is None:
@@ -137,6 +156,7 @@ class MemoryPlan:
     cuda: bool = True
     shortfall: list[str] = field(default_factory=list)  # one line per part over, with by how much
     advice: list[str] = field(default_factory=list)  # what to change, with its effect
+    modeled: dict[str, Any] | None = None  # modeled_decode's figures (with Budget.rates)
 
     @property
     def fits(self) -> bool:
@@ -206,6 +226,14 @@ class MemoryPlan:
         lines = [f"  plan (experts_on={self.experts_on})"]
         lines += [f"    {n:<{width}}  {fmt_bytes(b):>11}  {w}" for n, b, w in rows]
         lines.append(f"  verdict    {self.message()}")
+        if self.modeled:
+            d = self.modeled
+            lines.append(
+                f"  modeled    {d['ms_per_token']:.2f} ms/token decode on {d['rates']} "
+                f"(roofline: dense {d['dense_ms']:.2f} + KV {d['kv_ms']:.2f} + experts "
+                f"{d['experts_ms']:.2f} ms; {d['misses_per_layer']:.2f} of top_k {self.top_k} "
+                "missing the slab per layer, routing independent of the cache)"
+            )
         return "\n".join(lines)
 
 
@@ -242,7 +270,51 @@ def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
         )
         p.advice += _device_advice(m, b, p, least)
     _host(m, b, p, where)
+    if b.rates is not None and b.cuda and p.fits:
+        p.modeled = modeled_decode(m, p, b.rates)
     return p
+
+
+def modeled_decode(m: ModelMemory, p: MemoryPlan, r: Rates) -> dict[str, Any]:
+    """Plan `p`'s decode time per token at batch 1, as a roofline on rates `r`: every dense
+    byte and the KV cache of `p.context` tokens read once at r.hbm_gbps (the embedding's
+    bytes too: an upper bound by its size); per MoE layer, k (1 - C / E) of the top_k
+    experts miss the C-slot slab (machine.expected_misses: routing independent of the
+    cache; reuse between tokens only lowers it). The hits and the misses computed on the
+    CPU run side by side (a CPU layer pays its hand-off and a call per expert, its rows read
+    at r.cpu_gbps); a copied miss crosses the host link (r.h2d_gbps, a copy overhead)
+    beside them, then is computed on the device. experts_on 'gpu' copies every miss,
+    'cpu' copies none, 'hybrid' the number (whole, or all) that is fastest, up to its cap.
+    Host launch costs and Python are not counted."""
+    hbm = r.hbm_gbps * 1e9
+    k = p.top_k
+    misses = expected_misses(k, p.slots, p.num_experts)
+    where, caps = vocab.parse_experts_on(p.experts_on)
+    experts = 0.0
+    for i, row in enumerate(m.rows):
+        counts = {"gpu": [misses], "cpu": [0.0]}.get(where)
+        if counts is None:  # hybrid: up to its cap (hybrid:M), else any number
+            cap = caps[min(i, len(caps) - 1)] if isinstance(caps, list) else caps
+            most = misses if cap is None else min(misses, cap)
+            counts = [float(n) for n in range(int(most) + 1)] + [most]
+        copy = row / (r.h2d_gbps * 1e9) + r.copy_overhead_us * 1e-6
+        cpu = row / (r.cpu_gbps * 1e9) + r.cpu_expert_us * 1e-6
+        times = []
+        for copied in counts:
+            on_cpu = misses - copied
+            cpu_s = r.cpu_layer_us * 1e-6 + on_cpu * cpu if on_cpu > 0 else 0.0
+            side = max((k - misses) * row / hbm, copied * copy, cpu_s)
+            times.append(side + copied * row / hbm)
+        experts += min(times)
+    dense, kv = p.dense / hbm, sum(p.kv.values()) / hbm
+    return {
+        "rates": r.name,
+        "ms_per_token": (dense + kv + experts) * 1e3,
+        "dense_ms": dense * 1e3,
+        "kv_ms": kv * 1e3,
+        "experts_ms": experts * 1e3,
+        "misses_per_layer": misses,
+    }
 
 
 def _parts(p: MemoryPlan) -> str:
