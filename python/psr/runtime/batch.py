@@ -74,6 +74,9 @@ class _Seq:
     cached: int = 0  # prompt tokens resumed from the prompt cache
     length: int = 0  # tokens in its KV cache
     logits: torch.Tensor | None = None  # awaiting a token
+    # Its decode steps' logical counts (routed, hits, misses, prefetches, ...): its solo
+    # run's, as its caches are; the copies and stalls are the batch's (shared).
+    stats: Counter[str] = field(default_factory=Counter)
 
     @property
     def prefilling(self) -> bool:
@@ -167,14 +170,15 @@ class BatchStep(Step):
             cache = seq.caches[i]
             used = cache.use(routed) if cap is None else cache.use(routed, cap)
             dec.track(i, used.misses)
-            dec.count(routed=len(routed), hits=used.hits, misses=len(used.misses) + len(used.cpu),
+            dec.count(seq, routed=len(routed), hits=used.hits,
+                      misses=len(used.misses) + len(used.cpu),
                       prefetch_used=used.prefetch_used, substituted=subs[r],
                       cpu_experts=len(used.cpu))  # fmt: skip
             rows.append(_Row(routed, set(used.cpu)))
             for target, n, pred in predictions:
                 ins = seq.caches[target].prefetch(pred[r], n)
                 dec.track(target, ins)
-                dec.count(prefetches=len(ins))
+                dec.count(seq, prefetches=len(ins))
                 prefetched.setdefault(target, []).extend(a.expert for a in ins)
         for target, experts in prefetched.items():
             if experts and not reads_host(rt, rt.layers[target]):
@@ -355,6 +359,15 @@ class BatchDecoder:
             raise KeyError(f"no live sequence {seq_id!r} in this batch")
         return seq.cached
 
+    def seq_stats(self, seq_id: int) -> dict[str, int]:
+        """Live sequence `seq_id`'s logical counts over its decode steps (`routed`, `hits`,
+        `misses`, `prefetches`, `prefetch_used`, `substituted`, `cpu_experts`; absent: 0):
+        its solo run's counts."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"no live sequence {seq_id!r} in this batch")
+        return dict(seq.stats)
+
     @property
     def kv_held(self) -> int:
         """Tokens the live sequences' KV caches hold together."""
@@ -469,8 +482,10 @@ class BatchDecoder:
         self.slab.hold(layer, [x.expert for x in inserts])
         self.slab.drop(layer, [x.evicted for x in inserts if x.evicted is not None])
 
-    def count(self, **counts: int) -> None:
+    def count(self, seq: _Seq, **counts: int) -> None:
+        """A row's logical counts: the batch's and its sequence's own."""
         self.stats.update(counts)
+        seq.stats.update(counts)
 
     def compute_experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -11,7 +11,7 @@ decoding take the host-driven step, where any rule can run.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -50,7 +50,7 @@ class Steering:
             return None
         nxt = layers[layer.index + ahead]
         args = (nxt.norm_weight, nxt.gate_weight, n, self.rt.spec.route_spec())
-        kw = dict(eps=nxt.norm_eps, bias=nxt.bias, gate_bias=nxt.gate_bias)
+        kw: dict[str, Any] = dict(eps=nxt.norm_eps, bias=nxt.bias, gate_bias=nxt.gate_bias)
         if not rows or residual.shape[0] == 1:
             ids, _ = ops.predict_next(residual, *args, **kw)
         elif ops.path == "torch":
