@@ -182,6 +182,11 @@ def test_n_choices_are_the_seeds_solo_runs(server, model) -> None:
     assert [(c.model_extra or {})["token_ids"] for c in r.choices] == want
     assert len({tuple(w) for w in want}) > 1  # the seeds differ
     assert r.usage.completion_tokens == sum(len(w) for w in want)
+    # The copies decode in one batch (joined together; the first steps run while the
+    # others' prefills finish, one chunk per step), each with its solo run's routing.
+    figures = (r.model_extra or {})["psr"]["choices"]
+    assert all(f["mean_batch"] > 2 for f in figures), figures
+    assert all(f["routed"] > 0 for f in figures)
 
 
 def test_n_streamed_chat_choices(server, model) -> None:

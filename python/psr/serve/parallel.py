@@ -175,9 +175,8 @@ class Slots:
         # Its routing counts are its solo run's (its own caches); the copies are the batch's.
         figures: dict[str, Any] = {
             "policy": eng.model.policy.describe(),
-            "decode_steps": len(slot.run.streamer.tokens),
+            "decode_steps": slot.steps,  # as solo: the first token comes from the prefill
             **{k: int(counts.get(k, 0)) for k in _ROUTING_KEYS},
-            "batched_steps": slot.steps,
             "mean_batch": round(slot.batch_sum / slot.steps, 3) if slot.steps else 0.0,
         }
         eng.conclude(slot.run, finish, error, figures, None, cached)
