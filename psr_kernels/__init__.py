@@ -119,7 +119,6 @@ from psr_kernels.routing import (
 from psr_kernels.routing_ref import (
     biased_scores_ref,
     predict_next_ref,
-    predict_next_rows_ref,
     rms_norm_ref,
     route_counted_ref,
     route_hidden_ref,
@@ -219,7 +218,6 @@ __all__ = [
     "predict_next",
     "predict_next_op",
     "predict_next_ref",
-    "predict_next_rows_ref",
     "quantize_expert",
     "quantize_weight",
     "resolve_compute",

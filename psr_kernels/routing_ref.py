@@ -239,8 +239,12 @@ def predict_next_ref(
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
     gate_bias: torch.Tensor | None = None,
+    rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of `predict_next`."""
+    """Plain-torch reference of `predict_next`. `rows=True`: each row of `residual` as if
+    called on that row alone (a batch's sequences, psr.runtime.batch): the norm and the
+    selection over every row (row-wise ops), the router product row by row on a fresh row
+    (a matmul's rounding depends on its row count and its input's alignment)."""
     op = "predict_next_ref"
     T, unbiased = check_predict(
         op,
@@ -256,47 +260,12 @@ def predict_next_ref(
     )
     if n == 0:
         return no_prediction(T, ids_dtype, residual.device)
-    logits = predict_logits_ref(rms_norm_ref(residual, norm_weight, eps), gate_weight, gate_bias)
-    return predict_select_ref(logits, n, unbiased, mask=mask, bias=bias, ids_dtype=ids_dtype)
-
-
-def predict_next_rows_ref(
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    gate_weight: torch.Tensor,
-    n: int,
-    spec: RouteSpec,
-    *,
-    eps: float = 1e-6,
-    mask: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    ids_dtype: torch.dtype = torch.int64,
-    check_finite: bool = True,
-    gate_bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`predict_next_ref` of each row of `residual [b, H]` as if called on that row alone
-    (a batch's sequences, psr.runtime.batch), in one call: the norm and the selection over
-    every row (row-wise ops), the router product row by row on a fresh row (a matmul's
-    rounding depends on its row count and its input's alignment)."""
-    op = "predict_next_rows_ref"
-    T, unbiased = check_predict(
-        op,
-        residual,
-        norm_weight,
-        gate_weight,
-        n,
-        spec,
-        mask=mask,
-        bias=bias,
-        check_finite=check_finite,
-        gate_bias=gate_bias,
-    )
-    if n == 0:
-        return no_prediction(T, ids_dtype, residual.device)
     normed = rms_norm_ref(residual, norm_weight, eps)
-    logits = torch.cat(
-        [predict_logits_ref(normed[r : r + 1].clone(), gate_weight, gate_bias) for r in range(T)]
-    )
+    if rows:
+        parts = [normed[r : r + 1].clone() for r in range(T)]
+        logits = torch.cat([predict_logits_ref(x, gate_weight, gate_bias) for x in parts])
+    else:
+        logits = predict_logits_ref(normed, gate_weight, gate_bias)
     return predict_select_ref(logits, n, unbiased, mask=mask, bias=bias, ids_dtype=ids_dtype)
 
 

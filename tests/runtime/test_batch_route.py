@@ -55,12 +55,12 @@ def test_predict_next_rows_equal_one_row_calls(dtype, H: int, E: int, spec) -> N
     gate_bias = torch.randn(E, generator=g).to(dtype) * 0.1
     bias = torch.randn(E, generator=g) * 0.1 if spec.scoring == "sigmoid" else None
     kw = dict(eps=1e-6, bias=bias, gate_bias=gate_bias)
-    ids, incache = pk.predict_next_rows_ref(residual, norm, gate, 4, spec, **kw)
+    ids, incache = pk.predict_next_ref(residual, norm, gate, 4, spec, rows=True, **kw)
     assert ids.shape == (b, 4) and not incache.any()
     for r in range(b):
         one, _ = pk.predict_next_ref(residual[r : r + 1].clone(), norm, gate, 4, spec, **kw)
         assert torch.equal(ids[r : r + 1], one)
-    zero, _ = pk.predict_next_rows_ref(residual, norm, gate, 0, spec, **kw)
+    zero, _ = pk.predict_next_ref(residual, norm, gate, 0, spec, rows=True, **kw)
     assert zero.shape == (b, 0)
 
 
@@ -68,8 +68,10 @@ def test_predict_next_rows_refuses_what_the_single_call_refuses() -> None:
     residual = torch.randn(2, 16)
     residual[1, 3] = float("nan")
     with pytest.raises(pk.NonFiniteError):
-        pk.predict_next_rows_ref(residual, torch.ones(16), torch.randn(8, 16), 2, pk.RouteSpec(2))
+        pk.predict_next_ref(
+            residual, torch.ones(16), torch.randn(8, 16), 2, pk.RouteSpec(2), rows=True
+        )
     with pytest.raises(ValueError, match="norm_weight"):
-        pk.predict_next_rows_ref(
-            torch.randn(2, 16), torch.ones(15), torch.randn(8, 16), 2, pk.RouteSpec(2)
+        pk.predict_next_ref(
+            torch.randn(2, 16), torch.ones(15), torch.randn(8, 16), 2, pk.RouteSpec(2), rows=True
         )

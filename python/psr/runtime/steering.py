@@ -44,7 +44,7 @@ class Steering:
         `layer.index + ahead` predicts on it, normed as that layer norms its input (None:
         nothing to predict). A host read of the ids. `rows`: the rows are a batch's
         sequences, each predicted as if alone (the torch path in one call,
-        `predict_next_rows_ref`; the kernels once per row)."""
+        `predict_next_ref(rows=True)`; the kernels once per row)."""
         layers, ops = self.rt.layers, self.rt.ops
         if n == 0 or layer.index + ahead >= len(layers):
             return None
@@ -54,7 +54,7 @@ class Steering:
         if not rows or residual.shape[0] == 1:
             ids, _ = ops.predict_next(residual, *args, **kw)
         elif ops.path == "torch":
-            ids, _ = pk.predict_next_rows_ref(residual, *args, **kw)
+            ids, _ = pk.predict_next_ref(residual, *args, rows=True, **kw)
         else:
             T = residual.shape[0]
             ids = torch.cat([ops.predict_next(residual[r : r + 1].clone(), *args, **kw)[0]
