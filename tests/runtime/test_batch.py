@@ -376,3 +376,16 @@ def test_each_sequence_counts_its_solo_runs_routing(embedded) -> None:
     assert want[0]["routed"] > 0
     with pytest.raises(KeyError, match="no live sequence"):
         dec.seq_stats(seqs[0])
+
+
+@pytest.mark.slow  # ~13 s: the Triton interpreter
+def test_kernel_ops_route_row_by_row(ckpts) -> None:
+    """The Triton ops (under the interpreter here) route and predict each row in its own
+    call on a fresh row: the rows still equal their solo runs."""
+    model = _tiny(ckpts, compute="triton", decode="host")
+    assert model.runtime.ops.path == "triton"
+    prompts = [PROMPTS[2], PROMPTS[0][:3]]
+    toks, logits, dec = batched(model, prompts, 3, joins=[0, 0])
+    assert dec.stats["steps"] < dec.stats["tokens"]  # some step ran both rows
+    _assert_solo(model, prompts, 3, toks, logits)
+    model.close()
