@@ -249,7 +249,8 @@ def test_auto_opens_the_kv_caches_that_fit(model, monkeypatch) -> None:
         return int((n_caches * per_seq + cache) / KV_SHARE) + 1
 
     for fits, want in ((0.5, 1), (2.4, 2), (3, 3), (40, AUTO_MAX)):
-        monkeypatch.setattr(tiers, "meminfo", lambda a=avail(fits): {"MemAvailable": a})
+        a = avail(fits)
+        monkeypatch.setattr(tiers, "meminfo", lambda a=a: {"MemAvailable": a})
         n, why = auto_parallel(model, 0)
         assert n == want, (fits, why)
         assert f"{n} slot" in why and f"{model.context} tokens" in why
