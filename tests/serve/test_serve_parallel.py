@@ -280,3 +280,24 @@ def test_auto_is_logged_and_shown_in_metrics(home) -> None:
         assert s.metrics()["psr_batch_size_count"] >= 3 - 1  # one per batched step
     finally:
         s.close()
+
+
+def test_explicit_slots_beyond_memory_get_a_kv_budget(model, monkeypatch) -> None:
+    """--parallel N whose N KV caches of the context do not fit the memory available: the
+    batch's KV budget (kv_tokens) is what does fit, so a prompt beyond it waits or is
+    refused (runtime/batch.py) instead of taking memory there is not."""
+    import psr.models.tiers as tiers
+    from psr.serve.parallel import open_slots
+    from psr.serve.worker import Engine
+
+    per_seq = model.memory(model.context)["device_kv"]
+    per_token = model.memory(1)["device_kv"]
+    for avail, want in ((8 * per_seq, None), (int(2.5 * per_seq), int(2.5 * per_seq) // per_token),
+                        (per_seq // 2, per_seq // 2 // per_token)):  # fmt: skip
+        monkeypatch.setattr(tiers, "meminfo", lambda a=avail: {"MemAvailable": a})
+        engine = Engine(lambda: model, parallel=4)
+        slots = open_slots(engine, model)
+        assert slots is not None and slots.dec.max_batch == 4
+        assert slots.dec.kv_tokens == want
+    with pytest.raises(ValueError, match="exceeds the batch's KV budget"):
+        slots.dec.add(list(range(1, want + 2)))

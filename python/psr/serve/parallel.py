@@ -40,13 +40,13 @@ AUTO_MAX = 4
 KV_SHARE = 0.5
 
 
-def kv_room(model: Any, prompt_cache_bytes: int) -> int:
-    """Bytes the slots' KV caches may take on the CPU backend: KV_SHARE of MemAvailable
+def kv_room(model: Any, prompt_cache_bytes: int, share: float = KV_SHARE) -> int:
+    """Bytes the slots' KV caches may take on the CPU backend: `share` of MemAvailable
     after loading, less the prompt cache's budget, and within `host_memory` (what it
     leaves beside the held experts, the dense part and the slab)."""
     from psr.models.tiers import meminfo
 
-    room = int(meminfo().get("MemAvailable", 0) * KV_SHARE) - prompt_cache_bytes
+    room = int(meminfo().get("MemAvailable", 0) * share) - prompt_cache_bytes
     budget = getattr(model, "host_budget", None)
     if budget is not None:
         mem = model.memory()
@@ -75,6 +75,20 @@ def auto_parallel(model: Any, prompt_cache_bytes: int) -> tuple[int, str]:
     )
 
 
+def kv_limit(model: Any, n: int, prompt_cache_bytes: int) -> int | None:
+    """An explicit `--parallel n`'s KV budget in tokens (BatchDecoder's `kv_tokens`) on the
+    CPU backend: None when n KV caches of the model's context fit the memory available
+    after loading (less the prompt cache), else the tokens that do (at least 1)."""
+    if model.runtime.store.backend == "cuda":
+        return None
+    context = int(model.context or 0)
+    room = kv_room(model, prompt_cache_bytes, share=1.0)
+    if n * model.memory(context)["device_kv"] <= room:
+        return None
+    per_token: int = max(model.memory(1)["device_kv"], 1)
+    return max(room // per_token, 1)
+
+
 def open_slots(engine: Engine, model: Any) -> Slots | None:
     """Resolve `engine.parallel` for the loaded `model` (logged): the batch's slots, or
     None for the one-at-a-time worker. An explicit parallel > 1 that cannot batch raises
@@ -87,10 +101,15 @@ def open_slots(engine: Engine, model: Any) -> Slots | None:
         engine.parallel, why = auto_parallel(model, cache.max_bytes if cache else 0)
     else:
         why = f"{engine.parallel} slot{'s' if engine.parallel > 1 else ''}"
-    dec = None
+    dec, kv_tokens = None, None
+    if engine.parallel > 1 and not auto:
+        kv_tokens = kv_limit(model, engine.parallel, cache.max_bytes if cache else 0)
+        if kv_tokens is not None:
+            why += (f"; their KV caches hold at most {kv_tokens} tokens together (the memory "
+                    "available): a prompt beyond it waits or is refused")  # fmt: skip
     if engine.parallel > 1:
         try:
-            dec = BatchDecoder(model, engine.parallel, prompt_cache=cache)
+            dec = BatchDecoder(model, engine.parallel, kv_tokens=kv_tokens, prompt_cache=cache)
         except ValueError as e:
             if not auto:
                 raise ValueError(f"--parallel {engine.parallel}: {e}") from e
