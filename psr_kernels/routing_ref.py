@@ -239,8 +239,12 @@ def predict_next_ref(
     ids_dtype: torch.dtype = torch.int64,
     check_finite: bool = True,
     gate_bias: torch.Tensor | None = None,
+    rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch reference of `predict_next`."""
+    """Plain-torch reference of `predict_next`. `rows=True`: each row of `residual` as if
+    called on that row alone (a batch's sequences, psr.runtime.batch): the norm and the
+    selection over every row (row-wise ops), the router product row by row on a fresh row
+    (a matmul's rounding depends on its row count and its input's alignment)."""
     op = "predict_next_ref"
     T, unbiased = check_predict(
         op,
@@ -256,10 +260,38 @@ def predict_next_ref(
     )
     if n == 0:
         return no_prediction(T, ids_dtype, residual.device)
-    E = gate_weight.shape[0]
-    logits = rms_norm_ref(residual, norm_weight, eps) @ gate_weight.float().t()
+    normed = rms_norm_ref(residual, norm_weight, eps)
+    if rows:
+        parts = [normed[r : r + 1].clone() for r in range(T)]
+        logits = torch.cat([predict_logits_ref(x, gate_weight, gate_bias) for x in parts])
+    else:
+        logits = predict_logits_ref(normed, gate_weight, gate_bias)
+    return predict_select_ref(logits, n, unbiased, mask=mask, bias=bias, ids_dtype=ids_dtype)
+
+
+def predict_logits_ref(
+    normed: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`predict_next_ref`'s router logits of the normed residual (fp32)."""
+    logits = normed @ gate_weight.float().t()
     if gate_bias is not None:
         logits = logits + gate_bias.float()
+    return logits
+
+
+def predict_select_ref(
+    logits: torch.Tensor,
+    n: int,
+    unbiased: RouteSpec,
+    *,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    ids_dtype: torch.dtype = torch.int64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`predict_next_ref`'s selection from its logits `[T, E]` (row by row: only row-wise
+    ops, so rows selected together equal each selected alone): the first `n` ids of the
+    unbiased spec's exact order and whether `mask` holds each."""
+    T, E = logits.shape
     # Selection scores only: a softmax's weight source is not needed here.
     plain = unbiased.scoring == "softmax" and bias is None
     z = logits if plain else scores_ref(logits, unbiased.scoring, bias)[0]

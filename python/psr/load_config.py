@@ -44,6 +44,13 @@ class LoadConfig:
         than the experts per layer, or fewer than `slots`, is an error; with `gpu_memory`
         it needs `slots` or `residency` (the plan then checks the larger slab fits).
         Solo decoding uses the first `slots` only.
+    batch: the sequences decoded at once (`psr serve --parallel N` sets it). With
+        `batch_slots` None, on a CUDA device (where a batch reads its experts through the
+        slab) the store gets min(experts per layer, batch x slots) slots per layer, the
+        union a batch of that many holds; the CPU backend's batch reads the held host rows
+        (no more slots). With `gpu_memory` and `slots` or `residency` the plan checks them
+        (psr serve falls back to the solo slots when they do not fit); when the plan
+        chooses the slots, it sizes the solo slab only. None or 1: the solo slots.
     lam, n: bias strength and predicted experts per layer and token (per policy; defaults
         in psr.policy).
     device: compute device (default: cuda if available); the store's backend follows.
@@ -141,6 +148,7 @@ class LoadConfig:
     residency: float | None = field(default=None, metadata=BOTH)
     slots: int | None = field(default=None, metadata=BOTH)
     batch_slots: int | None = field(default=None, metadata=BOTH)
+    batch: int | None = field(default=None, metadata=BOTH)
     lam: float | None = field(default=None, metadata=BOTH)
     n: int | None = field(default=None, metadata=BOTH)
     quality_budget: float | None = field(default=None, metadata=LOAD)
@@ -196,6 +204,9 @@ class LoadConfig:
         b = self.batch_slots
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
             raise ValueError(f"batch_slots must be an int >= 1 (slots per layer), got {b!r}")
+        n = self.batch
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"batch must be an int >= 1 (sequences), got {n!r}")
         if b is not None and self.plans_slots:
             raise ValueError(
                 "batch_slots with gpu_memory needs slots or residency (the plan would "
@@ -238,6 +249,14 @@ class LoadConfig:
         if self.residency is None and self.slots is None:
             return DEFAULT_RESIDENCY
         return self.residency
+
+    def batch_slab(self, capacity: int, num_experts: int, cuda: bool) -> int | None:
+        """The `batch_slots` in effect for solo slots `capacity`: as given, else on CUDA a
+        `batch`'s union, min(num_experts, batch x capacity) (None: the solo slots)."""
+        n = self.batch or 1
+        if self.batch_slots is not None or not cuda or n == 1 or self.plans_slots:
+            return self.batch_slots
+        return min(num_experts, n * capacity)
 
     @property
     def plans_slots(self) -> bool:

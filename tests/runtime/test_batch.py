@@ -345,3 +345,47 @@ def test_prefill_staged_through_the_shared_slab(ckpts) -> None:
     toks, logits, dec = batched(model, PROMPTS, 5, joins=[0, 2, 2])
     _assert_solo(model, PROMPTS, 5, toks, logits)
     assert dec.slab.counts["copies"] > 0
+
+
+def test_each_sequence_counts_its_solo_runs_routing(embedded) -> None:
+    """seq_stats: a sequence's logical counts over its decode steps, whatever shares them,
+    equal its solo generate's (psr serve reports them per request)."""
+    keys = ("routed", "hits", "misses", "prefetches", "prefetch_used", "substituted")
+    n = 9
+    want = []
+    for p in PROMPTS:
+        before = dict(embedded.stats.totals)
+        embedded.generate(p, max_new_tokens=n)
+        after = embedded.stats.totals
+        want.append({k: int(after[k] - before.get(k, 0)) for k in keys})
+    dec = BatchDecoder(embedded, 3)
+    seqs = [dec.add(p) for p in PROMPTS]
+    made = dict.fromkeys(seqs, 0)
+    got: dict[int, dict[str, int]] = {}
+    while dec.live:
+        tokens = {}
+        for s, logits in dec.ready().items():
+            made[s] += 1
+            if made[s] == n:
+                got[s] = dec.seq_stats(s)
+                dec.remove(s)
+            else:
+                tokens[s] = int(logits.argmax())
+        dec.feed(tokens)
+    assert [{k: got[s].get(k, 0) for k in keys} for s in seqs] == want
+    assert want[0]["routed"] > 0
+    with pytest.raises(KeyError, match="no live sequence"):
+        dec.seq_stats(seqs[0])
+
+
+@pytest.mark.slow  # ~13 s: the Triton interpreter
+def test_kernel_ops_route_row_by_row(ckpts) -> None:
+    """The Triton ops (under the interpreter here) route and predict each row in its own
+    call on a fresh row: the rows still equal their solo runs."""
+    model = _tiny(ckpts, compute="triton", decode="host")
+    assert model.runtime.ops.path == "triton"
+    prompts = [PROMPTS[2], PROMPTS[0][:3]]
+    toks, logits, dec = batched(model, prompts, 3, joins=[0, 0])
+    assert dec.stats["steps"] < dec.stats["tokens"]  # some step ran both rows
+    _assert_solo(model, prompts, 3, toks, logits)
+    model.close()

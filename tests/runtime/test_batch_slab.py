@@ -261,3 +261,21 @@ def test_the_memory_plan_counts_the_batch_slots(tmp_path: Path, monkeypatch) -> 
     monkeypatch.setattr(loader, "_build_model", lambda *a: pytest.fail("a weight was copied"))
     with pytest.raises(MemoryPlanError, match=r"slab of 4 slots"):
         psr.load(path, slots=2, batch_slots=4, **opts)  # type: ignore[arg-type]
+
+
+def test_batch_sizes_the_slab_for_its_union_on_cuda_only(ckpt) -> None:
+    """`batch` (psr serve --parallel N): on CUDA min(E, batch x slots) unless batch_slots is
+    given or the plan chooses the slots; the CPU backend's batch reads host rows: solo."""
+    cfg = LoadConfig(batch=3)
+    assert cfg.batch_slab(2, E, cuda=True) == 6
+    assert cfg.batch_slab(4, E, cuda=True) == E  # the union cannot pass the experts
+    assert cfg.batch_slab(2, E, cuda=False) is None
+    assert LoadConfig(batch=3, batch_slots=5).batch_slab(2, E, cuda=True) == 5
+    assert LoadConfig(batch=1).batch_slab(2, E, cuda=True) is None
+    assert LoadConfig(batch=3, gpu_memory="1GB").batch_slab(2, E, cuda=True) is None
+    for bad in (0, True, "4"):
+        with pytest.raises(ValueError, match=r"^batch must be an int >= 1 \(sequences\), got"):
+            LoadConfig(batch=bad)  # type: ignore[arg-type]
+    m = psr.load(ckpt, "exact", 0.25, batch=4, progress=False)
+    assert m.runtime.store.layers[0].num_slots == C  # the CPU backend: no more slots
+    m.close()

@@ -29,7 +29,9 @@ PROMPTS = ["The quick brown fox", "To be, or not to be,", "Now is the winter", "
 
 @pytest.fixture(scope="module")
 def server(home):
-    s = RemoteServer(SERVE_ARGS)
+    # One slot: its per-request figures include the copies (test_serve_parallel.py covers
+    # the batched slots, auto's default on the CPU).
+    s = RemoteServer([*SERVE_ARGS, "--parallel", "1"])
     yield s
     s.close()
 

@@ -182,6 +182,11 @@ def test_n_choices_are_the_seeds_solo_runs(server, model) -> None:
     assert [(c.model_extra or {})["token_ids"] for c in r.choices] == want
     assert len({tuple(w) for w in want}) > 1  # the seeds differ
     assert r.usage.completion_tokens == sum(len(w) for w in want)
+    # The copies decode in one batch (joined together; the first steps run while the
+    # others' prefills finish, one chunk per step), each with its solo run's routing.
+    figures = (r.model_extra or {})["psr"]["choices"]
+    assert all(f["mean_batch"] > 2 for f in figures), figures
+    assert all(f["routed"] > 0 for f in figures)
 
 
 def test_n_streamed_chat_choices(server, model) -> None:
@@ -229,3 +234,70 @@ def test_best_of_returns_the_best_mean_logprob(server, model) -> None:
     )  # fmt: skip
     assert len(r.choices) == 1
     assert (r.choices[0].model_extra or {})["token_ids"] == best
+
+
+def test_auto_opens_the_kv_caches_that_fit(model, monkeypatch) -> None:
+    """--parallel auto on the CPU backend: as many KV caches of the model's context as fit
+    KV_SHARE of MemAvailable less the prompt cache (and host_memory's remainder), 1 to
+    AUTO_MAX; the log line says why."""
+    import psr.models.tiers as tiers
+    from psr.serve.parallel import AUTO_MAX, KV_SHARE, auto_parallel
+
+    per_seq = model.memory(model.context)["device_kv"]
+
+    def avail(n_caches: float, cache: int = 0) -> int:
+        return int((n_caches * per_seq + cache) / KV_SHARE) + 1
+
+    for fits, want in ((0.5, 1), (2.4, 2), (3, 3), (40, AUTO_MAX)):
+        a = avail(fits)
+        monkeypatch.setattr(tiers, "meminfo", lambda a=a: {"MemAvailable": a})
+        n, why = auto_parallel(model, 0)
+        assert n == want, (fits, why)
+        assert f"{n} slot" in why and f"{model.context} tokens" in why
+    # The prompt cache's budget comes off the room first.
+    monkeypatch.setattr(tiers, "meminfo", lambda: {"MemAvailable": avail(3, 2 * per_seq)})
+    assert auto_parallel(model, 2 * per_seq)[0] == 3
+    assert auto_parallel(model, 3 * per_seq)[0] == 2
+    # host_memory's remainder beside what the model holds bounds it too.
+    mem = model.memory()
+    held = mem["host_experts"] + mem["device_dense"] + mem["device_slab"]
+    monkeypatch.setattr(tiers, "meminfo", lambda: {"MemAvailable": avail(40)})
+    monkeypatch.setattr(model, "host_budget", held + 2 * per_seq)
+    assert auto_parallel(model, 0)[0] == 2
+
+
+def test_auto_is_logged_and_shown_in_metrics(home) -> None:
+    # No --parallel: auto. The embedded model's KV caches are small: AUTO_MAX slots here.
+    from psr.serve.parallel import AUTO_MAX
+
+    s = RemoteServer(SERVE_ARGS)
+    try:
+        m = s.metrics()
+        assert m["psr_slots"] == AUTO_MAX
+        assert f"--parallel auto: {AUTO_MAX} slots: KV caches of" in s.log()
+        c = s.client()
+        c.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+        assert s.metrics()["psr_batch_size_count"] >= 3 - 1  # one per batched step
+    finally:
+        s.close()
+
+
+def test_explicit_slots_beyond_memory_get_a_kv_budget(model, monkeypatch) -> None:
+    """--parallel N whose N KV caches of the context do not fit the memory available: the
+    batch's KV budget (kv_tokens) is what does fit, so a prompt beyond it waits or is
+    refused (runtime/batch.py) instead of taking memory there is not."""
+    import psr.models.tiers as tiers
+    from psr.serve.parallel import open_slots
+    from psr.serve.worker import Engine
+
+    per_seq = model.memory(model.context)["device_kv"]
+    per_token = model.memory(1)["device_kv"]
+    for avail, want in ((8 * per_seq, None), (int(2.5 * per_seq), int(2.5 * per_seq) // per_token),
+                        (per_seq // 2, per_seq // 2 // per_token)):  # fmt: skip
+        monkeypatch.setattr(tiers, "meminfo", lambda a=avail: {"MemAvailable": a})
+        engine = Engine(lambda: model, parallel=4)
+        slots = open_slots(engine, model)
+        assert slots is not None and slots.dec.max_batch == 4
+        assert slots.dec.kv_tokens == want
+    with pytest.raises(ValueError, match="exceeds the batch's KV budget"):
+        slots.dec.add(list(range(1, want + 2)))

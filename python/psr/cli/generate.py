@@ -260,6 +260,7 @@ NOT_FLAGS = {
     "host_profile": "a routing profile is a Python value (nested lists) or a JSON file",
     "copy_retries": "$PSR_COPY_RETRIES",
     "progress": "--quiet, and only on a terminal",
+    "batch": "psr serve --parallel N sets it",
 }
 
 

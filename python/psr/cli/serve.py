@@ -28,6 +28,7 @@ from psr.cli.generate import (
     add_policy_options,
     check_policy_options,
     load_model,
+    load_options,
 )
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
@@ -88,8 +89,9 @@ def add_serve(sub: Any) -> None:
         default=None,
         metavar="N|auto",
         help="requests that decode at once in one batch, each token as it would be alone, "
-        "sharing the prompt cache (default auto: 1 on CUDA and with the prompt cache, "
-        "else 4 on the CPU backend)",
+        "sharing the prompt cache; N > 1 on CUDA sizes the slab for N sequences' caches where "
+        "memory allows (default auto: on the CPU backend as many KV caches of the context as "
+        "fit half the memory left after loading, at most 4; 1 on CUDA)",
     )
     _access_args(s)
     s.add_argument(
@@ -321,7 +323,7 @@ def run_serve(args: argparse.Namespace) -> int:
     show_progress = progress(args)
     cache_mib = args.prompt_cache
     engine = Engine(
-        lambda: load_model(path, args, show_progress),
+        lambda: _load_for_slots(path, args, show_progress),
         max_queue=args.max_queue,
         metrics=Metrics(name),
         prompt_cache=PromptCache(cache_mib * 2**20) if cache_mib else None,
@@ -345,6 +347,27 @@ def run_serve(args: argparse.Namespace) -> int:
     if engine.load_error is not None:
         raise engine.load_error
     return 0
+
+
+def _load_for_slots(path: str, args: argparse.Namespace, show_progress: bool) -> Any:
+    """The model, with --parallel N > 1 (and no --batch-slots) its slab sized for N
+    sequences where memory allows (LoadConfig.batch: CUDA only); a slab that does not fit
+    the memory plan or the device falls back to the solo slots, logged."""
+    n = args.parallel
+    if n is None or n == 1 or args.batch_slots is not None:
+        return load_model(path, args, show_progress)
+    import torch
+
+    from psr.models import load
+    from psr.models.memory_plan import MemoryPlanError
+
+    try:
+        return load(path, **load_options(args), batch=n, progress=show_progress)
+    except (MemoryPlanError, torch.OutOfMemoryError) as e:
+        logging.getLogger("psr.serve").warning(
+            "--parallel %d: a slab for %d sequences does not fit (%s); the solo slots", n, n, e
+        )
+    return load_model(path, args, show_progress)
 
 
 def _log_config() -> dict[str, Any]:

@@ -104,7 +104,8 @@ def load(
         r = _planned(path, ckpt, r, meta[0], source)  # gpu_memory: before any weight is copied
         model = _build_model(ckpt, r, meta)
         drafter, C = _load_drafter(path, r, model, source, mtp)
-        slab = resolve_slab_slots(spec, C, cfg.batch_slots)  # batches' slots: C each
+        # batches' slots: C each
+        slab = resolve_slab_slots(spec, C, cfg.batch_slab(C, E, r.device.type == "cuda"))
         plan = _tier_plan(r, model, slab, source.row_bytes, source.why_not)
         store = make_store(source, E, slab, r.device, cfg.copy_retries, plan.num_held())
         cache = _quant_cache(path, ckpt, r, moe_idx, source)
@@ -166,7 +167,9 @@ def offload(
     fmt = pk.RowFormat.parse(cfg.store_format)
     readers = [module_reader(m, fam) for m in modules]
     source = matrix_source(readers, spec, dtype, fmt, fmt.name)
-    slab = resolve_slab_slots(spec, C, cfg.batch_slots)  # batches' slots: C each
+    cuda = torch.device(device).type == "cuda"
+    # batches' slots: C each
+    slab = resolve_slab_slots(spec, C, cfg.batch_slab(C, spec.num_experts, cuda))
     store = make_store(source, spec.num_experts, slab, device, cfg.copy_retries)
     fill_store(store, source, spec.num_experts, cfg.show_progress)
     biases = None
@@ -314,6 +317,8 @@ def _planned(
         r.dtype.itemsize, source.why_not,
     )  # fmt: skip
     host = cfg.host_memory
+    cuda = r.device.type == "cuda"
+    batch = cfg.batch_slab(r.capacity, E, cuda)
     budget = Budget(
         gpu_memory=vocab.parse_bytes(cfg.gpu_memory, "gpu_memory"),
         host_memory=None if host in (None, "unlimited") else vocab.parse_bytes(host),
@@ -323,9 +328,9 @@ def _planned(
         # the plan errs on the safe side there.
         dense_format="native" if cfg.dense_format == "native" else "float",
         kv_format=cfg.kv_format,
-        slots=None if cfg.plans_slots else resolve_slab_slots(r.spec, r.capacity, cfg.batch_slots),
+        slots=None if cfg.plans_slots else resolve_slab_slots(r.spec, r.capacity, batch),
         prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
-        cuda=r.device.type == "cuda",
+        cuda=cuda,
     )
     plan = plan_memory(facts, budget).check(f"{path} with gpu_memory={cfg.gpu_memory!r}")
     return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r

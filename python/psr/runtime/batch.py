@@ -74,6 +74,9 @@ class _Seq:
     cached: int = 0  # prompt tokens resumed from the prompt cache
     length: int = 0  # tokens in its KV cache
     logits: torch.Tensor | None = None  # awaiting a token
+    # Its decode steps' logical counts (routed, hits, misses, prefetches, ...): its solo
+    # run's, as its caches are; the copies and stalls are the batch's (shared).
+    stats: Counter[str] = field(default_factory=Counter)
 
     @property
     def prefilling(self) -> bool:
@@ -150,42 +153,60 @@ class BatchStep(Step):
         logits = self.logits(layer, x, lambda a, w, b: batch_linear(a, w, b, inv))
         lam = rt.steering.lam(layer)
         cap = rt.max_inserts(layer)
-        residual = layer.need_residual()
-        # Each row's slices are fresh tensors, as a solo step's are (batch_ops.batch_linear).
-        rows, ws, idss = [], [], []
+        # Every row's routing and predictions first (each a function of its own row and
+        # its own cache's mask), then each sequence's cache updates in row order.
+        masks = [s.caches[i].mask() for s in self.seqs] if lam else None
+        try:
+            w, ids, subs = self._route_rows(layer, logits, lam, masks)
+        except pk.NonFiniteError as e:
+            raise non_finite([i], "found while decoding") from e
+        try:
+            predictions = rt.steering.predictions_rows(layer, layer.need_residual())
+        except pk.NonFiniteError as e:
+            raise non_finite([i + 1], "found while predicting it") from e
+        rows: list[_Row] = []
         prefetched: dict[int, list[int]] = {}
-        for r, seq in enumerate(self.seqs):
+        for r, (seq, routed) in enumerate(zip(self.seqs, ids.tolist(), strict=True)):
             cache = seq.caches[i]
-            mask = torch.tensor(cache.mask(), dtype=torch.bool, device=x.device) if lam else None
-            try:
-                w, ids, sub = rt.ops.route_counted(
-                    logits[r : r + 1].clone(), rt.spec.route_spec(lam), mask=mask, bias=layer.bias
-                )
-            except pk.NonFiniteError as e:
-                raise non_finite([i], "found while decoding") from e
-            *routed, substituted = torch.cat([ids[0], sub.to(ids.dtype)]).tolist()
             used = cache.use(routed) if cap is None else cache.use(routed, cap)
             dec.track(i, used.misses)
-            dec.count(routed=len(routed), hits=used.hits, misses=len(used.misses) + len(used.cpu),
-                      prefetch_used=used.prefetch_used, substituted=substituted,
+            dec.count(seq, routed=len(routed), hits=used.hits,
+                      misses=len(used.misses) + len(used.cpu),
+                      prefetch_used=used.prefetch_used, substituted=subs[r],
                       cpu_experts=len(used.cpu))  # fmt: skip
             rows.append(_Row(routed, set(used.cpu)))
-            ws.append(w)
-            idss.append(ids)
-            try:
-                predictions = rt.steering.predictions(layer, residual[r : r + 1].clone())
-            except pk.NonFiniteError as e:
-                raise non_finite([i + 1], "found while predicting it") from e
             for target, n, pred in predictions:
-                ins = seq.caches[target].prefetch(pred[0], n)
+                ins = seq.caches[target].prefetch(pred[r], n)
                 dec.track(target, ins)
-                dec.count(prefetches=len(ins))
+                dec.count(seq, prefetches=len(ins))
                 prefetched.setdefault(target, []).extend(a.expert for a in ins)
         for target, experts in prefetched.items():
             if experts and not reads_host(rt, rt.layers[target]):
                 dec.slab.ensure(target, experts, CopyReason.PREFETCH, spill=False)
         self.pending[i] = rows
-        return self.out(logits, torch.cat(ws), torch.cat(idss))
+        return self.out(logits, w, ids)
+
+    def _route_rows(
+        self, layer: MoELayer, logits: torch.Tensor, lam: float, masks: list[list[bool]] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(weights [b, k], ids [b, k], substituted per row): each row as its solo host
+        step routes it. The torch path routes every row in one call (its ops are row-wise:
+        softmax / top-k / sums along each row; tests/runtime/test_batch_route.py holds
+        each row equal to its own call); the kernels once per row, on a fresh row."""
+        rt = self.rt
+        spec = rt.spec.route_spec(lam)
+        dev = logits.device
+        mask = None if masks is None else torch.tensor(masks, dtype=torch.bool, device=dev)
+        if rt.ops.path == "torch" or logits.shape[0] == 1:
+            w, ids, sub = rt.ops.route_counted(logits, spec, mask=mask, bias=layer.bias)
+            return w, ids, sub.tolist()
+        parts = [
+            rt.ops.route_counted(logits[r : r + 1].clone(), spec,
+                                 mask=None if mask is None else mask[r], bias=layer.bias)
+            for r in range(logits.shape[0])
+        ]  # fmt: skip
+        w, ids, sub = (torch.cat(p) for p in zip(*parts, strict=True))
+        return w, ids, sub.tolist()
 
     def experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -338,6 +359,15 @@ class BatchDecoder:
             raise KeyError(f"no live sequence {seq_id!r} in this batch")
         return seq.cached
 
+    def seq_stats(self, seq_id: int) -> dict[str, int]:
+        """Live sequence `seq_id`'s logical counts over its decode steps (`routed`, `hits`,
+        `misses`, `prefetches`, `prefetch_used`, `substituted`, `cpu_experts`; absent: 0):
+        its solo run's counts."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise KeyError(f"no live sequence {seq_id!r} in this batch")
+        return dict(seq.stats)
+
     @property
     def kv_held(self) -> int:
         """Tokens the live sequences' KV caches hold together."""
@@ -452,8 +482,10 @@ class BatchDecoder:
         self.slab.hold(layer, [x.expert for x in inserts])
         self.slab.drop(layer, [x.evicted for x in inserts if x.evicted is not None])
 
-    def count(self, **counts: int) -> None:
+    def count(self, seq: _Seq, **counts: int) -> None:
+        """A row's logical counts: the batch's and its sequence's own."""
         self.stats.update(counts)
+        seq.stats.update(counts)
 
     def compute_experts(
         self, layer: MoELayer, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

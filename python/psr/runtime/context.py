@@ -48,6 +48,8 @@ class SteeringRule(Protocol):
 
     def predictions(self, layer: MoELayer, residual: torch.Tensor) -> list[Prediction]: ...
 
+    def predictions_rows(self, layer: MoELayer, residual: torch.Tensor) -> list[Prediction]: ...
+
 
 class StepContext(RoutingContext, Protocol):
     """What a step reads of the engine (`psr.runtime.engine.OffloadRuntime` is one)."""

@@ -31,48 +31,96 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("psr.serve")
 
-# --parallel's default on a backend where one request decodes as fast alone in a batch as
-# through the solo path (the CPU: both take the host step).
-AUTO_PARALLEL = 4
+# --parallel auto opens at most this many slots (llama-server's default): at b = 4 each
+# request's ms/token stays near 2x its solo run's, more slots stretch it further
+# (bench/results/batch).
+AUTO_MAX = 4
+# The share of the memory available after loading that auto's KV caches may take: the rest
+# stays for the prompt cache, the page cache and the forward's workspaces.
+KV_SHARE = 0.5
 
 
-def auto_parallel(model: Any, prompt_cache: bool) -> tuple[int, str]:
-    """`--parallel auto`: the slots to open and why. CUDA keeps one (its solo decode runs
-    the device step and CUDA graphs, which the batch does not capture yet); so does the
-    prompt cache, for now: the default stays the one-slot server (its per-request routing
-    figures), and `--parallel N` opens N slots that share the cache."""
-    if prompt_cache:
-        return 1, "one slot with the prompt cache (--parallel N: N slots sharing it)"
+def kv_room(model: Any, prompt_cache_bytes: int, share: float = KV_SHARE) -> int:
+    """Bytes the slots' KV caches may take on the CPU backend: `share` of MemAvailable
+    after loading, less the prompt cache's budget, and within `host_memory` (what it
+    leaves beside the held experts, the dense part and the slab)."""
+    from psr.models.tiers import meminfo
+
+    room = int(meminfo().get("MemAvailable", 0) * share) - prompt_cache_bytes
+    budget = getattr(model, "host_budget", None)
+    if budget is not None:
+        mem = model.memory()
+        held = mem["host_experts"] + mem["device_dense"] + mem["device_slab"]
+        room = min(room, budget - held)
+    return max(room, 0)
+
+
+def auto_parallel(model: Any, prompt_cache_bytes: int) -> tuple[int, str]:
+    """`--parallel auto`: the slots to open and why: as many KV caches of the model's
+    context as fit `kv_room`, 1 to AUTO_MAX. CUDA keeps one (its solo decode runs the
+    device step and CUDA graphs, which the batch does not capture yet)."""
+    from psr.models.tiers import fmt_bytes
+
     if model.runtime.store.backend == "cuda":
-        return 1, "on CUDA one request decodes faster through the device step and graphs"
-    return AUTO_PARALLEL, f"{AUTO_PARALLEL} slots (the CPU backend's batched host step)"
+        return 1, "1 slot: on CUDA one request decodes faster through the device step and graphs"
+    context = int(model.context or 0)
+    per_seq = max(model.memory(context)["device_kv"], 1)
+    room = kv_room(model, prompt_cache_bytes)
+    n = max(1, min(AUTO_MAX, room // per_seq))
+    return n, (
+        f"{n} slot{'s' if n > 1 else ''}: KV caches of {context} tokens take "
+        f"{fmt_bytes(per_seq)} each, {fmt_bytes(room)} free for them "
+        f"({KV_SHARE:.0%} of the memory available after loading, less the prompt cache); "
+        f"at most {AUTO_MAX}"
+    )
+
+
+def kv_limit(model: Any, n: int, prompt_cache_bytes: int) -> int | None:
+    """An explicit `--parallel n`'s KV budget in tokens (BatchDecoder's `kv_tokens`) on the
+    CPU backend: None when n KV caches of the model's context fit the memory available
+    after loading (less the prompt cache), else the tokens that do (at least 1)."""
+    if model.runtime.store.backend == "cuda":
+        return None
+    context = int(model.context or 0)
+    room = kv_room(model, prompt_cache_bytes, share=1.0)
+    if n * model.memory(context)["device_kv"] <= room:
+        return None
+    per_token: int = max(model.memory(1)["device_kv"], 1)
+    return max(room // per_token, 1)
 
 
 def open_slots(engine: Engine, model: Any) -> Slots | None:
-    """Resolve `engine.parallel` for the loaded `model`: the batch's slots, or None for the
-    one-at-a-time worker. An explicit parallel > 1 that cannot batch raises ValueError."""
+    """Resolve `engine.parallel` for the loaded `model` (logged): the batch's slots, or
+    None for the one-at-a-time worker. An explicit parallel > 1 that cannot batch raises
+    ValueError; auto falls back to one slot, saying why."""
     from psr.runtime.batch import BatchDecoder
 
-    cache = engine.prompt_cache is not None
+    cache = engine.prompt_cache
+    auto = engine.parallel is None
     if engine.parallel is None:
-        engine.parallel, why = auto_parallel(model, cache)
-        log.info("--parallel auto: %s", why)
-        if engine.parallel > 1:
-            try:
-                dec = BatchDecoder(model, engine.parallel, prompt_cache=engine.prompt_cache)
-            except ValueError as e:
-                log.info("--parallel auto: 1 slot (%s)", e)
-                engine.parallel = 1
-                return None
-            return Slots(engine, dec)
+        engine.parallel, why = auto_parallel(model, cache.max_bytes if cache else 0)
+    else:
+        why = f"{engine.parallel} slot{'s' if engine.parallel > 1 else ''}"
+    dec, kv_tokens = None, None
+    if engine.parallel > 1 and not auto:
+        kv_tokens = kv_limit(model, engine.parallel, cache.max_bytes if cache else 0)
+        if kv_tokens is not None:
+            why += (f"; their KV caches hold at most {kv_tokens} tokens together (the memory "
+                    "available): a prompt beyond it waits or is refused")  # fmt: skip
+    if engine.parallel > 1:
+        try:
+            dec = BatchDecoder(model, engine.parallel, kv_tokens=kv_tokens, prompt_cache=cache)
+        except ValueError as e:
+            if not auto:
+                raise ValueError(f"--parallel {engine.parallel}: {e}") from e
+            engine.parallel, why = 1, f"1 slot ({e})"
+    if dec is not None:
+        C, store = model.runtime.capacity, model.runtime.store
+        why += f"; the batch's slab {dec.slab.size} of {store.layers[0].num_slots} slots per layer"
+        why += f" (each sequence's cache {C})"
+    log.info("--parallel %s: %s", "auto" if auto else engine.parallel, why)
     engine.metrics.slots.set(engine.parallel)
-    if engine.parallel == 1:
-        return None
-    try:
-        dec = BatchDecoder(model, engine.parallel, prompt_cache=engine.prompt_cache)
-    except ValueError as e:
-        raise ValueError(f"--parallel {engine.parallel}: {e}") from e
-    return Slots(engine, dec)
+    return None if dec is None else Slots(engine, dec)
 
 
 @dataclass
@@ -135,17 +183,19 @@ class Slots:
     def _end(self, slot: _Slot, finish: str | None, error: Exception | None) -> None:
         """`slot`'s request leaves the batch and is answered."""
         self.slots.pop(slot.seq, None)
-        cached = 0
+        cached, counts = 0, {}
         try:
             cached = self.dec.cached_tokens(slot.seq)
+            counts = self.dec.seq_stats(slot.seq)
             self.dec.remove(slot.seq)
         except KeyError:
             pass
         eng = self.engine
+        # Its routing counts are its solo run's (its own caches); the copies are the batch's.
         figures: dict[str, Any] = {
             "policy": eng.model.policy.describe(),
-            "decode_steps": len(slot.run.streamer.tokens),
-            "batched_steps": slot.steps,
+            "decode_steps": slot.steps,  # as solo: the first token comes from the prefill
+            **{k: int(counts.get(k, 0)) for k in _ROUTING_KEYS},
             "mean_batch": round(slot.batch_sum / slot.steps, 3) if slot.steps else 0.0,
         }
         eng.conclude(slot.run, finish, error, figures, None, cached)
@@ -206,6 +256,11 @@ def _expert_counts(diff: dict[str, int]) -> dict[str, float]:
     """A step's counts in the metrics' names (what the batch does not count: 0)."""
     return {k: float(diff.get(k, 0)) for k in _EXPERT_KEYS}
 
+
+# A request's own counts in a batch (runtime/batch.py's per-sequence counts).
+_ROUTING_KEYS = (
+    "routed", "hits", "misses", "prefetches", "prefetch_used", "substituted", "cpu_experts",
+)  # fmt: skip
 
 _EXPERT_KEYS = (
     "routed", "hits", "misses", "prefetches", "prefetch_used", "substituted", "cpu_experts",
