@@ -232,15 +232,37 @@ def _qdot(w_ptr, rows, rmask, k0, K, RB, v_ptr, FMT: tl.constexpr, BLOCK_K: tl.c
         ks = k0 + tl.arange(0, BLOCK_K)
         km = ks < K
         v = tl.load(v_ptr + ks, mask=km, other=0.0).to(tl.float32)
-        wm = rmask[:, None] & km[None, :]
-        if FMT == 0:
-            p8 = w_ptr.to(tl.pointer_type(tl.int8))
-            q = tl.load(p8 + r64 * RB + ks[None, :], mask=wm, other=0).to(tl.float32)
-        else:
-            c = tl.load(w_ptr + r64 * RB + ks[None, :], mask=wm, other=0).to(tl.int32)
-            q = _fp8_e4m3_to_f32(c)
+        q = _codes(w_ptr, r64, ks[None, :], rmask[:, None] & km[None, :], RB, FMT)
         prod = q * v[None, :]
     return tl.sum(prod, axis=1)
+
+
+@triton.jit
+def _codes(w_ptr, r64, k, m, RB, FMT: tl.constexpr):
+    """fp32 values of the raw codes at rows `r64` ([R, 1] int64) and columns `k` ([1, BK])
+    of a code matrix at byte pointer `w_ptr` (rows of RB bytes); masked ones read as 0.
+    int4 element by element (`_qdot` reads its nibble pairs itself)."""
+    if FMT == 0:
+        p8 = w_ptr.to(tl.pointer_type(tl.int8))
+        q = tl.load(p8 + r64 * RB + k, mask=m, other=0).to(tl.float32)
+    elif FMT == 1:
+        c = tl.load(w_ptr + r64 * RB + k, mask=m, other=0).to(tl.int32)
+        q = _fp8_e4m3_to_f32(c)
+    else:  # int4: the low nibble holds the even column
+        b = tl.load(w_ptr + r64 * RB + k // 2, mask=m, other=0).to(tl.int32)
+        q = ((((b >> (4 * (k % 2))) & 0xF) ^ 8) - 8).to(tl.float32)
+    return q
+
+
+@triton.jit
+def quant_tile(w_ptr, s_ptr, rows, k, m, RB, G, NG, FMT: tl.constexpr):
+    """fp32 weights `[R, BK]` of rows `rows` ([R]) at columns `k` ([1, BK]) of a quantized
+    matrix (codes at byte pointer `w_ptr`, its fp32 scales at `s_ptr`, NG groups of G per
+    row), each code times its group's scale; masked (`m`) ones read as 0: the tiles of the
+    grouped prefill GEMM (psr_kernels.grouped_ffn)."""
+    r64 = rows[:, None].to(tl.int64)
+    sp = s_ptr.to(tl.pointer_type(tl.float32))
+    return _codes(w_ptr, r64, k, m, RB, FMT) * tl.load(sp + r64 * NG + k // G, mask=m, other=0.0)
 
 
 @triton.jit
