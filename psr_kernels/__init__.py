@@ -10,6 +10,9 @@ Ops (each with a plain-torch `*_ref` beside it, the same arguments and results):
   expert_ffn(x, slab, slots, weights, H, F, fmt=, slot_table=) -> y
       fmt None: float slab rows; 'int8' | 'fp8' | 'int4': quantized uint8 rows;
       slot_table: slots hold expert ids, looked up in the device slot map
+  grouped_expert_ffn(x, slab, ids, weights, H, F, fmt=, slot_table=, bias=) -> y
+      prefill's grouped dequant-GEMM: the routed pairs sorted by expert, tiles of one
+      expert's tokens x its rows (tl.dot), every row format (psr_kernels.grouped_ffn)
   decode_step(logits, spec, state, layout, layer, n=, residual=, ...) -> (weights, ids)
       one MoE layer's sync-free decode step in one launch: route on the device cache,
       `use`, and predict + `prefetch` into the next layer (psr_kernels.decode)
@@ -85,6 +88,7 @@ from psr_kernels.ggml import (
     pack_ggml_expert,
     pack_ggml_parts,
 )
+from psr_kernels.grouped_ffn import grouped_expert_ffn, grouped_expert_ffn_ref
 from psr_kernels.linear import (
     LinearFormat,
     decode_rows,
@@ -204,6 +208,8 @@ __all__ = [
     "ggml_row_bytes",
     "ggml_type_id",
     "ggml_types",
+    "grouped_expert_ffn",
+    "grouped_expert_ffn_ref",
     "is_ggml_format",
     "kernel_ops",
     "linear",

@@ -53,7 +53,9 @@ from psr_kernels.rowformat import FormatLike, RowFormat, RowKind, RowLayout
 # depend on how many tokens share its expert.
 GROUP_M = 32
 # `KIND` constexpr of the kernels: where `_weight_tile` decodes a part from.
-_KIND: Mapping[RowKind, int] = MappingProxyType({RowKind.FLOAT: 0, RowKind.QUANT: 1, RowKind.BLOCKS: 2})
+_KIND: Mapping[RowKind, int] = MappingProxyType(
+    {RowKind.FLOAT: 0, RowKind.QUANT: 1, RowKind.BLOCKS: 2}
+)
 
 
 @triton.jit
@@ -209,7 +211,8 @@ def expert_groups(
     """The grouping of routed pairs `ids [T, k]` (expert ids in [0, num_experts)) by expert:
     `order` int32 `[n]`, the pairs (t * k + j) sorted by expert, each expert's in ascending
     pair order, and `tiles` int32 `[tiles, 3]`, each (expert, first row of `order`, end
-    row), at most `block_m` rows, every expert's run cut from its start. `present` (bool
+    of the expert's run): a tile is its rows first .. min(first + block_m, end), every
+    expert's run cut from its start. `present` (bool
     `[T, k]`): only those pairs (the others are in no tile). One host sync (the tile count)."""
     key = ids.reshape(-1).long()
     if present is not None:
@@ -219,7 +222,9 @@ def expert_groups(
     starts = torch.cumsum(counts, 0) - counts
     per = (counts + block_m - 1) // block_m
     n = int(per.sum())
-    expert = torch.repeat_interleave(torch.arange(num_experts, device=ids.device), per, output_size=n)
+    expert = torch.repeat_interleave(
+        torch.arange(num_experts, device=ids.device), per, output_size=n
+    )
     first = (torch.cumsum(per, 0) - per)[expert]
     begin = starts[expert] + (torch.arange(n, device=ids.device) - first) * block_m
     tiles = torch.stack([expert, begin, starts[expert] + counts[expert]], 1)
@@ -390,9 +395,7 @@ def _launch(
         **a1,
         **c1,
     )
-    _grouped_down_kernel[(n, triton.cdiv(H, c2["BLOCK_H"]))](
-        h_ptr=h, y_ptr=y, **common, **a2, **c2
-    )
+    _grouped_down_kernel[(n, triton.cdiv(H, c2["BLOCK_H"]))](h_ptr=h, y_ptr=y, **common, **a2, **c2)
 
 
 def grouped_expert_ffn_ref(
