@@ -54,7 +54,7 @@ predict_next, expert_ffn} (primitive schemas: RouteSpec's fields as arguments), 
 `make_vllm_routing_function` for vLLM's FusedMoE.
 """
 
-from psr_kernels._common import NonFiniteError
+from psr_kernels._common import NonFiniteError, interpreting
 from psr_kernels.activation import ACTIVATIONS, SILU, Activation
 from psr_kernels.block_routing import block_scores_ref, route_block, route_block_ref
 from psr_kernels.cache_state import CacheLayout, cache_prefetch, cache_use
@@ -210,6 +210,7 @@ __all__ = [
     "ggml_types",
     "grouped_expert_ffn",
     "grouped_expert_ffn_ref",
+    "interpreting",
     "is_ggml_format",
     "kernel_ops",
     "linear",

@@ -36,8 +36,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _model(path: Path, layer_major: bool, experts_on: str = "gpu", split=None, reads="slab"):
-    model = psr.load(path, "psr", 0.5, lam=0.3, n=1, experts_on=experts_on, progress=False)
+def _model(path: Path, layer_major: bool, experts_on: str = "gpu", split=None, reads="slab",
+           **kw):  # fmt: skip
+    model = psr.load(path, "psr", 0.5, lam=0.3, n=1, experts_on=experts_on, progress=False, **kw)
     model.set_prefill_chunk(CHUNK)
     model.runtime.prefill_reads = reads  # "slab": CUDA's path, on the CPU backend
     if split is not None:
@@ -165,3 +166,28 @@ def test_set_layer_major_refuses_a_non_bool(ckpts) -> None:
     model = _model(ckpts["olmoe"], False)
     with pytest.raises(ValueError, match="set_layer_major: on must be a bool"):
         model.set_layer_major("yes")  # type: ignore[arg-type]
+
+
+def test_the_device_path_s_grouped_kernel_is_bit_identical_too(ckpts, monkeypatch) -> None:
+    """CUDA's prefill experts (compute="triton": the grouped Triton GEMM, here under the
+    interpreter on CPU tensors): layer-major equals chunk-major bit for bit, each computing
+    every (chunk, expert) with the same call; and it computes what the reference does."""
+    import psr_kernels as pk
+
+    calls: list[int] = []
+    real = pk.grouped_expert_ffn
+
+    def spy(x, *a, **kw):
+        calls.append(x.shape[0])
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(pk, "grouped_expert_ffn", spy)
+    monkeypatch.setenv("PSR_COPY_DELAY_US", "1000")
+    ckpt = ckpts["qwen2_moe"]  # the smallest family; every chunk routes each token to 4
+    base = _run(_model(ckpt, False, compute="triton"))
+    pairs = 2 * PROMPT.shape[1] * 4 * len(base[4])  # _run's two prefills, every layer's pairs
+    assert sum(calls) == pairs
+    _same(_run(_model(ckpt, True, compute="triton")), base)
+    assert sum(calls) == 2 * pairs
+    ref, _ = _model(ckpt, False, compute="torch")._prefill(None, None)(PROMPT, True)
+    torch.testing.assert_close(base[0], ref, rtol=1e-4, atol=1e-4)  # prefill logits
