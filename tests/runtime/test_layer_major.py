@@ -170,8 +170,9 @@ def test_set_layer_major_refuses_a_non_bool(ckpts) -> None:
 
 def test_the_device_path_s_grouped_kernel_is_bit_identical_too(ckpts, monkeypatch) -> None:
     """CUDA's prefill experts (compute="triton": the grouped Triton GEMM, here under the
-    interpreter on CPU tensors): layer-major equals chunk-major bit for bit, each computing
-    every (chunk, expert) with the same call; and it computes what the reference does."""
+    interpreter on CPU tensors): layer-major prefill equals chunk-major bit for bit (logits,
+    KV, routed ids, seeds), each computing every (chunk, expert) with the same call; and
+    it computes what the reference path does."""
     import psr_kernels as pk
 
     calls: list[int] = []
@@ -181,13 +182,22 @@ def test_the_device_path_s_grouped_kernel_is_bit_identical_too(ckpts, monkeypatc
         calls.append(x.shape[0])
         return real(x, *a, **kw)
 
+    def prefill(model):
+        logits, kv = model._prefill(None, None)(PROMPT, True)
+        rt = model.runtime
+        keys = [layer.keys.clone() for layer in kv.layers]
+        return logits, keys, rt.histories(), [L.cache.order() for L in rt.layers]
+
     monkeypatch.setattr(pk, "grouped_expert_ffn", spy)
     monkeypatch.setenv("PSR_COPY_DELAY_US", "1000")
-    ckpt = ckpts["qwen2_moe"]  # the smallest family; every chunk routes each token to 4
-    base = _run(_model(ckpt, False, compute="triton"))
-    pairs = 2 * PROMPT.shape[1] * 4 * len(base[4])  # _run's two prefills, every layer's pairs
+    ckpt = ckpts["qwen2_moe"]  # the smallest family; every token routed to 4 experts
+    base = prefill(_model(ckpt, False, compute="triton"))
+    pairs = PROMPT.shape[1] * 4 * len(base[2])  # every layer's routed pairs
     assert sum(calls) == pairs
-    _same(_run(_model(ckpt, True, compute="triton")), base)
+    got = prefill(_model(ckpt, True, compute="triton"))
     assert sum(calls) == 2 * pairs
-    ref, _ = _model(ckpt, False, compute="torch")._prefill(None, None)(PROMPT, True)
-    torch.testing.assert_close(base[0], ref, rtol=1e-4, atol=1e-4)  # prefill logits
+    assert torch.equal(got[0], base[0]) and got[2:] == base[2:]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], base[1], strict=True))
+    ref = prefill(_model(ckpt, False, compute="torch"))
+    torch.testing.assert_close(base[0], ref[0], rtol=1e-4, atol=1e-4)
+    assert ref[2] == base[2]  # the same routing
