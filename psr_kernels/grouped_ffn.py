@@ -8,9 +8,9 @@ sorted by expert (stable: within an expert, ascending token), each expert's run 
 tiles of `GROUP_M` pairs (`expert_groups`: the tile table, as fused-MoE kernels build it),
 and each program computes one tile against a block of one expert's rows with `tl.dot`:
 the weight tile dequantized in registers from the slab row by the format's element decoder
-(`_weight_tile`: float rows, `quant.quant_tile` for int8 / fp8 / int4 with their scale
-groups, `ggml._ggml_tile` for every GGML block type and FP8_B128), so a weight tile read
-serves GROUP_M tokens.
+(`_weight_tile`: float rows, `linear._quant_tile` for int8 / fp8 / int4 with their scale
+groups, `ggml._ggml_tile` for every GGML block type and FP8_B128: the dense layers' and
+decode kernels' own decoders), so a weight tile read serves GROUP_M tokens.
   1. `_grouped_gate_up_kernel`, grid (tiles, F / BLOCK_F): h[pair] = act(gate x, up x);
   2. `_grouped_down_kernel`, grid (tiles, H / BLOCK_H): y_pair[pair] = w (down h + bias);
 then each token's k pairs are summed in order j = 0..k-1. No atomics: fp32 accumulation,
@@ -46,7 +46,8 @@ from psr_kernels.expert_ffn import (
     expert_row_ffn_ref,
 )
 from psr_kernels.ggml import _ggml_tile, iq_table
-from psr_kernels.quant import check_aligned, quant_tile
+from psr_kernels.linear import _quant_tile
+from psr_kernels.quant import check_aligned
 from psr_kernels.rowformat import FormatLike, RowFormat, RowKind, RowLayout
 
 # Routed pairs a program computes (the M of its tiles): fixed, so a token's sums never
@@ -70,7 +71,9 @@ def _weight_tile(base, part, s_part, rows, rm, ks, km, K, RB, G, NG, tab,
         offs = rows[:, None].to(tl.int64) * K + ks[None, :]
         w = tl.load(base + part + offs, mask=m, other=0.0).to(tl.float32)
     elif KIND == 1:
-        w = quant_tile(base + part, base + s_part, rows, ks[None, :], m, RB, G, NG, CODE)
+        r64 = rows[:, None].to(tl.int64)
+        s_rows = (base + s_part).to(tl.pointer_type(tl.float32)) + r64 * NG
+        w = _quant_tile(base + part + r64 * RB, ks[None, :], m, s_rows, G, CODE)
     else:
         w = _ggml_tile(base + part + rows[:, None].to(tl.int64) * RB, ks[None, :], m, tab, CODE)
     return w

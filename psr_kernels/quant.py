@@ -42,8 +42,9 @@ partial dot product of the raw codes is scaled once per row.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 import triton
@@ -54,6 +55,7 @@ from psr_kernels.activation import glu
 from psr_kernels.rowformat import (
     ALIGN,
     FP8,
+    INT4,
     INT8,
     QUANT_FORMATS,
     QuantLayout,
@@ -82,6 +84,51 @@ def bytes_ratio(
 # --------------------------------------------------------------------------- host side
 
 
+def _int8_codes(v: torch.Tensor) -> torch.Tensor:
+    return v.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
+
+
+def _int8_values(codes: torch.Tensor, K: int) -> torch.Tensor:
+    return codes.view(torch.int8).float()
+
+
+def _fp8_codes(v: torch.Tensor) -> torch.Tensor:
+    # Clamp first: the cast itself would map |v| > 448 to NaN (e4m3fn has no inf).
+    return v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _fp8_values(codes: torch.Tensor, K: int) -> torch.Tensor:
+    return codes.view(torch.float8_e4m3fn).float()
+
+
+def _int4_codes(v: torch.Tensor) -> torch.Tensor:
+    n = v.round().clamp(-7, 7).to(torch.int32) & 0xF  # two's complement nibbles
+    if v.shape[-1] % 2:
+        n = torch.nn.functional.pad(n, (0, 1))
+    return (n[:, 0::2] | (n[:, 1::2] << 4)).to(torch.uint8)
+
+
+def _int4_values(codes: torch.Tensor, K: int) -> torch.Tensor:
+    b = codes.to(torch.int32)
+    n = torch.stack([b & 0xF, b >> 4], -1).flatten(-2)[..., :K]
+    return ((n ^ 8) - 8).float()  # sign-extend the nibble
+
+
+class _Codec(NamedTuple):
+    encode: Callable[[torch.Tensor], torch.Tensor]  # scaled fp32 [R, K] -> codes [R, B(K)]
+    decode: Callable[[torch.Tensor, int], torch.Tensor]  # codes [..., R, B(K)] -> [..., R, K]
+
+
+# The host-side codes of each quantized format (the kernels' side is the FMT constexpr).
+_CODECS: Mapping[RowFormat, _Codec] = MappingProxyType(
+    {
+        INT8: _Codec(_int8_codes, _int8_values),
+        FP8: _Codec(_fp8_codes, _fp8_values),
+        INT4: _Codec(_int4_codes, _int4_values),
+    }
+)
+
+
 def _quantize_matrix(
     w: torch.Tensor, fmt: RowFormat, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,16 +139,7 @@ def _quantize_matrix(
     s = wg.abs().amax(-1) / qmax
     s = torch.where(s == 0, torch.ones_like(s), s)
     v = (wg / s[..., None]).reshape(R, K)
-    if fmt == INT8:
-        codes = v.round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
-    elif fmt == FP8:
-        # Clamp first: the cast itself would map |v| > 448 to NaN (e4m3fn has no inf).
-        codes = v.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
-    else:
-        n = v.round().clamp(-7, 7).to(torch.int32) & 0xF  # two's complement nibbles
-        if K % 2:
-            n = torch.nn.functional.pad(n, (0, 1))
-        codes = (n[:, 0::2] | (n[:, 1::2] << 4)).to(torch.uint8)
+    codes = _CODECS[fmt].encode(v)
     return codes.contiguous(), s.contiguous()
 
 
@@ -151,15 +189,7 @@ def _dequantize_matrix(
     ng = K // group
     scales = row[..., s_at : s_at + 4 * R * ng].contiguous().view(torch.float32)
     scales = scales.reshape(*batch, R, ng, 1)
-    if fmt == INT8:
-        q = codes.view(torch.int8).float()
-    elif fmt == FP8:
-        q = codes.view(torch.float8_e4m3fn).float()
-    else:
-        b = codes.to(torch.int32)
-        lo, hi = b & 0xF, b >> 4
-        n = torch.stack([lo, hi], -1).reshape(*batch, R, 2 * rb)[..., :K]
-        q = ((n ^ 8) - 8).float()  # sign-extend the nibble
+    q = _CODECS[fmt].decode(codes, K)
     return (q.reshape(*batch, R, ng, group) * scales).reshape(*batch, R, K)
 
 
@@ -232,37 +262,15 @@ def _qdot(w_ptr, rows, rmask, k0, K, RB, v_ptr, FMT: tl.constexpr, BLOCK_K: tl.c
         ks = k0 + tl.arange(0, BLOCK_K)
         km = ks < K
         v = tl.load(v_ptr + ks, mask=km, other=0.0).to(tl.float32)
-        q = _codes(w_ptr, r64, ks[None, :], rmask[:, None] & km[None, :], RB, FMT)
+        wm = rmask[:, None] & km[None, :]
+        if FMT == 0:
+            p8 = w_ptr.to(tl.pointer_type(tl.int8))
+            q = tl.load(p8 + r64 * RB + ks[None, :], mask=wm, other=0).to(tl.float32)
+        else:
+            c = tl.load(w_ptr + r64 * RB + ks[None, :], mask=wm, other=0).to(tl.int32)
+            q = _fp8_e4m3_to_f32(c)
         prod = q * v[None, :]
     return tl.sum(prod, axis=1)
-
-
-@triton.jit
-def _codes(w_ptr, r64, k, m, RB, FMT: tl.constexpr):
-    """fp32 values of the raw codes at rows `r64` ([R, 1] int64) and columns `k` ([1, BK])
-    of a code matrix at byte pointer `w_ptr` (rows of RB bytes); masked ones read as 0.
-    int4 element by element (`_qdot` reads its nibble pairs itself)."""
-    if FMT == 0:
-        p8 = w_ptr.to(tl.pointer_type(tl.int8))
-        q = tl.load(p8 + r64 * RB + k, mask=m, other=0).to(tl.float32)
-    elif FMT == 1:
-        c = tl.load(w_ptr + r64 * RB + k, mask=m, other=0).to(tl.int32)
-        q = _fp8_e4m3_to_f32(c)
-    else:  # int4: the low nibble holds the even column
-        b = tl.load(w_ptr + r64 * RB + k // 2, mask=m, other=0).to(tl.int32)
-        q = ((((b >> (4 * (k % 2))) & 0xF) ^ 8) - 8).to(tl.float32)
-    return q
-
-
-@triton.jit
-def quant_tile(w_ptr, s_ptr, rows, k, m, RB, G, NG, FMT: tl.constexpr):
-    """fp32 weights `[R, BK]` of rows `rows` ([R]) at columns `k` ([1, BK]) of a quantized
-    matrix (codes at byte pointer `w_ptr`, its fp32 scales at `s_ptr`, NG groups of G per
-    row), each code times its group's scale; masked (`m`) ones read as 0: the tiles of the
-    grouped prefill GEMM (psr_kernels.grouped_ffn)."""
-    r64 = rows[:, None].to(tl.int64)
-    sp = s_ptr.to(tl.pointer_type(tl.float32))
-    return _codes(w_ptr, r64, k, m, RB, FMT) * tl.load(sp + r64 * NG + k // G, mask=m, other=0.0)
 
 
 @triton.jit
