@@ -272,6 +272,27 @@ def _part_args(lay: RowLayout, device: torch.device) -> tuple[dict[str, Any], di
     return a1, a2
 
 
+def _check(
+    op: str,
+    x: torch.Tensor,
+    slab: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    hidden_size: int,
+    ffn_size: int,
+    fmt: RowFormat,
+    group_size: int,
+    slot_table: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> tuple[RowLayout, int]:
+    """The argument checks of the kernel and its reference: (row layout, expert count)."""
+    lay = _check_ffn(op, x, slab, ids, weights, hidden_size, ffn_size, fmt, group_size)
+    _check_table(op, slot_table, ids)
+    E = slab.shape[0] if slot_table is None else slot_table.shape[0]
+    _check_expert_bias(op, bias, E, hidden_size, ffn_size)
+    return lay, E
+
+
 def _check_expert_bias(
     op: str, bias: torch.Tensor | None, num_experts: int, hidden_size: int, ffn_size: int
 ) -> None:
@@ -323,10 +344,8 @@ def grouped_expert_ffn(
     """
     op = "grouped_expert_ffn"
     rf = RowFormat.of_kernel(op, fmt)
-    lay = _check_ffn(op, x, slab, ids, weights, hidden_size, ffn_size, rf, group_size)
-    _check_table(op, slot_table, ids)
-    E = slab.shape[0] if slot_table is None else slot_table.shape[0]
-    _check_expert_bias(op, bias, E, hidden_size, ffn_size)
+    lay, E = _check(op, x, slab, ids, weights, hidden_size, ffn_size, rf, group_size,
+                    slot_table, bias)  # fmt: skip
     check_launchable(op, x, slab, ids, weights, slot_table, bias)
     if not rf.is_float:
         check_aligned(op, slab)
@@ -423,10 +442,7 @@ def grouped_expert_ffn_ref(
     over its tokens from its row (`expert_row_ffn_ref`), in fp32, weighted and summed."""
     op = "grouped_expert_ffn_ref"
     rf = RowFormat.of_kernel(op, fmt)
-    _check_ffn(op, x, slab, ids, weights, hidden_size, ffn_size, rf, group_size)
-    _check_table(op, slot_table, ids)
-    E = slab.shape[0] if slot_table is None else slot_table.shape[0]
-    _check_expert_bias(op, bias, E, hidden_size, ffn_size)
+    _check(op, x, slab, ids, weights, hidden_size, ffn_size, rf, group_size, slot_table, bias)
     if check_slots:
         _check_slot_range(op, ids, slab.shape[0], slot_table, skip_absent)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
