@@ -80,15 +80,19 @@ def _weight_tile(base, part, s_part, rows, rm, ks, km, K, RB, G, NG, tab,
 
 
 @triton.jit
-def _tile(tiles_ptr, order_ptr, table_ptr, HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """This program's tile: (expert, its slot, the sorted rows, their mask, their pairs)."""
+def _tile(tiles_ptr, order_ptr, table_ptr, C, HAS_TABLE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """This program's tile: (expert, its slot, the sorted rows, their mask, their pairs,
+    whether it has nothing to do: no rows (the bound's spare tiles), or a slot out of
+    [0, C), which reads nothing, as in the decode kernels; the wrapper checks slots)."""
     at = tl.program_id(0) * 3
     e = tl.load(tiles_ptr + at)
     slot = load_slot(tiles_ptr, at, table_ptr, HAS_TABLE)
-    rows = tl.load(tiles_ptr + at + 1) + tl.arange(0, BLOCK_M)
-    rm = rows < tl.load(tiles_ptr + at + 2)
+    first, end = tl.load(tiles_ptr + at + 1), tl.load(tiles_ptr + at + 2)
+    rows = first + tl.arange(0, BLOCK_M)
+    rm = rows < end
     p = tl.load(order_ptr + rows, mask=rm, other=0)
-    return e, slot, rows, rm, p
+    idle = (first >= end) | (slot < 0) | (slot >= C)
+    return e, slot, rows, rm, p, idle
 
 
 @triton.jit
@@ -105,6 +109,7 @@ def _grouped_gate_up_kernel(
     w_ptr,  # [T, K] gate weights, scaling the input (SCALE_INPUT)
     H,
     F,
+    C,
     alpha,
     limit,
     gate_off,
@@ -129,7 +134,9 @@ def _grouped_gate_up_kernel(
     BLOCK_F: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    e, slot, rows, rm, p = _tile(tiles_ptr, order_ptr, table_ptr, HAS_TABLE, BLOCK_M)
+    e, slot, rows, rm, p, idle = _tile(tiles_ptr, order_ptr, table_ptr, C, HAS_TABLE, BLOCK_M)
+    if idle:  # its pairs' rows stay zero
+        return
     t = (p // K).to(tl.int64)
     fs = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     fm = fs < F
@@ -168,6 +175,7 @@ def _grouped_down_kernel(
     bias_ptr,
     H,
     F,
+    C,
     down_off,
     down_s_off,
     RB_D,
@@ -184,7 +192,9 @@ def _grouped_down_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
-    e, slot, rows, rm, p = _tile(tiles_ptr, order_ptr, table_ptr, HAS_TABLE, BLOCK_M)
+    e, slot, rows, rm, p, idle = _tile(tiles_ptr, order_ptr, table_ptr, C, HAS_TABLE, BLOCK_M)
+    if idle:  # its pairs' rows stay zero
+        return
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = hs < H
     base = slab_ptr + slot * s_slot
@@ -211,26 +221,32 @@ def _grouped_down_kernel(
 def expert_groups(
     ids: torch.Tensor, num_experts: int, present: torch.Tensor | None = None, block_m: int = GROUP_M
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The grouping of routed pairs `ids [T, k]` (expert ids in [0, num_experts)) by expert:
-    `order` int32 `[n]`, the pairs (t * k + j) sorted by expert, each expert's in ascending
-    pair order, and `tiles` int32 `[tiles, 3]`, each (expert, first row of `order`, end
-    of the expert's run): a tile is its rows first .. min(first + block_m, end), every
-    expert's run cut from its start. `present` (bool
-    `[T, k]`): only those pairs (the others are in no tile). One host sync (the tile count)."""
+    """The grouping of routed pairs `ids [T, k]` (expert ids in [0, num_experts)) by expert,
+    on their device without a host sync: `order` int32 `[T k]`, the pairs (t * k + j)
+    sorted by expert, each expert's in ascending pair order, and `tiles` int32 `[n, 3]`,
+    each (expert, first row of `order`, end of the expert's run): a tile is its rows
+    first .. min(first + block_m, end), every expert's run cut from its start. n is the
+    bound T k // block_m + min(E, T k); the tiles past the used ones are empty (first =
+    end = 0, expert E - 1). `present` (bool `[T, k]`): only those pairs (the others are
+    sorted last, in no tile)."""
+    E, dev = num_experts, ids.device
     key = ids.reshape(-1).long()
     if present is not None:
-        key = torch.where(present.reshape(-1), key, num_experts)  # sorted last, in no tile
+        key = torch.where(present.reshape(-1), key, E)
     order = torch.sort(key, stable=True).indices
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add_, not bincount: bincount sizes its output from the max (a host sync)
+    counts = torch.zeros(E + 1, dtype=torch.long, device=dev)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:E]
     starts = torch.cumsum(counts, 0) - counts
     per = (counts + block_m - 1) // block_m
-    n = int(per.sum())
-    expert = torch.repeat_interleave(
-        torch.arange(num_experts, device=ids.device), per, output_size=n
-    )
-    first = (torch.cumsum(per, 0) - per)[expert]
-    begin = starts[expert] + (torch.arange(n, device=ids.device) - first) * block_m
-    tiles = torch.stack([expert, begin, starts[expert] + counts[expert]], 1)
+    cum = torch.cumsum(per, 0)
+    n = key.numel() // block_m + min(E, key.numel()) if E else 0
+    i = torch.arange(n, device=dev)
+    expert = torch.searchsorted(cum, i, right=True).clamp(max=max(E - 1, 0))
+    used = i < cum[-1] if E else i < 0
+    begin = torch.where(used, starts[expert] + (i - cum[expert] + per[expert]) * block_m, 0)
+    end = torch.where(used, starts[expert] + counts[expert], 0)
+    tiles = torch.stack([expert, begin, end], 1)
     return order.to(torch.int32), tiles.to(torch.int32).contiguous()
 
 
@@ -361,7 +377,7 @@ def grouped_expert_ffn(
     order, tiles = expert_groups(ids, E, _present(ids, slot_table, skip_absent))
     h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
     y = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)  # absent pairs: 0
-    if tiles.shape[0]:
+    if tiles.shape[0]:  # (empty tiles store nothing)
         _launch(lay, x, slab, order, tiles, weights, y, h, slot_table, act, bias, scale_input)
     pairs = y.view(T, K, H)
     acc = pairs[:, 0]
@@ -399,6 +415,7 @@ def _launch(
         w_ptr=weights,
         H=H,
         F=F,
+        C=slab.shape[0],
         HAS_TABLE=table is not None,
         HAS_BIAS=bias is not None,
         SCALE_INPUT=scale_input,

@@ -102,6 +102,10 @@ def test_table_absent_bias_clamped_and_scaled_input() -> None:
     kw = dict(slot_table=table, skip_absent=True, bias=bias, act=act)
     _check(x, slab, ids, w, H, F, **kw)
     _check(x, slab, ids, w, H, F, **kw, scale_input=True)
+    # Unchecked slots out of range read nothing, as skip_absent's absent experts
+    kw2 = dict(slot_table=table, bias=bias, act=act)
+    y = grouped_expert_ffn(x, slab, ids, w, H, F, **kw2, check_slots=False)
+    assert torch.equal(y, grouped_expert_ffn(x, slab, ids, w, H, F, **kw))
     # A token whose experts are all absent gets exactly nothing, bias included.
     gone = torch.tensor([[1, 4]])
     y = grouped_expert_ffn(x[:1], slab, gone, w[:1], H, F, **kw)
@@ -129,10 +133,15 @@ def test_expert_groups_cover_each_expert_s_pairs_once() -> None:
     order, tiles = expert_groups(ids, 5, present, block_m=2)
     assert order[:9].tolist() == [1, 2, 6, 9, 5, 0, 3, 4, 8]  # by expert, pairs ascending
     # (expert, first row, end of its run): expert 0's 4 pairs in two tiles of 2, expert 1's
-    # one, expert 3's 4; experts 2 (absent) and 4 (unused) in none
-    assert tiles.tolist() == [[0, 0, 4], [0, 2, 4], [1, 4, 5], [3, 5, 9], [3, 7, 9]]
+    # one, expert 3's 4; experts 2 (absent) and 4 (unused) in none; then the bound's
+    # 10 // 2 + 5 = 10 tiles filled with empty ones (no host sync to count them)
+    used = [[0, 0, 4], [0, 2, 4], [1, 4, 5], [3, 5, 9], [3, 7, 9]]
+    assert tiles.tolist() == used + [[4, 0, 0]] * 5
     empty = expert_groups(torch.zeros(0, 2, dtype=torch.long), 4)
     assert empty[0].numel() == 0 and empty[1].shape == (0, 3)
+    # one expert: its run's tiles, and at most one empty tile
+    _, one = expert_groups(torch.zeros(5, 1, dtype=torch.long), 1, block_m=2)
+    assert one.tolist() == [[0, 0, 5], [0, 2, 5], [0, 4, 5]]
 
 
 def test_bad_input_is_named() -> None:
