@@ -303,7 +303,8 @@ class ExpertCompute:
         """Whether the grouped Triton GEMM computes `row` over `x`: the Triton path, both
         on a device it runs on (CUDA; the CPU under the interpreter)."""
         here = x.device.type == "cuda" or (x.device.type == "cpu" and pk.interpreting())
-        return self.ops.path == "triton" and row.device == x.device and here
+        eager = not torch.compiler.is_compiling()  # prefill runs eager; never traced in
+        return self.ops.path == "triton" and row.device == x.device and here and eager
 
     def row(
         self, row: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
