@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from ggml_blocks import MIXES, expert_rows
-from test_expert_ffn import make_slab
 
 import psr_kernels as pk
 from psr_kernels import ggml
@@ -23,6 +22,14 @@ from psr_kernels.grouped_ffn import (
     grouped_expert_ffn,
     grouped_expert_ffn_ref,
 )
+
+
+def make_slab(C: int, H: int, F: int, dtype: torch.dtype, seed: int = 0):
+    """`[C, 3HF]` float rows of C random experts in `dtype`, and their fp32 matrices."""
+    gen = torch.Generator().manual_seed(seed)
+    mats = [[torch.randn(*s, generator=gen) / s[1] ** 0.5 for s in ((F, H), (F, H), (H, F))]
+            for _ in range(C)]  # fmt: skip
+    return torch.stack([pk.pack_expert(*m) for m in mats]).to(dtype), mats
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, tol: float = 1e-4) -> None:
