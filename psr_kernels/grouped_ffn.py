@@ -95,7 +95,7 @@ def _tile(tiles_ptr, order_ptr, table_ptr, C, HAS_TABLE: tl.constexpr, BLOCK_M: 
     return e, slot, rows, rm, p, idle
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])  # k = 1 (prefill's per-expert calls) and k > 1 share a binary
 def _grouped_gate_up_kernel(
     x_ptr,
     s_xt,
@@ -121,7 +121,7 @@ def _grouped_gate_up_kernel(
     G,
     NG,
     tab_ptr,
-    K: tl.constexpr,
+    K,  # routed experts per token: pair p is token p // K
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACT: tl.constexpr,

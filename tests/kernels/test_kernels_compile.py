@@ -214,7 +214,7 @@ SCRIPT = textwrap.dedent(
         gconsts = dict(HAS_TABLE=not kind["HAS_BIAS"], PRECISION="ieee" if xt == "fp32" else "tf32",
                        **{k2: v for k2, v in kind.items() if k2 != "ACT"})
         compile_(_grouped_gate_up_kernel, {"x_ptr": p(xt), "h_ptr": p("fp32"), **gtypes},
-                 dict(K=8, ACT=kind["ACT"], **gconsts, **c1), w1, arch)
+                 dict(ACT=kind["ACT"], **gconsts, **c1), w1, arch)
         compile_(_grouped_down_kernel, {"h_ptr": p("fp32"), "y_ptr": p("fp32"), **gtypes},
                  dict(**gconsts, **c2), w2, arch)
         n += 2
