@@ -250,6 +250,19 @@ def expert_groups(
     return order.to(torch.int32), tiles.to(torch.int32).contiguous()
 
 
+@functools.lru_cache(maxsize=1024)
+def _one_expert_groups(
+    pairs: int, device: torch.device, block_m: int = GROUP_M
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_groups` of `pairs` pairs all routed to expert 0 (prefill's per-expert calls:
+    one slab row), without the spare tiles; cached per count and device (read-only: the
+    kernels only read them), so those calls launch nothing but the two kernels."""
+    begin = torch.arange(0, pairs, block_m, dtype=torch.int32)
+    tiles = torch.stack([torch.zeros_like(begin), begin, torch.full_like(begin, pairs)], 1)
+    order = torch.arange(pairs, dtype=torch.int32)
+    return order.to(device), tiles.to(device)
+
+
 @functools.lru_cache(maxsize=256)
 def grouped_launch_config(lay: RowLayout) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
     """Constexprs and warps of the gate/up and down kernels for `lay` (no autotuning; a
@@ -374,7 +387,10 @@ def grouped_expert_ffn(
         return torch.zeros(T, H, dtype=out, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
     weights = weights.contiguous()
-    order, tiles = expert_groups(ids, E, _present(ids, slot_table, skip_absent))
+    if E == 1 and slot_table is None:  # one expert (prefill's calls): every pair in order
+        order, tiles = _one_expert_groups(T * K, x.device)
+    else:
+        order, tiles = expert_groups(ids, E, _present(ids, slot_table, skip_absent))
     h = torch.empty(T * K, ffn_size, dtype=torch.float32, device=x.device)
     y = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)  # absent pairs: 0
     if tiles.shape[0]:  # (empty tiles store nothing)

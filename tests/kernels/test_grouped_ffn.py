@@ -135,6 +135,17 @@ def test_a_token_s_result_does_not_depend_on_the_others() -> None:
         assert torch.equal(one[0], y[t])
 
 
+def test_one_row_slab_takes_the_cached_grouping_with_the_same_bits() -> None:
+    """Prefill's per-expert calls (a one-row slab) group without sorting: the bits of the
+    general grouping of the same pairs."""
+    H, F, T = 40, 24, GROUP_M + 5
+    slab, _ = make_slab(2, H, F, torch.float32, seed=3)
+    x, w = torch.randn(T, H), torch.rand(T, 1)
+    ids = torch.zeros(T, 1, dtype=torch.long)
+    one = grouped_expert_ffn(x, slab[:1], ids, w, H, F)
+    assert torch.equal(one, grouped_expert_ffn(x, slab, ids, w, H, F))  # 2 rows: sorted
+
+
 def test_expert_groups_cover_each_expert_s_pairs_once() -> None:
     ids = torch.tensor([[3, 0], [0, 3], [3, 1], [0, 2], [3, 0]])
     present = ids != 2
