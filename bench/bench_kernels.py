@@ -53,6 +53,12 @@ def make_case(name: str, device: str, dtype: torch.dtype = torch.bfloat16):
         "slots": torch.randperm(C, generator=gen)[:k][None].to(device),
         "weights": torch.rand(1, k, generator=gen).to(device),
     }
+    # A prefill chunk for the grouped GEMM: P tokens, each routed to k distinct slots.
+    P = 8 if name in TINY else 512
+    case["chunk_x"] = torch.randn(P, H, generator=gen).to(dtype).to(device)
+    ids = torch.stack([torch.randperm(C, generator=gen)[:k] for _ in range(P)])
+    case["chunk_ids"] = ids.to(device)
+    case["chunk_w"] = torch.rand(P, k, generator=gen).to(device)
     return case
 
 
@@ -87,6 +93,15 @@ def ops(c: dict) -> dict[str, tuple[Callable, Callable]]:
             ),
             lambda: pk.expert_ffn_ref(
                 c["hidden"], c["slab"], c["slots"], c["weights"], H, F, check_slots=False
+            ),
+        ),
+        # prefill: a chunk's experts, the grouped GEMM against each expert by the reference
+        "grouped_expert_ffn": (
+            lambda: pk.grouped_expert_ffn(
+                c["chunk_x"], c["slab"], c["chunk_ids"], c["chunk_w"], H, F, check_slots=False
+            ),
+            lambda: pk.grouped_expert_ffn_ref(
+                c["chunk_x"], c["slab"], c["chunk_ids"], c["chunk_w"], H, F, check_slots=False
             ),
         ),
     }
@@ -150,11 +165,13 @@ def table(rows: list[dict]) -> str:
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-@pytest.mark.parametrize("op", ["route", "route_hidden", "predict_next", "expert_ffn"])
+@pytest.mark.parametrize(
+    "op", ["route", "route_hidden", "predict_next", "expert_ffn", "grouped_expert_ffn"]
+)
 @pytest.mark.parametrize("impl", ["kernel", "ref"])
 def test_kernel(benchmark, name: str, op: str, impl: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and impl == "kernel" and op == "expert_ffn":
+    if device == "cpu" and impl == "kernel" and op in ("expert_ffn", "grouped_expert_ffn"):
         pytest.skip("too slow under the interpreter")
     fn = ops(make_case(name, device))[op][0 if impl == "kernel" else 1]
     benchmark(fn)

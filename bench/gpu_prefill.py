@@ -20,13 +20,17 @@ after a warm-up; beside it the prefill copies, the experts the split computed on
 (from the routed ids, psr.runtime.prefill.split_experts) and whether the first token
 agrees with the split off; layer-major beside them with what its schedules issued
 (copies, prefetches, reads that waited) and whether its first token equals the split
-on's (it must: layer-major changes only the order of the work). Fail-soft: an error is
+on's (it must: layer-major changes only the order of the work). Before the prompts, the
+prefill expert kernels alone (`kernels`): a 512-token chunk of MoE layer 0 by the grouped
+Triton GEMM (per expert, as prefill calls it, and once for the chunk) against the
+per-expert torch reference, side by side. Fail-soft: an error is
 recorded per model and prompt, and the JSON is rewritten after every measurement.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -86,6 +90,73 @@ def cpu_experts(model: Any, split: Any, chunk: int, start: int = 0) -> int:
     return n
 
 
+def kernels(model: Any, tokens: int, repeats: int, experts: int = 64) -> dict[str, Any]:
+    """The prefill expert kernels side by side on the model's own rows (MoE layer 0, up to
+    `experts`, at least top-k, staged as a device slab): one chunk of `tokens` bf16 tokens
+    routed top-k at random, computed by the per-expert torch reference (`ExpertCompute.row`,
+    the path before the grouped GEMM), the grouped GEMM once per expert (as prefill calls it, from
+    each expert's slot) and the grouped GEMM once for the whole chunk; median seconds, the
+    reference's time over each, and the largest difference from the reference."""
+    import psr_kernels as pk
+
+    rt = model.runtime
+    spec, compute, dev = rt.spec, rt.computes[0], rt.store.device
+    H, F, E, k = (
+        spec.hidden_size,
+        spec.ffn_size,
+        min(spec.num_experts, max(experts, spec.top_k)),
+        spec.top_k,
+    )
+    slab = rt.store.host(0)[:E].to(dev)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, H, generator=g).to(dev, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).to(dev)
+    w = torch.rand(tokens, k, generator=g).to(dev)
+    table = rt.layers[0].expert_bias
+    bias = None if table is None else table[:E].float().contiguous()
+    groups = [(e, *torch.where(ids == e)) for e in range(E)]
+    groups = [(e, tok, pos) for e, tok, pos in groups if tok.numel()]
+    kw: dict[str, Any] = dict(fmt=compute.expert_format, group_size=compute.group_size)
+    kw |= dict(act=spec.act, scale_input=spec.input_scaled, out_dtype=torch.float32)
+
+    def per_expert(kernel: bool) -> torch.Tensor:
+        out = torch.zeros(tokens, H, dtype=torch.float32, device=dev)
+        for e, tok, pos in groups:
+            b, we = None if bias is None else bias[e : e + 1], w[tok, pos][:, None]
+            if kernel:
+                z = torch.zeros(tok.numel(), 1, dtype=torch.long, device=dev)
+                y = pk.grouped_expert_ffn(x[tok], slab[e : e + 1], z, we, H, F, bias=b,
+                                          check_slots=False, **kw)  # fmt: skip
+            elif spec.input_scaled:  # the reference, as ExpertCompute.weighted_row ran it
+                y = compute.row(slab[e], x[tok] * we.to(x.dtype), None if b is None else b[0])
+            else:
+                y = compute.row(slab[e], x[tok], None if b is None else b[0]) * we
+            out.index_add_(0, tok, y.float())
+        return out
+
+    def chunk() -> torch.Tensor:
+        return pk.grouped_expert_ffn(x, slab, ids, w, H, F, bias=bias, check_slots=False, **kw)
+
+    ref, each, whole = per_expert(False), per_expert(True), chunk()
+    t_ref = _median_s(lambda: per_expert(False), dev, repeats)
+    t_each = _median_s(lambda: per_expert(True), dev, repeats)
+    t_chunk = _median_s(chunk, dev, repeats)
+    return {
+        "tokens": tokens,
+        "experts": E,
+        "top_k": k,
+        "format": compute.expert_format.kernel_fmt or str(slab.dtype),
+        "reference_per_expert_s": t_ref,
+        "grouped_per_expert_s": t_each,
+        "grouped_chunk_s": t_chunk,
+        "ref_over_grouped_per_expert": t_ref / t_each,
+        "ref_over_grouped_chunk": t_ref / t_chunk,
+        "max_abs_diff_per_expert": float((each - ref).abs().max()),
+        "max_abs_diff_chunk": float((whole - ref).abs().max()),
+        "ref_max_abs": float(ref.abs().max()),
+    }
+
+
 def ttft(model: Any, ids: torch.Tensor, reps: int) -> tuple[float, list[int]]:
     dev = model.runtime.store.device
     best, out = float("inf"), None
@@ -142,6 +213,13 @@ def one_model(path: str, prompts: list[int], a: argparse.Namespace) -> dict[str,
     L = len(model.runtime.layers)
     splits = {False: PrefillSplit.off(L), True: PrefillSplit((t,) * L)}
     res: dict[str, Any] = {"costs": costs, "threshold": t, "prompts": {}}
+    try:  # the prefill expert kernels alone (fail-soft: the TTFT stages still run)
+        # the dry run: 8 tokens over 8 experts, once (the interpreter's GEMMs are slow)
+        dry = dict(tokens=8, repeats=1, experts=8) if a.dry_run else {}
+        res["kernels"] = kernels(model, **{"tokens": 512, "repeats": 5, **dry})
+    except Exception as e:
+        res["kernels"] = {"error": f"{type(e).__name__}: {e}"}
+        traceback.print_exc()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     for T in prompts:
@@ -195,6 +273,8 @@ def main() -> None:
     if a.dry_run and a.threshold is None:
         a.threshold = 3
     a.device = "cpu" if a.dry_run else "cuda"
+    if a.dry_run:  # the kernels stage's Triton kernels on the CPU (before psr imports them)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     a.chunk = 16 if a.dry_run else 512
     if not a.dry_run and not torch.cuda.is_available():
         sys.exit("gpu_prefill.py: no CUDA device (use --dry-run on the CPU)")

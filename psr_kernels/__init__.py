@@ -10,6 +10,9 @@ Ops (each with a plain-torch `*_ref` beside it, the same arguments and results):
   expert_ffn(x, slab, slots, weights, H, F, fmt=, slot_table=) -> y
       fmt None: float slab rows; 'int8' | 'fp8' | 'int4': quantized uint8 rows;
       slot_table: slots hold expert ids, looked up in the device slot map
+  grouped_expert_ffn(x, slab, ids, weights, H, F, fmt=, slot_table=, bias=) -> y
+      prefill's grouped dequant-GEMM: the routed pairs sorted by expert, tiles of one
+      expert's tokens x its rows (tl.dot), every row format (psr_kernels.grouped_ffn)
   decode_step(logits, spec, state, layout, layer, n=, residual=, ...) -> (weights, ids)
       one MoE layer's sync-free decode step in one launch: route on the device cache,
       `use`, and predict + `prefetch` into the next layer (psr_kernels.decode)
@@ -51,7 +54,7 @@ predict_next, expert_ffn} (primitive schemas: RouteSpec's fields as arguments), 
 `make_vllm_routing_function` for vLLM's FusedMoE.
 """
 
-from psr_kernels._common import NonFiniteError
+from psr_kernels._common import NonFiniteError, interpreting
 from psr_kernels.activation import ACTIVATIONS, SILU, Activation
 from psr_kernels.block_routing import block_scores_ref, route_block, route_block_ref
 from psr_kernels.cache_state import CacheLayout, cache_prefetch, cache_use
@@ -85,6 +88,7 @@ from psr_kernels.ggml import (
     pack_ggml_expert,
     pack_ggml_parts,
 )
+from psr_kernels.grouped_ffn import grouped_expert_ffn, grouped_expert_ffn_ref
 from psr_kernels.linear import (
     LinearFormat,
     decode_rows,
@@ -204,6 +208,9 @@ __all__ = [
     "ggml_row_bytes",
     "ggml_type_id",
     "ggml_types",
+    "grouped_expert_ffn",
+    "grouped_expert_ffn_ref",
+    "interpreting",
     "is_ggml_format",
     "kernel_ops",
     "linear",

@@ -25,6 +25,9 @@ def test_prefill_stage_dry_run(tmp_path: Path) -> None:
     assert res["device"] == "cpu" and res["chunk"] == 16
     m = res["models"]["embedded (bf16 rows)"]
     assert m["threshold"] == 3 and set(m["costs"]) == {"copy_s", "cpu_expert_s"}
+    k = m["kernels"]  # the grouped GEMM beside the per-expert reference, both computed
+    assert k["grouped_chunk_s"] > 0 and k["reference_per_expert_s"] > 0
+    assert k["max_abs_diff_chunk"] <= 0.02 * k["ref_max_abs"]  # bf16 outputs' rounding
     row = m["prompts"]["24"]
     off, on = row["off"], row["on"]
     assert off["cpu_experts"] == 0 < on["cpu_experts"]

@@ -190,6 +190,34 @@ SCRIPT = textwrap.dedent(
     compile_(_ggml_decode_kernel, {"src": p("u8"), "out": p("fp32"), "tab": p("u8")},
              dict(T=12, BLOCK_R=16, BLOCK_K=128), 4, 90)
     n += 1
+    # The grouped prefill GEMM (psr_kernels.grouped_ffn) at Qwen3-30B-A3B's expert shape:
+    # float rows (bf16 x: TF32 dots; fp32 x: exact fp32, sm_80 too), every quantized format,
+    # GGML mixes of each decoder family; gpt-oss's and Llama 4's kinds once.
+    from psr_kernels.grouped_ffn import (
+        _grouped_down_kernel, _grouped_gate_up_kernel, grouped_launch_config,
+    )
+    from psr_kernels.rowformat import RowFormat
+
+    gcases = [(90, None, "bf16", swiglu), (80, None, "fp32", swiglu), (90, None, "fp32", swiglu)]
+    gcases += [(90, q, "bf16", swiglu) for q in FORMATS]
+    gcases += [(90, ggml_format(*m), "bf16", swiglu) for m in (
+        ("Q4_K", "Q4_K", "Q6_K"), ("IQ2_XXS", "IQ1_M", "Q8_0"), ("MXFP4", "Q5_1", "IQ4_XS"),
+        ("FP8_B128", "FP8_B128", "FP8_B128"))]
+    gcases += [(90, "int8", "bf16", kind) for kind in expert_kinds[1:]]
+    for arch, word, xt, kind in gcases:
+        fmt = RowFormat.of_kernel("compile", word)
+        c1, c2 = map(dict, grouped_launch_config(fmt.layout(2048, 768)))
+        w1, w2 = c1.pop("num_warps"), c2.pop("num_warps")
+        gtypes = {"slab_ptr": p("bf16" if fmt.is_float else "u8"), "tiles_ptr": p("i32"),
+                  "order_ptr": p("i32"), "table_ptr": p("i32"), "w_ptr": p("fp32"),
+                  "tab_ptr": p("i8"), **ffn_types}
+        gconsts = dict(HAS_TABLE=not kind["HAS_BIAS"], PRECISION="ieee" if xt == "fp32" else "tf32",
+                       **{k2: v for k2, v in kind.items() if k2 != "ACT"})
+        compile_(_grouped_gate_up_kernel, {"x_ptr": p(xt), "h_ptr": p("fp32"), **gtypes},
+                 dict(ACT=kind["ACT"], **gconsts, **c1), w1, arch)
+        compile_(_grouped_down_kernel, {"h_ptr": p("fp32"), "y_ptr": p("fp32"), **gtypes},
+                 dict(**gconsts, **c2), w2, arch)
+        n += 2
     # Dense layers on stored weights (psr_kernels.linear): block types of each decoder
     # family with a bias (bf16 x; every type's `_ggml_tile` branch is compiled above), MLA's
     # transposed heads, int8 / fp8 / int4 codes (fp32 x); sm_80 once. (All 24 block types
@@ -239,4 +267,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 181 variants, 157 distinct" in r.stdout
+    assert "compiled 205 variants, 181 distinct" in r.stdout

@@ -36,8 +36,9 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _model(path: Path, layer_major: bool, experts_on: str = "gpu", split=None, reads="slab"):
-    model = psr.load(path, "psr", 0.5, lam=0.3, n=1, experts_on=experts_on, progress=False)
+def _model(path: Path, layer_major: bool, experts_on: str = "gpu", split=None, reads="slab",
+           **kw):  # fmt: skip
+    model = psr.load(path, "psr", 0.5, lam=0.3, n=1, experts_on=experts_on, progress=False, **kw)
     model.set_prefill_chunk(CHUNK)
     model.runtime.prefill_reads = reads  # "slab": CUDA's path, on the CPU backend
     if split is not None:
@@ -165,3 +166,53 @@ def test_set_layer_major_refuses_a_non_bool(ckpts) -> None:
     model = _model(ckpts["olmoe"], False)
     with pytest.raises(ValueError, match="set_layer_major: on must be a bool"):
         model.set_layer_major("yes")  # type: ignore[arg-type]
+
+
+def _prefill(model: psr.OffloadedModel):
+    """A prompt's prefill alone: its logits, KV keys, routed ids and seeded caches."""
+    logits, kv = model._prefill(None, None)(PROMPT.to(model.device), True)
+    rt = model.runtime
+    keys = [layer.keys.clone() for layer in kv.layers]
+    return logits, keys, rt.histories(), [L.cache.order() for L in rt.layers]
+
+
+def test_the_device_path_s_grouped_kernel_is_bit_identical_too(ckpts, monkeypatch) -> None:
+    """CUDA's prefill experts (compute="triton": the grouped Triton GEMM, here under the
+    interpreter on CPU tensors): layer-major prefill equals chunk-major bit for bit (logits,
+    KV, routed ids, seeds), each computing every (chunk, expert) with the same call; and
+    it computes what the reference path does."""
+    import psr_kernels as pk
+
+    calls: list[int] = []
+    real = pk.grouped_expert_ffn
+
+    def spy(x, *a, **kw):
+        calls.append(x.shape[0])
+        return real(x, *a, **kw)
+
+    monkeypatch.setattr(pk, "grouped_expert_ffn", spy)
+    monkeypatch.setenv("PSR_COPY_DELAY_US", "1000")
+    ckpt = ckpts["qwen2_moe"]  # the smallest family; every token routed to 4 experts
+    base = _prefill(_model(ckpt, False, compute="triton"))
+    pairs = PROMPT.shape[1] * 4 * len(base[2])  # every layer's routed pairs
+    assert sum(calls) == pairs
+    got = _prefill(_model(ckpt, True, compute="triton"))
+    assert sum(calls) == 2 * pairs
+    assert torch.equal(got[0], base[0]) and got[2:] == base[2:]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], base[1], strict=True))
+    ref = _prefill(_model(ckpt, False, compute="torch"))
+    torch.testing.assert_close(base[0], ref[0], rtol=1e-4, atol=1e-4)
+    assert ref[2] == base[2]  # the same routing
+
+
+@pytest.mark.gpu
+def test_layer_major_on_cuda_is_bit_identical(tmp_path) -> None:
+    """On a GPU (the grouped GEMM compiled, copies really in flight): layer-major prefill
+    equals chunk-major bit for bit. (tmp_path only: the mini GPU runner runs it too.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    path = write_checkpoint(tiny_model("olmoe", num_experts_per_tok=4), tmp_path / "olmoe")
+    base = _prefill(_model(path, False, device="cuda"))
+    got = _prefill(_model(path, True, device="cuda"))
+    assert torch.equal(got[0], base[0]) and got[2:] == base[2:]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], base[1], strict=True))

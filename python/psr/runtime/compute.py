@@ -282,10 +282,29 @@ class ExpertCompute:
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One expert's contribution to tokens `x [N, H]` with their gate weights `w [N]`:
-        w * expert(x), or expert(w x) where the kind scales the input (Llama 4)."""
+        w * expert(x), or expert(w x) where the kind scales the input (Llama 4). On the
+        Triton path, with x and the row where the kernels run, the grouped prefill GEMM
+        (`grouped_expert_ffn`: the row's weights read once for all N tokens, fp32 out);
+        elsewhere the reference."""
+        if self._grouped(x, row):
+            c = self.spec
+            return pk.grouped_expert_ffn(
+                x, row[None], torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device),
+                w[:, None], c.hidden_size, c.ffn_size, fmt=self.expert_format,
+                group_size=self.group_size, out_dtype=torch.float32, check_slots=False,
+                act=c.act, bias=None if bias is None else bias[None].float().contiguous(),
+                scale_input=c.input_scaled,
+            )  # fmt: skip
         if self.spec.input_scaled:
             return self.row(row, x * w[:, None].to(x.dtype), bias)
         return self.row(row, x, bias) * w[:, None]
+
+    def _grouped(self, x: torch.Tensor, row: torch.Tensor) -> bool:
+        """Whether the grouped Triton GEMM computes `row` over `x`: the Triton path, both
+        on a device it runs on (CUDA; the CPU under the interpreter)."""
+        here = x.device.type == "cuda" or (x.device.type == "cpu" and pk.interpreting())
+        eager = not torch.compiler.is_compiling()  # prefill runs eager; never traced in
+        return self.ops.path == "triton" and row.device == x.device and here and eager
 
     def row(
         self, row: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None
