@@ -309,8 +309,11 @@ def test_reservations_make_every_step_fit_the_kv_budget(ckpts) -> None:
 
     model = _tiny(ckpts)
     dec = BatchDecoder(model, 3, kv_tokens=20)
-    with pytest.raises(KVBudgetExceeded, match=r"^a prompt of 9 tokens \+ max_tokens 12 exceeds "
-                       r"the batch's KV budget of 20 tokens \(kv_tokens\): lower max_tokens$"):  # fmt: skip
+    one_line = (
+        r"^a prompt of 9 tokens \+ max_tokens 12 exceeds the batch's KV budget of 20 tokens "
+        r"\(kv_tokens\): lower max_tokens$"
+    )
+    with pytest.raises(KVBudgetExceeded, match=one_line):
         dec.add(PROMPTS[1], 12)
     assert not dec.live
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):

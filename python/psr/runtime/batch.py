@@ -231,9 +231,9 @@ class BatchDecoder:
     budget is refused (`KVBudgetExceeded`), one that does not fit beside the live
     sequences' reservations is refused until one leaves (`waits` says so beforehand), so
     the admitted sequences' steps always fit. Without max_new_tokens only the prompt is
-    reserved and `add` takes it beside any: a queued prefill chunk that does not fit waits (until a sequence leaves),
-    and a `feed` whose step would pass the budget is refused before anything changes (the
-    safety net either way).
+    reserved and `add` takes it beside any: a queued prefill chunk that does not fit
+    waits (until a sequence leaves), and a `feed` whose step would pass the budget is
+    refused before anything changes (the safety net either way).
     `slab_slots` (default: min(the store's slots, max_batch x the solo slots)): the shared
     slab's slots per MoE layer (batch_slab.py), from the solo slots up to the store's
     (`batch_slots` at load); each sequence's logical cache keeps the solo slots.
