@@ -155,13 +155,16 @@ class Slots:
         """Serve until the engine stops; every live request is answered (503) then."""
         eng = self.engine
         while True:
-            jobs = eng.take(wait=not self.slots, admits=self._admits)
+            # One at a time: whether the next fits depends on the reservations of those
+            # joined before it.
+            jobs = eng.take(wait=not self.slots, admits=self._admits, most=1)
             if eng.stopping:
                 for slot in list(self.slots.values()):
                     self._end(slot, None, None)
                 return
-            for job in jobs:
-                self._join(job)
+            while jobs:
+                self._join(jobs[0])
+                jobs = eng.take(wait=False, admits=self._admits, most=1)
             self._drop_cancelled()
             if self.slots:
                 self._step()

@@ -270,11 +270,13 @@ class Engine:
             finally:
                 self.leave(jobs[0])
 
-    def take(self, wait: bool, admits: Callable[[Job], bool] | None = None) -> list[Job]:
-        """Queued jobs for the free slots, oldest first (they become active); with `wait`,
-        block until there is one. Empty when stopping (or none queued, not waiting).
-        `admits` (default: all): whether the oldest may start now; when it may not, it and
-        those behind it stay queued (FIFO: none overtakes it)."""
+    def take(
+        self, wait: bool, admits: Callable[[Job], bool] | None = None, most: int | None = None
+    ) -> list[Job]:
+        """Queued jobs for the free slots (at most `most`), oldest first (they become
+        active); with `wait`, block until there is one. Empty when stopping (or none
+        queued, not waiting). `admits` (default: all): whether the oldest may start now;
+        when it may not, it and those behind it stay queued (FIFO: none overtakes it)."""
         with self._cond:
             while wait and not self._queue and not self._stopping:
                 self._cond.wait()
@@ -282,6 +284,8 @@ class Engine:
                 return []
             jobs: list[Job] = []
             while self._queue and len(self._active) < (self.parallel or 1):
+                if most is not None and len(jobs) >= most:
+                    break
                 if admits is not None and not admits(self._queue[0]):
                     break
                 job = self._queue.popleft()
