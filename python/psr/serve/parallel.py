@@ -172,7 +172,10 @@ class Slots:
     # --- one request -------------------------------------------------------------------
     def _admits(self, job: Job) -> bool:
         """Whether `job` may join now: its KV reservation fits beside the running ones'."""
-        return not self.dec.waits(len(job.prompt_ids), job.params.max_new_tokens)
+        try:
+            return not self.dec.waits(len(job.prompt_ids), job.params.max_new_tokens)
+        except (TypeError, ValueError):  # bad max_tokens: `add` refuses it, this request only
+            return True
 
     def _join(self, job: Job) -> None:
         eng = self.engine
