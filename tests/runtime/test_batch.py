@@ -300,6 +300,53 @@ def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
     assert torch.equal(torch.stack(got), solo(model, PROMPTS[1], 4)[1])
 
 
+def test_reservations_make_every_step_fit_the_kv_budget(ckpts) -> None:
+    """add(prompt, max_new_tokens) under kv_tokens reserves prompt + max_new_tokens: one
+    beyond the budget is refused naming the numbers, one beside too large a reservation
+    waits (`waits`, and `add` refuses it with nothing changed) until a sequence leaves;
+    the admitted ones' steps all fit, each sequence's logits its solo run's."""
+    from psr.runtime.batch import KVBudgetExceeded
+
+    model = _tiny(ckpts)
+    dec = BatchDecoder(model, 3, kv_tokens=20)
+    one_line = (
+        r"^a prompt of 9 tokens \+ max_tokens 12 exceeds the batch's KV budget of 20 tokens "
+        r"\(kv_tokens\): lower max_tokens$"
+    )
+    with pytest.raises(KVBudgetExceeded, match=one_line):
+        dec.add(PROMPTS[1], 12)
+    assert not dec.live
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        dec.waits(5, 0)
+    assert dec.reservation(5, 8) == 13 and not dec.waits(5, 8)
+    a = dec.add(PROMPTS[0], 8)  # 13 reserved
+    assert dec.kv_reserved == 13
+    assert dec.waits(9, 4) and not dec.waits(3, 4)  # 13 + 13 > 20, 13 + 7 fits
+    with pytest.raises(ValueError, match="do not fit beside the live sequences' 13"):
+        dec.add(PROMPTS[1], 4)
+    assert dec.live == [a]
+    c = dec.add(PROMPTS[2], 4)  # 3 + 4: 20 reserved, the whole budget
+    got: dict[int, list[torch.Tensor]] = {a: [], c: []}
+    want, b, joined_after = {a: 8, c: 4}, None, None
+    while dec.live or b is None:
+        if b is None and not dec.waits(9, 4):  # b waits until a leaves (c's 7 is not enough)
+            b, joined_after = dec.add(PROMPTS[1], 4), len(got[a])
+            got[b], want[b] = [], 4
+        feed = {}
+        for s, lg in dec.ready().items():
+            got[s].append(lg)
+            if len(got[s]) == want[s]:
+                dec.remove(s)  # frees its reservation
+            else:
+                feed[s] = int(lg.float().argmax())
+        dec.feed(feed)  # never refused: the live reservations fit
+        assert dec.kv_held <= dec.kv_reserved <= 20
+    assert joined_after == 8  # it started once a had left
+    for s, p in ((a, PROMPTS[0]), (b, PROMPTS[1]), (c, PROMPTS[2])):
+        assert torch.equal(torch.stack(got[s]), solo(model, p, want[s])[1])
+    assert dec.kv_reserved == 0 and not dec.waits(9, 11)  # all freed: the budget whole
+
+
 def test_recorded_batch_trace_counts_each_copy_once_and_prices(ckpts) -> None:
     """record_trace: one trace token per batch step; each layer step the union of its rows'
     experts and the shared slab's copies (each once, however many rows need it); the

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import pytest
-from servers import RemoteServer
+from servers import InProcessServer, RemoteServer
 
 from psr.cli import build_parser
 from psr.cli.generate import load_options
@@ -301,3 +302,87 @@ def test_explicit_slots_beyond_memory_get_a_kv_budget(model, monkeypatch) -> Non
         assert slots.dec.kv_tokens == want
     with pytest.raises(ValueError, match="exceeds the batch's KV budget"):
         slots.dec.add(list(range(1, want + 2)))
+
+
+@contextmanager
+def kv_budget_server(model, tokens: int, monkeypatch) -> Iterator[InProcessServer]:
+    """`--parallel 4` over `model` whose four KV caches do not fit: the memory available
+    holds `tokens` KV tokens (kv_limit), so the batch's KV budget is `tokens`."""
+    import psr.models.tiers as tiers
+
+    per_token = model.memory(1)["device_kv"]
+    monkeypatch.setattr(tiers, "meminfo", lambda: {"MemAvailable": tokens * per_token + 1})
+    s = InProcessServer(lambda: model, parallel=4)
+    try:
+        assert s.engine.ready.wait(60)
+        yield s
+    finally:
+        s.close()
+
+
+def test_requests_beyond_the_kv_budget_wait_their_turn(model, monkeypatch) -> None:
+    # A budget of 64 KV tokens; four requests of prompt + 24 tokens (29 to 33 each, 124
+    # together) at once: two fit together, the others wait for them (no step ever holds
+    # more than two), and all four answer their solo runs' tokens (no 500). One whose own
+    # prompt + max_tokens exceeds the budget is refused at once: a one-line 400.
+    want = [solo(model, p, 24) for p in PROMPTS]
+    got: dict[int, list[int]] = {}
+    with kv_budget_server(model, 64, monkeypatch) as s:
+
+        def client(i: int) -> None:
+            r = s.client(timeout=300).completions.create(
+                model="test", prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                extra_body={"return_token_ids": True},
+            )  # fmt: skip
+            got[i] = (r.choices[0].model_extra or {})["token_ids"]
+
+        at_once(len(PROMPTS), client)
+        assert [got[i] for i in range(len(PROMPTS))] == want
+        m = s.metrics()
+        ends = [m.get(f'psr_requests_total{{outcome="{k}"}}', 0) for k in ("stop", "length")]
+        assert sum(ends) == len(PROMPTS)  # none failed
+        assert m['psr_batch_size_bucket{le="2.0"}'] == m["psr_batch_size_count"]  # <= 2 rows
+        assert m["psr_batch_size_sum"] == sum(len(w) - 1 for w in want)
+        for stream in (False, True):
+            big = {"model": "test", "prompt": PROMPTS[0], "max_tokens": 60, "stream": stream}
+            with s.http() as h:
+                r = h.post("/v1/completions", json=big)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == (
+                "a prompt of 6 tokens + max_tokens 60 exceeds the batch's KV budget of 64 "
+                "tokens (kv_tokens): lower max_tokens"
+            )
+        m = s.metrics()
+        assert m['psr_requests_total{outcome="invalid"}'] == 2
+        assert m["psr_running_requests"] == 0 and m["psr_queue_depth"] == 0
+
+
+def test_a_cancelled_request_frees_its_kv_for_a_waiting_one(model, monkeypatch) -> None:
+    # A stream reserves the whole budget (6 + 294 of 300 KV tokens); a second request (8 +
+    # 10) waits in the queue behind it; the stream's client leaves: its reservation is
+    # freed and the waiting request runs, its solo run's tokens.
+    want = solo(model, PROMPTS[1], 10)
+    got: list[list[int]] = []
+    with kv_budget_server(model, 300, monkeypatch) as s:
+        body = {"model": "test", "prompt": PROMPTS[0], "max_tokens": 294, "temperature": 0}
+        with s.http() as h, h.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            lines = r.iter_lines()  # held: a dropped iterator closes the stream
+            assert next(lines).startswith("data: ")
+
+            def waiting() -> None:
+                out = s.client(timeout=300).completions.create(
+                    model="test", prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                    extra_body={"return_token_ids": True},
+                )  # fmt: skip
+                got.append((out.choices[0].model_extra or {})["token_ids"])
+
+            t = threading.Thread(target=waiting)
+            t.start()
+            s.wait_until(lambda m: m["psr_queue_depth"] == 1 and m["psr_running_requests"] == 1)
+            assert not got  # it waits while the stream runs
+        t.join(300)
+        assert got == [want]
+        m = s.metrics()
+        assert m['psr_requests_total{outcome="cancelled"}'] == 1
+        assert m['psr_requests_total{outcome="length"}'] == 1
+        assert m["psr_generated_tokens_total"] < 294  # the stream did not run to its end

@@ -73,6 +73,7 @@ class _Seq:
     done: int = 0  # prompt tokens prefilled (or resumed from the prompt cache)
     cached: int = 0  # prompt tokens resumed from the prompt cache
     length: int = 0  # tokens in its KV cache
+    reserved: int = 0  # KV tokens set aside for it under kv_tokens (`add`)
     logits: torch.Tensor | None = None  # awaiting a token
     # Its decode steps' logical counts (routed, hits, misses, prefetches, ...): its solo
     # run's, as its caches are; the copies and stalls are the batch's (shared).
@@ -225,9 +226,14 @@ class BatchDecoder:
     (faster, but rows then depend on their co-runners; never the default).
     `kv_tokens` (default None: each sequence up to the model's context): the most tokens
     the live sequences' KV caches hold together (the memory the caller has for KV). Never
-    met by evicting a live sequence's KV: a prompt longer than it is refused at `add`, a
-    queued prefill chunk that does not fit waits (until a sequence leaves), and a `feed`
-    whose step would pass it is refused before anything changes.
+    met by evicting a live sequence's KV. `add(prompt, max_new_tokens)` reserves the
+    prompt plus its new tokens (within the context): one whose reservation exceeds the
+    budget is refused (`KVBudgetExceeded`), one that does not fit beside the live
+    sequences' reservations is refused until one leaves (`waits` says so beforehand), so
+    the admitted sequences' steps always fit. Without max_new_tokens only the prompt is
+    reserved and `add` takes it beside any: a queued prefill chunk that does not fit
+    waits (until a sequence leaves), and a `feed` whose step would pass the budget is
+    refused before anything changes (the safety net either way).
     `slab_slots` (default: min(the store's slots, max_batch x the solo slots)): the shared
     slab's slots per MoE layer (batch_slab.py), from the solo slots up to the store's
     (`batch_slots` at load); each sequence's logical cache keeps the solo slots.
@@ -278,9 +284,12 @@ class BatchDecoder:
         """The live sequences' ids, oldest first."""
         return list(self._seqs)
 
-    def add(self, prompt_ids: Sequence[int] | torch.Tensor) -> int:
+    def add(
+        self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int | None = None
+    ) -> int:
         """Queue a prompt (one sequence's token ids); returns its sequence id. Its prefill
-        runs in chunks after the next `feed`s (or in `ready`)."""
+        runs in chunks after the next `feed`s (or in `ready`). Under kv_tokens it reserves
+        `reservation(len(prompt), max_new_tokens)` KV tokens (class docstring)."""
         rt = self.rt
         with rt.lock:
             self.model._check_open()
@@ -289,15 +298,26 @@ class BatchDecoder:
                 raise ValueError(
                     f"the batch is full: {self.max_batch} live sequences (max_batch); remove one"
                 )
-            if self.kv_tokens is not None and ids.shape[1] > self.kv_tokens:
-                raise ValueError(
-                    f"a prompt of {ids.shape[1]} tokens exceeds the batch's KV budget of "
-                    f"{self.kv_tokens} tokens (kv_tokens)"
-                )
+            P = ids.shape[1]
+            need = self.reservation(P, max_new_tokens)
+            if self.kv_tokens is not None:
+                if need > self.kv_tokens:
+                    what = f"a prompt of {P} tokens" + (
+                        "" if max_new_tokens is None else f" + max_tokens {max_new_tokens}"
+                    )
+                    raise KVBudgetExceeded(
+                        f"{what} exceeds the batch's KV budget of {self.kv_tokens} tokens "
+                        f"(kv_tokens)" + ("" if max_new_tokens is None else ": lower max_tokens")
+                    )
+                if self.waits(P, max_new_tokens):
+                    raise ValueError(
+                        f"{need} KV tokens do not fit beside the live sequences' "
+                        f"{self.kv_reserved} of kv_tokens={self.kv_tokens}: wait until one leaves"
+                    )
             C, E = rt.capacity, rt.spec.num_experts
             n = len(rt.layers)
             seq = _Seq(self._next_id, ids, [LogicalCache(C, E) for _ in range(n)],
-                       [[] for _ in range(n)])  # fmt: skip
+                       [[] for _ in range(n)], reserved=need)  # fmt: skip
             self._next_id += 1
             self._seqs[seq.id] = seq
             return seq.id
@@ -372,6 +392,34 @@ class BatchDecoder:
     def kv_held(self) -> int:
         """Tokens the live sequences' KV caches hold together."""
         return sum(s.length for s in self._seqs.values())
+
+    @property
+    def kv_reserved(self) -> int:
+        """KV tokens the live sequences reserved together (`add`)."""
+        return sum(s.reserved for s in self._seqs.values())
+
+    def reservation(self, prompt_len: int, max_new_tokens: int | None = None) -> int:
+        """The KV tokens `add` reserves for a prompt of `prompt_len` tokens and up to
+        `max_new_tokens` new ones (None: the prompt only), within the model's context."""
+        if max_new_tokens is None:
+            return prompt_len
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int or None, got {max_new_tokens!r}")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        limit = self.model.context
+        need = prompt_len + max_new_tokens
+        return need if limit is None else min(need, limit)
+
+    def waits(self, prompt_len: int, max_new_tokens: int | None = None) -> bool:
+        """Whether such a request must wait for a live sequence to leave before `add` takes
+        it: its reservation fits kv_tokens, but not beside the live sequences' now. False
+        without kv_tokens or max_new_tokens (its prefill waits instead), and for one beyond
+        kv_tokens (`add` refuses it at once)."""
+        if self.kv_tokens is None or max_new_tokens is None:
+            return False
+        need = self.reservation(prompt_len, max_new_tokens)
+        return need <= self.kv_tokens < need + self.kv_reserved
 
     # --- inside -------------------------------------------------------------------------
     def _awaiting(self) -> list[_Seq]:
@@ -494,6 +542,11 @@ class BatchDecoder:
         from psr.runtime.batch_experts import batch_experts
 
         return batch_experts(self.rt, self.slab, layer, x, ids, weights, rows)
+
+
+class KVBudgetExceeded(ValueError):
+    """A request's KV reservation exceeds the batch's whole budget (kv_tokens): it can
+    never run in this batch, however long it waits."""
 
 
 def _check_model(model: OffloadedModel) -> None:

@@ -11,6 +11,13 @@ prompt cache the decoder resumes a newcomer from it and keeps its prefill's stat
 (runtime/batch.py), shared with the one-slot path; a hit changes no token, and the
 request's `cached_tokens` are its own. A request that ends (EOS, length, a stop string,
 its grammar complete, cancelled, failed) leaves at once and frees its slot.
+
+Under a KV budget (`kv_limit`: N caches of the context do not fit memory) a request joins
+only when its prompt + max_tokens fits beside the running requests' reservations
+(BatchDecoder.waits); until then it waits in the engine's queue, first in first out (a
+large one is not overtaken by later small ones), and a request that leaves (finished,
+cancelled, failed) frees its reservation. So a running step never passes the budget; a
+request whose own reservation exceeds it is refused at once (400).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from psr.runtime.batch import KVBudgetExceeded
 from psr.runtime.generate import TokenChooser, resolve_settings
 from psr.serve.job import Run, _Cancelled, _GrammarDone, _StopString
 
@@ -106,7 +114,8 @@ def open_slots(engine: Engine, model: Any) -> Slots | None:
         kv_tokens = kv_limit(model, engine.parallel, cache.max_bytes if cache else 0)
         if kv_tokens is not None:
             why += (f"; their KV caches hold at most {kv_tokens} tokens together (the memory "
-                    "available): a prompt beyond it waits or is refused")  # fmt: skip
+                    "available): a request whose prompt + max_tokens does not fit beside the "
+                    "running ones' waits, one beyond it is refused")  # fmt: skip
     if engine.parallel > 1:
         try:
             dec = BatchDecoder(model, engine.parallel, kv_tokens=kv_tokens, prompt_cache=cache)
@@ -146,18 +155,28 @@ class Slots:
         """Serve until the engine stops; every live request is answered (503) then."""
         eng = self.engine
         while True:
-            jobs = eng.take(wait=not self.slots)
+            # One at a time: whether the next fits depends on the reservations of those
+            # joined before it.
+            jobs = eng.take(wait=not self.slots, admits=self._admits, most=1)
             if eng.stopping:
                 for slot in list(self.slots.values()):
                     self._end(slot, None, None)
                 return
-            for job in jobs:
-                self._join(job)
+            while jobs:
+                self._join(jobs[0])
+                jobs = eng.take(wait=False, admits=self._admits, most=1)
             self._drop_cancelled()
             if self.slots:
                 self._step()
 
     # --- one request -------------------------------------------------------------------
+    def _admits(self, job: Job) -> bool:
+        """Whether `job` may join now: its KV reservation fits beside the running ones'."""
+        try:
+            return not self.dec.waits(len(job.prompt_ids), job.params.max_new_tokens)
+        except (TypeError, ValueError):  # bad max_tokens: `add` refuses it, this request only
+            return True
+
     def _join(self, job: Job) -> None:
         eng = self.engine
         run = eng.prepare(job)
@@ -168,7 +187,10 @@ class Slots:
             settings = resolve_settings(len(job.prompt_ids), kw, None, {})
             ids = torch.tensor([job.prompt_ids], device=eng.model.device)
             chooser = TokenChooser(ids, settings, seed, run.processors, run.sink)
-            seq = self.dec.add(job.prompt_ids)
+            seq = self.dec.add(job.prompt_ids, job.params.max_new_tokens)
+        except KVBudgetExceeded as e:  # it can never fit: refused, as bad input
+            eng.refuse(job, str(e))
+            return
         except Exception as e:  # this request's 500 only
             eng.conclude(run, None, e, {}, None)
             eng.leave(job)

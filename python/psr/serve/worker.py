@@ -270,9 +270,13 @@ class Engine:
             finally:
                 self.leave(jobs[0])
 
-    def take(self, wait: bool) -> list[Job]:
-        """Queued jobs for the free slots, oldest first (they become active); with `wait`,
-        block until there is one. Empty when stopping (or none queued, not waiting)."""
+    def take(
+        self, wait: bool, admits: Callable[[Job], bool] | None = None, most: int | None = None
+    ) -> list[Job]:
+        """Queued jobs for the free slots (at most `most`), oldest first (they become
+        active); with `wait`, block until there is one. Empty when stopping (or none
+        queued, not waiting). `admits` (default: all): whether the oldest may start now;
+        when it may not, it and those behind it stay queued (FIFO: none overtakes it)."""
         with self._cond:
             while wait and not self._queue and not self._stopping:
                 self._cond.wait()
@@ -280,6 +284,10 @@ class Engine:
                 return []
             jobs: list[Job] = []
             while self._queue and len(self._active) < (self.parallel or 1):
+                if most is not None and len(jobs) >= most:
+                    break
+                if admits is not None and not admits(self._queue[0]):
+                    break
                 job = self._queue.popleft()
                 job.started = time.perf_counter()
                 self._active.append(job)
@@ -360,6 +368,15 @@ class Engine:
         diff = {k: after[k] - before.get(k, 0) for k in after}
         cached = 0 if self.prompt_cache is None else self.prompt_cache.last_cached
         self.conclude(run, finish, error, self._psr_figures(model, diff), diff, cached)
+
+    def refuse(self, job: Job, message: str) -> None:
+        """`job`, taken but not decoded, is bad input the worker found (its KV reservation
+        beyond --parallel's budget): a 400 with `message`; its slot is free."""
+        self.metrics.count("invalid")
+        rid = f" [{job.request_id}]" if job.request_id else ""
+        log.info("%s%s refused: %s", job.id, rid, message)
+        self._emit(job, Failed(message, status=400))
+        self.leave(job)
 
     def conclude(
         self,
