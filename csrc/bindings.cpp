@@ -244,7 +244,7 @@ PYBIND11_MODULE(_C, m) {
         c.limit = limit;
         c.skip_absent = skip_absent;
         const psr::cpu::Isa i = psr::cpu::isa_from_name(isa);
-        c.dot = psr::cpu::dot_from_name(dot, i);
+        c.dot = psr::cpu::dot_from_name(dot);
         psr::cpu::expert_ffn(L, c, threads, i);
       },
       py::arg("layout"), py::arg("x"), py::arg("tokens"), py::arg("rows"), py::arg("num_rows"),
@@ -270,7 +270,7 @@ PYBIND11_MODULE(_C, m) {
         c.bias = reinterpret_cast<const float*>(bias);
         c.y = reinterpret_cast<float*>(y);
         const psr::cpu::Isa i = psr::cpu::isa_from_name(isa);
-        c.dot = psr::cpu::dot_from_name(dot, i);
+        c.dot = psr::cpu::dot_from_name(dot);
         psr::cpu::linear(c, threads, i);
       },
       py::arg("x"), py::arg("tokens"), py::arg("in_features"), py::arg("weight"),

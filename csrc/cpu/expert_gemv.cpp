@@ -284,13 +284,14 @@ const char* dot_name(Dot d) {
       return "q8";
     case Dot::q8_madd:
       return "q8_madd";
+    case Dot::best:
+      return "auto";
   }
   return "?";
 }
 
-Dot dot_from_name(const std::string& name, Isa isa) {
-  if (name == "auto") return isa == Isa::avx512 ? Dot::q8 : Dot::f32;
-  for (Dot d : {Dot::f32, Dot::q8, Dot::q8_madd})
+Dot dot_from_name(const std::string& name) {
+  for (Dot d : {Dot::f32, Dot::q8, Dot::q8_madd, Dot::best})
     if (name == dot_name(d)) return d;
   throw std::invalid_argument("cpu kernels: dot '" + name +
                               "' is not one of auto, f32, q8, q8_madd");
@@ -559,6 +560,8 @@ struct Dots {
   BlockGemmFn gemm;            // ggml, tiled over inputs (nullptr: the row dots)
   QuantFn quant = nullptr;     // the q8 path (Dot::q8 / q8_madd): activation rows
   QRowDotsFn qdots = nullptr;  // and the integer row dots
+  Dot mode = Dot::f32;  // the q8 path's choice of types (Dot::best: q8_by_default's)
+  Isa isa = Isa::scalar;
 };
 
 // On the q8 path the inputs of a matrix whose type has a vec_dot type are its quantized
@@ -711,6 +714,8 @@ Dots dots_for(Isa isa, Fmt fmt, Dot dot = Dot::f32) {
           : isa == Isa::avx2 ? avx2_dots(fmt)
                              : nullptr,
           isa == Isa::avx512 && fmt == Fmt::ggml ? avx512_ggml_gemm() : nullptr};
+  ds.mode = dot;
+  ds.isa = isa;
   if (fmt == Fmt::ggml && dot != Dot::f32) {
     const bool v512 = isa == Isa::avx512 && avx512_qdots(false);
     ds.quant = v512 ? avx512_quant() : scalar_quant();
@@ -722,7 +727,8 @@ Dots dots_for(Isa isa, Fmt fmt, Dot dot = Dot::f32) {
 // Matrix m's inputs on ds's path: its type's vec_dot type on the q8 path, else 0 (fp32).
 int act_of(const Dots& ds, int type) {
   const TypeTraits* t = type_traits(type);
-  return ds.qdots && t ? t->vec_dot : 0;
+  if (!ds.qdots || !t || (ds.mode == Dot::best && !q8_by_default(type, ds.isa))) return 0;
+  return t->vec_dot;
 }
 
 // n rows x[i] (at x + i * xs, K values) quantized to `act` into q (qfloats(act, K) floats a
@@ -763,10 +769,10 @@ void gemm_rows(const Dots& ds, const uint8_t* base, const Matrix& m, int64_t r0,
       const int64_t t1 = std::min(n, t0 + kQTokens);
       for (int64_t r = r0; r < r1; ++r) {
         const uint8_t* row = base + m.at + r * m.rb;
-        for (int64_t u0 = t0; u0 < t1; u0 += kRowInputs) {
-          const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, t1 - u0));
-          const uint8_t* xq[kRowInputs];
-          float o[kRowInputs];
+        for (int64_t u0 = t0; u0 < t1; u0 += kQInputs) {
+          const int nv = static_cast<int>(std::min<int64_t>(kQInputs, t1 - u0));
+          const uint8_t* xq[kQInputs];
+          float o[kQInputs];
           for (int i = 0; i < nv; ++i) xq[i] = qin(v[u0 + i]);
           ds.qdots(m.type, row, m.K, xq, nv, o);
           for (int i = 0; i < nv; ++i) out[u0 + i][r - r0] = o[i];

@@ -107,8 +107,15 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 // How GGML rows with a vec_dot type meet their activations: f32 (activations as given,
 // blocks decoded to fp32) or q8 (activations quantized once per call to the vec_dot type,
 // integer block dots: ggml_qdot.h); q8_madd is q8 with AVX-512's vpmaddubsw / vpmaddwd in
-// place of VNNI's vpdpbusd (the same integers, so the same bits: for tests on VNNI CPUs).
-enum class Dot : int { f32 = 0, q8 = 1, q8_madd = 2 };
+// place of VNNI's vpdpbusd (the same integers, so the same bits: for tests on VNNI CPUs);
+// best is q8 for the block types where it is measured faster (q8_by_default), f32 for the rest.
+enum class Dot : int { f32 = 0, q8 = 1, q8_madd = 2, best = 3 };
+// The block types whose integer dots beat their fp32 path on `isa` (measured side by side,
+// bench/results/llamacpp/vnni/: AVX-512 Q4_K / Q6_K; Q8_0's stay behind its fp32 GEMM, and
+// the other paths have no vector integer kernels).
+constexpr bool q8_by_default(int type, Isa isa) {
+  return isa == Isa::avx512 && (type == ggml_type::Q4_K || type == ggml_type::Q6_K);
+}
 
 // Where one expert's parts sit in its row (bytes from the row start). Float formats:
 // gate [F, H], up [F, H], down [H, F] of `itemsize`-byte elements, rows of H (F) elements.
@@ -281,16 +288,17 @@ inline int64_t gemm_scratch_floats(int64_t K) { return 4 * K + 4 * (K / 32); }
 int64_t ggml_row_bytes(int type, int64_t K);  // -1: unknown type or K not whole blocks
 
 // --- integer dots on quantized activations (ggml_qdot.h) --------------------------------
-// "auto": q8 on the AVX-512 path (the one with vector integer kernels, measured faster:
-// bench/results/llamacpp/vnni/), f32 elsewhere; "f32", "q8", "q8_madd" (Dot).
-Dot dot_from_name(const std::string& name, Isa isa);
+// "auto" (Dot::best), "f32", "q8", "q8_madd".
+Dot dot_from_name(const std::string& name);
 const char* dot_name(Dot d);
 bool cpu_has_vnni();
 // Bytes of a row of K activations in block type `act` (Q8_K / Q8_0); -1: K not whole blocks.
 int64_t act_row_bytes(int act, int64_t K);
 // One activation row x[K] quantized to `act` (ggml_qdot.h's rules; every path the same bytes).
 using QuantFn = void (*)(int act, const float* x, int64_t K, uint8_t* out);
-// One row of `type` (a vec_dot type's weights) against nv <= kRowInputs quantized rows:
+// Quantized inputs a row kernel takes at once (the weight row's blocks decoded once for them).
+constexpr int kQInputs = 8;
+// One row of `type` (a vec_dot type's weights) against nv <= kQInputs quantized rows:
 // out[t] = the same path's result for xq[t] alone, bit for bit.
 using QRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
                             int nv, float* out);

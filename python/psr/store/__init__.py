@@ -9,7 +9,6 @@ cpu_router    the CPU decode step's logical-cache `use` in one call: cpu_cache_u
 
 from psr.store.cpu_kernels import (
     CPU_ACTIVATIONS,
-    CPU_DOTS,
     CPU_FLOAT_DTYPES,
     cpu_attention,
     cpu_dot,
@@ -34,6 +33,7 @@ from psr.store.expert_store import (
     current_backend,
     set_backend,
 )
+from psr.vocab import CPU_DOTS
 
 __all__ = [
     "CPU_ACTIVATIONS",

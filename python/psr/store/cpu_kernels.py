@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import psr._C as _C
+from psr.vocab import cpu_dot_choice
 
 if TYPE_CHECKING:
     from psr_kernels.rowformat import RowFormat
@@ -25,13 +26,13 @@ CPU_FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torc
 CPU_ACTIVATIONS: tuple[str, ...] = ("swiglu", "swiglu_oai")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
-# How GGML rows meet their activations (csrc/cpu/expert_gemv.h's `Dot`): 'f32' (fp32
-# activations, blocks decoded to fp32), 'q8' (each activation row quantized once per call to
-# its weights' vec_dot type, Q8_K / Q8_0, then integer block dots: ggml_qdot.h, as
+# How GGML rows meet their activations (CPU_DOTS; csrc/cpu/expert_gemv.h's `Dot`): 'f32'
+# (fp32 activations, blocks decoded to fp32), 'q8' (each activation row quantized once per
+# call to its weights' vec_dot type, Q8_K / Q8_0, then integer block dots: ggml_qdot.h, as
 # llama.cpp), 'q8_madd' (q8 without AVX-512 VNNI's instruction: the same bits; for tests),
-# 'auto' (q8 on the AVX-512 path, where it is measured faster, f32 elsewhere). Process-wide
-# like the thread count (`psr.load(..., cpu_dot=...)` sets it); a call's `dot` overrides it.
-CPU_DOTS: tuple[str, ...] = ("auto", "f32", "q8", "q8_madd")
+# 'auto' (q8 for the types where it is measured faster on the path: expert_gemv.h's
+# q8_by_default). Process-wide like the thread count (`psr.load(..., cpu_dot=...)` sets
+# it); a call's `dot` overrides it.
 _cpu_dot = ["auto"]
 
 
@@ -46,9 +47,7 @@ def cpu_dot() -> str:
 
 
 def _check_dot(dot: object) -> str:
-    if dot not in CPU_DOTS:
-        raise ValueError(f"cpu kernels: dot must be one of {CPU_DOTS}, got {dot!r}")
-    return str(dot)
+    return cpu_dot_choice(dot)
 
 
 def cpu_has_vnni() -> bool:
