@@ -50,6 +50,24 @@ def _check_dot(dot: object) -> str:
     return cpu_dot_choice(dot)
 
 
+# The q8 path's activation block types (GGML ids; BlockType.vec_dot): values, bytes a block.
+ACT_BLOCKS: dict[int, tuple[int, int]] = {15: (256, 292), 8: (32, 34)}  # Q8_K, Q8_0
+
+
+def cpu_quantize_act(x: torch.Tensor, act: int, isa: str = "auto") -> torch.Tensor:
+    """One activation row `x [K]` quantized as the q8 path quantizes it (csrc/cpu/ggml_qdot.h:
+    `act` 15 = Q8_K, 8 = Q8_0; K whole blocks) on ISA path `isa`: its bytes (uint8)."""
+    if act not in ACT_BLOCKS:
+        raise ValueError(f"cpu_quantize_act: act must be 15 (Q8_K) or 8 (Q8_0), got {act!r}")
+    qk, bs = ACT_BLOCKS[act]
+    if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] % qk or x.shape[0] < 1:
+        raise ValueError(f"cpu_quantize_act: x must be a 1-D tensor of whole blocks of {qk}")
+    xf = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0] // qk * bs, dtype=torch.uint8)
+    _C.cpu_quantize_act(act, xf.data_ptr(), x.shape[0], out.data_ptr(), isa)
+    return out
+
+
 def cpu_has_vnni() -> bool:
     """Whether this CPU has AVX-512 VNNI (the q8 path's vpdpbusd)."""
     return bool(_C.cpu_has_vnni())
