@@ -210,7 +210,9 @@ PYBIND11_MODULE(_C, m) {
                                       " is not Q8_K / Q8_0 or " + std::to_string(n) +
                                       " values are not whole blocks");
         const psr::cpu::Isa i = psr::cpu::isa_from_name(isa);
-        psr::cpu::QuantFn q = i == psr::cpu::Isa::avx512 ? psr::cpu::avx512_quant() : nullptr;
+        psr::cpu::QuantFn q = i == psr::cpu::Isa::avx512 ? psr::cpu::avx512_quant()
+                              : i == psr::cpu::Isa::avx2 ? psr::cpu::avx2_quant()
+                                                         : nullptr;
         if (!q) q = psr::cpu::scalar_quant();
         q(act, reinterpret_cast<const float*>(x), n, reinterpret_cast<uint8_t*>(out));
       },

@@ -560,7 +560,7 @@ struct Dots {
   BlockGemmFn gemm;            // ggml, tiled over inputs (nullptr: the row dots)
   QuantFn quant = nullptr;     // the q8 path (Dot::q8 / q8_madd): activation rows
   QRowDotsFn qdots = nullptr;  // and the integer row dots
-  Dot mode = Dot::f32;  // the q8 path's choice of types (Dot::best: q8_by_default's)
+  Dot mode = Dot::f32;         // the q8 path's choice of types (Dot::best: q8_by_default's)
   Isa isa = Isa::scalar;
 };
 
@@ -718,8 +718,11 @@ Dots dots_for(Isa isa, Fmt fmt, Dot dot = Dot::f32) {
   ds.isa = isa;
   if (fmt == Fmt::ggml && dot != Dot::f32) {
     const bool v512 = isa == Isa::avx512 && avx512_qdots(false);
-    ds.quant = v512 ? avx512_quant() : scalar_quant();
-    ds.qdots = v512 ? avx512_qdots(dot == Dot::q8 && cpu_has_vnni()) : scalar_qdots();
+    const bool v256 = isa == Isa::avx2 && avx2_qdots();
+    ds.quant = v512 ? avx512_quant() : v256 ? avx2_quant() : scalar_quant();
+    ds.qdots = v512   ? avx512_qdots(dot == Dot::q8 && cpu_has_vnni())
+               : v256 ? avx2_qdots()
+                      : scalar_qdots();
   }
   return ds;
 }

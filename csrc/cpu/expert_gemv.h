@@ -111,10 +111,11 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 // best is q8 for the block types where it is measured faster (q8_by_default), f32 for the rest.
 enum class Dot : int { f32 = 0, q8 = 1, q8_madd = 2, best = 3 };
 // The block types whose integer dots beat their fp32 path on `isa` (measured side by side,
-// bench/results/llamacpp/vnni/: AVX-512 Q4_K / Q6_K; Q8_0's stay behind its fp32 GEMM, and
-// the other paths have no vector integer kernels).
+// bench/cpu_qdot.py, bench/results/llamacpp/vnni/): Q4_K / Q6_K on AVX-512 and AVX2, Q8_0
+// on AVX2 only (on AVX-512 its fp32 GEMM stays ahead); the scalar path: none.
 constexpr bool q8_by_default(int type, Isa isa) {
-  return isa == Isa::avx512 && (type == ggml_type::Q4_K || type == ggml_type::Q6_K);
+  const bool k = type == ggml_type::Q4_K || type == ggml_type::Q6_K;
+  return (isa == Isa::avx512 && k) || (isa == Isa::avx2 && (k || type == ggml_type::Q8_0));
 }
 
 // Where one expert's parts sit in its row (bytes from the row start). Float formats:
@@ -304,6 +305,8 @@ using QRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const uint8
                             int nv, float* out);
 QuantFn scalar_quant();
 QRowDotsFn scalar_qdots();
+QuantFn avx2_quant();                // nullptr where not compiled
+QRowDotsFn avx2_qdots();             // nullptr where not compiled
 QuantFn avx512_quant();              // nullptr where not compiled
 QRowDotsFn avx512_qdots(bool vnni);  // nullptr where not compiled
 DotFn scalar_dot(Fmt f);

@@ -227,8 +227,8 @@ def test_q8_expert_ffn_rows_equal_their_single_token_rows(types) -> None:
 
 
 def test_auto_uses_integer_dots_where_measured_faster() -> None:
-    """cpu_dot 'auto': q8 for AVX-512 Q4_K / Q6_K, f32 for the rest (expert_gemv.h's
-    q8_by_default); 'f32' never quantizes."""
+    """cpu_dot 'auto': q8 for Q4_K / Q6_K on AVX-512 and AVX2 and Q8_0 on AVX2, f32 for
+    the rest (expert_gemv.h's q8_by_default); 'f32' never quantizes."""
     rng = np.random.default_rng(9)
     K = 256
     x = torch.randn(2, K, generator=torch.Generator().manual_seed(10))
@@ -240,7 +240,7 @@ def test_auto_uses_integer_dots_where_measured_faster() -> None:
             y = {
                 d: store.cpu_linear(x, weight, isa=isa, dot=d, **kw) for d in ("auto", "q8", "f32")
             }
-            q8 = isa == "avx512" and t != "Q8_0"
+            q8 = (isa == "avx512" and t != "Q8_0") or isa == "avx2"
             assert torch.equal(y["auto"], y["q8" if q8 else "f32"]), (t, isa)
             assert not torch.equal(y["q8"], y["f32"])
 
