@@ -146,25 +146,7 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
 }
 
 void qrows(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq, int nv, float* out) {
-  static_assert(kQInputs == 8, "one case per input count");
-  switch (nv) {
-    case 1:
-      return qrows_nv<1>(type, row, K, xq, out);
-    case 2:
-      return qrows_nv<2>(type, row, K, xq, out);
-    case 3:
-      return qrows_nv<3>(type, row, K, xq, out);
-    case 4:
-      return qrows_nv<4>(type, row, K, xq, out);
-    case 5:
-      return qrows_nv<5>(type, row, K, xq, out);
-    case 6:
-      return qrows_nv<6>(type, row, K, xq, out);
-    case 7:
-      return qrows_nv<7>(type, row, K, xq, out);
-    default:
-      return qrows_nv<8>(type, row, K, xq, out);
-  }
+  q_for_inputs(nv, [&](auto k) { qrows_nv<decltype(k)::value>(type, row, K, xq, out); });
 }
 
 // int32 lanes v (values in [-128, 127]) to eight bytes at out.
