@@ -79,7 +79,7 @@ _BLOCK_TYPES = (
     BlockType("Q2_K", 10, 256, 84),
     BlockType("Q3_K", 11, 256, 110),
     BlockType("Q4_K", 12, 256, 144, vec_dot=15),
-    BlockType("Q5_K", 13, 256, 176),
+    BlockType("Q5_K", 13, 256, 176, vec_dot=15),
     BlockType("Q6_K", 14, 256, 210, vec_dot=15),
     BlockType("IQ2_XXS", 16, 256, 66),
     BlockType("IQ2_XS", 17, 256, 74),

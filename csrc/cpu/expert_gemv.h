@@ -73,7 +73,7 @@ inline constexpr TypeTraits kTypeTraits[] = {
     {"Q2_K", ggml_type::Q2_K, 256, 84},
     {"Q3_K", ggml_type::Q3_K, 256, 110},
     {"Q4_K", ggml_type::Q4_K, 256, 144, ggml_type::Q8_K},
-    {"Q5_K", ggml_type::Q5_K, 256, 176},
+    {"Q5_K", ggml_type::Q5_K, 256, 176, ggml_type::Q8_K},
     {"Q6_K", ggml_type::Q6_K, 256, 210, ggml_type::Q8_K},
     {"IQ2_XXS", ggml_type::IQ2_XXS, 256, 66},
     {"IQ2_XS", ggml_type::IQ2_XS, 256, 74},
@@ -111,10 +111,10 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 // best is q8 for the block types where it is measured faster (q8_by_default), f32 for the rest.
 enum class Dot : int { f32 = 0, q8 = 1, q8_madd = 2, best = 3 };
 // The block types whose integer dots beat their fp32 path on `isa` (measured side by side,
-// bench/cpu_qdot.py, bench/results/llamacpp/vnni/): Q4_K / Q6_K on AVX-512 and AVX2, Q8_0
+// bench/cpu_qdot.py, bench/results/llamacpp/vnni/): the K-quants on AVX-512 and AVX2, Q8_0
 // on AVX2 only (on AVX-512 its fp32 GEMM stays ahead); the scalar path: none.
 constexpr bool q8_by_default(int type, Isa isa) {
-  const bool k = type == ggml_type::Q4_K || type == ggml_type::Q6_K;
+  const bool k = type == ggml_type::Q4_K || type == ggml_type::Q5_K || type == ggml_type::Q6_K;
   return (isa == Isa::avx512 && k) || (isa == Isa::avx2 && (k || type == ggml_type::Q8_0));
 }
 

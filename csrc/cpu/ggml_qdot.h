@@ -144,20 +144,25 @@ inline float qdot(int type, const uint8_t* w, int64_t K, const uint8_t* xq) {
       }
       return acc;
     case ggml_type::Q4_K:
-      for (int64_t k = 0; k < K; k += 256, w += 144, xq += kQ8KBytes) {
+    case ggml_type::Q5_K:  // Q5_K: Q4_K's plus a fifth bit, bit j of qh[l] for sub-block j
+      for (int64_t k = 0; k < K;
+           k += 256, w += type == ggml_type::Q4_K ? 144 : 176, xq += kQ8KBytes) {
         float dx;
         std::memcpy(&dx, xq, 4);
         const int8_t* q8 = reinterpret_cast<const int8_t*>(xq + 4);
         int16_t bs[16];
         std::memcpy(bs, xq + 260, 32);
-        const uint8_t* qs = w + 16;
+        const bool five = type == ggml_type::Q5_K;
+        const uint8_t* qh = w + 16;
+        const uint8_t* qs = w + (five ? 48 : 16);
         int isum = 0, msum = 0;
         for (int j = 0; j < 8; ++j) {
           int sc, m;
           g_k_scale_min(j, w + 4, &sc, &m);
           int s = 0;
           for (int l = 0; l < 32; ++l) {
-            const int q = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0xF;
+            int q = j % 2 ? qs[32 * (j / 2) + l] >> 4 : qs[32 * (j / 2) + l] & 0xF;
+            if (five) q += ((qh[l] >> j) & 1) << 4;
             s += q * q8[32 * j + l];
           }
           isum += sc * s;

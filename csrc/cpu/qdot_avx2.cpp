@@ -71,7 +71,9 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
       break;
     }
     case ggml_type::Q4_K:
-      for (int64_t k = 0; k < K; k += 256, row += 144) {
+    case ggml_type::Q5_K:  // Q5_K: plus bit j of qh[l] as the codes' 16s (sub-block j)
+      for (int64_t k = 0; k < K; k += 256, row += type == ggml_type::Q5_K ? 176 : 144) {
+        const bool five = type == ggml_type::Q5_K;
         const float d = h2f(row), dmin = h2f(row + 2);
         int sc[8], mn[8];
         for (int j = 0; j < 8; ++j) g_k_scale_min(j, row + 4, &sc[j], &mn[j]);
@@ -84,9 +86,16 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
             static_cast<int16_t>(mn[7]));
         __m256i lo[4], hi[4], slo[4], shi[4];
         for (int p = 0; p < 4; ++p) {  // sub-block 2 p: low nibbles, 2 p + 1: high
-          const __m256i q = ld(row + 16 + 32 * p);
+          const __m256i q = ld(row + (five ? 48 : 16) + 32 * p);
           lo[p] = _mm256_and_si256(q, m4);
           hi[p] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          if (five) {
+            const __m256i qh = ld(row + 16), one = _mm256_set1_epi8(1);
+            const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one);
+            const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one);
+            lo[p] = _mm256_or_si256(lo[p], _mm256_slli_epi16(b0, 4));
+            hi[p] = _mm256_or_si256(hi[p], _mm256_slli_epi16(b1, 4));
+          }
           slo[p] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p]));
           shi[p] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p + 1]));
         }

@@ -27,7 +27,7 @@ from psr.store.cpu_kernels import cpu_has_vnni, cpu_quantize_act
 ISAS = store.cpu_isas()
 THREADS = sorted({1, min(2, store.cpu_max_threads())})
 Q8_K, Q8_0 = 15, 8
-TYPES = ["Q4_K", "Q6_K", "Q8_0"]  # the types with a vec_dot type
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]  # the types with a vec_dot type
 DOTS = ["q8", "q8_madd"]  # q8_madd: AVX-512 without vpdpbusd (scalar / AVX2: as q8)
 
 
@@ -92,14 +92,18 @@ def ref_qdot(t: str, w: np.ndarray, xq: np.ndarray, K: int) -> tuple[float, floa
         dx = float(xb[:4].copy().view(np.float32)[0])
         q8 = xb[4:260].view(np.int8).astype(np.int64)
         bs = xb[260:292].copy().view(np.int16).astype(np.int64)
-        if t == "Q4_K":
-            wb = w[144 * s : 144 * s + 144].astype(np.uint8)
-            qs = wb[16:].astype(np.int64)
+        if t in ("Q4_K", "Q5_K"):  # Q5_K: bit j of qh[l] adds 16 to sub-block j's codes
+            bb = 144 if t == "Q4_K" else 176
+            wb = w[bb * s : bb * s + bb].astype(np.uint8)
+            qs = wb[bb - 128 :].astype(np.int64)
+            qh = wb[16:48].astype(np.int64)
             isum = msum = 0
             for j in range(8):
                 sc, m = _k_scale_min(wb[4:16], j)
                 codes = qs[32 * (j // 2) : 32 * (j // 2) + 32]
                 codes = codes >> 4 if j % 2 else codes & 0xF
+                if t == "Q5_K":
+                    codes = codes + (((qh >> j) & 1) << 4)
                 isum += sc * int((codes * q8[32 * j : 32 * j + 32]).sum())
                 msum += m * int(bs[2 * j] + bs[2 * j + 1])
             a, c = dx * _f16(wb) * isum, dx * _f16(wb[2:]) * msum
@@ -227,7 +231,7 @@ def test_q8_expert_ffn_rows_equal_their_single_token_rows(types) -> None:
 
 
 def test_auto_uses_integer_dots_where_measured_faster() -> None:
-    """cpu_dot 'auto': q8 for Q4_K / Q6_K on AVX-512 and AVX2 and Q8_0 on AVX2, f32 for
+    """cpu_dot 'auto': q8 for the K-quants on AVX-512 and AVX2 and Q8_0 on AVX2, f32 for
     the rest (expert_gemv.h's q8_by_default); 'f32' never quantizes."""
     rng = np.random.default_rng(9)
     K = 256
