@@ -48,31 +48,6 @@ inline uint16_t q_f32_to_f16(float f) {
 
 namespace {
 
-// f(std::integral_constant<int, NV>{}) with NV = nv in [1, kQInputs]: a row kernel
-// instantiated per input count (its loops over the inputs then unroll).
-template <class Fn>
-inline void q_for_inputs(int nv, Fn&& f) {
-  static_assert(kQInputs == 8, "one case per input count");
-  switch (nv) {
-    case 1:
-      return f(std::integral_constant<int, 1>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    case 3:
-      return f(std::integral_constant<int, 3>{});
-    case 4:
-      return f(std::integral_constant<int, 4>{});
-    case 5:
-      return f(std::integral_constant<int, 5>{});
-    case 6:
-      return f(std::integral_constant<int, 6>{});
-    case 7:
-      return f(std::integral_constant<int, 7>{});
-    default:
-      return f(std::integral_constant<int, 8>{});
-  }
-}
-
 namespace qref {
 
 inline float h2f(const uint8_t* p) { return g_h2f(p); }

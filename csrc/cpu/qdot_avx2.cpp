@@ -155,7 +155,7 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
 }
 
 void qrows(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq, int nv, float* out) {
-  q_for_inputs(nv, [&](auto k) { qrows_nv<decltype(k)::value>(type, row, K, xq, out); });
+  g_for_count<kQInputs>(nv, [&](auto k) { qrows_nv<decltype(k)::value>(type, row, K, xq, out); });
 }
 
 // int32 lanes v (values in [-128, 127]) to eight bytes at out.
