@@ -309,7 +309,8 @@ def worker(path: str, threads: int, reps: int, prefill: bool = True) -> dict[str
     cpu_kernels.cpu_linear = timed  # type: ignore[assignment]
     load0 = os.getloadavg()[0]
     t = time.perf_counter()
-    model = psr.load(path, "exact", 1.0, device="cpu", threads=threads, progress=False)
+    dot = os.environ.get("PSR_BENCH_CPU_DOT", "auto")
+    model = psr.load(path, "exact", 1.0, device="cpu", threads=threads, progress=False, cpu_dot=dot)
     out: dict[str, Any] = {
         "load_s": time.perf_counter() - t,
         "torch_threads": torch.get_num_threads(),
@@ -438,9 +439,10 @@ def llama_server(a: argparse.Namespace, path: Path, threads: int) -> dict[str, A
 
 
 def run_psr(
-    a: argparse.Namespace, path: Path, threads: int, kind: str = "single"
+    a: argparse.Namespace, path: Path, threads: int, kind: str = "single", dot: str = "auto"
 ) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'python'}:{ROOT}", "OMP_NUM_THREADS": str(threads)}
+    env["PSR_BENCH_CPU_DOT"] = dot
     if kind == "single" and a.decode_only:
         kind = "decode"
     cmd = [sys.executable, __file__, "--worker", kind, str(path), str(threads), str(a.reps)]
@@ -448,6 +450,11 @@ def run_psr(
     if p.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
+
+
+def _psr_prog(dot: str) -> str:
+    """The tables' name of psr with load option cpu_dot=`dot` ('psr': the default)."""
+    return "psr" if dot == "auto" else f"psr:{dot}"
 
 
 def _per_token_bytes(label: str, info: dict[str, Any]) -> float:
@@ -464,10 +471,12 @@ def _best(runs: list[dict[str, Any]], stage: str, key: str = "tok_s") -> float:
     return max(r[stage][key] for r in runs)
 
 
-def _ratios(by: dict[str, list[dict[str, Any]]], stage: str, key: str = "tok_s") -> str:
+def _ratios(
+    by: dict[str, list[dict[str, Any]]], stage: str, key: str = "tok_s", prog: str = "psr"
+) -> str:
     """psr / llama.cpp within each round (side by side), as 'lo-hi' over rounds."""
     ll = {r["round"]: r[stage][key] for r in by.get("llama.cpp", [])}
-    got = sorted(p[stage][key] / ll[p["round"]] for p in by.get("psr", []) if p["round"] in ll)
+    got = sorted(p[stage][key] / ll[p["round"]] for p in by.get(prog, []) if p["round"] in ll)
     if not got:
         return "-"
     return f"{got[0]:.2f}x" if len(got) == 1 else f"{got[0]:.2f}-{got[-1]:.2f}x"
@@ -514,9 +523,10 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
     stages += (("serve", f"{STREAMS} streams aggregate tok/s"),)
     for stage, what in stages:
         rows = [
-            (label, t, by)
+            (label, t, by, prog)
             for (label, t, _), by in groups.items()
-            if "psr" in by and "llama.cpp" in by and stage in by["psr"][0]
+            for prog in sorted(by)
+            if prog.startswith("psr") and "llama.cpp" in by and stage in by[prog][0]
         ]
         if not rows:
             continue
@@ -526,12 +536,14 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
             "| psr / llama.cpp per round: wall (CPU time) | load avg |",
             "|---|---|---|---|---|---|",
         ]
-        for label, t, by in rows:
-            ll, ps = by["llama.cpp"], by["psr"]
+        for label, t, by, prog in rows:
+            ll, ps = by["llama.cpp"], by[prog]
+            name = label if prog == "psr" else f"{label} ({prog})"
             out.append(
-                f"| {label} | {t} | {_best(ll, stage):.1f} ({_best(ll, stage, 'cpu_tok_s'):.1f}) "
+                f"| {name} | {t} | {_best(ll, stage):.1f} ({_best(ll, stage, 'cpu_tok_s'):.1f}) "
                 f"| {_best(ps, stage):.1f} ({_best(ps, stage, 'cpu_tok_s'):.1f}) "
-                f"| {_ratios(by, stage)} ({_ratios(by, stage, 'cpu_tok_s')}) | {_load(ll + ps)} |"
+                f"| {_ratios(by, stage, prog=prog)} ({_ratios(by, stage, 'cpu_tok_s', prog)}) "
+                f"| {_load(ll + ps)} |"
             )
     out += [
         "",
@@ -579,6 +591,12 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="tables of --out's runs-*.json")
     ap.add_argument("--serve", action="store_true", help="issue 38: 4 streams, not pp/tg")
     ap.add_argument("--decode-only", action="store_true", help="tg runs only (no pp / prefill)")
+    ap.add_argument(
+        "--cpu-dots",
+        type=lambda s: s.split(","),
+        default=["auto"],
+        help="psr's cpu_dot values, each run per round (psr / psr:f32 / ... in the tables)",
+    )
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.report:
@@ -610,12 +628,14 @@ def main() -> None:
     for r in range(a.rounds):
         for label, path in files.items():
             for t in a.threads:
-                order = ("llama.cpp", "psr") if (r % 2 == 0) else ("psr", "llama.cpp")
+                psrs = [_psr_prog(d) for d in a.cpu_dots]
+                order = ["llama.cpp", *psrs] if (r % 2 == 0) else [*psrs[::-1], "llama.cpp"]
                 for prog in order:
                     if prog == "llama.cpp":
                         got = (llama_server if a.serve else llama_bench)(a, path, t)
                     else:
-                        got = run_psr(a, path, t, "batch" if a.serve else "single")
+                        dot = a.cpu_dots[psrs.index(prog)]
+                        got = run_psr(a, path, t, "batch" if a.serve else "single", dot)
                     runs.append(dict(round=r, file=label, threads=t, prog=prog, **got))
                     print(f"r{r} {label} t{t} {prog}: {json.dumps(got)[:300]}", flush=True)
                     if a.out:

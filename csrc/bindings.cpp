@@ -195,18 +195,37 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "ggml_type_traits",
       [] {
-        std::vector<std::tuple<std::string, int, int, int>> out;
+        std::vector<std::tuple<std::string, int, int, int, int>> out;
         for (const auto& t : psr::cpu::kTypeTraits)
-          out.emplace_back(t.name, t.id, t.block_len, t.block_bytes);
+          out.emplace_back(t.name, t.id, t.block_len, t.block_bytes, t.vec_dot);
         return out;
       },
-      "the CPU kernels' GGML block types: (name, type id, block_len, block_bytes)");
+      "the CPU kernels' GGML block types: (name, type id, block_len, block_bytes, vec_dot)");
+  m.def(
+      "cpu_quantize_act",
+      [](int act, uintptr_t x, int64_t n, uintptr_t out, const std::string& isa) {
+        const int64_t rb = psr::cpu::act_row_bytes(act, n);
+        if (rb < 0)
+          throw std::invalid_argument("cpu_quantize_act: activation type " + std::to_string(act) +
+                                      " is not Q8_K / Q8_0 or " + std::to_string(n) +
+                                      " values are not whole blocks");
+        const psr::cpu::Isa i = psr::cpu::isa_from_name(isa);
+        psr::cpu::QuantFn q = i == psr::cpu::Isa::avx512 ? psr::cpu::avx512_quant()
+                              : i == psr::cpu::Isa::avx2 ? psr::cpu::avx2_quant()
+                                                         : nullptr;
+        if (!q) q = psr::cpu::scalar_quant();
+        q(act, reinterpret_cast<const float*>(x), n, reinterpret_cast<uint8_t*>(out));
+      },
+      py::arg("act"), py::arg("x"), py::arg("n"), py::arg("out"), py::arg("isa"), release_gil(),
+      "One activation row quantized to Q8_K / Q8_0 (the q8 path's bytes) on ISA path `isa`");
+  m.def("cpu_has_vnni", &psr::cpu::cpu_has_vnni, "whether this CPU has AVX-512 VNNI");
   m.def(
       "cpu_expert_ffn",
       [](const std::vector<int64_t>& layout, uintptr_t x, int64_t tokens, uintptr_t rows,
          int64_t num_rows, int64_t row_stride, uintptr_t ids, int id_bytes, int64_t k,
          uintptr_t table, int table_bytes, int64_t table_len, uintptr_t weights, uintptr_t y,
-         int threads, const std::string& isa, int act, float alpha, float limit, bool skip_absent) {
+         int threads, const std::string& isa, int act, float alpha, float limit, bool skip_absent,
+         const std::string& dot) {
         const psr::cpu::Layout L = cpu_layout(layout, "cpu_expert_ffn");
         psr::cpu::Call c;
         c.x = reinterpret_cast<const float*>(x);
@@ -226,18 +245,21 @@ PYBIND11_MODULE(_C, m) {
         c.alpha = alpha;
         c.limit = limit;
         c.skip_absent = skip_absent;
-        psr::cpu::expert_ffn(L, c, threads, psr::cpu::isa_from_name(isa));
+        const psr::cpu::Isa i = psr::cpu::isa_from_name(isa);
+        c.dot = psr::cpu::dot_from_name(dot);
+        psr::cpu::expert_ffn(L, c, threads, i);
       },
       py::arg("layout"), py::arg("x"), py::arg("tokens"), py::arg("rows"), py::arg("num_rows"),
       py::arg("row_stride"), py::arg("ids"), py::arg("id_bytes"), py::arg("k"), py::arg("table"),
       py::arg("table_bytes"), py::arg("table_len"), py::arg("weights"), py::arg("y"),
       py::arg("threads"), py::arg("isa"), py::arg("act"), py::arg("alpha"), py::arg("limit"),
-      py::arg("skip_absent") = false, release_gil(),
+      py::arg("skip_absent") = false, py::arg("dot") = "f32", release_gil(),
       "Routed experts of x read in place from packed rows (addresses of live, checked tensors)");
   m.def(
       "cpu_linear",
       [](uintptr_t x, int64_t tokens, int64_t in, uintptr_t w, int64_t out, int64_t w_stride,
-         int fmt, int type, uintptr_t bias, uintptr_t y, int threads, const std::string& isa) {
+         int fmt, int type, uintptr_t bias, uintptr_t y, int threads, const std::string& isa,
+         const std::string& dot) {
         psr::cpu::LinearCall c;
         c.x = reinterpret_cast<const float*>(x);
         c.tokens = tokens;
@@ -249,11 +271,14 @@ PYBIND11_MODULE(_C, m) {
         c.type = type;
         c.bias = reinterpret_cast<const float*>(bias);
         c.y = reinterpret_cast<float*>(y);
-        psr::cpu::linear(c, threads, psr::cpu::isa_from_name(isa));
+        const psr::cpu::Isa i = psr::cpu::isa_from_name(isa);
+        c.dot = psr::cpu::dot_from_name(dot);
+        psr::cpu::linear(c, threads, i);
       },
       py::arg("x"), py::arg("tokens"), py::arg("in_features"), py::arg("weight"),
       py::arg("out_features"), py::arg("row_stride"), py::arg("fmt"), py::arg("ggml_type"),
-      py::arg("bias"), py::arg("y"), py::arg("threads"), py::arg("isa"), release_gil(),
+      py::arg("bias"), py::arg("y"), py::arg("threads"), py::arg("isa"), py::arg("dot") = "f32",
+      release_gil(),
       "Batch-invariant dense linear y = x W^T (+ bias) from float or GGML rows (addresses of "
       "live, checked tensors)");
   m.def(

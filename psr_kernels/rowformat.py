@@ -50,6 +50,9 @@ class BlockType:
     type_id: int  # GGML's id (ggml.h); psr's own types from PSR_OWN_TYPES on
     block_len: int  # elements per block (QK)
     block_bytes: int  # bytes per block (BS)
+    # The activations' block type on the CPU kernels' integer-dot path (llama.cpp's
+    # vec_dot_type): Q8_K (GGML id 15) / Q8_0 (8), or F32 (0) where psr has no integer dot.
+    vec_dot: int = 0
 
     @property
     def is_float(self) -> bool:
@@ -72,12 +75,12 @@ _BLOCK_TYPES = (
     BlockType("Q4_1", 3, 32, 20),
     BlockType("Q5_0", 6, 32, 22),
     BlockType("Q5_1", 7, 32, 24),
-    BlockType("Q8_0", 8, 32, 34),
+    BlockType("Q8_0", 8, 32, 34, vec_dot=8),
     BlockType("Q2_K", 10, 256, 84),
     BlockType("Q3_K", 11, 256, 110),
-    BlockType("Q4_K", 12, 256, 144),
-    BlockType("Q5_K", 13, 256, 176),
-    BlockType("Q6_K", 14, 256, 210),
+    BlockType("Q4_K", 12, 256, 144, vec_dot=15),
+    BlockType("Q5_K", 13, 256, 176, vec_dot=15),
+    BlockType("Q6_K", 14, 256, 210, vec_dot=15),
     BlockType("IQ2_XXS", 16, 256, 66),
     BlockType("IQ2_XS", 17, 256, 74),
     BlockType("IQ3_XXS", 18, 256, 98),

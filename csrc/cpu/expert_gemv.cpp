@@ -3,6 +3,7 @@
 #include "expert_gemv.h"
 
 #include "ggml_dot.h"
+#include "ggml_qdot.h"
 
 #include <algorithm>
 #include <chrono>
@@ -153,6 +154,19 @@ void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, i
 
 BlockRowDotFn scalar_ggml_dot() { return g_row_dot; }
 
+QuantFn scalar_quant() { return qref::quant_row; }
+QRowDotsFn scalar_qdots() {
+  return [](int type, const uint8_t* row, int64_t K, const uint8_t* const* xq, int nv, float* out) {
+    for (int t = 0; t < nv; ++t) out[t] = qref::qdot(type, row, K, xq[t]);
+  };
+}
+
+int64_t act_row_bytes(int act, int64_t K) {
+  if (act == ggml_type::Q8_K) return K % 256 ? -1 : K / 256 * kQ8KBytes;
+  if (act == ggml_type::Q8_0) return K % 32 ? -1 : K / 32 * kQ8_0Bytes;
+  return -1;
+}
+
 int64_t ggml_row_bytes(int type, int64_t K) {
   const int qk = g_block_len(type), bs = g_block_bytes(type);
   if (qk == 0 || K < 1) return -1;
@@ -252,6 +266,35 @@ Isa isa_from_name(const std::string& name) {
   for (Isa i : supported_isas()) have += std::string(have.empty() ? "" : ", ") + isa_name(i);
   throw std::invalid_argument("cpu expert kernels: isa '" + name +
                               "' is not available on this CPU (have: auto, " + have + ")");
+}
+
+bool cpu_has_vnni() {
+#if defined(__x86_64__) || defined(__i386__)
+  return cpu_has_avx512() && __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+const char* dot_name(Dot d) {
+  switch (d) {
+    case Dot::f32:
+      return "f32";
+    case Dot::q8:
+      return "q8";
+    case Dot::q8_madd:
+      return "q8_madd";
+    case Dot::best:
+      return "auto";
+  }
+  return "?";
+}
+
+Dot dot_from_name(const std::string& name) {
+  for (Dot d : {Dot::f32, Dot::q8, Dot::q8_madd, Dot::best})
+    if (name == dot_name(d)) return d;
+  throw std::invalid_argument("cpu kernels: dot '" + name +
+                              "' is not one of auto, f32, q8, q8_madd");
 }
 
 static DotFn dot_for(Isa isa, Fmt f) {
@@ -505,16 +548,27 @@ struct Matrix {
   int64_t K;      // input dim
   int64_t group;  // scale group (quantized)
   int type = 0;   // ggml: the part's block type
+  int act = 0;    // ggml on the q8 path: the inputs' vec_dot type (0: fp32 inputs)
 };
 
 struct Dots {
   DotFn dot;
   GroupDotFn gdot;
-  BlockRowDotFn bdot;    // ggml
-  BlockRowDotsFn bdots;  // ggml, several inputs (nullptr: bdot per input)
-  DotsFn dots;           // several inputs (nullptr: dot per input)
-  BlockGemmFn gemm;      // ggml, tiled over inputs (nullptr: the row dots)
+  BlockRowDotFn bdot;          // ggml
+  BlockRowDotsFn bdots;        // ggml, several inputs (nullptr: bdot per input)
+  DotsFn dots;                 // several inputs (nullptr: dot per input)
+  BlockGemmFn gemm;            // ggml, tiled over inputs (nullptr: the row dots)
+  QuantFn quant = nullptr;     // the q8 path (Dot::q8 / q8_madd): activation rows
+  QRowDotsFn qdots = nullptr;  // and the integer row dots
+  Dot mode = Dot::f32;         // the q8 path's choice of types (Dot::best: q8_by_default's)
+  Isa isa = Isa::scalar;
 };
+
+// On the q8 path the inputs of a matrix whose type has a vec_dot type are its quantized
+// rows, passed where fp32 vectors go (const float*, rows padded to whole floats): qin
+// gives their bytes back.
+inline const uint8_t* qin(const float* v) { return reinterpret_cast<const uint8_t*>(v); }
+int64_t qfloats(int act, int64_t K) { return (act_row_bytes(act, K) + 3) / 4; }
 
 // out[r] = dot of four rows `rows[r]` of matrix m in expert row `base` with v (v2: int4's
 // odd half), scales applied once per row or group, groups summed in order.
@@ -524,6 +578,11 @@ void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, con
   const GroupDotFn gdot = ds.gdot;
   const uint8_t* w[4];
   for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
+  if (fmt == Fmt::ggml && m.act) {
+    const uint8_t* xq = qin(v);
+    for (int r = 0; r < 4; ++r) ds.qdots(m.type, w[r], m.K, &xq, 1, &out[r]);
+    return;
+  }
   if (fmt == Fmt::ggml) {
     for (int r = 0; r < 4; ++r) out[r] = ds.bdot(m.type, w[r], m.K, v);
     return;
@@ -588,6 +647,19 @@ void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix&
     }
     return;
   }
+  if (fmt == Fmt::ggml && m.act) {
+    for (int64_t u0 = 0; u0 < n; u0 += kRowInputs) {
+      const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, n - u0));
+      const uint8_t* xq[kRowInputs];
+      for (int i = 0; i < nv; ++i) xq[i] = qin(v[u0 + i]);
+      for (int r = 0; r < 4; ++r) {
+        float o[kRowInputs];
+        ds.qdots(m.type, base + m.at + rows[r] * m.rb, m.K, xq, nv, o);
+        for (int i = 0; i < nv; ++i) out[4 * (u0 + i) + r] = o[i];
+      }
+    }
+    return;
+  }
   if (fmt != Fmt::ggml || !ds.bdots) {
     for (int64_t u = 0; u < n; ++u)
       dot_rows(ds, fmt, base, m, rows, v[u], v2 ? v2[u] : nullptr, out + 4 * u);
@@ -625,23 +697,55 @@ int64_t vec_pos(Fmt fmt, int64_t K, int64_t i) {
 }
 
 // The row dot products of `fmt` on ISA path `isa` (checked: one this CPU runs).
-Dots dots_for(Isa isa, Fmt fmt) {
+Dots dots_for(Isa isa, Fmt fmt, Dot dot = Dot::f32) {
   bool ok = false;
   for (Isa i : supported_isas()) ok |= i == isa;
   if (!ok) bad(std::string("isa ") + isa_name(isa) + " is not available on this CPU");
   BlockRowDotFn bdot = isa == Isa::avx512 ? avx512_ggml_dot()
                        : isa == Isa::avx2 ? avx2_ggml_dot()
                                           : nullptr;
-  return Dots{dot_for(isa, fmt),
-              isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
-              bdot ? bdot : scalar_ggml_dot(),
-              isa == Isa::avx512 ? avx512_ggml_dots()
-              : isa == Isa::avx2 ? avx2_ggml_dots()
-                                 : nullptr,
-              isa == Isa::avx512 ? avx512_dots(fmt)
-              : isa == Isa::avx2 ? avx2_dots(fmt)
-                                 : nullptr,
-              isa == Isa::avx512 && fmt == Fmt::ggml ? avx512_ggml_gemm() : nullptr};
+  Dots ds{dot_for(isa, fmt),
+          isa == Isa::avx512 ? avx512_int4_groups() : nullptr,
+          bdot ? bdot : scalar_ggml_dot(),
+          isa == Isa::avx512 ? avx512_ggml_dots()
+          : isa == Isa::avx2 ? avx2_ggml_dots()
+                             : nullptr,
+          isa == Isa::avx512 ? avx512_dots(fmt)
+          : isa == Isa::avx2 ? avx2_dots(fmt)
+                             : nullptr,
+          isa == Isa::avx512 && fmt == Fmt::ggml ? avx512_ggml_gemm() : nullptr};
+  ds.mode = dot;
+  ds.isa = isa;
+  if (fmt == Fmt::ggml && dot != Dot::f32) {
+    const bool v512 = isa == Isa::avx512 && avx512_qdots(false);
+    const bool v256 = isa == Isa::avx2 && avx2_qdots();
+    ds.quant = v512 ? avx512_quant() : v256 ? avx2_quant() : scalar_quant();
+    ds.qdots = v512   ? avx512_qdots(dot == Dot::q8 && cpu_has_vnni())
+               : v256 ? avx2_qdots()
+                      : scalar_qdots();
+  }
+  return ds;
+}
+
+// Matrix m's inputs on ds's path: its type's vec_dot type on the q8 path, else 0 (fp32).
+int act_of(const Dots& ds, int type) {
+  const TypeTraits* t = type_traits(type);
+  if (!ds.qdots || !t || (ds.mode == Dot::best && !q8_by_default(type, ds.isa))) return 0;
+  return t->vec_dot;
+}
+
+// n rows x[i] (at x + i * xs, K values) quantized to `act` into q (qfloats(act, K) floats a
+// row), the rows split over the pool; skip[i]: left as is.
+void quantize_rows(const Dots& ds, int act, const float* x, int64_t xs, int64_t K, int64_t n,
+                   std::vector<float>& q, int threads,
+                   const std::function<bool(int64_t)>& skip = nullptr) {
+  const int64_t qf = qfloats(act, K);
+  q.assign(static_cast<size_t>(n * qf), 0.f);
+  Pool::get().run(threads, n, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i)
+      if (!skip || !skip(i))
+        ds.quant(act, x + i * xs, K, reinterpret_cast<uint8_t*>(q.data() + i * qf));
+  });
 }
 
 // Inputs sharing a weight matrix from which the tiled GEMM runs (below it the row dots'
@@ -652,13 +756,34 @@ constexpr int64_t kGemmRows = 64;
 
 // Whether matrix m's n inputs go through ds's tiled GEMM.
 bool tiled(const Dots& ds, const Matrix& m, int64_t n) {
-  return ds.gemm != nullptr && n >= kGemmMin && g_several_inputs(m.type);
+  return (ds.gemm != nullptr || m.act) && n >= kGemmMin && g_several_inputs(m.type);
 }
+
+// Inputs per pass of the q8 path's GEMM: their quantized rows stay in L1 / L2 while a
+// row (from L1) meets each four of them.
+constexpr int64_t kQTokens = 16;
 
 // Rows [r0, r1) of matrix m in expert row `base` against n inputs by the tiled GEMM:
 // out[u][r - r0] (the row dots' bits).
 void gemm_rows(const Dots& ds, const uint8_t* base, const Matrix& m, int64_t r0, int64_t r1,
                const float* const* v, int64_t n, float* const* out) {
+  if (m.act) {  // the row dots four inputs a call: the same bits as any other grouping
+    for (int64_t t0 = 0; t0 < n; t0 += kQTokens) {
+      const int64_t t1 = std::min(n, t0 + kQTokens);
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* row = base + m.at + r * m.rb;
+        for (int64_t u0 = t0; u0 < t1; u0 += kQInputs) {
+          const int nv = static_cast<int>(std::min<int64_t>(kQInputs, t1 - u0));
+          const uint8_t* xq[kQInputs];
+          float o[kQInputs];
+          for (int i = 0; i < nv; ++i) xq[i] = qin(v[u0 + i]);
+          ds.qdots(m.type, row, m.K, xq, nv, o);
+          for (int i = 0; i < nv; ++i) out[u0 + i][r - r0] = o[i];
+        }
+      }
+    }
+    return;
+  }
   std::vector<float> scratch(static_cast<size_t>(gemm_scratch_floats(m.K)));
   ds.gemm(m.type, base + m.at + r0 * m.rb, m.rb, m.K, r1 - r0, v, n, out, scratch.data());
 }
@@ -751,7 +876,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   const std::vector<const uint8_t*> rows = routed_rows(L, c);
   const int64_t H = L.hidden, F = L.ffn, T = c.tokens, K = c.k;
   const Fmt fmt = L.fmt;
-  const Dots ds = dots_for(isa, fmt);
+  const Dots ds = dots_for(isa, fmt, c.dot);
   if (T == 0) return;
   if (K == 0) {
     std::fill(c.y, c.y + T * H, 0.f);
@@ -760,9 +885,14 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   const bool i4 = fmt == Fmt::int4;
   const int64_t xl = vec_len(fmt, H), hl = vec_len(fmt, F);
   const bool gg = fmt == Fmt::ggml;
-  const Matrix gate{L.gate, L.gate_s, L.rb_h, H, L.group_h, L.t_gate};
-  const Matrix up{L.up, L.up_s, gg ? L.rb_up : L.rb_h, H, L.group_h, L.t_up};
-  const Matrix down{L.down, L.down_s, L.rb_f, F, L.group_f, L.t_down};
+  Matrix gate{L.gate, L.gate_s, L.rb_h, H, L.group_h, L.t_gate};
+  Matrix up{L.up, L.up_s, gg ? L.rb_up : L.rb_h, H, L.group_h, L.t_up};
+  Matrix down{L.down, L.down_s, L.rb_f, F, L.group_f, L.t_down};
+  if (gg) {
+    gate.act = act_of(ds, L.t_gate);
+    up.act = act_of(ds, L.t_up);
+    down.act = act_of(ds, L.t_down);
+  }
   std::vector<float> xs;  // int4: each token's x split even / odd
   if (i4) {
     xs.assign(static_cast<size_t>(T * xl), 0.f);
@@ -775,6 +905,13 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
 
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  // The q8 path: each token's x quantized once for gate (and up, if its vec_dot type
+  // differs), read by every routed expert.
+  std::vector<float> xg, xu;
+  if (gate.act) quantize_rows(ds, gate.act, c.x, H, H, T, xg, threads);
+  if (up.act && up.act != gate.act) quantize_rows(ds, up.act, c.x, H, H, T, xu, threads);
+  const std::vector<float>& xup = up.act == gate.act ? xg : xu;
+  const int64_t qg = gate.act ? qfloats(gate.act, H) : 0, qu = up.act ? qfloats(up.act, H) : 0;
   const int64_t blk = ds.gemm ? kGemmRows : kBlock;  // rows per gate/up item
   const int64_t fb = (F + blk - 1) / blk, hb = (H + kBlock - 1) / kBlock;
   Pool::get().run(threads, groups * fb, [&](int64_t b, int64_t e) {
@@ -784,10 +921,13 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       const int64_t n = starts[g + 1] - starts[g];
       const uint8_t* row = rows[static_cast<size_t>(users[0])];
       std::vector<const float*> v(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
+      std::vector<const float*> vg(static_cast<size_t>(n)), vu(static_cast<size_t>(n));
       for (int64_t u = 0; u < n; ++u) {
         const int64_t t = users[u] / K;
         v[u] = i4 ? xs.data() + t * xl : c.x + t * H;
         v2[u] = i4 ? v[u] + xl / 2 : nullptr;
+        vg[u] = gate.act ? xg.data() + t * qg : v[u];
+        vu[u] = up.act ? xup.data() + t * qu : v[u];
       }
       if (tiled(ds, gate, n) && tiled(ds, up, n)) {  // the expert's tokens as one GEMM
         const int64_t nf = f1 - f0;
@@ -797,8 +937,8 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
           go[u] = gu.data() + u * nf;
           uo[u] = gu.data() + (n + u) * nf;
         }
-        gemm_rows(ds, row, gate, f0, f1, v.data(), n, go.data());
-        gemm_rows(ds, row, up, f0, f1, v.data(), n, uo.data());
+        gemm_rows(ds, row, gate, f0, f1, vg.data(), n, go.data());
+        gemm_rows(ds, row, up, f0, f1, vu.data(), n, uo.data());
         for (int64_t u = 0; u < n; ++u)
           for (int64_t r = 0; r < nf; ++r)
             h[users[u] * hl + f0 + r] = activate(c, go[u][r], uo[u][r]);
@@ -808,8 +948,8 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       for (int64_t r0 = f0; r0 < f1; r0 += 4) {
         int64_t q[4];
         quad(r0, F, q);
-        dot_rows_shared(ds, fmt, row, gate, q, v.data(), i4 ? v2.data() : nullptr, n, gv.data());
-        dot_rows_shared(ds, fmt, row, up, q, v.data(), i4 ? v2.data() : nullptr, n, uv.data());
+        dot_rows_shared(ds, fmt, row, gate, q, vg.data(), i4 ? v2.data() : nullptr, n, gv.data());
+        dot_rows_shared(ds, fmt, row, up, q, vu.data(), i4 ? v2.data() : nullptr, n, uv.data());
         for (int64_t u = 0; u < n; ++u) {
           float* ht = h.data() + users[u] * hl;
           for (int r = 0; r < 4 && r0 + r < F; ++r)
@@ -818,9 +958,19 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       }
     }
   });
+  // The q8 path: each routed pair's h quantized once for the down rows.
+  const float* hin = h.data();  // pair i's input at hin + i * hs
+  int64_t hs = hl;
+  std::vector<float> hq;
+  if (down.act) {
+    quantize_rows(ds, down.act, h.data(), hl, F, T * K, hq, threads,
+                  [&](int64_t i) { return rows[static_cast<size_t>(i)] == nullptr; });
+    hin = hq.data();
+    hs = qfloats(down.act, F);
+  }
   if (ds.gemm && g_several_inputs(down.type) && T >= kGemmMin) {
     for (int64_t t0 = 0; t0 < T; t0 += kDownTokens)
-      down_by_expert(ds, fmt, down, rows, t0, std::min(T, t0 + kDownTokens), h.data(), hl, c, H,
+      down_by_expert(ds, fmt, down, rows, t0, std::min(T, t0 + kDownTokens), hin, hs, c, H,
                      threads);
     return;
   }
@@ -835,7 +985,7 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       group_by_row(mine, ord, st);
       std::vector<const float*> v(ord.size()), v2(ord.size());
       for (size_t u = 0; u < ord.size(); ++u) {
-        v[u] = h.data() + (p0 + ord[u]) * hl;
+        v[u] = hin + (p0 + ord[u]) * hs;
         v2[u] = i4 ? v[u] + hl / 2 : nullptr;
       }
       std::vector<float> dg(4 * ord.size()), d(static_cast<size_t>(4 * np));
@@ -883,13 +1033,22 @@ void linear(const LinearCall& c, int threads, Isa isa) {
     bad("linear: weights must be float32 / bfloat16 / float16 or GGML blocks");
   }
   if (c.w_stride < rb) bad("linear: weight row stride is shorter than a row");
-  const Dots ds = dots_for(isa, c.fmt);
+  const Dots ds = dots_for(isa, c.fmt, c.dot);
   if (T == 0) return;
-  const Matrix m{0, 0, c.w_stride, K, K, c.type};
+  Matrix m{0, 0, c.w_stride, K, K, c.type};
+  if (c.fmt == Fmt::ggml) m.act = act_of(ds, c.type);
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  const float* xin = c.x;  // input t at xin + t * xs (the q8 path: its quantized row)
+  int64_t xs = K;
+  std::vector<float> xq;
+  if (m.act) {
+    quantize_rows(ds, m.act, c.x, K, K, T, xq, threads);
+    xin = xq.data();
+    xs = qfloats(m.act, K);
+  }
   if (c.fmt == Fmt::ggml && tiled(ds, m, T)) {  // threads split the output rows
     std::vector<const float*> v(static_cast<size_t>(T));
-    for (int64_t t = 0; t < T; ++t) v[t] = c.x + t * K;
+    for (int64_t t = 0; t < T; ++t) v[t] = xin + t * xs;
     Pool::get().run(threads, (N + kGemmRows - 1) / kGemmRows, [&](int64_t b, int64_t e) {
       std::vector<float*> out(static_cast<size_t>(T));
       for (int64_t item = b; item < e; ++item) {
@@ -910,7 +1069,7 @@ void linear(const LinearCall& c, int threads, Isa isa) {
       for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk) {
         const int64_t nt = std::min(T - t0, kLinearChunk);
         const float* v[kLinearChunk];
-        for (int64_t t = 0; t < nt; ++t) v[t] = c.x + (t0 + t) * K;
+        for (int64_t t = 0; t < nt; ++t) v[t] = xin + (t0 + t) * xs;
         for (int64_t r0 = n0; r0 < n1; r0 += 4) {
           int64_t q[4];
           quad(r0, N, q);

@@ -51,12 +51,16 @@ constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8
               Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18,
               IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30,
               MXFP4 = 39, FP8_B128 = 200;
+constexpr int Q8_K = 15;  // activations only (a vec_dot type): no weight kernels
 }  // namespace ggml_type
 struct TypeTraits {
   const char* name;
   int id;
   int block_len;    // elements per block (QK)
   int block_bytes;  // bytes per block (BS)
+  // The activations' block type on the integer-dot path (llama.cpp's vec_dot_type:
+  // ggml_qdot.h): Q8_K / Q8_0, or F32 where the type has no integer kernels.
+  int vec_dot = ggml_type::F32;
 };
 inline constexpr TypeTraits kTypeTraits[] = {
     {"F32", ggml_type::F32, 1, 4},
@@ -65,12 +69,12 @@ inline constexpr TypeTraits kTypeTraits[] = {
     {"Q4_1", ggml_type::Q4_1, 32, 20},
     {"Q5_0", ggml_type::Q5_0, 32, 22},
     {"Q5_1", ggml_type::Q5_1, 32, 24},
-    {"Q8_0", ggml_type::Q8_0, 32, 34},
+    {"Q8_0", ggml_type::Q8_0, 32, 34, ggml_type::Q8_0},
     {"Q2_K", ggml_type::Q2_K, 256, 84},
     {"Q3_K", ggml_type::Q3_K, 256, 110},
-    {"Q4_K", ggml_type::Q4_K, 256, 144},
-    {"Q5_K", ggml_type::Q5_K, 256, 176},
-    {"Q6_K", ggml_type::Q6_K, 256, 210},
+    {"Q4_K", ggml_type::Q4_K, 256, 144, ggml_type::Q8_K},
+    {"Q5_K", ggml_type::Q5_K, 256, 176, ggml_type::Q8_K},
+    {"Q6_K", ggml_type::Q6_K, 256, 210, ggml_type::Q8_K},
     {"IQ2_XXS", ggml_type::IQ2_XXS, 256, 66},
     {"IQ2_XS", ggml_type::IQ2_XS, 256, 74},
     {"IQ3_XXS", ggml_type::IQ3_XXS, 256, 98},
@@ -100,6 +104,19 @@ constexpr bool is_float_type(int id) {
 //               h = (u + 1) * g * sigmoid(alpha * g)
 enum class Act : int { swiglu = 0, swiglu_oai = 1 };
 enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
+// How GGML rows with a vec_dot type meet their activations: f32 (activations as given,
+// blocks decoded to fp32) or q8 (activations quantized once per call to the vec_dot type,
+// integer block dots: ggml_qdot.h); q8_madd is q8 with AVX-512's vpmaddubsw / vpmaddwd in
+// place of VNNI's vpdpbusd (the same integers, so the same bits: for tests on VNNI CPUs);
+// best is q8 for the block types where it is measured faster (q8_by_default), f32 for the rest.
+enum class Dot : int { f32 = 0, q8 = 1, q8_madd = 2, best = 3 };
+// The block types whose integer dots beat their fp32 path on `isa` (measured side by side,
+// bench/cpu_qdot.py, bench/results/llamacpp/vnni/): the K-quants on AVX-512 and AVX2, Q8_0
+// on AVX2 only (on AVX-512 its fp32 GEMM stays ahead); the scalar path: none.
+constexpr bool q8_by_default(int type, Isa isa) {
+  const bool k = type == ggml_type::Q4_K || type == ggml_type::Q5_K || type == ggml_type::Q6_K;
+  return (isa == Isa::avx512 && k) || (isa == Isa::avx2 && (k || type == ggml_type::Q8_0));
+}
 
 // Where one expert's parts sit in its row (bytes from the row start). Float formats:
 // gate [F, H], up [F, H], down [H, F] of `itemsize`-byte elements, rows of H (F) elements.
@@ -136,6 +153,7 @@ struct Call {
   float* y = nullptr;              // [T, H] fp32 out
   Act act = Act::swiglu;
   float alpha = 1.702f, limit = 7.0f;  // swiglu_oai
+  Dot dot = Dot::f32;
 };
 
 // Validates the layout, the call and every routed row (std::invalid_argument /
@@ -159,6 +177,7 @@ struct LinearCall {
   int type = 0;                 // ggml: the block type
   const float* bias = nullptr;  // optional [N] fp32
   float* y = nullptr;           // [T, N] fp32 out
+  Dot dot = Dot::f32;
 };
 void linear(const LinearCall& call, int threads, Isa isa);
 
@@ -268,6 +287,28 @@ using BlockGemmFn = void (*)(int type, const uint8_t* w, int64_t stride, int64_t
 BlockGemmFn avx512_ggml_gemm();  // nullptr where not compiled
 inline int64_t gemm_scratch_floats(int64_t K) { return 4 * K + 4 * (K / 32); }
 int64_t ggml_row_bytes(int type, int64_t K);  // -1: unknown type or K not whole blocks
+
+// --- integer dots on quantized activations (ggml_qdot.h) --------------------------------
+// "auto" (Dot::best), "f32", "q8", "q8_madd".
+Dot dot_from_name(const std::string& name);
+const char* dot_name(Dot d);
+bool cpu_has_vnni();
+// Bytes of a row of K activations in block type `act` (Q8_K / Q8_0); -1: K not whole blocks.
+int64_t act_row_bytes(int act, int64_t K);
+// One activation row x[K] quantized to `act` (ggml_qdot.h's rules; every path the same bytes).
+using QuantFn = void (*)(int act, const float* x, int64_t K, uint8_t* out);
+// Quantized inputs a row kernel takes at once (the weight row's blocks decoded once for them).
+constexpr int kQInputs = 8;
+// One row of `type` (a vec_dot type's weights) against nv <= kQInputs quantized rows:
+// out[t] = the same path's result for xq[t] alone, bit for bit.
+using QRowDotsFn = void (*)(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
+                            int nv, float* out);
+QuantFn scalar_quant();
+QRowDotsFn scalar_qdots();
+QuantFn avx2_quant();                // nullptr where not compiled
+QRowDotsFn avx2_qdots();             // nullptr where not compiled
+QuantFn avx512_quant();              // nullptr where not compiled
+QRowDotsFn avx512_qdots(bool vnni);  // nullptr where not compiled
 DotFn scalar_dot(Fmt f);
 DotFn avx2_dot(Fmt f);    // nullptr where not compiled
 DotFn avx512_dot(Fmt f);  // nullptr where not compiled

@@ -310,21 +310,18 @@ inline bool g_several_inputs(int type) {
          type == ggml_type::Q6_K;
 }
 
-// f(std::integral_constant<int, NV>{}) with NV = nv in [1, kRowInputs]: a several-input
+// f(std::integral_constant<int, NV>{}) with NV = min(nv, Max), nv >= 1: a several-input
 // kernel instantiated per input count (its loops over the inputs then unroll).
-template <class Fn>
-inline void g_for_inputs(int nv, Fn&& f) {
-  static_assert(kRowInputs == 4, "one case per input count");
-  switch (nv) {
-    case 1:
-      return f(std::integral_constant<int, 1>{});
-    case 2:
-      return f(std::integral_constant<int, 2>{});
-    case 3:
-      return f(std::integral_constant<int, 3>{});
-    default:
-      return f(std::integral_constant<int, 4>{});
+template <int Max, class Fn>
+inline void g_for_count(int nv, Fn&& f) {
+  if constexpr (Max > 1) {
+    if (nv < Max) return g_for_count<Max - 1>(nv, f);
   }
+  f(std::integral_constant<int, Max>{});
+}
+template <class Fn>
+inline void g_for_inputs(int nv, Fn&& f) {  // nv in [1, kRowInputs]
+  g_for_count<kRowInputs>(nv, f);
 }
 
 // Bytes of one block of `type` (0: unknown); float types count 32-element chunks.

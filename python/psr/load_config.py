@@ -140,6 +140,12 @@ class LoadConfig:
         row-invariant (`model.set_row_invariant`), attention and the expert grouping round
         per chunk, so the chunk is part of the configuration (the prompt
         cache keys it).
+    cpu_dot: how the CPU kernels dot GGUF block rows with their activations
+        (psr.vocab.CPU_DOTS, set process-wide at load): 'auto' (default: integer dots on
+        activations quantized to Q8_K / Q8_0, as llama.cpp, for the block types where that
+        is measured faster on this CPU; fp32 for the rest), 'f32' (fp32 activations
+        throughout) or 'q8'. Outputs differ by the activations' rounding; any choice keeps
+        rows bit-identical for any batch, chunk and thread count.
     progress: progress bars while the experts load (None, the default: only when stderr is
         a terminal).
     """
@@ -173,6 +179,7 @@ class LoadConfig:
     prefill_chunk: int | None = field(default=None, metadata=BOTH)
     threads: int | None = field(default=None, metadata=LOAD)
     context: int | None = field(default=None, metadata=LOAD)
+    cpu_dot: str = field(default="auto", metadata=LOAD)
     progress: bool | None = field(default=None, metadata=BOTH)
 
     def __post_init__(self) -> None:
@@ -189,6 +196,7 @@ class LoadConfig:
             vocab.canonical_dtype(self.dtype)
         vocab.compute_choice(self.compute)
         vocab.decode_mode(self.decode)
+        vocab.cpu_dot_choice(self.cpu_dot)
         vocab.expert_format(self.expert_format)
         vocab.dense_format(self.dense_format)
         if vocab.kv_format(self.kv_format) != "auto" and self.graphs is True:

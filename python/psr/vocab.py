@@ -47,6 +47,11 @@ KV_FORMATS: tuple[str, ...] = ("auto", "bf16", "int8", "fp8")
 # Compute paths: "auto" (Triton on CUDA, the torch references elsewhere; $PSR_COMPUTE
 # overrides), or one forced.
 COMPUTE_CHOICES: tuple[str, ...] = ("auto", "triton", "torch")
+# How the CPU kernels dot GGML rows with their activations (psr.store.cpu_kernels): 'auto'
+# (integer dots on Q8-quantized activations for the block types where they are measured
+# faster on this CPU, fp32 for the rest), 'f32', 'q8', 'q8_madd' (q8 without AVX-512 VNNI's
+# vpdpbusd: the same bits).
+CPU_DOTS: tuple[str, ...] = ("auto", "f32", "q8", "q8_madd")
 
 # How a decode step runs: "device" (the sync-free step on device-resident caches, wherever
 # the policy allows it) or "host" (the host-driven step: caches and copies on the host).
@@ -106,6 +111,13 @@ def compute_choice(compute: str) -> str:
     if compute not in COMPUTE_CHOICES:
         raise ValueError(f"compute must be one of {', '.join(COMPUTE_CHOICES)}; got {compute!r}")
     return compute
+
+
+def cpu_dot_choice(dot: object) -> str:
+    """`dot` if it is one of CPU_DOTS, else a ValueError naming them."""
+    if dot not in CPU_DOTS:
+        raise ValueError(f"cpu_dot must be one of {', '.join(CPU_DOTS)}; got {dot!r}")
+    return str(dot)
 
 
 def decode_mode(decode: str) -> str:

@@ -54,6 +54,7 @@ def _reference(twin, new: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _check(path: Path, twin, compute: str, new: int = NEW, **kw) -> psr.OffloadedModel:
     want_logits, want_tokens = _reference(twin, new)
+    kw.setdefault("cpu_dot", "f32")  # the twin's fp32 activations (q8 rounds them to 8 bits)
     model = psr.load(
         path, "exact", residency=0.5, device="cpu", compute=compute, progress=False, **kw
     )

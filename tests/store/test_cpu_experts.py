@@ -17,6 +17,9 @@ import torch
 import psr_kernels as pk
 from psr import store
 
+# The fp32-activation path's references (the q8 path's: test_cpu_qdot.py).
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]
 QUANT = ["int8", "fp8", "int4"]
 FORMATS = [(None, d) for d in FLOATS] + [(q, None) for q in QUANT]

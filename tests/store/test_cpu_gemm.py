@@ -16,6 +16,9 @@ from ggml_blocks import expert_rows, gguf_dequant, random_blocks
 import psr_kernels as pk
 from psr import store
 
+# The fp32-activation path's references (the q8 path's: test_cpu_qdot.py).
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 ISAS = store.cpu_isas()
 THREADS = sorted({1, min(2, store.cpu_max_threads())})
 TILED = ["Q4_K", "Q5_K", "Q6_K", "Q8_0"]  # the block types the GEMM tiles (g_several_inputs)

@@ -14,6 +14,9 @@ from test_cpu_experts import _guarded
 import psr_kernels as pk
 from psr import store
 
+# The fp32-activation path's references (the q8 path's: test_cpu_qdot.py).
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 ISAS = store.cpu_isas()
 
 

@@ -15,6 +15,9 @@ from test_cpu_experts import _close, _slab
 import psr_kernels as pk
 from psr import store
 
+# The fp32-activation path's references (the q8 path's: test_cpu_qdot.py).
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 ISAS = store.cpu_isas()
 THREADS = sorted({1, min(2, store.cpu_max_threads())})
 BATCHES = (2, 3, 5, 8)

@@ -13,6 +13,9 @@ from ggml_blocks import gguf_dequant, random_blocks
 import psr_kernels as pk
 from psr import store
 
+# The fp32-activation path's references (the q8 path's: test_cpu_qdot.py).
+pytestmark = pytest.mark.usefixtures("f32_dots")
+
 ISAS = store.cpu_isas()
 THREADS = sorted({1, min(2, store.cpu_max_threads())})
 FLOATS = [torch.float32, torch.bfloat16, torch.float16]

@@ -17,7 +17,10 @@ from psr import store
 
 
 def test_block_type_traits_agree() -> None:
-    py = [(b.name, b.type_id, b.block_len, b.block_bytes) for b in pk.BLOCK_TYPE_TRAITS.values()]
+    py = [
+        (b.name, b.type_id, b.block_len, b.block_bytes, b.vec_dot)
+        for b in pk.BLOCK_TYPE_TRAITS.values()
+    ]
     assert [tuple(t) for t in _C.ggml_type_traits()] == py
 
 

@@ -36,6 +36,7 @@ from psr.cli.args import (
 from psr.policy import DEFAULT_RESIDENCY, POLICIES
 from psr.vocab import (
     COMPUTE_CHOICES,
+    CPU_DOTS,
     DECODE_MODES,
     DENSE_FORMATS,
     DRAFTERS,
@@ -247,6 +248,11 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         "forward is row-invariant (psr serve's with a prompt cache on the CPU)",
     ),
     "threads": dict(type=positive_int, metavar="N", help=THREADS_HELP),
+    "cpu_dot": dict(
+        choices=CPU_DOTS,
+        help="CPU kernels on GGUF blocks: integer dots on Q8-quantized activations where "
+        "faster (auto), fp32 activations (f32), or integer dots throughout (q8)",
+    ),
     "context": dict(
         flag="--ctx-size",
         type=positive_int,

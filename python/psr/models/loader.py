@@ -67,6 +67,7 @@ from psr.runtime.kv_quant import set_kv_format
 from psr.runtime.model import OffloadedModel, rows_forward
 from psr.runtime.spec import resolve_capacity, resolve_slab_slots
 from psr.runtime.verify import verify_class
+from psr.store import set_cpu_dot
 
 # Whether a load makes the CPU forward row-invariant wherever it can be (unless graphs are
 # asked for). Off: it decodes at 0.90-0.95x and prefills long prompts at ~0.8x of the
@@ -90,6 +91,7 @@ def load(
     cfg = LoadConfig.of("load", policy=policy, residency=residency, **options)
     path = resolve_model(path)
     threads = _set_threads(cfg.threads)  # before the experts are read and quantized
+    set_cpu_dot(cfg.cpu_dot)
     ckpt = open_checkpoint(path)
     try:
         r = resolve(path, ckpt, cfg)

@@ -3,7 +3,7 @@
 expert_store  ExpertStore (host rows, device slabs, copies, tiers, the CPU hand-off),
               LayerSpec, CopyReason, the backend choice, StoreError / CopyError
 cpu_kernels   the CPU kernels: cpu_expert_ffn, cpu_linear, cpu_attention, cpu_layout, cpu_isas,
-              cpu_triad
+              cpu_triad, the GGML rows' dot path (CPU_DOTS, set_cpu_dot)
 cpu_router    the CPU decode step's logical-cache `use` in one call: cpu_cache_use
 """
 
@@ -11,12 +11,14 @@ from psr.store.cpu_kernels import (
     CPU_ACTIVATIONS,
     CPU_FLOAT_DTYPES,
     cpu_attention,
+    cpu_dot,
     cpu_expert_ffn,
     cpu_isas,
     cpu_layout,
     cpu_linear,
     cpu_max_threads,
     cpu_triad,
+    set_cpu_dot,
 )
 from psr.store.expert_store import (
     MAX_COPY_RETRIES,
@@ -31,9 +33,11 @@ from psr.store.expert_store import (
     current_backend,
     set_backend,
 )
+from psr.vocab import CPU_DOTS
 
 __all__ = [
     "CPU_ACTIVATIONS",
+    "CPU_DOTS",
     "CPU_FLOAT_DTYPES",
     "MAX_COPY_RETRIES",
     "CopyError",
@@ -44,6 +48,7 @@ __all__ = [
     "StoreError",
     "backend_info",
     "cpu_attention",
+    "cpu_dot",
     "cpu_expert_ffn",
     "cpu_isas",
     "cpu_layout",
@@ -53,4 +58,5 @@ __all__ = [
     "cuda_available",
     "current_backend",
     "set_backend",
+    "set_cpu_dot",
 ]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import psr._C as _C
+from psr.vocab import cpu_dot_choice
 
 if TYPE_CHECKING:
     from psr_kernels.rowformat import RowFormat
@@ -24,6 +25,52 @@ if TYPE_CHECKING:
 CPU_FLOAT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 CPU_ACTIVATIONS: tuple[str, ...] = ("swiglu", "swiglu_oai")
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+# How GGML rows meet their activations (CPU_DOTS; csrc/cpu/expert_gemv.h's `Dot`): 'f32'
+# (fp32 activations, blocks decoded to fp32), 'q8' (each activation row quantized once per
+# call to its weights' vec_dot type, Q8_K / Q8_0, then integer block dots: ggml_qdot.h, as
+# llama.cpp), 'q8_madd' (q8 without AVX-512 VNNI's instruction: the same bits; for tests),
+# 'auto' (q8 for the types where it is measured faster on the path: expert_gemv.h's
+# q8_by_default). Process-wide like the thread count (`psr.load(..., cpu_dot=...)` sets
+# it); a call's `dot` overrides it.
+_cpu_dot = ["auto"]
+
+
+def set_cpu_dot(dot: str) -> None:
+    """Sets the process-wide default `dot` of cpu_expert_ffn / cpu_linear (CPU_DOTS)."""
+    _cpu_dot[0] = _check_dot(dot)
+
+
+def cpu_dot() -> str:
+    """The process-wide default `dot` (CPU_DOTS)."""
+    return _cpu_dot[0]
+
+
+def _check_dot(dot: object) -> str:
+    return cpu_dot_choice(dot)
+
+
+# The q8 path's activation block types (GGML ids; BlockType.vec_dot): values, bytes a block.
+ACT_BLOCKS: dict[int, tuple[int, int]] = {15: (256, 292), 8: (32, 34)}  # Q8_K, Q8_0
+
+
+def cpu_quantize_act(x: torch.Tensor, act: int, isa: str = "auto") -> torch.Tensor:
+    """One activation row `x [K]` quantized as the q8 path quantizes it (csrc/cpu/ggml_qdot.h:
+    `act` 15 = Q8_K, 8 = Q8_0; K whole blocks) on ISA path `isa`: its bytes (uint8)."""
+    if act not in ACT_BLOCKS:
+        raise ValueError(f"cpu_quantize_act: act must be 15 (Q8_K) or 8 (Q8_0), got {act!r}")
+    qk, bs = ACT_BLOCKS[act]
+    if not isinstance(x, torch.Tensor) or x.dim() != 1 or x.shape[0] % qk or x.shape[0] < 1:
+        raise ValueError(f"cpu_quantize_act: x must be a 1-D tensor of whole blocks of {qk}")
+    xf = x.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0] // qk * bs, dtype=torch.uint8)
+    _C.cpu_quantize_act(act, xf.data_ptr(), x.shape[0], out.data_ptr(), isa)
+    return out
+
+
+def cpu_has_vnni() -> bool:
+    """Whether this CPU has AVX-512 VNNI (the q8 path's vpdpbusd)."""
+    return bool(_C.cpu_has_vnni())
 
 
 def cpu_isas() -> list[str]:
@@ -112,6 +159,7 @@ def cpu_expert_ffn(
     limit: float = 7.0,
     out_dtype: torch.dtype | None = None,
     skip_absent: bool = False,
+    dot: str | None = None,
 ) -> torch.Tensor:
     """Routed experts of `x [T, H]` computed on the CPU from packed expert rows, in place.
 
@@ -123,8 +171,9 @@ def cpu_expert_ffn(
     `alpha`, `limit`). Every id and slot is checked (IndexError); a row is never read
     past its end. `skip_absent` (with a slot_table): an expert whose slot is -1 is absent
     (computed elsewhere: experts_on's CPU part) and contributes nothing. Returns `[T, H]`
-    in `out_dtype` (default x's dtype).
+    in `out_dtype` (default x's dtype). `dot` (GGML rows): one of CPU_DOTS, default cpu_dot().
     """
+    dot = _check_dot(cpu_dot() if dot is None else dot)
     rf = _row_format(fmt)
     rows = _check_cpu_rows(rows, rf)
     x = _check_cpu_tensor("x", x, 2)
@@ -157,7 +206,7 @@ def cpu_expert_ffn(
         rows.stride(0) * rows.element_size(), ids.data_ptr(), ids.element_size(),
         ids.shape[1], table, tbytes, tlen, wf.data_ptr(), y.data_ptr(),
         torch.get_num_threads() if threads is None else int(threads), isa,
-        CPU_ACTIVATIONS.index(activation), float(alpha), float(limit), bool(skip_absent),
+        CPU_ACTIVATIONS.index(activation), float(alpha), float(limit), bool(skip_absent), dot,
     )  # fmt: skip
     out = out_dtype or x.dtype
     return y if out == torch.float32 else y.to(out)
@@ -178,7 +227,7 @@ def _fmt_codes() -> dict[str, int]:
 @functools.cache
 def _ggml_blocks() -> dict[int, tuple[str, int, int]]:
     """GGML type id -> (name, block_len, block_bytes) of the types the CPU kernels compute."""
-    return {tid: (name, qk, bs) for name, tid, qk, bs in _C.ggml_type_traits()}
+    return {tid: (name, qk, bs) for name, tid, qk, bs, _ in _C.ggml_type_traits()}
 
 
 def _linear_threads(threads: int | None, who: str = "cpu_linear") -> int:
@@ -238,6 +287,7 @@ def cpu_linear(
     threads: int | None = None,
     isa: str = "auto",
     out_dtype: torch.dtype | None = None,
+    dot: str | None = None,
 ) -> torch.Tensor:
     """A batch-invariant dense linear layer `x @ W^T (+ bias)` on the CPU, computed in fp32.
 
@@ -248,8 +298,10 @@ def cpu_linear(
     product by one thread in a fixed order, so every output row is bit-identical for any
     T, any other rows and any thread count (on one ISA path). `threads` (default
     torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
+    `dot` (GGML rows): one of CPU_DOTS, default cpu_dot().
     Returns `[T, N]` in `out_dtype` (default x's dtype).
     """
+    dot = _check_dot(cpu_dot() if dot is None else dot)
     if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError("cpu_linear: x must be a 2-D CPU tensor [T, K]")
     if not x.is_floating_point() or x.shape[1] < 1:
@@ -272,7 +324,7 @@ def cpu_linear(
     y = torch.empty(x.shape[0], N, dtype=torch.float32)
     _C.cpu_linear(
         xf.data_ptr(), x.shape[0], K, w.data_ptr(), N, w.stride(0) * w.element_size(),
-        _fmt_codes()[fmt], gtype, b, y.data_ptr(), n_threads, isa,
+        _fmt_codes()[fmt], gtype, b, y.data_ptr(), n_threads, isa, dot,
     )  # fmt: skip
     out = out_dtype or x.dtype
     return y if out == torch.float32 else y.to(out)

@@ -1,0 +1,247 @@
+// AVX2 integer dots on quantized activations (ggml_qdot.h's rules): vpmaddubsw (u8 x s8
+// pairs, exact for these codes) then vpmaddwd (the K-quants' int16 sub-block scales; Q8_0:
+// ones), int32 lanes scaled in fp32 by d_w d_x per (super-)block into eight fp32 lanes a
+// row and input, summed once at the row's end. Q8_0 meets its signed codes as |w| against
+// x with w's sign (vpsignb). The quantizer: the scalar reference's bytes. Compiled for
+// AVX2 + FMA + F16C with a pragma, chosen at run time.
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "expert_gemv.h"
+#include "ggml_dot.h"
+#include "ggml_qdot.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+namespace psr::cpu {
+namespace qdot_avx2 {
+namespace {
+
+inline float h2f(const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+inline float ldf(const uint8_t* p) {
+  float f;
+  __builtin_memcpy(&f, p, 4);
+  return f;
+}
+inline __m256i ld(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256i scaled(__m256i codes, __m256i x, __m256i s16) {  // int32 lanes
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), s16);
+}
+inline float hsum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+inline __m256i two16(int lo, int hi) {  // int16 lanes 0..7 lo, 8..15 hi
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)),
+                          _mm_set1_epi16(static_cast<int16_t>(lo)));
+}
+
+template <int NV>
+void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq, float* out) {
+  __m256 F[NV], G[NV];
+  for (int t = 0; t < NV; ++t) F[t] = G[t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  switch (type) {
+    case ggml_type::Q8_0: {
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* wb = row + 34 * b;
+        const __m256i w = ld(wb + 2), aw = _mm256_abs_epi8(w);
+        const float dw = h2f(wb);
+        for (int t = 0; t < NV; ++t) {
+          const uint8_t* xb = xq[t] + 34 * b;
+          const __m256i I = scaled(aw, _mm256_sign_epi8(ld(xb + 2), w), ones);
+          F[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_set1_ps(dw * h2f(xb)), F[t]);
+        }
+      }
+      break;
+    }
+    case ggml_type::Q4_K:
+    case ggml_type::Q5_K:  // Q5_K: plus bit j of qh[l] as the codes' 16s (sub-block j)
+      for (int64_t k = 0; k < K; k += 256, row += type == ggml_type::Q5_K ? 176 : 144) {
+        const bool five = type == ggml_type::Q5_K;
+        const float d = h2f(row), dmin = h2f(row + 2);
+        int sc[8], mn[8];
+        for (int j = 0; j < 8; ++j) g_k_scale_min(j, row + 4, &sc[j], &mn[j]);
+        const __m256i md = _mm256_setr_epi16(
+            static_cast<int16_t>(mn[0]), static_cast<int16_t>(mn[0]), static_cast<int16_t>(mn[1]),
+            static_cast<int16_t>(mn[1]), static_cast<int16_t>(mn[2]), static_cast<int16_t>(mn[2]),
+            static_cast<int16_t>(mn[3]), static_cast<int16_t>(mn[3]), static_cast<int16_t>(mn[4]),
+            static_cast<int16_t>(mn[4]), static_cast<int16_t>(mn[5]), static_cast<int16_t>(mn[5]),
+            static_cast<int16_t>(mn[6]), static_cast<int16_t>(mn[6]), static_cast<int16_t>(mn[7]),
+            static_cast<int16_t>(mn[7]));
+        __m256i lo[4], hi[4], slo[4], shi[4];
+        for (int p = 0; p < 4; ++p) {  // sub-block 2 p: low nibbles, 2 p + 1: high
+          const __m256i q = ld(row + (five ? 48 : 16) + 32 * p);
+          lo[p] = _mm256_and_si256(q, m4);
+          hi[p] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          if (five) {
+            const __m256i qh = ld(row + 16), one = _mm256_set1_epi8(1);
+            const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), one);
+            const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p + 1), one);
+            lo[p] = _mm256_or_si256(lo[p], _mm256_slli_epi16(b0, 4));
+            hi[p] = _mm256_or_si256(hi[p], _mm256_slli_epi16(b1, 4));
+          }
+          slo[p] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p]));
+          shi[p] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p + 1]));
+        }
+        const int64_t xo = (k / 256) * kQ8KBytes;
+        for (int t = 0; t < NV; ++t) {
+          const uint8_t* xb = xq[t] + xo;
+          __m256i I = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) {
+            I = _mm256_add_epi32(I, scaled(lo[p], ld(xb + 4 + 64 * p), slo[p]));
+            I = _mm256_add_epi32(I, scaled(hi[p], ld(xb + 36 + 64 * p), shi[p]));
+          }
+          const float dx = ldf(xb);
+          F[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_set1_ps(dx * d), F[t]);
+          const __m256i M = _mm256_madd_epi16(ld(xb + 260), md);
+          G[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M), _mm256_set1_ps(dx * dmin), G[t]);
+        }
+      }
+      break;
+    case ggml_type::Q6_K: {
+      const __m256i m3 = _mm256_set1_epi8(0x03);
+      for (int64_t k = 0; k < K; k += 256, row += 210) {
+        const float d = h2f(row + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
+        const __m256i sc16 =
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+        __m256i cv[8], sv[8];  // run 4 n + g: elements 128 n + 32 g.., sub-blocks 8 n + 2 g (+1)
+        for (int n = 0; n < 2; ++n) {
+          const __m256i l0 = ld(row + 64 * n), l1 = ld(row + 64 * n + 32);
+          const __m256i qh = ld(row + 128 + 32 * n);
+          for (int g = 0; g < 4; ++g) {
+            const __m256i l = g & 1 ? l1 : l0;
+            const __m256i low =
+                g < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+            const __m256i h = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m3);
+            cv[4 * n + g] = _mm256_or_si256(low, _mm256_slli_epi16(h, 4));
+            sv[4 * n + g] = two16(sc[8 * n + 2 * g], sc[8 * n + 2 * g + 1]);
+          }
+        }
+        const int64_t xo = (k / 256) * kQ8KBytes;
+        for (int t = 0; t < NV; ++t) {
+          const uint8_t* xb = xq[t] + xo;
+          __m256i I = _mm256_setzero_si256();
+          for (int r = 0; r < 8; ++r)
+            I = _mm256_add_epi32(I, scaled(cv[r], ld(xb + 4 + 32 * r), sv[r]));
+          // codes are q + 32: minus 32 sum_s sc_s bsum_s
+          const __m256i O = _mm256_madd_epi16(sc16, ld(xb + 260));
+          I = _mm256_sub_epi32(I, _mm256_slli_epi32(O, 5));
+          F[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_set1_ps(ldf(xb) * d), F[t]);
+        }
+      }
+      break;
+    }
+    default:
+      break;  // no vec_dot type: never called
+  }
+  for (int t = 0; t < NV; ++t) out[t] = hsum(F[t]) - hsum(G[t]);
+}
+
+void qrows(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq, int nv, float* out) {
+  g_for_count<kQInputs>(nv, [&](auto k) { qrows_nv<decltype(k)::value>(type, row, K, xq, out); });
+}
+
+// int32 lanes v (values in [-128, 127]) to eight bytes at out.
+inline void store8(__m256i v, uint8_t* out) {
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(w, w));
+}
+inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// The scalar reference's bytes: the same products, rounded half to even by vcvtps2dq.
+void quant(int act, const float* x, int64_t K, uint8_t* out) {
+  if (act == ggml_type::Q8_K) {
+    for (int64_t k = 0; k < K; k += 256, x += 256, out += kQ8KBytes) {
+      __m256 am = _mm256_setzero_ps();
+      for (int i = 0; i < 32; ++i) am = _mm256_max_ps(am, abs8(_mm256_loadu_ps(x + 8 * i)));
+      const float amax = hmax(am);
+      __builtin_memset(out, 0, kQ8KBytes);
+      if (amax == 0.f) continue;
+      float max = 0.f;
+      for (int i = 0; i < 32; ++i) {
+        const int m = _mm256_movemask_ps(
+            _mm256_cmp_ps(abs8(_mm256_loadu_ps(x + 8 * i)), _mm256_set1_ps(amax), _CMP_EQ_OQ));
+        if (m) {
+          max = x[8 * i + __builtin_ctz(static_cast<unsigned>(m))];
+          break;
+        }
+      }
+      const float iscale = -127.f / max;
+      for (int i = 0; i < 32; ++i) {
+        const __m256i v = _mm256_min_epi32(
+            _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_set1_ps(iscale), _mm256_loadu_ps(x + 8 * i))),
+            _mm256_set1_epi32(127));
+        store8(v, out + 4 + 8 * i);
+      }
+      for (int s = 0; s < 16; ++s) {
+        int sum = 0;
+        for (int j = 0; j < 16; ++j) sum += static_cast<int8_t>(out[4 + 16 * s + j]);
+        const int16_t b = static_cast<int16_t>(sum);
+        __builtin_memcpy(out + 260 + 2 * s, &b, 2);
+      }
+      const float dd = 1.f / iscale;
+      __builtin_memcpy(out, &dd, 4);
+    }
+    return;
+  }
+  for (int64_t k = 0; k < K; k += 32, x += 32, out += kQ8_0Bytes) {
+    __m256 am = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) am = _mm256_max_ps(am, abs8(_mm256_loadu_ps(x + 8 * i)));
+    const float amax = hmax(am);
+    const float d = amax / 127.f;
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    const uint16_t h = q_f32_to_f16(d);
+    __builtin_memcpy(out, &h, 2);
+    for (int i = 0; i < 4; ++i)
+      store8(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * i), _mm256_set1_ps(id))),
+             out + 2 + 8 * i);
+  }
+}
+
+}  // namespace
+const QRowDotsFn kDots = qrows;
+const QuantFn kQuant = quant;
+}  // namespace qdot_avx2
+}  // namespace psr::cpu
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace psr::cpu {
+QuantFn avx2_quant() { return qdot_avx2::kQuant; }
+QRowDotsFn avx2_qdots() { return qdot_avx2::kDots; }
+}  // namespace psr::cpu
+
+#else  // no x86-64 target support in this compiler
+
+namespace psr::cpu {
+QuantFn avx2_quant() { return nullptr; }
+QRowDotsFn avx2_qdots() { return nullptr; }
+}  // namespace psr::cpu
+
+#endif
