@@ -23,6 +23,7 @@ from psr.cache import prefill_state
 from psr.runtime.batch import BatchDecoder
 from psr.runtime.chunked import PromptCache, boundaries
 from psr.runtime.kv import kv_bytes
+from psr.store import cpu_dot, set_cpu_dot
 
 CHUNK = 8
 FIRST = torch.arange(40).remainder(61)[None] * 7 % 64  # a 40-token first turn
@@ -150,6 +151,13 @@ def test_entries_never_cross_models_or_configurations(ckpt) -> None:
     assert cache.last_cached == 0  # another chunking (the chunk-dependent forward's key)
     a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
     assert cache.last_cached == 56
+    was = cpu_dot()
+    try:  # the CPU kernels' dot path is process-wide: another load may change it
+        set_cpu_dot("f32" if was != "f32" else "q8")
+        a.generate(SECOND, max_new_tokens=1, prompt_cache=cache)
+        assert cache.last_cached == 0  # another dot path
+    finally:
+        set_cpu_dot(was)
 
 
 def test_the_budget_bounds_the_cache(ckpt) -> None:

@@ -27,7 +27,7 @@ from psr.runtime.graphs import MAX_GRAPHS, SPECULATIVE, DecodeGraph, bucket, gra
 from psr.runtime.stats import Stats
 from psr.runtime.trace import TraceRecorder
 from psr.runtime.verify import VerifyRule, make_verify
-from psr.store import StoreError
+from psr.store import StoreError, cpu_dot
 
 _UIDS = itertools.count()  # one per OffloadedModel: prompt-cache keys never cross models
 _P = ParamSpec("_P")
@@ -413,12 +413,13 @@ class OffloadedModel(nn.Module):
 
     def _prefill_key(self, graphs: bool) -> tuple[Any, ...]:
         """What a prompt-cache entry is keyed by besides the tokens: this model and its
-        whole configuration (never shared between models, policies or configurations)."""
+        whole configuration (never shared between models, policies or configurations),
+        the CPU kernels' dot path included (process-wide: a later load may change it)."""
         rt = self.runtime
         return (
             self._uid, rt.policy, rt.capacity, rt.experts_on, tuple(rt.inserts),
             rt.decode_mode, rt.block_k, "rows" if self.row_invariant else self.prefill_chunk,
-            graphs, rt.prefill_split,
+            graphs, rt.prefill_split, cpu_dot(),
         )  # fmt: skip
 
     def _prefill(self, graph: DecodeGraph | None, cache: chunked.PromptCache | None) -> Any:
