@@ -10,6 +10,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from collections.abc import Iterator
+
 import pytest
 
 torch.set_num_threads(1)
@@ -28,3 +30,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _psr_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tuned operating points go to a per-test folder, never the user's."""
     monkeypatch.setenv("PSR_HOME", str(tmp_path_factory.mktemp("psr_home")))
+
+
+@pytest.fixture
+def f32_dots() -> Iterator[None]:
+    """The fp32-activation dot path for GGUF blocks (cpu_dot 'f32') as the process default
+    while a test runs: the tests that hold that path to its tight dequantized references
+    (the q8 path, whose activations are rounded to 8 bits, has its own: test_cpu_qdot.py)."""
+    from psr import store  # here: psr_kernels must see TRITON_INTERPRET first
+
+    before = store.cpu_dot()
+    store.set_cpu_dot("f32")
+    yield
+    store.set_cpu_dot(before)

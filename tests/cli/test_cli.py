@@ -178,6 +178,7 @@ def test_generate_and_inspect_take_a_gguf_file(capsys, tmp_path) -> None:
     twin = twin_model(model, write_gguf(model, path, {"experts": "Q4_K"}, tokenizer=tok))
     out_json = tmp_path / "g.json"
     argv = ["generate", "--model", str(path), "--prompt", "To be, or not", "--policy", "exact"]
+    argv += ["--cpu-dot", "f32"]  # the twin's fp32 activations (q8 rounds them to 8 bits)
     assert main([*argv, "--max-new-tokens", "4", "--json", str(out_json)]) == 0
     out = capsys.readouterr().err
     assert "experts Q4_K,Q4_K,Q4_K (the file's blocks)" in out
