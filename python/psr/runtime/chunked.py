@@ -62,11 +62,12 @@ def boundaries(start: int, length: int, chunk: int) -> list[int]:
 def _layer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
-    from psr.runtime.kv_quant import PACKED_LAYERS
+    from psr.runtime.kv_quant import PACKED_LAYERS, GrowLayer
 
-    # Dynamic layers that replace their tensors (never write them in place): shared, not
-    # copied; the static layer (graphs): its first b positions copied out and back in.
-    return (DynamicLayer, DynamicSlidingWindowLayer, *PACKED_LAYERS), (StaticLayer,)
+    # Dynamic layers that replace their tensors (never write them in place), and GrowLayer
+    # (writes in place only past every copy's length): shared, not copied; the static layer
+    # (graphs): its first b positions copied out and back in.
+    return (DynamicLayer, DynamicSlidingWindowLayer, GrowLayer, *PACKED_LAYERS), (StaticLayer,)
 
 
 def kv_snapshot(kv: Any, length: int) -> tuple[Any, int] | None:
