@@ -16,6 +16,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import psr
 import psr.runtime.kv_quant as kvq
+from psr.runtime.chunked import kv_snapshot
 from psr.runtime.kv import output_cache
 from psr.runtime.kv_quant import GrowLayer, new_cache
 
@@ -89,3 +90,16 @@ def test_offloaded_generate_grows_its_cache() -> None:
     out = hf.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
     assert {type(x) for x in output_cache(out).layers} == {GrowLayer}
     assert torch.equal(out.sequences, om.generate(ids, max_new_tokens=5))
+
+
+def test_a_snapshot_counts_the_buffers_it_keeps() -> None:
+    """The prompt cache's budget: a snapshot of grown layers holds their whole buffers
+    (the room included), each counted once."""
+    model = tiny_model("olmoe")
+    cache = new_cache(model.config, "auto")
+    model(input_ids=torch.arange(5)[None], cache=cache, use_cache=True)
+    got = kv_snapshot(cache, 5)
+    assert got is not None
+    rooms = [x.room for x in cache.layers]
+    assert got[1] == sum(r.k.nbytes + r.v.nbytes for r in rooms if r is not None)
+    assert got[1] > sum(x.keys.nbytes + x.values.nbytes for x in cache.layers)

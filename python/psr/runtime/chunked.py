@@ -85,12 +85,14 @@ def kv_snapshot(kv: Any, length: int) -> tuple[Any, int] | None:
         return None
     snap = copy.copy(kv)
     snap.layers = [copy.copy(x) if type(x) in shared else copy.deepcopy(x) for x in layers]
-    nbytes = 0
-    for x in snap.layers:
-        for t in vars(x).values():
-            if isinstance(t, torch.Tensor):
-                nbytes += t.nbytes
-    return ("dynamic", snap), nbytes
+    # The storages the copy keeps alive, each once (a GrowLayer's views: its whole buffers).
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for x in snap.layers
+        for t in vars(x).values()
+        if isinstance(t, torch.Tensor)
+    }
+    return ("dynamic", snap), sum(held.values())
 
 
 def kv_restore(snap: Any, into: Any = None) -> Any:
