@@ -62,11 +62,12 @@ def boundaries(start: int, length: int, chunk: int) -> list[int]:
 def _layer_types() -> tuple[tuple[type, ...], tuple[type, ...]]:
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, StaticLayer
 
-    from psr.runtime.kv_quant import PACKED_LAYERS
+    from psr.runtime.kv_quant import PACKED_LAYERS, GrowLayer
 
-    # Dynamic layers that replace their tensors (never write them in place): shared, not
-    # copied; the static layer (graphs): its first b positions copied out and back in.
-    return (DynamicLayer, DynamicSlidingWindowLayer, *PACKED_LAYERS), (StaticLayer,)
+    # Dynamic layers that replace their tensors (never write them in place), and GrowLayer
+    # (writes in place only past every copy's length): shared, not copied; the static layer
+    # (graphs): its first b positions copied out and back in.
+    return (DynamicLayer, DynamicSlidingWindowLayer, GrowLayer, *PACKED_LAYERS), (StaticLayer,)
 
 
 def kv_snapshot(kv: Any, length: int) -> tuple[Any, int] | None:
@@ -84,12 +85,14 @@ def kv_snapshot(kv: Any, length: int) -> tuple[Any, int] | None:
         return None
     snap = copy.copy(kv)
     snap.layers = [copy.copy(x) if type(x) in shared else copy.deepcopy(x) for x in layers]
-    nbytes = 0
-    for x in snap.layers:
-        for t in vars(x).values():
-            if isinstance(t, torch.Tensor):
-                nbytes += t.nbytes
-    return ("dynamic", snap), nbytes
+    # The storages the copy keeps alive, each once (a GrowLayer's views: its whole buffers).
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for x in snap.layers
+        for t in vars(x).values()
+        if isinstance(t, torch.Tensor)
+    }
+    return ("dynamic", snap), sum(held.values())
 
 
 def kv_restore(snap: Any, into: Any = None) -> Any:

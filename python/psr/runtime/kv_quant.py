@@ -159,16 +159,100 @@ def _cat(
     return q, None if s is None or new[1] is None else torch.cat([s, new[1]], dim=-2)
 
 
-# transformers' dynamic layer class -> its packed twin (a DummyLayer caches nothing).
+# Room a GrowLayer buffer leaves past what it holds: at least this many tokens, and an
+# eighth of its length (a copy of the cache every length / 8 tokens, at most 1/8 unused).
+GROW_MIN = 256
+
+
+class _Room:
+    """A GrowLayer's buffers `[B, H, capacity, D]` and how many positions are written (not
+    tensors themselves: the prompt cache counts a layer's tensors, its views)."""
+
+    __slots__ = ("fill", "k", "v")
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v, self.fill = k, v, 0
+
+
+class GrowLayer(DynamicLayer):
+    """A full-attention layer of transformers' own format ("auto") whose keys and values live
+    in buffers with room to grow: a step writes its tokens in place, where DynamicLayer
+    copies the whole cache (`torch.cat`, O(length) per decode token). `keys` / `values` are
+    views of the buffers' first `length` positions, holding the same values DynamicLayer
+    would. Shallow copies (the prompt cache's snapshots) share the buffers; only a layer
+    whose length is the buffers' fill writes in place, any other (and one whose tensors
+    were replaced: crop, reorder, offload) first copies its tokens to new buffers, so the
+    values of a view once returned never change."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.room: _Room | None = None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new tokens `[B, H, T, D]`; return every cached token's keys and values."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, t = self.get_seq_length(), key_states.shape[-2]
+        r = self.room
+        if r is None or not self._writes_in_place(r, n, n + t, key_states, value_states):
+            r = self.room = self._grown(n + t, key_states, value_states)
+        r.k[:, :, n : n + t].copy_(key_states)
+        r.v[:, :, n : n + t].copy_(value_states)
+        r.fill = n + t
+        self.keys, self.values = r.k[:, :, : n + t], r.v[:, :, : n + t]
+        return self.keys, self.values
+
+    def _writes_in_place(
+        self, r: _Room, n: int, need: int, k: torch.Tensor, v: torch.Tensor
+    ) -> bool:
+        """Whether `r` takes the next tokens in place: this layer's tensors are its views, at
+        its fill, with room for `need` tokens of new rows shaped and typed as `k` / `v`."""
+        assert self.keys is not None and self.values is not None
+        return (
+            r.fill == n
+            and need <= r.k.shape[-2]
+            and self.keys.data_ptr() == r.k.data_ptr()
+            and self.values.data_ptr() == r.v.data_ptr()
+            and all(
+                (t.shape[:2], t.shape[3], t.dtype, t.device)
+                == (b.shape[:2], b.shape[3], b.dtype, b.device)
+                for t, b in ((k, r.k), (v, r.v))
+            )
+        )
+
+    def _grown(self, need: int, k: torch.Tensor, v: torch.Tensor) -> _Room:
+        """New buffers for `need` tokens and room past them, this layer's tokens copied in."""
+        cap = need + max(GROW_MIN, need // 8)
+        r = _Room(
+            k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
+        )
+        n = self.get_seq_length()
+        if n:
+            assert self.keys is not None and self.values is not None
+            r.k[:, :, :n].copy_(self.keys)
+            r.v[:, :, :n].copy_(self.values)
+        r.fill = n
+        return r
+
+    def reset(self) -> None:
+        super().reset()
+        self.room = None
+
+
+# transformers' dynamic layer class -> its twin in format `f`: packed, or ("auto") a
+# full-attention layer grown in place; other layers as they are ("auto"; a DummyLayer
+# caches nothing).
 def _packed(layer: Any, f: KVFormat) -> Any:
-    if isinstance(layer, PACKED_LAYERS):
+    if isinstance(layer, (*PACKED_LAYERS, GrowLayer)):
         return layer
     if type(layer) is DynamicLayer:
-        return PackedLayer(f)
+        return PackedLayer(f) if f.dtype is not None else GrowLayer()  # type: ignore[no-untyped-call]
+    if type(layer) is DummyLayer or f.dtype is None:
+        return layer
     if type(layer) is DynamicSlidingWindowLayer:
         return PackedSlidingLayer(f, layer.sliding_window)
-    if type(layer) is DummyLayer:
-        return layer
     what = type(layer).__name__
     raise ValueError(f"kv_format={f.name!r}: a {what} cache layer has no packed form")
 
@@ -183,8 +267,7 @@ def new_cache(config: Any, fmt: str) -> DynamicCache:
     transformers' own)."""
     f = check_kv_format(config, fmt)
     cache = DynamicCache(config=config)
-    if f.dtype is not None:
-        cache.layers = [_packed(x, f) for x in cache.layers]
+    cache.layers = [_packed(x, f) for x in cache.layers]
     return cache
 
 
@@ -194,19 +277,22 @@ def cache_for(config: Any, fmt: str, kv: Any) -> Any:
     DynamicCache (the one transformers' `generate` makes for an offloaded model)."""
     if kv is None:
         return new_cache(config, fmt)
-    empty = not any(getattr(x, "is_initialized", False) for x in kv.layers)
-    if type(kv) is DynamicCache and empty and not kv.offloading:
+    if type(kv) is not DynamicCache or kv.offloading:  # e.g. a static cache, a batch's
+        return kv
+    if not any(getattr(x, "is_initialized", False) for x in kv.layers):
         f = check_kv_format(config, fmt)
         kv.layers = [_packed(x, f) for x in kv.layers]
         if kv.layer_class_to_replicate is DynamicLayer:  # layers made on first update
-            kv.layer_class_to_replicate = functools.partial(PackedLayer, f)  # type: ignore[assignment]
+            kv.layer_class_to_replicate = (
+                functools.partial(PackedLayer, f) if f.dtype is not None else GrowLayer  # type: ignore[assignment]
+            )
     return kv
 
 
 def set_kv_format(hf: nn.Module, fmt: str) -> None:
     """Decode `hf` (psr-wrapped) with KV format `fmt`: psr's forward wrapper passes each
-    forward's cache through `cache_for` (a one-line ValueError for a kind that has none)."""
+    forward's cache through `cache_for` (a one-line ValueError for a kind that has none;
+    "auto": full-attention layers grown in place, `GrowLayer`)."""
     f = check_kv_format(hf.config, fmt)
     hf.psr_kv_format = f.name  # type: ignore[assignment]
-    maker = None if f.dtype is None else functools.partial(cache_for, hf.config, f.name)
-    hf.psr_kv_cache = maker  # type: ignore[assignment]
+    hf.psr_kv_cache = functools.partial(cache_for, hf.config, f.name)  # type: ignore[assignment]
