@@ -220,6 +220,10 @@ PYBIND11_MODULE(_C, m) {
       "One activation row quantized to Q8_K / Q8_0 (the q8 path's bytes) on ISA path `isa`");
   m.def("cpu_has_vnni", &psr::cpu::cpu_has_vnni, "whether this CPU has AVX-512 VNNI");
   m.def(
+      "set_cpu_dot",
+      [](const std::string& dot) { psr::cpu::set_default_dot(psr::cpu::dot_from_name(dot)); },
+      "the process-wide dot path of calls without their own (the store's CPU hand-off)");
+  m.def(
       "cpu_expert_ffn",
       [](const std::vector<int64_t>& layout, uintptr_t x, int64_t tokens, uintptr_t rows,
          int64_t num_rows, int64_t row_stride, uintptr_t ids, int id_bytes, int64_t k,

@@ -6,6 +6,7 @@
 #include "ggml_qdot.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -289,6 +290,10 @@ const char* dot_name(Dot d) {
   }
   return "?";
 }
+
+static std::atomic<int> g_default_dot{static_cast<int>(Dot::best)};
+Dot default_dot() { return static_cast<Dot>(g_default_dot.load(std::memory_order_relaxed)); }
+void set_default_dot(Dot d) { g_default_dot.store(static_cast<int>(d), std::memory_order_relaxed); }
 
 Dot dot_from_name(const std::string& name) {
   for (Dot d : {Dot::f32, Dot::q8, Dot::q8_madd, Dot::best})

@@ -110,6 +110,11 @@ enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2 };
 // place of VNNI's vpdpbusd (the same integers, so the same bits: for tests on VNNI CPUs);
 // best is q8 for the block types where it is measured faster (q8_by_default), f32 for the rest.
 enum class Dot : int { f32 = 0, q8 = 1, q8_madd = 2, best = 3 };
+// The process-wide dot path (psr.store.set_cpu_dot): what a Call / LinearCall built without
+// an explicit `dot` uses, the store's CPU hand-off included, so a decode token's CPU experts
+// take the same path as the same rows computed from Python (batch, prefill).
+Dot default_dot();
+void set_default_dot(Dot d);
 // The block types whose integer dots beat their fp32 path on `isa` (measured side by side,
 // bench/cpu_qdot.py, bench/results/llamacpp/vnni/): the K-quants on AVX-512 and AVX2, Q8_0
 // on AVX2 only (on AVX-512 its fp32 GEMM stays ahead); the scalar path: none.
@@ -153,7 +158,7 @@ struct Call {
   float* y = nullptr;              // [T, H] fp32 out
   Act act = Act::swiglu;
   float alpha = 1.702f, limit = 7.0f;  // swiglu_oai
-  Dot dot = Dot::f32;
+  Dot dot = default_dot();
 };
 
 // Validates the layout, the call and every routed row (std::invalid_argument /
@@ -177,7 +182,7 @@ struct LinearCall {
   int type = 0;                 // ggml: the block type
   const float* bias = nullptr;  // optional [N] fp32
   float* y = nullptr;           // [T, N] fp32 out
-  Dot dot = Dot::f32;
+  Dot dot = default_dot();
 };
 void linear(const LinearCall& call, int threads, Isa isa);
 

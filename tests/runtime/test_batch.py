@@ -172,16 +172,19 @@ def test_batch_linear_rows_are_one_row_calls() -> None:
     assert torch.equal(plain, torch.nn.functional.linear(x, w, b))
 
 
-def test_gguf_dense_blocks_run_once_for_all_rows(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("experts", "dot"), [("Q8_0", "auto"), ("Q4_K", "q8"), ("Q4_K", "f32")])
+def test_gguf_dense_blocks_run_once_for_all_rows(tmp_path: Path, experts: str, dot: str) -> None:
     """A GGUF's dense matrices kept in their blocks (QuantLinear: cpu_linear on the CPU,
     rows bit-identical for any T) run once over the batch, and every row still equals its
-    solo run; experts on the CPU (one call for all rows too)."""
+    solo run; experts on the CPU (one call for all rows too). Q4_K experts on the q8 dot
+    path: the solo decode's CPU experts run in the store's hand-off (C++), the batch's
+    from Python; both must take the process's dot path."""
     from gguf_files import gguf_tiny_model, write_gguf
 
     path = tmp_path / "q.gguf"
-    types = {"experts": "Q8_0", "dense": lambda layer: "Q8_0" if layer == 0 else "Q4_K"}
+    types = {"experts": experts, "dense": lambda layer: "Q8_0" if layer == 0 else "Q4_K"}
     write_gguf(gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256), path, types)
-    model = psr.load(path, "psr", 0.5, device="cpu", experts_on="cpu", progress=False)
+    model = psr.load(path, "psr", 0.5, device="cpu", experts_on="cpu", progress=False, cpu_dot=dot)
     quant = [m for m in model.hf.modules() if isinstance(m, QuantLinear)]
     norms = [m for m in model.hf.modules() if type(m).__name__ == "Qwen3MoeRMSNorm"]
     assert quant and norms and all(_row_invariant(m) for m in quant + norms)

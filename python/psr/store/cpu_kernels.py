@@ -37,8 +37,10 @@ _cpu_dot = ["auto"]
 
 
 def set_cpu_dot(dot: str) -> None:
-    """Sets the process-wide default `dot` of cpu_expert_ffn / cpu_linear (CPU_DOTS)."""
+    """Sets the process-wide default `dot` of cpu_expert_ffn / cpu_linear (CPU_DOTS), and
+    of the extension's own calls (the store's CPU hand-off of a decode token's experts)."""
     _cpu_dot[0] = _check_dot(dot)
+    _C.set_cpu_dot(_cpu_dot[0])
 
 
 def cpu_dot() -> str:
