@@ -1,6 +1,6 @@
 """psr side by side with llama.cpp on the same synthetic GGUF files, on this CPU (the
-"Measure" sections of issues 36 and 39): prefill of 512 tokens, decode of 64, and the dense
-part per byte, alternating the two programs over rounds.
+"Measure" sections of issues 36 and 39): prefill of 512 tokens (`--prompts`: each length
+given), decode of 64, and the dense part per byte, alternating the two programs over rounds.
 
     PYTHONPATH=python:. .venv/bin/python bench/llamacpp_side.py \
         --llama /work/cache/llama/build/bin --cache /work/cache/gguf --layers 4 \
@@ -18,10 +18,11 @@ but 2 experts of FFN 256, top-1: per token it reads almost only dense weights (a
 projections, router, LM head), so its decode time per byte is each program's dense part.
 
 Per round, per file and thread count: `llama-bench -m FILE -p 512 -n 0 -t T -r R -o json`
-and `-p 0 -n 64`, then (order reversed every other round) one psr worker process with
-OMP_NUM_THREADS=T: `psr.load(FILE, "exact", 1.0, device="cpu", threads=T)` (every expert
-resident on the CPU, dense weights in their GGUF blocks), prefill = `generate(512 ids,
-max_new_tokens=1)` (as bench/prefill.py), decode = 64 tokens after the first (a streamer's
+(one run per `--prompts` length, so each has its own CPU time) and `-p 0 -n 64`, then
+(order reversed every other round) one psr worker process with OMP_NUM_THREADS=T:
+`psr.load(FILE, "exact", 1.0, device="cpu", threads=T)` (every expert resident on the CPU,
+dense weights in their GGUF blocks), prefill = `generate(512 ids, max_new_tokens=1)` (as
+bench/prefill.py), decode = 64 tokens after the first (a streamer's
 timestamps), psr's `cpu_linear` calls (its dense kernel) timed inside the decode span.
 `--serve` (issue 38) instead: `llama-server -np 4` with four concurrent `/completion`
 requests against psr's `generate_batch` of the same four prompts. Each figure in wall and
@@ -45,6 +46,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the GGUF writer's conventions (tests/gguf_files.py)
 PROMPT, GEN = 512, 64
+
+
+def _pp(prompt: int) -> str:
+    """The runs' key of a prefill of `prompt` tokens ("prefill" for 512, as earlier runs)."""
+    return "prefill" if prompt == PROMPT else f"prefill{prompt}"
+
 
 # published configs (hf config.json of allenai/OLMoE-1B-7B-0924, Qwen/Qwen3-30B-A3B)
 SHAPES: dict[str, dict[str, Any]] = {
@@ -223,8 +230,8 @@ def llama_bench(a: argparse.Namespace, path: Path, threads: int) -> dict[str, An
     tokens too, a full prompt for pp and one token for tg; so a slight underestimate)."""
     load0 = os.getloadavg()[0]
     got: dict[str, Any] = {}
-    stages = (("prefill", PROMPT, 0), ("decode", 0, GEN))
-    for key, p, n in stages[1:] if a.decode_only else stages:
+    pps = [] if a.decode_only else [(_pp(p), p, 0) for p in a.prompts]
+    for key, p, n in [*pps, ("decode", 0, GEN)]:
         cmd = [str(a.llama / "llama-bench"), "-m", str(path), "-p", str(p), "-n", str(n)]
         cmd += ["-t", str(threads), "-r", str(a.reps), "-o", "json"]
         c = _children_cpu()
@@ -259,10 +266,12 @@ def _corrected(run: dict[str, Any], overhead: dict[str, float]) -> dict[str, Any
     if ovh is None:
         return run
     out = dict(run)
-    for stage, per, extra in (("prefill", PROMPT, PROMPT), ("decode", GEN, -1)):
+    for stage in [k for k in run if k.startswith("prefill")] + ["decode"]:
         if stage not in run:  # a --decode-only run
             continue
         st = dict(run[stage])
+        p = int(st["cmd"].split(" -p ")[1].split()[0])
+        per, extra = (p, p) if p else (GEN, -1)
         reps = int(st["cmd"].split(" -r ")[1].split()[0])
         st["cpu_tok_s"] = (per * reps + extra) / (st["cpu_s"] - ovh)
         out[stage] = st
@@ -286,9 +295,11 @@ class _Clock:
         pass
 
 
-def worker(path: str, threads: int, reps: int, prefill: bool = True) -> dict[str, Any]:
-    """psr on one file: prefill (unless not `prefill`) and decode tok/s, and the time in
-    its dense kernel."""
+def worker(
+    path: str, threads: int, reps: int, prefill: bool = True, prompts: tuple[int, ...] = (PROMPT,)
+) -> dict[str, Any]:
+    """psr on one file: prefill of each of `prompts` tokens (unless not `prefill`) and decode
+    tok/s, and the time in its dense kernel."""
     import torch
 
     import psr
@@ -316,18 +327,18 @@ def worker(path: str, threads: int, reps: int, prefill: bool = True) -> dict[str
         "torch_threads": torch.get_num_threads(),
     }
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 2048, (1, PROMPT), generator=g)  # the tokenizer's ids
+    ids = torch.randint(0, 2048, (1, max(prompts)), generator=g)  # the tokenizer's ids
     model.generate(ids[:, :16], max_new_tokens=2)  # warm-up
-    pre = []
-    for _ in range(reps if prefill else 0):
-        w, c = time.perf_counter(), time.process_time()
-        model.generate(ids, max_new_tokens=1)
-        pre.append((time.perf_counter() - w, time.process_time() - c))
-    if pre:
+    for n in prompts if prefill else ():
+        pre = []
+        for _ in range(reps):
+            w, c = time.perf_counter(), time.process_time()
+            model.generate(ids[:, :n], max_new_tokens=1)
+            pre.append((time.perf_counter() - w, time.process_time() - c))
         wall, cpu = min(p[0] for p in pre), min(p[1] for p in pre)
-        out["prefill"] = {
-            "tok_s": PROMPT / wall,
-            "cpu_tok_s": PROMPT / cpu,
+        out[_pp(n)] = {
+            "tok_s": n / wall,
+            "cpu_tok_s": n / cpu,
             "runs_wall_s": [p[0] for p in pre],
         }
     dec = []
@@ -443,6 +454,7 @@ def run_psr(
 ) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'python'}:{ROOT}", "OMP_NUM_THREADS": str(threads)}
     env["PSR_BENCH_CPU_DOT"] = dot
+    env["PSR_BENCH_PROMPTS"] = ",".join(map(str, a.prompts))
     if kind == "single" and a.decode_only:
         kind = "decode"
     cmd = [sys.executable, __file__, "--worker", kind, str(path), str(threads), str(a.reps)]
@@ -519,8 +531,10 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
             f"| {label} | {total / mib:.0f} | {f['dense'] / mib:.1f} | {f['experts'] / mib:.0f} "
             f"| {_per_token_bytes(label, f) / mib:.1f} | {show} |"
         )
-    stages = (("prefill", "prompt 512 tok/s"), ("decode", "decode 64 tok/s"))
-    stages += (("serve", f"{STREAMS} streams aggregate tok/s"),)
+    pps = {k for doc in docs for r in doc["runs"] for k in r if k.startswith("prefill")}
+    lens = sorted(int(k[len("prefill") :] or PROMPT) for k in pps)
+    stages = tuple((_pp(n), f"prompt {n} tok/s") for n in lens)
+    stages += (("decode", "decode 64 tok/s"), ("serve", f"{STREAMS} streams aggregate tok/s"))
     for stage, what in stages:
         rows = [
             (label, t, by, prog)
@@ -592,6 +606,12 @@ def main() -> None:
     ap.add_argument("--serve", action="store_true", help="issue 38: 4 streams, not pp/tg")
     ap.add_argument("--decode-only", action="store_true", help="tg runs only (no pp / prefill)")
     ap.add_argument(
+        "--prompts",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[PROMPT],
+        help="prefill lengths (tokens), each timed on both sides: 512,2048",
+    )
+    ap.add_argument(
         "--cpu-dots",
         type=lambda s: s.split(","),
         default=["auto"],
@@ -611,7 +631,10 @@ def main() -> None:
         if kind == "batch":
             print(json.dumps(worker_batch(path, threads, reps)))
         else:
-            print(json.dumps(worker(path, threads, reps, prefill=kind != "decode")))
+            lens = tuple(
+                int(x) for x in os.environ.get("PSR_BENCH_PROMPTS", str(PROMPT)).split(",")
+            )
+            print(json.dumps(worker(path, threads, reps, kind != "decode", lens)))
         return
     files = {k: v for k, v in make_files(a).items() if a.match in k}
     if a.make_only:
