@@ -7,6 +7,11 @@
 #   bash bench/gpu_bench.sh --rehearse   CPU rehearsal, tiny shapes (or PSR_BENCH_REHEARSE=1):
 #                                        the same stages and scripts, results in $OUT, else
 #                                        build/gpu-rehearsal (git-ignored)
+#   bash bench/gpu_bench.sh --device     the lent device machine ($OUT returns at most 8 files):
+#                                        results in a scratch folder, packed after every stage
+#                                        into $OUT/gpu.tgz beside $OUT/summary.md. Run
+#                                        `python bench/gpu_carry.py` here first: the packages
+#                                        psr needs that the image lacks, in .carry/py (carry it)
 # Environment: PYTHON (default: the first of python3/python that has torch; .venv/bin/python
 # when rehearsing), PSR_BENCH_BUDGET_S (whole run, default 540; rehearsal 300),
 # TORCH_CUDA_ARCH_LIST (default 9.0), PSR_BENCH_STAGES (e.g. "versions build replay").
@@ -37,17 +42,26 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 REHEARSE=${PSR_BENCH_REHEARSE:-0}
+DEVICE=0
 for arg in "$@"; do
   case $arg in
     --rehearse) REHEARSE=1 ;;
-    -h | --help) sed -n 2,33p "$0"; exit 0 ;;
+    --device) DEVICE=1 ;;
+    -h | --help) sed -n 2,38p "$0"; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
 [[ $REHEARSE == 1 ]] && DEFAULT_OUT=build/gpu-rehearsal || DEFAULT_OUT=bench/results/gpu
 OUT=${OUT:-$DEFAULT_OUT}
+PACK=""
+if [[ $DEVICE == 1 ]]; then
+  mkdir -p "$OUT"
+  PACK=$(cd "$OUT" && pwd)
+  OUT=$(mktemp -d /tmp/psr-gpu-bench.XXXXXX)
+fi
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+[[ $DEVICE == 1 ]] && exec > >(tee -a "$OUT/console.log") 2>&1
 : > "$OUT/stages.tsv"
 T_START=$(date +%s)
 if [[ $REHEARSE == 1 ]]; then
@@ -73,8 +87,11 @@ if [[ -z $PY ]]; then
 fi
 PY=${PY:-python3}
 
-# psr importable from the tree whether or not `pip install -e .` works on this machine.
-export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# psr importable from the tree whether or not `pip install -e .` works on this machine; the
+# pure-Python packages bench/gpu_carry.py copied (the image lacks gguf and platformdirs).
+CARRIED=""
+[[ -d $ROOT/.carry/py ]] && CARRIED=":$ROOT/.carry/py"
+export PYTHONPATH="$ROOT/python:$ROOT$CARRIED${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
@@ -91,7 +108,17 @@ fi
 STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml experts_on prefill decode tiers}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
-summarize() { timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/null 2>&1; }
+# --device: the whole results folder packed after every stage, so a cut-off run still returns.
+pack() {
+  [[ -z $PACK ]] && return 0
+  tar czf "$PACK/gpu.tgz.tmp" --exclude=tiers-tmp -C "$OUT" . && mv "$PACK/gpu.tgz.tmp" "$PACK/gpu.tgz"
+  [[ -f $OUT/summary.md ]] && cp "$OUT/summary.md" "$PACK/summary.md"
+  return 0
+}
+summarize() {
+  timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" --quiet > /dev/null 2>&1
+  pack
+}
 
 # stage NAME LIMIT_S CMD...: run CMD under `timeout` (its process group is killed on expiry),
 # output to OUT/NAME.log; one line to OUT/stages.tsv: name, status, rc, seconds, limit, note.
@@ -206,5 +233,6 @@ else
 fi
 
 timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" > /dev/null 2>&1
+pack
 echo "== done in $(($(date +%s) - T_START)) s; $OUT/summary.md:"
 cat "$OUT/summary.md"

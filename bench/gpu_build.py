@@ -36,14 +36,17 @@ from gpu_env import tools
 
 ROOT = Path(__file__).resolve().parent.parent
 CUDA_ARCHS_PY = ROOT / "scripts" / "cuda_archs.py"
-SOURCES = [
-    "csrc/store.cpp",
-    "csrc/store_copies.cpp",
-    "csrc/pageable.cpp",
-    "csrc/store_cpu.cpp",
-    "csrc/cpu/cpu_backend.cpp",
-    "csrc/bindings.cpp",
-]
+
+
+def _cmake_sources() -> list[str]:
+    """The C++ sources as CMakeLists.txt lists them (one home: the direct builds use the same)."""
+    m = re.search(r"set\(PSR_SOURCES([^)]*)\)", (ROOT / "CMakeLists.txt").read_text())
+    if m is None:
+        raise SystemExit("gpu_build.py: no set(PSR_SOURCES ...) in CMakeLists.txt")
+    return m.group(1).split()
+
+
+SOURCES = _cmake_sources()
 CUDA_SOURCE = "csrc/cuda/cuda_backend.cu"
 NO_CUDA_SOURCE = "csrc/cuda/no_cuda.cpp"
 

@@ -223,14 +223,19 @@ def one_model(path: str, prompts: list[int], a: argparse.Namespace) -> dict[str,
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     for T in prompts:
-        if T > model.context:
+        if T + 1 > model.context:  # the prompt and its one new token
             res["prompts"][T] = {"skipped": f"beyond the model's context of {model.context}"}
             continue
         ids = torch.randint(0, vocab, (1, T), generator=g)
         model.generate(ids[:, : min(T, 32)].to(model.device), max_new_tokens=1)  # warm-up
         row: dict[str, Any] = {}
-        for name, on, lm in VARIANTS:
-            row[name] = variant(model, ids, a, splits[on], lm)
+        try:
+            for name, on, lm in VARIANTS:
+                row[name] = variant(model, ids, a, splits[on], lm)
+        except Exception as e:  # fail-soft per prompt: the other prompts' rows still count
+            res["prompts"][T] = {"error": f"{type(e).__name__}: {e}"}
+            traceback.print_exc()
+            continue
         row["same_first_token"] = row["on"]["first_token"] == row["off"]["first_token"]
         # layer-major computes exactly what chunk-major does (the split on both)
         row["layer_major_same_first_token"] = (
@@ -252,7 +257,7 @@ def write_gguf(path: Path, tiny: bool) -> None:
     else:
         model = gguf_tiny_model("olmoe", hidden=1024, ffn=512, layers=4, experts=64)
         model.config.num_experts_per_tok = 8
-    model.config.max_position_embeddings = 4096
+    model.config.max_position_embeddings = 4096 + 64  # a 4k prompt and its new token
     write(model, path, {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K", "dense": "Q8_0"})
 
 

@@ -275,8 +275,9 @@ def prefill_lines(out: Path) -> list[str]:
             lines.append(f"| {name} | error: {str(m['error'])[:160]} |" + " |" * 12)
             continue
         for T, r in m.get("prompts", {}).items():
-            if "skipped" in r:
-                lines.append(f"| {name} | {T} | {r['skipped']} |" + " |" * 11)
+            if "skipped" in r or "error" in r:
+                why = r.get("skipped") or f"error: {str(r['error'])[:160]}"
+                lines.append(f"| {name} | {T} | {why} |" + " |" * 11)
                 continue
             off, on, lm = r["off"], r["on"], r.get("layer_major")
             lm_cols = (

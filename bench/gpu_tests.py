@@ -2,13 +2,13 @@
 
     python bench/gpu_tests.py --out OUT [--mini]
 
-With pytest installed: `pytest -q -m gpu tests` (junit XML in OUT/gpu_tests.xml). The GPU
-machine's image may lack pytest and nothing can be installed there, so without it (or with
---mini) a minimal runner takes over: it puts a small stand-in `pytest` module in place
-(mark.* / parametrize, raises(match=), skip, fixture as a no-op), imports every test file
-under tests/ that marks tests `gpu`, expands parametrize, passes `tmp_path`, and runs each
-test function (skipped without a CUDA device, as tests/conftest.py does). Writes
-OUT/gpu_tests.json; exit status 1 if any test failed.
+With pytest installed: `pytest -v -m gpu tests` (-n 4 with xdist; junit XML in
+OUT/gpu_tests.xml). The GPU machine's image may lack pytest and nothing can be installed
+there, so without it (or with --mini) a minimal runner takes over: it puts a small
+stand-in `pytest` module in place (mark.* / parametrize, raises(match=), skip, fixture as a
+no-op), imports every test file under tests/ that marks tests `gpu`, expands parametrize,
+passes `tmp_path`, and runs each test function (skipped without a CUDA device, as
+tests/conftest.py does). Writes OUT/gpu_tests.json; exit status 1 if any test failed.
 """
 
 from __future__ import annotations
@@ -202,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if not args.mini and importlib.util.find_spec("pytest") is not None:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"]
-        cmd += ["--continue-on-collection-errors", f"--junitxml={out / 'gpu_tests.xml'}"]
+        # -v: each result streams into the log, so a run cut at its limit still says which
+        # tests failed; xdist (in the GPU image) spreads them over 4 processes on the one GPU.
+        cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests", "-p", "no:cacheprovider"]
+        cmd += ["--continue-on-collection-errors", f"--junitxml={out / 'gpu_tests.xml'}", "-rfE"]
+        if importlib.util.find_spec("xdist") is not None:
+            cmd += ["-n", "4"]
         print("$ " + " ".join(cmd), flush=True)
         rc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy()).returncode
         return 0 if rc == 5 else rc  # 5: nothing collected

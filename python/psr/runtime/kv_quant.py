@@ -24,17 +24,15 @@ import functools
 from typing import Any
 
 import torch
+import transformers.cache_utils as _cache_utils
 from torch import nn
-from transformers.cache_utils import (
-    DummyLayer,
-    DynamicCache,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-)
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from psr.runtime.kv import KVFormat, check_kv_format
 
 _INT8_MAX = 127.0
+# A layer that caches nothing (shared-KV layers); transformers 5.17 (the GPU image's) has none.
+_DUMMY_LAYER: type | None = getattr(_cache_utils, "DummyLayer", None)
 
 
 def pack(x: torch.Tensor, f: KVFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -249,7 +247,7 @@ def _packed(layer: Any, f: KVFormat) -> Any:
         return layer
     if type(layer) is DynamicLayer:
         return PackedLayer(f) if f.dtype is not None else GrowLayer()  # type: ignore[no-untyped-call]
-    if type(layer) is DummyLayer or f.dtype is None:
+    if (_DUMMY_LAYER is not None and type(layer) is _DUMMY_LAYER) or f.dtype is None:
         return layer
     if type(layer) is DynamicSlidingWindowLayer:
         return PackedSlidingLayer(f, layer.sliding_window)
