@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import tiny_model, write_checkpoint
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 import psr
 import psr.runtime.kv_quant as kvq
 from psr.runtime.chunked import kv_snapshot
-from psr.runtime.kv import output_cache
+from psr.runtime.kv import kv_bytes, output_cache
 from psr.runtime.kv_quant import GrowLayer, new_cache
 
 FAMILIES = ("qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")  # GQA, GQA, MLA, sliding + full
@@ -103,3 +103,34 @@ def test_a_snapshot_counts_the_buffers_it_keeps() -> None:
     rooms = [x.room for x in cache.layers]
     assert got[1] == sum(r.k.nbytes + r.v.nbytes for r in rooms if r is not None)
     assert got[1] > sum(x.keys.nbytes + x.values.nbytes for x in cache.layers)
+
+
+@pytest.mark.parametrize("family", ("olmoe", "deepseek_v3"))  # GQA; MLA
+def test_a_cache_decoded_to_its_context_holds_the_planned_kv_bytes(
+    family: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The room stops at psr.load's context: decoded to it, the grown buffers hold exactly
+    the KV bytes the memory plan counts (kv_by_kind at the context), however they regrew."""
+    monkeypatch.setattr(kvq, "GROW_MIN", 3)  # regrow every few tokens
+    context = 27  # 6 prompt + 21 new: room rounded down at the last regrowth
+    path = write_checkpoint(tiny_model(family), tmp_path / family)
+    model = psr.load(path, "exact", 1.0, device="cpu", context=context, progress=False)
+    cache = model.hf.psr_kv_cache(None)
+    step = torch.randint(0, 64, (1, 6), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        for _ in range(context - 6 + 1):  # the prompt, then one token a step to the context
+            logits = model.hf(input_ids=step, cache=cache, use_cache=True).logits
+            step = logits[:, -1:].argmax(-1)
+    grown = [x for x in cache.layers if isinstance(x, GrowLayer)]
+    assert len(grown) == len(cache.layers)
+    assert {x.room.k.shape[-2] for x in grown} == {context}
+    held = sum(x.room.k.nbytes + x.room.v.nbytes for x in grown)
+    itemsize = next(model.hf.parameters()).element_size()
+    assert held == kv_bytes(model.config, itemsize, context, "auto")
+
+
+def test_room_never_passes_the_context() -> None:
+    assert kvq.grow_capacity(100, None) == 100 + kvq.GROW_MIN
+    assert kvq.grow_capacity(100, 120) == 120  # room cut at the context
+    assert kvq.grow_capacity(130, 120) == 130  # past it (transformers' generate): no room
+    assert kvq.grow_capacity(4096, 8192) == 4096 + 512  # an eighth

@@ -206,7 +206,7 @@ def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
     """The options that apply to the built model: decode graphs, the KV format, where
     misses are computed, the row-invariant CPU forward (ROW_INVARIANT_DEFAULT)."""
     om.graphs = cfg.graphs
-    set_kv_format(om.hf, cfg.kv_format)
+    set_kv_format(om.hf, cfg.kv_format, om.context)
     rows = ROW_INVARIANT_DEFAULT and cfg.graphs is not True
     if rows and om.row_invariant_blocker() is None:
         om.set_row_invariant(True)

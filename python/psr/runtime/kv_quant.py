@@ -158,8 +158,17 @@ def _cat(
 
 
 # Room a GrowLayer buffer leaves past what it holds: at least this many tokens, and an
-# eighth of its length (a copy of the cache every length / 8 tokens, at most 1/8 unused).
+# eighth of its length (a copy of the cache every length / 8 tokens, at most 1/8 unused),
+# never past the model's context: a cache decoded to its context holds exactly the KV bytes
+# the memory plan counts (models/memory_plan.py).
 GROW_MIN = 256
+
+
+def grow_capacity(need: int, limit: int | None) -> int:
+    """Tokens a GrowLayer buffer holds when `need` tokens no longer fit: `need` and room
+    past it, at most `limit` (the context; a longer sequence gets no room, it still runs)."""
+    cap = need + max(GROW_MIN, need // 8)
+    return cap if limit is None else max(need, min(cap, limit))
 
 
 class _Room:
@@ -180,7 +189,11 @@ class GrowLayer(DynamicLayer):
     would. Shallow copies (the prompt cache's snapshots) share the buffers; only a layer
     whose length is the buffers' fill writes in place, any other (and one whose tensors
     were replaced: crop, reorder, offload) first copies its tokens to new buffers, so the
-    values of a view once returned never change."""
+    values of a view once returned never change. `limit`: the context (room stops there)."""
+
+    def __init__(self, limit: int | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)  # type: ignore[no-untyped-call]
+        self.limit = limit
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -222,7 +235,7 @@ class GrowLayer(DynamicLayer):
 
     def _grown(self, need: int, k: torch.Tensor, v: torch.Tensor) -> _Room:
         """New buffers for `need` tokens and room past them, this layer's tokens copied in."""
-        cap = need + max(GROW_MIN, need // 8)
+        cap = grow_capacity(need, self.limit)
         r = _Room(
             k.new_empty(*k.shape[:2], cap, k.shape[3]), v.new_empty(*v.shape[:2], cap, v.shape[3])
         )
@@ -242,11 +255,11 @@ class GrowLayer(DynamicLayer):
 # transformers' dynamic layer class -> its twin in format `f`: packed, or ("auto") a
 # full-attention layer grown in place; other layers as they are ("auto"; a DummyLayer
 # caches nothing).
-def _packed(layer: Any, f: KVFormat) -> Any:
+def _packed(layer: Any, f: KVFormat, limit: int | None = None) -> Any:
     if isinstance(layer, (*PACKED_LAYERS, GrowLayer)):
         return layer
     if type(layer) is DynamicLayer:
-        return PackedLayer(f) if f.dtype is not None else GrowLayer()  # type: ignore[no-untyped-call]
+        return PackedLayer(f) if f.dtype is not None else GrowLayer(limit)
     if (_DUMMY_LAYER is not None and type(layer) is _DUMMY_LAYER) or f.dtype is None:
         return layer
     if type(layer) is DynamicSlidingWindowLayer:
@@ -260,37 +273,38 @@ def _packed(layer: Any, f: KVFormat) -> Any:
 PACKED_LAYERS: tuple[type, ...] = (PackedLayer, PackedSlidingLayer)
 
 
-def new_cache(config: Any, fmt: str) -> DynamicCache:
+def new_cache(config: Any, fmt: str, limit: int | None = None) -> DynamicCache:
     """An empty cache of `config`'s layers in KV format `fmt` (KV_FORMATS; "auto":
-    transformers' own)."""
+    transformers' own, full-attention layers grown in place up to `limit` tokens)."""
     f = check_kv_format(config, fmt)
     cache = DynamicCache(config=config)
-    cache.layers = [_packed(x, f) for x in cache.layers]
+    cache.layers = [_packed(x, f, limit) for x in cache.layers]
     return cache
 
 
-def cache_for(config: Any, fmt: str, kv: Any) -> Any:
+def cache_for(config: Any, fmt: str, kv: Any, limit: int | None = None) -> Any:
     """The cache a forward starting a sequence uses in KV format `fmt`: `new_cache`'s for
     none, else `kv` itself, its layers packed in place when it is an empty transformers
     DynamicCache (the one transformers' `generate` makes for an offloaded model)."""
     if kv is None:
-        return new_cache(config, fmt)
+        return new_cache(config, fmt, limit)
     if type(kv) is not DynamicCache or kv.offloading:  # e.g. a static cache, a batch's
         return kv
     if not any(getattr(x, "is_initialized", False) for x in kv.layers):
         f = check_kv_format(config, fmt)
-        kv.layers = [_packed(x, f) for x in kv.layers]
+        kv.layers = [_packed(x, f, limit) for x in kv.layers]
         if kv.layer_class_to_replicate is DynamicLayer:  # layers made on first update
+            grow = functools.partial(GrowLayer, limit)
             kv.layer_class_to_replicate = (
-                functools.partial(PackedLayer, f) if f.dtype is not None else GrowLayer  # type: ignore[assignment]
+                functools.partial(PackedLayer, f) if f.dtype is not None else grow  # type: ignore[assignment]
             )
     return kv
 
 
-def set_kv_format(hf: nn.Module, fmt: str) -> None:
+def set_kv_format(hf: nn.Module, fmt: str, context: int | None = None) -> None:
     """Decode `hf` (psr-wrapped) with KV format `fmt`: psr's forward wrapper passes each
     forward's cache through `cache_for` (a one-line ValueError for a kind that has none;
-    "auto": full-attention layers grown in place, `GrowLayer`)."""
+    "auto": full-attention layers grown in place, `GrowLayer`, never past `context`)."""
     f = check_kv_format(hf.config, fmt)
     hf.psr_kv_format = f.name  # type: ignore[assignment]
-    hf.psr_kv_cache = functools.partial(cache_for, hf.config, f.name)  # type: ignore[assignment]
+    hf.psr_kv_cache = functools.partial(cache_for, hf.config, f.name, limit=context)  # type: ignore[assignment]
