@@ -10,6 +10,14 @@ it (blocks, scales, padding). On CUDA every format runs its Triton kernel
 (`psr_kernels.expert_ffn`); on the CPU the C++ kernels (`psr.store.cpu_expert_ffn`, the best
 ISA path; `--torch-ref` adds the torch reference, dequantize then matmul, per GGUF format).
 Rounds interleave the formats (A B A B) and the table shows medians with the machine's load.
+On CUDA each timed call includes the op's host side (argument checks, the slot ids' copy, two
+launches and a synchronize): a decode step in CUDA graphs pays none of it.
+
+`--sweep` (CUDA; the CPU rehearsal runs it under the interpreter, untimed) times the kernels
+alone: each launch configuration in SWEEP (`psr_kernels.expert_ffn.set_ffn_tuning`: tile
+sizes, warps, SPLIT_K) replayed as one CUDA graph of 8 layers over distinct experts (more
+bytes than the L2), per format; the table gives us a layer, GB/s, the speedup over the
+default configuration and whether its output is bit-identical to the default's.
 """
 
 from __future__ import annotations
@@ -99,6 +107,99 @@ def runner(
     return call
 
 
+# (label, gate/up constexprs, down constexprs) over each kind's defaults; "default" first.
+SWEEP: list[tuple[str, dict[str, int], dict[str, int]]] = [
+    ("default", {}, {}),
+    ("split", {}, {"SPLIT_K": 1}),
+    ("split, down 32 rows", {}, {"SPLIT_K": 1, "BLOCK_H": 32}),
+    ("gate/up 8 rows", {"BLOCK_F": 8}, {}),
+    ("gate/up 8 warps", {"num_warps": 8}, {}),
+    ("gate/up 8 rows + split", {"BLOCK_F": 8}, {"SPLIT_K": 1}),
+]
+SWEEP_FORMATS = "bf16,int4,Q4_K_M,Q8_0"
+
+
+def sweep(buf: torch.Tensor, H: int, F: int, k: int, formats: list[str], dev: str) -> list[dict]:
+    """Each SWEEP configuration per format: us a layer (graph replay on CUDA), its output
+    bit-equal to the default's or not."""
+    from psr_kernels.expert_ffn import set_ffn_tuning as set_tuning
+    from psr_kernels.rowformat import RowFormat
+
+    layers = 8 if dev == "cuda" else 1  # distinct experts per replay: past the L2
+    out = []
+    for name in formats:
+        fmt, dt = fmt_of(name)
+        rows = rows_of(buf, fmt, dt, H, F)
+        kind = RowFormat.parse(fmt).kind
+        x = torch.randn(1, H, device=dev)
+        w = torch.rand(1, k, device=dev)
+        slot_sets = [
+            ((i * k + torch.arange(k)) % rows.shape[0])[None].to(dev) for i in range(layers)
+        ]
+
+        def layer_calls(rows=rows, fmt=fmt, x=x, w=w, slot_sets=slot_sets) -> list:
+            return [
+                pk.expert_ffn(x, rows, s, w, H, F, fmt=fmt, check_slots=False) for s in slot_sets
+            ]
+
+        base_out, base_us = None, None
+        for label, c1, c2 in SWEEP:
+            set_tuning(kind, gate_up=c1, down=c2)
+            try:
+                got = layer_calls()
+                if dev == "cuda":
+                    import triton.testing
+
+                    us = triton.testing.do_bench_cudagraph(layer_calls, rep=20) * 1e3 / layers
+                else:
+                    t0 = time.perf_counter()
+                    layer_calls()
+                    us = (time.perf_counter() - t0) * 1e6 / layers
+                err = ""
+            except Exception as e:  # a configuration the compiler rejects: say so, go on
+                got, us, err = None, float("nan"), f"{type(e).__name__}: {str(e)[:80]}"
+            finally:
+                set_tuning(kind)
+            if label == "default":
+                base_out, base_us = got, us
+            same = got is not None and base_out is not None
+            same = same and all(torch.equal(a, b) for a, b in zip(got, base_out, strict=True))
+            nb = k * row_bytes(fmt, dt, H, F)
+            out.append(
+                dict(
+                    format=name, config=label, gate_up=c1, down=c2, us=us,
+                    gb_s=nb / us / 1e3 if us == us else float("nan"),
+                    speedup=(base_us / us) if base_us and us == us else float("nan"),
+                    bit_equal=bool(same), error=err,
+                )
+            )  # fmt: skip
+    return out
+
+
+def sweep_table(rows: list[dict], dev: str) -> str:
+    note = "" if dev == "cuda" else "; interpreter: times not meaningful"
+    lines = [
+        f"# expert FFN launch sweep ({dev}{note})",
+        "",
+        "| format | configuration | us / layer | GB/s | vs default | bit-equal to default |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        note = f" ({r['error']})" if r["error"] else ""
+        lines.append(
+            f"| {r['format']} | {r['config']}{note} | {r['us']:.1f} | {r['gb_s']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['bit_equal']} |"
+        )
+    best = {}
+    for r in rows:
+        if r["us"] == r["us"] and (r["format"] not in best or r["us"] < best[r["format"]]["us"]):
+            best[r["format"]] = r
+    lines.append("")
+    for f, r in best.items():
+        lines.append(f"best {f}: {r['config']} {r['speedup']:.2f}x (bit-equal {r['bit_equal']})")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="2048x768", help="H x F (Qwen3-30B-A3B's experts)")
@@ -110,11 +211,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--torch-ref", action="store_true", help="CPU: also the torch reference")
+    ap.add_argument("--sweep", action="store_true", help="launch configurations (SWEEP)")
+    ap.add_argument("--sweep-formats", default=SWEEP_FORMATS)
+    ap.add_argument("--out", type=Path, default=None, help="--sweep: a markdown file too")
     a = ap.parse_args()
     H, F = (int(v) for v in a.shape.split("x"))
     dev = a.device
     g = torch.Generator().manual_seed(0)
     buf = torch.randint(0x3A, 0x3F, (a.mib << 20,), dtype=torch.uint8, generator=g).to(dev)
+    if a.sweep:
+        rows = sweep(buf, H, F, a.top_k, a.sweep_formats.split(","), dev)
+        table = sweep_table(rows, dev)
+        print(table)
+        if a.out:
+            a.out.parent.mkdir(parents=True, exist_ok=True)
+            a.out.write_text(table + "\n")
+        if a.json:
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            meta = dict(load=os.getloadavg(), device=dev, shape=[H, F], top_k=a.top_k)
+            a.json.write_text(json.dumps(dict(meta=meta, sweep=rows), indent=2))
+        return
     names = a.formats.split(",")
     calls = {}
     nbytes = {}

@@ -33,6 +33,8 @@
 #   replay   180/130  embedded model's traces replayed on the GPU vs the latency model, in
 #                     bf16 (four policies) and int8, int4, fp8 (exact and psr)
 #   kernels   60/30   each Triton kernel vs its torch reference
+#   gemv_sweep 90/60  the expert FFN's launch configurations per format, kernels alone
+#                     (graph replays): us a layer, bit-equal to the default or not
 #   ggml      45/25   GGUF block formats' expert GEMV (Triton) vs bf16 and int4 rows, GB/s
 #   prefill   90/40   TTFT and prefill tok/s at 512 / 4k tokens, the per-expert CPU split off
 #                     and on, embedded model and a synthetic Q4_K_M-like GGUF (issue 36)
@@ -47,7 +49,7 @@ for arg in "$@"; do
   case $arg in
     --rehearse) REHEARSE=1 ;;
     --device) DEVICE=1 ;;
-    -h | --help) sed -n 2,38p "$0"; exit 0 ;;
+    -h | --help) sed -n 2,42p "$0"; exit 0 ;;
     *) echo "gpu_bench.sh: unknown argument $arg" >&2; exit 2 ;;
   esac
 done
@@ -105,7 +107,7 @@ else
   R=()
 fi
 
-STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels ggml experts_on prefill decode tiers}
+STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels gemv_sweep ggml experts_on prefill decode tiers}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 # --device: the whole results folder packed after every stage, so a cut-off run still returns.
@@ -202,6 +204,17 @@ fi
 
 # 7. Kernels against torch.
 stage kernels 60 "$PY" bench/bench_kernels.py --json "$OUT/kernels.json" ${R[@]+"${R[@]}"}
+
+# 7a. The expert FFN's launch configurations (tiles, warps, SPLIT_K) per format, kernels
+#     alone (CUDA graph replays): which is fastest, and whether it keeps the default's bits.
+if [[ $REHEARSE == 1 ]]; then
+  stage gemv_sweep 90 env TRITON_INTERPRET=1 "$PY" bench/ggml_gemv.py --sweep --device cpu \
+    --shape 64x64 --top-k 2 --mib 1 --sweep-formats bf16,int4 --json "$OUT/gemv_sweep.json" \
+    --out "$OUT/gemv_sweep.md"
+else
+  stage gemv_sweep 90 "$PY" bench/ggml_gemv.py --sweep --json "$OUT/gemv_sweep.json" \
+    --out "$OUT/gemv_sweep.md"
+fi
 
 # 7b. GGUF's block formats: each format's expert GEMV (Triton) beside bf16 and int4 rows at
 #     Qwen3-30B-A3B's expert shape, GB/s (issue 26).

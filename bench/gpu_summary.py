@@ -359,6 +359,7 @@ def summary(out: Path) -> str:
     for title, md, js in (
         ("Trace replay (embedded model's traces, OLMoE-sized experts)", "replay.md", "replay.json"),
         ("Real decoding (OLMoE-1B-7B shape, random weights)", "decode.md", "decode.json"),
+        ("Expert FFN launch sweep (kernels alone)", "gemv_sweep.md", "gemv_sweep.json"),
     ):
         d = load(out, js)
         status = d.get("status") if isinstance(d, dict) else None

@@ -69,3 +69,34 @@ def load_slot(slots_ptr, i, table_ptr, HAS_TABLE: tl.constexpr):
     if HAS_TABLE:
         s = tl.load(table_ptr + s)
     return s.to(tl.int64)
+
+
+@triton.jit
+def store_down(y, y_ptr, s_yt, part_ptr, t, j0, H, hs, hm, K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A down kernel's result for token `t`, rows `hs`: y itself, or with SPLIT_K (one routed
+    expert `j0` a program) its partial into `part [T, K, H]`, which `_sum_experts_kernel`
+    adds in expert order from 0, as the unsplit loop does: the same bits, K times the
+    programs (at batch 1 the unsplit down launches only H / BLOCK_H of them)."""
+    if SPLIT_K:
+        tl.store(part_ptr + (t * K + j0) * H + hs, y, mask=hm)
+    else:
+        tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+
+
+@triton.jit
+def _sum_experts_kernel(part_ptr, y_ptr, s_yt, H, K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """y[t, hs] = sum over j in order of part[t, j, hs] (the SPLIT_K down's second pass)."""
+    t = tl.program_id(0)
+    hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hm = hs < H
+    y = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(K):
+        y += tl.load(part_ptr + (t * K + j) * H + hs, mask=hm, other=0.0)
+    tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+
+
+def sum_experts(part: torch.Tensor, y: torch.Tensor) -> None:
+    """y[t] = the SPLIT_K down's partials `part [T, K, H]` summed over the experts in order."""
+    T, K, H = part.shape
+    block = min(pow2(H, 16), 1024)
+    _sum_experts_kernel[(T, triton.cdiv(H, block))](part, y, y.stride(0), H, K=K, BLOCK_H=block)

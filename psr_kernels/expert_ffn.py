@@ -32,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from psr_kernels._common import check_float, check_launchable, load_slot, pow2
+from psr_kernels._common import (
+    check_float,
+    check_launchable,
+    load_slot,
+    pow2,
+    store_down,
+    sum_experts,
+)
 from psr_kernels.activation import SILU, Activation, glu
 from psr_kernels.ggml import (
     _ggml_down_kernel,
@@ -123,6 +130,7 @@ def _down_kernel(
     w_ptr,
     y_ptr,
     s_yt,
+    part_ptr,  # [T, K, H] fp32 per-expert partials (SPLIT_K)
     bias_ptr,  # [T*K, 2F + H] fp32 (HAS_BIAS): the down bias at 2F
     T,
     H,
@@ -133,6 +141,7 @@ def _down_kernel(
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_INPUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # one expert a program (grid z = K), partials summed after
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
 ):
@@ -140,7 +149,8 @@ def _down_kernel(
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = hs < H
     y = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(K):
+    j0 = tl.program_id(2)  # 0 unless SPLIT_K
+    for j in range(j0, j0 + (1 if SPLIT_K else K)):
         slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
         ok = (slot >= 0) & (slot < C)
         wj = 1.0 if SCALE_INPUT else tl.load(w_ptr + t * K + j).to(tl.float32)
@@ -159,7 +169,7 @@ def _down_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
         y += tl.where(ok, wj * acc, 0.0)  # an absent expert (slot -1) adds nothing
-    tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+    store_down(y, y_ptr, s_yt, part_ptr, t, j0, H, hs, hm, K, SPLIT_K)
 
 
 # --------------------------------------------------------------------------- slab layout
@@ -227,6 +237,7 @@ def ffn_launch_config(T: int, H: int, F: int) -> tuple[Mapping[str, int], Mappin
     down = dict(
         BLOCK_H=max(16, min(64, pow2(triton.cdiv(H * T, 128)))),
         BLOCK_F=min(pow2(F, 16), 128),
+        SPLIT_K=0,
         num_warps=4,
     )
     return MappingProxyType(gate_up), MappingProxyType(down)
@@ -355,6 +366,29 @@ _KERNELS: Mapping[RowKind, _Kernels] = MappingProxyType(
 )
 
 
+# Launch constexprs that override a row kind's defaults (BLOCK_* and num_warps of either
+# kernel, SPLIT_K of the down kernel): set by `set_ffn_tuning`, e.g. from a GPU sweep
+# (bench/ggml_gemv.py --sweep). Empty: every kind launches its config function's values.
+_TUNING: dict[RowKind, tuple[dict[str, int], dict[str, int]]] = {}
+
+
+def set_ffn_tuning(
+    kind: RowKind, gate_up: Mapping[str, int] | None = None, down: Mapping[str, int] | None = None
+) -> tuple[dict[str, int], dict[str, int]] | None:
+    """Override `kind`'s launch constexprs (None for both: back to the defaults); returns
+    the previous override. Only tile sizes, warps and SPLIT_K: the kernels' math stays, and
+    SPLIT_K keeps every bit (tests/kernels/test_expert_ffn_split.py)."""
+    tiles = {"BLOCK_F", "BLOCK_H", "num_warps"}
+    for name, c, ok in (("gate_up", gate_up, tiles), ("down", down, tiles | {"SPLIT_K"})):
+        bad = sorted(set(c or {}) - ok)
+        if bad:
+            raise ValueError(f"set_ffn_tuning: {name} takes {sorted(ok)}, not {bad}")
+    prev = _TUNING.pop(kind, None)
+    if gate_up or down:
+        _TUNING[kind] = (dict(gate_up or {}), dict(down or {}))
+    return prev
+
+
 def _launch_ffn(
     lay: RowLayout,
     x: torch.Tensor,
@@ -377,7 +411,12 @@ def _launch_ffn(
     F = lay.ffn_size
     kern = _KERNELS[lay.fmt.kind]
     c1, c2 = kern.config(lay, T)
+    tuned = _TUNING.get(lay.fmt.kind)
+    if tuned is not None:  # bench/ggml_gemv.py --sweep's, or a measured table's
+        c1, c2 = {**c1, **tuned[0]}, {**c2, **tuned[1]}
     a1, a2 = kern.part_args(lay, slab.device)
+    split = bool(c2["SPLIT_K"])
+    part = torch.empty((T, K, H), dtype=torch.float32, device=x.device) if split else y
     common = dict(
         slab_ptr=slab,
         s_slot=slab.stride(0),
@@ -405,9 +444,11 @@ def _launch_ffn(
         **a1,
         **c1,
     )
-    kern.down[(T, triton.cdiv(H, c2["BLOCK_H"]))](
-        h_ptr=h, y_ptr=y, s_yt=y.stride(0), **common, **a2, **c2
+    kern.down[(T, triton.cdiv(H, c2["BLOCK_H"]), K if split else 1)](
+        h_ptr=h, y_ptr=y, s_yt=y.stride(0), part_ptr=part, **common, **a2, **c2
     )
+    if split:
+        sum_experts(part, y)
 
 
 def expert_ffn(

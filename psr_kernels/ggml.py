@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from psr_kernels._common import load_slot, pow2
+from psr_kernels._common import load_slot, pow2, store_down
 from psr_kernels.activation import glu
 from psr_kernels.quant import _fp8_e4m3_to_f32
 from psr_kernels.rowformat import (
@@ -931,6 +931,7 @@ def _ggml_down_kernel(
     w_ptr,
     y_ptr,
     s_yt,
+    part_ptr,  # [T, K, H] fp32 per-expert partials (SPLIT_K)
     bias_ptr,  # [T*K, 2F + H] fp32 (HAS_BIAS): the down bias at 2F
     T,
     H,
@@ -943,6 +944,7 @@ def _ggml_down_kernel(
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_INPUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # one expert a program (grid z = K), partials summed after
     T_DOWN: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -951,7 +953,8 @@ def _ggml_down_kernel(
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = hs < H
     y = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(K):
+    j0 = tl.program_id(2)  # 0 unless SPLIT_K
+    for j in range(j0, j0 + (1 if SPLIT_K else K)):
         slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
         ok = (slot >= 0) & (slot < C)
         rm = ok & hm
@@ -964,7 +967,7 @@ def _ggml_down_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
         y += tl.where(ok, wj * acc, 0.0)  # an absent expert (slot -1) adds nothing
-    tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+    store_down(y, y_ptr, s_yt, part_ptr, t, j0, H, hs, hm, K, SPLIT_K)
 
 
 @functools.lru_cache(maxsize=256)
@@ -981,7 +984,7 @@ def ggml_launch_config(lay: GGMLLayout) -> tuple[Mapping[str, int], Mapping[str,
         BLOCK_H=min(pow2(H, 16), 128),
         num_warps=4,
     )
-    down = dict(T_DOWN=t_down, BLOCK_H=16, BLOCK_F=min(pow2(F, 16), 128), num_warps=4)
+    down = dict(T_DOWN=t_down, BLOCK_H=16, BLOCK_F=min(pow2(F, 16), 128), SPLIT_K=0, num_warps=4)
     return MappingProxyType(gate_up), MappingProxyType(down)
 
 

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from psr_kernels._common import check_launchable, load_slot, pow2
+from psr_kernels._common import check_launchable, load_slot, pow2, store_down
 from psr_kernels.activation import glu
 from psr_kernels.rowformat import (
     ALIGN,
@@ -347,6 +347,7 @@ def _quant_down_kernel(
     w_ptr,
     y_ptr,
     s_yt,
+    part_ptr,  # [T, K, H] fp32 per-expert partials (SPLIT_K)
     bias_ptr,  # [T*K, 2F + H] fp32 (HAS_BIAS): the down bias at 2F
     T,
     H,
@@ -361,6 +362,7 @@ def _quant_down_kernel(
     HAS_TABLE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SCALE_INPUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # one expert a program (grid z = K), partials summed after
     FMT: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_F: tl.constexpr,
@@ -369,7 +371,8 @@ def _quant_down_kernel(
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hm = hs < H
     y = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(K):
+    j0 = tl.program_id(2)  # 0 unless SPLIT_K
+    for j in range(j0, j0 + (1 if SPLIT_K else K)):
         slot = load_slot(slots_ptr, t * K + j, table_ptr, HAS_TABLE)
         ok = (slot >= 0) & (slot < C)
         rm = ok & hm
@@ -383,7 +386,7 @@ def _quant_down_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + (t * K + j) * (2 * F + H) + 2 * F + hs, mask=hm, other=0.0)
         y += tl.where(ok, wj * acc, 0.0)  # an absent expert (slot -1) adds nothing
-    tl.store(y_ptr + t * s_yt + hs, y.to(y_ptr.dtype.element_ty), mask=hm)
+    store_down(y, y_ptr, s_yt, part_ptr, t, j0, H, hs, hm, K, SPLIT_K)
 
 
 # --------------------------------------------------------------------------- ops
@@ -412,7 +415,7 @@ def quant_launch_config(lay: QuantLayout) -> tuple[Mapping[str, int], Mapping[st
     # tiles spill with fp8 decoding), and T = 1 still launches k * F / 16 gate/up and H / 16
     # down programs (512 and 128 for OLMoE).
     gate_up = dict(FMT=code, BLOCK_F=16, BLOCK_H=bh, num_warps=4)
-    down = dict(FMT=code, BLOCK_H=16, BLOCK_F=bf, num_warps=4)
+    down = dict(FMT=code, BLOCK_H=16, BLOCK_F=bf, SPLIT_K=0, num_warps=4)
     return MappingProxyType(gate_up), MappingProxyType(down)
 
 

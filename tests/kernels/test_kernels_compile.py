@@ -190,6 +190,27 @@ SCRIPT = textwrap.dedent(
     compile_(_ggml_decode_kernel, {"src": p("u8"), "out": p("fp32"), "tab": p("u8")},
              dict(T=12, BLOCK_R=16, BLOCK_K=128), 4, 90)
     n += 1
+    # SPLIT_K (set_ffn_tuning: the down kernels one routed expert a program) and its sum,
+    # Qwen3-30B-A3B's shape on sm_90: float, int4, Q4_K_M rows.
+    from psr_kernels._common import _sum_experts_kernel
+    ids = {"slots_ptr": p("i64"), "table_ptr": p("i32"), "tab_ptr": p("u8")}
+    down_types = {"h_ptr": p("fp32"), "slab_ptr": p("bf16"), **ids, "w_ptr": p("bf16"),
+                  "y_ptr": p("bf16"), "part_ptr": p("fp32"), **ffn_types}
+    split = dict(K=8, HAS_TABLE=True, HAS_BIAS=False, SCALE_INPUT=False, SPLIT_K=1)
+    for fn, (c1, c2) in (
+        (_down_kernel, ffn_launch_config(1, 2048, 768)),
+        (_quant_down_kernel, quant_launch_config(QuantLayout.of("int4", 2048, 768))),
+        (_ggml_down_kernel,
+         ggml_launch_config(GGMLLayout.of(ggml_format("Q4_K", "Q4_K", "Q6_K"), 2048, 768))),
+    ):
+        c2 = dict(c2)
+        w2 = c2.pop("num_warps")
+        slab = {"slab_ptr": p("bf16" if fn is _down_kernel else "u8")}
+        compile_(fn, {**down_types, **slab}, {**c2, **split}, w2, 90)
+        n += 1
+    compile_(_sum_experts_kernel, {"part_ptr": p("fp32"), "y_ptr": p("bf16")},
+             dict(K=8, BLOCK_H=1024), 4, 90)
+    n += 1
     # The grouped prefill GEMM (psr_kernels.grouped_ffn) at Qwen3-30B-A3B's expert shape:
     # float rows (bf16 x: TF32 dots; fp32 x: exact fp32, sm_80 too), every quantized format,
     # GGML mixes of each decoder family; gpt-oss's and Llama 4's kinds once.
@@ -267,4 +288,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 205 variants, 181 distinct" in r.stdout
+    assert "compiled 209 variants, 185 distinct" in r.stdout
