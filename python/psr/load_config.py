@@ -89,7 +89,8 @@ class LoadConfig:
         attention kind that caches keys and values takes it (MHA/GQA, sliding windows,
         DeepSeek's MLA latent); a model with linear-attention layers is refused, and so is
         `graphs=True` (decode graphs capture a static cache, which has no packed form;
-        graphs='auto' decodes eagerly).
+        graphs='auto' decodes eagerly). 'fit' (needs `gpu_memory`): the memory plan picks
+        the first of 'auto', 'int8', 'fp8' whose plan fits ('auto' only with graphs=True).
     quant_cache: with a quantized `expert_format`, keep the quantized rows on disk and read
         them on later loads of the same checkpoint: True (the user cache folder, or
         $PSR_CACHE/quantized) or a folder, never inside the model folder
@@ -199,7 +200,9 @@ class LoadConfig:
         vocab.cpu_dot_choice(self.cpu_dot)
         vocab.expert_format(self.expert_format)
         vocab.dense_format(self.dense_format)
-        if vocab.kv_format(self.kv_format) != "auto" and self.graphs is True:
+        if vocab.kv_choice(self.kv_format) == "fit" and self.gpu_memory is None:
+            raise ValueError("kv_format='fit' needs gpu_memory (the memory plan picks the format)")
+        if self.kv_format not in ("auto", "fit") and self.graphs is True:
             raise ValueError(
                 f"kv_format={self.kv_format!r} cannot run with graphs=True: decode graphs "
                 "capture a static KV cache, which has no packed form (use graphs='auto' or False)"

@@ -43,6 +43,10 @@ DENSE_FORMATS: tuple[str, ...] = ("native", "float", "int8", "fp8")
 # "bf16", or quantized with a scale per (token, head), "int8" / "fp8" (psr.runtime.kv's
 # KV_FORMATS says what each stores; psr.runtime.kv_quant builds them).
 KV_FORMATS: tuple[str, ...] = ("auto", "bf16", "int8", "fp8")
+# What psr.load and the CLI take: a KV format, or "fit" (with gpu_memory: the memory plan
+# picks the first of KV_FIT_ORDER whose plan fits, models/memory_plan.py).
+KV_CHOICES: tuple[str, ...] = (*KV_FORMATS, "fit")
+KV_FIT_ORDER: tuple[str, ...] = ("auto", "int8", "fp8")  # least loss first
 
 # Compute paths: "auto" (Triton on CUDA, the torch references elsewhere; $PSR_COMPUTE
 # overrides), or one forced.
@@ -103,6 +107,13 @@ def kv_format(fmt: str) -> str:
     """A `kv_format` argument checked: one of KV_FORMATS."""
     if fmt not in KV_FORMATS:
         raise ValueError(f"kv_format must be one of {', '.join(KV_FORMATS)}; got {fmt!r}")
+    return fmt
+
+
+def kv_choice(fmt: str) -> str:
+    """A `kv_format` option checked: one of KV_CHOICES (a KV format, or "fit")."""
+    if fmt not in KV_CHOICES:
+        raise ValueError(f"kv_format must be one of {', '.join(KV_CHOICES)}; got {fmt!r}")
     return fmt
 
 

@@ -15,7 +15,7 @@ from tiny_models import tiny_config, tiny_model
 import psr
 import psr.models.loader as loader
 from psr.cli import main
-from psr.models.memory_plan import CUDA_RESERVE, Budget, MemoryPlanError, Rates
+from psr.models.memory_plan import CUDA_RESERVE, Budget, MemoryPlanError, Rates, fmt_bytes
 
 # The tiny file, by hand: hidden 256, vocab 2112, 2 layers (both sparse), 4 experts,
 # top-2, 4 heads of 64, 2 KV heads, expert FFN 256, intermediate_size 768, 256 positions.
@@ -131,7 +131,7 @@ def test_kv_formats_are_counted_and_bad_budgets_refused(tiny_gguf: Path) -> None
         kv_bytes(nxt, 4, 16, "int8")
     with pytest.raises(ValueError, match=r"^slots=1 must be in \[2, 4\] with experts_on='gpu'"):
         _plan(tiny_gguf, gpu_memory=2**40, slots=1)
-    bad = r"^kv_format must be one of auto, bf16, int8, fp8; got 'q4'"
+    bad = r"^kv_format must be one of auto, bf16, int8, fp8, fit; got 'q4'"
     with pytest.raises(ValueError, match=bad):
         Budget(gpu_memory=1, kv_format="q4")
 
@@ -273,6 +273,34 @@ def test_context_takes_k() -> None:
 
 
 # --- psr.load(gpu_memory=...) -------------------------------------------------------------
+
+
+def test_kv_format_fit_picks_the_first_format_that_fits(tiny_gguf: Path) -> None:
+    """kv_format 'fit': the KV cache in the model's dtype does not fit beside the top-k
+    slots, int8 does: the plan picks int8 and says so, the load keeps int8 KV (the bytes
+    the plan counted) and decodes; with room it is 'auto'; with none, the refusal names
+    the smallest format's shortfall; without gpu_memory it is refused."""
+    fixed = DENSE["native"] + WS  # the CPU backend: no CUDA reserve
+    gpu = fixed + KV_BYTES["int8"] + 2 * SLOT + 1000
+    assert fixed + CTX * KV + 2 * SLOT > gpu  # 'auto' is short
+    p = _plan(tiny_gguf, gpu_memory=gpu, context=CTX, kv_format="fit", cuda=False)
+    assert p.fits and (p.kv_format, sum(p.kv.values()), p.slots) == ("int8", KV_BYTES["int8"], 2)
+    short = CTX * KV + fixed + 2 * SLOT - gpu
+    assert p.chosen == f"kv_format 'fit' chose 'int8': 'auto' is short by {fmt_bytes(short)}"
+    assert "chosen     kv_format 'fit' chose 'int8'" in p.table()
+    roomy = _plan(tiny_gguf, gpu_memory=2**40, context=CTX, kv_format="fit", cuda=False)
+    assert (roomy.kv_format, roomy.chosen) == ("auto", "kv_format 'fit' chose 'auto'")
+    opts = dict(device="cpu", context=CTX, kv_format="fit", progress=False)
+    with psr.load(tiny_gguf, gpu_memory=gpu, **opts) as m:
+        assert m.hf.psr_kv_format == "int8"
+        assert m.memory(CTX)["device_kv"] == KV_BYTES["int8"]
+        assert len(m.generate([1, 2, 3], max_new_tokens=2)) >= 1
+    with pytest.raises(
+        MemoryPlanError, match=r"no format fits \(auto, int8, fp8 tried; fp8 shown\)$"
+    ):
+        psr.load(tiny_gguf, gpu_memory=fixed, **opts)
+    with pytest.raises(ValueError, match=r"^kv_format='fit' needs gpu_memory"):
+        psr.load(tiny_gguf, **opts)
 
 
 def test_load_takes_the_slots_the_plan_fits(tiny_gguf: Path) -> None:

@@ -151,7 +151,7 @@ def test_a_prompt_cache_hit_with_a_quantized_kv_changes_nothing(olmoe_ckpt: Path
 
 
 def test_bad_input_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    bad = r"^kv_format must be one of auto, bf16, int8, fp8; got 'q4'$"
+    bad = r"^kv_format must be one of auto, bf16, int8, fp8, fit; got 'q4'$"
     with pytest.raises(ValueError, match=bad):
         LoadConfig(kv_format="q4")
     with pytest.raises(ValueError, match=r"^kv_format='fp8' cannot run with graphs=True: "):

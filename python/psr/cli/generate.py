@@ -42,7 +42,7 @@ from psr.vocab import (
     DRAFTERS,
     EXPERT_FORMATS,
     EXPERTS_ON,
-    KV_FORMATS,
+    KV_CHOICES,
 )
 
 # Files whose presence makes psr.models.load load a tokenizer.
@@ -196,10 +196,11 @@ PLACEMENT_FLAGS: dict[str, dict[str, Any]] = {
         "(a float checkpoint's, quantized per output channel at load)",
     ),
     "kv_format": dict(
-        choices=KV_FORMATS,
+        choices=KV_CHOICES,
         help="how the KV cache keeps keys and values: auto (the dtype), bf16, or int8 / fp8 "
         "with a scale per token and head, dequantized when attention reads them (not with "
-        "--graphs; linear-attention layers refused)",
+        "--graphs; linear-attention layers refused); fit (with --gpu-memory): the first of "
+        "auto, int8, fp8 whose memory plan fits",
     ),
     "quant_cache": dict(
         nargs="?",

@@ -37,8 +37,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     """The memory plan's flags (psr.models.memory_plan): --gpu-memory asks for a plan."""
     from psr.cli.args import context_tokens, dtype, nonnegative_int, size
     from psr.models.memory_plan import DENSE_FORMATS
-    from psr.runtime.kv import KV_FORMATS
-    from psr.vocab import EXPERTS_ON
+    from psr.vocab import EXPERTS_ON, KV_CHOICES
 
     g = p.add_argument_group("memory plan (with --gpu-memory; exit 1 when it does not fit)")
     g.add_argument(
@@ -79,9 +78,10 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--kv-format",
-        choices=list(KV_FORMATS),
+        choices=list(KV_CHOICES),
         help="KV values as psr.load's --kv-format keeps them: the dtype (auto), bf16, or "
-        "int8 / fp8 with a scale per token and head (default: auto)",
+        "int8 / fp8 with a scale per token and head, or fit: the first of auto, int8, fp8 "
+        "that fits (default: auto)",
     )
     g.add_argument(
         "--slots",

@@ -14,6 +14,7 @@ built model's experts; everything else goes to the device.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,8 @@ def load(
     try:
         r = resolve(path, ckpt, cfg)
         context = _context(cfg.context, r.config)
-        check_kv_format(r.config, cfg.kv_format)  # a kind without it: before any weight
+        if cfg.kv_format != "fit":  # "fit": the plan tries only the formats every kind takes
+            check_kv_format(r.config, cfg.kv_format)  # a kind without it: before any weight
         spec, E = r.spec, r.spec.num_experts
         meta = _meta_model(r)
         moe_idx = meta[1]
@@ -104,6 +106,7 @@ def load(
         mtp = _plan_mtp(path, ckpt, r, meta[0])  # its tensors checked before any is read
         source = _row_source(path, ckpt, r, moe_idx)  # every expert tensor checked first
         r = _planned(path, ckpt, r, meta[0], source)  # gpu_memory: before any weight is copied
+        cfg = r.cfg  # the plan's slots and kv_format ("fit")
         model = _build_model(ckpt, r, meta)
         drafter, C = _load_drafter(path, r, model, source, mtp)
         # batches' slots: C each
@@ -330,11 +333,15 @@ def _planned(
         # the plan errs on the safe side there.
         dense_format="native" if cfg.dense_format == "native" else "float",
         kv_format=cfg.kv_format,
+        kv_fit=("auto",) if cfg.graphs is True else vocab.KV_FIT_ORDER,  # graphs: no packed KV
         slots=None if cfg.plans_slots else resolve_slab_slots(r.spec, r.capacity, batch),
         prefill_chunk=cfg.prefill_chunk or DEFAULT_PREFILL_CHUNK,
         cuda=cuda,
     )
     plan = plan_memory(facts, budget).check(f"{path} with gpu_memory={cfg.gpu_memory!r}")
+    if cfg.kv_format == "fit":  # the plan's pick, for the rest of the load
+        cfg = cfg.replace(kv_format=plan.kv_format)
+        r = replace(r, cfg=cfg)
     return resolve(path, ckpt, cfg.replace(slots=plan.slots)) if cfg.plans_slots else r
 
 

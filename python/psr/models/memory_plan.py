@@ -92,7 +92,8 @@ class Budget:
     context: int | None = None
     experts_on: str = "gpu"
     dense_format: str | None = None  # None: psr.load's (default_dense_format)
-    kv_format: str = "auto"
+    kv_format: str = "auto"  # or "fit": the first of `kv_fit` whose plan fits
+    kv_fit: tuple[str, ...] = vocab.KV_FIT_ORDER
     slots: int | None = None
     prefill_chunk: int = 512
     cuda: bool = True
@@ -107,7 +108,8 @@ class Budget:
             raise ValueError(
                 f"dense_format must be one of {', '.join(DENSE_FORMATS)}; got {self.dense_format!r}"
             )
-        kv_format(self.kv_format)
+        if vocab.kv_choice(self.kv_format) != "fit":
+            kv_format(self.kv_format)
         vocab.parse_experts_on(self.experts_on)
         if self.dtype is not None:
             vocab.canonical_dtype(self.dtype)
@@ -157,6 +159,7 @@ class MemoryPlan:
     shortfall: list[str] = field(default_factory=list)  # one line per part over, with by how much
     advice: list[str] = field(default_factory=list)  # what to change, with its effect
     modeled: dict[str, Any] | None = None  # modeled_decode's figures (with Budget.rates)
+    chosen: str = ""  # kv_format "fit": what it picked and why
 
     @property
     def fits(self) -> bool:
@@ -187,7 +190,8 @@ class MemoryPlan:
                 f"{fmt_bytes(self.gpu_memory)}"
             )
         fix = f"; change: {', '.join(self.advice)}" if self.advice else ""
-        return "does not fit: " + "; ".join(self.shortfall) + fix
+        tried = f"; {self.chosen}" if self.chosen else ""
+        return "does not fit: " + "; ".join(self.shortfall) + fix + tried
 
     def check(self, what: str = "") -> MemoryPlan:
         """This plan, or MemoryPlanError with `message()` (after `what: `) when it does not
@@ -226,6 +230,8 @@ class MemoryPlan:
         lines = [f"  plan (experts_on={self.experts_on})"]
         lines += [f"    {n:<{width}}  {fmt_bytes(b):>11}  {w}" for n, b, w in rows]
         lines.append(f"  verdict    {self.message()}")
+        if self.chosen:
+            lines.append(f"  chosen     {self.chosen}")
         if self.modeled:
             d = self.modeled
             lines.append(
@@ -239,7 +245,10 @@ class MemoryPlan:
 
 def plan_memory(m: ModelMemory, b: Budget) -> MemoryPlan:
     """The plan of model `m` under budget `b` (never raises for a plan that does not fit:
-    `MemoryPlan.check` does)."""
+    `MemoryPlan.check` does). kv_format "fit": the plan of the first format of
+    `b.kv_fit` that fits and that every layer kind takes (none fits: the last's)."""
+    if b.kv_format == "fit":
+        return _fit_kv(m, b)
     if b.dtype is not None:  # dequantized dense weights, KV values and activations in it
         size = rowformat().FLOAT_ITEMSIZE[vocab.canonical_dtype(b.dtype)]
         float_dense = m.dense["float"] // m.itemsize * size
@@ -332,6 +341,28 @@ def _parts(p: MemoryPlan) -> str:
             over = name
     shown = " + ".join(f"{name} {fmt_bytes(n)}" for name, n in parts)
     return f"{shown} = {fmt_bytes(total)}; over from the {over}"
+
+
+def _fit_kv(m: ModelMemory, b: Budget) -> MemoryPlan:
+    tried: list[MemoryPlan] = []
+    for fmt in b.kv_fit:
+        try:
+            p = plan_memory(m, replace(b, kv_format=fmt))
+        except ValueError:  # a kind with no compact form (linear attention's state)
+            continue
+        tried.append(p)
+        if p.fits:
+            break
+    p = tried[-1]
+    if not p.fits:
+        names = ", ".join(t.kv_format for t in tried)
+        p.chosen = f"kv_format 'fit': no format fits ({names} tried; {p.kv_format} shown)"
+    elif len(tried) > 1:
+        short = fmt_bytes(tried[0].device_total - b.gpu_memory)
+        p.chosen = f"kv_format 'fit' chose {p.kv_format!r}: 'auto' is short by {short}"
+    else:
+        p.chosen = f"kv_format 'fit' chose {p.kv_format!r}"
+    return p
 
 
 def _device_advice(m: ModelMemory, b: Budget, p: MemoryPlan, least: int) -> list[str]:
