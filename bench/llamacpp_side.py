@@ -397,6 +397,22 @@ def worker_batch(path: str, threads: int, reps: int) -> dict[str, Any]:
     }
 
 
+def wait_healthy(url: str, srv: subprocess.Popen[bytes], tries: int = 1200) -> None:
+    """Until `url`/health answers 200 (a server loading a model), or a one-line error."""
+    import urllib.request
+
+    for _ in range(tries):
+        if srv.poll() is not None:
+            raise RuntimeError(f"the server exited with {srv.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError("the server did not come up")
+
+
 def _proc_cpu(pid: int) -> float:
     """CPU seconds (user + system) of process `pid` so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -424,13 +440,7 @@ def llama_server(a: argparse.Namespace, path: Path, threads: int) -> dict[str, A
             return dict(json.loads(r.read()))
 
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
+        wait_healthy(url, srv)
         prompts = _stream_prompts()
         post(prompts[0][:8], 2)  # warm-up
         load0, best = os.getloadavg()[0], None

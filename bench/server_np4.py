@@ -22,12 +22,11 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llamacpp_side import _proc_cpu, _stream_prompts
+from llamacpp_side import _proc_cpu, _stream_prompts, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,19 +44,6 @@ def _server_cmd(prog: str, path: str, a: argparse.Namespace) -> tuple[list[str],
     return [*cmd, "--quiet"], env
 
 
-def _wait(url: str, srv: subprocess.Popen[bytes]) -> None:
-    for _ in range(1200):
-        if srv.poll() is not None:
-            raise RuntimeError(f"the server exited with {srv.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise RuntimeError("the server did not come up")
-
-
 def serve_run(prog: str, path: str, a: argparse.Namespace) -> dict[str, Any]:
     """One server of `prog`: best of a.reps for 1 stream and for a.streams streams."""
     import openai
@@ -68,7 +54,7 @@ def serve_run(prog: str, path: str, a: argparse.Namespace) -> dict[str, Any]:
     url = f"http://127.0.0.1:{a.port}"
     extra = {"ignore_eos": True} if prog == "llama.cpp" else {}
     try:
-        _wait(url, srv)
+        wait_healthy(url, srv)
         client = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=1200)
         model = client.models.list().data[0].id  # psr answers 404 to any other name
         prompts = _stream_prompts()[: a.streams]
