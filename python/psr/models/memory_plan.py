@@ -27,7 +27,7 @@ import psr.vocab as vocab
 from psr.machine import expected_misses
 from psr.models.formats import rowformat
 from psr.models.tiers import choose_held, fmt_bytes
-from psr.runtime.kv import kv_by_kind, kv_format
+from psr.runtime.kv import check_kv_format, kv_by_kind, kv_format
 
 # Dense formats the plan counts: "native", the file's own tensor types (GGUF blocks; a
 # safetensors checkpoint's dtype), or "float", dequantized to the model dtype (what
@@ -343,23 +343,29 @@ def _parts(p: MemoryPlan) -> str:
     return f"{shown} = {fmt_bytes(total)}; over from the {over}"
 
 
+def _takes(config: Any, fmt: str) -> bool:
+    """Whether every layer kind of `config` has a cache in KV format `fmt`."""
+    try:
+        check_kv_format(config, fmt)
+    except ValueError:  # a kind with no compact form (linear attention's state)
+        return False
+    return True
+
+
 def _fit_kv(m: ModelMemory, b: Budget) -> MemoryPlan:
     tried: list[MemoryPlan] = []
-    for fmt in b.kv_fit:
-        try:
-            p = plan_memory(m, replace(b, kv_format=fmt))
-        except ValueError:  # a kind with no compact form (linear attention's state)
-            continue
-        tried.append(p)
-        if p.fits:
+    for fmt in (f for f in b.kv_fit if _takes(m.config, f)):
+        tried.append(plan_memory(m, replace(b, kv_format=fmt)))
+        if tried[-1].fits:
             break
     p = tried[-1]
     if not p.fits:
         names = ", ".join(t.kv_format for t in tried)
         p.chosen = f"kv_format 'fit': no format fits ({names} tried; {p.kv_format} shown)"
     elif len(tried) > 1:
-        short = fmt_bytes(tried[0].device_total - b.gpu_memory)
-        p.chosen = f"kv_format 'fit' chose {p.kv_format!r}: 'auto' is short by {short}"
+        first = tried[0]
+        short = fmt_bytes(first.device_total - b.gpu_memory)
+        p.chosen = f"kv_format 'fit' chose {p.kv_format!r}: {first.kv_format!r} is short by {short}"
     else:
         p.chosen = f"kv_format 'fit' chose {p.kv_format!r}"
     return p
