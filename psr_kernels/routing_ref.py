@@ -23,6 +23,29 @@ from psr_kernels.routing import (
 )
 
 _NEG_INF = float("-inf")
+# torch's CPU elementwise loops run whole chunks of 2 vectors of the flattened tensor through
+# the vector function and the rest through a scalar one (they round differently), and split
+# tensors past 32768 elements between threads at arbitrary offsets.
+_CHUNK, _ONE_THREAD = 64, 32768
+
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """`torch.sigmoid(x [T, E])` with each row's bits independent of the other rows (batch-
+    and chunk-invariant routing). torch's CPU sigmoid is not (`_CHUNK`): a row of 8 or 60
+    experts rounds differently alone and among others on AVX2. Rows padded to a multiple of
+    64, in blocks one thread computes, put every element in a whole vector chunk."""
+    T, E = x.shape
+    if x.device.type != "cpu" or (E % _CHUNK == 0 and T * E <= _ONE_THREAD):
+        return torch.sigmoid(x)
+    wide = -(-E // _CHUNK) * _CHUNK
+    xp = x.new_zeros(T, wide)
+    xp[:, :E] = x
+    step = max(1, _ONE_THREAD // wide)
+    if T <= step:
+        return torch.sigmoid(xp)[:, :E].contiguous()
+    return torch.cat([torch.sigmoid(xp[i : i + step]) for i in range(0, T, step)])[
+        :, :E
+    ].contiguous()
 
 
 def scores_ref(
@@ -31,7 +54,7 @@ def scores_ref(
     """(selection scores z, weight source) in fp32."""
     x = logits.float()
     if scoring == "sigmoid":
-        s = torch.sigmoid(x)
+        s = row_sigmoid(x)
         return (s + bias.float() if bias is not None else s), s
     if scoring == "softmax":
         p = torch.softmax(x, dim=-1)
@@ -79,7 +102,7 @@ def gate_weights_ref(
     if scoring == "sparsemixer":
         w = sparsemixer_weights_ref(src, ids, mixer_eps)
     elif scoring == "topk_sigmoid":
-        w = torch.sigmoid(val)
+        w = row_sigmoid(val)
     elif scoring == "topk_softmax":
         w = torch.softmax(val, dim=-1)
     else:

@@ -437,3 +437,25 @@ def test_sparsemixer_matches_phimoe_and_its_reference(E, T, eps) -> None:
     assert not torch.equal(ids_ref, hf_ids.long())  # the bias moved some picks
     with pytest.raises(ValueError, match="sparsemixer routes top-2"):
         pk.route_ref(logits, pk.RouteSpec(3, scoring="sparsemixer"))
+
+
+@pytest.mark.parametrize("E", [5, 8, 60, 64, 100])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_row_sigmoid_rows_do_not_depend_on_the_other_rows(E, threads) -> None:
+    """A sigmoid router's scores for one token equal its scores among others, bit for bit
+    (batched decode, prefill chunks): torch.sigmoid's CPU loop rounds a row differently by
+    where it falls (vector chunks and a scalar tail); row_sigmoid never does, past one
+    thread's block too, and is torch.sigmoid to rounding."""
+    from psr_kernels.routing_ref import row_sigmoid
+
+    was = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x = torch.randn(700, E, generator=torch.Generator().manual_seed(E))
+        whole = row_sigmoid(x)
+        assert whole.is_contiguous() and whole.shape == x.shape
+        torch.testing.assert_close(whole, torch.sigmoid(x), atol=1e-7, rtol=1e-6)
+        for lo, hi in [(0, 1), (3, 4), (1, 3), (5, 12), (600, 700)]:
+            assert torch.equal(row_sigmoid(x[lo:hi].clone()), whole[lo:hi]), (lo, hi)
+    finally:
+        torch.set_num_threads(was)
