@@ -12,14 +12,15 @@ one) side by side: one worker process per tree and round, the order alternating 
 
 `psr.load(FILE, "exact", 1.0, device="cpu", threads=1)` as bench/llamacpp_side.py loads it;
 a warm-up generation, then `--reps` generations of `--tokens` new tokens from an 8-token
-prompt. Timers (thread CPU time, `time.thread_time`) wrap: the CPU kernels (`cpu_linear`,
-`cpu_expert_ffn`), the store's gathers, the router module (psr's route: router logits,
-the decode kernel's torch path, the gathers), the experts module, every attention module
-and every RMS norm module of the model. Each part is counted exclusive of the parts it
-calls (a stack), so the parts sum to the decode span; "other" is the span less them.
-Figures are per decode token (the prompt's forward excluded) of the rep with the least
-total CPU time; the timers add a few microseconds per call, so the parts' sum is a
-slight overestimate of the untimed token (the untimed CPU ms/token is printed beside).
+prompt. Timers (thread CPU time, `time.thread_time`) wrap: the CPU kernels (`cpu_linear`
+and the dense layers' `LinearPlan` calls, `cpu_expert_ffn`), the store's gathers, the
+router module (psr's route: router logits, the decode kernel's torch path, the gathers),
+the experts module, every attention module and every RMS norm module of the model. Each
+part is counted exclusive of the parts it calls (a stack), so the parts sum to the span;
+"other" is the span less them. Figures are per decode token (the prompt's forward
+excluded) of the rep with the least total CPU time; the timers add a few microseconds per
+call, so the parts' sum is a slight overestimate of the untimed token (the untimed CPU
+ms/token is printed beside).
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def _instrument(model: Any, timers: _Timers) -> None:
     from psr.store.expert_store import ExpertStore
 
     cpu_kernels.cpu_linear = timers.wrap(PARTS[0], cpu_kernels.cpu_linear)  # type: ignore[assignment]
+    plan_call = cpu_kernels.LinearPlan.__call__  # dense layers' prepared calls (QuantLinear)
+    cpu_kernels.LinearPlan.__call__ = timers.wrap(PARTS[0], plan_call)  # type: ignore[method-assign]
     store_ops.cpu_expert_ffn = timers.wrap(PARTS[1], store_ops.cpu_expert_ffn)  # type: ignore[assignment]
     ExpertStore.gather = timers.wrap(PARTS[2], ExpertStore.gather)  # type: ignore[method-assign]
     for m in model.hf.modules():

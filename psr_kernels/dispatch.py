@@ -46,15 +46,20 @@ ENV_VAR = "PSR_COMPUTE"
 _CHOICES_TEXT = ", ".join(repr(c) for c in COMPUTE_CHOICES)
 
 
+_PARSED: dict[str, Compute] = {}  # PSR_COMPUTE's raw values already parsed (read per call)
+
+
 def default_compute() -> Compute:
     """The process default: `PSR_COMPUTE` (case-insensitive), "auto" when unset or empty."""
     raw = os.environ.get(ENV_VAR, "")
+    known = _PARSED.get(raw)
+    if known is not None:
+        return known
     value = raw.strip().lower()
-    if not value:
-        return "auto"
-    if value not in COMPUTE_CHOICES:
+    if value and value not in COMPUTE_CHOICES:
         raise ValueError(f"{ENV_VAR}={raw!r}: expected one of {_CHOICES_TEXT}")
-    return value  # type: ignore[return-value]
+    _PARSED[raw] = value or "auto"  # type: ignore[assignment]
+    return _PARSED[raw]
 
 
 def resolve_compute(compute: str | None, device: torch.device | str) -> ComputePath:
@@ -65,7 +70,7 @@ def resolve_compute(compute: str | None, device: torch.device | str) -> ComputeP
     """
     if compute is not None and (not isinstance(compute, str) or compute not in COMPUTE_CHOICES):
         raise ValueError(f"compute must be one of {_CHOICES_TEXT}, got {compute!r}")
-    dev = torch.device(device)
+    dev = device if isinstance(device, torch.device) else torch.device(device)
     choice = default_compute() if compute in (None, "auto") else compute
     if choice == "torch":
         return "torch"

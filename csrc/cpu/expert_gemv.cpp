@@ -310,8 +310,12 @@ static DotFn dot_for(Isa isa, Fmt f) {
 }
 
 int max_threads() {
-  const unsigned n = std::thread::hardware_concurrency();
-  return n ? static_cast<int>(n) : 1;
+  // Read once: hardware_concurrency() reads sysfs (~20 us) and every kernel call checks it.
+  static const int n = [] {
+    const unsigned h = std::thread::hardware_concurrency();
+    return h ? static_cast<int>(h) : 1;
+  }();
+  return n;
 }
 
 // --- thread pool ---------------------------------------------------------------------------

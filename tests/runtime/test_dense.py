@@ -227,3 +227,29 @@ def test_int8_fp8_dense_weights_of_a_float_checkpoint(tmp_path: Path, word: str)
     assert flt.memory()["device_dense"] - quant.memory()["device_dense"] == saved
     with pytest.raises(ValueError, match=r"dense weights are stored quantized already"):
         _load(_gguf(tmp_path, tied=False)[0], word)
+
+
+@pytest.mark.parametrize("word", ["Q4_K", "Q8_0", "Q6_K"])
+def test_quant_linear_cpu_plan_is_cpu_linear_and_follows_a_replaced_weight(word: str) -> None:
+    """The layer's prepared CPU call (its weight's checks done once) gives cpu_linear's bits,
+    and a replaced weight or bias (load_state_dict, `.to()`) is read, not the old one."""
+    from psr.store import cpu_linear
+
+    fmt, k, q, _ = _weight(word, None, 12)
+    assert fmt.block is not None
+    lin = QuantLinear(q.reshape(12, -1), fmt, k, bias=torch.randn(12), compute="torch")
+    x = torch.randn(2, 3, k)
+
+    def want(m: QuantLinear) -> torch.Tensor:
+        y = cpu_linear(x.reshape(6, k), m.qweight, ggml_type=fmt.block.type_id, in_features=k,
+                       bias=m.bias)  # fmt: skip
+        return y.reshape(2, 3, 12)
+
+    assert torch.equal(lin(x), want(lin))
+    _, _, q2, _ = _weight(word, None, 13)
+    lin.load_state_dict({"qweight": q2[:12].reshape(12, -1).clone(), "bias": torch.randn(12)})
+    assert torch.equal(lin(x), want(lin))
+    lin.qweight = q2[1:].reshape(12, -1).clone()
+    assert torch.equal(lin(x), want(lin))
+    with pytest.raises(ValueError, match=f"x has {2 * k} features, the layer takes {k}"):
+        lin(torch.randn(1, 2 * k))  # a reshape to [-1, k] would take it silently

@@ -235,8 +235,37 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    def _cpu_plan(self) -> cpu_kernels.LinearPlan | None:
+        """The CPU kernels' prepared call of this layer's GGML blocks (None: another path),
+        rebuilt when the weight or the bias tensor was replaced (`.to()`, load_state_dict)."""
+        plan: cpu_kernels.LinearPlan | None = self.__dict__.get("_plan")
+        if plan is not None and plan.source is self.qweight and plan.bias_source is self.bias:
+            return plan
+        if self.fmt.block is None or self.qweight.device.type != "cpu":
+            return None
+        plan = cpu_kernels.LinearPlan(
+            self.qweight,
+            ggml_type=self.fmt.block.type_id,
+            in_features=self.in_features,
+            bias=self.bias,
+        )
+        self.__dict__["_plan"] = plan
+        return plan
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"QuantLinear: x has {x.shape[-1]} features, the layer takes {self.in_features}"
+            )
+        if (
+            x.device.type == "cpu"
+            and not torch.compiler.is_compiling()
+            and pk.resolve_compute(self.compute, x.device) == "torch"
+            and (plan := self._cpu_plan()) is not None
+        ):  # dense_linear's CPU path with the weight's checks done once (per token: it counts)
+            y = plan(x.reshape(-1, self.in_features))
+            return row_aligned(y.reshape(*lead, self.out_features))
         y = dense_linear(
             x.reshape(-1, self.in_features),
             self.qweight,

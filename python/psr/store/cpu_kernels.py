@@ -81,8 +81,10 @@ def cpu_isas() -> list[str]:
     return list(_C.cpu_isas())
 
 
+@functools.cache
 def cpu_max_threads() -> int:
-    """The most threads the CPU expert kernels take: this machine's hardware threads."""
+    """The most threads the CPU expert kernels take: this machine's hardware threads (read
+    once: the kernels check it on every call)."""
     return int(_C.cpu_max_threads())
 
 
@@ -240,23 +242,19 @@ def _linear_threads(threads: int | None, who: str = "cpu_linear") -> int:
 
 
 def _linear_weight(
-    weight: object, ggml_type: int | None, in_features: int | None, K: int
+    weight: object, ggml_type: int | None, in_features: int | None
 ) -> tuple[torch.Tensor, str, int]:
     """The checked weight, its format's name and its GGML type id (0 for float rows)."""
     if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 2:
         raise ValueError("cpu_linear: weight must be a 2-D CPU tensor [N, K] or [N, row_bytes]")
     if weight.shape[0] < 1:
         raise ValueError("cpu_linear: weight must have at least one row (out feature)")
-    if in_features is not None and in_features != K:
-        raise ValueError(f"cpu_linear: in_features={in_features} but x has {K} columns")
     if ggml_type is None:
         if weight.dtype not in _LINEAR_FLOAT_FMTS:
             raise ValueError(
                 "cpu_linear: weight must be float32, bfloat16 or float16 without ggml_type,"
                 f" got {weight.dtype}"
             )
-        if weight.shape[1] != K:
-            raise ValueError(f"cpu_linear: weight {list(weight.shape)} does not take x's K={K}")
         return weight, _LINEAR_FLOAT_FMTS[weight.dtype], 0
     if isinstance(ggml_type, bool) or not isinstance(ggml_type, int):
         raise ValueError(f"cpu_linear: ggml_type must be an int GGML type id, got {ggml_type!r}")
@@ -269,14 +267,91 @@ def _linear_weight(
         raise ValueError(
             f"cpu_linear: weight of ggml_type {name} must be uint8, not {weight.dtype}"
         )
-    if K % qk:
-        raise ValueError(f"cpu_linear: in_features={K} is not whole {name} blocks of {qk}")
-    if weight.shape[1] != K // qk * bs:
+    if in_features % qk:
         raise ValueError(
-            f"cpu_linear: weight rows of {name} with in_features={K} hold {K // qk * bs} bytes,"
-            f" got {weight.shape[1]}"
+            f"cpu_linear: in_features={in_features} is not whole {name} blocks of {qk}"
+        )
+    if weight.shape[1] != in_features // qk * bs:
+        raise ValueError(
+            f"cpu_linear: weight rows of {name} with in_features={in_features} hold "
+            f"{in_features // qk * bs} bytes, got {weight.shape[1]}"
         )
     return weight, "ggml", ggml_type
+
+
+class LinearPlan:
+    """`cpu_linear` of one weight with the weight's and the bias's checks done once: a dense
+    layer calls its kernel per token, where those checks cost more than a small call. The
+    same kernel call as `cpu_linear` (the same bits); `source` and `bias_source` are the
+    tensors it was built from (a module rebuilds its plan when they are replaced)."""
+
+    __slots__ = ("K", "N", "b", "bias", "bias_source", "fmt", "gtype", "in_features", "source",
+                 "stride", "w")  # fmt: skip
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        *,
+        ggml_type: int | None = None,
+        in_features: int | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        w, fmt, gtype = _linear_weight(weight, ggml_type, in_features)
+        self.source, self.bias_source = weight, bias
+        self.in_features = in_features
+        self.K: int = in_features if gtype and in_features is not None else w.shape[1]
+        self.N = w.shape[0]
+        self.w = w if w.stride(1) == 1 else w.contiguous()
+        self.fmt, self.gtype = _fmt_codes()[fmt], gtype
+        self.stride = self.w.stride(0) * self.w.element_size()
+        self.bias, self.b = None, 0
+        if bias is not None:
+            if not isinstance(bias, torch.Tensor) or bias.device.type != "cpu":
+                raise ValueError(f"cpu_linear: bias must be a CPU tensor [N={self.N}]")
+            if bias.shape != (self.N,):
+                raise ValueError(f"cpu_linear: bias must be a CPU tensor [N={self.N}]")
+            if not bias.is_floating_point():
+                raise ValueError(f"cpu_linear: bias must be float, got {bias.dtype}")
+            self.bias = bias.to(torch.float32).contiguous()
+            self.b = self.bias.data_ptr()
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        *,
+        threads: int | None = None,
+        isa: str = "auto",
+        out_dtype: torch.dtype | None = None,
+        dot: str | None = None,
+    ) -> torch.Tensor:
+        """`x [T, K] @ W^T (+ bias)` as `cpu_linear` documents it."""
+        dot = _cpu_dot[0] if dot is None else _check_dot(dot)
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
+            raise ValueError("cpu_linear: x must be a 2-D CPU tensor [T, K]")
+        K = x.shape[1]
+        if not x.is_floating_point() or K < 1:
+            raise ValueError(
+                f"cpu_linear: x must be float [T, K >= 1], got {x.dtype} {list(x.shape)}"
+            )
+        if K != self.K or (self.in_features is not None and K != self.in_features):
+            if self.in_features is not None and K != self.in_features:
+                raise ValueError(
+                    f"cpu_linear: in_features={self.in_features} but x has {K} columns"
+                )
+            raise ValueError(f"cpu_linear: weight {list(self.w.shape)} does not take x's K={K}")
+        n_threads = _linear_threads(threads)
+        xf = (
+            x
+            if x.dtype == torch.float32 and x.is_contiguous()
+            else x.to(torch.float32).contiguous()
+        )
+        y = torch.empty(x.shape[0], self.N, dtype=torch.float32)
+        _C.cpu_linear(
+            xf.data_ptr(), x.shape[0], K, self.w.data_ptr(), self.N, self.stride, self.fmt,
+            self.gtype, self.b, y.data_ptr(), n_threads, isa, dot,
+        )  # fmt: skip
+        out = out_dtype or x.dtype
+        return y if out == torch.float32 else y.to(out)
 
 
 def cpu_linear(
@@ -300,36 +375,43 @@ def cpu_linear(
     product by one thread in a fixed order, so every output row is bit-identical for any
     T, any other rows and any thread count (on one ISA path). `threads` (default
     torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
-    `dot` (GGML rows): one of CPU_DOTS, default cpu_dot().
+    `dot` (GGML rows): one of CPU_DOTS, default cpu_dot(). A layer that calls it per token
+    keeps a `LinearPlan` of its weight instead (the same call, the checks done once).
     Returns `[T, N]` in `out_dtype` (default x's dtype).
     """
     dot = _check_dot(cpu_dot() if dot is None else dot)
     if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
         raise ValueError("cpu_linear: x must be a 2-D CPU tensor [T, K]")
-    if not x.is_floating_point() or x.shape[1] < 1:
-        raise ValueError(f"cpu_linear: x must be float [T, K >= 1], got {x.dtype} {list(x.shape)}")
-    K = x.shape[1]
-    w, fmt, gtype = _linear_weight(weight, ggml_type, in_features, K)
-    N = w.shape[0]
-    if w.stride(1) != 1:
-        w = w.contiguous()
-    b = 0
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.device.type != "cpu" or bias.shape != (N,):
-            raise ValueError(f"cpu_linear: bias must be a CPU tensor [N={N}]")
-        if not bias.is_floating_point():
-            raise ValueError(f"cpu_linear: bias must be float, got {bias.dtype}")
-        bias = bias.to(torch.float32).contiguous()
-        b = bias.data_ptr()
-    n_threads = _linear_threads(threads)
-    xf = x.to(torch.float32).contiguous()
-    y = torch.empty(x.shape[0], N, dtype=torch.float32)
-    _C.cpu_linear(
-        xf.data_ptr(), x.shape[0], K, w.data_ptr(), N, w.stride(0) * w.element_size(),
-        _fmt_codes()[fmt], gtype, b, y.data_ptr(), n_threads, isa, dot,
+    plan = LinearPlan(weight, ggml_type=ggml_type, in_features=in_features, bias=bias)
+    return plan(x, threads=threads, isa=isa, out_dtype=out_dtype, dot=dot)
+
+
+def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Llama-style RMS norm of float32 `x [..., n]`: `weight * (x / sqrt(mean(
+    x^2) + eps))` in fp32 (csrc/cpu/norm.cpp), a new tensor of x's shape. Each row reduced by
+    one fixed-order loop: its bits depend on the row alone (any rows, strides, CPU)."""
+    if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dtype != torch.float32:
+        raise ValueError("cpu_rms_norm: x must be a float32 CPU tensor")
+    n = x.shape[-1] if x.dim() else 0
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.device.type != "cpu"
+        or weight.dtype != torch.float32
+        or weight.shape != (n,)
+    ):
+        raise ValueError(f"cpu_rms_norm: weight must be a float32 CPU tensor [{n}]")
+    if n < 1:
+        raise ValueError("cpu_rms_norm: x must have a last dimension of at least 1")
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < n):
+        x2 = x2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    _C.cpu_rms_norm(
+        x2.data_ptr(), x2.shape[0], n, max(x2.stride(0), n), w.data_ptr(), float(eps),
+        y.data_ptr(), n,
     )  # fmt: skip
-    out = out_dtype or x.dtype
-    return y if out == torch.float32 else y.to(out)
+    return y.view(x.shape)
 
 
 # Causal attention of csrc/cpu/attention.cpp (expert_gemv.h's `attention`): scores by the
