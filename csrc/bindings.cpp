@@ -16,7 +16,8 @@ namespace py = pybind11;
 
 namespace psr::cpu {
 void bind_router(py::module_& m);  // cpu/router.cpp: the CPU decode step's cache `use`
-}
+void bind_norm(py::module_& m);    // cpu/norm.cpp: RMS norm rows
+}  // namespace psr::cpu
 
 namespace {
 
@@ -322,6 +323,7 @@ PYBIND11_MODULE(_C, m) {
       "Row-invariant causal attention (window, sinks) from float k / v rows (addresses of "
       "live, checked tensors; strides in elements)");
   psr::cpu::bind_router(m);
+  psr::cpu::bind_norm(m);
   m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),
         py::arg("reps"), release_gil(),
         "STREAM triad on the kernels' thread pool: best bytes/s (12 n bytes per pass)");

@@ -75,6 +75,16 @@ def cpu_cache_use(
     logits: int,
     n_logits: int,
 ) -> None: ...
+def cpu_rms_norm(
+    x: int,
+    rows: int,
+    n: int,
+    x_stride: int,
+    weight: int,
+    eps: float,
+    y: int,
+    y_stride: int,
+) -> None: ...
 def cpu_attention(
     q: int,
     tokens: int,

@@ -66,6 +66,7 @@ from psr.runtime.expert_placement import placement_class
 from psr.runtime.kv import check_kv_format
 from psr.runtime.kv_quant import set_kv_format
 from psr.runtime.model import OffloadedModel, rows_forward
+from psr.runtime.norms import row_norms
 from psr.runtime.spec import resolve_capacity, resolve_slab_slots
 from psr.runtime.verify import verify_class
 from psr.store import set_cpu_dot
@@ -206,10 +207,13 @@ def _context(context: int | None, config: Any) -> int | None:
 
 
 def _place(om: OffloadedModel, cfg: LoadConfig) -> OffloadedModel:
-    """The options that apply to the built model: decode graphs, the KV format, where
-    misses are computed, the row-invariant CPU forward (ROW_INVARIANT_DEFAULT)."""
+    """The options that apply to the built model: decode graphs, the KV format, the CPU
+    RMS norms, where misses are computed, the row-invariant CPU forward
+    (ROW_INVARIANT_DEFAULT)."""
     om.graphs = cfg.graphs
     set_kv_format(om.hf, cfg.kv_format, om.context)
+    if om.device.type == "cpu":  # RMS norms by psr's row kernel (runtime/norms.py)
+        row_norms(om.hf)
     rows = ROW_INVARIANT_DEFAULT and cfg.graphs is not True
     if rows and om.row_invariant_blocker() is None:
         om.set_row_invariant(True)
@@ -234,6 +238,7 @@ def restore(model: nn.Module) -> nn.Module:
     if not isinstance(hf, nn.Module):
         raise TypeError(f"psr.restore needs an offloaded model, got {type(model).__name__}")
     rows_forward(hf, False)
+    row_norms(hf, False)
     uninstall(hf)
     return hf
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from psr.runtime.attention import ATTENTION as ROWS_ATTENTION
 from psr.runtime.dense import row_invariant
+from psr.runtime.norms import is_rms_norm
 
 ATTENTION = "psr_batch"  # the attention implementation's name while a batch forward runs
 _active = threading.local()  # the running batch forward's BatchKV (per thread)
@@ -59,7 +60,8 @@ def _row_invariant(module: nn.Module) -> bool:
     * psr's dense layers on the CPU (`dense.row_invariant`): their forward is `cpu_linear`
       (each output element one row dot product in a fixed order, whatever T);
     * an RMS norm on the CPU whose forward is the bytecode of one of transformers' RMS
-      norms audited here (`_NORMS`): casts, `x * x`, a sum over the last dim then a
+      norms audited (runtime/norms.py; float32: psr's row kernel, `cpu_rms_norm`; other
+      dtypes the class's forward): casts, `x * x`, a sum over the last dim then a
       division (torch's CPU mean; a contiguous row is summed by one loop that depends on
       its length only, the rows split whole between threads), `+ eps`, rsqrt (`1 /
       sqrt`, correctly rounded in the vector and the scalar loop alike), products: no
@@ -78,31 +80,7 @@ def _linear_row_invariant(module: nn.Module) -> bool:
 
 def _norm_row_invariant(module: nn.Module) -> bool:
     """One of transformers' RMS norms, by its audited bytecode, on the CPU."""
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu" or weight.dim() != 1:
-        return False
-    if not isinstance(getattr(module, "variance_epsilon", None), float):
-        return False
-    code = getattr(type(module).forward, "__code__", None)
-    return code is not None and any(_same_code(code, c) for c in _norms())
-
-
-def _same_code(a: Any, b: Any) -> bool:
-    return (a.co_code, a.co_names, a.co_consts, a.co_varnames) == (
-        b.co_code, b.co_names, b.co_consts, b.co_varnames
-    )  # fmt: skip
-
-
-_NORMS: list[Any] = []  # the audited norms' code objects (imported on first use)
-
-
-def _norms() -> list[Any]:
-    if not _NORMS:
-        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-        _NORMS.extend(f.forward.__code__ for f in (LlamaRMSNorm, GptOssRMSNorm))
-    return _NORMS
+    return is_rms_norm(module)
 
 
 class BatchKV:
