@@ -9,6 +9,8 @@ path's reference, independent grouping) at 1e-5.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -120,9 +122,32 @@ def test_table_absent_bias_clamped_and_scaled_input() -> None:
     assert torch.equal(y, torch.zeros(1, H))
 
 
+def _interpreted_dot_rows_move() -> bool:
+    """Whether Triton's interpreter (tl.dot is numpy's matmul) gives a row of a tile other
+    bits at another position in it: this CPU's BLAS kernels do on AVX2 (seen here)."""
+    import numpy as np
+
+    if not os.environ.get("TRITON_INTERPRET"):
+        return False
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((16, 48)).astype(np.float32)
+    b = rng.standard_normal((48, 32)).astype(np.float32)
+    full = a @ b
+    for i in range(16):
+        alone = np.zeros_like(a)
+        alone[0] = a[i]
+        if not np.array_equal((alone @ b)[0], full[i]):
+            return True
+    return False
+
+
 def test_a_token_s_result_does_not_depend_on_the_others() -> None:
     """Block sizes are fixed per layout: a token alone gives the bits it gives in a batch
-    (what keeps chunk-major and layer-major prefill identical)."""
+    (what keeps chunk-major and layer-major prefill identical). Under the interpreter the
+    tile's dot is numpy's BLAS, whose rows are not position-invariant on every CPU: there
+    the bits are not the kernel's to keep (the GPU run checks them)."""
+    if _interpreted_dot_rows_move():
+        pytest.skip("the interpreter's tl.dot (numpy BLAS) moves a row's bits on this CPU")
     H, F, C, T = 48, 32, 4, GROUP_M + 9
     slab = torch.stack(
         [pk.quantize_expert(*e, "int8") for e in make_slab(C, H, F, torch.float32)[1]]

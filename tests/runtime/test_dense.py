@@ -53,6 +53,16 @@ def test_quant_linear_equals_the_reference(word: str, group, compute: str, f32_d
         assert torch.equal(emb(ids), w[ids].to(torch.bfloat16))
 
 
+def _q8_takes(word: str) -> bool:
+    """Whether the default dot path (`auto`) takes `word` rows through q8 on this CPU."""
+    fmt, k, q, _ = _weight(word, None, 4)
+    assert fmt.block is not None
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(0))
+    kw = dict(ggml_type=fmt.block.type_id, in_features=k)
+    auto = psr.store.cpu_linear(x, q.reshape(4, -1), dot="auto", **kw)
+    return not torch.equal(auto, psr.store.cpu_linear(x, q.reshape(4, -1), dot="f32", **kw))
+
+
 def _gguf(tmp_path: Path, tied: bool, family: str = "qwen3_moe") -> tuple[Path, Any]:
     """A tiny Qwen3-MoE GGUF: dense matrices Q8_0 in layer 0, Q4_K elsewhere (embeddings and
     output head included), Q8_0 experts; and its transformers twin. DeepSeek-V3 (MLA: rows
@@ -109,10 +119,12 @@ def test_native_equals_float_and_the_twin_in_less_memory(
     # the same weights: the CPU kernels' fp32 dot of the blocks vs F.linear of them
     # dequantized differ only in summation order
     torch.testing.assert_close(native(PROMPT), flt(PROMPT), rtol=1e-5, atol=1e-5)
-    # the default dot path (q8 for the K-quants: activations rounded to 8 bits a block):
-    # measured within 1.6e-3 of the logits' scale here
+    # the default dot path (q8 for the K-quants, and for Q8_0 on AVX2: activations rounded
+    # to 8 bits a block): measured within 1.6e-3 of the logits' scale here with Q8_0 on
+    # fp32 (AVX-512), 2.8e-2 for DeepSeek's all-Q8_0 dense part through q8 (AVX2)
     q8 = _load(path, "native", cpu_dot="auto")
-    torch.testing.assert_close(q8(PROMPT), want, rtol=0, atol=5e-3 * want.abs().max().item())
+    tol = 4e-2 if family == "deepseek_v3" and _q8_takes("Q8_0") else 5e-3
+    torch.testing.assert_close(q8(PROMPT), want, rtol=0, atol=tol * want.abs().max().item())
     ck = GGUFCheckpoint(path)
     table = ck.tensor_table()
     ck.close()

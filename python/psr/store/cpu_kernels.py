@@ -299,7 +299,7 @@ class LinearPlan:
         w, fmt, gtype = _linear_weight(weight, ggml_type, in_features)
         self.source, self.bias_source = weight, bias
         self.in_features = in_features
-        self.K: int = in_features if gtype and in_features is not None else w.shape[1]
+        self.K: int = w.shape[1] if fmt != "ggml" or in_features is None else in_features
         self.N = w.shape[0]
         self.w = w if w.stride(1) == 1 else w.contiguous()
         self.fmt, self.gtype = _fmt_codes()[fmt], gtype
