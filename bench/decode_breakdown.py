@@ -107,8 +107,9 @@ def _instrument(model: Any, timers: _Timers) -> None:
     from psr.store.expert_store import ExpertStore
 
     cpu_kernels.cpu_linear = timers.wrap(PARTS[0], cpu_kernels.cpu_linear)  # type: ignore[assignment]
-    plan_call = cpu_kernels.LinearPlan.__call__  # dense layers' prepared calls (QuantLinear)
-    cpu_kernels.LinearPlan.__call__ = timers.wrap(PARTS[0], plan_call)  # type: ignore[method-assign]
+    plan = getattr(cpu_kernels, "LinearPlan", None)  # dense layers' prepared calls (not in
+    if plan is not None:  # trees before them: --trees)
+        plan.__call__ = timers.wrap(PARTS[0], plan.__call__)
     store_ops.cpu_expert_ffn = timers.wrap(PARTS[1], store_ops.cpu_expert_ffn)  # type: ignore[assignment]
     ExpertStore.gather = timers.wrap(PARTS[2], ExpertStore.gather)  # type: ignore[method-assign]
     for m in model.hf.modules():

@@ -318,6 +318,20 @@ def worker(
         return y
 
     cpu_kernels.cpu_linear = timed  # type: ignore[assignment]
+    plan = getattr(cpu_kernels, "LinearPlan", None)  # the dense layers' prepared calls
+    if plan is not None:  # (trees before them call cpu_linear)
+        plan_call = plan.__call__
+
+        def timed_plan(self: Any, x: torch.Tensor, **kw: Any) -> torch.Tensor:
+            t, c = time.perf_counter(), time.process_time()
+            y = plan_call(self, x, **kw)
+            dense["s"] += time.perf_counter() - t
+            dense["cpu_s"] += time.process_time() - c
+            dense["calls"] += 1
+            dense["bytes"] += self.w.numel() * self.w.element_size()
+            return y
+
+        plan.__call__ = timed_plan
     load0 = os.getloadavg()[0]
     t = time.perf_counter()
     dot = os.environ.get("PSR_BENCH_CPU_DOT", "auto")
@@ -460,9 +474,11 @@ def llama_server(a: argparse.Namespace, path: Path, threads: int) -> dict[str, A
 
 
 def run_psr(
-    a: argparse.Namespace, path: Path, threads: int, kind: str = "single", dot: str = "auto"
-) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'python'}:{ROOT}", "OMP_NUM_THREADS": str(threads)}
+    a: argparse.Namespace, path: Path, threads: int, kind: str = "single", dot: str = "auto",
+    root: Path = ROOT,
+) -> dict[str, Any]:  # fmt: skip
+    """One psr worker process: psr imported from `root`'s source tree (`--base`: another)."""
+    env = {**os.environ, "PYTHONPATH": f"{root / 'python'}:{root}", "OMP_NUM_THREADS": str(threads)}
     env["PSR_BENCH_CPU_DOT"] = dot
     env["PSR_BENCH_PROMPTS"] = ",".join(map(str, a.prompts))
     if kind == "single" and a.decode_only:
@@ -474,9 +490,11 @@ def run_psr(
     return dict(json.loads(p.stdout.strip().splitlines()[-1]))
 
 
-def _psr_prog(dot: str) -> str:
-    """The tables' name of psr with load option cpu_dot=`dot` ('psr': the default)."""
-    return "psr" if dot == "auto" else f"psr:{dot}"
+def _psr_prog(dot: str, base: bool = False) -> str:
+    """The tables' name of psr with load option cpu_dot=`dot` ('psr': the default), of this
+    tree or (`base`) the `--base` tree ('psr@base')."""
+    name = "psr@base" if base else "psr"
+    return name if dot == "auto" else f"{name}:{dot}"
 
 
 def _per_token_bytes(label: str, info: dict[str, Any]) -> float:
@@ -596,6 +614,35 @@ def report(docs: list[dict[str, Any]], overhead: dict[str, float]) -> str:
     return "\n".join(out)
 
 
+def run_rounds(a: argparse.Namespace, files: dict[str, Path], stamp: str) -> None:
+    """`--rounds` rounds over the files and thread counts, llama.cpp and each psr program
+    (cpu_dot values, `--base`'s tree) in an order reversed every other round."""
+    info = {label: file_bytes(p) for label, p in files.items()}
+    runs: list[dict[str, Any]] = []
+    for r in range(a.rounds):
+        for label, path in files.items():
+            for t in a.threads:
+                progs = {_psr_prog(d): (d, ROOT) for d in a.cpu_dots}
+                if a.base is not None:
+                    progs |= {_psr_prog(d, True): (d, a.base.resolve()) for d in a.cpu_dots}
+                psrs = list(progs)
+                order = ["llama.cpp", *psrs] if (r % 2 == 0) else [*psrs[::-1], "llama.cpp"]
+                for prog in order:
+                    if prog == "llama.cpp":
+                        got = (llama_server if a.serve else llama_bench)(a, path, t)
+                    else:
+                        dot, root = progs[prog]
+                        kind = "batch" if a.serve else "single"
+                        got = run_psr(a, path, t, kind, dot, root)
+                    runs.append(dict(round=r, file=label, threads=t, prog=prog, **got))
+                    print(f"r{r} {label} t{t} {prog}: {json.dumps(got)[:300]}", flush=True)
+                    if a.out:
+                        a.out.mkdir(parents=True, exist_ok=True)
+                        meta = {"args": {k: str(v) for k, v in vars(a).items()}, "files": info}
+                        doc = {"meta": meta, "runs": runs}
+                        (a.out / f"runs-{stamp}.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama", type=Path, default=Path("/work/cache/llama/build/bin"))
@@ -627,6 +674,13 @@ def main() -> None:
         default=["auto"],
         help="psr's cpu_dot values, each run per round (psr / psr:f32 / ... in the tables)",
     )
+    ap.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="another psr source tree (with its built extension) run beside this one in every "
+        "round, each cpu_dot (psr@base / psr@base:f32 in the tables): before / after",
+    )
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.report:
@@ -656,26 +710,7 @@ def main() -> None:
         if a.out:
             (a.out / f"overhead-{stamp}.json").write_text(json.dumps(ovh, indent=1) + "\n")
         return
-    info = {label: file_bytes(p) for label, p in files.items()}
-    runs: list[dict[str, Any]] = []
-    for r in range(a.rounds):
-        for label, path in files.items():
-            for t in a.threads:
-                psrs = [_psr_prog(d) for d in a.cpu_dots]
-                order = ["llama.cpp", *psrs] if (r % 2 == 0) else [*psrs[::-1], "llama.cpp"]
-                for prog in order:
-                    if prog == "llama.cpp":
-                        got = (llama_server if a.serve else llama_bench)(a, path, t)
-                    else:
-                        dot = a.cpu_dots[psrs.index(prog)]
-                        got = run_psr(a, path, t, "batch" if a.serve else "single", dot)
-                    runs.append(dict(round=r, file=label, threads=t, prog=prog, **got))
-                    print(f"r{r} {label} t{t} {prog}: {json.dumps(got)[:300]}", flush=True)
-                    if a.out:
-                        a.out.mkdir(parents=True, exist_ok=True)
-                        meta = {"args": {k: str(v) for k, v in vars(a).items()}, "files": info}
-                        doc = {"meta": meta, "runs": runs}
-                        (a.out / f"runs-{stamp}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    run_rounds(a, files, stamp)
 
 
 if __name__ == "__main__":

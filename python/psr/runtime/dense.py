@@ -264,8 +264,7 @@ class QuantLinear(nn.Module):
             and pk.resolve_compute(self.compute, x.device) == "torch"
             and (plan := self._cpu_plan()) is not None
         ):  # dense_linear's CPU path with the weight's checks done once (per token: it counts)
-            y = plan(x.reshape(-1, self.in_features))
-            return row_aligned(y.reshape(*lead, self.out_features))
+            return row_aligned(plan(x))
         y = dense_linear(
             x.reshape(-1, self.in_features),
             self.qweight,

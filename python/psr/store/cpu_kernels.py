@@ -324,31 +324,28 @@ class LinearPlan:
         out_dtype: torch.dtype | None = None,
         dot: str | None = None,
     ) -> torch.Tensor:
-        """`x [T, K] @ W^T (+ bias)` as `cpu_linear` documents it."""
+        """`x [..., K] @ W^T (+ bias)` as `cpu_linear` documents it (any leading dims: a
+        layer's `[B, T, K]` input without view ops, which cost a few us each)."""
         dot = _cpu_dot[0] if dot is None else _check_dot(dot)
-        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() != 2:
-            raise ValueError("cpu_linear: x must be a 2-D CPU tensor [T, K]")
-        K = x.shape[1]
+        if not isinstance(x, torch.Tensor) or x.device.type != "cpu" or x.dim() < 1:
+            raise ValueError("cpu_linear: x must be a CPU tensor [..., K]")
+        K = x.shape[-1]
         if not x.is_floating_point() or K < 1:
             raise ValueError(
                 f"cpu_linear: x must be float [T, K >= 1], got {x.dtype} {list(x.shape)}"
             )
-        if K != self.K or (self.in_features is not None and K != self.in_features):
-            if self.in_features is not None and K != self.in_features:
-                raise ValueError(
-                    f"cpu_linear: in_features={self.in_features} but x has {K} columns"
-                )
+        named = self.in_features
+        if K != self.K or (named is not None and K != named):
+            if named is not None and K != named:
+                raise ValueError(f"cpu_linear: in_features={named} but x has {K} columns")
             raise ValueError(f"cpu_linear: weight {list(self.w.shape)} does not take x's K={K}")
         n_threads = _linear_threads(threads)
-        xf = (
-            x
-            if x.dtype == torch.float32 and x.is_contiguous()
-            else x.to(torch.float32).contiguous()
-        )
-        y = torch.empty(x.shape[0], self.N, dtype=torch.float32)
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        T = xf.numel() // K
+        y = torch.empty((*x.shape[:-1], self.N), dtype=torch.float32)
         _C.cpu_linear(
-            xf.data_ptr(), x.shape[0], K, self.w.data_ptr(), self.N, self.stride, self.fmt,
-            self.gtype, self.b, y.data_ptr(), n_threads, isa, dot,
+            xf.data_ptr(), T, K, self.w.data_ptr(), self.N, self.stride, self.fmt, self.gtype,
+            self.b, y.data_ptr(), n_threads, isa, dot,
         )  # fmt: skip
         out = out_dtype or x.dtype
         return y if out == torch.float32 else y.to(out)
@@ -402,16 +399,17 @@ def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         raise ValueError(f"cpu_rms_norm: weight must be a float32 CPU tensor [{n}]")
     if n < 1:
         raise ValueError("cpu_rms_norm: x must have a last dimension of at least 1")
-    x2 = x.reshape(-1, n)
-    if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < n):
-        x2 = x2.contiguous()
     w = weight if weight.is_contiguous() else weight.contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _C.cpu_rms_norm(
-        x2.data_ptr(), x2.shape[0], n, max(x2.stride(0), n), w.data_ptr(), float(eps),
-        y.data_ptr(), n,
-    )  # fmt: skip
-    return y.view(x.shape)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if x.is_contiguous():  # a decode step's norm: no view ops (each costs a few us)
+        rows, xp, stride = x.numel() // n, x.data_ptr(), n
+    else:  # rows one stride apart (DeepSeek's split latent) in place, else a copy
+        x2 = x.reshape(-1, n)
+        if x2.stride(-1) != 1 or (x2.shape[0] > 1 and x2.stride(0) < n):
+            x2 = x2.contiguous()
+        rows, xp, stride = x2.shape[0], x2.data_ptr(), max(x2.stride(0), n)
+    _C.cpu_rms_norm(xp, rows, n, stride, w.data_ptr(), float(eps), y.data_ptr(), n)
+    return y
 
 
 # Causal attention of csrc/cpu/attention.cpp (expert_gemv.h's `attention`): scores by the
