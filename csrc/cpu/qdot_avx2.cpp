@@ -45,9 +45,12 @@ inline float hsum(__m256 v) {
   const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
-inline __m256i two16(int lo, int hi) {  // int16 lanes 0..7 lo, 8..15 hi
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)),
-                          _mm_set1_epi16(static_cast<int16_t>(lo)));
+inline __m256i lane16(int j) {  // shuffle control: every int16 lane byte j, zero-extended
+  return _mm256_set1_epi16(static_cast<int16_t>(0x8000 | j));
+}
+inline __m256i pick16(int lo, int hi) {  // shuffle control: int16 lanes 0..7 lane lo, 8..15 hi
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>((2 * hi + 1) << 8 | 2 * hi)),
+                          _mm_set1_epi16(static_cast<int16_t>((2 * lo + 1) << 8 | 2 * lo)));
 }
 
 template <int NV>
@@ -75,15 +78,22 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
       for (int64_t k = 0; k < K; k += 256, row += type == ggml_type::Q5_K ? 176 : 144) {
         const bool five = type == ggml_type::Q5_K;
         const float d = h2f(row), dmin = h2f(row + 2);
-        int sc[8], mn[8];
-        for (int j = 0; j < 8; ++j) g_k_scale_min(j, row + 4, &sc[j], &mn[j]);
-        const __m256i md = _mm256_setr_epi16(
-            static_cast<int16_t>(mn[0]), static_cast<int16_t>(mn[0]), static_cast<int16_t>(mn[1]),
-            static_cast<int16_t>(mn[1]), static_cast<int16_t>(mn[2]), static_cast<int16_t>(mn[2]),
-            static_cast<int16_t>(mn[3]), static_cast<int16_t>(mn[3]), static_cast<int16_t>(mn[4]),
-            static_cast<int16_t>(mn[4]), static_cast<int16_t>(mn[5]), static_cast<int16_t>(mn[5]),
-            static_cast<int16_t>(mn[6]), static_cast<int16_t>(mn[6]), static_cast<int16_t>(mn[7]),
-            static_cast<int16_t>(mn[7]));
+        // The twelve bytes of 6-bit scales and mins to bytes sc[0..7], m[0..7] (g_k_scale_min's
+        // rule, four lanes a word, as the AVX-512 path): the scalar rule per sub-block and the
+        // lane-by-lane set took more instructions than the block's dots at one token.
+        uint32_t u[4];
+        __builtin_memcpy(u, row + 4, 12);
+        const uint32_t k6 = 0x3F3F3F3Fu, k4 = 0x0F0F0F0Fu, k2 = 0x03030303u;
+        u[3] = ((u[2] >> 4) & k4) | (((u[1] >> 6) & k2) << 4);  // m[4..7]
+        const uint32_t m03 = u[1] & k6;
+        u[1] = (u[2] & k4) | (((u[0] >> 6) & k2) << 4);  // sc[4..7]
+        u[2] = m03;                                      // m[0..3]
+        u[0] &= k6;                                      // sc[0..3]
+        const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+        // int16 lanes m[0], m[0], m[1], m[1], ..., m[7], m[7]
+        const __m256i md = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(
+            sm, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15)));
+        const __m256i sb = _mm256_broadcastsi128_si256(sm);  // byte j: sc[j] (j < 8)
         __m256i lo[4], hi[4], slo[4], shi[4];
         for (int p = 0; p < 4; ++p) {  // sub-block 2 p: low nibbles, 2 p + 1: high
           const __m256i q = ld(row + (five ? 48 : 16) + 32 * p);
@@ -96,8 +106,8 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
             lo[p] = _mm256_or_si256(lo[p], _mm256_slli_epi16(b0, 4));
             hi[p] = _mm256_or_si256(hi[p], _mm256_slli_epi16(b1, 4));
           }
-          slo[p] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p]));
-          shi[p] = _mm256_set1_epi16(static_cast<int16_t>(sc[2 * p + 1]));
+          slo[p] = _mm256_shuffle_epi8(sb, lane16(2 * p));  // every int16 lane sc[2 p]
+          shi[p] = _mm256_shuffle_epi8(sb, lane16(2 * p + 1));
         }
         const int64_t xo = (k / 256) * kQ8KBytes;
         for (int t = 0; t < NV; ++t) {
@@ -118,20 +128,22 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
       const __m256i m3 = _mm256_set1_epi8(0x03);
       for (int64_t k = 0; k < K; k += 256, row += 210) {
         const float d = h2f(row + 208);
-        const int8_t* sc = reinterpret_cast<const int8_t*>(row + 192);
-        const __m256i sc16 =
-            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
+        const __m256i sc16 =  // the 16 int8 scales, widened
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192)));
         __m256i cv[8], sv[8];  // run 4 n + g: elements 128 n + 32 g.., sub-blocks 8 n + 2 g (+1)
         for (int n = 0; n < 2; ++n) {
           const __m256i l0 = ld(row + 64 * n), l1 = ld(row + 64 * n + 32);
           const __m256i qh = ld(row + 128 + 32 * n);
+          // sc[8 n..8 n + 7] (int16) in both 128-bit lanes: each run's two scales by a shuffle
+          const __m256i half = n ? _mm256_permute2x128_si256(sc16, sc16, 0x11)
+                                 : _mm256_permute2x128_si256(sc16, sc16, 0x00);
           for (int g = 0; g < 4; ++g) {
             const __m256i l = g & 1 ? l1 : l0;
             const __m256i low =
                 g < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
             const __m256i h = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), m3);
             cv[4 * n + g] = _mm256_or_si256(low, _mm256_slli_epi16(h, 4));
-            sv[4 * n + g] = two16(sc[8 * n + 2 * g], sc[8 * n + 2 * g + 1]);
+            sv[4 * n + g] = _mm256_shuffle_epi8(half, pick16(2 * g, 2 * g + 1));
           }
         }
         const int64_t xo = (k / 256) * kQ8KBytes;
