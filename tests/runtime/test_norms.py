@@ -4,6 +4,8 @@ the class's own forward for what the kernel does not take, bad input refused."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from gguf_files import gguf_tiny_model
@@ -14,7 +16,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 import psr
-from psr.runtime.norms import is_rms_norm, row_norms
+from psr.runtime.norms import has_row_kernel, is_rms_norm, row_norms
 from psr.store import cpu_rms_norm
 
 
@@ -54,6 +56,8 @@ def test_row_norms_installs_on_audited_norms_only_and_falls_back() -> None:
     norm = norms[0]
     before = norm(x)
     assert row_norms(model) == len(norms) and row_norms(model) == 0  # idempotent
+    assert isinstance(norm, OlmoeRMSNorm) and has_row_kernel(norm) and is_rms_norm(norm)
+    assert copy.deepcopy(norm)(x).equal(norm(x))  # a class, no bound method: copies work
     with torch.no_grad():
         assert torch.equal(norm(x), cpu_rms_norm(x, norm.weight, norm.variance_epsilon))
         torch.testing.assert_close(norm(x), before, rtol=2e-6, atol=1e-6)
@@ -62,17 +66,17 @@ def test_row_norms_installs_on_audited_norms_only_and_falls_back() -> None:
     y = norm(x.requires_grad_())  # autograd: the class's forward
     assert y.grad_fn is not None
     assert row_norms(model, False) == len(norms)
-    assert "forward" not in vars(norm)
+    assert not has_row_kernel(norm) and type(norm) is OlmoeRMSNorm
 
 
 def test_loaded_cpu_models_norm_by_the_kernel(tmp_path) -> None:
     path = write_checkpoint(tiny_model("qwen3_moe"), tmp_path / "q")
     om = psr.load(path, "exact", residency=0.5, device="cpu", progress=False, dtype="float32")
-    hooked = [m for m in om.hf.modules() if "forward" in vars(m) and is_rms_norm(m)]
+    hooked = [m for m in om.hf.modules() if has_row_kernel(m) and is_rms_norm(m)]
     layers = om.config.num_hidden_layers
     assert len(hooked) == layers * 4 + 1
     hf = psr.restore(om)
-    assert not any("forward" in vars(m) for m in hf.modules() if is_rms_norm(m))
+    assert not any(has_row_kernel(m) for m in hf.modules() if is_rms_norm(m))
 
 
 @pytest.mark.parametrize(
