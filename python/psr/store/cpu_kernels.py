@@ -306,9 +306,11 @@ class LinearPlan:
         self.stride = self.w.stride(0) * self.w.element_size()
         self.bias, self.b = None, 0
         if bias is not None:
-            if not isinstance(bias, torch.Tensor) or bias.device.type != "cpu":
-                raise ValueError(f"cpu_linear: bias must be a CPU tensor [N={self.N}]")
-            if bias.shape != (self.N,):
+            if (
+                not isinstance(bias, torch.Tensor)
+                or bias.device.type != "cpu"
+                or bias.shape != (self.N,)
+            ):
                 raise ValueError(f"cpu_linear: bias must be a CPU tensor [N={self.N}]")
             if not bias.is_floating_point():
                 raise ValueError(f"cpu_linear: bias must be float, got {bias.dtype}")
