@@ -9,6 +9,11 @@ import triton
 import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch's CPU elementwise loops run whole chunks of 2 vectors (32 floats on AVX-512) of a
+# flattened tensor through the vector function and the rest through a scalar one, which
+# round transcendentals differently: rows this many elements apart (a multiple of every
+# chunk) are all taken the same way whatever the number of rows.
+CPU_VECTOR_CHUNK = 64
 
 
 def interpreting() -> bool:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from psr_kernels._common import CPU_VECTOR_CHUNK, check_float
 from psr_kernels._common import check_finite as _require_finite
-from psr_kernels._common import check_float
 from psr_kernels.routing import (
     RouteSpec,
     check_gemv,
@@ -23,10 +23,8 @@ from psr_kernels.routing import (
 )
 
 _NEG_INF = float("-inf")
-# torch's CPU elementwise loops run whole chunks of 2 vectors of the flattened tensor through
-# the vector function and the rest through a scalar one (they round differently), and split
-# tensors past 32768 elements between threads at arbitrary offsets.
-_CHUNK, _ONE_THREAD = 64, 32768
+# torch splits elementwise work past 32768 elements between threads at arbitrary offsets.
+_CHUNK, _ONE_THREAD = CPU_VECTOR_CHUNK, 32768
 
 
 def row_sigmoid(x: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from torch import nn
 
 import psr_kernels as pk
 from psr.store import cpu_kernels
+from psr_kernels._common import CPU_VECTOR_CHUNK
 from psr_kernels.linear import LinearFormat
 
 
@@ -147,11 +148,12 @@ def _(rows, scales, fmt, group, k):  # type: ignore[no-untyped-def]
     return rows.new_empty(rows.shape[0], k, dtype=torch.float32)
 
 
-# Rows of a rows_linear output start this many elements apart: torch's elementwise loops
-# (vectorized chunks, then a scalar tail that rounds transcendentals differently) then take
-# every row the same way whatever the number of rows (sigmoid over a [T, 1] gate, SiLU over
-# a narrow FFN). Wider outputs whose width is a multiple of it are contiguous as they are.
-ROW_ALIGN = 64
+# Rows of a rows_linear output start this many elements apart (psr_kernels' one constant of
+# torch's CPU vector chunks): torch's elementwise loops then take every row the same way
+# whatever the number of rows (sigmoid over a [T, 1] gate, SiLU over a narrow FFN; the
+# routers' row_sigmoid pads to it too). Wider outputs whose width is a multiple of it are
+# contiguous as they are.
+ROW_ALIGN = CPU_VECTOR_CHUNK
 
 
 def rows_linear(
