@@ -142,6 +142,7 @@ class CudaBackend final : public Backend {
       for (cudaEvent_t e : *v)
         if (e) cudaEventDestroy(e);
     join_ev_.clear();
+    join_from_.clear();
     host_join_ev_.clear();
     cudaEventDestroy(fork_ev_);
     cudaEventDestroy(host_fork_ev_);
@@ -323,22 +324,31 @@ class CudaBackend final : public Backend {
                                      a.num_slots, a.num_experts);
     check(cudaGetLastError(), "gather_rows launch");
     if (side) {
-      if (join_ev_.size() <= tag) join_ev_.resize(tag + 1, nullptr);
+      if (join_ev_.size() <= tag) {
+        join_ev_.resize(tag + 1, nullptr);
+        join_from_.resize(tag + 1, kJoined);
+      }
       if (!join_ev_[tag])
         check(cudaEventCreateWithFlags(&join_ev_[tag], cudaEventDisableTiming), "cudaEventCreate");
       check(cudaEventRecord(join_ev_[tag], copy_stream_), "cudaEventRecord");
+      join_from_[tag] = capture_id(reinterpret_cast<cudaStream_t>(stream));
     }
   }
 
   void join(size_t tag, uintptr_t stream, Counters& c) override {
     std::lock_guard<std::mutex> lk(mu_);
     DeviceGuard dg(device_);
-    if (join_ev_.size() <= tag || !join_ev_[tag]) return;
+    if (join_ev_.size() <= tag || !join_ev_[tag] || join_from_[tag] == kJoined) return;
     auto s = reinterpret_cast<cudaStream_t>(stream);
-    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-    check(cudaStreamIsCapturing(s, &cap), "cudaStreamIsCapturing");
-    if (cap != cudaStreamCaptureStatusNone) {  // inside a CUDA graph: no timing events
-      check(cudaStreamWaitEvent(s, join_ev_[tag], 0), "cudaStreamWaitEvent");
+    const uint64_t cap = capture_id(s);
+    const uint64_t from = join_from_[tag];
+    join_from_[tag] = kJoined;
+    if (cap != kNotCapturing) {  // inside a CUDA graph: no timing events
+      // Only a side gather of this capture can be waited on here: an event recorded before
+      // it began (an eager step's prefetch that no join consumed, e.g. a policy with
+      // prefetch before one without on the same store) would invalidate the capture.
+      // DecodeGraph synchronizes the store before capturing, so such work has finished.
+      if (from == cap) check(cudaStreamWaitEvent(s, join_ev_[tag], 0), "cudaStreamWaitEvent");
       return;
     }
     cudaEvent_t begin = event(), end = event();
@@ -610,6 +620,18 @@ class CudaBackend final : public Backend {
   cudaEvent_t fork_ev_ = nullptr;
   std::vector<cudaEvent_t> copy_ev_, read_ev_, pool_;
   std::vector<cudaEvent_t> join_ev_;  // per tag (MoE layer): after its last side gather
+  // Per tag: the capture its last side gather was recorded in (kNotCapturing: eager), or
+  // kJoined once a join consumed it.
+  static constexpr uint64_t kNotCapturing = 0, kJoined = ~uint64_t{0};
+  std::vector<uint64_t> join_from_;
+
+  // The id of the capture `s` is in (unique per capture sequence), else kNotCapturing.
+  static uint64_t capture_id(cudaStream_t s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    check(cudaStreamGetCaptureInfo(s, &status, &id), "cudaStreamGetCaptureInfo");
+    return status == cudaStreamCaptureStatusActive ? static_cast<uint64_t>(id) + 1 : kNotCapturing;
+  }
   // Host tasks (the device step's CPU experts): their stream, fork event, and per tag
   // (MoE layer) the event after the last one's outputs.
   cudaStream_t host_stream_ = nullptr;

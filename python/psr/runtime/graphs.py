@@ -142,6 +142,9 @@ class DecodeGraph:
 
     def _cuda_graph(self) -> Callable[[], torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
+        # Every copy issued before the capture finished: the store's joins inside it wait
+        # only on the capture's own side gathers (a wait on earlier work would invalidate it).
+        self.rt.store.synchronize()
         # Capturing runs psr's Python once (its per-token host work is in the runtime's
         # boundary, outside the graph) and launches nothing: the caches do not move.
         with torch.cuda.graph(graph):
