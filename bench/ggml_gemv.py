@@ -109,7 +109,8 @@ def runner(
 
 # (label, gate/up constexprs, down constexprs) over each kind's defaults; "default" first.
 SWEEP: list[tuple[str, dict[str, int], dict[str, int]]] = [
-    ("default", {}, {}),
+    ("default", {}, {}),  # SPLIT_K_DEFAULT (psr_kernels/_common.py): split since run 3
+    ("unsplit", {}, {"SPLIT_K": 0}),
     ("split", {}, {"SPLIT_K": 1}),
     ("split, down 32 rows", {}, {"SPLIT_K": 1, "BLOCK_H": 32}),
     ("gate/up 8 rows", {"BLOCK_F": 8}, {}),

@@ -76,6 +76,14 @@ def load_slot(slots_ptr, i, table_ptr, HAS_TABLE: tl.constexpr):
     return s.to(tl.int64)
 
 
+# The down kernels' default SPLIT_K: one routed expert a program, the partials summed in
+# expert order after (`sum_experts`: the same bits). At batch 1 the unsplit down launches only
+# H / BLOCK_H programs, each looping over the k experts; split, the kernels alone ran
+# 1.12-1.60x faster on an H200 for bf16, int4, Q8_0 and Q4_K_M rows at Qwen3-30B-A3B's shape
+# (bench/results/gpu/2026-12-04-session3/gemv_sweep.md).
+SPLIT_K_DEFAULT = 1
+
+
 @triton.jit
 def store_down(y, y_ptr, s_yt, part_ptr, t, j0, H, hs, hm, K: tl.constexpr, SPLIT_K: tl.constexpr):
     """A down kernel's result for token `t`, rows `hs`: y itself, or with SPLIT_K (one routed

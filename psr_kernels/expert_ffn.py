@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from psr_kernels._common import (
+    SPLIT_K_DEFAULT,
     check_float,
     check_launchable,
     load_slot,
@@ -239,7 +240,7 @@ def ffn_launch_config(T: int, H: int, F: int) -> tuple[Mapping[str, int], Mappin
     down = dict(
         BLOCK_H=max(16, min(64, pow2(triton.cdiv(H, 128)))),
         BLOCK_F=min(pow2(F, 16), 128),
-        SPLIT_K=0,
+        SPLIT_K=SPLIT_K_DEFAULT,
         num_warps=4,
     )
     return MappingProxyType(gate_up), MappingProxyType(down)

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from psr_kernels._common import load_slot, pow2, store_down
+from psr_kernels._common import SPLIT_K_DEFAULT, load_slot, pow2, store_down
 from psr_kernels.activation import glu
 from psr_kernels.quant import _fp8_e4m3_to_f32
 from psr_kernels.rowformat import (
@@ -984,7 +984,13 @@ def ggml_launch_config(lay: GGMLLayout) -> tuple[Mapping[str, int], Mapping[str,
         BLOCK_H=min(pow2(H, 16), 128),
         num_warps=4,
     )
-    down = dict(T_DOWN=t_down, BLOCK_H=16, BLOCK_F=min(pow2(F, 16), 128), SPLIT_K=0, num_warps=4)
+    down = dict(
+        T_DOWN=t_down,
+        BLOCK_H=16,
+        BLOCK_F=min(pow2(F, 16), 128),
+        SPLIT_K=SPLIT_K_DEFAULT,
+        num_warps=4,
+    )
     return MappingProxyType(gate_up), MappingProxyType(down)
 
 

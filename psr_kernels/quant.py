@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from psr_kernels._common import check_launchable, load_slot, pow2, store_down
+from psr_kernels._common import SPLIT_K_DEFAULT, check_launchable, load_slot, pow2, store_down
 from psr_kernels.activation import glu
 from psr_kernels.rowformat import (
     ALIGN,
@@ -415,7 +415,7 @@ def quant_launch_config(lay: QuantLayout) -> tuple[Mapping[str, int], Mapping[st
     # tiles spill with fp8 decoding), and T = 1 still launches k * F / 16 gate/up and H / 16
     # down programs (512 and 128 for OLMoE).
     gate_up = dict(FMT=code, BLOCK_F=16, BLOCK_H=bh, num_warps=4)
-    down = dict(FMT=code, BLOCK_H=16, BLOCK_F=bf, SPLIT_K=0, num_warps=4)
+    down = dict(FMT=code, BLOCK_H=16, BLOCK_F=bf, SPLIT_K=SPLIT_K_DEFAULT, num_warps=4)
     return MappingProxyType(gate_up), MappingProxyType(down)
 
 

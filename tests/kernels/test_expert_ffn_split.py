@@ -66,15 +66,18 @@ def test_split_k_keeps_every_bit(
     slots = torch.tensor([[4, 0, 2], [1, 3, 4]])
     w = torch.rand(T, k, generator=g)
     kw = dict(fmt=f, group_size=32)
-    plain = pk.expert_ffn(x, slab, slots, w, H, F, **kw)
     sums = []  # the split path's second pass ran (a tuning that is ignored would pass too)
     monkeypatch.setattr(ffn, "sum_experts", lambda p, y: (sums.append(p.shape), sum_experts(p, y)))
     kind = RowFormat.parse(f).kind
+    with tuned(kind, SPLIT_K=0):
+        plain = pk.expert_ffn(x, slab, slots, w, H, F, **kw)
+    assert sums == []
     with tuned(kind, SPLIT_K=1):
         split = pk.expert_ffn(x, slab, slots, w, H, F, **kw)
         again = pk.expert_ffn(x, slab, slots, w, H, F, **kw)
-    assert torch.equal(split, plain) and torch.equal(again, plain)
-    assert sums == [(T, k, H)] * 2
+    default = pk.expert_ffn(x, slab, slots, w, H, F, **kw)  # SPLIT_K_DEFAULT: split
+    assert torch.equal(split, plain) and torch.equal(again, plain) and torch.equal(default, plain)
+    assert sums == [(T, k, H)] * 3
     assert not torch.equal(split, torch.zeros_like(split))
 
 
@@ -87,7 +90,8 @@ def test_split_k_with_a_slot_table_and_absent_experts() -> None:
     x = torch.randn(1, H)
     w = torch.rand(1, 4).to(torch.bfloat16)
     kw = dict(slot_table=table, skip_absent=True)
-    plain = pk.expert_ffn(x, slab, ids, w, H, F, **kw)
+    with tuned(RowKind.FLOAT, SPLIT_K=0):
+        plain = pk.expert_ffn(x, slab, ids, w, H, F, **kw)
     with tuned(RowKind.FLOAT, SPLIT_K=1, BLOCK_H=32):
         assert torch.equal(pk.expert_ffn(x, slab, ids, w, H, F, **kw), plain)
 

@@ -123,7 +123,8 @@ SCRIPT = textwrap.dedent(
                                    "h_ptr": p("fp32"), **ids, **ffn_types, **w_ptr},
                  dict(K=k, HAS_TABLE=table, **kind, **c1), w1, arch)
         compile_(_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("bf16"), **ids,
-                                **w_ptr, "y_ptr": p("bf16"), **ffn_types},
+                                **w_ptr, "y_ptr": p("bf16"), "part_ptr": p("fp32"),
+                                **ffn_types},
                  dict(K=k, HAS_TABLE=table, **down_kind, **c2), w2, arch)
         n += 2
     # The device step: the fused decode kernel (with and without the next layer's
@@ -164,7 +165,8 @@ SCRIPT = textwrap.dedent(
                                          "w_ptr": p("fp32")},
                  dict(K=8, HAS_TABLE=True, **swiglu, **c1), w1, arch)
         compile_(_quant_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("u8"), **ids,
-                                      "w_ptr": p("fp32"), "y_ptr": p("bf16"), **ffn_types},
+                                      "w_ptr": p("fp32"), "y_ptr": p("bf16"),
+                                      "part_ptr": p("fp32"), **ffn_types},
                  dict(K=8, HAS_TABLE=True, HAS_BIAS=False, SCALE_INPUT=False, **c2), w2, arch)
         n += 2
     for arch in (80, 90):
@@ -184,19 +186,21 @@ SCRIPT = textwrap.dedent(
                                         "w_ptr": p("fp32")},
                  dict(K=8, HAS_TABLE=True, **swiglu, **c1), w1, 90)
         compile_(_ggml_down_kernel, {"h_ptr": p("fp32"), "slab_ptr": p("u8"), **ids,
-                                     "w_ptr": p("fp32"), "y_ptr": p("bf16"), **ffn_types},
+                                     "w_ptr": p("fp32"), "y_ptr": p("bf16"),
+                                     "part_ptr": p("fp32"), **ffn_types},
                  dict(K=8, HAS_TABLE=True, HAS_BIAS=False, SCALE_INPUT=False, **c2), w2, 90)
         n += 2
     compile_(_ggml_decode_kernel, {"src": p("u8"), "out": p("fp32"), "tab": p("u8")},
              dict(T=12, BLOCK_R=16, BLOCK_K=128), 4, 90)
     n += 1
-    # SPLIT_K (set_ffn_tuning: the down kernels one routed expert a program) and its sum,
-    # Qwen3-30B-A3B's shape on sm_90: float, int4, Q4_K_M rows.
+    # The unsplit down (SPLIT_K=0 through set_ffn_tuning: each program loops over the routed
+    # experts; the defaults above split, SPLIT_K_DEFAULT) and the split's sum, Qwen3-30B-A3B's
+    # shape on sm_90: float, int4, Q4_K_M rows.
     from psr_kernels._common import _sum_experts_kernel
     ids = {"slots_ptr": p("i64"), "table_ptr": p("i32"), "tab_ptr": p("u8")}
     down_types = {"h_ptr": p("fp32"), "slab_ptr": p("bf16"), **ids, "w_ptr": p("bf16"),
                   "y_ptr": p("bf16"), "part_ptr": p("fp32"), **ffn_types}
-    split = dict(K=8, HAS_TABLE=True, HAS_BIAS=False, SCALE_INPUT=False, SPLIT_K=1)
+    split = dict(K=8, HAS_TABLE=True, HAS_BIAS=False, SCALE_INPUT=False, SPLIT_K=0)
     for fn, (c1, c2) in (
         (_down_kernel, ffn_launch_config(1, 2048, 768)),
         (_quant_down_kernel, quant_launch_config(QuantLayout.of("int4", 2048, 768))),
