@@ -265,7 +265,10 @@ def test_on_cuda_the_hand_off_equals_the_host_step_and_graphs_replay_it(tmp_path
 
     path = write_checkpoint(tiny_model("olmoe"), tmp_path / "olmoe")
     kw = dict(lam=0.3, n=1, device="cuda")
-    host = _run(path, "psr", mode, "host", **kw)
+    # generate only, as the runs below (_run's decode_logits would add NEW tokens' counts)
+    ref = psr.load(path, "psr", RESIDENCY, decode="host", experts_on=mode, progress=False, **kw)
+    ref_tokens = ref.generate(PROMPT, max_new_tokens=NEW)[0].tolist()
+    host = (ref_tokens, None, {k: ref.stats[k] for k in COUNTS})
     model = psr.load(path, "psr", RESIDENCY, decode="device", experts_on=mode, graphs=False,
                      progress=False, **kw)  # fmt: skip
     assert model.runtime.hands_off_cpu_experts()
