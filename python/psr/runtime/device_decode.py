@@ -41,7 +41,7 @@ import torch
 from psr.runtime import store_ops
 from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
-from psr.store.cpu_router import cpu_cache_use
+from psr.store.cpu_router import cpu_cache_use, prepare_cache_use
 from psr_kernels import cache_state as cs
 
 if TYPE_CHECKING:
@@ -108,6 +108,8 @@ class DeviceDecode(Step):
             if rt.ops.path == "torch" and self.state.device.type == "cpu"
             else {}
         )
+        if self.use_kw:
+            prepare_cache_use(self.layout)
 
     def hands_off(self) -> bool:
         """Whether cpu / hybrid steps hand the CPU list to the host in stream order (no

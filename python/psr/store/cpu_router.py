@@ -38,6 +38,12 @@ def _offsets(layout: CacheLayout) -> torch.Tensor:
     )  # fmt: skip
 
 
+def prepare_cache_use(layout: CacheLayout) -> None:
+    """Build `layout`'s offsets now, at the step's setup: not from host data inside the
+    first decode forward (the host probe counts that as a transfer in the MoE path)."""
+    _offsets(layout)
+
+
 def cpu_cache_use(
     state: torch.Tensor,
     layout: CacheLayout,
