@@ -56,7 +56,11 @@ def test_device_and_host_schedules_on_the_triton_path(tiny, which) -> None:
     dev = _model(which, tiny, "device", "triton")
     assert dev.runtime.ops.path == "triton"
     sd = measure_schedule(dev, prompt, new_tokens=3)
-    ffn = [("launch", "_gate_up_kernel", "compute"), ("launch", "_down_kernel", "compute")]
+    ffn = [
+        ("launch", "_gate_up_kernel", "compute"),
+        ("launch", "_down_kernel", "compute"),
+        ("launch", "_sum_experts_kernel", "compute"),  # SPLIT_K_DEFAULT: the experts' partials
+    ]
     head = [("launch", "mm", "compute"), ("launch", "_decode_kernel", "compute")]
     assert sd.mode == "device"
     assert _ops(sd.moe_layer) == [
