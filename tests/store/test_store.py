@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procfs import copy_threads, rss_bytes
+from procfs import copy_threads
 
 import psr
 from psr import _C
@@ -587,35 +587,54 @@ def test_wrapper_holds_no_reference_cycle() -> None:
         gc.enable()
 
 
+_CYCLES = """
+import gc, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import psr
+from procfs import copy_threads, rss_bytes
+
+layers = [(16, 8, 64 * 1024)]  # float32: 256 KiB per expert
+weights = [torch.full((64 * 1024,), float(e)) for e in range(16)]
+
+
+def cycle() -> None:
+    store = psr.ExpertStore(layers, torch.float32, backend="cpu", copy_delay_us=50)
+    for e in range(16):
+        store.register(0, e, weights[e])
+    store.enqueue_copies(0, list(range(8)), list(range(8, 16)))
+    with store.reading(0, [0, 7], [8, 15]) as slab:
+        assert slab[7][0].item() == 15.0
+    assert store.verify(0, 3)
+
+
+gc.disable()
+cycle()  # warm-up: allocator pools, torch's lazy state
+threads, rss = copy_threads(), rss_bytes()
+after = []
+for _ in range(30):
+    cycle()
+    after.append(copy_threads())
+print(threads, max(after), rss_bytes() - rss)
+"""
+
+
 def test_create_use_drop_cycles_free_threads_and_memory_without_gc() -> None:
-    """30 create/register/copy/drop cycles with the garbage collector off.
+    """30 create/register/copy/drop cycles with the garbage collector off, in a process of
+    their own (a test worker's other stores and threads, as under pytest-xdist, would be
+    counted too).
 
     Each store holds 6 MiB (4 MiB host, 2 MiB slab): a leak would add 180 MiB over the cycles,
     an orphaned worker thread one thread per cycle. Bound: RSS grows by less than 24 MiB (four
-    stores), and the thread count returns to where it started."""
-    layers = [(16, 8, 64 * 1024)]  # float32: 256 KiB per expert
+    stores), and the thread count returns to where it started after every cycle."""
     nbytes = 16 * 64 * 1024 * 4 + 8 * 64 * 1024 * 4
-    weights = [torch.full((64 * 1024,), float(e)) for e in range(16)]
-
-    def cycle() -> None:
-        store = psr.ExpertStore(layers, torch.float32, backend="cpu", copy_delay_us=50)
-        for e in range(16):
-            store.register(0, e, weights[e])
-        store.enqueue_copies(0, list(range(8)), list(range(8, 16)))
-        with store.reading(0, [0, 7], [8, 15]) as slab:
-            assert slab[7][0].item() == 15.0
-        assert store.verify(0, 3)
-
-    gc.disable()
-    try:
-        cycle()  # warm-up: allocator pools, torch's lazy state
-        threads, rss = copy_threads(), rss_bytes()
-        for _ in range(30):
-            cycle()
-            assert copy_threads() == threads
-        growth = rss_bytes() - rss
-    finally:
-        gc.enable()
+    tests = str(Path(__file__).resolve().parents[1])
+    r = subprocess.run(
+        [sys.executable, "-c", _CYCLES, tests], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    threads, most, growth = (int(v) for v in r.stdout.split()[-3:])
+    assert most == threads, f"{most - threads} copy thread(s) outlived their store"
     if os.environ.get("PSR_SANITIZED"):
         return  # ASan quarantines freed memory (256 MiB): RSS says nothing; ASan checks the rest
     assert growth < 4 * nbytes, f"RSS grew by {growth / 2**20:.1f} MiB over 30 cycles"
