@@ -33,13 +33,15 @@
 #   replay   180/130  embedded model's traces replayed on the GPU vs the latency model, in
 #                     bf16 (four policies) and int8, int4, fp8 (exact and psr)
 #   kernels   60/30   each Triton kernel vs its torch reference
-#   gemv_sweep 90/60  the expert FFN's launch configurations per format, kernels alone
-#                     (graph replays): us a layer, bit-equal to the default or not
-#   ggml      45/25   GGUF block formats' expert GEMV (Triton) vs bf16 and int4 rows, GB/s
+#   experts_on 150/60 experts_on gpu / cpu / hybrid on CUDA, one Qwen3-30B-shaped layer
 #   prefill   90/40   TTFT and prefill tok/s at 512 / 4k tokens, the per-expert CPU split off
 #                     and on, embedded model and a synthetic Q4_K_M-like GGUF (issue 36)
 #   decode   120/70   real decoding, OLMoE-1B-7B shape (random weights), four policies
 #   tiers     60/20   held (pinned) vs pageable rows through the staging ring, GB/s
+#   gemv_sweep 90/60  the expert FFN's launch configurations per format, kernels alone
+#                     (graph replays): us a layer, bit-equal to the default or not (last
+#                     since run 3, which made its finding, SPLIT_K, the default)
+#   ggml      45/25   GGUF block formats' expert GEMV (Triton) vs bf16 and int4 rows, GB/s
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -107,7 +109,7 @@ else
   R=()
 fi
 
-STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels gemv_sweep ggml experts_on prefill decode tiers}
+STAGES=${PSR_BENCH_STAGES:-versions build gpu_tests gather modes copy replay kernels experts_on prefill decode tiers gemv_sweep ggml}
 want() { [[ " $STAGES " == *" $1 "* ]]; }
 
 # --device: the whole results folder packed after every stage, so a cut-off run still returns.
@@ -205,26 +207,6 @@ fi
 # 7. Kernels against torch.
 stage kernels 60 "$PY" bench/bench_kernels.py --json "$OUT/kernels.json" ${R[@]+"${R[@]}"}
 
-# 7a. The expert FFN's launch configurations (tiles, warps, SPLIT_K) per format, kernels
-#     alone (CUDA graph replays): which is fastest, and whether it keeps the default's bits.
-if [[ $REHEARSE == 1 ]]; then
-  stage gemv_sweep 90 env TRITON_INTERPRET=1 "$PY" bench/ggml_gemv.py --sweep --device cpu \
-    --shape 64x64 --top-k 2 --mib 1 --sweep-formats bf16,int4 --json "$OUT/gemv_sweep.json" \
-    --out "$OUT/gemv_sweep.md"
-else
-  stage gemv_sweep 90 "$PY" bench/ggml_gemv.py --sweep --json "$OUT/gemv_sweep.json" \
-    --out "$OUT/gemv_sweep.md"
-fi
-
-# 7b. GGUF's block formats: each format's expert GEMV (Triton) beside bf16 and int4 rows at
-#     Qwen3-30B-A3B's expert shape, GB/s (issue 26).
-if [[ $REHEARSE == 1 ]]; then
-  stage ggml 60 env TRITON_INTERPRET=1 "$PY" bench/ggml_gemv.py --shape 256x256 --top-k 2 \
-    --mib 8 --calls 1 --rounds 1 --formats bf16,int4,Q4_K_M,Q8_0 --json "$OUT/ggml.json"
-else
-  stage ggml 45 "$PY" bench/ggml_gemv.py --json "$OUT/ggml.json"
-fi
-
 # 8. Real decoding of the OLMoE-1B-7B-shaped random model, four policies, 50% / 25%
 #    (host-driven, as before issue 20; the modes stage covers three of them in every mode).
 # experts_on gpu / cpu / hybrid on CUDA (issue 27: cpu and hybrid take the host step's
@@ -243,6 +225,27 @@ if [[ $REHEARSE == 1 ]]; then
   stage tiers 60 "$PY" bench/tiers.py --ring cpu --dir "$OUT/tiers-tmp" --out "$OUT/tiers.json"
 else
   stage tiers 60 "$PY" bench/tiers.py --ring cuda --dir "$OUT/tiers-tmp" --out "$OUT/tiers.json"
+fi
+
+# 10. (last since run 3, which settled SPLIT_K by it) The expert FFN's launch configurations
+#     (tiles, warps, SPLIT_K) per format, kernels
+#     alone (CUDA graph replays): which is fastest, and whether it keeps the default's bits.
+if [[ $REHEARSE == 1 ]]; then
+  stage gemv_sweep 90 env TRITON_INTERPRET=1 "$PY" bench/ggml_gemv.py --sweep --device cpu \
+    --shape 64x64 --top-k 2 --mib 1 --sweep-formats bf16,int4 --json "$OUT/gemv_sweep.json" \
+    --out "$OUT/gemv_sweep.md"
+else
+  stage gemv_sweep 90 "$PY" bench/ggml_gemv.py --sweep --json "$OUT/gemv_sweep.json" \
+    --out "$OUT/gemv_sweep.md"
+fi
+
+# 11. GGUF's block formats: each format's expert GEMV (Triton) beside bf16 and int4 rows at
+#     Qwen3-30B-A3B's expert shape, GB/s (issue 26).
+if [[ $REHEARSE == 1 ]]; then
+  stage ggml 60 env TRITON_INTERPRET=1 "$PY" bench/ggml_gemv.py --shape 256x256 --top-k 2 \
+    --mib 8 --calls 1 --rounds 1 --formats bf16,int4,Q4_K_M,Q8_0 --json "$OUT/ggml.json"
+else
+  stage ggml 45 "$PY" bench/ggml_gemv.py --json "$OUT/ggml.json"
 fi
 
 timeout 30 "$PY" bench/gpu_summary.py --out "$OUT" > /dev/null 2>&1
