@@ -298,9 +298,9 @@ def test_close_and_the_context_manager_free_the_store(ckpt) -> None:
     gc.collect()  # stores of models dropped by earlier tests
     base = copy_threads()
     with load(ckpt) as model:
-        assert copy_threads() == base + 1  # the copy worker
+        assert copy_threads(base + 1) == base + 1  # the copy worker
         model.generate(PROMPT, 2)
-    assert model.closed and copy_threads() == base
+    assert model.closed and copy_threads(base) == base
     with pytest.raises(psr.StoreError, match="closed"):
         model.generate(PROMPT, 2)
     model.close()  # idempotent
@@ -318,7 +318,7 @@ def test_dropped_models_free_threads_and_memory_without_the_garbage_collector(ck
             model = load(ckpt)
             model.generate(PROMPT, 2)
             del model
-            assert copy_threads() == base_threads
+            assert copy_threads(base_threads) == base_threads
         grown = rss_bytes() / 2**20 - base_rss
     finally:
         gc.enable()
@@ -334,10 +334,10 @@ def test_offloaded_hf_model_frees_its_store_when_dropped() -> None:
         om = psr.offload(hf, progress=False)
         store = om.runtime.store
         del om  # the wrapper goes; the transformers model still uses the store
-        assert not store.closed and copy_threads() == base + 1
+        assert not store.closed and copy_threads(base + 1) == base + 1
         hf.generate(torch.tensor([PROMPT]), max_new_tokens=2, do_sample=False)
         del hf, store
-        assert copy_threads() == base
+        assert copy_threads(base) == base
     finally:
         gc.enable()
 

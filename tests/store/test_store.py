@@ -546,10 +546,10 @@ def test_context_manager_closes_and_joins_the_copy_thread() -> None:
     gc.collect()  # a store dropped by an earlier test must not end its thread mid-count
     before = copy_threads()
     with make_store(copy_delay_us=2000, seed=0) as store:
-        assert copy_threads() == before + 1  # the CPU backend's copy worker
+        assert copy_threads(before + 1) == before + 1  # the CPU backend's copy worker
         store.enqueue_copies(0, [0, 1, 2, 3], [0, 1, 2, 3])  # still queued at close
         slab, host = store.slab(0), store.host(0)
-    assert store.closed and copy_threads() == before
+    assert store.closed and copy_threads(before) == before
     # close() finished the queued copies before stopping the worker.
     assert torch.equal(slab, host[:4])
 
@@ -582,7 +582,7 @@ def test_wrapper_holds_no_reference_cycle() -> None:
         ref = weakref.ref(store)
         del store
         assert ref() is None, "the wrapper survived its last reference (a cycle)"
-        assert copy_threads() == threads - 1, "the copy thread outlived the store"
+        assert copy_threads(threads - 1) == threads - 1, "the copy thread outlived the store"
     finally:
         gc.enable()
 
@@ -614,7 +614,7 @@ threads, rss = copy_threads(), rss_bytes()
 after = []
 for _ in range(30):
     cycle()
-    after.append(copy_threads())
+    after.append(copy_threads(threads))
 print(threads, max(after), rss_bytes() - rss)
 """
 
