@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "expert_gemv.h"
+#include "prefetch.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__clang__)
@@ -294,17 +295,6 @@ inline __m256 min32(const W16& c0, const W16& c1, const float* v, float s, float
 }
 inline __m256 nib32_min(__m128i c0, __m128i c1, const float* v, float s, float m, __m256 acc) {
   return min32(widen(c0), widen(c1), v, s, m, acc);
-}
-
-// Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
-// rows stream from memory and one thread's hardware prefetch alone leaves the kernels
-// waiting on it. A prefetch is a hint that never faults and returns nothing, so one that
-// lands past a row's end, or its mapping's, is harmless.
-constexpr uintptr_t kAhead = 1024;
-inline void ahead(const uint8_t* p, int lines) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kAhead;
-  for (int i = 0; i < lines; ++i)
-    _mm_prefetch(reinterpret_cast<const char*>(at + 64 * static_cast<uintptr_t>(i)), _MM_HINT_T0);
 }
 
 // Scales stored to a small array stay there (without this barrier the compiler turns the

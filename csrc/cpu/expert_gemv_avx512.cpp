@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "expert_gemv.h"
+#include "prefetch.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__clang__)
@@ -305,16 +306,6 @@ inline __m512 lut_hi(float d, float m) {  // d * q + m for q = 16..31
 // (vpermt2ps: five).
 inline __m512 bcast(const float* p) { return _mm512_set1_ps(*p); }
 
-// Software prefetch kAhead bytes ahead of the block being read (`lines` cache lines): the
-// rows stream from memory and one thread's hardware prefetch alone leaves the kernels
-// waiting on it (measured: up to 2x on Q6_K rows). A prefetch is a hint that never faults
-// and returns nothing, so one that lands past a row's end, or its mapping's, is harmless.
-constexpr uintptr_t kAhead = 1024;
-inline void ahead(const uint8_t* p, int lines) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kAhead;
-  for (int i = 0; i < lines; ++i)
-    _mm_prefetch(reinterpret_cast<const char*>(at + 64 * static_cast<uintptr_t>(i)), _MM_HINT_T0);
-}
 // Scales are stored to a small array and read back by broadcasts from memory (load-port
 // work only); without this barrier the compiler turns those broadcasts into vpermd on the
 // shuffle port, which is the one the codes' table lookups need.
