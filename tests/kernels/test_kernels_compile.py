@@ -136,9 +136,13 @@ SCRIPT = textwrap.dedent(
               "lam": "fp32", "scaling": "fp32", "norm_min": "fp32", "mixer_eps": "fp32",
               "next_gbias_ptr": p("bf16")}
     variants = ((0, False), (2, False), (2, True))  # (n, capped)
+    # sm_80 takes the two smaller shapes: DeepSeek's 256 experts compile the same code with
+    # larger loops (54 s of one core for its three variants there) and are compiled for sm_90.
     for arch, (E, k, H, F, grouped), (pred, capped) in itertools.product(
         (80, 90), shapes, variants
     ):
+        if arch == 80 and E == 256:
+            continue
         group = dict(n_group=8, topk_group=4) if grouped else {}
         spec = RouteSpec(k, 0.3, "sigmoid" if grouped else "softmax", True, **group)
         layout = CacheLayout(E, E // 2, k, 2)
@@ -292,4 +296,4 @@ def test_kernels_compile_for_sm80_and_sm90(tmp_path) -> None:
         [sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=900
     )
     assert r.returncode == 0, r.stderr[-4000:]
-    assert "compiled 209 variants, 185 distinct" in r.stdout
+    assert "compiled 201 variants, 179 distinct" in r.stdout
