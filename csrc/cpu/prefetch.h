@@ -13,8 +13,9 @@
 namespace psr::cpu {
 
 constexpr uintptr_t kAhead = 1024;
+template <uintptr_t Ahead = kAhead>
 inline void ahead(const uint8_t* p, int lines) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + kAhead;
+  const uintptr_t at = reinterpret_cast<uintptr_t>(p) + Ahead;
   for (int i = 0; i < lines; ++i)
     _mm_prefetch(reinterpret_cast<const char*>(at + 64 * static_cast<uintptr_t>(i)), _MM_HINT_T0);
 }

@@ -25,6 +25,11 @@ namespace psr::cpu {
 namespace qdot_avx2 {
 namespace {
 
+// Prefetch distance of these kernels: 2 KiB ahead streamed the expert FFN 1.07x faster
+// than prefetch.h's 1 KiB (IQR 1.04-1.11; 512: 0.90x, 4096: 1.04x; Q4_K_M rows, one
+// thread, alternated in one process).
+constexpr uintptr_t kQAhead = 2048;
+
 inline float h2f(const uint8_t* p) {
   uint16_t h;
   __builtin_memcpy(&h, p, 2);
@@ -64,7 +69,7 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
       const __m256i ones = _mm256_set1_epi16(1);
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* wb = row + 34 * b;
-        ahead(wb, 1);
+        ahead<kQAhead>(wb, 1);
         const __m256i w = ld(wb + 2), aw = _mm256_abs_epi8(w);
         const float dw = h2f(wb);
         for (int t = 0; t < NV; ++t) {
@@ -79,7 +84,7 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
     case ggml_type::Q5_K:  // Q5_K: plus bit j of qh[l] as the codes' 16s (sub-block j)
       for (int64_t k = 0; k < K; k += 256, row += type == ggml_type::Q5_K ? 176 : 144) {
         const bool five = type == ggml_type::Q5_K;
-        ahead(row, 3);
+        ahead<kQAhead>(row, 3);
         const float d = h2f(row), dmin = h2f(row + 2);
         // The twelve bytes of 6-bit scales and mins to bytes sc[0..7], m[0..7] (g_k_scale_min's
         // rule, four lanes a word, as the AVX-512 path): the scalar rule per sub-block and the
@@ -130,7 +135,7 @@ void qrows_nv(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq,
     case ggml_type::Q6_K: {
       const __m256i m3 = _mm256_set1_epi8(0x03);
       for (int64_t k = 0; k < K; k += 256, row += 210) {
-        ahead(row, 4);
+        ahead<kQAhead>(row, 4);
         const float d = h2f(row + 208);
         const __m256i sc16 =  // the 16 int8 scales, widened
             _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 192)));
