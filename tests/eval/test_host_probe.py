@@ -151,12 +151,18 @@ def test_stubbed_native_calls_do_nothing_but_still_check() -> None:
     store = ExpertStore([psr.LayerSpec(4, 2, 8)], torch.float32, backend="cpu")
     for e in range(4):
         store.register(0, e, [torch.full((8,), float(e + 1))])
+    # A real copy first: a fresh slab is uninitialised memory, whose bytes may read as NaN
+    # (never equal to itself).
+    store.enqueue_copies(0, [0], [1], reason=CopyReason.MISS)
+    store.acquire(0, [0], [1])
+    store.release(0, [0])
     before = store.slab(0)[0].clone()
+    assert torch.equal(before, torch.full((8,), 2.0))
     store.stub_native_calls(True)
     store.enqueue_copies(0, [0], [2], reason=CopyReason.MISS)
     store.acquire(0, [0])
     store.release(0, [0])
-    assert torch.equal(store.slab(0)[0], before) and store.slot_experts(0)[0] != 2
+    assert torch.equal(store.slab(0)[0], before) and store.slot_experts(0)[0] == 1
     with pytest.raises(TypeError, match="reason must be a CopyReason"):
         store.enqueue_copies(0, [0], [2], reason="miss")  # type: ignore[arg-type]
     assert torch.equal(store.row(0, 3), torch.full((8,), 4.0))  # not stubbed
