@@ -264,8 +264,9 @@ PYBIND11_MODULE(_C, m) {
       "cpu_linear",
       [](uintptr_t x, int64_t tokens, int64_t in, uintptr_t w, int64_t out, int64_t w_stride,
          int fmt, int type, uintptr_t bias, uintptr_t y, int threads, const std::string& isa,
-         const std::string& dot) {
+         const std::string& dot, int tile) {
         psr::cpu::LinearCall c;
+        c.tile = tile;
         c.x = reinterpret_cast<const float*>(x);
         c.tokens = tokens;
         c.in = in;
@@ -283,9 +284,19 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("tokens"), py::arg("in_features"), py::arg("weight"),
       py::arg("out_features"), py::arg("row_stride"), py::arg("fmt"), py::arg("ggml_type"),
       py::arg("bias"), py::arg("y"), py::arg("threads"), py::arg("isa"), py::arg("dot") = "f32",
-      release_gil(),
+      py::arg("tile") = 1, release_gil(),
       "Batch-invariant dense linear y = x W^T (+ bias) from float or GGML rows (addresses of "
       "live, checked tensors)");
+  m.def(
+      "cpu_tile_q4k",
+      [](uintptr_t src, int64_t stride, int64_t rows, int64_t k, uintptr_t dst) {
+        psr::cpu::tile_q4k(reinterpret_cast<const uint8_t*>(src), stride, rows, k,
+                           reinterpret_cast<uint8_t*>(dst));
+      },
+      py::arg("src"), py::arg("row_stride"), py::arg("rows"), py::arg("k"), py::arg("dst"),
+      release_gil(),
+      "Q4_K rows (rows a multiple of 8) into the CPU kernels' tiles of 8 (addresses of live, "
+      "checked tensors)");
   m.def(
       "cpu_attention",
       [](uintptr_t q, int64_t tokens, int64_t q_heads, int64_t dk, uintptr_t k, int k_fmt,

@@ -162,6 +162,30 @@ QRowDotsFn scalar_qdots() {
   };
 }
 
+QTileDotsFn scalar_q4k_tiles() {
+  return [](const uint8_t* g, int64_t K, const uint8_t* const* xq, int nv, float* out) {
+    for (int t = 0; t < nv; ++t) qref::q4k_tile(g, K, xq[t], out + 8 * t);
+  };
+}
+
+void tile_q4k(const uint8_t* src, int64_t stride, int64_t rows, int64_t K, uint8_t* dst) {
+  if (rows < 0 || rows % kTileRows || K < 256 || K % 256)
+    throw std::invalid_argument("tile_q4k: rows must be a multiple of 8 and K of 256, got " +
+                                std::to_string(rows) + " x " + std::to_string(K));
+  if (stride < K / 256 * 144) throw std::invalid_argument("tile_q4k: row stride is shorter than a row");
+  for (int64_t g = 0; g < rows / kTileRows; ++g)
+    for (int64_t b = 0; b < K / 256; ++b, dst += kQ4KTileBytes)
+      for (int r = 0; r < kTileRows; ++r) {
+        const uint8_t* s = src + (kTileRows * g + r) * stride + 144 * b;
+        std::memcpy(dst + 2 * r, s, 2);        // d
+        std::memcpy(dst + 16 + 2 * r, s + 2, 2);  // dmin
+        for (int w = 0; w < 3; ++w) std::memcpy(dst + 32 + 32 * w + 4 * r, s + 4 + 4 * w, 4);
+        for (int p = 0; p < 4; ++p)
+          for (int c = 0; c < 8; ++c)
+            std::memcpy(dst + 128 + 256 * p + 32 * c + 4 * r, s + 16 + 32 * p + 4 * c, 4);
+      }
+}
+
 int64_t act_row_bytes(int act, int64_t K) {
   if (act == ggml_type::Q8_K) return K % 256 ? -1 : K / 256 * kQ8KBytes;
   if (act == ggml_type::Q8_0) return K % 32 ? -1 : K / 32 * kQ8_0Bytes;
@@ -1025,6 +1049,39 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
 // (read from memory once) is reused from cache for every chunk.
 constexpr int64_t kLinearChunk = 8;
 
+// linear() over tile_q4k's tiles: the inputs quantized to Q8_K once, each tile's 8 rows
+// against kTileInputs inputs a call. Every path runs the same per-lane fp32 steps
+// (scalar_q4k_tiles is the AVX2 kernel's reference, bit for bit).
+static void linear_tiles(const LinearCall& c, const Dots& ds, int threads, Isa isa) {
+  const int64_t T = c.tokens, K = c.in, N = c.out;
+  const QTileDotsFn kern =
+      isa != Isa::scalar && avx2_q4k_tiles() ? avx2_q4k_tiles() : scalar_q4k_tiles();
+  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
+  std::vector<float> xq;
+  quantize_rows(ds, ggml_type::Q8_K, c.x, K, K, T, xq, threads);
+  const int64_t xs = qfloats(ggml_type::Q8_K, K), tb = K / 256 * kQ4KTileBytes;
+  const int64_t groups = N / kTileRows, per = std::max<int64_t>(1, kBlock / kTileRows);
+  Pool::get().run(threads, (groups + per - 1) / per, [&](int64_t b, int64_t e) {
+    for (int64_t item = b; item < e; ++item)
+      for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk)
+        for (int64_t g = item * per; g < std::min(groups, (item + 1) * per); ++g) {
+          const int64_t t1 = std::min(T, t0 + kLinearChunk);
+          for (int64_t u0 = t0; u0 < t1; u0 += kTileInputs) {
+            const int nv = static_cast<int>(std::min<int64_t>(kTileInputs, t1 - u0));
+            const uint8_t* xp[kTileInputs];
+            float o[kTileRows * kTileInputs];
+            for (int i = 0; i < nv; ++i) xp[i] = qin(xq.data() + (u0 + i) * xs);
+            kern(c.w + g * tb, K, xp, nv, o);
+            for (int i = 0; i < nv; ++i)
+              for (int r = 0; r < kTileRows; ++r) {
+                const int64_t n = kTileRows * g + r;
+                c.y[(u0 + i) * N + n] = c.bias ? o[kTileRows * i + r] + c.bias[n] : o[kTileRows * i + r];
+              }
+          }
+        }
+  });
+}
+
 void linear(const LinearCall& c, int threads, Isa isa) {
   check_threads(threads);
   const int64_t T = c.tokens, K = c.in, N = c.out;
@@ -1043,7 +1100,16 @@ void linear(const LinearCall& c, int threads, Isa isa) {
   }
   if (c.w_stride < rb) bad("linear: weight row stride is shorter than a row");
   const Dots ds = dots_for(isa, c.fmt, c.dot);
+  if (c.tile != 1) {
+    if (c.tile != kTileRows || c.fmt != Fmt::ggml || c.type != ggml_type::Q4_K)
+      bad("linear: tiled rows must be Q4_K tiles of 8 rows, got tile " + std::to_string(c.tile));
+    if (N % kTileRows || c.w_stride != rb)
+      bad("linear: tiled Q4_K rows need N a multiple of 8 and contiguous rows");
+    if (!ds.qdots) bad("linear: tiled Q4_K rows take the integer dot (q8), not " +
+                       std::string(dot_name(c.dot)));
+  }
   if (T == 0) return;
+  if (c.tile != 1) return linear_tiles(c, ds, threads, isa);
   Matrix m{0, 0, c.w_stride, K, K, c.type};
   if (c.fmt == Fmt::ggml) m.act = act_of(ds, c.type);
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());

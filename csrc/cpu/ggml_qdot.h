@@ -177,6 +177,39 @@ inline float qdot(int type, const uint8_t* w, int64_t K, const uint8_t* xq) {
   }
 }
 
+// One Q4_K tile (expert_gemv.h's tile_q4k layout) against a Q8_K row xq: out[r] for its
+// 8 rows, each a vector path's lane: exact integer sums per super-block, then
+// F = fma(I, d dx, F), G = fma(M, dmin dx, G) in block order, out = F - G.
+inline void q4k_tile(const uint8_t* g, int64_t K, const uint8_t* xq, float out[8]) {
+  float F[8] = {}, G[8] = {};
+  for (int64_t b = 0; b < K / 256; ++b, g += 8 * 144, xq += kQ8KBytes) {
+    float dx;
+    std::memcpy(&dx, xq, 4);
+    const int8_t* q8 = reinterpret_cast<const int8_t*>(xq + 4);
+    int16_t bs[16];
+    std::memcpy(bs, xq + 260, 32);
+    for (int r = 0; r < 8; ++r) {
+      uint8_t sc12[12];
+      for (int w = 0; w < 3; ++w) std::memcpy(sc12 + 4 * w, g + 32 + 32 * w + 4 * r, 4);
+      int isum = 0, msum = 0;
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        g_k_scale_min(j, sc12, &sc, &m);
+        int s = 0;
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t byte = g[128 + 256 * (j / 2) + 32 * (l / 4) + 4 * r + l % 4];
+          s += (j % 2 ? byte >> 4 : byte & 0xF) * q8[32 * j + l];
+        }
+        isum += sc * s;
+        msum += m * static_cast<int16_t>(bs[2 * j] + bs[2 * j + 1]);
+      }
+      F[r] = std::fma(static_cast<float>(isum), h2f(g + 2 * r) * dx, F[r]);
+      G[r] = std::fma(static_cast<float>(msum), h2f(g + 16 + 2 * r) * dx, G[r]);
+    }
+  }
+  for (int r = 0; r < 8; ++r) out[r] = F[r] - G[r];
+}
+
 }  // namespace qref
 }  // namespace
 }  // namespace psr::cpu

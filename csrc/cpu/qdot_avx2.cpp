@@ -179,6 +179,89 @@ void qrows(int type, const uint8_t* row, int64_t K, const uint8_t* const* xq, in
   g_for_count<kQInputs>(nv, [&](auto k) { qrows_nv<decltype(k)::value>(type, row, K, xq, out); });
 }
 
+// One Q4_K tile (expert_gemv.h's tile_q4k layout) against NV Q8_K rows: row r in int32 /
+// fp32 lane r. A sub-block's 8 chunk products add in int16 (|sum| <= 8 x 2 x 15 x 127 =
+// 30480), then its scale by vpmaddwd; the fp32 steps are scalar_q4k_tiles' per lane.
+template <int NV>
+void tile_nv(const uint8_t* g, int64_t K, const uint8_t* const* xq, float* out) {
+  __m256 F[NV], G[NV];
+  for (int t = 0; t < NV; ++t) F[t] = G[t] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i k6 = _mm256_set1_epi8(0x3F), k4 = m4, k2 = _mm256_set1_epi8(0x03);
+  for (int64_t b = 0; b < K / 256; ++b, g += kQ4KTileBytes) {
+    ahead<kQAhead>(g, 18);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
+    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 16)));
+    // The 6-bit scales and mins of 8 rows at once (g_k_scale_min's rule on words).
+    const __m256i u0 = ld(g + 32), u1 = ld(g + 64), u2 = ld(g + 96);
+    const __m256i sc03 = _mm256_and_si256(u0, k6), m03 = _mm256_and_si256(u1, k6);
+    const __m256i sc47 = _mm256_or_si256(
+        _mm256_and_si256(u2, k4),
+        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k2), 4));
+    const __m256i m47 = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi32(u2, 4), k4),
+        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k2), 4));
+    __m256i I[NV], M[NV];
+    int bsum[NV][4];  // per input: int16 pairs (bsum of sub-blocks 2 p, 2 p + 1) per p
+    for (int t = 0; t < NV; ++t) {
+      I[t] = M[t] = _mm256_setzero_si256();
+      int16_t bs[16];
+      __builtin_memcpy(bs, xq[t] + b * kQ8KBytes + 260, 32);
+      for (int p = 0; p < 4; ++p) {
+        const int16_t lo = static_cast<int16_t>(bs[4 * p] + bs[4 * p + 1]);
+        const int16_t hi = static_cast<int16_t>(bs[4 * p + 2] + bs[4 * p + 3]);
+        bsum[t][p] = static_cast<int>(static_cast<uint16_t>(lo) |
+                                      (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16));
+      }
+    }
+    for (int p = 0; p < 4; ++p) {
+      __m256i Slo[NV], Shi[NV];
+      for (int t = 0; t < NV; ++t) Slo[t] = Shi[t] = _mm256_setzero_si256();
+      const uint8_t* q = g + 128 + 256 * p;
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = ld(q + 32 * c);
+        const __m256i lo = _mm256_and_si256(w, m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+        for (int t = 0; t < NV; ++t) {
+          const uint8_t* x = xq[t] + b * kQ8KBytes + 4 + 64 * p + 4 * c;
+          int a, e;
+          __builtin_memcpy(&a, x, 4);
+          __builtin_memcpy(&e, x + 32, 4);
+          Slo[t] = _mm256_add_epi16(Slo[t], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)));
+          Shi[t] = _mm256_add_epi16(Shi[t], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(e)));
+        }
+      }
+      // int16 pairs (sc, sc) per row lane for sub-blocks 2 p, 2 p + 1; (m_2p, m_2p+1)
+      const int j = (2 * p) % 4;
+      const __m256i src = p < 2 ? sc03 : sc47, msrc = p < 2 ? m03 : m47;
+      const __m256i c0 = _mm256_setr_epi8(j, -1, j, -1, 4 + j, -1, 4 + j, -1, 8 + j, -1, 8 + j, -1,
+                                          12 + j, -1, 12 + j, -1, j, -1, j, -1, 4 + j, -1, 4 + j,
+                                          -1, 8 + j, -1, 8 + j, -1, 12 + j, -1, 12 + j, -1);
+      const __m256i c1 = _mm256_add_epi8(c0, _mm256_set1_epi16(1));  // byte j + 1, -1 kept
+      const __m256i cm = _mm256_setr_epi8(j, -1, j + 1, -1, 4 + j, -1, 5 + j, -1, 8 + j, -1, 9 + j,
+                                          -1, 12 + j, -1, 13 + j, -1, j, -1, j + 1, -1, 4 + j, -1,
+                                          5 + j, -1, 8 + j, -1, 9 + j, -1, 12 + j, -1, 13 + j, -1);
+      const __m256i s0 = _mm256_shuffle_epi8(src, c0), s1 = _mm256_shuffle_epi8(src, c1);
+      const __m256i mm = _mm256_shuffle_epi8(msrc, cm);
+      for (int t = 0; t < NV; ++t) {
+        I[t] = _mm256_add_epi32(I[t], _mm256_madd_epi16(Slo[t], s0));
+        I[t] = _mm256_add_epi32(I[t], _mm256_madd_epi16(Shi[t], s1));
+        M[t] = _mm256_add_epi32(M[t], _mm256_madd_epi16(mm, _mm256_set1_epi32(bsum[t][p])));
+      }
+    }
+    for (int t = 0; t < NV; ++t) {
+      const __m256 dx = _mm256_set1_ps(ldf(xq[t] + b * kQ8KBytes));
+      F[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[t]), _mm256_mul_ps(d, dx), F[t]);
+      G[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(M[t]), _mm256_mul_ps(dm, dx), G[t]);
+    }
+  }
+  for (int t = 0; t < NV; ++t) _mm256_storeu_ps(out + 8 * t, _mm256_sub_ps(F[t], G[t]));
+}
+
+void tiles(const uint8_t* g, int64_t K, const uint8_t* const* xq, int nv, float* out) {
+  g_for_count<kTileInputs>(nv, [&](auto k) { tile_nv<decltype(k)::value>(g, K, xq, out); });
+}
+
 // int32 lanes v (values in [-128, 127]) to eight bytes at out.
 inline void store8(__m256i v, uint8_t* out) {
   const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -244,6 +327,7 @@ void quant(int act, const float* x, int64_t K, uint8_t* out) {
 }  // namespace
 const QRowDotsFn kDots = qrows;
 const QuantFn kQuant = quant;
+const QTileDotsFn kTiles = tiles;
 }  // namespace qdot_avx2
 }  // namespace psr::cpu
 
@@ -256,6 +340,7 @@ const QuantFn kQuant = quant;
 namespace psr::cpu {
 QuantFn avx2_quant() { return qdot_avx2::kQuant; }
 QRowDotsFn avx2_qdots() { return qdot_avx2::kDots; }
+QTileDotsFn avx2_q4k_tiles() { return qdot_avx2::kTiles; }
 }  // namespace psr::cpu
 
 #else  // no x86-64 target support in this compiler
@@ -263,6 +348,7 @@ QRowDotsFn avx2_qdots() { return qdot_avx2::kDots; }
 namespace psr::cpu {
 QuantFn avx2_quant() { return nullptr; }
 QRowDotsFn avx2_qdots() { return nullptr; }
+QTileDotsFn avx2_q4k_tiles() { return nullptr; }
 }  // namespace psr::cpu
 
 #endif

@@ -63,7 +63,9 @@ def cpu_linear(
     threads: int,
     isa: str,
     dot: str = "f32",
+    tile: int = 1,
 ) -> None: ...
+def cpu_tile_q4k(src: int, row_stride: int, rows: int, k: int, dst: int) -> None: ...
 def cpu_triad(n: int, threads: int, reps: int) -> float: ...
 def cpu_cache_use(
     row: int,

@@ -154,9 +154,10 @@ def test_triton_path_on_kept_blocks(tmp_path: Path) -> None:
         torch.testing.assert_close(m(PROMPT), want, rtol=3e-4, atol=3e-4)
 
 
-def test_mla_kv_b_on_both_paths(tmp_path: Path) -> None:
+def test_mla_kv_b_on_both_paths(tmp_path: Path, f32_dots: None) -> None:
     """DeepSeek's kv_b_proj from the split blocks: Triton (interpreted) = torch = the float
-    path's recomposed matrix."""
+    path's recomposed matrix (the fp32 dot: a load earlier in the process may have left
+    another default)."""
     path, _ = _gguf(tmp_path, tied=False, family="deepseek_v3")
     ck = GGUFCheckpoint(path)
     name = "model.layers.1.self_attn.kv_b_proj.weight"

@@ -6,6 +6,7 @@ One of the two modules of `psr.store`, the package that touches the extension.
 from __future__ import annotations
 
 import functools
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -279,6 +280,48 @@ def _linear_weight(
     return weight, "ggml", ggml_type
 
 
+# Q4_K weights on the integer dot run as tiles of 8 rows (csrc/cpu/expert_gemv.h's
+# tile_q4k: one row a vector lane, ~1.6x the row-at-a-time kernel streaming on AVX2). The
+# tiled copy of a weight is made at its first such call and kept while the weight lives
+# (and is not written), so every CPU call of that weight (a layer's plan, cpu_linear, a
+# compiled forward's op) computes the same bits. PSR_CPU_TILES: "auto" (the default: where
+# the best ISA path is AVX2; AVX-512's own kernels are not measured against it), "1", "0".
+CPU_TILES_ENV = "PSR_CPU_TILES"
+_Q4_K, _TILE_ROWS = 12, 8
+
+
+@functools.cache
+def cpu_tiles_on() -> bool:
+    """Whether Q4_K weights run as tiles of 8 rows on the integer dot (PSR_CPU_TILES, read
+    once: auto | 1 | 0)."""
+    raw = os.environ.get(CPU_TILES_ENV, "").strip().lower() or "auto"
+    if raw not in ("auto", "1", "0"):
+        raise ValueError(f"{CPU_TILES_ENV}={raw!r}: expected auto, 1 or 0")
+    return raw == "1" or (raw == "auto" and cpu_isas()[-1] == "avx2")
+
+
+def tile_q4k(weight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Q4_K rows `[N, row_bytes]` (N a multiple of 8) as the CPU kernels' tiles of 8 rows
+    (a new uint8 tensor of the same shape: the same bytes, permuted within each tile)."""
+    src = weight if weight.stride(1) == 1 else weight.contiguous()
+    out = torch.empty(weight.shape, dtype=torch.uint8)
+    _C.cpu_tile_q4k(src.data_ptr(), src.stride(0), weight.shape[0], in_features, out.data_ptr())
+    return out
+
+
+def _tiles_of(weight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """The tiled copy of `weight`, made again if the weight was written in place."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor: no version counter (and never written)
+        version = -1
+    held: tuple[int, torch.Tensor] | None = getattr(weight, "_psr_tiles", None)
+    if held is None or held[0] != version:  # kept on the weight: it lives as long
+        held = (version, tile_q4k(weight, in_features))
+        weight._psr_tiles = held  # type: ignore[attr-defined]
+    return held[1]
+
+
 class LinearPlan:
     """`cpu_linear` of one weight with the weight's and the bias's checks done once: a dense
     layer calls its kernel per token, where those checks cost more than a small call. The
@@ -345,9 +388,13 @@ class LinearPlan:
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         T = xf.numel() // K
         y = torch.empty((*x.shape[:-1], self.N), dtype=torch.float32)
+        w, stride, tile = self.w, self.stride, 1
+        if self.gtype == _Q4_K and dot != "f32" and self.N % _TILE_ROWS == 0 and cpu_tiles_on():
+            w, tile = _tiles_of(self.source, K), _TILE_ROWS
+            stride = w.stride(0)
         _C.cpu_linear(
-            xf.data_ptr(), T, K, self.w.data_ptr(), self.N, self.stride, self.fmt, self.gtype,
-            self.b, y.data_ptr(), n_threads, isa, dot,
+            xf.data_ptr(), T, K, w.data_ptr(), self.N, stride, self.fmt, self.gtype,
+            self.b, y.data_ptr(), n_threads, isa, dot, tile,
         )  # fmt: skip
         out = out_dtype or x.dtype
         return y if out == torch.float32 else y.to(out)
