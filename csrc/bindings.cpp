@@ -264,9 +264,8 @@ PYBIND11_MODULE(_C, m) {
       "cpu_linear",
       [](uintptr_t x, int64_t tokens, int64_t in, uintptr_t w, int64_t out, int64_t w_stride,
          int fmt, int type, uintptr_t bias, uintptr_t y, int threads, const std::string& isa,
-         const std::string& dot, int tile) {
+         const std::string& dot) {
         psr::cpu::LinearCall c;
-        c.tile = tile;
         c.x = reinterpret_cast<const float*>(x);
         c.tokens = tokens;
         c.in = in;
@@ -284,7 +283,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("x"), py::arg("tokens"), py::arg("in_features"), py::arg("weight"),
       py::arg("out_features"), py::arg("row_stride"), py::arg("fmt"), py::arg("ggml_type"),
       py::arg("bias"), py::arg("y"), py::arg("threads"), py::arg("isa"), py::arg("dot") = "f32",
-      py::arg("tile") = 1, release_gil(),
+      release_gil(),
       "Batch-invariant dense linear y = x W^T (+ bias) from float or GGML rows (addresses of "
       "live, checked tensors)");
   m.def(

@@ -485,6 +485,34 @@ _BLOCK_REFS = {
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
+def _tile_perm(k: int) -> torch.Tensor:
+    """Byte order of a Q4_K tile (csrc/cpu/expert_gemv.h's tile_q4k): tile byte i is byte
+    perm[i] of its 8 rows' K / 256 * 144 bytes laid back to back."""
+    nb = k // 256
+    src = torch.arange(8 * nb * 144).reshape(8, nb, 144).transpose(0, 1)  # [b, r, 144]
+    d, dmin = src[..., 0:2], src[..., 2:4]  # [b, 8, 2]
+    words = src[..., 4:16].reshape(nb, 8, 3, 4).transpose(1, 2)  # [b, 3 words, 8 rows, 4]
+    qs = src[..., 16:144].reshape(nb, 8, 4, 8, 4).permute(0, 2, 3, 1, 4)  # [b, p, c, r, 4]
+    parts = (d, dmin, words, qs)
+    return torch.cat([p.reshape(nb, -1) for p in parts], 1).reshape(-1)
+
+
+def tile_q4_k(rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Q4_K rows `[N, k / 256 * 144]` (N a multiple of 8) as Q4_K_X8 tiles: the torch
+    reference of the CPU kernels' tile_q4k."""
+    n = rows.shape[0]
+    flat = rows.reshape(n // 8, -1)  # a tile's 8 rows back to back
+    return flat[:, _tile_perm(k)].reshape(rows.shape)
+
+
+def untile_q4_k(tiles: torch.Tensor, k: int) -> torch.Tensor:
+    """The inverse of tile_q4_k: Q4_K_X8 tiles `[N, bytes]` back to Q4_K rows."""
+    n = tiles.shape[0]
+    out = torch.empty_like(tiles.reshape(n // 8, -1))
+    out[:, _tile_perm(k)] = tiles.reshape(n // 8, -1)
+    return out.reshape(tiles.shape)
+
+
 def dequantize_ggml(data: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """fp32 values of `shape` (rows along the last dim) from GGML bytes `data` (uint8,
     `[..., bytes]` flattened to the tensor's bytes): the plain-torch reference."""
@@ -500,6 +528,13 @@ def dequantize_ggml(data: torch.Tensor, type_name: str, shape: tuple[int, ...]) 
             f"got {data.numel()}"
         )
     flat = data.reshape(-1)
+    if bt.tile_rows > 1:  # the tiles' rows (a matrix: the last two dims)
+        n = int(shape[-2]) if len(shape) > 1 else 1
+        if n % bt.tile_rows:
+            raise ValueError(f"dequantize_ggml: {type_name} holds rows in tiles of "
+                             f"{bt.tile_rows}; {list(shape)} does not")  # fmt: skip
+        flat = untile_q4_k(flat.reshape(-1, rb), k).reshape(-1)
+        return _BLOCK_REFS["Q4_K"](flat.reshape(-1, bt.block_bytes)).reshape(shape)
     if type_name in _FLOAT_TYPES:
         return flat.contiguous().view(_FLOAT_TYPES[type_name]).float().reshape(shape)
     bs = bt.block_bytes
@@ -976,7 +1011,7 @@ def ggml_launch_config(lay: GGMLLayout) -> tuple[Mapping[str, int], Mapping[str,
     H, F = lay.hidden_size, lay.ffn_size
     # 16 output rows a program, as the other quantized kernels (the decoded tiles stay in
     # registers); reduction tiles of 128 columns.
-    t_gate, t_up, t_down = lay.type_ids
+    t_gate, t_up, t_down = lay.triton_type_ids
     gate_up = dict(
         T_GATE=t_gate,
         T_UP=t_up,

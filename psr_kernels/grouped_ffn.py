@@ -270,7 +270,7 @@ def grouped_launch_config(lay: RowLayout) -> tuple[Mapping[str, Any], Mapping[st
     H, F = lay.hidden_size, lay.ffn_size
     kind = _KIND[lay.fmt.kind]
     if lay.fmt.is_blocks:
-        codes = lay.type_ids  # type: ignore[union-attr]
+        codes = lay.triton_type_ids  # type: ignore[union-attr]
     elif lay.fmt.is_quant:
         codes = (lay.fmt.code,) * 3
     else:

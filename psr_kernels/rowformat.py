@@ -53,6 +53,9 @@ class BlockType:
     # The activations' block type on the CPU kernels' integer-dot path (llama.cpp's
     # vec_dot_type): Q8_K (GGML id 15) / Q8_0 (8), or F32 (0) where psr has no integer dot.
     vec_dot: int = 0
+    # Rows a tile holds (1: rows as GGUF holds them). A tiled type's matrix has a multiple
+    # of tile_rows rows, each tile the bytes of its rows permuted (the same bytes a row).
+    tile_rows: int = 1
 
     @property
     def is_float(self) -> bool:
@@ -96,9 +99,17 @@ _BLOCK_TYPES = (
     # Qwen3-FP8: e4m3 codes, one fp32 scale per 128 x 128 tile) as a block of 128 codes
     # along the row behind their tile's scale, so each row holds its own scales.
     BlockType("FP8_B128", 200, 128, 132),
+    # psr's own: Q4_K rows in tiles of 8 for the CPU kernels (csrc/cpu/expert_gemv.h's
+    # tile_q4k: one row a vector lane). Only the CPU kernels and the reference read it.
+    BlockType("Q4_K_X8", 201, 256, 144, vec_dot=15, tile_rows=8),
 )
 BLOCK_TYPE_TRAITS: Mapping[str, BlockType] = MappingProxyType({b.name: b for b in _BLOCK_TYPES})
-BLOCK_TYPES: tuple[str, ...] = tuple(BLOCK_TYPE_TRAITS)  # every block type the kernels compute
+BLOCK_TYPES: tuple[str, ...] = tuple(
+    b.name for b in _BLOCK_TYPES if b.tile_rows == 1
+)  # every block type the kernels (Triton and CPU) compute row by row
+# A type's tiled twin (the CPU kernels' layout of the same blocks).
+TILED_TYPES: Mapping[str, str] = MappingProxyType({"Q4_K": "Q4_K_X8"})
+UNTILED_TYPES: Mapping[str, str] = MappingProxyType({v: k for k, v in TILED_TYPES.items()})
 GGML_TYPES: tuple[str, ...] = tuple(
     b.name for b in _BLOCK_TYPES if b.type_id < PSR_OWN_TYPES
 )  # GGUF's
@@ -221,6 +232,31 @@ class RowFormat:
         for t in (gate, up, down):
             block_type("ggml_format", t)
         return _blocks_format(f"{GGML_PREFIX}{gate},{up},{down}")
+
+    @property
+    def has_tiles(self) -> bool:
+        """Whether a part is in tiles of rows (the CPU kernels' layout only)."""
+        return self.types is not None and any(t.tile_rows > 1 for t in self.types)
+
+    def tiled(self, hidden_size: int, ffn_size: int) -> RowFormat:
+        """These rows with each part that has a tiled twin (TILED_TYPES) in it, where the
+        part's rows (gate / up: F, down: H) fill whole tiles; other formats unchanged."""
+        if self.types is None:
+            return self
+        rows = (ffn_size, ffn_size, hidden_size)
+        names = []
+        for t, n in zip(self.types, rows, strict=True):
+            twin = TILED_TYPES.get(t.name)
+            ok = twin is not None and n % BLOCK_TYPE_TRAITS[twin].tile_rows == 0
+            names.append(twin if ok else t.name)
+        return RowFormat.blocks(*names)
+
+    def untiled(self) -> RowFormat:
+        """These rows as GGUF holds them (each tiled part's own type)."""
+        if not self.has_tiles:
+            return self
+        assert self.types is not None
+        return RowFormat.blocks(*(UNTILED_TYPES.get(t.name, t.name) for t in self.types))
 
     def layout(self, hidden_size: int, ffn_size: int, group_size: int = 128) -> RowLayout:
         """Where each part of an expert of hidden size H and ffn size F sits in a row
@@ -484,6 +520,16 @@ class GGMLLayout:
         """Each part's block type id: the kernels' T_GATE, T_UP, T_DOWN."""
         g, u, d = (BLOCK_TYPE_TRAITS[t].type_id for t in self.types)
         return g, u, d
+
+    @property
+    def triton_type_ids(self) -> tuple[int, int, int]:
+        """type_ids for the Triton kernels (ValueError for parts in CPU tiles)."""
+        if self.fmt.has_tiles:
+            raise ValueError(
+                f"expert rows {self.fmt} are in the CPU kernels' tiles; the Triton kernels "
+                f"take {self.fmt.untiled()}"
+            )
+        return self.type_ids
 
     @classmethod
     def of(cls, fmt: RowFormat | str, hidden_size: int, ffn_size: int) -> GGMLLayout:

@@ -186,6 +186,20 @@ void tile_q4k(const uint8_t* src, int64_t stride, int64_t rows, int64_t K, uint8
       }
 }
 
+void untile_q4k(const uint8_t* t, int64_t K, uint8_t* rows8) {
+  const int64_t rb = K / 256 * 144;
+  for (int64_t b = 0; b < K / 256; ++b, t += kQ4KTileBytes)
+    for (int r = 0; r < kTileRows; ++r) {
+      uint8_t* d = rows8 + r * rb + 144 * b;
+      std::memcpy(d, t + 2 * r, 2);
+      std::memcpy(d + 2, t + 16 + 2 * r, 2);
+      for (int w = 0; w < 3; ++w) std::memcpy(d + 4 + 4 * w, t + 32 + 32 * w + 4 * r, 4);
+      for (int p = 0; p < 4; ++p)
+        for (int c = 0; c < 8; ++c)
+          std::memcpy(d + 16 + 32 * p + 4 * c, t + 128 + 256 * p + 32 * c + 4 * r, 4);
+    }
+}
+
 int64_t act_row_bytes(int act, int64_t K) {
   if (act == ggml_type::Q8_K) return K % 256 ? -1 : K / 256 * kQ8KBytes;
   if (act == ggml_type::Q8_0) return K % 32 ? -1 : K / 32 * kQ8_0Bytes;
@@ -499,6 +513,11 @@ void check_ggml_layout(const Layout& L) {
       bad(std::string("part ") + names[p] + " rows hold " + std::to_string(have[p]) +
           " bytes, its type needs " + std::to_string(want[p]));
   }
+  const int64_t rows[3] = {F, F, H};
+  for (int p = 0; p < 3; ++p)
+    if (is_tiled_type(types[p]) && rows[p] % kTileRows)
+      bad(std::string("part ") + names[p] + " is in tiles of 8 rows but has " +
+          std::to_string(rows[p]) + " rows");
   check_part("gate", L.gate, F, L.rb_h, L.row_bytes);
   check_part("up", L.up, F, L.rb_up, L.row_bytes);
   check_part("down", L.down, H, L.rb_f, L.row_bytes);
@@ -593,6 +612,7 @@ struct Dots {
   BlockGemmFn gemm;            // ggml, tiled over inputs (nullptr: the row dots)
   QuantFn quant = nullptr;     // the q8 path (Dot::q8 / q8_madd): activation rows
   QRowDotsFn qdots = nullptr;  // and the integer row dots
+  QTileDotsFn tiles = nullptr;  // and the tiles' (Q4_K_X8)
   Dot mode = Dot::f32;         // the q8 path's choice of types (Dot::best: q8_by_default's)
   Isa isa = Isa::scalar;
 };
@@ -722,6 +742,45 @@ void quad(int64_t r0, int64_t n, int64_t rows[4]) {
   for (int r = 0; r < 4; ++r) rows[r] = std::min(r0 + r, n - 1);
 }
 
+// Eight rows r0..r0 + 7 of matrix m (of nrows) in expert row `base` against n inputs:
+// out[8 u + r]. A tiled part (r0 a multiple of 8) through its tile kernel on the q8 path,
+// or untiled into scratch rows on the f32 path (then the rows' bits); others as two quads.
+void dot_rows8(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, int64_t r0,
+               int64_t nrows, const float* const* v, const float* const* v2, int64_t n,
+               float* out) {
+  if (is_tiled_type(m.type) && m.act) {
+    const uint8_t* tile = base + m.at + r0 * m.rb;  // the tile holds rows r0.. r0 + 7's bytes
+    for (int64_t u0 = 0; u0 < n; u0 += kTileInputs) {
+      const int nv = static_cast<int>(std::min<int64_t>(kTileInputs, n - u0));
+      const uint8_t* xq[kTileInputs];
+      for (int i = 0; i < nv; ++i) xq[i] = qin(v[u0 + i]);
+      ds.tiles(tile, m.K, xq, nv, out + kTileRows * u0);
+    }
+    return;
+  }
+  Matrix mm = m;
+  const uint8_t* b = base;
+  thread_local std::vector<uint8_t> rows8;
+  int64_t first = r0;
+  if (is_tiled_type(m.type)) {
+    rows8.resize(static_cast<size_t>(kTileRows * m.rb));
+    untile_q4k(base + m.at + r0 * m.rb, m.K, rows8.data());
+    mm.type = ggml_type::Q4_K;
+    mm.at = 0;
+    b = rows8.data();
+    first = 0;
+    nrows = kTileRows;
+  }
+  std::vector<float> dg(static_cast<size_t>(4 * n));
+  for (int h = 0; h < 2; ++h) {
+    int64_t q[4];
+    quad(first + 4 * h, nrows, q);
+    dot_rows_shared(ds, fmt, b, mm, q, v, v2, n, dg.data());
+    for (int64_t u = 0; u < n; ++u)
+      for (int r = 0; r < 4; ++r) out[kTileRows * u + 4 * h + r] = dg[4 * u + r];
+  }
+}
+
 // Input vectors as the row kernels read them: int4 splits even / odd elements (each half
 // padded with a zero to ceil(K/2)); other formats use the vector as is.
 int64_t vec_len(Fmt fmt, int64_t K) { return fmt == Fmt::int4 ? 2 * ((K + 1) / 2) : K; }
@@ -756,6 +815,9 @@ Dots dots_for(Isa isa, Fmt fmt, Dot dot = Dot::f32) {
     ds.qdots = v512   ? avx512_qdots(dot == Dot::q8 && cpu_has_vnni())
                : v256 ? avx2_qdots()
                       : scalar_qdots();
+    // The tiles' AVX2 kernel on the vector paths (AVX-512 CPUs run it too); the same bits
+    // as the scalar one.
+    ds.tiles = isa != Isa::scalar && avx2_q4k_tiles() ? avx2_q4k_tiles() : scalar_q4k_tiles();
   }
   return ds;
 }
@@ -977,6 +1039,19 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
             h[users[u] * hl + f0 + r] = activate(c, go[u][r], uo[u][r]);
         continue;
       }
+      if (is_tiled_type(gate.type) || is_tiled_type(up.type)) {  // eight rows a step
+        std::vector<float> g8(static_cast<size_t>(kTileRows * n)), u8(g8.size());
+        for (int64_t r0 = f0; r0 < f1; r0 += kTileRows) {
+          dot_rows8(ds, fmt, row, gate, r0, F, vg.data(), nullptr, n, g8.data());
+          dot_rows8(ds, fmt, row, up, r0, F, vu.data(), nullptr, n, u8.data());
+          for (int64_t u = 0; u < n; ++u) {
+            float* ht = h.data() + users[u] * hl;
+            for (int r = 0; r < kTileRows && r0 + r < F; ++r)
+              ht[r0 + r] = activate(c, g8[kTileRows * u + r], u8[kTileRows * u + r]);
+          }
+        }
+        continue;
+      }
       std::vector<float> gv(static_cast<size_t>(4 * n)), uv(static_cast<size_t>(4 * n));
       for (int64_t r0 = f0; r0 < f1; r0 += 4) {
         int64_t q[4];
@@ -1021,24 +1096,31 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         v[u] = hin + (p0 + ord[u]) * hs;
         v2[u] = i4 ? v[u] + hl / 2 : nullptr;
       }
-      std::vector<float> dg(4 * ord.size()), d(static_cast<size_t>(4 * np));
-      for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += 4) {
+      const int S = is_tiled_type(down.type) ? kTileRows : 4;  // rows a step
+      std::vector<float> dg(S * ord.size()), d(static_cast<size_t>(S * np));
+      for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += S) {
         int64_t q[4];
         quad(r0, H, q);
-        for (size_t g = 0; g + 1 < st.size(); ++g)
-          dot_rows_shared(ds, fmt, mine[static_cast<size_t>(ord[st[g]])], down, q, v.data() + st[g],
-                          i4 ? v2.data() + st[g] : nullptr, st[g + 1] - st[g],
-                          dg.data() + 4 * st[g]);
+        for (size_t g = 0; g + 1 < st.size(); ++g) {
+          const uint8_t* row = mine[static_cast<size_t>(ord[st[g]])];
+          const int64_t cnt = st[g + 1] - st[g];
+          if (S == kTileRows)
+            dot_rows8(ds, fmt, row, down, r0, H, v.data() + st[g], nullptr, cnt,
+                      dg.data() + S * st[g]);
+          else
+            dot_rows_shared(ds, fmt, row, down, q, v.data() + st[g],
+                            i4 ? v2.data() + st[g] : nullptr, cnt, dg.data() + S * st[g]);
+        }
         for (size_t u = 0; u < ord.size(); ++u)
-          for (int r = 0; r < 4; ++r) d[4 * ord[u] + r] = dg[4 * u + r];
+          for (int r = 0; r < S; ++r) d[S * ord[u] + r] = dg[S * u + r];
         for (int64_t t = t0; t < t1; ++t) {
-          float acc[4] = {0.f, 0.f, 0.f, 0.f};
+          float acc[kTileRows] = {};
           for (int64_t j = 0; j < K; ++j) {  // experts in order: the sum T = 1 makes
             if (!rows[t * K + j]) continue;  // absent: contributes nothing
             const float wj = c.weights[t * K + j];
-            for (int r = 0; r < 4; ++r) acc[r] += wj * d[4 * (t * K + j - p0) + r];
+            for (int r = 0; r < S; ++r) acc[r] += wj * d[S * (t * K + j - p0) + r];
           }
-          for (int r = 0; r < 4 && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
+          for (int r = 0; r < S && r0 + r < H; ++r) c.y[t * H + r0 + r] = acc[r];
         }
       }
     }
@@ -1048,39 +1130,6 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
 // Tokens per pass over a block of rows: the chunk's inputs stay in L1 while the block
 // (read from memory once) is reused from cache for every chunk.
 constexpr int64_t kLinearChunk = 8;
-
-// linear() over tile_q4k's tiles: the inputs quantized to Q8_K once, each tile's 8 rows
-// against kTileInputs inputs a call. Every path runs the same per-lane fp32 steps
-// (scalar_q4k_tiles is the AVX2 kernel's reference, bit for bit).
-static void linear_tiles(const LinearCall& c, const Dots& ds, int threads, Isa isa) {
-  const int64_t T = c.tokens, K = c.in, N = c.out;
-  const QTileDotsFn kern =
-      isa != Isa::scalar && avx2_q4k_tiles() ? avx2_q4k_tiles() : scalar_q4k_tiles();
-  std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
-  std::vector<float> xq;
-  quantize_rows(ds, ggml_type::Q8_K, c.x, K, K, T, xq, threads);
-  const int64_t xs = qfloats(ggml_type::Q8_K, K), tb = K / 256 * kQ4KTileBytes;
-  const int64_t groups = N / kTileRows, per = std::max<int64_t>(1, kBlock / kTileRows);
-  Pool::get().run(threads, (groups + per - 1) / per, [&](int64_t b, int64_t e) {
-    for (int64_t item = b; item < e; ++item)
-      for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk)
-        for (int64_t g = item * per; g < std::min(groups, (item + 1) * per); ++g) {
-          const int64_t t1 = std::min(T, t0 + kLinearChunk);
-          for (int64_t u0 = t0; u0 < t1; u0 += kTileInputs) {
-            const int nv = static_cast<int>(std::min<int64_t>(kTileInputs, t1 - u0));
-            const uint8_t* xp[kTileInputs];
-            float o[kTileRows * kTileInputs];
-            for (int i = 0; i < nv; ++i) xp[i] = qin(xq.data() + (u0 + i) * xs);
-            kern(c.w + g * tb, K, xp, nv, o);
-            for (int i = 0; i < nv; ++i)
-              for (int r = 0; r < kTileRows; ++r) {
-                const int64_t n = kTileRows * g + r;
-                c.y[(u0 + i) * N + n] = c.bias ? o[kTileRows * i + r] + c.bias[n] : o[kTileRows * i + r];
-              }
-          }
-        }
-  });
-}
 
 void linear(const LinearCall& c, int threads, Isa isa) {
   check_threads(threads);
@@ -1100,16 +1149,11 @@ void linear(const LinearCall& c, int threads, Isa isa) {
   }
   if (c.w_stride < rb) bad("linear: weight row stride is shorter than a row");
   const Dots ds = dots_for(isa, c.fmt, c.dot);
-  if (c.tile != 1) {
-    if (c.tile != kTileRows || c.fmt != Fmt::ggml || c.type != ggml_type::Q4_K)
-      bad("linear: tiled rows must be Q4_K tiles of 8 rows, got tile " + std::to_string(c.tile));
-    if (N % kTileRows || c.w_stride != rb)
-      bad("linear: tiled Q4_K rows need N a multiple of 8 and contiguous rows");
-    if (!ds.qdots) bad("linear: tiled Q4_K rows take the integer dot (q8), not " +
-                       std::string(dot_name(c.dot)));
-  }
+  const bool tiles = c.fmt == Fmt::ggml && is_tiled_type(c.type);
+  if (tiles && (N % kTileRows || c.w_stride != rb))
+    bad("linear: Q4_K_X8 weights need out features a multiple of 8 and contiguous rows, got " +
+        std::to_string(N) + " rows");
   if (T == 0) return;
-  if (c.tile != 1) return linear_tiles(c, ds, threads, isa);
   Matrix m{0, 0, c.w_stride, K, K, c.type};
   if (c.fmt == Fmt::ggml) m.act = act_of(ds, c.type);
   std::lock_guard<std::mutex> serial(Pool::get().call_mutex());
@@ -1120,6 +1164,28 @@ void linear(const LinearCall& c, int threads, Isa isa) {
     quantize_rows(ds, m.act, c.x, K, K, T, xq, threads);
     xin = xq.data();
     xs = qfloats(m.act, K);
+  }
+  if (tiles) {  // eight rows a step (dot_rows8: the tile kernel, or untiled on the f32 path)
+    const int64_t groups = N / kTileRows, per = std::max<int64_t>(1, kBlock / kTileRows);
+    Pool::get().run(threads, (groups + per - 1) / per, [&](int64_t b, int64_t e) {
+      const float* v[kLinearChunk];
+      float o[kTileRows * kLinearChunk];
+      for (int64_t item = b; item < e; ++item)
+        for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk) {
+          const int64_t nt = std::min(T - t0, kLinearChunk);
+          for (int64_t t = 0; t < nt; ++t) v[t] = xin + (t0 + t) * xs;
+          for (int64_t g = item * per; g < std::min(groups, (item + 1) * per); ++g) {
+            dot_rows8(ds, c.fmt, c.w, m, kTileRows * g, N, v, nullptr, nt, o);
+            for (int64_t t = 0; t < nt; ++t)
+              for (int r = 0; r < kTileRows; ++r) {
+                const int64_t n = kTileRows * g + r;
+                const float yv = o[kTileRows * t + r];
+                c.y[(t0 + t) * N + n] = c.bias ? yv + c.bias[n] : yv;
+              }
+          }
+        }
+    });
+    return;
   }
   if (c.fmt == Fmt::ggml && tiled(ds, m, T)) {  // threads split the output rows
     std::vector<const float*> v(static_cast<size_t>(T));

@@ -50,7 +50,7 @@ namespace ggml_type {
 constexpr int F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10,
               Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18,
               IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23, IQ1_M = 29, BF16 = 30,
-              MXFP4 = 39, FP8_B128 = 200;
+              MXFP4 = 39, FP8_B128 = 200, Q4_K_X8 = 201;
 constexpr int Q8_K = 15;  // activations only (a vec_dot type): no weight kernels
 }  // namespace ggml_type
 struct TypeTraits {
@@ -87,6 +87,9 @@ inline constexpr TypeTraits kTypeTraits[] = {
     {"BF16", ggml_type::BF16, 1, 2},
     {"MXFP4", ggml_type::MXFP4, 32, 17},
     {"FP8_B128", ggml_type::FP8_B128, 128, 132},
+    // Q4_K rows in tiles of 8 (tile_q4k below): a matrix's rows come 8 at a time, each tile
+    // the 8 rows' bytes permuted, so a row of K inputs still takes K / 256 * 144 bytes.
+    {"Q4_K_X8", ggml_type::Q4_K_X8, 256, 144, ggml_type::Q8_K},
 };
 // The traits of type id `id`, or nullptr for a type the kernels do not compute.
 constexpr const TypeTraits* type_traits(int id) {
@@ -94,6 +97,8 @@ constexpr const TypeTraits* type_traits(int id) {
     if (t.id == id) return &t;
   return nullptr;
 }
+// Types whose rows come in tiles of kTileRows (a matrix of them: rows a multiple of 8).
+constexpr bool is_tiled_type(int id) { return id == ggml_type::Q4_K_X8; }
 constexpr bool is_float_type(int id) {
   const TypeTraits* t = type_traits(id);
   return t != nullptr && t->block_len == 1;
@@ -118,9 +123,12 @@ void set_default_dot(Dot d);
 // The block types whose integer dots beat their fp32 path on `isa` (measured side by side,
 // bench/cpu_qdot.py, bench/results/llamacpp/vnni/): the K-quants on AVX-512 and AVX2, Q8_0
 // on AVX2 only (on AVX-512 its fp32 GEMM stays ahead); the scalar path: none.
+// Tiles: q8 on every path (their own kernels are integer dots; on the f32 path a tile is
+// untiled to rows first).
 constexpr bool q8_by_default(int type, Isa isa) {
   const bool k = type == ggml_type::Q4_K || type == ggml_type::Q5_K || type == ggml_type::Q6_K;
-  return (isa == Isa::avx512 && k) || (isa == Isa::avx2 && (k || type == ggml_type::Q8_0));
+  return is_tiled_type(type) || (isa == Isa::avx512 && k) ||
+         (isa == Isa::avx2 && (k || type == ggml_type::Q8_0));
 }
 
 // Where one expert's parts sit in its row (bytes from the row start). Float formats:
@@ -167,7 +175,8 @@ struct Call {
 void expert_ffn(const Layout& lay, const Call& call, int threads, Isa isa);
 
 // A dense linear layer y[t, n] = dot(W[n, :], x[t, :]) (+ bias[n]) with W's rows in a
-// float format (Fmt f32 / bf16 / f16) or GGML blocks (Fmt ggml, `type`). Items are blocks
+// float format (Fmt f32 / bf16 / f16) or GGML blocks (Fmt ggml, `type`; Q4_K_X8: N a
+// multiple of 8, rows contiguous). Items are blocks
 // of N rows; the tokens loop inside each quad of rows (a row read once for all T tokens).
 // Each y[t, n] is one row dot product, so rows are bit-identical for any T, any co-rows
 // and any thread count (for a given ISA path).
@@ -183,9 +192,6 @@ struct LinearCall {
   const float* bias = nullptr;  // optional [N] fp32
   float* y = nullptr;           // [T, N] fp32 out
   Dot dot = default_dot();
-  // Rows interleaved by tiles of kTileRows (tile_q4k's layout: Q4_K only, N a multiple of
-  // 8, rows contiguous, the integer-dot path; 1: rows as the file holds them).
-  int tile = 1;
 };
 void linear(const LinearCall& call, int threads, Isa isa);
 
@@ -331,6 +337,8 @@ constexpr int64_t kQ4KTileBytes = 8 * 144;  // one super-block of a tile
 // rows (row r at src + r * stride, rows a multiple of 8, K of whole super-blocks) into
 // rows / 8 tiles at dst (rows * K / 256 * 144 bytes).
 void tile_q4k(const uint8_t* src, int64_t stride, int64_t rows, int64_t K, uint8_t* dst);
+// The inverse for one tile: its 8 rows of K inputs, contiguous, at rows8 (8 x K / 256 x 144).
+void untile_q4k(const uint8_t* tile, int64_t K, uint8_t* rows8);
 // One tile against nv <= kTileInputs Q8_K rows: out[8 t + r] = row r with input t; every
 // path the same fp32 steps (a lane's), so the same bits, for any nv and co-inputs.
 using QTileDotsFn = void (*)(const uint8_t* tile, int64_t K, const uint8_t* const* xq, int nv,

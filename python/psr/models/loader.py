@@ -56,6 +56,7 @@ from psr.models.rows import (
     fill_store,
     make_store,
     matrix_source,
+    tiled_source,
 )
 from psr.models.safetensors_experts import bias_tables, module_reader, on_device, safetensors_source
 from psr.models.sources import TOKENIZER_FILES
@@ -70,6 +71,7 @@ from psr.runtime.norms import row_norms
 from psr.runtime.spec import resolve_capacity, resolve_slab_slots
 from psr.runtime.verify import verify_class
 from psr.store import set_cpu_dot
+from psr.store.cpu_kernels import cpu_tiles_on
 
 # Whether a load makes the CPU forward row-invariant wherever it can be (unless graphs are
 # asked for). Off: it decodes at 0.90-0.95x and prefills long prompts at ~0.8x of the
@@ -113,6 +115,7 @@ def load(
         # batches' slots: C each
         slab = resolve_slab_slots(spec, C, cfg.batch_slab(C, E, r.device.type == "cuda"))
         plan = _tier_plan(r, model, slab, source.row_bytes, source.why_not)
+        source = _cpu_tiles(source, r, plan)
         store = make_store(source, E, slab, r.device, cfg.copy_retries, plan.num_held())
         cache = _quant_cache(path, ckpt, r, moe_idx, source)
         fill_cached(store, source, E, cfg.show_progress, source.tiers(plan), cache)
@@ -398,6 +401,22 @@ def _load_drafter(
             "the residency"
         )
     return drafter, C - lost
+
+
+def _cpu_tiles(source: RowSource, r: Resolved, plan: TierPlan) -> RowSource:
+    """The expert rows in the CPU kernels' tiles (rows.tiled_source) where only they read
+    them: the CPU backend on the torch compute path (the CPU kernels), every row held (a
+    pageable row is read from the file as it is), tiles on (PSR_CPU_TILES), no quantized-
+    expert cache (its rows are the untiled format's)."""
+    if (
+        r.device.type != "cpu"
+        or pk.resolve_compute(r.cfg.compute, r.device) != "torch"
+        or plan.pageable_bytes
+        or r.cache_root is not None
+        or not cpu_tiles_on()
+    ):
+        return source
+    return tiled_source(source, r.spec)
 
 
 def _quant_cache(

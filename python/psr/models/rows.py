@@ -10,6 +10,7 @@ the file as pageable), `fill_from_cache` reads a quantized-expert cache instead.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from psr.models.quant_cache import QuantCache
 from psr.models.tiers import Locator, TierPlan, Tiers
 from psr.runtime.spec import MoESpec
 from psr.store import ExpertStore, LayerSpec
+from psr.store.cpu_kernels import tile_q4k
 
 # int4's group along the input dimension: the rows, their byte size and the quantized-expert
 # cache's key must agree on it.
@@ -111,6 +113,28 @@ def block_source(
 
     return RowSource(readers, list(formats), torch.uint8, [lay.nbytes for lay in lays], pack,
                      label, locators, why_not, release)  # fmt: skip
+
+
+def tiled_source(source: RowSource, spec: MoESpec) -> RowSource:
+    """`source` with each layer's Q4_K parts in the CPU kernels' tiles of 8 rows
+    (RowFormat.tiled: the same bytes a row, permuted within each tile; pack tiles them), for
+    rows only the CPU kernels and the reference read. Rows left in the file (pageable)
+    cannot be tiled: such a source is for loads that hold every row."""
+    H, F = spec.hidden_size, spec.ffn_size
+    formats = [f.tiled(H, F) for f in source.formats]
+    if formats == source.formats:
+        return source
+    shapes = ((F, H), (F, H), (H, F))  # each part's rows, inputs
+
+    def pack(i: int, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        types = formats[i].block_types
+        out = [
+            tile_q4k(p.view(n, -1), k).reshape(-1) if t.tile_rows > 1 else p
+            for p, t, (n, k) in zip(parts, types, shapes, strict=True)
+        ]
+        return source.pack(i, out)
+
+    return dataclasses.replace(source, formats=formats, pack=pack, locators=None)
 
 
 def make_store(

@@ -280,20 +280,23 @@ def _linear_weight(
     return weight, "ggml", ggml_type
 
 
-# Q4_K weights on the integer dot run as tiles of 8 rows (csrc/cpu/expert_gemv.h's
-# tile_q4k: one row a vector lane, ~1.6x the row-at-a-time kernel streaming on AVX2). The
-# tiled copy of a weight is made at its first such call and kept while the weight lives
-# (and is not written), so every CPU call of that weight (a layer's plan, cpu_linear, a
-# compiled forward's op) computes the same bits. PSR_CPU_TILES: "auto" (the default: where
-# the best ISA path is AVX2; AVX-512's own kernels are not measured against it), "1", "0".
+# Q4_K weights on the integer dot can run as tiles of 8 rows (csrc/cpu/expert_gemv.h's
+# tile_q4k: one row a vector lane; the dense linear 1.24x the row kernel at T = 1 and
+# 1.26-1.33x at T = 4-64 on AVX2, bench/results/cpu/tiles.md). The tiled copy of a weight is
+# made at its first such call and kept while the weight lives (and is not written), so
+# every CPU call of that weight (a layer's plan, cpu_linear, a compiled forward's op)
+# computes the same bits. Off by default: a second host copy of the Q4_K dense weights, and
+# full-depth decode did not measure faster with the dense part alone (the experts' rows
+# are most of a token). PSR_CPU_TILES: "0" (the default), "1", "auto" (on where the best
+# ISA path is AVX2; AVX-512's own kernels are not measured against it).
 CPU_TILES_ENV = "PSR_CPU_TILES"
-_Q4_K, _TILE_ROWS = 12, 8
+_Q4_K, _Q4_K_X8, _TILE_ROWS = 12, 201, 8
 
 
 @functools.cache
 def cpu_tiles_on() -> bool:
     """Whether Q4_K weights run as tiles of 8 rows on the integer dot (PSR_CPU_TILES, read
-    once: auto | 1 | 0)."""
+    once: auto | 1 | 0; unset: auto)."""
     raw = os.environ.get(CPU_TILES_ENV, "").strip().lower() or "auto"
     if raw not in ("auto", "1", "0"):
         raise ValueError(f"{CPU_TILES_ENV}={raw!r}: expected auto, 1 or 0")
@@ -388,13 +391,13 @@ class LinearPlan:
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
         T = xf.numel() // K
         y = torch.empty((*x.shape[:-1], self.N), dtype=torch.float32)
-        w, stride, tile = self.w, self.stride, 1
-        if self.gtype == _Q4_K and dot != "f32" and self.N % _TILE_ROWS == 0 and cpu_tiles_on():
-            w, tile = _tiles_of(self.source, K), _TILE_ROWS
+        w, stride, gtype = self.w, self.stride, self.gtype
+        if gtype == _Q4_K and dot != "f32" and self.N % _TILE_ROWS == 0 and cpu_tiles_on():
+            w, gtype = _tiles_of(self.source, K), _Q4_K_X8  # uint8, contiguous
             stride = w.stride(0)
         _C.cpu_linear(
-            xf.data_ptr(), T, K, w.data_ptr(), self.N, stride, self.fmt, self.gtype,
-            self.b, y.data_ptr(), n_threads, isa, dot, tile,
+            xf.data_ptr(), T, K, w.data_ptr(), self.N, stride, self.fmt, gtype,
+            self.b, y.data_ptr(), n_threads, isa, dot,
         )  # fmt: skip
         out = out_dtype or x.dtype
         return y if out == torch.float32 else y.to(out)
