@@ -244,11 +244,11 @@ class RowFormat:
         if self.types is None:
             return self
         rows = (ffn_size, ffn_size, hidden_size)
-        names = []
+        names: list[str] = []
         for t, n in zip(self.types, rows, strict=True):
             twin = TILED_TYPES.get(t.name)
-            ok = twin is not None and n % BLOCK_TYPE_TRAITS[twin].tile_rows == 0
-            names.append(twin if ok else t.name)
+            tiles = twin is not None and n % BLOCK_TYPE_TRAITS[twin].tile_rows == 0
+            names.append(twin if twin is not None and tiles else t.name)
         return RowFormat.blocks(*names)
 
     def untiled(self) -> RowFormat:

@@ -172,12 +172,13 @@ void tile_q4k(const uint8_t* src, int64_t stride, int64_t rows, int64_t K, uint8
   if (rows < 0 || rows % kTileRows || K < 256 || K % 256)
     throw std::invalid_argument("tile_q4k: rows must be a multiple of 8 and K of 256, got " +
                                 std::to_string(rows) + " x " + std::to_string(K));
-  if (stride < K / 256 * 144) throw std::invalid_argument("tile_q4k: row stride is shorter than a row");
+  if (stride < K / 256 * 144)
+    throw std::invalid_argument("tile_q4k: row stride is shorter than a row");
   for (int64_t g = 0; g < rows / kTileRows; ++g)
     for (int64_t b = 0; b < K / 256; ++b, dst += kQ4KTileBytes)
       for (int r = 0; r < kTileRows; ++r) {
         const uint8_t* s = src + (kTileRows * g + r) * stride + 144 * b;
-        std::memcpy(dst + 2 * r, s, 2);        // d
+        std::memcpy(dst + 2 * r, s, 2);           // d
         std::memcpy(dst + 16 + 2 * r, s + 2, 2);  // dmin
         for (int w = 0; w < 3; ++w) std::memcpy(dst + 32 + 32 * w + 4 * r, s + 4 + 4 * w, 4);
         for (int p = 0; p < 4; ++p)
@@ -606,14 +607,14 @@ struct Matrix {
 struct Dots {
   DotFn dot;
   GroupDotFn gdot;
-  BlockRowDotFn bdot;          // ggml
-  BlockRowDotsFn bdots;        // ggml, several inputs (nullptr: bdot per input)
-  DotsFn dots;                 // several inputs (nullptr: dot per input)
-  BlockGemmFn gemm;            // ggml, tiled over inputs (nullptr: the row dots)
-  QuantFn quant = nullptr;     // the q8 path (Dot::q8 / q8_madd): activation rows
-  QRowDotsFn qdots = nullptr;  // and the integer row dots
+  BlockRowDotFn bdot;           // ggml
+  BlockRowDotsFn bdots;         // ggml, several inputs (nullptr: bdot per input)
+  DotsFn dots;                  // several inputs (nullptr: dot per input)
+  BlockGemmFn gemm;             // ggml, tiled over inputs (nullptr: the row dots)
+  QuantFn quant = nullptr;      // the q8 path (Dot::q8 / q8_madd): activation rows
+  QRowDotsFn qdots = nullptr;   // and the integer row dots
   QTileDotsFn tiles = nullptr;  // and the tiles' (Q4_K_X8)
-  Dot mode = Dot::f32;         // the q8 path's choice of types (Dot::best: q8_by_default's)
+  Dot mode = Dot::f32;          // the q8 path's choice of types (Dot::best: q8_by_default's)
   Isa isa = Isa::scalar;
 };
 
@@ -771,7 +772,8 @@ void dot_rows8(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, in
     first = 0;
     nrows = kTileRows;
   }
-  std::vector<float> dg(static_cast<size_t>(4 * n));
+  thread_local std::vector<float> dg;
+  dg.assign(static_cast<size_t>(4 * n), 0.f);
   for (int h = 0; h < 2; ++h) {
     int64_t q[4];
     quad(first + 4 * h, nrows, q);
@@ -1015,8 +1017,10 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       const int64_t* users = order.data() + starts[g];  // the row's (token, expert) pairs
       const int64_t n = starts[g + 1] - starts[g];
       const uint8_t* row = rows[static_cast<size_t>(users[0])];
-      std::vector<const float*> v(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
-      std::vector<const float*> vg(static_cast<size_t>(n)), vu(static_cast<size_t>(n));
+      // Per-thread scratch, reused item to item: at T = 1 an item is a few microseconds of
+      // work, and four heap allocations an item were a measurable share of it.
+      thread_local std::vector<const float*> v, v2, vg, vu;
+      for (auto* p : {&v, &v2, &vg, &vu}) p->assign(static_cast<size_t>(n), nullptr);
       for (int64_t u = 0; u < n; ++u) {
         const int64_t t = users[u] / K;
         v[u] = i4 ? xs.data() + t * xl : c.x + t * H;
@@ -1040,7 +1044,9 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         continue;
       }
       if (is_tiled_type(gate.type) || is_tiled_type(up.type)) {  // eight rows a step
-        std::vector<float> g8(static_cast<size_t>(kTileRows * n)), u8(g8.size());
+        thread_local std::vector<float> g8, u8;
+        g8.assign(static_cast<size_t>(kTileRows * n), 0.f);
+        u8.assign(g8.size(), 0.f);
         for (int64_t r0 = f0; r0 < f1; r0 += kTileRows) {
           dot_rows8(ds, fmt, row, gate, r0, F, vg.data(), nullptr, n, g8.data());
           dot_rows8(ds, fmt, row, up, r0, F, vu.data(), nullptr, n, u8.data());
@@ -1052,7 +1058,9 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
         }
         continue;
       }
-      std::vector<float> gv(static_cast<size_t>(4 * n)), uv(static_cast<size_t>(4 * n));
+      thread_local std::vector<float> gv, uv;
+      gv.assign(static_cast<size_t>(4 * n), 0.f);
+      uv.assign(gv.size(), 0.f);
       for (int64_t r0 = f0; r0 < f1; r0 += 4) {
         int64_t q[4];
         quad(r0, F, q);
@@ -1088,16 +1096,21 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       const int64_t t0 = (item / hb) * kTokenChunk, h0 = (item % hb) * kBlock;
       const int64_t t1 = std::min(T, t0 + kTokenChunk), p0 = t0 * K, np = (t1 - t0) * K;
       // The chunk's pairs grouped by row: each down row quad read once for its tokens.
-      std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
-      std::vector<int64_t> ord, st;
+      thread_local std::vector<const uint8_t*> mine;  // per-thread scratch (above)
+      thread_local std::vector<int64_t> ord, st;
+      thread_local std::vector<const float*> v, v2;
+      mine.assign(rows.begin() + p0, rows.begin() + p0 + np);
       group_by_row(mine, ord, st);
-      std::vector<const float*> v(ord.size()), v2(ord.size());
+      v.assign(ord.size(), nullptr);
+      v2.assign(ord.size(), nullptr);
       for (size_t u = 0; u < ord.size(); ++u) {
         v[u] = hin + (p0 + ord[u]) * hs;
         v2[u] = i4 ? v[u] + hl / 2 : nullptr;
       }
       const int S = is_tiled_type(down.type) ? kTileRows : 4;  // rows a step
-      std::vector<float> dg(S * ord.size()), d(static_cast<size_t>(S * np));
+      thread_local std::vector<float> dg, d;
+      dg.assign(S * ord.size(), 0.f);
+      d.assign(static_cast<size_t>(S * np), 0.f);
       for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += S) {
         int64_t q[4];
         quad(r0, H, q);

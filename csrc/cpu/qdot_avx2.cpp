@@ -188,6 +188,19 @@ void tile_nv(const uint8_t* g, int64_t K, const uint8_t* const* xq, float* out) 
   for (int t = 0; t < NV; ++t) F[t] = G[t] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256i k6 = _mm256_set1_epi8(0x3F), k4 = m4, k2 = _mm256_set1_epi8(0x03);
+  // Shuffle controls (built once, not per block): byte j of each row's 32-bit lane to an
+  // int16 pair (c0: j, j; c1: j + 1, j + 1; cm: j, j + 1), for j = 0 and 2.
+  __m256i c0[2], c1[2], cm[2];
+  for (int h = 0; h < 2; ++h) {
+    const char j = static_cast<char>(2 * h);
+    const __m128i a = _mm_setr_epi8(j, -1, j, -1, 4 + j, -1, 4 + j, -1, 8 + j, -1, 8 + j, -1,
+                                    12 + j, -1, 12 + j, -1);
+    const __m128i m = _mm_setr_epi8(j, -1, j + 1, -1, 4 + j, -1, 5 + j, -1, 8 + j, -1, 9 + j, -1,
+                                    12 + j, -1, 13 + j, -1);
+    c0[h] = _mm256_broadcastsi128_si256(a);
+    c1[h] = _mm256_add_epi8(c0[h], _mm256_set1_epi16(1));  // byte j + 1; the -1 bytes kept
+    cm[h] = _mm256_broadcastsi128_si256(m);
+  }
   for (int64_t b = 0; b < K / 256; ++b, g += kQ4KTileBytes) {
     ahead<kQAhead>(g, 18);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g)));
@@ -195,12 +208,12 @@ void tile_nv(const uint8_t* g, int64_t K, const uint8_t* const* xq, float* out) 
     // The 6-bit scales and mins of 8 rows at once (g_k_scale_min's rule on words).
     const __m256i u0 = ld(g + 32), u1 = ld(g + 64), u2 = ld(g + 96);
     const __m256i sc03 = _mm256_and_si256(u0, k6), m03 = _mm256_and_si256(u1, k6);
-    const __m256i sc47 = _mm256_or_si256(
-        _mm256_and_si256(u2, k4),
-        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k2), 4));
-    const __m256i m47 = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srli_epi32(u2, 4), k4),
-        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k2), 4));
+    const __m256i sc47 =
+        _mm256_or_si256(_mm256_and_si256(u2, k4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k2), 4));
+    const __m256i m47 =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k4),
+                        _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k2), 4));
     __m256i I[NV], M[NV];
     int bsum[NV][4];  // per input: int16 pairs (bsum of sub-blocks 2 p, 2 p + 1) per p
     for (int t = 0; t < NV; ++t) {
@@ -232,17 +245,10 @@ void tile_nv(const uint8_t* g, int64_t K, const uint8_t* const* xq, float* out) 
         }
       }
       // int16 pairs (sc, sc) per row lane for sub-blocks 2 p, 2 p + 1; (m_2p, m_2p+1)
-      const int j = (2 * p) % 4;
       const __m256i src = p < 2 ? sc03 : sc47, msrc = p < 2 ? m03 : m47;
-      const __m256i c0 = _mm256_setr_epi8(j, -1, j, -1, 4 + j, -1, 4 + j, -1, 8 + j, -1, 8 + j, -1,
-                                          12 + j, -1, 12 + j, -1, j, -1, j, -1, 4 + j, -1, 4 + j,
-                                          -1, 8 + j, -1, 8 + j, -1, 12 + j, -1, 12 + j, -1);
-      const __m256i c1 = _mm256_add_epi8(c0, _mm256_set1_epi16(1));  // byte j + 1, -1 kept
-      const __m256i cm = _mm256_setr_epi8(j, -1, j + 1, -1, 4 + j, -1, 5 + j, -1, 8 + j, -1, 9 + j,
-                                          -1, 12 + j, -1, 13 + j, -1, j, -1, j + 1, -1, 4 + j, -1,
-                                          5 + j, -1, 8 + j, -1, 9 + j, -1, 12 + j, -1, 13 + j, -1);
-      const __m256i s0 = _mm256_shuffle_epi8(src, c0), s1 = _mm256_shuffle_epi8(src, c1);
-      const __m256i mm = _mm256_shuffle_epi8(msrc, cm);
+      const __m256i s0 = _mm256_shuffle_epi8(src, c0[p & 1]);
+      const __m256i s1 = _mm256_shuffle_epi8(src, c1[p & 1]);
+      const __m256i mm = _mm256_shuffle_epi8(msrc, cm[p & 1]);
       for (int t = 0; t < NV; ++t) {
         I[t] = _mm256_add_epi32(I[t], _mm256_madd_epi16(Slo[t], s0));
         I[t] = _mm256_add_epi32(I[t], _mm256_madd_epi16(Shi[t], s1));

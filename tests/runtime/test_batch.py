@@ -198,6 +198,38 @@ def test_gguf_dense_blocks_run_once_for_all_rows(tmp_path: Path, experts: str, d
     _assert_solo(model, PROMPTS, 6, toks, logits)
 
 
+def test_tiled_q4_k_rows_keep_every_row_equal_to_its_solo_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PSR_CPU_TILES=1: the CPU backend holds the Q4_K expert rows in tiles of 8 (and runs
+    the Q4_K dense weights as tiles); every row of a batch still equals its solo run, and
+    the logits stay those of the untiled load within the q8 path's rounding."""
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    from psr.store import cpu_kernels as ck
+
+    path = tmp_path / "q.gguf"
+    types = {"experts": "Q4_K", "dense": lambda layer: "Q4_K"}
+    write_gguf(gguf_tiny_model("qwen3_moe", head_dim=64, vocab=256), path, types)
+    loads = {}
+    try:
+        for on in ("1", "0"):
+            monkeypatch.setenv(ck.CPU_TILES_ENV, on)
+            ck.cpu_tiles_on.cache_clear()
+            m = psr.load(path, "psr", 0.5, device="cpu", experts_on="cpu", progress=False,
+                         cpu_dot="q8")  # fmt: skip
+            assert all(c.expert_format.has_tiles == (on == "1") for c in m.runtime.computes)
+            loads[on] = m(torch.tensor([PROMPTS[1]]))
+            if on == "1":
+                toks, logits, dec = batched(m, PROMPTS, 6, joins=[0, 0, 2])
+                assert dec.stats["cpu_experts"] > 0
+                _assert_solo(m, PROMPTS, 6, toks, logits)
+    finally:
+        ck.cpu_tiles_on.cache_clear()  # the environment is restored after the test
+    scale = float(loads["0"].abs().max())
+    torch.testing.assert_close(loads["1"], loads["0"], rtol=0, atol=scale * 1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norms_run_once_for_all_rows(dtype) -> None:
     """transformers' RMS norms (the audited bytecode) give each row of a batch bit-identically

@@ -280,15 +280,14 @@ def _linear_weight(
     return weight, "ggml", ggml_type
 
 
-# Q4_K weights on the integer dot can run as tiles of 8 rows (csrc/cpu/expert_gemv.h's
-# tile_q4k: one row a vector lane; the dense linear 1.24x the row kernel at T = 1 and
-# 1.26-1.33x at T = 4-64 on AVX2, bench/results/cpu/tiles.md). The tiled copy of a weight is
-# made at its first such call and kept while the weight lives (and is not written), so
-# every CPU call of that weight (a layer's plan, cpu_linear, a compiled forward's op)
-# computes the same bits. Off by default: a second host copy of the Q4_K dense weights, and
-# full-depth decode did not measure faster with the dense part alone (the experts' rows
-# are most of a token). PSR_CPU_TILES: "0" (the default), "1", "auto" (on where the best
-# ISA path is AVX2; AVX-512's own kernels are not measured against it).
+# Q4_K matrices on the integer dot run as tiles of 8 rows (Q4_K_X8: csrc/cpu/expert_gemv.h's
+# tile_q4k, one row a vector lane; bench/results/cpu/tiles.md). Expert rows are tiled at load
+# on the CPU backend (psr.models.loader: the same bytes, permuted, so no memory is added); a
+# dense Q4_K weight gets a tiled copy at its first such call, kept while the weight lives
+# (and is not written), so every CPU call of that weight (a layer's plan, cpu_linear, a
+# compiled forward's op) computes the same bits. PSR_CPU_TILES, read once: "auto" (the
+# default: on where the best ISA path is AVX2; AVX-512's own kernels are not measured
+# against them), "1", "0".
 CPU_TILES_ENV = "PSR_CPU_TILES"
 _Q4_K, _Q4_K_X8, _TILE_ROWS = 12, 201, 8
 
