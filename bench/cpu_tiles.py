@@ -126,6 +126,15 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(1)
     head = [
+        "# Q4_K rows against Q4_K_X8 tiles (issue 39)",
+        "",
+        "Both sides in one process, calls alternated in pairs (the order swapped every pair);",
+        "a figure is the median over the pairs, the ratio the median of the per-pair ratios",
+        "with its interquartile range. Random Q4_K / Q6_K blocks (tests/ggml_blocks.py).",
+        "",
+        f"    OMP_NUM_THREADS=1 PYTHONPATH=python:. python bench/cpu_tiles.py --reps {a.reps}"
+        + (f" --out {a.out}" if a.out else ""),
+        "",
         f"isa {ck.cpu_isas()[-1]}, one thread, load {os.getloadavg()[0]:.2f}",
         "",
         "| case | rows ms | tiles ms | rows / tiles (IQR) |",

@@ -405,12 +405,14 @@ def _load_drafter(
 
 def _cpu_tiles(source: RowSource, r: Resolved, plan: TierPlan) -> RowSource:
     """The expert rows in the CPU kernels' tiles (rows.tiled_source) where only they read
-    them: the CPU backend on the torch compute path (the CPU kernels), every row held (a
+    them and their kernel runs: the CPU backend on the torch compute path (the CPU kernels)
+    with an integer dot (the fp32 dot untiles a tile at every call), every row held (a
     pageable row is read from the file as it is), tiles on (PSR_CPU_TILES), no quantized-
     expert cache (its rows are the untiled format's)."""
     if (
         r.device.type != "cpu"
         or pk.resolve_compute(r.cfg.compute, r.device) != "torch"
+        or r.cfg.cpu_dot == "f32"
         or plan.pageable_bytes
         or r.cache_root is not None
         or not cpu_tiles_on()
