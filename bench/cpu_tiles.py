@@ -6,7 +6,14 @@ integer-dot path, side by side in one process, calls alternated, one thread:
 * the routed expert FFN (cpu_expert_ffn, top-8, OLMoE's H 2048 x F 1024, Q4_K gate / up and
   a Q4_K or Q6_K down) over `--experts` rows, 8 new ones a call (streaming).
 
+* with `--model FILE` (a GGUF), end to end: two loads of the file in one process, expert
+  rows tiled at load or not (PSR_CPU_TILES 1 / 0, switched with them for the dense
+  weights), `psr.load(FILE, "exact", 1.0, device="cpu", threads=1)` as
+  bench/llamacpp_side.py loads it; decode (32 new tokens after an 8-token prompt, tok/s
+  of the whole generate) and prefill (a 128-token prompt, one new token), alternated.
+
     OMP_NUM_THREADS=1 PYTHONPATH=python:. python bench/cpu_tiles.py [--reps 15] [--out F.md]
+        [--model FILE --rounds 6]
 
 Prints (and writes) a markdown table: median ms of each side and the median of the per-pair
 ratios rows / tiles with its interquartile range (pairs of calls taken back to back).
@@ -118,21 +125,60 @@ def ffn_rows(reps: int, experts: int) -> list[str]:
     return out
 
 
+def model_rows(path: str, rounds: int) -> list[str]:
+    import psr
+
+    def tiles(on: bool) -> None:
+        os.environ[ck.CPU_TILES_ENV] = "1" if on else "0"
+        ck.cpu_tiles_on.cache_clear()
+
+    models = {}
+    for on in (False, True):
+        tiles(on)
+        models[on] = psr.load(path, "exact", 1.0, device="cpu", threads=1, progress=False)
+        assert models[on].runtime.computes[0].expert_format.has_tiles == on
+    g = torch.Generator().manual_seed(0)
+    out = []
+    cases = (
+        ("generate 32 new tokens after 8 (ms a new token)", 8, 33),
+        ("prefill 128 tokens (ms a prompt token)", 128, 1),
+    )
+    for name, prompt, new in cases:
+        ids = torch.randint(0, 2048, (1, prompt), generator=g)
+
+        def run(on: bool, ids: torch.Tensor = ids, new: int = new) -> Callable[[], None]:
+            def f() -> None:
+                tiles(on)
+                models[on].generate(ids, max_new_tokens=new)
+
+            return f
+
+        ta, tb = _pairs(run(False), run(True), rounds)
+        n = prompt if new == 1 else new - 1
+        out.append(_row(f"{Path(path).name}: {name}", ta, tb, n))
+    os.environ.pop(ck.CPU_TILES_ENV)
+    ck.cpu_tiles_on.cache_clear()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--experts", type=int, default=288)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--model", help="a GGUF file: the end-to-end rows (alone)")
+    ap.add_argument("--rounds", type=int, default=6, help="pairs of generations (--model)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     head = [
-        "# Q4_K rows against Q4_K_X8 tiles (issue 39)",
+        f"# Q4_K rows against Q4_K_X8 tiles{', end to end' if a.model else ''} (issue 39)",
         "",
         "Both sides in one process, calls alternated in pairs (the order swapped every pair);",
         "a figure is the median over the pairs, the ratio the median of the per-pair ratios",
         "with its interquartile range. Random Q4_K / Q6_K blocks (tests/ggml_blocks.py).",
         "",
-        f"    OMP_NUM_THREADS=1 PYTHONPATH=python:. python bench/cpu_tiles.py --reps {a.reps}"
+        "    OMP_NUM_THREADS=1 PYTHONPATH=python:. python bench/cpu_tiles.py"
+        + (f" --model {a.model} --rounds {a.rounds}" if a.model else f" --reps {a.reps}")
         + (f" --out {a.out}" if a.out else ""),
         "",
         f"isa {ck.cpu_isas()[-1]}, one thread, load {os.getloadavg()[0]:.2f}",
@@ -140,7 +186,8 @@ def main() -> None:
         "| case | rows ms | tiles ms | rows / tiles (IQR) |",
         "|---|---|---|---|",
     ]
-    lines = head + linear_rows(a.reps) + ffn_rows(a.reps, a.experts)
+    rows = model_rows(a.model, a.rounds) if a.model else []
+    lines = head + (rows or linear_rows(a.reps) + ffn_rows(a.reps, a.experts))
     lines.append(f"\nload after {os.getloadavg()[0]:.2f}")
     text = "\n".join(lines)
     print(text)
