@@ -247,8 +247,10 @@ class RowFormat:
         names: list[str] = []
         for t, n in zip(self.types, rows, strict=True):
             twin = TILED_TYPES.get(t.name)
-            tiles = twin is not None and n % BLOCK_TYPE_TRAITS[twin].tile_rows == 0
-            names.append(twin if twin is not None and tiles else t.name)
+            if twin is not None and n % BLOCK_TYPE_TRAITS[twin].tile_rows == 0:
+                names.append(twin)
+            else:
+                names.append(t.name)
         return RowFormat.blocks(*names)
 
     def untiled(self) -> RowFormat:

@@ -168,6 +168,19 @@ QTileDotsFn scalar_q4k_tiles() {
   };
 }
 
+namespace {
+// The tile layout's one definition (expert_gemv.h): for row r of a tile's super-block,
+// fn(tile offset, row offset, bytes) for each piece of the row's 144 bytes.
+template <class Fn>
+void q4k_tile_pieces(int r, Fn&& fn) {
+  fn(2 * r, 0, 2);                                                    // d
+  fn(16 + 2 * r, 2, 2);                                               // dmin
+  for (int w = 0; w < 3; ++w) fn(32 + 32 * w + 4 * r, 4 + 4 * w, 4);  // scale words
+  for (int p = 0; p < 4; ++p)
+    for (int c = 0; c < 8; ++c) fn(128 + 256 * p + 32 * c + 4 * r, 16 + 32 * p + 4 * c, 4);
+}
+}  // namespace
+
 void tile_q4k(const uint8_t* src, int64_t stride, int64_t rows, int64_t K, uint8_t* dst) {
   if (rows < 0 || rows % kTileRows || K < 256 || K % 256)
     throw std::invalid_argument("tile_q4k: rows must be a multiple of 8 and K of 256, got " +
@@ -178,12 +191,7 @@ void tile_q4k(const uint8_t* src, int64_t stride, int64_t rows, int64_t K, uint8
     for (int64_t b = 0; b < K / 256; ++b, dst += kQ4KTileBytes)
       for (int r = 0; r < kTileRows; ++r) {
         const uint8_t* s = src + (kTileRows * g + r) * stride + 144 * b;
-        std::memcpy(dst + 2 * r, s, 2);           // d
-        std::memcpy(dst + 16 + 2 * r, s + 2, 2);  // dmin
-        for (int w = 0; w < 3; ++w) std::memcpy(dst + 32 + 32 * w + 4 * r, s + 4 + 4 * w, 4);
-        for (int p = 0; p < 4; ++p)
-          for (int c = 0; c < 8; ++c)
-            std::memcpy(dst + 128 + 256 * p + 32 * c + 4 * r, s + 16 + 32 * p + 4 * c, 4);
+        q4k_tile_pieces(r, [&](int to, int from, int n) { std::memcpy(dst + to, s + from, n); });
       }
 }
 
@@ -192,12 +200,7 @@ void untile_q4k(const uint8_t* t, int64_t K, uint8_t* rows8) {
   for (int64_t b = 0; b < K / 256; ++b, t += kQ4KTileBytes)
     for (int r = 0; r < kTileRows; ++r) {
       uint8_t* d = rows8 + r * rb + 144 * b;
-      std::memcpy(d, t + 2 * r, 2);
-      std::memcpy(d + 2, t + 16 + 2 * r, 2);
-      for (int w = 0; w < 3; ++w) std::memcpy(d + 4 + 4 * w, t + 32 + 32 * w + 4 * r, 4);
-      for (int p = 0; p < 4; ++p)
-        for (int c = 0; c < 8; ++c)
-          std::memcpy(d + 16 + 32 * p + 4 * c, t + 128 + 256 * p + 32 * c + 4 * r, 4);
+      q4k_tile_pieces(r, [&](int to, int from, int n) { std::memcpy(d + from, t + to, n); });
     }
 }
 
@@ -761,7 +764,7 @@ void dot_rows8(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, in
   }
   Matrix mm = m;
   const uint8_t* b = base;
-  thread_local std::vector<uint8_t> rows8;
+  std::vector<uint8_t> rows8;  // the fp32 dot's untiled rows
   int64_t first = r0;
   if (is_tiled_type(m.type)) {
     rows8.resize(static_cast<size_t>(kTileRows * m.rb));
@@ -772,8 +775,7 @@ void dot_rows8(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, in
     first = 0;
     nrows = kTileRows;
   }
-  thread_local std::vector<float> dg;
-  dg.assign(static_cast<size_t>(4 * n), 0.f);
+  std::vector<float> dg(static_cast<size_t>(4 * n));
   for (int h = 0; h < 2; ++h) {
     int64_t q[4];
     quad(first + 4 * h, nrows, q);
@@ -781,6 +783,17 @@ void dot_rows8(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, in
     for (int64_t u = 0; u < n; ++u)
       for (int r = 0; r < 4; ++r) out[kTileRows * u + 4 * h + r] = dg[4 * u + r];
   }
+}
+
+// Rows r0.. r0 + S - 1 of matrix m (of nrows) against n inputs, out[S u + r]: S = 8 where a
+// tiled part takes part in the step (dot_rows8), else a quad (dot_rows_shared).
+void dot_rows_step(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, int S, int64_t r0,
+                   int64_t nrows, const float* const* v, const float* const* v2, int64_t n,
+                   float* out) {
+  if (S == kTileRows) return dot_rows8(ds, fmt, base, m, r0, nrows, v, v2, n, out);
+  int64_t q[4];
+  quad(r0, nrows, q);
+  dot_rows_shared(ds, fmt, base, m, q, v, v2, n, out);
 }
 
 // Input vectors as the row kernels read them: int4 splits even / odd elements (each half
@@ -1017,10 +1030,8 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       const int64_t* users = order.data() + starts[g];  // the row's (token, expert) pairs
       const int64_t n = starts[g + 1] - starts[g];
       const uint8_t* row = rows[static_cast<size_t>(users[0])];
-      // Per-thread scratch, reused item to item: at T = 1 an item is a few microseconds of
-      // work, and four heap allocations an item were a measurable share of it.
-      thread_local std::vector<const float*> v, v2, vg, vu;
-      for (auto* p : {&v, &v2, &vg, &vu}) p->assign(static_cast<size_t>(n), nullptr);
+      std::vector<const float*> v(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
+      std::vector<const float*> vg(static_cast<size_t>(n)), vu(static_cast<size_t>(n));
       for (int64_t u = 0; u < n; ++u) {
         const int64_t t = users[u] / K;
         v[u] = i4 ? xs.data() + t * xl : c.x + t * H;
@@ -1043,33 +1054,16 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
             h[users[u] * hl + f0 + r] = activate(c, go[u][r], uo[u][r]);
         continue;
       }
-      if (is_tiled_type(gate.type) || is_tiled_type(up.type)) {  // eight rows a step
-        thread_local std::vector<float> g8, u8;
-        g8.assign(static_cast<size_t>(kTileRows * n), 0.f);
-        u8.assign(g8.size(), 0.f);
-        for (int64_t r0 = f0; r0 < f1; r0 += kTileRows) {
-          dot_rows8(ds, fmt, row, gate, r0, F, vg.data(), nullptr, n, g8.data());
-          dot_rows8(ds, fmt, row, up, r0, F, vu.data(), nullptr, n, u8.data());
-          for (int64_t u = 0; u < n; ++u) {
-            float* ht = h.data() + users[u] * hl;
-            for (int r = 0; r < kTileRows && r0 + r < F; ++r)
-              ht[r0 + r] = activate(c, g8[kTileRows * u + r], u8[kTileRows * u + r]);
-          }
-        }
-        continue;
-      }
-      thread_local std::vector<float> gv, uv;
-      gv.assign(static_cast<size_t>(4 * n), 0.f);
-      uv.assign(gv.size(), 0.f);
-      for (int64_t r0 = f0; r0 < f1; r0 += 4) {
-        int64_t q[4];
-        quad(r0, F, q);
-        dot_rows_shared(ds, fmt, row, gate, q, vg.data(), i4 ? v2.data() : nullptr, n, gv.data());
-        dot_rows_shared(ds, fmt, row, up, q, vu.data(), i4 ? v2.data() : nullptr, n, uv.data());
+      const int S = is_tiled_type(gate.type) || is_tiled_type(up.type) ? kTileRows : 4;
+      std::vector<float> gv(static_cast<size_t>(S * n)), uv(static_cast<size_t>(S * n));
+      for (int64_t r0 = f0; r0 < f1; r0 += S) {
+        const float* const* vi2 = i4 ? v2.data() : nullptr;
+        dot_rows_step(ds, fmt, row, gate, S, r0, F, vg.data(), vi2, n, gv.data());
+        dot_rows_step(ds, fmt, row, up, S, r0, F, vu.data(), vi2, n, uv.data());
         for (int64_t u = 0; u < n; ++u) {
           float* ht = h.data() + users[u] * hl;
-          for (int r = 0; r < 4 && r0 + r < F; ++r)
-            ht[vec_pos(fmt, F, r0 + r)] = activate(c, gv[4 * u + r], uv[4 * u + r]);
+          for (int r = 0; r < S && r0 + r < F; ++r)
+            ht[vec_pos(fmt, F, r0 + r)] = activate(c, gv[S * u + r], uv[S * u + r]);
         }
       }
     }
@@ -1096,34 +1090,21 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
       const int64_t t0 = (item / hb) * kTokenChunk, h0 = (item % hb) * kBlock;
       const int64_t t1 = std::min(T, t0 + kTokenChunk), p0 = t0 * K, np = (t1 - t0) * K;
       // The chunk's pairs grouped by row: each down row quad read once for its tokens.
-      thread_local std::vector<const uint8_t*> mine;  // per-thread scratch (above)
-      thread_local std::vector<int64_t> ord, st;
-      thread_local std::vector<const float*> v, v2;
-      mine.assign(rows.begin() + p0, rows.begin() + p0 + np);
+      std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
+      std::vector<int64_t> ord, st;
       group_by_row(mine, ord, st);
-      v.assign(ord.size(), nullptr);
-      v2.assign(ord.size(), nullptr);
+      std::vector<const float*> v(ord.size()), v2(ord.size());
       for (size_t u = 0; u < ord.size(); ++u) {
         v[u] = hin + (p0 + ord[u]) * hs;
         v2[u] = i4 ? v[u] + hl / 2 : nullptr;
       }
       const int S = is_tiled_type(down.type) ? kTileRows : 4;  // rows a step
-      thread_local std::vector<float> dg, d;
-      dg.assign(S * ord.size(), 0.f);
-      d.assign(static_cast<size_t>(S * np), 0.f);
+      std::vector<float> dg(S * ord.size()), d(static_cast<size_t>(S * np));
       for (int64_t r0 = h0; r0 < std::min(H, h0 + kBlock); r0 += S) {
-        int64_t q[4];
-        quad(r0, H, q);
-        for (size_t g = 0; g + 1 < st.size(); ++g) {
-          const uint8_t* row = mine[static_cast<size_t>(ord[st[g]])];
-          const int64_t cnt = st[g + 1] - st[g];
-          if (S == kTileRows)
-            dot_rows8(ds, fmt, row, down, r0, H, v.data() + st[g], nullptr, cnt,
-                      dg.data() + S * st[g]);
-          else
-            dot_rows_shared(ds, fmt, row, down, q, v.data() + st[g],
-                            i4 ? v2.data() + st[g] : nullptr, cnt, dg.data() + S * st[g]);
-        }
+        for (size_t g = 0; g + 1 < st.size(); ++g)
+          dot_rows_step(ds, fmt, mine[static_cast<size_t>(ord[st[g]])], down, S, r0, H,
+                        v.data() + st[g], i4 ? v2.data() + st[g] : nullptr, st[g + 1] - st[g],
+                        dg.data() + S * st[g]);
         for (size_t u = 0; u < ord.size(); ++u)
           for (int r = 0; r < S; ++r) d[S * ord[u] + r] = dg[S * u + r];
         for (int64_t t = t0; t < t1; ++t) {
@@ -1178,28 +1159,6 @@ void linear(const LinearCall& c, int threads, Isa isa) {
     xin = xq.data();
     xs = qfloats(m.act, K);
   }
-  if (tiles) {  // eight rows a step (dot_rows8: the tile kernel, or untiled on the f32 path)
-    const int64_t groups = N / kTileRows, per = std::max<int64_t>(1, kBlock / kTileRows);
-    Pool::get().run(threads, (groups + per - 1) / per, [&](int64_t b, int64_t e) {
-      const float* v[kLinearChunk];
-      float o[kTileRows * kLinearChunk];
-      for (int64_t item = b; item < e; ++item)
-        for (int64_t t0 = 0; t0 < T; t0 += kLinearChunk) {
-          const int64_t nt = std::min(T - t0, kLinearChunk);
-          for (int64_t t = 0; t < nt; ++t) v[t] = xin + (t0 + t) * xs;
-          for (int64_t g = item * per; g < std::min(groups, (item + 1) * per); ++g) {
-            dot_rows8(ds, c.fmt, c.w, m, kTileRows * g, N, v, nullptr, nt, o);
-            for (int64_t t = 0; t < nt; ++t)
-              for (int r = 0; r < kTileRows; ++r) {
-                const int64_t n = kTileRows * g + r;
-                const float yv = o[kTileRows * t + r];
-                c.y[(t0 + t) * N + n] = c.bias ? yv + c.bias[n] : yv;
-              }
-          }
-        }
-    });
-    return;
-  }
   if (c.fmt == Fmt::ggml && tiled(ds, m, T)) {  // threads split the output rows
     std::vector<const float*> v(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) v[t] = xin + t * xs;
@@ -1217,6 +1176,7 @@ void linear(const LinearCall& c, int threads, Isa isa) {
     return;
   }
   const int64_t nb = (N + kBlock - 1) / kBlock;
+  const int S = tiles ? kTileRows : 4;  // rows a step (kBlock a multiple of both)
   Pool::get().run(threads, nb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
       const int64_t n0 = item * kBlock, n1 = std::min(N, n0 + kBlock);
@@ -1224,14 +1184,12 @@ void linear(const LinearCall& c, int threads, Isa isa) {
         const int64_t nt = std::min(T - t0, kLinearChunk);
         const float* v[kLinearChunk];
         for (int64_t t = 0; t < nt; ++t) v[t] = xin + (t0 + t) * xs;
-        for (int64_t r0 = n0; r0 < n1; r0 += 4) {
-          int64_t q[4];
-          quad(r0, N, q);
-          float d[4 * kLinearChunk];
-          dot_rows_shared(ds, c.fmt, c.w, m, q, v, nullptr, nt, d);
+        for (int64_t r0 = n0; r0 < n1; r0 += S) {
+          float d[kTileRows * kLinearChunk];
+          dot_rows_step(ds, c.fmt, c.w, m, S, r0, N, v, nullptr, nt, d);
           for (int64_t t = 0; t < nt; ++t)
-            for (int r = 0; r < 4 && r0 + r < n1; ++r)
-              c.y[(t0 + t) * N + r0 + r] = c.bias ? d[4 * t + r] + c.bias[r0 + r] : d[4 * t + r];
+            for (int r = 0; r < S && r0 + r < n1; ++r)
+              c.y[(t0 + t) * N + r0 + r] = c.bias ? d[S * t + r] + c.bias[r0 + r] : d[S * t + r];
         }
       }
     }

@@ -329,8 +329,9 @@ QRowDotsFn avx512_qdots(bool vnni);  // nullptr where not compiled
 //   +0 d[8] fp16, +16 dmin[8] fp16, +32 u0[8], +64 u1[8], +96 u2[8] (row r's 12 scale
 //   bytes as three 4-byte words), +128 qs[pair p][chunk c][row r][4] = row r's qs[32 p + 4 c..].
 // A row's dot then keeps its sums in its own vector lane: the scales, mins and fp32 steps
-// of 8 rows in one instruction each (one row a lane, no horizontal sums): on AVX2 1.6-1.9x
-// the row-at-a-time kernel from cache, less where memory bounds it (bench/results/cpu/tiles.md).
+// of 8 rows in one instruction each (one row a lane, no horizontal sums): on AVX2 1.67x
+// the row-at-a-time kernel from cache, less where memory bounds it
+// (bench/results/cpu/tiles_avx2.md).
 constexpr int kTileRows = 8;
 constexpr int kTileInputs = 4;              // quantized inputs a tile kernel takes at once
 constexpr int64_t kQ4KTileBytes = 8 * 144;  // one super-block of a tile

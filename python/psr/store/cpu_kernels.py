@@ -281,9 +281,9 @@ def _linear_weight(
 
 
 # Q4_K matrices on the integer dot run as tiles of 8 rows (Q4_K_X8: csrc/cpu/expert_gemv.h's
-# tile_q4k, one row a vector lane; bench/results/cpu/tiles.md). Expert rows are tiled at load
-# on the CPU backend (psr.models.loader: the same bytes, permuted, so no memory is added); a
-# dense Q4_K weight gets a tiled copy at its first such call, kept while the weight lives
+# tile_q4k, one row a vector lane; bench/results/cpu/tiles_avx2.md). Expert rows are tiled
+# at load on the CPU backend (psr.models.loader: the same bytes, permuted, so no memory is
+# added); a dense Q4_K weight gets a tiled copy at its first such call, kept while the weight lives
 # (and is not written), so every CPU call of that weight (a layer's plan, cpu_linear, a
 # compiled forward's op) computes the same bits. PSR_CPU_TILES, read once: "auto" (the
 # default: on where the best ISA path is AVX2; AVX-512's own kernels are not measured
