@@ -619,7 +619,18 @@ struct Dots {
   QTileDotsFn tiles = nullptr;  // and the tiles' (Q4_K_X8)
   Dot mode = Dot::f32;          // the q8 path's choice of types (Dot::best: q8_by_default's)
   Isa isa = Isa::scalar;
+  // GGML's float types (F32, F16, BF16: float_slot) are rows of their float format: that
+  // format's dot products on the same ISA path (one dot product per format).
+  DotFn fdot[3] = {};
+  DotsFn fdots[3] = {};
 };
+
+// A GGML float type's float format (F32, F16, BF16 -> Fmt::f32 / f16 / bf16) and its
+// slot in Dots::fdot; -1 for a block type.
+constexpr Fmt kFloatFmts[3] = {Fmt::f32, Fmt::f16, Fmt::bf16};
+int float_slot(int type) {
+  return type == ggml_type::F32 ? 0 : type == ggml_type::F16 ? 1 : type == ggml_type::BF16 ? 2 : -1;
+}
 
 // On the q8 path the inputs of a matrix whose type has a vec_dot type are its quantized
 // rows, passed where fp32 vectors go (const float*, rows padded to whole floats): qin
@@ -635,6 +646,10 @@ void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, con
   const GroupDotFn gdot = ds.gdot;
   const uint8_t* w[4];
   for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
+  if (const int f = fmt == Fmt::ggml ? float_slot(m.type) : -1; f >= 0) {
+    ds.fdot[f](w, m.K, v, nullptr, out);
+    return;
+  }
   if (fmt == Fmt::ggml && m.act) {
     const uint8_t* xq = qin(v);
     for (int r = 0; r < 4; ++r) ds.qdots(m.type, w[r], m.K, &xq, 1, &out[r]);
@@ -689,12 +704,14 @@ void dot_rows(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m, con
 void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix& m,
                      const int64_t rows[4], const float* const* v, const float* const* v2,
                      int64_t n, float* out) {
-  if (ds.dots && fmt != Fmt::ggml && fmt != Fmt::int4) {  // int8 / fp8: one scale a row
+  const int f = fmt == Fmt::ggml ? float_slot(m.type) : -1;  // a GGML float type: its format's
+  const DotsFn dots = f >= 0 ? ds.fdots[f] : fmt != Fmt::ggml ? ds.dots : nullptr;
+  if (dots && fmt != Fmt::int4) {  // int8 / fp8: one scale a row
     const uint8_t* w[4];
     for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
     for (int64_t u0 = 0; u0 < n; u0 += kRowInputs) {
       const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, n - u0));
-      ds.dots(w, m.K, v + u0, nv, out + 4 * u0);
+      dots(w, m.K, v + u0, nv, out + 4 * u0);
       if (!quantized(fmt)) continue;
       for (int r = 0; r < 4; ++r) {  // as dot_rows: the row's scale times its sum
         float sc;
@@ -717,7 +734,7 @@ void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix&
     }
     return;
   }
-  if (fmt != Fmt::ggml || !ds.bdots) {
+  if (fmt != Fmt::ggml || f >= 0 || !ds.bdots) {
     for (int64_t u = 0; u < n; ++u)
       dot_rows(ds, fmt, base, m, rows, v[u], v2 ? v2[u] : nullptr, out + 4 * u);
     return;
@@ -823,6 +840,12 @@ Dots dots_for(Isa isa, Fmt fmt, Dot dot = Dot::f32) {
           isa == Isa::avx512 && fmt == Fmt::ggml ? avx512_ggml_gemm() : nullptr};
   ds.mode = dot;
   ds.isa = isa;
+  for (int f = 0; f < 3 && fmt == Fmt::ggml; ++f) {
+    ds.fdot[f] = dot_for(isa, kFloatFmts[f]);
+    ds.fdots[f] = isa == Isa::avx512 ? avx512_dots(kFloatFmts[f])
+                  : isa == Isa::avx2 ? avx2_dots(kFloatFmts[f])
+                                     : nullptr;
+  }
   if (fmt == Fmt::ggml && dot != Dot::f32) {
     const bool v512 = isa == Isa::avx512 && avx512_qdots(false);
     const bool v256 = isa == Isa::avx2 && avx2_qdots();

@@ -74,6 +74,21 @@ def test_ggml_weights_match_the_dequantized_twin(t) -> None:
     _close(y, x @ twin.T, x, twin)
 
 
+@pytest.mark.parametrize("t", ["F32", "F16", "BF16"])
+def test_ggml_float_types_are_their_float_format_bit_for_bit(t) -> None:
+    """A GGUF F32 / F16 / BF16 matrix runs its float format's row kernels (several tokens
+    per weight read), so it gives the float tensor's bits on every ISA path."""
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t]
+    g = torch.Generator().manual_seed(4)
+    N, K = 21, 70  # a partial quad and a vector tail
+    w = torch.randn(N, K, generator=g).to(dtype)
+    raw = w.view(torch.uint8).reshape(N, -1)
+    x = torch.randn(9, K, generator=g)
+    for isa in ISAS:
+        got = store.cpu_linear(x, raw, ggml_type=pk.ggml_type_id(t), in_features=K, isa=isa)
+        assert torch.equal(got, store.cpu_linear(x, w, isa=isa)), isa
+
+
 def test_float_rows_with_a_row_stride_and_no_tokens() -> None:
     x = torch.randn(3, 40)
     big = torch.randn(11, 64)
