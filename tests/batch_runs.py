@@ -11,10 +11,16 @@ from psr.runtime.batch import BatchDecoder
 
 
 def solo(model: Any, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """The solo run's tokens and the logits each was chosen from `[n, V]`."""
-    out = model.generate(prompt, max_new_tokens=n)
-    logits = model.decode_logits(out, len(prompt))[0, len(prompt) - 1 : len(prompt) - 1 + n]
-    return out[0, len(prompt) :].tolist(), logits
+    """The solo run's tokens and the logits each was chosen from `[n, V]` (float32), as
+    `generate` saw them (its prefill computes the LM head over the last row only)."""
+    seen: list[torch.Tensor] = []
+
+    def record(ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        seen.append(scores[0].clone())
+        return scores
+
+    out = model.generate(prompt, max_new_tokens=n, logits_processor=record)
+    return out[0, len(prompt) :].tolist(), torch.stack(seen)
 
 
 def batched(

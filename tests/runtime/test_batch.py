@@ -43,7 +43,7 @@ def _assert_solo(model, prompts, n, toks, logits) -> None:
     for j, p in enumerate(prompts):
         st, sl = solo(model, p, n[j])
         assert toks[j] == st, f"prompt {j}"
-        assert torch.equal(logits[j], sl), f"prompt {j}"
+        assert torch.equal(logits[j].float(), sl), f"prompt {j}"
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 20, 30, 17, 19, 23, 29, 31, 37], [42, 42, 42]]  # vocab 64
@@ -139,7 +139,7 @@ def test_a_solo_call_between_steps_changes_nothing(ckpts) -> None:
         dec.feed({x: int(r[x].argmax()) for x in s})
     for j, x in enumerate(s):
         _, sl = solo(model, PROMPTS[j], 6)
-        assert torch.equal(torch.stack(got[x]), sl)
+        assert torch.equal(torch.stack(got[x]).float(), sl)
 
 
 def test_generate_batch_equals_generate(ckpts) -> None:
@@ -324,7 +324,7 @@ def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
     with pytest.raises(ValueError, match=r"would hold 13 KV tokens, beyond the batch's kv_tok"):
         dec.feed({a: int(got[-1].float().argmax())})
     assert dec.kv_held == 12 and torch.equal(dec.ready()[a], got[-1])  # nothing changed
-    assert torch.equal(torch.stack(got), solo(model, PROMPTS[0], 8)[1])
+    assert torch.equal(torch.stack(got).float(), solo(model, PROMPTS[0], 8)[1])
     dec.remove(a)
     got = []
     for _ in range(4):  # b: 9 + 3 steps
@@ -332,7 +332,7 @@ def test_kv_beyond_the_budget_waits_or_is_refused_never_evicts(ckpts) -> None:
         got.append(r[b])
         if len(got) < 4:
             dec.feed({b: int(r[b].float().argmax())})
-    assert torch.equal(torch.stack(got), solo(model, PROMPTS[1], 4)[1])
+    assert torch.equal(torch.stack(got).float(), solo(model, PROMPTS[1], 4)[1])
 
 
 def test_reservations_make_every_step_fit_the_kv_budget(ckpts) -> None:
@@ -378,7 +378,7 @@ def test_reservations_make_every_step_fit_the_kv_budget(ckpts) -> None:
         assert dec.kv_held <= dec.kv_reserved <= 20
     assert joined_after == 8  # it started once a had left
     for s, p in ((a, PROMPTS[0]), (b, PROMPTS[1]), (c, PROMPTS[2])):
-        assert torch.equal(torch.stack(got[s]), solo(model, p, want[s])[1])
+        assert torch.equal(torch.stack(got[s]).float(), solo(model, p, want[s])[1])
     assert dec.kv_reserved == 0 and not dec.waits(9, 11)  # all freed: the budget whole
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from batch_runs import solo
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
@@ -118,12 +119,6 @@ def _decode(dec, prompts, n, joins, trace):
     return [x.float().argmax(-1).tolist() for x in stacked], stacked
 
 
-def _solo(model, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    out = model.generate(prompt, max_new_tokens=n)
-    logits = model.decode_logits(out, len(prompt))[0, len(prompt) - 1 : len(prompt) - 1 + n]
-    return out[0, len(prompt) :].tolist(), logits
-
-
 def _prompts(seed: int, count: int) -> tuple[list[list[int]], list[int], list[int]]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(64) for _ in range(rng.randint(1, 12))] for _ in range(count)]
@@ -138,7 +133,7 @@ def test_the_store_has_batch_slots_and_each_cache_the_solo_ones(ckpt, model) -> 
     plain.runtime.prefill_reads = "slab"
     assert plain.runtime.max_capacity == C
     for p in ([5, 6, 7, 8, 9], [42, 42, 1]):
-        a, b = _solo(model, p, 8), _solo(plain, p, 8)
+        a, b = solo(model, p, 8), solo(plain, p, 8)
         assert a[0] == b[0] and torch.equal(a[1], b[1])
     assert BatchDecoder(model, 3).slab.size == 3 * C  # default: b x slots, up to the store's
     assert BatchDecoder(model, 5).slab.size == E
@@ -155,9 +150,9 @@ def test_rows_equal_solo_for_any_slab_size_under_copy_delays(model, b, slab_slot
         model.runtime.store.set_copy_delay(0)
     assert dec.slab.size == slab_slots and watch.copies > 0 and watch.reads > 0
     for j, p in enumerate(prompts):
-        st, sl = _solo(model, p, n[j])
+        st, sl = solo(model, p, n[j])
         assert toks[j] == st, f"prompt {j}"
-        assert torch.equal(logits[j], sl), f"prompt {j}"
+        assert torch.equal(logits[j].float(), sl), f"prompt {j}"
     if slab_slots >= b * C:  # the union of the live caches always fits: nothing spilled
         assert dec.slab.counts["spilled"] == 0
     assert not any(dec.slab.refs)

@@ -513,7 +513,11 @@ class BatchDecoder:
         rt.prefill_more = end < T
         try:
             with rt.batch_forward(BatchPrefill(rt, self.slab, seq)):
-                out = self.model.hf(input_ids=seq.prompt[:, seq.done : end], use_cache=True, **past)
+                # Only the last row's logits are read (as the solo prefill: logits_to_keep).
+                out = self.model.hf(
+                    input_ids=seq.prompt[:, seq.done : end], use_cache=True, logits_to_keep=1,
+                    **past,
+                )
         finally:
             rt.prefill_more = False
         self.stats["prefill_tokens"] += end - seq.done
