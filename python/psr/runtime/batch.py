@@ -515,7 +515,9 @@ class BatchDecoder:
             with rt.batch_forward(BatchPrefill(rt, self.slab, seq)):
                 # Only the last row's logits are read (as the solo prefill: logits_to_keep).
                 out = self.model.hf(
-                    input_ids=seq.prompt[:, seq.done : end], use_cache=True, logits_to_keep=1,
+                    input_ids=seq.prompt[:, seq.done : end],
+                    use_cache=True,
+                    logits_to_keep=1,
                     **past,
                 )
         finally:
