@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run `psr`; errors exit (SystemExit) with status 2 (usage), 1 (runtime) or 130."""
+    own_process = argv is None  # the `psr` command, not main() called in-process
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_from_env()
     try:
@@ -118,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             debug = debug or lead > 0
             return run_lm_eval(argv[lead + 1 :])
         args = build_parser().parse_args(argv)
+        args.own_process = own_process
         debug = debug or args.debug
         threads_env = os.environ.get("PSR_THREADS")  # apply_threads sets it for the command
         try:

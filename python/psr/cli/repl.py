@@ -30,7 +30,7 @@ from psr.cli.generate import (
     add_policy_options,
     add_sampling_options,
     check_policy_options,
-    load_options,
+    load_model,
     sampling_options,
 )
 
@@ -68,9 +68,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     if not has_tokenizer(path):
         raise ValueError(f"--model: {path} has {describe_missing_tokenizer(path)}; chat needs one")
-    from psr.models import load
-
-    model = load(path, **load_options(args), progress=show_progress(args))
+    model = load_model(path, args, show_progress(args))
     chat = Chat(model, args.system, args.max_new_tokens, sampling_options(args))
     with model:
         chat.run(sys.stdin, sys.stdout)

@@ -28,7 +28,6 @@ from psr.cli.generate import (
     add_policy_options,
     check_policy_options,
     load_model,
-    load_options,
 )
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
@@ -358,11 +357,10 @@ def _load_for_slots(path: str, args: argparse.Namespace, show_progress: bool) ->
         return load_model(path, args, show_progress)
     import torch
 
-    from psr.models import load
     from psr.models.memory_plan import MemoryPlanError
 
     try:
-        return load(path, **load_options(args), batch=n, progress=show_progress)
+        return load_model(path, args, show_progress, batch=n)
     except (MemoryPlanError, torch.OutOfMemoryError) as e:
         logging.getLogger("psr.serve").warning(
             "--parallel %d: a slab for %d sequences does not fit (%s); the solo slots", n, n, e
