@@ -115,7 +115,8 @@ def generate_speculative(
         return ids, stats
     kv_name = cache_kwarg(hf)
     drafter.reset()
-    out = hf(input_ids=ids, use_cache=True, output_hidden_states=True)  # prefill: exact
+    # prefill: exact; the LM head over the last row only, as the plain decode's prefill
+    out = hf(input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1)
     kv = output_cache(out)
     tokens = ids[0].tolist()
     last = int(out.logits[0, -1].float().argmax())
