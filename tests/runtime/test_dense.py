@@ -42,11 +42,15 @@ def test_quant_linear_equals_the_reference(word: str, group, compute: str, f32_d
     fmt, k, q, s = _weight(word, group, 12)
     bias = torch.randn(12)
     lin = QuantLinear(q.reshape(12, -1), fmt, k, scales=s, bias=bias, compute=compute)
-    x = torch.randn(2, 3, k)
+    x = torch.randn(2, 3, k, generator=torch.Generator().manual_seed(7))
     want = pk.linear_ref(x.reshape(6, k), lin.qweight, fmt, k, s, bias).reshape(2, 3, 12)
-    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)
     w = lin.dequantized()
-    torch.testing.assert_close(lin(x), x @ w.T + bias, rtol=1e-5, atol=1e-5)
+    # fp32 sums in another order: a few ulps of the sum of |x| |w| per output (a fixed 1e-5
+    # failed now and then on fp8's larger sums, with x drawn from the process's generator)
+    bound = (x.abs() @ w.abs().T) * 1e-5 + 1e-6
+    for ref in (want, x @ w.T + bias):
+        err = (lin(x) - ref).abs()
+        assert bool((err <= bound).all()), float((err / bound).max())
     if word in ("Q4_K", "int8"):  # the embedding: only the looked-up rows, in its dtype
         emb = QuantEmbedding(lin.qweight, fmt, k, torch.bfloat16, scales=s)
         ids = torch.tensor([[3, 0], [11, 3]])
