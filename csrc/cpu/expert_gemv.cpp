@@ -939,54 +939,55 @@ void group_by_row(const std::vector<const uint8_t*>& rows, std::vector<int64_t>&
   starts.push_back(static_cast<int64_t>(order.size()));
 }
 
-// The down phase by rows: tokens per chunk (their pairs' outputs held at once: 32 x k x H
-// floats; a run of down rows is read once for the chunk's tokens of its expert) and down
-// rows per work item (a run of consecutive rows of one expert's matrix). Neither changes
-// how a token is computed, only which thread computes it and what is read together.
+// The down phase (down_by_expert): tokens per chunk, which bounds its d[pair, H] buffer (and
+// a run of down rows is read once for the chunk's tokens of its expert), and down rows per
+// work item (a run of consecutive rows of one expert's matrix): kDownTokens and kGemmRows
+// with AVX-512's tiled GEMM, kDownChunk and kDownRows on the row dots. Neither changes how
+// a token is computed, only which thread computes it and what is read together.
+constexpr int64_t kDownTokens = 512;
 constexpr int64_t kDownChunk = 32;
 constexpr int64_t kDownRows = 1024;
 
-// Tokens per pass of the down phase by expert: bounds its d[pair, H] buffer.
-constexpr int64_t kDownTokens = 512;
-
-// expert_ffn's down phase by expert (the tiled GEMM's form) for tokens [t0, t1): each routed
-// row's down rows against all its (token, expert) pairs' h at once into d[pair, H] (the
-// tiled GEMM where a row has kGemmMin pairs, the row dots otherwise: the same bits), then
-// each token's y = sum_j w_j d[t, j] over its experts in order j = 0..k-1, as the chunked
-// form sums.
+// expert_ffn's down phase by expert for tokens [t0, t1): each routed row's down rows, in
+// items of `per_item` consecutive rows (one long read of its matrix), against all its
+// (token, expert) pairs' h at once into d[pair, H] (AVX-512's tiled GEMM where it has one
+// and a row has kGemmMin pairs, the row dots otherwise: the same bits), then each token's
+// y = sum_j w_j d[t, j] over its experts in order j = 0..k-1, the sum T = 1 makes.
 void down_by_expert(const Dots& ds, Fmt fmt, const Matrix& down,
                     const std::vector<const uint8_t*>& rows, int64_t t0, int64_t t1, const float* h,
-                    int64_t hl, const Call& c, int64_t H, int threads) {
+                    int64_t hs, const Call& c, int64_t H, int64_t per_item, int threads) {
   const int64_t K = c.k, p0 = t0 * K, np = (t1 - t0) * K;
   const std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
   std::vector<int64_t> order, starts;
   group_by_row(mine, order, starts);
   const int64_t groups = static_cast<int64_t>(starts.size()) - 1;
   std::vector<float> d(static_cast<size_t>(np * H));  // pair p0 + i at d + i * H
-  const int64_t hb = (H + kGemmRows - 1) / kGemmRows;
+  const int64_t hb = (H + per_item - 1) / per_item;
+  const bool i4 = fmt == Fmt::int4;  // no quantized h: its even / odd halves at hs / 2
+  const int S = is_tiled_type(down.type) ? kTileRows : 4;  // rows a step
   Pool::get().run(threads, groups * hb, [&](int64_t b, int64_t e) {
     for (int64_t item = b; item < e; ++item) {
-      const int64_t g = item / hb, h0 = (item % hb) * kGemmRows, h1 = std::min(H, h0 + kGemmRows);
+      const int64_t g = item / hb, h0 = (item % hb) * per_item, h1 = std::min(H, h0 + per_item);
       const int64_t* users = order.data() + starts[g];
       const int64_t n = starts[g + 1] - starts[g];
       const uint8_t* row = mine[static_cast<size_t>(users[0])];
-      std::vector<const float*> v(static_cast<size_t>(n));
+      std::vector<const float*> v(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
       std::vector<float*> out(static_cast<size_t>(n));
       for (int64_t u = 0; u < n; ++u) {
-        v[u] = h + (p0 + users[u]) * hl;
+        v[u] = h + (p0 + users[u]) * hs;
+        v2[u] = i4 ? v[u] + hs / 2 : nullptr;
         out[u] = d.data() + users[u] * H + h0;
       }
-      if (tiled(ds, down, n)) {
+      if (ds.gemm && tiled(ds, down, n)) {
         gemm_rows(ds, row, down, h0, h1, v.data(), n, out.data());
         continue;
       }
-      std::vector<float> dg(static_cast<size_t>(4 * n));
-      for (int64_t r0 = h0; r0 < h1; r0 += 4) {
-        int64_t q[4];
-        quad(r0, H, q);
-        dot_rows_shared(ds, fmt, row, down, q, v.data(), nullptr, n, dg.data());
+      std::vector<float> dg(static_cast<size_t>(S * n));
+      for (int64_t r0 = h0; r0 < h1; r0 += S) {
+        dot_rows_step(ds, fmt, row, down, S, r0, H, v.data(), i4 ? v2.data() : nullptr, n,
+                      dg.data());
         for (int64_t u = 0; u < n; ++u)
-          for (int r = 0; r < 4 && r0 + r < h1; ++r) out[u][r0 - h0 + r] = dg[4 * u + r];
+          for (int r = 0; r < S && r0 + r < h1; ++r) out[u][r0 - h0 + r] = dg[S * u + r];
       }
     }
   });
@@ -1104,57 +1105,14 @@ void expert_ffn(const Layout& L, const Call& c, int threads, Isa isa) {
     hin = hq.data();
     hs = qfloats(down.act, F);
   }
-  if (ds.gemm && g_several_inputs(down.type) && T >= kGemmMin) {
-    for (int64_t t0 = 0; t0 < T; t0 += kDownTokens)
-      down_by_expert(ds, fmt, down, rows, t0, std::min(T, t0 + kDownTokens), hin, hs, c, H,
-                     threads);
-    return;
-  }
-  // Per chunk of tokens: each routed expert's down rows computed for its tokens in runs of
-  // kDownRows consecutive rows (one long read of its matrix: interleaving the 8 experts'
-  // rows in small blocks streamed ~5% of a decode token slower), then each token's sum.
-  std::vector<float> d;
-  for (int64_t t0 = 0; t0 < T; t0 += kDownChunk) {
-    const int64_t t1 = std::min(T, t0 + kDownChunk), p0 = t0 * K, np = (t1 - t0) * K;
-    std::vector<const uint8_t*> mine(rows.begin() + p0, rows.begin() + p0 + np);
-    std::vector<int64_t> ord, st;  // the chunk's pairs grouped by row
-    group_by_row(mine, ord, st);
-    const int64_t groups_here = static_cast<int64_t>(st.size()) - 1;
-    const int64_t hb = (H + kDownRows - 1) / kDownRows;
-    d.resize(static_cast<size_t>(np * H));  // pair p's down output at d + p * H
-    Pool::get().run(threads, groups_here * hb, [&](int64_t b, int64_t e) {
-      for (int64_t item = b; item < e; ++item) {
-        const int64_t g = item / hb, h0 = (item % hb) * kDownRows;
-        const int64_t h1 = std::min(H, h0 + kDownRows), n = st[g + 1] - st[g];
-        const int64_t* users = ord.data() + st[g];
-        std::vector<const float*> v(static_cast<size_t>(n)), v2(static_cast<size_t>(n));
-        for (int64_t u = 0; u < n; ++u) {
-          v[u] = hin + (p0 + users[u]) * hs;
-          v2[u] = i4 ? v[u] + hl / 2 : nullptr;
-        }
-        const int S = is_tiled_type(down.type) ? kTileRows : 4;  // rows a step
-        std::vector<float> dg(static_cast<size_t>(S * n));
-        const uint8_t* row = mine[static_cast<size_t>(users[0])];
-        for (int64_t r0 = h0; r0 < h1; r0 += S) {
-          dot_rows_step(ds, fmt, row, down, S, r0, H, v.data(), i4 ? v2.data() : nullptr, n,
-                        dg.data());
-          for (int64_t u = 0; u < n; ++u)
-            for (int r = 0; r < S && r0 + r < h1; ++r) d[users[u] * H + r0 + r] = dg[S * u + r];
-        }
-      }
-    });
-    Pool::get().run(threads, t1 - t0, [&](int64_t b, int64_t e) {
-      for (int64_t t = t0 + b; t < t0 + e; ++t)
-        for (int64_t i = 0; i < H; ++i) {
-          float acc = 0.f;
-          for (int64_t j = 0; j < K; ++j) {  // experts in order: the sum T = 1 makes
-            if (!rows[t * K + j]) continue;  // absent: contributes nothing
-            acc += c.weights[t * K + j] * d[(t * K + j - p0) * H + i];
-          }
-          c.y[t * H + i] = acc;
-        }
-    });
-  }
+  // AVX-512's tiled GEMM: long token chunks, GEMM-sized row items. Else short chunks and
+  // runs of kDownRows rows (interleaving the 8 experts' rows in small blocks streamed ~5%
+  // of a decode token slower).
+  const bool gemm = ds.gemm && g_several_inputs(down.type) && T >= kGemmMin;
+  const int64_t chunk = gemm ? kDownTokens : kDownChunk, per_item = gemm ? kGemmRows : kDownRows;
+  for (int64_t t0 = 0; t0 < T; t0 += chunk)
+    down_by_expert(ds, fmt, down, rows, t0, std::min(T, t0 + chunk), hin, hs, c, H, per_item,
+                   threads);
 }
 
 // Tokens per pass over a block of rows: the chunk's inputs stay in L1 while the block
