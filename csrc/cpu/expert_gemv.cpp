@@ -623,6 +623,7 @@ struct Dots {
   // format's dot products on the same ISA path (one dot product per format).
   DotFn fdot[3] = {};
   DotsFn fdots[3] = {};
+  int dots_inputs = kRowInputs;  // inputs a dots / fdots call takes best of more than 4
 };
 
 // A GGML float type's float format (F32, F16, BF16 -> Fmt::f32 / f16 / bf16) and its
@@ -709,8 +710,9 @@ void dot_rows_shared(const Dots& ds, Fmt fmt, const uint8_t* base, const Matrix&
   if (dots && fmt != Fmt::int4) {  // int8 / fp8: one scale a row
     const uint8_t* w[4];
     for (int r = 0; r < 4; ++r) w[r] = base + m.at + rows[r] * m.rb;
-    for (int64_t u0 = 0; u0 < n; u0 += kRowInputs) {
-      const int nv = static_cast<int>(std::min<int64_t>(kRowInputs, n - u0));
+    const int g = n <= kRowInputs ? kRowInputs : ds.dots_inputs;  // (measured: four spill
+    for (int64_t u0 = 0; u0 < n; u0 += g) {  // less than one input after three)
+      const int nv = static_cast<int>(std::min<int64_t>(g, n - u0));
       dots(w, m.K, v + u0, nv, out + 4 * u0);
       if (!quantized(fmt)) continue;
       for (int r = 0; r < 4; ++r) {  // as dot_rows: the row's scale times its sum
@@ -840,6 +842,7 @@ Dots dots_for(Isa isa, Fmt fmt, Dot dot = Dot::f32) {
           isa == Isa::avx512 && fmt == Fmt::ggml ? avx512_ggml_gemm() : nullptr};
   ds.mode = dot;
   ds.isa = isa;
+  ds.dots_inputs = isa == Isa::avx2 ? kAvx2DotsInputs : kRowInputs;
   for (int f = 0; f < 3 && fmt == Fmt::ggml; ++f) {
     ds.fdot[f] = dot_for(isa, kFloatFmts[f]);
     ds.fdots[f] = isa == Isa::avx512 ? avx512_dots(kFloatFmts[f])

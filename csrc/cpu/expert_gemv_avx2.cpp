@@ -98,9 +98,11 @@ struct FP8 {
   static float one(const uint8_t* p, int64_t i) { return fp8_e4m3_to_f32(p[i]); }
 };
 
-// Four rows against NV inputs (each chunk of the rows widened once for all of them):
+// Four rows against NV inputs (each chunk of a row widened once for all of them):
 // out[4 t + r]. Input t sees the same operations in the same order as at NV = 1 (dot4,
-// the one-input kernel), so the same bits.
+// the one-input kernel), so the same bits. At NV = 3, 12 accumulators, the inputs' chunks
+// and one widened row fill AVX2's 16 registers; NV = 4 spills accumulators (a store and a
+// reload on their chains), so more inputs go three at a time (kAvx2DotsInputs).
 template <class W, int NV>
 void dot4_nv(const uint8_t* const w[4], int64_t n, const float* const* v, float* out) {
   __m256 a[NV][4];
@@ -108,14 +110,23 @@ void dot4_nv(const uint8_t* const w[4], int64_t n, const float* const* v, float*
     for (int r = 0; r < 4; ++r) a[t][r] = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 w0 = W::vec(w[0], i), w1 = W::vec(w[1], i), w2 = W::vec(w[2], i),
-                 w3 = W::vec(w[3], i);
-    for (int t = 0; t < NV; ++t) {
-      const __m256 x = _mm256_loadu_ps(v[t] + i);
-      a[t][0] = _mm256_fmadd_ps(w0, x, a[t][0]);
-      a[t][1] = _mm256_fmadd_ps(w1, x, a[t][1]);
-      a[t][2] = _mm256_fmadd_ps(w2, x, a[t][2]);
-      a[t][3] = _mm256_fmadd_ps(w3, x, a[t][3]);
+    if constexpr (NV == 4) {  // the four rows widened first: the order that spills least
+      const __m256 w0 = W::vec(w[0], i), w1 = W::vec(w[1], i), w2 = W::vec(w[2], i),
+                   w3 = W::vec(w[3], i);
+      for (int t = 0; t < NV; ++t) {
+        const __m256 x = _mm256_loadu_ps(v[t] + i);
+        a[t][0] = _mm256_fmadd_ps(w0, x, a[t][0]);
+        a[t][1] = _mm256_fmadd_ps(w1, x, a[t][1]);
+        a[t][2] = _mm256_fmadd_ps(w2, x, a[t][2]);
+        a[t][3] = _mm256_fmadd_ps(w3, x, a[t][3]);
+      }
+    } else {  // one widened row at a time beside the NV inputs' chunks
+      __m256 x[NV];
+      for (int t = 0; t < NV; ++t) x[t] = _mm256_loadu_ps(v[t] + i);
+      for (int r = 0; r < 4; ++r) {
+        const __m256 wr = W::vec(w[r], i);
+        for (int t = 0; t < NV; ++t) a[t][r] = _mm256_fmadd_ps(wr, x[t], a[t][r]);
+      }
     }
   }
   for (int t = 0; t < NV; ++t) {
