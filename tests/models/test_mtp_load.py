@@ -213,6 +213,26 @@ def test_load_with_the_checkpoints_mtp_layer_decodes_exactly_as_greedy(
     assert m.spec_stats.blocks > 0
 
 
+def test_a_prompt_longer_than_the_prefill_chunk_prefills_in_its_chunks(tmp_path) -> None:
+    """Speculative decoding prefills in generate's chunks (so the same KV cache and first
+    logits; one forward over the prompt had other bits and held every layer's activations
+    for all of it), the MTP drafter takes every chunk's rows, and the tokens are greedy's."""
+    path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
+    kw = dict(residency=1.0, progress=False, prefill_chunk=5)
+    want = psr.load(path, "exact", **kw).generate(PROMPT, 12)
+    m = psr.load(path, "exact", speculative="mtp", block=2, block_k=8, verify="budget", **kw)
+    seen: list[int] = []
+    hook = m.hf.register_forward_pre_hook(
+        lambda _m, _a, k: seen.append(k["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        assert m.generate(PROMPT, 12).tolist() == want.tolist()
+    finally:
+        hook.remove()
+    assert seen[:3] == [5, 5, 2] and len(PROMPT) == 12  # boundaries 5, 10, then the end
+    assert m.spec_stats.blocks > 0
+
+
 @pytest.mark.parametrize(("verify", "block_k"), [("budget", 4), ("cpu:1", None)])
 def test_group_limited_verify_blocks_are_deterministic_under_copy_delays(
     verify, block_k, tmp_path, monkeypatch

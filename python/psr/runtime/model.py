@@ -566,6 +566,7 @@ class OffloadedModel(nn.Module):
             rule,
             eos_token_id=eos,
             on_block=None if rec is None else lambda _n, emitted: rec.trace.emitted.append(emitted),
+            prefill_chunk=self.prefill_chunk,
         )
         self.spec_stats = st
         if streamer is not None:

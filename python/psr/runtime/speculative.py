@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from psr.runtime import chunked
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.kv import cache_kwarg, output_cache
 from psr.runtime.verify import VerifyRule
@@ -105,8 +106,10 @@ def generate_speculative(
     *,
     eos_token_id: int | None = None,
     on_block: Any = None,
+    prefill_chunk: int | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Greedy speculative decoding of `ids [1, T]`; returns `[1, T + new]` and stats.
+    `prefill_chunk`: the model's prefill chunk (None: the prompt in one chunk).
 
     `on_block(block_tokens, accepted)` is called after every verify block (the latency
     model's trace recorder uses it to weigh each step by the tokens it emitted)."""
@@ -115,12 +118,23 @@ def generate_speculative(
         return ids, stats
     kv_name = cache_kwarg(hf)
     drafter.reset()
-    # prefill: exact; the LM head over the last row only, as the plain decode's prefill
-    out = hf(input_ids=ids, use_cache=True, output_hidden_states=True, logits_to_keep=1)
-    kv = output_cache(out)
+    # The prefill: exact, in the plain prefill's chunks, the LM head over the last row only,
+    # so the KV cache and first logits are generate's (one forward over a long prompt had
+    # other bits, and held every layer's activations for the whole prompt). The drafter
+    # takes every prompt row's last hidden state.
+    rows: list[torch.Tensor] = []
+
+    def forward(part: torch.Tensor, pos: int, past: Any) -> tuple[torch.Tensor, Any]:
+        kw = {} if past is None else {kv_name: past}
+        out = hf(input_ids=part, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                 **kw)  # fmt: skip
+        rows.append(_last_hidden(out))
+        return out.logits, output_cache(out)
+
+    logits, kv = chunked.prefill(runtime, forward, ids, prefill_chunk or ids.shape[1])
     tokens = ids[0].tolist()
-    last = int(out.logits[0, -1].float().argmax())
-    hidden = _last_hidden(out)
+    last = int(logits[0, -1].float().argmax())
+    hidden = torch.cat(rows)
     tokens.append(last)
     stats.emitted = 1
     runtime.set_block_mode(rule)
