@@ -2,6 +2,8 @@
 runs (psr_kernels is imported after this file); with one, the kernels run compiled."""
 
 import os
+import random
+import zlib
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -12,6 +14,7 @@ if not torch.cuda.is_available():
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 torch.set_num_threads(1)
@@ -29,6 +32,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _seed(name: str) -> None:
+    seed = zlib.crc32(name.encode())
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _seeded_module(request: pytest.FixtureRequest) -> None:
+    """A module's fixtures draw unseeded inputs from a seed of the module's path."""
+    _seed(str(request.path.relative_to(request.config.rootpath)))
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request: pytest.FixtureRequest) -> None:
+    """Each test draws its unseeded inputs (torch's, random's and numpy's global
+    generators) from a seed of its own id: the same inputs whichever tests its worker ran
+    before (under --dist loadfile the generators' state depended on that, and a tight
+    tolerance could fail now and then)."""
+    _seed(request.node.nodeid)
 
 
 @pytest.fixture(autouse=True)
