@@ -65,6 +65,15 @@ class CacheUse(Protocol):
     ) -> None: ...
 
 
+class CachePrefetch(Protocol):
+    """`decode_step_ref`'s `prefetch`: `cache_prefetch_ref` of the first n `predicted` ids
+    on `layer`'s row, bit for bit."""
+
+    def __call__(
+        self, state: torch.Tensor, layout: CacheLayout, layer: int, predicted: torch.Tensor, n: int
+    ) -> None: ...
+
+
 @triton.jit
 def _not_finite(x, valid):
     """1 if any valid element of the tile is NaN or inf, else 0 (int32 scalar)."""
@@ -415,12 +424,14 @@ def decode_step_ref(
     next_gate_bias: torch.Tensor | None = None,
     capped: bool = True,
     use: CacheUse | None = None,
+    prefetch: CachePrefetch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch reference of `decode_step` (same arguments and results): the routing
     and cache references in the kernel's order, with no host read (`capped=False`: 9 aten
     ops fewer per call). `use`: a function that does what `_flag` of the logits and
     `cache_use_ref` do to the row, bit for bit, in fewer ops (`psr.store.cpu_router`'s
-    `cpu_cache_use`: one extension call on the CPU); not while torch.compile traces."""
+    `cpu_cache_use`: one extension call on the CPU); `prefetch` the same for
+    `cache_prefetch_ref` (`cpu_cache_prefetch`); neither while torch.compile traces."""
     op = "decode_step_ref"
     if not checked:
         _check(op, logits, spec, state, layout, layer, n, residual, norm_weight, gate_weight)
@@ -445,7 +456,10 @@ def decode_step_ref(
                 check_finite=False, gate_bias=next_gate_bias,
             )  # fmt: skip
             _flag(state, lo, layer + 1, residual)
-            cache_prefetch_ref(state, lo, layer + 1, pred, n)
+            if prefetch is None or torch.compiler.is_compiling():
+                cache_prefetch_ref(state, lo, layer + 1, pred, n)
+            else:
+                prefetch(state, lo, layer + 1, pred, n)
     return w.to(out_dtype), ids
 
 

@@ -1,5 +1,6 @@
-// The CPU decode step's logical-cache `use` in one call (issue 39: the router and cache
-// bookkeeping of a decode token on the CPU were ~45 torch ops per MoE layer).
+// The CPU decode step's logical-cache `use` and `prefetch`, each in one call (issue 39: the
+// router and cache bookkeeping of a decode token on the CPU were ~45 torch ops per MoE
+// layer, and the prefetch's loop ~10 ops per predicted id).
 //
 // cache_use(row, layout, ids, k, capped, logits, n) does on one layer's int32 row of the
 // packed state (psr_kernels.cache_state) exactly what psr_kernels.cache_state_ref's
@@ -56,6 +57,11 @@ enum Off : int {
   kCpuN,
   kInserts,
   kKindMiss,
+  kPfList,
+  kPfRows,
+  kPrefetches,
+  kPfN,
+  kKindPf,
   kNumOffsets
 };
 
@@ -174,6 +180,78 @@ void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bo
   }
 }
 
+// cache_prefetch_ref's `prefetch` of pred[0..n) into one layer's row, in order: a member
+// becomes most recent (no copy); another id is inserted as most recent in the best place
+// (a free slot, lowest first, else the least recent member's, evicted), listed in the
+// prefetch copy list (compacted, its count, -1 rows past it); the clock and counter.
+void cache_prefetch(int32_t* row, const int64_t* o, const int64_t* pred, int64_t n) {
+  const int64_t E = o[kE], S = o[kS], R = o[kPfRows];
+  if (n < 0 || n > R) throw std::invalid_argument("cpu_cache_prefetch: n outside the layout");
+  int32_t* stamp = row;
+  int32_t* member = row + o[kMember];
+  int32_t* pending = row + o[kPending];
+  int32_t* slot_of = row + o[kSlotOf];
+  int32_t* slot_expert = row + o[kSlotExpert];
+  int32_t* hdr = row + o[kHeader];
+  int32_t* pf_list = row + o[kPfList];
+  for (int64_t i = 0; i < n; ++i)
+    if (pred[i] < 0 || pred[i] >= E)
+      throw std::invalid_argument("cpu_cache_prefetch: predicted id " + std::to_string(pred[i]) +
+                                  " outside [0, " + std::to_string(E) + ")");
+  // The place key of every slot (as cache_use's), kept current below.
+  const int64_t capacity = hdr[o[kCapacity]];
+  std::vector<int64_t> key(S);
+  for (int64_t s = 0; s < S; ++s) key[s] = s < capacity ? s - (S + 1) : kBig;
+  for (int64_t e = 0; e < E; ++e)
+    if (slot_of[e] >= 0 && slot_of[e] < S) key[slot_of[e]] = stamp[e];
+  const int64_t clock = hdr[o[kClock]];
+  int64_t pos = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t p = pred[i];
+    const int64_t now = clock + i;
+    const int64_t own = slot_of[p];
+    const int32_t pend = pending[p];
+    const bool is_member = member[p] != 0;
+    int64_t place = -1, best = 0;
+    if (is_member && own >= 0 && own < S) {
+      place = own;  // a member's own slot is its place
+      best = -kBig;
+    } else {  // the least key, the lowest slot among equals
+      for (int64_t s = 0; s < S; ++s)
+        if (place < 0 || key[s] < best) best = key[s], place = s;
+    }
+    if (place < 0 || best >= kBig)
+      throw std::logic_error("cpu_cache_prefetch: no place for an insertion (state invariant)");
+    const int64_t fresh = is_member ? 0 : 1;
+    if (best >= 0) {  // a member's place: evict it
+      const int64_t v = slot_expert[place];
+      if (v < 0 || v >= E)
+        throw std::logic_error("cpu_cache_prefetch: a member's slot names no expert");
+      member[v] = 0;
+      pending[v] = 0;
+      slot_of[v] = -1;
+    }
+    stamp[p] = static_cast<int32_t>(now);
+    member[p] = 1;
+    pending[p] = static_cast<int32_t>(pend + fresh);
+    slot_of[p] = static_cast<int32_t>(place);
+    slot_expert[place] = static_cast<int32_t>(p);
+    key[place] = now;
+    pf_list[3 * pos] = static_cast<int32_t>(place);
+    pf_list[3 * pos + 1] = static_cast<int32_t>(p);
+    pf_list[3 * pos + 2] = static_cast<int32_t>(o[kKindPf]);
+    pos += fresh;
+  }
+  hdr[o[kClock]] = static_cast<int32_t>(clock + n);
+  hdr[o[kPrefetches]] = static_cast<int32_t>(hdr[o[kPrefetches]] + pos);
+  hdr[o[kPfN]] = static_cast<int32_t>(pos);
+  for (int64_t j = pos; j < R; ++j) {
+    pf_list[3 * j] = -1;
+    pf_list[3 * j + 1] = -1;
+    pf_list[3 * j + 2] = static_cast<int32_t>(o[kKindPf]);
+  }
+}
+
 }  // namespace
 
 void bind_router(py::module_& m) {
@@ -194,6 +272,20 @@ void bind_router(py::module_& m) {
       "The logical cache's `use` of one token's routed ids on one layer's int32 state row, "
       "and the non-finite flag of its float32 router logits (addresses of live, checked "
       "tensors; psr.store.cpu_router)");
+  m.def(
+      "cpu_cache_prefetch",
+      [](uintptr_t row, uintptr_t offsets, int64_t n_offsets, uintptr_t pred, int64_t n) {
+        if (!row || !offsets || (n && !pred))
+          throw std::invalid_argument("cpu_cache_prefetch: null address");
+        if (n_offsets != kNumOffsets)
+          throw std::invalid_argument("cpu_cache_prefetch: offsets must hold " +
+                                      std::to_string(kNumOffsets) + " integers");
+        cache_prefetch(reinterpret_cast<int32_t*>(row), reinterpret_cast<const int64_t*>(offsets),
+                       reinterpret_cast<const int64_t*>(pred), n);
+      },
+      py::arg("row"), py::arg("offsets"), py::arg("n_offsets"), py::arg("pred"), py::arg("n"),
+      "The logical cache's `prefetch` of a token's first n predicted ids into one layer's int32 "
+      "state row (addresses of live, checked tensors; psr.store.cpu_router)");
 }
 
 }  // namespace psr::cpu

@@ -76,6 +76,7 @@ def cpu_cache_use(
     logits: int,
     n_logits: int,
 ) -> None: ...
+def cpu_cache_prefetch(row: int, offsets: int, n_offsets: int, pred: int, n: int) -> None: ...
 def cpu_rms_norm(
     x: int,
     rows: int,

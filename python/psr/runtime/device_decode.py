@@ -41,7 +41,7 @@ import torch
 from psr.runtime import store_ops
 from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
-from psr.store.cpu_router import cpu_cache_use, prepare_cache_use
+from psr.store.cpu_router import cpu_cache_prefetch, cpu_cache_use, prepare_cache_use
 from psr_kernels import cache_state as cs
 
 if TYPE_CHECKING:
@@ -102,9 +102,10 @@ class DeviceDecode(Step):
         # Layers whose kernel arguments were checked (on their first call): a layer's
         # arguments keep their shapes, dtypes and devices, so later calls skip the checks.
         self.checked: set[int] = set()
-        # The CPU references' cache `use` as one extension call (the same row, bit for bit).
+        # The CPU references' cache `use` and `prefetch` as extension calls (the same row,
+        # bit for bit).
         self.use_kw = (
-            {"use": cpu_cache_use}
+            {"use": cpu_cache_use, "prefetch": cpu_cache_prefetch}
             if rt.ops.path == "torch" and self.state.device.type == "cpu"
             else {}
         )
