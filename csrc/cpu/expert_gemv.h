@@ -272,13 +272,13 @@ using DotFn = void (*)(const uint8_t* const w[4], int64_t n, const float* v, con
 // them (f32 / bf16 / f16 / int8 / fp8; nullptr where a path has none: the caller loops).
 using DotsFn = void (*)(const uint8_t* const w[4], int64_t n, const float* const* v, int nv,
                         float* out);
-DotsFn avx2_dots(Fmt f);  // nullptr where not compiled or for int4
+DotsFn avx2_dots(Fmt f);    // nullptr where not compiled or for int4
+DotsFn avx512_dots(Fmt f);  // nullptr where not compiled or for int4
 // The inputs a call of avx2_dots takes best when there are more than kRowInputs (it
 // takes up to kRowInputs): AVX2's 16 registers hold 4 rows x 3 inputs of accumulators
 // (AVX-512's 32 hold kRowInputs). Measured on Zen 3, BF16 / F16 / F32 4096 x 2048, 6-32
 // inputs: 12-30% faster than fours; four inputs alone are no slower in one call.
 constexpr int kAvx2DotsInputs = 3;
-DotsFn avx512_dots(Fmt f);  // nullptr where not compiled or for int4
 // int4 with several scale groups: out[r] = sum_g s_r[g] * (partial dot of group g), the
 // group sums kept in vector lanes (one horizontal sum per row). gbytes: bytes per group.
 using GroupDotFn = void (*)(const uint8_t* const w[4], int64_t ng, int64_t gbytes, const float* v,
