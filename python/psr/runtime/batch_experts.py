@@ -53,8 +53,12 @@ def batch_experts(
     )
     w = weights.float()
     y_slab = torch.zeros_like(x)
+    everyone = list(range(len(rows)))
     for group, where, s in _runs(rt, slab, layer, rows):
         if together and any(rows[g].members for g in group):
+            if group == everyone:  # one run of every row (the usual case): no scatter
+                y_slab = _slab_rows(comp, s, x, w, rows, where).to(x.dtype)
+                continue
             at = torch.tensor(group, device=x.device)
             y_slab[at] = _slab_rows(comp, s, x[at], w[at], [rows[g] for g in group], where)
         for g in [] if together else group:
@@ -66,8 +70,11 @@ def batch_experts(
     table = [e if e in r.cpu else -1 for r in rows for e in r.routed]
     virtual = torch.arange(len(rows) * k).view(len(rows), k)
     y_cpu = comp.host_experts(x, host, virtual, w, slot_table=torch.tensor(table), skip_absent=True)
-    has_cpu = torch.tensor([bool(r.cpu) for r in rows], device=x.device)[:, None]
-    has_slab = torch.tensor([bool(r.members) for r in rows], device=x.device)[:, None]
+    cpu, members = [bool(r.cpu) for r in rows], [bool(r.members) for r in rows]
+    if all(cpu) and all(members):  # every row both parts: the solo step's sum
+        return y_slab + y_cpu
+    has_cpu = torch.tensor(cpu, device=x.device)[:, None]
+    has_slab = torch.tensor(members, device=x.device)[:, None]
     return torch.where(has_slab, torch.where(has_cpu, y_slab + y_cpu, y_slab), y_cpu)
 
 
