@@ -67,6 +67,29 @@ enum Off : int {
 
 constexpr int64_t kBig = 2147483647;  // above any stamp: not a place (cache_state_ref._BIG)
 
+// One layer's row through the layout's offsets: its per-expert fields, slot map and header.
+struct RowView {
+  int32_t *stamp, *member, *pending, *slot_of, *slot_expert, *hdr;
+  RowView(int32_t* row, const int64_t* o)
+      : stamp(row),
+        member(row + o[kMember]),
+        pending(row + o[kPending]),
+        slot_of(row + o[kSlotOf]),
+        slot_expert(row + o[kSlotExpert]),
+        hdr(row + o[kHeader]) {}
+};
+
+// The place key of every slot: free (below the capacity, unused) below zero, lowest slot
+// first; a member's slot its stamp; at or past the capacity kBig (not a place).
+std::vector<int64_t> place_keys(const RowView& r, const int64_t* o) {
+  const int64_t E = o[kE], S = o[kS], capacity = r.hdr[o[kCapacity]];
+  std::vector<int64_t> key(S);
+  for (int64_t s = 0; s < S; ++s) key[s] = s < capacity ? s - (S + 1) : kBig;
+  for (int64_t e = 0; e < E; ++e)
+    if (r.slot_of[e] >= 0 && r.slot_of[e] < S) key[r.slot_of[e]] = r.stamp[e];
+  return key;
+}
+
 bool any_non_finite(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
@@ -80,12 +103,9 @@ void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bo
                const float* logits, int64_t n_logits) {
   const int64_t E = o[kE], S = o[kS], K = o[kK];
   if (k < 1 || k > K) throw std::invalid_argument("cpu_cache_use: need 1 <= k <= top_k");
-  int32_t* stamp = row;
-  int32_t* member = row + o[kMember];
-  int32_t* pending = row + o[kPending];
-  int32_t* slot_of = row + o[kSlotOf];
-  int32_t* slot_expert = row + o[kSlotExpert];
-  int32_t* hdr = row + o[kHeader];
+  const RowView r(row, o);
+  int32_t *stamp = r.stamp, *member = r.member, *pending = r.pending, *slot_of = r.slot_of;
+  int32_t *slot_expert = r.slot_expert, *hdr = r.hdr;
   int32_t* miss_list = row + o[kMissList];
   int32_t* cpu_list = row + o[kCpuList];
 
@@ -123,11 +143,9 @@ void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bo
     n_ins = std::min(n_miss, std::min<int64_t>(hdr[o[kInserts]], room));
     n_cpu = n_miss - n_ins;
   }
-  // Place keys of the slots; the n_ins smallest (distinct) are the places, ascending.
-  std::vector<int64_t> key(S);
-  for (int64_t s = 0; s < S; ++s) key[s] = s < capacity ? s - (S + 1) : kBig;
-  for (int64_t e = 0; e < E; ++e)
-    if (slot_of[e] >= 0 && slot_of[e] < S) key[slot_of[e]] = stamp[e];
+  // Place keys of the slots, a routed member's not a place; the n_ins smallest (distinct)
+  // are the places, ascending.
+  std::vector<int64_t> key = place_keys(r, o);
   for (int64_t e : routed)
     if (slot_of[e] >= 0 && slot_of[e] < S) key[slot_of[e]] = kBig;
   std::vector<std::pair<int64_t, int64_t>> places;  // (key, slot)
@@ -187,23 +205,15 @@ void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bo
 void cache_prefetch(int32_t* row, const int64_t* o, const int64_t* pred, int64_t n) {
   const int64_t E = o[kE], S = o[kS], R = o[kPfRows];
   if (n < 0 || n > R) throw std::invalid_argument("cpu_cache_prefetch: n outside the layout");
-  int32_t* stamp = row;
-  int32_t* member = row + o[kMember];
-  int32_t* pending = row + o[kPending];
-  int32_t* slot_of = row + o[kSlotOf];
-  int32_t* slot_expert = row + o[kSlotExpert];
-  int32_t* hdr = row + o[kHeader];
+  const RowView r(row, o);
+  int32_t *stamp = r.stamp, *member = r.member, *pending = r.pending, *slot_of = r.slot_of;
+  int32_t *slot_expert = r.slot_expert, *hdr = r.hdr;
   int32_t* pf_list = row + o[kPfList];
   for (int64_t i = 0; i < n; ++i)
     if (pred[i] < 0 || pred[i] >= E)
       throw std::invalid_argument("cpu_cache_prefetch: predicted id " + std::to_string(pred[i]) +
                                   " outside [0, " + std::to_string(E) + ")");
-  // The place key of every slot (as cache_use's), kept current below.
-  const int64_t capacity = hdr[o[kCapacity]];
-  std::vector<int64_t> key(S);
-  for (int64_t s = 0; s < S; ++s) key[s] = s < capacity ? s - (S + 1) : kBig;
-  for (int64_t e = 0; e < E; ++e)
-    if (slot_of[e] >= 0 && slot_of[e] < S) key[slot_of[e]] = stamp[e];
+  std::vector<int64_t> key = place_keys(r, o);  // kept current below
   const int64_t clock = hdr[o[kClock]];
   int64_t pos = 0;
   for (int64_t i = 0; i < n; ++i) {
