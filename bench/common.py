@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,3 +18,20 @@ def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(obj, indent=1, default=str))
     tmp.replace(path)
+
+
+def tree_runs(
+    trees: Sequence[Path], rounds: int, cmd: Sequence[str]
+) -> Iterator[tuple[int, Path, dict[str, Any]]]:
+    """(round, tree, result) of `cmd` run once per tree and round, the trees' order
+    alternating round by round, each in a process whose path starts with the tree's
+    `python/` (a checkout with its extension built in place) and the tree, at one thread;
+    the result is the JSON object on the process's last stdout line. A failed run raises
+    RuntimeError with the tail of its stderr."""
+    for r in range(rounds):
+        for tree in trees if r % 2 == 0 else trees[::-1]:
+            env = {**os.environ, "PYTHONPATH": f"{tree / 'python'}:{tree}", "OMP_NUM_THREADS": "1"}
+            p = subprocess.run(list(cmd), env=env, capture_output=True, text=True, check=False)
+            if p.returncode:
+                raise RuntimeError(f"{tree}: {p.stderr[-3000:]}")
+            yield r, tree, json.loads(p.stdout.strip().splitlines()[-1])

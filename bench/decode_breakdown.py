@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -172,19 +171,15 @@ def _show(label: str, got: dict[str, Any]) -> None:
 def compare(a: argparse.Namespace) -> dict[str, Any]:
     """The measurement of each tree in `a.trees`, one worker process per tree and round
     (this script, the tree's python/ first on the path), the order alternating per round."""
+    from common import tree_runs
+
     trees = [Path(t).resolve() for t in a.trees.split(",")]
     runs: list[dict[str, Any]] = []
-    for r in range(a.rounds):
-        for tree in trees if r % 2 == 0 else trees[::-1]:
-            env = {**os.environ, "PYTHONPATH": f"{tree / 'python'}:{tree}", "OMP_NUM_THREADS": "1"}
-            cmd = [sys.executable, __file__, a.file, "--tokens", str(a.tokens)]
-            cmd += ["--reps", str(a.reps), "--json"]
-            p = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-            if p.returncode:
-                raise RuntimeError(f"{tree}: {p.stderr[-3000:]}")
-            got = json.loads(p.stdout.strip().splitlines()[-1])
-            runs.append({"round": r, "tree": str(tree), "load": os.getloadavg()[0], **got})
-            _show(f"round {r} {tree}", got)
+    cmd = [sys.executable, __file__, a.file, "--tokens", str(a.tokens)]
+    cmd += ["--reps", str(a.reps), "--json"]
+    for r, tree, got in tree_runs(trees, a.rounds, cmd):
+        runs.append({"round": r, "tree": str(tree), "load": os.getloadavg()[0], **got})
+        _show(f"round {r} {tree}", got)
     return {"file": a.file, "trees": [str(t) for t in trees], "runs": runs}
 
 

@@ -6,18 +6,19 @@ round on the same machine.
         [--tokens 1,3,4,5,8,32] [--rounds 3] [--out FILE.md]
 
 A tree is a checkout with its extension built in place (`python setup.py build_ext
---inplace`). Each figure is a tree's best ms per call over the rounds (the least-disturbed
-run on a shared machine), the ratio first tree / others beside it; one thread.
+--inplace`), run as common.tree_runs runs one (its order alternating round by round). Each
+figure is a tree's best ms per call over the rounds (the least-disturbed run on a shared
+machine), the ratio first tree / others beside it; one thread.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from common import tree_runs
 
 CHILD = r"""
 import json, sys, time
@@ -55,15 +56,11 @@ def main() -> None:
         if not list((t / "python" / "psr").glob("_C*.so")):
             raise SystemExit(f"{t}: no built extension in python/psr (build_ext --inplace)")
     N, K = args.shape.split(",")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     runs: dict[Path, list[dict[str, float]]] = {t: [] for t in trees}
-    for r in range(args.rounds):
-        for t in trees:
-            cmd = [sys.executable, "-c", CHILD, N, K, args.tokens]
-            out = subprocess.run(cmd, env={**env, "PYTHONPATH": str(t / "python")},
-                                 capture_output=True, text=True, check=True)  # fmt: skip
-            runs[t].append(json.loads(out.stdout.strip().splitlines()[-1]))
-        print(f"round {r + 1}/{args.rounds}; load {os.getloadavg()[0]:.2f}", flush=True)
+    child = [sys.executable, "-c", CHILD, N, K, args.tokens]
+    for r, t, got in tree_runs(trees, args.rounds, child):
+        runs[t].append(got)
+        print(f"round {r + 1}/{args.rounds} {t}; load {os.getloadavg()[0]:.2f}", flush=True)
     names = [t.name for t in trees]
     head = ["case", *[f"{n} ms" for n in names], *[f"{names[0]} / {n}" for n in names[1:]]]
     lines = [f"`{' '.join(sys.argv)}` (N, K = {N}, {K}; one thread)", "",
