@@ -90,6 +90,15 @@ std::vector<int64_t> place_keys(const RowView& r, const int64_t* o) {
   return key;
 }
 
+// Copy-list rows [j0, j1) of `list` (slot, expert, kind) empty: -1, -1, kind.
+void empty_rows(int32_t* list, int64_t j0, int64_t j1, int64_t kind) {
+  for (int64_t j = j0; j < j1; ++j) {
+    list[3 * j] = -1;
+    list[3 * j + 1] = -1;
+    list[3 * j + 2] = static_cast<int32_t>(kind);
+  }
+}
+
 bool any_non_finite(const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
@@ -104,8 +113,7 @@ void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bo
   const int64_t E = o[kE], S = o[kS], K = o[kK];
   if (k < 1 || k > K) throw std::invalid_argument("cpu_cache_use: need 1 <= k <= top_k");
   const RowView r(row, o);
-  int32_t *stamp = r.stamp, *member = r.member, *pending = r.pending, *slot_of = r.slot_of;
-  int32_t *slot_expert = r.slot_expert, *hdr = r.hdr;
+  const auto [stamp, member, pending, slot_of, slot_expert, hdr] = r;
   int32_t* miss_list = row + o[kMissList];
   int32_t* cpu_list = row + o[kCpuList];
 
@@ -156,11 +164,7 @@ void cache_use(int32_t* row, const int64_t* o, const int64_t* ids, int64_t k, bo
     throw std::logic_error("cpu_cache_use: fewer places than misses to insert (state invariant)");
   std::partial_sort(places.begin(), places.begin() + n_ins, places.end());
 
-  for (int64_t j = 0; j < K; ++j) {
-    miss_list[3 * j] = -1;
-    miss_list[3 * j + 1] = -1;
-    miss_list[3 * j + 2] = static_cast<int32_t>(o[kKindMiss]);
-  }
+  empty_rows(miss_list, 0, K, o[kKindMiss]);
   for (int64_t j = 0; j < n_ins; ++j) {
     const auto [pkey, place] = places[j];
     const int64_t m = miss[j];
@@ -206,8 +210,7 @@ void cache_prefetch(int32_t* row, const int64_t* o, const int64_t* pred, int64_t
   const int64_t E = o[kE], S = o[kS], R = o[kPfRows];
   if (n < 0 || n > R) throw std::invalid_argument("cpu_cache_prefetch: n outside the layout");
   const RowView r(row, o);
-  int32_t *stamp = r.stamp, *member = r.member, *pending = r.pending, *slot_of = r.slot_of;
-  int32_t *slot_expert = r.slot_expert, *hdr = r.hdr;
+  const auto [stamp, member, pending, slot_of, slot_expert, hdr] = r;
   int32_t* pf_list = row + o[kPfList];
   for (int64_t i = 0; i < n; ++i)
     if (pred[i] < 0 || pred[i] >= E)
@@ -255,11 +258,15 @@ void cache_prefetch(int32_t* row, const int64_t* o, const int64_t* pred, int64_t
   hdr[o[kClock]] = static_cast<int32_t>(clock + n);
   hdr[o[kPrefetches]] = static_cast<int32_t>(hdr[o[kPrefetches]] + pos);
   hdr[o[kPfN]] = static_cast<int32_t>(pos);
-  for (int64_t j = pos; j < R; ++j) {
-    pf_list[3 * j] = -1;
-    pf_list[3 * j + 1] = -1;
-    pf_list[3 * j + 2] = static_cast<int32_t>(o[kKindPf]);
-  }
+  empty_rows(pf_list, pos, R, o[kKindPf]);
+}
+
+// The bindings' shared checks of the addresses and the offsets vector.
+void check_args(const char* op, bool null_address, int64_t n_offsets) {
+  if (null_address) throw std::invalid_argument(std::string(op) + ": null address");
+  if (n_offsets != kNumOffsets)
+    throw std::invalid_argument(std::string(op) + ": offsets must hold " +
+                                std::to_string(kNumOffsets) + " integers");
 }
 
 }  // namespace
@@ -269,10 +276,7 @@ void bind_router(py::module_& m) {
       "cpu_cache_use",
       [](uintptr_t row, uintptr_t offsets, int64_t n_offsets, uintptr_t ids, int64_t k, bool capped,
          uintptr_t logits, int64_t n_logits) {
-        if (!row || !offsets || !ids) throw std::invalid_argument("cpu_cache_use: null address");
-        if (n_offsets != kNumOffsets)
-          throw std::invalid_argument("cpu_cache_use: offsets must hold " +
-                                      std::to_string(kNumOffsets) + " integers");
+        check_args("cpu_cache_use", !row || !offsets || !ids, n_offsets);
         cache_use(reinterpret_cast<int32_t*>(row), reinterpret_cast<const int64_t*>(offsets),
                   reinterpret_cast<const int64_t*>(ids), k, capped,
                   reinterpret_cast<const float*>(logits), n_logits);
@@ -285,11 +289,7 @@ void bind_router(py::module_& m) {
   m.def(
       "cpu_cache_prefetch",
       [](uintptr_t row, uintptr_t offsets, int64_t n_offsets, uintptr_t pred, int64_t n) {
-        if (!row || !offsets || (n && !pred))
-          throw std::invalid_argument("cpu_cache_prefetch: null address");
-        if (n_offsets != kNumOffsets)
-          throw std::invalid_argument("cpu_cache_prefetch: offsets must hold " +
-                                      std::to_string(kNumOffsets) + " integers");
+        check_args("cpu_cache_prefetch", !row || !offsets || (n && !pred), n_offsets);
         cache_prefetch(reinterpret_cast<int32_t*>(row), reinterpret_cast<const int64_t*>(offsets),
                        reinterpret_cast<const int64_t*>(pred), n);
       },
