@@ -233,13 +233,15 @@ def test_a_prompt_longer_than_the_prefill_chunk_prefills_in_its_chunks(tmp_path)
     assert m.spec_stats.blocks > 0
 
 
+@pytest.mark.parametrize("chunk", [None, 5])
 @pytest.mark.parametrize(("verify", "block_k"), [("budget", 4), ("cpu:1", None)])
 def test_group_limited_verify_blocks_are_deterministic_under_copy_delays(
-    verify, block_k, tmp_path, monkeypatch
+    verify, block_k, chunk, tmp_path, monkeypatch
 ) -> None:
     """DeepSeek-V3's group-limited router, half the experts resident, PSR steering, the
     MTP drafter: random copy delays change neither the tokens nor the logical caches'
-    traffic (misses, copies, CPU experts), under both verify rules."""
+    traffic (misses, copies, CPU experts), under both verify rules, with the prompt in one
+    prefill chunk or in chunks of 5."""
     path = write_mtp_checkpoint("deepseek_v3", tmp_path / "ds")
     runs = []
     for delay, seed in ((0, 0), (3000, 1), (3000, 2)):
@@ -247,7 +249,7 @@ def test_group_limited_verify_blocks_are_deterministic_under_copy_delays(
         monkeypatch.setenv("PSR_COPY_DELAY_SEED", str(seed))
         m = psr.load(
             path, "psr", residency=0.5, lam=0.3, n=1, progress=False, speculative="mtp",
-            block=2, block_k=block_k, verify=verify,
+            block=2, block_k=block_k, verify=verify, prefill_chunk=chunk,
         )  # fmt: skip
         try:
             tokens = m.generate(PROMPT, 12).tolist()
