@@ -1,5 +1,6 @@
 """Drivers for batched-decode tests (tests/runtime/test_batch.py, test_prompt_cache.py): a
-prompt's solo run and greedy decoding of several prompts in one BatchDecoder."""
+prompt's solo run and greedy decoding of several prompts in one BatchDecoder; the prefix
+two prompts share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,14 @@ from typing import Any
 import torch
 
 from psr.runtime.batch import BatchDecoder
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many first tokens `a` and `b` share (where a prompt parts from a cached one)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def solo(model: Any, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from batch_runs import batched, solo
+from batch_runs import batched, shared_prefix, solo
 from tiny_models import tiny_model, write_checkpoint
 
 import psr
@@ -90,9 +90,95 @@ def test_a_hit_changes_nothing(ckpt, monkeypatch, policy, kw, decode, rows) -> N
     assert cache.last_cached == (40 if rows else 32)
     assert hit[0] == miss[0] and hit[2] == miss[2]
     assert torch.equal(hit[1], miss[1])  # bit-identical
-    # the same request again: its own boundaries (up to 56) were kept by the hit
+    # the same request again: its own boundaries (up to 56) were kept by the hit, and a
+    # row-invariant forward resumes at its last token (its kept end, cut by one)
     again = _gen(model, SECOND, cache)
-    assert cache.last_cached == 56 and again[0] == miss[0] and torch.equal(again[1], miss[1])
+    assert cache.last_cached == (60 if rows else 56)
+    assert again[0] == miss[0] and again[2] == miss[2] and torch.equal(again[1], miss[1])
+
+
+PARTS = 27  # FIRST and the prompt below share 27 tokens: between boundaries 24 and 32
+APART = torch.cat([FIRST[:, :PARTS], torch.arange(9)[None] * 3 % 64 + 1], dim=1)
+
+
+@pytest.mark.parametrize("kv_format", ["auto", "int8"])
+@pytest.mark.parametrize("decode", ["device", "host"])
+@pytest.mark.parametrize("rows", [True, False], ids=["any-length", "boundaries"])
+def test_a_prompt_that_parts_from_a_cached_one_resumes_where_they_part(
+    ckpt, monkeypatch, rows, decode, kv_format
+) -> None:
+    """Another request with the same first tokens (a shared system prompt, a chat template
+    that rewrites the last turn): a row-invariant forward resumes at the last shared token,
+    cutting a longer entry there; a forward that rounds by chunk at the last boundary. The
+    tokens, logits and counts are the cold run's, and the longer entry, cut for it, still
+    serves its own prompt unchanged."""
+    monkeypatch.setenv("PSR_COPY_DELAY_US", "2000")
+    monkeypatch.setenv("PSR_COPY_DELAY_SEED", "5")
+    model = _load(ckpt, "psr", lam=0.3, n=1, decode=decode, kv_format=kv_format)
+    model.set_row_invariant(rows)
+    rt = model.runtime
+
+    def run(ids, cache=None):  # with each prompt token's routed ids (the seeds' source)
+        return *_gen(model, ids, cache), rt.histories()
+
+    cold = [run(ids) for ids in (APART, FIRST)]
+    assert [len(h) for h in cold[0][3]] == [APART.shape[1]] * len(rt.layers)
+    cache = PromptCache(1 << 26)
+    _gen(model, FIRST, cache)
+    assert FIRST[0, PARTS] != APART[0, PARTS]
+    hit = run(APART, cache)
+    assert cache.last_cached == (PARTS if rows else 24)
+    again = run(FIRST, cache)  # after the cut entry served APART
+    assert cache.last_cached == (FIRST.shape[1] - 1 if rows else 32)
+    for got, want in zip((hit, again), cold, strict=True):
+        assert got[0] == want[0] and got[2] == want[2] and got[3] == want[3]
+        assert torch.equal(got[1], want[1])  # bit-identical
+
+
+def test_the_shortest_entry_past_the_parting_is_cut(ckpt) -> None:
+    """FIRST's entries end at 8, 16, 24, 32 and 40: APART leaves it after 27 tokens, so the
+    32-token entry is cut (the least to drop); a forward that rounds by chunk takes the
+    24-token one whole; a prompt that shares nothing resumes nowhere."""
+    model = _load(ckpt, "exact")
+    cache = PromptCache(1 << 26)
+    _gen(model, FIRST, cache)
+    key = model._prefill_key(False)
+    n, entry = cache.lookup(key, APART[0], any_length=True)
+    assert (n, entry.tokens, entry.cuttable) == (PARTS, 32, True)
+    n, entry = cache.lookup(key, APART[0])
+    assert (n, entry.tokens) == (24, 24)
+    other = (FIRST[0] + 1) % 64
+    assert cache.lookup(key, other, any_length=True) == (0, None)
+    with pytest.raises(ValueError, match="entry of 32 tokens cannot resume at 33"):
+        cache.lookup(key, APART[0], any_length=True)[1].restore(length=33)
+
+
+def test_only_a_cache_holding_every_token_cuts_exactly() -> None:
+    """A window layer that dropped its first tokens, or a layer that caches nothing, cannot
+    give the state at a shorter prefix: its entry resumes only whole."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    from psr.runtime.chunked import cuts_exactly, kv_snapshot
+
+    def cache(*layers):
+        kv = DynamicCache()
+        kv.layers = list(layers)
+        return kv
+
+    def filled(layer, n):
+        layer.update(torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4))
+        return layer
+
+    full = lambda n: filled(DynamicLayer(), n)  # noqa: E731
+    window = lambda n: filled(DynamicSlidingWindowLayer(sliding_window=5), n)  # noqa: E731
+    for layers, n, want in [
+        ((full(6), full(6)), 6, True),
+        ((full(4), window(4)), 4, True),  # below its window: every token held
+        ((full(6), window(6)), 6, False),  # 4 of 6 held
+        ((full(6), DynamicLayer()), 6, False),  # caches nothing
+    ]:
+        snap = kv_snapshot(cache(*layers), n)
+        assert snap is not None and cuts_exactly(snap[0], n) is want
 
 
 def test_the_slab_path_is_reproducible_and_its_hits_change_nothing(ckpt, monkeypatch) -> None:
@@ -230,6 +316,7 @@ def test_a_hit_inside_a_batch_changes_nothing(ckpt, policy, kw, rows) -> None:
     first = [FIRST[0].tolist(), other]
     second = [SECOND[0].tolist(), other + [rng.randrange(64) for _ in range(9)]]
     co = [[rng.randrange(64) for _ in range(rng.randint(1, 14))] for _ in range(3)]
+    co[2] = first[0][:19] + co[2]  # shares 19 tokens with the first conversation
     prompts = [first[0], co[0], first[1], co[1], second[0], co[2], second[1]]
     at = sorted(rng.randint(0, 8) for _ in range(4))
     joins = [0, at[0], at[1], at[1], at[2] + 1, at[2] + 1, at[3] + 2]  # turn 2 after turn 1
@@ -238,10 +325,18 @@ def test_a_hit_inside_a_batch_changes_nothing(ckpt, policy, kw, rows) -> None:
     cached: list[int] = []
     toks, logits, _ = batched(model, prompts, NEW, joins, prompt_cache=cache, cached=cached)
     model.runtime.store.set_copy_delay(0)
-    # a second turn resumes from its first turn's end (row-invariant), else its last
-    # boundary before that end; nothing else is a prefix of another prompt
+    # A second turn resumes from its first turn's end (row-invariant), else its last
+    # boundary before that end; any prompt (co[2] above) where it parts from one prefilled
+    # before it (in join order), else (boundaries) at the last boundary before that.
     ends = [len(f) if rows else (len(f) - 1) // CHUNK * CHUNK for f in first]
-    assert cached == [0, 0, 0, 0, ends[0], 0, ends[1]]
+
+    def resumes(p: list[int], q: list[int]) -> int:  # from q's entries (kept before p's)
+        n = min(shared_prefix(p, q), len(p) - 1)
+        return n if rows else min(n, len(q) - 1) // CHUNK * CHUNK
+
+    want = [max((resumes(p, q) for q in prompts[:j]), default=0) for j, p in enumerate(prompts)]
+    assert (want[4], want[6], want[5]) == (ends[0], ends[1], 19 if rows else 16)
+    assert cached == want
     for j, p in enumerate(prompts):
         want = solo(model, p, NEW)
         assert toks[j] == want[0], f"prompt {j}"

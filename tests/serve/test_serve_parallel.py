@@ -157,13 +157,15 @@ def test_conversations_second_turns_resume_from_the_prompt_cache(server, model) 
 
     at_once(len(PROMPTS), conversation)
     eos = tok.eos_token_id
-    for i in range(len(PROMPTS)):
+    for i, first in enumerate(firsts):
         for ids, out, _ in got[i]:
             want = model.generate(ids, max_new_tokens=len(out), eos_token_id=eos)
             assert out == want[0, len(ids) :].tolist(), f"conversation {i}"
-        assert [c for _, _, c in got[i]] == [0, len(firsts[i])]  # turn 2 from turn 1's end
+        # turn 2 from turn 1's end (at least); turn 1 from any earlier prompt of this
+        # server where they part (the same prompt in an earlier test: its last token)
+        assert got[i][0][2] < len(first) <= got[i][1][2] < len(got[i][1][0])
     after = server.metrics()
-    cached = sum(len(f) for f in firsts)
+    cached = sum(c for turns in got.values() for _, _, c in turns)
     prompts = sum(len(ids) for turns in got.values() for ids, _, _ in turns)
     d = {k: after[k] - before.get(k, 0) for k in after}
     assert d["psr_prompt_tokens_cached_total"] == cached

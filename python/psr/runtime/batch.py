@@ -498,14 +498,14 @@ class BatchDecoder:
         cache, key = self.prompt_cache, self.model._prefill_key(False)
         start, entry = seq.done, None
         if cache is not None and seq.done == 0:  # its prefill begins: the longest hit
-            start, entry = cache.lookup(key, seq.prompt[0])
+            start, entry = cache.lookup(key, seq.prompt[0], self.model.row_invariant)
         end = boundaries(start, T, chunk)[0]
         # A hit's tokens count too: they enter the KV cache with the first chunk.
         if self.kv_tokens is not None and self.kv_held + end - seq.done > self.kv_tokens:
             return False
         if cache is not None and seq.done == 0:
             if entry is not None:
-                seq.kv, seq.history = entry.restore()
+                seq.kv, seq.history = entry.restore(length=start)
                 seq.done = seq.length = seq.cached = start
             cache.count(start, T - start)
         rt = self.rt

@@ -22,6 +22,10 @@ resumes from the longest cached prefix before its end (an index of the cached le
 configuration: one lookup per length, no scan of the tokens) and computes the rest: a
 chunk boundary for a chunk-dependent forward, so exactly the chunks a miss computes on the
 same state; any length for a row-invariant one, whose tokens do not depend on the chunks.
+A row-invariant forward also resumes where a prompt parts from any cached one (requests
+that share a system prompt, a chat template that rewrites the last turn): the longest
+prefix it shares with a cached prompt, that entry's state cut there (its KV cache's first
+tokens and their routed ids: each token's values depend only on the tokens up to it).
 Either way a hit changes nothing (tokens and logits bit-identical). Held in memory up to a
 byte budget, least recently used dropped first.
 """
@@ -36,6 +40,7 @@ from dataclasses import dataclass, field
 from numbers import Integral
 from typing import Any
 
+import numpy as np
 import torch
 
 DEFAULT_PREFILL_CHUNK = 512  # tokens per prefill chunk (llama.cpp's default micro-batch)
@@ -95,19 +100,47 @@ def kv_snapshot(kv: Any, length: int) -> tuple[Any, int] | None:
     return ("dynamic", snap), sum(held.values())
 
 
-def kv_restore(snap: Any, into: Any = None) -> Any:
+def kv_restore(snap: Any, into: Any = None, cut: int = 0) -> Any:
     """The cache a snapshot was taken of: a new dynamic cache, or (a static snapshot) the
-    static cache `into`, reset and refilled in place (a captured graph reads its tensors)."""
+    static cache `into`, reset and refilled in place (a captured graph reads its tensors);
+    `cut` > 0: without its last `cut` tokens (a snapshot `cuts_exactly` says can be cut)."""
     kind, data = snap
     if kind == "static":
         into.reset()
         for x, (k, v) in zip(into.layers, data, strict=True):
-            x.update(k, v)
+            n = k.shape[-2] - cut
+            x.update(k[:, :, :n], v[:, :, :n])
         return into
     shared, _ = _layer_types()
     kv = copy.copy(data)
     kv.layers = [copy.copy(x) if type(x) in shared else copy.deepcopy(x) for x in data.layers]
+    if cut:
+        # Each layer's tensors become views of its first tokens (the entry's stay whole): a
+        # GrowLayer then holds fewer tokens than its buffers' fill, so it copies before it
+        # writes, never into the buffers the entry and its other copies read.
+        for x in kv.layers:
+            x.crop(-cut)
     return kv
+
+
+def cuts_exactly(snap: Any, length: int) -> bool:
+    """Whether snapshot `snap` of a `length`-token cache, cut to any shorter length, holds
+    exactly what a cache of that many tokens would: every layer keeps every token (not a
+    window that dropped some, nor a layer caching nothing) and is of a kind whose `crop`
+    only drops the last tokens (full-attention dynamic and packed layers, a window below
+    its size: transformers' and psr's)."""
+    from transformers.cache_utils import DynamicLayer
+
+    kind, data = snap
+    if kind == "static":
+        return True
+    return all(
+        isinstance(x, DynamicLayer)
+        and x.keys is not None
+        and x.keys.shape[-2] == length
+        and getattr(x, "cumulative_length", length) == length
+        for x in data.layers
+    )
 
 
 # --- the prompt cache ------------------------------------------------------------------------
@@ -116,11 +149,20 @@ class Entry:
     kv: Any  # kv_snapshot's copy
     histories: list[torch.Tensor]  # per MoE layer, [b, k] routed ids (int32)
     nbytes: int
+    tokens: int  # b: the prompt prefix it holds
+    cuttable: bool = False  # its state at any shorter prefix is its first tokens' (`cuts_exactly`)
 
-    def restore(self, into: Any = None) -> tuple[Any, list[list[list[int]]]]:
+    def restore(
+        self, into: Any = None, length: int | None = None
+    ) -> tuple[Any, list[list[list[int]]]]:
         """The state it holds, for a sequence to resume from: its KV cache (`kv_restore`;
-        `into`: a static cache to refill) and each MoE layer's routed ids per token."""
-        return kv_restore(self.kv, into), [h.tolist() for h in self.histories]
+        `into`: a static cache to refill) and each MoE layer's routed ids per token;
+        `length` (a cuttable entry): the state after that many of its tokens."""
+        n = self.tokens if length is None else length
+        if n != self.tokens and not (self.cuttable and 0 < n < self.tokens):
+            raise ValueError(f"a prompt-cache entry of {self.tokens} tokens cannot resume at {n}")
+        kv = kv_restore(self.kv, into, self.tokens - n)
+        return kv, [h[:n].tolist() for h in self.histories]
 
 
 def keeps(end: int, length: int, any_length: bool) -> bool:
@@ -170,18 +212,52 @@ class PromptCache:
     def _key(config: Hashable, ids: torch.Tensor) -> tuple[Hashable, bytes]:
         return config, ids.to("cpu", torch.int64).numpy().tobytes()
 
-    def lookup(self, config: Hashable, ids: torch.Tensor) -> tuple[int, Entry | None]:
-        """The longest cached prefix of prompt `ids [T]` before its end (0, None: none)."""
+    def lookup(
+        self, config: Hashable, ids: torch.Tensor, any_length: bool = False
+    ) -> tuple[int, Entry | None]:
+        """(n, entry): the longest cached prefix of prompt `ids [T]` before its end (0, None:
+        none). `any_length` (a row-invariant forward, whose state after n tokens is the same
+        whatever follows them): the longest prefix before its end that `ids` shares with
+        any cached prompt of `config` whose entry cuts exactly (`Entry.cuttable`), when
+        longer: a prompt that leaves a cached one inside it (another request with the same
+        system prompt, a chat template that rewrites the last turn) resumes where they
+        part; `entry.restore(length=n)` gives the state there."""
         T = ids.shape[0]
         with self._lock:
+            best, key = 0, None
             lengths = self._lengths.get(config, Counter())
             for b in sorted((n for n in lengths if n < T), reverse=True):
-                key = self._key(config, ids[:b])
-                entry = self._entries.get(key)
-                if entry is not None:
-                    self._entries.move_to_end(key)
-                    return b, entry
-            return 0, None
+                k = self._key(config, ids[:b])
+                if k in self._entries:
+                    best, key = b, k
+                    break
+            if any_length:
+                best, key = self._shared(config, ids, best, key)
+            if key is None:
+                return 0, None
+            self._entries.move_to_end(key)
+            return best, self._entries[key]
+
+    def _shared(
+        self, config: Hashable, ids: torch.Tensor, best: int, key: tuple[Hashable, bytes] | None
+    ) -> tuple[int, tuple[Hashable, bytes] | None]:
+        """`lookup`'s any-length search (under the lock): the longest prefix (< T) that `ids`
+        shares with a cuttable entry of `config`, if longer than `best` (the exact prefix
+        found); ties go to the shortest entry (the least to cut)."""
+        new = ids.to("cpu", torch.int64).numpy()
+        limit = new.shape[0] - 1
+        held = 0 if key is None else best
+        for k, entry in self._entries.items():
+            if k[0] != config or not entry.cuttable:
+                continue
+            m = min(entry.tokens, limit)
+            if m < best or (m == best and entry.tokens >= held):
+                continue
+            same = np.frombuffer(k[1], dtype=np.int64, count=m) == new[:m]
+            n = m if same.all() else int(same.argmin())
+            if n > best or (n == best and n > 0 and entry.tokens < held):
+                best, key, held = n, k, entry.tokens
+        return best, key
 
     def _index(self, key: tuple[Hashable, bytes], entry: Entry, step: int) -> None:
         """Count `key`'s prefix length in (step 1) or out of (-1) its configuration's index."""
@@ -215,11 +291,13 @@ class PromptCache:
         """Keep the state after prompt prefix `ids [b]`: the KV cache `kv` holding its b
         tokens and each MoE layer's routed ids `histories` (a cache psr cannot copy: not
         kept)."""
-        snap = kv_snapshot(kv, ids.shape[0])
+        b = ids.shape[0]
+        snap = kv_snapshot(kv, b)
         if snap is None:
             return
         hist = [torch.tensor(h, dtype=torch.int32) for h in histories]
-        self.put(config, ids, Entry(snap[0], hist, snap[1] + sum(h.nbytes for h in hist)))
+        nbytes = snap[1] + sum(h.nbytes for h in hist)
+        self.put(config, ids, Entry(snap[0], hist, nbytes, b, cuts_exactly(snap[0], b)))
 
     def count(self, cached: int, computed: int) -> None:
         """One request: `cached` prompt tokens resumed, `computed` prefilled."""
@@ -259,9 +337,9 @@ def prefill(
     T = ids.shape[1]
     start, kv = 0, None
     if cache is not None:
-        start, entry = cache.lookup(config, ids[0])
+        start, entry = cache.lookup(config, ids[0], any_length)
         if entry is not None:
-            kv, histories = entry.restore(into)
+            kv, histories = entry.restore(into, start)
             runtime.resume_prefill(kv, histories)
         cache.count(start, T - start)
     kept: list[torch.Tensor] = []
