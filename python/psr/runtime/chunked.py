@@ -127,15 +127,14 @@ def cuts_exactly(snap: Any, length: int) -> bool:
     """Whether snapshot `snap` of a `length`-token cache, cut to any shorter length, holds
     exactly what a cache of that many tokens would: every layer keeps every token (not a
     window that dropped some, nor a layer caching nothing) and is of a kind whose `crop`
-    only drops the last tokens (full-attention dynamic and packed layers, a window below
-    its size: transformers' and psr's)."""
-    from transformers.cache_utils import DynamicLayer
-
+    only drops the last tokens (the dynamic layers a snapshot shares: transformers' full and
+    window layers, psr's grown and packed ones; a window below its size)."""
     kind, data = snap
     if kind == "static":
         return True
+    shared, _ = _layer_types()
     return all(
-        isinstance(x, DynamicLayer)
+        type(x) in shared
         and x.keys is not None
         and x.keys.shape[-2] == length
         and getattr(x, "cumulative_length", length) == length

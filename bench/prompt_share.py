@@ -1,0 +1,162 @@
+"""Prefill saved when a prompt parts from a cached one (the row-invariant forward's
+any-length resume): time to first token and prompt tokens computed, with the prompt cache
+resuming where a prompt leaves a cached one ("parts") against the exact-prefix rule before
+it ("prefix": the longest cached prefix, which for a prompt that leaves a cached one
+inside it is that one's last chunk boundary) and no cache, side by side in one process.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=python .venv/bin/python bench/prompt_share.py \
+        --out bench/results/cpu/prompt_share
+
+Two cases, each `--requests` prompts after one that fills the cache:
+  shared    requests with one `--system`-token system prompt and their own `--user`-token
+            message (sub-agents, parallel tool calls, several users of one assistant);
+  rewrite   a conversation's next turn whose template rewrites the end of the last one
+            (a chat template that renders the generation prompt's empty think block, or
+            a reasoning turn, differently in history): the first turn's prompt less its
+            last `--rewrite` tokens, then `--reply` + `--user` new tokens.
+Each request is `generate(prompt, max_new_tokens=1)` (the prefill and the first token),
+greedy; the configurations alternate per round (`--rounds`), each with a fresh cache
+filled by the same first prompt, and their first tokens must agree. The model: `--model`
+(a GGUF file or checkpoint folder), else the embedded model with its context raised to
+`--context` (bench/serve_cache.py's copy); `psr.load`'s defaults at `--threads`, the
+row-invariant forward on (as `psr serve` turns it on with its prompt cache), prefill chunk
+`--chunk`. Prompts: windows of the embedded model's held-out text (its tokenizer: the
+synthetic GGUF files of bench/llamacpp_side.py carry it). Writes prompt_share.md / .json
+(median per configuration and case).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+
+from common import write_json  # noqa: E402
+from serve_cache import _model_copy  # noqa: E402
+
+CONFIGS = ("parts", "prefix", "none")
+
+
+def _cases(ids: list[int], a: argparse.Namespace) -> dict[str, tuple[list[int], list[list[int]]]]:
+    """case -> (the prompt that fills the cache, the requests after it)."""
+    system, user = ids[: a.system], ids[a.system :]
+    tail = [user[i * a.user : (i + 1) * a.user] for i in range(a.requests + 1)]
+    shared = ([*system, *tail[0]], [[*system, *t] for t in tail[1:]])
+    first = ids[: a.system + a.user]
+    rest = ids[a.system + a.user :]
+    new = a.reply + a.user
+    turns = [[*first[: -a.rewrite], *rest[i * new : (i + 1) * new]] for i in range(a.requests)]
+    return {"shared": shared, "rewrite": (first, turns)}
+
+
+def _run(model: Any, config: str, fill: list[int], asks: list[list[int]]) -> list[dict]:
+    """The requests after `fill` under `config`: time to first token, cached tokens."""
+    import torch
+
+    from psr.runtime.chunked import PromptCache
+
+    cache = None if config == "none" else PromptCache(1 << 31)
+    if cache is not None and config == "prefix":  # the exact-prefix rule only
+        cache._shared = lambda config, ids, best, key: (best, key)  # type: ignore[method-assign]
+    model.generate(torch.tensor([fill]), max_new_tokens=1, prompt_cache=cache)
+    out = []
+    for ask in asks:
+        t = time.perf_counter()
+        tok = model.generate(torch.tensor([ask]), max_new_tokens=1, prompt_cache=cache)
+        out.append({"ttft_s": time.perf_counter() - t, "token": int(tok[0, -1]),
+                    "cached": 0 if cache is None else cache.last_cached})  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--system", type=int, default=700, help="shared prompt tokens")
+    ap.add_argument("--user", type=int, default=40, help="each request's own tokens")
+    ap.add_argument("--reply", type=int, default=60, help="rewrite: the answer's tokens")
+    ap.add_argument("--rewrite", type=int, default=6, help="rewrite: last-turn tokens changed")
+    ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", type=Path, default=None, help="default: the embedded model")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args()
+    import torch
+
+    import psr
+
+    torch.set_num_threads(a.threads)
+    path = a.model or _model_copy(a.context, Path(tempfile.mkdtemp(prefix="psr-share-")))
+    model = psr.load(path, threads=a.threads, progress=False)
+    model.set_row_invariant(True)
+    model.set_prefill_chunk(a.chunk)
+    text = (Path(psr.DEFAULT_MODEL) / "heldout.txt").read_text()
+    ids = model.tokenizer(text, add_special_tokens=False)
+    cases = _cases(ids["input_ids"], a)
+    model.generate(torch.tensor([cases["shared"][0][:64]]), max_new_tokens=1)  # warm-up
+    runs: dict[str, dict[str, list[list[dict]]]] = {c: {k: [] for k in CONFIGS} for c in cases}
+    for r in range(a.rounds):
+        for case, (fill, asks) in cases.items():
+            order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
+            for config in order:
+                got = _run(model, config, fill, asks)
+                runs[case][config].append(got)
+                print(f"round {r} {case} {config}: {[round(x['ttft_s'], 3) for x in got]}")
+    command = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} PYTHONPATH=python " + (
+        shlex.join(["python", *sys.argv])
+    )
+    rows = []
+    for case in cases:
+        tokens = {c: [[x["token"] for x in run] for run in runs[case][c]] for c in CONFIGS}
+        agree = all(t == tokens["none"][0] for c in CONFIGS for t in tokens[c])
+        med = {c: statistics.median(x["ttft_s"] for run in runs[case][c] for x in run)
+               for c in CONFIGS}  # fmt: skip
+        cached = {c: runs[case][c][0][0]["cached"] for c in CONFIGS}
+        ratio = [
+            statistics.median(p["ttft_s"] / q["ttft_s"] for p, q in zip(rp, rq, strict=True))
+            for rp, rq in zip(runs[case]["parts"], runs[case]["prefix"], strict=True)
+        ]
+        rows.append({"case": case, "prompt": len(cases[case][1][0]), "cached": cached,
+                     "ttft_s": med, "parts_over_prefix": ratio, "tokens_agree": agree})  # fmt: skip
+    doc = {"command": command, "args": vars(a) | {"out": str(a.out), "model": str(path)},
+           "rows": rows,
+           "runs": runs, "load": os.getloadavg()}  # fmt: skip
+    a.out.mkdir(parents=True, exist_ok=True)
+    write_json(a.out / "prompt_share.json", doc)
+    lines = [
+        f"`{command}`",
+        "",
+        f"Model: `{a.model.name if a.model else f'embedded (context {a.context})'}`, "
+        f"{a.threads} thread(s), prefill chunk {a.chunk}, {a.rounds} rounds "
+        f"of {a.requests} requests after the one that fills the cache.",
+        "",
+        "| case | prompt tokens | cached tokens: parts / prefix / none | time to first token, "
+        "median s: parts / prefix / none | parts / prefix per round (median of requests) "
+        "| first tokens agree |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        c, t = row["cached"], row["ttft_s"]
+        lines.append(
+            f"| {row['case']} | {row['prompt']} | {c['parts']} / {c['prefix']} / {c['none']} "
+            f"| {t['parts']:.3f} / {t['prefix']:.3f} / {t['none']:.3f} "
+            f"| {', '.join(f'{x:.2f}x' for x in row['parts_over_prefix'])} "
+            f"| {'yes' if row['tokens_agree'] else 'NO'} |"
+        )
+    lines.append(f"\nLoad average at the end: {os.getloadavg()[0]:.2f}.")
+    (a.out / "prompt_share.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
