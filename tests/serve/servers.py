@@ -118,6 +118,7 @@ class InProcessServer(_Base):
         max_queue: int = 16,
         options: Any = None,
         parallel: int | None = 1,
+        **engine: Any,
     ) -> None:
         import uvicorn
 
@@ -125,7 +126,9 @@ class InProcessServer(_Base):
         from psr.serve.metrics import Metrics
         from psr.serve.worker import Engine
 
-        self.engine = Engine(loader, max_queue=max_queue, metrics=Metrics(name), parallel=parallel)
+        self.engine = Engine(
+            loader, max_queue=max_queue, metrics=Metrics(name), parallel=parallel, **engine
+        )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(

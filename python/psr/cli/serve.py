@@ -127,6 +127,15 @@ def add_serve(sub: Any) -> None:
         f"(a conversation's next turn) resumes from it, with one slot or --parallel N; "
         f"tokens unchanged (default {DEFAULT_PROMPT_CACHE_MIB}; 0: off)",
     )
+    s.add_argument(
+        "--cache-answers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="while no request runs or waits, prefill each finished request's prompt and "
+        "answer into the prompt cache (the 4 most recent, one chunk at a time, stopped when "
+        "a request arrives), so a conversation's next turn resumes after the answer; with "
+        "the row-invariant CPU forward (default on)",
+    )
     s.add_argument("--quiet", action="store_true", help=QUIET_HELP)
     s.set_defaults(fn=run_serve)
 
@@ -327,6 +336,7 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics=Metrics(name),
         prompt_cache=PromptCache(cache_mib * 2**20) if cache_mib else None,
         parallel=args.parallel,
+        cache_answers=args.cache_answers,
     )
     config = uvicorn.Config(
         create_app(engine, served_name=name, options=options),

@@ -371,6 +371,14 @@ class BatchDecoder:
         self.slab.log, self.slab.reads = [], []
         return self.trace
 
+    def prefilling(self, seq_id: int) -> bool:
+        """Whether sequence `seq_id`'s prompt is not yet all prefilled."""
+        with self.rt.lock:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                raise KeyError(f"no live sequence {seq_id!r} in this batch")
+            return seq.prefilling
+
     def cached_tokens(self, seq_id: int) -> int:
         """Prompt tokens of live sequence `seq_id` resumed from the prompt cache (0 before
         its prefill begins, or without a hit)."""

@@ -104,6 +104,10 @@ class Metrics:
             "psr_prompt_tokens_computed", "Prompt tokens computed (not from the prompt cache)"
         )
         self.generated_tokens = counter("psr_generated_tokens", "Completion tokens generated")
+        self.idle_prefill = counter(
+            "psr_idle_prefill_tokens",
+            "Finished requests' tokens prefilled into the prompt cache while idle",
+        )
 
     def _add_expert_metrics(self, make: _Make) -> None:
         counter, by = make.counter, make.by

@@ -153,21 +153,26 @@ class Slots:
 
     def run(self) -> None:
         """Serve until the engine stops; every live request is answered (503) then."""
-        eng = self.engine
+        eng, idle = self.engine, self.engine.idle
         while True:
             # One at a time: whether the next fits depends on the reservations of those
             # joined before it.
-            jobs = eng.take(wait=not self.slots, admits=self._admits, most=1)
+            jobs = eng.take(wait=not self.slots and not idle, admits=self._admits, most=1)
             if eng.stopping:
                 for slot in list(self.slots.values()):
                     self._end(slot, None, None)
+                idle.drop(self.dec)
                 return
+            if jobs:  # requests first: an idle prefill leaves the batch (its chunks stay cached)
+                eng.idle_step(lambda: idle.batch_stop(self.dec), self.dec)
             while jobs:
                 self._join(jobs[0])
                 jobs = eng.take(wait=False, admits=self._admits, most=1)
             self._drop_cancelled()
             if self.slots:
                 self._step()
+            elif idle:  # none running or queued: a chunk of a finished request's prefill
+                eng.idle_step(lambda: idle.batch_step(self.dec), self.dec)
 
     # --- one request -------------------------------------------------------------------
     def _admits(self, job: Job) -> bool:
@@ -213,6 +218,8 @@ class Slots:
         except KeyError:
             pass
         eng = self.engine
+        if finish is not None:
+            eng.idle.note(eng.model, slot.run.job.prompt_ids, slot.run.streamer.tokens)
         # Its routing counts are its solo run's (its own caches); the copies are the batch's.
         figures: dict[str, Any] = {
             "policy": eng.model.policy.describe(),

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from psr.serve.decoding import GrammarMask, Grammars, LogprobSink, Penalties, Processors
+from psr.serve.idle import IdlePrefill
 from psr.serve.job import (
     Delta,
     Event,
@@ -86,6 +87,7 @@ class Engine:
         metrics: Metrics | None = None,
         prompt_cache: PromptCache | None = None,
         parallel: int | None = 1,
+        cache_answers: bool = True,
     ) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
@@ -100,6 +102,8 @@ class Engine:
         # Prefill states of earlier prompts (psr.runtime.chunked): a request extending an
         # earlier one (a conversation's next turn) resumes from it; None: no cache.
         self.prompt_cache = prompt_cache
+        # Finished requests' prompts and answers prefilled into it while idle (idle.py).
+        self.idle = IdlePrefill(prompt_cache, cache_answers, self.metrics.idle_prefill.inc)
         self.model: Any = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -262,13 +266,25 @@ class Engine:
             slots.run()
             return
         while True:
-            jobs = self.take(wait=True)
-            if not jobs:
-                return  # stopping
+            jobs = self.take(wait=not self.idle)
+            if self._stopping:
+                return
+            if not jobs:  # none queued: a chunk of idle prefill
+                self.idle_step(lambda: self.idle.solo_step(model))
+                continue
             try:
                 self._decode(jobs[0])
             finally:
                 self.leave(jobs[0])
+
+    def idle_step(self, step: Callable[[], None], dec: Any = None) -> None:
+        """One chunk of idle prefill (idle.py; `dec`: the slots' decoder it runs in); a
+        failure drops it (logged): requests go on."""
+        try:
+            step()
+        except Exception as e:
+            log.warning("idle prefill of finished answers failed, dropped: %s", e)
+            self.idle.drop(dec)
 
     def take(
         self, wait: bool, admits: Callable[[Job], bool] | None = None, most: int | None = None
@@ -364,6 +380,8 @@ class Engine:
             pass
         except Exception as e:  # a failure inside the model: this request's 500 only
             error = e
+        if finish is not None:
+            self.idle.note(model, job.prompt_ids, run.streamer.tokens)
         after = model.stats.totals
         diff = {k: after[k] - before.get(k, 0) for k in after}
         cached = 0 if self.prompt_cache is None else self.prompt_cache.last_cached
