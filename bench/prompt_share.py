@@ -7,13 +7,18 @@ inside it is that one's last chunk boundary) and no cache, side by side in one p
     OMP_NUM_THREADS=1 PYTHONPATH=python .venv/bin/python bench/prompt_share.py \
         --out bench/results/cpu/prompt_share
 
-Two cases, each `--requests` prompts after one that fills the cache:
+Cases (`--cases`), each `--requests` prompts after one that fills the cache:
   shared    requests with one `--system`-token system prompt and their own `--user`-token
             message (sub-agents, parallel tool calls, several users of one assistant);
   rewrite   a conversation's next turn whose template rewrites the end of the last one
             (a chat template that renders the generation prompt's empty think block, or
             a reasoning turn, differently in history): the first turn's prompt less its
-            last `--rewrite` tokens, then `--reply` + `--user` new tokens.
+            last `--rewrite` tokens, then `--reply` + `--user` new tokens;
+  answer    a conversation's next turn: the first turn's prompt, its `--answer`-token
+            answer, `--user` new tokens (one request a round), also under "idle": `psr
+            serve`'s idle prefill of the finished answer (psr.serve.idle, one chunk at a
+            time through generate) run between the turns, untimed (the user's reading
+            and typing time).
 Each request is `generate(prompt, max_new_tokens=1)` (the prefill and the first token),
 greedy; the configurations alternate per round (`--rounds`), each with a fresh cache
 filled by the same first prompt, and their first tokens must agree. The model: `--model`
@@ -44,6 +49,7 @@ from common import write_json  # noqa: E402
 from serve_cache import _model_copy  # noqa: E402
 
 CONFIGS = ("parts", "prefix", "none")
+ANSWER_CONFIGS = ("idle", *CONFIGS)
 
 
 def _cases(ids: list[int], a: argparse.Namespace) -> dict[str, tuple[list[int], list[list[int]]]]:
@@ -55,10 +61,24 @@ def _cases(ids: list[int], a: argparse.Namespace) -> dict[str, tuple[list[int], 
     rest = ids[a.system + a.user :]
     new = a.reply + a.user
     turns = [[*first[: -a.rewrite], *rest[i * new : (i + 1) * new]] for i in range(a.requests)]
-    return {"shared": shared, "rewrite": (first, turns)}
+    answer = (first, [[*first, *rest[: a.answer + a.user]]])  # its answer, then new text
+    every = {"shared": shared, "rewrite": (first, turns), "answer": answer}
+    return {c: every[c] for c in a.cases}
 
 
-def _run(model: Any, config: str, fill: list[int], asks: list[list[int]]) -> list[dict]:
+def _idle(model: Any, cache: Any, fill: list[int], ask: list[int], answer: int) -> None:
+    """psr serve's idle prefill of the first turn's answer (ask's next `answer` tokens)."""
+    from psr.serve.idle import IdlePrefill
+
+    idle = IdlePrefill(cache)
+    idle.note(model, fill, ask[len(fill) : len(fill) + answer])
+    while idle:
+        idle.solo_step(model)
+
+
+def _run(
+    model: Any, config: str, fill: list[int], asks: list[list[int]], answer: int
+) -> list[dict]:
     """The requests after `fill` under `config`: time to first token, cached tokens."""
     import torch
 
@@ -70,6 +90,8 @@ def _run(model: Any, config: str, fill: list[int], asks: list[list[int]]) -> lis
     model.generate(torch.tensor([fill]), max_new_tokens=1, prompt_cache=cache)
     out = []
     for ask in asks:
+        if config == "idle":
+            _idle(model, cache, fill, ask, answer)
         t = time.perf_counter()
         tok = model.generate(torch.tensor([ask]), max_new_tokens=1, prompt_cache=cache)
         out.append({"ttft_s": time.perf_counter() - t, "token": int(tok[0, -1]),
@@ -82,6 +104,7 @@ def main() -> None:
     ap.add_argument("--system", type=int, default=700, help="shared prompt tokens")
     ap.add_argument("--user", type=int, default=40, help="each request's own tokens")
     ap.add_argument("--reply", type=int, default=60, help="rewrite: the answer's tokens")
+    ap.add_argument("--answer", type=int, default=200, help="answer: the answer's tokens")
     ap.add_argument("--rewrite", type=int, default=6, help="rewrite: last-turn tokens changed")
     ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
@@ -89,6 +112,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--model", type=Path, default=None, help="default: the embedded model")
+    ap.add_argument("--cases", type=lambda t: t.split(","), default=["shared", "rewrite", "answer"])
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     import torch
@@ -104,33 +128,39 @@ def main() -> None:
     ids = model.tokenizer(text, add_special_tokens=False)
     cases = _cases(ids["input_ids"], a)
     model.generate(torch.tensor([cases["shared"][0][:64]]), max_new_tokens=1)  # warm-up
-    runs: dict[str, dict[str, list[list[dict]]]] = {c: {k: [] for k in CONFIGS} for c in cases}
+    configs = {c: ANSWER_CONFIGS if c == "answer" else CONFIGS for c in cases}
+    runs: dict[str, dict[str, list[list[dict]]]] = {c: {k: [] for k in configs[c]} for c in cases}
     for r in range(a.rounds):
         for case, (fill, asks) in cases.items():
-            order = CONFIGS if r % 2 == 0 else CONFIGS[::-1]
+            order = configs[case] if r % 2 == 0 else configs[case][::-1]
             for config in order:
-                got = _run(model, config, fill, asks)
+                got = _run(model, config, fill, asks, a.answer)
                 runs[case][config].append(got)
                 print(f"round {r} {case} {config}: {[round(x['ttft_s'], 3) for x in got]}")
     command = f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '?')} PYTHONPATH=python " + (
         shlex.join(["python", *sys.argv])
     )
+
+    def per_round(case: str, config: str, base: str) -> list[float]:
+        pairs = zip(runs[case][config], runs[case][base], strict=True)
+        return [statistics.median(p["ttft_s"] / q["ttft_s"] for p, q in zip(rp, rq, strict=True))
+                for rp, rq in pairs]  # fmt: skip
+
     rows = []
     for case in cases:
-        tokens = {c: [[x["token"] for x in run] for run in runs[case][c]] for c in CONFIGS}
-        agree = all(t == tokens["none"][0] for c in CONFIGS for t in tokens[c])
-        med = {c: statistics.median(x["ttft_s"] for run in runs[case][c] for x in run)
-               for c in CONFIGS}  # fmt: skip
-        cached = {c: runs[case][c][0][0]["cached"] for c in CONFIGS}
-        ratio = [
-            statistics.median(p["ttft_s"] / q["ttft_s"] for p, q in zip(rp, rq, strict=True))
-            for rp, rq in zip(runs[case]["parts"], runs[case]["prefix"], strict=True)
-        ]
-        rows.append({"case": case, "prompt": len(cases[case][1][0]), "cached": cached,
-                     "ttft_s": med, "parts_over_prefix": ratio, "tokens_agree": agree})  # fmt: skip
+        first = [x["token"] for x in runs[case]["none"][0]]
+        for config in configs[case]:
+            got = runs[case][config]
+            rows.append({
+                "case": case, "config": config, "prompt": len(cases[case][1][0]),
+                "cached": got[0][0]["cached"],
+                "ttft_s": statistics.median(x["ttft_s"] for run in got for x in run),
+                "over_prefix": per_round(case, config, "prefix"),
+                "over_parts": per_round(case, config, "parts"),
+                "tokens_agree": all([x["token"] for x in run] == first for run in got),
+            })  # fmt: skip
     doc = {"command": command, "args": vars(a) | {"out": str(a.out), "model": str(path)},
-           "rows": rows,
-           "runs": runs, "load": os.getloadavg()}  # fmt: skip
+           "rows": rows, "runs": runs, "load": os.getloadavg()}  # fmt: skip
     a.out.mkdir(parents=True, exist_ok=True)
     write_json(a.out / "prompt_share.json", doc)
     lines = [
@@ -138,19 +168,17 @@ def main() -> None:
         "",
         f"Model: `{a.model.name if a.model else f'embedded (context {a.context})'}`, "
         f"{a.threads} thread(s), prefill chunk {a.chunk}, {a.rounds} rounds "
-        f"of {a.requests} requests after the one that fills the cache.",
+        f"of {a.requests} requests (answer: 1) after the one that fills the cache.",
         "",
-        "| case | prompt tokens | cached tokens: parts / prefix / none | time to first token, "
-        "median s: parts / prefix / none | parts / prefix per round (median of requests) "
-        "| first tokens agree |",
-        "|---|---|---|---|---|---|",
+        "| case | configuration | prompt tokens | cached tokens | time to first token, median s "
+        "| / prefix per round | / parts per round | first tokens agree |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        c, t = row["cached"], row["ttft_s"]
         lines.append(
-            f"| {row['case']} | {row['prompt']} | {c['parts']} / {c['prefix']} / {c['none']} "
-            f"| {t['parts']:.3f} / {t['prefix']:.3f} / {t['none']:.3f} "
-            f"| {', '.join(f'{x:.2f}x' for x in row['parts_over_prefix'])} "
+            f"| {row['case']} | {row['config']} | {row['prompt']} | {row['cached']} "
+            f"| {row['ttft_s']:.3f} | {', '.join(f'{x:.2f}x' for x in row['over_prefix'])} "
+            f"| {', '.join(f'{x:.2f}x' for x in row['over_parts'])} "
             f"| {'yes' if row['tokens_agree'] else 'NO'} |"
         )
     lines.append(f"\nLoad average at the end: {os.getloadavg()[0]:.2f}.")
