@@ -104,3 +104,22 @@ def test_an_idle_prefill_goes_one_chunk_at_a_time_and_leaves_for_a_request(model
         while dec.prefilling(seq):
             dec.ready()
         assert dec.cached_tokens(seq) == step
+
+
+def test_an_idle_prefill_beyond_the_batchs_kv_budget_leaves_at_once(model) -> None:
+    """A finished request longer than the batch's kv_tokens can never prefill in it: it is
+    dropped at its first step, computing nothing (not a failure that drops the others)."""
+    from psr.runtime.batch import BatchDecoder
+    from psr.serve.idle import IdlePrefill
+
+    model.set_row_invariant(True)
+    first = model.tokenizer(FIRST)["input_ids"]
+    cache, counted = PromptCache(1 << 26), []
+    idle = IdlePrefill(cache, counted=counted.append)
+    idle.note(model, first[:4], [5, 6, 7])
+    idle.note(model, first, [5, 6, 7])
+    dec = BatchDecoder(model, 2, prompt_cache=cache, kv_tokens=len(first) // 2)
+    idle.batch_step(dec)  # the newest first: beyond the budget
+    assert counted == [] and dec.live == [] and len(idle.pending) == 1
+    idle.batch_step(dec)  # the older, short one: prefilled in one chunk
+    assert counted == [7] and dec.live == [] and not idle

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from psr.runtime.batch import KVBudgetExceeded
 from psr.runtime.chunked import PromptCache, boundaries
 
 MOST = 4  # finished requests waiting to be prefilled; older ones are dropped
@@ -70,14 +71,16 @@ class IdlePrefill:
     def batch_step(self, dec: Any) -> None:
         """One chunk of the newest finished request as a prefill-only sequence of `dec`."""
         if self._seq is None:
-            ids, _ = self.pending.pop()
-            if dec.waits(len(ids)):  # its KV does not fit now: dropped
+            try:
+                self._seq = dec.add(self.pending.pop()[0])
+            except KVBudgetExceeded:  # longer than the batch's whole KV budget: dropped
                 return
-            self._seq = dec.add(ids)
         before = dec.stats["prefill_tokens"]
         dec.feed({})  # one chunk of the oldest queued prefill: the only one
-        self.counted(dec.stats["prefill_tokens"] - before)
-        if not dec.prefilling(self._seq):
+        done = dec.stats["prefill_tokens"] - before
+        self.counted(done)
+        # Prefilled, or its chunk waits (no room in kv_tokens; alone it always has): it leaves.
+        if not done or not dec.prefilling(self._seq):
             self.batch_stop(dec)
 
     def drop(self, dec: Any = None) -> None:

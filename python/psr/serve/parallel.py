@@ -163,7 +163,8 @@ class Slots:
                     self._end(slot, None, None)
                 idle.drop(self.dec)
                 return
-            if jobs:  # requests first: an idle prefill leaves the batch (its chunks stay cached)
+            if jobs or eng.queued:  # requests first (one may wait for the idle one's KV):
+                # an idle prefill leaves the batch (its chunks stay cached)
                 eng.idle_step(lambda: idle.batch_stop(self.dec), self.dec)
             while jobs:
                 self._join(jobs[0])
@@ -171,7 +172,7 @@ class Slots:
             self._drop_cancelled()
             if self.slots:
                 self._step()
-            elif idle:  # none running or queued: a chunk of a finished request's prefill
+            elif idle and not eng.queued:  # none running or queued: a chunk of idle prefill
                 eng.idle_step(lambda: idle.batch_step(self.dec), self.dec)
 
     # --- one request -------------------------------------------------------------------

@@ -322,6 +322,12 @@ class Engine:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def queued(self) -> bool:
+        """Whether a request waits in the queue."""
+        with self._cond:
+            return bool(self._queue)
+
     def _processors(self, job: Job) -> tuple[Processors | None, GrammarMask | None]:
         items: list[Any] = []
         if job.sampling is not None:
