@@ -83,8 +83,9 @@ def test_a_hit_changes_nothing(ckpt, monkeypatch, policy, kw, decode, rows) -> N
     miss = _gen(model, SECOND)
     cache = PromptCache(1 << 26)
     _gen(model, FIRST, cache)
-    # boundaries 8, 16, 24, 32 (< 40), and a row-invariant forward keeps the end (40)
-    assert cache.last_cached == 0 and len(cache) == (5 if rows else 4)
+    # boundaries 8, 16, 24, 32 (< 40); a row-invariant forward keeps the end (40) in place
+    # of them (cut, it gives their states)
+    assert cache.last_cached == 0 and len(cache) == (1 if rows else 4)
     hit = _gen(model, SECOND, cache)
     # the longest cached prefix before 61: the first turn's end, else its last boundary
     assert cache.last_cached == (40 if rows else 32)
@@ -135,22 +136,33 @@ def test_a_prompt_that_parts_from_a_cached_one_resumes_where_they_part(
         assert torch.equal(got[1], want[1])  # bit-identical
 
 
-def test_the_shortest_entry_past_the_parting_is_cut(ckpt) -> None:
-    """FIRST's entries end at 8, 16, 24, 32 and 40: APART leaves it after 27 tokens, so the
-    32-token entry is cut (the least to drop); a forward that rounds by chunk takes the
-    24-token one whole; a prompt that shares nothing resumes nowhere."""
+def test_an_end_replaces_its_boundaries_and_the_shortest_past_the_parting_is_cut(ckpt) -> None:
+    """A row-invariant forward keeps a prompt's end, which replaces its boundary entries (8
+    to 32: cut, it gives their states). APART leaves FIRST after 27 tokens and OTHER after
+    30, so OTHER's 35-token entry is cut, the least to drop. A forward that rounds by chunk
+    keeps its boundaries, none cuttable: the 24-token one is taken whole. A prompt that
+    shares nothing resumes nowhere."""
     model = _load(ckpt, "exact")
     cache = PromptCache(1 << 26)
     _gen(model, FIRST, cache)
+    assert len(cache) == 1
+    other = torch.cat([FIRST[:, :30], (FIRST[:, 30:35] + 1) % 64], dim=1)
+    _gen(model, other, cache)
+    assert cache.last_cached == 30 and len(cache) == 2
     key = model._prefill_key(False)
     n, entry = cache.lookup(key, APART[0], any_length=True)
-    assert (n, entry.tokens, entry.cuttable) == (PARTS, 32, True)
-    n, entry = cache.lookup(key, APART[0])
-    assert (n, entry.tokens) == (24, 24)
-    other = (FIRST[0] + 1) % 64
-    assert cache.lookup(key, other, any_length=True) == (0, None)
-    with pytest.raises(ValueError, match="entry of 32 tokens cannot resume at 33"):
-        cache.lookup(key, APART[0], any_length=True)[1].restore(length=33)
+    assert (n, entry.tokens, entry.cuttable) == (PARTS, 35, True)
+    assert cache.lookup(key, APART[0]) == (0, None)  # no whole prefix of it is cached
+    assert cache.lookup(key, (FIRST[0] + 1) % 64, any_length=True) == (0, None)
+    with pytest.raises(ValueError, match="entry of 35 tokens cannot resume at 36"):
+        entry.restore(length=36)
+    model.set_row_invariant(False)
+    chunked = PromptCache(1 << 26)
+    _gen(model, FIRST, chunked)
+    key = model._prefill_key(False)
+    assert len(chunked) == 4  # 8, 16, 24, 32
+    n, entry = chunked.lookup(key, APART[0], any_length=True)
+    assert (n, entry.tokens, entry.cuttable) == (24, 24, False)
 
 
 def test_only_a_cache_holding_every_token_cuts_exactly() -> None:
@@ -248,15 +260,19 @@ def test_entries_never_cross_models_or_configurations(ckpt) -> None:
 
 def test_the_budget_bounds_the_cache(ckpt) -> None:
     model = _load(ckpt, "exact")
+    prompts = [(FIRST + i) % 64 for i in range(3)]  # none shares a first token
     big = PromptCache(1 << 26)
-    model.generate(SECOND, max_new_tokens=1, prompt_cache=big)
-    per = big.nbytes // len(big)
-    small = PromptCache(2 * per)
-    model.generate(SECOND, max_new_tokens=1, prompt_cache=small)
-    assert 0 < len(small) < len(big) and small.nbytes <= small.max_bytes
-    longer = torch.cat([SECOND, FIRST[:, :3]], dim=1)
-    model.generate(longer, max_new_tokens=1, prompt_cache=small)
-    assert small.last_cached == 61  # the most recent (the last prompt's end) are kept
+    for p in prompts:
+        model.generate(p, max_new_tokens=1, prompt_cache=big)
+    assert len(big) == 3  # each prompt's end
+    small = PromptCache(2 * big.nbytes // 3)
+    for p in prompts:
+        model.generate(p, max_new_tokens=1, prompt_cache=small)
+    assert len(small) == 2 and small.nbytes <= small.max_bytes
+    model.generate(prompts[0], max_new_tokens=1, prompt_cache=small)
+    assert small.last_cached == 0  # the least recently used was dropped
+    model.generate(prompts[2], max_new_tokens=1, prompt_cache=small)
+    assert small.last_cached == FIRST.shape[1] - 1  # the most recent kept
 
 
 def test_bad_input_is_refused_in_one_line(ckpt) -> None:

@@ -534,7 +534,7 @@ class BatchDecoder:
         seq.kv, seq.done, seq.length = output_cache(out), end, end
         # No graphs in a batch: a row-invariant forward's hits resume at any length.
         if cache is not None and keeps(end, T, self.model.row_invariant):
-            cache.keep(key, seq.prompt[0, :end], seq.kv, seq.history)
+            cache.keep(key, seq.prompt[0, :end], seq.kv, seq.history, self.model.row_invariant)
         if end == T:
             seq.logits = out.logits[0, -1]
         return True

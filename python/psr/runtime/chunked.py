@@ -149,7 +149,9 @@ class Entry:
     histories: list[torch.Tensor]  # per MoE layer, [b, k] routed ids (int32)
     nbytes: int
     tokens: int  # b: the prompt prefix it holds
-    cuttable: bool = False  # its state at any shorter prefix is its first tokens' (`cuts_exactly`)
+    # A row-invariant forward's, cutting exactly (`cuts_exactly`): its state at any
+    # shorter prefix is its first tokens'.
+    cuttable: bool = False
 
     def restore(
         self, into: Any = None, length: int | None = None
@@ -270,7 +272,9 @@ class PromptCache:
         self.nbytes += step * entry.nbytes
 
     def put(self, config: Hashable, ids: torch.Tensor, entry: Entry) -> None:
-        """Keep the state after prompt prefix `ids`; the least recently used go first."""
+        """Keep the state after prompt prefix `ids`; the least recently used go first. A
+        cuttable entry replaces the cuttable ones of its own prefixes (its chunk
+        boundaries): cut, it gives their states, and each holds a KV buffer of its own."""
         if entry.nbytes > self.max_bytes:
             return
         key = self._key(config, ids)
@@ -278,6 +282,11 @@ class PromptCache:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._index(key, old, -1)
+            if entry.cuttable:
+                for b in [n for n in self._lengths.get(config, ()) if n < ids.shape[0]]:
+                    k = self._key(config, ids[:b])
+                    if k in self._entries and self._entries[k].cuttable:
+                        self._index(k, self._entries.pop(k), -1)
             self._entries[key] = entry
             self._index(key, entry, 1)
             while self.nbytes > self.max_bytes:
@@ -285,18 +294,25 @@ class PromptCache:
                 self._index(gone_key, gone, -1)
 
     def keep(
-        self, config: Hashable, ids: torch.Tensor, kv: Any, histories: list[list[list[int]]]
+        self,
+        config: Hashable,
+        ids: torch.Tensor,
+        kv: Any,
+        histories: list[list[list[int]]],
+        any_length: bool = False,
     ) -> None:
         """Keep the state after prompt prefix `ids [b]`: the KV cache `kv` holding its b
         tokens and each MoE layer's routed ids `histories` (a cache psr cannot copy: not
-        kept)."""
+        kept). `any_length`: the forward is row-invariant, so the state cut to any shorter
+        prefix is that prefix's (`Entry.cuttable`, where the KV cache cuts exactly)."""
         b = ids.shape[0]
         snap = kv_snapshot(kv, b)
         if snap is None:
             return
         hist = [torch.tensor(h, dtype=torch.int32) for h in histories]
         nbytes = snap[1] + sum(h.nbytes for h in hist)
-        self.put(config, ids, Entry(snap[0], hist, nbytes, b, cuts_exactly(snap[0], b)))
+        cut = any_length and cuts_exactly(snap[0], b)
+        self.put(config, ids, Entry(snap[0], hist, nbytes, b, cut))
 
     def count(self, cached: int, computed: int) -> None:
         """One request: `cached` prompt tokens resumed, `computed` prefilled."""
@@ -351,6 +367,6 @@ def prefill(
             runtime.prefill_more = False
         kept = [*kept, logits] if keep_all else [logits[:, -1:]]
         if cache is not None and keeps(end, T, any_length):
-            cache.keep(config, ids[0, :end], kv, runtime.histories())
+            cache.keep(config, ids[0, :end], kv, runtime.histories(), any_length)
         pos = end
     return torch.cat(kept, dim=1), kv
