@@ -26,6 +26,7 @@ A row-invariant forward also resumes where a prompt parts from any cached one (r
 that share a system prompt, a chat template that rewrites the last turn): the longest
 prefix it shares with a cached prompt, that entry's state cut there (its KV cache's first
 tokens and their routed ids: each token's values depend only on the tokens up to it).
+So there a prompt's end entry replaces its boundary entries, whose states it holds.
 Either way a hit changes nothing (tokens and logits bit-identical). Held in memory up to a
 byte budget, least recently used dropped first.
 """
