@@ -57,7 +57,9 @@ class _Server:
     """`psr serve`'s app over an Engine (parallel slots, a prompt cache or none) served by
     uvicorn in a thread on a free loopback port."""
 
-    def __init__(self, model: Any, parallel: int, cache_bytes: int) -> None:
+    def __init__(
+        self, model: Any, parallel: int, cache_bytes: int, cache_answers: bool = True
+    ) -> None:
         import socket
 
         import uvicorn
@@ -69,7 +71,7 @@ class _Server:
 
         cache = PromptCache(cache_bytes) if cache_bytes else None
         self.engine = Engine(lambda: model, metrics=Metrics("bench"), prompt_cache=cache,
-                             parallel=parallel)  # fmt: skip
+                             parallel=parallel, cache_answers=cache_answers)  # fmt: skip
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
