@@ -57,6 +57,7 @@ class IdlePrefill:
                 ids = ids[: model.context - 1]
             if len(ids) > len(prompt):
                 self.pending.append((ids, len(prompt)))
+                self._solo = None  # the newest first: one cut short stays as far as it got
 
     def solo_step(self, model: Any) -> None:
         """One chunk of the newest finished request through `generate`: up to the next
