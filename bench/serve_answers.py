@@ -8,8 +8,8 @@ the prompt tokens it resumed, the same model object and server code, alternating
 Per round and configuration: a fresh server (the Engine and FastAPI app of `psr serve`,
 `--parallel`, a 1 GiB prompt cache, `--cache-answers` or not) in this process; a first
 turn of `--prompt` tokens answered with `--answer` greedy tokens (ignore_eos), then the
-user's think time (until the server's idle prefill counter stops moving, at least
-`--think` s, the same wait for both configurations), then the second turn (the first
+user's think time (`--think` s, the same for both configurations; the idle prefill
+counter read at its end), then the second turn (the first
 turn's prompt, the answer's tokens, `--user` new tokens), streamed. The model: `--model`,
 else the embedded model with its context raised to 4096 (bench/serve_cache.py's copy),
 `psr.load`'s defaults at one thread, the row-invariant forward on (as `psr serve` with its
@@ -44,15 +44,10 @@ def _idle_tokens(url: str) -> float:
     return 0.0
 
 
-def _think(url: str, least: float) -> float:
-    """Wait at least `least` s and until the idle prefill counter stops moving."""
-    t0, last = time.perf_counter(), -1.0
-    while True:
-        time.sleep(0.5)
-        now = _idle_tokens(url)
-        if now == last and time.perf_counter() - t0 >= least:
-            return time.perf_counter() - t0
-        last = now
+def _think(seconds: float) -> float:
+    """The user's reading and typing time: the same for both configurations."""
+    time.sleep(seconds)
+    return seconds
 
 
 def main() -> None:
@@ -61,7 +56,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=700)
     ap.add_argument("--answer", type=int, default=100)
     ap.add_argument("--user", type=int, default=40)
-    ap.add_argument("--think", type=float, default=2.0)
+    ap.add_argument("--think", type=float, default=8.0, help="seconds between the turns")
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None)
@@ -80,7 +75,7 @@ def main() -> None:
             s = _Server(model, a.parallel, 1 << 30, cache_answers=answers)
             try:
                 one = _turn(s.url, first, a.answer)
-                think = _think(s.url, a.think)
+                think = _think(a.think)
                 idle = _idle_tokens(s.url)
                 two = _turn(s.url, [*first, *one["tokens"], *user], a.answer)
             finally:
