@@ -123,3 +123,46 @@ def test_an_idle_prefill_beyond_the_batchs_kv_budget_leaves_at_once(model) -> No
     assert counted == [] and dec.live == [] and len(idle.pending) == 1
     idle.batch_step(dec)  # the older, short one: prefilled in one chunk
     assert counted == [7] and dec.live == [] and not idle
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_request_arriving_during_an_idle_prefill_goes_first(model, parallel) -> None:
+    """The idle prefill held after its first chunk until the second turn is queued: the
+    request is served next (the batch's idle sequence leaves first), resumes after that
+    chunk, and answers as without a cache."""
+    import threading
+
+    tok = model.tokenizer
+    first = tok(FIRST)["input_ids"]
+    s = InProcessServer(lambda: model, parallel=parallel, prompt_cache=PromptCache(1 << 26))
+    idle, started, release = s.engine.idle, threading.Event(), threading.Event()
+    name = "batch_step" if parallel > 1 else "solo_step"
+    step = getattr(idle, name)
+
+    def held(*args):
+        step(*args)
+        if not started.is_set():
+            started.set()
+            assert release.wait(60)
+
+    setattr(idle, name, held)
+    got: list[dict] = []
+    try:
+        one = _complete(s, first)
+        answer = one["choices"][0]["token_ids"]
+        second = [*first, *answer, *tok(MORE, add_special_tokens=False)["input_ids"]]
+        assert started.wait(60)  # one chunk done, the worker held
+        sender = threading.Thread(target=lambda: got.append(_complete(s, second)))
+        sender.start()
+        deadline = time.monotonic() + 60
+        while not s.engine.queued and time.monotonic() < deadline:
+            time.sleep(0.01)
+        release.set()
+        sender.join(120)
+    finally:
+        release.set()
+        s.close()
+    chunk = (len(first) // 16 + 1) * 16  # the idle prefill's first chunk ended there
+    assert got[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == chunk
+    want = model.generate(second, max_new_tokens=NEW)[0, len(second) :].tolist()
+    assert got[0]["choices"][0]["token_ids"] == want
