@@ -70,10 +70,10 @@ def _idle(model: Any, cache: Any, fill: list[int], ask: list[int], answer: int) 
     """psr serve's idle prefill of the first turn's answer (ask's next `answer` tokens)."""
     from psr.serve.idle import IdlePrefill
 
-    idle = IdlePrefill(cache)
-    idle.note(model, fill, ask[len(fill) : len(fill) + answer])
+    idle = IdlePrefill()
+    idle.note(model, fill, ask[len(fill) : len(fill) + answer], cache)
     while idle:
-        idle.solo_step(model)
+        idle.solo_step(model, cache)
 
 
 def _run(

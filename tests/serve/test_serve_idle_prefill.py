@@ -87,8 +87,8 @@ def test_an_idle_prefill_goes_one_chunk_at_a_time_and_leaves_for_a_request(model
     for way in ("batch", "solo"):
         cache, counted = PromptCache(1 << 26), []
         model.generate(first, max_new_tokens=1, prompt_cache=cache)  # the request's prefill
-        idle = IdlePrefill(cache, counted=counted.append)
-        idle.note(model, first, answer)
+        idle = IdlePrefill(counted=counted.append)
+        idle.note(model, first, answer, cache)
         dec = BatchDecoder(model, 2, prompt_cache=cache)
         if way == "batch":
             idle.batch_step(dec)
@@ -96,7 +96,7 @@ def test_an_idle_prefill_goes_one_chunk_at_a_time_and_leaves_for_a_request(model
             idle.batch_stop(dec)  # a request arrives
             assert dec.live == [] and not idle
         else:
-            idle.solo_step(model)
+            idle.solo_step(model, cache)
             assert idle  # more chunks to go
         step = (len(first) // 16 + 1) * 16  # the first chunk's end: the next boundary
         assert counted == [step - len(first)]
@@ -115,9 +115,9 @@ def test_an_idle_prefill_beyond_the_batchs_kv_budget_leaves_at_once(model) -> No
     model.set_row_invariant(True)
     first = model.tokenizer(FIRST)["input_ids"]
     cache, counted = PromptCache(1 << 26), []
-    idle = IdlePrefill(cache, counted=counted.append)
-    idle.note(model, first[:4], [5, 6, 7])
-    idle.note(model, first, [5, 6, 7])
+    idle = IdlePrefill(counted=counted.append)
+    idle.note(model, first[:4], [5, 6, 7], cache)
+    idle.note(model, first, [5, 6, 7], cache)
     dec = BatchDecoder(model, 2, prompt_cache=cache, kv_tokens=len(first) // 2)
     idle.batch_step(dec)  # the newest first: beyond the budget
     assert counted == [] and dec.live == [] and len(idle.pending) == 1

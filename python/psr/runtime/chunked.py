@@ -245,21 +245,21 @@ class PromptCache:
     ) -> tuple[int, tuple[Hashable, bytes] | None]:
         """`lookup`'s any-length search (under the lock): the longest prefix (< T) that `ids`
         shares with a cuttable entry of `config`, if longer than `best` (the exact prefix
-        found); ties go to the shortest entry (the least to cut)."""
+        found, whole: a tie keeps it); ties go to the shortest entry (the least to cut)."""
         new = ids.to("cpu", torch.int64).numpy()
         limit = new.shape[0] - 1
-        held = 0 if key is None else best
+        rank = (best, -best)  # (tokens resumed, - the entry's tokens): the higher the better
         for k, entry in self._entries.items():
             if k[0] != config or not entry.cuttable:
                 continue
             m = min(entry.tokens, limit)
-            if m < best or (m == best and entry.tokens >= held):
+            if (m, -entry.tokens) <= rank:  # it shares at most m: it cannot rank higher
                 continue
             same = np.frombuffer(k[1], dtype=np.int64, count=m) == new[:m]
             n = m if same.all() else int(same.argmin())
-            if n > best or (n == best and n > 0 and entry.tokens < held):
-                best, key, held = n, k, entry.tokens
-        return best, key
+            if (n, -entry.tokens) > rank:
+                rank, key = (n, -entry.tokens), k
+        return rank[0], key
 
     def _index(self, key: tuple[Hashable, bytes], entry: Entry, step: int) -> None:
         """Count `key`'s prefix length in (step 1) or out of (-1) its configuration's index."""

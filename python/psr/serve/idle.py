@@ -28,16 +28,13 @@ MOST = 4  # finished requests waiting to be prefilled; older ones are dropped
 class IdlePrefill:
     """The finished requests to prefill while idle, and the two ways of doing one chunk:
     `solo_step` (the one-at-a-time worker, through `generate`) and `batch_step` (the slots'
-    BatchDecoder, as a sequence that only prefills). `counted(tokens)` is told the tokens
-    each chunk prefilled (the server's metrics)."""
+    BatchDecoder, as a sequence that only prefills, into the decoder's prompt cache). The
+    prompt cache is the caller's (the server's), passed to `note` and `solo_step`. `on`:
+    whether to prefill answers at all; `counted(tokens)` is told the tokens each chunk
+    prefilled (the server's metrics)."""
 
-    def __init__(
-        self,
-        cache: PromptCache | None,
-        on: bool = True,
-        counted: Callable[[int], None] | None = None,
-    ) -> None:
-        self.cache, self.on = cache, on
+    def __init__(self, on: bool = True, counted: Callable[[int], None] | None = None) -> None:
+        self.on = on
         self.counted = counted or (lambda tokens: None)
         # (prompt and answer ids, prefilled up to): the newest last
         self.pending: deque[tuple[list[int], int]] = deque(maxlen=MOST)
@@ -48,10 +45,12 @@ class IdlePrefill:
         """Whether there is idle prefill to do."""
         return bool(self.pending) or self._solo is not None or self._seq is not None
 
-    def note(self, model: Any, prompt: Sequence[int], answer: Sequence[int]) -> None:
-        """A request finished with `answer` after `prompt`: prefill both when idle (its
-        prompt's end is cached: its answer is what is left)."""
-        if self.on and self.cache is not None and answer and model.row_invariant:
+    def note(
+        self, model: Any, prompt: Sequence[int], answer: Sequence[int], cache: PromptCache | None
+    ) -> None:
+        """A request finished with `answer` after `prompt`: prefill both into `cache` when
+        idle (its prompt's end is cached: its answer is what is left)."""
+        if self.on and cache is not None and answer and model.row_invariant:
             ids = [*prompt, *answer]
             if model.context is not None:  # prefilled with one token after it
                 ids = ids[: model.context - 1]
@@ -59,13 +58,13 @@ class IdlePrefill:
                 self.pending.append((ids, len(prompt)))
                 self._solo = None  # the newest first: one cut short stays as far as it got
 
-    def solo_step(self, model: Any) -> None:
-        """One chunk of the newest finished request through `generate`: up to the next
-        chunk boundary, resuming where the last call ended (a row-invariant prompt's end
-        is cached)."""
+    def solo_step(self, model: Any, cache: PromptCache | None) -> None:
+        """One chunk of the newest finished request through `generate` into `cache`: up to
+        the next chunk boundary, resuming where the last call ended (a row-invariant
+        prompt's end is cached)."""
         ids, done = self._solo or self.pending.pop()
         end = boundaries(done, len(ids), model.prefill_chunk)[0]
-        model.generate(ids[:end], max_new_tokens=1, prompt_cache=self.cache)
+        model.generate(ids[:end], max_new_tokens=1, prompt_cache=cache)
         self.counted(end - done)
         self._solo = None if end >= len(ids) else (ids, end)
 

@@ -220,7 +220,8 @@ class Slots:
             pass
         eng = self.engine
         if finish is not None:
-            eng.idle.note(eng.model, slot.run.job.prompt_ids, slot.run.streamer.tokens)
+            run = slot.run
+            eng.idle.note(eng.model, run.job.prompt_ids, run.streamer.tokens, eng.prompt_cache)
         # Its routing counts are its solo run's (its own caches); the copies are the batch's.
         figures: dict[str, Any] = {
             "policy": eng.model.policy.describe(),

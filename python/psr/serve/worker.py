@@ -103,7 +103,7 @@ class Engine:
         # earlier one (a conversation's next turn) resumes from it; None: no cache.
         self.prompt_cache = prompt_cache
         # Finished requests' prompts and answers prefilled into it while idle (idle.py).
-        self.idle = IdlePrefill(prompt_cache, cache_answers, self.metrics.idle_prefill.inc)
+        self.idle = IdlePrefill(cache_answers, self.metrics.idle_prefill.inc)
         self.model: Any = None
         self.ready = threading.Event()
         self.load_error: BaseException | None = None
@@ -270,7 +270,7 @@ class Engine:
             if self._stopping:
                 return
             if not jobs:  # none queued: a chunk of idle prefill
-                self.idle_step(lambda: self.idle.solo_step(model))
+                self.idle_step(lambda: self.idle.solo_step(model, self.prompt_cache))
                 continue
             try:
                 self._decode(jobs[0])
@@ -387,7 +387,7 @@ class Engine:
         except Exception as e:  # a failure inside the model: this request's 500 only
             error = e
         if finish is not None:
-            self.idle.note(model, job.prompt_ids, run.streamer.tokens)
+            self.idle.note(model, job.prompt_ids, run.streamer.tokens, self.prompt_cache)
         after = model.stats.totals
         diff = {k: after[k] - before.get(k, 0) for k in after}
         cached = 0 if self.prompt_cache is None else self.prompt_cache.last_cached
