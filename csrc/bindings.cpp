@@ -332,6 +332,52 @@ PYBIND11_MODULE(_C, m) {
       py::arg("threads"), py::arg("isa"), release_gil(),
       "Row-invariant causal attention (window, sinks) from float k / v rows (addresses of "
       "live, checked tensors; strides in elements)");
+  m.def(
+      "cpu_rope_attention",
+      [](int fmt, uintptr_t q_in, uintptr_t k_in, uintptr_t v_in, uintptr_t cos, uintptr_t sin,
+         uintptr_t q, int64_t tokens, int64_t q_heads, int64_t dk, uintptr_t k, int64_t k_sl,
+         int64_t k_sh, uintptr_t v, int64_t v_sl, int64_t v_sh, int64_t dv, int64_t kv_heads,
+         int64_t q_start, int64_t window, float scale, uintptr_t sinks, uintptr_t y, int threads,
+         const std::string& isa) {
+        psr::cpu::RopeAttentionCall r;
+        psr::cpu::AttentionCall& c = r.attn;
+        r.fmt = static_cast<psr::cpu::Fmt>(fmt);
+        r.q_in = reinterpret_cast<const void*>(q_in);
+        r.k_in = reinterpret_cast<const void*>(k_in);
+        r.v_in = reinterpret_cast<const void*>(v_in);
+        r.cos = reinterpret_cast<const void*>(cos);
+        r.sin = reinterpret_cast<const void*>(sin);
+        c.k_fmt = c.v_fmt = r.fmt;
+        c.q = reinterpret_cast<const float*>(q);
+        c.tokens = tokens;
+        c.q_heads = q_heads;
+        c.dk = dk;
+        c.dv = dv;
+        c.k = reinterpret_cast<const uint8_t*>(k);
+        c.v = reinterpret_cast<const uint8_t*>(v);
+        c.k_sl = k_sl;
+        c.k_sh = k_sh;
+        c.v_sl = v_sl;
+        c.v_sh = v_sh;
+        c.keys = q_start + tokens;
+        c.kv_heads = kv_heads;
+        c.q_start = q_start;
+        c.window = window;
+        c.scale = scale;
+        c.sinks = reinterpret_cast<const float*>(sinks);
+        c.y = reinterpret_cast<float*>(y);
+        psr::cpu::rope_attention(r, threads, psr::cpu::isa_from_name(isa));
+      },
+      py::arg("fmt"), py::arg("q_in"), py::arg("k_in"), py::arg("v_in"), py::arg("cos"),
+      py::arg("sin"), py::arg("q"), py::arg("tokens"), py::arg("q_heads"), py::arg("dk"),
+      py::arg("k"), py::arg("k_sl"), py::arg("k_sh"), py::arg("v"), py::arg("v_sl"),
+      py::arg("v_sh"), py::arg("dv"), py::arg("kv_heads"), py::arg("q_start"), py::arg("window"),
+      py::arg("scale"), py::arg("sinks"), py::arg("y"), py::arg("threads"), py::arg("isa"),
+      release_gil(),
+      "Rotary embedding of new queries and keys, keys and values written into a float32 / "
+      "bfloat16 cache at q_start.., then row-invariant attention over it (addresses of live, "
+      "checked "
+      "tensors; strides in elements)");
   psr::cpu::bind_router(m);
   psr::cpu::bind_norm(m);
   m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),

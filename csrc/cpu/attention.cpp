@@ -5,9 +5,11 @@
 // its position p and the keys / values at positions <= p, so the row's bits do too.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "expert_gemv.h"
@@ -157,6 +159,88 @@ void attention(const AttentionCall& c, int threads, Isa isa) {
       attend(c, ks, u % 2 ? T - 1 - u / 2 : u / 2, item % c.kv_heads, buf);
     }
   });
+}
+
+namespace {
+
+// bfloat16 <-> float as torch converts them: widening exact, narrowing to nearest even
+// (NaN kept quiet).
+float widen(float x) { return x; }
+float widen(uint16_t b) { return bf16_to_f32(b); }
+uint16_t bf16_of(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+// x rounded to T's precision, as a float (torch rounds each elementwise op's result).
+template <typename T>
+float rounded(float x) {
+  if constexpr (std::is_same_v<T, uint16_t>) return bf16_to_f32(bf16_of(x));
+  return x;
+}
+template <typename O>
+O stored(float x) {  // x is already representable in O's precision where O is bf16
+  if constexpr (std::is_same_v<O, uint16_t>) return bf16_of(x);
+  return x;
+}
+
+// out = x * c + rotate_half(x) * s over one head of d values (d even) in T's arithmetic:
+// each product and the sum rounded to T, as torch's separate elementwise ops round them
+// (this file is built without FMA contraction); stored as O (T, or float widened).
+template <typename T, typename O>
+void rope_row(const T* x, const T* c, const T* s, int64_t d, O* out) {
+  const int64_t h = d / 2;
+  for (int64_t e = 0; e < d; ++e) {
+    const float r = e < h ? -widen(x[e + h]) : widen(x[e - h]);
+    const float a = rounded<T>(widen(x[e]) * widen(c[e])), b = rounded<T>(r * widen(s[e]));
+    out[e] = stored<O>(rounded<T>(a + b));
+  }
+}
+
+template <typename T>
+void rope_write(const RopeAttentionCall& r, int threads) {
+  const AttentionCall& c = r.attn;
+  const int64_t Hq = c.q_heads, Hkv = c.kv_heads, dk = c.dk, dv = c.dv;
+  const T* qi = static_cast<const T*>(r.q_in);
+  const T* ki = static_cast<const T*>(r.k_in);
+  const T* vi = static_cast<const T*>(r.v_in);
+  const T* cs = static_cast<const T*>(r.cos);
+  const T* sn = static_cast<const T*>(r.sin);
+  float* q = const_cast<float*>(c.q);  // the call's own buffer for the roped queries
+  T* kc = reinterpret_cast<T*>(const_cast<uint8_t*>(c.k));
+  T* vc = reinterpret_cast<T*>(const_cast<uint8_t*>(c.v));
+  // Elementwise work, one token a part: which thread writes a row never changes its bits.
+  parallel_run(threads, c.tokens, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const T* ct = cs + t * dk;
+      const T* st = sn + t * dk;
+      for (int64_t h = 0; h < Hq; ++h)
+        rope_row(qi + (t * Hq + h) * dk, ct, st, dk, q + (t * Hq + h) * dk);
+      const int64_t p = c.q_start + t;
+      for (int64_t g = 0; g < Hkv; ++g) {
+        rope_row(ki + (t * Hkv + g) * dk, ct, st, dk, kc + p * c.k_sl + g * c.k_sh);
+        std::copy_n(vi + (t * Hkv + g) * dv, dv, vc + p * c.v_sl + g * c.v_sh);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void rope_attention(const RopeAttentionCall& r, int threads, Isa isa) {
+  const AttentionCall& c = r.attn;
+  check(c);
+  if (c.k_fmt != r.fmt || c.v_fmt != r.fmt || (r.fmt != Fmt::f32 && r.fmt != Fmt::bf16))
+    bad("the new rows and the cache must be one format, float32 or bfloat16");
+  if (c.dk % 2) bad("the head dim must be even for the rotary embedding");
+  if (c.tokens > 0 && (!r.q_in || !r.k_in || !r.v_in || !r.cos || !r.sin))
+    bad("null pointer argument");
+  if (r.fmt == Fmt::f32)
+    rope_write<float>(r, threads);
+  else
+    rope_write<uint16_t>(r, threads);
+  attention(c, threads, isa);
 }
 
 }  // namespace psr::cpu

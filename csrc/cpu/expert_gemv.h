@@ -222,6 +222,23 @@ struct AttentionCall {
   float* y = nullptr;            // [T, Hq, Dv] fp32 out
 };
 void attention(const AttentionCall& call, int threads, Isa isa);
+// A decode layer's attention after its projections, in one call: transformers' rotary
+// embedding (rotate_half form: x * cos + rotate_half(x) * sin, each product and the sum
+// rounded to `fmt` as torch's elementwise ops round them, so the bits are the module's) of
+// the T new queries and keys, the keys and values written into the cache at positions
+// q_start .. q_start + T - 1 (`call.k` / `call.v` in `fmt`, their strides), then `attention`
+// over keys [0, q_start + T). `call.q` is the roped queries' fp32 buffer [T, Hq, Dk]
+// (written here).
+struct RopeAttentionCall {
+  AttentionCall attn;
+  Fmt fmt = Fmt::f32;          // the new rows', cos / sin's and the cache's: f32 or bf16
+  const void* q_in = nullptr;  // [T, Hq, Dk], contiguous
+  const void* k_in = nullptr;  // [T, Hkv, Dk]
+  const void* v_in = nullptr;  // [T, Hkv, Dv]
+  const void* cos = nullptr;   // [T, Dk] (Dk even)
+  const void* sin = nullptr;
+};
+void rope_attention(const RopeAttentionCall& call, int threads, Isa isa);
 // The weighted sum of n rows: out[h * os + e] = sum_{j < n} a[h * as + j] * v_j[e] for
 // e < dv, h < na <= kRowInputs (v_j at v + j * vs bytes, widened from its format). Each
 // element is accumulated from 0 in key order j = 0, 1, ..., one multiply-add a key (fused

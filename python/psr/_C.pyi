@@ -111,6 +111,33 @@ def cpu_attention(
     threads: int,
     isa: str,
 ) -> None: ...
+def cpu_rope_attention(
+    fmt: int,
+    q_in: int,
+    k_in: int,
+    v_in: int,
+    cos: int,
+    sin: int,
+    q: int,
+    tokens: int,
+    q_heads: int,
+    dk: int,
+    k: int,
+    k_sl: int,
+    k_sh: int,
+    v: int,
+    v_sl: int,
+    v_sh: int,
+    dv: int,
+    kv_heads: int,
+    q_start: int,
+    window: int,
+    scale: float,
+    sinks: int,
+    y: int,
+    threads: int,
+    isa: str,
+) -> None: ...
 
 @type_check_only
 class _pybind11_type(type):

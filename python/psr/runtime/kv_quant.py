@@ -203,16 +203,29 @@ class GrowLayer(DynamicLayer):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append the new tokens `[B, H, T, D]`; return every cached token's keys and values."""
+        r, n = self.room_for(key_states, value_states)
+        t = key_states.shape[-2]
+        r.k[:, :, n : n + t].copy_(key_states)
+        r.v[:, :, n : n + t].copy_(value_states)
+        return self.wrote(r, n + t)
+
+    def room_for(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[_Room, int]:
+        """The buffers the next tokens (shaped and typed as `key_states` / `value_states`
+        `[B, H, T, D]`) are written to, in place from the position returned (grown or copied
+        first where needed, as `update` does); `wrote` then records them."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, t = self.get_seq_length(), key_states.shape[-2]
         r = self.room
         if r is None or not self._writes_in_place(r, n, n + t, key_states, value_states):
             r = self.room = self._grown(n + t, key_states, value_states)
-        r.k[:, :, n : n + t].copy_(key_states)
-        r.v[:, :, n : n + t].copy_(value_states)
-        r.fill = n + t
-        self.keys, self.values = r.k[:, :, : n + t], r.v[:, :, : n + t]
+        return r, n
+
+    def wrote(self, r: _Room, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Record `r`'s positions up to `end` as written (`room_for`'s buffers); returns every
+        cached token's keys and values."""
+        r.fill = end
+        self.keys, self.values = r.k[:, :, :end], r.v[:, :, :end]
         return self.keys, self.values
 
     def _writes_in_place(

@@ -39,8 +39,9 @@ ROWS_FROM = "psr_rows_from"  # on a row-invariant model: the attention implement
 
 def rows_forward(hf: nn.Module, on: bool) -> None:
     """The transformers side of the row-invariant forward on (`on`) or off: the attention
-    implementation of every config in `hf` (`psr_rows`, or back to the one it replaced)
-    and its float linears (RowLinear, or back). `psr.restore` turns it off."""
+    implementation of every config in `hf` (`psr_rows`, or back to the one it replaced),
+    its float linears (RowLinear, or back) and its audited attention modules' fused
+    forward (attention.fuse). `psr.restore` turns it off."""
     from psr.runtime import attention
     from psr.runtime.dense import to_row_linears
 
@@ -59,6 +60,7 @@ def rows_forward(hf: nn.Module, on: bool) -> None:
     for c in configs.values():
         c._attn_implementation = impl
     to_row_linears(hf, on)
+    attention.fuse(hf, on)  # the audited attention forwards in one kernel call
 
 
 @runtime_checkable

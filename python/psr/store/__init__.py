@@ -3,8 +3,8 @@
 expert_store  ExpertStore (host rows, device slabs, copies, tiers, the CPU hand-off),
               LayerSpec, CopyReason, the backend choice, StoreError / CopyError
 cpu_kernels   the CPU kernels: cpu_expert_ffn, cpu_linear (LinearPlan), cpu_rms_norm,
-              cpu_attention, cpu_layout, cpu_isas, cpu_triad, the GGML rows' dot path
-              (CPU_DOTS, set_cpu_dot)
+              cpu_attention, cpu_rope_attention, cpu_layout, cpu_isas, cpu_triad, the
+              GGML rows' dot path (CPU_DOTS, set_cpu_dot)
 cpu_router    the CPU decode step's logical-cache `use` in one call: cpu_cache_use
 """
 
@@ -19,6 +19,7 @@ from psr.store.cpu_kernels import (
     cpu_linear,
     cpu_max_threads,
     cpu_rms_norm,
+    cpu_rope_attention,
     cpu_triad,
     set_cpu_dot,
 )
@@ -57,6 +58,7 @@ __all__ = [
     "cpu_linear",
     "cpu_max_threads",
     "cpu_rms_norm",
+    "cpu_rope_attention",
     "cpu_triad",
     "cuda_available",
     "current_backend",

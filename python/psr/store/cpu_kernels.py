@@ -553,3 +553,86 @@ def cpu_attention(
     )  # fmt: skip
     out = out_dtype or q.dtype
     return y if out == torch.float32 else y.to(out)
+
+
+_ROPE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _rope_input(name: str, t: object, dims: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """`t` checked as a `dims`-D CPU tensor of `dtype` (None: float32 or bfloat16)."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dim() != dims:
+        raise ValueError(f"cpu_rope_attention: {name} must be a {dims}-D CPU tensor")
+    if t.dtype != (dtype or t.dtype) or t.dtype not in _ROPE_DTYPES:
+        want = dtype or "float32 or bfloat16"
+        raise ValueError(f"cpu_rope_attention: {name} must be {want}, got {t.dtype}")
+    return t
+
+
+def cpu_rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    start: int,
+    scale: float,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    threads: int | None = None,
+    isa: str = "auto",
+) -> torch.Tensor:
+    """A decode layer's attention after its projections, in one call: the rotary embedding
+    of the T new rows (transformers' rotate_half form, `q * cos + rotate_half(q) * sin`,
+    each product and the sum rounded to the inputs' dtype as torch's elementwise ops round
+    them), their keys and values written into the cache at positions `start` .. `start + T
+    - 1`, then `cpu_attention` of the roped queries over the cache's first `start + T`
+    positions (q_start = start).
+
+    `q` `[T, Hq, Dk]`, `k` `[T, Hkv, Dk]`, `v` `[T, Hkv, Dv]`, `cos` / `sin` `[T, Dk]`
+    (Dk even); `k_cache` `[Hkv, C, Dk]` and `v_cache` `[Hkv, C, Dv]` with C >= start + T and
+    the last dim contiguous (a KV cache layer's buffers, written in place); all float32 or
+    all bfloat16. `window`, `sinks`, `threads`, `isa` as cpu_attention's. Returns
+    `[T, Hq, Dv]` float32, bit-identical to the rotary embedding, the cache update and
+    cpu_attention done apart.
+    """
+    q = _rope_input("q", q, 3, None).contiguous()
+    dt = q.dtype
+    k, v = _rope_input("k", k, 3, dt).contiguous(), _rope_input("v", v, 3, dt).contiguous()
+    cos = _rope_input("cos", cos, 2, dt).contiguous()
+    sin = _rope_input("sin", sin, 2, dt).contiguous()
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if _rope_input(name, c, 3, dt).stride(2) != 1:
+            raise ValueError(f"cpu_rope_attention: {name}'s last dim must be contiguous")
+    T, Hq, Dk = q.shape
+    Hkv, C, Dv = v_cache.shape
+    want = {"k": (T, Hkv, Dk), "v": (T, Hkv, Dv), "cos": (T, Dk), "sin": (T, Dk)}
+    for name, got in (("k", k), ("v", v), ("cos", cos), ("sin", sin)):
+        if tuple(got.shape) != want[name]:
+            raise ValueError(
+                f"cpu_rope_attention: {name} {list(got.shape)} is not {list(want[name])}"
+                f" (q {list(q.shape)}, v_cache {list(v_cache.shape)})"
+            )
+    if tuple(k_cache.shape) != (Hkv, C, Dk):
+        raise ValueError(f"cpu_rope_attention: k_cache {list(k_cache.shape)} is not {[Hkv, C, Dk]}")
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= C - T:
+        raise ValueError(
+            f"cpu_rope_attention: start must be an int in [0, {C - T}] ({C} cached"
+            f" positions, {T} new), got {start!r}"
+        )
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)):
+        raise ValueError(f"cpu_rope_attention: window must be None or an int, got {window!r}")
+    sf = _attention_sinks(sinks, Hq)
+    n_threads = _linear_threads(threads, "cpu_rope_attention")
+    roped = torch.empty(T, Hq, Dk, dtype=torch.float32)
+    y = torch.empty(T, Hq, Dv, dtype=torch.float32)
+    _C.cpu_rope_attention(
+        _fmt_codes()[_LINEAR_FLOAT_FMTS[dt]], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+        cos.data_ptr(), sin.data_ptr(), roped.data_ptr(), T, Hq, Dk, k_cache.data_ptr(),
+        k_cache.stride(1), k_cache.stride(0), v_cache.data_ptr(), v_cache.stride(1),
+        v_cache.stride(0), Dv, Hkv, start, window or 0, float(scale),
+        0 if sf is None else sf.data_ptr(), y.data_ptr(), n_threads, isa,
+    )  # fmt: skip
+    return y
