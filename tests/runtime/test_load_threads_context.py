@@ -87,3 +87,40 @@ def test_context_bounds_prompts_graphs_and_kv(ckpt) -> None:
     for bad, match in [(129, "exceeds the model's context of 128"), (0, "int >= 1")]:
         with pytest.raises(ValueError, match=match):
             psr.load(ckpt, "exact", 0.5, context=bad, progress=False)
+
+
+def _child(code: str, **env: str) -> str:
+    """The last line a fresh interpreter prints running `code` (environment + `env`, less
+    any OMP_WAIT_POLICY of this one)."""
+    import subprocess
+    import sys
+
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    p = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+        check=True,
+    )  # fmt: skip
+    return (p.stdout.strip().splitlines() or [""])[-1] + "|" + p.stderr
+
+
+def test_openmp_waits_passively_unless_torch_came_first() -> None:
+    """`import psr` before torch asks torch's OpenMP for a passive wait (its idle workers
+    otherwise spin on the cores psr's kernels need); never over the user's own setting;
+    after torch it cannot, and a load on more than one thread says so once."""
+    show = "import os; print(os.environ.get('OMP_WAIT_POLICY'))"
+    assert _child(f"import psr; {show}").startswith("PASSIVE|")
+    assert _child(f"import psr; {show}", OMP_WAIT_POLICY="ACTIVE").startswith("ACTIVE|")
+    assert _child(f"import torch, psr; {show}").startswith("None|")
+    spin = "import psr.machine as m; print(m.omp_spinning())"
+    assert _child(f"import psr; {spin}").startswith("False|")
+    assert _child(f"import torch, psr; {spin}").startswith("True|")
+    assert _child(f"import torch, psr; {spin}", GOMP_SPINCOUNT="0").startswith("False|")
+    warn = (
+        "import logging; logging.basicConfig(); import psr.machine as m; "
+        "import sys; m.warn_omp_spinning(1); print('MARK', file=sys.stderr, flush=True); "
+        "m.warn_omp_spinning(2); m.warn_omp_spinning(2)"
+    )
+    out = _child(f"import torch, psr; {warn}")
+    assert out.count("OMP_WAIT_POLICY=PASSIVE") == 1  # once, and only past one thread
+    assert out.index("MARK") < out.index("OMP_WAIT_POLICY=PASSIVE")
+    assert "OMP_WAIT_POLICY" not in _child(f"import psr; {warn}")
