@@ -139,6 +139,37 @@ psr::cpu::Layout cpu_layout(const std::vector<int64_t>& layout, const char* op) 
   return L;
 }
 
+// One AttentionCall from the bindings' addresses and sizes (cpu_attention, cpu_rope_attention).
+psr::cpu::AttentionCall attention_call(uintptr_t q, int64_t tokens, int64_t q_heads, int64_t dk,
+                                       int64_t dv, uintptr_t k, int k_fmt, int64_t k_sl,
+                                       int64_t k_sh, uintptr_t v, int v_fmt, int64_t v_sl,
+                                       int64_t v_sh, int64_t keys, int64_t kv_heads,
+                                       int64_t q_start, int64_t window, float scale,
+                                       uintptr_t sinks, uintptr_t y) {
+  psr::cpu::AttentionCall c;
+  c.q = reinterpret_cast<const float*>(q);
+  c.tokens = tokens;
+  c.q_heads = q_heads;
+  c.dk = dk;
+  c.dv = dv;
+  c.k = reinterpret_cast<const uint8_t*>(k);
+  c.v = reinterpret_cast<const uint8_t*>(v);
+  c.k_fmt = static_cast<psr::cpu::Fmt>(k_fmt);
+  c.v_fmt = static_cast<psr::cpu::Fmt>(v_fmt);
+  c.k_sl = k_sl;
+  c.k_sh = k_sh;
+  c.v_sl = v_sl;
+  c.v_sh = v_sh;
+  c.keys = keys;
+  c.kv_heads = kv_heads;
+  c.q_start = q_start;
+  c.window = window;
+  c.scale = scale;
+  c.sinks = reinterpret_cast<const float*>(sinks);
+  c.y = reinterpret_cast<float*>(y);
+  return c;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -302,27 +333,9 @@ PYBIND11_MODULE(_C, m) {
          int64_t k_sl, int64_t k_sh, uintptr_t v, int v_fmt, int64_t v_sl, int64_t v_sh, int64_t dv,
          int64_t keys, int64_t kv_heads, int64_t q_start, int64_t window, float scale,
          uintptr_t sinks, uintptr_t y, int threads, const std::string& isa) {
-        psr::cpu::AttentionCall c;
-        c.q = reinterpret_cast<const float*>(q);
-        c.tokens = tokens;
-        c.q_heads = q_heads;
-        c.dk = dk;
-        c.dv = dv;
-        c.k = reinterpret_cast<const uint8_t*>(k);
-        c.v = reinterpret_cast<const uint8_t*>(v);
-        c.k_fmt = static_cast<psr::cpu::Fmt>(k_fmt);
-        c.v_fmt = static_cast<psr::cpu::Fmt>(v_fmt);
-        c.k_sl = k_sl;
-        c.k_sh = k_sh;
-        c.v_sl = v_sl;
-        c.v_sh = v_sh;
-        c.keys = keys;
-        c.kv_heads = kv_heads;
-        c.q_start = q_start;
-        c.window = window;
-        c.scale = scale;
-        c.sinks = reinterpret_cast<const float*>(sinks);
-        c.y = reinterpret_cast<float*>(y);
+        const psr::cpu::AttentionCall c =
+            attention_call(q, tokens, q_heads, dk, dv, k, k_fmt, k_sl, k_sh, v, v_fmt, v_sl, v_sh,
+                           keys, kv_heads, q_start, window, scale, sinks, y);
         psr::cpu::attention(c, threads, psr::cpu::isa_from_name(isa));
       },
       py::arg("q"), py::arg("tokens"), py::arg("q_heads"), py::arg("dk"), py::arg("k"),
@@ -340,32 +353,14 @@ PYBIND11_MODULE(_C, m) {
          int64_t q_start, int64_t window, float scale, uintptr_t sinks, uintptr_t y, int threads,
          const std::string& isa) {
         psr::cpu::RopeAttentionCall r;
-        psr::cpu::AttentionCall& c = r.attn;
+        r.attn = attention_call(q, tokens, q_heads, dk, dv, k, fmt, k_sl, k_sh, v, fmt, v_sl, v_sh,
+                                q_start + tokens, kv_heads, q_start, window, scale, sinks, y);
         r.fmt = static_cast<psr::cpu::Fmt>(fmt);
         r.q_in = reinterpret_cast<const void*>(q_in);
         r.k_in = reinterpret_cast<const void*>(k_in);
         r.v_in = reinterpret_cast<const void*>(v_in);
         r.cos = reinterpret_cast<const void*>(cos);
         r.sin = reinterpret_cast<const void*>(sin);
-        c.k_fmt = c.v_fmt = r.fmt;
-        c.q = reinterpret_cast<const float*>(q);
-        c.tokens = tokens;
-        c.q_heads = q_heads;
-        c.dk = dk;
-        c.dv = dv;
-        c.k = reinterpret_cast<const uint8_t*>(k);
-        c.v = reinterpret_cast<const uint8_t*>(v);
-        c.k_sl = k_sl;
-        c.k_sh = k_sh;
-        c.v_sl = v_sl;
-        c.v_sh = v_sh;
-        c.keys = q_start + tokens;
-        c.kv_heads = kv_heads;
-        c.q_start = q_start;
-        c.window = window;
-        c.scale = scale;
-        c.sinks = reinterpret_cast<const float*>(sinks);
-        c.y = reinterpret_cast<float*>(y);
         psr::cpu::rope_attention(r, threads, psr::cpu::isa_from_name(isa));
       },
       py::arg("fmt"), py::arg("q_in"), py::arg("k_in"), py::arg("v_in"), py::arg("cos"),
@@ -376,8 +371,7 @@ PYBIND11_MODULE(_C, m) {
       release_gil(),
       "Rotary embedding of new queries and keys, keys and values written into a float32 / "
       "bfloat16 cache at q_start.., then row-invariant attention over it (addresses of live, "
-      "checked "
-      "tensors; strides in elements)");
+      "checked tensors; strides in elements)");
   psr::cpu::bind_router(m);
   psr::cpu::bind_norm(m);
   m.def("cpu_triad", &psr::cpu::triad_bytes_per_s, py::arg("n"), py::arg("threads"),
