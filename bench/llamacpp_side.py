@@ -44,16 +44,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-# The environment's OpenMP wait before anything here imports psr (which asks for a passive
-# one): llama.cpp's programs, OpenMP-threaded too, get the environment as it was.
-_OMP_WAIT = os.environ.get("OMP_WAIT_POLICY")
-
-
-def _llama_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    return env if _OMP_WAIT is None else {**env, "OMP_WAIT_POLICY": _OMP_WAIT}
-
-
 sys.path.insert(0, str(ROOT / "tests"))  # the GGUF writer's conventions (tests/gguf_files.py)
 PROMPT, GEN = 512, 64
 
@@ -245,7 +235,7 @@ def llama_bench(a: argparse.Namespace, path: Path, threads: int) -> dict[str, An
         cmd = [str(a.llama / "llama-bench"), "-m", str(path), "-p", str(p), "-n", str(n)]
         cmd += ["-t", str(threads), "-r", str(a.reps), "-o", "json"]
         c = _children_cpu()
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=_llama_env())
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
         cpu = _children_cpu() - c
         (r,) = json.loads(out.stdout)
         toks = (p or n) * a.reps + (p or 1)  # the timed runs and the warm-up
@@ -263,7 +253,7 @@ def llama_overhead(a: argparse.Namespace, path: Path, threads: int) -> float:
     best = float("inf")
     for _ in range(a.reps):
         c = _children_cpu()
-        subprocess.run(cmd, capture_output=True, text=True, check=True, env=_llama_env())
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
         best = min(best, _children_cpu() - c)
     return best
 
@@ -310,11 +300,9 @@ def worker(
 ) -> dict[str, Any]:
     """psr on one file: prefill of each of `prompts` tokens (unless not `prefill`) and decode
     tok/s, and the time in its dense kernel."""
-    if os.environ.get("PSR_BENCH_TORCH_FIRST"):  # bench/omp_wait.py: OpenMP left spinning
-        import torch  # isort: skip
-    import psr  # before torch, as psr's CLI: its OpenMP then waits passively (psr/__init__)
+    import torch
 
-    import torch  # isort: skip
+    import psr
     from psr.store import cpu_kernels
 
     dense = {"s": 0.0, "cpu_s": 0.0, "calls": 0, "bytes": 0}
@@ -400,9 +388,9 @@ def _stream_prompts() -> list[list[int]]:
 
 def worker_batch(path: str, threads: int, reps: int) -> dict[str, Any]:
     """psr: STREAMS prompts decoded together by `generate_batch`, GEN tokens each."""
-    import psr  # before torch (worker's comment)
+    import torch
 
-    import torch  # isort: skip
+    import psr
 
     model = psr.load(path, "exact", 1.0, device="cpu", threads=threads, progress=False)
     prompts = _stream_prompts()
@@ -454,9 +442,7 @@ def llama_server(a: argparse.Namespace, path: Path, threads: int) -> dict[str, A
     port = 18080 + threads
     cmd = [str(a.llama / "llama-server"), "-m", str(path), "-np", str(STREAMS), "-t", str(threads)]
     cmd += ["-c", str(STREAMS * 256), "--port", str(port), "--no-warmup"]
-    srv = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_llama_env()
-    )
+    srv = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
     def post(prompt: list[int], n: int) -> dict[str, Any]:

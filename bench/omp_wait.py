@@ -1,16 +1,18 @@
-"""psr's CPU decode with torch's OpenMP waiting passively (psr imported before torch, as
-`import psr` and its CLI now arrange) against spinning (torch imported first: OpenMP's
-default, what every psr process had before), beside llama.cpp on the same GGUF file, at
-each thread count, alternating the three over rounds.
+"""psr's CPU decode at each thread count with torch's OpenMP waiting as it does by default
+(its idle workers spin for a while after each parallel torch op) and with
+OMP_WAIT_POLICY=PASSIVE (they sleep at once), beside llama.cpp on the same GGUF file,
+alternating the configurations over rounds.
 
     PYTHONPATH=python:. .venv/bin/python bench/omp_wait.py \\
         --model /work/cache/gguf/olmoe-L16-Q4_K_M.gguf --threads 1,2 --rounds 3 \\
         --out bench/results/cpu/threads/olmoe-L16
 
-Each psr run is bench/llamacpp_side.py's decode worker (64 tokens after an 8-token prompt,
-best of `--reps`) in its own process, PSR_BENCH_TORCH_FIRST set for the spinning one;
-llama.cpp is `llama-bench -p 0 -n 64 -t T` in the environment as it was (no psr import
-has touched it). Ratios only within a round: the machine is shared.
+psr's kernels run on a pool of their own beside torch's OpenMP one: which wait is better
+depends on which does the work (a GGUF model's dense and expert weights run on psr's
+kernels, a float checkpoint's dense layers on torch's). Each psr run is
+bench/llamacpp_side.py's decode worker (64 tokens after an 8-token prompt, best of `--reps`)
+in its own process; llama.cpp is `llama-bench -p 0 -n 64 -t T` (`--model default`, psr's
+embedded model: no llama.cpp). Ratios only within a round: the machine is shared.
 """
 
 from __future__ import annotations
@@ -25,47 +27,60 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_side as side
 
-CONFIGS = ("llama.cpp", "psr", "psr, torch first")
+CONFIGS = ("llama.cpp", "psr", "psr, OMP passive")
 
 
-def run(a: argparse.Namespace, config: str, threads: int) -> float:
-    """Decode tok/s of one configuration at `threads`."""
+def run(a: argparse.Namespace, config: str, threads: int) -> float | None:
+    """Decode tok/s of one configuration at `threads` (None: not run)."""
     if config == "llama.cpp":
+        if a.model_name == "default":
+            return None
         return float(side.llama_bench(a, a.model, threads)["decode"]["tok_s"])
-    if config == "psr, torch first":
-        os.environ["PSR_BENCH_TORCH_FIRST"] = "1"
+    before = os.environ.get("OMP_WAIT_POLICY")
+    if config == "psr, OMP passive":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     try:
         return float(side.run_psr(a, a.model, threads, kind="decode")["decode"]["tok_s"])
     finally:
-        os.environ.pop("PSR_BENCH_TORCH_FIRST", None)
+        os.environ.pop("OMP_WAIT_POLICY", None)
+        if before is not None:
+            os.environ["OMP_WAIT_POLICY"] = before
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def table(runs: list[dict[str, Any]]) -> str:
     lines = [
-        "| threads | round | llama.cpp tok/s | psr tok/s | psr, torch first tok/s |"
-        " psr / llama.cpp | torch first / psr |",
+        "| threads | round | llama.cpp tok/s | psr tok/s | psr, OMP passive tok/s |"
+        " passive / default | psr passive / llama.cpp |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         t = r["tok_s"]
-        lines.append(
-            f"| {r['threads']} | {r['round']} | {t['llama.cpp']:.2f} | {t['psr']:.2f} | "
-            f"{t['psr, torch first']:.2f} | {t['psr'] / t['llama.cpp']:.2f}x | "
-            f"{t['psr, torch first'] / t['psr']:.2f}x |"
-        )
+        lc, p, q = t["llama.cpp"], t["psr"], t["psr, OMP passive"]
+        vs = "-" if lc is None else f"{q / lc:.2f}x"
+        cells = [r["threads"], r["round"], _f(lc), _f(p), _f(q), f"{q / p:.2f}x", vs]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--model", required=True, help="a GGUF file, or default (psr's embedded)")
     ap.add_argument("--llama", type=Path, default=Path("/work/cache/llama/build/bin"))
     ap.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--out", type=Path, default=None, help="folder: runs.json and table.md")
     a = ap.parse_args()
+    a.model_name = a.model
+    root = Path(__file__).resolve().parents[1]
+    a.model = root / "python/psr/models/default_model" if a.model == "default" else Path(a.model)
     a.decode_only, a.prompts = True, [side.PROMPT]
+    if os.environ.get("OMP_WAIT_POLICY"):
+        sys.exit("omp_wait.py: unset OMP_WAIT_POLICY first (the default is one configuration)")
     runs: list[dict[str, Any]] = []
     for r in range(a.rounds):
         for threads in a.threads:

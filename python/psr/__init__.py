@@ -18,15 +18,7 @@ Layers, each importing only those below it:
 from __future__ import annotations
 
 import importlib
-import os as _os
-import sys as _sys
 from typing import TYPE_CHECKING, Any
-
-# Ask torch's OpenMP for a passive wait before anything imports torch, never over the
-# user's own setting (why: psr.machine.omp_spinning); note whether torch came first.
-_TORCH_FIRST = "torch" in _sys.modules
-if not _TORCH_FIRST:
-    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.2.0"
 

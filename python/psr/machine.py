@@ -25,7 +25,6 @@ import logging
 import math
 import os
 import platform
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,41 +168,6 @@ def resolve_threads(threads: int | None) -> int:
     except ValueError:
         raise ValueError(f"{source}={value!r}: expected an integer >= 1") from None
     return check_cpus(n, source)
-
-
-def omp_spinning() -> bool:
-    """Whether torch's OpenMP workers spin while idle, on the cores psr's CPU kernels need.
-
-    psr's kernels run on a thread pool of their own beside torch's OpenMP one, whose
-    default wait keeps its idle workers spinning for milliseconds after every parallel
-    torch op: a full-depth OLMoE-shaped decode at 2 threads ran at 0.50-0.56x of passive
-    waiting (bench/results/cpu/threads/). OpenMP reads the policy once, when torch loads it, so
-    `import psr` asks for a passive one first (psr/__init__.py) and cannot once torch is
-    imported. True when torch came first and the environment asks for no passive wait
-    (OMP_WAIT_POLICY=PASSIVE, or a GOMP_SPINCOUNT of its own)."""
-    env = os.environ
-    root = sys.modules.get("psr")  # the package records it on import (no import here)
-    return (
-        bool(getattr(root, "_TORCH_FIRST", False))
-        and env.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
-        and "GOMP_SPINCOUNT" not in env
-    )
-
-
-_WARNED_SPIN: list[bool] = []
-
-
-def warn_omp_spinning(threads: int) -> None:
-    """Log once, when psr computes on more than one thread beside spinning OpenMP workers
-    (`omp_spinning`), how to stop them."""
-    if threads > 1 and not _WARNED_SPIN and omp_spinning():
-        _WARNED_SPIN.append(True)
-        log.warning(
-            "torch was imported before psr, so its OpenMP workers spin between ops on the "
-            "cores psr's %d-thread CPU kernels need (decode measured 0.5x): set "
-            "OMP_WAIT_POLICY=PASSIVE in the environment, or import psr before torch",
-            threads,
-        )
 
 
 def check_cpus(n: int, source: str) -> int:

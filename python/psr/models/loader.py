@@ -24,7 +24,7 @@ from torch import nn
 import psr.vocab as vocab
 import psr_kernels as pk  # tests count quantize_expert calls through it
 from psr.load_config import LoadConfig
-from psr.machine import resolve_threads, warn_omp_spinning
+from psr.machine import resolve_threads
 from psr.models.checkpoint import CheckpointError
 from psr.models.dense_weights import keep_blocks, quantize_dense
 from psr.models.families import (
@@ -195,7 +195,6 @@ def _set_threads(threads: int | None) -> int:
     many; psr's CPU expert kernels run on torch.get_num_threads() threads."""
     n = resolve_threads(threads)
     torch.set_num_threads(n)
-    warn_omp_spinning(n)
     return n
 
 
