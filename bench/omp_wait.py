@@ -1,7 +1,8 @@
-"""psr's CPU decode at each thread count with torch's OpenMP waiting as it does by default
-(its idle workers spin for a while after each parallel torch op) and with
-OMP_WAIT_POLICY=PASSIVE (they sleep at once), beside llama.cpp on the same GGUF file,
-alternating the configurations over rounds.
+"""psr's CPU decode at each thread count beside llama.cpp on the same GGUF file, tok/s:
+as psr runs (a model decoding on psr's kernels runs torch's own ops on one thread during
+its decode steps, so torch's idle OpenMP workers never spin on the kernels' cores), with
+torch's threads kept (as before), and with OMP_WAIT_POLICY=PASSIVE (torch's idle workers
+sleep at once); the configurations alternate over rounds.
 
     PYTHONPATH=python:. .venv/bin/python bench/omp_wait.py \\
         --model /work/cache/gguf/olmoe-L16-Q4_K_M.gguf --threads 1,2 --rounds 3 \\
@@ -27,7 +28,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_side as side
 
-CONFIGS = ("llama.cpp", "psr", "psr, OMP passive")
+CONFIGS = ("llama.cpp", "psr", "psr, torch threads kept", "psr, OMP passive")
+# Each psr configuration's environment: torch threads kept = the decode steps' torch ops on
+# every thread, as before `OffloadedModel.decodes_on_kernels` (PSR_BENCH_KEEP_TORCH_THREADS).
+_ENV = {
+    "psr": {},
+    "psr, torch threads kept": {"PSR_BENCH_KEEP_TORCH_THREADS": "1"},
+    "psr, OMP passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+}
 
 
 def run(a: argparse.Namespace, config: str, threads: int) -> float | None:
@@ -36,15 +44,12 @@ def run(a: argparse.Namespace, config: str, threads: int) -> float | None:
         if a.model_name == "default":
             return None
         return float(side.llama_bench(a, a.model, threads)["decode"]["tok_s"])
-    before = os.environ.get("OMP_WAIT_POLICY")
-    if config == "psr, OMP passive":
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    os.environ.update(_ENV[config])
     try:
         return float(side.run_psr(a, a.model, threads, kind="decode")["decode"]["tok_s"])
     finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-        if before is not None:
-            os.environ["OMP_WAIT_POLICY"] = before
+        for k in _ENV[config]:
+            os.environ.pop(k, None)
 
 
 def _f(x: float | None) -> str:
@@ -53,15 +58,16 @@ def _f(x: float | None) -> str:
 
 def table(runs: list[dict[str, Any]]) -> str:
     lines = [
-        "| threads | round | llama.cpp tok/s | psr tok/s | psr, OMP passive tok/s |"
-        " passive / default | psr passive / llama.cpp |",
-        "|---|---|---|---|---|---|---|",
+        "| threads | round | llama.cpp | psr | psr, torch threads kept | psr, OMP passive |"
+        " psr / kept | psr / llama.cpp |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         t = r["tok_s"]
-        lc, p, q = t["llama.cpp"], t["psr"], t["psr, OMP passive"]
-        vs = "-" if lc is None else f"{q / lc:.2f}x"
-        cells = [r["threads"], r["round"], _f(lc), _f(p), _f(q), f"{q / p:.2f}x", vs]
+        lc, p, k, q = (t.get(c) for c in CONFIGS)
+        vs = "-" if lc is None or p is None else f"{p / lc:.2f}x"
+        gain = "-" if p is None or k is None else f"{p / k:.2f}x"
+        cells = [r["threads"], r["round"], _f(lc), _f(p), _f(k), _f(q), gain, vs]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 

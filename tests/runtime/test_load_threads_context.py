@@ -87,3 +87,67 @@ def test_context_bounds_prompts_graphs_and_kv(ckpt) -> None:
     for bad, match in [(129, "exceeds the model's context of 128"), (0, "int >= 1")]:
         with pytest.raises(ValueError, match=match):
             psr.load(ckpt, "exact", 0.5, context=bad, progress=False)
+
+
+def test_torch_ops_threads_keeps_the_kernels_count() -> None:
+    """Inside `torch_ops_threads(1)` torch's ops run on one thread and psr's kernels keep the
+    count they had; nested and restored on the way out, also after an error; a count at or
+    above torch's changes nothing."""
+    from psr.store import cpu_kernels
+
+    n = min(2, len(os.sched_getaffinity(0)))
+    torch.set_num_threads(n)
+    with cpu_kernels.torch_ops_threads(1):
+        assert torch.get_num_threads() == 1 and cpu_kernels.kernel_threads() == n
+        with cpu_kernels.torch_ops_threads(1):
+            assert torch.get_num_threads() == 1 and cpu_kernels.kernel_threads() == n
+        assert cpu_kernels.kernel_threads() == n
+    assert torch.get_num_threads() == n == cpu_kernels.kernel_threads()
+    with pytest.raises(RuntimeError), cpu_kernels.torch_ops_threads(1):
+        raise RuntimeError
+    assert torch.get_num_threads() == n == cpu_kernels.kernel_threads()
+    with cpu_kernels.torch_ops_threads(n):
+        assert torch.get_num_threads() == n
+
+
+def test_a_model_decoding_on_the_kernels_keeps_torch_to_one_thread(tmp_path, ckpt, monkeypatch):
+    """A GGUF model's decode steps (dense blocks and experts on psr's kernels) run torch's
+    own ops on one thread while the kernels take every thread: torch's idle OpenMP workers
+    then never spin on the kernels' cores. Same tokens, greedy and sampled; the prompt's
+    prefill keeps torch's threads. A float checkpoint (dense layers in torch) keeps them
+    throughout, until its forward is row-invariant (RowLinears on the kernels)."""
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    from psr.store import cpu_kernels
+
+    n = min(2, len(os.sched_getaffinity(0)))
+    path = tmp_path / "olmoe.gguf"
+    write_gguf(gguf_tiny_model("olmoe"), path, {"experts": "Q4_K", "dense": "Q8_0"})
+    seen: list[tuple[int, int]] = []  # (torch's threads, the kernels') at each dense call
+    real = cpu_kernels.LinearPlan.__call__
+
+    def spy(self, x, **kw):
+        seen.append((torch.get_num_threads(), cpu_kernels.kernel_threads()))
+        return real(self, x, **kw)
+
+    monkeypatch.setattr(cpu_kernels.LinearPlan, "__call__", spy)
+    with psr.load(path, "exact", 1.0, device="cpu", threads=n, progress=False) as model:
+        assert model.decodes_on_kernels()
+        prompt = list(range(3, 40))
+        runs = []
+        for on in (True, False):
+            monkeypatch.setattr(model, "decodes_on_kernels", lambda on=on: on)
+            seen.clear()
+            greedy = model.generate(prompt, max_new_tokens=6)
+            sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, seed=3)
+            runs.append((greedy, sampled, list(seen)))
+        (g1, s1, seen_on), (g0, s0, seen_off) = runs
+        assert torch.equal(g1, g0) and torch.equal(s1, s0)
+        assert set(seen_off) == {(n, n)}
+        if n > 1:  # decode steps on one torch thread, the prompt's forward on n
+            assert (1, n) in seen_on and (n, n) in seen_on
+        assert torch.get_num_threads() == n
+    with psr.load(ckpt, "exact", 1.0, device="cpu", progress=False) as model:
+        assert not model.decodes_on_kernels()  # float nn.Linear layers: torch's work
+        model.set_row_invariant(True)
+        assert model.decodes_on_kernels()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,7 @@ from psr.runtime.prefill import PrefillStep, reads_host
 from psr.runtime.slots import SlotMap
 from psr.runtime.step import Routed, Step, non_finite
 from psr.runtime.trace import Copy, LayerStep, Trace
-from psr.store import CopyReason
+from psr.store import CopyReason, cpu_kernels
 
 if TYPE_CHECKING:
     from psr.runtime.context import StepContext
@@ -272,6 +272,7 @@ class BatchDecoder:
             # modules run once for all rows); rebuilt when that changes (`_dense_seam`).
             self._seam = DenseSeam(model.hf, self.batch_invariant)
             self._seam_rows = model.row_invariant
+            self._on_kernels = model.decodes_on_kernels()  # with the seam (`_dense_seam`)
             self._kv_name = cache_kwarg(model.hf)
             self._seqs: dict[int, _Seq] = {}
             self._next_id = 0
@@ -453,7 +454,10 @@ class BatchDecoder:
         pos = torch.tensor([[s.length] for s in seqs], device=dev)
         kv = BatchKV([s.kv for s in seqs])
         step = BatchStep(self.rt, self, seqs)
-        with self.rt.batch_forward(step), self._dense_seam().active(self.model.config, kv):
+        seam = self._dense_seam()
+        # On psr's kernels, torch's own ops on one thread (cpu_kernels.torch_ops_threads).
+        threads = cpu_kernels.torch_ops_threads(1) if self._on_kernels else nullcontext()
+        with threads, self.rt.batch_forward(step), seam.active(self.model.config, kv):
             out = self.model.hf(input_ids=ids, position_ids=pos, use_cache=True,
                                 **{self._kv_name: kv})  # fmt: skip
         if self.trace is not None:
@@ -470,6 +474,7 @@ class BatchDecoder:
         if self._seam_rows != self.model.row_invariant:
             self._seam = DenseSeam(self.model.hf, self.batch_invariant)
             self._seam_rows = self.model.row_invariant
+            self._on_kernels = self.model.decodes_on_kernels()
         return self._seam
 
     def _record(self, step: BatchStep) -> None:

@@ -41,6 +41,7 @@ import torch
 from psr.runtime import store_ops
 from psr.runtime.layer import MoELayer
 from psr.runtime.step import Routed, Step, non_finite
+from psr.store import cpu_kernels
 from psr.store.cpu_router import cpu_cache_prefetch, cpu_cache_use, prepare_cache_use
 from psr_kernels import cache_state as cs
 
@@ -210,7 +211,7 @@ class DeviceDecode(Step):
     ) -> None:
         """Set layer i's hand-off up for these dtypes (first call per layer, eager: a
         capture replays the calls of an eager token)."""
-        args = (x.dtype, weights.dtype, ids.dtype, torch.get_num_threads())
+        args = (x.dtype, weights.dtype, ids.dtype, cpu_kernels.kernel_threads())
         if self._handoff_set.get(i) == args:
             return
         rt, lays = self.rt, self._host_layouts

@@ -7,6 +7,7 @@ Sampling uses transformers' own logits warpers, with psr's seeded generator.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from psr.runtime.kv import cache_kwarg, output_cache
+from psr.store import cpu_kernels
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -311,6 +313,7 @@ def generate(
     logits_processor: Any = None,
     logprobs: Any = None,
     prefill: Prefill | None = None,
+    torch_threads: int | None = None,
 ) -> torch.Tensor:
     """Greedy or sampled decoding of `ids [1, T]`; returns `[1, T + new]`.
 
@@ -329,7 +332,9 @@ def generate(
     on the float32 logits before the warpers and the arg-max. `logprobs` (an object with
     an int `top` and `add(token, logprob, top)`, top a list of (id, logprob)) gets each
     chosen token's log-softmax of the raw logits and the `top` largest, computed on the
-    device and read with the token in the same single host read."""
+    device and read with the token in the same single host read. `torch_threads`: torch's
+    own ops' threads during the decode steps, psr's CPU kernels keeping theirs
+    (cpu_kernels.torch_ops_threads; None: as they are)."""
     s = settings
     chooser = TokenChooser(ids, s, seed, logits_processor, logprobs)
     if streamer is not None:
@@ -338,23 +343,38 @@ def generate(
         if s.max_new_tokens == 0:
             return ids
         P = ids.shape[1]
-        kv_name = cache_kwarg(hf)
         logits, kv = _prompt_logits(hf, ids, graph, prefill)
         bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
-        for i in bar:
-            token = chooser.choose(logits)
-            if streamer is not None:
-                streamer.put(torch.tensor([token]))
-            if chooser.done:
-                break
-            nxt = chooser.ids[:, -1:]
-            if graph is not None:
-                logits = graph.step(nxt, P + i)[0]
-            else:
-                out = hf(input_ids=nxt, use_cache=True, **{kv_name: kv})
-                kv = output_cache(out)
-                logits = out.logits[0, -1]
-        return chooser.ids
+        threads = (
+            contextlib.nullcontext()
+            if torch_threads is None
+            else cpu_kernels.torch_ops_threads(torch_threads)
+        )
+        with threads:
+            return _decode(hf, bar, chooser, logits, kv, streamer, graph, P)
     finally:
         if streamer is not None:
             streamer.end()  # also on an error: a consumer waiting on it is released
+
+
+def _decode(
+    hf: nn.Module, bar: Any, chooser: TokenChooser, logits: torch.Tensor, kv: Any,
+    streamer: Any, graph: Any, P: int,
+) -> torch.Tensor:  # fmt: skip
+    """`generate`'s decode steps after the prompt's logits: each token chosen, streamed, and
+    fed back (a graph replay or the model's forward over the cache `kv`)."""
+    kv_name = cache_kwarg(hf)
+    for i in bar:
+        token = chooser.choose(logits)
+        if streamer is not None:
+            streamer.put(torch.tensor([token]))
+        if chooser.done:
+            break
+        nxt = chooser.ids[:, -1:]
+        if graph is not None:
+            logits = graph.step(nxt, P + i)[0]
+        else:
+            out = hf(input_ids=nxt, use_cache=True, **{kv_name: kv})
+            kv = output_cache(out)
+            logits = out.logits[0, -1]
+    return chooser.ids

@@ -145,6 +145,20 @@ class OffloadedModel(nn.Module):
         with self.runtime.lock:
             self.layer_major = on
 
+    def decodes_on_kernels(self) -> bool:
+        """Whether a decode step's work runs on psr's CPU kernels: the CPU backend, experts
+        on the kernels and no float linear left to torch (a GGUF model's dense blocks, or
+        the row-invariant forward's RowLinears). `generate` then decodes with torch's own
+        ops on one thread and the kernels on `threads` (cpu_kernels.torch_ops_threads)."""
+        from psr.runtime.dense import row_invariant
+
+        rt = self.runtime
+        if rt.store.backend != "cpu" or self.device.type != "cpu":
+            return False
+        if not all(c.cpu_kernels for c in rt.computes):
+            return False
+        return not any(isinstance(m, nn.Linear) and not row_invariant(m) for m in self.hf.modules())
+
     @property
     def row_invariant(self) -> bool:
         """Whether the forward computes every token's hidden states, KV, routed ids and
@@ -736,6 +750,7 @@ class OffloadedModel(nn.Module):
                 logits_processor=logits_processor,
                 logprobs=logprobs,
                 prefill=self._prefill(graph, prompt_cache),
+                torch_threads=1 if graph is None and self.decodes_on_kernels() else None,
             )
         finally:
             if graph is not None:

@@ -5,8 +5,10 @@ One of the two modules of `psr.store`, the package that touches the extension.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -171,7 +173,7 @@ def cpu_expert_ffn(
     Args: as psr_kernels.expert_ffn: `rows` `[C, 3*H*F]` float rows (float32 / bfloat16 /
     float16) or `[C, nbytes]` uint8 rows of a quantized `fmt`; `slots`, `weights` `[T, k]`;
     `slot_table` `[E]` (then `slots` holds expert ids). `threads` (default
-    torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of
+    kernel_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of
     cpu_isas(); `activation` 'swiglu' or 'swiglu_oai' (gpt-oss's clamped SwiGLU with
     `alpha`, `limit`). Every id and slot is checked (IndexError); a row is never read
     past its end. `skip_absent` (with a slot_table): an expert whose slot is -1 is absent
@@ -210,7 +212,7 @@ def cpu_expert_ffn(
         lay, xf.data_ptr(), x.shape[0], rows.data_ptr(), rows.shape[0],
         rows.stride(0) * rows.element_size(), ids.data_ptr(), ids.element_size(),
         ids.shape[1], table, tbytes, tlen, wf.data_ptr(), y.data_ptr(),
-        torch.get_num_threads() if threads is None else int(threads), isa,
+        kernel_threads() if threads is None else int(threads), isa,
         CPU_ACTIVATIONS.index(activation), float(alpha), float(limit), bool(skip_absent), dot,
     )  # fmt: skip
     out = out_dtype or x.dtype
@@ -235,8 +237,39 @@ def _ggml_blocks() -> dict[int, tuple[str, int, int]]:
     return {tid: (name, qk, bs) for name, tid, qk, bs, _ in _C.ggml_type_traits()}
 
 
+# The kernels' thread count while `torch_ops_threads` holds torch's below it (a stack: the
+# innermost count; empty: torch.get_num_threads(), the kernels' default).
+_KERNEL_THREADS: list[int] = []
+
+
+def kernel_threads() -> int:
+    """The threads psr's CPU kernels run on when a call names none: torch's intra-op count,
+    or the count `torch_ops_threads` kept for them."""
+    return _KERNEL_THREADS[-1] if _KERNEL_THREADS else torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def torch_ops_threads(n: int = 1) -> Iterator[None]:
+    """Within: torch's own ops on `n` threads, psr's CPU kernels still on the count they had
+    (`kernel_threads`). Where the kernels do the work (a GGUF model's decode), torch's idle
+    OpenMP workers otherwise spin after each parallel torch op on the cores the kernels'
+    pool needs: a full-depth OLMoE-shaped decode at 2 threads ran at 0.5x
+    (bench/results/cpu/threads/)."""
+    before = torch.get_num_threads()
+    if n >= before:
+        yield
+        return
+    _KERNEL_THREADS.append(kernel_threads())
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        _KERNEL_THREADS.pop()
+
+
 def _linear_threads(threads: int | None, who: str = "cpu_linear") -> int:
-    n = torch.get_num_threads() if threads is None else threads
+    n = kernel_threads() if threads is None else threads
     if not isinstance(n, int) or not 1 <= n <= cpu_max_threads():
         raise ValueError(f"{who}: threads must be an int in [1, {cpu_max_threads()}], got {n}")
     return n
@@ -422,7 +455,7 @@ def cpu_linear(
     Each weight row is read once for all T tokens; each output element is one row dot
     product by one thread in a fixed order, so every output row is bit-identical for any
     T, any other rows and any thread count (on one ISA path). `threads` (default
-    torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
+    kernel_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
     `dot` (GGML rows): one of CPU_DOTS, default cpu_dot(). A layer that calls it per token
     keeps a `LinearPlan` of its weight instead (the same call, the checks done once).
     Returns `[T, N]` in `out_dtype` (default x's dtype).
@@ -515,7 +548,7 @@ def cpu_attention(
     sliding_window). `sinks` `[Hq]`: gpt-oss's per-head logit in the softmax denominator
     with no value. Scores are `scale * q . k_j`. Each output row is bit-identical whatever
     T, L, q_start split, other rows and thread count, on one ISA path. `threads` (default
-    torch.get_num_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
+    kernel_threads()) in [1, cpu_max_threads()]; `isa` 'auto' or one of cpu_isas().
     Returns `[T, Hq, Dv]` in `out_dtype` (default q's dtype).
     """
     q, k, v = _attention_input("q", q), _attention_input("k", k), _attention_input("v", v)
