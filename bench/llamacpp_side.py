@@ -336,8 +336,8 @@ def worker(
     t = time.perf_counter()
     dot = os.environ.get("PSR_BENCH_CPU_DOT", "auto")
     model = psr.load(path, "exact", 1.0, device="cpu", threads=threads, progress=False, cpu_dot=dot)
-    if os.environ.get("PSR_BENCH_KEEP_TORCH_THREADS"):  # bench/omp_wait.py: as before 0.5
-        model.decodes_on_kernels = lambda: False  # type: ignore[method-assign]
+    if os.environ.get("PSR_BENCH_KEEP_TORCH_THREADS"):  # bench/omp_wait.py: decode steps
+        model.decodes_on_kernels = lambda: False  # type: ignore[method-assign]  # keep torch's
     out: dict[str, Any] = {
         "load_s": time.perf_counter() - t,
         "torch_threads": torch.get_num_threads(),

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from psr.runtime.kv_quant import GrowLayer
+from psr.runtime.norms import same_code
 from psr.store import cpu_kernels
 
 ATTENTION = "psr_rows"
@@ -139,11 +140,6 @@ def _code(fn: Any) -> Any:
     return getattr(inspect.unwrap(fn), "__code__", None) if fn is not None else None
 
 
-def _same_code(a: Any, b: Any) -> bool:
-    fields = ("co_code", "co_names", "co_consts", "co_varnames")
-    return a is not None and b is not None and all(getattr(a, f) == getattr(b, f) for f in fields)
-
-
 _KINDS: dict[type, FusedKind | None] = {}  # attention class -> its FUSED kind (None: none)
 _FUSED_CLASSES: dict[type, type] = {}  # attention class -> its fused subclass
 _UNFUSED: dict[type, Any] = {}  # and back
@@ -172,7 +168,7 @@ def fused_kind(cls: type) -> FusedKind | None:
             _code(getattr(mod, "rotate_half", None)),
         )
         for kind in FUSED:
-            if all(_same_code(a, b) for a, b in zip(mine, _reference(kind), strict=True)):
+            if all(same_code(a, b) for a, b in zip(mine, _reference(kind), strict=True)):
                 _KINDS[cls] = kind
                 break
     return _KINDS[cls]

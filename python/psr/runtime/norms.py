@@ -33,7 +33,12 @@ def audited() -> list[Any]:
     return _AUDITED
 
 
-def _same_code(a: Any, b: Any) -> bool:
+def same_code(a: Any, b: Any) -> bool:
+    """Whether two code objects are the same code (bytecode, names, constants, locals): how
+    psr audits a transformers forward (these norms; runtime/attention.py's FUSED). None
+    (no code) matches nothing."""
+    if a is None or b is None:
+        return False
     return (a.co_code, a.co_names, a.co_consts, a.co_varnames) == (
         b.co_code, b.co_names, b.co_consts, b.co_varnames
     )  # fmt: skip
@@ -55,7 +60,7 @@ def is_rms_norm(module: nn.Module, device: str | None = "cpu") -> bool:
     if not isinstance(getattr(module, "variance_epsilon", None), float):
         return False
     code = getattr(_original(type(module)).forward, "__code__", None)
-    return code is not None and any(_same_code(code, c) for c in audited())
+    return any(same_code(code, c) for c in audited())
 
 
 def _forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
