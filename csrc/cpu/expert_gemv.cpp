@@ -122,10 +122,10 @@ void dot_int4(const uint8_t* const w[4], int64_t n, const float* v, const float*
 
 template <class Load>
 void scalar_wsum_of(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
-                    int na, float* out, int64_t os, Load load) {
+                    int na, float* out, int64_t os, bool resume, Load load) {
   for (int h = 0; h < na; ++h)
     for (int64_t e = 0; e < dv; ++e) {
-      float acc = 0.f;
+      float acc = resume ? out[h * os + e] : 0.f;
       for (int64_t j = 0; j < n; ++j) acc += a[h * as + j] * load(v + j * vs, e);
       out[h * os + e] = acc;
     }
@@ -147,8 +147,8 @@ float load_f16(const uint8_t* p, int64_t i) {
 }
 template <float (*Load)(const uint8_t*, int64_t)>
 void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
-          float* out, int64_t os) {
-  scalar_wsum_of(v, vs, n, dv, a, as, na, out, os, Load);
+          float* out, int64_t os, bool resume) {
+  scalar_wsum_of(v, vs, n, dv, a, as, na, out, os, resume, Load);
 }
 
 }  // namespace

@@ -243,8 +243,10 @@ void rope_attention(const RopeAttentionCall& call, int threads, Isa isa);
 // e < dv, h < na <= kRowInputs (v_j at v + j * vs bytes, widened from its format). Each
 // element is accumulated from 0 in key order j = 0, 1, ..., one multiply-add a key (fused
 // on the vector paths), so its bits never depend on lanes, blocking or the other heads.
+// `resume`: accumulate from out's values instead of 0, so calls over consecutive key blocks
+// give the one call's bits (an fp32 accumulator is stored and reloaded exactly).
 using WsumFn = void (*)(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a,
-                        int64_t as, int na, float* out, int64_t os);
+                        int64_t as, int na, float* out, int64_t os, bool resume);
 // x[i] = exp(x[i] - m) for i < n, elementwise (an element's value never depends on its
 // neighbours or its lane): the scalar path's is std::exp, the vector paths' one polynomial.
 using ExpFn = void (*)(float* x, int64_t n, float m);

@@ -152,10 +152,11 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
 // the accumulators in registers across the keys; the last columns one by one.
 template <class W, int NH, int C>
 void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, const float* a, int64_t as,
-                float* out, int64_t os) {
+                float* out, int64_t os, bool resume) {
   __m256 acc[NH][C];
   for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < C; ++c) acc[h][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      acc[h][c] = resume ? _mm256_loadu_ps(out + h * os + e0 + 8 * c) : _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* vj = v + j * vs;
     __m256 x[C];
@@ -171,13 +172,13 @@ void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, const float
 
 template <class W, int NH>
 void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
-             float* out, int64_t os) {
+             float* out, int64_t os, bool resume) {
   int64_t e0 = 0;
-  for (; e0 + 16 <= dv; e0 += 16) wsum_block<W, NH, 2>(v, vs, n, e0, a, as, out, os);
-  for (; e0 + 8 <= dv; e0 += 8) wsum_block<W, NH, 1>(v, vs, n, e0, a, as, out, os);
+  for (; e0 + 16 <= dv; e0 += 16) wsum_block<W, NH, 2>(v, vs, n, e0, a, as, out, os, resume);
+  for (; e0 + 8 <= dv; e0 += 8) wsum_block<W, NH, 1>(v, vs, n, e0, a, as, out, os, resume);
   for (; e0 < dv; ++e0)
     for (int h = 0; h < NH; ++h) {
-      float acc = 0.f;
+      float acc = resume ? out[h * os + e0] : 0.f;
       for (int64_t j = 0; j < n; ++j)
         acc = __builtin_fmaf(a[h * as + j], W::one(v + j * vs, e0), acc);
       out[h * os + e0] = acc;
@@ -186,8 +187,10 @@ void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a
 
 template <class W>
 void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
-          float* out, int64_t os) {
-  g_for_inputs(na, [&](auto k) { wsum_nh<W, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
+          float* out, int64_t os, bool resume) {
+  g_for_inputs(na, [&](auto k) {
+    wsum_nh<W, decltype(k)::value>(v, vs, n, dv, a, as, out, os, resume);
+  });
 }
 
 // exp(x - m) on 8 lanes: expert_gemv.h's kExp* polynomial, 2^k built in the exponent bits.

@@ -142,12 +142,14 @@ void dots4(const uint8_t* const w[4], int64_t n, const float* const* v, int nv, 
 // heads, the accumulators in registers across the keys; the last block masked.
 template <class Load, int NH, bool kFull>
 void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, int64_t dv, const float* a,
-                int64_t as, float* out, int64_t os) {
+                int64_t as, float* out, int64_t os, bool resume) {
   __mmask16 m[4];
   for (int c = 0; c < 4; ++c) m[c] = e0 + 16 * c < dv ? tail_mask(dv - e0 - 16 * c) : 0;
   __m512 acc[NH][4];
   for (int h = 0; h < NH; ++h)
-    for (int c = 0; c < 4; ++c) acc[h][c] = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c)
+      acc[h][c] = resume ? _mm512_maskz_loadu_ps(m[c], out + h * os + e0 + 16 * c)
+                         : _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* vj = v + j * vs;
     __m512 x[4];
@@ -164,17 +166,19 @@ void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, int64_t dv,
 
 template <class Load, int NH>
 void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as,
-             float* out, int64_t os) {
+             float* out, int64_t os, bool resume) {
   int64_t e0 = 0;
-  for (; e0 + 64 <= dv; e0 += 64) wsum_block<Load, NH, true>(v, vs, n, e0, dv, a, as, out, os);
-  if (e0 < dv) wsum_block<Load, NH, false>(v, vs, n, e0, dv, a, as, out, os);
+  for (; e0 + 64 <= dv; e0 += 64)
+    wsum_block<Load, NH, true>(v, vs, n, e0, dv, a, as, out, os, resume);
+  if (e0 < dv) wsum_block<Load, NH, false>(v, vs, n, e0, dv, a, as, out, os, resume);
 }
 
 template <class Load>
 void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
-          float* out, int64_t os) {
-  g_for_inputs(na,
-               [&](auto k) { wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os); });
+          float* out, int64_t os, bool resume) {
+  g_for_inputs(na, [&](auto k) {
+    wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os, resume);
+  });
 }
 
 // exp(x - m) on 16 lanes: expert_gemv.h's kExp* polynomial (about 1 ulp), 2^k by scalef.

@@ -115,6 +115,37 @@ def test_rows_are_invariant(Hq, Hkv, Dk, Dv, window, with_sinks, dtype) -> None:
                     assert torch.equal(part, full[a:b]), (isa, size, a, kk.shape[0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "Hq, Hkv, window, with_sinks",
+    [(2, 2, None, False), (6, 2, 70, True), (40, 1, 9, False), (3, 1, 64, True)],
+    ids=["mha", "gqa3-window70-sinks", "g40-window9", "g3-window64-sinks"],
+)
+def test_tiles_and_key_blocks_change_no_row(Hq, Hkv, window, with_sinks, dtype) -> None:
+    """A prefill's rows share tiles of query tokens (32 rows: 32 tokens of one head, 10 of
+    three, one token of 40 heads) and blocks of 64 keys, within which rows start (window)
+    and end (causal) at different keys: a 150-token prompt's rows equal the same rows as
+    T = 1 decode steps and in chunks cut across tiles and blocks, bit for bit."""
+    P = 150
+    q, k, v, sinks = _inputs(P, P, Hq, Hkv, 20, 12, dtype, seed=7)
+    kw = dict(scale=0.25, window=window, sinks=sinks if with_sinks else None, threads=1)
+    for isa in ISAS:
+        full = store.cpu_attention(q, k, v, q_start=0, isa=isa, **kw)
+        for t in (0, 1, 31, 32, 63, 64, 65, 100, 127, 128, 149):
+            one = store.cpu_attention(q[t : t + 1], k, v, q_start=t, isa=isa, **kw)
+            assert torch.equal(one, full[t : t + 1]), (isa, t)
+        for a, b in ((0, 33), (33, 97), (97, 150), (5, 6), (64, 128)):
+            part = store.cpu_attention(q[a:b], k[:b], v[:b], q_start=a, isa=isa, **kw)
+            assert torch.equal(part, full[a:b]), (isa, a, b)
+    ref = _reference(q, k, v, 0, 0.25, window, kw["sinks"])
+    err = float(
+        (store.cpu_attention(q, k, v, q_start=0, out_dtype=torch.float32, **kw).double() - ref)
+        .abs()
+        .max()
+    )
+    assert err < 1e-5, err
+
+
 def test_different_isas_agree_closely() -> None:
     q, k, v, sinks = _inputs(5, 50, 4, 2, 40, 40, torch.float32, seed=5)
     ys = [store.cpu_attention(q, k, v, q_start=45, scale=0.2, sinks=sinks, isa=isa) for isa in ISAS]
