@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psr  # before torch: OpenMP's passive wait (psr/__init__.py)
+import torch
 
-import torch  # isort: skip
-from psr.runtime import attention  # isort: skip
+import psr
+from psr.runtime import attention
 
 CONFIGS = ("plain", "rows", "fused")
 

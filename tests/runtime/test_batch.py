@@ -102,6 +102,50 @@ def test_the_row_invariant_forward_switched_on_after_the_decoder_is_built(ckpts)
     _assert_solo(model, PROMPTS, 6, toks, logits)
 
 
+def test_the_step_threads_follow_set_experts_on_and_the_forward(ckpts, monkeypatch) -> None:
+    """A batched step runs torch's own ops on one thread when the model decodes on psr's
+    kernels (decodes_on_kernels), asked again after set_row_invariant or set_experts_on
+    changed what a step runs on, not at every step."""
+    from psr.store import cpu_kernels
+
+    model = _tiny(ckpts)
+    dec = BatchDecoder(model, 2)
+    asked: list[bool] = []
+    answer = [True]
+
+    def on_kernels() -> bool:
+        asked.append(answer[0])
+        return answer[0]
+
+    monkeypatch.setattr(model, "decodes_on_kernels", on_kernels)
+    used: list[bool] = []
+    real = cpu_kernels.torch_ops_threads
+
+    def spy(n: int = 1):  # type: ignore[no-untyped-def]
+        used.append(True)
+        return real(n)
+
+    monkeypatch.setattr(cpu_kernels, "torch_ops_threads", spy)
+    a = dec.add([1, 2, 3])
+    last = int(dec.ready()[a].argmax())
+
+    def steps(k: int) -> None:
+        nonlocal last
+        for _ in range(k):
+            dec.feed({a: last})
+            last = int(dec.ready()[a].argmax())
+
+    steps(2)
+    before = len(used)  # the decoder's first answer (False for a float checkpoint)
+    model.set_experts_on("cpu")
+    steps(2)
+    assert asked == [True] and len(used) == before + 2  # asked once, then on one thread
+    answer[0] = False
+    model.set_row_invariant(True)
+    steps(2)
+    assert asked == [True, False] and len(used) == before + 2
+
+
 def test_chunked_prefill_interleaves_with_decode_steps(ckpts) -> None:
     model = _tiny(ckpts)
     model.set_prefill_chunk(4)

@@ -272,7 +272,10 @@ class BatchDecoder:
             # modules run once for all rows); rebuilt when that changes (`_dense_seam`).
             self._seam = DenseSeam(model.hf, self.batch_invariant)
             self._seam_rows = model.row_invariant
-            self._on_kernels = model.decodes_on_kernels()  # with the seam (`_dense_seam`)
+            # Whether a step runs on psr's kernels, per (row-invariant, experts_on): both
+            # can change between steps (`_dense_seam`).
+            self._kernels_key = (model.row_invariant, model.experts_on)
+            self._on_kernels = model.decodes_on_kernels()
             self._kv_name = cache_kwarg(model.hf)
             self._seqs: dict[int, _Seq] = {}
             self._next_id = 0
@@ -474,7 +477,9 @@ class BatchDecoder:
         if self._seam_rows != self.model.row_invariant:
             self._seam = DenseSeam(self.model.hf, self.batch_invariant)
             self._seam_rows = self.model.row_invariant
-            self._on_kernels = self.model.decodes_on_kernels()
+        key = (self.model.row_invariant, self.model.experts_on)
+        if key != self._kernels_key:  # set_row_invariant / set_experts_on since the last step
+            self._kernels_key, self._on_kernels = key, self.model.decodes_on_kernels()
         return self._seam
 
     def _record(self, step: BatchStep) -> None:
