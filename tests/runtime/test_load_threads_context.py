@@ -151,3 +151,57 @@ def test_a_model_decoding_on_the_kernels_keeps_torch_to_one_thread(tmp_path, ckp
         assert not model.decodes_on_kernels()  # float nn.Linear layers: torch's work
         model.set_row_invariant(True)
         assert model.decodes_on_kernels()
+
+
+class _Stubborn:
+    """Drafts the last token and 1 (mostly rejected: blocks of one or two tokens)."""
+
+    kind, block, memory_bytes = "stubborn", 2, 0
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens, hidden):
+        return [tokens[-1], 1]
+
+
+def test_speculative_verify_blocks_keep_torch_to_one_thread(tmp_path, monkeypatch) -> None:
+    """Speculative decoding of a GGUF model: its verify blocks run torch's own ops on one
+    thread, the kernels on every thread, as generate's decode steps; the drafter and the
+    prompt's prefill keep torch's threads; the same tokens either way."""
+    from gguf_files import gguf_tiny_model, write_gguf
+
+    from psr.store import cpu_kernels
+
+    n = min(2, len(os.sched_getaffinity(0)))
+    path = tmp_path / "olmoe.gguf"
+    write_gguf(gguf_tiny_model("olmoe"), path, {"experts": "Q4_K", "dense": "Q8_0"})
+    seen: list[tuple[int, int]] = []
+    real = cpu_kernels.LinearPlan.__call__
+
+    def spy(self, x, **kw):
+        seen.append((torch.get_num_threads(), cpu_kernels.kernel_threads()))
+        return real(self, x, **kw)
+
+    drafted: list[int] = []
+
+    class Drafter(_Stubborn):
+        def propose(self, tokens, hidden):
+            drafted.append(torch.get_num_threads())
+            return super().propose(tokens, hidden)
+
+    monkeypatch.setattr(cpu_kernels.LinearPlan, "__call__", spy)
+    with psr.load(path, "exact", 1.0, device="cpu", threads=n, progress=False) as model:
+        model.set_speculative(Drafter(), verify="cpu")
+        prompt = list(range(3, 40))
+        runs = []
+        for on in (True, False):
+            monkeypatch.setattr(model, "decodes_on_kernels", lambda on=on: on)
+            seen.clear()
+            runs.append((model.generate(prompt, max_new_tokens=8), list(seen)))
+        (t1, seen_on), (t0, seen_off) = runs
+        assert torch.equal(t1, t0) and model.spec_stats.blocks > 0
+        assert set(seen_off) == {(n, n)} and set(drafted) == {n}
+        if n > 1:  # verify blocks on one torch thread, the prompt's forward on n
+            assert (1, n) in seen_on and (n, n) in seen_on
+        assert torch.get_num_threads() == n

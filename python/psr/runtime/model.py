@@ -583,6 +583,7 @@ class OffloadedModel(nn.Module):
             eos_token_id=eos,
             on_block=None if rec is None else lambda _n, emitted: rec.trace.emitted.append(emitted),
             prefill_chunk=self.prefill_chunk,
+            torch_threads=1 if self.decodes_on_kernels() else None,
         )
         self.spec_stats = st
         if streamer is not None:

@@ -19,6 +19,7 @@ changes nothing.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from psr.runtime import chunked
 from psr.runtime.engine import OffloadRuntime
 from psr.runtime.kv import cache_kwarg, output_cache
 from psr.runtime.verify import VerifyRule
+from psr.store import cpu_kernels
 
 
 class Drafter(Protocol):
@@ -107,9 +109,13 @@ def generate_speculative(
     eos_token_id: int | None = None,
     on_block: Any = None,
     prefill_chunk: int | None = None,
+    torch_threads: int | None = None,
 ) -> tuple[torch.Tensor, SpecStats]:
     """Greedy speculative decoding of `ids [1, T]`; returns `[1, T + new]` and stats.
     `prefill_chunk`: the model's prefill chunk (None: the prompt in one chunk).
+    `torch_threads`: torch's own ops' threads during the verify blocks, psr's CPU kernels
+    keeping theirs (cpu_kernels.torch_ops_threads; None: as they are). The drafter keeps
+    torch's threads: it may be a float model of its own.
 
     `on_block(block_tokens, accepted)` is called after every verify block (the latency
     model's trace recorder uses it to weigh each step by the tokens it emitted)."""
@@ -137,13 +143,21 @@ def generate_speculative(
     hidden = torch.cat(rows)
     tokens.append(last)
     stats.emitted = 1
+
+    def threads() -> contextlib.AbstractContextManager[None]:
+        if torch_threads is None:
+            return contextlib.nullcontext()
+        return cpu_kernels.torch_ops_threads(torch_threads)
+
     runtime.set_block_mode(rule)
     try:
         while stats.emitted < max_new_tokens and last != eos_token_id:
             drafts = drafter.propose(tokens, hidden)[: drafter.block]
             block = torch.tensor([[last, *drafts]], device=ids.device)
             seen = kv.get_seq_length()
-            out = hf(input_ids=block, use_cache=True, output_hidden_states=True, **{kv_name: kv})
+            with threads():
+                out = hf(input_ids=block, use_cache=True, output_hidden_states=True,
+                         **{kv_name: kv})  # fmt: skip
             choice = out.logits[0].float().argmax(-1).tolist()  # the target's token per slot
             a = 0
             while a < len(drafts) and drafts[a] == choice[a]:
