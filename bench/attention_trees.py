@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import tree_runs
+from common import built_trees, emit, tree_runs
 
 CHILD = r"""
 import json, time
@@ -51,10 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    trees = [Path(t).resolve() for t in args.trees.split(",")]
-    for t in trees:
-        if not list((t / "python" / "psr").glob("_C*.so")):
-            raise SystemExit(f"{t}: no built extension in python/psr")
+    trees = built_trees(args.trees)
     runs: dict[Path, list[dict[str, float]]] = {t: [] for t in trees}
     for r, t, got in tree_runs(trees, args.rounds, [sys.executable, "-c", CHILD]):
         runs[t].append(got)
@@ -68,11 +65,7 @@ def main() -> None:
         pairs = zip(runs[first], runs[last], strict=True)
         per = ", ".join(f"{b[key] / a[key]:.2f}" for a, b in pairs)
         lines.append(f"| {key} | " + " | ".join(f"{b:.2f}" for b in best) + f" | {per} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

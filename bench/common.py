@@ -35,3 +35,21 @@ def tree_runs(
             if p.returncode:
                 raise RuntimeError(f"{tree}: {p.stderr[-3000:]}")
             yield r, tree, json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def built_trees(spec: str) -> list[Path]:
+    """The comma-separated checkouts of `spec`, resolved; each must have its extension built
+    in place (python/psr/_C*.so), else SystemExit naming it."""
+    trees = [Path(t).resolve() for t in spec.split(",")]
+    for t in trees:
+        if not list((t / "python" / "psr").glob("_C*.so")):
+            raise SystemExit(f"{t}: no built extension in python/psr (build_ext --inplace)")
+    return trees
+
+
+def emit(text: str, out: Path | None) -> None:
+    """Print a result table and, given `out`, write it there (its folder made)."""
+    print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from common import tree_runs
+from common import built_trees, emit, tree_runs
 
 CHILD = r"""
 import json, sys, time
@@ -51,10 +51,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    trees = [Path(t).resolve() for t in args.trees.split(",")]
-    for t in trees:
-        if not list((t / "python" / "psr").glob("_C*.so")):
-            raise SystemExit(f"{t}: no built extension in python/psr (build_ext --inplace)")
+    trees = built_trees(args.trees)
     N, K = args.shape.split(",")
     runs: dict[Path, list[dict[str, float]]] = {t: [] for t in trees}
     child = [sys.executable, "-c", CHILD, N, K, args.tokens]
@@ -69,11 +66,7 @@ def main() -> None:
         best = [min(d[key] for d in runs[t]) for t in trees]
         ratios = [f"{best[0] / b:.2f}x" for b in best[1:]]
         lines.append(f"| {key} | " + " | ".join([*(f"{b:.2f}" for b in best), *ratios]) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
+    emit("\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":
