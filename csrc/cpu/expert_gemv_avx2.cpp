@@ -188,9 +188,8 @@ void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a
 template <class W>
 void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
           float* out, int64_t os, bool resume) {
-  g_for_inputs(na, [&](auto k) {
-    wsum_nh<W, decltype(k)::value>(v, vs, n, dv, a, as, out, os, resume);
-  });
+  g_for_inputs(
+      na, [&](auto k) { wsum_nh<W, decltype(k)::value>(v, vs, n, dv, a, as, out, os, resume); });
 }
 
 // exp(x - m) on 8 lanes: expert_gemv.h's kExp* polynomial, 2^k built in the exponent bits.

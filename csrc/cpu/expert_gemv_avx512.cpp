@@ -148,8 +148,8 @@ void wsum_block(const uint8_t* v, int64_t vs, int64_t n, int64_t e0, int64_t dv,
   __m512 acc[NH][4];
   for (int h = 0; h < NH; ++h)
     for (int c = 0; c < 4; ++c)
-      acc[h][c] = resume ? _mm512_maskz_loadu_ps(m[c], out + h * os + e0 + 16 * c)
-                         : _mm512_setzero_ps();
+      acc[h][c] =
+          resume ? _mm512_maskz_loadu_ps(m[c], out + h * os + e0 + 16 * c) : _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const uint8_t* vj = v + j * vs;
     __m512 x[4];
@@ -176,9 +176,8 @@ void wsum_nh(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a
 template <class Load>
 void wsum(const uint8_t* v, int64_t vs, int64_t n, int64_t dv, const float* a, int64_t as, int na,
           float* out, int64_t os, bool resume) {
-  g_for_inputs(na, [&](auto k) {
-    wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os, resume);
-  });
+  g_for_inputs(
+      na, [&](auto k) { wsum_nh<Load, decltype(k)::value>(v, vs, n, dv, a, as, out, os, resume); });
 }
 
 // exp(x - m) on 16 lanes: expert_gemv.h's kExp* polynomial (about 1 ulp), 2^k by scalef.
