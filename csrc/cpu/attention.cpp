@@ -1,6 +1,6 @@
 // Row-invariant causal attention on the CPU (expert_gemv.h's `attention`): the expert
 // kernels' row dots give the scores (each key a weight row, the query the input), their
-// weighted sum the V sum. Items are (tile of query tokens, kv head): the tile's rows (its
+// weighted sum the V sum. Items are (tile of query rows, kv head): the tile's rows (of its
 // tokens x the group's query heads), kRowInputs at a time, share each key quad's loads, and
 // each block of keys and values is read once for the tile. Everything one output row sees
 // depends only on its position p and the keys / values at positions <= p, so the row's bits
@@ -94,8 +94,9 @@ float window_sum(const float* x, int64_t n) {
   return t;
 }
 
-// Query rows a tile holds (tokens x the group's query heads; a group wider than this is one
-// token's), and keys a block: each key and value is read once a tile from L2 / L3 instead
+// Query rows a tile holds (a kv head's rows in (token, head) order cut every kQueryRows,
+// whole tokens or not: a tile's scratch is at most kQueryRows x its keys, however wide the
+// group), and keys a block: each key and value is read once a tile from L2 / L3 instead
 // of once a row (32x fewer bytes for MHA prefill), a block's across the tile's rows while it
 // is in L1. Tuned on a Xeon (AVX-512) at Dk 128: 16-64 rows and 32-256 keys were within
 // the machine's noise of each other; 4 rows (the kernel before tiles) 1.3-2.9x slower.
@@ -112,20 +113,21 @@ struct Scratch {
   std::vector<float> sum;
 };
 
-// The outputs of query tokens [t0, t1) for kv head g's query heads: row r = token t0 + r / G,
-// head r % G, its keys [lo_r, hi_r) (relative to the tile's first key). Per key block:
+// The outputs of kv head g's query rows [q0, q1) (row q: token q / G, the group's head q % G;
+// at most kQueryRows, whole tokens or not), local row r = q - q0 with its keys [lo_r, hi_r)
+// (relative to the tile's first key). Per key block:
 // the scores of every row the block reaches (row dots, kRowInputs rows a key quad); then
 // each row's softmax over its own keys; then per key block the weighted V sum, resumed
 // from the last block's accumulators. A row's scores, max, exp, sum and V sum are the same
 // operations in the same order as the row alone (DotsFn's per-input bits, WsumFn's key
 // order and `resume`), so tiling never changes a bit.
-void attend(const AttentionCall& c, const Kernels& ks, int64_t t0, int64_t t1, int64_t g,
+void attend(const AttentionCall& c, const Kernels& ks, int64_t q0, int64_t q1, int64_t g,
             Scratch& sc) {
-  const int64_t G = c.q_heads / c.kv_heads, R = (t1 - t0) * G;
+  const int64_t G = c.q_heads / c.kv_heads, R = q1 - q0;
   auto first_key = [&](int64_t p) {
     return c.window ? std::max<int64_t>(0, p - c.window + 1) : int64_t{0};
   };
-  const int64_t base = first_key(c.q_start + t0), S = c.q_start + t1 - base;
+  const int64_t base = first_key(c.q_start + q0 / G), S = c.q_start + (q1 - 1) / G + 1 - base;
   const int64_t kb = float_bytes(c.k_fmt), vb = float_bytes(c.v_fmt);
   const uint8_t* kg = c.k + (base * c.k_sl + g * c.k_sh) * kb;
   const uint8_t* vg = c.v + (base * c.v_sl + g * c.v_sh) * vb;
@@ -137,10 +139,10 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t0, int64_t t1, i
   float* s = sc.buf.data();
   float* acc = s + R * S;
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = t0 + r / G, p = c.q_start + t;
+    const int64_t t = (q0 + r) / G, p = c.q_start + t;
     sc.lo[r] = first_key(p) - base;
     sc.hi[r] = p + 1 - base;
-    sc.q[r] = c.q + (t * c.q_heads + g * G + r % G) * c.dk;
+    sc.q[r] = c.q + (t * c.q_heads + g * G + (q0 + r) % G) * c.dk;
   }
   for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {  // scores
     const int64_t j1 = std::min(S, j0 + kKeyBlock);
@@ -166,7 +168,7 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t0, int64_t t1, i
   }
   for (int64_t r = 0; r < R; ++r) {  // softmax numerators, their sum, the sink's term last
     float* sr = s + r * S + sc.lo[r];
-    const int64_t n = sc.hi[r] - sc.lo[r], hq = g * G + r % G;
+    const int64_t n = sc.hi[r] - sc.lo[r], hq = g * G + (q0 + r) % G;
     const float m = window_max(sr, n, c.sinks ? c.sinks[hq] : -kInf);
     ks.exp(sr, n, m);
     const float z = window_sum(sr, n);
@@ -193,8 +195,8 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t t0, int64_t t1, i
   }
   for (int64_t r = 0; r < R; ++r) {
     const float inv = 1.f / sc.sum[r];
-    const int64_t t = t0 + r / G;
-    float* y = c.y + (t * c.q_heads + g * G + r % G) * c.dv;
+    const int64_t t = (q0 + r) / G;
+    float* y = c.y + (t * c.q_heads + g * G + (q0 + r) % G) * c.dv;
     for (int64_t e = 0; e < c.dv; ++e) y[e] = acc[r * c.dv + e] * inv;
   }
 }
@@ -213,13 +215,13 @@ void attention(const AttentionCall& c, int threads, Isa isa) {
   // ...): each thread's contiguous range gets short and long causal rows alike (which
   // thread computes a row, and which rows share its tile, never changes how).
   const int64_t T = c.tokens, G = c.q_heads / c.kv_heads;
-  const int64_t TQ = std::max<int64_t>(1, kQueryRows / G), U = (T + TQ - 1) / TQ;
+  const int64_t rows = T * G, U = (rows + kQueryRows - 1) / kQueryRows;
   parallel_run(threads, U * c.kv_heads, [&](int64_t b, int64_t e) {
     Scratch sc;
     for (int64_t item = b; item < e; ++item) {
       const int64_t u = item / c.kv_heads, tile = u % 2 ? U - 1 - u / 2 : u / 2;
-      const int64_t t0 = tile * TQ;
-      attend(c, ks, t0, std::min(T, t0 + TQ), item % c.kv_heads, sc);
+      const int64_t q0 = tile * kQueryRows;
+      attend(c, ks, q0, std::min(rows, q0 + kQueryRows), item % c.kv_heads, sc);
     }
   });
 }

@@ -122,10 +122,11 @@ def test_rows_are_invariant(Hq, Hkv, Dk, Dv, window, with_sinks, dtype) -> None:
     ids=["mha", "gqa3-window70-sinks", "g40-window9", "g3-window64-sinks"],
 )
 def test_tiles_and_key_blocks_change_no_row(Hq, Hkv, window, with_sinks, dtype) -> None:
-    """A prefill's rows share tiles of query tokens (32 rows: 32 tokens of one head, 10 of
-    three, one token of 40 heads) and blocks of 64 keys, within which rows start (window)
-    and end (causal) at different keys: a 150-token prompt's rows equal the same rows as
-    T = 1 decode steps and in chunks cut across tiles and blocks, bit for bit."""
+    """A prefill's rows share tiles of 32 query rows (32 tokens of one head; 10 tokens of
+    three heads and two heads of the next; 32 of a token's 40 heads, then its last 8 with
+    the next token's first 24) and blocks of 64 keys, within which rows start (window) and
+    end (causal) at different keys: a 150-token prompt's rows equal the same rows as T = 1
+    decode steps and in chunks cut across tiles and blocks, bit for bit."""
     P = 150
     q, k, v, sinks = _inputs(P, P, Hq, Hkv, 20, 12, dtype, seed=7)
     kw = dict(scale=0.25, window=window, sinks=sinks if with_sinks else None, threads=1)
