@@ -118,11 +118,11 @@ def test_the_step_threads_follow_set_experts_on_and_the_forward(ckpts, monkeypat
         return answer[0]
 
     monkeypatch.setattr(model, "decodes_on_kernels", on_kernels)
-    used: list[bool] = []
+    used: list[int | None] = []  # each step's torch thread count (None: as they are)
     real = cpu_kernels.torch_ops_threads
 
-    def spy(n: int = 1):  # type: ignore[no-untyped-def]
-        used.append(True)
+    def spy(n: int | None = 1):  # type: ignore[no-untyped-def]
+        used.append(n)
         return real(n)
 
     monkeypatch.setattr(cpu_kernels, "torch_ops_threads", spy)
@@ -136,14 +136,14 @@ def test_the_step_threads_follow_set_experts_on_and_the_forward(ckpts, monkeypat
             last = int(dec.ready()[a].argmax())
 
     steps(2)
-    before = len(used)  # the decoder's first answer (False for a float checkpoint)
+    assert used[-2:] == [None, None]  # the decoder's first answer: a float checkpoint's
     model.set_experts_on("cpu")
     steps(2)
-    assert asked == [True] and len(used) == before + 2  # asked once, then on one thread
+    assert asked == [True] and used[-2:] == [1, 1]  # asked once, then on one thread
     answer[0] = False
     model.set_row_invariant(True)
     steps(2)
-    assert asked == [True, False] and len(used) == before + 2
+    assert asked == [True, False] and used[-2:] == [None, None]
 
 
 def test_chunked_prefill_interleaves_with_decode_steps(ckpts) -> None:

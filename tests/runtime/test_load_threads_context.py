@@ -108,6 +108,8 @@ def test_torch_ops_threads_keeps_the_kernels_count() -> None:
     assert torch.get_num_threads() == n == cpu_kernels.kernel_threads()
     with cpu_kernels.torch_ops_threads(n):
         assert torch.get_num_threads() == n
+    with cpu_kernels.torch_ops_threads(None):  # None: as they are
+        assert torch.get_num_threads() == n == cpu_kernels.kernel_threads()
 
 
 def test_a_model_decoding_on_the_kernels_keeps_torch_to_one_thread(tmp_path, ckpt, monkeypatch):

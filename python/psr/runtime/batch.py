@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -459,7 +459,7 @@ class BatchDecoder:
         step = BatchStep(self.rt, self, seqs)
         seam = self._dense_seam()
         # On psr's kernels, torch's own ops on one thread (cpu_kernels.torch_ops_threads).
-        threads = cpu_kernels.torch_ops_threads(1) if self._on_kernels else nullcontext()
+        threads = cpu_kernels.torch_ops_threads(1 if self._on_kernels else None)
         with threads, self.rt.batch_forward(step), seam.active(self.model.config, kv):
             out = self.model.hf(input_ids=ids, position_ids=pos, use_cache=True,
                                 **{self._kv_name: kv})  # fmt: skip

@@ -7,7 +7,6 @@ Sampling uses transformers' own logits warpers, with psr's seeded generator.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -345,12 +344,7 @@ def generate(
         P = ids.shape[1]
         logits, kv = _prompt_logits(hf, ids, graph, prefill)
         bar = tqdm(range(s.max_new_tokens), disable=not progress, desc="decode", leave=False)
-        threads = (
-            contextlib.nullcontext()
-            if torch_threads is None
-            else cpu_kernels.torch_ops_threads(torch_threads)
-        )
-        with threads:
+        with cpu_kernels.torch_ops_threads(torch_threads):
             return _decode(hf, bar, chooser, logits, kv, streamer, graph, P)
     finally:
         if streamer is not None:

@@ -19,7 +19,6 @@ changes nothing.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -143,19 +142,13 @@ def generate_speculative(
     hidden = torch.cat(rows)
     tokens.append(last)
     stats.emitted = 1
-
-    def threads() -> contextlib.AbstractContextManager[None]:
-        if torch_threads is None:
-            return contextlib.nullcontext()
-        return cpu_kernels.torch_ops_threads(torch_threads)
-
     runtime.set_block_mode(rule)
     try:
         while stats.emitted < max_new_tokens and last != eos_token_id:
             drafts = drafter.propose(tokens, hidden)[: drafter.block]
             block = torch.tensor([[last, *drafts]], device=ids.device)
             seen = kv.get_seq_length()
-            with threads():
+            with cpu_kernels.torch_ops_threads(torch_threads):
                 out = hf(input_ids=block, use_cache=True, output_hidden_states=True,
                          **{kv_name: kv})  # fmt: skip
             choice = out.logits[0].float().argmax(-1).tolist()  # the target's token per slot

@@ -249,14 +249,14 @@ def kernel_threads() -> int:
 
 
 @contextlib.contextmanager
-def torch_ops_threads(n: int = 1) -> Iterator[None]:
+def torch_ops_threads(n: int | None = 1) -> Iterator[None]:
     """Within: torch's own ops on `n` threads, psr's CPU kernels still on the count they had
-    (`kernel_threads`). Where the kernels do the work (a GGUF model's decode), torch's idle
-    OpenMP workers otherwise spin after each parallel torch op on the cores the kernels'
-    pool needs: a full-depth OLMoE-shaped decode at 2 threads ran at 0.5x
+    (`kernel_threads`); None changes nothing. Where the kernels do the work (a GGUF model's
+    decode), torch's idle OpenMP workers otherwise spin after each parallel torch op on the
+    cores the kernels' pool needs: a full-depth OLMoE-shaped decode at 2 threads ran at 0.5x
     (bench/results/cpu/threads/)."""
     before = torch.get_num_threads()
-    if n >= before:
+    if n is None or n >= before:
         yield
         return
     _KERNEL_THREADS.append(kernel_threads())
