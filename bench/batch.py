@@ -584,7 +584,9 @@ def main() -> None:
     if isinstance(out.get("throughput"), list):  # the single-model layout before --models
         out["throughput"] = {"embedded": {"rows": out["throughput"],
                                           "command": out.pop("throughput_command")}}  # fmt: skip
-    out["command"] = "OMP_NUM_THREADS=1 python bench/batch.py " + " ".join(sys.argv[1:])
+    omp = os.environ.get("OMP_NUM_THREADS")
+    env = f"OMP_NUM_THREADS={omp} " if omp else ""
+    out["command"] = f"{env}python bench/batch.py " + " ".join(sys.argv[1:])
     if "throughput" not in args.skip:
         for name in args.models:
             throughput(args, out, name)
