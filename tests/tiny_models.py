@@ -368,3 +368,16 @@ def bench_module(name: str):  # type: ignore[no-untyped-def]
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class Stubborn:
+    """A speculative drafter (psr.runtime.speculative.Drafter) that always drafts the last
+    token and 1: mostly rejected, so verify blocks emit about one token each."""
+
+    kind, block, memory_bytes = "stubborn", 2, 0
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, tokens: list[int], hidden: Any) -> list[int]:
+        return [tokens[-1], 1]

@@ -97,8 +97,8 @@ float window_sum(const float* x, int64_t n) {
 // Query rows a tile holds (a kv head's rows in (token, head) order cut every kQueryRows,
 // whole tokens or not: a tile's scratch is at most kQueryRows x its keys, however wide the
 // group), and keys a block: each key and value is read once a tile from L2 / L3 instead
-// of once a row (32x fewer bytes for MHA prefill), a block's across the tile's rows while it
-// is in L1. Tuned on a Xeon (AVX-512) at Dk 128: 16-64 rows and 32-256 keys were within
+// of once a row (32x fewer bytes for MHA prefill), a block's for all the tile's rows at a
+// time. Tuned on a Xeon (AVX-512) at Dk 128: 16-64 rows and 32-256 keys were within
 // the machine's noise of each other; 4 rows (the kernel before tiles) 1.3-2.9x slower.
 constexpr int64_t kQueryRows = 32;
 constexpr int64_t kKeyBlock = 64;
@@ -127,6 +127,8 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t q0, int64_t q1, i
   auto first_key = [&](int64_t p) {
     return c.window ? std::max<int64_t>(0, p - c.window + 1) : int64_t{0};
   };
+  // local row r's row of q / y [T, Hq] (token (q0 + r) / G, head g * G + (q0 + r) % G)
+  auto qy_row = [&](int64_t r) { return (q0 + r) / G * c.q_heads + g * G + (q0 + r) % G; };
   const int64_t base = first_key(c.q_start + q0 / G), S = c.q_start + (q1 - 1) / G + 1 - base;
   const int64_t kb = float_bytes(c.k_fmt), vb = float_bytes(c.v_fmt);
   const uint8_t* kg = c.k + (base * c.k_sl + g * c.k_sh) * kb;
@@ -142,7 +144,7 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t q0, int64_t q1, i
     const int64_t t = (q0 + r) / G, p = c.q_start + t;
     sc.lo[r] = first_key(p) - base;
     sc.hi[r] = p + 1 - base;
-    sc.q[r] = c.q + (t * c.q_heads + g * G + (q0 + r) % G) * c.dk;
+    sc.q[r] = c.q + qy_row(r) * c.dk;
   }
   for (int64_t j0 = 0; j0 < S; j0 += kKeyBlock) {  // scores
     const int64_t j1 = std::min(S, j0 + kKeyBlock);
@@ -168,7 +170,7 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t q0, int64_t q1, i
   }
   for (int64_t r = 0; r < R; ++r) {  // softmax numerators, their sum, the sink's term last
     float* sr = s + r * S + sc.lo[r];
-    const int64_t n = sc.hi[r] - sc.lo[r], hq = g * G + (q0 + r) % G;
+    const int64_t n = sc.hi[r] - sc.lo[r], hq = qy_row(r) % c.q_heads;
     const float m = window_max(sr, n, c.sinks ? c.sinks[hq] : -kInf);
     ks.exp(sr, n, m);
     const float z = window_sum(sr, n);
@@ -195,8 +197,7 @@ void attend(const AttentionCall& c, const Kernels& ks, int64_t q0, int64_t q1, i
   }
   for (int64_t r = 0; r < R; ++r) {
     const float inv = 1.f / sc.sum[r];
-    const int64_t t = (q0 + r) / G;
-    float* y = c.y + (t * c.q_heads + g * G + (q0 + r) % G) * c.dv;
+    float* y = c.y + qy_row(r) * c.dv;
     for (int64_t e = 0; e < c.dv; ++e) y[e] = acc[r * c.dv + e] * inv;
   }
 }

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import tiny_model, write_checkpoint
+from tiny_models import Stubborn, tiny_model, write_checkpoint
 
 import psr
 import psr.store
@@ -155,18 +155,6 @@ def test_a_model_decoding_on_the_kernels_keeps_torch_to_one_thread(tmp_path, ckp
         assert model.decodes_on_kernels()
 
 
-class _Stubborn:
-    """Drafts the last token and 1 (mostly rejected: blocks of one or two tokens)."""
-
-    kind, block, memory_bytes = "stubborn", 2, 0
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, tokens, hidden):
-        return [tokens[-1], 1]
-
-
 def test_speculative_verify_blocks_keep_torch_to_one_thread(tmp_path, monkeypatch) -> None:
     """Speculative decoding of a GGUF model: its verify blocks run torch's own ops on one
     thread, the kernels on every thread, as generate's decode steps; the drafter and the
@@ -187,7 +175,7 @@ def test_speculative_verify_blocks_keep_torch_to_one_thread(tmp_path, monkeypatc
 
     drafted: list[int] = []
 
-    class Drafter(_Stubborn):
+    class Drafter(Stubborn):
         def propose(self, tokens, hidden):
             drafted.append(torch.get_num_threads())
             return super().propose(tokens, hidden)

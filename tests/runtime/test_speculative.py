@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import KV_KWARG, tiny_model, write_checkpoint
+from tiny_models import KV_KWARG, Stubborn, tiny_model, write_checkpoint
 
 import psr
 from psr.eval.spec_compare import OracleDrafter
@@ -29,18 +29,6 @@ def ckpt(tmp_path_factory) -> Path:
 def Oracle(reference: list[int]) -> OracleDrafter:
     """Drafts the exact model's greedy continuation (every draft is accepted)."""
     return OracleDrafter(3, [reference])
-
-
-class Stubborn:
-    """Always drafts the same tokens (mostly rejected)."""
-
-    kind, block, memory_bytes = "stubborn", 2, 0
-
-    def reset(self) -> None:
-        pass
-
-    def propose(self, tokens, hidden):
-        return [tokens[-1], 1]
 
 
 def exact_greedy(path, n=NEW) -> list[int]:
